@@ -1,0 +1,18 @@
+"""minidist: distributed training and inference of neural networks, from scratch.
+
+Start with ``minidist.tensor`` (autograd), ``minidist.nn`` (models), ``minidist.comm``
+(communication) and ``minidist.parallel`` (the techniques). See README.md and lessons/.
+"""
+
+from minidist.backend import get_backend
+from minidist.tensor import Tensor, no_grad, tensor
+
+__all__ = ["Tensor", "get_backend", "no_grad", "tensor", "run"]
+__version__ = "0.1.0"
+
+
+def run(fn, ranks=None, **kwargs):
+    """Run ``fn(comm, **kwargs)`` on every rank: MPI under mpirun, else ``ranks`` threads."""
+    from minidist.comm import run as _run
+
+    return _run(fn, ranks=ranks, **kwargs)

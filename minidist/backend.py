@@ -1,0 +1,227 @@
+"""Array backends: the few operations that differ between NumPy, CuPy and JAX.
+
+Everything in minidist computes with ``be.xp`` (the array namespace: ``numpy``, ``cupy`` or
+``jax.numpy``) and calls a Backend method only where the libraries genuinely disagree:
+
+* ``scatter_add``   -- NumPy/CuPy add into an array in place, JAX returns a new array;
+* ``to_host`` / ``from_host`` -- moving arrays to and from NumPy (communication, checkpoints);
+* ``rng``           -- seeded random numbers; drawn on the host with NumPy so the same seed gives
+                       the same numbers on every backend (parallel == serial across libraries);
+* ``synchronize``   -- wait for queued device work (timing on GPUs and with JAX's async dispatch);
+* ``inplace`` and ``update`` -- optimizers write state in place where the library allows it.
+
+Select one by name: ``get_backend("jax")``, or the ``MINIDIST_BACKEND`` environment variable
+(default ``numpy``). Dtypes are always explicit: JAX is switched to 64-bit mode so that
+``float64`` means float64 everywhere and nothing is silently downcast.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+BACKENDS = ("numpy", "cupy", "jax")
+
+
+class Backend:
+    """NumPy: the reference backend. Subclasses override only what differs."""
+
+    name = "numpy"
+    inplace = True  # arrays can be updated in place (optimizers use this to avoid temporaries)
+
+    def __init__(self, device=None):
+        self.xp = np
+        self.device = device
+        tune_allocator()
+
+    # -- moving data -------------------------------------------------------------------------
+    def asarray(self, x, dtype=None):
+        return np.asarray(x, dtype=dtype)
+
+    def to_host(self, x) -> np.ndarray:
+        """A NumPy view or copy of ``x`` (zero-copy where the library allows)."""
+        return np.asarray(x)
+
+    def from_host(self, x: np.ndarray):
+        return x
+
+    def is_array(self, x) -> bool:
+        return isinstance(x, np.ndarray)
+
+    # -- the operations that differ --------------------------------------------------------
+    def scatter_add(self, target, indices, values):
+        """``target[indices] += values`` with repeated indices accumulated; returns the result."""
+        np.add.at(target, indices, values)
+        return target
+
+    def update(self, target, value):
+        """Write ``value`` into ``target`` (in place where possible); returns the array to keep."""
+        target[...] = value
+        return target
+
+    def synchronize(self):
+        pass
+
+    def rng(self, seed) -> np.random.Generator:
+        """A seeded host generator; draw with it, then ``from_host`` the result."""
+        return np.random.default_rng(seed)
+
+    def random_normal(self, rng: np.random.Generator, shape, dtype, scale=1.0):
+        return self.from_host((rng.standard_normal(shape) * scale).astype(dtype))
+
+    def random_uniform(self, rng: np.random.Generator, shape, dtype):
+        return self.from_host(rng.random(shape, dtype=np.float32 if dtype == np.float16 else dtype)
+                              .astype(dtype))
+
+    def __repr__(self):
+        return f"<Backend {self.name}{'' if self.device is None else f' on {self.device}'}>"
+
+
+class CupyBackend(Backend):
+    name = "cupy"
+
+    def __init__(self, device=None):
+        try:
+            import cupy
+        except ImportError as e:  # pragma: no cover - needs a GPU machine
+            raise RuntimeError("backend 'cupy' needs CuPy: pip install 'minidist[cupy]'") from e
+        self.xp = cupy
+        self.device = device
+        if device is not None:
+            cupy.cuda.Device(device).use()
+
+    def asarray(self, x, dtype=None):
+        return self.xp.asarray(x, dtype=dtype)
+
+    def to_host(self, x):
+        return self.xp.asnumpy(x)
+
+    def from_host(self, x):
+        return self.xp.asarray(x)
+
+    def is_array(self, x):
+        return isinstance(x, self.xp.ndarray)
+
+    def scatter_add(self, target, indices, values):
+        import cupyx
+
+        cupyx.scatter_add(target, indices, values)
+        return target
+
+    def synchronize(self):
+        self.xp.cuda.get_current_stream().synchronize()
+
+
+class JaxBackend(Backend):
+    name = "jax"
+    inplace = False
+
+    def __init__(self, device=None):
+        try:
+            import jax
+            import jax.numpy as jnp
+        except ImportError as e:
+            raise RuntimeError("backend 'jax' needs JAX: pip install 'minidist[jax]'") from e
+        jax.config.update("jax_enable_x64", True)  # float64 must stay float64
+        self.jax = jax
+        self.xp = jnp
+        self.device = device
+
+    def asarray(self, x, dtype=None):
+        return self.from_host(np.asarray(x, dtype=dtype)) if not self.is_array(x) else x.astype(
+            dtype or x.dtype)
+
+    def to_host(self, x):
+        return np.asarray(x)
+
+    def from_host(self, x):
+        x = np.asarray(x)
+        if self.device is not None:
+            return self.jax.device_put(x, self.device)
+        return self.xp.asarray(x)
+
+    def is_array(self, x):
+        return isinstance(x, self.jax.Array)
+
+    def scatter_add(self, target, indices, values):
+        return target.at[indices].add(values)
+
+    def update(self, target, value):
+        return self.xp.asarray(value, dtype=target.dtype)
+
+    def synchronize(self):
+        self.jax.effects_barrier()
+
+
+_tuned = False
+
+
+def tune_allocator() -> None:
+    """Keep freed memory in the process instead of returning it to the OS at once (glibc only).
+
+    A training step allocates and frees the same large temporaries every time. By default glibc
+    serves every block above a (sliding) threshold with a fresh mmap and unmaps it
+    on free, so every step pays page faults again. Raising the mmap threshold and
+    the trim threshold lets the step reuse its memory. Set ``MINIDIST_TUNE_MALLOC=0`` to skip.
+    """
+    global _tuned
+    if _tuned or os.environ.get("MINIDIST_TUNE_MALLOC", "1") == "0":
+        return
+    _tuned = True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+        libc.mallopt(m_mmap_threshold, 32 * 2**20)
+        libc.mallopt(m_trim_threshold, 2**30)
+        libc.mallopt(m_top_pad, 256 * 2**20)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
+_CLASSES = {"numpy": Backend, "cupy": CupyBackend, "jax": JaxBackend}
+_cache: dict = {}
+_lock = threading.Lock()
+_local = threading.local()
+
+
+def get_backend(name: str | Backend | None = None, device=None) -> Backend:
+    """The Backend called ``name`` (default: ``$MINIDIST_BACKEND`` or ``numpy``).
+
+    ``device`` binds it to one device: a JAX device object, or a CuPy GPU index.
+    """
+    if isinstance(name, Backend):
+        return name
+    if name is None:
+        name = os.environ.get("MINIDIST_BACKEND", "numpy")
+    name = name.lower()
+    if name not in _CLASSES:
+        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(BACKENDS)}")
+    key = (name, None if device is None else str(device))
+    with _lock:
+        if key not in _cache:
+            _cache[key] = _CLASSES[name](device)
+        return _cache[key]
+
+
+def set_default_backend(name: str | Backend | None) -> None:
+    """Make ``name`` the default backend for this thread (each threads-transport rank has its own)."""
+    _local.backend = None if name is None else get_backend(name)
+
+
+def default_backend() -> Backend:
+    be = getattr(_local, "backend", None)
+    return be if be is not None else get_backend()
+
+
+def backend_of(array) -> Backend:
+    """The backend whose arrays ``array`` is (NumPy for anything that isn't CuPy or JAX)."""
+    mod = type(array).__module__
+    if mod.startswith("jax") or mod.startswith("jaxlib"):
+        return get_backend("jax")
+    if mod.startswith("cupy"):
+        return get_backend("cupy")
+    return get_backend("numpy")

@@ -1,0 +1,1 @@
+"""Runnable lessons: ``python -m minidist.lessons.<name>`` (and under ``mpirun -n N``)."""

@@ -1,0 +1,115 @@
+"""Lesson 1: train a small GPT on one process, then let it write.
+
+    python -m minidist.lessons.train                 # the text that ships with minidist
+    python -m minidist.lessons.train --text FILE     # any UTF-8 text file
+    python -m minidist.lessons.train --task reverse  # a synthetic task (copy/reverse/sort/addition)
+
+Everything here is the serial twin that every later lesson splits across ranks: one model,
+one optimizer, one loop of forward, backward, step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from minidist import optim
+from minidist.data import BatchLoader, ByteTokenizer, SyntheticTask, TextDataset
+from minidist.nn import GPT, GPTConfig
+from minidist.tensor import no_grad
+
+
+def progress(step, total, loss, t0, width=30):
+    """One line, redrawn in place: [#####.....] step/total loss, steps/s."""
+    done = int(width * step / total)
+    rate = step / max(time.perf_counter() - t0, 1e-9)
+    sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{total} loss {loss:.3f} "
+                     f"({rate:.1f} steps/s)")
+    sys.stdout.flush()
+
+
+def train(model, loader, steps, lr, warmup=20, clip=1.0, log=True):
+    """The training loop: returns the list of losses."""
+    opt = optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = optim.WarmupCosine(opt, warmup=warmup, total=steps)
+    losses, t0 = [], time.perf_counter()
+    for step in range(1, steps + 1):
+        x, y = loader.next_batch()
+        loss = model.loss(x, y)
+        opt.zero_grad()
+        loss.backward()
+        optim.clip_grad_norm(model.parameters(), clip)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if log and (step % 5 == 0 or step == steps):
+            progress(step, steps, float(np.mean(losses[-5:])), t0)
+    if log:
+        print()
+    return losses
+
+
+def sample(model, prompt_ids, new_tokens, temperature=0.8, seed=0):
+    """Sample by recomputing the whole window each step (the KV-cached way is in minidist.infer)."""
+    rng = np.random.default_rng(seed)
+    ids = list(prompt_ids)
+    block = model.config.block_size
+    with no_grad():
+        for _ in range(new_tokens):
+            logits = model(np.array([ids[-block:]])).numpy()[0, -1].astype(np.float64)
+            p = np.exp((logits - logits.max()) / temperature)
+            ids.append(int(rng.choice(len(p), p=p / p.sum())))
+    return ids
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--text", help="a UTF-8 text file (default: the text shipped with minidist)")
+    ap.add_argument("--task", choices=SyntheticTask.KINDS, help="train on a synthetic task instead")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    if args.task:
+        data = SyntheticTask(args.task, length=6, size=2048, seed=args.seed)
+        vocab, block = data.vocab_size, data.block_size
+    else:
+        data = TextDataset.from_file(args.text, block_size=args.block)
+        vocab, block = ByteTokenizer.vocab_size, args.block
+    cfg = GPTConfig(vocab_size=vocab, block_size=block, n_layer=args.layers, n_head=args.heads,
+                    d_model=args.d_model, seed=args.seed)
+    model = GPT(cfg)
+    print(f"GPT: {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, context {block}, "
+          f"{model.num_parameters():,} parameters; {len(data)} training windows")
+    loader = BatchLoader(data, args.batch, seed=args.seed)
+    t0 = time.perf_counter()
+    losses = train(model, loader, args.steps, args.lr)
+    print(f"trained {args.steps} steps in {time.perf_counter() - t0:.1f}s: loss {np.mean(losses[:5]):.3f} "
+          f"-> {np.mean(losses[-5:]):.3f} (uniform guess: {np.log(vocab):.3f})")
+
+    model.eval()
+    if args.task:
+        x, y = data.get(np.arange(8))
+        with no_grad():
+            pred = model(x).numpy().argmax(-1)
+        mask = y != -1
+        print(f"{args.task}: answer-token accuracy on 8 examples {np.mean(pred[mask] == y[mask]):.2%}")
+    else:
+        tok = ByteTokenizer()
+        for i, prompt in enumerate(["Data parallelism ", "The pipeline ", "A neural network "]):
+            out = sample(model, tok.encode(prompt), 80, seed=args.seed + i)
+            print(f"  > {tok.decode(out)!r}")
+    return losses
+
+
+if __name__ == "__main__":
+    main()

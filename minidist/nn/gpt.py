@@ -1,0 +1,113 @@
+"""A GPT decoder: token + learned position embeddings, pre-norm blocks, final norm, LM head.
+
+The model is a flat sequence of layers -- ``Embed``, ``Block`` × n_layer, ``Head`` -- so pipeline
+parallelism can cut it into stages anywhere, and ``GPT.forward`` is just that sequence applied in
+order. Initialisation follows GPT-2: N(0, 0.02), residual projections scaled by 1/√(2·n_layer),
+drawn in a fixed order from ``numpy.random.default_rng(config.seed)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from minidist import ops
+from minidist.nn.attention import CausalSelfAttention
+from minidist.nn.layers import MLP, Dropout, Embedding, LayerNorm, Linear
+from minidist.nn.module import Module, Sequential
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 128  # the longest context
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 256
+    dropout: float = 0.0
+    dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    def replace(self, **changes) -> GPTConfig:
+        return replace(self, **changes)
+
+
+class Embed(Module):
+    """Token ids (B, T) -> token embedding + position embedding -> dropout, (B, T, C)."""
+
+    def __init__(self, cfg: GPTConfig, rng, backend=None):
+        super().__init__()
+        dt = np.dtype(cfg.dtype)
+        self.block_size = cfg.block_size
+        self.wte = Embedding(cfg.vocab_size, cfg.d_model, dtype=dt, rng=rng, backend=backend)
+        self.wpe = Embedding(cfg.block_size, cfg.d_model, dtype=dt, rng=rng, backend=backend)
+        self.drop = Dropout(cfg.dropout)
+
+    def forward(self, idx, start: int = 0):
+        idx = idx.data if hasattr(idx, "data") and not hasattr(idx, "dtype") else idx
+        b, t = idx.shape
+        if start + t > self.block_size:
+            raise ValueError(f"sequence of length {start + t} is longer than the context "
+                             f"(block_size {self.block_size})")
+        xp = self.wpe.weight.backend.xp
+        pos = xp.arange(start, start + t)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class Block(Module):
+    """x + attn(ln1(x)), then + mlp(ln2(x)): a pre-norm transformer block."""
+
+    def __init__(self, cfg: GPTConfig, rng, backend=None):
+        super().__init__()
+        dt = np.dtype(cfg.dtype)
+        proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+        self.ln1 = LayerNorm(cfg.d_model, dtype=dt, backend=backend)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_head, cfg.dropout, dtype=dt, proj_std=proj_std,
+                                        rng=rng, backend=backend)
+        self.ln2 = LayerNorm(cfg.d_model, dtype=dt, backend=backend)
+        self.mlp = MLP(cfg.d_model, dropout=cfg.dropout, dtype=dt, proj_std=proj_std, rng=rng,
+                       backend=backend)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(Module):
+    """Final LayerNorm and the projection to vocabulary logits."""
+
+    def __init__(self, cfg: GPTConfig, rng, backend=None):
+        super().__init__()
+        dt = np.dtype(cfg.dtype)
+        self.ln = LayerNorm(cfg.d_model, dtype=dt, backend=backend)
+        self.proj = Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dt, std=0.02, rng=rng,
+                           backend=backend)
+
+    def forward(self, x):
+        return self.proj(self.ln(x))
+
+
+class GPT(Sequential):
+    """Embed, n_layer Blocks, Head. ``model(idx)`` gives logits (B, T, vocab)."""
+
+    def __init__(self, cfg: GPTConfig, backend=None):
+        super().__init__()
+        object.__setattr__(self, "config", cfg)
+        rng = np.random.default_rng(cfg.seed)
+        self.append(Embed(cfg, rng, backend))
+        for _ in range(cfg.n_layer):
+            self.append(Block(cfg, rng, backend))
+        self.append(Head(cfg, rng, backend))
+
+    def loss(self, idx, targets):
+        """Mean cross-entropy of next-token ``targets`` (B, T); -1 marks positions to ignore."""
+        return ops.cross_entropy(self(idx), targets)

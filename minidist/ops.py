@@ -1,0 +1,710 @@
+"""Differentiable primitives: each op's forward and backward side by side.
+
+Every op is a ``Function`` subclass working on raw backend arrays (``xp`` is NumPy, CuPy or
+jax.numpy, found from the arrays themselves), plus a lower-case wrapper that takes Tensors.
+Backward formulas are written out, not derived by a tracer, so a reader can check each one.
+Fused ops (``layer_norm``, ``scaled_dot_product_attention``, ``cross_entropy``, ``linear``, ``gelu``)
+save only what their backward needs: they are where the speed of the engine comes from.
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+
+from minidist.backend import backend_of
+from minidist.tensor import Function, Tensor
+
+
+def _xp(a):
+    return backend_of(a).xp
+
+
+def unbroadcast(grad, shape):
+    """Sum ``grad`` over the axes along which an input of ``shape`` was broadcast."""
+    if tuple(grad.shape) == tuple(shape):
+        return grad
+    extra = grad.ndim - len(shape)
+    axes = tuple(range(extra)) + tuple(i + extra for i, n in enumerate(shape) if n == 1
+                                       and grad.shape[i + extra] != 1)
+    return grad.sum(axis=axes, keepdims=True).reshape(shape) if axes else grad.reshape(shape)
+
+
+def _shape(x):
+    return tuple(x.shape) if hasattr(x, "shape") else ()
+
+
+# ---------------------------------------------------------------------------------------------
+# elementwise arithmetic (with broadcasting in both directions)
+# ---------------------------------------------------------------------------------------------
+class Add(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.shapes = _shape(a), _shape(b)
+        return a + b
+
+    @staticmethod
+    def backward(ctx, g):
+        sa, sb = ctx.shapes
+        return (unbroadcast(g, sa) if ctx.needs_grad[0] else None,
+                unbroadcast(g, sb) if ctx.needs_grad[1] else None)
+
+
+class Sub(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.shapes = _shape(a), _shape(b)
+        return a - b
+
+    @staticmethod
+    def backward(ctx, g):
+        sa, sb = ctx.shapes
+        return (unbroadcast(g, sa) if ctx.needs_grad[0] else None,
+                unbroadcast(-g, sb) if ctx.needs_grad[1] else None)
+
+
+class Mul(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save(a if ctx.needs_grad[1] else None, b if ctx.needs_grad[0] else None)
+        ctx.shapes = _shape(a), _shape(b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved
+        sa, sb = ctx.shapes
+        return (unbroadcast(g * b, sa) if ctx.needs_grad[0] else None,
+                unbroadcast(g * a, sb) if ctx.needs_grad[1] else None)
+
+
+class Div(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save(a, b)
+        ctx.shapes = _shape(a), _shape(b)
+        return a / b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved
+        sa, sb = ctx.shapes
+        return (unbroadcast(g / b, sa) if ctx.needs_grad[0] else None,
+                unbroadcast(-g * a / (b * b), sb) if ctx.needs_grad[1] else None)
+
+
+class Neg(Function):
+    @staticmethod
+    def forward(ctx, a):
+        return -a
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+class Pow(Function):
+    """``a ** b``; ``b`` may be a number or a tensor (then ``a`` must be positive)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        out = a ** b
+        ctx.save(a, b, out)
+        ctx.shapes = _shape(a), _shape(b)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b, out = ctx.saved
+        sa, sb = ctx.shapes
+        ga = unbroadcast(g * b * a ** (b - 1), sa) if ctx.needs_grad[0] else None
+        gb = unbroadcast(g * out * _xp(a).log(a), sb) if ctx.needs_grad[1] else None
+        return ga, gb
+
+
+class Exp(Function):
+    @staticmethod
+    def forward(ctx, a):
+        out = _xp(a).exp(a)
+        ctx.save(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved
+        return g * out
+
+
+class Log(Function):
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save(a)
+        return _xp(a).log(a)
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved
+        return g / a
+
+
+class Tanh(Function):
+    @staticmethod
+    def forward(ctx, a):
+        out = _xp(a).tanh(a)
+        ctx.save(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved
+        return g * (1 - out * out)
+
+
+class Relu(Function):
+    @staticmethod
+    def forward(ctx, a):
+        out = _xp(a).maximum(a, 0)
+        ctx.save(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved
+        return g * (out > 0)
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+class Gelu(Function):
+    """GELU, tanh approximation (GPT-2): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))."""
+
+    @staticmethod
+    def forward(ctx, x):
+        xp = _xp(x)
+        t = xp.tanh(_GELU_C * (x + 0.044715 * x * x * x))
+        ctx.save(x, t)
+        return 0.5 * x * (1 + t)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, t = ctx.saved
+        dinner = _GELU_C * (1 + 3 * 0.044715 * x * x)
+        return g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * dinner)
+
+
+class Cast(Function):
+    @staticmethod
+    def forward(ctx, a, dtype):
+        ctx.dtype = a.dtype
+        return a.astype(dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.astype(ctx.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# matrix products
+# ---------------------------------------------------------------------------------------------
+def _check_matmul(a, b):
+    if a.ndim == 0 or b.ndim == 0 or a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
+        raise ValueError(f"matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} don't match: the last "
+                         f"axis of the first ({a.shape[-1] if a.ndim else '-'}) must equal the "
+                         f"{'second-to-last' if b.ndim > 1 else 'only'} axis of the second")
+
+
+class Matmul(Function):
+    """Batched matrix product with NumPy broadcasting of the batch axes."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        _check_matmul(a, b)
+        ctx.save(a if ctx.needs_grad[1] else None, b if ctx.needs_grad[0] else None)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved
+        xp = _xp(g)
+        ga = gb = None
+        if ctx.needs_grad[0]:
+            if b.ndim == 1:
+                ga = g[..., None] * b
+            elif a.ndim == 1:
+                ga = (g[..., None, :] @ xp.swapaxes(b, -1, -2)).reshape(-1, a.shape[0]).sum(axis=0)
+            else:
+                ga = unbroadcast(g @ xp.swapaxes(b, -1, -2), a.shape)
+        if ctx.needs_grad[1]:
+            if b.ndim == 2 and a.ndim >= 2:  # a weight: fold the batch axes into one big product
+                gb = a.reshape(-1, a.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+            elif a.ndim == 1:
+                gb = unbroadcast(a[:, None] * g[..., None, :], b.shape)
+            elif b.ndim == 1:
+                gb = (a * g[..., None]).reshape(-1, a.shape[-1]).sum(axis=0)
+            else:
+                gb = unbroadcast(xp.swapaxes(a, -1, -2) @ g, b.shape)
+        return ga, gb
+
+
+class Linear(Function):
+    """``x @ w + b`` with ``w`` of shape (in, out): the workhorse of every layer."""
+
+    @staticmethod
+    def forward(ctx, x, w, b=None):
+        _check_matmul(x, w)
+        ctx.save(x if ctx.needs_grad[1] else None, w if ctx.needs_grad[0] else None)
+        out = x @ w
+        if b is not None:
+            if backend_of(out).inplace:
+                out += b
+            else:
+                out = out + b
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved
+        g2 = g.reshape(-1, g.shape[-1])
+        gx = (g @ w.T) if ctx.needs_grad[0] else None
+        gw = x.reshape(-1, x.shape[-1]).T @ g2 if ctx.needs_grad[1] else None
+        gb = g2.sum(axis=0) if len(ctx.needs_grad) > 2 and ctx.needs_grad[2] else None
+        return gx, gw, gb
+
+
+# ---------------------------------------------------------------------------------------------
+# reductions
+# ---------------------------------------------------------------------------------------------
+def _axes(axis, ndim):
+    if axis is None:
+        return tuple(range(ndim))
+    axis = (axis,) if isinstance(axis, int) else tuple(axis)
+    return tuple(a % ndim for a in axis) if ndim else ()
+
+
+def _expand(g, axes, shape, keepdims):
+    if not keepdims:
+        for a in sorted(axes):
+            g = _xp(g).expand_dims(g, a)
+    return _xp(g).broadcast_to(g, shape)
+
+
+class Sum(Function):
+    @staticmethod
+    def forward(ctx, a, axis=None, keepdims=False):
+        ctx.axes, ctx.shape, ctx.keepdims = _axes(axis, a.ndim), a.shape, keepdims
+        return a.sum(axis=ctx.axes, keepdims=keepdims)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _expand(g, ctx.axes, ctx.shape, ctx.keepdims)
+
+
+class Mean(Function):
+    @staticmethod
+    def forward(ctx, a, axis=None, keepdims=False):
+        ctx.axes, ctx.shape, ctx.keepdims = _axes(axis, a.ndim), a.shape, keepdims
+        ctx.n = math.prod(a.shape[i] for i in ctx.axes)
+        return a.mean(axis=ctx.axes, keepdims=keepdims)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _expand(g / ctx.n, ctx.axes, ctx.shape, ctx.keepdims)
+
+
+class Max(Function):
+    """Max over axes; ties share the gradient equally (as ``torch.amax`` does)."""
+
+    @staticmethod
+    def forward(ctx, a, axis=None, keepdims=False):
+        axes = _axes(axis, a.ndim)
+        out = a.max(axis=axes, keepdims=True)
+        mask = (a == out).astype(a.dtype)
+        ctx.save(mask / mask.sum(axis=axes, keepdims=True))
+        ctx.axes, ctx.shape, ctx.keepdims = axes, a.shape, keepdims
+        return out if keepdims else out.reshape(tuple(n for i, n in enumerate(a.shape) if i not in axes))
+
+    @staticmethod
+    def backward(ctx, g):
+        (share,) = ctx.saved
+        return _expand(g, ctx.axes, ctx.shape, ctx.keepdims) * share
+
+
+# ---------------------------------------------------------------------------------------------
+# shapes, indexing, joining
+# ---------------------------------------------------------------------------------------------
+class Reshape(Function):
+    @staticmethod
+    def forward(ctx, a, shape):
+        ctx.shape = a.shape
+        return a.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.reshape(ctx.shape)
+
+
+class Transpose(Function):
+    @staticmethod
+    def forward(ctx, a, axes=None):
+        axes = tuple(reversed(range(a.ndim))) if axes is None else tuple(ax % a.ndim for ax in axes)
+        ctx.inverse = tuple(sorted(range(len(axes)), key=axes.__getitem__))
+        return _xp(a).transpose(a, axes)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _xp(g).transpose(g, ctx.inverse)
+
+
+def _is_basic_index(idx) -> bool:
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    return all(isinstance(i, (int, slice)) or i is None or i is Ellipsis for i in idx)
+
+
+class GetItem(Function):
+    """``a[idx]``: slices, integers and integer/boolean arrays; repeated indices accumulate."""
+
+    @staticmethod
+    def forward(ctx, a, idx):
+        ctx.idx, ctx.shape, ctx.dtype = idx, a.shape, a.dtype
+        return a[idx]
+
+    @staticmethod
+    def backward(ctx, g):
+        be = backend_of(g)
+        out = be.xp.zeros(ctx.shape, dtype=ctx.dtype)
+        if be.inplace and _is_basic_index(ctx.idx):
+            out[ctx.idx] = g
+            return out
+        return be.scatter_add(out, ctx.idx, g)
+
+
+class Concat(Function):
+    @staticmethod
+    def forward(ctx, *arrays, axis=0):
+        ctx.axis = axis
+        ctx.sizes = [a.shape[axis] for a in arrays]
+        return _xp(arrays[0]).concatenate(arrays, axis=axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        bounds, start = [], 0
+        for n in ctx.sizes[:-1]:
+            start += n
+            bounds.append(start)
+        return tuple(_xp(g).split(g, bounds, axis=ctx.axis))
+
+
+class Embedding(Function):
+    """Rows of ``weight`` picked by integer ``idx``; backward scatter-adds (repeated ids add up)."""
+
+    @staticmethod
+    def forward(ctx, weight, idx):
+        ctx.idx, ctx.shape = idx, weight.shape
+        return weight[idx]
+
+    @staticmethod
+    def backward(ctx, g):
+        be = backend_of(g)
+        out = be.xp.zeros(ctx.shape, dtype=g.dtype)
+        return be.scatter_add(out, ctx.idx.reshape(-1), g.reshape(-1, ctx.shape[-1])), None
+
+
+# ---------------------------------------------------------------------------------------------
+# normalisations and losses
+# ---------------------------------------------------------------------------------------------
+def _softmax(x, axis):
+    xp = _xp(x)
+    e = xp.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+class Softmax(Function):
+    @staticmethod
+    def forward(ctx, x, axis=-1):
+        out = _softmax(x, axis)
+        ctx.save(out)
+        ctx.axis = axis
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (p,) = ctx.saved
+        return p * (g - (g * p).sum(axis=ctx.axis, keepdims=True))
+
+
+class LogSoftmax(Function):
+    @staticmethod
+    def forward(ctx, x, axis=-1):
+        xp = _xp(x)
+        shifted = x - x.max(axis=axis, keepdims=True)
+        out = shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))
+        ctx.save(out)
+        ctx.axis = axis
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved
+        return g - _xp(g).exp(out) * g.sum(axis=ctx.axis, keepdims=True)
+
+
+class LayerNorm(Function):
+    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis, statistics in float32 or wider."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, eps=1e-5):
+        xp = _xp(x)
+        mu = x.mean(axis=-1, keepdims=True)
+        xc = x - mu
+        rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+        xhat = xc * rstd
+        ctx.save(xhat, rstd, w)
+        return xhat * w + b
+
+    @staticmethod
+    def backward(ctx, g):
+        xhat, rstd, w = ctx.saved
+        n = xhat.shape[-1]
+        g2 = g.reshape(-1, n)
+        gw = (g2 * xhat.reshape(-1, n)).sum(axis=0) if ctx.needs_grad[1] else None
+        gb = g2.sum(axis=0) if ctx.needs_grad[2] else None
+        gx = None
+        if ctx.needs_grad[0]:
+            dxhat = g * w
+            gx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
+                         - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+        return gx, gw, gb
+
+
+class Dropout(Function):
+    """Zero each element with probability p, scale survivors by 1/(1-p); the mask comes from ``rng``."""
+
+    @staticmethod
+    def forward(ctx, x, p, rng):
+        be = backend_of(x)
+        keep = rng.random(tuple(x.shape), dtype="float32") >= p
+        mask = be.from_host(keep.astype(x.dtype) * (1.0 / (1.0 - p)))
+        ctx.save(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved
+        return g * mask
+
+
+class ScaledDotProductAttention(Function):
+    """softmax(q·kᵀ/√d + causal mask)·v over (batch, heads, time, head_dim), forward and backward fused.
+
+    ``q`` may be shorter than ``k``/``v`` (decoding with a KV cache): query i sits at key position
+    ``Tk - Tq + i`` and sees keys up to and including it.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=True):
+        xp = _xp(q)
+        tq, tk = q.shape[-2], k.shape[-2]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        s = (q @ xp.swapaxes(k, -1, -2)) * q.dtype.type(scale)
+        if causal and tk > 1:
+            mask = xp.arange(tk)[None, :] > (xp.arange(tq)[:, None] + (tk - tq))
+            s = xp.where(mask, xp.asarray(-xp.inf, dtype=s.dtype), s)
+        p = _softmax(s, -1)
+        ctx.save(q, k, v, p)
+        ctx.scale = scale
+        return p @ v
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, p = ctx.saved
+        xp = _xp(g)
+        gv = xp.swapaxes(p, -1, -2) @ g
+        gp = g @ xp.swapaxes(v, -1, -2)
+        gs = p * (gp - (gp * p).sum(axis=-1, keepdims=True)) * q.dtype.type(ctx.scale)
+        return gs @ k, xp.swapaxes(gs, -1, -2) @ q, gv
+
+
+class CrossEntropy(Function):
+    """Mean negative log-likelihood of integer ``targets`` under ``logits`` (last axis = classes).
+
+    Fused: one log-softmax, and backward is (softmax - one_hot) / n. Targets equal to
+    ``ignore_index`` contribute nothing and are not counted in n.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index=-1):
+        be = backend_of(logits)
+        xp = be.xp
+        v = logits.shape[-1]
+        x = logits.reshape(-1, v)
+        t = targets.reshape(-1)
+        valid = t != ignore_index
+        safe_t = xp.where(valid, t, 0)
+        shifted = x - x.max(axis=-1, keepdims=True)
+        lse = xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
+        logp_t = xp.take_along_axis(shifted, safe_t[:, None], axis=-1)[:, 0] - lse[:, 0]
+        n = builtins.max(int(valid.sum()), 1)
+        loss = -(logp_t * valid).sum() / n
+        ctx.save(shifted, lse)
+        ctx.t, ctx.valid, ctx.n, ctx.shape = safe_t, valid, n, logits.shape
+        return loss.astype(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        shifted, lse = ctx.saved
+        be = backend_of(shifted)
+        xp = be.xp
+        probs = xp.exp(shifted - lse)
+        rows = xp.arange(probs.shape[0])
+        probs = be.scatter_add(probs, (rows, ctx.t), -xp.ones(rows.shape, dtype=probs.dtype))
+        scale = (g / ctx.n) * ctx.valid[:, None].astype(probs.dtype)
+        return (probs * scale).reshape(ctx.shape), None
+
+
+# ---------------------------------------------------------------------------------------------
+# the Tensor-level API
+# ---------------------------------------------------------------------------------------------
+def _data(x):
+    return x.data if isinstance(x, Tensor) else x
+
+
+def add(a, b):
+    return Add.apply(a, b)
+
+
+def sub(a, b):
+    return Sub.apply(a, b)
+
+
+def mul(a, b):
+    return Mul.apply(a, b)
+
+
+def div(a, b):
+    return Div.apply(a, b)
+
+
+def neg(a):
+    return Neg.apply(a)
+
+
+def pow(a, b):  # noqa: A001 - the op's name
+    return Pow.apply(a, b)
+
+
+def exp(a):
+    return Exp.apply(a)
+
+
+def log(a):
+    return Log.apply(a)
+
+
+def tanh(a):
+    return Tanh.apply(a)
+
+
+def relu(a):
+    return Relu.apply(a)
+
+
+def gelu(a):
+    return Gelu.apply(a)
+
+
+def cast(a, dtype):
+    return Cast.apply(a, dtype=dtype)
+
+
+def matmul(a, b):
+    return Matmul.apply(a, b)
+
+
+def linear(x, w, b=None):
+    return Linear.apply(x, w, b) if b is not None else Linear.apply(x, w)
+
+
+def sum(a, axis=None, keepdims=False):  # noqa: A001
+    return Sum.apply(a, axis=axis, keepdims=keepdims)
+
+
+def mean(a, axis=None, keepdims=False):
+    return Mean.apply(a, axis=axis, keepdims=keepdims)
+
+
+def max(a, axis=None, keepdims=False):  # noqa: A001
+    return Max.apply(a, axis=axis, keepdims=keepdims)
+
+
+def reshape(a, shape):
+    return Reshape.apply(a, shape=tuple(shape))
+
+
+def transpose(a, axes=None):
+    return Transpose.apply(a, axes=axes)
+
+
+def getitem(a, idx):
+    if isinstance(idx, Tensor):
+        idx = idx.data
+    elif isinstance(idx, tuple):
+        idx = tuple(i.data if isinstance(i, Tensor) else i for i in idx)
+    return GetItem.apply(a, idx=idx)
+
+
+def concat(tensors, axis=0):
+    return Concat.apply(*tensors, axis=axis)
+
+
+def split(a, sections, axis=0):
+    """Split ``a`` along ``axis`` into ``sections`` equal parts (an int) or at the given sizes."""
+    n = a.shape[axis]
+    if isinstance(sections, int):
+        if n % sections:
+            raise ValueError(f"split: axis {axis} of length {n} doesn't divide into {sections} parts")
+        sizes = [n // sections] * sections
+    else:
+        sizes = list(sections)
+        if builtins.sum(sizes) != n:
+            raise ValueError(f"split: sizes {sizes} don't add up to axis {axis} length {n}")
+    out, start = [], 0
+    for s in sizes:
+        idx = (slice(None),) * (axis % a.ndim) + (slice(start, start + s),)
+        out.append(getitem(a, idx))
+        start += s
+    return out
+
+
+def embedding(weight, idx):
+    return Embedding.apply(weight, _data(idx))
+
+
+def softmax(x, axis=-1):
+    return Softmax.apply(x, axis=axis)
+
+
+def log_softmax(x, axis=-1):
+    return LogSoftmax.apply(x, axis=axis)
+
+
+def layer_norm(x, w, b, eps=1e-5):
+    return LayerNorm.apply(x, w, b, eps=eps)
+
+
+def dropout(x, p, rng, training=True):
+    """Inverted dropout with a seeded NumPy generator ``rng``; identity when p == 0 or not training."""
+    if not training or p == 0.0:
+        return x
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    return Dropout.apply(x, p=p, rng=rng)
+
+
+def scaled_dot_product_attention(q, k, v, causal=True):
+    return ScaledDotProductAttention.apply(q, k, v, causal=causal)
+
+
+def cross_entropy(logits, targets, ignore_index=-1):
+    return CrossEntropy.apply(logits, _data(targets), ignore_index=ignore_index)
+

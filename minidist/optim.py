@@ -1,0 +1,183 @@
+"""Optimizers (SGD with momentum, AdamW), a warmup + cosine schedule, global-norm clipping.
+
+Optimizers read ``p.grad`` and write ``p.data``. With NumPy and CuPy the state and the parameters
+are updated in place (no step-sized temporaries); with JAX, whose arrays are immutable, the same
+formulas produce new arrays. ``state_dict``/``load_state_dict`` hold host copies so a checkpoint
+can be written, and restored on another backend, exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minidist.backend import backend_of
+
+
+class Optimizer:
+    def __init__(self, params, lr: float):
+        self.params = [p for p in params]
+        if not self.params:
+            raise ValueError("optimizer got an empty parameter list")
+        if lr < 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        self.lr = lr
+        self.step_count = 0
+        self.state: list[dict] = [{} for _ in self.params]
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        self.step_count += 1
+        for p, st in zip(self.params, self.state):
+            if p.grad is not None and p.requires_grad:
+                self.update(p, st)
+
+    def update(self, p, state):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {"lr": self.lr, "step_count": self.step_count,
+                "state": [{k: np.array(backend_of(v).to_host(v)) for k, v in st.items()}
+                          for st in self.state]}
+
+    def load_state_dict(self, sd: dict):
+        if len(sd["state"]) != len(self.params):
+            raise ValueError(f"optimizer state has {len(sd['state'])} entries, this optimizer has "
+                             f"{len(self.params)} parameters")
+        self.lr, self.step_count = sd["lr"], sd["step_count"]
+        self.state = [{k: p.backend.from_host(np.array(v)) for k, v in st.items()}
+                      for p, st in zip(self.params, sd["state"])]
+        return self
+
+
+class SGD(Optimizer):
+    """p -= lr · (g + wd·p), with heavy-ball momentum buf = μ·buf + g when momentum > 0."""
+
+    def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0):
+        super().__init__(params, lr)
+        self.momentum, self.weight_decay = momentum, weight_decay
+
+    def update(self, p, st):
+        g = p.grad
+        if self.weight_decay:
+            g = g + self.weight_decay * p.data
+        if self.momentum:
+            buf = st.get("momentum")
+            g = st["momentum"] = g if buf is None else self.momentum * buf + g
+        p.data = _sub_scaled(p.data, g, self.lr)
+
+
+class AdamW(Optimizer):
+    """Adam with decoupled weight decay (Loshchilov & Hutter):
+
+        m = β1·m + (1-β1)·g;  v = β2·v + (1-β2)·g²
+        p -= lr · (m/(1-β1ᵗ) / (√(v/(1-β2ᵗ)) + ε) + wd·p)
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        super().__init__(params, lr)
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+
+    def update(self, p, st):
+        adamw_update(p, st, self.lr, self.betas, self.eps, self.weight_decay, self.step_count)
+
+
+def adamw_update(p, st, lr, betas, eps, weight_decay, t):
+    """One AdamW step of parameter ``p`` with state dict ``st`` ("m", "v"); written once for all."""
+    b1, b2 = betas
+    g = p.grad
+    be = backend_of(p.data)
+    xp = be.xp
+    if "m" not in st:
+        st["m"] = xp.zeros_like(p.data)
+        st["v"] = xp.zeros_like(p.data)
+    step_size = lr / (1 - b1 ** t)
+    denom_scale = 1.0 / math.sqrt(1 - b2 ** t)
+    if be.inplace:
+        m, v, data = st["m"], st["v"], p.data
+        m *= b1
+        m += (1 - b1) * g
+        v *= b2
+        tmp = g * g
+        tmp *= 1 - b2
+        v += tmp
+        xp.sqrt(v, out=tmp)
+        tmp *= denom_scale
+        tmp += eps
+        xp.divide(m, tmp, out=tmp)
+        if weight_decay:
+            data *= 1 - lr * weight_decay
+        tmp *= step_size
+        data -= tmp
+    else:
+        m = st["m"] = b1 * st["m"] + (1 - b1) * g
+        v = st["v"] = b2 * st["v"] + (1 - b2) * g * g
+        data = p.data * (1 - lr * weight_decay) if weight_decay else p.data
+        p.data = (data - step_size * m / (xp.sqrt(v) * denom_scale + eps)).astype(p.dtype)
+
+
+def _sub_scaled(data, g, lr):
+    if backend_of(data).inplace:
+        data -= lr * g
+        return data
+    return (data - lr * g).astype(data.dtype)
+
+
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """Learning-rate multiplier: linear warmup to 1 over ``warmup`` steps, cosine down to ``min_ratio``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if step >= total:
+        return min_ratio
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class WarmupCosine:
+    """Sets ``optimizer.lr`` from ``base_lr`` and :func:`warmup_cosine` at every ``step()``."""
+
+    def __init__(self, optimizer, warmup: int, total: int, min_ratio: float = 0.1):
+        self.opt, self.base_lr = optimizer, optimizer.lr
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+        self.last = 0
+        self.opt.lr = self.base_lr * warmup_cosine(0, warmup, total, min_ratio)
+
+    def step(self):
+        self.last += 1
+        self.opt.lr = self.base_lr * warmup_cosine(self.last, self.warmup, self.total, self.min_ratio)
+
+    def state_dict(self):
+        return {"last": self.last, "base_lr": self.base_lr}
+
+    def load_state_dict(self, sd):
+        self.last, self.base_lr = sd["last"], sd["base_lr"]
+        self.opt.lr = self.base_lr * warmup_cosine(self.last, self.warmup, self.total, self.min_ratio)
+
+
+def global_grad_norm(params) -> float:
+    """√(Σ‖g‖²) over every parameter's gradient (accumulated in float64)."""
+    total = 0.0
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.astype("float64")
+            total += float((g * g).sum())
+    return math.sqrt(total)
+
+
+def clip_grad_norm(params, max_norm: float, norm: float | None = None) -> float:
+    """Scale all gradients so their global norm is at most ``max_norm``; returns the norm before.
+
+    Pass ``norm`` when it was computed elsewhere (e.g. summed across tensor-parallel ranks).
+    """
+    params = list(params)
+    norm = global_grad_norm(params) if norm is None else norm
+    if norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad = (p.grad * scale).astype(p.grad.dtype)
+    return norm

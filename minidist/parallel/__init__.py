@@ -1,0 +1,1 @@
+"""Parallelism strategies: data, tensor and pipeline parallel building blocks, one idea per module."""

@@ -1,0 +1,227 @@
+"""Per-rank tracing: what each rank did and when, as a Chrome trace, an ASCII timeline or a picture.
+
+Each rank owns a `Tracer` that records intervals ("spans") as plain dicts::
+
+    {"name": "F", "cat": "compute", "rank": 3, "t0": 1732900000.12, "t1": 1732900000.15, "args": {"mb": 2}}
+
+Times are seconds since the Unix epoch: `time.time()` taken once when the tracer is created, plus
+`time.perf_counter()` deltas after that, so spans are precise within a rank and comparable across
+ranks in different processes on one host. The simulator in `minidist.parallel.simulate` produces the
+same dicts (in model time units), so every drawing function here serves both measured and simulated runs.
+
+The active tracer is thread-local (`current()` / `set_current()`), because the threads transport
+runs its ranks as threads of one process. Code that may trace checks `current() is None` first,
+so tracing costs nothing when it is off.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import contextmanager
+
+CATEGORIES = ("compute", "send", "recv", "wait", "collective", "step")
+
+_local = threading.local()
+
+
+def current() -> Tracer | None:
+    """This thread's active tracer, or None when tracing is off."""
+    return getattr(_local, "tracer", None)
+
+
+def set_current(tracer: Tracer | None) -> None:
+    """Make `tracer` the active tracer of this thread (None turns tracing off)."""
+    _local.tracer = tracer
+
+
+@contextmanager
+def tracing(tracer: Tracer | None):
+    """Activate `tracer` for this thread inside a `with` block, restoring the previous one after."""
+    previous = current()
+    set_current(tracer)
+    try:
+        yield tracer
+    finally:
+        set_current(previous)
+
+
+def _check_cat(cat: str) -> None:
+    if cat not in CATEGORIES:
+        raise ValueError(f"unknown trace category {cat!r}; use one of {CATEGORIES}")
+
+
+class Tracer:
+    """Records one rank's spans (intervals) and instants as event dicts in `self.events`."""
+
+    def __init__(self, rank: int):
+        if not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"Tracer rank must be an int >= 0, got {rank!r}")
+        self.rank = rank
+        self.events: list[dict] = []
+        self._wall0 = time.time()
+        self._perf0 = time.perf_counter()
+
+    def now(self) -> float:
+        """Seconds since the Unix epoch, with perf_counter precision."""
+        return self._wall0 + (time.perf_counter() - self._perf0)
+
+    def add(self, name: str, cat: str, t0: float, t1: float, **args) -> dict:
+        """Record an interval measured elsewhere."""
+        _check_cat(cat)
+        event = {"name": name, "cat": cat, "rank": self.rank, "t0": t0, "t1": t1, "args": args}
+        self.events.append(event)
+        return event
+
+    @contextmanager
+    def span(self, name: str, cat: str = "compute", **args):
+        """Time the body of a `with` block as one event; yields the args dict (add results to it)."""
+        _check_cat(cat)
+        t0 = self.now()
+        try:
+            yield args
+        finally:
+            self.add(name, cat, t0, self.now(), **args)
+
+    def instant(self, name: str, cat: str = "step", **args) -> dict:
+        """Record a point in time (an event with t0 == t1)."""
+        t = self.now()
+        return self.add(name, cat, t, t, **args)
+
+
+def gather_events(comm, tracer: Tracer | None) -> list[dict] | None:
+    """Collect every rank's events on rank 0 (sorted by start time); other ranks get None.
+
+    Collective: every rank of `comm` must call it. A rank without a tracer contributes nothing.
+    """
+    gathered = comm.gather_obj(tracer.events if tracer is not None else [], root=0)
+    if gathered is None:
+        return None
+    return sorted((e for rank_events in gathered for e in rank_events), key=lambda e: (e["t0"], e["rank"]))
+
+
+def _t_origin(events: list[dict]) -> float:
+    return min((e["t0"] for e in events), default=0.0)
+
+
+def chrome_trace(events: list[dict]) -> dict:
+    """The Chrome Trace Event JSON object: pid 0, one track (tid) per rank, times in microseconds."""
+    t_origin = _t_origin(events)
+    ranks = sorted({e["rank"] for e in events})
+    out: list[dict] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "minidist"}}]
+    for r in ranks:
+        out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
+        out.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})
+    for e in events:
+        out.append({
+            "name": e["name"], "cat": e["cat"], "ph": "X", "pid": 0, "tid": e["rank"],
+            "ts": (e["t0"] - t_origin) * 1e6, "dur": (e["t1"] - e["t0"]) * 1e6, "args": e.get("args", {}),
+        })
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path, events: list[dict]) -> None:
+    """Write `events` as a Chrome trace file; open it in https://ui.perfetto.dev or chrome://tracing."""
+    with open(path, "w") as f:
+        json.dump(chrome_trace(events), f, default=str)
+
+
+def bubble_fraction(events: list[dict]) -> float:
+    """Idle share of the ranks x [first start, last end] rectangle: 1 - compute time / (ranks x span).
+
+    Only "compute" events count as work; sends, receives and waits are idle time. Every rank that
+    appears in `events` counts, so give it the events of one training step (or of a whole run).
+    """
+    if not events:
+        raise ValueError("bubble_fraction needs at least one event")
+    ranks = {e["rank"] for e in events}
+    span = max(e["t1"] for e in events) - _t_origin(events)
+    busy = sum(e["t1"] - e["t0"] for e in events if e["cat"] == "compute")
+    return 1.0 - busy / (len(ranks) * span) if span > 0 else 0.0
+
+
+def _cells(event: dict, width: int) -> str:
+    """Characters for one compute op `width` columns wide: 'F3fff' = forward of microbatch 3."""
+    letter = (event["name"][:1] or "?").upper()
+    mb = event.get("args", {}).get("mb")
+    label = letter if mb is None else f"{letter}{mb}"
+    if width >= len(label):
+        return label + letter.lower() * (width - len(label))
+    return letter * width
+
+
+def ascii_timeline_from_events(events: list[dict], width: int = 100, label: str = "rank") -> str:
+    """One row per rank, time left to right over `width` columns.
+
+    A compute op is drawn as its first letter and microbatch ('F3fff', 'B3bbbbbb'; just 'FFF' when
+    there is no room for the digits); everything else (send, recv, wait, idle) is '.'.
+    """
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    if not events:
+        return ""
+    t_origin = _t_origin(events)
+    span = max(e["t1"] for e in events) - t_origin
+    scale = width / span if span > 0 else 0.0
+    ranks = sorted({e["rank"] for e in events})
+    name_w = len(f"{label} {ranks[-1]}")
+    rows = []
+    for r in ranks:
+        row = ["."] * width
+        for e in events:
+            if e["rank"] != r or e["cat"] != "compute" or e["t1"] <= e["t0"]:
+                continue
+            c0 = min(width - 1, round((e["t0"] - t_origin) * scale))
+            c1 = min(width, round((e["t1"] - t_origin) * scale))
+            if c1 <= c0:  # too short to see at this width: one column if it is free
+                if row[c0] == ".":
+                    row[c0] = e["name"][:1].upper()
+                continue
+            row[c0:c1] = _cells(e, c1 - c0)
+        rows.append(f"{label} {r}".ljust(name_w) + " |" + "".join(row) + "|")
+    return "\n".join(rows)
+
+
+_COLORS = {"compute": "#4c72b0", "send": "#dd8452", "recv": "#55a868", "wait": "#c44e52",
+           "collective": "#8172b3", "step": "#cccccc"}
+
+
+def plot_timeline(path, events: list[dict], losses=None, title: str = "timeline") -> None:
+    """Draw per-rank bars colored by category (backward ops darker) and, if given, the loss curve.
+
+    Uses matplotlib's Agg canvas directly (no pyplot global state), so it is safe in any thread.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    t_origin = _t_origin(events)
+    ranks = sorted({e["rank"] for e in events})
+    fig = Figure(figsize=(10, 1.2 + 0.45 * max(1, len(ranks)) + (2.5 if losses is not None else 0)))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2 if losses is not None else 1, 1, squeeze=False,
+                        gridspec_kw={"height_ratios": [2, 1]} if losses is not None else None)
+    ax = axes[0][0]
+    for e in events:
+        if e["cat"] == "step":
+            continue  # a step span covers everything; it would hide the ops it contains
+        color = "#1f3b63" if e["cat"] == "compute" and e["name"].startswith("B") else _COLORS[e["cat"]]
+        ax.broken_barh([(e["t0"] - t_origin, max(e["t1"] - e["t0"], 0.0))], (e["rank"] - 0.4, 0.8),
+                       facecolors=color, edgecolors="white", linewidth=0.5)
+    ax.set_yticks(ranks)
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    ax.set_title(title, loc="right")
+    handles = [Patch(color=c, label=k) for k, c in _COLORS.items() if k != "step"]
+    handles.insert(1, Patch(color="#1f3b63", label="compute (backward)"))
+    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=7, ncol=len(handles),
+              frameon=False)
+    if losses is not None:
+        lax = axes[1][0]
+        lax.plot(range(len(losses)), list(losses), marker=".")
+        lax.set_xlabel("step")
+        lax.set_ylabel("loss")
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,54 @@
+"""Test set-up: one BLAS thread per process, hypothesis profiles, the gpu marker's skip rule."""
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# derandomize: every run (and every MPI rank) draws the same examples.
+settings.register_profile("ci", derandomize=True, deadline=None, max_examples=10,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _has_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    require = os.environ.get("MINIDIST_REQUIRE_GPU") == "1"
+    for item in items:
+        if "gpu" in item.keywords:
+            if require:
+                item.add_marker(pytest.mark.usefixtures("_gpu_missing"))
+            else:
+                item.add_marker(pytest.mark.skip(reason="needs CuPy and an NVIDIA GPU"))
+
+
+@pytest.fixture
+def _gpu_missing():
+    pytest.fail("MINIDIST_REQUIRE_GPU=1 but no NVIDIA GPU with CuPy is available")
+
+
+def backends():
+    """Backends every op test runs on: numpy and jax (when installed), cupy on GPU machines."""
+    out = ["numpy"]
+    try:
+        import jax  # noqa: F401
+
+        out.append("jax")
+    except ImportError:
+        pass
+    out.append(pytest.param("cupy", marks=pytest.mark.gpu))
+    return out

@@ -1,0 +1,136 @@
+"""The GPT and training: gradients against central differences, learning a task, optimizers."""
+
+import numpy as np
+import pytest
+
+from minidist import optim
+from minidist.data import BatchLoader, SyntheticTask, TextDataset
+from minidist.nn import GPT, GPTConfig
+from minidist.tensor import Tensor
+from tests.conftest import backends
+
+TINY = GPTConfig(vocab_size=7, block_size=6, n_layer=2, n_head=2, d_model=4, dtype="float64", seed=3)
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_gpt_gradients_match_central_differences(backend):
+    """Every parameter tensor: 3 sampled entries of dL/dθ equal (L(θ+ε) - L(θ-ε)) / 2ε."""
+    from minidist.backend import get_backend
+
+    be = get_backend(backend)
+    model = GPT(TINY, backend=be)
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, 7, (2, 5))
+    tgt = rng.integers(0, 7, (2, 5))
+    model.loss(idx, tgt).backward()
+    eps = 1e-6
+    for name, p in model.named_parameters():
+        host = be.to_host(p.data).copy()
+        for flat in rng.choice(host.size, size=min(3, host.size), replace=False):
+            vals = []
+            for step in (eps, -eps):
+                pert = host.copy()
+                pert.reshape(-1)[flat] += step
+                p.data = be.from_host(pert)
+                vals.append(model.loss(idx, tgt).item())
+            p.data = be.from_host(host)
+            numeric = (vals[0] - vals[1]) / (2 * eps)
+            analytic = be.to_host(p.grad).reshape(-1)[flat]
+            assert abs(numeric - analytic) < 1e-6 + 1e-5 * abs(numeric), (name, flat, numeric, analytic)
+
+
+def test_gpt_learns_the_reverse_task():
+    task = SyntheticTask("reverse", length=4, size=512, seed=0)
+    cfg = GPTConfig(vocab_size=task.vocab_size, block_size=task.block_size, n_layer=2, n_head=2,
+                    d_model=32, seed=0)
+    model = GPT(cfg)
+    opt = optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    loader = BatchLoader(task, batch_size=32, seed=0)
+    losses = []
+    for _ in range(250):
+        x, y = loader.next_batch()
+        loss = model.loss(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert np.mean(losses[:10]) > 2.0
+    assert np.mean(losses[-10:]) < 0.5, losses[-10:]
+
+
+def test_adamw_matches_reference_formula():
+    rng = np.random.default_rng(0)
+    w0, grads = rng.standard_normal(5), [rng.standard_normal(5) for _ in range(3)]
+    p = Tensor(w0.copy(), requires_grad=True)
+    opt = optim.AdamW([p], lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    m = v = np.zeros(5)
+    w = w0.copy()
+    for t, g in enumerate(grads, 1):
+        p.grad = g
+        opt.step()
+        m, v = 0.9 * m + 0.1 * g, 0.99 * v + 0.01 * g * g
+        w = w * (1 - 0.1 * 0.05) - 0.1 * (m / (1 - 0.9 ** t)) / (np.sqrt(v / (1 - 0.99 ** t)) + 1e-8)
+    np.testing.assert_allclose(p.data, w, rtol=1e-12)
+
+
+def test_adamw_same_on_jax():
+    pytest.importorskip("jax")
+    from minidist.backend import get_backend
+
+    rng = np.random.default_rng(1)
+    w0, g = rng.standard_normal(4), rng.standard_normal(4)
+    out = []
+    for be in (get_backend("numpy"), get_backend("jax")):
+        p = Tensor(be.from_host(w0.copy()), requires_grad=True)
+        opt = optim.AdamW([p], lr=0.1)
+        for _ in range(3):
+            p.grad = be.from_host(g)
+            opt.step()
+        out.append(be.to_host(p.data))
+    np.testing.assert_allclose(out[0], out[1], rtol=1e-12)
+
+
+def test_sgd_momentum_and_state_dict_roundtrip():
+    p = Tensor(np.array([1.0, 2.0]), requires_grad=True)
+    opt = optim.SGD([p], lr=0.5, momentum=0.9)
+    p.grad = np.array([1.0, 1.0])
+    opt.step()
+    p.grad = np.array([1.0, 1.0])
+    opt.step()
+    np.testing.assert_allclose(p.data, [1.0 - 0.5 - 0.5 * 1.9, 2.0 - 0.5 - 0.5 * 1.9])
+    sd = opt.state_dict()
+    opt2 = optim.SGD([p], lr=0.1, momentum=0.9).load_state_dict(sd)
+    np.testing.assert_allclose(opt2.state[0]["momentum"], [1.9, 1.9])
+
+
+def test_clipping_and_schedule():
+    ps = [Tensor(np.zeros(2), requires_grad=True), Tensor(np.zeros(1), requires_grad=True)]
+    ps[0].grad, ps[1].grad = np.array([3.0, 0.0]), np.array([4.0])
+    assert optim.clip_grad_norm(ps, 1.0) == pytest.approx(5.0)
+    assert optim.global_grad_norm(ps) == pytest.approx(1.0, rel=1e-5)
+    lrs = [optim.warmup_cosine(s, 10, 100) for s in range(120)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(lrs[10:100], lrs[11:100]))
+
+
+def test_loader_resumes_on_the_same_batch():
+    ds = TextDataset.from_file(block_size=16)
+    a = BatchLoader(ds, 4, seed=5)
+    for _ in range(7):
+        a.next_batch()
+    b = BatchLoader(ds, 4, seed=0).load_state_dict(a.state_dict())
+    for _ in range(5):
+        np.testing.assert_array_equal(a.next_batch()[0], b.next_batch()[0])
+
+
+def test_state_dict_roundtrip_and_errors():
+    m1, m2 = GPT(TINY), GPT(TINY.replace(seed=9))
+    m2.load_state_dict(m1.state_dict())
+    idx = np.zeros((1, 3), dtype=np.int64)
+    np.testing.assert_array_equal(m1(idx).numpy(), m2(idx).numpy())
+    with pytest.raises(ValueError, match="shape"):
+        GPT(TINY.replace(d_model=6)).load_state_dict(m1.state_dict())
+    with pytest.raises(ValueError, match="longer than the context"):
+        m1(np.zeros((1, 7), dtype=np.int64))
+    with pytest.raises(ValueError, match="not divisible"):
+        GPTConfig(d_model=10, n_head=4)

@@ -1,0 +1,241 @@
+"""Gradient checks (float64 central differences) for every op, on every backend.
+
+Hypothesis draws shapes, broadcasting patterns and axes; each op's analytic gradient must match
+the numerical one to 1e-6.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minidist import ops
+from minidist.testing import gradcheck
+from tests.conftest import backends
+
+BACKENDS = backends()
+F64 = np.float64
+
+shapes = st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple)
+
+
+def rand(rng, shape, low=None):
+    a = rng.standard_normal(shape)
+    return np.abs(a) + 0.5 if low == "positive" else a
+
+
+@st.composite
+def broadcast_pair(draw):
+    """Two shapes that broadcast: some axes of one are 1 or missing, either side."""
+    shape = draw(shapes)
+    other = tuple(1 if draw(st.booleans()) else n for n in shape)
+    other = other[draw(st.integers(0, len(other) - 1)):]
+    return (shape, other) if draw(st.booleans()) else (other, shape)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "pow"])
+@given(pair=broadcast_pair(), seed=st.integers(0, 2**16))
+def test_binary_broadcasting(backend, op, pair, seed):
+    rng = np.random.default_rng(seed)
+    a = rand(rng, pair[0], "positive" if op == "pow" else None)
+    b = rand(rng, pair[1], "positive" if op == "div" else None)
+    fn = {"add": lambda x, y: x + y, "sub": lambda x, y: x - y, "mul": lambda x, y: x * y,
+          "div": lambda x, y: x / y, "pow": lambda x, y: x ** y}[op]
+    gradcheck(fn, [a, b], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["exp", "log", "tanh", "relu", "gelu", "neg", "square", "scalar"])
+@given(shape=shapes, seed=st.integers(0, 2**16))
+def test_unary(backend, op, shape, seed):
+    rng = np.random.default_rng(seed)
+    a = rand(rng, shape, "positive" if op == "log" else None)
+    if op == "relu":  # keep away from the kink
+        a = np.where(np.abs(a) < 0.1, 0.5, a)
+    fn = {"exp": ops.exp, "log": ops.log, "tanh": ops.tanh, "relu": ops.relu, "gelu": ops.gelu,
+          "neg": lambda x: -x, "square": lambda x: x ** 2, "scalar": lambda x: 3.0 - 2.0 * x / 4.0 + 1}[op]
+    gradcheck(fn, [a], backend=backend)
+
+
+@st.composite
+def shape_and_axis(draw):
+    shape = draw(shapes)
+    axis = draw(st.one_of(st.none(), st.integers(-len(shape), len(shape) - 1),
+                          st.lists(st.integers(0, len(shape) - 1), min_size=1, unique=True).map(tuple)))
+    return shape, axis, draw(st.booleans())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+@given(sak=shape_and_axis(), seed=st.integers(0, 2**16))
+def test_reductions(backend, op, sak, seed):
+    shape, axis, keepdims = sak
+    a = np.random.default_rng(seed).standard_normal(shape)
+    fn = {"sum": ops.sum, "mean": ops.mean, "max": ops.max}[op]
+    gradcheck(lambda x: fn(x, axis=axis, keepdims=keepdims), [a], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(batch=st.lists(st.integers(1, 3), max_size=2).map(tuple), m=st.integers(1, 4), k=st.integers(1, 4),
+       n=st.integers(1, 4), b_batched=st.booleans(), seed=st.integers(0, 2**16))
+def test_matmul_batched_and_broadcast(backend, batch, m, k, n, b_batched, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal(batch + (m, k))
+    b = rng.standard_normal((batch if b_batched else ()) + (k, n))
+    gradcheck(ops.matmul, [a, b], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["vec_mat", "mat_vec"])
+def test_matmul_vectors(backend, kind):
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal(3), rng.standard_normal((2, 3, 4))) if kind == "vec_mat" else \
+        (rng.standard_normal((2, 4, 3)), rng.standard_normal(3))
+    gradcheck(ops.matmul, [a, b], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(lead=st.lists(st.integers(1, 3), min_size=1, max_size=2).map(tuple), k=st.integers(1, 4),
+       n=st.integers(1, 4), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear(backend, lead, k, n, bias, seed):
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal(lead + (k,)), rng.standard_normal((k, n))] + \
+        ([rng.standard_normal(n)] if bias else [])
+    gradcheck(ops.linear, arrays, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(shape=st.lists(st.integers(1, 4), min_size=2, max_size=4).map(tuple), data=st.data())
+def test_reshape_transpose(backend, shape, data):
+    perm = data.draw(st.permutations(range(len(shape))))
+    a = np.random.default_rng(0).standard_normal(shape)
+    gradcheck(lambda x: ops.transpose(x, perm).reshape(-1, shape[0]), [a], backend=backend)
+    gradcheck(lambda x: x.T, [a], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n=st.integers(2, 6), m=st.integers(1, 4), data=st.data())
+def test_indexing(backend, n, m, data):
+    a = np.random.default_rng(n).standard_normal((n, m))
+    lo = data.draw(st.integers(0, n - 1))
+    hi = data.draw(st.integers(lo + 1, n))
+    gradcheck(lambda x: x[lo:hi, ::-1], [a], backend=backend)
+    gradcheck(lambda x: x[1:, None, 0], [a], backend=backend)
+    idx = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=8)))  # repeats add up
+    gradcheck(lambda x: x[idx], [a], backend=backend)
+    gradcheck(lambda x: x[a[:, 0] > 0], [a], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(sizes=st.lists(st.integers(1, 3), min_size=1, max_size=3), axis=st.integers(0, 1))
+def test_concat_split(backend, sizes, axis):
+    rng = np.random.default_rng(len(sizes))
+    arrays = [rng.standard_normal((s, 2) if axis == 0 else (2, s)) for s in sizes]
+    gradcheck(lambda *xs: ops.concat(xs, axis=axis), arrays, backend=backend)
+    total = sum(sizes)
+    a = rng.standard_normal((total, 3) if axis == 0 else (3, total))
+    gradcheck(lambda x: ops.concat([p * (i + 1) for i, p in enumerate(ops.split(x, sizes, axis=axis))],
+                                   axis=axis), [a], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(v=st.integers(2, 6), d=st.integers(1, 3), ids=st.lists(st.integers(0, 5), min_size=1, max_size=6))
+def test_embedding(backend, v, d, ids):
+    idx = np.array([i % v for i in ids]).reshape(1, -1)
+    w = np.random.default_rng(v).standard_normal((v, d))
+    gradcheck(lambda weight: ops.embedding(weight, idx), [w], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@given(shape=shapes, seed=st.integers(0, 2**16), data=st.data())
+def test_softmax(backend, op, shape, seed, data):
+    axis = data.draw(st.integers(-len(shape), len(shape) - 1))
+    a = np.random.default_rng(seed).standard_normal(shape)
+    fn = ops.softmax if op == "softmax" else ops.log_softmax
+    gradcheck(lambda x: fn(x, axis=axis), [a], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(lead=st.lists(st.integers(1, 3), min_size=1, max_size=2).map(tuple), n=st.integers(2, 6),
+       seed=st.integers(0, 2**16))
+def test_layer_norm(backend, lead, n, seed):
+    rng = np.random.default_rng(seed)
+    gradcheck(ops.layer_norm, [rng.standard_normal(lead + (n,)), rng.standard_normal(n),
+                               rng.standard_normal(n)], backend=backend, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(b=st.integers(1, 2), h=st.integers(1, 2), tq=st.integers(1, 4), extra=st.integers(0, 2),
+       d=st.integers(1, 3), causal=st.booleans(), seed=st.integers(0, 2**16))
+def test_attention(backend, b, h, tq, extra, d, causal, seed):
+    rng = np.random.default_rng(seed)
+    tk = tq + extra
+    q, k, v = (rng.standard_normal((b, h, t, d)) for t in (tq, tk, tk))
+    gradcheck(lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, causal=causal), [q, k, v],
+              backend=backend, atol=1e-5)
+
+
+def attention_reference(q, k, v):
+    """Attention written with the unfused ops: the fused op must agree with it."""
+    t = q.shape[-2]
+    s = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / np.sqrt(q.shape[-1]))
+    mask = np.triu(np.full((t, t), -np.inf), 1)
+    return ops.softmax(s + mask, axis=-1) @ v
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_matches_unfused(backend):
+    from minidist.backend import get_backend
+    from minidist.tensor import Tensor
+
+    be = get_backend(backend)
+    rng = np.random.default_rng(0)
+    q, k, v = (Tensor(be.from_host(rng.standard_normal((2, 3, 5, 4)))) for _ in range(3))
+    fused = ops.scaled_dot_product_attention(q, k, v).numpy()
+    np.testing.assert_allclose(fused, attention_reference(q, k, v).numpy(), atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n=st.integers(1, 5), v=st.integers(2, 6), seed=st.integers(0, 2**16), ignore=st.booleans())
+def test_cross_entropy(backend, n, v, seed, ignore):
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((2, n, v))
+    targets = rng.integers(0, v, (2, n))
+    if ignore:
+        targets[0, 0] = -1
+    gradcheck(lambda x: ops.cross_entropy(x, targets), [logits], backend=backend)
+    # and it is the mean NLL of log_softmax
+    from minidist.tensor import Tensor
+
+    logp = np.asarray(ops.log_softmax(Tensor(logits)).data)
+    valid = targets != -1
+    expected = -np.take_along_axis(logp, np.where(valid, targets, 0)[..., None], -1)[..., 0][valid].mean()
+    assert np.isclose(ops.cross_entropy(Tensor(logits), targets).item(), expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_is_seeded_and_differentiable(backend):
+    a = np.random.default_rng(0).standard_normal((4, 5))
+    fn = lambda x: ops.dropout(x, 0.3, np.random.default_rng(7))  # noqa: E731
+    gradcheck(fn, [a], backend=backend)
+    from minidist.tensor import Tensor
+
+    first, second = fn(Tensor(a)).numpy(), fn(Tensor(a)).numpy()
+    np.testing.assert_array_equal(first, second)
+    kept = first != 0
+    np.testing.assert_allclose(first[kept], a[kept] / 0.7)
+    assert 0 < kept.sum() < a.size
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cast_keeps_dtypes_explicit(backend):
+    a = np.random.default_rng(0).standard_normal((3, 3))
+    gradcheck(lambda x: ops.cast(ops.cast(x, np.float32), np.float64), [a], backend=backend, atol=1e-3,
+              rtol=1e-3, eps=1e-3)
+    from minidist.backend import get_backend
+    from minidist.tensor import Tensor
+
+    t = Tensor(get_backend(backend).from_host(a.astype(np.float32)))
+    assert (t * 2.0 + 1).dtype == np.float32

@@ -1,0 +1,142 @@
+"""Pipeline schedules as data: the simulator proves them deadlock-free and checks bubble and memory."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minidist.parallel.schedule import (
+    Backward,
+    Forward,
+    OptimizerStep,
+    RecvAct,
+    RecvGrad,
+    ScheduleError,
+    SendAct,
+    SendGrad,
+    SendRecv,
+    gpipe,
+    interleaved_1f1b,
+    interleaved_warmup,
+    one_f_one_b,
+    peer_of,
+)
+from minidist.parallel.simulate import DeadlockError, ascii_timeline, bubble_formula, simulate, validate
+
+fast = settings(max_examples=25, deadline=None, derandomize=True)
+stages = st.integers(1, 8)
+microbatches = st.integers(1, 16)
+
+
+def _order_checks(schedule, v=1):
+    """Each stage: every (mb, chunk) forward once then backward once; first/last stage talk one way."""
+    p = len(schedule)
+    m = 1 + max(i.mb for ops in schedule for i in ops if isinstance(i, Forward))
+    for s, ops in enumerate(schedule):
+        fwd = [(i.mb, i.chunk) for i in ops if isinstance(i, Forward)]
+        bwd = [(i.mb, i.chunk) for i in ops if isinstance(i, Backward)]
+        assert sorted(fwd) == sorted(bwd) == [(mb, c) for mb in range(m) for c in range(v)]
+        for key in fwd:
+            assert ops.index(Forward(*key)) < ops.index(Backward(*key))
+        assert ops[-1] == OptimizerStep()
+        flat = [x for i in ops for x in (i.ops if isinstance(i, SendRecv) else (i,))]
+        if v == 1 and s == 0:
+            assert not any(isinstance(i, (RecvAct, SendGrad)) for i in flat)
+        if v == 1 and s == p - 1:
+            assert not any(isinstance(i, (SendAct, RecvGrad)) for i in flat)
+
+
+@fast
+@given(stages, microbatches, st.integers(1, 3), st.integers(1, 3))
+def test_gpipe_and_1f1b_simulate_with_textbook_bubble_and_memory(p, m, f, b):
+    for make in (gpipe, one_f_one_b):
+        schedule = make(p, m)
+        _order_checks(schedule)
+        result = simulate(schedule, fwd_time=f, bwd_time=b)  # raises if it deadlocks
+        assert result.makespan == (m + p - 1) * (f + b)
+        assert result.bubble == pytest.approx(bubble_formula(p, m), abs=1e-12)
+    assert simulate(gpipe(p, m)).peak_activations == [m] * p
+    assert simulate(one_f_one_b(p, m)).peak_activations == [min(m, p - s) for s in range(p)]
+
+
+@fast
+@given(st.integers(2, 6), st.integers(1, 4), st.integers(1, 3))
+def test_interleaved_1f1b_bubble_and_memory(p, groups, v):
+    m = groups * p
+    schedule = interleaved_1f1b(p, m, v)
+    _order_checks(schedule, v)
+    result = simulate(schedule, fwd_time=1.0, bwd_time=1.0)
+    assert result.bubble == pytest.approx(bubble_formula(p, m, v), abs=1e-12)
+    assert result.peak_activations == [min(interleaved_warmup(p, m, v, s) + 1, m * v) for s in range(p)]
+    simulate(schedule, fwd_time=1.0, bwd_time=2.0, comm_time=0.25)  # no deadlock with other costs either
+
+
+def test_interleaving_shrinks_the_bubble():
+    assert simulate(interleaved_1f1b(4, 8, 2), 1, 1).bubble < simulate(one_f_one_b(4, 8), 1, 1).bubble
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (3, 5), (4, 8)])
+def test_sending_the_gradient_first_deadlocks(p, m):
+    schedule = one_f_one_b(p, m)
+    ops = schedule[1]
+    k = next(k for k in range(len(ops) - 1)
+             if isinstance(ops[k], RecvAct) and isinstance(ops[k + 1], SendGrad))
+    ops[k], ops[k + 1] = ops[k + 1], ops[k]
+    with pytest.raises(DeadlockError, match="stage 0 blocked at SendAct") as info:
+        simulate(schedule)
+    assert isinstance(info.value.blocked[1], SendGrad)
+
+
+def test_comm_time_delays_the_pipeline():
+    assert simulate(gpipe(3, 4), comm_time=0.5).makespan > simulate(gpipe(3, 4)).makespan
+
+
+def test_peers_and_ring_of_interleaved():
+    assert peer_of(SendAct(0), 1, 4) == 2 and peer_of(RecvGrad(0), 1, 4) == 2
+    assert peer_of(SendGrad(0), 1, 4) == 0 and peer_of(RecvAct(0), 1, 4) == 0
+    assert peer_of(SendAct(0, chunk=0), 3, 4) == 0  # last stage's chunk 0 feeds stage 0's chunk 1
+    assert peer_of(RecvAct(0, chunk=1), 0, 4) == 3
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: gpipe(0, 4), "num_stages must be an int >= 1"),
+    (lambda: one_f_one_b(2, 0), "num_microbatches must be an int >= 1"),
+    (lambda: interleaved_1f1b(4, 6, 2), "multiple of num_stages=4, got 6; use 4 or 8"),
+    (lambda: interleaved_1f1b(1, 4, 2), "num_stages >= 2"),
+    (lambda: interleaved_1f1b(2, 4, 0), "chunks must be"),
+])
+def test_bad_requests_raise_clear_errors(call, match):
+    with pytest.raises(ScheduleError, match=match):
+        call()
+
+
+def test_validate_rejects_broken_schedules():
+    with pytest.raises(ScheduleError, match="backward before the forward"):
+        validate([[Backward(0), Forward(0)]])
+    with pytest.raises(ScheduleError, match="needs an earlier RecvAct"):
+        validate([[Forward(0), SendAct(0), RecvGrad(0), Backward(0)], [Forward(0), Backward(0), SendGrad(0)]])
+    with pytest.raises(ScheduleError, match="no Backward"):
+        validate([[Forward(0), Forward(1), Backward(0)]])
+    with pytest.raises(ScheduleError, match="no virtual stage 1"):
+        validate([[Forward(0), SendAct(0), Backward(0)]])
+    with pytest.raises(ScheduleError, match=r"sends before its Forward\(mb=0, chunk=0\)"):
+        validate([[SendAct(0), Forward(0), RecvGrad(0), Backward(0)], [RecvAct(0), Forward(0), Backward(0)]])
+    with pytest.raises(ScheduleError, match="runs twice"):
+        validate([[Forward(0), Forward(0), Backward(0)]])
+
+
+@fast
+@given(stages, microbatches)
+def test_ascii_timeline_has_one_row_per_stage(p, m):
+    text = ascii_timeline(simulate(one_f_one_b(p, m)), width=80)
+    rows = text.splitlines()
+    assert len(rows) == p
+    assert all(row.startswith(f"stage {s}") for s, row in enumerate(rows))
+    assert len({len(row) for row in rows}) == 1
+    assert rows[0].split("|")[1].startswith("F")
+    assert "B" in rows[-1]
+
+
+def test_ascii_timeline_shows_microbatch_digits_and_the_bubble():
+    rows = ascii_timeline(simulate(gpipe(2, 2), fwd_time=1, bwd_time=2), width=27).splitlines()
+    assert rows[0] == "stage 0 |F0fF1f.........B0bbbbB1bbbb|"
+    assert rows[1] == "stage 1 |...F0fF1fB0bbbbB1bbbb......|"
