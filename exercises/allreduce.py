@@ -1,0 +1,51 @@
+"""Exercise 2: write all-reduce from point-to-point messages.
+
+Each function is SPMD code for ONE rank: it is called on every rank of ``comm`` with that rank's
+array ``x`` (a 1-D NumPy array, any length, any number of ranks p >= 1) and returns a new array.
+Use only ``comm.rank``, ``comm.size``, ``comm.send(x, dest)``, ``comm.recv(source)`` and
+``comm.sendrecv(x, dest, source)`` (see minidist/comm/communicator.py), and NumPy.
+
+Grade it:  python -m minidist.grade allreduce
+The grader runs your functions on 1..8 thread ranks, compares with ``np.sum`` of every rank's x,
+and reads the ledger: how many messages and bytes each rank sent. Lesson: lessons/02-allreduce.md.
+"""
+
+import numpy as np  # noqa: F401  (you will need it)
+
+
+def ring_all_reduce(comm, x):
+    """Sum of every rank's ``x``, on every rank, by the ring algorithm.
+
+    Split x into p chunks with ``np.array_split`` (lengths need not divide by p). Then:
+    * reduce-scatter, p-1 steps: at step s send chunk (rank - s) % p to the right neighbour
+      (rank + 1) % p, receive chunk (rank - s - 1) % p from the left neighbour and add it to
+      yours. Afterwards you hold the complete sum of chunk (rank + 1) % p.
+    * all-gather, p-1 steps: pass the completed chunks round the ring the same way, replacing
+      (not adding) what you receive.
+    Each rank sends exactly 2(p-1) messages and about 2(p-1)/p * x.nbytes bytes.
+    Use ``comm.sendrecv`` for each step (a plain send-then-recv in a ring can deadlock).
+    """
+    raise NotImplementedError
+
+
+def recursive_doubling_all_reduce(comm, x):
+    """Sum of every rank's ``x``, on every rank, in about log2(p) steps (whole arrays each step).
+
+    For p a power of two: at step k (distance d = 2**k) exchange your current sum with rank
+    ``rank ^ d`` and add. For other p, let q be the largest power of two <= p and rem = p - q:
+    first each even rank r < 2*rem sends x to r+1 and waits; the other q ranks run the power-of-two
+    algorithm (renumbered 0..q-1); finally each odd rank r < 2*rem sends the result back to r-1.
+    Each rank sends at most log2(q) + 1 messages.
+    """
+    raise NotImplementedError
+
+
+def tree_broadcast(comm, x, root=0):
+    """Root's ``x`` on every rank, along a binomial tree (non-roots pass None).
+
+    Number ranks relative to the root: v = (rank - root) % p. A non-root receives once, from
+    v minus its lowest set bit; then every rank sends to v + 2**k for each 2**k below its lowest
+    set bit (the root: every 2**k < p), if v + 2**k < p. Every rank sends at most ceil(log2 p)
+    messages; the whole broadcast takes ceil(log2 p) rounds instead of the p-1 of a loop at the root.
+    """
+    raise NotImplementedError

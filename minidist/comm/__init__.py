@@ -1,0 +1,52 @@
+"""Communication: one Communicator interface, transports, collectives, ledger, process groups.
+
+* ``Communicator`` (communicator.py) -- point-to-point on any transport; ``ThreadComm``
+  (threads.py: ranks as threads) and ``MPIComm`` (mpi.py: ranks as MPI processes).
+* ``run(fn, ranks)`` (launch.py) -- run SPMD code on every rank with the right transport.
+* collectives.py -- ring / recursive-doubling / tree / naive all-reduce, broadcast, reduce,
+  all-gather, reduce-scatter, all-to-all, gather, scatter, async versions: all on point-to-point.
+* ledger.py -- bytes, messages and steps per rank and per call: ``with measure(comm) as m``.
+* mesh.py -- ``Mesh(comm, dp, pp, tp)``; debug.py -- ``MINIDIST_DEBUG=1`` call checks.
+"""
+
+from minidist.comm.collectives import (
+    all_gather,
+    all_gather_async,
+    all_reduce,
+    all_reduce_async,
+    all_to_all,
+    broadcast,
+    gather,
+    mpi_all_reduce,
+    naive_all_reduce,
+    recursive_doubling_all_reduce,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_async,
+    ring_all_reduce,
+    scatter,
+    tree_all_reduce,
+)
+from minidist.comm.communicator import CommError, CommTimeout, Communicator, RankAborted, Request
+from minidist.comm.debug import CollectiveMismatch
+from minidist.comm.handles import Handle
+from minidist.comm.launch import run, under_mpi, world
+from minidist.comm.ledger import CallRecord, Ledger, measure
+from minidist.comm.mesh import Mesh
+from minidist.comm.threads import ThreadComm
+
+__all__ = [
+    "CallRecord", "CollectiveMismatch", "CommError", "CommTimeout", "Communicator", "Handle", "Ledger",
+    "Mesh", "RankAborted", "Request", "ThreadComm", "all_gather", "all_gather_async", "all_reduce",
+    "all_reduce_async", "all_to_all", "broadcast", "gather", "measure", "mpi_all_reduce",
+    "naive_all_reduce", "recursive_doubling_all_reduce", "reduce", "reduce_scatter",
+    "reduce_scatter_async", "ring_all_reduce", "run", "scatter", "tree_all_reduce", "under_mpi", "world",
+]
+
+
+def __getattr__(name):  # MPIComm imports mpi4py lazily: only when asked for
+    if name == "MPIComm":
+        from minidist.comm.mpi import MPIComm
+
+        return MPIComm
+    raise AttributeError(name)

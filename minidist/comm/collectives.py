@@ -1,0 +1,526 @@
+"""Collectives built from point-to-point messages: each one a short function a lesson can show.
+
+Every function is SPMD code for one rank: call it on every rank of ``comm`` with that rank's
+array. Arrays of any backend come in; the algorithm runs on NumPy host buffers (what transports
+move) and the result goes back in the caller's backend. Results are new arrays (functional).
+
+=====================================  =============================  ====================
+collective                             bytes sent per rank (N bytes)  steps (rounds)
+=====================================  =============================  ====================
+ring_all_reduce                        2(p-1)/p N  [1]                2(p-1)
+recursive_doubling_all_reduce          N log2 p  (p a power of 2)     log2 p (+2 if not)
+halving_doubling_all_reduce            2(p-1)/p N  (p a power of 2)   2 log2 p (+2 if not)
+tree_all_reduce (reduce + broadcast)   <= 2 N ceil(log2 p)            2 ceil(log2 p)
+naive_all_reduce (gather + broadcast)  root (p-1) N, others N         2(p-1)
+reduce_scatter (ring)                  (p-1)/p N  [2]                 p-1
+all_gather (ring)                      (p-1)/p N  (N = output size)   p-1
+=====================================  =============================  ====================
+
+[1] exactly ``2N - |c_r| - |c_{r+1}|`` with ``c = np.array_split(x.ravel(), p)`` in bytes: rank r
+    sends every chunk but its own in reduce-scatter and every chunk but ``r+1`` in all-gather.
+[2] exactly ``N - |c_r|``.
+
+Collectives run on a private twin of ``comm`` (``comm.derived("coll")``) so they never match a
+user's point-to-point messages. In debug mode every call first checks that all ranks agree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minidist.backend import backend_of, get_backend
+from minidist.comm import tracing
+from minidist.comm.debug import check_same_call
+from minidist.comm.ledger import CallRecord, current_call, set_current_call
+
+OPS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
+ALGORITHMS = ("auto", "ring", "recursive_doubling", "halving_doubling", "tree", "naive", "mpi")
+SMALL_MESSAGE = 64 * 1024  # bytes: below this "auto" picks recursive doubling (latency), else ring
+TAG = 1
+_NUMPY = get_backend("numpy")
+
+
+# -- plumbing shared by every collective ---------------------------------------------------------
+
+def _check_op(comm, op, dtype):
+    if op not in OPS:
+        raise ValueError(f"rank {comm.rank}: unknown op {op!r}; use one of {', '.join(OPS)}")
+    if op == "mean" and not np.issubdtype(dtype, np.inexact):
+        raise TypeError(f"rank {comm.rank}: op='mean' needs a floating dtype, got {dtype}; use op='sum'")
+
+
+def _backend(comm, x):
+    """The backend to return results in: the rank's own (device-bound) one if x is of that kind."""
+    if type(x) is np.ndarray:
+        return comm.backend if comm.backend.name == "numpy" else _NUMPY
+    be = backend_of(x)
+    return comm.backend if comm.backend.name == be.name else be
+
+
+class collective:
+    """``with collective(comm, name, x, op=...) as (c, rec):`` opens one collective call.
+
+    Counts the call (``comm.seq``), opens its ledger record (the algorithm calls ``rec.step()``),
+    in debug mode checks that every rank makes the same call (name, seq, shape, dtype, extras),
+    records a trace span, and hands out ``c``: the private twin of ``comm`` to talk on.
+    A collective called inside another (ring all-reduce's phases) joins the outer call.
+    (A class, not a generator: it runs on every call, and must stay cheap.)
+    """
+
+    def __init__(self, comm, name: str, x=None, shape_key=None, **extra):
+        self.comm, self.name, self.x, self.shape_key, self.extra = comm, name, x, shape_key, extra
+
+    def signature(self) -> dict:
+        sig = {"collective": self.name, "seq": self.comm.seq}
+        x = self.x
+        if x is not None:
+            shape = tuple(np.shape(x))
+            sig["shape"] = shape if self.shape_key is None else self.shape_key(shape)
+            sig["dtype"] = str(x.dtype)
+        return sig | self.extra
+
+    def __enter__(self):
+        comm = self.comm
+        c = comm._derived.get("coll") or comm.derived("coll")
+        outer = current_call()
+        if outer is not None:
+            self.rec = None
+            return c, outer
+        comm.seq += 1
+        self.rec = rec = CallRecord(self.name)
+        self.span = tracing.span(self.name, "collective")
+        self.span.__enter__()
+        set_current_call(rec)
+        comm.note((self.name, comm.seq))
+        if comm.debug and comm.size > 1:
+            try:
+                check_same_call(comm, self.signature())
+            except BaseException:
+                self.__exit__(None, None, None)
+                raise
+        return c, rec
+
+    def __exit__(self, *exc):
+        if self.rec is not None:
+            set_current_call(None)
+            self.comm.ledger.finish_call(self.rec)
+            self.span.__exit__(*exc)
+        return False
+
+
+def _scratch(c, n: int, dtype) -> np.ndarray:
+    """A reusable work buffer of ``n`` elements (fresh large arrays cost page faults every call)."""
+    cache = c.__dict__.setdefault("_scratch", {})
+    buf = cache.get(dtype)
+    if buf is None or buf.size < n:
+        buf = cache[dtype] = np.empty(n, dtype)
+    return buf[:n]
+
+
+def _finish(buf: np.ndarray, op: str, p: int) -> np.ndarray:
+    if op == "mean":
+        buf /= p
+    return buf
+
+
+# -- ring: reduce-scatter then all-gather (bandwidth optimal) -------------------------------------
+
+def ring_chunks(rank: int, p: int, step: int, phase: str) -> tuple[int, int]:
+    """(chunk sent to the right, chunk received from the left) by ``rank`` at ``step`` of a ring phase.
+
+    reduce-scatter: send r-s-1, receive r-s-2 (and reduce it): rank r ends owning chunk r.
+    all-gather:     send r-s,   receive r-s-1 (and keep it):   everyone ends with every chunk.
+    """
+    shift = 1 if phase == "reduce-scatter" else 0
+    return (rank - step - shift) % p, (rank - step - shift - 1) % p
+
+
+def ring_reduce_scatter_chunks(c, chunks: list[np.ndarray], op: str, rec, src=None) -> None:
+    """On flat contiguous ``chunks`` (one per rank): afterwards chunk ``rank`` is fully reduced.
+
+    Step s: send chunk (r-s-1) to the right neighbour, receive chunk (r-s-2) from the left one
+    and combine it with our own. After p-1 steps chunk r has passed every rank once.
+    ``src``: this rank's own data, if not already in ``chunks`` (saves copying the input).
+    """
+    r, p = c.rank, c.size
+    right, left = (r + 1) % p, (r - 1) % p
+    src = chunks if src is None else src
+    tmp = _scratch(c, max(ch.size for ch in chunks), chunks[0].dtype)
+    for s in range(p - 1):
+        send_i, recv_i = ring_chunks(r, p, s, "reduce-scatter")
+        incoming = tmp[:chunks[recv_i].size]
+        c.sendrecv_buffer((src if s == 0 else chunks)[send_i], right, incoming, left, TAG)
+        OPS[op](src[recv_i], incoming, out=chunks[recv_i])
+        rec.step()
+
+
+def ring_all_gather_chunks(c, chunks: list[np.ndarray], rec) -> None:
+    """In place: rank r owns chunk r; after p-1 steps of pass-to-the-right every rank has all."""
+    r, p = c.rank, c.size
+    right, left = (r + 1) % p, (r - 1) % p
+    for s in range(p - 1):
+        send_i, recv_i = ring_chunks(r, p, s, "all-gather")
+        c.sendrecv_buffer(chunks[send_i], right, chunks[recv_i], left, TAG)
+        rec.step()
+
+
+def ring_all_reduce(comm, x, op: str = "sum"):
+    """Ring all-reduce: reduce-scatter, then all-gather, over ``np.array_split`` chunks of x."""
+    with collective(comm, "ring_all_reduce", x, op=op) as (c, rec):
+        be = _backend(comm, x)
+        src = np.ascontiguousarray(be.to_host(x)).reshape(-1)
+        _check_op(comm, op, src.dtype)
+        out = np.empty_like(src)  # the result: chunks are reduced straight from src into it
+        if c.size == 1:
+            out[...] = src
+        else:
+            chunks = np.array_split(out, c.size)
+            ring_reduce_scatter_chunks(c, chunks, op, rec, src=np.array_split(src, c.size))
+            ring_all_gather_chunks(c, chunks, rec)
+        return be.from_host(_finish(out, op, c.size).reshape(np.shape(x)))
+
+
+def reduce_scatter(comm, x, op: str = "sum", axis: int = 0):
+    """Split x along ``axis`` like ``np.array_split`` into p chunks; return this rank's chunk reduced
+    over all ranks (ring, p-1 steps, sends ``N - |chunk_r|`` bytes)."""
+    with collective(comm, "reduce_scatter", x, op=op, axis=axis) as (c, rec):
+        be = _backend(comm, x)
+        h = be.to_host(x)
+        _check_op(comm, op, h.dtype)
+        front = np.array(np.moveaxis(h, axis, 0), order="C", copy=True)  # chunks become contiguous
+        chunks = np.array_split(front, c.size, axis=0)
+        if c.size > 1:
+            ring_reduce_scatter_chunks(c, [ch.reshape(-1) for ch in chunks], op, rec)
+        mine = _finish(chunks[c.rank], op, c.size)
+        return be.from_host(np.ascontiguousarray(np.moveaxis(mine, 0, axis)))
+
+
+def all_gather(comm, x, axis: int = 0):
+    """Concatenate every rank's x along ``axis`` (sizes along ``axis`` may differ): ring, p-1 steps."""
+    def shape_key(shape):  # every rank's shape must agree except along `axis`
+        return shape[:axis % len(shape)] + shape[axis % len(shape) + 1:] if shape else shape
+
+    with collective(comm, "all_gather", x, shape_key=shape_key, axis=axis) as (c, rec):
+        be = _backend(comm, x)
+        parts = [None] * c.size
+        parts[c.rank] = np.ascontiguousarray(be.to_host(x))
+        r, p = c.rank, c.size
+        for s in range(p - 1):
+            send_i, recv_i = (r - s) % p, (r - s - 1) % p
+            parts[recv_i] = c._sendrecv_host(parts[send_i], (r + 1) % p, (r - 1) % p, TAG)
+            rec.step()
+        return be.from_host(np.concatenate(parts, axis=axis))
+
+
+# -- recursive doubling (latency optimal: log2 p steps, any p) ------------------------------------
+
+def recursive_doubling_all_reduce(comm, x, op: str = "sum"):
+    """Partners at distance 1, 2, 4, ... swap whole arrays and combine: log2 p steps.
+
+    For p not a power of two, the first 2*rem ranks (rem = p - 2**floor(log2 p)) pair up first:
+    even ranks hand their array to the odd neighbour and sit out, getting the result at the end.
+    """
+    with collective(comm, "recursive_doubling_all_reduce", x, op=op) as (c, rec):
+        be = _backend(comm, x)
+        buf = np.array(be.to_host(x), copy=True).reshape(-1)
+        _check_op(comm, op, buf.dtype)
+        r, p = c.rank, c.size
+        pof2 = 1 << (p.bit_length() - 1)
+        rem, tmp, rounds = p - pof2, _scratch(c, buf.size, buf.dtype), pof2.bit_length() - 1
+        fn = OPS[op]
+        vrank = _fold_in(c, buf, tmp, fn, rem)
+        if vrank >= 0:
+            mask = 1
+            while mask < pof2:
+                vpeer = vrank ^ mask
+                peer = 2 * vpeer + 1 if vpeer < rem else vpeer + rem
+                c.sendrecv_buffer(buf, peer, tmp, peer, TAG)
+                fn(tmp, buf, out=buf) if peer < r else fn(buf, tmp, out=buf)  # lower rank first
+                mask <<= 1
+        _fold_out(c, buf, rem)
+        rec.step(rounds + (2 if rem else 0))  # rounds of the algorithm (idle ones included)
+        return be.from_host(_finish(buf, op, p).reshape(np.shape(x)))
+
+
+# -- halving-doubling (Rabenseifner): the ring's bytes in 2 log2 p steps ---------------------------
+
+def halving_doubling_all_reduce(comm, x, op: str = "sum"):
+    """Reduce-scatter by recursive halving, then all-gather by recursive doubling.
+
+    Step k of the first half: swap half of the part you still own with the partner 2**k away
+    (farthest first) and reduce the half you keep; after log2 p steps you own one chunk, fully
+    reduced. The second half retraces the steps, doubling what you own. Bytes as the ring,
+    2(p-1)/p N for p a power of two, but in 2 log2 p steps instead of 2(p-1): better when latency
+    (or a crowded CPU) dominates. Other p: the extra ranks fold in first, as in recursive doubling.
+    """
+    with collective(comm, "halving_doubling_all_reduce", x, op=op) as (c, rec):
+        be = _backend(comm, x)
+        buf = np.array(be.to_host(x), copy=True).reshape(-1)
+        _check_op(comm, op, buf.dtype)
+        p, fn = c.size, OPS[op]
+        q = 1 << (p.bit_length() - 1)
+        rem, logq = p - q, q.bit_length() - 1
+        tmp = _scratch(c, buf.size, buf.dtype)
+        vrank = _fold_in(c, buf, tmp, fn, rem)
+
+        def real(v):
+            return 2 * v + 1 if v < rem else v + rem
+
+        if vrank >= 0:
+            bounds = np.cumsum([0] + [len(a) for a in np.array_split(np.empty(buf.size, bool), q)])
+            lo, hi, mask = 0, q, q >> 1
+            while mask:                          # reduce-scatter: halve what I own each step
+                mid, peer = (lo + hi) // 2, real(vrank ^ mask)
+                low = not vrank & mask           # the lower partner keeps the lower half
+                (klo, khi), (slo, shi) = ((lo, mid), (mid, hi)) if low else ((mid, hi), (lo, mid))
+                keep, incoming = buf[bounds[klo]:bounds[khi]], tmp[:bounds[khi] - bounds[klo]]
+                c.sendrecv_buffer(buf[bounds[slo]:bounds[shi]], peer, incoming, peer, TAG)
+                fn(keep, incoming, out=keep)
+                lo, hi, mask = klo, khi, mask >> 1
+            mask = 1
+            while mask < q:                      # all-gather: double what I own each step
+                width, peer = hi - lo, real(vrank ^ mask)
+                plo, phi = (hi, hi + width) if not vrank & mask else (lo - width, lo)
+                c.sendrecv_buffer(buf[bounds[lo]:bounds[hi]], peer, buf[bounds[plo]:bounds[phi]], peer, TAG)
+                lo, hi, mask = min(lo, plo), max(hi, phi), mask << 1
+        _fold_out(c, buf, rem)
+        rec.step(2 * logq + (2 if rem else 0))
+        return be.from_host(_finish(buf, op, p).reshape(np.shape(x)))
+
+
+def _fold_in(c, buf, tmp, fn, rem) -> int:
+    """p not a power of two: even ranks below 2*rem hand their array to the odd neighbour and sit
+    out (returns -1); the others get virtual ranks 0..q-1."""
+    r = c.rank
+    if r >= 2 * rem:
+        return r - rem
+    if r % 2 == 0:
+        c.send_buffer(buf, r + 1, TAG)
+        return -1
+    incoming = tmp[:buf.size]
+    c.recv_buffer(incoming, r - 1, TAG)
+    fn(incoming, buf, out=buf)
+    return r // 2
+
+
+def _fold_out(c, buf, rem) -> None:
+    """Hand the result back to the ranks that sat out."""
+    r = c.rank
+    if r < 2 * rem:
+        if r % 2 == 1:
+            c.send_buffer(buf, r - 1, TAG)
+        else:
+            c.recv_buffer(buf, r + 1, TAG)
+
+
+# -- binomial trees: reduce to a root, broadcast from it ------------------------------------------
+
+def _rounds(p: int) -> int:
+    return (p - 1).bit_length()  # ceil(log2 p)
+
+
+def tree_reduce_host(c, buf: np.ndarray, op: str, root: int, rec) -> None:
+    """Binomial tree, in place on ``buf``: in round k, ranks with bit k set (relative to root) send
+    to the rank 2**k below and drop out. The root ends with the reduction."""
+    p, vr = c.size, (c.rank - root) % c.size
+    tmp, mask, fn = np.empty_like(buf), 1, OPS[op]
+    while mask < p:
+        if vr & mask:
+            c.send_buffer(buf, (vr - mask + root) % p, TAG)
+            break
+        if vr + mask < p:
+            c.recv_buffer(tmp, (vr + mask + root) % p, TAG)
+            fn(buf, tmp, out=buf)
+        mask <<= 1
+    rec.step(_rounds(p))
+
+
+def tree_broadcast_host(c, buf: np.ndarray | None, root: int, rec, header: bool) -> np.ndarray:
+    """Binomial tree: receive from the parent (lowest set bit of the relative rank), then send to
+    the children 2**k above for every lower k. ``header``: receivers learn shape and dtype."""
+    p, vr, mask = c.size, (c.rank - root) % c.size, 1
+    while mask < p:
+        if vr & mask:
+            src = (vr - mask + root) % p
+            if header:
+                buf = c._sendrecv_host(None, None, src, TAG, out=buf)
+            else:
+                c.recv_buffer(buf, src, TAG)
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask > 0:
+        if vr + mask < p:
+            c._isend_host(buf, (vr + mask + root) % p, TAG, header=header).wait()
+        mask >>= 1
+    rec.step(_rounds(p))
+    return buf
+
+
+def broadcast(comm, x, root: int = 0):
+    """Root's x on every rank (binomial tree). Non-roots may pass None (they learn the shape) or
+    an array of the right shape and dtype."""
+    with collective(comm, "broadcast", root=root) as (c, rec):
+        root = c._check_peer(root, "root")
+        if c.rank == root and x is None:
+            raise ValueError(f"rank {root}: broadcast root must pass an array, got None")
+        be = c.backend if x is None else _backend(comm, x)
+        h = None if x is None else np.ascontiguousarray(be.to_host(x))
+        if h is not None and c.rank != root:
+            h = np.array(h, copy=True)
+        return be.from_host(tree_broadcast_host(c, h, root, rec, header=True))
+
+
+def reduce(comm, x, op: str = "sum", root: int = 0):
+    """The reduction of every rank's x, on ``root`` (binomial tree); None on the other ranks."""
+    with collective(comm, "reduce", x, op=op, root=root) as (c, rec):
+        root = c._check_peer(root, "root")
+        be = _backend(comm, x)
+        buf = np.array(be.to_host(x), copy=True)
+        _check_op(comm, op, buf.dtype)
+        tree_reduce_host(c, buf.reshape(-1), op, root, rec)
+        return be.from_host(_finish(buf, op, c.size)) if c.rank == root else None
+
+
+def tree_all_reduce(comm, x, op: str = "sum"):
+    """Tree reduce to rank 0, then tree broadcast from it: 2 ceil(log2 p) steps."""
+    with collective(comm, "tree_all_reduce", x, op=op) as (c, rec):
+        be = _backend(comm, x)
+        buf = np.array(be.to_host(x), copy=True).reshape(-1)
+        _check_op(comm, op, buf.dtype)
+        tree_reduce_host(c, buf, op, 0, rec)
+        tree_broadcast_host(c, buf, 0, rec, header=False)
+        return be.from_host(_finish(buf, op, c.size).reshape(np.shape(x)))
+
+
+def naive_all_reduce(comm, x, op: str = "sum"):
+    """Everyone sends to rank 0, which reduces in rank order and sends the result to everyone:
+    the root moves (p-1) N bytes each way, one message at a time: 2(p-1) steps."""
+    with collective(comm, "naive_all_reduce", x, op=op) as (c, rec):
+        be = _backend(comm, x)
+        buf = np.array(be.to_host(x), copy=True).reshape(-1)
+        _check_op(comm, op, buf.dtype)
+        if c.rank == 0:
+            tmp = np.empty_like(buf)
+            for r in range(1, c.size):
+                c.recv_buffer(tmp, r, TAG)
+                OPS[op](buf, tmp, out=buf)
+            for r in range(1, c.size):
+                c.send_buffer(buf, r, TAG)
+        elif c.size > 1:
+            c.send_buffer(buf, 0, TAG)
+            c.recv_buffer(buf, 0, TAG)
+        rec.step(2 * (c.size - 1))
+        return be.from_host(_finish(buf, op, c.size).reshape(np.shape(x)))
+
+
+# -- MPI's own, as the reference to beat --------------------------------------------------------
+
+def mpi_all_reduce(comm, x, op: str = "sum"):
+    """MPI's own ``Allreduce`` (buffer API) under MPI; on other transports the ring all-reduce.
+
+    Blocking inside MPI (no watchdog): it is the yardstick, not part of minidist's algorithms.
+    """
+    if comm.transport != "mpi":
+        return ring_all_reduce(comm, x, op)
+    from mpi4py import MPI
+
+    with collective(comm, "mpi_all_reduce", x, op=op) as (c, rec):
+        be = _backend(comm, x)
+        buf = np.array(be.to_host(x), copy=True)
+        _check_op(comm, op, buf.dtype)
+        mop = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+        c.mpi.Allreduce(MPI.IN_PLACE, buf, op=mop)
+        return be.from_host(_finish(buf, op, c.size))
+
+
+_BY_NAME = {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce,
+            "halving_doubling": halving_doubling_all_reduce,
+            "tree": tree_all_reduce, "naive": naive_all_reduce, "mpi": mpi_all_reduce}
+
+
+def choose_algorithm(nbytes: int, p: int) -> str:
+    """``auto``: recursive doubling below SMALL_MESSAGE bytes (few steps), ring above (few bytes)."""
+    return "recursive_doubling" if nbytes < SMALL_MESSAGE or p == 1 else "ring"
+
+
+def all_reduce(comm, x, op: str = "sum", algorithm: str = "auto"):
+    """The reduction (sum/mean/max/min) of every rank's x, on every rank."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"rank {comm.rank}: unknown algorithm {algorithm!r}; use one of {ALGORITHMS}")
+    if algorithm == "auto":
+        algorithm = choose_algorithm(x.nbytes, comm.size)
+    return _BY_NAME[algorithm](comm, x, op)
+
+
+# -- all-to-all, gather, scatter ----------------------------------------------------------------
+
+def all_to_all(comm, chunks: list) -> list:
+    """``chunks[j]`` goes to rank j; returns the list of what each rank sent to me (p-1 rounds:
+    in round s send to rank r+s, receive from rank r-s)."""
+    if len(chunks) != comm.size:
+        raise ValueError(f"rank {comm.rank}: all_to_all needs {comm.size} chunks (one per rank), "
+                         f"got {len(chunks)}")
+    with collective(comm, "all_to_all") as (c, rec):
+        be = _backend(comm, chunks[c.rank])
+        host = [np.ascontiguousarray(be.to_host(ch)) for ch in chunks]
+        out = [None] * c.size
+        out[c.rank] = np.array(host[c.rank], copy=True)
+        r, p = c.rank, c.size
+        for s in range(1, p):
+            out[(r - s) % p] = c._sendrecv_host(host[(r + s) % p], (r + s) % p, (r - s) % p, TAG)
+            rec.step()
+        return [be.from_host(o) for o in out]
+
+
+def gather(comm, x, root: int = 0) -> list | None:
+    """Every rank's x, as a list on ``root`` (shapes may differ); None elsewhere."""
+    with collective(comm, "gather", root=root) as (c, rec):
+        root = c._check_peer(root, "root")
+        be = _backend(comm, x)
+        h = np.ascontiguousarray(be.to_host(x))
+        rec.step(c.size - 1)
+        if c.rank != root:
+            c._isend_host(h, root, TAG, header=True).wait()
+            return None
+        return [be.from_host(np.array(h, copy=True) if r == root else
+                             c._irecv_host(r, TAG, None, header=True).wait()) for r in range(c.size)]
+
+
+def scatter(comm, chunks: list | None, root: int = 0):
+    """``chunks[j]`` (given on root) to rank j; non-roots pass None."""
+    with collective(comm, "scatter", root=root) as (c, rec):
+        root = c._check_peer(root, "root")
+        rec.step(c.size - 1)
+        if c.rank == root:
+            if chunks is None or len(chunks) != c.size:
+                raise ValueError(f"rank {root}: scatter root needs {c.size} chunks, got "
+                                 f"{None if chunks is None else len(chunks)}")
+            be = _backend(comm, chunks[root])
+            for r in range(c.size):
+                if r != root:
+                    c._isend_host(np.ascontiguousarray(be.to_host(chunks[r])), r, TAG, header=True).wait()
+            return be.from_host(np.array(be.to_host(chunks[root]), copy=True))
+        return c.backend.from_host(c._irecv_host(root, TAG, None, header=True).wait())
+
+
+# -- asynchronous versions ----------------------------------------------------------------------
+
+def all_reduce_async(comm, x, op: str = "sum", algorithm: str = "auto"):
+    """Start ``all_reduce`` in the background; ``.wait()`` on the returned Handle gives the result.
+    Don't modify x before waiting (NumPy arrays are read by the worker thread)."""
+    from minidist.comm.handles import start_async
+
+    return start_async(comm, all_reduce, x, op=op, algorithm=algorithm)
+
+
+def all_gather_async(comm, x, axis: int = 0):
+    from minidist.comm.handles import start_async
+
+    return start_async(comm, all_gather, x, axis=axis)
+
+
+def reduce_scatter_async(comm, x, op: str = "sum", axis: int = 0):
+    from minidist.comm.handles import start_async
+
+    return start_async(comm, reduce_scatter, x, op=op, axis=axis)

@@ -1,0 +1,72 @@
+"""Asynchronous collectives: start now, ``wait()`` later (data parallelism overlaps them with backward).
+
+Each communicator gets one worker thread (per rank) that runs queued collectives in the order they
+were started, on a private twin of the communicator (``comm.derived("async")``) so its messages
+never mix with the main thread's. Every rank must start the same async collectives in the same
+order, exactly like the blocking ones.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from minidist.backend import set_default_backend
+
+
+class Handle:
+    """The future result of an async collective. ``wait()`` returns it (or raises its error)."""
+
+    def __init__(self, comm, name: str):
+        self.comm, self.name = comm, name
+        self._done = threading.Event()
+        self._result = self._error = None
+
+    def test(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self):
+        start = time.monotonic()
+        while not self._done.wait(0.25):
+            if time.monotonic() - start > self.comm.timeout + 1:
+                raise self.comm.timeout_error(f"async {self.name} to finish", time.monotonic() - start)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class AsyncWorker:
+    """One background thread running one communicator's async collectives in order."""
+
+    def __init__(self, comm):
+        self.comm = comm.derived("async")  # collective: created at the first async call on every rank
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name=f"minidist-async-rank{comm.rank}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        set_default_backend(self.comm.backend)
+        while (job := self.jobs.get()) is not None:
+            handle, fn, args, kwargs = job
+            try:
+                handle._result = fn(self.comm, *args, **kwargs)
+            except BaseException as e:  # handed to whoever waits
+                handle._error = e
+            handle._done.set()
+
+    def submit(self, handle: Handle, fn, args, kwargs) -> Handle:
+        self.jobs.put((handle, fn, args, kwargs))
+        return handle
+
+    def stop(self):
+        self.jobs.put(None)
+        self.thread.join(timeout=5)
+
+
+def start_async(comm, fn, *args, **kwargs) -> Handle:
+    """Queue ``fn(twin, *args, **kwargs)`` on ``comm``'s worker; return its Handle."""
+    if comm.async_worker is None:
+        comm.async_worker = AsyncWorker(comm)
+    return comm.async_worker.submit(Handle(comm, fn.__name__), fn, args, kwargs)

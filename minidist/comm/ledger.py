@@ -1,0 +1,178 @@
+"""The ledger: what every rank really sent, so each textbook formula can be measured.
+
+Every transport calls :meth:`Ledger.count_send` / :meth:`Ledger.count_recv` for each payload
+message (array bytes only; the small shape/dtype headers are counted apart, in ``header_bytes``).
+Every collective opens a :class:`CallRecord` (name, bytes, steps) with :func:`collective_call`;
+its algorithm calls ``rec.step()`` once per communication round.
+
+Read it with ``with measure(comm) as m: ...`` then ``m.bytes_sent``, ``m.steps``, ``m.calls``.
+
+A sub-communicator's ledger has its parent's ledger as ``parent``: traffic on a tensor-parallel
+group shows up in that group's ledger *and* in the world's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+_active = threading.local()  # the CallRecord of the collective running on this thread (rank)
+
+
+@dataclass
+class CallRecord:
+    """One collective call on one rank: what it moved and in how many rounds."""
+
+    name: str
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages: int = 0
+    steps: int = 0
+    info: dict = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_sent
+
+    def step(self, n: int = 1) -> None:
+        self.steps += n
+
+
+class Ledger:
+    """Per-rank, per-communicator counters. Thread safe (async collectives count from a worker)."""
+
+    FIELDS = ("bytes_sent", "bytes_received", "messages", "messages_received", "steps",
+              "header_bytes")
+
+    def __init__(self, parent: Ledger | None = None):
+        self.parent = parent
+        self.bytes_sent = self.bytes_received = self.messages = self.messages_received = 0
+        self.steps = self.header_bytes = 0
+        self.calls: list[CallRecord] = []
+        self._lock = threading.Lock()
+
+    def _chain(self):
+        led = self
+        while led is not None:
+            yield led
+            led = led.parent
+
+    def count_send(self, nbytes: int) -> None:
+        for led in self._chain():
+            with led._lock:
+                led.bytes_sent += nbytes
+                led.messages += 1
+        rec = current_call()
+        if rec is not None:
+            rec.bytes_sent += nbytes
+            rec.messages += 1
+
+    def count_recv(self, nbytes: int) -> None:
+        for led in self._chain():
+            with led._lock:
+                led.bytes_received += nbytes
+                led.messages_received += 1
+        rec = current_call()
+        if rec is not None:
+            rec.bytes_received += nbytes
+
+    def count_sendrecv(self, sent: int, received: int) -> None:
+        """One message each way (the step of a ring or butterfly): count_send + count_recv."""
+        led = self
+        while led is not None:
+            with led._lock:
+                led.bytes_sent += sent
+                led.messages += 1
+                led.bytes_received += received
+                led.messages_received += 1
+            led = led.parent
+        rec = getattr(_active, "rec", None)
+        if rec is not None:
+            rec.bytes_sent += sent
+            rec.messages += 1
+            rec.bytes_received += received
+
+    def count_header(self, nbytes: int) -> None:
+        for led in self._chain():
+            with led._lock:
+                led.header_bytes += nbytes
+
+    def finish_call(self, rec: CallRecord) -> None:
+        for led in self._chain():
+            with led._lock:
+                led.steps += rec.steps
+                led.calls.append(rec)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {f: getattr(self, f) for f in self.FIELDS} | {"ncalls": len(self.calls)}
+
+    def __repr__(self):
+        return (f"<Ledger sent={self.bytes_sent}B recv={self.bytes_received}B msgs={self.messages} "
+                f"steps={self.steps} calls={len(self.calls)}>")
+
+
+def current_call() -> CallRecord | None:
+    return getattr(_active, "rec", None)
+
+
+def set_current_call(rec: CallRecord | None) -> None:
+    _active.rec = rec
+
+
+@contextlib.contextmanager
+def collective_call(comm, name: str, **info):
+    """Open the record of one collective on ``comm`` (nested collectives join the outer record)."""
+    outer = current_call()
+    if outer is not None:
+        yield outer
+        return
+    rec = CallRecord(name, info=info)
+    _active.rec = rec
+    try:
+        yield rec
+    finally:
+        _active.rec = None
+        comm.ledger.finish_call(rec)
+
+
+class Measurement:
+    """Differences of a ledger between entering and leaving a ``measure`` block."""
+
+    def __init__(self, ledger: Ledger):
+        self._ledger = ledger
+        self._start = ledger.snapshot()
+        self._end = None
+
+    def _get(self, f):
+        now = self._end if self._end is not None else self._ledger.snapshot()
+        return now[f] - self._start[f]
+
+    bytes_sent = property(lambda self: self._get("bytes_sent"))
+    bytes_received = property(lambda self: self._get("bytes_received"))
+    messages = property(lambda self: self._get("messages"))
+    steps = property(lambda self: self._get("steps"))
+    header_bytes = property(lambda self: self._get("header_bytes"))
+
+    @property
+    def calls(self) -> list[CallRecord]:
+        n = self._end["ncalls"] if self._end is not None else None
+        return self._ledger.calls[self._start["ncalls"]:n]
+
+    def freeze(self):
+        self._end = self._ledger.snapshot()
+
+    def __repr__(self):
+        return (f"<Measurement sent={self.bytes_sent}B received={self.bytes_received}B "
+                f"messages={self.messages} steps={self.steps} calls={[c.name for c in self.calls]}>")
+
+
+@contextlib.contextmanager
+def measure(comm):
+    """``with measure(comm) as m:`` -- bytes, messages, steps and calls of this rank inside the block."""
+    m = Measurement(comm.ledger)
+    try:
+        yield m
+    finally:
+        m.freeze()

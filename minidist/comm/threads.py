@@ -1,0 +1,156 @@
+"""The threads transport: N ranks as N threads of one Python process (no MPI needed).
+
+A message is a copy of the sender's NumPy buffer, dropped into the receiver's mailbox under
+the key (context, source, destination, tag) with a sequence number; receives take messages in
+the order they were posted, exactly as MPI matches them. A waiting rank sleeps on its own
+condition variable, so it costs no CPU. Sends never block (the mailbox is unbounded).
+
+``ThreadWorld`` is the shared state of one ``run()``: mailboxes, one condition per rank, each
+rank's last operation (for the watchdog) and the abort flag set when any rank fails.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from minidist.comm.communicator import Communicator, RankAborted, Request, format_op
+from minidist.comm.ledger import Ledger
+
+
+class ThreadWorld:
+    """What the ranks of one threads-transport run share."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.conds = [threading.Condition() for _ in range(size)]
+        self.box: dict = {}          # (key, seq) -> (array, had_header)
+        self.sent: dict = {}         # key -> number of messages sent on it
+        self.posted: dict = {}       # key -> number of receives posted on it
+        self.last_ops = ["start"] * size
+        self.failed: int | None = None  # the first rank that raised
+
+    def abort(self, rank: int) -> None:
+        if self.failed is None:
+            self.failed = rank
+        for c in self.conds:
+            with c:
+                c.notify_all()
+
+
+class _Done(Request):
+    def test(self):
+        return True
+
+    def wait(self):
+        return None
+
+
+class _ThreadRecv(Request):
+    def __init__(self, comm: ThreadComm, source: int, key, seq, out, header, count):
+        self.comm, self.source, self.key, self.seq = comm, source, key, seq
+        self.out, self.header, self.count = out, header, count
+        self.cond = comm.world.conds[comm.world_rank]
+        self.result = None
+
+    def test(self) -> bool:
+        if self.result is None:
+            with self.cond:
+                msg = self.comm.world.box.pop((self.key, self.seq), None)
+            if msg is not None:
+                self._deliver(*msg)
+        return self.result is not None
+
+    def wait(self):
+        world, start = self.comm.world, time.monotonic()
+        while not self.test():
+            with self.cond:
+                while (self.key, self.seq) not in world.box:
+                    if world.failed is not None:
+                        raise RankAborted(f"rank {self.comm.rank}: rank {world.failed} failed while this "
+                                          f"rank waited for a message from rank {self.source}")
+                    waited = time.monotonic() - start
+                    if waited > self.comm.timeout:
+                        raise self.comm.timeout_error(
+                            f"a message from rank {self.source} (tag {self.key[-1]})", waited)
+                    self.cond.wait(min(0.25, self.comm.timeout - waited + 1e-3))
+        return self.result
+
+    def _deliver(self, arr: np.ndarray, had_header: bool):
+        c = self.comm
+        if self.out is None:
+            self.result = arr
+        else:
+            if arr.size != self.out.size or (self.header and arr.shape != self.out.shape) or \
+                    arr.dtype != self.out.dtype:
+                raise ValueError(f"rank {c.rank}: received {arr.dtype}{list(arr.shape)} from rank "
+                                 f"{self.source} into a buffer of {self.out.dtype}{list(self.out.shape)}")
+            self.out[...] = arr.reshape(self.out.shape)
+            self.result = self.out
+        if self.count:
+            c.ledger.count_recv(arr.nbytes)
+
+
+class ThreadComm(Communicator):
+    """One rank's end of a group of threads. ``members`` are the world ranks of the group."""
+
+    transport = "threads"
+
+    def __init__(self, world: ThreadWorld, ctx: tuple, members: list[int], rank: int,
+                 backend=None, ledger: Ledger | None = None):
+        super().__init__(rank, len(members), backend, ledger)
+        self.world, self.ctx, self.members = world, ctx, members
+        self.world_rank = members[rank]
+        self._nsplit = 0
+
+    def note(self, op: str) -> None:
+        self.last_op = op
+        self.world.last_ops[self.world_rank] = op
+
+    def ranks_status(self) -> str:
+        return "\n".join(f"rank {r} (world rank {w}): {format_op(self.world.last_ops[w])}"
+                         for r, w in enumerate(self.members))
+
+    def _key(self, src: int, dst: int, tag: int):
+        return (self.ctx, self.members[src], self.members[dst], tag)
+
+    def _isend_host(self, buf, dest, tag, header, count=True) -> Request:
+        if self.world.failed is not None:
+            raise RankAborted(f"rank {self.rank}: rank {self.world.failed} failed; not sending to {dest}")
+        key = self._key(self.rank, dest, tag)
+        msg = (np.array(buf, copy=True), header)  # buffered: the sender may reuse its buffer at once
+        cond = self.world.conds[self.members[dest]]
+        with cond:
+            seq = self.world.sent.get(key, 0)
+            self.world.sent[key] = seq + 1
+            self.world.box[(key, seq)] = msg
+            cond.notify_all()
+        if count:
+            self.ledger.count_send(buf.nbytes)
+        if header:
+            self.ledger.count_header(8 * (4 + buf.ndim))  # what the MPI transport's header costs
+        return _Done()
+
+    def _irecv_host(self, source, tag, out, header, count=True) -> Request:
+        key = self._key(source, self.rank, tag)
+        with self.world.conds[self.world_rank]:
+            seq = self.world.posted.get(key, 0)
+            self.world.posted[key] = seq + 1
+        return _ThreadRecv(self, source, key, seq, out, header, count)
+
+    def _dup(self, name: str) -> ThreadComm:
+        return ThreadComm(self.world, (*self.ctx, "dup", name), self.members, self.rank,
+                          self.backend, self.ledger)
+
+    def split(self, color, key=0):
+        infos = self.allgather_obj((color, key))
+        self._nsplit += 1
+        if color is None or color < 0:
+            return None
+        group = sorted((k, r) for r, (c, k) in enumerate(infos) if c == color)
+        ranks = [r for _, r in group]
+        return ThreadComm(self.world, (*self.ctx, "split", self._nsplit, color),
+                          [self.members[r] for r in ranks], ranks.index(self.rank),
+                          self.backend, Ledger(parent=self.ledger))

@@ -1,0 +1,87 @@
+"""Run under ``mpirun -n P`` by test_mpirun.py: ``python mpi_program.py MODE``.
+
+check: every collective == NumPy, ledger == formula, p2p, split, mesh, async; prints "OK rank r".
+fail:  rank 1 raises -> the whole job must end (abort), not hang.
+stuck: rank 0 waits for a message never sent -> the watchdog fires (MINIDIST_TIMEOUT) and aborts.
+"""
+
+import sys
+
+import numpy as np
+
+from minidist.comm import (
+    Mesh,
+    all_gather,
+    all_reduce,
+    all_reduce_async,
+    all_to_all,
+    broadcast,
+    measure,
+    reduce_scatter,
+    ring_all_reduce,
+    run,
+)
+
+
+def check(comm):
+    p, r = comm.size, comm.rank
+    assert comm.transport == "mpi"
+    rng = np.random.default_rng(0)  # same stream on every rank: everyone knows everyone's input
+    for n in (0, 1, 7, 1000, 40_000):
+        for dtype in ("float32", "int64"):
+            xs = [(rng.standard_normal(n) * 10).astype(dtype) for _ in range(p)]
+            for op in ("sum", "max", "min"):
+                want = {"sum": np.sum, "max": np.max, "min": np.min}[op](np.stack(xs), axis=0).astype(dtype)
+                for algo in ("ring", "recursive_doubling", "tree", "naive", "mpi", "auto"):
+                    got = all_reduce(comm, xs[r], op=op, algorithm=algo)
+                    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3, err_msg=f"{algo} {op} {n}")
+    x = np.ones(p * 1000, np.float32)
+    with measure(comm) as m:
+        ring_all_reduce(comm, x)
+    assert m.bytes_sent == 2 * (p - 1) * x.nbytes // p and m.steps == 2 * (p - 1), m
+    rs = reduce_scatter(comm, np.arange(10.0).reshape(5, 2) + r, axis=1)
+    assert rs.shape == (5, len(np.array_split(range(2), p)[r]))
+    ag = all_gather(comm, np.full((r + 1, 2), r))
+    assert ag.shape == (p * (p + 1) // 2, 2) and ag[-1, 0] == p - 1
+    b = broadcast(comm, np.arange(3) if r == p - 1 else None, root=p - 1)
+    assert b.tolist() == [0, 1, 2]
+    t = all_to_all(comm, [np.array([r, j]) for j in range(p)])
+    assert [a.tolist() for a in t] == [[i, r] for i in range(p)]
+    h = [all_reduce_async(comm, np.full(5000, float(k))) for k in range(3)]
+    assert [float(hh.wait()[0]) for hh in h] == [float(k * p) for k in range(3)]
+    # large messages both ways at once (past MPI's eager limit): each rank's blocking send must
+    # still take in the message coming to it, or the exchange deadlocks
+    big = np.full(1 << 20, float(r))
+    got = comm.sendrecv(big, (r + 1) % p, (r - 1) % p)
+    assert got.shape == big.shape and got[0] == (r - 1) % p
+    assert all_gather(comm, big[: 300_000]).shape == (300_000 * p,)
+    reqs = [comm.irecv((r - 1) % p, tag=2) for _ in range(3)]
+    for k in range(3):
+        comm.send(np.full(k + 1, k), (r + 1) % p, tag=2)
+    assert [q.wait().tolist() for q in reqs] == [[k] * (k + 1) for k in range(3)]
+    if p % 2 == 0:
+        mesh = Mesh(comm, dp=p // 2, tp=2)
+        s = all_reduce(mesh.tp, np.array([r]))
+        assert s[0] == 2 * (r - r % 2) + 1
+    import ml_dtypes  # dtypes MPI doesn't know travel as bytes, with their name in the header
+
+    bf = comm.sendrecv(np.arange(3).astype(ml_dtypes.bfloat16), (r + 1) % p, (r - 1) % p)
+    assert bf.dtype == ml_dtypes.bfloat16 and bf.astype(float).tolist() == [0, 1, 2]
+    comm.barrier()
+    print(f"OK rank {r}", flush=True)
+
+
+def fail(comm):
+    if comm.rank == 1:
+        raise RuntimeError("deliberate failure on rank 1")
+    all_reduce(comm, np.ones(10))  # the others wait for rank 1
+
+
+def stuck(comm):
+    if comm.rank == 0:
+        comm.recv(comm.size - 1, tag=7)
+    comm.barrier()
+
+
+if __name__ == "__main__":
+    run({"check": check, "fail": fail, "stuck": stuck}[sys.argv[1]])

@@ -1,0 +1,113 @@
+"""The ledger equals the textbook formulas, exactly."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minidist.comm import (
+    Mesh,
+    all_gather,
+    all_reduce,
+    measure,
+    recursive_doubling_all_reduce,
+    reduce_scatter,
+    ring_all_reduce,
+    run,
+    tree_all_reduce,
+)
+
+FAST = settings(max_examples=15, deadline=None, derandomize=True)
+
+
+def measured(p, fn):
+    def body(comm):
+        with measure(comm) as m:
+            fn(comm)
+        return m
+    return run(body, ranks=p)
+
+
+@FAST
+@given(p=st.integers(2, 8), k=st.integers(1, 50), dtype=st.sampled_from(["float32", "float64", "int16"]))
+def test_ring_all_reduce_sends_2_p_minus_1_over_p_N_in_2_p_minus_1_steps(p, k, dtype):
+    x = np.ones(p * k, dtype)  # N divisible by p
+    N = x.nbytes
+    for m in measured(p, lambda comm: ring_all_reduce(comm, x)):
+        assert m.bytes_sent == 2 * (p - 1) * N // p == m.bytes_received
+        assert m.steps == 2 * (p - 1)
+        assert m.messages == 2 * (p - 1)
+        assert [c.name for c in m.calls] == ["ring_all_reduce"]
+        assert m.calls[0].bytes == m.bytes_sent and m.calls[0].steps == m.steps
+
+
+@FAST
+@given(p=st.integers(2, 8), n=st.integers(0, 40))
+def test_ring_uneven_chunks_formula(p, n):
+    """Rank r sends every chunk but r (reduce-scatter) and every chunk but r+1 (all-gather)."""
+    x = np.ones(n, np.float32)
+    sizes = [c.nbytes for c in np.array_split(x, p)]
+    for r, m in enumerate(measured(p, lambda comm: ring_all_reduce(comm, x))):
+        assert m.bytes_sent == 2 * x.nbytes - sizes[r] - sizes[(r + 1) % p]
+
+
+@FAST
+@given(p=st.integers(2, 8), k=st.integers(1, 30))
+def test_reduce_scatter_and_all_gather_send_p_minus_1_over_p_N(p, k):
+    x = np.ones((p * k, 3), np.float64)
+    N = x.nbytes
+    for m in measured(p, lambda comm: reduce_scatter(comm, x)):
+        assert m.bytes_sent == (p - 1) * N // p and m.steps == p - 1
+    piece = np.ones((k, 3), np.float64)  # all-gather output is N bytes
+    for m in measured(p, lambda comm: all_gather(comm, piece)):
+        assert m.bytes_sent == (p - 1) * N // p and m.steps == p - 1
+        assert m.header_bytes > 0  # shapes were learned from headers, not counted as payload
+
+
+@FAST
+@given(p=st.integers(2, 8))
+def test_latency_algorithms_take_log_p_steps(p):
+    x = np.ones(10, np.float32)
+    log2p = (p - 1).bit_length()
+    pow2 = p & (p - 1) == 0
+    for m in measured(p, lambda comm: recursive_doubling_all_reduce(comm, x)):
+        assert m.steps == (log2p if pow2 else (p.bit_length() - 1) + 2)
+        if pow2:
+            assert m.bytes_sent == log2p * x.nbytes
+    for m in measured(p, lambda comm: tree_all_reduce(comm, x)):
+        assert m.steps == 2 * log2p
+
+
+@FAST
+@given(p=st.integers(2, 8), k=st.integers(1, 20))
+def test_halving_doubling_moves_ring_bytes_in_2_log_p_steps(p, k):
+    from minidist.comm.collectives import halving_doubling_all_reduce
+
+    q = 1 << (p.bit_length() - 1)
+    x = np.ones(q * k, np.float64)
+    for r, m in enumerate(measured(p, lambda comm: halving_doubling_all_reduce(comm, x))):
+        log2q = q.bit_length() - 1
+        assert m.steps == 2 * log2q + (2 if p > q else 0)
+        folded = r < 2 * (p - q)
+        if not folded:
+            assert m.bytes_sent == 2 * (q - 1) * x.nbytes // q
+        elif r % 2 == 0:
+            assert m.bytes_sent == x.nbytes  # hands its array over and sits out
+
+
+def test_auto_picks_recursive_doubling_small_and_ring_large():
+    def body(comm):
+        with measure(comm) as m:
+            all_reduce(comm, np.ones(10, np.float32))
+            all_reduce(comm, np.ones(1 << 16, np.float32))
+        return [c.name for c in m.calls]
+    assert run(body, ranks=4)[0] == ["recursive_doubling_all_reduce", "ring_all_reduce"]
+
+
+def test_subgroup_traffic_counts_in_the_group_and_the_world():
+    def body(comm):
+        mesh = Mesh(comm, dp=2, tp=2)
+        with measure(comm) as world, measure(mesh.tp) as tp, measure(mesh.dp) as dp:
+            ring_all_reduce(mesh.tp, np.ones(8, np.float32))
+        return world.bytes_sent, tp.bytes_sent, dp.bytes_sent
+    for w, t, d in run(body, ranks=4):
+        assert w == t == 2 * 1 * 32 // 2 and d == 0

@@ -1,0 +1,171 @@
+"""Grader for exercises/allreduce.py: property tests that take the implementation as a parameter.
+
+``check_<task>(impl)`` raises AssertionError when ``impl.<task>`` is wrong. Here they run against
+minidist's own algorithms (they must pass) and deliberately broken ones (they must fail), so the
+grader can't be silently toothless. ``python -m minidist.grade allreduce`` runs the same checks
+against a student's file: set ``MINIDIST_EXERCISE_FILE=path/to/allreduce.py`` and run this file,
+or import ``CHECKS`` and call them with the student's module.
+"""
+
+import importlib.util
+import os
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minidist.comm import collectives as C
+from minidist.comm import measure, run
+
+GRADE = settings(max_examples=12, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
+
+
+def _run_measured(p, fn):
+    def body(comm):
+        with measure(comm) as m:
+            out = fn(comm)
+        return out, m.messages, m.bytes_sent
+    return run(body, ranks=p)
+
+
+def _inputs(p, n, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n) for _ in range(p)]
+
+
+def check_ring_all_reduce(impl):
+    @GRADE
+    @given(p=st.integers(1, 8), n=st.integers(0, 50), seed=st.integers(0, 9))
+    def prop(p, n, seed):
+        xs = _inputs(p, n, seed)
+        want = np.sum(xs, axis=0)
+        for r, (y, msgs, sent) in enumerate(_run_measured(p, lambda c: impl.ring_all_reduce(c, xs[c.rank]))):
+            np.testing.assert_allclose(y, want, rtol=1e-10, atol=1e-10, err_msg=f"rank {r} of {p}")
+            assert msgs == 2 * (p - 1), f"rank {r} of {p} sent {msgs} messages, a ring sends 2(p-1)"
+            bound = 2 * (p - 1) * -(-n // p) * 8
+            assert sent <= bound, f"rank {r} of {p} sent {sent} bytes; a ring sends <= {bound}"
+    prop()
+
+
+def check_recursive_doubling_all_reduce(impl):
+    @GRADE
+    @given(p=st.integers(1, 8), n=st.integers(0, 20), seed=st.integers(0, 9))
+    def prop(p, n, seed):
+        xs = _inputs(p, n, seed)
+        want = np.sum(xs, axis=0)
+        q = 1 << (p.bit_length() - 1)
+        out = _run_measured(p, lambda c: impl.recursive_doubling_all_reduce(c, xs[c.rank]))
+        for r, (y, msgs, _) in enumerate(out):
+            np.testing.assert_allclose(y, want, rtol=1e-10, atol=1e-10, err_msg=f"rank {r} of {p}")
+            limit = q.bit_length() - 1 + (1 if q < p else 0)
+            assert msgs <= limit, f"rank {r} of {p} sent {msgs} messages; at most {limit}"
+    prop()
+
+
+def check_tree_broadcast(impl):
+    @GRADE
+    @given(p=st.integers(1, 8), n=st.integers(0, 20), seed=st.integers(0, 9), data=st.data())
+    def prop(p, n, seed, data):
+        root = data.draw(st.integers(0, p - 1))
+        x = _inputs(1, n, seed)[0]
+        out = _run_measured(p, lambda c: impl.tree_broadcast(c, x if c.rank == root else None, root))
+        limit = (p - 1).bit_length()
+        for r, (y, msgs, _) in enumerate(out):
+            np.testing.assert_array_equal(y, x, err_msg=f"rank {r} of {p}, root {root}")
+            assert msgs <= limit, f"rank {r} of {p} sent {msgs} messages; a binomial tree sends <= {limit}"
+        assert sum(m for _, m, _ in out) == p - 1, "every rank but the root must receive exactly once"
+    prop()
+
+
+CHECKS = {"ring_all_reduce": check_ring_all_reduce,
+          "recursive_doubling_all_reduce": check_recursive_doubling_all_reduce,
+          "tree_broadcast": check_tree_broadcast}
+
+
+# -- minidist's own implementation (must pass) ---------------------------------------------------
+
+def _reference():
+    def tree_broadcast(comm, x, root=0):
+        return C.broadcast(comm, x, root)
+    return types.SimpleNamespace(ring_all_reduce=C.ring_all_reduce,
+                                 recursive_doubling_all_reduce=C.recursive_doubling_all_reduce,
+                                 tree_broadcast=tree_broadcast)
+
+
+def _student():
+    path = os.environ.get("MINIDIST_EXERCISE_FILE")
+    if not path:
+        return None
+    spec = importlib.util.spec_from_file_location("student_allreduce", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# -- deliberately broken implementations (must fail) ---------------------------------------------
+
+def _naive_sum(comm, x):  # right answer, wrong algorithm: everyone sends everything to everyone
+    total = x.copy()
+    for k in range(1, comm.size):
+        total = total + comm.sendrecv(x, (comm.rank + k) % comm.size, (comm.rank - k) % comm.size)
+    return total
+
+
+def _ring_off_by_one(comm, x):  # one all-gather step short: a chunk stays partial
+    p, r = comm.size, comm.rank
+    chunks = [c.copy() for c in np.array_split(x, p)]
+    for s in range(p - 1):
+        chunks[(r - s - 1) % p] += comm.sendrecv(chunks[(r - s) % p], (r + 1) % p, (r - 1) % p)
+    for s in range(p - 2):
+        chunks[(r - s) % p] = comm.sendrecv(chunks[(r - s + 1) % p], (r + 1) % p, (r - 1) % p)
+    return np.concatenate(chunks) if chunks else x
+
+
+def _doubling_pow2_only(comm, x):  # ignores the fold for p not a power of two
+    y, d = x.copy(), 1
+    while d < comm.size:
+        peer = comm.rank ^ d
+        if peer < comm.size:
+            y = y + comm.sendrecv(y, peer, peer)
+        d *= 2
+    return y
+
+
+def _flat_broadcast(comm, x, root=0):  # root sends to everyone: p-1 messages from the root
+    if comm.rank == root:
+        for r in range(comm.size):
+            if r != root:
+                comm.send(x, r)
+        return x
+    return comm.recv(root)
+
+
+BROKEN = {
+    "ring_all_reduce": [_naive_sum, _ring_off_by_one],
+    "recursive_doubling_all_reduce": [_doubling_pow2_only, _naive_sum],
+    "tree_broadcast": [_flat_broadcast],
+}
+
+
+@pytest.mark.parametrize("task", list(CHECKS))
+def test_reference_passes(task):
+    CHECKS[task](_student() or _reference())
+
+
+@pytest.mark.parametrize("task,broken", [(t, b) for t, bs in BROKEN.items() for b in bs],
+                         ids=lambda v: getattr(v, "__name__", v))
+def test_broken_implementation_fails(task, broken):
+    impl = types.SimpleNamespace(**{task: broken})
+    with pytest.raises(AssertionError):
+        CHECKS[task](impl)
+
+
+def test_the_stub_is_not_yet_written():
+    spec = importlib.util.spec_from_file_location(
+        "stub", os.path.join(os.path.dirname(__file__), "..", "..", "exercises", "allreduce.py"))
+    stub = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stub)
+    with pytest.raises(NotImplementedError):
+        run(lambda comm: stub.ring_all_reduce(comm, np.ones(3)), ranks=1)

@@ -1,0 +1,160 @@
+"""Grader for exercises/autograd.py: each backward against minidist's autograd, on random shapes.
+
+``CHECKS[task](impl)`` raises AssertionError when ``impl.<task>`` is wrong. They run here against
+minidist's own ops (must pass) and deliberately broken formulas (must fail).
+"""
+
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minidist import ops
+from minidist.tensor import Tensor
+
+GRADE = settings(max_examples=10, deadline=None, derandomize=True, database=None)
+
+
+def _grads(fn, *arrays, g):
+    """Reference gradients by minidist's autograd."""
+    ts = [Tensor(a.copy(), requires_grad=True) for a in arrays]
+    fn(*ts).backward(g)
+    return [t.grad for t in ts]
+
+
+def _close(got, want, what):
+    got = got if isinstance(got, tuple) else (got,)
+    assert len(got) == len(want), f"{what}: returned {len(got)} arrays, expected {len(want)}"
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert np.shape(a) == np.shape(b), f"{what}: gradient {i} has shape {np.shape(a)}, expected {b.shape}"
+        np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-9, err_msg=f"{what}: gradient {i} is wrong")
+
+
+lead = st.lists(st.integers(1, 3), min_size=1, max_size=2).map(tuple)
+
+
+def check_linear_backward(impl):
+    @GRADE
+    @given(lead=lead, n=st.integers(1, 5), m=st.integers(1, 5), seed=st.integers(0, 99))
+    def prop(lead, n, m, seed):
+        rng = np.random.default_rng(seed)
+        x, w, b = rng.standard_normal(lead + (n,)), rng.standard_normal((n, m)), rng.standard_normal(m)
+        g = rng.standard_normal(lead + (m,))
+        _close(impl.linear_backward(x, w, g), _grads(ops.linear, x, w, b, g=g), "linear_backward")
+    prop()
+
+
+def check_layer_norm_backward(impl):
+    @GRADE
+    @given(lead=lead, n=st.integers(2, 6), seed=st.integers(0, 99))
+    def prop(lead, n, seed):
+        rng = np.random.default_rng(seed)
+        x, w, b = rng.standard_normal(lead + (n,)), rng.standard_normal(n), rng.standard_normal(n)
+        g = rng.standard_normal(lead + (n,))
+        _close(impl.layer_norm_backward(x, w, g), _grads(ops.layer_norm, x, w, b, g=g), "layer_norm_backward")
+    prop()
+
+
+def check_cross_entropy_backward(impl):
+    @GRADE
+    @given(n=st.integers(1, 6), v=st.integers(2, 7), seed=st.integers(0, 99))
+    def prop(n, v, seed):
+        rng = np.random.default_rng(seed)
+        logits, targets = rng.standard_normal((n, v)) * 3, rng.integers(0, v, n)
+        want = _grads(lambda x: ops.cross_entropy(x, targets), logits, g=np.array(1.0))
+        _close(impl.cross_entropy_backward(logits, targets), want, "cross_entropy_backward")
+    prop()
+
+
+def check_attention_backward(impl):
+    @GRADE
+    @given(b=st.integers(1, 2), h=st.integers(1, 2), t=st.integers(1, 5), d=st.integers(1, 4),
+           seed=st.integers(0, 99))
+    def prop(b, h, t, d, seed):
+        rng = np.random.default_rng(seed)
+        q, k, v, g = (rng.standard_normal((b, h, t, d)) for _ in range(4))
+        want = _grads(ops.scaled_dot_product_attention, q, k, v, g=g)
+        _close(impl.attention_backward(q, k, v, g), want, "attention_backward")
+    prop()
+
+
+CHECKS = {"linear_backward": check_linear_backward, "layer_norm_backward": check_layer_norm_backward,
+          "cross_entropy_backward": check_cross_entropy_backward,
+          "attention_backward": check_attention_backward}
+
+
+def _reference():
+    """minidist's own ops, called through their Function classes' backward."""
+    def via(fn, n_inputs):
+        def backward(*args):
+            *arrays, g = args
+            return tuple(_grads(fn, *arrays, g=g)[:n_inputs])
+        return backward
+
+    def linear_backward(x, w, g):
+        return tuple(_grads(ops.linear, x, w, np.zeros(w.shape[1]), g=g))
+
+    def layer_norm_backward(x, w, g, eps=1e-5):
+        return tuple(_grads(lambda a, b, c: ops.layer_norm(a, b, c, eps), x, w, np.zeros_like(w), g=g))
+
+    def cross_entropy_backward(logits, targets):
+        return _grads(lambda x: ops.cross_entropy(x, targets), logits, g=np.array(1.0))[0]
+
+    return types.SimpleNamespace(linear_backward=linear_backward, layer_norm_backward=layer_norm_backward,
+                                 cross_entropy_backward=cross_entropy_backward,
+                                 attention_backward=via(ops.scaled_dot_product_attention, 3))
+
+
+def _ln_without_mean_term(x, w, g, eps=1e-5):  # forgets that the mean depends on x
+    mu = x.mean(-1, keepdims=True)
+    rstd = 1 / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps)
+    xhat = (x - mu) * rstd
+    dxhat = g * w
+    axes = tuple(range(x.ndim - 1))
+    return rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdims=True)), (g * xhat).sum(axes), g.sum(axes)
+
+
+def _linear_no_batch_sum(x, w, g):  # keeps gb per row
+    return g @ w.T, x.reshape(-1, x.shape[-1]).T @ g.reshape(-1, g.shape[-1]), g
+
+
+def _ce_sum_not_mean(logits, targets):
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    p[np.arange(len(targets)), targets] -= 1
+    return p
+
+
+def _attention_no_mask(q, k, v, g):  # differentiates attention without the causal mask
+    d = q.shape[-1]
+    s = q @ k.swapaxes(-1, -2) / np.sqrt(d)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    gp = g @ v.swapaxes(-1, -2)
+    gs = p * (gp - (gp * p).sum(-1, keepdims=True)) / np.sqrt(d)
+    return gs @ k, gs.swapaxes(-1, -2) @ q, p.swapaxes(-1, -2) @ g
+
+
+BROKEN = {"linear_backward": [_linear_no_batch_sum], "layer_norm_backward": [_ln_without_mean_term],
+          "cross_entropy_backward": [_ce_sum_not_mean], "attention_backward": [_attention_no_mask]}
+
+
+@pytest.mark.parametrize("task", list(CHECKS))
+def test_reference_passes(task):
+    CHECKS[task](_reference())
+
+
+@pytest.mark.parametrize("task,broken", [(t, b) for t, bs in BROKEN.items() for b in bs],
+                         ids=lambda v: getattr(v, "__name__", v))
+def test_broken_implementation_fails(task, broken):
+    with pytest.raises(AssertionError):
+        CHECKS[task](types.SimpleNamespace(**{task: broken}))
+
+
+def test_grade_reports_the_stub_as_not_written(capsys):
+    from minidist.grade import grade
+
+    assert grade("autograd") == (0, len(CHECKS))
+    assert "not written yet" in capsys.readouterr().out
