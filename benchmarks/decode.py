@@ -1,0 +1,190 @@
+"""Decode speed: minidist's KV cache vs full recompute vs PyTorch CPU eager with its own KV cache.
+
+    python benchmarks/decode.py                 # batch 1, prompt 16, 256 new tokens, one thread
+    python benchmarks/decode.py --new 64 --repeat 1
+
+The model is the core benchmark's GPT (vocab 256, 4 layers, d_model 256, 4 heads), with the
+context raised to fit prompt + new tokens. The PyTorch twin below is written here, loads the same
+weights (minidist Linear weights are (in, out), so it multiplies ``x @ W`` as they are) and keeps
+its own preallocated KV cache. Targets: cached >= 7x recompute; time per token <= 1.5x PyTorch's.
+Then continuous vs static batching throughput on a workload of mixed lengths.
+Needs torch for the PyTorch column (skipped, with a note, if it isn't installed).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from minidist.infer import Request, generate, generate_recompute, serve  # noqa: E402
+from minidist.nn import GPT, GPTConfig  # noqa: E402
+
+
+def interleaved(contenders: dict, repeat: int):
+    """Median seconds of each contender, run in turns (a busy machine slows them all alike)."""
+    for fn in contenders.values():  # warm up
+        fn()
+    times, outs = {k: [] for k in contenders}, {}
+    for _ in range(repeat):
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            outs[name] = fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}, outs
+
+
+def torch_decoder(model):
+    """A PyTorch eager GPT with a KV cache, holding ``model``'s weights; returns generate(prompt, n)."""
+    import torch
+    import torch.nn.functional as F
+
+    cfg = model.config
+    sd = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in model.state_dict().items()}
+    L, H, C = cfg.n_layer, cfg.n_head, cfg.d_model
+    D = C // H
+
+    def ln(x, name):
+        return F.layer_norm(x, (C,), sd[f"{name}.weight"], sd[f"{name}.bias"], 1e-5)
+
+    def forward(idx, start, kc, vc):
+        t = idx.shape[1]
+        x = sd["0.wte.weight"][idx] + sd["0.wpe.weight"][start:start + t]
+        for i in range(1, L + 1):
+            p = f"{i}."
+            qkv = torch.addmm(sd[p + "attn.qkv.bias"], ln(x, p + "ln1")[0], sd[p + "attn.qkv.weight"])
+            q, k, v = qkv.view(t, 3, H, D).permute(1, 2, 0, 3)
+            kc[i - 1][:, start:start + t] = k
+            vc[i - 1][:, start:start + t] = v
+            y = F.scaled_dot_product_attention(q, kc[i - 1][:, :start + t], vc[i - 1][:, :start + t],
+                                               is_causal=t > 1)
+            x = x + torch.addmm(sd[p + "attn.proj.bias"], y.transpose(0, 1).reshape(t, C),
+                                sd[p + "attn.proj.weight"])
+            h = F.gelu(torch.addmm(sd[p + "mlp.fc.bias"], ln(x, p + "ln2")[0], sd[p + "mlp.fc.weight"]),
+                       approximate="tanh")
+            x = x + torch.addmm(sd[p + "mlp.proj.bias"], h, sd[p + "mlp.proj.weight"])
+        return ln(x, f"{L + 1}.ln")[0] @ sd[f"{L + 1}.proj.weight"]
+
+    def gen(prompt, n, with_cache=True):
+        with torch.inference_mode():
+            toks = list(prompt)
+            if not with_cache:
+                for _ in range(n):
+                    kc = [torch.empty(H, len(toks), D) for _ in range(L)]
+                    vc = [torch.empty(H, len(toks), D) for _ in range(L)]
+                    toks.append(int(forward(torch.tensor([toks]), 0, kc, vc)[-1].argmax()))
+                return toks[len(prompt):]
+            kc = [torch.empty(H, len(prompt) + n, D) for _ in range(L)]
+            vc = [torch.empty(H, len(prompt) + n, D) for _ in range(L)]
+            logits = forward(torch.tensor([toks]), 0, kc, vc)
+            for _ in range(n):
+                toks.append(int(logits[-1].argmax()))
+                if len(toks) - len(prompt) == n:
+                    break
+                logits = forward(torch.tensor([[toks[-1]]]), len(toks) - 1, kc, vc)
+            return toks[len(prompt):]
+
+    def logits(tokens):
+        with torch.inference_mode():
+            kc = [torch.empty(H, len(tokens), D) for _ in range(L)]
+            vc = [torch.empty(H, len(tokens), D) for _ in range(L)]
+            return forward(torch.tensor([tokens]), 0, kc, vc).numpy()
+
+    torch.set_num_threads(1)
+    return gen, logits
+
+
+def workload(n, vocab, block, seed=0):
+    """Mixed lengths: prompts 4-32 tokens; most answers short, a few long (a long tail)."""
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(n):
+        new = int(rng.choice([8, 16, 24, 32, 160])) if rng.random() < 0.85 else 200
+        plen = int(rng.integers(4, 33))
+        reqs.append(Request(i, list(rng.integers(0, vocab, plen)), min(new, block - plen)))
+    return reqs
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    args = ap.parse_args(argv)
+    try:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(1)
+    except ImportError:
+        pass
+
+    cfg = GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=256, block_size=args.prompt + args.new)
+    model = GPT(cfg)
+    prompt = list(np.random.default_rng(0).integers(0, 256, args.prompt))
+    n = args.new
+    print(f"GPT {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, vocab {cfg.vocab_size}; "
+          f"batch 1, prompt {args.prompt}, {n} new tokens, greedy, one thread; median of {args.repeat}")
+
+    contenders = {"minidist, KV cache": lambda: generate(model, [prompt], n)[0],
+                  "minidist, full recompute": lambda: generate_recompute(model, [prompt], n)[0]}
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        torch_gen = None
+        print("(torch not installed: pip install torch to add the PyTorch column)")
+    else:
+        torch_gen, torch_logits = torch_decoder(model)
+        from minidist.infer import full_logits
+
+        probe = prompt + generate(model, [prompt], 8)[0]
+        diff = np.abs(torch_logits(probe) - full_logits(model, probe)).max()
+        print(f"same weights in PyTorch: max |logits diff| {diff:.2e}")
+        contenders["PyTorch eager, KV cache"] = lambda: torch_gen(prompt, n)
+        contenders["PyTorch eager, full recompute"] = lambda: torch_gen(prompt, n, with_cache=False)
+    times, outs = interleaved(contenders, args.repeat)
+    ours, ours_full = outs["minidist, KV cache"], outs["minidist, full recompute"]
+    rows = list(times.items())
+    t_cache, t_full = times["minidist, KV cache"], times["minidist, full recompute"]
+    if torch_gen is not None:
+        t_tc = times["PyTorch eager, KV cache"]
+        agree = sum(a == b for a, b in zip(ours, outs["PyTorch eager, KV cache"]))
+        print(f"greedy tokens agree with PyTorch: {agree}/{n}")
+    print(f"tokens agree cache vs recompute: {sum(a == b for a, b in zip(ours, ours_full))}/{n}")
+    print(f"\n{'':32s}{'tokens/s':>10s}{'ms/token':>10s}")
+    for name, t in rows:
+        print(f"{name:32s}{n / t:10.0f}{1000 * t / n:10.3f}")
+    print(f"\nKV cache speed-up over recompute: {t_full / t_cache:.1f}x (target >= 7x)")
+    if torch_gen is not None:
+        print(f"minidist time per token / PyTorch's: {t_cache / t_tc:.2f}x (target <= 1.5x)")
+
+    reqs = workload(args.requests, cfg.vocab_size, cfg.block_size)
+    total = sum(r.max_new_tokens for r in reqs)
+    print(f"\nserving {len(reqs)} requests (prompts 4-32, answers {min(r.max_new_tokens for r in reqs)}-"
+          f"{max(r.max_new_tokens for r in reqs)} tokens, {total} in all), max batch {args.batch}:")
+    print(f"{'':22s}{'tokens/s':>10s}{'steps':>8s}{'mean latency (steps)':>22s}")
+    runs = {"static": [], "continuous": []}
+    for _ in range(args.repeat):  # in turns, medians: the machine may be busy
+        for policy in runs:
+            runs[policy].append(serve(model, reqs, max_batch=args.batch, policy=policy))
+    outs, tps_of = {}, {}
+    for policy, rs in runs.items():
+        out, stats, done = rs[0]
+        outs[policy] = out
+        lat = np.mean([r.finished - r.arrival + 1 for r in done])
+        tps_of[policy] = statistics.median(st["tokens"] / st["seconds"] for _, st, _ in rs)
+        print(f"{policy + ' batching':22s}{tps_of[policy]:10.0f}{stats['steps']:8d}{lat:22.1f}")
+    print(f"continuous / static throughput: {tps_of['continuous'] / tps_of['static']:.2f}x")
+    print(f"same tokens: {outs['static'] == outs['continuous']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Generation: prefill the prompts in one pass, then decode one token at a time from the KV cache.
+
+    generate(model, prompts, max_new_tokens)            # KV-cached, batched, ragged prompts
+    generate_recompute(model, prompts, max_new_tokens)  # the serial twin: full forward per token
+
+Prompts of different lengths share one batch: each sequence has its own positions and its own
+attention mask (decoder.attention), and a sequence that finishes (a stop token, or its
+``max_new_tokens``) leaves the batch while the others go on. ``generate_recompute`` runs the
+ordinary training-time ``GPT.forward`` over the whole sequence for every new token, one sequence
+at a time: O(T²) work, no cache -- what the cache must agree with.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minidist.infer.decoder import GPTWeights, forward_tokens, last_logits
+from minidist.infer.kv_cache import KVCache
+from minidist.infer.sampling import GREEDY, SamplingParams, sample
+from minidist.tensor import no_grad
+
+
+def as_weights(model) -> GPTWeights:
+    return model if isinstance(model, GPTWeights) else GPTWeights.from_model(model)
+
+
+def check_prompt(prompt, block_size: int, max_new_tokens: int = 0, what: str = "prompt") -> list:
+    """A prompt as a list of ints; a clear error if it is empty or can't fit the context."""
+    toks = [int(t) for t in np.asarray(prompt).reshape(-1)]
+    if not toks:
+        raise ValueError(f"{what} is empty: generation needs at least one token to start from")
+    if len(toks) > block_size:
+        raise ValueError(f"{what} has {len(toks)} tokens, longer than the context (block_size {block_size})")
+    if len(toks) + max_new_tokens > block_size:
+        raise ValueError(f"{what}: {len(toks)} tokens + max_new_tokens {max_new_tokens} = "
+                         f"{len(toks) + max_new_tokens} > block_size {block_size}; ask for at most "
+                         f"{block_size - len(toks)} new tokens")
+    return toks
+
+
+def host(a) -> np.ndarray:
+    from minidist.backend import backend_of
+
+    return backend_of(a).to_host(a)
+
+
+def is_done(out: list, max_new_tokens: int, stop_tokens) -> bool:
+    return len(out) >= max_new_tokens or (bool(out) and out[-1] in stop_tokens)
+
+
+def decode_loop(step, prompts, max_new_tokens, sampling=GREEDY, stop_tokens=(), return_logits=False,
+                agree=None, vocab_size=0, ids=None):
+    """Prefill all prompts, then decode until every sequence is done; the loop every generator shares.
+
+    ``step(active, feed)`` runs one forward pass for sequences ``active`` fed ``feed`` (token lists)
+    and returns their last logits (B, V) on the host -- or None on a rank that holds no logits
+    (an early pipeline stage). ``agree(tokens or None) -> tokens`` makes every rank use the
+    tokens sampled where the logits are (sharded serving); serially it is not needed.
+    ``ids``: each sequence's generator stream (default 0, 1, ...).
+    """
+    stop = set(stop_tokens)
+    rngs = [sampling.generator(i) for i in (range(len(prompts)) if ids is None else ids)]
+    outs, logs = [[] for _ in prompts], [[] for _ in prompts]
+    active, feed = list(range(len(prompts))), prompts  # prefill: every prompt in one pass
+    with no_grad():
+        while active and max_new_tokens > 0:
+            logits = step(active, feed)
+            toks = None if logits is None else sample(logits, sampling, [rngs[i] for i in active])
+            toks = toks if agree is None else agree(toks)
+            for row, (i, tok) in enumerate(zip(active, toks)):
+                outs[i].append(tok)
+                if return_logits and logits is not None:
+                    logs[i].append(logits[row])
+            active = [i for i in active if not is_done(outs[i], max_new_tokens, stop)]
+            feed = [[outs[i][-1]] for i in active]  # decode: one token each
+    if return_logits:
+        return outs, [np.stack(lg) if lg else np.zeros((0, vocab_size)) for lg in logs]
+    return outs
+
+
+def generate(model, prompts, max_new_tokens: int, sampling: SamplingParams = GREEDY, stop_tokens=(),
+             return_logits: bool = False, ids=None):
+    """New tokens for each prompt (a list per prompt; a stop token is included and ends it).
+
+    Sequence i samples with ``sampling.generator(stream=ids[i])`` (default ``ids = 0, 1, ...``).
+    ``return_logits``: also return, per sequence, the (n_new, V) logits each token was drawn from.
+    """
+    w = as_weights(model)
+    prompts = [check_prompt(p, w.block_size, max_new_tokens, f"prompt {i}") for i, p in enumerate(prompts)]
+    cache = KVCache.for_weights(w, len(prompts), max(len(p) for p in prompts) + max_new_tokens)
+
+    def step(active, feed):
+        return host(last_logits(forward_tokens(w, cache, active, feed), feed))
+
+    return decode_loop(step, prompts, max_new_tokens, sampling, stop_tokens, return_logits,
+                       vocab_size=w.vocab_size, ids=ids)
+
+
+def full_logits(model, tokens) -> np.ndarray:
+    """Logits (T, V) of the training-time forward over ``tokens``: no cache, the reference."""
+    with no_grad():
+        return host(model(np.asarray([tokens], dtype=np.int64)).data)[0]
+
+
+def generate_recompute(model, prompts, max_new_tokens: int, sampling: SamplingParams = GREEDY,
+                       stop_tokens=(), return_logits: bool = False, ids=None):
+    """The serial twin of ``generate``: every new token re-runs ``model`` over the whole sequence."""
+    cfg = model.config
+    stop, outs, logs = set(stop_tokens), [], []
+    for i, p in enumerate(prompts):
+        seq = check_prompt(p, cfg.block_size, max_new_tokens, f"prompt {i}")
+        rng, out, lg = sampling.generator(i if ids is None else ids[i]), [], []
+        while max_new_tokens > 0 and not is_done(out, max_new_tokens, stop):
+            logits = full_logits(model, seq + out)[-1]
+            out.append(sample(logits[None], sampling, [rng])[0])
+            lg.append(logits)
+        outs.append(out)
+        logs.append(np.stack(lg) if lg else np.zeros((0, cfg.vocab_size)))
+    return (outs, logs) if return_logits else outs

@@ -1,0 +1,117 @@
+"""The paged KV cache: fixed-size blocks from one pool, a block table per sequence, a free list.
+
+A contiguous cache reserves ``max_len`` positions for every sequence up front, though most
+sequences stop long before: the reserve is waste. Paging (vLLM's PagedAttention) stores keys and
+values in blocks of ``block_len`` tokens taken from a shared pool only as a sequence grows:
+
+    token at position p of the sequence in slot s  ->  block  tables[s][p // block_len],
+                                                      offset p % block_len
+    waste  <=  block_len - 1 positions per sequence (its last, partly filled block)
+
+When the pool runs dry, ``reserve`` raises ``OutOfBlocks``; the scheduler then *preempts* a
+sequence (frees its blocks, requeues it) and later *recomputes* its cache from its tokens.
+The interface is ``KVCache``'s (index, write, read, lengths, reserve, release, memory), so the
+decoder and the scheduler don't know which cache they use.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minidist.backend import default_backend, get_backend
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has fewer free blocks than a reservation needs."""
+
+
+class PagedKVCache:
+    def __init__(self, n_layer, n_slots, n_head, head_dim, num_blocks, block_len=16, max_len=None,
+                 dtype="float32", backend=None):
+        self.be = get_backend(backend) if backend is not None else default_backend()
+        if not self.be.inplace:
+            raise ValueError(f"the KV cache writes in place; backend {self.be.name!r} can't "
+                             "(use numpy or cupy)")
+        if num_blocks < 1 or block_len < 1:
+            raise ValueError(f"PagedKVCache needs num_blocks >= 1 and block_len >= 1, "
+                             f"got {num_blocks}, {block_len}")
+        xp, shape = self.be.xp, (num_blocks, n_head, block_len, head_dim)
+        self.k = [xp.zeros(shape, dtype=dtype) for _ in range(n_layer)]
+        self.v = [xp.zeros(shape, dtype=dtype) for _ in range(n_layer)]
+        self.block_len, self.num_blocks, self.n_slots = block_len, num_blocks, n_slots
+        self.max_len = max_len or num_blocks * block_len
+        self.max_blocks = -(-self.max_len // block_len)
+        self.tables = np.zeros((n_slots, self.max_blocks), dtype=np.int64)  # block ids per slot
+        self.n_blocks = np.zeros(n_slots, dtype=np.int64)  # how many of a slot's table entries are real
+        self.free = list(range(num_blocks - 1, -1, -1))  # the free list (pop from the end)
+        self.lengths = np.zeros(n_slots, dtype=np.int64)
+
+    @classmethod
+    def for_weights(cls, weights, n_slots, num_blocks, block_len=16, max_len=None, backend=None):
+        blk = weights.blocks[0] if weights.blocks else None
+        n_head = blk.n_head if blk else 1
+        head_dim = blk.qkv_w.shape[1] // (3 * n_head) if blk else 1
+        return cls(len(weights.blocks), n_slots, n_head, head_dim, num_blocks, block_len,
+                   max_len or weights.block_size, dtype=weights.dtype, backend=backend)
+
+    # -- blocks ---------------------------------------------------------------------------------
+    def blocks_needed(self, slot, length) -> int:
+        return max(0, -(-length // self.block_len) - int(self.n_blocks[slot]))
+
+    def reserve(self, slot, length):
+        """Give ``slot`` enough blocks for ``length`` tokens, or raise OutOfBlocks (taking none)."""
+        if length > self.max_len:
+            raise ValueError(f"paged KV cache slot {slot}: {length} tokens exceed max_len {self.max_len}")
+        need = self.blocks_needed(slot, length)
+        if need > len(self.free):
+            raise OutOfBlocks(f"slot {slot} needs {need} more blocks for {length} tokens; "
+                              f"{len(self.free)} of {self.num_blocks} free")
+        for _ in range(need):
+            self.tables[slot, self.n_blocks[slot]] = self.free.pop()
+            self.n_blocks[slot] += 1
+
+    def release(self, slot):
+        """Return the slot's blocks to the free list."""
+        n = int(self.n_blocks[slot])
+        self.free.extend(int(b) for b in self.tables[slot, :n][::-1])
+        self.n_blocks[slot] = 0
+        self.lengths[slot] = 0
+
+    # -- what the decoder calls -------------------------------------------------------------------
+    def index(self, slots):
+        return slots
+
+    def write(self, layer, slots, pos, valid, k, v):
+        b, t = np.nonzero(valid)
+        p, s = pos[b, t], slots[b]
+        if np.any(p // self.block_len >= self.n_blocks[s]):
+            bad = int(s[np.argmax(p // self.block_len >= self.n_blocks[s])])
+            raise RuntimeError(f"paged KV cache: slot {bad} writes past its blocks; call reserve() first")
+        blk, off = self.tables[s, p // self.block_len], p % self.block_len
+        self.k[layer][blk, :, off] = k.transpose(0, 2, 1, 3)[b, t]
+        self.v[layer][blk, :, off] = v.transpose(0, 2, 1, 3)[b, t]
+
+    def read(self, layer, rows, tk):
+        """Gather each row's blocks into (B, H, tk, D) (rows past a sequence's end hold junk: masked)."""
+        nb = -(-tk // self.block_len)
+        ids = self.tables[rows, :nb]  # (B, nb); entries past n_blocks point at block 0 (masked anyway)
+        out = []
+        for pool in (self.k[layer], self.v[layer]):
+            g = pool[ids]  # (B, nb, H, L, D)
+            b, _, h, l, d = g.shape
+            out.append(g.transpose(0, 2, 1, 3, 4).reshape(b, h, nb * l, d)[:, :, :tk])
+        return out[0], out[1]
+
+    # -- accounting -------------------------------------------------------------------------------
+    def bytes_per_token(self) -> int:
+        k = self.k[0] if self.k else None
+        return 0 if k is None else 2 * len(self.k) * k.shape[1] * k.shape[3] * k.dtype.itemsize
+
+    def memory(self, active_slots=None) -> dict:
+        """Bytes in allocated blocks vs bytes holding tokens; the pool's size beside them."""
+        slots = range(self.n_slots) if active_slots is None else list(active_slots)
+        per_tok = self.bytes_per_token()
+        alloc = int(sum(int(self.n_blocks[s]) for s in slots)) * self.block_len * per_tok
+        used = int(sum(int(self.lengths[s]) for s in slots)) * per_tok
+        return {"reserved": alloc, "used": used, "waste": alloc - used,
+                "pool": self.num_blocks * self.block_len * per_tok, "free_blocks": len(self.free)}

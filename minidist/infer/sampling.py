@@ -1,0 +1,73 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus), seeded.
+
+    probs = softmax(logits / temperature)      temperature 0 -> greedy argmax
+    top-k:  keep the k most likely tokens
+    top-p:  keep the smallest set of most likely tokens whose probability sums to >= p
+    then renormalise and draw one token with this sequence's own generator.
+
+Every sequence carries its own ``numpy.random.Generator`` (seeded from its request), so the
+tokens a sequence draws don't depend on which other sequences share its batch: batched,
+continuous-batched and sharded generation sample exactly what one-at-a-time generation does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}")
+
+    def generator(self, stream: int = 0) -> np.random.Generator:
+        """This sequence's generator: seed and stream (e.g. the request id) together."""
+        return np.random.default_rng([self.seed, stream])
+
+
+GREEDY = SamplingParams()
+
+
+def filter_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution sampling draws from, (V,) float64: temperature, then top-k, then top-p."""
+    z = np.asarray(logits, dtype=np.float64) / params.temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if params.top_k is not None and params.top_k < p.size:
+        kth = np.partition(p, -params.top_k)[-params.top_k]
+        p = np.where(p >= kth, p, 0.0)
+    if params.top_p is not None and params.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        before = np.cumsum(p[order]) - p[order]  # mass strictly above each token
+        keep = np.zeros(p.size, dtype=bool)
+        keep[order[before < params.top_p * p.sum()]] = True
+        p = np.where(keep, p, 0.0)
+    return p / p.sum()
+
+
+def sample_token(logits, params: SamplingParams, rng: np.random.Generator | None) -> int:
+    """One token id from one row of logits (V,)."""
+    if params.temperature == 0.0:
+        return int(np.argmax(logits))
+    p = filter_probs(logits, params)
+    return int(rng.choice(p.size, p=p))
+
+
+def sample(logits, params: SamplingParams, rngs) -> list:
+    """One token per row of logits (B, V), row b drawn with ``rngs[b]``."""
+    logits = np.asarray(logits)
+    if params.temperature == 0.0:
+        return [int(t) for t in logits.argmax(axis=-1)]
+    return [sample_token(row, params, rng) for row, rng in zip(logits, rngs)]

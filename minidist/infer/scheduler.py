@@ -1,0 +1,205 @@
+"""Continuous batching: admit and retire requests at every decode step.
+
+Static batching takes ``max_batch`` requests, runs them until the *longest* is done, then takes
+the next batch: a 5-token request waits behind a 200-token one, and finished rows sit idle.
+Continuous batching (Orca, vLLM) decides at every step:
+
+    1. arrivals join the queue;
+    2. retired slots are refilled from the queue: a new request's prompt is *prefilled* (one pass
+       for all new prompts, beside the running requests' one-token *decodes*);
+    3. with a paged cache, a sequence whose next token needs a block the pool doesn't have
+       preempts the most recently admitted sequence: its blocks are freed and it goes back to the
+       front of the queue with the tokens it has; re-admitted, its cache is *recomputed*
+       by prefilling prompt + generated tokens;
+    4. one forward pass; each request samples its token with its own generator; those that hit a
+       stop token or their ``max_new_tokens`` retire and free their slot.
+
+``Scheduler(model, policy="static")`` runs the static policy with the same code, so the two can
+be compared token for token (they must agree) and in throughput (they must not).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from minidist.infer.decoder import forward_tokens, last_logits
+from minidist.infer.generate import as_weights, check_prompt, host, is_done
+from minidist.infer.kv_cache import KVCache
+from minidist.infer.paged import OutOfBlocks, PagedKVCache
+from minidist.infer.sampling import GREEDY, SamplingParams, sample
+from minidist.tensor import no_grad
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list
+    max_new_tokens: int
+    sampling: SamplingParams = GREEDY
+    stop_tokens: tuple = ()
+    arrival: int = 0  # the step at which it joins the queue
+    # filled in while it runs
+    out: list = field(default_factory=list)
+    admitted: int | None = None
+    finished: int | None = None
+    preemptions: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.max_new_tokens == 0 or is_done(self.out, self.max_new_tokens, set(self.stop_tokens))
+
+
+class Scheduler:
+    """Serve requests with ``max_batch`` slots on a contiguous or paged KV cache."""
+
+    def __init__(self, model, max_batch=8, policy="continuous", cache="contiguous", num_blocks=None,
+                 block_len=16):
+        if policy not in ("continuous", "static"):
+            raise ValueError(f"policy must be 'continuous' or 'static', got {policy!r}")
+        self.w = as_weights(model)
+        self.policy, self.max_batch = policy, max_batch
+        if cache == "paged":
+            num_blocks = num_blocks or max_batch * -(-self.w.block_size // block_len)
+            self.cache = PagedKVCache.for_weights(self.w, max_batch, num_blocks, block_len)
+        elif cache == "contiguous":
+            self.cache = KVCache.for_weights(self.w, max_batch)
+        else:
+            raise ValueError(f"cache must be 'contiguous' or 'paged', got {cache!r}")
+        self.pending, self.waiting = [], deque()
+        self.running = {}  # slot -> Request, in admission order
+        self.rngs, self.done = {}, []
+        self.t = 0
+        self.history = []  # per step: {slot: request id} of the rows that ran (for timelines)
+        self.stats = {"steps": 0, "tokens": 0, "preemptions": 0, "forward_rows": 0,
+                      "peak_reserved": 0, "peak_used": 0}
+
+    # -- the queue --------------------------------------------------------------------------------
+    def submit(self, req: Request):
+        req.prompt = check_prompt(req.prompt, self.w.block_size, req.max_new_tokens, f"request {req.id}")
+        cap = self.cache.max_len if not isinstance(self.cache, PagedKVCache) else \
+            self.cache.num_blocks * self.cache.block_len
+        if len(req.prompt) + req.max_new_tokens > cap:
+            raise ValueError(f"request {req.id}: {len(req.prompt) + req.max_new_tokens} tokens can never fit "
+                             f"the cache ({cap} positions)")
+        self.rngs[req.id] = req.sampling.generator(req.id)
+        self.pending.append(req)
+
+    def _arrivals(self):
+        now = [r for r in self.pending if r.arrival <= self.t]
+        self.pending = [r for r in self.pending if r.arrival > self.t]
+        self.waiting.extend(sorted(now, key=lambda r: (r.arrival, r.id)))
+
+    def _admit(self) -> list:
+        """Slots refilled this step: (slot, request) pairs whose whole history is fed (prefill)."""
+        if self.policy == "static" and self.running:
+            return []
+        free = [s for s in range(self.max_batch) if s not in self.running]
+        new = []
+        while free and self.waiting:
+            req = self.waiting[0]
+            try:
+                self.cache.reserve(free[0], len(req.prompt) + len(req.out))
+            except OutOfBlocks:
+                break
+            self.waiting.popleft()
+            slot = free.pop(0)
+            req.admitted = self.t if req.admitted is None else req.admitted
+            self.running[slot] = req
+            new.append(slot)
+        return new
+
+    def _preempt_for(self, slot) -> bool:
+        """Free blocks for ``slot``'s next token by preempting the newest other sequences."""
+        while True:
+            try:
+                self.cache.reserve(slot, int(self.cache.lengths[slot]) + 1)
+                return True
+            except OutOfBlocks:
+                victims = [s for s in self.running if s != slot]
+                victim = victims[-1] if victims else slot
+                req = self.running.pop(victim)
+                self.cache.release(victim)
+                req.preemptions += 1
+                self.stats["preemptions"] += 1
+                self.waiting.appendleft(req)
+                if victim == slot:
+                    return False
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _forward(self, slots, feed, new):
+        """Last logits of every running row: decodes (one token each) and prefills as two passes,
+        so one-token rows are not padded to the longest prompt."""
+        decodes = [i for i, s in enumerate(slots) if s not in new]
+        groups = [decodes, [i for i, s in enumerate(slots) if s in new]]
+        logits = [None] * len(slots)
+        with no_grad():
+            for rows in groups:
+                if rows:
+                    f = [feed[i] for i in rows]
+                    out = forward_tokens(self.w, self.cache, [slots[i] for i in rows], f)
+                    out = host(last_logits(out, f))
+                    for r, i in enumerate(rows):
+                        logits[i] = out[r]
+        return logits
+
+    def step(self) -> list:
+        """Admit, decode one token for every running request, retire; returns requests finished now."""
+        self._arrivals()
+        new = set(self._admit())
+        for slot in [s for s in self.running if s not in new]:
+            if slot in self.running:
+                self._preempt_for(slot)
+        slots = list(self.running)
+        self.history.append({s: self.running[s].id for s in slots})
+        finished = []
+        if slots:
+            reqs = [self.running[s] for s in slots]
+            feed = [r.prompt + r.out if s in new else [r.out[-1]] for s, r in zip(slots, reqs)]
+            mem = self.cache.memory(slots)
+            logits = self._forward(slots, feed, new)
+            for row, (slot, req) in enumerate(zip(slots, reqs)):
+                req.out.append(sample(logits[row][None], req.sampling, [self.rngs[req.id]])[0])
+                if req.done:
+                    req.finished = self.t
+                    finished.append(self.running.pop(slot))
+                    self.cache.release(slot)
+            self.stats["tokens"] += len(slots)
+            self.stats["forward_rows"] += sum(len(f) for f in feed)
+            self.stats["peak_reserved"] = max(self.stats["peak_reserved"], mem["reserved"])
+            self.stats["peak_used"] = max(self.stats["peak_used"], mem["used"])
+        self.t += 1
+        self.stats["steps"] += 1
+        self.done.extend(finished)
+        return finished
+
+    def has_work(self) -> bool:
+        return bool(self.pending or self.waiting or self.running)
+
+    def run(self, requests) -> dict:
+        """Serve every request to completion; returns {id: generated tokens}."""
+        for r in requests:
+            self.submit(r)
+        for r in [r for r in self.pending if r.max_new_tokens == 0]:
+            self.pending.remove(r)
+            r.finished = r.arrival
+            self.done.append(r)
+        t0 = time.perf_counter()
+        while self.has_work():
+            self.step()
+        self.stats["seconds"] = time.perf_counter() - t0
+        return {r.id: list(r.out) for r in sorted(self.done, key=lambda r: r.id)}
+
+
+def serve(model, requests, max_batch=8, policy="continuous", **cache_kw):
+    """Run a fresh Scheduler over copies of ``requests``; returns (tokens by id, stats, finished requests).
+
+    ``stats["history"]`` is the per-step slot occupancy ({slot: request id}).
+    """
+    reqs = [Request(r.id, list(r.prompt), r.max_new_tokens, r.sampling, tuple(r.stop_tokens), r.arrival)
+            for r in requests]
+    s = Scheduler(model, max_batch=max_batch, policy=policy, **cache_kw)
+    out = s.run(reqs)
+    s.stats["history"] = s.history
+    return out, s.stats, sorted(s.done, key=lambda r: r.id)

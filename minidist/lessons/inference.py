@@ -1,0 +1,263 @@
+"""Lesson 9: serving a GPT -- KV cache, continuous batching, paged cache, sharded generation.
+
+    python -m minidist.lessons.inference --ranks 4
+    mpirun -n 4 python -m minidist.lessons.inference
+
+Rank 0 trains a small byte-level GPT on minidist's own text for a few seconds and hands the
+weights to every rank. Then, on rank 0: tokens/s with and without the KV cache (same tokens);
+static vs continuous batching of a mixed-length workload (same tokens, fewer steps, lower
+latency) with a slot timeline; paged vs contiguous KV memory, and preemption with recompute
+when the block pool is too small. Finally all ranks generate together, the model split by
+tensor parallelism (heads and MLP) and pipeline stages, checked against one process.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from minidist.comm import measure
+from minidist.data import BatchLoader, ByteTokenizer, TextDataset
+from minidist.infer import (
+    GREEDY,
+    GPTWeights,
+    KVCache,
+    Request,
+    SamplingParams,
+    generate,
+    generate_recompute,
+    serve,
+    sharded_generate,
+    split_layers,
+)
+from minidist.lessons.cli import launch, lesson_parser, rprint
+from minidist.lessons.train import train
+from minidist.nn import GPT, GPTConfig
+
+TOK = ByteTokenizer()
+PROMPTS = ["Data parallelism ", "The pipeline ", "A neural network ", "Each rank ", "The gradient ",
+           "Tensor parallel", "Memory ", "We ", "The model ", "A ring all-reduce "]
+
+
+def enc(text) -> list:
+    return [int(t) for t in TOK.encode(text)]
+
+
+def build_model(comm, args) -> GPT:
+    """Rank 0 trains for a few seconds; every rank receives the same weights."""
+    cfg = GPTConfig(vocab_size=TOK.vocab_size, block_size=args.block, n_layer=args.layers, n_head=args.heads,
+                    d_model=args.d_model, seed=args.seed)
+    model = GPT(cfg)
+    state = None
+    if comm.rank == 0:
+        data = TextDataset.from_file(None, block_size=args.block)
+        t0 = time.perf_counter()
+        losses = train(model, BatchLoader(data, 16, seed=args.seed), args.steps, 3e-3, log=False)
+        print(f"trained a {cfg.n_layer}-layer GPT (d_model {cfg.d_model}, {cfg.n_head} heads, context "
+              f"{cfg.block_size}, {model.num_parameters():,} parameters) for {args.steps} steps in "
+              f"{time.perf_counter() - t0:.1f}s: loss {np.mean(losses[:5]):.2f} -> "
+              f"{np.mean(losses[-5:]):.2f}", flush=True)
+        state = {k: np.asarray(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(comm.bcast_obj(state, root=0))
+    model.eval()
+    return model
+
+
+def cache_vs_recompute(model, args):
+    prompt = enc(PROMPTS[0])
+    n = args.block - len(prompt)
+    sp = SamplingParams(temperature=0.8, top_k=40, seed=args.seed)
+    generate(model, [prompt], 4)
+    t0 = time.perf_counter()
+    fast, fast_logits = generate(model, [prompt], n, sp, return_logits=True)
+    t_cache = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    slow, slow_logits = generate_recompute(model, [prompt], n, sp, return_logits=True)
+    t_full = time.perf_counter() - t0
+    diff = float(np.abs(fast_logits[0] - slow_logits[0]).max())
+    p = len(prompt)
+    print(f"\n1. KV cache: prompt {p} tokens + {n} new (temperature 0.8, top-k 40)")
+    print(f"   > {TOK.decode(prompt + fast[0])!r}")
+    print(f"   with cache {n / t_cache:7.0f} tokens/s   tokens through the model: p + n = {p + n}")
+    print(f"   recompute  {n / t_full:7.0f} tokens/s   tokens through the model: sum_t (p + t) = "
+          f"{sum(p + t for t in range(n))}")
+    print(f"   speed-up {t_full / t_cache:.1f}x; cache memory 2·L·T·d·4 bytes = "
+          f"{2 * args.layers * (p + n) * args.d_model * 4:,} bytes")
+    ok = fast == slow and diff < 1e-4
+    print(f"   serial twin: same tokens {fast == slow}, max |logits diff| {diff:.1e}  "
+          f"{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def workload(args, n=12):
+    rng = np.random.default_rng(args.seed)
+    out = []
+    for i in range(n):
+        prompt = enc(PROMPTS[i % len(PROMPTS)])
+        new = int(rng.choice([4, 8, 12, 16])) if rng.random() < 0.75 else args.block - len(prompt)
+        out.append(Request(i, prompt, new, GREEDY, arrival=int(rng.integers(0, 6))))
+    return out
+
+
+def slot_timeline(history, slots, width=72) -> list:
+    """One text row per slot: the letter of the request it runs at each step ('.' = idle)."""
+    rows = []
+    steps = history[:width]
+    for s in range(slots):
+        cells = "".join(chr(ord("a") + h[s] % 26) if s in h else "." for h in steps)
+        rows.append(f"   slot {s} |{cells}|" + ("..." if len(history) > width else ""))
+    return rows
+
+
+def batching(model, args):
+    reqs = workload(args)
+    print(f"\n2. batching {len(reqs)} requests (answers {min(r.max_new_tokens for r in reqs)}-"
+          f"{max(r.max_new_tokens for r in reqs)} tokens, arriving over 6 steps), {args.batch} slots")
+    res = {}
+    for policy in ("static", "continuous"):
+        out, stats, done = serve(model, reqs, max_batch=args.batch, policy=policy)
+        lat = np.mean([r.finished - r.arrival + 1 for r in done])
+        res[policy] = (out, stats)
+        per_step = stats["tokens"] / stats["steps"]
+        print(f"   {policy:10s}: {stats['steps']:4d} steps, {per_step:.2f} tokens/step, "
+              f"{stats['tokens'] / stats['seconds']:6.0f} tokens/s, mean latency {lat:5.1f} steps")
+        for row in slot_timeline(stats["history"], args.batch):
+            print(row)
+    ok = res["static"][0] == res["continuous"][0]
+    print(f"   serial twin: continuous == static token for token: {'PASS' if ok else 'FAIL'}")
+    return ok, reqs, res
+
+
+def paging(model, args, reqs, contiguous_out):
+    bl = 16
+    cache = KVCache.for_weights(GPTWeights.from_model(model), args.batch)
+    per_tok = cache.bytes_per_token()
+    print(f"\n3. paged KV cache: blocks of {bl} tokens; {per_tok:,} bytes per token (2·L·d·4)")
+    out_c, st_c, _ = serve(model, reqs, max_batch=args.batch)
+    out_p, st_p, _ = serve(model, reqs, max_batch=args.batch, cache="paged", block_len=bl)
+    need = max(math.ceil((len(r.prompt) + r.max_new_tokens) / bl) for r in reqs)
+    out_t, st_t, _ = serve(model, reqs, max_batch=args.batch, cache="paged", block_len=bl,
+                           num_blocks=need + 1)
+    print(f"   contiguous: reserves slots·max_len·bytes = {args.batch}·{args.block}·{per_tok} = "
+          f"{st_c['peak_reserved']:,} bytes; at most {st_c['peak_used']:,} hold tokens "
+          f"({100 * st_c['peak_used'] / st_c['peak_reserved']:.0f}%)")
+    print(f"   paged:      peak {st_p['peak_reserved']:,} bytes in blocks for {st_p['peak_used']:,} of "
+          f"tokens (waste < one block per sequence: {args.batch}·{bl}·{per_tok} = "
+          f"{args.batch * bl * per_tok:,})")
+    print(f"   a pool of only {need + 1} blocks: {st_t['preemptions']} preemptions (recomputed later), "
+          f"{st_t['steps']} steps instead of {st_p['steps']}")
+    ok = out_p == out_c == out_t == contiguous_out
+    print(f"   serial twin: paged == contiguous, with and without preemption: {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def mesh_for(n, args):
+    tp = math.gcd(n, args.heads)
+    pp = n // tp
+    return (tp, pp) if pp <= args.layers else None
+
+
+def sharded(comm, model, args):
+    shape = mesh_for(comm.size, args)
+    rprint(comm, f"\n4. sharded generation on {comm.size} ranks")
+    if shape is None:
+        rprint(comm, f"   (can't split {args.heads} heads x {args.layers} layers over {comm.size} ranks as "
+               "tp x pp; try 1, 2, 4 or 8 ranks)")
+        return True
+    tp, pp = shape
+    prompts = [enc(p) for p in PROMPTS[:3]]
+    n = 24
+    with measure(comm) as m:
+        t0 = time.perf_counter()
+        toks, logits = sharded_generate(comm, model, prompts, n, GREEDY, tp=tp, pp=pp, return_logits=True)
+        dt = time.perf_counter() - t0
+    calls = [c for c in m.calls if "all_reduce" in c.name]
+    algos = sorted({c.name for c in calls})
+    sampler = (pp - 1) * tp
+    rows = comm.gather_obj((len(calls), m.bytes_sent, logits if comm.rank == sampler else None, algos),
+                           root=0)
+    if comm.rank != 0:
+        return True
+    ref, ref_logits = generate(model, prompts, n, GREEDY, return_logits=True)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(rows[sampler][2], ref_logits))
+    start, stop = split_layers(args.layers, pp)[0]
+    layers_here = stop - start
+    steps = n  # one prefill + (n - 1) decodes
+    print(f"   mesh tp={tp} x pp={pp}: each rank holds {args.heads // tp} of {args.heads} heads and "
+          f"{layers_here} of {args.layers} layers; {3 * n / dt:.0f} tokens/s")
+    if tp > 1:
+        print(f"   all-reduces per rank: measured {rows[0][0]}, formula 2·layers·steps = "
+              f"2·{layers_here}·{steps} = {2 * layers_here * steps}")
+    # activations of one step: B·T·d·4 bytes, T = longest prompt for the prefill, then 1 per decode
+    act = len(prompts) * (max(map(len, prompts)) + n - 1) * args.d_model * 4
+    formula = ""
+    if tp == 1 or (rows[0][3] == ["recursive_doubling_all_reduce"] and tp & (tp - 1) == 0):
+        bounds = split_layers(args.layers, pp)  # rank r is on stage r // tp
+        expect = [2 * (bounds[r // tp][1] - bounds[r // tp][0]) * int(math.log2(tp)) * act  # log2(p)·N a call
+                  + (act if r // tp < pp - 1 else 0) for r in range(comm.size)]
+        formula = (f"\n   formula 2·layers·log2(tp)·ΣB·T·d·4 (+ ΣB·T·d·4 sent on to the next stage): "
+                   f"{', '.join(f'{e:,}' for e in expect)}")
+    print(f"   bytes sent per rank: {', '.join(f'{r[1]:,}' for r in rows)}{formula}")
+    for p, t in zip(prompts, toks):
+        print(f"   > {TOK.decode(p + t)!r}")
+    ok = toks == ref and diff < 1e-4
+    print(f"   serial twin: same tokens as one process {toks == ref}, max |logits diff| {diff:.1e}  "
+          f"{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def plot(path, res, slots):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4))
+    longest = max(len(res[p][1]["history"]) for p in res)
+    for k, policy in enumerate(("static", "continuous")):
+        ax = fig.add_subplot(2, 1, k + 1)
+        hist = res[policy][1]["history"]
+        grid = np.full((slots, len(hist)), np.nan)
+        for t, h in enumerate(hist):
+            for s, rid in h.items():
+                grid[s, t] = rid % 20
+        ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="tab20", vmin=0, vmax=19)
+        ax.set_xlim(-0.5, longest - 0.5)
+        ax.set_ylabel("slot")
+        ax.set_title(f"{policy} batching: {len(hist)} steps (colour = request)")
+    ax.set_xlabel("decode step")
+    fig.tight_layout()
+    FigureCanvasAgg(fig).print_png(path)
+    print(f"wrote {path}")
+
+
+def rank_main(comm, args):
+    model = build_model(comm, args)
+    ok = True
+    if comm.rank == 0:
+        ok &= cache_vs_recompute(model, args)
+        good, reqs, res = batching(model, args)
+        ok &= good
+        ok &= paging(model, args, reqs, res["continuous"][0])
+        if args.plot:
+            plot(args.plot, res, args.batch)
+    comm.barrier()
+    ok &= sharded(comm, model, args)
+    rprint(comm, f"\nall checks: {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def main(argv=None):
+    p = lesson_parser(__doc__.splitlines()[0], ranks=2)
+    p.add_argument("--steps", type=int, default=250, help="training steps (rank 0)")
+    p.add_argument("--block", type=int, default=80, help="context length")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=96)
+    p.add_argument("--batch", type=int, default=4, help="slots for batched serving")
+    args = p.parse_args(argv)
+    return launch(rank_main, args)
+
+
+if __name__ == "__main__":
+    main()

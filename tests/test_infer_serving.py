@@ -1,0 +1,133 @@
+"""Continuous batching == static batching == one at a time; paged cache == contiguous cache."""
+
+from functools import cache
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minidist.infer import (
+    GREEDY,
+    GPTWeights,
+    KVCache,
+    OutOfBlocks,
+    PagedKVCache,
+    Request,
+    SamplingParams,
+    forward_tokens,
+    generate,
+    serve,
+)
+from minidist.nn import GPT, GPTConfig
+from minidist.tensor import no_grad
+
+V, BLOCK = 32, 48
+
+
+@cache
+def model():
+    return GPT(GPTConfig(vocab_size=V, block_size=BLOCK, n_layer=2, n_head=2, d_model=32, seed=2))
+
+
+requests = st.lists(
+    st.builds(lambda p, n, a: (p, n, a), st.lists(st.integers(0, V - 1), min_size=1, max_size=10),
+              st.integers(0, 16), st.integers(0, 8)),
+    min_size=1, max_size=8)
+
+
+def make(reqs, sampling=GREEDY):
+    return [Request(i, p, n, sampling, arrival=a) for i, (p, n, a) in enumerate(reqs)]
+
+
+@given(reqs=requests, max_batch=st.integers(1, 4), temperature=st.sampled_from([0.0, 1.0]),
+       stop=st.sets(st.integers(0, V - 1), max_size=3))
+def test_continuous_equals_static_and_one_at_a_time(reqs, max_batch, temperature, stop):
+    sp = SamplingParams(temperature=temperature, top_k=8, seed=3)
+    rs = make(reqs, sp)
+    for r in rs:
+        r.stop_tokens = tuple(stop)
+    cont, st_c, done = serve(model(), rs, max_batch=max_batch)
+    stat, st_s, _ = serve(model(), rs, max_batch=max_batch, policy="static")
+    alone = {r.id: (generate(model(), [r.prompt], r.max_new_tokens, sp, stop, ids=[r.id])[0]
+                    if r.max_new_tokens else []) for r in rs}
+    assert cont == stat == alone
+    assert st_c["tokens"] == st_s["tokens"] == sum(len(t) for t in alone.values())
+    assert st_c["steps"] <= st_s["steps"]  # never slower, in steps
+    for r in done:  # a request starts only after it arrives, and runs to its length
+        assert r.admitted is None or r.admitted >= r.arrival
+
+
+@given(reqs=requests, max_batch=st.integers(1, 4), block_len=st.sampled_from([2, 4, 16]),
+       spare=st.integers(0, 6))
+def test_paged_equals_contiguous_with_preemption(reqs, max_batch, block_len, spare):
+    """A pool just big enough for the longest request forces preemptions + recompute; same tokens."""
+    rs = make(reqs)
+    need = max(-(-(len(r.prompt) + r.max_new_tokens) // block_len) for r in rs)
+    contiguous, _, _ = serve(model(), rs, max_batch=max_batch)
+    paged, stats, _ = serve(model(), rs, max_batch=max_batch, cache="paged", num_blocks=need + spare,
+                            block_len=block_len)
+    assert paged == contiguous
+    assert stats["peak_reserved"] <= (need + spare) * block_len * 2 * 2 * 32 * 4
+
+
+@given(lens=st.lists(st.integers(1, 30), min_size=1, max_size=4), block_len=st.sampled_from([1, 3, 16]))
+def test_paged_logits_bit_equal_and_accounting(lens, block_len):
+    w = GPTWeights.from_model(model())
+    rng = np.random.default_rng(sum(lens))
+    seqs = [list(rng.integers(0, V, n)) for n in lens]
+    contiguous = KVCache.for_weights(w, len(seqs))
+    paged = PagedKVCache.for_weights(w, len(seqs), num_blocks=sum(-(-n // block_len) for n in lens),
+                                     block_len=block_len)
+    slots = list(range(len(seqs)))
+    with no_grad():
+        for cut in (slice(0, 1), slice(1, None)):  # a one-token prefill, then the rest
+            rows = [i for i in slots if seqs[i][cut]]
+            if not rows:
+                continue
+            feed = [seqs[i][cut] for i in rows]
+            for i, f in zip(rows, feed):
+                paged.reserve(i, int(paged.lengths[i]) + len(f))
+            a = forward_tokens(w, contiguous, rows, feed)
+            b = forward_tokens(w, paged, rows, feed)
+            for r, f in enumerate(feed):  # real positions only (the rest is padding)
+                np.testing.assert_array_equal(a[r, :len(f)], b[r, :len(f)])
+    mem = paged.memory()
+    per_tok = 2 * 2 * 32 * 4  # k and v, 2 layers, d 32, float32
+    assert mem["used"] == sum(lens) * per_tok
+    assert 0 <= mem["waste"] < len(lens) * block_len * per_tok  # < one block per sequence
+    assert mem["free_blocks"] == 0
+    with pytest.raises(OutOfBlocks):
+        paged.reserve(0, lens[0] + block_len)
+    for s in slots:
+        paged.release(s)
+    assert sorted(paged.free) == list(range(paged.num_blocks))
+
+
+def test_continuous_batching_short_requests_finish_early():
+    """One long request and many short ones: continuous batching finishes the short ones sooner."""
+    rs = [Request(0, [1, 2, 3], 40)] + [Request(i, [i], 3) for i in range(1, 7)]
+    _, sc, dc = serve(model(), rs, max_batch=2)
+    _, ss, ds = serve(model(), rs, max_batch=2, policy="static")
+    mean = lambda done: np.mean([r.finished - r.arrival for r in done if r.id])  # noqa: E731
+    assert mean(dc) < mean(ds)
+    assert sc["steps"] < ss["steps"]
+
+
+def test_scheduler_errors():
+    with pytest.raises(ValueError, match="empty"):
+        serve(model(), [Request(0, [], 3)])
+    with pytest.raises(ValueError, match="longer than the context"):
+        serve(model(), [Request(0, [1] * (BLOCK + 1), 1)])
+    with pytest.raises(ValueError, match="can never fit"):
+        serve(model(), [Request(0, [1] * 10, 10)], cache="paged", num_blocks=1, block_len=16)
+    with pytest.raises(ValueError, match="policy"):
+        serve(model(), [Request(0, [1], 1)], policy="fifo")
+
+
+def test_preemption_and_recompute_happen_and_agree():
+    rs = [Request(i, [i + 1, 2, 3, 4], 20) for i in range(4)]
+    contiguous, _, _ = serve(model(), rs, max_batch=4)
+    paged, stats, done = serve(model(), rs, max_batch=4, cache="paged", num_blocks=9, block_len=4)
+    assert stats["preemptions"] > 0 and any(r.preemptions for r in done)
+    assert paged == contiguous

@@ -1,0 +1,103 @@
+"""Sharded serving (tensor-parallel heads + MLP, pipeline stages) gives one process's tokens."""
+
+import os
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minidist.comm import run
+from minidist.infer import SamplingParams, generate, sharded_generate, split_layers
+from minidist.nn import GPT, GPTConfig
+
+V = 32
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@cache
+def model(n_layer=3):
+    return GPT(GPTConfig(vocab_size=V, block_size=40, n_layer=n_layer, n_head=4, d_model=32, seed=3))
+
+
+@given(prompts=st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=10), min_size=1, max_size=3),
+       new=st.integers(1, 8), mesh=st.sampled_from([(2, 1), (4, 1), (1, 2), (1, 3), (2, 2)]),
+       temperature=st.sampled_from([0.0, 1.0]))
+def test_sharded_equals_single_process(prompts, new, mesh, temperature):
+    tp, pp = mesh
+    sp = SamplingParams(temperature=temperature, top_p=0.9, seed=1)
+    ref, ref_logits = generate(model(), prompts, new, sp, return_logits=True)
+    res = run(lambda c: sharded_generate(c, model(), prompts, new, sp, tp=tp, pp=pp, return_logits=True),
+              ranks=tp * pp)
+    for toks, _ in res:
+        assert toks == ref
+    sampler = (pp - 1) * tp
+    for a, b in zip(res[sampler][1], ref_logits):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_split_layers():
+    assert split_layers(5, 2) == [(0, 3), (3, 5)]
+    assert split_layers(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_sharded_errors():
+    with pytest.raises(ValueError, match="n_head 4 is not divisible by tp 3"):
+        run(lambda c: sharded_generate(c, model(), [[1]], 2, tp=3), ranks=3)
+    with pytest.raises(ValueError, match="only 3 layers"):
+        run(lambda c: sharded_generate(c, model(), [[1]], 2, pp=4), ranks=4)
+    with pytest.raises(ValueError, match="empty"):
+        run(lambda c: sharded_generate(c, model(), [[]], 2, tp=2), ranks=2)
+    with pytest.raises(ValueError, match="longer than the context"):
+        run(lambda c: sharded_generate(c, model(), [[1] * 41], 2, pp=2), ranks=2)
+
+
+PROGRAM = """
+import sys
+from minidist.comm import run
+from minidist.infer import generate, sharded_generate
+from minidist.nn import GPT, GPTConfig
+tp, pp = int(sys.argv[1]), int(sys.argv[2])
+m = GPT(GPTConfig(vocab_size=32, block_size=40, n_layer=3, n_head=4, d_model=32, seed=3))
+prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+(out,) = run(lambda c: (c.rank, sharded_generate(c, m, prompts, 12, tp=tp, pp=pp)))
+assert out[1] == generate(m, prompts, 12), (out, generate(m, prompts, 12))
+print(f"OK rank {out[0]}", flush=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (pip install mpich)")
+@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
+def test_sharded_under_mpirun(tp, pp):
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MINIDIST_TRANSPORT", None)
+    res = subprocess.run(["mpirun", "-n", str(tp * pp), sys.executable, "-c", PROGRAM, str(tp), str(pp)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("OK rank") == tp * pp
+
+
+def test_lesson_runs_on_threads(capsys):
+    from minidist.lessons import inference
+
+    assert all(inference.main(["--ranks", "8", "--steps", "5", "--d-model", "32"]))
+    out = capsys.readouterr().out
+    assert "mesh tp=4 x pp=2" in out and "FAIL" not in out and "all checks: PASS" in out
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (pip install mpich)")
+def test_lesson_under_mpirun():
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MINIDIST_TRANSPORT", None)
+    cmd = ["mpirun", "-n", "2", sys.executable, "-m", "minidist.lessons.inference", "--steps", "5",
+           "--d-model", "32"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "all checks: PASS" in res.stdout and "mesh tp=2 x pp=1" in res.stdout
