@@ -1,0 +1,184 @@
+"""Lesson 4: tensor parallelism -- one GPT's layers split across ranks, Megatron-LM style.
+
+    python -m minidist.lessons.tensor_parallel --ranks 4      # ranks as threads
+    mpirun -n 4 python -m minidist.lessons.tensor_parallel    # ranks as MPI processes
+
+A small GPT is trained for a few steps with tp = 1, 2, 4 (sequence parallelism off and on) and
+checked against its serial twin, step by step. Then one transformer layer's communication
+(forward + backward) is measured by the ledger beside Megatron's formula, and each rank's
+parameter and activation bytes beside 1/tp of the serial model's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minidist import optim
+from minidist import random as mrandom
+from minidist.comm import measure
+from minidist.data import BatchLoader, TextDataset
+from minidist.lessons.cli import launch, lesson_parser, rprint
+from minidist.nn import GPT, GPTConfig
+from minidist.parallel.tp_gpt import TPGPT, ParallelBlock
+from minidist.tensor import Tensor, saved_tensors_hooks
+
+
+def make_batches(args, block_size):
+    loader = BatchLoader(TextDataset.from_file(block_size=block_size), batch_size=args.batch, seed=args.seed)
+    return [loader.next_batch() for _ in range(args.steps)]
+
+
+def train(model, batches, lr, loss_fn):
+    """AdamW steps; returns the losses."""
+    opt = optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for x, y in batches:
+        loss = loss_fn(model, x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def activation_bytes(model, idx, tgt) -> int:
+    """Bytes of every array saved for backward by one forward pass (parameters excluded)."""
+    params = {id(p.data) for p in model.parameters()}
+    total = [0]
+
+    def pack(a):
+        if id(a) not in params:
+            total[0] += a.nbytes
+        return a
+
+    with saved_tensors_hooks(pack, lambda a: a):
+        model.loss(idx, tgt)
+    return total[0]
+
+
+def layer_traffic(group, cfg, b, s, sp):
+    """One ParallelBlock forward + backward: this rank's ledger (bytes sent, calls in order)."""
+    block = ParallelBlock(cfg, group, np.random.default_rng(0), sequence_parallel=sp)
+    t = s // group.size if sp else s
+    x = Tensor(np.random.default_rng(1).standard_normal((b, t, cfg.d_model)).astype(cfg.dtype),
+               requires_grad=True)
+    with measure(group) as m:
+        block(x).sum().backward()
+    return m
+
+
+def rank_main(comm, args):
+    cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=4, d_model=args.d_model,
+                    dropout=args.dropout, seed=args.seed)
+    b, s, h, itemsize = args.batch, args.seq, cfg.d_model, np.dtype(cfg.dtype).itemsize
+    tps = [tp for tp in (1, 2, 4) if tp <= comm.size]
+    batches = make_batches(args, cfg.block_size)
+    rprint(comm, f"GPT: {cfg.n_layer} layers, h={h}, {cfg.n_head} heads, vocab {cfg.vocab_size}; "
+                 f"batch b={b}, sequence s={s}; {args.steps} AdamW steps; "
+                 f"world {comm.size} ({comm.transport})\n")
+
+    serial_losses = serial_params = None
+    if comm.rank == 0:  # the serial twin
+        mrandom.manual_seed(args.seed)
+        serial = GPT(cfg)
+        serial_losses = train(serial, batches, args.lr, lambda m, x, y: m.loss(x, y))
+        serial_params = {k: np.asarray(v) for k, v in serial.state_dict().items()}
+        serial_act = activation_bytes(serial, *batches[0])
+        serial_param_bytes = sum(p.data.nbytes for p in serial.parameters())
+        rprint(comm, f"serial twin: loss {serial_losses[0]:.4f} -> {serial_losses[-1]:.4f}\n")
+    rprint(comm, f"{'tp':>3} {'seq-par':>7} {'final loss':>10} {'max|dloss|':>11} {'max|dparam|':>12} "
+                 f"{'check':>5} {'params/rank':>12} {'serial/tp':>10} {'activ./rank':>12} {'serial/tp':>10}")
+    rows = []
+    for tp in tps:
+        group = comm.split(0 if comm.rank < tp else None, comm.rank)
+        for sp in ((False, True) if tp > 1 else (False,)):
+            if group is None:
+                continue
+            mrandom.manual_seed(args.seed)
+            model = TPGPT(cfg, group, sequence_parallel=sp, dropout_rng=args.dropout_rng)
+            losses = train(model, batches, args.lr, lambda m, x, y: m.loss(x, y))
+            full = model.serial_state_dict()
+            act = activation_bytes(model, *batches[0])
+            pbytes = sum(p.data.nbytes for p in model.parameters())
+            if comm.rank == 0:
+                dl = max(abs(a - c) for a, c in zip(losses, serial_losses))
+                dp = max(float(np.max(np.abs(full[k] - serial_params[k]))) for k in full)
+                ok = dl < args.tol and dp < args.tol
+                rows.append((tp, sp, ok, pbytes, act, serial_param_bytes, serial_act))
+                rprint(comm, f"{tp:>3} {'on' if sp else 'off':>7} {losses[-1]:>10.4f} {dl:>11.2e} "
+                             f"{dp:>12.2e} {'PASS' if ok else 'FAIL':>5} {pbytes:>12,} "
+                             f"{serial_param_bytes // tp:>10,} "
+                             f"{act:>12,} {serial_act // tp:>10,}")
+    rprint(comm, f"(tolerance {args.tol:g}: float32, the ranks sum partial products in another order)\n")
+    rprint(comm, "Parameters shrink ~1/tp (LayerNorms and position table stay replicated). Without sequence\n"
+                 "parallelism LayerNorm, dropout and residual activations are replicated on every rank, so\n"
+                 "activations do not shrink 1/tp; with it they are sequence shards.\n")
+
+    rprint(comm, f"One transformer layer, forward + backward, b·s·h = {b}·{s}·{h} float32 = "
+                 f"N = {b * s * h * itemsize:,} bytes:")
+    rprint(comm, f"{'tp':>3} {'seq-par':>7} {'sent/rank':>10} {'formula 4·2(p-1)/p·N':>21} {'check':>5}  "
+                 "collectives in order (activations)")
+    N = b * s * h * itemsize
+    for tp in tps[1:]:
+        group = comm.split(0 if comm.rank < tp else None, comm.rank)
+        for sp in (False, True):
+            if group is None:
+                continue
+            m = layer_traffic(group, cfg, b, s, sp)
+            big = [c for c in m.calls if not (sp and c.name == "ring_all_reduce")]  # activations
+            sent = sum(c.bytes_sent for c in big)
+            want = 4 * 2 * (tp - 1) * N // tp
+            names = " ".join({"ring_all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}[c.name]
+                             for c in big)
+            small = sum(c.bytes_sent for c in m.calls) - sent
+            rprint(comm, f"{tp:>3} {'on' if sp else 'off':>7} {sent:>10,} {want:>21,} "
+                         f"{'PASS' if sent == want else 'FAIL':>5}  {names}"
+                         + (f"  (+{small:,} B: LayerNorm/bias grads)" if small else ""))
+    rprint(comm, "AR = all-reduce (2(p-1)/p·N), AG = all-gather and RS = reduce-scatter ((p-1)/p·N each):\n"
+                 "forward: attention g, MLP g; backward: MLP f, attention f. Sequence parallelism turns\n"
+                 "each all-reduce into RS + AG -- the same bytes, with LayerNorm/dropout on 1/tp of the\n"
+                 "tokens.")
+    if args.plot and comm.rank == 0:
+        plot(args.plot, rows)
+    return rows
+
+
+def plot(path, rows):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    labels = [f"tp={r[0]}{' sp' if r[1] else ''}" for r in rows]
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r[3] / 1e6 for r in rows], 0.4, label="parameters / rank")
+    ax.bar(x + 0.2, [r[4] / 1e6 for r in rows], 0.4, label="activations / rank")
+    ax.plot(x - 0.2, [r[5] / r[0] / 1e6 for r in rows], "k_", markersize=20, label="serial / tp")
+    ax.plot(x + 0.2, [r[6] / r[0] / 1e6 for r in rows], "k_", markersize=20)
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("MB")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}", flush=True)
+
+
+def main(argv=None):
+    parser = lesson_parser(__doc__, ranks=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--dropout-rng", choices=["twin", "megatron"], default="twin",
+                        help="sharded-region dropout masks: slices of the serial mask, or per-rank streams")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--tol", type=float, default=1e-4)
+    args = parser.parse_args(argv)
+    launch(rank_main, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""A tensor-parallel GPT: ``minidist.nn.GPT``'s structure with every big matrix split over ``tp_comm``.
+
+``TPGPT(cfg, tp_comm)`` is a ``Sequential`` of ``ParallelEmbed``, ``ParallelBlock`` × n_layer,
+``ParallelHead`` -- the same layer list (and the same parameter names) as the serial GPT, so a
+pipeline can cut it into stages and a serial state_dict maps onto it name by name:
+
+=========================  =======================  ==========================================
+parameter                  split                    how (``minidist.parallel.tensor``)
+=========================  =======================  ==========================================
+``0.wte.weight`` (V, h)    vocabulary rows          ``split_rows``
+``i.attn.qkv.*`` (h, 3h)   heads of q, k and v      ``split_qkv``
+``i.attn.proj.weight``     input rows (heads)       ``split_rows``  (bias replicated)
+``i.mlp.fc.*`` (h, 4h)     output columns           ``split_columns``
+``i.mlp.proj.weight``      input rows               ``split_rows``  (bias replicated)
+``{L+1}.proj.weight``      vocabulary columns       ``split_columns`` (the LM head)
+LayerNorms, ``0.wpe``      replicated
+=========================  =======================  ==========================================
+
+Initialisation draws the full weights from ``default_rng(cfg.seed)`` in the serial GPT's order and
+keeps this rank's slices: TPGPT(cfg) on tp ranks *is* GPT(cfg), split. The head returns this
+rank's vocabulary slice of the logits; ``loss`` uses ``vocab_parallel_cross_entropy`` (the full
+logits are never gathered); ``logits(idx)`` gathers them for inspection or sampling.
+
+``sequence_parallel=True``: between the blocks' parallel regions the activations are sequence
+shards (B, T/tp, h); LayerNorm, dropout and the residual adds run on 1/tp of the tokens.
+Dropout follows ``minidist.parallel.tp_layers`` ("twin" masks by default, or ``dropout_rng="megatron"``:
+a per-rank ``ShardedRNG`` seeded from ``cfg.seed``). Seed the default generator alike on every
+rank of the group (``minidist.random.manual_seed``): replicated-region masks come from it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+
+import numpy as np
+
+from minidist.backend import backend_of
+from minidist.nn.layers import Embedding, LayerNorm
+from minidist.nn.module import Module, Sequential
+from minidist.parallel.tensor import (
+    ColumnParallelLinear,
+    all_reduce_grad_hook,
+    check_divisible,
+    concat_columns,
+    concat_qkv,
+    concat_rows,
+    gather_last_dim,
+    split_columns,
+    split_qkv,
+    split_rows,
+)
+from minidist.parallel.tp_layers import (
+    ParallelAttention,
+    ParallelMLP,
+    ShardedRNG,
+    VocabParallelEmbedding,
+    make_dropout,
+    vocab_parallel_cross_entropy,
+)
+
+
+class ParallelEmbed(Module):
+    """Vocabulary-parallel token embedding + replicated position embedding -> dropout."""
+
+    def __init__(self, cfg, comm, rng, backend=None, sequence_parallel=False, sharded_rng=None):
+        super().__init__()
+        dt = np.dtype(cfg.dtype)
+        self.comm, self.sequence_parallel, self.block_size = comm, sequence_parallel, cfg.block_size
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, comm, sequence_parallel, dtype=dt,
+                                          rng=rng, backend=backend)
+        self.wpe = Embedding(cfg.block_size, cfg.d_model, dtype=dt, rng=rng, backend=backend)
+        self.drop = make_dropout(cfg.dropout, comm, sequence_parallel, sharded_rng)
+        if sequence_parallel:
+            all_reduce_grad_hook(self.wpe.weight, comm)
+
+    def forward(self, idx, start: int = 0):
+        idx = idx.data if hasattr(idx, "data") and not hasattr(idx, "dtype") else idx
+        b, t = idx.shape
+        if start + t > self.block_size:
+            raise ValueError(f"sequence of length {start + t} is longer than the context "
+                             f"(block_size {self.block_size})")
+        xp = self.wpe.weight.backend.xp
+        if self.sequence_parallel:
+            n = check_divisible(self.comm, "sequence length (sequence parallelism)", t)
+            pos = xp.arange(start + self.comm.rank * n, start + (self.comm.rank + 1) * n)
+        else:
+            pos = xp.arange(start, start + t)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class ParallelBlock(Module):
+    """x + attn(ln1(x)), then + mlp(ln2(x)), with attention and MLP tensor-parallel."""
+
+    def __init__(self, cfg, comm, rng, backend=None, sequence_parallel=False, sharded_rng=None):
+        super().__init__()
+        dt = np.dtype(cfg.dtype)
+        proj_std = 0.02 / np.sqrt(2 * cfg.n_layer)
+        kw = dict(dtype=dt, proj_std=proj_std, rng=rng, backend=backend, sharded_rng=sharded_rng)
+        self.ln1 = LayerNorm(cfg.d_model, dtype=dt, backend=backend)
+        self.attn = ParallelAttention(cfg.d_model, cfg.n_head, comm, cfg.dropout, sequence_parallel, **kw)
+        self.ln2 = LayerNorm(cfg.d_model, dtype=dt, backend=backend)
+        self.mlp = ParallelMLP(cfg.d_model, comm, dropout=cfg.dropout, sequence_parallel=sequence_parallel,
+                               **kw)
+        if sequence_parallel:
+            for ln in (self.ln1, self.ln2):
+                all_reduce_grad_hook(ln.weight, comm)
+                all_reduce_grad_hook(ln.bias, comm)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class ParallelHead(Module):
+    """Final LayerNorm and the vocabulary-parallel LM head: returns my slice (B, T, V/tp) of logits."""
+
+    def __init__(self, cfg, comm, rng, backend=None, sequence_parallel=False):
+        super().__init__()
+        dt = np.dtype(cfg.dtype)
+        self.ln = LayerNorm(cfg.d_model, dtype=dt, backend=backend)
+        self.proj = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, comm, bias=False,
+                                         sequence_parallel=sequence_parallel, dtype=dt, std=0.02, rng=rng,
+                                         backend=backend)
+        if sequence_parallel:
+            all_reduce_grad_hook(self.ln.weight, comm)
+            all_reduce_grad_hook(self.ln.bias, comm)
+
+    def forward(self, x):
+        return self.proj(self.ln(x))
+
+
+def check_config(cfg, comm):
+    """Every size tensor parallelism splits must divide by tp: clear errors, before any collective."""
+    check_divisible(comm, "n_head", cfg.n_head)
+    check_divisible(comm, "vocab_size", cfg.vocab_size)
+    check_divisible(comm, "d_model", cfg.d_model)
+
+
+class TPGPT(Sequential):
+    """The GPT of ``cfg`` split over the tensor-parallel group ``tp_comm``."""
+
+    def __init__(self, cfg, tp_comm, sequence_parallel: bool = False, dropout_rng: str = "twin",
+                 backend=None):
+        super().__init__()
+        if dropout_rng not in ("twin", "megatron"):
+            raise ValueError(f"dropout_rng must be 'twin' or 'megatron', got {dropout_rng!r}")
+        check_config(cfg, tp_comm)
+        for k, v in (("config", cfg), ("comm", tp_comm), ("sequence_parallel", sequence_parallel)):
+            object.__setattr__(self, k, v)
+        sharded = ShardedRNG(cfg.seed, tp_comm.rank) if dropout_rng == "megatron" else None
+        object.__setattr__(self, "sharded_rng", sharded)
+        rng = np.random.default_rng(cfg.seed)  # the serial GPT's draws, in its order
+        sp = sequence_parallel
+        self.append(ParallelEmbed(cfg, tp_comm, rng, backend, sp, sharded))
+        for _ in range(cfg.n_layer):
+            self.append(ParallelBlock(cfg, tp_comm, rng, backend, sp, sharded))
+        self.append(ParallelHead(cfg, tp_comm, rng, backend, sp))
+
+    def loss_fn(self, local_logits, targets):
+        """Mean cross-entropy from this rank's vocabulary slice of the logits (pipeline last stage)."""
+        return vocab_parallel_cross_entropy(local_logits, targets, self.comm)
+
+    def loss(self, idx, targets):
+        return self.loss_fn(self(idx), targets)
+
+    def logits(self, idx):
+        """The full (B, T, V) logits on every rank (an all-gather of the vocabulary slices)."""
+        return gather_last_dim(self(idx), self.comm)
+
+    def serial_state_dict(self) -> OrderedDict:
+        """The serial GPT's state_dict, assembled on every rank (small models: pickled all-gather)."""
+        local = OrderedDict((k, backend_of(a).to_host(a)) for k, a in self.state_dict().items())
+        return unshard(self.comm.allgather_obj(local))
+
+    def load_serial_state_dict(self, serial_sd: dict):
+        return self.load_state_dict(shard_state_dict(serial_sd, self.comm.rank, self.comm.size))
+
+
+# -- serial state_dict <-> tensor-parallel shards -------------------------------------------------------
+
+_RULES = {"rows": (split_rows, concat_rows), "columns": (split_columns, concat_columns),
+          "qkv": (split_qkv, concat_qkv), "replicated": (lambda a, r, p: a, lambda parts: parts[0])}
+
+
+def shard_rule(name: str) -> str:
+    """How the GPT parameter called ``name`` is split: rows, columns, qkv or replicated."""
+    if name.endswith("wte.weight") or re.search(r"\.(attn|mlp)\.proj\.weight$", name):
+        return "rows"
+    if ".attn.qkv." in name:
+        return "qkv"
+    if ".mlp.fc." in name or re.fullmatch(r"\d+\.proj\.weight", name):
+        return "columns"
+    return "replicated"
+
+
+def shard_state_dict(serial_sd: dict, tp_rank: int, tp_size: int) -> OrderedDict:
+    """This rank's slice of every tensor of a serial GPT state_dict (host NumPy arrays)."""
+    out = OrderedDict()
+    for name, a in serial_sd.items():
+        host = np.asarray(backend_of(a).to_host(a)) if hasattr(a, "shape") else np.asarray(a)
+        rule = shard_rule(name)
+        axis_len = host.shape[0] if rule == "rows" else host.shape[-1] // (3 if rule == "qkv" else 1)
+        if rule != "replicated" and axis_len % tp_size:
+            raise ValueError(f"shard_state_dict: {name} of shape {host.shape} ({rule}) does not split "
+                             f"into {tp_size} equal parts")
+        out[name] = np.ascontiguousarray(_RULES[rule][0](host, tp_rank, tp_size))
+    return out
+
+
+def unshard(shards: list) -> OrderedDict:
+    """The serial state_dict from every rank's (``shards[r]``: rank r's) TP state_dict."""
+    out = OrderedDict()
+    for name in shards[0]:
+        parts = [np.asarray(backend_of(s[name]).to_host(s[name])) for s in shards]
+        out[name] = _RULES[shard_rule(name)][1](parts)
+    return out
+
+
+unshard_state_dict = unshard  # the longer name, for readers who look for it

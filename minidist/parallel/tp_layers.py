@@ -1,0 +1,223 @@
+"""Tensor-parallel layers built from ``minidist.parallel.tensor``'s column/row linears and conjugates.
+
+* ``ParallelMLP``: column-parallel fc (4h/tp features per rank) -> GELU -> row-parallel proj.
+* ``ParallelAttention``: the fused qkv projection column-parallel *by heads* (rank r holds heads
+  r·H/tp .. (r+1)·H/tp of q, k and v), attention on local heads, row-parallel output projection.
+* ``VocabParallelEmbedding``: rank r holds rows [r·V/tp, (r+1)·V/tp) of the table; ids outside
+  give zeros; the partial lookups are summed (all-reduce, or reduce-scatter under sequence parallel).
+* ``vocab_parallel_cross_entropy``: the loss of vocabulary-sharded logits without gathering them:
+  all-reduces of the row max, the target logit and the sum of exponentials -- 3 numbers a token.
+* Dropout RNG (Megatron's tracker): in replicated regions every rank of the group draws the same
+  mask from the default generator (seeded alike). In sharded regions -- under sequence parallelism,
+  dropout acts on sequence shards -- ``SequenceParallelDropout`` gives each rank a different mask:
+  by default the rank's slice of the full mask drawn from the shared generator ("twin": results
+  don't depend on tp and equal the serial model's); or, with a ``ShardedRNG``, masks from a
+  per-rank generator (Megatron's way: no wasted draws, but results depend on tp).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minidist import ops
+from minidist import random as mrandom
+from minidist.backend import backend_of
+from minidist.nn.attention import merge_heads, split_heads
+from minidist.nn.layers import Dropout
+from minidist.nn.module import Module
+from minidist.parallel.tensor import (
+    SEQ_AXIS,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    check_divisible,
+    reduce_from_tp,
+    reduce_scatter_to_seq,
+    sharded_normal,
+    split_qkv,
+    split_rows,
+    tp_all_reduce,
+)
+from minidist.tensor import Function, Tensor
+
+# -- dropout in sharded regions -----------------------------------------------------------------------
+
+
+class ShardedRNG:
+    """Megatron's model-parallel RNG: one generator per tensor-parallel rank, for sharded regions.
+
+    ``with tracker.fork(): ...`` makes it this rank's default generator inside the block (and leaves
+    the replicated-region generator untouched, so all ranks keep drawing the same masks there).
+    """
+
+    OFFSET = 2718  # Megatron adds 2718 + tp_rank to the seed
+
+    def __init__(self, seed: int, tp_rank: int):
+        self.generator = np.random.default_rng([seed, self.OFFSET, tp_rank])
+
+    def fork(self):
+        return mrandom.fork(self.generator)
+
+
+class SliceOfFullDropout(Function):
+    """Dropout whose mask is my slice (along ``axis``) of the full mask ``rng`` would draw for the
+    serial model: the same numbers as ``ops.Dropout``, whatever the split."""
+
+    @staticmethod
+    def forward(ctx, x, p, rng, axis, rank, size):
+        shape = list(x.shape)
+        shape[axis] *= size
+        keep = np.split(rng.random(tuple(shape), dtype="float32") >= p, size, axis=axis)[rank]
+        mask = backend_of(x).from_host(keep.astype(x.dtype) * (1.0 / (1.0 - p)))
+        ctx.save(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved
+        return g * mask
+
+
+class SequenceParallelDropout(Dropout):
+    """Dropout on a sequence shard (B, T/tp, C): "twin" masks (default) or ``sharded_rng``'s."""
+
+    def __init__(self, p, comm, sharded_rng: ShardedRNG | None = None):
+        super().__init__(p)
+        self.comm, self.sharded_rng = comm, sharded_rng
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        if self.sharded_rng is not None:
+            with self.sharded_rng.fork() as gen:
+                return ops.dropout(x, self.p, gen, True)
+        return SliceOfFullDropout.apply(x, p=self.p, rng=mrandom.default_generator(), axis=SEQ_AXIS,
+                                        rank=self.comm.rank, size=self.comm.size)
+
+
+def make_dropout(p, comm, sequence_parallel: bool, sharded_rng=None):
+    """Plain (replicated-region) dropout, or the sequence-parallel one."""
+    return SequenceParallelDropout(p, comm, sharded_rng) if sequence_parallel else Dropout(p)
+
+
+# -- MLP and attention ----------------------------------------------------------------------------------
+
+
+class ParallelMLP(Module):
+    """Linear(h, 4h) column-parallel -> GELU (on local features, no communication) -> Linear(4h, h)
+    row-parallel -> dropout. Forward: one all-reduce (in proj); backward: one (in fc's f)."""
+
+    def __init__(self, dim, comm, hidden=None, dropout=0.0, sequence_parallel=False, *, dtype=np.float32,
+                 std=0.02, proj_std=None, rng=None, backend=None, sharded_rng=None):
+        super().__init__()
+        hidden = hidden or 4 * dim
+        kw = dict(dtype=dtype, rng=rng, backend=backend)
+        self.fc = ColumnParallelLinear(dim, hidden, comm, sequence_parallel=sequence_parallel, std=std, **kw)
+        self.proj = RowParallelLinear(hidden, dim, comm, sequence_parallel=sequence_parallel,
+                                      std=proj_std or std, **kw)
+        self.drop = make_dropout(dropout, comm, sequence_parallel, sharded_rng)
+
+    def forward(self, x):
+        return self.drop(self.proj(ops.gelu(self.fc(x))))
+
+
+class ParallelAttention(Module):
+    """Causal self-attention with the heads split across the group: n_head/tp heads per rank."""
+
+    def __init__(self, dim, n_head, comm, dropout=0.0, sequence_parallel=False, *, dtype=np.float32,
+                 std=0.02, proj_std=None, rng=None, backend=None, sharded_rng=None):
+        super().__init__()
+        if dim % n_head:
+            raise ValueError(f"rank {comm.rank}: d_model {dim} is not divisible by n_head {n_head}")
+        self.n_head = n_head
+        self.local_heads = check_divisible(comm, "n_head", n_head)
+        kw = dict(dtype=dtype, rng=rng, backend=backend, sequence_parallel=sequence_parallel)
+        self.qkv = ColumnParallelLinear(dim, 3 * dim, comm, split=split_qkv, std=std, **kw)
+        self.proj = RowParallelLinear(dim, dim, comm, std=proj_std or std, **kw)
+        self.drop = make_dropout(dropout, comm, sequence_parallel, sharded_rng)
+
+    def forward(self, x):
+        q, k, v = split_heads(self.qkv(x), self.local_heads)
+        y = ops.scaled_dot_product_attention(q, k, v, causal=True)
+        return self.drop(self.proj(merge_heads(y)))
+
+
+# -- vocabulary parallel embedding and loss ---------------------------------------------------------------
+
+
+def _ids(idx, be):
+    idx = idx.data if isinstance(idx, Tensor) else idx
+    return be.asarray(idx) if not be.is_array(idx) else idx
+
+
+class VocabParallelEmbedding(Module):
+    """Rows [start, start + V/tp) of the (V, h) table on each rank; lookups summed over the group."""
+
+    def __init__(self, num_embeddings, dim, comm, sequence_parallel=False, *, dtype=np.float32, std=0.02,
+                 rng=None, backend=None):
+        super().__init__()
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.num_embeddings, self.local_rows = num_embeddings, check_divisible(comm, "vocab_size",
+                                                                               num_embeddings)
+        self.start = comm.rank * self.local_rows
+        self.weight = sharded_normal((num_embeddings, dim), std, dtype, comm.rank, comm.size, split_rows,
+                                     rng, backend)
+
+    def partial(self, idx):
+        """My rows' contribution: embedding of ids in my range, zeros elsewhere."""
+        be = self.weight.backend
+        xp = be.xp
+        local = _ids(idx, be) - self.start
+        outside = (local < 0) | (local >= self.local_rows)
+        rows = ops.embedding(self.weight, xp.where(outside, 0, local))
+        return rows * (~outside)[..., None].astype(self.weight.dtype)
+
+    def forward(self, idx):
+        part = self.partial(idx)
+        if self.sequence_parallel:
+            return reduce_scatter_to_seq(part, self.comm)
+        return reduce_from_tp(part, self.comm)
+
+
+class VocabParallelCrossEntropy(Function):
+    """Mean cross-entropy of logits split along the vocabulary: (..., V/tp) on each rank.
+
+    loss_i = log Σ_v exp(z_iv - m_i) - (z_i,t_i - m_i) with m_i = max_v z_iv; each of m, the
+    target logit and Σ exp is a per-token all-reduce over the group. Backward needs no
+    communication: my slice of softmax(z) - onehot(t).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, comm, ignore_index=-1):
+        xp = backend_of(logits).xp
+        v = logits.shape[-1]
+        x = logits.reshape(-1, v)
+        t = targets.reshape(-1)
+        valid = t != ignore_index
+        m = tp_all_reduce(comm, x.max(axis=-1), op="max")
+        shifted = x - m[:, None]
+        local_t = t - comm.rank * v
+        mine = valid & (local_t >= 0) & (local_t < v)
+        safe_t = xp.where(mine, local_t, 0)
+        target = tp_all_reduce(comm, xp.take_along_axis(shifted, safe_t[:, None], axis=-1)[:, 0] * mine)
+        lse = xp.log(tp_all_reduce(comm, xp.exp(shifted).sum(axis=-1)))
+        n = max(int(valid.sum()), 1)
+        ctx.save(shifted, lse)
+        ctx.t, ctx.mine, ctx.valid, ctx.n, ctx.shape = safe_t, mine, valid, n, logits.shape
+        return (((lse - target) * valid).sum() / n).astype(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        shifted, lse = ctx.saved
+        be = backend_of(shifted)
+        xp = be.xp
+        probs = xp.exp(shifted - lse[:, None])
+        rows = xp.arange(probs.shape[0])
+        probs = be.scatter_add(probs, (rows, ctx.t), -ctx.mine.astype(probs.dtype))
+        scale = (g / ctx.n) * ctx.valid[:, None].astype(probs.dtype)
+        return (probs * scale).reshape(ctx.shape), None
+
+
+def vocab_parallel_cross_entropy(logits, targets, comm, ignore_index=-1):
+    """The serial ``ops.cross_entropy`` of the full logits, from this rank's vocabulary slice."""
+    be = backend_of(logits.data if isinstance(logits, Tensor) else logits)
+    return VocabParallelCrossEntropy.apply(logits, _ids(targets, be), comm=comm, ignore_index=ignore_index)

@@ -1,0 +1,233 @@
+"""Tensor parallelism: the TP GPT equals the serial GPT (outputs, loss, every gradient), for tp in
+{1, 2, 3, 4}, with and without sequence parallelism and dropout; the ledger equals Megatron's formulas."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minidist import ops
+from minidist import random as mrandom
+from minidist.comm import measure, run
+from minidist.nn import GPT, GPTConfig, Linear
+from minidist.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    vocab_parallel_cross_entropy,
+)
+from minidist.parallel.tp_gpt import TPGPT, ParallelBlock, shard_state_dict, unshard
+from minidist.tensor import Tensor
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = {"float64": 1e-10, "float32": 2e-5}  # summation order differs across ranks, nothing else
+
+
+def serial_reference(cfg, idx, tgt, seed=7):
+    mrandom.manual_seed(seed)
+    model = GPT(cfg)
+    logits = model(idx)
+    loss = ops.cross_entropy(logits, tgt)
+    loss.backward()
+    return logits.numpy(), loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def tp_rank(comm, cfg, idx, tgt, sp, seed=7, dropout_rng="twin"):
+    mrandom.manual_seed(seed)
+    model = TPGPT(cfg, comm, sequence_parallel=sp, dropout_rng=dropout_rng)
+    local = model(idx)
+    loss = model.loss_fn(local, tgt)
+    loss.backward()
+    mrandom.manual_seed(seed)
+    full = model.eval().logits(idx).numpy() if cfg.dropout == 0 else None
+    return full, loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@settings(max_examples=30)
+@given(tp=st.sampled_from([1, 2, 3, 4]), b=st.integers(1, 3), s_mult=st.integers(1, 3),
+       heads_per_rank=st.integers(1, 2), head_dim=st.sampled_from([2, 4]), vocab_per_rank=st.integers(2, 5),
+       sp=st.booleans(), dropout=st.sampled_from([0.0, 0.2]), layers=st.integers(1, 2))
+def test_tp_gpt_equals_serial(tp, b, s_mult, heads_per_rank, head_dim, vocab_per_rank, sp, dropout, layers):
+    n_head = tp * heads_per_rank
+    s = tp * s_mult if sp else s_mult + 1
+    cfg = GPTConfig(vocab_size=tp * vocab_per_rank, block_size=12, n_layer=layers, n_head=n_head,
+                    d_model=n_head * head_dim, dropout=dropout, dtype="float64", seed=tp + b)
+    rng = np.random.default_rng(s)
+    idx = rng.integers(0, cfg.vocab_size, (b, s))
+    tgt = rng.integers(-1, cfg.vocab_size, (b, s))  # -1: ignored positions too
+    logits, loss, grads = serial_reference(cfg, idx, tgt)
+    res = run(tp_rank, ranks=tp, cfg=cfg, idx=idx, tgt=tgt, sp=sp)
+    tol = TOL[cfg.dtype]
+    for full, tp_loss, _ in res:
+        assert abs(tp_loss - loss) < tol
+        if full is not None:
+            np.testing.assert_allclose(full, logits, atol=tol, rtol=0)
+    tp_grads = unshard([r[2] for r in res])
+    assert tp_grads.keys() == grads.keys()
+    for name in grads:
+        np.testing.assert_allclose(tp_grads[name], grads[name], atol=tol, rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("tp,sp", [(2, False), (4, True)])
+def test_float32_within_stated_tolerance(tp, sp):
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, d_model=32, dtype="float32", seed=0)
+    idx = np.random.default_rng(0).integers(0, 32, (2, 8))
+    logits, loss, grads = serial_reference(cfg, idx, idx)
+    res = run(tp_rank, ranks=tp, cfg=cfg, idx=idx, tgt=idx, sp=sp)
+    assert abs(res[0][1] - loss) < TOL["float32"]
+    np.testing.assert_allclose(res[0][0], logits, atol=TOL["float32"])
+    tp_grads = unshard([r[2] for r in res])
+    for name in grads:
+        np.testing.assert_allclose(tp_grads[name], grads[name], atol=TOL["float32"], err_msg=name)
+
+
+# -- the ledger equals the formulas ---------------------------------------------------------------------
+
+def block_traffic(comm, cfg, b, s, sp):
+    """One transformer layer, forward + backward: bytes this rank sent, by collective."""
+    block = ParallelBlock(cfg, comm, np.random.default_rng(0), sequence_parallel=sp)
+    t = s // comm.size if sp else s
+    x = Tensor(np.random.default_rng(1).standard_normal((b, t, cfg.d_model)), requires_grad=True)
+    with measure(comm) as m:
+        block(x).sum().backward()
+    by = {}
+    for c in m.calls:
+        by.setdefault(c.name, []).append(c.bytes_sent)
+    return by, m.bytes_sent
+
+
+@settings(max_examples=20)
+@given(tp=st.sampled_from([2, 3, 4]), b=st.integers(1, 3), s_mult=st.integers(1, 3), sp=st.booleans())
+def test_per_layer_bytes_equal_megatron_formula(tp, b, s_mult, sp):
+    cfg = GPTConfig(vocab_size=tp, n_layer=1, n_head=tp, d_model=4 * tp, dtype="float64")
+    s = tp * s_mult
+    N = b * s * cfg.d_model * 8  # bytes of one (b, s, h) activation
+    for by, _ in run(block_traffic, ranks=tp, cfg=cfg, b=b, s=s, sp=sp):
+        if not sp:  # 4 ring all-reduces (2 forward, 2 backward), 2(p-1)/p N bytes each
+            assert by == {"ring_all_reduce": [2 * (tp - 1) * N // tp] * 4}
+        else:       # 4 all-gathers + 4 reduce-scatters of (p-1)/p N: the same 4·2(p-1)/p N bytes
+            assert by["all_gather"] == [(tp - 1) * N // tp] * 4
+            assert by["reduce_scatter"] == [(tp - 1) * N // tp] * 4
+            # plus the replicated LayerNorm weights/biases and row-parallel biases: 6 gradients of h
+            assert by["ring_all_reduce"] == [2 * (tp - 1) * cfg.d_model * 8 // tp] * 6
+
+
+def test_vocab_parallel_loss_never_gathers_the_logits():
+    b, s, v, tp = 2, 4, 40, 4
+
+    def rank(comm, logits, tgt):
+        local = Tensor(logits[..., comm.rank * v // tp:(comm.rank + 1) * v // tp], requires_grad=True)
+        with measure(comm) as m:
+            loss = vocab_parallel_cross_entropy(local, tgt, comm)
+            loss.backward()
+        return loss.item(), local.grad, [(c.name, c.bytes_sent) for c in m.calls]
+
+    rng = np.random.default_rng(0)
+    logits, tgt = rng.standard_normal((b, s, v)) * 3, rng.integers(-1, v, (b, s))
+    full = Tensor(logits, requires_grad=True)
+    ref = ops.cross_entropy(full, tgt)
+    ref.backward()
+    res = run(rank, ranks=tp, logits=logits, tgt=tgt)
+    np.testing.assert_allclose(np.concatenate([r[1] for r in res], axis=-1), full.grad, atol=1e-12)
+    for loss, _, calls in res:
+        assert abs(loss - ref.item()) < 1e-12
+        # max, target logit, sum of exponentials: 3 all-reduces of b·s numbers, none in backward
+        assert calls == [("ring_all_reduce", 2 * (tp - 1) * b * s * 8 // tp)] * 3
+
+
+# -- the layers on their own ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_column_and_row_linear_equal_serial_linear(tp):
+    x = np.random.default_rng(0).standard_normal((2, 3, 6))
+
+    def rank(comm):
+        col = ColumnParallelLinear(6, 12, comm, gather_output=True, dtype=np.float64,
+                                   rng=np.random.default_rng(1))
+        row = RowParallelLinear(12, 6, comm, input_is_parallel=False, dtype=np.float64,
+                                rng=np.random.default_rng(2))
+        xt = Tensor(x, requires_grad=True)
+        row(col(xt)).sum().backward()
+        return xt.grad, row(col(xt)).numpy()
+
+    a = Linear(6, 12, dtype=np.float64, rng=np.random.default_rng(1))
+    c = Linear(12, 6, dtype=np.float64, rng=np.random.default_rng(2))
+    xt = Tensor(x, requires_grad=True)
+    out = c(a(xt))
+    out.sum().backward()
+    for gx, y in run(rank, ranks=tp):
+        np.testing.assert_allclose(y, out.numpy(), atol=1e-12)
+        np.testing.assert_allclose(gx, xt.grad, atol=1e-12)
+
+
+def test_state_dict_round_trip_and_loading():
+    cfg = GPTConfig(vocab_size=8, block_size=6, n_layer=2, n_head=2, d_model=8, dtype="float64", seed=3)
+    serial = GPT(cfg).state_dict()
+    shards = [shard_state_dict(serial, r, 2) for r in range(2)]
+    back = unshard(shards)
+    assert all(np.array_equal(back[k], serial[k]) for k in serial)
+
+    def rank(comm):
+        model = TPGPT(cfg.replace(seed=99), comm)   # different init, then load the serial weights
+        model.load_serial_state_dict(serial)
+        fresh = TPGPT(cfg, comm).state_dict()       # sharded init == sharded serial state_dict
+        same = all(np.array_equal(fresh[k], v) for k, v in model.state_dict().items())
+        return same, model.serial_state_dict()
+
+    for same, sd in run(rank, ranks=2):
+        assert same and all(np.array_equal(sd[k], serial[k]) for k in serial)
+
+
+def test_megatron_rng_sharded_regions_differ_replicated_agree():
+    cfg = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, d_model=8, dropout=0.5, seed=0)
+    idx = np.zeros((1, 8), dtype=np.int64)
+
+    def rank(comm, sp):
+        mrandom.manual_seed(0)
+        model = TPGPT(cfg, comm, sequence_parallel=sp, dropout_rng="megatron")
+        x = model[0](idx)  # after the embedding's dropout
+        return (x.numpy() != 0), comm.allgather_obj(mrandom.get_state())
+
+    plain = run(rank, ranks=2, sp=False)
+    assert np.array_equal(plain[0][0], plain[1][0])  # replicated: the same mask on every rank
+    sharded = run(rank, ranks=2, sp=True)
+    assert not np.array_equal(sharded[0][0], sharded[1][0])  # each rank its own mask stream
+    states = sharded[0][1]
+    assert states[0] == states[1]  # and the replicated-region generator was not touched differently
+
+
+# -- clear errors --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change,message", [
+    (dict(n_head=3, d_model=12), r"n_head = 3 is not divisible by the tensor-parallel size 2"),
+    (dict(vocab_size=7), r"vocab_size = 7 is not divisible by the tensor-parallel size 2"),
+])
+def test_sizes_not_divisible_by_tp_raise_with_the_numbers(change, message):
+    cfg = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, d_model=8).replace(**change)
+    with pytest.raises(ValueError, match=message):
+        run(lambda comm: TPGPT(cfg, comm), ranks=2)
+
+
+def test_sequence_not_divisible_under_sequence_parallelism():
+    cfg = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, d_model=8)
+    with pytest.raises(ValueError, match=r"sequence length .* = 5 is not divisible .* size 2"):
+        run(lambda comm: TPGPT(cfg, comm, sequence_parallel=True)(np.zeros((1, 5), dtype=np.int64)), ranks=2)
+
+
+# -- under real mpirun ---------------------------------------------------------------------------------
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (pip install mpich)")
+def test_lesson_under_mpirun():
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MINIDIST_TRANSPORT", None)
+    cmd = ["mpirun", "-n", "4", sys.executable, "-m", "minidist.lessons.tensor_parallel", "--steps", "3"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(re.findall(r"PASS", res.stdout)) >= 4 and "FAIL" not in res.stdout, res.stdout
