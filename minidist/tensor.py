@@ -74,6 +74,12 @@ def saved_tensors_hooks(pack, unpack):
         stack.pop()
 
 
+def current_saved_tensors_hooks():
+    """The innermost active ``(pack, unpack)`` pair, or None: a hook may hand arrays on to it."""
+    stack = _hook_stack()
+    return stack[-1] if stack else None
+
+
 class Context:
     """What a Function's forward leaves for its backward: ``save(...)`` arrays, plain attributes."""
 

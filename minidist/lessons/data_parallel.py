@@ -1,0 +1,221 @@
+"""Lesson 3: data parallelism -- DDP with overlapped gradient buckets, then ZeRO stages 1, 2, 3.
+
+    python -m minidist.lessons.data_parallel --ranks 4
+    mpirun -n 4 python -m minidist.lessons.data_parallel
+
+1. The same GPT is trained on one process (the serial twin, on rank 0) and with DDP on N ranks, each
+   holding an *uneven* slice of every global batch, with gradient accumulation: losses and final
+   parameters compared.
+2. A timeline of one DDP step: backward on each rank, and the bucket all-reduces running beside it.
+3. One step of plain DP and of ZeRO-1/2/3: per-rank bytes of parameters, gradients and AdamW state
+   (memory accountant) beside the formulas, and bytes sent (ledger) beside 2Ψ and 3Ψ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from minidist import optim
+from minidist.comm import all_reduce, measure
+from minidist.lessons.cli import launch, lesson_parser, rprint
+from minidist.memory import MemoryAccountant, zero_formula
+from minidist.nn import GPT, GPTConfig
+from minidist.parallel.data import DDP, hidden_fraction, split_batch
+from minidist.parallel.zero import ZeRO, param_count
+
+
+def config(args) -> GPTConfig:
+    return GPTConfig(vocab_size=64, block_size=args.seq, n_layer=args.layers, n_head=4, d_model=args.d_model,
+                     dtype=args.dtype, seed=args.seed)
+
+
+def global_batches(args):
+    rng = np.random.default_rng(args.seed + 1)
+    shape = (args.batch, args.seq)
+    return [(rng.integers(0, 64, shape), rng.integers(0, 64, shape)) for _ in range(args.steps)]
+
+
+def serial_twin(args, batches):
+    """One process, the whole global batch, plain AdamW: what every parallel run must equal."""
+    m = GPT(config(args))
+    opt = optim.AdamW(m.parameters(), lr=args.lr)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = m.loss(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return m, losses
+
+
+def my_slice(comm, n):
+    """Uneven on purpose: rank r's share of the batch is proportional to r + 1."""
+    return split_batch(n, comm.size, comm.rank, weights=np.arange(1, comm.size + 1))
+
+
+def split_sizes(n, p) -> list[int]:
+    w = np.arange(1, p + 1)
+    slices = [split_batch(n, p, r, weights=w) for r in range(p)]
+    return [int(s.stop - s.start) for s in slices]
+
+
+def train_step(comm, model, wrapper, x, y, accum):
+    """Accumulate ``accum`` micro-batches of this rank's rows; the last backward syncs. Returns the
+    global-batch mean loss (each rank's loss weighted by its rows)."""
+    sl = my_slice(comm, len(x))
+    xs, ys = x[sl], y[sl]
+    total = 0.0
+    parts = [ix for ix in np.array_split(np.arange(len(xs)), accum) if len(ix)]
+    for i, ix in enumerate(parts):
+        with wrapper.no_sync() if i < len(parts) - 1 else contextlib.nullcontext():
+            loss = model.loss(xs[ix], ys[ix])
+            wrapper.backward(loss, n_samples=len(ix))
+            total += loss.item() * len(ix)
+    return float(all_reduce(comm, np.array([total]))[0]) / len(x)
+
+
+def run_ddp(comm, args, batches):
+    m = GPT(config(args).replace(seed=args.seed + 100 * comm.rank))  # broadcast makes them equal
+    ddp = DDP(m, comm, bucket_bytes=args.bucket_kb * 1024)
+    opt = optim.AdamW(m.parameters(), lr=args.lr)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        losses.append(train_step(comm, m, ddp, x, y, args.accum))
+        ddp.wait_gradients()
+        opt.step()
+    return m, ddp, losses
+
+
+def stage_numbers(comm, args, batches, stage):
+    """One step of DP (stage 0) or ZeRO-``stage``: (memory report, bytes sent by collectives, Ψ)."""
+    m = GPT(config(args))
+    acct = MemoryAccountant()
+    x, y = batches[0]
+    if stage == 0:
+        wrapper = DDP(m, comm, bucket_bytes=args.bucket_kb * 1024)
+        opt = optim.AdamW(m.parameters(), lr=args.lr)
+    else:
+        wrapper = ZeRO(m, comm, lambda ps: optim.AdamW(ps, lr=args.lr), stage=stage,
+                       bucket_bytes=args.bucket_kb * 1024)
+        opt = wrapper
+    for _ in range(2):  # the second step: the optimizer state exists
+        with measure(comm) as meas:
+            with acct.track_activations(m):
+                loss = m.loss(x, y)
+            wrapper.backward(loss)
+            wrapper.wait_gradients()
+            rep = acct.report(m, opt)
+            if stage == 0:
+                opt.step()
+                opt.zero_grad()
+            else:
+                wrapper.update()
+    names = ("ring_all_reduce", "reduce_scatter", "all_gather")  # not the tiny loss all-reduce
+    sent = sum(c.bytes_sent for c in meas.calls if c.name in names)
+    return rep, sent, param_count(m)
+
+
+def timeline(events_by_rank, width=64) -> str:
+    """Two rows per rank: backward ('B') and the bucket collectives (their bucket number)."""
+    allev = [e for evs in events_by_rank for e in evs]
+    t0 = min(e[2] for e in allev)
+    span = max(e[3] for e in allev) - t0 or 1.0
+    rows = []
+    for r, evs in enumerate(events_by_rank):
+        for kind, label in (("backward", "backward"), ("comm", "buckets ")):
+            row = ["."] * width
+            for name, k, a, b in evs:
+                if k != kind:
+                    continue
+                c0 = int((a - t0) / span * width)
+                c1 = max(int((b - t0) / span * width), c0 + 1)
+                ch = "B" if kind == "backward" else str(int(name.split(" b")[-1]) % 10)
+                for c in range(c0, min(c1, width)):
+                    row[c] = ch
+            rows.append(f"rank {r} {label} |{''.join(row)}|")
+    return "\n".join(rows)
+
+
+def rank_main(comm, args):
+    p = comm.size
+    batches = global_batches(args)
+    rprint(comm, f"Data parallelism on {p} ranks ({comm.transport}): GPT d_model={args.d_model}, "
+                 f"{args.layers} layers, {args.dtype}; global batch {args.batch} split unevenly "
+                 f"{split_sizes(args.batch, p)}, "
+                 f"{args.accum} micro-steps each, {args.steps} steps\n")
+    serial = serial_twin(args, batches) if comm.rank == 0 else None
+    m, ddp, losses = run_ddp(comm, args, batches)
+    if comm.rank == 0:
+        sm, slosses = serial
+        diff = max(float(np.abs(a - m.state_dict()[k]).max()) for k, a in sm.state_dict().items())
+        ldiff = max(abs(a - b) for a, b in zip(losses, slosses))
+        tol = 1e-9 if args.dtype == "float64" else 1e-4
+        print("1. DDP vs the serial twin (one process, whole batch)")
+        print("   step  loss(serial)  loss(DDP)")
+        for i, (a, b) in enumerate(zip(slosses, losses)):
+            print(f"   {i:4d}  {a:12.6f}  {b:10.6f}")
+        print(f"   max |param diff| = {diff:.2e}, max |loss diff| = {ldiff:.2e} (tolerance {tol:g}: "
+              f"same sums, different order)  {'PASS' if max(diff, ldiff) < tol else 'FAIL'}\n", flush=True)
+    events = comm.gather_obj(ddp.events)
+    if comm.rank == 0:
+        hidden = np.mean([hidden_fraction(e) for e in events])
+        print(f"2. The last DDP step's sync window: {len(ddp.buckets)} buckets of <= {args.bucket_kb} KiB, "
+              f"{ddp.started_in_backward} started from backward hooks; {hidden:.0%} of all-reduce time "
+              "hidden behind backward")
+        print(timeline(events))
+        print()
+    rows = []
+    for stage in (0, 1, 2, 3):
+        rows.append(stage_numbers(comm, args, batches, stage))
+    if comm.rank == 0:
+        psi = rows[0][2]
+        item = np.dtype(args.dtype).itemsize
+        print(f"3. Per-rank memory and traffic, Ψ = {psi:,} parameters, N = {p}, {args.dtype} params and "
+              f"grads, AdamW m+v in {args.dtype}  (MB = 1e6 bytes, rank 0)")
+        print("   stage   params  (formula)   grads  (formula)  opt state (formula)   sent/rank  (formula)")
+        names = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+        for stage, (rep, sent, _) in enumerate(rows):
+            f = zero_formula(stage, psi, p, item, item, 2 * item)
+            k = 3 if stage == 3 else 2
+            fs = k * (p - 1) / p * psi * item
+            print(f"   {names[stage]:7s} {rep['params'] / 1e6:6.3f} ({f['params'] / 1e6:6.3f})  "
+                  f"{rep['grads'] / 1e6:6.3f} ({f['grads'] / 1e6:6.3f})  {rep['optimizer_state'] / 1e6:7.3f} "
+                  f"({f['optimizer_state'] / 1e6:6.3f})   {sent / 1e6:7.3f}  "
+                  f"({fs / 1e6:6.3f} = {k}(N-1)/N·Ψ·{item}B)")
+        print("   formulas (B = bytes/element): DP (P+G+K)Ψ; ZeRO-1 (P+G)Ψ+KΨ/N; ZeRO-2 PΨ+(G+K)Ψ/N; "
+              "ZeRO-3 (P+G+K)Ψ/N;\n   paper, fp16 + fp32 Adam: 16Ψ; 4Ψ+12Ψ/N; 2Ψ+14Ψ/N; 16Ψ/N. "
+              "ZeRO-3 sends less than 3Ψ when backward needs no gathered weights (embeddings, first layer).")
+        peak = rows[1][0]["activations_peak"]
+        print(f"   activations saved for backward (peak, rank 0): {peak / 1e6:.3f} MB")
+    if args.plot and comm.rank == 0:
+        from minidist.trace import plot_timeline
+
+        back = {"name": "Backward", "cat": "compute"}  # plot_timeline shades names starting with B
+        evs = [{"name": n, "cat": "collective", "rank": r, "t0": a, "t1": b}
+               | (back if k == "backward" else {}) for r, e in enumerate(events) for n, k, a, b in e]
+        plot_timeline(args.plot, evs, losses=losses, title="DDP: backward and bucket all-reduces")
+        print(f"wrote {args.plot}")
+    return losses
+
+
+def main(argv=None):
+    parser = lesson_parser(__doc__, ranks=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=12, help="global batch (rows)")
+    parser.add_argument("--accum", type=int, default=2, help="micro-steps per step (gradient accumulation)")
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    parser.add_argument("--bucket-kb", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    args = parser.parse_args(argv)
+    return launch(rank_main, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,396 @@
+"""Data parallelism (DDP): every rank holds the whole model and a slice of the batch.
+
+    ddp = DistributedDataParallel(model, comm, bucket_bytes=1 << 20)
+    for micro in range(k):                                # gradient accumulation
+        with ddp.no_sync() if micro < k - 1 else contextlib.nullcontext():
+            ddp.backward(model.loss(x[micro], y[micro]), n_samples=len(x[micro]))
+    ddp.wait_gradients()                                  # p.grad = the global-batch gradient
+    opt.step()
+
+What happens, by function:
+
+* ``__init__``: ``check_same_model`` (an error on every rank, not a hang, if ranks disagree),
+  ``broadcast_parameters`` from rank 0 (ranks may have been seeded differently), ``build_buckets``
+  (gradients in reverse parameter order -- the order backward produces them -- cut into buckets of
+  at most ``bucket_bytes``), and one post-accumulate-grad hook per parameter.
+* ``_on_grad_ready`` (the hook, during backward): when every gradient of a bucket is complete the
+  bucket is flattened and its all-reduce *started* (``all_reduce_async``) while backward goes on
+  computing earlier layers: communication overlaps computation. Buckets start strictly in order,
+  so every rank queues the same collectives in the same order.
+* ``wait_gradients``: starts buckets that never completed (a parameter got no gradient on this
+  rank: it contributes zeros), waits for every all-reduce, and puts the averaged gradient in
+  ``p.grad``.
+
+**Averaging over the global batch.** The serial twin takes the mean loss over all N samples of the
+global batch: ``g = (1/N) Σ_i ∇ℓ_i``. Rank r computes the mean over its own n_r samples,
+``g_r = (1/n_r) Σ_{i∈r} ∇ℓ_i``, so ``g = Σ_r (n_r/N) g_r``: each rank's gradient must be weighted by
+its share of the batch and then *summed* -- plain averaging over ranks (``Σ_r g_r / p``) is only
+right when every n_r is equal. ``backward(loss, n_samples)`` seeds backward with n_r instead of 1
+(so the hooks see n_r·g_r), the buckets are summed, and ``wait_gradients`` divides by N = Σ n_r
+(one tiny all-reduce, queued before the buckets). With accumulation the same holds over
+(rank, micro-step) pairs. Without ``n_samples`` every micro-batch weighs the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+
+from minidist.comm import all_reduce, all_reduce_async, broadcast
+from minidist.comm.handles import start_async
+
+# -- buckets -------------------------------------------------------------------------------------
+
+class Bucket:
+    """Parameters of one dtype whose gradients travel in one message, as one flat array."""
+
+    def __init__(self, index: int, params: list):
+        self.index, self.params = index, params
+        self.sizes = [p.size for p in params]
+        self.offsets = [int(o) for o in np.cumsum([0] + self.sizes[:-1])]
+        self.numel = int(sum(self.sizes))
+        self.dtype = params[0].dtype
+        self.nbytes = self.numel * np.dtype(self.dtype).itemsize
+        self.pending = len(params)  # gradients still to come in this backward
+
+    def flatten(self, arrays):
+        """One flat array of the bucket's parameters' arrays (None -> zeros), in bucket order."""
+        xp = self.params[0].backend.xp
+        return xp.concatenate([xp.zeros(p.size, self.dtype) if a is None else a.reshape(-1)
+                               for p, a in zip(self.params, arrays)])
+
+    def views(self, flat) -> list:
+        """The inverse of ``flatten``: per-parameter views of ``flat`` in their shapes."""
+        return [flat[o:o + n].reshape(p.shape) for p, o, n in zip(self.params, self.offsets, self.sizes)]
+
+    def shard(self, rank: int, size: int) -> tuple[int, int]:
+        """[lo, hi) of the flat bucket rank ``rank`` owns: ``np.array_split`` of numel into size parts
+        (what ``reduce_scatter`` and ``all_gather`` use)."""
+        q, r = divmod(self.numel, size)
+        lo = rank * q + min(rank, r)
+        return lo, lo + q + (1 if rank < r else 0)
+
+    def __repr__(self):
+        return f"<Bucket {self.index}: {len(self.params)} params, {self.numel} x {self.dtype}>"
+
+
+def build_buckets(params, bucket_bytes: float) -> list[Bucket]:
+    """Cut ``params`` (in the given order) into runs of one dtype and at most ``bucket_bytes`` bytes
+    (a parameter larger than that gets a bucket of its own)."""
+    buckets, cur, cur_bytes = [], [], 0
+    for p in params:
+        nbytes = p.size * np.dtype(p.dtype).itemsize
+        if cur and (p.dtype != cur[0].dtype or cur_bytes + nbytes > bucket_bytes):
+            buckets.append(Bucket(len(buckets), cur))
+            cur, cur_bytes = [], 0
+        cur.append(p)
+        cur_bytes += nbytes
+    if cur:
+        buckets.append(Bucket(len(buckets), cur))
+    return buckets
+
+
+# -- start-up checks -----------------------------------------------------------------------------
+
+def model_signature(module) -> list[tuple]:
+    return [(name, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
+            for name, p in module.named_parameters()]
+
+
+def check_same_model(comm, module) -> None:
+    """Every rank must wrap the same architecture: compare (name, shape, dtype, requires_grad) lists.
+
+    Raises ValueError on *every* rank (they all see all signatures), naming the ranks that differ,
+    before any gradient collective could pair up mismatched buffers or hang.
+    """
+    sigs = comm.allgather_obj(model_signature(module))
+    bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
+    if not bad:
+        return
+    r = bad[0]
+    a, b = sigs[0], sigs[r]
+    diff = next((f"rank 0 has {x}, rank {r} has {y}" for x, y in zip(a, b) if x != y),
+                f"rank 0 has {len(a)} parameters, rank {r} has {len(b)}")
+    raise ValueError(f"rank {comm.rank}: data-parallel ranks disagree on the model (ranks {bad} differ "
+                     f"from rank 0): first difference: {diff}. Build the same model on every rank.")
+
+
+def broadcast_parameters(comm, module, root: int = 0) -> None:
+    """Make every rank's parameters (frozen ones too) equal to ``root``'s: one broadcast per dtype."""
+    for b in build_buckets(module.parameters(), float("inf")):
+        flat = broadcast(comm, b.flatten([p.data for p in b.params]), root=root)
+        for p, v in zip(b.params, b.views(flat)):
+            p.data = v
+
+
+# -- timing of the overlap -----------------------------------------------------------------------
+
+def _timed(c, fn, x, events, label, tracer, **kw):
+    """Run collective ``fn`` on the async worker, recording when it really ran (and a trace span)."""
+    t0 = time.perf_counter()
+    if tracer is not None:
+        with tracer.span(label, "collective"):
+            out = fn(c, x, **kw)
+    else:
+        out = fn(c, x, **kw)
+    events.append((label, "comm", t0, time.perf_counter()))
+    return out
+
+
+def _tracer():
+    from minidist import trace
+
+    return trace.current()
+
+
+def hidden_fraction(events) -> float:
+    """Share of communication time that ran while backward was computing, from ``ddp.events``
+    (``(name, kind, t0, t1)`` with kind "backward" or "comm")."""
+    back = [(t0, t1) for _, kind, t0, t1 in events if kind == "backward"]
+    comm = [(t0, t1) for _, kind, t0, t1 in events if kind == "comm"]
+    total = sum(t1 - t0 for t0, t1 in comm)
+    if total <= 0:
+        return 0.0
+    hidden = sum(max(0.0, min(t1, b1) - max(t0, b0)) for t0, t1 in comm for b0, b1 in back)
+    return hidden / total
+
+
+# -- DDP -----------------------------------------------------------------------------------------
+
+class DistributedDataParallel:
+    """Wrap ``module`` for data parallelism over ``comm`` (see the module docstring).
+
+    ``bucket_bytes``: gradient bucket capacity. ``algorithm``: the all-reduce ("ring": 2(p-1)/p
+    bytes per rank per byte of gradient). ``find_unused_parameters``: after the buckets, all-reduce
+    one flag per parameter so that a parameter no rank produced a gradient for keeps ``grad=None``
+    (exactly as the serial twin, where e.g. AdamW then skips it); otherwise it gets zeros.
+    Frozen parameters (``requires_grad=False``) are broadcast at start and never communicated again.
+    """
+
+    def __init__(self, module, comm, bucket_bytes: float = 4 << 20, algorithm: str = "ring",
+                 find_unused_parameters: bool = False, broadcast_from: int | None = 0):
+        self.module, self.comm = module, comm
+        self.algorithm, self.find_unused = algorithm, find_unused_parameters
+        check_same_model(comm, module)
+        if broadcast_from is not None:
+            broadcast_parameters(comm, module, broadcast_from)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = self._make_buckets(bucket_bytes)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._sync = True
+        self.started_in_backward = 0  # buckets of the last window whose collective began during backward
+        self.events: list[tuple] = []  # (name, "backward"|"comm", t0, t1) of the last synced window
+        self._events: list[tuple] = []  # ... of the window being recorded
+        self._reset_window()
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _make_buckets(self, bucket_bytes) -> list[Bucket]:
+        return build_buckets(reversed(self.params), bucket_bytes)
+
+    # -- the module ----------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def zero_grad(self):
+        self.module.zero_grad()
+
+    # -- accumulation --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside this block only accumulates ``p.grad`` locally (no communication);
+        the first backward after it syncs everything accumulated."""
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def _reset_window(self):
+        self._weight = 0.0        # Σ n_samples of this rank since the last sync
+        self._weighted = False    # did backward() get n_samples?
+        self._micro = 0           # backward passes since the last sync
+        self._weight_handle = None
+        self._handles: dict[int, object] = {}
+        self._next = 0            # the next bucket to start (buckets start in order)
+        self._used: dict[int, bool] = {}
+        self._in_backward = False
+        self._hooked = False      # did any gradient hook fire (also for plain loss.backward())?
+        self._synced = False      # has a syncing backward run? (then wait_gradients must come next)
+        for b in self.buckets:
+            b.pending = len(b.params)
+
+    def backward(self, loss, n_samples: int | None = None):
+        """``loss.backward()`` for a loss that is the *mean* over this rank's ``n_samples`` samples
+        (weights the gradient by n_samples; see the module docstring). All ranks either pass
+        n_samples or none does."""
+        if n_samples is not None:
+            if n_samples < 0:
+                raise ValueError(f"rank {self.comm.rank}: n_samples must be >= 0, got {n_samples}")
+            self._weighted = True
+        if self._synced:
+            raise RuntimeError(f"rank {self.comm.rank}: backward() after a syncing backward without "
+                               "wait_gradients() in between; wrap the earlier micro-steps in no_sync()")
+        if self._micro == 0:
+            self.started_in_backward = 0
+        w = 1.0 if n_samples is None else float(n_samples)
+        self._weight += w
+        self._micro += 1
+        if self._sync:
+            if self._weighted:  # queued first: the worker runs it before any bucket
+                self._weight_handle = all_reduce_async(self.comm, np.array([self._weight]), op="sum")
+        seed = loss.backend.xp.full(loss.data.shape, w, dtype=loss.dtype)
+        t0 = time.perf_counter()
+        self._in_backward = True
+        tracer = _tracer()
+        try:
+            with tracer.span("backward", "compute") if tracer else contextlib.nullcontext():
+                loss.backward(seed)
+        finally:
+            self._in_backward = False
+        if self._sync:  # the timeline of a sync window: its last backward and the collectives
+            self._synced = True
+            self._events.append(("backward", "backward", t0, time.perf_counter()))
+
+    # -- the hooks: start bucket all-reduces during backward ---------------------------------
+    def _on_grad_ready(self, p):
+        self._hooked = True
+        if not self._sync:
+            return
+        b = self._bucket_of[id(p)]
+        b.pending -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._start(self.buckets[self._next])
+            self._next += 1
+
+    def _start(self, b: Bucket):
+        """Flatten bucket ``b``'s gradients and start its collective (``_launch``)."""
+        self.started_in_backward += self._in_backward
+        grads = [p.grad for p in b.params]
+        for p, g in zip(b.params, grads):
+            self._used[id(p)] = g is not None
+            p.grad = None  # the flat copy holds it now
+        self._handles[b.index] = self._launch(b, b.flatten(grads))
+
+    def _launch(self, b: Bucket, flat):
+        return self._async(all_reduce, flat, f"all-reduce b{b.index}", op="sum", algorithm=self.algorithm)
+
+    def _async(self, fn, x, label, **kw):
+        return start_async(self.comm, _timed, fn, x, self._events, label, _tracer(), **kw)
+
+    def _complete(self, b: Bucket, total, divisor: float):
+        """Bucket ``b``'s summed gradient arrived: divide and hand out views as ``p.grad``."""
+        total = total / divisor if divisor != 1 else total
+        for p, v in zip(b.params, b.views(total)):
+            p.grad = v
+
+    def _divisor(self) -> float:
+        if self._weight_handle is not None:
+            n = float(self._weight_handle.wait()[0])
+            if n <= 0:
+                raise ValueError(f"rank {self.comm.rank}: the global batch is empty (Σ n_samples = 0)")
+            return n
+        if self._micro == 0:  # plain loss.backward() (not ddp.backward): PyTorch's mean over ranks
+            return float(self.comm.size)
+        return float(self.comm.size * self._micro)
+
+    def wait_gradients(self):
+        """Finish the gradient sync: start buckets that never completed, wait, average."""
+        if not self._sync:
+            raise RuntimeError(f"rank {self.comm.rank}: wait_gradients() inside no_sync(): the "
+                               "gradients of this window have not been communicated")
+        if self._micro == 0 and not self._hooked:
+            return  # no backward since the last sync: nothing to communicate
+        for b in self.buckets[self._next:]:
+            self._start(b)
+        divisor = self._divisor()
+        for b in self.buckets:
+            self._complete(b, self._handles[b.index].wait(), divisor)
+        if self.find_unused:
+            self._drop_unused()
+        self.events, self._events = self._events, []
+        self._reset_window()
+
+    def _drop_unused(self):
+        used = np.array([self._used.get(id(p), False) for p in self.params], np.int64)
+        anywhere = all_reduce(self.comm, used, op="max")
+        for p, u in zip(self.params, anywhere):
+            if not u:
+                p.grad = None
+
+    def hidden_fraction(self) -> float:
+        return hidden_fraction(self.events)
+
+
+DDP = DistributedDataParallel
+
+
+# -- the sampler ---------------------------------------------------------------------------------
+
+class DistributedSampler:
+    """This rank's share of a dataset's indices, reshuffled every epoch from ``seed + epoch``.
+
+    Every rank draws the same permutation (same seed and epoch) and takes every ``size``-th index
+    starting at its rank, so the shards are disjoint and cover the epoch. ``drop_last=False`` pads
+    with the first indices so all shards have equal length (as PyTorch does); ``drop_last=True``
+    drops the tail; ``even=False`` does neither: shards differ by at most one sample (use
+    ``DistributedDataParallel.backward(loss, n_samples)`` to weigh them right).
+    """
+
+    def __init__(self, n: int, rank: int, size: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, even: bool = True):
+        if not 0 <= rank < size:
+            raise ValueError(f"DistributedSampler: rank {rank} is not in 0..{size - 1}")
+        if n < 0:
+            raise ValueError(f"DistributedSampler: dataset length must be >= 0, got {n}")
+        self.n, self.rank, self.size = n, rank, size
+        self.shuffle, self.seed, self.drop_last, self.even = shuffle, seed, drop_last, even
+        self.epoch = 0
+
+    @classmethod
+    def for_comm(cls, dataset, comm, **kw):
+        return cls(len(dataset), comm.rank, comm.size, **kw)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _order(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.n)
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+
+    def indices(self) -> np.ndarray:
+        idx = self._order()
+        if self.even and self.n:
+            if self.drop_last:
+                idx = idx[: self.n - self.n % self.size]
+            else:
+                pad = (-self.n) % self.size
+                idx = np.concatenate([idx, np.resize(idx, pad)]) if pad else idx
+        return idx[self.rank::self.size]
+
+    def __iter__(self):
+        return iter(self.indices().tolist())
+
+    def __len__(self):
+        return len(self.indices())
+
+
+def split_batch(n: int, size: int, rank: int, weights=None) -> slice:
+    """Rank ``rank``'s rows of a global batch of ``n`` rows: ``np.array_split`` sizes, or sizes
+    proportional to ``weights`` (uneven splits, e.g. for ranks of different speed)."""
+    if weights is None:
+        q, r = divmod(n, size)
+        counts = [q + (1 if i < r else 0) for i in range(size)]
+    else:
+        w = np.asarray(weights, float)
+        counts = list(np.floor(n * w / w.sum()).astype(int))
+        for i in range(n - sum(counts)):
+            counts[i % size] += 1
+    lo = sum(counts[:rank])
+    return slice(lo, lo + counts[rank])

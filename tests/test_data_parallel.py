@@ -1,0 +1,295 @@
+"""DDP == its serial twin (one process on the global batch), plus buckets, overlap, bytes, errors.
+
+Tolerance 1e-10 on float64 models: the parallel run sums the same per-sample gradients in a
+different order (per rank, weighted by n_r, then ring-reduced, then divided by N) than the
+serial mean, so results agree to rounding (~1e-15 observed), not bit for bit.
+"""
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minidist import ops, optim
+from minidist.comm import measure, run
+from minidist.nn import GPT, GPTConfig, Linear, Module
+from minidist.parallel.data import DDP, DistributedSampler, hidden_fraction
+
+TOL = 1e-10
+CFG = GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=2, d_model=8, dtype="float64")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def data(counts, steps, accum, seed=0):
+    """Per step, a global batch: rank r's rows are a contiguous block of counts[r] rows."""
+    rng = np.random.default_rng(seed)
+    n = sum(counts)
+    return [(rng.integers(0, CFG.vocab_size, (n, 5)), rng.integers(0, CFG.vocab_size, (n, 5)))
+            for _ in range(steps)]
+
+
+def serial_gpt(batches, lr=1e-2):
+    m = GPT(CFG)
+    opt = optim.AdamW(m.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        m.loss(x, y).backward()
+        opt.step()
+    return {k: np.array(v) for k, v in m.state_dict().items()}
+
+
+def my_rows(counts, rank):
+    lo = sum(counts[:rank])
+    return slice(lo, lo + counts[rank])
+
+
+def accumulate(ddp, loss_fn, x, y, accum):
+    """``accum`` micro-steps over this rank's rows, the last one syncing."""
+    parts = [ix for ix in np.array_split(np.arange(len(x)), accum)]
+    for i, ix in enumerate(parts):
+        with ddp.no_sync() if i < accum - 1 else contextlib.nullcontext():
+            ddp.backward(loss_fn(x[ix], y[ix]), n_samples=len(ix))
+
+
+def ddp_gpt(comm, batches, counts, accum, bucket_bytes, lr=1e-2):
+    m = GPT(CFG.replace(seed=comm.rank * 7))  # differently seeded: the broadcast must fix it
+    ddp = DDP(m, comm, bucket_bytes=bucket_bytes)
+    opt = optim.AdamW(m.parameters(), lr=lr)
+    for x, y in batches:
+        sl = my_rows(counts, comm.rank)
+        opt.zero_grad()
+        accumulate(ddp, m.loss, x[sl], y[sl], accum)
+        ddp.wait_gradients()
+        opt.step()
+    return {k: np.array(v) for k, v in m.state_dict().items()}
+
+
+def max_diff(a, b):
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+@settings(max_examples=12)
+@given(p=st.integers(1, 4), accum=st.integers(1, 3),
+       extra=st.lists(st.integers(0, 3), min_size=4, max_size=4),
+       bucket_bytes=st.sampled_from([64, 700, 5000, 1 << 30]))
+def test_ddp_equals_serial_uneven_batches(p, accum, extra, bucket_bytes):
+    counts = [accum + e for e in extra[:p]]  # every micro-batch non-empty, ranks uneven
+    batches = data(counts, steps=2, accum=accum)
+    want = serial_gpt(batches)
+    got = run(ddp_gpt, ranks=p, batches=batches, counts=counts, accum=accum, bucket_bytes=bucket_bytes)
+    for r in range(p):
+        assert max_diff(got[r], want) < TOL
+        assert max_diff(got[r], got[0]) == 0.0  # replicas identical, bit for bit
+
+
+def test_buckets_start_during_backward_and_bytes_match_ring_formula():
+    p = 3
+
+    def body(comm):
+        m = GPT(CFG)
+        ddp = DDP(m, comm, bucket_bytes=2000)
+        x = np.arange(10).reshape(2, 5) % CFG.vocab_size
+        with measure(comm) as m_:
+            ddp.backward(m.loss(x, x))
+            ddp.wait_gradients()
+        ring = [c for c in m_.calls if c.name == "ring_all_reduce"]
+        want = 0
+        for b in ddp.buckets:  # rank r sends every chunk but its own, then every chunk but r+1's
+            chunks = [len(c) for c in np.array_split(np.arange(b.numel), p)]
+            want += (2 * b.numel - chunks[comm.rank] - chunks[(comm.rank + 1) % p]) * 8
+        return (len(ddp.buckets), ddp.started_in_backward, len(ring), sum(c.bytes_sent for c in ring), want,
+                hidden_fraction(ddp.events), [b.numel for b in ddp.buckets])
+
+    for nb, started, nring, sent, want, hidden, sizes in run(body, ranks=p):
+        assert nb >= 3 and started == nb and nring == nb  # every bucket launched from a hook
+        assert sent == want
+        psi = sum(sizes)
+        assert abs(sent - 2 * (p - 1) / p * psi * 8) <= 2 * 8 * nb  # 2(p-1)/p Ψ, up to chunk rounding
+        assert 0.0 <= hidden <= 1.0
+
+
+def test_no_sync_sends_nothing():
+    def body(comm):
+        m = GPT(CFG)
+        ddp = DDP(m, comm)
+        x = np.zeros((2, 5), np.int64)
+        with measure(comm) as meas, ddp.no_sync():
+            ddp.backward(m.loss(x, x))
+        return meas.bytes_sent, m.parameters()[0].grad is not None
+
+    assert run(body, ranks=2) == [(0, True), (0, True)]
+
+
+def test_plain_backward_averages_over_ranks_like_pytorch():
+    """Without ``ddp.backward``: hooks still sync, and the gradient is the mean over ranks (equal batches)."""
+    batches = data([2, 2, 2], steps=2, accum=1)
+    want = serial_gpt(batches)
+
+    def body(comm):
+        m = GPT(CFG)
+        ddp = DDP(m, comm, bucket_bytes=3000)
+        opt = optim.AdamW(m.parameters(), lr=1e-2)
+        for x, y in batches:
+            sl = my_rows([2, 2, 2], comm.rank)
+            opt.zero_grad()
+            m.loss(x[sl], y[sl]).backward()
+            ddp.wait_gradients()
+            opt.step()
+        return {k: np.array(v) for k, v in m.state_dict().items()}
+
+    for got in run(body, ranks=3):
+        assert max_diff(got, want) < TOL
+
+
+def test_second_syncing_backward_without_wait_is_an_error():
+    def body(comm):
+        m = GPT(CFG)
+        ddp = DDP(m, comm)
+        x = np.zeros((2, 5), np.int64)
+        ddp.backward(m.loss(x, x))
+        with pytest.raises(RuntimeError, match="without wait_gradients"):
+            ddp.backward(m.loss(x, x))
+        ddp.wait_gradients()
+        ddp.wait_gradients()  # nothing new: a no-op, no communication
+        return True
+
+    assert run(body, ranks=2) == [True, True]
+
+
+class Odd(Module):
+    """Tied weights (``shared`` used twice), a frozen layer, and a branch only some samples use."""
+
+    def __init__(self, seed):
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        kw = dict(dtype=np.float64, rng=rng)
+        self.inp = Linear(3, 4, **kw)
+        self.shared = Linear(4, 4, **kw)
+        self.branch = Linear(4, 4, **kw)
+        self.frozen = Linear(4, 2, **kw)
+        for p in self.frozen.parameters():
+            p.requires_grad = False
+
+    def loss(self, x, flag):
+        """Mean over rows of |out|², where flagged rows also pass through ``branch``."""
+        h = self.shared(ops.tanh(self.shared(ops.tanh(self.inp(x)))))
+        total = 0.0
+        for rows, use in ((np.flatnonzero(~flag), False), (np.flatnonzero(flag), True)):
+            if len(rows):
+                hr = h[rows]
+                out = self.frozen(self.branch(hr) if use else hr)
+                total = (out * out).sum() + total
+        return total / len(x)
+
+
+@pytest.mark.parametrize("flags", ["none", "rank1", "all"])
+def test_unused_tied_and_frozen_parameters(flags):
+    rng = np.random.default_rng(3)
+    counts, steps = [3, 2, 4], 2
+    xs = [rng.standard_normal((sum(counts), 3)) for _ in range(steps)]
+    flag = np.zeros(sum(counts), bool)
+    if flags == "rank1":
+        flag[3:5] = True
+    elif flags == "all":
+        flag[::2] = True
+
+    def train(model, ddp, rows):
+        opt = optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        for x in xs:
+            opt.zero_grad()
+            if ddp is None:
+                model.loss(x, flag).backward()
+            else:
+                ddp.backward(model.loss(x[rows], flag[rows]), n_samples=len(x[rows]))
+                ddp.wait_gradients()
+            opt.step()
+        return {k: np.array(v) for k, v in model.state_dict().items()}
+
+    want = train(Odd(0), None, None)
+
+    def body(comm):
+        m = Odd(comm.rank)
+        ddp = DDP(m, comm, bucket_bytes=100, find_unused_parameters=True)
+        return train(m, ddp, my_rows(counts, comm.rank))
+
+    for got in run(body, ranks=3):
+        assert max_diff(got, want) < TOL
+    if flags == "none":  # never used anywhere: untouched, as in the serial run
+        assert np.array_equal(want["branch.weight"], Odd(0).branch.weight.data)
+
+
+def test_ranks_disagreeing_on_the_model_is_an_error_not_a_hang():
+    def body(comm):
+        DDP(GPT(CFG.replace(d_model=8 if comm.rank != 1 else 12, n_head=2)), comm)
+
+    with pytest.raises(ValueError, match=r"disagree on the model.*ranks \[1\]"):
+        run(body, ranks=3)
+
+
+@settings(max_examples=15)
+@given(n=st.integers(0, 40), size=st.integers(1, 5), seed=st.integers(0, 3), drop_last=st.booleans(),
+       even=st.booleans())
+def test_distributed_sampler_shards(n, size, seed, drop_last, even):
+    shards = [DistributedSampler(n, r, size, seed=seed, drop_last=drop_last, even=even) for r in range(size)]
+    idx = [s.indices() for s in shards]
+    flat = np.concatenate(idx)
+    if even:
+        assert len({len(i) for i in idx}) == 1  # equal shards
+    else:
+        assert max(map(len, idx)) - min(map(len, idx)) <= 1
+        assert sorted(flat.tolist()) == list(range(n))  # exact cover, no duplicates
+    if even and drop_last:
+        assert len(set(flat.tolist())) == len(flat) == n - n % size
+    if even and not drop_last and n:
+        assert set(flat.tolist()) == set(range(n))
+    for s in shards:
+        s.set_epoch(1)
+    if n > 3:
+        assert not np.array_equal(np.concatenate([s.indices() for s in shards]), flat)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
+def test_ddp_and_zero_under_mpirun():
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MINIDIST_TRANSPORT", None)
+    res = subprocess.run(["mpirun", "-n", "2", sys.executable, __file__],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("OK rank") == 2, res.stdout
+
+
+def _mpi_main():
+    """Under ``mpirun -n 2 python tests/test_data_parallel.py``: DDP and ZeRO-3 == serial on MPI ranks."""
+    from minidist.parallel.zero import ZeRO
+
+    counts, accum = [3, 2], 2
+    batches = data(counts, steps=2, accum=accum)
+    want = serial_gpt(batches)
+
+    def body(comm):
+        assert comm.transport == "mpi" and comm.size == 2
+        got = ddp_gpt(comm, batches, counts, accum, bucket_bytes=1500)
+        assert max_diff(got, want) < TOL, max_diff(got, want)
+        m = GPT(CFG.replace(seed=comm.rank))
+        z = ZeRO(m, comm, lambda ps: optim.AdamW(ps, lr=1e-2), stage=3)
+        for x, y in batches:
+            sl = my_rows(counts, comm.rank)
+            accumulate(z, m.loss, x[sl], y[sl], accum)
+            z.step()
+        got = {k: np.array(v) for k, v in z.full_parameters().items()}
+        assert max_diff(got, want) < TOL, max_diff(got, want)
+        print(f"OK rank {comm.rank}", flush=True)
+
+    run(body)
+
+
+if __name__ == "__main__":
+    _mpi_main()

@@ -1,0 +1,230 @@
+"""ZeRO stages 1-3 == the serial twin (AdamW on the global batch); bytes and memory per the formulas.
+
+Tolerance 1e-10 on float64 models (summation order differs from the serial mean; see
+test_data_parallel.py). Ledger bytes and memory bytes are exact (array_split shard sizes).
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minidist import optim
+from minidist.comm import measure, run
+from minidist.memory import MemoryAccountant, zero_formula
+from minidist.nn import GPT
+from minidist.parallel.zero import ZeRO, param_count
+from tests.test_data_parallel import CFG, TOL, accumulate, data, max_diff, my_rows, serial_gpt
+
+
+def adamw(ps):
+    return optim.AdamW(ps, lr=1e-2)
+
+
+def zero_gpt(comm, batches, counts, accum, stage, bucket_bytes):
+    m = GPT(CFG.replace(seed=comm.rank * 3))
+    z = ZeRO(m, comm, adamw, stage=stage, bucket_bytes=bucket_bytes)
+    for x, y in batches:
+        sl = my_rows(counts, comm.rank)
+        accumulate(z, m.loss, x[sl], y[sl], accum)
+        z.step()
+    return {k: np.array(v) for k, v in z.full_parameters().items()}
+
+
+@settings(max_examples=15)
+@given(stage=st.integers(1, 3), p=st.integers(1, 4), accum=st.integers(1, 2),
+       extra=st.lists(st.integers(0, 2), min_size=4, max_size=4),
+       bucket_bytes=st.sampled_from([64, 3000, 1 << 30]))
+def test_zero_equals_serial(stage, p, accum, extra, bucket_bytes):
+    counts = [accum + e for e in extra[:p]]
+    batches = data(counts, steps=2, accum=accum, seed=stage)
+    want = serial_gpt(batches)
+    for got in run(zero_gpt, ranks=p, batches=batches, counts=counts, accum=accum, stage=stage,
+                   bucket_bytes=bucket_bytes):
+        assert max_diff(got, want) < TOL
+
+
+def _chunks(n, p):
+    return [len(c) for c in np.array_split(np.arange(n), p)]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_ledger_bytes_match_formulas(stage):
+    """Per rank: reduce-scatter sends N - |c_r|, ring all-gather N - |c_{r+1}| (per bucket, x8 bytes).
+    Stages 1/2: one of each = 2(p-1)/p Ψ. Stage 3: a gather per unit in forward, one more per unit
+    whose weights backward needs, and the reduce-scatter: up to 3(p-1)/p Ψ."""
+    p = 3
+
+    def body(comm):
+        m = GPT(CFG)
+        z = ZeRO(m, comm, adamw, stage=stage, bucket_bytes=3000)
+        x = np.arange(12).reshape(2, 6) % CFG.vocab_size
+        z.gather_log.clear()
+        with measure(comm) as meas:
+            z.backward(m.loss(x, x))
+            z.step()
+        sent = {}
+        for c in meas.calls:
+            sent[c.name] = sent.get(c.name, 0) + c.bytes_sent
+        r = comm.rank
+        rs = sum((b.numel - _chunks(b.numel, p)[r]) * 8 for b in z.buckets)
+        ag_bucket = {b.index: (b.numel - _chunks(b.numel, p)[(r + 1) % p]) * 8 for b in z.buckets}
+        if stage < 3:
+            ag = sum(ag_bucket.values())
+        else:
+            ag = sum(ag_bucket[b.index] for u, _ in z.gather_log for b in z._unit_buckets[u])
+        return sent, rs, ag, [ph for _, ph in z.gather_log], param_count(m)
+
+    for sent, rs, ag, phases, psi in run(body, ranks=p):
+        assert sent["reduce_scatter"] == rs and sent["all_gather"] == ag
+        assert abs(rs - (p - 1) / p * psi * 8) <= 8 * 20
+        if stage < 3:
+            assert abs(rs + ag - 2 * (p - 1) / p * psi * 8) <= 8 * 40  # 2Ψ: as plain DP
+        else:
+            assert phases.count("forward") == 1 + CFG.n_layer + 1  # every unit once in forward
+            assert 1 <= phases.count("backward") <= CFG.n_layer + 2
+            assert rs + ag <= 3 * (p - 1) / p * psi * 8 + 8 * 40  # <= 3Ψ: 1.5x DP
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_memory_report_matches_formula(stage):
+    p = 4
+
+    def body(comm):
+        from minidist.parallel.data import DDP
+
+        m = GPT(CFG)
+        acct = MemoryAccountant()
+        x = np.arange(12).reshape(2, 6) % CFG.vocab_size
+        if stage == 0:
+            ddp, opt = DDP(m, comm), adamw(m.parameters())
+            for _ in range(2):
+                opt.zero_grad()
+                ddp.backward(m.loss(x, x))
+                ddp.wait_gradients()
+                rep = acct.report(m, opt)
+                opt.step()
+            return rep, [], param_count(m)
+        z = ZeRO(m, comm, adamw, stage=stage, bucket_bytes=1 << 30)
+        for _ in range(2):
+            with acct.track_activations(m):
+                loss = m.loss(x, x)
+            z.backward(loss)
+            z.wait_gradients()
+            rep = acct.report(m, z)
+            z.update()
+        return rep, [b.shard(comm.rank, p) for b in z.buckets], param_count(m)
+
+    for rep, shards, psi in run(body, ranks=p):
+        mine = sum(hi - lo for lo, hi in shards)
+        full, part = psi * 8, mine * 8
+        want = {0: (full, full, 2 * full), 1: (full, full, 2 * part), 2: (full, part, 2 * part),
+                3: (part, part, 2 * part)}[stage]
+        assert (rep["params"], rep["grads"], rep["optimizer_state"]) == want
+        f = zero_formula(stage, psi, p, 8, 8, 16)
+        assert abs(rep["total"] - f["total"]) <= 32 * 8  # the formula, up to shard rounding
+        if stage:
+            assert rep["activations_peak"] > 0
+
+
+def test_bad_stage_and_shared_units_are_errors():
+    def bad_stage(comm):
+        ZeRO(GPT(CFG), comm, adamw, stage=4)
+
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        run(bad_stage, ranks=2)
+
+    cfg = CFG.replace(vocab_size=8)  # wte (8, 8) and the head's proj (8, 8): tieable
+
+    def tied_ok_shape(comm):
+        m = GPT(cfg)
+        m[-1].proj.weight = m[0].wte.weight
+        ZeRO(m, comm, adamw, stage=3)
+
+    with pytest.raises(ValueError, match="shares a parameter"):
+        run(tied_ok_shape, ranks=2)
+
+
+def test_activation_accountant_counts_and_releases():
+    m = GPT(CFG)
+    acct = MemoryAccountant()
+    x = np.zeros((3, 6), np.int64)
+    with acct.track_activations(m):
+        loss = m.loss(x, x)
+    assert acct.activation_bytes == acct.peak_activation_bytes > 0
+    loss.backward()
+    assert acct.activation_bytes == 0  # backward released everything it saved
+
+
+def test_clip_grad_norm_is_global():
+    """ZeRO's clipping sees the norm of the whole gradient, not of this rank's slice."""
+    batches = data([2, 3], steps=2, accum=1)
+    m = GPT(CFG)
+    opt = optim.AdamW(m.parameters(), lr=1e-2)
+    norms = []
+    for x, y in batches:
+        opt.zero_grad()
+        m.loss(x, y).backward()
+        norms.append(optim.clip_grad_norm(m.parameters(), 0.5))
+        opt.step()
+    want = {k: np.array(v) for k, v in m.state_dict().items()}
+
+    def body(comm):
+        m = GPT(CFG)
+        z = ZeRO(m, comm, adamw, stage=2, bucket_bytes=3000)
+        got_norms = []
+        for x, y in batches:
+            sl = my_rows([2, 3], comm.rank)
+            z.backward(m.loss(x[sl], y[sl]), n_samples=len(x[sl]))
+            z.wait_gradients()
+            got_norms.append(z.clip_grad_norm(0.5))
+            z.update()
+        return got_norms, {k: np.array(v) for k, v in z.full_parameters().items()}
+
+    for got_norms, got in run(body, ranks=2):
+        assert np.allclose(got_norms, norms, rtol=1e-10)
+        assert max_diff(got, want) < TOL
+
+
+def test_ddp_and_zero3_on_jax():
+    """The same code on JAX arrays (immutable: every update builds new arrays). A two-layer net keeps
+    JAX's per-op compilation cheap (and SGD, for the same reason). float32: tolerance 1e-5."""
+    pytest.importorskip("jax")
+    from minidist.backend import get_backend
+    from minidist.nn import Linear, Sequential
+    from minidist.parallel.data import DDP
+
+    x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+
+    def net():
+        rng = np.random.default_rng(1)
+        return Sequential([Linear(3, 4, rng=rng, backend="jax"), Linear(4, 2, rng=rng, backend="jax")])
+
+    def loss(m, rows):
+        out = m(get_backend("jax").from_host(x[rows]))
+        return (out * out).mean()
+
+    def serial(comm):
+        m = net()
+        o = optim.SGD(m.parameters(), lr=0.1)
+        loss(m, slice(0, 4)).backward()
+        o.step()
+        return {k: np.asarray(v) for k, v in m.state_dict().items()}
+
+    def body(comm):
+        sl = slice(2 * comm.rank, 2 * comm.rank + 2)
+        m = net()
+        d, o = DDP(m, comm), optim.SGD(m.parameters(), lr=0.1)
+        d.backward(loss(m, sl), n_samples=2)
+        d.wait_gradients()
+        o.step()
+        m3 = net()
+        z = ZeRO(m3, comm, lambda ps: optim.SGD(ps, lr=0.1), stage=3)
+        z.backward(loss(m3, sl), n_samples=2)
+        z.step()
+        return ({k: np.asarray(v) for k, v in m.state_dict().items()},
+                {k: np.asarray(v) for k, v in z.full_parameters().items()})
+
+    want = run(serial, ranks=1, backend="jax")[0]
+    for ddp_params, zero_params in run(body, ranks=2, backend="jax"):
+        assert max_diff(ddp_params, want) < 1e-5 and max_diff(zero_params, want) < 1e-5
