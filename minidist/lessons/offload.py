@@ -1,0 +1,130 @@
+"""Lesson 8: offload -- AdamW's state on disk (numpy.memmap), streamed in and out by a helper thread.
+
+    python -m minidist.lessons.offload --ranks 2
+    mpirun -n 2 python -m minidist.lessons.offload --offload-dir /tmp
+
+Every rank trains its own copy of a GPT three ways: AdamW in memory (the serial twin), AdamW with
+m and v in host arrays ("host": what a GPU run offloads to), and AdamW with m and v in memmap files
+("disk", the NVMe offload of ZeRO-Infinity). It checks the parameters are bit-identical, prints the
+optimizer-state bytes kept in compute memory beside 8·Ψ (fp32 m and v), the step time and the
+overhead, and a timeline of one optimizer step: the helper thread loads shard n+1's state and
+writes shard n-1's back while the step's thread updates the parameters of shard n.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import numpy as np
+
+from minidist.lessons.cli import launch, lesson_parser, rprint
+from minidist.memory import MemoryAccountant
+from minidist.nn.gpt import GPT, GPTConfig
+from minidist.optim import AdamW
+from minidist.parallel.offload import OffloadedAdamW
+from minidist.trace import ascii_timeline_from_events
+
+
+def run_training(cfg, opt_factory, data, comm, tracer=None, name=""):
+    """Train ``len(data)`` steps; returns (model, optimizer, median step seconds, median opt.step seconds)."""
+    model = GPT(cfg)
+    opt = opt_factory(model.parameters())
+    steps, opt_steps = [], []
+    for s, idx in enumerate(data):
+        comm.barrier()
+        t0 = time.perf_counter()
+        loss = model.loss(idx, idx)
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t2 = time.perf_counter()
+        if tracer is not None:
+            tracer.add(f"{name} step", "compute", tracer.now() - (t2 - t0), tracer.now(), step=s)
+        if s:  # the first step creates the state: a warm-up
+            steps.append(t2 - t0)
+            opt_steps.append(t2 - t1)
+    return model, opt, float(np.median(steps)), float(np.median(opt_steps))
+
+
+def rank_main(comm, args):
+    from minidist import trace
+
+    cfg = GPTConfig(vocab_size=64, block_size=args.seq, n_layer=args.layers, n_head=4, d_model=args.dim,
+                    seed=args.seed)
+    rng = np.random.default_rng(args.seed + comm.rank)
+    data = [rng.integers(0, 64, (args.batch, args.seq)) for _ in range(args.steps)]
+    folder = args.offload_dir or tempfile.gettempdir()
+    rprint(comm, __doc__.split("\n\n")[2].strip() + "\n")
+    tracer = trace.current()
+    kw = dict(lr=args.lr, weight_decay=0.01)
+    ref, ref_opt, t_ref, o_ref = run_training(cfg, lambda ps: AdamW(ps, **kw), data, comm, tracer, "memory")
+    psi = ref.num_parameters()
+    rprint(comm, f"GPT {cfg.n_layer} layers d={cfg.d_model}: Ψ = {psi:,} parameters, {len(ref.parameters())} "
+                 f"tensors; {args.steps} steps of b={args.batch}, T={args.seq} on each of {comm.size} ranks "
+                 f"({comm.transport}); offload folder {folder}\n")
+    rprint(comm, "optimizer state in compute memory (MemoryAccountant.report) between steps, and at most "
+                 "during a step:")
+    rprint(comm, f"{'optimizer':<14} {'max|diff|':>10} {'check':>5} {'between':>10} {'during':>10} "
+                 f"{'formula':>12} {'step ms':>8} {'ratio':>6} {'opt.step ms':>11}")
+    held = MemoryAccountant().report(ref, ref_opt)["optimizer_state"]
+    eight_psi = f"8Ψ = {8 * psi:,}"
+    rprint(comm, f"{'AdamW (twin)':<14} {0.0:>10.1e} {'-':>5} {held:>10,} {held:>10,} {eight_psi:>12} "
+                 f"{t_ref * 1e3:>8.1f} {1.0:>5.2f}x {o_ref * 1e3:>11.2f}")
+    events = None
+    for where in ("host", "disk"):
+        def factory(ps, where=where):
+            return OffloadedAdamW(ps, folder, where=where, shard_bytes=args.shard_kib << 10, **kw)
+        model, opt, t, o = run_training(cfg, factory, data, comm, tracer, where)
+        diff = max(float(np.abs(a.data - b.data).max()) for a, b in zip(ref.parameters(), model.parameters()))
+        if where == "disk":  # one more step, recorded, for the timeline
+            opt.events = []
+            model.loss(data[0], data[0]).backward()
+            opt.step()
+            events = opt.events
+        largest = max(sum(2 * model.parameters()[i].data.nbytes for i in sh) for sh in opt.shards)
+        nshards = len(opt.shards)
+        ts = comm.allgather_obj(t)
+        held = MemoryAccountant().report(model, opt)["optimizer_state"]
+        rprint(comm, f"{'offload ' + where:<14} {diff:>10.1e} {'PASS' if diff == 0 else 'FAIL':>5} "
+                     f"{held:>10,} {opt.resident_peak:>10,} {'≤ 3 shards':>12} {np.median(ts) * 1e3:>8.1f} "
+                     f"{np.median(ts) / t_ref:>5.2f}x {o * 1e3:>11.2f}")
+        opt.close()
+    rprint(comm, f"\n({nshards} shards of about {args.shard_kib} KiB of m+v (a bigger tensor is a shard "
+                 f"alone); the largest is {largest:,} bytes;\n at most three are resident: being updated, "
+                 "prefetched, written back)")
+    rprint(comm, "\none disk-offloaded optimizer step on rank 0: L = load m,v from the memmap, "
+                 "U = adamw_update, W = write back (digits: shard index)")
+    if comm.rank == 0 and events:
+        t0 = min(e["t0"] for e in events)
+        for e in events:
+            e["t0"], e["t1"] = e["t0"] - t0, e["t1"] - t0
+        names = {0: "step  ", 1: "helper"}
+        text = ascii_timeline_from_events(events, width=100, label="thread")
+        for r, n in names.items():
+            text = text.replace(f"thread {r}", n)
+        print(text, flush=True)
+        if args.plot:
+            from minidist.trace import plot_timeline
+
+            plot_timeline(args.plot, events, title="disk offload: step thread (0) and helper thread (1)")
+            print(f"wrote {args.plot}", flush=True)
+
+
+def main(argv=None):
+    parser = lesson_parser(__doc__, ranks=2)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--shard-kib", type=int, default=256, help="m+v bytes per shard, in KiB")
+    parser.add_argument("--offload-dir", default=None,
+                        help="an existing, writable folder (default: the temp dir)")
+    launch(rank_main, parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Activation checkpointing: keep a function's inputs, recompute its insides during backward.
+
+``checkpoint(fn, *inputs)`` is one node in the autograd graph (a ``Function``, ``Checkpoint``).
+Its forward runs ``fn`` under ``no_grad`` -- nothing inside is saved -- and keeps only the inputs
+and the random state (``minidist.random.get_state()``). Its backward sets that random state again
+(so dropout draws the same masks), re-runs ``fn`` with gradients on, and back-propagates the
+incoming gradient through the recomputed graph. Parameters used inside ``fn`` are leaves of that
+inner graph: they get their ``.grad`` and their post-accumulate hooks fire during the inner
+backward, so data parallelism's all-reduces still start layer by layer (Chen et al. 2016,
+"Training Deep Nets with Sublinear Memory Cost"; PyTorch's reentrant ``torch.utils.checkpoint``).
+
+``apply_checkpointing(model, policy)`` wraps a GPT's blocks by a policy: "none", "full" (every
+block), "every_k" (segments of k blocks: only segment inputs kept), "sqrt" (k = round(sqrt(n))),
+"selective" (only the attention core softmax(qk^T)v, whose (B, H, T, T) probabilities are the
+largest activation; Korthikanti et al. 2022).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import numpy as np
+
+from minidist import ops
+from minidist import random as mrandom
+from minidist.nn.attention import merge_heads, split_heads
+from minidist.tensor import Function, Tensor, enable_grad, grad_enabled, no_grad, run_backward
+
+POLICIES = ("none", "full", "every_k", "sqrt", "selective")
+
+
+class Checkpoint(Function):
+    """The node: forward without a graph, backward = restore RNG, recompute, backprop."""
+
+    @staticmethod
+    def forward(ctx, *arrays, fn, generators):
+        ctx.fn, ctx.generators = fn, generators
+        ctx.rng_state = mrandom.get_state()
+        ctx.gen_states = [g.bit_generator.state for g in generators]
+        ctx.save(*arrays)
+        with no_grad():
+            out = fn(*[Tensor(a) for a in arrays])
+        if not isinstance(out, Tensor):
+            raise TypeError(f"checkpoint: fn must return one Tensor, got {type(out).__name__}")
+        return out.data
+
+    @staticmethod
+    def backward(ctx, grad):
+        leaves = [Tensor(a, requires_grad=need) for a, need in zip(ctx.saved, ctx.needs_grad)]
+        now = mrandom.get_state()
+        now_gens = [g.bit_generator.state for g in ctx.generators]
+        mrandom.set_state(ctx.rng_state)
+        for g, st in zip(ctx.generators, ctx.gen_states):
+            g.bit_generator.state = st
+        try:
+            with enable_grad():
+                out = ctx.fn(*leaves)
+        finally:
+            mrandom.set_state(now)
+            for g, st in zip(ctx.generators, now_gens):
+                g.bit_generator.state = st
+        if out.requires_grad:
+            run_backward(out, grad)
+        return tuple(leaf.grad if need else None for leaf, need in zip(leaves, ctx.needs_grad))
+
+
+def checkpoint(fn, *inputs, generators=()):
+    """``fn(*inputs)`` with only ``inputs`` kept for backward; ``fn`` is recomputed in backward.
+
+    ``inputs`` are Tensors (or arrays); ``fn`` returns one Tensor. Random draws inside ``fn`` come
+    from ``minidist.random``'s default generator (and from ``generators``, e.g. a tensor-parallel
+    RNG), whose states are saved and replayed, so the recomputation is bit-identical.
+    """
+    if not grad_enabled():
+        return fn(*inputs)
+    tensors = [t if isinstance(t, Tensor) else Tensor(t) for t in inputs]
+    if not any(t.requires_grad for t in tensors):
+        # No input wants a gradient, but parameters inside fn do: give the node one input that
+        # does (an empty array) so it is recorded and its backward runs.
+        anchor = Tensor(tensors[0].backend.xp.zeros(0, dtype=np.float32) if tensors
+                        else np.zeros(0, dtype=np.float32), requires_grad=True)
+        return Checkpoint.apply(*tensors, anchor, fn=lambda *ts: fn(*ts[:-1]), generators=tuple(generators))
+    return Checkpoint.apply(*tensors, fn=fn, generators=tuple(generators))
+
+
+# ---------------------------------------------------------------------------------------------
+# policies for a GPT (Embed, Block x n, Head)
+# ---------------------------------------------------------------------------------------------
+def _blocks(model):
+    from minidist.nn.gpt import Block
+
+    return [(i, m) for i, m in enumerate(model) if isinstance(m, Block)]
+
+
+def segment_size(policy: str, n_layer: int, k: int | None = None) -> int:
+    """Blocks per checkpointed segment: 1 for "full", k for "every_k", round(sqrt(n)) for "sqrt"."""
+    if policy == "full":
+        return 1
+    if policy == "sqrt":
+        return max(1, round(math.sqrt(n_layer)))
+    if policy == "every_k":
+        if k is None or k < 1:
+            raise ValueError(f"policy 'every_k' needs k >= 1 blocks per segment, got k={k}")
+        return k
+    raise ValueError(f"no segments for policy {policy!r}")
+
+
+def _selective_attention_forward(attn, x):
+    """CausalSelfAttention.forward with the attention core checkpointed (its T x T probabilities)."""
+    q, k, v = split_heads(attn.qkv(x), attn.n_head)
+    y = checkpoint(ops.scaled_dot_product_attention, q, k, v)
+    return attn.drop(attn.proj(merge_heads(y)))
+
+
+def _segment_forward(layers):
+    def run(x):
+        for m in layers:
+            x = m(x)
+        return x
+    return run
+
+
+def apply_checkpointing(model, policy: str = "full", k: int | None = None):
+    """Checkpoint a GPT's blocks by ``policy`` (see ``POLICIES``); returns the model.
+
+    Works on any Sequential whose layers include ``Block``s (a pipeline stage too); segments never
+    cross a non-Block layer. The patched modules get instance ``forward``s; ``remove_checkpointing``
+    (or applying another policy) restores the class ones. Composes with ``precision.autocast``.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    remove_checkpointing(model)
+    blocks = _blocks(model)
+    if policy == "none" or not blocks:
+        return model
+    patched = []
+    object.__setattr__(model, "_checkpointed", patched)
+    if policy == "selective":
+        for _, blk in blocks:
+            _patch(patched, blk.attn, types.MethodType(_selective_attention_forward, blk.attn))
+        return model
+    size = segment_size(policy, len(blocks), k)
+    runs, cur = [], []  # runs of consecutive blocks, cut into segments of `size`
+    for i, blk in blocks:
+        if cur and (cur[-1][0] != i - 1 or len(cur) == size):
+            runs.append(cur)
+            cur = []
+        cur.append((i, blk))
+    runs.append(cur)
+    for seg in runs:
+        first, layers = seg[0][1], [b for _, b in seg]
+        seg_fn = _segment_forward([_plain(b) for b in layers])
+        _patch(patched, first, lambda x, f=seg_fn: checkpoint(f, x))
+        for _, b in seg[1:]:
+            _patch(patched, b, _identity)
+    return model
+
+
+def _patch(patched, module, forward):
+    object.__setattr__(module, "forward", forward)
+    patched.append(module)
+
+
+def _identity(x):
+    return x
+
+
+def _plain(block):
+    """The block's own (class) forward, bound: what a segment runs inside the checkpoint."""
+    return types.MethodType(type(block).forward, block)
+
+
+def remove_checkpointing(model):
+    """Undo ``apply_checkpointing``: the patched modules get their class forwards back."""
+    for m in model.__dict__.pop("_checkpointed", []):
+        m.__dict__.pop("forward", None)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# the formula the lesson prints beside the measurement
+# ---------------------------------------------------------------------------------------------
+def block_activation_elements(b: int, t: int, c: int, h: int, dropout: bool) -> dict:
+    """What one Block saves for backward in this engine, in elements, by op (fused ops, float data).
+
+    ln1: x̂ + rstd (BTC + BT); qkv Linear: its input (BTC); attention core: q, k, v (3BTC) and the
+    probabilities (B·H·T²); out-proj input (BTC); ln2 (BTC + BT); fc input (BTC); GELU: x and
+    tanh (8BTC); mlp-proj input (4BTC); dropout masks (2BTC when p > 0).
+    """
+    btc, bt = b * t * c, b * t
+    return {"before_core": btc + bt + btc + 3 * btc, "probs": b * h * t * t,
+            "after_core": btc + (btc + bt) + btc + 8 * btc + 4 * btc, "dropout": 2 * btc if dropout else 0}
+
+
+def predicted_peak_activation_bytes(cfg, batch: int, seq: int, policy: str, k: int | None = None) -> int:
+    """Peak bytes of saved activations for ``model.loss`` on a (batch, seq) batch under ``policy``.
+
+    none:      E + L·A + Head             (A = one block, E = embedding dropout mask, Head = final
+                                           norm, LM-head input, and the loss's logits)
+    full/k:    max(E + (L/k)·BTC + Head,  E + max_s[(s+1)·BTC + k_s·A])   -- segment inputs kept,
+               one segment recomputed at a time
+    selective: max(E + L·(A - BHT²) + Head,  E + L·(A - BHT²) - after_core + BHT²)
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    b, t, c, h, n = batch, seq, cfg.d_model, cfg.n_head, cfg.n_layer
+    parts = block_activation_elements(b, t, c, h, cfg.dropout > 0)
+    a = sum(parts.values())
+    emb = b * t * c if cfg.dropout > 0 else 0
+    head = (b * t * c + b * t) + b * t * c + (b * t * cfg.vocab_size + b * t)
+    if policy == "none":
+        elems = emb + n * a + head
+    elif policy == "selective":
+        kept = n * (a - parts["probs"])
+        elems = max(emb + kept + head, emb + kept - parts["after_core"] - parts["dropout"] + parts["probs"])
+    else:
+        size = segment_size(policy, n, k)
+        sizes = [min(size, n - s) for s in range(0, n, size)]
+        fwd = emb + len(sizes) * b * t * c + head
+        bwd = emb + max((s + 1) * b * t * c + ks * a for s, ks in enumerate(sizes))
+        elems = max(fwd, bwd)
+    return elems * np.dtype(cfg.dtype).itemsize

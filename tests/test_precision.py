@@ -1,0 +1,194 @@
+"""Mixed precision: bf16 rounding, the loss scaler, the agreed inf/NaN skip, training vs fp32."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from minidist.comm import measure, run
+from minidist.nn.gpt import GPT, GPTConfig
+from minidist.optim import AdamW
+from minidist.parallel.precision import (
+    DynamicLossScaler,
+    MixedPrecision,
+    found_inf_across,
+    low_dtype,
+    round_to_bf16,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=32)
+
+
+@given(hnp.arrays(np.float32, st.integers(1, 64), elements=st.floats(width=32, allow_nan=True)))
+def test_bf16_rounding_matches_ml_dtypes(x):
+    ours, ref = round_to_bf16(x), x.astype(ml_dtypes.bfloat16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(np.isnan(ours.astype(np.float32)), nan)
+    np.testing.assert_array_equal(ours.view(np.uint16)[~nan], ref.view(np.uint16)[~nan])
+
+
+def test_bf16_rounds_halfway_to_even():
+    # 1 + 2^-8 is exactly halfway between bf16 neighbours 1 and 1 + 2^-7: goes to the even one, 1.
+    x = np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8], dtype=np.float32)
+    np.testing.assert_array_equal(round_to_bf16(x).astype(np.float32), [1.0, 1 + 2 * 2 ** -7])
+
+
+def test_loss_scaler_halves_on_inf_and_doubles_after_clean_steps():
+    s = DynamicLossScaler(growth_interval=3)
+    assert s.scale == 2.0 ** 16
+    s.update(True)
+    assert s.scale == 2.0 ** 15 and s.skipped == 1
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 2.0 ** 16
+    s.update(False)
+    s.update(True)
+    assert s.scale == 2.0 ** 15 and s.clean_steps == 0
+    assert DynamicLossScaler().growth_interval == 2000
+
+
+def _train(dtype, steps, idx, lr=1e-3):
+    model = GPT(CFG)
+    if dtype == "fp32":
+        opt = AdamW(model.parameters(), lr=lr)
+        losses = []
+        for _ in range(steps):
+            loss = model.loss(idx, idx)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, [p.data for p in model.parameters()]
+    mp = MixedPrecision(model, dtype)
+    opt = AdamW(mp.master_params, lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = mp.loss(idx, idx)
+        mp.backward(loss)
+        assert mp.step(opt)
+        losses.append(loss.item())
+    return losses, [p.data for p in mp.master_params]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_training_stays_close_to_fp32(dtype):
+    """Stated tolerance over k = 6 AdamW steps (lr 1e-3): loss within 1% relative; master weights within
+    2·k·lr of fp32's (an Adam step moves a weight by at most ~lr, so a gradient whose sign the rounding
+    flips costs at most 2·lr per step), and on average within lr/10."""
+    idx = np.random.default_rng(0).integers(0, 32, (4, 16))
+    ref_losses, ref_params = _train("fp32", 6, idx)
+    losses, params = _train(dtype, 6, idx)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-2)
+    diffs = np.concatenate([np.abs(a - b).ravel() for a, b in zip(params, ref_params)])
+    assert diffs.max() < 2 * 6 * 1e-3 and diffs.mean() < 1e-4
+    assert losses[-1] < losses[0]
+
+
+def test_model_computes_in_low_precision():
+    mp = MixedPrecision(GPT(CFG), "bf16")
+    assert {p.dtype for p in mp.params} == {low_dtype("bf16")}
+    assert {m.dtype for m in mp.master_params} == {np.dtype(np.float32)}
+    assert mp.model(np.zeros((1, 4), dtype=np.int64)).dtype == low_dtype("bf16")
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        low_dtype("fp8")
+
+
+def _inf_rank_fn(comm, inject_rank, agree):
+    dp = comm.split(comm.rank // 2, comm.rank)  # a 2 x 2 mesh: {0,1},{2,3} and {0,2},{1,3}
+    tp = comm.split(comm.rank % 2, comm.rank)
+    mp = MixedPrecision(GPT(CFG), "fp16", groups=[dp, tp] if agree else [])
+    opt = AdamW(mp.master_params, lr=1e-3)
+    before = [m.data.copy() for m in mp.master_params]
+    idx = np.random.default_rng(comm.rank).integers(0, 32, (2, 8))
+    loss = mp.loss(idx, idx)
+    mp.backward(loss)
+    if comm.rank == inject_rank:
+        g = mp.params[3].grad.copy()
+        g.flat[0] = np.inf
+        mp.params[3].grad = g
+    stepped = mp.step(opt)
+    unchanged = all(np.array_equal(a, m.data) for a, m in zip(before, mp.master_params))
+    return stepped, mp.scale, unchanged, opt.step_count
+
+
+def _inf_gathered(comm, **kw):
+    results = comm.gather_obj(_inf_rank_fn(comm, **kw))
+    if comm.rank == 0:
+        print("\n".join(f"RESULT {r}" for r in results), flush=True)
+
+
+@given(inject_rank=st.integers(0, 3))
+def test_injected_inf_on_one_rank_makes_every_rank_skip_and_halve(inject_rank):
+    results = run(_inf_rank_fn, ranks=4, inject_rank=inject_rank, agree=True)
+    assert results == [(False, 2.0 ** 15, True, 0)] * 4
+
+
+def test_without_agreement_only_the_bad_rank_skips():
+    results = run(_inf_rank_fn, ranks=4, inject_rank=1, agree=False)
+    assert [r[0] for r in results] == [True, False, True, True]  # the divergence the flag prevents
+
+
+def test_found_inf_across_groups_is_an_or():
+    def fn(comm):
+        a = comm.split(comm.rank // 2, comm.rank)
+        b = comm.split(comm.rank % 2, comm.rank)
+        return found_inf_across(comm.rank == 2, [a, b]), found_inf_across(False, [a, b])
+    assert run(fn, ranks=4) == [(True, False)] * 4
+
+
+def test_low_precision_gradient_all_reduce_halves_the_bytes():
+    def fn(comm, dtype):
+        mp = MixedPrecision(GPT(CFG), dtype)
+        idx = np.zeros((1, 8), dtype=np.int64)
+        mp.backward(mp.loss(idx, idx))
+        with measure(comm) as m:
+            mp.all_reduce_grads(comm)
+        return m.bytes_sent
+    fp32 = run(fn, ranks=2, dtype="fp32")[0]
+    bf16 = run(fn, ranks=2, dtype="bf16")[0]
+    assert bf16 * 2 == fp32
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
+def test_injected_inf_under_mpirun():
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MINIDIST_TRANSPORT", None)
+    code = ("from minidist.comm import run\nfrom tests.test_precision import _inf_gathered\n"
+            "run(_inf_gathered, inject_rank=2, agree=True)")
+    res = subprocess.run(["mpirun", "-n", "4", sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("RESULT (False, 32768.0, True, 0)") == 4, res.stdout
+
+
+def test_checkpointing_composes_with_autocast():
+    from minidist.parallel.recompute import apply_checkpointing
+
+    idx = np.random.default_rng(0).integers(0, 32, (2, 16))
+    grads = []
+    for policy in ("none", "full", "selective"):
+        mp = MixedPrecision(apply_checkpointing(GPT(CFG), policy), "bf16")
+        mp.backward(mp.loss(idx, idx))
+        grads.append([p.grad for p in mp.params])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_lesson_runs_and_passes(capsys):
+    from minidist.lessons import mixed_precision
+
+    mixed_precision.main(["--ranks", "2", "--dim", "16", "--seq", "8", "--layers", "1"])
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 4 and "FAIL" not in out
+    assert "   3    " in out and "-  -" in out  # the skipped steps in the loss-scale timeline
