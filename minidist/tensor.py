@@ -83,14 +83,17 @@ def current_saved_tensors_hooks():
 class Context:
     """What a Function's forward leaves for its backward: ``save(...)`` arrays, plain attributes."""
 
-    __slots__ = ("_saved", "_unpack", "needs_grad", "__dict__")
+    __slots__ = ("_saved", "_unpack", "needs_grad", "record", "__dict__")
 
-    def __init__(self, needs_grad):
+    def __init__(self, needs_grad, record=True):
         self.needs_grad = needs_grad  # per input: does it want a gradient?
+        self.record = record  # will a backward ever read what is saved?
         self._saved = ()
         self._unpack = None
 
     def save(self, *arrays):
+        if not self.record:  # no graph is being built: keep nothing, tell no hook
+            return
         stack = getattr(_state, "hooks", None)
         if stack:
             pack, self._unpack = stack[-1]
@@ -152,7 +155,7 @@ class Function:
         arrays = [t.data if isinstance(t, Tensor) else t for t in inputs]
         needs = tuple(isinstance(t, Tensor) and t.requires_grad for t in inputs)
         record = any(needs) and grad_enabled()
-        ctx = Context(needs)
+        ctx = Context(needs, record)
         out = cls.forward(ctx, *arrays, **kwargs)
         result = Tensor(out, requires_grad=record)
         if record:
