@@ -1,0 +1,209 @@
+"""Lesson 5: pipeline parallelism -- a GPT cut into stages, the bubble you can see, 3D on a mesh.
+
+    mpirun -n 8 python -m minidist.lessons.pipeline                  # ranks as MPI processes
+    python -m minidist.lessons.pipeline --ranks 8                    # ranks as threads
+    python -m minidist.lessons.pipeline --ranks 8 --pp 8 --dp 1 --schedule gpipe --microbatches 16
+
+Trains a small byte-level GPT on dp x pp x tp ranks with a pipeline schedule (GPipe or 1F1B),
+checks the trained parameters against the serial twin (same batches, one process), prints the
+MEASURED timeline of the last step (one row per pipeline stage), the measured bubble beside
+(p-1)/(m+p-1), and the activation memory each stage held at its peak under GPipe and under 1F1B.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from minidist import trace
+from minidist.data import BatchLoader, TextDataset
+from minidist.lessons.cli import launch, lesson_parser, rprint
+from minidist.nn import GPT, GPTConfig
+from minidist.parallel.pipeline import format_partition, layer_costs, make_schedule, run_schedule
+from minidist.parallel.simulate import bubble_formula, peak_activations
+from minidist.parallel.three_d import check_3d, gather_full_state, max_state_diff, train_3d, train_serial
+
+
+def tolerance(args) -> float:
+    """How far the parallel parameters may be from the serial twin's.
+
+    The two differ only in summation order (microbatch and replica partial sums). AdamW divides each
+    gradient by its running RMS, so float32 rounding in a near-zero gradient can move a parameter by
+    a sizeable part of lr; we allow 10% of the largest possible AdamW travel, 0.1 * lr * steps (a
+    real bug, e.g. a lost microbatch, can move a parameter by up to ~lr every step). float64: 1e-9.
+    """
+    return 1e-9 if args.dtype == "float64" else 0.1 * args.lr * args.steps
+
+
+def config(args) -> GPTConfig:
+    return GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=4, d_model=args.width,
+                     dtype=args.dtype, seed=args.seed)
+
+
+def make_batches(args) -> list:
+    """The global batches every rank (and the serial twin) trains on: windows of the shipped text."""
+    loader = BatchLoader(TextDataset.from_file(block_size=args.seq), args.batch, seed=args.seed)
+    return [loader.next_batch() for _ in range(args.steps)]
+
+
+def mesh_sizes(comm, args) -> tuple[int, int, int]:
+    """dp, pp, tp; pp defaults to whatever dp and tp leave of the world."""
+    dp, tp = args.dp, args.tp
+    pp = args.pp if args.pp is not None else max(1, comm.size // (dp * tp))
+    return dp, pp, tp
+
+
+def partition_costs(comm, cfg, batch, args):
+    """Per-layer costs for a balanced partition, measured on rank 0 and shared (all ranks must agree)."""
+    if args.partition == "uniform":
+        return None
+    costs = None
+    if comm.rank == 0:
+        rows = args.batch // (args.dp * args.microbatches)
+        costs = layer_costs(GPT(cfg), batch[0][:rows], by=args.partition)
+    return comm.bcast_obj(costs, root=0)
+
+
+def step_events(tracer, marks, step) -> list:
+    return tracer.events[marks[step]:marks[step + 1]]
+
+
+def memory_step(result, other: str, batch, args) -> list:
+    """One extra step (no update) under schedule `other`; returns this rank's peak activation stats."""
+    mesh, stage = result.mesh, result.stage
+    rows = args.batch // mesh.dp_size
+    x, y = (a[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows] for a in batch)
+    m = args.microbatches
+    instructions = make_schedule(other, mesh.pp_size, m)[mesh.pp_rank]
+    stats = run_schedule(stage, mesh.pp, instructions, np.split(x, m), np.split(y, m))
+    for p in stage.parameters():
+        p.grad = None
+    return stats
+
+
+def rank_main(comm, args):
+    cfg = config(args)
+    dp, pp, tp = mesh_sizes(comm, args)
+    batches = make_batches(args)
+    check_3d(comm.size, cfg, args.batch, dp, pp, tp, args.microbatches, rank=comm.rank)
+    m = args.microbatches
+    rprint(comm, f"Pipeline parallelism: a GPT of {cfg.n_layer + 2} layers (embedding, {cfg.n_layer} blocks, "
+                 f"head; d_model {cfg.d_model}, seq {cfg.block_size})\n"
+                 f"on {comm.size} ranks ({comm.transport}) = "
+                 f"dp {dp} x pp {pp} x tp {tp}; schedule {args.schedule}; global batch {args.batch} = "
+                 f"{dp} replicas x {m} microbatches of {args.batch // (dp * m)}\n")
+    costs = partition_costs(comm, cfg, batches[0], args)
+    tracer = trace.current()
+    own_tracer = tracer is None
+    if own_tracer:  # the lesson always records: it draws the measured timeline
+        tracer = trace.Tracer(comm.rank)
+        trace.set_current(tracer)
+    marks, times = [0], []
+    t_step = [time.perf_counter()]
+
+    def on_step(step, stats):
+        marks.append(len(tracer.events))
+        now = time.perf_counter()
+        times.append(now - t_step[0])
+        t_step[0] = now
+
+    try:
+        result = train_3d(comm, cfg, batches, dp=dp, pp=pp, tp=tp, microbatches=m, schedule=args.schedule,
+                          lr=args.lr, optimizer="adamw", layer_costs=costs, on_step=on_step)
+        other = "gpipe" if args.schedule == "1f1b" else "1f1b"
+        other_stats = memory_step(result, other, batches[-1], args)
+    finally:
+        if own_tracer:
+            trace.set_current(None)
+    mesh = result.mesh
+    uniform = [1.0] * (cfg.n_layer + 2)
+    rprint(comm, f"partition ({args.partition}):\n" + format_partition(result.bounds, costs or uniform,
+                                                                       " s" if args.partition == "time" else
+                                                                       " B" if args.partition == "params"
+                                                                       else " layers"))
+    for step, loss in enumerate(result.losses):
+        rprint(comm, f"step {step}: loss {loss:.4f}")
+
+    # -- collect on rank 0: each rank's events of every step, its memory stats, the trained model ---
+    mine = {"coords": (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), "times": times,
+            "events": [step_events(tracer, marks, s) for s in range(len(batches))],
+            "peak": {name: (st.peak_activation_bytes, st.peak_microbatches)
+                     for name, st in ((args.schedule, result.stats[-1]), (other, other_stats))}}
+    everyone = comm.gather_obj(mine, root=0)
+    state = gather_full_state(comm, result)
+    if comm.rank != 0:
+        return None
+    ref_state, ref_losses = train_serial(cfg, batches, lr=args.lr, optimizer="adamw")
+    diff, tol = max_state_diff(state, ref_state), tolerance(args)
+    loss_diff = float(np.max(np.abs(np.array(result.losses) - ref_losses)))
+    print(f"\nserial twin (one GPT, same {len(batches)} global batches, AdamW): "
+          f"max |param diff| = {diff:.2e}, "
+          f"max |loss diff| = {loss_diff:.2e} (tolerance {tol:.1e})  {'PASS' if diff <= tol else 'FAIL'}")
+    report(everyone, args, pp, m)
+    if args.plot:
+        events = [e for r in everyone for e in r["events"][-1]]
+        trace.plot_timeline(args.plot, events, losses=result.losses, title=f"{args.schedule}, p={pp}, m={m}")
+        print(f"wrote {args.plot}")
+    return diff
+
+
+def report(everyone, args, pp: int, m: int) -> None:
+    """Timeline, bubble and memory tables from every rank's records (rank 0 only)."""
+    last = len(everyone[0]["events"]) - 1
+    pipe0 = [r for r in everyone if r["coords"][1:] == (0, 0)]  # the pipeline of dp 0, tp 0
+    events = [dict(e, rank=r["coords"][0], **({"cat": "compute"} if e["name"] == "OptimizerStep" else {}))
+              for r in pipe0 for e in r["events"][last]]
+    start = min(e["t0"] for e in events if e["name"] == "Forward")  # from the step's first forward on
+    events = [dict(e, t0=max(e["t0"], start)) for e in events if e["t1"] > start]
+    print(f"\nmeasured timeline of step {last}, pipeline dp 0 / tp 0 (F3 = forward of microbatch 3, "
+          f"B = backward, . = waiting,\nO = optimizer step, with the data-parallel all-reduce of gradients):")
+    print(trace.ascii_timeline_from_events(events, width=args.width_chars, label="stage"))
+
+    def bubble(step):
+        ev = [e for r in everyone for e in r["events"][step] if e["name"] in ("Forward", "Backward")]
+        return trace.bubble_fraction(ev)
+    steps = range(1, last + 1) if last >= 1 else range(1)
+    measured = float(np.median([bubble(s) for s in steps]))
+    step_s = float(np.median([max(r["times"][s] for r in everyone) for s in steps]))
+    print(f"\nbubble (idle share of ranks x step time, forward/backward count as busy): "
+          f"measured {measured:.3f} "
+          f"(median of steps {steps[0]}..{steps[-1]}) vs formula (p-1)/(m+p-1) = {pp - 1}/{m + pp - 1} = "
+          f"{bubble_formula(pp, m):.3f}; step time {step_s * 1e3:.0f} ms")
+    cores = os.cpu_count() or 1
+    if len(everyone) > cores:
+        print(f"(here {len(everyone)} ranks share {cores} cores, so a rank also waits for a free core; "
+              f"benchmarks/pipeline.py measures 2 ranks on 2 cores)")
+    print("\npeak activation memory per stage (bytes saved for backward, measured; dp 0 / tp 0):")
+    print(f"{'stage':>5} {'GPipe bytes':>12} {'mbs held':>8} {'formula m':>9}   {'1F1B bytes':>11} "
+          f"{'mbs held':>8} {'formula min(m,p-s)':>18}")
+    sims = {name: [peak_activations(ops) for ops in make_schedule(name, pp, m)] for name in ("gpipe", "1f1b")}
+    for r in sorted(pipe0, key=lambda r: r["coords"][0]):
+        s = r["coords"][0]
+        (gb, gm), (ob, om) = r["peak"]["gpipe"], r["peak"]["1f1b"]
+        print(f"{s:>5} {gb:>12,} {gm:>8} {sims['gpipe'][s]:>9}   {ob:>11,} {om:>8} {sims['1f1b'][s]:>18}")
+
+
+def main(argv=None):
+    parser = lesson_parser(__doc__, ranks=8)
+    parser.add_argument("--dp", type=int, default=2, help="data-parallel replicas")
+    parser.add_argument("--pp", type=int, default=None, help="pipeline stages (default: ranks / (dp x tp))")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel shards per layer")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per replica per step (m)")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    parser.add_argument("--partition", choices=["uniform", "time", "params"], default="uniform",
+                        help="cut by layer count, or balance measured time / parameter bytes")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=32, help="global batch (rows)")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=6, help="transformer blocks")
+    parser.add_argument("--width", type=int, default=128, help="d_model")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--width-chars", type=int, default=100, help="columns of the ASCII timeline")
+    return launch(rank_main, parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

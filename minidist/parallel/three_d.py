@@ -1,0 +1,179 @@
+"""3D parallelism: data x pipeline x tensor parallel training of a GPT on a `Mesh` of ranks.
+
+Every rank is one cell of the mesh (`minidist.comm.Mesh`: rank = (pp_rank * dp + dp_rank) * tp + tp_rank):
+
+* **tensor (tp)**: the tp ranks of a cell hold shards of the same layers (`TPGPT`, Megatron-style),
+  and do their all-reduces inside the layers' forward and backward;
+* **pipeline (pp)**: the model's layer list is cut into pp stages (`minidist.parallel.pipeline`);
+  each stage runs a schedule (GPipe or 1F1B) over the microbatches, sending activations forward
+  and gradients back to the same (dp, tp) coordinate of the neighbouring stage;
+* **data (dp)**: dp replicas of the whole pipeline each take 1/dp of the global batch; at the
+  schedule's `OptimizerStep` they average their gradients (`all_reduce_grads`) and all take the
+  same optimizer step.
+
+`train_3d` is the parallel run and `train_serial` its serial twin: one process, the same global
+batches, the same optimizer. They give the same parameters up to float rounding (the summation
+order differs: microbatch and replica partial sums); tests check 1e-9 in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minidist.comm import Mesh, all_reduce
+from minidist.nn import GPT
+from minidist.optim import SGD, AdamW
+from minidist.parallel.pipeline import (
+    PipelineStage,
+    make_schedule,
+    partition_balanced,
+    partition_uniform,
+    run_schedule,
+    split_microbatches,
+)
+
+
+def make_optimizer(name: str, params, lr: float):
+    """The same optimizer for the parallel run and its serial twin: "sgd" or "adamw" (no weight decay)."""
+    if name == "sgd":
+        return SGD(params, lr=lr)
+    if name == "adamw":
+        return AdamW(params, lr=lr, weight_decay=0.0)
+    raise ValueError(f"unknown optimizer {name!r}: use 'sgd' or 'adamw'")
+
+
+def check_3d(world_size: int, cfg, batch_size: int, dp: int, pp: int, tp: int, microbatches: int,
+             chunks: int = 1, rank: int = 0) -> None:
+    """Every error a 3D run can have, raised before any communication, naming what would be right."""
+    if dp * pp * tp != world_size:
+        raise ValueError(f"rank {rank}: mesh dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, but the "
+                         f"world has {world_size}; choose sizes whose product is {world_size}")
+    layers = cfg.n_layer + 2  # Embed, blocks, Head
+    if pp * chunks > layers:
+        raise ValueError(f"rank {rank}: {pp * chunks} pipeline stages (pp={pp} x chunks={chunks}) but the "
+                         f"GPT has only {layers} layers (embedding, {cfg.n_layer} blocks, head); "
+                         f"use pp <= {layers}")
+    if batch_size % (dp * microbatches):
+        raise ValueError(f"rank {rank}: global batch {batch_size} does not split into dp={dp} replicas x "
+                         f"{microbatches} microbatches; use a batch size that is a multiple of "
+                         f"{dp * microbatches}")
+    if tp > 1 and cfg.n_head % tp:
+        raise ValueError(f"rank {rank}: n_head={cfg.n_head} is not divisible by tp={tp}")
+
+
+def build_model(cfg, tp_comm=None):
+    """(model, loss_fn): the serial GPT, or for tp > 1 a TPGPT -- the same initial weights, split
+    (its init draws the serial GPT's numbers and keeps this rank's slices) -- with its
+    vocabulary-parallel loss, which the pipeline's last stage uses."""
+    if tp_comm is None or tp_comm.size == 1:
+        return GPT(cfg), None
+    from minidist.parallel.tp_gpt import TPGPT
+
+    model = TPGPT(cfg, tp_comm)
+    return model, model.loss_fn
+
+
+def all_reduce_grads(params, dp_comm) -> None:
+    """Average gradients over the data-parallel group: one flat buffer, one all-reduce (mean)."""
+    if dp_comm is None or dp_comm.size == 1:
+        return
+    grads = [p.grad if p.grad is not None else p.backend.xp.zeros(p.shape, p.dtype) for p in params]
+    xp = params[0].backend.xp
+    flat = all_reduce(dp_comm, xp.concatenate([g.reshape(-1) for g in grads]), op="mean")
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset:offset + g.size].reshape(g.shape)
+        offset += g.size
+
+
+@dataclass
+class Result3D:
+    """What `train_3d` returns on every rank."""
+    mesh: Mesh
+    stage: PipelineStage
+    losses: list                                  # per step, mean over the global batch (every rank)
+    stats: list = field(default_factory=list)     # this rank's StepStats per step
+    bounds: list = field(default_factory=list)    # the partition: (start, end) per virtual stage
+
+
+def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbatches: int = 1,
+             schedule: str = "1f1b", lr: float = 0.1, optimizer: str = "sgd", chunks: int = 1,
+             layer_costs=None, on_step=None) -> Result3D:
+    """Train `GPT(cfg)` on `batches` (list of global (x, y) batches, the same on every rank) with
+    dp x pp x tp = comm.size ranks. `layer_costs` (one per layer) selects the balanced partition.
+    `on_step(step, stats)` is called after each step (e.g. to record traces)."""
+    batch_size = batches[0][0].shape[0]
+    check_3d(comm.size, cfg, batch_size, dp, pp, tp, microbatches, chunks, comm.rank)
+    mesh = Mesh(comm, dp=dp, pp=pp, tp=tp)
+    model, loss_fn = build_model(cfg, mesh.tp)
+    n = len(model)
+    bounds = partition_uniform(n, pp * chunks) if layer_costs is None else partition_balanced(layer_costs,
+                                                                                             pp * chunks)
+    stage = PipelineStage(model, bounds, mesh.pp_rank, pp, loss_fn=loss_fn)
+    params = stage.parameters()
+    opt = make_optimizer(optimizer, params, lr)
+    instructions = make_schedule(schedule, pp, microbatches, chunks)[mesh.pp_rank]
+
+    def optimizer_step():
+        all_reduce_grads(params, mesh.dp)
+        opt.step()
+        opt.zero_grad()
+
+    rows = batch_size // dp
+    losses, all_stats = [], []
+    for step, (x, y) in enumerate(batches):
+        mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
+        xs = split_microbatches(x[mine], microbatches, comm.rank)
+        ys = split_microbatches(y[mine], microbatches, comm.rank)
+        stats = run_schedule(stage, mesh.pp, instructions, xs, ys, optimizer_step)
+        all_stats.append(stats)
+        if on_step is not None:
+            on_step(step, stats)
+        losses.append(stats.loss)
+    last = mesh.rank_of(pp - 1, 0, 0)
+    if mesh.pp_rank == pp - 1 and mesh.tp_rank == 0 and dp > 1:  # mean of the dp replicas' losses
+        losses = list(all_reduce(mesh.dp, np.array(losses, np.float64), op="mean"))
+    losses = [float(v) for v in comm.bcast_obj(losses, root=last)]
+    return Result3D(mesh=mesh, stage=stage, losses=losses, stats=all_stats, bounds=bounds)
+
+
+def gather_full_state(comm, result: Result3D) -> dict | None:
+    """The whole model's parameters (serial names, full unsharded arrays) on rank 0; None elsewhere."""
+    mesh, stage = result.mesh, result.stage
+    sd = {k: np.asarray(p.backend.to_host(p.data)) for k, p in stage.named_parameters()}
+    if mesh.tp_size > 1:
+        from minidist.parallel.tp_gpt import unshard
+
+        shards = mesh.tp.gather_obj(sd, root=0)
+        sd = dict(unshard(shards)) if shards is not None else {}
+    mine = sd if (mesh.dp_rank == 0 and mesh.tp_rank == 0) else {}
+    parts = comm.gather_obj(mine, root=0)
+    if parts is None:
+        return None
+    full = {}
+    for part in parts:
+        full.update(part)
+    return full
+
+
+def train_serial(cfg, batches, lr: float = 0.1, optimizer: str = "sgd"):
+    """The serial twin: one GPT, the whole global batch per step. Returns (state dict, losses)."""
+    model = GPT(cfg)
+    opt = make_optimizer(optimizer, model.parameters(), lr)
+    losses = []
+    for x, y in batches:
+        loss = model.loss(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.item()))
+    return {k: np.asarray(p.backend.to_host(p.data)) for k, p in model.named_parameters()}, losses
+
+
+def max_state_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference between two state dicts with the same names and shapes."""
+    if a.keys() != b.keys():
+        raise KeyError(f"state dicts differ in names: {sorted(a.keys() ^ b.keys())[:5]}")
+    return max(float(np.max(np.abs(np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64)))) for k in a)
