@@ -1,17 +1,21 @@
 """minidist's all-reduce (built on point-to-point) against MPI's own ``Allreduce``, in the same run.
 
     mpirun -n 2 python benchmarks/allreduce.py
-    mpirun -n 8 python benchmarks/allreduce.py --algorithm ring --max-bytes 16M
+    mpirun -n 8 python benchmarks/allreduce.py --algorithms auto,ring,halving_doubling --max-bytes 16M
 
-float32, 4 KB .. 64 MB. Prints, from rank 0, per size: time of each, bus bandwidth
-(algbw x 2(p-1)/p, the bytes each rank's links carry per second: comparable across p) and the ratio
-ours / MPI (higher is better; targets: >= 1.0 from 1 MB, >= 0.5 at 4 KB). Each measurement is the
-median over repeats, every repeat started together after a barrier, ours and MPI's interleaved.
+float32, 4 KB .. 64 MB. Prints, from rank 0, per size: MPI's time and bus bandwidth (algbw x
+2(p-1)/p, the bytes each rank's links carry per second: comparable across p), then for each of
+our algorithms its bus bandwidth and the ratio ours / MPI (higher is better; targets: >= 1.0 from
+1 MB, >= 0.5 at 4 KB). Every repeat starts together after a barrier and lasts as long as its
+slowest rank; a round times each contender (MPI's and ours, interleaved) as the median of its
+repeats; the table shows the median over ``--rounds`` rounds, so a burst of load from other jobs
+hits every contender alike. The machine's load average is printed: on a shared machine, note it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -38,30 +42,35 @@ def median_time(comm, fn, repeats: int) -> float:
 
 
 def bench(comm, args):
-    p = comm.size
+    p, algos = comm.size, args.algorithms.split(",")
     if comm.transport != "mpi":
         raise SystemExit("run me under mpirun: mpirun -n 4 python benchmarks/allreduce.py")
     if comm.rank == 0:
-        print(f"all-reduce float32 sum, {p} ranks, minidist algorithm={args.algorithm} vs MPI Allreduce "
-              f"({MPI.Get_library_version().splitlines()[0].strip()})")
-        print(f"{'bytes':>10} {'ours ms':>9} {'MPI ms':>9} {'ours busbw':>11} {'MPI busbw':>10} "
-              f"{'ratio':>6}   (busbw in GB/s)")
+        print(f"all-reduce float32 sum, {p} ranks on {os.cpu_count()} cores, load average "
+              f"{os.getloadavg()[0]:.1f}; {args.rounds} rounds; MPI: "
+              f"{MPI.Get_library_version().splitlines()[0].strip()}   (busbw in GB/s)")
+        print(f"{'bytes':>10} {'MPI ms':>8} {'MPI bw':>7}" + "".join(f" {a[:18] + ' bw':>21} {'ratio':>5}"
+                                                                  for a in algos))
     nbytes, rows = args.min_bytes, []
     while nbytes <= args.max_bytes:
-        n = nbytes // 4
-        x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+        x = np.random.default_rng(comm.rank).standard_normal(nbytes // 4).astype(np.float32)
         buf = x.copy()
         repeats = max(3, min(args.repeats, int(args.budget / max(nbytes / 2e8, 1e-5))))
-        ours = all_reduce(comm, x, algorithm=args.algorithm)  # warm up, and check
-        comm.mpi.Allreduce(x, buf, op=MPI.SUM)
-        assert np.allclose(ours, buf, rtol=1e-4, atol=1e-4 * p), "results differ"
-        t_ours = median_time(comm, lambda x=x: all_reduce(comm, x, algorithm=args.algorithm), repeats)
-        t_mpi = median_time(comm, lambda x=x, buf=buf: comm.mpi.Allreduce(x, buf, op=MPI.SUM), repeats)
+        fns = {"mpi": lambda x=x, buf=buf: comm.mpi.Allreduce(x, buf, op=MPI.SUM)}
+        fns["mpi"]()
+        for a in algos:
+            fns[a] = lambda x=x, a=a: all_reduce(comm, x, algorithm=a)
+            assert np.allclose(fns[a](), buf, rtol=1e-4, atol=1e-4 * p), f"{a}: results differ"  # warm up
+        times = {k: [] for k in fns}
+        for _ in range(args.rounds):
+            for k, fn in fns.items():
+                times[k].append(median_time(comm, fn, repeats))
+        t = {k: float(np.median(v)) for k, v in times.items()}
         bus = 2 * (p - 1) / p * nbytes / 1e9
-        rows.append((nbytes, t_ours, t_mpi))
+        rows.append((nbytes, t))
         if comm.rank == 0:
-            print(f"{nbytes:>10,} {t_ours * 1e3:>9.3f} {t_mpi * 1e3:>9.3f} {bus / t_ours:>11.3f} "
-                  f"{bus / t_mpi:>10.3f} {t_mpi / t_ours:>6.2f}", flush=True)
+            print(f"{nbytes:>10,} {t['mpi'] * 1e3:>8.3f} {bus / t['mpi']:>7.2f}"
+                  + "".join(f" {bus / t[a]:>21.2f} {t['mpi'] / t[a]:>5.2f}" for a in algos), flush=True)
         nbytes *= 4
     return rows
 
@@ -70,9 +79,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--min-bytes", type=parse_bytes, default=4096)
     ap.add_argument("--max-bytes", type=parse_bytes, default=64 << 20)
-    ap.add_argument("--algorithm", default="auto")
-    ap.add_argument("--repeats", type=int, default=50, help="at most this many timed runs per size")
-    ap.add_argument("--budget", type=float, default=0.5, help="rough seconds per size")
+    ap.add_argument("--algorithms", default="auto", help="comma-separated: auto, ring, halving_doubling, ...")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows their median")
+    ap.add_argument("--repeats", type=int, default=50, help="at most this many timed runs per size and round")
+    ap.add_argument("--budget", type=float, default=0.3, help="rough seconds per size, contender and round")
     args = ap.parse_args()
     run(bench, args=args)
 

@@ -35,17 +35,34 @@ from minidist.comm.ledger import CallRecord, current_call, set_current_call
 
 OPS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 ALGORITHMS = ("auto", "ring", "recursive_doubling", "halving_doubling", "tree", "naive", "mpi")
-SMALL_MESSAGE = 64 * 1024  # bytes: below this "auto" picks recursive doubling (latency), else ring
+SMALL_MESSAGE = 64 * 1024  # bytes: below, "auto" picks recursive doubling (latency); see choose_algorithm
 TAG = 1
 _NUMPY = get_backend("numpy")
 
 
 # -- plumbing shared by every collective ---------------------------------------------------------
 
+def is_floating(dtype) -> bool:
+    """True for NumPy's float/complex dtypes and for ml_dtypes' (bfloat16, float8_*): those are
+    NumPy 'V' kinds, so ``np.issubdtype(bfloat16, np.floating)`` is False."""
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.inexact):
+        return True
+    if dtype.kind != "V":
+        return False
+    try:
+        import ml_dtypes
+
+        ml_dtypes.finfo(dtype)
+        return True
+    except (ImportError, ValueError, TypeError):
+        return False
+
+
 def _check_op(comm, op, dtype):
     if op not in OPS:
         raise ValueError(f"rank {comm.rank}: unknown op {op!r}; use one of {', '.join(OPS)}")
-    if op == "mean" and not np.issubdtype(dtype, np.inexact):
+    if op == "mean" and not is_floating(dtype):
         raise TypeError(f"rank {comm.rank}: op='mean' needs a floating dtype, got {dtype}; use op='sum'")
 
 
@@ -115,6 +132,12 @@ def _scratch(c, n: int, dtype) -> np.ndarray:
     if buf is None or buf.size < n:
         buf = cache[dtype] = np.empty(n, dtype)
     return buf[:n]
+
+
+def split_sizes(n: int, p: int) -> list[int]:
+    """The lengths of ``np.array_split(range(n), p)``: the first ``n % p`` parts one longer."""
+    q, extra = divmod(n, p)
+    return [q + 1] * extra + [q] * (p - extra)
 
 
 def _finish(buf: np.ndarray, op: str, p: int) -> np.ndarray:
@@ -195,11 +218,20 @@ def reduce_scatter(comm, x, op: str = "sum", axis: int = 0):
         return be.from_host(np.ascontiguousarray(np.moveaxis(mine, 0, axis)))
 
 
-def all_gather(comm, x, axis: int = 0):
-    """Concatenate every rank's x along ``axis`` (sizes along ``axis`` may differ): ring, p-1 steps."""
+def all_gather(comm, x, axis: int = 0, sizes=None):
+    """Concatenate every rank's x along ``axis``: ring, p-1 steps, (p-1)/p·N bytes sent per rank
+    (N = the output's bytes; exactly N - |part r+1|).
+
+    ``sizes``: what every rank knows about the parts' lengths along ``axis``.
+    None: they may differ and nobody knows them -- each message carries a small shape header.
+    ``"equal"``: every rank's x has the same shape. A list: rank j's length along ``axis`` is
+    ``sizes[j]``. With sizes known, the parts are received straight into the output (no headers).
+    """
     def shape_key(shape):  # every rank's shape must agree except along `axis`
         return shape[:axis % len(shape)] + shape[axis % len(shape) + 1:] if shape else shape
 
+    if sizes is not None:
+        return _all_gather_known(comm, x, axis, sizes)
     with collective(comm, "all_gather", x, shape_key=shape_key, axis=axis) as (c, rec):
         be = _backend(comm, x)
         parts = [None] * c.size
@@ -210,6 +242,37 @@ def all_gather(comm, x, axis: int = 0):
             parts[recv_i] = c._sendrecv_host(parts[send_i], (r + 1) % p, (r - 1) % p, TAG)
             rec.step()
         return be.from_host(np.concatenate(parts, axis=axis))
+
+
+def _all_gather_known(comm, x, axis, sizes):
+    """all_gather when every rank knows every part's length: a header-free ring into the output."""
+    shape = tuple(np.shape(x))
+    if not shape:
+        raise ValueError(f"rank {comm.rank}: all_gather needs an array with at least one axis, got a scalar")
+    axis = axis % len(shape)
+    if isinstance(sizes, str):
+        if sizes != "equal":
+            raise ValueError(f"rank {comm.rank}: all_gather sizes={sizes!r}; use None, 'equal' or a list "
+                             f"of {comm.size} lengths along axis {axis}")
+        sizes = [shape[axis]] * comm.size
+    sizes = [int(n) for n in sizes]
+    if len(sizes) != comm.size or sizes[comm.rank] != shape[axis]:
+        raise ValueError(f"rank {comm.rank}: all_gather sizes={sizes} must list {comm.size} lengths "
+                         f"along axis {axis}, with entry {comm.rank} = this rank's {shape[axis]} "
+                         f"(x has shape {shape})")
+    rest = shape[:axis] + shape[axis + 1:]
+    sig = {"shape_key": lambda s: rest, "axis": axis, "sizes": tuple(sizes)}
+    with collective(comm, "all_gather", x, **sig) as (c, rec):
+        be = _backend(comm, x)
+        front = np.moveaxis(be.to_host(x), axis, 0)           # parts become contiguous blocks of out
+        out = np.empty((sum(sizes),) + front.shape[1:], front.dtype)
+        bounds = np.cumsum([0] + sizes)
+        out[bounds[c.rank]:bounds[c.rank + 1]] = front
+        if c.size > 1:
+            flat = out.reshape(-1)
+            k = int(np.prod(front.shape[1:], dtype=np.int64))
+            ring_all_gather_chunks(c, [flat[a * k:b * k] for a, b in zip(bounds[:-1], bounds[1:])], rec)
+        return be.from_host(np.ascontiguousarray(np.moveaxis(out, 0, axis)) if axis else out)
 
 
 # -- recursive doubling (latency optimal: log2 p steps, any p) ------------------------------------
@@ -255,28 +318,31 @@ def halving_doubling_all_reduce(comm, x, op: str = "sum"):
     """
     with collective(comm, "halving_doubling_all_reduce", x, op=op) as (c, rec):
         be = _backend(comm, x)
-        buf = np.array(be.to_host(x), copy=True).reshape(-1)
-        _check_op(comm, op, buf.dtype)
+        src = np.ascontiguousarray(be.to_host(x)).reshape(-1)
+        _check_op(comm, op, src.dtype)
         p, fn = c.size, OPS[op]
         q = 1 << (p.bit_length() - 1)
         rem, logq = p - q, q.bit_length() - 1
-        tmp = _scratch(c, buf.size, buf.dtype)
+        buf, tmp = np.empty_like(src), _scratch(c, src.size, src.dtype)
+        if c.rank < 2 * rem or q == 1:           # folding works in place: start from a copy
+            buf[...] = src
+            src = buf
         vrank = _fold_in(c, buf, tmp, fn, rem)
 
         def real(v):
             return 2 * v + 1 if v < rem else v + rem
 
         if vrank >= 0:
-            bounds = np.cumsum([0] + [len(a) for a in np.array_split(np.empty(buf.size, bool), q)])
+            bounds = np.cumsum([0] + split_sizes(buf.size, q))
             lo, hi, mask = 0, q, q >> 1
             while mask:                          # reduce-scatter: halve what I own each step
                 mid, peer = (lo + hi) // 2, real(vrank ^ mask)
                 low = not vrank & mask           # the lower partner keeps the lower half
                 (klo, khi), (slo, shi) = ((lo, mid), (mid, hi)) if low else ((mid, hi), (lo, mid))
-                keep, incoming = buf[bounds[klo]:bounds[khi]], tmp[:bounds[khi] - bounds[klo]]
-                c.sendrecv_buffer(buf[bounds[slo]:bounds[shi]], peer, incoming, peer, TAG)
-                fn(keep, incoming, out=keep)
-                lo, hi, mask = klo, khi, mask >> 1
+                k, incoming = slice(bounds[klo], bounds[khi]), tmp[:bounds[khi] - bounds[klo]]
+                c.sendrecv_buffer(src[bounds[slo]:bounds[shi]], peer, incoming, peer, TAG)
+                fn(src[k], incoming, out=buf[k])  # the first step reads the input: no copy of it
+                lo, hi, mask, src = klo, khi, mask >> 1, buf
             mask = 1
             while mask < q:                      # all-gather: double what I own each step
                 width, peer = hi - lo, real(vrank ^ mask)
@@ -429,6 +495,9 @@ def mpi_all_reduce(comm, x, op: str = "sum"):
         be = _backend(comm, x)
         buf = np.array(be.to_host(x), copy=True)
         _check_op(comm, op, buf.dtype)
+        if buf.dtype.char not in "?bBhHiIlLqQefdgFDG":
+            raise TypeError(f"rank {comm.rank}: MPI's Allreduce can't reduce {buf.dtype} (it doesn't know "
+                            f"the type); use one of minidist's algorithms, e.g. algorithm='ring'")
         mop = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
         c.mpi.Allreduce(MPI.IN_PLACE, buf, op=mop)
         return be.from_host(_finish(buf, op, c.size))
@@ -440,8 +509,14 @@ _BY_NAME = {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_al
 
 
 def choose_algorithm(nbytes: int, p: int) -> str:
-    """``auto``: recursive doubling below SMALL_MESSAGE bytes (few steps), ring above (few bytes)."""
-    return "recursive_doubling" if nbytes < SMALL_MESSAGE or p == 1 else "ring"
+    """``auto``: below SMALL_MESSAGE bytes recursive doubling (log2 p steps: latency wins). Above,
+    the ring's bytes: for p a power of two above 2, halving-doubling (2 log2 p steps instead of the
+    ring's 2(p-1): fewer rounds in which every rank must get a core, what counts when ranks outnumber
+    cores); else the ring (at p = 2 they are the same exchange; other p would make halving-doubling
+    fold ranks in, sending more bytes)."""
+    if nbytes < SMALL_MESSAGE or p == 1:
+        return "recursive_doubling"
+    return "halving_doubling" if p > 2 and p & (p - 1) == 0 else "ring"
 
 
 def all_reduce(comm, x, op: str = "sum", algorithm: str = "auto"):
@@ -514,10 +589,10 @@ def all_reduce_async(comm, x, op: str = "sum", algorithm: str = "auto"):
     return start_async(comm, all_reduce, x, op=op, algorithm=algorithm)
 
 
-def all_gather_async(comm, x, axis: int = 0):
+def all_gather_async(comm, x, axis: int = 0, sizes=None):
     from minidist.comm.handles import start_async
 
-    return start_async(comm, all_gather, x, axis=axis)
+    return start_async(comm, all_gather, x, axis=axis, sizes=sizes)
 
 
 def reduce_scatter_async(comm, x, op: str = "sum", axis: int = 0):

@@ -26,7 +26,7 @@ import numpy as np
 
 from minidist.backend import backend_of, default_backend
 from minidist.comm import tracing
-from minidist.comm.ledger import Ledger
+from minidist.comm.ledger import Ledger, current_call
 
 MAX_USER_TAG = 1 << 20          # user tags are 0 .. MAX_USER_TAG-1; larger ones are minidist's own
 OBJ_TAG = MAX_USER_TAG + 1      # pickled-object messages: OBJ_TAG + 2*tag, tag < MAX_OBJ_TAG
@@ -264,21 +264,42 @@ class Communicator:
         return f"<{type(self).__name__} rank {self.rank} of {self.size}, {self.backend.name}>"
 
 
-_SPIN: list = []  # [spin seconds, longest sleep], decided once per process
+class WaitPolicy:
+    """How a wait spends its time, in two phases (decided once per process, see ``wait_policy``):
+
+    1. ``spin`` (``collective_spin`` inside a collective): test, then ``sched_yield``, so any other
+       runnable rank gets the core -- spinning only uses time nobody else wants, and MPI moves a
+       large message only while we poll. A collective's ranks are all active and answer soon, so
+       inside one we spin longer.
+    2. sleep with exponential backoff up to ``longest``: a rank waiting for a pipeline stage or a
+       slow peer leaves the CPU to whoever computes (~60 us wake-up latency per message).
+    """
+
+    def __init__(self, spin: float, collective_spin: float, longest: float):
+        self.spin, self.collective_spin, self.longest = spin, collective_spin, longest
+
+    def __repr__(self):
+        return "WaitPolicy(" + ", ".join(f"{k}={v * 1e6:g} us" for k, v in vars(self).items()) + ")"
 
 
-def spin_policy() -> tuple[float, float]:
-    """How long a wait spins (calling ``sched_yield``, so others can run) before it sleeps, and the
-    longest sleep. ``sched_yield`` hands the core to any other runnable rank, so spinning only uses
-    time nobody else wants; sleeping costs ~60 us of wake-up latency per message, and MPI moves a
-    large message only while we poll. More ranks on this host than cores: spin 1 ms, then sleep
-    up to 1 ms. Otherwise spin 5 ms, sleep up to 0.2 ms. ``MINIDIST_SPIN_US`` sets the spin time."""
-    if not _SPIN:
+_POLICY: list = []  # [WaitPolicy], decided once per process
+
+
+def wait_policy() -> WaitPolicy:
+    """The process's WaitPolicy. More ranks on this host than cores ("crowded"): spin 1 ms (5 ms in
+    a collective), then sleep up to 1 ms. Otherwise spin 5 ms (20 ms), sleep up to 0.2 ms.
+    ``MINIDIST_SPIN_US`` and ``MINIDIST_COLL_SPIN_US`` set the spin times."""
+    if not _POLICY:
         local = int(os.environ.get("MPI_LOCALNRANKS", os.environ.get("PMI_SIZE", "1")))
         crowded = local > len(os.sched_getaffinity(0))
-        spin = float(os.environ.get("MINIDIST_SPIN_US", 1000 if crowded else 5000)) * 1e-6
-        _SPIN.extend([spin, 1e-3 if crowded else 2e-4])
-    return _SPIN[0], _SPIN[1]
+
+        def us(name, default):
+            return float(os.environ.get(name, default)) * 1e-6
+
+        _POLICY.append(WaitPolicy(spin=us("MINIDIST_SPIN_US", 1000 if crowded else 5000),
+                                  collective_spin=us("MINIDIST_COLL_SPIN_US", 5000 if crowded else 20000),
+                                  longest=1e-3 if crowded else 2e-4))
+    return _POLICY[0]
 
 
 _thread = threading.local()
@@ -299,28 +320,29 @@ def _fine_sleeps() -> None:
 
 
 def poll(test, comm: Communicator, what: str) -> None:
-    """Wait until ``test()`` is true, cheaply: spin with ``sched_yield`` for a while, then sleep with
-    exponential backoff (see ``spin_policy``). Raises the watchdog's :class:`CommTimeout` after
+    """Wait until ``test()`` is true: spin with ``sched_yield``, then sleep with exponential backoff
+    (see ``WaitPolicy``; a collective spins longer). Raises the watchdog's :class:`CommTimeout` after
     ``comm.timeout`` seconds."""
     progress = getattr(comm, "progress", None)  # MPI: post payload receives whose header arrived
     if progress is not None:
         progress()
     if test():
         return
-    spin, longest = spin_policy()
+    policy = wait_policy()
     if not getattr(_thread, "fine", False):
         _fine_sleeps()
-    start = time.monotonic()
-    spin_until, delay = start + spin, 2e-5
-    yield_ = os.sched_yield
+    clock = time.monotonic
+    start = clock()
+    spin_until = start + (policy.collective_spin if current_call() is not None else policy.spin)
+    delay, yield_ = 2e-5, os.sched_yield
     while not test():
         if progress is not None:
             progress()
-        now = time.monotonic()
+        now = clock()
         if now < spin_until:
             yield_()
             continue
         if now - start > comm.timeout:
             raise comm.timeout_error(what() if callable(what) else what, now - start)
         time.sleep(delay)
-        delay = min(delay * 2, longest)
+        delay = min(delay * 2, policy.longest)

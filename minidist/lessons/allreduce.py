@@ -1,4 +1,4 @@
-"""Lesson 2: all-reduce three ways -- naive, tree, ring -- and MPI's own, side by side.
+"""Lesson 2: all-reduce four ways -- naive, tree, ring, halving-doubling -- and MPI's own, side by side.
 
     python -m minidist.lessons.allreduce --ranks 8          # ranks as threads
     mpirun -n 8 python -m minidist.lessons.allreduce        # ranks as MPI processes
@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from minidist.comm import measure, mpi_all_reduce, naive_all_reduce, ring_all_reduce, tree_all_reduce
-from minidist.comm.collectives import ring_chunks
+from minidist.comm.collectives import halving_doubling_all_reduce, ring_chunks
 from minidist.lessons.cli import launch, lesson_parser, rprint
 
 
@@ -35,6 +35,8 @@ def formula(name: str, p: int, n: int, itemsize: int) -> tuple[str, float]:
         "naive": ("(p-1)N at the root", (p - 1) * N),
         "tree": ("ceil(log2 p)N at the root", log2p * N),
         "ring": ("2(p-1)/p N, every rank", ring),
+        "halving": ("2(p-1)/p N (p = 2^k, p | n)", 2 * (p - 1) * N / p if p & (p - 1) == 0 and n % p == 0
+                    else float("nan")),
         "mpi": ("MPI's own (not in ledger)", float("nan")),
     }[name]
 
@@ -65,13 +67,14 @@ def rank_main(comm, args):
     x = comm.backend.from_host(rank_input(comm.rank, n, args.seed))  # on this rank's device
     want = sum(rank_input(r, n, args.seed).astype(np.float64) for r in range(p))  # the serial twin
     N = x.nbytes
-    algos = {"naive": naive_all_reduce, "tree": tree_all_reduce, "ring": ring_all_reduce}
+    algos = {"naive": naive_all_reduce, "tree": tree_all_reduce, "ring": ring_all_reduce,
+             "halving": halving_doubling_all_reduce}  # "auto"'s choice above 64 KB for p = 4, 8, ...
     if comm.transport == "mpi":
         algos["mpi"] = mpi_all_reduce
     rprint(comm, f"all-reduce of {n} float32 ({N / 2**20:.2f} MiB) per rank over {p} ranks "
                  f"({comm.transport} transport, {comm.backend.name} arrays)\n")
     rprint(comm, f"{'algorithm':<8} {'max|diff|':>10} {'check':>6} {'sent/rank (max)':>16} "
-                 f"{'formula':>12}  {'':<26} {'steps':>5} {'time ms':>8} {'busbw GB/s':>10}")
+                 f"{'formula':>12}  {'':<28} {'steps':>5} {'time ms':>8} {'busbw GB/s':>10}")
     for name, fn in algos.items():
         with measure(comm) as m:
             y = fn(comm, x)
@@ -82,7 +85,7 @@ def rank_main(comm, args):
         text, f = formula(name, p, n, x.itemsize)
         busbw = 2 * (p - 1) / p * N / sec / 1e9 if p > 1 else float("nan")
         rprint(comm, f"{name:<8} {diff:>10.2e} {'PASS' if ok else 'FAIL':>6} {max(sent):>16,} "
-                     f"{'-' if np.isnan(f) else f'{f:,.0f}':>12}  {text:<26} {m.steps:>5} "
+                     f"{'-' if np.isnan(f) else f'{f:,.0f}':>12}  {text:<28} {m.steps:>5} "
                      f"{sec * 1e3:>8.2f} {busbw:>10.2f}")
     if p > 1:
         rprint(comm, f"\nring timeline: x is split into chunks c0..c{p - 1}; at each step every rank sends "

@@ -36,9 +36,9 @@ from __future__ import annotations
 import numpy as np
 
 from minidist import ops
-from minidist.backend import backend_of, default_backend, get_backend
+from minidist.backend import default_backend, get_backend
+from minidist.comm import all_gather as comm_all_gather
 from minidist.comm import all_reduce, reduce_scatter
-from minidist.comm.collectives import collective, ring_all_gather_chunks
 from minidist.nn.module import Module, Parameter
 from minidist.tensor import Function
 
@@ -72,18 +72,9 @@ def tp_all_reduce(comm, x, op: str = "sum"):
 
 
 def all_gather(comm, x, axis: int):
-    """Concatenate the group's equal-shaped x along ``axis``: a ring all-gather on raw buffers,
-    (p-1)/p·N bytes per rank, p-1 steps -- ``minidist.comm.all_gather`` for equal parts, without
-    the per-message shape headers (which it needs for unequal parts)."""
-    with collective(comm, "all_gather", shape=tuple(x.shape), dtype=str(x.dtype), axis=axis) as (c, rec):
-        be = backend_of(x)
-        be = comm.backend if comm.backend.name == be.name else be
-        front = np.moveaxis(be.to_host(x), axis, 0)
-        buf = np.empty((c.size,) + front.shape, front.dtype)
-        buf[c.rank] = front
-        ring_all_gather_chunks(c, [buf[i].reshape(-1) for i in range(c.size)], rec)
-        full = buf.reshape((c.size * front.shape[0],) + front.shape[1:])
-        return be.from_host(np.ascontiguousarray(np.moveaxis(full, 0, axis)))
+    """Concatenate the group's equal-shaped x along ``axis``: ``minidist.comm.all_gather`` told the
+    parts are equal, so a ring on raw buffers without shape headers ((p-1)/p·N bytes, p-1 steps)."""
+    return comm_all_gather(comm, x, axis=axis, sizes="equal")
 
 
 # -- the conjugate functions ------------------------------------------------------------------------

@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.backend import backend_of
-from minidist.comm import all_reduce
-from minidist.comm.collectives import collective, ring_all_gather_chunks
+from minidist.comm import all_gather, all_reduce
+from minidist.comm.collectives import split_sizes
 from minidist.nn.module import Parameter
 from minidist.parallel.data import Bucket, DistributedDataParallel, build_buckets
 from minidist.tensor import current_saved_tensors_hooks, saved_tensors_hooks
@@ -45,20 +44,9 @@ class _ParamRef:
 
 
 def all_gather_flat(comm, shard, numel: int):
-    """The flat array of ``numel`` elements whose ``np.array_split`` part r is rank r's ``shard``.
-
-    A ring all-gather (rank r sends every part but r+1's) into a buffer whose layout every rank
-    knows, so no shape headers are needed. (Works around ``comm.all_gather``, whose header
-    exchange deadlocks under MPI once the parts exceed the eager-message limit.)
-    """
-    with collective(comm, "all_gather", dtype=str(shard.dtype), ndim=1) as (c, rec):
-        be = backend_of(shard)
-        flat = np.empty(numel, dtype=shard.dtype)
-        chunks = np.array_split(flat, c.size)
-        chunks[c.rank][...] = be.to_host(shard)
-        if c.size > 1:
-            ring_all_gather_chunks(c, chunks, rec)
-        return be.from_host(flat)
+    """The flat array of ``numel`` elements whose ``np.array_split`` part r is rank r's ``shard``:
+    ``minidist.comm.all_gather`` with the part sizes every rank knows (no shape headers)."""
+    return all_gather(comm, shard, axis=0, sizes=split_sizes(numel, comm.size))
 
 
 def _units_of(module) -> list:

@@ -22,6 +22,8 @@ from minidist.comm import (
     run,
 )
 
+ALGOS = ("ring", "recursive_doubling", "halving_doubling", "tree", "naive", "mpi", "auto")
+
 
 def check(comm):
     p, r = comm.size, comm.rank
@@ -32,7 +34,7 @@ def check(comm):
             xs = [(rng.standard_normal(n) * 10).astype(dtype) for _ in range(p)]
             for op in ("sum", "max", "min"):
                 want = {"sum": np.sum, "max": np.max, "min": np.min}[op](np.stack(xs), axis=0).astype(dtype)
-                for algo in ("ring", "recursive_doubling", "tree", "naive", "mpi", "auto"):
+                for algo in ALGOS:
                     got = all_reduce(comm, xs[r], op=op, algorithm=algo)
                     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3, err_msg=f"{algo} {op} {n}")
     x = np.ones(p * 1000, np.float32)
@@ -55,6 +57,8 @@ def check(comm):
     got = comm.sendrecv(big, (r + 1) % p, (r - 1) % p)
     assert got.shape == big.shape and got[0] == (r - 1) % p
     assert all_gather(comm, big[: 300_000]).shape == (300_000 * p,)
+    ag = all_gather(comm, big[: 300_000], sizes="equal")  # header-free, straight into the output
+    assert ag.shape == (300_000 * p,) and ag[300_000 * (p - 1)] == p - 1
     reqs = [comm.irecv((r - 1) % p, tag=2) for _ in range(3)]
     for k in range(3):
         comm.send(np.full(k + 1, k), (r + 1) % p, tag=2)

@@ -78,6 +78,11 @@ def test_reduce_scatter_and_all_gather(p, shape, dtype, op, seed, data):
     ag = run(lambda comm: all_gather(comm, rs[comm.rank], axis=axis), ranks=p)
     for r in range(p):
         assert_close(ag[r], np.concatenate(rs, axis=axis))
+    # the same, header-free: every rank knows the parts' lengths (np.array_split's)
+    sizes = [piece.shape[axis] for piece in rs]
+    known = run(lambda comm: all_gather(comm, rs[comm.rank], axis=axis, sizes=sizes), ranks=p)
+    for r in range(p):
+        assert_close(known[r], np.concatenate(rs, axis=axis))
 
 
 @FAST
@@ -165,3 +170,51 @@ def test_jax_arrays_come_back_as_jax_on_each_ranks_device():
     for r, (mod, devs, vals, zshape) in enumerate(out):
         assert mod in ("jax", "jaxlib") and devs == [devices[r % len(devices)]]
         assert vals == [6.0, 10.0, 14.0, 18.0] and zshape == (16,)
+
+
+@FAST
+@given(p=st.integers(1, 8), shape=st.lists(st.integers(0, 5), min_size=1, max_size=3).map(tuple),
+       dtype=st.sampled_from(DTYPES + ["float16", "bfloat16"]), seed=st.integers(0, 99), data=st.data())
+def test_all_gather_equal_parts_without_headers(p, shape, dtype, seed, data):
+    import ml_dtypes
+
+    axis = data.draw(st.integers(-len(shape), len(shape) - 1))
+    dt = np.dtype(getattr(ml_dtypes, dtype) if dtype == "bfloat16" else dtype)
+    xs = [x.astype(dt) for x in inputs(p, shape, "float32", seed)]
+    out = run(lambda comm: all_gather(comm, xs[comm.rank], axis=axis, sizes="equal"), ranks=p)
+    for got in out:
+        assert got.dtype == dt
+        np.testing.assert_array_equal(got.view(np.uint8), np.concatenate(xs, axis=axis).view(np.uint8))
+
+
+def test_all_gather_bad_sizes_raise_naming_the_rank():
+    with pytest.raises(ValueError, match=r"rank 1: all_gather sizes=\[2, 2\] must list 2 lengths along "
+                                         r"axis 0, with entry 1 = this rank's 3"):
+        run(lambda comm: all_gather(comm, np.ones(2 + comm.rank), sizes=[2, 2]), ranks=2)
+    with pytest.raises(ValueError, match="sizes='same'; use None, 'equal' or a list"):
+        run(lambda comm: all_gather(comm, np.ones(2), sizes="same"), ranks=2)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("algo", ["ring", "recursive_doubling", "halving_doubling", "tree", "naive"])
+def test_mean_works_for_half_precision(dtype, algo):
+    """ml_dtypes' bfloat16 is not an np.floating subtype, yet a float: op='mean' must accept it."""
+    import ml_dtypes
+
+    dt = np.dtype(getattr(ml_dtypes, dtype) if dtype == "bfloat16" else dtype)
+    p = 4
+    xs = [np.arange(10, dtype=np.float32).astype(dt) * (r + 1) for r in range(p)]
+    out = run(lambda comm: all_reduce(comm, xs[comm.rank], op="mean", algorithm=algo), ranks=p)
+    for got in out:
+        assert got.dtype == dt
+        np.testing.assert_allclose(got.astype(np.float32), np.arange(10) * 2.5, rtol=1e-2)
+    rs = run(lambda comm: reduce_scatter(comm, xs[comm.rank], op="mean"), ranks=p)
+    np.testing.assert_allclose(np.concatenate(rs).astype(np.float32), np.arange(10) * 2.5, rtol=1e-2)
+
+
+def test_mean_still_rejects_integers_and_integer_like_ml_dtypes():
+    import ml_dtypes
+
+    for dt in (np.int32, ml_dtypes.int4):
+        with pytest.raises(TypeError, match="rank 0: op='mean' needs a floating dtype"):
+            run(lambda comm, dt=dt: all_reduce(comm, np.ones(4, dt), op="mean"), ranks=1)

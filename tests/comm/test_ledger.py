@@ -1,6 +1,7 @@
 """The ledger equals the textbook formulas, exactly."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -61,6 +62,22 @@ def test_reduce_scatter_and_all_gather_send_p_minus_1_over_p_N(p, k):
     for m in measured(p, lambda comm: all_gather(comm, piece)):
         assert m.bytes_sent == (p - 1) * N // p and m.steps == p - 1
         assert m.header_bytes > 0  # shapes were learned from headers, not counted as payload
+    for m in measured(p, lambda comm: all_gather(comm, piece, sizes="equal")):
+        assert m.bytes_sent == (p - 1) * N // p and m.steps == p - 1
+        assert m.header_bytes == 0  # every rank knew the sizes: raw buffers only
+
+
+@FAST
+@given(p=st.integers(2, 8), n=st.integers(0, 40))
+def test_all_gather_known_uneven_sizes_formula(p, n):
+    """Rank r sends every part but r+1's (the last one it receives): N - |part r+1| bytes."""
+    from minidist.comm.collectives import split_sizes
+
+    sizes = split_sizes(n, p)
+    assert sizes == [len(a) for a in np.array_split(np.empty(n), p)]
+    for r, m in enumerate(measured(p, lambda comm: all_gather(comm, np.ones(sizes[comm.rank], np.float32),
+                                                              sizes=sizes))):
+        assert m.bytes_sent == 4 * (n - sizes[(r + 1) % p]) and m.header_bytes == 0
 
 
 @FAST
@@ -94,13 +111,22 @@ def test_halving_doubling_moves_ring_bytes_in_2_log_p_steps(p, k):
             assert m.bytes_sent == x.nbytes  # hands its array over and sits out
 
 
-def test_auto_picks_recursive_doubling_small_and_ring_large():
+@pytest.mark.parametrize("p, large", [(2, "ring"), (3, "ring"), (4, "halving_doubling"),
+                                      (6, "ring"), (8, "halving_doubling")])
+def test_auto_picks_recursive_doubling_small_and_ring_bytes_large(p, large):
+    """auto: recursive doubling below 64 KB; above, halving-doubling for p = 4, 8, ... (the ring's
+    2(p-1)/p·N bytes in 2 log2 p steps), the ring for other p."""
+    n = 3 << 15  # divisible by every p here: the formulas are exact
+
     def body(comm):
         with measure(comm) as m:
             all_reduce(comm, np.ones(10, np.float32))
-            all_reduce(comm, np.ones(1 << 16, np.float32))
-        return [c.name for c in m.calls]
-    assert run(body, ranks=4)[0] == ["recursive_doubling_all_reduce", "ring_all_reduce"]
+            all_reduce(comm, np.ones(n, np.float32))
+        return [c.name for c in m.calls], m.calls[1]
+    for names, big in run(body, ranks=p):
+        assert names == ["recursive_doubling_all_reduce", f"{large}_all_reduce"]
+        assert big.bytes_sent == 2 * (p - 1) * 4 * n // p and big.steps == (
+            2 * (p.bit_length() - 1) if large == "halving_doubling" else 2 * (p - 1))
 
 
 def test_subgroup_traffic_counts_in_the_group_and_the_world():

@@ -56,11 +56,14 @@ def test_lesson_runs_and_passes(capsys, tmp_path):
     trace_file = tmp_path / "t.json"
     lesson.main(["--ranks", "3", "--elements", "1001", "--repeats", "1", "--trace", str(trace_file)])
     out = capsys.readouterr().out
-    assert out.count("PASS") == 3 and "FAIL" not in out
+    assert out.count("PASS") == 4 and "FAIL" not in out  # naive, tree, ring, halving-doubling
     assert "reduce-scatter" in out and "all-gather" in out
     for name in ("naive", "tree", "ring"):
         line = next(l for l in out.splitlines() if l.startswith(name))
         sent, formula = line.split()[3:5]
         assert sent == formula  # measured bytes == textbook formula
+    lesson.main(["--ranks", "4", "--elements", "1000", "--repeats", "1"])
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("halving"))
+    assert line.split()[3] == line.split()[4] == f"{2 * 3 * 4000 // 4:,}"  # 2(p-1)/p N, p = 4
     events = json.loads(trace_file.read_text())["traceEvents"]
     assert {e.get("tid") for e in events if e.get("ph") == "X"} == {0, 1, 2}
