@@ -30,12 +30,13 @@ import numpy as np
 
 from minidist.backend import backend_of, get_backend
 from minidist.comm import tracing
+from minidist.comm.communicator import poll
+from minidist.comm.cost import choose_algorithm
 from minidist.comm.debug import check_same_call
 from minidist.comm.ledger import CallRecord, current_call, set_current_call
 
 OPS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
-ALGORITHMS = ("auto", "ring", "recursive_doubling", "halving_doubling", "tree", "naive", "mpi")
-SMALL_MESSAGE = 64 * 1024  # bytes: below, "auto" picks recursive doubling (latency); see choose_algorithm
+ALGORITHMS = ("auto", "ring", "recursive_doubling", "halving_doubling", "two_shot", "tree", "naive", "mpi")
 TAG = 1
 _NUMPY = get_backend("numpy")
 
@@ -305,6 +306,50 @@ def recursive_doubling_all_reduce(comm, x, op: str = "sum"):
         return be.from_host(_finish(buf, op, p).reshape(np.shape(x)))
 
 
+# -- two-shot: the ring's bytes in 2 rounds ------------------------------------------------------
+
+def wait_all(c, requests: list, what: str) -> None:
+    """Wait for every request together (testing all of them each time, so all make progress)."""
+    poll(lambda: all([q.test() for q in requests]), c, what)
+    for q in requests:
+        q.wait()
+
+
+def two_shot_all_reduce(comm, x, op: str = "sum"):
+    """Reduce-scatter, then all-gather, each in ONE round of p-1 messages in flight at once.
+
+    Round 1: rank r sends chunk j of its x to rank j (for every j != r) and receives chunk r from
+    everyone, then reduces them in rank order. Round 2: it sends its reduced chunk to everyone and
+    receives theirs. Bytes as the ring, 2(p-1)/p·N, in 2 rounds instead of 2(p-1) steps: no rank
+    waits for a neighbour to finish a step before it can start its own -- what costs most when
+    ranks outnumber cores. The price is p-1 messages per round instead of one.
+    """
+    with collective(comm, "two_shot_all_reduce", x, op=op) as (c, rec):
+        be = _backend(comm, x)
+        src = np.ascontiguousarray(be.to_host(x)).reshape(-1)
+        _check_op(comm, op, src.dtype)
+        p, r, fn = c.size, c.rank, OPS[op]
+        bounds = np.cumsum([0] + split_sizes(src.size, p))
+        part = [slice(bounds[j], bounds[j + 1]) for j in range(p)]
+        out = np.empty_like(src)
+        n = bounds[r + 1] - bounds[r]
+        incoming = _scratch(c, p * n, src.dtype).reshape(p, n)
+        peers = [j for j in range(p) if j != r]
+        reqs = [c._irecv_host(j, TAG, incoming[j], header=False) for j in peers]
+        reqs += [c._isend_host(src[part[j]], j, TAG, header=False) for j in peers]
+        wait_all(c, reqs, "two-shot reduce-scatter")
+        incoming[r] = src[part[r]]
+        out[part[r]] = incoming[0]
+        for j in range(1, p):                    # in rank order: every rank's chunk adds up alike
+            fn(out[part[r]], incoming[j], out=out[part[r]])
+        _finish(out[part[r]], op, p)
+        reqs = [c._irecv_host(j, TAG + 1, out[part[j]], header=False) for j in peers]
+        reqs += [c._isend_host(out[part[r]], j, TAG + 1, header=False) for j in peers]
+        wait_all(c, reqs, "two-shot all-gather")
+        rec.step(2)
+        return be.from_host(out.reshape(np.shape(x)))
+
+
 # -- halving-doubling (Rabenseifner): the ring's bytes in 2 log2 p steps ---------------------------
 
 def halving_doubling_all_reduce(comm, x, op: str = "sum"):
@@ -503,20 +548,10 @@ def mpi_all_reduce(comm, x, op: str = "sum"):
         return be.from_host(_finish(buf, op, c.size))
 
 
-_BY_NAME = {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce,
-            "halving_doubling": halving_doubling_all_reduce,
-            "tree": tree_all_reduce, "naive": naive_all_reduce, "mpi": mpi_all_reduce}
-
-
-def choose_algorithm(nbytes: int, p: int) -> str:
-    """``auto``: below SMALL_MESSAGE bytes recursive doubling (log2 p steps: latency wins). Above,
-    the ring's bytes: for p a power of two above 2, halving-doubling (2 log2 p steps instead of the
-    ring's 2(p-1): fewer rounds in which every rank must get a core, what counts when ranks outnumber
-    cores); else the ring (at p = 2 they are the same exchange; other p would make halving-doubling
-    fold ranks in, sending more bytes)."""
-    if nbytes < SMALL_MESSAGE or p == 1:
-        return "recursive_doubling"
-    return "halving_doubling" if p > 2 and p & (p - 1) == 0 else "ring"
+_BY_NAME = {"ring": ring_all_reduce, "two_shot": two_shot_all_reduce,
+            "recursive_doubling": recursive_doubling_all_reduce,
+            "halving_doubling": halving_doubling_all_reduce, "tree": tree_all_reduce,
+            "naive": naive_all_reduce, "mpi": mpi_all_reduce}
 
 
 def all_reduce(comm, x, op: str = "sum", algorithm: str = "auto"):

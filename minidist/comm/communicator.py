@@ -290,8 +290,9 @@ def wait_policy() -> WaitPolicy:
     a collective), then sleep up to 1 ms. Otherwise spin 5 ms (20 ms), sleep up to 0.2 ms.
     ``MINIDIST_SPIN_US`` and ``MINIDIST_COLL_SPIN_US`` set the spin times."""
     if not _POLICY:
-        local = int(os.environ.get("MPI_LOCALNRANKS", os.environ.get("PMI_SIZE", "1")))
-        crowded = local > len(os.sched_getaffinity(0))
+        from minidist.comm.cost import crowded as is_crowded
+
+        crowded = is_crowded()
 
         def us(name, default):
             return float(os.environ.get(name, default)) * 1e-6

@@ -49,7 +49,8 @@ class Ledger:
         self.parent = parent
         self.bytes_sent = self.bytes_received = self.messages = self.messages_received = 0
         self.steps = self.header_bytes = 0
-        self.calls: list[CallRecord] = []
+        self.calls: list[CallRecord] = []  # kept only while a ``measure`` block watches
+        self.watching = 0
         self._lock = threading.Lock()
 
     def _chain(self):
@@ -102,7 +103,8 @@ class Ledger:
         for led in self._chain():
             with led._lock:
                 led.steps += rec.steps
-                led.calls.append(rec)
+                if led.watching:  # a long run must not keep a record of every call it ever made
+                    led.calls.append(rec)
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -142,8 +144,10 @@ class Measurement:
 
     def __init__(self, ledger: Ledger):
         self._ledger = ledger
+        with ledger._lock:
+            ledger.watching += 1
         self._start = ledger.snapshot()
-        self._end = None
+        self._end = self._calls = None
 
     def _get(self, f):
         now = self._end if self._end is not None else self._ledger.snapshot()
@@ -157,11 +161,18 @@ class Measurement:
 
     @property
     def calls(self) -> list[CallRecord]:
-        n = self._end["ncalls"] if self._end is not None else None
-        return self._ledger.calls[self._start["ncalls"]:n]
+        if self._calls is not None:
+            return self._calls
+        return self._ledger.calls[self._start["ncalls"]:]
 
     def freeze(self):
-        self._end = self._ledger.snapshot()
+        led = self._ledger
+        self._end = led.snapshot()
+        self._calls = led.calls[self._start["ncalls"]:self._end["ncalls"]]
+        with led._lock:
+            led.watching -= 1
+            if led.watching == 0:
+                led.calls.clear()
 
     def __repr__(self):
         return (f"<Measurement sent={self.bytes_sent}B received={self.bytes_received}B "

@@ -1,4 +1,4 @@
-"""Lesson 2: all-reduce four ways -- naive, tree, ring, halving-doubling -- and MPI's own, side by side.
+"""Lesson 2: all-reduce five ways -- naive, tree, ring, two-shot, halving-doubling -- and MPI's own.
 
     python -m minidist.lessons.allreduce --ranks 8          # ranks as threads
     mpirun -n 8 python -m minidist.lessons.allreduce        # ranks as MPI processes
@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from minidist.comm import measure, mpi_all_reduce, naive_all_reduce, ring_all_reduce, tree_all_reduce
-from minidist.comm.collectives import halving_doubling_all_reduce, ring_chunks
+from minidist.comm.collectives import halving_doubling_all_reduce, ring_chunks, two_shot_all_reduce
 from minidist.lessons.cli import launch, lesson_parser, rprint
 
 
@@ -35,6 +35,7 @@ def formula(name: str, p: int, n: int, itemsize: int) -> tuple[str, float]:
         "naive": ("(p-1)N at the root", (p - 1) * N),
         "tree": ("ceil(log2 p)N at the root", log2p * N),
         "ring": ("2(p-1)/p N, every rank", ring),
+        "two-shot": ("2(p-1)/p N, in 2 rounds", max(N + (p - 2) * c[r] for r in range(p)) if p > 1 else 0),
         "halving": ("2(p-1)/p N (p = 2^k, p | n)", 2 * (p - 1) * N / p if p & (p - 1) == 0 and n % p == 0
                     else float("nan")),
         "mpi": ("MPI's own (not in ledger)", float("nan")),
@@ -68,7 +69,7 @@ def rank_main(comm, args):
     want = sum(rank_input(r, n, args.seed).astype(np.float64) for r in range(p))  # the serial twin
     N = x.nbytes
     algos = {"naive": naive_all_reduce, "tree": tree_all_reduce, "ring": ring_all_reduce,
-             "halving": halving_doubling_all_reduce}  # "auto"'s choice above 64 KB for p = 4, 8, ...
+             "two-shot": two_shot_all_reduce, "halving": halving_doubling_all_reduce}
     if comm.transport == "mpi":
         algos["mpi"] = mpi_all_reduce
     rprint(comm, f"all-reduce of {n} float32 ({N / 2**20:.2f} MiB) per rank over {p} ranks "

@@ -22,7 +22,7 @@ from minidist.comm import (
     run,
 )
 
-ALGOS = ("ring", "recursive_doubling", "halving_doubling", "tree", "naive", "mpi", "auto")
+ALGOS = ("ring", "recursive_doubling", "halving_doubling", "two_shot", "tree", "naive", "mpi", "auto")
 
 
 def check(comm):

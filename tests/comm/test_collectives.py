@@ -22,7 +22,7 @@ from minidist.comm import (
 
 FAST = settings(max_examples=15, deadline=None, derandomize=True)
 DTYPES = ["float32", "float64", "int32", "int64"]
-ALGOS = ["ring", "recursive_doubling", "halving_doubling", "tree", "naive", "mpi", "auto"]
+ALGOS = ["ring", "recursive_doubling", "halving_doubling", "two_shot", "tree", "naive", "mpi", "auto"]
 
 
 def inputs(p, shape, dtype, seed):
@@ -196,7 +196,7 @@ def test_all_gather_bad_sizes_raise_naming_the_rank():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("algo", ["ring", "recursive_doubling", "halving_doubling", "tree", "naive"])
+@pytest.mark.parametrize("algo", [a for a in ALGOS if a not in ("mpi", "auto")])
 def test_mean_works_for_half_precision(dtype, algo):
     """ml_dtypes' bfloat16 is not an np.floating subtype, yet a float: op='mean' must accept it."""
     import ml_dtypes

@@ -111,22 +111,56 @@ def test_halving_doubling_moves_ring_bytes_in_2_log_p_steps(p, k):
             assert m.bytes_sent == x.nbytes  # hands its array over and sits out
 
 
-@pytest.mark.parametrize("p, large", [(2, "ring"), (3, "ring"), (4, "halving_doubling"),
-                                      (6, "ring"), (8, "halving_doubling")])
-def test_auto_picks_recursive_doubling_small_and_ring_bytes_large(p, large):
-    """auto: recursive doubling below 64 KB; above, halving-doubling for p = 4, 8, ... (the ring's
-    2(p-1)/p·N bytes in 2 log2 p steps), the ring for other p."""
-    n = 3 << 15  # divisible by every p here: the formulas are exact
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_two_shot_sends_the_rings_bytes_in_two_rounds(p):
+    from minidist.comm.collectives import two_shot_all_reduce
+
+    x = np.ones(p * 1000, np.float32)
+    for m in measured(p, lambda comm: two_shot_all_reduce(comm, x)):
+        assert m.bytes_sent == 2 * (p - 1) * x.nbytes // p and m.steps == 2 and m.messages == 2 * (p - 1)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("crowded", [False, True])
+def test_auto_follows_the_cost_model(p, crowded, monkeypatch):
+    """auto runs what the alpha-beta model predicts fastest: recursive doubling (fewest rounds) for
+    small messages at p = 2^k, an algorithm sending the ring's 2(p-1)/p·N bytes for large ones."""
+    from minidist.comm import cost
+
+    monkeypatch.setattr(cost, "crowded", lambda: crowded)
+    cost.choose_algorithm.cache_clear()
+    n = 3 << 18  # 3 MB of float32, divisible by every p here: the formulas are exact
+    small, large = cost.choose_algorithm(40, p), cost.choose_algorithm(4 * n, p)
+    if p & (p - 1) == 0:
+        assert small == "recursive_doubling"
+    assert large in ("ring", "halving_doubling", "two_shot")
 
     def body(comm):
         with measure(comm) as m:
             all_reduce(comm, np.ones(10, np.float32))
             all_reduce(comm, np.ones(n, np.float32))
         return [c.name for c in m.calls], m.calls[1]
-    for names, big in run(body, ranks=p):
-        assert names == ["recursive_doubling_all_reduce", f"{large}_all_reduce"]
-        assert big.bytes_sent == 2 * (p - 1) * 4 * n // p and big.steps == (
-            2 * (p.bit_length() - 1) if large == "halving_doubling" else 2 * (p - 1))
+    try:
+        for names, big in run(body, ranks=p):
+            assert names == [f"{small}_all_reduce", f"{large}_all_reduce"]
+            assert big.bytes_sent == 2 * (p - 1) * 4 * n // p
+    finally:
+        cost.choose_algorithm.cache_clear()
+
+
+def test_cost_model_orders_algorithms_as_the_textbook():
+    from minidist.comm.cost import LATENCY, all_reduce_cost
+
+    alpha, delta = LATENCY[False]
+    tiny, huge = 1024, 1 << 30
+    for p in (4, 8, 16):  # tiny: fewest rounds wins; huge: fewest bytes (log2 p·N loses)
+        costs = {a: all_reduce_cost(a, tiny, p, alpha, delta)
+                 for a in ("ring", "recursive_doubling", "halving_doubling", "two_shot")}
+        assert min(costs, key=costs.get) == "recursive_doubling"
+        assert all_reduce_cost("recursive_doubling", huge, p, alpha, delta) > \
+            all_reduce_cost("ring", huge, p, alpha, delta)
+        assert all_reduce_cost("ring", tiny, p, alpha, delta) > all_reduce_cost("halving_doubling", tiny, p,
+                                                                                alpha, delta)
 
 
 def test_subgroup_traffic_counts_in_the_group_and_the_world():

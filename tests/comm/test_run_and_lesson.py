@@ -48,15 +48,17 @@ def test_barrier_and_async_under_debug_mode(monkeypatch):
             y = h.wait()
         return y.tolist(), [c.name for c in m.calls]
 
+    from minidist.comm.cost import choose_algorithm
+
     for y, calls in run(body, ranks=3):
-        assert y == [3.0] * 3 and calls == ["recursive_doubling_all_reduce"]
+        assert y == [3.0] * 3 and calls == [f"{choose_algorithm(24, 3)}_all_reduce"]
 
 
 def test_lesson_runs_and_passes(capsys, tmp_path):
     trace_file = tmp_path / "t.json"
     lesson.main(["--ranks", "3", "--elements", "1001", "--repeats", "1", "--trace", str(trace_file)])
     out = capsys.readouterr().out
-    assert out.count("PASS") == 4 and "FAIL" not in out  # naive, tree, ring, halving-doubling
+    assert out.count("PASS") == 5 and "FAIL" not in out  # naive, tree, ring, two-shot, halving-doubling
     assert "reduce-scatter" in out and "all-gather" in out
     for name in ("naive", "tree", "ring"):
         line = next(l for l in out.splitlines() if l.startswith(name))

@@ -1,0 +1,73 @@
+"""The alpha-beta cost model that ``all_reduce(..., algorithm="auto")`` uses to pick an algorithm.
+
+A round costs ``alpha`` (latency: a message round trip, or -- when ranks outnumber cores -- waiting
+for the partners to get a core), every message ``delta`` (software overhead), every byte sent
+``beta`` and every byte reduced ``gamma``:
+
+    time = rounds·alpha + messages·delta + bytes_sent·beta + bytes_reduced·gamma   (per rank)
+
+                        rounds      messages   bytes sent (N = message)   bytes reduced
+    ring                2(p-1)      2(p-1)     2(p-1)/p·N                 (p-1)/p·N
+    halving-doubling    2·log2 p    2·log2 p   2(p-1)/p·N                 (p-1)/p·N
+    two-shot            2           2(p-1)     2(p-1)/p·N                 (p-1)/p·N
+    recursive doubling  log2 p      log2 p     log2 p·N                   log2 p·N
+
+(for p not a power of two, q = the largest power of two below p: the p - q extra ranks fold in
+first and get the result last, two more steps of N bytes). Small messages favour recursive
+doubling (fewest steps), large ones the bandwidth-optimal ring or halving-doubling; the crossover
+moves up by orders of magnitude when ranks share cores, because alpha does.
+The constants are rough measurements of shared-memory MPI on a small machine; what matters is
+their ratio, and `benchmarks/allreduce.py` shows the choice against the alternatives.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+BETA = 1 / 2e9    # s per byte sent (~2 GB/s through shared memory)
+GAMMA = 1 / 4e9   # s per byte reduced (~4 GB/s for a NumPy add of float32)
+# (alpha, delta): s per round and per message, with a core per rank / with ranks outnumbering
+# cores (then every round and every message waits until the partner is scheduled)
+LATENCY = {False: (2e-5, 5e-6), True: (1e-4, 3e-5)}
+
+
+@functools.cache
+def crowded() -> bool:
+    """More ranks on this host than cores the process may use (launched by mpirun)."""
+    local = int(os.environ.get("MPI_LOCALNRANKS", os.environ.get("PMI_SIZE", "1")))
+    return local > len(os.sched_getaffinity(0))
+
+
+def all_reduce_cost(algorithm: str, nbytes: int, p: int, alpha: float, delta: float) -> float:
+    """Predicted seconds for one rank to all-reduce ``nbytes`` over ``p`` ranks."""
+    if p == 1:
+        return 0.0
+    q = 1 << (p.bit_length() - 1)
+    fold = p - q > 0  # extra ranks fold in (one step, N bytes) and get the result back (one more)
+    log_q = int(math.log2(q))
+    ring_bytes = 2 * (p - 1) / p * nbytes
+    if algorithm == "ring":
+        rounds, messages, sent, reduced = 2 * (p - 1), 2 * (p - 1), ring_bytes, ring_bytes / 2
+    elif algorithm == "two_shot":
+        rounds, messages, sent, reduced = 2, 2 * (p - 1), ring_bytes, ring_bytes / 2
+    elif algorithm == "halving_doubling":
+        q_bytes = 2 * (q - 1) / q * nbytes
+        rounds, messages, sent, reduced = 2 * log_q, 2 * log_q, q_bytes, q_bytes / 2
+    elif algorithm == "recursive_doubling":
+        rounds, messages, sent, reduced = log_q, log_q, log_q * nbytes, log_q * nbytes
+    else:
+        raise ValueError(f"no cost model for {algorithm!r}")
+    if fold and algorithm in ("halving_doubling", "recursive_doubling"):
+        rounds, messages, sent, reduced = rounds + 2, messages + 2, sent + nbytes, reduced + nbytes
+    return rounds * alpha + messages * delta + sent * BETA + reduced * GAMMA
+
+
+@functools.lru_cache(maxsize=4096)  # called on every all-reduce: a small message can't wait 5 us for it
+def choose_algorithm(nbytes: int, p: int, is_crowded: bool | None = None) -> str:
+    """The all-reduce algorithm the model predicts fastest (a tie goes to the simpler: at p = 2
+    halving-doubling and the ring are the same exchange)."""
+    alpha, delta = LATENCY[crowded() if is_crowded is None else is_crowded]
+    candidates = ("recursive_doubling", "ring", "halving_doubling", "two_shot")
+    return min(candidates, key=lambda a: all_reduce_cost(a, nbytes, p, alpha, delta))
