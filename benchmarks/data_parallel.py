@@ -35,82 +35,48 @@ def minidist_steps(comm, args):
     opt = optim.AdamW(m.parameters(), lr=1e-4)
     rng = np.random.default_rng(comm.rank)
     x = rng.integers(0, cfg.vocab_size, (args.batch, cfg.block_size))
-    times, hidden = [], []
+    times, hidden, losses = [], [], []
     for i in range(args.steps + 2):
         comm.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
-        ddp.backward(m.loss(x, x))
+        loss = m.loss(x, x)
+        ddp.backward(loss)
         ddp.wait_gradients()
         opt.step()
         if i >= 2:
             times.append(time.perf_counter() - t0)
             hidden.append(ddp.hidden_fraction())
-    return float(np.median(times)), float(np.median(hidden)), m.num_parameters(), len(ddp.buckets)
-
-
-def torch_gpt(cfg):
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self, d, h):
-            super().__init__()
-            self.h = h
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            b, t, d = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-            return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            d = cfg.d_model
-            self.wte, self.wpe = nn.Embedding(cfg.vocab_size, d), nn.Embedding(cfg.block_size, d)
-            self.blocks = nn.ModuleList(Block(d, cfg.n_head) for _ in range(cfg.n_layer))
-            self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, cfg.vocab_size, bias=False)
-
-        def forward(self, idx, targets):
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-            for blk in self.blocks:
-                x = blk(x)
-            logits = self.head(self.ln(x))
-            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
-
-    return GPT()
+        losses.append(loss.item())
+    return float(np.median(times)), float(np.median(hidden)), m.num_parameters(), len(ddp.buckets), losses
 
 
 def torch_steps(rank, size, args):
     import torch
     import torch.distributed as dist
+    from torch_gpt import from_minidist
 
-    from minidist.nn import GPTConfig
+    from minidist.nn import GPT, GPTConfig
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", args.port, size, rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
     cfg = GPTConfig()
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch_gpt(cfg))
+    model = torch.nn.parallel.DistributedDataParallel(from_minidist(GPT(cfg).state_dict(), cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rng = np.random.default_rng(rank)
     x = torch.from_numpy(rng.integers(0, cfg.vocab_size, (args.batch, cfg.block_size)))
-    times = []
+    times, losses = [], []
     for i in range(args.steps + 2):
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
-        model(x, x).backward()
+        loss = model(x, x)
+        loss.backward()
         opt.step()
         if i >= 2:
             times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
     flat = torch.zeros(sum(p.numel() for p in model.parameters()))
     ar = []
     for _ in range(5):
@@ -119,16 +85,19 @@ def torch_steps(rank, size, args):
         dist.all_reduce(flat)
         ar.append(time.perf_counter() - t0)
     dist.destroy_process_group()
-    return float(np.median(times)), float(np.median(ar))
+    return float(np.median(times)), float(np.median(ar)), losses
 
 
 def rank_main(comm, args):
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(1):
-        ours, hidden, psi, nb = minidist_steps(comm, args)
-    theirs, gloo_ar = torch_steps(comm.rank, comm.size, args)
+        ours, hidden, psi, nb, our_losses = minidist_steps(comm, args)
+    theirs, gloo_ar, their_losses = torch_steps(comm.rank, comm.size, args)
     if comm.rank == 0:
+        print(f"rank 0 losses, steps 1 and {len(our_losses)} (same weights and batches: they must agree): "
+              f"minidist {our_losses[0]:.6f} {our_losses[-1]:.6f}  "
+              f"PyTorch {their_losses[0]:.6f} {their_losses[-1]:.6f}")
         print(f"GPT {psi / 1e6:.2f} M float32 parameters, batch {args.batch} per rank, {comm.size} ranks, "
               f"1 thread each, median of {args.steps} steps")
         print(f"  minidist DDP   {ours * 1e3:8.1f} ms/step   ({nb} buckets of <= {args.bucket_mb} MiB, "

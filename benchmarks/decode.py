@@ -4,9 +4,9 @@
     python benchmarks/decode.py --new 64 --repeat 1
 
 The model is the core benchmark's GPT (vocab 256, 4 layers, d_model 256, 4 heads), with the
-context raised to fit prompt + new tokens. The PyTorch twin below is written here, loads the same
-weights (minidist Linear weights are (in, out), so it multiplies ``x @ W`` as they are) and keeps
-its own preallocated KV cache. Targets: cached >= 7x recompute; time per token <= 1.5x PyTorch's.
+context raised to fit prompt + new tokens. The PyTorch twin is ``benchmarks/torch_gpt.py``, loaded
+with the same weights; it keeps its own preallocated KV cache. Targets: cached >= 7x recompute;
+time per token <= 1.5x PyTorch's.
 Then continuous vs static batching throughput on a workload of mixed lengths.
 Needs torch for the PyTorch column (skipped, with a note, if it isn't installed).
 """
@@ -39,66 +39,6 @@ def interleaved(contenders: dict, repeat: int):
             outs[name] = fn()
             times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}, outs
-
-
-def torch_decoder(model):
-    """A PyTorch eager GPT with a KV cache, holding ``model``'s weights; returns generate(prompt, n)."""
-    import torch
-    import torch.nn.functional as F
-
-    cfg = model.config
-    sd = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in model.state_dict().items()}
-    L, H, C = cfg.n_layer, cfg.n_head, cfg.d_model
-    D = C // H
-
-    def ln(x, name):
-        return F.layer_norm(x, (C,), sd[f"{name}.weight"], sd[f"{name}.bias"], 1e-5)
-
-    def forward(idx, start, kc, vc):
-        t = idx.shape[1]
-        x = sd["0.wte.weight"][idx] + sd["0.wpe.weight"][start:start + t]
-        for i in range(1, L + 1):
-            p = f"{i}."
-            qkv = torch.addmm(sd[p + "attn.qkv.bias"], ln(x, p + "ln1")[0], sd[p + "attn.qkv.weight"])
-            q, k, v = qkv.view(t, 3, H, D).permute(1, 2, 0, 3)
-            kc[i - 1][:, start:start + t] = k
-            vc[i - 1][:, start:start + t] = v
-            y = F.scaled_dot_product_attention(q, kc[i - 1][:, :start + t], vc[i - 1][:, :start + t],
-                                               is_causal=t > 1)
-            x = x + torch.addmm(sd[p + "attn.proj.bias"], y.transpose(0, 1).reshape(t, C),
-                                sd[p + "attn.proj.weight"])
-            h = F.gelu(torch.addmm(sd[p + "mlp.fc.bias"], ln(x, p + "ln2")[0], sd[p + "mlp.fc.weight"]),
-                       approximate="tanh")
-            x = x + torch.addmm(sd[p + "mlp.proj.bias"], h, sd[p + "mlp.proj.weight"])
-        return ln(x, f"{L + 1}.ln")[0] @ sd[f"{L + 1}.proj.weight"]
-
-    def gen(prompt, n, with_cache=True):
-        with torch.inference_mode():
-            toks = list(prompt)
-            if not with_cache:
-                for _ in range(n):
-                    kc = [torch.empty(H, len(toks), D) for _ in range(L)]
-                    vc = [torch.empty(H, len(toks), D) for _ in range(L)]
-                    toks.append(int(forward(torch.tensor([toks]), 0, kc, vc)[-1].argmax()))
-                return toks[len(prompt):]
-            kc = [torch.empty(H, len(prompt) + n, D) for _ in range(L)]
-            vc = [torch.empty(H, len(prompt) + n, D) for _ in range(L)]
-            logits = forward(torch.tensor([toks]), 0, kc, vc)
-            for _ in range(n):
-                toks.append(int(logits[-1].argmax()))
-                if len(toks) - len(prompt) == n:
-                    break
-                logits = forward(torch.tensor([[toks[-1]]]), len(toks) - 1, kc, vc)
-            return toks[len(prompt):]
-
-    def logits(tokens):
-        with torch.inference_mode():
-            kc = [torch.empty(H, len(tokens), D) for _ in range(L)]
-            vc = [torch.empty(H, len(tokens), D) for _ in range(L)]
-            return forward(torch.tensor([tokens]), 0, kc, vc).numpy()
-
-    torch.set_num_threads(1)
-    return gen, logits
 
 
 def workload(n, vocab, block, seed=0):
@@ -137,19 +77,25 @@ def main(argv=None):
     contenders = {"minidist, KV cache": lambda: generate(model, [prompt], n)[0],
                   "minidist, full recompute": lambda: generate_recompute(model, [prompt], n)[0]}
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         torch_gen = None
         print("(torch not installed: pip install torch to add the PyTorch column)")
     else:
-        torch_gen, torch_logits = torch_decoder(model)
+        from torch_gpt import from_minidist
+
         from minidist.infer import full_logits
 
+        torch.set_num_threads(1)
+        tmodel = from_minidist(model.state_dict(), cfg)
+        torch_gen = tmodel.generate
         probe = prompt + generate(model, [prompt], 8)[0]
-        diff = np.abs(torch_logits(probe) - full_logits(model, probe)).max()
+        with torch.inference_mode():
+            theirs = tmodel(torch.tensor([probe]))[0].numpy()
+        diff = np.abs(theirs - full_logits(model, probe)).max()
         print(f"same weights in PyTorch: max |logits diff| {diff:.2e}")
         contenders["PyTorch eager, KV cache"] = lambda: torch_gen(prompt, n)
-        contenders["PyTorch eager, full recompute"] = lambda: torch_gen(prompt, n, with_cache=False)
+        contenders["PyTorch eager, full recompute"] = lambda: torch_gen(prompt, n, use_cache=False)
     times, outs = interleaved(contenders, args.repeat)
     ours, ours_full = outs["minidist, KV cache"], outs["minidist, full recompute"]
     rows = list(times.items())

@@ -61,15 +61,14 @@ def torch_ratios(cfg, batch, x, repeats):
     except ImportError:
         return None
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import train_step
+    from torch_gpt import from_minidist
 
     torch.set_num_threads(1)
-    train_step.CFG = cfg  # its torch_model builds from this config
     sd = {k: np.asarray(v) for k, v in GPT(cfg).state_dict().items()}
     xt = torch.from_numpy(x)
     models = {}
     for policy in ("none", "full"):
-        m = train_step.torch_model(sd)
+        m = from_minidist(sd, cfg)
         if policy == "full":
             for blk in m.blocks:
                 blk.forward = (lambda f: lambda h: checkpoint(f, h, use_reentrant=False))(blk.forward)

@@ -35,63 +35,6 @@ def minidist_step(model, opt, x, y):
     return loss.item()
 
 
-def torch_model(sd):
-    """The same GPT in PyTorch, weights copied from minidist (Linear weights transposed)."""
-    import torch
-    import torch.nn as tnn
-    import torch.nn.functional as F
-
-    class Block(tnn.Module):
-        def __init__(self):
-            super().__init__()
-            d = CFG.d_model
-            self.ln1, self.ln2 = tnn.LayerNorm(d), tnn.LayerNorm(d)
-            self.qkv, self.proj = tnn.Linear(d, 3 * d), tnn.Linear(d, d)
-            self.fc, self.out = tnn.Linear(d, 4 * d), tnn.Linear(4 * d, d)
-
-        def forward(self, x):
-            b, t, c = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, CFG.n_head, c // CFG.n_head).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-            return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
-
-    class TorchGPT(tnn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte = tnn.Embedding(CFG.vocab_size, CFG.d_model)
-            self.wpe = tnn.Embedding(CFG.block_size, CFG.d_model)
-            self.blocks = tnn.ModuleList(Block() for _ in range(CFG.n_layer))
-            self.ln = tnn.LayerNorm(CFG.d_model)
-            self.head = tnn.Linear(CFG.d_model, CFG.vocab_size, bias=False)
-
-        def forward(self, idx, targets):
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-            for blk in self.blocks:
-                x = blk(x)
-            logits = self.head(self.ln(x))
-            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
-
-    m = TorchGPT()
-    L = CFG.n_layer + 1
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-    with torch.no_grad():
-        m.wte.weight.copy_(t(sd["0.wte.weight"]))
-        m.wpe.weight.copy_(t(sd["0.wpe.weight"]))
-        for i, blk in enumerate(m.blocks, 1):
-            for mine, theirs in (("ln1", blk.ln1), ("ln2", blk.ln2)):
-                theirs.weight.copy_(t(sd[f"{i}.{mine}.weight"]))
-                theirs.bias.copy_(t(sd[f"{i}.{mine}.bias"]))
-            for mine, theirs in (("attn.qkv", blk.qkv), ("attn.proj", blk.proj), ("mlp.fc", blk.fc),
-                                 ("mlp.proj", blk.out)):
-                theirs.weight.copy_(t(sd[f"{i}.{mine}.weight"].T))
-                theirs.bias.copy_(t(sd[f"{i}.{mine}.bias"]))
-        m.ln.weight.copy_(t(sd[f"{L}.ln.weight"]))
-        m.ln.bias.copy_(t(sd[f"{L}.ln.bias"]))
-        m.head.weight.copy_(t(sd[f"{L}.proj.weight"].T))
-    return m
-
-
 def profile_ops(model, opt, x, y, steps=5):
     """Time spent in each op's forward and backward, summed over ``steps`` steps."""
     from collections import defaultdict
@@ -145,9 +88,10 @@ def main(argv=None):
 
     try:
         import torch
+        from torch_gpt import from_minidist
 
         torch.set_num_threads(1)
-        tmodel = torch_model(sd)
+        tmodel = from_minidist(sd, CFG)
         topt = torch.optim.AdamW(tmodel.parameters(), lr=1e-4, weight_decay=0.01)
         tx, ty = torch.from_numpy(x), torch.from_numpy(y)
 

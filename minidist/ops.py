@@ -477,14 +477,18 @@ class LayerNorm(Function):
         return gx, gw, gb
 
 
+def dropout_mask(shape, p, rng, dtype):
+    """A host array: 1/(1-p) where an element is kept, 0 where dropped (probability p), from ``rng``."""
+    keep = rng.random(tuple(shape), dtype="float32") >= p
+    return keep.astype(dtype) * (1.0 / (1.0 - p))
+
+
 class Dropout(Function):
     """Zero each element with probability p, scale survivors by 1/(1-p); the mask comes from ``rng``."""
 
     @staticmethod
     def forward(ctx, x, p, rng):
-        be = backend_of(x)
-        keep = rng.random(tuple(x.shape), dtype="float32") >= p
-        mask = be.from_host(keep.astype(x.dtype) * (1.0 / (1.0 - p)))
+        mask = backend_of(x).from_host(dropout_mask(x.shape, p, rng, x.dtype))
         ctx.save(mask)
         return x * mask
 

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minidist.comm import run
-from minidist.infer import SamplingParams, generate, sharded_generate, split_layers
+from minidist.infer import SamplingParams, generate, sharded_generate
 from minidist.nn import GPT, GPTConfig
 
 V = 32
@@ -41,15 +41,10 @@ def test_sharded_equals_single_process(prompts, new, mesh, temperature):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_split_layers():
-    assert split_layers(5, 2) == [(0, 3), (3, 5)]
-    assert split_layers(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
-
-
 def test_sharded_errors():
     with pytest.raises(ValueError, match="n_head 4 is not divisible by tp 3"):
         run(lambda c: sharded_generate(c, model(), [[1]], 2, tp=3), ranks=3)
-    with pytest.raises(ValueError, match="only 3 layers"):
+    with pytest.raises(ValueError, match="cannot cut 3 layers into 4 pipeline stages"):
         run(lambda c: sharded_generate(c, model(), [[1]], 2, pp=4), ranks=4)
     with pytest.raises(ValueError, match="empty"):
         run(lambda c: sharded_generate(c, model(), [[]], 2, tp=2), ranks=2)

@@ -15,10 +15,10 @@ from minidist.infer.kv_cache import KVCache
 from minidist.infer.paged import OutOfBlocks, PagedKVCache
 from minidist.infer.sampling import GREEDY, SamplingParams, filter_probs, sample
 from minidist.infer.scheduler import Request, Scheduler, serve
-from minidist.infer.sharded import sharded_generate, split_layers, tp_shard
+from minidist.infer.sharded import sharded_generate, tp_shard
 
 __all__ = [
     "GREEDY", "GPTWeights", "KVCache", "OutOfBlocks", "PagedKVCache", "Request", "SamplingParams",
     "Scheduler", "attention", "filter_probs", "forward_tokens", "full_logits", "generate",
-    "generate_recompute", "last_logits", "sample", "serve", "sharded_generate", "split_layers", "tp_shard",
+    "generate_recompute", "last_logits", "sample", "serve", "sharded_generate", "tp_shard",
 ]

@@ -16,26 +16,43 @@ import numpy as np
 from minidist.backend import default_backend, get_backend
 
 
-class KVCache:
-    def __init__(self, n_layer, n_slots, n_head, head_dim, max_len, dtype="float32", backend=None):
+class CacheStorage:
+    """What the contiguous and the paged cache share: per layer, a k and a v array (rows, H, L, D)."""
+
+    def allocate(self, n_layer, shape, dtype, backend):
+        """Zeroed ``self.k``, ``self.v`` of ``shape`` per layer, on a backend that writes in place."""
         self.be = get_backend(backend) if backend is not None else default_backend()
         if not self.be.inplace:
             raise ValueError(f"the KV cache writes in place; backend {self.be.name!r} can't "
                              "(use numpy or cupy)")
-        xp, shape = self.be.xp, (n_slots, n_head, max_len, head_dim)
-        self.k = [xp.zeros(shape, dtype=dtype) for _ in range(n_layer)]
-        self.v = [xp.zeros(shape, dtype=dtype) for _ in range(n_layer)]
+        self.k = [self.be.xp.zeros(shape, dtype=dtype) for _ in range(n_layer)]
+        self.v = [self.be.xp.zeros(shape, dtype=dtype) for _ in range(n_layer)]
+
+    @staticmethod
+    def dims_of(weights) -> tuple:
+        """(n_layer, n_head, head_dim) of ``GPTWeights`` (this rank's heads and layers)."""
+        blk = weights.blocks[0] if weights.blocks else None
+        n_head = blk.n_head if blk else 1
+        head_dim = blk.qkv_w.shape[1] // (3 * n_head) if blk else 1
+        return len(weights.blocks), n_head, head_dim
+
+    def bytes_per_token(self) -> int:
+        k = self.k[0] if self.k else None
+        return 0 if k is None else 2 * len(self.k) * k.shape[1] * k.shape[3] * k.dtype.itemsize
+
+
+class KVCache(CacheStorage):
+    def __init__(self, n_layer, n_slots, n_head, head_dim, max_len, dtype="float32", backend=None):
+        self.allocate(n_layer, (n_slots, n_head, max_len, head_dim), dtype, backend)
         self.lengths = np.zeros(n_slots, dtype=np.int64)
         self.max_len, self.n_slots = max_len, n_slots
 
     @classmethod
     def for_weights(cls, weights, n_slots, max_len=None, backend=None) -> KVCache:
         """A cache shaped for ``GPTWeights`` (this rank's heads and layers)."""
-        blk = weights.blocks[0] if weights.blocks else None
-        n_head = blk.n_head if blk else 1
-        head_dim = blk.qkv_w.shape[1] // (3 * n_head) if blk else 1
-        return cls(len(weights.blocks), n_slots, n_head, head_dim, max_len or weights.block_size,
-                   dtype=weights.dtype, backend=backend)
+        n_layer, n_head, head_dim = cls.dims_of(weights)
+        return cls(n_layer, n_slots, n_head, head_dim, max_len or weights.block_size, dtype=weights.dtype,
+                   backend=backend)
 
     # -- what the decoder calls -------------------------------------------------------------------
     def index(self, slots):
@@ -67,10 +84,6 @@ class KVCache:
 
     def release(self, slot):
         self.lengths[slot] = 0
-
-    def bytes_per_token(self) -> int:
-        k = self.k[0] if self.k else None
-        return 0 if k is None else 2 * len(self.k) * k.shape[1] * k.shape[3] * k.dtype.itemsize
 
     def memory(self, active_slots=None) -> dict:
         """Bytes reserved vs bytes holding real tokens (for active slots, default all)."""

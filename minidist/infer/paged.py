@@ -18,26 +18,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.backend import default_backend, get_backend
+from minidist.infer.kv_cache import CacheStorage
 
 
 class OutOfBlocks(RuntimeError):
     """The pool has fewer free blocks than a reservation needs."""
 
 
-class PagedKVCache:
+class PagedKVCache(CacheStorage):
     def __init__(self, n_layer, n_slots, n_head, head_dim, num_blocks, block_len=16, max_len=None,
                  dtype="float32", backend=None):
-        self.be = get_backend(backend) if backend is not None else default_backend()
-        if not self.be.inplace:
-            raise ValueError(f"the KV cache writes in place; backend {self.be.name!r} can't "
-                             "(use numpy or cupy)")
         if num_blocks < 1 or block_len < 1:
             raise ValueError(f"PagedKVCache needs num_blocks >= 1 and block_len >= 1, "
                              f"got {num_blocks}, {block_len}")
-        xp, shape = self.be.xp, (num_blocks, n_head, block_len, head_dim)
-        self.k = [xp.zeros(shape, dtype=dtype) for _ in range(n_layer)]
-        self.v = [xp.zeros(shape, dtype=dtype) for _ in range(n_layer)]
+        self.allocate(n_layer, (num_blocks, n_head, block_len, head_dim), dtype, backend)
         self.block_len, self.num_blocks, self.n_slots = block_len, num_blocks, n_slots
         self.max_len = max_len or num_blocks * block_len
         self.max_blocks = -(-self.max_len // block_len)
@@ -48,10 +42,8 @@ class PagedKVCache:
 
     @classmethod
     def for_weights(cls, weights, n_slots, num_blocks, block_len=16, max_len=None, backend=None):
-        blk = weights.blocks[0] if weights.blocks else None
-        n_head = blk.n_head if blk else 1
-        head_dim = blk.qkv_w.shape[1] // (3 * n_head) if blk else 1
-        return cls(len(weights.blocks), n_slots, n_head, head_dim, num_blocks, block_len,
+        n_layer, n_head, head_dim = cls.dims_of(weights)
+        return cls(n_layer, n_slots, n_head, head_dim, num_blocks, block_len,
                    max_len or weights.block_size, dtype=weights.dtype, backend=backend)
 
     # -- blocks ---------------------------------------------------------------------------------
@@ -103,10 +95,6 @@ class PagedKVCache:
         return out[0], out[1]
 
     # -- accounting -------------------------------------------------------------------------------
-    def bytes_per_token(self) -> int:
-        k = self.k[0] if self.k else None
-        return 0 if k is None else 2 * len(self.k) * k.shape[1] * k.shape[3] * k.dtype.itemsize
-
     def memory(self, active_slots=None) -> dict:
         """Bytes in allocated blocks vs bytes holding tokens; the pool's size beside them."""
         slots = range(self.n_slots) if active_slots is None else list(active_slots)

@@ -9,9 +9,10 @@ Tensor parallelism (Megatron-LM) inside each block, over the ``tp`` group of ``t
 
 Two all-reduces of (B, T, d) per layer per step; each rank's KV cache holds only its own heads
 (1/tp of the cache). Pipeline parallelism over the ``pp`` group: stage s holds a contiguous run
-of blocks (stage 0 the embedding, the last stage the head and the sampling); a decode step
-sends the hidden states (B, T, d) from stage to stage, and the sampled tokens go back to every
-rank. Every rank builds the same GPT from the same seed and keeps only its slices.
+of blocks (cut by ``partition_uniform``, as in training; stage 0 holds the embedding, the last
+stage the head and the sampling); a decode step sends the hidden states (B, T, d) from stage to
+stage, and the sampled tokens go back to every rank. Every rank builds the same GPT from the
+same seed and keeps only its slices.
 
 The serial twin is ``generate`` in one process: the tokens must be the same.
 """
@@ -26,24 +27,12 @@ from minidist.infer.decoder import GPTWeights, forward_tokens, last_logits
 from minidist.infer.generate import as_weights, check_prompt, decode_loop, host
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import GREEDY
-
-
-def split_layers(n_layer: int, stages: int) -> list:
-    """Contiguous [start, stop) block ranges per stage, as even as possible (earlier stages get extra)."""
-    if stages > n_layer:
-        raise ValueError(f"pp={stages} pipeline stages but only {n_layer} layers: need pp <= n_layer")
-    base, extra = divmod(n_layer, stages)
-    bounds, start = [], 0
-    for s in range(stages):
-        stop = start + base + (s < extra)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+from minidist.parallel.pipeline import partition_uniform
 
 
 def stage_weights(w: GPTWeights, pp_rank: int, pp: int) -> GPTWeights:
     """The blocks of one pipeline stage; the embedding on the first, the head on the last."""
-    start, stop = split_layers(len(w.blocks), pp)[pp_rank]
+    start, stop = partition_uniform(len(w.blocks), pp)[pp_rank]
     first, last = pp_rank == 0, pp_rank == pp - 1
     return GPTWeights(blocks=w.blocks[start:stop], block_size=w.block_size, vocab_size=w.vocab_size,
                       wte=w.wte if first else None, wpe=w.wpe if first else None,
@@ -105,7 +94,7 @@ def sharded_generate(comm, model, prompts, max_new_tokens, sampling=GREEDY, stop
     cfg = model.config
     if cfg.n_head % tp:  # before any communication: every rank raises the same clear error
         raise ValueError(f"rank {comm.rank}: n_head {cfg.n_head} is not divisible by tp {tp}")
-    split_layers(cfg.n_layer, pp)
+    partition_uniform(cfg.n_layer, pp)  # raises if pp > n_layer, before any communication
     mesh = Mesh(comm, dp=1, pp=pp, tp=tp)
     prompts = [check_prompt(p, cfg.block_size, max_new_tokens, f"prompt {i}") for i, p in enumerate(prompts)]
     w = shard_for(mesh, model)

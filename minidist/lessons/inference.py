@@ -30,11 +30,11 @@ from minidist.infer import (
     generate_recompute,
     serve,
     sharded_generate,
-    split_layers,
 )
 from minidist.lessons.cli import launch, lesson_parser, rprint
 from minidist.lessons.train import train
 from minidist.nn import GPT, GPTConfig
+from minidist.parallel.pipeline import partition_uniform
 
 TOK = ByteTokenizer()
 PROMPTS = ["Data parallelism ", "The pipeline ", "A neural network ", "Each rank ", "The gradient ",
@@ -182,7 +182,7 @@ def sharded(comm, model, args):
         return True
     ref, ref_logits = generate(model, prompts, n, GREEDY, return_logits=True)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(rows[sampler][2], ref_logits))
-    start, stop = split_layers(args.layers, pp)[0]
+    start, stop = partition_uniform(args.layers, pp)[0]
     layers_here = stop - start
     steps = n  # one prefill + (n - 1) decodes
     print(f"   mesh tp={tp} x pp={pp}: each rank holds {args.heads // tp} of {args.heads} heads and "
@@ -194,7 +194,7 @@ def sharded(comm, model, args):
     act = len(prompts) * (max(map(len, prompts)) + n - 1) * args.d_model * 4
     formula = ""
     if tp == 1 or (rows[0][3] == ["recursive_doubling_all_reduce"] and tp & (tp - 1) == 0):
-        bounds = split_layers(args.layers, pp)  # rank r is on stage r // tp
+        bounds = partition_uniform(args.layers, pp)  # rank r is on stage r // tp
         expect = [2 * (bounds[r // tp][1] - bounds[r // tp][0]) * int(math.log2(tp)) * act  # log2(p)·N a call
                   + (act if r // tp < pp - 1 else 0) for r in range(comm.size)]
         formula = (f"\n   formula 2·layers·log2(tp)·ΣB·T·d·4 (+ ΣB·T·d·4 sent on to the next stage): "

@@ -53,14 +53,19 @@ class Embed(Module):
         self.drop = Dropout(cfg.dropout)
 
     def forward(self, idx, start: int = 0):
-        idx = idx.data if hasattr(idx, "data") and not hasattr(idx, "dtype") else idx
-        b, t = idx.shape
-        if start + t > self.block_size:
-            raise ValueError(f"sequence of length {start + t} is longer than the context "
-                             f"(block_size {self.block_size})")
-        xp = self.wpe.weight.backend.xp
-        pos = xp.arange(start, start + t)
+        idx = token_ids(idx, start, self.block_size)
+        pos = self.wpe.weight.backend.xp.arange(start, start + idx.shape[1])
         return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+def token_ids(idx, start: int, block_size: int):
+    """The id array (B, T) of ``idx`` (an array or a Tensor), checked to fit the context from ``start``."""
+    idx = idx.data if hasattr(idx, "data") and not hasattr(idx, "dtype") else idx
+    t = idx.shape[1]
+    if start + t > block_size:
+        raise ValueError(f"sequence of length {start + t} is longer than the context "
+                         f"(block_size {block_size})")
+    return idx
 
 
 class Block(Module):

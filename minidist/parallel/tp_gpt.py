@@ -36,6 +36,7 @@ from collections import OrderedDict
 import numpy as np
 
 from minidist.backend import backend_of
+from minidist.nn.gpt import token_ids
 from minidist.nn.layers import Embedding, LayerNorm
 from minidist.nn.module import Module, Sequential
 from minidist.parallel.tensor import (
@@ -75,11 +76,8 @@ class ParallelEmbed(Module):
             all_reduce_grad_hook(self.wpe.weight, comm)
 
     def forward(self, idx, start: int = 0):
-        idx = idx.data if hasattr(idx, "data") and not hasattr(idx, "dtype") else idx
-        b, t = idx.shape
-        if start + t > self.block_size:
-            raise ValueError(f"sequence of length {start + t} is longer than the context "
-                             f"(block_size {self.block_size})")
+        idx = token_ids(idx, start, self.block_size)
+        t = idx.shape[1]
         xp = self.wpe.weight.backend.xp
         if self.sequence_parallel:
             n = check_divisible(self.comm, "sequence length (sequence parallelism)", t)

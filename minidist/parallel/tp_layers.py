@@ -58,23 +58,18 @@ class ShardedRNG:
         return mrandom.fork(self.generator)
 
 
-class SliceOfFullDropout(Function):
+class SliceOfFullDropout(ops.Dropout):
     """Dropout whose mask is my slice (along ``axis``) of the full mask ``rng`` would draw for the
-    serial model: the same numbers as ``ops.Dropout``, whatever the split."""
+    serial model: the same numbers as ``ops.Dropout``, whatever the split. Backward is ``ops.Dropout``'s."""
 
     @staticmethod
     def forward(ctx, x, p, rng, axis, rank, size):
         shape = list(x.shape)
         shape[axis] *= size
-        keep = np.split(rng.random(tuple(shape), dtype="float32") >= p, size, axis=axis)[rank]
-        mask = backend_of(x).from_host(keep.astype(x.dtype) * (1.0 / (1.0 - p)))
+        mine = np.split(ops.dropout_mask(shape, p, rng, x.dtype), size, axis=axis)[rank]
+        mask = backend_of(x).from_host(np.ascontiguousarray(mine))
         ctx.save(mask)
         return x * mask
-
-    @staticmethod
-    def backward(ctx, g):
-        (mask,) = ctx.saved
-        return g * mask
 
 
 class SequenceParallelDropout(Dropout):
