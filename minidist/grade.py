@@ -61,6 +61,61 @@ def grade(name: str, student_file: str | None = None, verbose: bool = False) -> 
     return passed, len(grader.CHECKS)
 
 
+# -- what every grader shares ------------------------------------------------------------------
+
+class RanksHung(BaseException):
+    """Ranks stuck waiting on each other. A BaseException, so hypothesis stops at once instead of
+    shrinking an example that takes ``wait_s`` seconds per try."""
+
+
+def run_guarded(body, ranks: int, wait_s: float = 10):
+    """``minidist.comm.run(body, ranks)`` with every wait bounded by ``wait_s`` seconds: a student's
+    collective that leaves a rank waiting fails the task in seconds, not after the 300 s default."""
+    from minidist.comm import run
+    from minidist.comm.communicator import CommTimeout
+
+    def guarded(comm):
+        comm.timeout = wait_s
+        return body(comm)
+    try:
+        return run(guarded, ranks=ranks)
+    except CommTimeout as e:
+        raise RanksHung(str(e).splitlines()[0]) from None
+
+
+def no_hang(prop) -> None:
+    """Run a property; ranks that hung become a failed check that says so."""
+    try:
+        prop()
+    except RanksHung as e:
+        raise AssertionError(f"the ranks hung (do all ranks make the same collectives?): {e}") from None
+
+
+def grader_tests(name: str, checks: dict, reference, broken: dict):
+    """The three pytest tests every grader runs in CI: minidist's own ``reference()`` passes every
+    check, each deliberately ``broken`` version fails its task's check, and the untouched stub in
+    exercises/NAME.py scores 0, reported as "not written yet". Assign them to ``test_*`` names."""
+    import types
+
+    import pytest
+
+    @pytest.mark.parametrize("task", list(checks))
+    def test_reference_passes(task):
+        checks[task](reference())
+
+    @pytest.mark.parametrize("task,wrong", [(t, b) for t, bs in broken.items() for b in bs],
+                             ids=lambda v: getattr(v, "__name__", v))
+    def test_broken_implementation_fails(task, wrong):
+        with pytest.raises(AssertionError):
+            checks[task](types.SimpleNamespace(**{task: wrong}))
+
+    def test_grade_reports_the_stub_as_not_written(capsys):
+        assert grade(name) == (0, len(checks))
+        assert capsys.readouterr().out.count("not written yet") == len(checks)
+
+    return test_reference_passes, test_broken_implementation_fails, test_grade_reports_the_stub_as_not_written
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Grade an exercise with its property tests.")
     ap.add_argument("name", choices=exercises())

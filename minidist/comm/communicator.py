@@ -92,10 +92,10 @@ class Communicator:
         self.rank, self.size = rank, size
         self.backend = backend if backend is not None else default_backend()
         self.ledger = ledger if ledger is not None else Ledger()
+        self._derived: dict = {}        # private twins (same group, own tag space), see derived()
         self.timeout = default_timeout()
         self.debug = debug_enabled()
         self.seq = 0                    # collectives called on this communicator so far
-        self._derived: dict = {}        # private twins (same group, own tag space), see derived()
         self.last_op = "start"
         self.async_worker = None        # the thread that runs this communicator's async collectives
 
@@ -125,8 +125,21 @@ class Communicator:
     def derived(self, name: str) -> Communicator:
         """A private twin of this communicator (same ranks, separate messages): collective."""
         if name not in self._derived:
-            self._derived[name] = self._dup(name)
+            twin = self._dup(name)
+            twin.timeout = self.timeout
+            self._derived[name] = twin
         return self._derived[name]
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any wait on this communicator (or its private twins) may take: the watchdog."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._timeout = seconds
+        for twin in self._derived.values():
+            twin.timeout = seconds
 
     def note(self, op) -> None:
         """Record this rank's current operation (shown by the watchdog): a string, or a tuple

@@ -9,13 +9,11 @@ They run here against minidist's own DDP (must pass) and deliberately broken ver
 import types
 
 import numpy as np
-import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minidist.comm import run
 from minidist.comm.collectives import all_reduce
-from minidist.comm.communicator import CommTimeout
+from minidist.grade import grader_tests, no_hang, run_guarded
 from minidist.nn import Module
 from minidist.nn.module import Parameter
 from minidist.parallel import data as D
@@ -25,29 +23,6 @@ TOL = dict(rtol=1e-10, atol=1e-12)  # the ranks' partial sums add up in another 
 
 
 WAIT_S = 10  # a rank waiting longer than this for its peers fails the task (not the 300 s default)
-
-
-class _Hung(BaseException):
-    """Ranks stuck waiting on each other: a BaseException, so hypothesis stops at once, no shrinking."""
-
-
-def _run_guarded(body, ranks):
-    """``run(body, ranks)`` with every wait bounded by WAIT_S seconds."""
-    def guarded(comm):
-        comm.timeout = comm.derived("coll").timeout = WAIT_S
-        return body(comm)
-    try:
-        return run(guarded, ranks=ranks)
-    except CommTimeout as e:
-        raise _Hung(str(e).splitlines()[0]) from None
-
-
-def _no_hang(prop):
-    """Run a property; ranks that hang become a failed check naming the wait."""
-    try:
-        prop()
-    except _Hung as e:
-        raise AssertionError(f"the ranks hung (do all ranks make the same collectives?): {e}") from None
 
 
 def _reference_buckets(sizes, bucket_bytes):
@@ -95,7 +70,7 @@ def check_average_gradients(impl):
         p = len(counts)
         def body(comm):
             return impl.average_gradients(comm, _local_mean(per_sample, counts, comm.rank), counts[comm.rank])
-        out = _run_guarded(body, p)
+        out = run_guarded(body, p, WAIT_S)
         for r, got in enumerate(out):
             what = f"rank {r} of {p}, samples per rank {counts}"
             assert len(got) == len(want), f"{what}: {len(got)} gradients returned, expected {len(want)}"
@@ -105,7 +80,7 @@ def check_average_gradients(impl):
                 err = np.max(np.abs(a - b))
                 assert np.allclose(a, b, **TOL), (
                     f"{what}: gradient {k} is {err:.3g} off the serial mean over all {sum(counts)} samples")
-    _no_hang(prop)
+    no_hang(prop)
 
 
 CHECKS = {"build_buckets": check_build_buckets, "average_gradients": check_average_gradients}
@@ -170,20 +145,5 @@ BROKEN = {"build_buckets": [_forward_order, _never_full],
           "average_gradients": [_plain_mean, _mean_of_local_means]}
 
 
-@pytest.mark.parametrize("task", list(CHECKS))
-def test_reference_passes(task):
-    CHECKS[task](_reference())
-
-
-@pytest.mark.parametrize("task,broken", [(t, b) for t, bs in BROKEN.items() for b in bs],
-                         ids=lambda v: getattr(v, "__name__", v))
-def test_broken_implementation_fails(task, broken):
-    with pytest.raises(AssertionError):
-        CHECKS[task](types.SimpleNamespace(**{task: broken}))
-
-
-def test_grade_reports_the_stub_as_not_written(capsys):
-    from minidist.grade import grade
-
-    assert grade("data_parallel") == (0, len(CHECKS))
-    assert capsys.readouterr().out.count("not written yet") == len(CHECKS)
+test_reference_passes, test_broken_implementation_fails, test_grade_reports_the_stub_as_not_written = \
+    grader_tests("data_parallel", CHECKS, _reference, BROKEN)

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minidist.comm import measure, run
+from minidist.comm import measure
 from minidist.comm.collectives import all_reduce
-from minidist.comm.communicator import CommTimeout
+from minidist.grade import grader_tests, no_hang, run_guarded
 from minidist.parallel import tensor as T
 from minidist.tensor import Tensor
 
@@ -39,29 +39,6 @@ def layers(draw):
 WAIT_S = 10  # a rank waiting longer than this for its peers fails the task (not the 300 s default)
 
 
-class _Hung(BaseException):
-    """Ranks stuck waiting on each other: a BaseException, so hypothesis stops at once, no shrinking."""
-
-
-def _run_guarded(body, ranks):
-    """``run(body, ranks)`` with every wait bounded by WAIT_S seconds."""
-    def guarded(comm):
-        comm.timeout = comm.derived("coll").timeout = WAIT_S
-        return body(comm)
-    try:
-        return run(guarded, ranks=ranks)
-    except CommTimeout as e:
-        raise _Hung(str(e).splitlines()[0]) from None
-
-
-def _no_hang(prop):
-    """Run a property; ranks that hang become a failed check naming the wait."""
-    try:
-        prop()
-    except _Hung as e:
-        raise AssertionError(f"the ranks hung (do all ranks make the same collectives?): {e}") from None
-
-
 def _close(got, want, what, exact=False):
     """got == want (exact) or within TOL; the first line of the error says what and by how much."""
     got = np.asarray(got)
@@ -77,7 +54,7 @@ def _on_ranks(tp, fn):
         with measure(comm) as m:
             out = fn(comm)
         return out, m.messages, [c.name for c in m.calls]
-    return _run_guarded(body, tp)
+    return run_guarded(body, tp, WAIT_S)
 
 
 def _check_shard(impl, task, axis, split):
@@ -115,7 +92,7 @@ def check_column_parallel_forward(impl):
             what = f"rank {r} of tp={tp}, x {x.shape}, w {w.shape}"
             _close(y, T.split_columns(want, r, tp), what)
             assert msgs == 0 and not calls, f"{what}: sent {msgs} messages, {calls}; it needs none"
-    _no_hang(prop)
+    no_hang(prop)
 
 
 def check_row_parallel_forward(impl):
@@ -132,7 +109,7 @@ def check_row_parallel_forward(impl):
             _close(y, want, what)
             ok = len(calls) == 1 and calls[0].endswith("all_reduce") or tp == 1 and not calls
             assert ok, f"{what}: collectives {calls}; row parallel needs exactly one all-reduce"
-    _no_hang(prop)
+    no_hang(prop)
 
 
 CHECKS = {"shard_columns": check_shard_columns, "shard_rows": check_shard_rows,
@@ -196,16 +173,8 @@ BROKEN = {"shard_columns": [_interleaved_columns, _rows_for_columns], "shard_row
 HANGS = {"row_parallel_forward": _row_reduce_on_rank_0_only}
 
 
-@pytest.mark.parametrize("task", list(CHECKS))
-def test_reference_passes(task):
-    CHECKS[task](_reference())
-
-
-@pytest.mark.parametrize("task,broken", [(t, b) for t, bs in BROKEN.items() for b in bs],
-                         ids=lambda v: getattr(v, "__name__", v))
-def test_broken_implementation_fails(task, broken):
-    with pytest.raises(AssertionError):
-        CHECKS[task](types.SimpleNamespace(**{task: broken}))
+test_reference_passes, test_broken_implementation_fails, test_grade_reports_the_stub_as_not_written = \
+    grader_tests("tensor_parallel", CHECKS, _reference, BROKEN)
 
 
 @pytest.mark.parametrize("task", list(HANGS))
@@ -213,10 +182,3 @@ def test_ranks_that_hang_fail_in_seconds(task, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "WAIT_S", 1)
     with pytest.raises(AssertionError, match="hung"):
         CHECKS[task](types.SimpleNamespace(**{task: HANGS[task]}))
-
-
-def test_grade_reports_the_stub_as_not_written(capsys):
-    from minidist.grade import grade
-
-    assert grade("tensor_parallel") == (0, len(CHECKS))
-    assert capsys.readouterr().out.count("not written yet") == len(CHECKS)
