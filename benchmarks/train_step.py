@@ -43,7 +43,12 @@ def profile_ops(model, opt, x, y, steps=5):
 
     totals = defaultdict(float)
     originals = {}
-    for cls in Function.__subclasses__():
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    for cls in set(subclasses(Function)):
         for kind in ("forward", "backward"):
             fn = getattr(cls, kind)
             originals[(cls, kind)] = fn

@@ -248,6 +248,9 @@ class Tensor:
             grad = grad.data
         if tuple(grad.shape) != self.shape:
             raise ValueError(f"backward(): gradient shape {tuple(grad.shape)} != tensor shape {self.shape}")
+        if grad.dtype != self.dtype:
+            raise TypeError(f"backward(): gradient dtype {grad.dtype} != tensor dtype {self.dtype}; "
+                            f"cast it first (dtypes never change silently)")
         run_backward(self, grad, retain_graph)
 
     # -- operators (implemented in minidist.ops) ----------------------------------------------

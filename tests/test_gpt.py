@@ -39,6 +39,27 @@ def test_gpt_gradients_match_central_differences(backend):
             assert abs(numeric - analytic) < 1e-6 + 1e-5 * abs(numeric), (name, flat, numeric, analytic)
 
 
+def test_head_gradient_is_the_hand_derived_formula():
+    """dL/dW_head = hᵀ(softmax(h W) - onehot(y)) / N, with h the final LayerNorm's output."""
+    from minidist.tensor import no_grad
+
+    model = GPT(TINY)
+    rng = np.random.default_rng(1)
+    idx, tgt = rng.integers(0, 7, (3, 5)), rng.integers(0, 7, (3, 5))
+    model.loss(idx, tgt).backward()
+    head = model[-1]
+    with no_grad():
+        x = idx
+        for layer in list(model)[:-1]:
+            x = layer(x)
+        h = head.ln(x).numpy().reshape(-1, TINY.d_model)
+    logits = h @ head.proj.weight.numpy()
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    p[np.arange(p.shape[0]), tgt.reshape(-1)] -= 1
+    np.testing.assert_allclose(head.proj.weight.grad, h.T @ p / p.shape[0], rtol=1e-10, atol=1e-12)
+
+
 def test_gpt_learns_the_reverse_task():
     task = SyntheticTask("reverse", length=4, size=512, seed=0)
     cfg = GPTConfig(vocab_size=task.vocab_size, block_size=task.block_size, n_layer=2, n_head=2,
