@@ -31,7 +31,7 @@ import numpy as np
 from minidist.backend import backend_of, get_backend
 from minidist.comm import tracing
 from minidist.comm.communicator import poll
-from minidist.comm.cost import choose_algorithm
+from minidist.comm.cost import agreed_crowded, choose_algorithm
 from minidist.comm.debug import check_same_call
 from minidist.comm.ledger import CallRecord, current_call, set_current_call
 
@@ -346,7 +346,7 @@ def two_shot_all_reduce(comm, x, op: str = "sum"):
         reqs = [c._irecv_host(j, TAG + 1, out[part[j]], header=False) for j in peers]
         reqs += [c._isend_host(out[part[r]], j, TAG + 1, header=False) for j in peers]
         wait_all(c, reqs, "two-shot all-gather")
-        rec.step(2)
+        rec.step(2 if p > 1 else 0)             # p = 1: nothing to exchange, no rounds
         return be.from_host(out.reshape(np.shape(x)))
 
 
@@ -555,11 +555,14 @@ _BY_NAME = {"ring": ring_all_reduce, "two_shot": two_shot_all_reduce,
 
 
 def all_reduce(comm, x, op: str = "sum", algorithm: str = "auto"):
-    """The reduction (sum/mean/max/min) of every rank's x, on every rank."""
+    """The reduction (sum/mean/max/min) of every rank's x, on every rank.
+
+    ``algorithm="auto"``: the one the cost model predicts fastest for this size and group; every
+    rank gets the same answer (``agreed_crowded``), so none waits for messages of another algorithm."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"rank {comm.rank}: unknown algorithm {algorithm!r}; use one of {ALGORITHMS}")
     if algorithm == "auto":
-        algorithm = choose_algorithm(x.nbytes, comm.size)
+        algorithm = choose_algorithm(x.nbytes, comm.size, agreed_crowded(comm))
     return _BY_NAME[algorithm](comm, x, op)
 
 

@@ -18,6 +18,11 @@ doubling (fewest steps), large ones the bandwidth-optimal ring or halving-doubli
 moves up by orders of magnitude when ranks share cores, because alpha does.
 The constants are rough measurements of shared-memory MPI on a small machine; what matters is
 their ratio, and `benchmarks/allreduce.py` shows the choice against the alternatives.
+
+Every rank of a group must choose the same algorithm, or they wait for each other's messages
+forever. ``crowded()`` looks at this host only (its MPI_LOCALNRANKS, this process's cores), and on
+several hosts with uneven slots or cores it can differ between ranks; so ``all_reduce`` asks
+``agreed_crowded(comm)``: crowded anywhere in the group, agreed once per communicator.
 """
 
 from __future__ import annotations
@@ -38,6 +43,19 @@ def crowded() -> bool:
     """More ranks on this host than cores the process may use (launched by mpirun)."""
     local = int(os.environ.get("MPI_LOCALNRANKS", os.environ.get("PMI_SIZE", "1")))
     return local > len(os.sched_getaffinity(0))
+
+
+def agreed_crowded(comm) -> bool:
+    """``crowded()`` on any rank of ``comm``: the same answer on every rank. Collective the first time
+    (one all-gather of a bool on ``comm``'s private twin), then cached on the communicator.
+    Sub-communicators (``split``, a mesh's groups) agree among their own ranks."""
+    flag = getattr(comm, "_agreed_crowded", None)
+    if flag is None:
+        mine = bool(crowded())
+        comm.note("all_reduce(auto): agreeing on crowded()")  # what the watchdog shows if a rank is missing
+        flag = mine if comm.size == 1 else any(comm.derived("coll").allgather_obj(mine))
+        comm._agreed_crowded = flag
+    return flag
 
 
 def all_reduce_cost(algorithm: str, nbytes: int, p: int, alpha: float, delta: float) -> float:
@@ -67,7 +85,8 @@ def all_reduce_cost(algorithm: str, nbytes: int, p: int, alpha: float, delta: fl
 @functools.lru_cache(maxsize=4096)  # called on every all-reduce: a small message can't wait 5 us for it
 def choose_algorithm(nbytes: int, p: int, is_crowded: bool | None = None) -> str:
     """The all-reduce algorithm the model predicts fastest (a tie goes to the simpler: at p = 2
-    halving-doubling and the ring are the same exchange)."""
+    halving-doubling and the ring are the same exchange). ``is_crowded``: None asks this host's
+    ``crowded()``; inside a group pass ``agreed_crowded(comm)``, so every rank chooses alike."""
     alpha, delta = LATENCY[crowded() if is_crowded is None else is_crowded]
     candidates = ("recursive_doubling", "ring", "halving_doubling", "two_shot")
     return min(candidates, key=lambda a: all_reduce_cost(a, nbytes, p, alpha, delta))

@@ -6,6 +6,7 @@
 For each algorithm: the result checked against the serial twin (a NumPy sum of every rank's
 array), the bytes each rank sent (from the ledger) beside the formula, and the time. Then the
 ring's schedule: which chunk each rank passes to its right neighbour at each step.
+``--plot FILE.png`` draws the same numbers: bytes each rank sent beside the formula, and the time.
 """
 
 from __future__ import annotations
@@ -63,6 +64,35 @@ def ring_timeline(p: int) -> str:
     return "\n".join(rows)
 
 
+def plot(path: str, rows: list[tuple], p: int, nbytes: int) -> None:
+    """Two panels, one group per algorithm: the bytes each rank sent (bars) beside the formula for
+    the busiest rank (a black tick), and the median time. ``rows``: (name, sent per rank, formula, sec)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file, no window
+    import matplotlib.pyplot as plt
+
+    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    width = 0.8 / p
+    for i, (_, sent, f, _) in enumerate(rows):
+        xs = [i - 0.4 + width * (r + 0.5) for r in range(p)]
+        ax_b.bar(xs, sent, width, color=[plt.cm.viridis(r / max(p - 1, 1)) for r in range(p)])
+        if not np.isnan(f):
+            ax_b.hlines(f, i - 0.45, i + 0.45, colors="black",
+                        label="formula (busiest rank)" if i == 0 else None)
+    ax_b.set_xticks(range(len(rows)), [r[0] for r in rows])
+    ax_b.set_ylabel("bytes sent (a bar per rank, 0..p-1)")
+    ax_b.set_title(f"measured (ledger) vs formula: p = {p}, N = {nbytes:,} bytes per rank")
+    ax_b.legend(loc="upper right")
+    ax_t.bar(range(len(rows)), [r[3] * 1e3 for r in rows], color="tab:orange")
+    ax_t.set_xticks(range(len(rows)), [r[0] for r in rows], rotation=30)
+    ax_t.set_ylabel("median time (ms)")
+    ax_t.set_title("time per all-reduce")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def rank_main(comm, args):
     p, n = comm.size, args.elements
     x = comm.backend.from_host(rank_input(comm.rank, n, args.seed))  # on this rank's device
@@ -76,6 +106,7 @@ def rank_main(comm, args):
                  f"({comm.transport} transport, {comm.backend.name} arrays)\n")
     rprint(comm, f"{'algorithm':<8} {'max|diff|':>10} {'check':>6} {'sent/rank (max)':>16} "
                  f"{'formula':>12}  {'':<28} {'steps':>5} {'time ms':>8} {'busbw GB/s':>10}")
+    rows = []  # (name, bytes sent by each rank, formula, seconds): what --plot draws
     for name, fn in algos.items():
         with measure(comm) as m:
             y = fn(comm, x)
@@ -85,6 +116,7 @@ def rank_main(comm, args):
         sec = timed(comm, fn, x, args.repeats)
         text, f = formula(name, p, n, x.itemsize)
         busbw = 2 * (p - 1) / p * N / sec / 1e9 if p > 1 else float("nan")
+        rows.append((name, sent, f, sec))
         rprint(comm, f"{name:<8} {diff:>10.2e} {'PASS' if ok else 'FAIL':>6} {max(sent):>16,} "
                      f"{'-' if np.isnan(f) else f'{f:,.0f}':>12}  {text:<28} {m.steps:>5} "
                      f"{sec * 1e3:>8.2f} {busbw:>10.2f}")
@@ -93,6 +125,9 @@ def rank_main(comm, args):
                      "the chunk shown\nto rank+1 and receives one from rank-1 (adding it in reduce-scatter)")
         rprint(comm, ring_timeline(p))
         rprint(comm, "after reduce-scatter rank r owns the full sum of chunk r; all-gather passes it round.")
+    if args.plot and comm.rank == 0:
+        plot(args.plot, rows, p, N)
+        print(f"wrote {args.plot}: bytes per rank vs formula, and time, per algorithm", flush=True)
 
 
 def main(argv=None):

@@ -48,11 +48,13 @@ def assert_close(got, want):
 shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
 
 
-@FAST
-@given(p=st.integers(1, 8), shape=shapes, dtype=st.sampled_from(DTYPES),
-       op=st.sampled_from(["sum", "mean", "max", "min"]), algo=st.sampled_from(ALGOS),
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("algo", ALGOS)
+@settings(max_examples=5, deadline=None, derandomize=True)
+@given(shape=shapes, dtype=st.sampled_from(DTYPES), op=st.sampled_from(["sum", "mean", "max", "min"]),
        seed=st.integers(0, 99))
-def test_all_reduce_equals_numpy(p, shape, dtype, op, algo, seed):
+def test_all_reduce_equals_numpy(algo, p, shape, dtype, op, seed):
+    """Every algorithm at every p = 1..8 (the folds of p = 3, 5, 6, 7 included), a few inputs each."""
     if op == "mean" and dtype.startswith("int"):
         dtype = "float64"
     xs = inputs(p, shape, dtype, seed)

@@ -59,3 +59,32 @@ def test_watchdog_names_waiting_ranks_and_last_operations(monkeypatch):
     msg = str(info.value)
     assert "watchdog" in msg and "MINIDIST_TIMEOUT" in msg
     assert "rank 0 (world rank 0): all_gather #1" in msg and "rank 1 (world rank 1): recv from 0 tag 9" in msg
+
+
+@pytest.mark.parametrize("p", [4, 8])
+def test_auto_chooses_one_algorithm_when_only_some_hosts_are_crowded(p, monkeypatch):
+    """Multi-host with uneven slots: ``crowded()`` is True on rank 0's host only. For 40 kB at p = 4
+    or 8 the model would pick recursive doubling there and two-shot elsewhere -- a hang. ``auto``
+    agrees first (crowded anywhere -> crowded everywhere), once per communicator."""
+    import threading
+
+    from minidist.comm import cost, measure
+    from minidist.comm.cost import choose_algorithm
+
+    n = 10_000  # float32: 40 kB
+    assert choose_algorithm(4 * n, p, False) != choose_algorithm(4 * n, p, True)  # they would differ
+    me = threading.local()
+    asked = []
+    monkeypatch.setattr(cost, "crowded", lambda: asked.append(me.rank) or me.rank == 0)
+    monkeypatch.setenv("MINIDIST_TIMEOUT", "10")  # a regression fails in seconds, not minutes
+
+    def body(comm):
+        me.rank = comm.rank
+        with measure(comm) as m:
+            ys = [all_reduce(comm, np.full(n, 1.0 + k, np.float32)) for k in range(2)]
+        return [c.name for c in m.calls], [float(y[0]) for y in ys]
+
+    out = run(body, ranks=p)
+    for names, firsts in out:
+        assert names == [f"{choose_algorithm(4 * n, p, True)}_all_reduce"] * 2 and firsts == [p, 2 * p]
+    assert sorted(asked) == list(range(p))  # each rank asked once: the agreement is cached

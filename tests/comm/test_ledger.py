@@ -9,11 +9,15 @@ from minidist.comm import (
     Mesh,
     all_gather,
     all_reduce,
+    all_to_all,
+    broadcast,
+    gather,
     measure,
     recursive_doubling_all_reduce,
     reduce_scatter,
     ring_all_reduce,
     run,
+    scatter,
     tree_all_reduce,
 )
 
@@ -111,13 +115,72 @@ def test_halving_doubling_moves_ring_bytes_in_2_log_p_steps(p, k):
             assert m.bytes_sent == x.nbytes  # hands its array over and sits out
 
 
-@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
 def test_two_shot_sends_the_rings_bytes_in_two_rounds(p):
     from minidist.comm.collectives import two_shot_all_reduce
 
     x = np.ones(p * 1000, np.float32)
     for m in measured(p, lambda comm: two_shot_all_reduce(comm, x)):
-        assert m.bytes_sent == 2 * (p - 1) * x.nbytes // p and m.steps == 2 and m.messages == 2 * (p - 1)
+        assert m.bytes_sent == 2 * (p - 1) * x.nbytes // p and m.messages == 2 * (p - 1)
+        assert m.steps == (2 if p > 1 else 0)  # one rank: nothing to exchange, no rounds
+
+
+@pytest.mark.parametrize("algo", ["ring", "recursive_doubling", "halving_doubling", "two_shot", "tree",
+                                  "naive", "auto"])
+def test_one_rank_sends_nothing_in_zero_steps(algo):
+    (m,) = measured(1, lambda comm: all_reduce(comm, np.ones(5), algorithm=algo))
+    assert (m.bytes_sent, m.messages, m.steps) == (0, 0, 0)
+
+
+@FAST
+@given(p=st.integers(1, 8), seed=st.integers(0, 99))
+def test_all_to_all_sends_every_chunk_but_its_own_in_p_minus_1_steps(p, seed):
+    sizes = np.random.default_rng(seed).integers(0, 6, size=(p, p))  # sizes[i, j]: rank i -> rank j
+    chunks = [[np.ones(sizes[i, j], np.float64) for j in range(p)] for i in range(p)]
+    for r, m in enumerate(measured(p, lambda comm: all_to_all(comm, chunks[comm.rank]))):
+        assert m.bytes_sent == 8 * (sizes[r].sum() - sizes[r, r])
+        assert m.bytes_received == 8 * (sizes[:, r].sum() - sizes[r, r])
+        assert m.messages == m.steps == p - 1
+
+
+@FAST
+@given(p=st.integers(1, 8), n=st.integers(0, 30), data=st.data())
+def test_gather_and_scatter_move_p_minus_1_parts_through_the_root(p, n, data):
+    """Gather: every other rank sends its part (N_r bytes) to the root; scatter: the root sends
+    every part but its own. p-1 steps (the root's messages, one per other rank)."""
+    root = data.draw(st.integers(0, p - 1))
+    parts = [np.ones(n + r, np.int32) for r in range(p)]  # parts of different sizes
+    others = sum(x.nbytes for x in parts) - parts[root].nbytes
+    for r, m in enumerate(measured(p, lambda comm: gather(comm, parts[comm.rank], root=root))):
+        assert m.bytes_sent == (0 if r == root else parts[r].nbytes) and m.steps == p - 1
+        assert m.bytes_received == (others if r == root else 0)
+    for r, m in enumerate(measured(p, lambda comm: scatter(comm, parts if comm.rank == root else None,
+                                                           root=root))):
+        assert m.bytes_sent == (others if r == root else 0) and m.steps == p - 1
+        assert m.bytes_received == (0 if r == root else parts[r].nbytes)
+
+
+def binomial_children(vr: int, p: int) -> int:
+    """Ranks that rank vr (relative to the root) forwards to in a binomial-tree broadcast: vr + 2**k
+    for every 2**k below vr's lowest set bit (any 2**k < p at the root), if that rank exists."""
+    low = vr & -vr if vr else p
+    return sum(1 for k in range(p.bit_length()) if 1 << k < low and vr + (1 << k) < p)
+
+
+@FAST
+@given(p=st.integers(1, 8), n=st.integers(0, 30), data=st.data())
+def test_tree_broadcast_sends_N_per_child(p, n, data):
+    """Binomial tree: the root sends N to ceil(log2 p) children, every rank N per child; (p-1)·N in
+    all (every rank but the root receives N once), in ceil(log2 p) steps."""
+    root = data.draw(st.integers(0, p - 1))
+    x = np.ones(n, np.float32)
+    ms = measured(p, lambda comm: broadcast(comm, x if comm.rank == root else None, root=root))
+    log2p = (p - 1).bit_length()
+    for r, m in enumerate(ms):
+        assert m.bytes_sent == binomial_children((r - root) % p, p) * x.nbytes and m.steps == log2p
+        assert m.bytes_received == (0 if r == root else x.nbytes)
+    assert ms[root].bytes_sent == log2p * x.nbytes
+    assert sum(m.bytes_sent for m in ms) == (p - 1) * x.nbytes
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 6, 8])

@@ -64,8 +64,16 @@ def test_lesson_runs_and_passes(capsys, tmp_path):
         line = next(l for l in out.splitlines() if l.startswith(name))
         sent, formula = line.split()[3:5]
         assert sent == formula  # measured bytes == textbook formula
-    lesson.main(["--ranks", "4", "--elements", "1000", "--repeats", "1"])
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("halving"))
+    plot_file = tmp_path / "allreduce.png"
+    lesson.main(["--ranks", "4", "--elements", "1000", "--repeats", "1", "--plot", str(plot_file)])
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("halving"))
     assert line.split()[3] == line.split()[4] == f"{2 * 3 * 4000 // 4:,}"  # 2(p-1)/p N, p = 4
+    assert f"wrote {plot_file}" in out
+    assert plot_file.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot_file.stat().st_size > 10_000
+    lesson.main(["--ranks", "1", "--elements", "10", "--repeats", "1"])
+    rows = [l.split() for l in capsys.readouterr().out.splitlines()
+            if l.split()[:1] and l.split()[0] in ("naive", "tree", "ring", "two-shot", "halving")]
+    assert len(rows) == 5 and all(r[-3] == "0" for r in rows)  # one rank: no steps, for every algorithm
     events = json.loads(trace_file.read_text())["traceEvents"]
     assert {e.get("tid") for e in events if e.get("ph") == "X"} == {0, 1, 2}
