@@ -21,12 +21,12 @@ def adamw(ps):
     return optim.AdamW(ps, lr=1e-2)
 
 
-def zero_gpt(comm, batches, counts, accum, stage, bucket_bytes):
+def zero_gpt(comm, batches, counts, accum, stage, bucket_bytes, sync_last=True):
     m = GPT(CFG.replace(seed=comm.rank * 3))
     z = ZeRO(m, comm, adamw, stage=stage, bucket_bytes=bucket_bytes)
     for x, y in batches:
         sl = my_rows(counts, comm.rank)
-        accumulate(z, m.loss, x[sl], y[sl], accum)
+        accumulate(z, m.loss, x[sl], y[sl], accum, sync_last=sync_last)
         z.step()
     return {k: np.array(v) for k, v in z.full_parameters().items()}
 
@@ -34,13 +34,14 @@ def zero_gpt(comm, batches, counts, accum, stage, bucket_bytes):
 @settings(max_examples=15)
 @given(stage=st.integers(1, 3), p=st.integers(1, 4), accum=st.integers(1, 2),
        extra=st.lists(st.integers(0, 2), min_size=4, max_size=4),
-       bucket_bytes=st.sampled_from([64, 3000, 1 << 30]))
-def test_zero_equals_serial(stage, p, accum, extra, bucket_bytes):
+       bucket_bytes=st.sampled_from([64, 3000, 1 << 30]), sync_last=st.booleans())
+def test_zero_equals_serial(stage, p, accum, extra, bucket_bytes, sync_last):
+    """``sync_last=False``: every micro-step in no_sync(), ``step`` communicates everything."""
     counts = [accum + e for e in extra[:p]]
     batches = data(counts, steps=2, accum=accum, seed=stage)
     want = serial_gpt(batches)
     for got in run(zero_gpt, ranks=p, batches=batches, counts=counts, accum=accum, stage=stage,
-                   bucket_bytes=bucket_bytes):
+                   bucket_bytes=bucket_bytes, sync_last=sync_last):
         assert max_diff(got, want) < TOL
 
 
@@ -51,12 +52,15 @@ def _chunks(n, p):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_ledger_bytes_match_formulas(stage):
     """Per rank: reduce-scatter sends N - |c_r|, ring all-gather N - |c_{r+1}| (per bucket, x8 bytes).
-    Stages 1/2: one of each = 2(p-1)/p Ψ. Stage 3: a gather per unit in forward, one more per unit
-    whose weights backward needs, and the reduce-scatter: up to 3(p-1)/p Ψ."""
-    p = 3
+    Stages 1/2: one of each = 2(p-1)/p Ψ. Stage 3 (units Embed, Block x n_layer, Head): every unit is
+    gathered in forward, and again in backward exactly when backward needs its weights: every Block
+    (linear and LayerNorm saved their weights) and the Head (its forward released it before the loss;
+    its backward is the first to run), but not the Embed (the gradient of a lookup needs only the token
+    ids, of the position table only the output gradient). So 3Ψ less one all-gather of the embeddings."""
+    p, cfg = 3, CFG.replace(n_layer=2)
 
     def body(comm):
-        m = GPT(CFG)
+        m = GPT(cfg)
         z = ZeRO(m, comm, adamw, stage=stage, bucket_bytes=3000)
         x = np.arange(12).reshape(2, 6) % CFG.vocab_size
         z.gather_log.clear()
@@ -68,22 +72,24 @@ def test_ledger_bytes_match_formulas(stage):
             sent[c.name] = sent.get(c.name, 0) + c.bytes_sent
         r = comm.rank
         rs = sum((b.numel - _chunks(b.numel, p)[r]) * 8 for b in z.buckets)
-        ag_bucket = {b.index: (b.numel - _chunks(b.numel, p)[(r + 1) % p]) * 8 for b in z.buckets}
-        if stage < 3:
-            ag = sum(ag_bucket.values())
-        else:
-            ag = sum(ag_bucket[b.index] for u, _ in z.gather_log for b in z._unit_buckets[u])
-        return sent, rs, ag, [ph for _, ph in z.gather_log], param_count(m)
+        ag_once = sum((b.numel - _chunks(b.numel, p)[(r + 1) % p]) * 8 for b in z.buckets)
+        embed = sum(b.numel for b in z.buckets if stage == 3 and z._unit_of[b.index] == 0)
+        ag_embed = (embed - _chunks(embed, p)[(r + 1) % p]) * 8  # the Embed unit is one bucket
+        return sent, rs, ag_once, ag_embed, z.gather_log, param_count(m), embed
 
-    for sent, rs, ag, phases, psi in run(body, ranks=p):
-        assert sent["reduce_scatter"] == rs and sent["all_gather"] == ag
+    head = cfg.n_layer + 1  # units: 0 Embed, 1..n_layer Blocks, n_layer + 1 Head
+    for sent, rs, ag_once, ag_embed, log, psi, embed in run(body, ranks=p):
+        assert sent["reduce_scatter"] == rs
         assert abs(rs - (p - 1) / p * psi * 8) <= 8 * 20
         if stage < 3:
-            assert abs(rs + ag - 2 * (p - 1) / p * psi * 8) <= 8 * 40  # 2Ψ: as plain DP
+            assert sent["all_gather"] == ag_once and log == []
+            assert abs(rs + ag_once - 2 * (p - 1) / p * psi * 8) <= 8 * 40  # 2Ψ: as plain DP
         else:
-            assert phases.count("forward") == 1 + CFG.n_layer + 1  # every unit once in forward
-            assert 1 <= phases.count("backward") <= CFG.n_layer + 2
-            assert rs + ag <= 3 * (p - 1) / p * psi * 8 + 8 * 40  # <= 3Ψ: 1.5x DP
+            assert log == ([(u, "forward") for u in range(head + 1)]
+                           + [(u, "backward") for u in range(head, 0, -1)])  # Head, Blocks; no Embed
+            assert embed == (cfg.vocab_size + cfg.block_size) * cfg.d_model
+            assert sent["all_gather"] == 2 * ag_once - ag_embed  # forward: all; backward: all but Embed
+            assert abs(rs + sent["all_gather"] - (p - 1) / p * (3 * psi - embed) * 8) <= 8 * 40
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -6,7 +6,8 @@
 1. The same GPT is trained on one process (the serial twin, on rank 0) and with DDP on N ranks, each
    holding an *uneven* slice of every global batch, with gradient accumulation: losses and final
    parameters compared.
-2. A timeline of one DDP step: backward on each rank, and the bucket all-reduces running beside it.
+2. A timeline of one DDP step of a bigger GPT (``--overlap-d-model``, ``--overlap-layers``, float32,
+   equal slices): backward on each rank, and the bucket all-reduces running beside it.
 3. One step of plain DP and of ZeRO-1/2/3: per-rank bytes of parameters, gradients and AdamW state
    (memory accountant) beside the formulas, and bytes sent (ledger) beside 2Ψ and 3Ψ.
 """
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import string
 
 import numpy as np
 
@@ -119,8 +121,28 @@ def stage_numbers(comm, args, batches, stage):
     return rep, sent, param_count(m)
 
 
+def overlap_step(comm, args):
+    """One timed DDP step (after a warm-up step) of a GPT big enough for overlap to show: section 1's
+    model has a backward of a few ms, no longer than the all-reduces it should hide. Equal slices and
+    no accumulation, so every rank's backward is the same work."""
+    cfg = config(args).replace(d_model=args.overlap_d_model, n_layer=args.overlap_layers, dtype="float32")
+    m = GPT(cfg)
+    ddp = DDP(m, comm, bucket_bytes=args.overlap_bucket_kb * 1024)
+    rng = np.random.default_rng(args.seed + comm.rank)
+    for _ in range(2):
+        x = rng.integers(0, 64, (args.overlap_rows, args.seq))
+        ddp.backward(m.loss(x, x), n_samples=len(x))
+        ddp.wait_gradients()
+        m.zero_grad()
+    return ddp, param_count(m)
+
+
+SYMBOLS = string.ascii_letters  # bucket i is drawn as SYMBOLS[i % 52]
+
+
 def timeline(events_by_rank, width=64) -> str:
-    """Two rows per rank: backward ('B') and the bucket collectives (their bucket number)."""
+    """Two rows per rank: backward ('B') and the bucket collectives (bucket i as letter ``SYMBOLS[i]``:
+    a, b, c, ... then A, B, C, ...; digits would be ambiguous past 10 buckets)."""
     allev = [e for evs in events_by_rank for e in evs]
     t0 = min(e[2] for e in allev)
     span = max(e[3] for e in allev) - t0 or 1.0
@@ -133,7 +155,7 @@ def timeline(events_by_rank, width=64) -> str:
                     continue
                 c0 = int((a - t0) / span * width)
                 c1 = max(int((b - t0) / span * width), c0 + 1)
-                ch = "B" if kind == "backward" else str(int(name.split(" b")[-1]) % 10)
+                ch = "B" if kind == "backward" else SYMBOLS[int(name.split(" b")[-1]) % len(SYMBOLS)]
                 for c in range(c0, min(c1, width)):
                     row[c] = ch
             rows.append(f"rank {r} {label} |{''.join(row)}|")
@@ -160,12 +182,21 @@ def rank_main(comm, args):
             print(f"   {i:4d}  {a:12.6f}  {b:10.6f}")
         print(f"   max |param diff| = {diff:.2e}, max |loss diff| = {ldiff:.2e} (tolerance {tol:g}: "
               f"same sums, different order)  {'PASS' if max(diff, ldiff) < tol else 'FAIL'}\n", flush=True)
+    ddp, psi = overlap_step(comm, args)
     events = comm.gather_obj(ddp.events)
     if comm.rank == 0:
-        hidden = np.mean([hidden_fraction(e) for e in events])
-        print(f"2. The last DDP step's sync window: {len(ddp.buckets)} buckets of <= {args.bucket_kb} KiB, "
-              f"{ddp.started_in_backward} started from backward hooks; {hidden:.0%} of all-reduce time "
-              "hidden behind backward")
+        hidden = [hidden_fraction(e) for e in events]
+        nb = len(ddp.buckets)
+        last = SYMBOLS[(nb - 1) % len(SYMBOLS)]
+        legend = f"{SYMBOLS[0]}..{last}" + (" (letters repeat)" if nb > len(SYMBOLS) else "")
+        print(f"2. Overlap: one DDP step of a bigger GPT (d_model={args.overlap_d_model}, "
+              f"{args.overlap_layers} layers, Ψ = {psi:,} float32, {args.overlap_rows} rows per rank): "
+              f"{nb} buckets of <= {args.overlap_bucket_kb} KiB, {ddp.started_in_backward} started from "
+              "backward hooks")
+        print("   share of all-reduce time hidden behind backward, per rank: "
+              + ", ".join(f"{h:.0%}" for h in hidden))
+        print(f"   {legend} = buckets 0, 1, ... in the order backward completes them "
+              f"({SYMBOLS[0]}: the head and last layer)")
         print(timeline(events))
         print()
     rows = []
@@ -188,7 +219,7 @@ def rank_main(comm, args):
                   f"({fs / 1e6:6.3f} = {k}(N-1)/N·Ψ·{item}B)")
         print("   formulas (B = bytes/element): DP (P+G+K)Ψ; ZeRO-1 (P+G)Ψ+KΨ/N; ZeRO-2 PΨ+(G+K)Ψ/N; "
               "ZeRO-3 (P+G+K)Ψ/N;\n   paper, fp16 + fp32 Adam: 16Ψ; 4Ψ+12Ψ/N; 2Ψ+14Ψ/N; 16Ψ/N. "
-              "ZeRO-3 sends less than 3Ψ when backward needs no gathered weights (embeddings, first layer).")
+              "ZeRO-3 sends 3Ψ less one gather of the embeddings: their backward needs no weights.")
         peak = rows[1][0]["activations_peak"]
         print(f"   activations saved for backward (peak, rank 0): {peak / 1e6:.3f} MB")
     if args.plot and comm.rank == 0:
@@ -213,6 +244,10 @@ def main(argv=None):
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32"])
     parser.add_argument("--bucket-kb", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--overlap-d-model", type=int, default=256, help="section 2's model")
+    parser.add_argument("--overlap-layers", type=int, default=4)
+    parser.add_argument("--overlap-rows", type=int, default=8, help="section 2: rows per rank")
+    parser.add_argument("--overlap-bucket-kb", type=int, default=1024)
     args = parser.parse_args(argv)
     return launch(rank_main, args)
 

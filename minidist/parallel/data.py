@@ -29,6 +29,10 @@ right when every n_r is equal. ``backward(loss, n_samples)`` seeds backward with
 (so the hooks see n_r·g_r), the buckets are summed, and ``wait_gradients`` divides by N = Σ n_r
 (one tiny all-reduce, queued before the buckets). With accumulation the same holds over
 (rank, micro-step) pairs. Without ``n_samples`` every micro-batch weighs the same.
+
+``n_samples`` is the count the loss is a mean *over*. ``GPT.loss`` averages over valid target
+tokens (targets of -1 are ignored), so for it pass ``int((y != -1).sum())``: the rows ``len(y)``
+are right only when every row has the same number of valid tokens (then the weights are proportional).
 """
 
 from __future__ import annotations
@@ -226,9 +230,10 @@ class DistributedDataParallel:
             b.pending = len(b.params)
 
     def backward(self, loss, n_samples: int | None = None):
-        """``loss.backward()`` for a loss that is the *mean* over this rank's ``n_samples`` samples
-        (weights the gradient by n_samples; see the module docstring). All ranks either pass
-        n_samples or none does."""
+        """``loss.backward()`` for a loss that is the *mean* over this rank's ``n_samples`` terms
+        (weights the gradient by n_samples; see the module docstring). A per-token mean with ignored
+        targets (``GPT.loss``, ``ops.cross_entropy``) averages over the valid tokens: pass their
+        count, ``int((y != -1).sum())``, not the rows. All ranks either pass n_samples or none does."""
         if n_samples is not None:
             if n_samples < 0:
                 raise ValueError(f"rank {self.comm.rank}: n_samples must be >= 0, got {n_samples}")
@@ -241,9 +246,8 @@ class DistributedDataParallel:
         w = 1.0 if n_samples is None else float(n_samples)
         self._weight += w
         self._micro += 1
-        if self._sync:
-            if self._weighted:  # queued first: the worker runs it before any bucket
-                self._weight_handle = all_reduce_async(self.comm, np.array([self._weight]), op="sum")
+        if self._sync and self._weighted:  # queued first: the worker runs it before any bucket
+            self._start_count()
         seed = loss.backend.xp.full(loss.data.shape, w, dtype=loss.dtype)
         t0 = time.perf_counter()
         self._in_backward = True
@@ -256,6 +260,10 @@ class DistributedDataParallel:
         if self._sync:  # the timeline of a sync window: its last backward and the collectives
             self._synced = True
             self._events.append(("backward", "backward", t0, time.perf_counter()))
+
+    def _start_count(self):
+        """Queue the all-reduce of Σ n_samples (this window's divisor N) on the async worker."""
+        self._weight_handle = all_reduce_async(self.comm, np.array([self._weight]), op="sum")
 
     # -- the hooks: start bucket all-reduces during backward ---------------------------------
     def _on_grad_ready(self, p):
@@ -300,12 +308,19 @@ class DistributedDataParallel:
         return float(self.comm.size * self._micro)
 
     def wait_gradients(self):
-        """Finish the gradient sync: start buckets that never completed, wait, average."""
+        """Finish the gradient sync: start buckets that never completed, wait, average.
+
+        Also right after a window whose every micro-step ran inside ``no_sync()`` (then it starts
+        the count of samples and every bucket here)."""
         if not self._sync:
             raise RuntimeError(f"rank {self.comm.rank}: wait_gradients() inside no_sync(): the "
                                "gradients of this window have not been communicated")
         if self._micro == 0 and not self._hooked:
             return  # no backward since the last sync: nothing to communicate
+        if self._weighted and self._weight_handle is None:
+            # every micro-step ran inside no_sync(): no syncing backward queued the count, so no
+            # bucket has started either -- queue it now, first, as a syncing backward would have
+            self._start_count()
         for b in self.buckets[self._next:]:
             self._start(b)
         divisor = self._divisor()

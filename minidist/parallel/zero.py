@@ -16,7 +16,8 @@ owned slices, so its state is 1/N of DP's on every rank. Stage by stage:
   ``_release_unit`` frees them right after. Ops save parameters for backward (``linear`` keeps its
   weight): a ``saved_tensors_hooks`` pack turns them into references, and the unpack in backward
   all-gathers the unit again; it is freed when all its gradients are done. Bytes: Ψ (forward
-  gathers) + Ψ (backward gathers) + Ψ (reduce-scatter) = 3Ψ, 1.5x DP.
+  gathers) + Ψ (backward gathers) + Ψ (reduce-scatter) = 3Ψ, 1.5x DP -- less a unit whose backward
+  needs no weights and so is not gathered again (a GPT's Embed: a lookup's gradient needs the ids).
 
 Per-rank memory (``memory_arrays``, read by ``minidist.memory.MemoryAccountant.report``) follows
 ``minidist.memory.zero_formula``. Loss weighting, ``backward(loss, n_samples)`` and ``no_sync`` are
