@@ -188,7 +188,8 @@ _COLORS = {"compute": "#4c72b0", "send": "#dd8452", "recv": "#55a868", "wait": "
 
 
 def plot_timeline(path, events: list[dict], losses=None, title: str = "timeline") -> None:
-    """Draw per-rank bars colored by category (backward ops darker) and, if given, the loss curve.
+    """Draw per-rank bars colored by category (backward ops darker; communication in a thinner band
+    below the compute) and, if given, the loss curve.
 
     Uses matplotlib's Agg canvas directly (no pyplot global state), so it is safe in any thread.
     """
@@ -207,7 +208,10 @@ def plot_timeline(path, events: list[dict], losses=None, title: str = "timeline"
         if e["cat"] == "step":
             continue  # a step span covers everything; it would hide the ops it contains
         color = "#1f3b63" if e["cat"] == "compute" and e["name"].startswith("B") else _COLORS[e["cat"]]
-        ax.broken_barh([(e["t0"] - t_origin, max(e["t1"] - e["t0"], 0.0))], (e["rank"] - 0.4, 0.8),
+        # compute on the upper part of a rank's row, communication on the lower part: an all-reduce
+        # that overlaps backward shows under it instead of hiding it
+        band = (e["rank"] - 0.4, 0.5) if e["cat"] == "compute" else (e["rank"] + 0.12, 0.28)
+        ax.broken_barh([(e["t0"] - t_origin, max(e["t1"] - e["t0"], 0.0))], band,
                        facecolors=color, edgecolors="white", linewidth=0.5)
     ax.set_yticks(ranks)
     ax.set_yticklabels([f"rank {r}" for r in ranks])
