@@ -116,6 +116,13 @@ def test_missing_offload_dir_is_a_clear_error(tmp_path):
         OffloadedAdamW(_params([(2,)], np.float32, 0), tmp_path / "f")
 
 
+def test_no_offload_dir_means_a_private_folder_in_the_temp_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(offload_mod.tempfile, "tempdir", str(tmp_path))  # what gettempdir() returns
+    with OffloadedAdamW(_params([(2,)], np.float32, 0)) as opt:  # offload_dir=None, where="disk"
+        assert os.path.dirname(opt.folder) == str(tmp_path) and len(os.listdir(opt.folder)) == 2
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
 def test_unwritable_offload_dir_is_a_clear_error(tmp_path):
     ro = tmp_path / "ro"

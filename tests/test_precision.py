@@ -158,6 +158,61 @@ def test_low_precision_gradient_all_reduce_halves_the_bytes():
     assert bf16 * 2 == fp32
 
 
+def _tp_train(comm, dtype, steps, idx, lr=1e-3):
+    from minidist.parallel.tp_gpt import TPGPT
+
+    model = TPGPT(CFG, comm, sequence_parallel=True)
+    mp = MixedPrecision(model, dtype, groups=[comm])  # loss: model.loss_fn, vocabulary-parallel
+    patched = [type(m).__name__ for _, m in model.named_modules() if "forward" in m.__dict__]
+    opt = AdamW(mp.master_params, lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = mp.loss(idx, idx)
+        mp.backward(loss)
+        assert mp.step(opt)
+        losses.append(loss.item())
+    return losses, {m.name: m.data for m in mp.master_params}, patched, mp.model(idx[:, :2]).dtype
+
+
+def test_bf16_tensor_parallel_training_stays_close_to_fp32_serial():
+    """TP (tp=2, sequence parallel): the column/row-parallel linears run in bf16 with fp32
+    accumulation and the vocabulary-parallel loss is used; the same stated tolerance as the serial
+    test above against the fp32 *serial* model (its weights sliced as TP slices them)."""
+    from minidist.parallel.tp_gpt import shard_state_dict
+
+    idx = np.random.default_rng(0).integers(0, 32, (4, 16))
+    ref_losses, ref_params = _train("fp32", 6, idx)
+    ref_sd = dict(zip(GPT(CFG).state_dict(), ref_params))
+    for rank, (losses, params, patched, out_dtype) in enumerate(run(_tp_train, ranks=2, dtype="bf16", steps=6,
+                                                                    idx=idx)):
+        assert {"ColumnParallelLinear", "RowParallelLinear", "LayerNorm"} <= set(patched)
+        assert out_dtype == low_dtype("bf16")
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-2)
+        ref = shard_state_dict(ref_sd, rank, 2)
+        diffs = np.concatenate([np.abs(params[n] - ref[n]).ravel() for n in params])
+        assert diffs.max() < 2 * 6 * 1e-3 and diffs.mean() < 1e-4
+        assert losses[-1] < losses[0]
+
+
+def _tp_inf_rank(comm, inject_rank):
+    from minidist.parallel.tp_gpt import TPGPT
+
+    mp = MixedPrecision(TPGPT(CFG, comm), "fp16", groups=[comm])
+    opt = AdamW(mp.master_params, lr=1e-3)
+    before = [m.data.copy() for m in mp.master_params]
+    idx = np.random.default_rng(0).integers(0, 32, (2, 8))
+    mp.backward(mp.loss(idx, idx))
+    if comm.rank == inject_rank:
+        mp.params[5].grad = np.full_like(mp.params[5].grad, np.inf)
+    stepped = mp.step(opt)
+    return stepped, mp.scale, all(np.array_equal(a, m.data) for a, m in zip(before, mp.master_params))
+
+
+@pytest.mark.parametrize("inject_rank", [0, 1])
+def test_injected_inf_on_one_tensor_parallel_rank_makes_the_group_skip(inject_rank):
+    assert run(_tp_inf_rank, ranks=2, inject_rank=inject_rank) == [(False, 2.0 ** 15, True)] * 2
+
+
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
 def test_injected_inf_under_mpirun():

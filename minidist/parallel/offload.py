@@ -12,8 +12,15 @@ The update itself is ``minidist.optim.adamw_update``, the same function ``AdamW`
 and in-memory AdamW give bit-identical parameters.
 
 The files go to a fresh private folder inside ``offload_dir`` (which must exist and be writable:
-checked first, with a clear error); ``close()`` -- or leaving a ``with`` block -- deletes it, and a
-failure while creating the files deletes whatever was made: nothing half-written is left behind.
+checked first, with a clear error; ``offload_dir=None`` means the system temporary directory,
+``tempfile.gettempdir()``); ``close()`` -- or leaving a ``with`` block -- deletes the private
+folder, and a failure while creating the files deletes whatever was made: nothing half-written is
+left behind.
+
+``resident_peak`` (the most optimizer-state bytes in compute memory during a step) is *computed*
+from the shard sizes -- the shard being updated, the one being prefetched and the one being written
+back -- not measured from the process's memory: it is what this design holds, the number the
+accountant and the lesson print beside the formula.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class OffloadedAdamW(AdamW):
     ``offload_params=True`` also moves the parameters themselves into the files (for the fp32
     master weights of mixed precision, ``MixedPrecision.master_params``, which only the optimizer
     reads): between steps each ``p.data`` is the memmap itself; NumPy parameters, disk only.
+    ``offload_dir=None``: a private folder in the system temporary directory (deleted by ``close``).
     """
 
     def __init__(self, params, offload_dir=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
@@ -83,13 +91,13 @@ class OffloadedAdamW(AdamW):
         self.offload_params = offload_params
         self.shards = make_shards([len(self.keys) * p.data.nbytes for p in self.params], shard_bytes)
         self.where, self.prefetch, self.folder, self._store = where, prefetch, None, None
-        self.resident_peak = 0  # most bytes of optimizer state held in compute memory at once
+        self.resident_peak = 0  # most optimizer-state bytes in compute memory at once (from shard sizes)
         self.events = None  # set to [] to record spans: rank 0 = the step's thread, 1 = the I/O thread
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload") if prefetch else None
         if where == "host":
             self._store = [{k: np.zeros(p.shape, p.dtype) for k in KEYS} for p in self.params]
             return
-        root = check_offload_dir(offload_dir)
+        root = check_offload_dir(tempfile.gettempdir() if offload_dir is None else offload_dir)
         self.folder = tempfile.mkdtemp(prefix="minidist-adamw-", dir=root)
         try:
             self._store = [{k: np.memmap(os.path.join(self.folder, f"{i}.{k}"), dtype=p.dtype, mode="w+",

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist import ops, trace
+from minidist.parallel import recompute
 from minidist.parallel.schedule import (
     Backward,
     Forward,
@@ -142,9 +143,13 @@ class PipelineStage:
 
     `bounds` has one (start, end) range per virtual stage: num_stages of them, or num_stages * v for
     v chunks per stage (chunk c of this stage is virtual stage c * num_stages + stage).
+    `checkpoint` (a `minidist.parallel.recompute` policy, `checkpoint_k` for "every_k") checkpoints
+    each chunk's own blocks, so no segment crosses a stage boundary; a model checkpointed as a whole
+    whose segment is cut by `bounds` is refused with a clear error.
     """
 
-    def __init__(self, model, bounds, stage: int, num_stages: int, loss_fn=None):
+    def __init__(self, model, bounds, stage: int, num_stages: int, loss_fn=None, checkpoint=None,
+                 checkpoint_k=None):
         if len(bounds) % num_stages:
             raise ValueError(f"{len(bounds)} layer ranges do not split over {num_stages} stages")
         if not 0 <= stage < num_stages:
@@ -157,6 +162,10 @@ class PipelineStage:
                           for c in range(self.num_chunks)]
         self.chunks = [[layers[i] for i in ids] for ids in self.layer_ids]
         self.loss_fn = loss_fn or ops.cross_entropy
+        for ids, chunk in zip(self.layer_ids, self.chunks):
+            recompute.check_segments_within(chunk, ids, stage)
+            if checkpoint is not None:
+                recompute.checkpoint_stage(chunk, checkpoint, checkpoint_k)
 
     def is_first(self, chunk: int) -> bool:
         return virtual_stage(self.stage, chunk, self.num_stages) == 0

@@ -81,22 +81,54 @@ def _layer_norm_forward(ln, x):
     return ops.cast(y, ln.weight.dtype)
 
 
+def _column_parallel_forward(lin, x, out_f32=False):
+    """``ColumnParallelLinear`` in low precision: the low-precision x is what f / the sequence
+    all-gather moves; each rank's block of features is accumulated in fp32 as ``_linear_forward``."""
+    from minidist.parallel.tensor import copy_to_tp, gather_from_seq, gather_last_dim
+
+    x = gather_from_seq(x, lin.comm) if lin.sequence_parallel else copy_to_tp(x, lin.comm)
+    y = _linear_forward(lin, x, out_f32)
+    return gather_last_dim(y, lin.comm) if lin.gather_output else y
+
+
+def _row_parallel_forward(lin, x):
+    """``RowParallelLinear`` in low precision: partial products accumulated in fp32, rounded, then
+    summed over the group in low precision (half the bytes of fp32, as Megatron does); the bias is
+    added in fp32 after the reduction and the sum rounded again."""
+    from minidist.parallel.tensor import reduce_from_tp, reduce_scatter_to_seq, scatter_last_dim
+
+    f32, low = np.float32, lin.weight.dtype
+    if not lin.input_is_parallel:
+        x = scatter_last_dim(x, lin.comm)
+    y = ops.cast(ops.linear(ops.cast(x, f32), ops.cast(lin.weight, f32)), low)
+    y = reduce_scatter_to_seq(y, lin.comm) if lin.sequence_parallel else reduce_from_tp(y, lin.comm)
+    return y if lin.bias is None else ops.cast(ops.cast(y, f32) + ops.cast(lin.bias, f32), low)
+
+
 def autocast(model, dtype="bf16"):
     """Make ``model`` compute in ``dtype``: its parameters are cast (in place) and its Linear and
-    LayerNorm layers run as above. The attention's qkv projection hands the attention core
-    low-precision *values* held in fp32, so the softmax runs in fp32 (as torch.autocast does).
-    Returns the model. Cast the logits to fp32 before the loss (``MixedPrecision.loss`` does)."""
+    LayerNorm layers -- and the tensor-parallel ``ColumnParallelLinear`` / ``RowParallelLinear`` --
+    run as above. The attention's qkv projection hands the attention core low-precision *values*
+    held in fp32, so the softmax runs in fp32 (as torch.autocast does). Returns the model. Cast the
+    logits to fp32 before the loss (``MixedPrecision.loss`` does)."""
+    from minidist.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
     dt = low_dtype(dtype)
     for p in model.parameters():
         p.data = p.data.astype(dt)
     for name, m in model.named_modules():
+        qkv = name.endswith("attn.qkv")
         if isinstance(m, Linear):
-            f = types.MethodType(_linear_forward, m)
-            if name.endswith("attn.qkv"):
-                f = types.MethodType(lambda lin, x: _linear_forward(lin, x, out_f32=True), m)
-            object.__setattr__(m, "forward", f)
+            f = types.MethodType(lambda lin, x, q=qkv: _linear_forward(lin, x, out_f32=q), m)
+        elif isinstance(m, ColumnParallelLinear):
+            f = types.MethodType(lambda lin, x, q=qkv: _column_parallel_forward(lin, x, out_f32=q), m)
+        elif isinstance(m, RowParallelLinear):
+            f = types.MethodType(_row_parallel_forward, m)
         elif isinstance(m, LayerNorm):
-            object.__setattr__(m, "forward", types.MethodType(_layer_norm_forward, m))
+            f = types.MethodType(_layer_norm_forward, m)
+        else:
+            continue
+        object.__setattr__(m, "forward", f)
     return model  # (an Embedding needs nothing: rows of a low-precision table are low precision)
 
 
@@ -166,9 +198,13 @@ class MixedPrecision:
         stepped = mp.step(opt)                          # unscale, agree on inf/NaN, step or skip
 
     ``scaler`` defaults to a ``DynamicLossScaler`` for fp16 and None (no scaling) otherwise.
+    ``loss_fn(logits, targets)`` is the loss of the (fp32-cast) logits: by default the model's own
+    ``loss_fn`` if it has one (``TPGPT.loss_fn``: vocabulary-parallel cross-entropy of this rank's
+    slice of the logits), else ``ops.cross_entropy`` of full logits. For a tensor-parallel model
+    pass its TP group in ``groups`` too, so its ranks skip together.
     """
 
-    def __init__(self, model, dtype="bf16", scaler="auto", groups=()):
+    def __init__(self, model, dtype="bf16", scaler="auto", groups=(), loss_fn=None):
         self.dtype = low_dtype(dtype)
         if scaler == "auto":
             scaler = DynamicLossScaler() if self.dtype == np.float16 else None
@@ -178,14 +214,15 @@ class MixedPrecision:
         self.model = autocast(model, self.dtype)
         self.params = model.parameters()
         self.last_found_inf = False
+        self.loss_fn = loss_fn or getattr(model, "loss_fn", None) or ops.cross_entropy
 
     @property
     def scale(self) -> float:
         return 1.0 if self.scaler is None else self.scaler.scale
 
     def loss(self, idx, targets):
-        """Cross-entropy in fp32 of the low-precision model's logits."""
-        return ops.cross_entropy(ops.cast(self.model(idx), np.float32), targets)
+        """``loss_fn`` (cross-entropy) in fp32 of the low-precision model's logits."""
+        return self.loss_fn(ops.cast(self.model(idx), np.float32), targets)
 
     def backward(self, loss):
         """Backward of ``loss · S``: the seed gradient is S, so every gradient is S times larger."""

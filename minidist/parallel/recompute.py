@@ -12,7 +12,10 @@ backward, so data parallelism's all-reduces still start layer by layer (Chen et 
 ``apply_checkpointing(model, policy)`` wraps a GPT's blocks by a policy: "none", "full" (every
 block), "every_k" (segments of k blocks: only segment inputs kept), "sqrt" (k = round(sqrt(n))),
 "selective" (only the attention core softmax(qk^T)v, whose (B, H, T, T) probabilities are the
-largest activation; Korthikanti et al. 2022).
+largest activation; Korthikanti et al. 2022). Blocks are the serial GPT's or a tensor-parallel
+``TPGPT``'s (their per-rank dropout generators are replayed too). In a pipeline, checkpoint each
+stage's own layers (``checkpoint_stage``, ``PipelineStage(..., checkpoint=policy)``): a segment
+never crosses a stage boundary, and ``check_segments_within`` refuses one that would.
 """
 
 from __future__ import annotations
@@ -85,12 +88,30 @@ def checkpoint(fn, *inputs, generators=()):
 
 
 # ---------------------------------------------------------------------------------------------
-# policies for a GPT (Embed, Block x n, Head)
+# policies for a GPT (Embed, Block x n, Head) -- serial or tensor-parallel
 # ---------------------------------------------------------------------------------------------
-def _blocks(model):
+def is_block(module) -> bool:
+    """A transformer block policies checkpoint: ``nn.gpt.Block`` or ``parallel.tp_gpt.ParallelBlock``."""
     from minidist.nn.gpt import Block
+    from minidist.parallel.tp_gpt import ParallelBlock
 
-    return [(i, m) for i, m in enumerate(model) if isinstance(m, Block)]
+    return isinstance(module, (Block, ParallelBlock))
+
+
+def _blocks(model):
+    return [(i, m) for i, m in enumerate(model) if is_block(m)]
+
+
+def block_generators(module) -> tuple:
+    """Random generators a (tensor-parallel) block draws from besides the default one: the
+    ``ShardedRNG`` generators of its sequence-parallel dropouts (``dropout_rng="megatron"``).
+    Checkpoint saves and replays their states too, so recomputed masks are the same."""
+    gens = {}
+    for _, m in module.named_modules():
+        rng = getattr(m, "sharded_rng", None)
+        if rng is not None:
+            gens[id(rng.generator)] = rng.generator
+    return tuple(gens.values())
 
 
 def segment_size(policy: str, n_layer: int, k: int | None = None) -> int:
@@ -107,8 +128,9 @@ def segment_size(policy: str, n_layer: int, k: int | None = None) -> int:
 
 
 def _selective_attention_forward(attn, x):
-    """CausalSelfAttention.forward with the attention core checkpointed (its T x T probabilities)."""
-    q, k, v = split_heads(attn.qkv(x), attn.n_head)
+    """The attention forward (serial ``CausalSelfAttention`` or ``ParallelAttention``, whose rank holds
+    ``local_heads``) with the attention core checkpointed (its T x T probabilities)."""
+    q, k, v = split_heads(attn.qkv(x), getattr(attn, "local_heads", attn.n_head))
     y = checkpoint(ops.scaled_dot_product_attention, q, k, v)
     return attn.drop(attn.proj(merge_heads(y)))
 
@@ -122,23 +144,29 @@ def _segment_forward(layers):
 
 
 def apply_checkpointing(model, policy: str = "full", k: int | None = None):
-    """Checkpoint a GPT's blocks by ``policy`` (see ``POLICIES``); returns the model.
+    """Checkpoint a GPT's blocks (serial ``Block`` or tensor-parallel ``ParallelBlock``) by ``policy``
+    (see ``POLICIES``); returns the model.
 
-    Works on any Sequential whose layers include ``Block``s (a pipeline stage too); segments never
-    cross a non-Block layer. The patched modules get instance ``forward``s; ``remove_checkpointing``
-    (or applying another policy) restores the class ones. Composes with ``precision.autocast``.
+    Works on any Sequential whose layers include blocks; segments never cross a non-block layer.
+    For a pipeline, checkpoint each stage's own layers (``PipelineStage(..., checkpoint=policy)``,
+    ``checkpoint_stage``): a segment of the whole model may span a stage boundary, and
+    ``PipelineStage`` refuses such a model. The patched modules get instance ``forward``s;
+    ``remove_checkpointing`` (or applying another policy) restores the class ones. Composes with
+    ``precision.autocast``. A model with no block raises (nothing would be checkpointed).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(POLICIES)}")
     remove_checkpointing(model)
     blocks = _blocks(model)
-    if policy == "none" or not blocks:
+    if policy == "none":
         return model
-    patched = []
-    object.__setattr__(model, "_checkpointed", patched)
+    if not blocks:
+        raise ValueError(f"apply_checkpointing({policy!r}): {type(model).__name__} has no transformer block "
+                         "(nn.gpt.Block or parallel.tp_gpt.ParallelBlock) among its layers, so nothing "
+                         "would be checkpointed; pass a GPT, a TPGPT or a Sequential of their blocks")
     if policy == "selective":
         for _, blk in blocks:
-            _patch(patched, blk.attn, types.MethodType(_selective_attention_forward, blk.attn))
+            _patch(blk.attn, types.MethodType(_selective_attention_forward, blk.attn))
         return model
     size = segment_size(policy, len(blocks), k)
     runs, cur = [], []  # runs of consecutive blocks, cut into segments of `size`
@@ -151,15 +179,44 @@ def apply_checkpointing(model, policy: str = "full", k: int | None = None):
     for seg in runs:
         first, layers = seg[0][1], [b for _, b in seg]
         seg_fn = _segment_forward([_plain(b) for b in layers])
-        _patch(patched, first, lambda x, f=seg_fn: checkpoint(f, x))
-        for _, b in seg[1:]:
-            _patch(patched, b, _identity)
+        gens = tuple({id(g): g for b in layers for g in block_generators(b)}.values())
+        _patch(first, lambda x, f=seg_fn, g=gens: checkpoint(f, x, generators=g))
+        for b in layers[1:]:
+            _patch(b, _identity)
+        for b in layers:  # every member knows its segment: PipelineStage checks none is cut
+            object.__setattr__(b, "_checkpoint_segment", tuple(layers))
     return model
 
 
-def _patch(patched, module, forward):
+def checkpoint_stage(layers, policy: str, k: int | None = None):
+    """Checkpoint the blocks among one pipeline stage's ``layers`` (a list), so segments stay inside
+    the stage ("sqrt" is then sqrt of the stage's block count). A stage without blocks (embedding
+    or head only) is left as it is. Returns a ``Sequential`` of the layers (for
+    ``remove_checkpointing``)."""
+    from minidist.nn.module import Sequential
+
+    seq = Sequential(layers)
+    return apply_checkpointing(seq, policy, k) if _blocks(seq) else seq
+
+
+def check_segments_within(layers, layer_ids, stage: int) -> None:
+    """Raise if a checkpoint segment among ``layers`` (one stage's, full-model indices ``layer_ids``)
+    also holds blocks outside them: its recomputation would run another stage's blocks on this
+    stage's copies, and their owning stage would get no gradient."""
+    mine = {id(m) for m in layers}
+    for i, m in zip(layer_ids, layers):
+        seg = m.__dict__.get("_checkpoint_segment", ())
+        if any(id(b) not in mine for b in seg):
+            raise ValueError(
+                f"pipeline stage {stage}: layer {i} is in a checkpoint segment of {len(seg)} blocks that "
+                f"crosses this stage's boundary (layers {layer_ids[0]}..{layer_ids[-1]}); apply "
+                "checkpointing per stage instead: PipelineStage(model, bounds, stage, n, checkpoint=policy) "
+                "on an un-checkpointed model (or checkpoint_stage(stage_layers, policy)), or the 'full' / "
+                "'selective' policy, whose segments are single blocks")
+
+
+def _patch(module, forward):
     object.__setattr__(module, "forward", forward)
-    patched.append(module)
 
 
 def _identity(x):
@@ -172,9 +229,12 @@ def _plain(block):
 
 
 def remove_checkpointing(model):
-    """Undo ``apply_checkpointing``: the patched modules get their class forwards back."""
-    for m in model.__dict__.pop("_checkpointed", []):
-        m.__dict__.pop("forward", None)
+    """Undo ``apply_checkpointing``: every block of ``model`` (and its attention) gets its class
+    forward back and forgets its segment. Other instance forwards (``autocast``'s) are kept."""
+    for _, blk in _blocks(model):
+        for m in (blk, blk.attn):
+            m.__dict__.pop("forward", None)
+        blk.__dict__.pop("_checkpoint_segment", None)
     return model
 
 
