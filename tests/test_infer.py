@@ -120,6 +120,16 @@ def test_clear_errors():
         generate(model(), [list(range(BLOCK + 1))], 1)
     with pytest.raises(ValueError, match="block_size 40"):
         generate(model(), [[1] * 30], 20)
+    with pytest.raises(ValueError, match=r"no prompts: pass a list of at least one prompt"):
+        generate(model(), [], 3)
+    with pytest.raises(ValueError, match=r"prompt 1 has token id 32 at position 2 .* \[0, 32\)"):
+        generate(model(), [[1], [0, 5, V, 7]], 2)
+    with pytest.raises(ValueError, match=r"prompt 0 has token id -1 at position 0"):
+        generate(model(), [[-1]], 2)
+    with pytest.raises(ValueError, match=r"prompt 0 has token id 99"):
+        generate_recompute(model(), [[99]], 2)
+    with pytest.raises(ValueError, match=r"prompt 0 must hold integer token ids, got dtype float64"):
+        generate(model(), [[1.5, 2.0]], 2)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):

@@ -119,6 +119,8 @@ def test_scheduler_errors():
         serve(model(), [Request(0, [], 3)])
     with pytest.raises(ValueError, match="longer than the context"):
         serve(model(), [Request(0, [1] * (BLOCK + 1), 1)])
+    with pytest.raises(ValueError, match=r"request 3 has token id -2 at position 1"):
+        serve(model(), [Request(3, [1, -2], 1)])
     with pytest.raises(ValueError, match="can never fit"):
         serve(model(), [Request(0, [1] * 10, 10)], cache="paged", num_blocks=1, block_len=16)
     with pytest.raises(ValueError, match="policy"):

@@ -46,10 +46,16 @@ def test_sharded_errors():
         run(lambda c: sharded_generate(c, model(), [[1]], 2, tp=3), ranks=3)
     with pytest.raises(ValueError, match="cannot cut 3 layers into 4 pipeline stages"):
         run(lambda c: sharded_generate(c, model(), [[1]], 2, pp=4), ranks=4)
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match=r"rank \d: .*cannot cut 3 layers"):
+        run(lambda c: sharded_generate(c, model(), [[1]], 2, pp=4), ranks=4)
+    with pytest.raises(ValueError, match=r"rank \d: prompt 0 is empty"):
         run(lambda c: sharded_generate(c, model(), [[]], 2, tp=2), ranks=2)
-    with pytest.raises(ValueError, match="longer than the context"):
+    with pytest.raises(ValueError, match=r"rank \d: prompt 0 has 41 tokens, longer than the context"):
         run(lambda c: sharded_generate(c, model(), [[1] * 41], 2, pp=2), ranks=2)
+    with pytest.raises(ValueError, match=r"rank \d: no prompts"):
+        run(lambda c: sharded_generate(c, model(), [], 2, tp=2, pp=2), ranks=4)
+    with pytest.raises(ValueError, match=r"rank \d: prompt 1 has token id 32 .* vocab_size 32"):
+        run(lambda c: sharded_generate(c, model(), [[1], [V]], 2, tp=2), ranks=2)
 
 
 PROGRAM = """
@@ -96,3 +102,24 @@ def test_lesson_under_mpirun():
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all checks: PASS" in res.stdout and "mesh tp=2 x pp=1" in res.stdout
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6])
+def test_lesson_all_reduce_bytes_formula_equals_ledger(p):
+    """The lesson's expectation per algorithm and rank (folding included) == what the ledger counts."""
+    from minidist.comm import all_reduce, measure
+    from minidist.lessons.inference import all_reduce_bytes
+
+    algos = ("ring", "two_shot", "recursive_doubling", "halving_doubling")
+
+    def rank(comm):
+        out = []
+        for a in algos:
+            with measure(comm) as m:
+                all_reduce(comm, np.ones(120, np.float32), algorithm=a)
+            out.append((m.calls[0].name, m.bytes_sent))
+        return out
+
+    for r, res in enumerate(run(rank, ranks=p)):
+        for name, sent in res:
+            assert all_reduce_bytes(name, 480, p, r) == sent, (name, r)

@@ -112,15 +112,27 @@ def _pipeline_rank(comm, schedule, m, chunks, x, y):
 
 
 @given(schedule=st.sampled_from(["gpipe", "1f1b", "interleaved"]), p=st.integers(1, 4),
-       m_factor=st.integers(1, 3), seed=st.integers(0, 99))
+       m=st.integers(1, 6), seed=st.integers(0, 99))
 @settings(max_examples=12)
-def test_pipeline_gradients_equal_serial(schedule, p, m_factor, seed):
+def test_pipeline_gradients_equal_serial(schedule, p, m, seed):
+    """GPipe and 1F1B take any m >= 1 -- m < p cuts 1F1B's warm-up short; interleaved needs m % p == 0."""
     chunks = 2 if schedule == "interleaved" else 1
     if schedule == "interleaved" and p < 2:
         p = 2
     if p * chunks > CFG.n_layer + 2:
         chunks = 1
-    m = p * m_factor if schedule == "interleaved" else m_factor + p - 1
+    if schedule == "interleaved":
+        m = p * ((m + 1) // 2)
+    _check_against_serial(schedule, p, m, chunks, seed)
+
+
+@pytest.mark.parametrize("schedule,p,m", [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 4, 3), ("1f1b", 3, 2)])
+def test_fewer_microbatches_than_stages(schedule, p, m):
+    """m < p always runs (mostly bubble): 1F1B's warm-up is cut to min(p - s - 1, m) forwards."""
+    _check_against_serial(schedule, p, m, 1, seed=m)
+
+
+def _check_against_serial(schedule, p, m, chunks, seed):
     rng = np.random.default_rng(seed)
     x, y = rng.integers(0, 16, (2 * m, 4)), rng.integers(0, 16, (2 * m, 4))
     loss, want = _serial_grads(x, y)

@@ -231,3 +231,15 @@ def test_lesson_under_mpirun():
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     assert len(re.findall(r"PASS", res.stdout)) >= 4 and "FAIL" not in res.stdout, res.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (pip install mpich)")
+def test_sequence_parallel_gradients_equal_serial_under_mpirun():
+    """tp=2 as two real processes, sequence parallelism on: every gradient == serial (tp_mpi_program.py)."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MINIDIST_TRANSPORT", None)
+    cmd = ["mpirun", "-n", "2", sys.executable, str(ROOT / "tests" / "tp_mpi_program.py")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(int(r) for r in re.findall(r"OK rank (\d+)", res.stdout)) == [0, 1], res.stdout

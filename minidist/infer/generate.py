@@ -24,18 +24,40 @@ def as_weights(model) -> GPTWeights:
     return model if isinstance(model, GPTWeights) else GPTWeights.from_model(model)
 
 
-def check_prompt(prompt, block_size: int, max_new_tokens: int = 0, what: str = "prompt") -> list:
-    """A prompt as a list of ints; a clear error if it is empty or can't fit the context."""
-    toks = [int(t) for t in np.asarray(prompt).reshape(-1)]
+def check_prompt(prompt, block_size: int, max_new_tokens: int = 0, what: str = "prompt",
+                 vocab_size: int | None = None) -> list:
+    """A prompt as a list of ints; a clear error, naming ``what``, if it is empty, holds something
+    other than token ids in [0, vocab_size), or can't fit the context with ``max_new_tokens``."""
+    arr = np.asarray(prompt)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what} must hold integer token ids, got dtype {arr.dtype}")
+    toks = [int(t) for t in arr.reshape(-1)]
     if not toks:
         raise ValueError(f"{what} is empty: generation needs at least one token to start from")
     if len(toks) > block_size:
         raise ValueError(f"{what} has {len(toks)} tokens, longer than the context (block_size {block_size})")
+    if vocab_size is not None:
+        bad = [(j, t) for j, t in enumerate(toks) if not 0 <= t < vocab_size]
+        if bad:
+            j, t = bad[0]
+            raise ValueError(f"{what} has token id {t} at position {j} ({len(bad)} out of range in all): "
+                             f"token ids must be in [0, {vocab_size}) for vocab_size {vocab_size}")
     if len(toks) + max_new_tokens > block_size:
         raise ValueError(f"{what}: {len(toks)} tokens + max_new_tokens {max_new_tokens} = "
                          f"{len(toks) + max_new_tokens} > block_size {block_size}; ask for at most "
                          f"{block_size - len(toks)} new tokens")
     return toks
+
+
+def check_prompts(prompts, block_size: int, vocab_size: int, max_new_tokens: int, who: str = "") -> list:
+    """A batch of prompts checked by ``check_prompt`` (``who``: a prefix such as "rank 3: ");
+    a clear error for an empty batch, which has nothing to generate from."""
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError(f"{who}no prompts: pass a list of at least one prompt, each a list of token ids "
+                         f"(e.g. [[1, 2, 3]])")
+    return [check_prompt(p, block_size, max_new_tokens, f"{who}prompt {i}", vocab_size)
+            for i, p in enumerate(prompts)]
 
 
 def host(a) -> np.ndarray:
@@ -86,7 +108,7 @@ def generate(model, prompts, max_new_tokens: int, sampling: SamplingParams = GRE
     ``return_logits``: also return, per sequence, the (n_new, V) logits each token was drawn from.
     """
     w = as_weights(model)
-    prompts = [check_prompt(p, w.block_size, max_new_tokens, f"prompt {i}") for i, p in enumerate(prompts)]
+    prompts = check_prompts(prompts, w.block_size, w.vocab_size, max_new_tokens)
     cache = KVCache.for_weights(w, len(prompts), max(len(p) for p in prompts) + max_new_tokens)
 
     def step(active, feed):
@@ -108,7 +130,7 @@ def generate_recompute(model, prompts, max_new_tokens: int, sampling: SamplingPa
     cfg = model.config
     stop, outs, logs = set(stop_tokens), [], []
     for i, p in enumerate(prompts):
-        seq = check_prompt(p, cfg.block_size, max_new_tokens, f"prompt {i}")
+        seq = check_prompt(p, cfg.block_size, max_new_tokens, f"prompt {i}", cfg.vocab_size)
         rng, out, lg = sampling.generator(i if ids is None else ids[i]), [], []
         while max_new_tokens > 0 and not is_done(out, max_new_tokens, stop):
             logits = full_logits(model, seq + out)[-1]

@@ -77,7 +77,8 @@ class Scheduler:
 
     # -- the queue --------------------------------------------------------------------------------
     def submit(self, req: Request):
-        req.prompt = check_prompt(req.prompt, self.w.block_size, req.max_new_tokens, f"request {req.id}")
+        req.prompt = check_prompt(req.prompt, self.w.block_size, req.max_new_tokens, f"request {req.id}",
+                                  self.w.vocab_size)
         cap = self.cache.max_len if not isinstance(self.cache, PagedKVCache) else \
             self.cache.num_blocks * self.cache.block_len
         if len(req.prompt) + req.max_new_tokens > cap:

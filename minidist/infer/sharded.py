@@ -24,10 +24,11 @@ from dataclasses import replace
 from minidist import trace
 from minidist.comm import Mesh, all_reduce
 from minidist.infer.decoder import GPTWeights, forward_tokens, last_logits
-from minidist.infer.generate import as_weights, check_prompt, decode_loop, host
+from minidist.infer.generate import as_weights, check_prompts, decode_loop, host
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import GREEDY
 from minidist.parallel.pipeline import partition_uniform
+from minidist.parallel.tensor import split_columns, split_qkv, split_rows
 
 
 def stage_weights(w: GPTWeights, pp_rank: int, pp: int) -> GPTWeights:
@@ -39,12 +40,12 @@ def stage_weights(w: GPTWeights, pp_rank: int, pp: int) -> GPTWeights:
                       ln_f=w.ln_f if last else None, head_w=w.head_w if last else None)
 
 
-def _cols(a, lo, hi):
-    return a[..., lo:hi].copy()
-
-
 def tp_shard(w: GPTWeights, tp_rank: int, tp: int, reduce, rank=None) -> GPTWeights:
-    """This rank's slices of every block: its heads' q/k/v columns and proj rows, its MLP units."""
+    """This rank's slices of every block: its heads' q/k/v columns and proj rows, its MLP units.
+
+    The slicing rules are training's (``split_qkv``, ``split_columns``, ``split_rows`` of
+    ``minidist.parallel.tensor``): a rank serves exactly the shard it would train.
+    """
     blocks = []
     for blk in w.blocks:
         h, hidden = blk.n_head, blk.fc_w.shape[1]
@@ -54,26 +55,16 @@ def tp_shard(w: GPTWeights, tp_rank: int, tp: int, reduce, rank=None) -> GPTWeig
                              f"(choose tp from the divisors of {h})")
         if hidden % tp:
             raise ValueError(f"{who}MLP hidden size {hidden} is not divisible by tp {tp}")
-        c = blk.qkv_w.shape[1] // 3  # H·D
-        hl, cl, ml = h // tp, c // tp, hidden // tp
-        lo = tp_rank * cl
-        qkv_cols = [(part * c + lo, part * c + lo + cl) for part in range(3)]
         blocks.append(replace(
             blk,
-            qkv_w=_concat_last([_cols(blk.qkv_w, a, b) for a, b in qkv_cols]),
-            qkv_b=_concat_last([_cols(blk.qkv_b, a, b) for a, b in qkv_cols]),
-            proj_w=blk.proj_w[lo:lo + cl].copy(),
-            fc_w=_cols(blk.fc_w, tp_rank * ml, (tp_rank + 1) * ml),
-            fc_b=_cols(blk.fc_b, tp_rank * ml, (tp_rank + 1) * ml),
-            mlp_w=blk.mlp_w[tp_rank * ml:(tp_rank + 1) * ml].copy(),
-            n_head=hl, reduce=reduce))
+            qkv_w=split_qkv(blk.qkv_w, tp_rank, tp).copy(),
+            qkv_b=split_qkv(blk.qkv_b, tp_rank, tp).copy(),
+            proj_w=split_rows(blk.proj_w, tp_rank, tp).copy(),
+            fc_w=split_columns(blk.fc_w, tp_rank, tp).copy(),
+            fc_b=split_columns(blk.fc_b, tp_rank, tp).copy(),
+            mlp_w=split_rows(blk.mlp_w, tp_rank, tp).copy(),
+            n_head=h // tp, reduce=reduce))
     return replace(w, blocks=blocks)
-
-
-def _concat_last(parts):
-    from minidist.backend import backend_of
-
-    return backend_of(parts[0]).xp.concatenate(parts, axis=-1)
 
 
 def shard_for(mesh: Mesh, model) -> GPTWeights:
@@ -91,12 +82,16 @@ def sharded_generate(comm, model, prompts, max_new_tokens, sampling=GREEDY, stop
 
     Logits (with ``return_logits``) come back on the rank that samples: the last stage's tp rank 0.
     """
-    cfg = model.config
-    if cfg.n_head % tp:  # before any communication: every rank raises the same clear error
-        raise ValueError(f"rank {comm.rank}: n_head {cfg.n_head} is not divisible by tp {tp}")
-    partition_uniform(cfg.n_layer, pp)  # raises if pp > n_layer, before any communication
+    cfg, who = model.config, f"rank {comm.rank}: "
+    # every check before any communication: every rank raises the same clear error, none waits
+    if cfg.n_head % tp:
+        raise ValueError(f"{who}n_head {cfg.n_head} is not divisible by tp {tp}")
+    try:
+        partition_uniform(cfg.n_layer, pp)  # raises if pp > n_layer
+    except ValueError as e:
+        raise ValueError(f"{who}{e}") from None
+    prompts = check_prompts(prompts, cfg.block_size, cfg.vocab_size, max_new_tokens, who)
     mesh = Mesh(comm, dp=1, pp=pp, tp=tp)
-    prompts = [check_prompt(p, cfg.block_size, max_new_tokens, f"prompt {i}") for i, p in enumerate(prompts)]
     w = shard_for(mesh, model)
     cache = KVCache.for_weights(w, len(prompts), max(len(p) for p in prompts) + max_new_tokens)
     last = mesh.pp_rank == pp - 1
