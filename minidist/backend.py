@@ -61,6 +61,11 @@ class Backend:
         target[...] = value
         return target
 
+    def set_at(self, target, index, values):
+        """``target[index] = values`` (in place where possible); returns the array to keep."""
+        target[index] = values
+        return target
+
     def synchronize(self):
         pass
 
@@ -150,6 +155,9 @@ class JaxBackend(Backend):
 
     def update(self, target, value):
         return self.xp.asarray(value, dtype=target.dtype)
+
+    def set_at(self, target, index, values):
+        return target.at[index].set(values)
 
     def synchronize(self):
         self.jax.effects_barrier()

@@ -66,6 +66,22 @@ def test_generate_equals_recompute_greedy(prompts, new):
         np.testing.assert_allclose(x, y, atol=2e-5, rtol=1e-4)
 
 
+def test_cache_works_on_jax_too():
+    """JAX arrays are immutable: the caches write with Backend.set_at (a new array per step) and
+    still give the recompute's tokens, contiguous and paged."""
+    pytest.importorskip("jax")
+    cfg = GPTConfig(vocab_size=V, block_size=BLOCK, n_layer=1, n_head=2, d_model=16, seed=2)
+    jm = GPT(cfg, backend="jax")
+    prompts = [[1, 2, 3], [4, 5]]
+    want = generate(GPT(cfg), prompts, 4)
+    assert generate(jm, prompts, 4) == want
+    from minidist.infer import Request, serve
+
+    tokens, _, _ = serve(jm, [Request(i, p, 4) for i, p in enumerate(prompts)], max_batch=2,
+                         policy="continuous", cache="paged", num_blocks=4, block_len=4)
+    assert [tokens[i] for i in range(2)] == want
+
+
 sampling = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.7, 1.0, 1.5]),
                      top_k=st.sampled_from([None, 1, 5]), top_p=st.sampled_from([None, 0.5, 0.9]),
                      seed=st.integers(0, 5))

@@ -20,11 +20,9 @@ class CacheStorage:
     """What the contiguous and the paged cache share: per layer, a k and a v array (rows, H, L, D)."""
 
     def allocate(self, n_layer, shape, dtype, backend):
-        """Zeroed ``self.k``, ``self.v`` of ``shape`` per layer, on a backend that writes in place."""
+        """Zeroed ``self.k``, ``self.v`` of ``shape`` per layer (written with ``Backend.set_at``: in
+        place on NumPy and CuPy, a new array per step on JAX)."""
         self.be = get_backend(backend) if backend is not None else default_backend()
-        if not self.be.inplace:
-            raise ValueError(f"the KV cache writes in place; backend {self.be.name!r} can't "
-                             "(use numpy or cupy)")
         self.k = [self.be.xp.zeros(shape, dtype=dtype) for _ in range(n_layer)]
         self.v = [self.be.xp.zeros(shape, dtype=dtype) for _ in range(n_layer)]
 
@@ -69,8 +67,8 @@ class KVCache(CacheStorage):
         if int(p.max()) >= self.max_len:
             raise ValueError(f"KV cache: position {int(p.max())} is past max_len {self.max_len}")
         s = slots[b]
-        self.k[layer][s, :, p] = k.transpose(0, 2, 1, 3)[b, t]
-        self.v[layer][s, :, p] = v.transpose(0, 2, 1, 3)[b, t]
+        self.k[layer] = self.be.set_at(self.k[layer], (s, slice(None), p), k.transpose(0, 2, 1, 3)[b, t])
+        self.v[layer] = self.be.set_at(self.v[layer], (s, slice(None), p), v.transpose(0, 2, 1, 3)[b, t])
 
     def read(self, layer, rows, tk):
         """Keys and values of positions 0..tk-1 for these rows: (B, H, tk, D)."""

@@ -80,8 +80,8 @@ class PagedKVCache(CacheStorage):
             bad = int(s[np.argmax(p // self.block_len >= self.n_blocks[s])])
             raise RuntimeError(f"paged KV cache: slot {bad} writes past its blocks; call reserve() first")
         blk, off = self.tables[s, p // self.block_len], p % self.block_len
-        self.k[layer][blk, :, off] = k.transpose(0, 2, 1, 3)[b, t]
-        self.v[layer][blk, :, off] = v.transpose(0, 2, 1, 3)[b, t]
+        self.k[layer] = self.be.set_at(self.k[layer], (blk, slice(None), off), k.transpose(0, 2, 1, 3)[b, t])
+        self.v[layer] = self.be.set_at(self.v[layer], (blk, slice(None), off), v.transpose(0, 2, 1, 3)[b, t])
 
     def read(self, layer, rows, tk):
         """Gather each row's blocks into (B, H, tk, D) (rows past a sequence's end hold junk: masked)."""

@@ -44,9 +44,10 @@ def train(comm, cfg, dtype, data, b, lr, inject=(), growth_interval=2000):
             mp.all_reduce_grads(comm)
         grad_bytes = m.bytes_sent
         if (step, comm.rank) in inject:  # a gradient overflows on this rank only
-            g = mp.params[1].grad.copy()
+            be = mp.params[1].backend
+            g = np.array(be.to_host(mp.params[1].grad))
             g.flat[0] = np.inf
-            mp.params[1].grad = g
+            mp.params[1].grad = be.from_host(g)
         scale = mp.scale
         stepped = mp.step(opt)
         log.append((float(np.mean(comm.allgather_obj(loss.item()))), scale, comm.allgather_obj(stepped)))

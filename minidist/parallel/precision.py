@@ -105,6 +105,12 @@ def _row_parallel_forward(lin, x):
     return y if lin.bias is None else ops.cast(ops.cast(y, f32) + ops.cast(lin.bias, f32), low)
 
 
+def _fp32_copy(a):
+    """An fp32 copy of ``a`` on ``a``'s own backend (the masters live where the model does)."""
+    be = backend_of(a)
+    return be.from_host(np.array(be.to_host(a), dtype=np.float32))
+
+
 def autocast(model, dtype="bf16"):
     """Make ``model`` compute in ``dtype``: its parameters are cast (in place) and its Linear and
     LayerNorm layers -- and the tensor-parallel ``ColumnParallelLinear`` / ``RowParallelLinear`` --
@@ -209,7 +215,7 @@ class MixedPrecision:
         if scaler == "auto":
             scaler = DynamicLossScaler() if self.dtype == np.float16 else None
         self.scaler, self.groups = scaler, list(groups)
-        self.master_params = [Tensor(np.array(p.data, dtype=np.float32), requires_grad=True, name=n)
+        self.master_params = [Tensor(_fp32_copy(p.data), requires_grad=True, name=n)  # same device as p
                               for n, p in model.named_parameters()]
         self.model = autocast(model, self.dtype)
         self.params = model.parameters()
