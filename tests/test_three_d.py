@@ -24,11 +24,11 @@ def _rank(comm, batches, optimizer, **kw):
     return gather_full_state(comm, result), result.losses
 
 
-def _check(dp, pp, tp, m, schedule, optimizer="sgd", seed=0, chunks=1):
+def _check(dp, pp, tp, m, schedule, optimizer="sgd", seed=0, chunks=1, checkpoint=None):
     batches = _batches(dp * m * 2, seed=seed)
     want, want_losses = train_serial(CFG, batches, lr=0.1, optimizer=optimizer)
     results = run(_rank, ranks=dp * pp * tp, batches=batches, optimizer=optimizer, dp=dp, pp=pp, tp=tp,
-                  microbatches=m, schedule=schedule, chunks=chunks)
+                  microbatches=m, schedule=schedule, chunks=chunks, checkpoint=checkpoint)
     state, losses = results[0]
     assert max_state_diff(state, want) <= TOL
     np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
@@ -38,6 +38,11 @@ def _check(dp, pp, tp, m, schedule, optimizer="sgd", seed=0, chunks=1):
 @pytest.mark.parametrize("dp,pp,tp", [(2, 2, 2), (2, 4, 1), (1, 4, 2)])
 def test_eight_ranks_equal_serial(dp, pp, tp):
     _check(dp, pp, tp, m=2, schedule="1f1b", optimizer="adamw")
+
+
+@pytest.mark.parametrize("policy", ["full", "sqrt", "selective"])
+def test_3d_with_activation_checkpointing_equals_serial(policy):
+    _check(2, 2, 2, m=2, schedule="1f1b", checkpoint=policy)
 
 
 def test_interleaved_2x2x2_equals_serial():

@@ -100,10 +100,11 @@ class Result3D:
 
 def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbatches: int = 1,
              schedule: str = "1f1b", lr: float = 0.1, optimizer: str = "sgd", chunks: int = 1,
-             layer_costs=None, on_step=None) -> Result3D:
+             layer_costs=None, on_step=None, checkpoint: str | None = None) -> Result3D:
     """Train `GPT(cfg)` on `batches` (list of global (x, y) batches, the same on every rank) with
     dp x pp x tp = comm.size ranks. `layer_costs` (one per layer) selects the balanced partition.
-    `on_step(step, stats)` is called after each step (e.g. to record traces)."""
+    `on_step(step, stats)` is called after each step (e.g. to record traces). `checkpoint` is an
+    activation-checkpointing policy ("full", "sqrt", "every_k", "selective") applied per stage."""
     batch_size = batches[0][0].shape[0]
     check_3d(comm.size, cfg, batch_size, dp, pp, tp, microbatches, chunks, comm.rank)
     mesh = Mesh(comm, dp=dp, pp=pp, tp=tp)
@@ -111,7 +112,7 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
     n = len(model)
     bounds = partition_uniform(n, pp * chunks) if layer_costs is None else partition_balanced(layer_costs,
                                                                                              pp * chunks)
-    stage = PipelineStage(model, bounds, mesh.pp_rank, pp, loss_fn=loss_fn)
+    stage = PipelineStage(model, bounds, mesh.pp_rank, pp, loss_fn=loss_fn, checkpoint=checkpoint)
     params = stage.parameters()
     opt = make_optimizer(optimizer, params, lr)
     instructions = make_schedule(schedule, pp, microbatches, chunks)[mesh.pp_rank]
