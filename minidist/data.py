@@ -26,7 +26,8 @@ class ByteTokenizer:
 
 
 def default_text() -> str:
-    """The text that ships with minidist (an essay on how large models are trained)."""
+    """The text that ships with minidist: an essay on how large models are trained, followed by the
+    course's chapters (lessons/*.md as they were when the package was built)."""
     return resources.files("minidist").joinpath("assets/corpus.txt").read_text(encoding="utf-8")
 
 
