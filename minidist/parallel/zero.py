@@ -240,6 +240,34 @@ class ZeRO(DistributedDataParallel):
 
         object.__setattr__(unit, "forward", forward)
 
+    # -- a sharded checkpoint: each rank saves and restores only what it owns -------------------
+    def state_dict(self) -> dict:
+        """This rank's part of the training state: its slices of the parameters (at stage 3 the only
+        copy there is), its optimizer state, and the layout needed to check them on load."""
+        return {"stage": self.stage, "rank": self.comm.rank, "size": self.comm.size,
+                "numels": [b.numel for b in self.buckets],
+                "shards": [np.array(s.backend.to_host(s.data)) for s in self.shards],
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, sd: dict):
+        """Restore what ``state_dict`` saved on this rank (collective: stages 1 and 2 share the
+        restored slices so every replica holds the full parameters again)."""
+        want = {"stage": self.stage, "rank": self.comm.rank, "size": self.comm.size,
+                "numels": [b.numel for b in self.buckets]}
+        got = {k: sd.get(k) for k in want}
+        if got != want:
+            raise ValueError(f"rank {self.comm.rank}: this ZeRO checkpoint shard was saved with {got}, "
+                             f"but this run has {want}; load each rank's own shard, with the same "
+                             "model, stage and world size")
+        for shard, arr in zip(self.shards, sd["shards"]):
+            shard.data = shard.backend.from_host(np.array(arr, dtype=shard.dtype))
+        self.optimizer.load_state_dict(sd["optimizer"])
+        if self.stage < 3:
+            for b, shard in zip(self.buckets, self.shards):
+                for p, v in zip(b.params, b.views(all_gather_flat(self.comm, shard.data, b.numel))):
+                    p.data = v
+        return self
+
     # -- reading the model -----------------------------------------------------------------------
     def full_parameters(self) -> dict:
         """Name -> full parameter array (collective: stage 3 all-gathers every unit's slices)."""
