@@ -236,9 +236,11 @@ def _tag(instr, stage: int, num_stages: int, num_virtual: int) -> int:
 class _Runtime:
     """The state of one stage while it executes one step's instruction list."""
 
-    def __init__(self, stage: PipelineStage, comm, inputs, targets, optimizer_step, tracer):
+    def __init__(self, stage: PipelineStage, comm, inputs, targets, optimizer_step, tracer, ddp=None,
+                 last_backward=None):
         self.stage, self.comm, self.tracer = stage, comm, tracer
         self.inputs, self.targets, self.optimizer_step = inputs, targets, optimizer_step
+        self.ddp, self.last_backward = ddp, last_backward or {}
         self.m = len(targets) if targets is not None else None  # only the loss stage needs m
         self.x, self.out, self.received, self.to_send = {}, {}, {}, {}
         self.stats, self.losses, self.held, self.held_bytes = StepStats(), [], 0, 0
@@ -276,7 +278,11 @@ class _Runtime:
     def backward(self, mb: int, chunk: int) -> None:
         st, key = self.stage, (mb, chunk)
         x, out = self.x.pop(key), self.out.pop(key)
-        with self._span("Backward", "compute", mb=mb, chunk=chunk):
+        # data parallelism: only a chunk's last backward completes its gradients, so only then may
+        # their bucketed all-reduces start (overlapping the rest of the backward pass)
+        sync = self.ddp is None or self.last_backward.get(chunk) == mb
+        with self._span("Backward", "compute", mb=mb, chunk=chunk), \
+                (nullcontext() if sync else self.ddp.no_sync()):
             if st.is_last(chunk):
                 out.backward()
             else:
@@ -337,13 +343,16 @@ class _Runtime:
 
 
 def run_schedule(stage: PipelineStage, comm, instructions, inputs=None, targets=None,
-                 optimizer_step=None) -> StepStats:
+                 optimizer_step=None, ddp=None) -> StepStats:
     """Execute one training step's `instructions` (this stage's list) on `stage`.
 
     `comm` is the pipeline group (its rank is the stage index). `inputs[mb]` feed the first virtual
     stage, `targets[mb]` the loss on the last one; other ranks may pass None. Parameter gradients
     accumulate over the microbatches into `p.grad` (the mean-loss gradient); `optimizer_step()` is
-    called at `OptimizerStep`. Returns this stage's `StepStats`.
+    called at `OptimizerStep`. `ddp`: a `DistributedDataParallel` wrapping this stage over its
+    data-parallel group: every backward but each chunk's last runs in `ddp.no_sync()`, so the
+    gradient buckets' all-reduces start during the last one (`optimizer_step` must call
+    `ddp.wait_gradients()`). Returns this stage's `StepStats`.
     """
     if comm.size != stage.num_stages:
         raise ValueError(f"rank {comm.rank}: pipeline group has {comm.size} ranks but the model is cut into "
@@ -352,7 +361,11 @@ def run_schedule(stage: PipelineStage, comm, instructions, inputs=None, targets=
         raise ValueError(f"rank {comm.rank}: stage {stage.stage} holds the first layers and needs inputs")
     if any(stage.is_last(c) for c in range(stage.num_chunks)) and targets is None:
         raise ValueError(f"rank {comm.rank}: stage {stage.stage} computes the loss and needs targets")
-    rt = _Runtime(stage, comm, inputs, targets, optimizer_step, trace.current())
+    last_backward = {}
+    for instr in instructions:
+        if isinstance(instr, Backward):
+            last_backward[instr.chunk] = instr.mb
+    rt = _Runtime(stage, comm, inputs, targets, optimizer_step, trace.current(), ddp, last_backward)
     t0 = time.perf_counter()
     for instr in instructions:
         rt.execute(instr)

@@ -7,9 +7,11 @@ Every rank is one cell of the mesh (`minidist.comm.Mesh`: rank = (pp_rank * dp +
 * **pipeline (pp)**: the model's layer list is cut into pp stages (`minidist.parallel.pipeline`);
   each stage runs a schedule (GPipe or 1F1B) over the microbatches, sending activations forward
   and gradients back to the same (dp, tp) coordinate of the neighbouring stage;
-* **data (dp)**: dp replicas of the whole pipeline each take 1/dp of the global batch; at the
-  schedule's `OptimizerStep` they average their gradients (`all_reduce_grads`) and all take the
-  same optimizer step.
+* **data (dp)**: dp replicas of the whole pipeline each take 1/dp of the global batch. Each stage
+  is wrapped in `DistributedDataParallel` over its dp group: a chunk's gradients are complete after
+  its last microbatch's backward, so that backward alone syncs, and its buckets' all-reduces run
+  while the rest of it computes. At the schedule's `OptimizerStep` every replica waits for them and
+  takes the same optimizer step.
 
 `train_3d` is the parallel run and `train_serial` its serial twin: one process, the same global
 batches, the same optimizer. They give the same parameters up to float rounding (the summation
@@ -25,6 +27,7 @@ import numpy as np
 from minidist.comm import Mesh, all_reduce
 from minidist.nn import GPT
 from minidist.optim import SGD, AdamW
+from minidist.parallel.data import DistributedDataParallel
 from minidist.parallel.pipeline import (
     PipelineStage,
     make_schedule,
@@ -75,19 +78,6 @@ def build_model(cfg, tp_comm=None):
     return model, model.loss_fn
 
 
-def all_reduce_grads(params, dp_comm) -> None:
-    """Average gradients over the data-parallel group: one flat buffer, one all-reduce (mean)."""
-    if dp_comm is None or dp_comm.size == 1:
-        return
-    grads = [p.grad if p.grad is not None else p.backend.xp.zeros(p.shape, p.dtype) for p in params]
-    xp = params[0].backend.xp
-    flat = all_reduce(dp_comm, xp.concatenate([g.reshape(-1) for g in grads]), op="mean")
-    offset = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[offset:offset + g.size].reshape(g.shape)
-        offset += g.size
-
-
 @dataclass
 class Result3D:
     """What `train_3d` returns on every rank."""
@@ -116,9 +106,12 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
     params = stage.parameters()
     opt = make_optimizer(optimizer, params, lr)
     instructions = make_schedule(schedule, pp, microbatches, chunks)[mesh.pp_rank]
+    # data parallelism: DDP's buckets, started during each chunk's last backward (see run_schedule)
+    ddp = DistributedDataParallel(stage, mesh.dp, broadcast_from=None) if dp > 1 else None
 
     def optimizer_step():
-        all_reduce_grads(params, mesh.dp)
+        if ddp is not None:
+            ddp.wait_gradients()
         opt.step()
         opt.zero_grad()
 
@@ -128,7 +121,7 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
         mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
         xs = split_microbatches(x[mine], microbatches, comm.rank)
         ys = split_microbatches(y[mine], microbatches, comm.rank)
-        stats = run_schedule(stage, mesh.pp, instructions, xs, ys, optimizer_step)
+        stats = run_schedule(stage, mesh.pp, instructions, xs, ys, optimizer_step, ddp=ddp)
         all_stats.append(stats)
         if on_step is not None:
             on_step(step, stats)
