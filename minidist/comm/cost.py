@@ -28,7 +28,6 @@ several hosts with uneven slots or cores it can differ between ranks; so ``all_r
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 BETA = 1 / 2e9    # s per byte sent (~2 GB/s through shared memory)
@@ -58,27 +57,49 @@ def agreed_crowded(comm) -> bool:
     return flag
 
 
-def all_reduce_cost(algorithm: str, nbytes: int, p: int, alpha: float, delta: float) -> float:
-    """Predicted seconds for one rank to all-reduce ``nbytes`` over ``p`` ranks."""
+def all_reduce_counts(algorithm: str, nbytes: int, p: int) -> tuple:
+    """(rounds, messages, bytes sent, bytes reduced) of the busiest rank, per the table above."""
     if p == 1:
-        return 0.0
+        return 0, 0, 0.0, 0.0
     q = 1 << (p.bit_length() - 1)
-    fold = p - q > 0  # extra ranks fold in (one step, N bytes) and get the result back (one more)
-    log_q = int(math.log2(q))
+    log_q = q.bit_length() - 1
     ring_bytes = 2 * (p - 1) / p * nbytes
     if algorithm == "ring":
-        rounds, messages, sent, reduced = 2 * (p - 1), 2 * (p - 1), ring_bytes, ring_bytes / 2
+        counts = 2 * (p - 1), 2 * (p - 1), ring_bytes, ring_bytes / 2
     elif algorithm == "two_shot":
-        rounds, messages, sent, reduced = 2, 2 * (p - 1), ring_bytes, ring_bytes / 2
+        counts = 2, 2 * (p - 1), ring_bytes, ring_bytes / 2
     elif algorithm == "halving_doubling":
         q_bytes = 2 * (q - 1) / q * nbytes
-        rounds, messages, sent, reduced = 2 * log_q, 2 * log_q, q_bytes, q_bytes / 2
+        counts = 2 * log_q, 2 * log_q, q_bytes, q_bytes / 2
     elif algorithm == "recursive_doubling":
-        rounds, messages, sent, reduced = log_q, log_q, log_q * nbytes, log_q * nbytes
+        counts = log_q, log_q, log_q * nbytes, log_q * nbytes
     else:
         raise ValueError(f"no cost model for {algorithm!r}")
-    if fold and algorithm in ("halving_doubling", "recursive_doubling"):
-        rounds, messages, sent, reduced = rounds + 2, messages + 2, sent + nbytes, reduced + nbytes
+    if p > q and algorithm in ("halving_doubling", "recursive_doubling"):  # the fold: 2 more steps of N
+        rounds, messages, sent, reduced = counts
+        counts = rounds + 2, messages + 2, sent + nbytes, reduced + nbytes
+    return counts
+
+
+def all_reduce_bytes_sent(algorithm: str, nbytes: int, p: int, r: int) -> int:
+    """Bytes rank ``r`` of ``p`` sends in one all-reduce of ``nbytes`` (exact when p divides the
+    element count). For p not a power of two, recursive doubling and halving-doubling first fold the
+    2·rem lowest ranks in pairs (rem = p - q): the even one sends its N and sits out, the odd one
+    also sends the result back at the end."""
+    if p == 1:
+        return 0
+    if algorithm in ("ring", "two_shot"):
+        return 2 * (p - 1) * nbytes // p
+    q = 1 << (p.bit_length() - 1)
+    _, _, core, _ = all_reduce_counts(algorithm, nbytes, q)
+    if r >= 2 * (p - q):
+        return int(core)
+    return nbytes if r % 2 == 0 else int(core) + nbytes
+
+
+def all_reduce_cost(algorithm: str, nbytes: int, p: int, alpha: float, delta: float) -> float:
+    """Predicted seconds for one rank to all-reduce ``nbytes`` over ``p`` ranks."""
+    rounds, messages, sent, reduced = all_reduce_counts(algorithm, nbytes, p)
     return rounds * alpha + messages * delta + sent * BETA + reduced * GAMMA
 
 

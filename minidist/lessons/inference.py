@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from minidist.comm import measure
+from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.data import BatchLoader, ByteTokenizer, TextDataset
 from minidist.infer import (
     GREEDY,
@@ -167,25 +168,12 @@ def mesh_for(n, args):
 
 
 def all_reduce_bytes(name: str, nbytes: int, p: int, r: int) -> int | None:
-    """Bytes rank r of p sends in one all-reduce of ``nbytes`` run by ``name`` (as the ledger names
-    it): the textbook counts, exact when the chunks divide evenly (here tp divides d_model).
-    For p not a power of two, recursive doubling and halving-doubling first fold the 2·rem lowest
-    ranks in pairs (rem = p - q, q the largest power of two <= p): the even one sends its N and sits
-    out, the odd one sends the result back at the end. None for an algorithm without a formula here."""
-    if p == 1:
-        return 0
-    q = 1 << (p.bit_length() - 1)
-    if name in ("ring_all_reduce", "two_shot_all_reduce"):
-        return 2 * (p - 1) * nbytes // p
-    if name == "recursive_doubling_all_reduce":
-        core = (q.bit_length() - 1) * nbytes               # log2 q exchanges of the whole array
-    elif name == "halving_doubling_all_reduce":
-        core = 2 * (q - 1) * nbytes // q                   # the ring's bytes among q ranks
-    else:
+    """Bytes rank r of p sends in one all-reduce the ledger calls ``name``: minidist.comm.cost's
+    formula (exact here: tp divides d_model). None for an algorithm without one."""
+    algorithm = name.removesuffix("_all_reduce")
+    if algorithm not in ("ring", "two_shot", "halving_doubling", "recursive_doubling"):
         return None
-    if r >= 2 * (p - q):
-        return core
-    return nbytes if r % 2 == 0 else core + nbytes       # folded out / folding partner
+    return all_reduce_bytes_sent(algorithm, nbytes, p, r)
 
 
 def sharded(comm, model, args):
