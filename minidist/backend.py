@@ -76,10 +76,6 @@ class Backend:
     def random_normal(self, rng: np.random.Generator, shape, dtype, scale=1.0):
         return self.from_host((rng.standard_normal(shape) * scale).astype(dtype))
 
-    def random_uniform(self, rng: np.random.Generator, shape, dtype):
-        return self.from_host(rng.random(shape, dtype=np.float32 if dtype == np.float16 else dtype)
-                              .astype(dtype))
-
     def __repr__(self):
         return f"<Backend {self.name}{'' if self.device is None else f' on {self.device}'}>"
 
@@ -225,11 +221,17 @@ def default_backend() -> Backend:
     return be if be is not None else get_backend()
 
 
+_BY_TYPE: dict = {}
+
+
 def backend_of(array) -> Backend:
-    """The backend whose arrays ``array`` is (NumPy for anything that isn't CuPy or JAX)."""
-    mod = type(array).__module__
-    if mod.startswith("jax") or mod.startswith("jaxlib"):
-        return get_backend("jax")
-    if mod.startswith("cupy"):
-        return get_backend("cupy")
-    return get_backend("numpy")
+    """The backend whose arrays ``array`` is (NumPy for anything that isn't CuPy or JAX).
+
+    Called for every op: the answer is cached per array type (a dict lookup, no lock)."""
+    kind = type(array)
+    be = _BY_TYPE.get(kind)
+    if be is None:
+        mod = kind.__module__
+        name = "jax" if mod.startswith(("jax", "jaxlib")) else "cupy" if mod.startswith("cupy") else "numpy"
+        be = _BY_TYPE[kind] = get_backend(name)
+    return be

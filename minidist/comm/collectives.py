@@ -239,7 +239,7 @@ def all_gather(comm, x, axis: int = 0, sizes=None):
         parts[c.rank] = np.ascontiguousarray(be.to_host(x))
         r, p = c.rank, c.size
         for s in range(p - 1):
-            send_i, recv_i = (r - s) % p, (r - s - 1) % p
+            send_i, recv_i = ring_chunks(r, p, s, "all-gather")
             parts[recv_i] = c._sendrecv_host(parts[send_i], (r + 1) % p, (r - 1) % p, TAG)
             rec.step()
         return be.from_host(np.concatenate(parts, axis=axis))
@@ -296,8 +296,7 @@ def recursive_doubling_all_reduce(comm, x, op: str = "sum"):
         if vrank >= 0:
             mask = 1
             while mask < pof2:
-                vpeer = vrank ^ mask
-                peer = 2 * vpeer + 1 if vpeer < rem else vpeer + rem
+                peer = _real_rank(vrank ^ mask, rem)
                 c.sendrecv_buffer(buf, peer, tmp, peer, TAG)
                 fn(tmp, buf, out=buf) if peer < r else fn(buf, tmp, out=buf)  # lower rank first
                 mask <<= 1
@@ -374,14 +373,11 @@ def halving_doubling_all_reduce(comm, x, op: str = "sum"):
             src = buf
         vrank = _fold_in(c, buf, tmp, fn, rem)
 
-        def real(v):
-            return 2 * v + 1 if v < rem else v + rem
-
         if vrank >= 0:
             bounds = np.cumsum([0] + split_sizes(buf.size, q))
             lo, hi, mask = 0, q, q >> 1
             while mask:                          # reduce-scatter: halve what I own each step
-                mid, peer = (lo + hi) // 2, real(vrank ^ mask)
+                mid, peer = (lo + hi) // 2, _real_rank(vrank ^ mask, rem)
                 low = not vrank & mask           # the lower partner keeps the lower half
                 (klo, khi), (slo, shi) = ((lo, mid), (mid, hi)) if low else ((mid, hi), (lo, mid))
                 k, incoming = slice(bounds[klo], bounds[khi]), tmp[:bounds[khi] - bounds[klo]]
@@ -390,13 +386,19 @@ def halving_doubling_all_reduce(comm, x, op: str = "sum"):
                 lo, hi, mask, src = klo, khi, mask >> 1, buf
             mask = 1
             while mask < q:                      # all-gather: double what I own each step
-                width, peer = hi - lo, real(vrank ^ mask)
+                width, peer = hi - lo, _real_rank(vrank ^ mask, rem)
                 plo, phi = (hi, hi + width) if not vrank & mask else (lo - width, lo)
                 c.sendrecv_buffer(buf[bounds[lo]:bounds[hi]], peer, buf[bounds[plo]:bounds[phi]], peer, TAG)
                 lo, hi, mask = min(lo, plo), max(hi, phi), mask << 1
         _fold_out(c, buf, rem)
         rec.step(2 * logq + (2 if rem else 0))
         return be.from_host(_finish(buf, op, p).reshape(np.shape(x)))
+
+
+def _real_rank(v: int, rem: int) -> int:
+    """The rank behind virtual rank ``v`` after the fold: of the first 2·rem ranks only the odd ones
+    stay in (v < rem), the rest keep their order."""
+    return 2 * v + 1 if v < rem else v + rem
 
 
 def _fold_in(c, buf, tmp, fn, rem) -> int:
@@ -434,7 +436,7 @@ def tree_reduce_host(c, buf: np.ndarray, op: str, root: int, rec) -> None:
     """Binomial tree, in place on ``buf``: in round k, ranks with bit k set (relative to root) send
     to the rank 2**k below and drop out. The root ends with the reduction."""
     p, vr = c.size, (c.rank - root) % c.size
-    tmp, mask, fn = np.empty_like(buf), 1, OPS[op]
+    tmp, mask, fn = _scratch(c, buf.size, buf.dtype).reshape(buf.shape), 1, OPS[op]
     while mask < p:
         if vr & mask:
             c.send_buffer(buf, (vr - mask + root) % p, TAG)
@@ -512,7 +514,7 @@ def naive_all_reduce(comm, x, op: str = "sum"):
         buf = np.array(be.to_host(x), copy=True).reshape(-1)
         _check_op(comm, op, buf.dtype)
         if c.rank == 0:
-            tmp = np.empty_like(buf)
+            tmp = _scratch(c, buf.size, buf.dtype).reshape(buf.shape)
             for r in range(1, c.size):
                 c.recv_buffer(tmp, r, TAG)
                 OPS[op](buf, tmp, out=buf)
@@ -540,7 +542,9 @@ def mpi_all_reduce(comm, x, op: str = "sum"):
         be = _backend(comm, x)
         buf = np.array(be.to_host(x), copy=True)
         _check_op(comm, op, buf.dtype)
-        if buf.dtype.char not in "?bBhHiIlLqQefdgFDG":
+        from minidist.comm.mpi import mpi_knows
+
+        if not mpi_knows(buf.dtype):
             raise TypeError(f"rank {comm.rank}: MPI's Allreduce can't reduce {buf.dtype} (it doesn't know "
                             f"the type); use one of minidist's algorithms, e.g. algorithm='ring'")
         mop = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]

@@ -152,8 +152,8 @@ class Communicator:
                              f"(valid: 0..{self.size - 1})")
         return int(peer)
 
-    def _check_tag(self, tag: int, internal: bool = False) -> int:
-        if not internal and not 0 <= tag < MAX_USER_TAG:
+    def _check_tag(self, tag: int) -> int:
+        if not 0 <= tag < MAX_USER_TAG:
             raise ValueError(f"rank {self.rank}: tag={tag} must be in 0..{MAX_USER_TAG - 1}")
         return tag
 

@@ -2,7 +2,7 @@
 
 Every transport calls :meth:`Ledger.count_send` / :meth:`Ledger.count_recv` for each payload
 message (array bytes only; the small shape/dtype headers are counted apart, in ``header_bytes``).
-Every collective opens a :class:`CallRecord` (name, bytes, steps) with :func:`collective_call`;
+Every collective opens a :class:`CallRecord` (name, bytes, steps) (``minidist.comm.collectives.collective``);
 its algorithm calls ``rec.step()`` once per communication round.
 
 Read it with ``with measure(comm) as m: ...`` then ``m.bytes_sent``, ``m.steps``, ``m.calls``.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _active = threading.local()  # the CallRecord of the collective running on this thread (rank)
 
@@ -29,7 +29,6 @@ class CallRecord:
     bytes_received: int = 0
     messages: int = 0
     steps: int = 0
-    info: dict = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -121,22 +120,6 @@ def current_call() -> CallRecord | None:
 
 def set_current_call(rec: CallRecord | None) -> None:
     _active.rec = rec
-
-
-@contextlib.contextmanager
-def collective_call(comm, name: str, **info):
-    """Open the record of one collective on ``comm`` (nested collectives join the outer record)."""
-    outer = current_call()
-    if outer is not None:
-        yield outer
-        return
-    rec = CallRecord(name, info=info)
-    _active.rec = rec
-    try:
-        yield rec
-    finally:
-        _active.rec = None
-        comm.ledger.finish_call(rec)
 
 
 class Measurement:

@@ -63,9 +63,15 @@ def decode_header(h: np.ndarray):
 _NATIVE = set("?bBhHiIlLqQefdgFDG")  # dtypes mpi4py maps to MPI types itself
 
 
+def mpi_knows(dtype) -> bool:
+    """Does mpi4py map this dtype to an MPI type (so MPI itself can reduce it)?"""
+    dtype = np.dtype(dtype)
+    return dtype.char in _NATIVE and dtype.isnative
+
+
 def _bytes(buf: np.ndarray):
     """The buffer as MPI sees it: the array itself for standard dtypes, else its bytes (bfloat16)."""
-    if buf.dtype.char in _NATIVE and buf.dtype.isnative:
+    if mpi_knows(buf.dtype):
         return buf
     return buf.reshape(-1).view(np.uint8)
 
@@ -82,6 +88,13 @@ class _MPIRequest(Request):
         return self.result
 
 
+def _drain(queue) -> None:
+    """Post the payload receives of this (source, tag)'s pending receives whose header arrived, in
+    the order they were posted."""
+    while queue and queue[0].hreq.Test():
+        queue.popleft()._post_payload()
+
+
 class _MPIHeaderRecv(Request):
     """Receive a header, then post the payload receive (in posted order per (source, tag))."""
 
@@ -92,11 +105,6 @@ class _MPIHeaderRecv(Request):
         self.preq = None
         self.queue = comm._pending[(source, tag)]
         self.queue.append(self)
-
-    def _advance_queue(self):
-        q = self.queue
-        while q and q[0].hreq.Test():
-            q.popleft()._post_payload()
 
     def _post_payload(self):
         shape, dtype = decode_header(self.h)
@@ -110,7 +118,7 @@ class _MPIHeaderRecv(Request):
 
     def test(self) -> bool:
         if self.preq is None:
-            self._advance_queue()
+            _drain(self.queue)
             if self.preq is None:
                 return False
         return self.preq.Test()
@@ -142,8 +150,7 @@ class MPIComm(Communicator):
         sent to it, or two ranks exchanging large messages would each wait for the other.
         """
         for queue in self._pending.values():
-            while queue and queue[0].hreq.Test():
-                queue.popleft()._post_payload()
+            _drain(queue)
 
     def _isend_host(self, buf, dest, tag, header, count=True) -> Request:
         reqs, keep = [], [buf]

@@ -18,6 +18,7 @@ import numpy as np
 
 from minidist.comm.communicator import Communicator, RankAborted, Request, format_op
 from minidist.comm.ledger import Ledger
+from minidist.comm.mpi import HEADER_LEN
 
 
 class ThreadWorld:
@@ -130,7 +131,7 @@ class ThreadComm(Communicator):
         if count:
             self.ledger.count_send(buf.nbytes)
         if header:
-            self.ledger.count_header(8 * (4 + buf.ndim))  # what the MPI transport's header costs
+            self.ledger.count_header(8 * HEADER_LEN)  # what the MPI transport's header costs
         return _Done()
 
     def _irecv_host(self, source, tag, out, header, count=True) -> Request:

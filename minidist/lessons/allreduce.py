@@ -16,7 +16,12 @@ import time
 import numpy as np
 
 from minidist.comm import measure, mpi_all_reduce, naive_all_reduce, ring_all_reduce, tree_all_reduce
-from minidist.comm.collectives import halving_doubling_all_reduce, ring_chunks, two_shot_all_reduce
+from minidist.comm.collectives import (
+    halving_doubling_all_reduce,
+    ring_chunks,
+    split_sizes,
+    two_shot_all_reduce,
+)
 from minidist.lessons.cli import launch, lesson_parser, rprint
 
 
@@ -30,7 +35,7 @@ def formula(name: str, p: int, n: int, itemsize: int) -> tuple[str, float]:
     Ring, exactly: rank r sends 2N - |c_r| - |c_r+1| with c = np.array_split chunks (= 2(p-1)/p N
     when p divides n)."""
     N, log2p = n * itemsize, (p - 1).bit_length()
-    c = [len(a) * itemsize for a in np.array_split(np.empty(n), p)]
+    c = [s * itemsize for s in split_sizes(n, p)]
     ring = max(2 * N - c[r] - c[(r + 1) % p] for r in range(p)) if p > 1 else 0
     return {
         "naive": ("(p-1)N at the root", (p - 1) * N),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 
+from minidist.backend import BACKENDS
 from minidist.comm import run
 
 
@@ -21,7 +22,7 @@ def lesson_parser(description: str, ranks: int = 4) -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=ranks,
                    help=f"ranks as threads of this process (default {ranks}; ignored under mpirun)")
-    p.add_argument("--backend", choices=["numpy", "jax", "cupy"], default=None,
+    p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="array library (default $MINIDIST_BACKEND or numpy)")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace of every rank")
     p.add_argument("--plot", metavar="FILE.png", help="write a picture")

@@ -17,6 +17,7 @@ from minidist import ops
 from minidist.nn.attention import CausalSelfAttention
 from minidist.nn.layers import MLP, Dropout, Embedding, LayerNorm, Linear
 from minidist.nn.module import Module, Sequential
+from minidist.tensor import Tensor
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class Embed(Module):
 
 def token_ids(idx, start: int, block_size: int):
     """The id array (B, T) of ``idx`` (an array or a Tensor), checked to fit the context from ``start``."""
-    idx = idx.data if hasattr(idx, "data") and not hasattr(idx, "dtype") else idx
+    idx = idx.data if isinstance(idx, Tensor) else idx
     t = idx.shape[1]
     if start + t > block_size:
         raise ValueError(f"sequence of length {start + t} is longer than the context "
