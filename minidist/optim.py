@@ -159,13 +159,10 @@ class WarmupCosine:
 
 
 def global_grad_norm(params) -> float:
-    """√(Σ‖g‖²) over every parameter's gradient (accumulated in float64)."""
-    total = 0.0
-    for p in params:
-        if p.grad is not None:
-            g = p.grad.astype("float64")
-            total += float((g * g).sum())
-    return math.sqrt(total)
+    """√(Σ‖g‖²) over every parameter's gradient, summed in float64 on the gradients' device and
+    brought to the host once (no float64 copy of each gradient, no device sync per parameter)."""
+    squares = [(p.grad * p.grad).sum(dtype="float64") for p in params if p.grad is not None]
+    return math.sqrt(float(sum(squares))) if squares else 0.0
 
 
 def clip_grad_norm(params, max_norm: float, norm: float | None = None) -> float:
