@@ -30,10 +30,11 @@ import numpy as np  # noqa: E402
 from minidist.memory import MemoryAccountant  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
 from minidist.optim import AdamW  # noqa: E402
+from minidist.parallel import recompute  # noqa: E402
 from minidist.parallel.offload import OffloadedAdamW  # noqa: E402
 from minidist.parallel.recompute import apply_checkpointing, predicted_peak_activation_bytes  # noqa: E402
 
-POLICIES = ("none", "full", "sqrt", "selective")
+POLICIES = tuple(q for q in recompute.POLICIES if q != "every_k")  # every_k needs a k: sqrt picks one
 
 
 def interleaved(fns: dict, repeats: int, clock=time.perf_counter) -> dict:

@@ -72,15 +72,12 @@ def bench(comm, args):
                               optimizer="adamw", layer_costs=costs, on_step=mark)
         if comm.rank == 0 and args.verbose:
             print(f"m={m} partition:\n" + format_partition(result.bounds, costs, " s"))
-        steps = [tracer.events[marks[s]:marks[s + 1]] for s in range(1, args.steps)]
+        steps = [tracer.events[marks[s]:marks[s + 1]] for s in range(args.steps)]  # warm-up included
         everyone = comm.gather_obj(steps, root=0)
         times = np.diff(clock)[1:]  # this rank's step-to-step time: the pipeline's throughput
         if comm.rank == 0:
-            bubbles = []
-            for s in range(args.steps - 1):
-                ev = [e for r in everyone for e in r[s]]
-                bubbles.append(trace.bubble_fraction([e for e in ev if e["name"] in ("Forward", "Backward")]))
-            rows.append((m, float(np.median(bubbles)), bubble_formula(2, m), float(np.median(times)), serial))
+            bubble = trace.median_bubble(everyone, skip=1)  # forward/backward busy, warm-up step left out
+            rows.append((m, bubble, bubble_formula(2, m), float(np.median(times)), serial))
     if comm.rank == 0:
         print(f"{'m':>3} {'bubble measured':>15} {'(p-1)/(m+p-1)':>13} {'diff':>6}   {'step ms':>8} "
               f"{'serial ms':>9} {'speedup':>7}")

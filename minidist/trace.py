@@ -17,6 +17,7 @@ so tracing costs nothing when it is off.
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 from contextlib import contextmanager
@@ -139,6 +140,29 @@ def bubble_fraction(events: list[dict]) -> float:
     span = max(e["t1"] for e in events) - _t_origin(events)
     busy = sum(e["t1"] - e["t0"] for e in events if e["cat"] == "compute")
     return 1.0 - busy / (len(ranks) * span) if span > 0 else 0.0
+
+
+def median_bubble(steps_per_rank: list[list[list[dict]]], skip: int = 1,
+                  names: tuple | None = ("Forward", "Backward")) -> float:
+    """Median over training steps of the measured bubble (``bubble_fraction``) of all ranks together.
+
+    ``steps_per_rank[r][s]``: rank r's events of step s (what each rank recorded between two
+    step marks, gathered on one rank). The first ``skip`` steps are warm-up and left out -- as many
+    as leave one step. ``names``: the events that count as the pipeline's work (None: every event);
+    forward and backward by default, so an optimizer step or a data-parallel all-reduce is idle.
+    The median, because one step slowed by a busy machine must not move the number.
+    """
+    if not steps_per_rank or any(len(s) != len(steps_per_rank[0]) for s in steps_per_rank):
+        counts = [len(s) for s in steps_per_rank]
+        raise ValueError(f"median_bubble needs the same number (>= 1) of steps from every rank, got {counts}")
+    n = len(steps_per_rank[0])
+    if n == 0 or skip < 0:
+        raise ValueError(f"median_bubble needs >= 1 step and skip >= 0, got {n} steps, skip={skip}")
+
+    def step_bubble(s):
+        return bubble_fraction([e for steps in steps_per_rank for e in steps[s]
+                                if names is None or e["name"] in names])
+    return statistics.median(step_bubble(s) for s in range(min(skip, n - 1), n))
 
 
 def _cells(event: dict, width: int) -> str:

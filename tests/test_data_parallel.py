@@ -21,6 +21,7 @@ from minidist import ops, optim
 from minidist.comm import measure, run
 from minidist.nn import GPT, GPTConfig, Linear, Module
 from minidist.parallel.data import DDP, DistributedSampler
+from minidist.parallel.three_d import max_state_diff
 
 TOL = 1e-10
 CFG = GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=2, d_model=8, dtype="float64")
@@ -78,10 +79,6 @@ def ddp_gpt(comm, batches, counts, accum, bucket_bytes, lr=1e-2, **kw):
     return {k: np.array(v) for k, v in m.state_dict().items()}
 
 
-def max_diff(a, b):
-    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
-
-
 @settings(max_examples=12)
 @given(p=st.integers(1, 4), accum=st.integers(1, 3),
        extra=st.lists(st.integers(0, 3), min_size=4, max_size=4),
@@ -92,8 +89,8 @@ def test_ddp_equals_serial_uneven_batches(p, accum, extra, bucket_bytes):
     want = serial_gpt(batches)
     got = run(ddp_gpt, ranks=p, batches=batches, counts=counts, accum=accum, bucket_bytes=bucket_bytes)
     for r in range(p):
-        assert max_diff(got[r], want) < TOL
-        assert max_diff(got[r], got[0]) == 0.0  # replicas identical, bit for bit
+        assert max_state_diff(got[r], want) < TOL
+        assert max_state_diff(got[r], got[0]) == 0.0  # replicas identical, bit for bit
 
 
 @settings(max_examples=10)
@@ -111,7 +108,7 @@ def test_ddp_equals_serial_with_every_micro_step_in_no_sync_or_ignored_tokens(p,
     got = run(ddp_gpt, ranks=p, batches=batches, counts=counts, accum=accum, bucket_bytes=700,
               sync_last=sync_last, tokens=ignore > 0)
     for r in range(p):
-        assert max_diff(got[r], want) < TOL
+        assert max_state_diff(got[r], want) < TOL
 
 
 def test_all_no_sync_window_gradient_equals_serial_gradient():
@@ -132,7 +129,7 @@ def test_all_no_sync_window_gradient_equals_serial_gradient():
         return {n: np.array(p.grad) for n, p in m.named_parameters()}
 
     for got in run(body, ranks=2):
-        assert max_diff(got, want) < TOL
+        assert max_state_diff(got, want) < TOL
 
 
 def test_buckets_start_during_backward_and_bytes_match_ring_formula():
@@ -220,7 +217,7 @@ def test_plain_backward_averages_over_ranks_like_pytorch():
         return {k: np.array(v) for k, v in m.state_dict().items()}
 
     for got in run(body, ranks=3):
-        assert max_diff(got, want) < TOL
+        assert max_state_diff(got, want) < TOL
 
 
 def test_second_syncing_backward_without_wait_is_an_error():
@@ -295,7 +292,7 @@ def test_unused_tied_and_frozen_parameters(flags):
         return train(m, ddp, my_rows(counts, comm.rank))
 
     for got in run(body, ranks=3):
-        assert max_diff(got, want) < TOL
+        assert max_state_diff(got, want) < TOL
     if flags == "none":  # never used anywhere: untouched, as in the serial run
         assert np.array_equal(want["branch.weight"], Odd(0).branch.weight.data)
 
@@ -352,7 +349,7 @@ def _mpi_main():
     def body(comm):
         assert comm.transport == "mpi" and comm.size == 2
         got = ddp_gpt(comm, batches, counts, accum, bucket_bytes=1500)
-        assert max_diff(got, want) < TOL, max_diff(got, want)
+        assert max_state_diff(got, want) < TOL, max_state_diff(got, want)
         m = GPT(CFG.replace(seed=comm.rank))
         z = ZeRO(m, comm, lambda ps: optim.AdamW(ps, lr=1e-2), stage=3)
         for x, y in batches:
@@ -360,7 +357,7 @@ def _mpi_main():
             accumulate(z, m.loss, x[sl], y[sl], accum)
             z.step()
         got = {k: np.array(v) for k, v in z.full_parameters().items()}
-        assert max_diff(got, want) < TOL, max_diff(got, want)
+        assert max_state_diff(got, want) < TOL, max_state_diff(got, want)
         print(f"OK rank {comm.rank}", flush=True)
 
     run(body)

@@ -56,6 +56,17 @@ def test_loss_scaler_halves_on_inf_and_doubles_after_clean_steps():
     assert DynamicLossScaler().growth_interval == 2000
 
 
+def mixed_steps(mp, opt, steps, idx) -> list:
+    """``steps`` mixed-precision steps on (idx, idx), each asserted taken (no inf/NaN skip); the losses."""
+    losses = []
+    for _ in range(steps):
+        loss = mp.loss(idx, idx)
+        mp.backward(loss)
+        assert mp.step(opt)
+        losses.append(loss.item())
+    return losses
+
+
 def _train(dtype, steps, idx, lr=1e-3):
     model = GPT(CFG)
     if dtype == "fp32":
@@ -70,12 +81,7 @@ def _train(dtype, steps, idx, lr=1e-3):
         return losses, [p.data for p in model.parameters()]
     mp = MixedPrecision(model, dtype)
     opt = AdamW(mp.master_params, lr=lr)
-    losses = []
-    for _ in range(steps):
-        loss = mp.loss(idx, idx)
-        mp.backward(loss)
-        assert mp.step(opt)
-        losses.append(loss.item())
+    losses = mixed_steps(mp, opt, steps, idx)
     return losses, [p.data for p in mp.master_params]
 
 
@@ -163,14 +169,10 @@ def _tp_train(comm, dtype, steps, idx, lr=1e-3):
 
     model = TPGPT(CFG, comm, sequence_parallel=True)
     mp = MixedPrecision(model, dtype, groups=[comm])  # loss: model.loss_fn, vocabulary-parallel
-    patched = [type(m).__name__ for _, m in model.named_modules() if "forward" in m.__dict__]
+    # autocast patches an instance's forward, or a TP linear's local product (its communication stays)
+    patched = [type(m).__name__ for _, m in model.named_modules() if vars(m).keys() & {"forward", "_local"}]
     opt = AdamW(mp.master_params, lr=lr)
-    losses = []
-    for _ in range(steps):
-        loss = mp.loss(idx, idx)
-        mp.backward(loss)
-        assert mp.step(opt)
-        losses.append(loss.item())
+    losses = mixed_steps(mp, opt, steps, idx)
     return losses, {m.name: m.data for m in mp.master_params}, patched, mp.model(idx[:, :2]).dtype
 
 

@@ -112,6 +112,53 @@ def test_measured_events_draw_and_bubble():
     assert rows == ["rank 0 |F0fff.....|", "rank 1 |.....F0fff|"]
 
 
+def per_rank_steps(runs, p):
+    """Simulated steps, one after another in time, as ``steps_per_rank[r][s]`` (what ranks gather)."""
+    out, t = [[] for _ in range(p)], 0.0
+    for events in runs:
+        for r in range(p):
+            out[r].append([dict(e, t0=e["t0"] + t, t1=e["t1"] + t) for e in events if e["rank"] == r])
+        t += max(e["t1"] for e in events) + 5.0  # a gap between steps is nobody's bubble
+    return out
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(p=st.integers(1, 4), m=st.integers(1, 6), n=st.integers(1, 4))
+def test_median_bubble_skips_the_warm_up_step_and_matches_the_formula(p, m, n):
+    """A warm-up step of m = 1 (bubble (p-1)/p), then n steps of m microbatches: skipping it gives
+    the 1F1B formula (p-1)/(m+p-1); forward/backward are the work, the optimizer step is not."""
+    from minidist.parallel.simulate import bubble_formula
+
+    runs = [simulate(one_f_one_b(p, 1)).events] + [simulate(one_f_one_b(p, m)).events] * n
+    steps = per_rank_steps(runs, p)
+    assert trace.median_bubble(steps) == pytest.approx(bubble_formula(p, m), abs=1e-12)
+    assert trace.median_bubble(steps, skip=n + 5) == pytest.approx(bubble_formula(p, m), abs=1e-12)
+    if n == 1:  # two steps, none skipped: the median is their mean
+        want = (bubble_formula(p, 1) + bubble_formula(p, m)) / 2
+        assert trace.median_bubble(steps, skip=0) == pytest.approx(want, abs=1e-12)
+
+
+def test_median_bubble_counts_only_the_named_events_and_takes_the_median():
+    def step(t, busy0, busy1, opt=0.0):  # in [t, t+1]: rank 0 busy0 then opt, rank 1 busy1 at the end
+        return [[{"name": "Forward", "cat": "compute", "rank": 0, "t0": t, "t1": t + busy0},
+                 {"name": "OptimizerStep", "cat": "compute", "rank": 0, "t0": t + busy0,
+                  "t1": t + busy0 + opt}],
+                [{"name": "Backward", "cat": "compute", "rank": 1, "t0": t + 1 - busy1, "t1": t + 1}]]
+    steps = [step(0, 0.1, 0.1), step(10, 1.0, 0.5), step(20, 0.5, 0.5, opt=0.5), step(30, 0.1, 0.1)]
+    per_rank = [[s[r] for s in steps] for r in range(2)]
+    assert trace.median_bubble(per_rank) == pytest.approx(0.5)  # of 0.25, 0.5, 0.9
+    assert trace.median_bubble(per_rank, names=None) == pytest.approx(0.25)  # of 0.25, 0.25, 0.9
+    assert trace.median_bubble(per_rank, skip=0) == pytest.approx((0.5 + 0.9) / 2)  # with the warm-up's 0.9
+
+
+def test_median_bubble_refuses_ranks_with_different_step_counts():
+    step = [{"name": "Forward", "cat": "compute", "rank": 0, "t0": 0.0, "t1": 1.0}]
+    with pytest.raises(ValueError, match=r"same number \(>= 1\) of steps from every rank, got \[2, 1\]"):
+        trace.median_bubble([[step, step], [step]])
+    with pytest.raises(ValueError, match="got 0 steps"):
+        trace.median_bubble([[], []])
+
+
 def test_plot_timeline_writes_a_png(tmp_path):
     path = tmp_path / "timeline.png"
     trace.plot_timeline(path, simulate(one_f_one_b(3, 4)).events, losses=[3.0, 2.5, 2.1])

@@ -22,9 +22,15 @@ from minidist.comm import all_reduce
 from minidist.lessons.cli import launch, lesson_parser, rprint
 from minidist.memory import MemoryAccountant
 from minidist.nn.gpt import GPT, GPTConfig
-from minidist.parallel.recompute import apply_checkpointing, predicted_peak_activation_bytes, segment_size
+from minidist.parallel import recompute
+from minidist.parallel.recompute import (
+    apply_checkpointing,
+    block_activation_elements,
+    predicted_peak_activation_bytes,
+    segment_size,
+)
 
-POLICIES = ("none", "full", "sqrt", "selective")
+POLICIES = tuple(q for q in recompute.POLICIES if q != "every_k")  # every_k needs a k: sqrt picks one
 BARS = " ▁▂▃▄▅▆▇█"
 
 
@@ -81,7 +87,8 @@ def rank_main(comm, args):
                  f"dropout {cfg.dropout}; per rank b={args.batch}, T={args.seq}; "
                  f"{p} ranks ({comm.transport})")
     b, t, c, h = args.batch, args.seq, cfg.d_model, cfg.n_head
-    rprint(comm, f"one block saves A = 22·BTC + 2·BT + B·H·T² = {22*b*t*c + 2*b*t + b*h*t*t:,} elements "
+    a = sum(block_activation_elements(b, t, c, h, dropout=cfg.dropout > 0).values())
+    rprint(comm, f"one block saves A = 22·BTC + 2·BT + B·H·T² = {a:,} elements "
                  f"(with dropout); a segment input is BTC = {b*t*c:,}\n")
 
     # the serial twin: the whole batch on one model, no checkpointing, same dropout stream per shard

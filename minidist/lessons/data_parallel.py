@@ -21,10 +21,12 @@ import numpy as np
 
 from minidist import optim
 from minidist.comm import all_reduce, measure
+from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.lessons.cli import launch, lesson_parser, rprint
 from minidist.memory import MemoryAccountant, zero_formula
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel.data import DDP, hidden_fraction, split_batch
+from minidist.parallel.three_d import max_state_diff
 from minidist.parallel.zero import ZeRO, param_count
 
 
@@ -173,7 +175,7 @@ def rank_main(comm, args):
     m, ddp, losses = run_ddp(comm, args, batches)
     if comm.rank == 0:
         sm, slosses = serial
-        diff = max(float(np.abs(a - m.state_dict()[k]).max()) for k, a in sm.state_dict().items())
+        diff = max_state_diff(sm.state_dict(), m.state_dict())
         ldiff = max(abs(a - b) for a, b in zip(losses, slosses))
         tol = 1e-9 if args.dtype == "float64" else 1e-4
         print("1. DDP vs the serial twin (one process, whole batch)")
@@ -212,7 +214,7 @@ def rank_main(comm, args):
         for stage, (rep, sent, _) in enumerate(rows):
             f = zero_formula(stage, psi, p, item, item, 2 * item)
             k = 3 if stage == 3 else 2
-            fs = k * (p - 1) / p * psi * item
+            fs = k / 2 * all_reduce_bytes_sent("ring", psi * item, p, comm.rank)  # ZeRO-3: 1.5x DP
             print(f"   {names[stage]:7s} {rep['params'] / 1e6:6.3f} ({f['params'] / 1e6:6.3f})  "
                   f"{rep['grads'] / 1e6:6.3f} ({f['grads'] / 1e6:6.3f})  {rep['optimizer_state'] / 1e6:7.3f} "
                   f"({f['optimizer_state'] / 1e6:6.3f})   {sent / 1e6:7.3f}  "

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from minidist.comm import measure
+from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.lessons.cli import launch, lesson_parser, rprint
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.optim import AdamW
@@ -115,7 +116,7 @@ def rank_main(comm, args):
     rprint(comm, f"\ngradient all-reduce per step (ledger, one rank) vs 2(p-1)/p·Ψ·bytes, "
                  f"Ψ = {psi:,} parameters:")
     for d, nbytes in (("fp32", 4), ("bf16", 2), ("fp16", 2)):
-        want = 2 * (p - 1) / p * psi * nbytes
+        want = all_reduce_bytes_sent("ring", psi * nbytes, p, comm.rank)
         rprint(comm, f"  {d}: {runs[d][1]:>10,} bytes  formula {want:>12,.0f}")
     rprint(comm, "memory per parameter: fp32 training 4 (weights) + 4 (grads) + 8 (Adam) = 16 bytes; "
                  "mixed 2 + 2 + 4 (fp32 master) + 8 = 16 bytes --\n  the same, but activations (and what is "

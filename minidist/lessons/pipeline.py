@@ -161,11 +161,8 @@ def report(everyone, args, pp: int, m: int) -> None:
           f"B = backward, . = waiting,\nO = optimizer step, with the data-parallel all-reduce of gradients):")
     print(trace.ascii_timeline_from_events(events, width=args.width_chars, label="stage"))
 
-    def bubble(step):
-        ev = [e for r in everyone for e in r["events"][step] if e["name"] in ("Forward", "Backward")]
-        return trace.bubble_fraction(ev)
     steps = range(1, last + 1) if last >= 1 else range(1)
-    measured = float(np.median([bubble(s) for s in steps]))
+    measured = trace.median_bubble([r["events"] for r in everyone], skip=1)
     step_s = float(np.median([max(r["times"][s] for r in everyone) for s in steps]))
     print(f"\nbubble (idle share of ranks x step time, forward/backward count as busy): "
           f"measured {measured:.3f} "

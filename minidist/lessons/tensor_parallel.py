@@ -16,11 +16,14 @@ import numpy as np
 from minidist import optim
 from minidist import random as mrandom
 from minidist.comm import measure
+from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.data import BatchLoader, TextDataset
 from minidist.lessons.cli import launch, lesson_parser, rprint
+from minidist.memory import MemoryAccountant
 from minidist.nn import GPT, GPTConfig
+from minidist.parallel.three_d import max_state_diff
 from minidist.parallel.tp_gpt import TPGPT, ParallelBlock
-from minidist.tensor import Tensor, saved_tensors_hooks
+from minidist.tensor import Tensor
 
 
 def make_batches(args, block_size):
@@ -42,18 +45,11 @@ def train(model, batches, lr, loss_fn):
 
 
 def activation_bytes(model, idx, tgt) -> int:
-    """Bytes of every array saved for backward by one forward pass (parameters excluded)."""
-    params = {id(p.data) for p in model.parameters()}
-    total = [0]
-
-    def pack(a):
-        if id(a) not in params:
-            total[0] += a.nbytes
-        return a
-
-    with saved_tensors_hooks(pack, lambda a: a):
-        model.loss(idx, tgt)
-    return total[0]
+    """Peak bytes saved for backward by one forward pass (parameters excluded): the memory accountant's."""
+    acct = MemoryAccountant()
+    with acct.track_activations(model):
+        model.loss(idx, tgt)  # the peak is reached at the end of forward, before the graph is dropped
+    return acct.peak_activation_bytes
 
 
 def layer_traffic(group, cfg, b, s, sp):
@@ -102,7 +98,7 @@ def rank_main(comm, args):
             pbytes = sum(p.data.nbytes for p in model.parameters())
             if comm.rank == 0:
                 dl = max(abs(a - c) for a, c in zip(losses, serial_losses))
-                dp = max(float(np.max(np.abs(full[k] - serial_params[k]))) for k in full)
+                dp = max_state_diff(full, serial_params)
                 ok = dl < args.tol and dp < args.tol
                 rows.append((tp, sp, ok, pbytes, act, serial_param_bytes, serial_act))
                 rprint(comm, f"{tp:>3} {'on' if sp else 'off':>7} {losses[-1]:>10.4f} {dl:>11.2e} "
@@ -127,7 +123,7 @@ def rank_main(comm, args):
             m = layer_traffic(group, cfg, b, s, sp)
             big = [c for c in m.calls if not (sp and c.name == "ring_all_reduce")]  # activations
             sent = sum(c.bytes_sent for c in big)
-            want = 4 * 2 * (tp - 1) * N // tp
+            want = 4 * all_reduce_bytes_sent("ring", N, tp, group.rank)  # 4 all-reduces (or RS + AG)
             names = " ".join({"ring_all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}[c.name]
                              for c in big)
             small = sum(c.bytes_sent for c in m.calls) - sent

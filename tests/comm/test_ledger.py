@@ -211,6 +211,28 @@ def test_auto_follows_the_cost_model(p, crowded, monkeypatch):
         cost.choose_algorithm.cache_clear()
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6])
+def test_cost_all_reduce_bytes_sent_equals_the_ledger_on_every_rank(p):
+    """``cost.all_reduce_bytes_sent`` (what lessons print as the formula) == what the ledger counts,
+    per algorithm and rank, the fold of non-powers of two included. 120 float32: p divides it."""
+    from minidist.comm.cost import all_reduce_bytes_sent
+
+    algos = ("ring", "two_shot", "recursive_doubling", "halving_doubling")
+
+    def body(comm):
+        out = []
+        for a in algos:
+            with measure(comm) as m:
+                all_reduce(comm, np.ones(120, np.float32), algorithm=a)
+            out.append(([c.name for c in m.calls], m.bytes_sent))
+        return out
+
+    for r, res in enumerate(run(body, ranks=p)):
+        for a, (names, sent) in zip(algos, res):
+            assert names == [f"{a}_all_reduce"]
+            assert all_reduce_bytes_sent(a, 480, p, r) == sent, (a, p, r)
+
+
 def test_cost_model_orders_algorithms_as_the_textbook():
     from minidist.comm.cost import LATENCY, all_reduce_cost
 
