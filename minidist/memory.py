@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from minidist.tensor import saved_tensors_hooks
+from minidist.tensor import current_saved_tensors_hooks, saved_tensors_hooks
 
 
 def _root(a):
@@ -116,6 +116,8 @@ class MemoryAccountant:
         """Count arrays saved for backward inside the block (and until backward releases them).
 
         ``model``: its parameters' buffers are not counted (they are state, not activations).
+        Hooks already active outside the block still see every array (this one hands them on), so
+        accountants nest: an outer one counts what an inner one (a pipeline stage's) counts.
         """
         exclude = {}  # id -> the buffer itself (held, so its id cannot be reused by an activation)
         if model is not None:
@@ -123,15 +125,18 @@ class MemoryAccountant:
         if reset_peak:
             self.reset_peak()
 
+        outer = current_saved_tensors_hooks()  # hand every array on, so an outer hook sees it too
+
         def pack(a):
             root = _root(a)
-            if id(root) in exclude:
-                return _Saved(a, None)
+            held = outer[0](a) if outer else a
+            if id(root) in exclude or not hasattr(root, "nbytes"):  # a parameter, or a Python scalar
+                return _Saved(held, None)
             key = self._add(root)
-            return _Saved(a, lambda: self._drop(key))
+            return _Saved(held, lambda: self._drop(key))
 
         def unpack(s):
-            return s.array
+            return outer[1](s.array) if outer else s.array
 
         with saved_tensors_hooks(pack, unpack):
             yield self

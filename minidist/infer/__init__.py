@@ -9,7 +9,7 @@
 * sharded.py   -- ``sharded_generate``: tensor-parallel and pipelined generation over a communicator
 """
 
-from minidist.infer.decoder import GPTWeights, attention, forward_tokens, last_logits
+from minidist.infer.decoder import GPTWeights, attention, causal_mask, forward_tokens, last_logits
 from minidist.infer.generate import full_logits, generate, generate_recompute
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.paged import OutOfBlocks, PagedKVCache
@@ -19,6 +19,6 @@ from minidist.infer.sharded import sharded_generate, tp_shard
 
 __all__ = [
     "GREEDY", "GPTWeights", "KVCache", "OutOfBlocks", "PagedKVCache", "Request", "SamplingParams",
-    "Scheduler", "attention", "filter_probs", "forward_tokens", "full_logits", "generate",
+    "Scheduler", "attention", "causal_mask", "filter_probs", "forward_tokens", "full_logits", "generate",
     "generate_recompute", "last_logits", "sample", "serve", "sharded_generate", "tp_shard",
 ]

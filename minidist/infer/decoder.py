@@ -13,7 +13,7 @@ One call, ``forward_tokens(weights, cache, slots, token_lists)``, covers every c
 * chunked   -- a prompt fed in pieces (any split point gives the same logits).
 
 Each sequence has its own position: sequence b's tokens sit at positions
-``cache.lengths[slot_b] + t``. Rows are padded to the longest; ``attention`` masks per
+``cache.lengths[slot_b] + t``. Rows are padded to the longest; ``causal_mask`` hides per
 sequence (key j is visible to a query at position p iff j <= p), so different lengths never mix.
 The same functions serve tensor parallelism (``BlockWeights.reduce`` all-reduces the
 row-parallel products) and pipeline stages (``GPTWeights.embed``/``head`` say which ends this
@@ -23,7 +23,7 @@ rank holds): sharded.py only slices weights.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -86,7 +86,6 @@ class GPTWeights:
     wpe: object = None
     ln_f: tuple | None = None
     head_w: object = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def embed(self) -> bool:
@@ -128,19 +127,26 @@ def row_parallel(x, w, b, reduce):
     return reduce(x @ w) + b
 
 
-def attention(q, k, v, qpos):
-    """softmax(q·kᵀ/√D, per-sequence causal mask)·v, inference only.
+def causal_mask(xp, qpos, tk: int):
+    """Which keys each query may not see: (B, 1, Tq, Tk), True where key j > qpos[b, i] -- or None
+    when nothing is hidden (a batch that only decodes, each query at the newest cached key).
 
-    q (B, H, Tq, D); k, v (B, H, Tk, D) with key j at position j; qpos (B, Tq) the position of
-    each query. Key j is visible to query (b, i) iff ``j <= qpos[b, i]``: each sequence has its
-    own length, so a batch of different lengths needs no shared offset.
+    qpos (B, Tq) is the position of each query and key j sits at position j, so each sequence has
+    its own length and a batch of different lengths needs no shared offset. Built once per forward
+    (``run_blocks``) and shared by every layer.
     """
+    if qpos.shape[-1] == 1 and int(qpos.min()) >= tk - 1:
+        return None
+    return (xp.arange(tk)[None, None, :] > xp.asarray(qpos)[:, :, None])[:, None]
+
+
+def attention(q, k, v, hidden=None):
+    """softmax(q·kᵀ/√D, masked)·v, inference only: q (B, H, Tq, D); k, v (B, H, Tk, D); ``hidden``
+    from ``causal_mask`` (None: every key visible)."""
     xp = backend_of(q).xp
-    tq, tk = q.shape[-2], k.shape[-2]
     s = (q @ xp.swapaxes(k, -1, -2)) * q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
-    if tq > 1 or int(qpos.min()) < tk - 1:  # batch-1 decode sees every cached key: no mask needed
-        hidden = xp.arange(tk)[None, None, :] > xp.asarray(qpos)[:, :, None]
-        s = xp.where(hidden[:, None], xp.asarray(-xp.inf, dtype=s.dtype), s)
+    if hidden is not None:
+        s = xp.where(hidden, xp.asarray(-xp.inf, dtype=s.dtype), s)
     return softmax(s) @ v
 
 
@@ -171,13 +177,14 @@ def run_blocks(weights: GPTWeights, cache, slots, x, pos, valid):
     b, t, _ = x.shape
     tk = int(pos[valid].max()) + 1  # keys needed: up to the furthest real query
     rows = cache.index(slots)
+    hidden = causal_mask(backend_of(x).xp, pos, tk)
     for layer, w in enumerate(weights.blocks):
         h = linear(layer_norm(x, w.ln1), w.qkv_w, w.qkv_b)  # (B, T, 3·H·D)
         d = h.shape[-1] // (3 * w.n_head)
         q, k, v = h.reshape(b, t, 3, w.n_head, d).transpose(2, 0, 3, 1, 4)
         cache.write(layer, slots, pos, valid, k, v)
         kk, vv = cache.read(layer, rows, tk)
-        y = attention(q, kk, vv, pos).transpose(0, 2, 1, 3).reshape(b, t, w.n_head * d)
+        y = attention(q, kk, vv, hidden).transpose(0, 2, 1, 3).reshape(b, t, w.n_head * d)
         x = x + row_parallel(y, w.proj_w, w.proj_b, w.reduce)
         m = gelu(linear(layer_norm(x, w.ln2), w.fc_w, w.fc_b))
         x = x + row_parallel(m, w.mlp_w, w.mlp_b, w.reduce)

@@ -4,7 +4,7 @@
     generate_recompute(model, prompts, max_new_tokens)  # the serial twin: full forward per token
 
 Prompts of different lengths share one batch: each sequence has its own positions and its own
-attention mask (decoder.attention), and a sequence that finishes (a stop token, or its
+attention mask (decoder.causal_mask), and a sequence that finishes (a stop token, or its
 ``max_new_tokens``) leaves the batch while the others go on. ``generate_recompute`` runs the
 ordinary training-time ``GPT.forward`` over the whole sequence for every new token, one sequence
 at a time: O(T²) work, no cache -- what the cache must agree with.

@@ -43,6 +43,7 @@ import time
 import numpy as np
 
 from minidist.comm import all_reduce, all_reduce_async, broadcast
+from minidist.comm.collectives import split_sizes
 from minidist.comm.handles import start_async
 
 # -- buckets -------------------------------------------------------------------------------------
@@ -56,7 +57,6 @@ class Bucket:
         self.offsets = [int(o) for o in np.cumsum([0] + self.sizes[:-1])]
         self.numel = int(sum(self.sizes))
         self.dtype = params[0].dtype
-        self.nbytes = self.numel * np.dtype(self.dtype).itemsize
         self.pending = len(params)  # gradients still to come in this backward
 
     def flatten(self, arrays):
@@ -72,9 +72,9 @@ class Bucket:
     def shard(self, rank: int, size: int) -> tuple[int, int]:
         """[lo, hi) of the flat bucket rank ``rank`` owns: ``np.array_split`` of numel into size parts
         (what ``reduce_scatter`` and ``all_gather`` use)."""
-        q, r = divmod(self.numel, size)
-        lo = rank * q + min(rank, r)
-        return lo, lo + q + (1 if rank < r else 0)
+        sizes = split_sizes(self.numel, size)
+        lo = sum(sizes[:rank])
+        return lo, lo + sizes[rank]
 
     def __repr__(self):
         return f"<Bucket {self.index}: {len(self.params)} params, {self.numel} x {self.dtype}>"
@@ -400,8 +400,7 @@ def split_batch(n: int, size: int, rank: int, weights=None) -> slice:
     """Rank ``rank``'s rows of a global batch of ``n`` rows: ``np.array_split`` sizes, or sizes
     proportional to ``weights`` (uneven splits, e.g. for ranks of different speed)."""
     if weights is None:
-        q, r = divmod(n, size)
-        counts = [q + (1 if i < r else 0) for i in range(size)]
+        counts = split_sizes(n, size)
     else:
         w = np.asarray(weights, float)
         counts = list(np.floor(n * w / w.sum()).astype(int))

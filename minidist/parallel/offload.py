@@ -67,6 +67,18 @@ def make_shards(nbytes: list, shard_bytes: int) -> list:
     return shards
 
 
+class _Done:
+    """A finished future: what ``OffloadedAdamW._submit`` returns when there is no I/O thread."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
 class OffloadedAdamW(AdamW):
     """AdamW with m and v kept in ``numpy.memmap`` files (``where="disk"``) or host memory ("host").
 
@@ -139,13 +151,8 @@ class OffloadedAdamW(AdamW):
         self._record("Write", 1, t0, n)
 
     def _submit(self, fn, *a):
+        """Run ``fn(*a)`` on the I/O thread (a future), or now when there is none (a finished one)."""
         if self._pool is None:
-            class _Done:
-                def __init__(self, v):
-                    self.v = v
-
-                def result(self):
-                    return self.v
             return _Done(fn(*a))
         return self._pool.submit(fn, *a)
 

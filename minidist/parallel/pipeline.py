@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist import ops, trace
+from minidist.comm.collectives import split_sizes
+from minidist.memory import MemoryAccountant
 from minidist.parallel import recompute
 from minidist.parallel.schedule import (
     Backward,
@@ -48,7 +50,7 @@ from minidist.parallel.schedule import (
     peer_of,
     virtual_stage,
 )
-from minidist.tensor import Tensor, saved_tensors_hooks
+from minidist.tensor import Tensor
 
 # -- partitioning ------------------------------------------------------------------------------------
 
@@ -64,13 +66,8 @@ def _check_parts(num_layers: int, num_parts: int) -> None:
 def partition_uniform(num_layers: int, num_parts: int) -> list[tuple[int, int]]:
     """Contiguous (start, end) layer ranges of near-equal length (the first ones one longer)."""
     _check_parts(num_layers, num_parts)
-    q, r = divmod(num_layers, num_parts)
-    bounds, start = [], 0
-    for i in range(num_parts):
-        end = start + q + (i < r)
-        bounds.append((start, end))
-        start = end
-    return bounds
+    ends = np.cumsum(split_sizes(num_layers, num_parts)).tolist()
+    return list(zip([0] + ends[:-1], ends))
 
 
 def partition_balanced(costs, num_parts: int) -> list[tuple[int, int]]:
@@ -221,8 +218,8 @@ def split_microbatches(batch, num_microbatches: int, rank: int = 0) -> list:
 class StepStats:
     """What one stage measured in one `run_schedule` call."""
     loss: float | None = None                  # mean microbatch loss (last virtual stage only)
-    activation_bytes: dict = field(default_factory=dict)  # (mb, chunk) -> bytes saved for backward
-    peak_activation_bytes: int = 0             # most activation bytes held at once
+    activation_bytes: dict = field(default_factory=dict)  # (mb, chunk) -> bytes its forward saved
+    peak_activation_bytes: int = 0             # most activation bytes held at once (MemoryAccountant)
     peak_microbatches: int = 0                 # most (mb, chunk) activations held at once
     seconds: float = 0.0
 
@@ -243,7 +240,10 @@ class _Runtime:
         self.ddp, self.last_backward = ddp, last_backward or {}
         self.m = len(targets) if targets is not None else None  # only the loss stage needs m
         self.x, self.out, self.received, self.to_send = {}, {}, {}, {}
-        self.stats, self.losses, self.held, self.held_bytes = StepStats(), [], 0, 0
+        self.stats, self.losses = StepStats(), []
+        # activations are counted as `minidist.memory` counts them: arrays saved for backward, each
+        # buffer once, the stage's parameters left out, released when backward frees them
+        self.acct = MemoryAccountant()
         self.sends = []  # requests of sends still in flight
 
     def _span(self, name: str, cat: str, **args):
@@ -255,23 +255,18 @@ class _Runtime:
             x = self.inputs[mb]
         else:
             x = Tensor(self.received.pop(("act",) + key), requires_grad=True)
-        saved = {}
-
-        def pack(a):
-            saved[id(a)] = getattr(a, "nbytes", 0)
-            return a
-        with self._span("Forward", "compute", mb=mb, chunk=chunk), saved_tensors_hooks(pack, lambda a: a):
+        before = self.acct.activation_bytes
+        with self._span("Forward", "compute", mb=mb, chunk=chunk), \
+                self.acct.track_activations(model=st, reset_peak=False):
             out = st.forward(x, chunk)
             if st.is_last(chunk):
                 loss = st.loss_fn(out, self.targets[mb])
                 self.losses.append(float(loss.item()))
                 out = loss * (1.0 / self.m)
         self.x[key], self.out[key] = x, out
-        nbytes = sum(saved.values())
-        self.stats.activation_bytes[key] = nbytes
-        self.held, self.held_bytes = self.held + 1, self.held_bytes + nbytes
-        self.stats.peak_microbatches = max(self.stats.peak_microbatches, self.held)
-        self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, self.held_bytes)
+        self.stats.activation_bytes[key] = self.acct.activation_bytes - before
+        self.stats.peak_microbatches = max(self.stats.peak_microbatches, len(self.x))
+        self.stats.peak_activation_bytes = self.acct.peak_activation_bytes
         if not st.is_last(chunk):
             self.to_send[("act",) + key] = out.data
 
@@ -287,7 +282,6 @@ class _Runtime:
                 out.backward()
             else:
                 out.backward(self.received.pop(("grad",) + key))
-        self.held, self.held_bytes = self.held - 1, self.held_bytes - self.stats.activation_bytes[key]
         if not st.is_first(chunk):
             self.to_send[("grad",) + key] = x.grad
 

@@ -81,28 +81,17 @@ def _layer_norm_forward(ln, x):
     return ops.cast(y, ln.weight.dtype)
 
 
-def _column_parallel_forward(lin, x, out_f32=False):
-    """``ColumnParallelLinear`` in low precision: the low-precision x is what f / the sequence
-    all-gather moves; each rank's block of features is accumulated in fp32 as ``_linear_forward``."""
-    from minidist.parallel.tensor import copy_to_tp, gather_from_seq, gather_last_dim
-
-    x = gather_from_seq(x, lin.comm) if lin.sequence_parallel else copy_to_tp(x, lin.comm)
-    y = _linear_forward(lin, x, out_f32)
-    return gather_last_dim(y, lin.comm) if lin.gather_output else y
+def _row_parallel_local(lin, x):
+    """``RowParallelLinear``'s partial product in low precision: accumulated in fp32 and rounded, so
+    the reduction over the group moves low-precision values (half the bytes of fp32, as Megatron)."""
+    f32 = np.float32
+    return ops.cast(ops.linear(ops.cast(x, f32), ops.cast(lin.weight, f32)), lin.weight.dtype)
 
 
-def _row_parallel_forward(lin, x):
-    """``RowParallelLinear`` in low precision: partial products accumulated in fp32, rounded, then
-    summed over the group in low precision (half the bytes of fp32, as Megatron does); the bias is
-    added in fp32 after the reduction and the sum rounded again."""
-    from minidist.parallel.tensor import reduce_from_tp, reduce_scatter_to_seq, scatter_last_dim
-
-    f32, low = np.float32, lin.weight.dtype
-    if not lin.input_is_parallel:
-        x = scatter_last_dim(x, lin.comm)
-    y = ops.cast(ops.linear(ops.cast(x, f32), ops.cast(lin.weight, f32)), low)
-    y = reduce_scatter_to_seq(y, lin.comm) if lin.sequence_parallel else reduce_from_tp(y, lin.comm)
-    return y if lin.bias is None else ops.cast(ops.cast(y, f32) + ops.cast(lin.bias, f32), low)
+def _row_parallel_add_bias(lin, y):
+    """The bias added in fp32 after the reduction, the sum rounded again."""
+    f32 = np.float32
+    return ops.cast(ops.cast(y, f32) + ops.cast(lin.bias, f32), lin.weight.dtype)
 
 
 def _fp32_copy(a):
@@ -125,16 +114,17 @@ def autocast(model, dtype="bf16"):
     for name, m in model.named_modules():
         qkv = name.endswith("attn.qkv")
         if isinstance(m, Linear):
-            f = types.MethodType(lambda lin, x, q=qkv: _linear_forward(lin, x, out_f32=q), m)
-        elif isinstance(m, ColumnParallelLinear):
-            f = types.MethodType(lambda lin, x, q=qkv: _column_parallel_forward(lin, x, out_f32=q), m)
+            hooks = {"forward": lambda lin, x, q=qkv: _linear_forward(lin, x, out_f32=q)}
+        elif isinstance(m, ColumnParallelLinear):  # its communication stays; only the local product changes
+            hooks = {"_local": lambda lin, x, q=qkv: _linear_forward(lin, x, out_f32=q)}
         elif isinstance(m, RowParallelLinear):
-            f = types.MethodType(_row_parallel_forward, m)
+            hooks = {"_local": _row_parallel_local, "_add_bias": _row_parallel_add_bias}
         elif isinstance(m, LayerNorm):
-            f = types.MethodType(_layer_norm_forward, m)
+            hooks = {"forward": _layer_norm_forward}
         else:
             continue
-        object.__setattr__(m, "forward", f)
+        for attr, fn in hooks.items():
+            object.__setattr__(m, attr, types.MethodType(fn, m))
     return model  # (an Embedding needs nothing: rows of a low-precision table are low precision)
 
 

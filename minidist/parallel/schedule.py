@@ -246,5 +246,3 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int) -> lis
         schedule.append(_with_sendrecv(slots, s, p, v) + [OptimizerStep()])
     return schedule
 
-
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}

@@ -214,5 +214,3 @@ def unshard(shards: list) -> OrderedDict:
         out[name] = _RULES[shard_rule(name)][1](parts)
     return out
 
-
-unshard_state_dict = unshard  # the longer name, for readers who look for it

@@ -125,22 +125,17 @@ class ZeRO(DistributedDataParallel):
             if self._unit_pending[u] == 0:
                 self._release_unit(u)
 
-    def _start(self, b: Bucket):
-        self.started_in_backward += self._in_backward
-        grads = [p.grad for p in b.params]
-        flat = b.flatten(grads)
-        for p, g in zip(b.params, grads):
-            self._used[id(p)] = g is not None
-            p.grad = None
-        if self.stage == 1 and b.params[0].backend.inplace:  # the flat bucket *is* the gradient storage
+    def _launch(self, b: Bucket, flat):
+        """Start bucket ``b``'s reduce-scatter (``DistributedDataParallel._start`` flattened it).
+
+        Stage 1 on an in-place backend keeps the flat bucket as the gradient storage: the ``p.grad``
+        become views of it, and ``_complete`` writes this rank's reduced slice back into it."""
+        from minidist.comm import reduce_scatter
+
+        if self.stage == 1 and b.params[0].backend.inplace:
             self._flats[b.index] = flat
             for p, v in zip(b.params, b.views(flat)):
                 p.grad = v
-        self._handles[b.index] = self._launch(b, flat)
-
-    def _launch(self, b: Bucket, flat):
-        from minidist.comm import reduce_scatter
-
         return self._async(reduce_scatter, flat, f"reduce-scatter b{b.index}", op="sum")
 
     def _complete(self, b: Bucket, mine, divisor: float):
@@ -163,14 +158,21 @@ class ZeRO(DistributedDataParallel):
         all-gather of the new parameters (stages 1, 2), zero grads."""
         self.optimizer.step()
         if self.stage < 3:
-            for b, shard in zip(self.buckets, self.shards):
-                full = all_gather_flat(self.comm, shard.data, b.numel)
-                for p, v in zip(b.params, b.views(full)):
-                    p.data = v
+            for b in self.buckets:
+                self._gather_bucket(b)
         else:
             for u in sorted(self.gathered):
                 self._release_unit(u)
         self.zero_grad()
+
+    def _full_views(self, b: Bucket) -> list:
+        """All-gather bucket ``b``'s slices (collective) and view the flat result as its parameters."""
+        return b.views(all_gather_flat(self.comm, self.shards[b.index].data, b.numel))
+
+    def _gather_bucket(self, b: Bucket) -> None:
+        """Every parameter of bucket ``b`` whole again on this rank (collective)."""
+        for p, v in zip(b.params, self._full_views(b)):
+            p.data = v
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the *global* gradient norm (call after ``wait_gradients``, before ``update``): each rank
@@ -196,9 +198,7 @@ class ZeRO(DistributedDataParallel):
             return
         self.gather_log.append((u, phase))
         for b in self._unit_buckets[u]:
-            full = all_gather_flat(self.comm, self.shards[b.index].data, b.numel)
-            for p, v in zip(b.params, b.views(full)):
-                p.data = v
+            self._gather_bucket(b)
         self.gathered.add(u)
 
     def _release_unit(self, u: int):
@@ -263,9 +263,8 @@ class ZeRO(DistributedDataParallel):
             shard.data = shard.backend.from_host(np.array(arr, dtype=shard.dtype))
         self.optimizer.load_state_dict(sd["optimizer"])
         if self.stage < 3:
-            for b, shard in zip(self.buckets, self.shards):
-                for p, v in zip(b.params, b.views(all_gather_flat(self.comm, shard.data, b.numel))):
-                    p.data = v
+            for b in self.buckets:
+                self._gather_bucket(b)
         return self
 
     # -- reading the model -----------------------------------------------------------------------
@@ -274,9 +273,8 @@ class ZeRO(DistributedDataParallel):
         names = {id(p): n for n, p in self.module.named_parameters()}
         out = {n: p.data for n, p in self.module.named_parameters() if not p.requires_grad or self.stage < 3}
         if self.stage == 3:
-            for b, shard in zip(self.buckets, self.shards):
-                full = all_gather_flat(self.comm, shard.data, b.numel)
-                out.update({names[id(p)]: v for p, v in zip(b.params, b.views(full))})
+            for b in self.buckets:
+                out.update({names[id(p)]: v for p, v in zip(b.params, self._full_views(b))})
         return {n: out[n] for n in names.values()}
 
     def memory_arrays(self) -> dict:
