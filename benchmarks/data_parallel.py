@@ -27,7 +27,7 @@ import numpy as np
 def minidist_steps(comm, args):
     from minidist import optim
     from minidist.nn import GPT, GPTConfig
-    from minidist.parallel.data import DDP
+    from minidist.parallel.ddp import DDP
 
     cfg = GPTConfig()
     m = GPT(cfg)

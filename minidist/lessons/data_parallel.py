@@ -25,7 +25,7 @@ from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.lessons.cli import launch, lesson_parser, rprint
 from minidist.memory import MemoryAccountant, zero_formula
 from minidist.nn import GPT, GPTConfig
-from minidist.parallel.data import DDP, hidden_fraction, split_batch
+from minidist.parallel.ddp import DDP, hidden_fraction, split_batch
 from minidist.parallel.three_d import max_state_diff
 from minidist.parallel.zero import ZeRO, param_count
 

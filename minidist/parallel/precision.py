@@ -232,7 +232,7 @@ class MixedPrecision:
         op="mean" is for fp32/fp64 only, so it is a multiply then a sum, in the low dtype.)
         The gradients go as one flat buffer per dtype (``Bucket``, as DDP's): one collective, which
         ``auto`` can make bandwidth-optimal, instead of one small all-reduce per tensor."""
-        from minidist.parallel.data import build_buckets
+        from minidist.parallel.ddp import build_buckets
 
         for b in build_buckets([p for p in self.params if p.grad is not None], float("inf")):
             flat = b.flatten([p.grad for p in b.params])

@@ -27,7 +27,7 @@ import numpy as np
 from minidist.comm import Mesh, all_reduce
 from minidist.nn import GPT
 from minidist.optim import SGD, AdamW
-from minidist.parallel.data import DistributedDataParallel
+from minidist.parallel.ddp import DistributedDataParallel
 from minidist.parallel.pipeline import (
     PipelineStage,
     make_schedule,

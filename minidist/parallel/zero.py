@@ -1,6 +1,6 @@
 """ZeRO (Rajbhandari et al. 2020): data parallelism that shards the training state instead of copying it.
 
-Every gradient bucket (see ``minidist.parallel.data``) is a flat array; rank r *owns* the slice
+Every gradient bucket (see ``minidist.parallel.ddp``) is a flat array; rank r *owns* the slice
 ``Bucket.shard(r, N)`` of each (``np.array_split``, what ``reduce_scatter``/``all_gather`` use).
 The optimizer (any ``minidist.optim`` optimizer, made by ``optimizer(shard_params)``) only sees the
 owned slices, so its state is 1/N of DP's on every rank. Stage by stage:
@@ -31,7 +31,7 @@ import numpy as np
 from minidist.comm import all_gather, all_reduce
 from minidist.comm.collectives import split_sizes
 from minidist.nn.module import Parameter
-from minidist.parallel.data import Bucket, DistributedDataParallel, build_buckets
+from minidist.parallel.ddp import Bucket, DistributedDataParallel, build_buckets
 from minidist.tensor import current_saved_tensors_hooks, saved_tensors_hooks
 
 

@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 from minidist import ops, optim
 from minidist.comm import measure, run
 from minidist.nn import GPT, GPTConfig, Linear, Module
-from minidist.parallel.data import DDP, DistributedSampler
+from minidist.parallel.ddp import DDP, DistributedSampler
 from minidist.parallel.three_d import max_state_diff
 
 TOL = 1e-10
 CFG = GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=2, d_model=8, dtype="float64")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def data(counts, steps, accum, seed=0, ignore=0.0):
@@ -339,7 +339,7 @@ def test_ddp_and_zero_under_mpirun():
 
 
 def _mpi_main():
-    """Under ``mpirun -n 2 python tests/test_data_parallel.py``: DDP and ZeRO-3 == serial on MPI ranks."""
+    """Under ``mpirun -n 2 python tests/parallel/test_data_parallel.py``: DDP and ZeRO-3 == serial on MPI ranks."""
     from minidist.parallel.zero import ZeRO
 
     counts, accum = [3, 2], 2

@@ -17,7 +17,7 @@ from minidist.infer import SamplingParams, generate, sharded_generate
 from minidist.nn import GPT, GPTConfig
 
 V = 32
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @cache

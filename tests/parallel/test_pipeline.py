@@ -30,7 +30,7 @@ from minidist.parallel.pipeline import (
 from minidist.parallel.schedule import Backward, Forward, ScheduleError, one_f_one_b
 from minidist.parallel.simulate import peak_activations
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=3, n_head=2, d_model=8, dtype="float64")
 
 

@@ -24,7 +24,7 @@ from minidist.parallel.precision import (
     round_to_bf16,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=32)
 
 
@@ -220,7 +220,7 @@ def test_injected_inf_on_one_tensor_parallel_rank_makes_the_group_skip(inject_ra
 def test_injected_inf_under_mpirun():
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("MINIDIST_TRANSPORT", None)
-    code = ("from minidist.comm import run\nfrom tests.test_precision import _inf_gathered\n"
+    code = ("from minidist.comm import run\nfrom tests.parallel.test_precision import _inf_gathered\n"
             "run(_inf_gathered, inject_rank=2, agree=True)")
     res = subprocess.run(["mpirun", "-n", "4", sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, env=env, cwd=ROOT)

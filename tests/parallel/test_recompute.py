@@ -18,7 +18,7 @@ from minidist.comm import measure, run
 from minidist.memory import MemoryAccountant
 from minidist.nn import Linear, Sequential
 from minidist.nn.gpt import GPT, GPTConfig
-from minidist.parallel.data import DistributedDataParallel
+from minidist.parallel.ddp import DistributedDataParallel
 from minidist.parallel.pipeline import (
     PipelineStage,
     make_schedule,
@@ -267,7 +267,7 @@ def test_lesson_runs_and_passes(capsys):
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
 def test_lesson_under_mpirun():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(root))
     env.pop("MINIDIST_TRANSPORT", None)
     cmd = ["mpirun", "-n", "2", sys.executable, "-m", "minidist.lessons.checkpointing", "--layers", "2",

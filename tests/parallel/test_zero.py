@@ -15,7 +15,7 @@ from minidist.memory import MemoryAccountant, zero_formula
 from minidist.nn import GPT
 from minidist.parallel.three_d import max_state_diff
 from minidist.parallel.zero import ZeRO, param_count
-from tests.test_data_parallel import CFG, TOL, accumulate, data, my_rows, serial_gpt
+from tests.parallel.test_data_parallel import CFG, TOL, accumulate, data, my_rows, serial_gpt
 
 
 def adamw(ps):
@@ -98,7 +98,7 @@ def test_memory_report_matches_formula(stage):
     p = 4
 
     def body(comm):
-        from minidist.parallel.data import DDP
+        from minidist.parallel.ddp import DDP
 
         m = GPT(CFG)
         acct = MemoryAccountant()
@@ -236,7 +236,7 @@ def test_ddp_and_zero3_on_jax():
     pytest.importorskip("jax")
     from minidist.backend import get_backend
     from minidist.nn import Linear, Sequential
-    from minidist.parallel.data import DDP
+    from minidist.parallel.ddp import DDP
 
     x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
 

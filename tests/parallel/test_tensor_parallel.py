@@ -25,7 +25,7 @@ from minidist.parallel.tensor import (
 from minidist.parallel.tp_gpt import TPGPT, ParallelBlock, shard_state_dict, unshard
 from minidist.tensor import Tensor
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOL = {"float64": 1e-10, "float32": 2e-5}  # summation order differs across ranks, nothing else
 
 
@@ -239,7 +239,7 @@ def test_sequence_parallel_gradients_equal_serial_under_mpirun():
     """tp=2 as two real processes, sequence parallelism on: every gradient == serial (tp_mpi_program.py)."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("MINIDIST_TRANSPORT", None)
-    cmd = ["mpirun", "-n", "2", sys.executable, str(ROOT / "tests" / "tp_mpi_program.py")]
+    cmd = ["mpirun", "-n", "2", sys.executable, str(ROOT / "tests" / "parallel" / "tp_mpi_program.py")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     assert sorted(int(r) for r in re.findall(r"OK rank (\d+)", res.stdout)) == [0, 1], res.stdout
