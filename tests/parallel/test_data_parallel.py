@@ -339,7 +339,7 @@ def test_ddp_and_zero_under_mpirun():
 
 
 def _mpi_main():
-    """Under ``mpirun -n 2 python tests/parallel/test_data_parallel.py``: DDP and ZeRO-3 == serial on MPI ranks."""
+    """Under ``mpirun -n 2 python tests/parallel/test_data_parallel.py``: DDP and ZeRO-3 == serial."""
     from minidist.parallel.zero import ZeRO
 
     counts, accum = [3, 2], 2
