@@ -15,14 +15,26 @@ import numpy as np
 from minidist.backend import backend_of
 
 
+def check_hyper(owner: str, name: str, value, low: float, high: float | None = None,
+                open_low: bool = False) -> float:
+    """``value`` as a float, or a ValueError naming ``owner``'s argument ``name`` and the allowed
+    range: finite, >= ``low`` (> with ``open_low``), < ``high`` if given. NaN and inf never pass."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{owner}: {name} must be a number, got {value!r}")
+    value = float(value)
+    below = value <= low if open_low else value < low
+    if not math.isfinite(value) or below or (high is not None and value >= high):
+        allowed = ("(" if open_low else "[") + f"{low:g}, " + (f"{high:g})" if high is not None else "inf)")
+        raise ValueError(f"{owner}: {name} must be a finite number in {allowed}, got {value}")
+    return value
+
+
 class Optimizer:
     def __init__(self, params, lr: float):
         self.params = [p for p in params]
         if not self.params:
             raise ValueError("optimizer got an empty parameter list")
-        if lr < 0:
-            raise ValueError(f"learning rate must be >= 0, got {lr}")
-        self.lr = lr
+        self.lr = check_hyper(type(self).__name__, "lr", lr, low=0.0)
         self.step_count = 0
         self.state: list[dict] = [{} for _ in self.params]
 
@@ -59,7 +71,8 @@ class SGD(Optimizer):
 
     def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0):
         super().__init__(params, lr)
-        self.momentum, self.weight_decay = momentum, weight_decay
+        self.momentum = check_hyper("SGD", "momentum", momentum, low=0.0, high=1.0)
+        self.weight_decay = check_hyper("SGD", "weight_decay", weight_decay, low=0.0)
 
     def update(self, p, st):
         g = p.grad
@@ -80,7 +93,12 @@ class AdamW(Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         super().__init__(params, lr)
-        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"AdamW: betas must be a pair (beta1, beta2), got {betas!r}")
+        self.betas = tuple(check_hyper("AdamW", f"betas[{i}]", b, low=0.0, high=1.0)
+                           for i, b in enumerate(betas))
+        self.eps = check_hyper("AdamW", "eps", eps, low=0.0, open_low=True)
+        self.weight_decay = check_hyper("AdamW", "weight_decay", weight_decay, low=0.0)
 
     def update(self, p, st):
         adamw_update(p, st, self.lr, self.betas, self.eps, self.weight_decay, self.step_count)
@@ -127,6 +145,16 @@ def _sub_scaled(data, g, lr):
     return (data - lr * g).astype(data.dtype)
 
 
+def make_optimizer(name: str, params, lr: float, **kw) -> Optimizer:
+    """An optimizer by name, so a parallel run and its serial twin build the same one: "sgd", or
+    "adamw" (weight decay 0 unless ``weight_decay=`` is given)."""
+    if name == "sgd":
+        return SGD(params, lr=lr, **kw)
+    if name == "adamw":
+        return AdamW(params, lr=lr, **{"weight_decay": 0.0, **kw})
+    raise ValueError(f"unknown optimizer {name!r}: use 'sgd' or 'adamw'")
+
+
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:
     """Learning-rate multiplier: linear warmup to 1 over ``warmup`` steps, cosine down to ``min_ratio``."""
     if step < warmup:
@@ -141,6 +169,10 @@ class WarmupCosine:
     """Sets ``optimizer.lr`` from ``base_lr`` and :func:`warmup_cosine` at every ``step()``."""
 
     def __init__(self, optimizer, warmup: int, total: int, min_ratio: float = 0.1):
+        if int(warmup) != warmup or warmup < 0 or int(total) != total or total < 1:
+            raise ValueError(f"WarmupCosine: need integers warmup >= 0 and total >= 1, got warmup={warmup}, "
+                             f"total={total}")
+        check_hyper("WarmupCosine", "min_ratio", min_ratio, low=0.0, high=1.0 + 1e-12)
         self.opt, self.base_lr = optimizer, optimizer.lr
         self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
         self.last = 0

@@ -1,11 +1,67 @@
-"""Helpers for tests and exercises: numerical gradient checks and array comparison."""
+"""Helpers for tests, lessons and exercises: the serial twin, state comparison, gradient checks.
+
+* ``train_steps(model, batches, opt)``: the one training loop of every serial twin (and of lesson 1):
+  loss, backward, step, zero_grad for each batch; returns the losses.
+* ``train_serial(cfg, batches, lr, optimizer)``: a fresh GPT trained by ``train_steps`` on the whole
+  global batches -- what every parallel run must equal. Returns (host state dict, losses).
+* ``max_state_diff(a, b)``: the largest absolute difference of two state dicts.
+* ``gradcheck`` / ``numerical_grads``: autograd against central differences.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 from minidist.backend import backend_of, get_backend
+from minidist.nn import GPT
+from minidist.optim import clip_grad_norm, make_optimizer
 from minidist.tensor import Tensor
+
+
+def train_steps(model, batches, opt, loss_fn=None, clip=None, schedule=None, on_step=None) -> list[float]:
+    """Train ``model`` on each ``(x, y)`` of ``batches`` (a list or any iterable) with optimizer ``opt``.
+
+    Per batch: ``loss = loss_fn(model, x, y)`` (default ``model.loss(x, y)``), backward, gradient
+    clipping to global norm ``clip`` (if given), ``opt.step()``, ``schedule.step()`` (if given),
+    ``opt.zero_grad()``. ``on_step(i, losses)`` is called after step i with the losses so far.
+    Returns the losses as floats.
+    """
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        loss = model.loss(x, y) if loss_fn is None else loss_fn(model, x, y)
+        loss.backward()
+        if clip is not None:
+            clip_grad_norm(model.parameters(), clip)
+        opt.step()
+        if schedule is not None:
+            schedule.step()
+        opt.zero_grad()
+        losses.append(float(loss.item()))
+        if on_step is not None:
+            on_step(i, losses)
+    return losses
+
+
+def host_state(model) -> dict:
+    """Name -> host NumPy copy of every parameter (comparable across backends and ranks)."""
+    return {k: np.array(p.backend.to_host(p.data)) for k, p in model.named_parameters()}
+
+
+def train_serial(cfg, batches, lr: float = 0.1, optimizer: str = "sgd", loss_fn=None, **opt_kw):
+    """The serial twin: one GPT of ``cfg``, the whole global batch per step, ``optimizer`` ("sgd" or
+    "adamw", ``minidist.optim.make_optimizer``; AdamW without weight decay unless ``weight_decay=``).
+    Returns (host state dict, losses)."""
+    model = GPT(cfg)
+    losses = train_steps(model, batches, make_optimizer(optimizer, model.parameters(), lr, **opt_kw), loss_fn)
+    return host_state(model), losses
+
+
+def max_state_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference between two state dicts with the same names and shapes."""
+    if a.keys() != b.keys():
+        raise KeyError(f"state dicts differ in names: {sorted(a.keys() ^ b.keys())[:5]}")
+    host = [(backend_of(a[k]).to_host(a[k]), backend_of(b[k]).to_host(b[k])) for k in a]
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) for x, y in host)
 
 
 def numerical_grads(fn, arrays, weights, eps=1e-6, backend="numpy"):

@@ -1,33 +1,117 @@
 """The command line every lesson shares: ``--ranks``, ``--backend``, ``--trace``, ``--plot``, ``--seed``.
 
     parser = lesson_parser("what this lesson shows", ranks=4)
-    args = parser.parse_args()
-    results = launch(rank_main, args)   # rank_main(comm, args) on every rank
+    parser.add_argument("--steps", type=positive_int, default=3)
+    args = parser.parse_args(argv)      # bad values and unwritable --trace/--plot paths: argparse errors
+    launch(rank_main, args)             # rank_main(comm, args) on every rank; exits 1 on a FAIL
 
 Under ``mpirun`` the ranks are the MPI processes and ``--ranks`` is ignored; otherwise ``--ranks N``
 threads. ``--trace FILE.json`` records every rank's spans (``minidist.trace``) and writes one
 Chrome trace (open it in https://ui.perfetto.dev).
+
+Exit codes tell the truth: a lesson's ``rank_main`` ends with ``return finish(comm, ok)`` (``ok``:
+did every check rank 0 printed say PASS?), and ``launch`` then exits with status 1 when it did not.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import sys
 
 from minidist.backend import BACKENDS
-from minidist.comm import run
+from minidist.comm import run, under_mpi
+
+# -- argument types: a bad value is an argparse error naming the flag and the allowed range -------
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (sizes, counts, steps)."""
+    return _int_at_least(text, 1)
 
 
-def lesson_parser(description: str, ranks: int = 4) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=ranks,
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0 (seeds)."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (learning rates, tolerances)."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A finite number in [0, 1) (dropout)."""
+    value = _finite(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+class LessonParser(argparse.ArgumentParser):
+    """An ArgumentParser that also checks, before any training starts, that the folders of the
+    output files (``--trace``, ``--plot`` and any other ``dest`` in ``output_paths``) exist and are
+    writable: a typo fails at once, not after the run."""
+
+    output_paths = ("trace", "plot")
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        for dest in self.output_paths:
+            path = getattr(ns, dest, None)
+            if path:
+                folder = os.path.dirname(os.path.abspath(path))
+                flag = "--" + dest.replace("_", "-")
+                if not os.path.isdir(folder):
+                    self.error(f"argument {flag}: folder {folder} of {path!r} does not exist")
+                if not os.access(folder, os.W_OK):
+                    self.error(f"argument {flag}: folder {folder} of {path!r} is not writable")
+        return ns
+
+
+def lesson_parser(description: str, ranks: int = 4) -> LessonParser:
+    p = LessonParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=positive_int, default=ranks,
                    help=f"ranks as threads of this process (default {ranks}; ignored under mpirun)")
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="array library (default $MINIDIST_BACKEND or numpy)")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace of every rank")
     p.add_argument("--plot", metavar="FILE.png", help="write a picture")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     return p
+
+
+def world_size(args) -> int:
+    """How many ranks ``launch`` will run: the MPI world under mpirun, else ``--ranks``. Lets a
+    lesson check its flags against the world size in ``main``, before any rank starts."""
+    if under_mpi():
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.Get_size()
+    return args.ranks
 
 
 def _traced(main_rank_fn):
@@ -54,9 +138,25 @@ def _traced(main_rank_fn):
 
 
 def launch(main_rank_fn, args) -> list:
-    """Run ``main_rank_fn(comm, args)`` on every rank (MPI under mpirun, else ``args.ranks`` threads)."""
+    """Run ``main_rank_fn(comm, args)`` on every rank (MPI under mpirun, else ``args.ranks`` threads).
+
+    Returns the ranks' results; exits with status 1 (``SystemExit``) when a rank returned False,
+    i.e. ``finish`` saw a failed check."""
     fn = _traced(main_rank_fn) if getattr(args, "trace", None) else main_rank_fn
-    return run(fn, ranks=getattr(args, "ranks", None), backend=getattr(args, "backend", None), args=args)
+    results = run(fn, ranks=getattr(args, "ranks", None), backend=getattr(args, "backend", None), args=args)
+    if any(r is False for r in results):
+        raise SystemExit(1)
+    return results
+
+
+def finish(comm, ok: bool) -> bool:
+    """The lesson's verdict, called once at the end of ``rank_main``: rank 0's ``ok`` (it printed
+    the checks) agreed by every rank, so each MPI process exits with the same status. On a failure
+    rank 0 says so on stderr; ``launch`` turns the False into exit status 1."""
+    ok = bool(comm.bcast_obj(bool(ok), root=0))
+    if not ok and comm.rank == 0:
+        print("[minidist] a check printed FAIL (see above): exit status 1", file=sys.stderr, flush=True)
+    return ok
 
 
 def rprint(comm, *a, **k) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from minidist.comm import Mesh, all_reduce
 from minidist.nn import GPT
-from minidist.optim import SGD, AdamW
+from minidist.optim import make_optimizer
 from minidist.parallel.ddp import DistributedDataParallel
 from minidist.parallel.pipeline import (
     PipelineStage,
@@ -36,15 +36,7 @@ from minidist.parallel.pipeline import (
     run_schedule,
     split_microbatches,
 )
-
-
-def make_optimizer(name: str, params, lr: float):
-    """The same optimizer for the parallel run and its serial twin: "sgd" or "adamw" (no weight decay)."""
-    if name == "sgd":
-        return SGD(params, lr=lr)
-    if name == "adamw":
-        return AdamW(params, lr=lr, weight_decay=0.0)
-    raise ValueError(f"unknown optimizer {name!r}: use 'sgd' or 'adamw'")
+from minidist.testing import max_state_diff, train_serial  # noqa: F401  (their home; kept importable here)
 
 
 def check_3d(world_size: int, cfg, batch_size: int, dp: int, pp: int, tp: int, microbatches: int,
@@ -138,10 +130,12 @@ def gather_full_state(comm, result: Result3D) -> dict | None:
     mesh, stage = result.mesh, result.stage
     sd = {k: np.asarray(p.backend.to_host(p.data)) for k, p in stage.named_parameters()}
     if mesh.tp_size > 1:
-        from minidist.parallel.tp_gpt import unshard
+        from minidist.parallel.sharding import sharding_table, unshard
 
+        table = {k: s for ids, layers in zip(stage.layer_ids, stage.chunks) for i, layer in zip(ids, layers)
+                 for k, s in sharding_table(layer, prefix=f"{i}.").items()}
         shards = mesh.tp.gather_obj(sd, root=0)
-        sd = dict(unshard(shards)) if shards is not None else {}
+        sd = dict(unshard(shards, table)) if shards is not None else {}
     mine = sd if (mesh.dp_rank == 0 and mesh.tp_rank == 0) else {}
     parts = comm.gather_obj(mine, root=0)
     if parts is None:
@@ -150,24 +144,3 @@ def gather_full_state(comm, result: Result3D) -> dict | None:
     for part in parts:
         full.update(part)
     return full
-
-
-def train_serial(cfg, batches, lr: float = 0.1, optimizer: str = "sgd"):
-    """The serial twin: one GPT, the whole global batch per step. Returns (state dict, losses)."""
-    model = GPT(cfg)
-    opt = make_optimizer(optimizer, model.parameters(), lr)
-    losses = []
-    for x, y in batches:
-        loss = model.loss(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.item()))
-    return {k: np.asarray(p.backend.to_host(p.data)) for k, p in model.named_parameters()}, losses
-
-
-def max_state_diff(a: dict, b: dict) -> float:
-    """Largest absolute difference between two state dicts with the same names and shapes."""
-    if a.keys() != b.keys():
-        raise KeyError(f"state dicts differ in names: {sorted(a.keys() ^ b.keys())[:5]}")
-    return max(float(np.max(np.abs(np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64)))) for k in a)
