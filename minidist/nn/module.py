@@ -3,6 +3,33 @@
 Attributes that are Parameters, Modules or ModuleLists are registered in assignment order, so
 ``named_parameters()`` has a stable order (data parallelism buckets gradients in its reverse;
 checkpoints and pipeline stages rely on the names).
+
+**The one way to wrap a forward.** A technique that must act around a module's forward registers a
+*forward wrapper* at its named position (``register_forward_wrapper``); nothing else ever replaces
+``forward`` on an instance. ``module(x)`` runs the wrappers outermost first, each deciding when
+(and whether) to call ``inner`` -- the rest of the stack, ending in the class's ``forward``::
+
+    trace  >  checkpoint  >  offload  >  zero3  >  autocast  >  type(module).forward
+
+Why this order (``WRAPPER_ORDER``), from the outside in:
+
+* ``trace`` times everything the call costs, gathers and checkpoint bookkeeping included.
+* ``checkpoint`` (``parallel.recompute``) is outside everything that must run *again* when backward
+  recomputes the forward: the recomputation calls ``inner``, so it re-gathers ZeRO-3's released
+  parameters and re-enters autocast. (Inside ZeRO-3 it would recompute on released parameters.)
+* ``offload`` (``parallel.offload.offload_activations``) moves saved activations to host memory with
+  ``saved_tensors_hooks``; it sits outside ``zero3`` because the innermost saved-tensor hook sees an
+  array first: ZeRO-3 turns its parameters into references and hands only activations outwards.
+* ``zero3`` (``parallel.zero``) gathers a unit's parameters just before the layers run and
+  releases them right after; its saved-tensor hook saves references instead of parameters.
+* ``autocast`` (``parallel.precision``) is innermost: it changes how the layer computes, with the
+  parameters already present.
+
+One wrapper per position per module: a second registration at a taken position is an error naming
+both owners (two ZeRO-3 wrappers on one unit would gather twice). Each ``register_forward_wrapper``
+returns a handle whose ``remove()`` takes away that wrapper only, leaving the others in place.
+Saved-tensor hooks (``minidist.tensor.saved_tensors_hooks``) are the backward half of the same idea:
+a wrapper that enters them around ``inner`` decides what its layers' ops keep for backward.
 """
 
 from __future__ import annotations
@@ -24,17 +51,43 @@ class Parameter(Tensor):
         super().__init__(data, requires_grad=requires_grad, name=name)
 
 
+#: Forward-wrapper positions, outermost first (see the module docstring for why this order).
+WRAPPER_ORDER = ("trace", "checkpoint", "offload", "zero3", "autocast")
+
+
+class WrapperHandle:
+    """What ``register_forward_wrapper`` returns: ``remove()`` takes that one wrapper away."""
+
+    __slots__ = ("module", "position", "fn", "owner")
+
+    def __init__(self, module, position, fn, owner):
+        self.module, self.position, self.fn, self.owner = module, position, fn, owner
+
+    def remove(self) -> None:
+        """Unregister this wrapper (a no-op if it is already gone); other wrappers stay."""
+        wrappers = self.module._wrappers
+        if wrappers.get(self.position) is self:
+            del wrappers[self.position]
+
+    def __repr__(self):
+        return f"<forward wrapper {self.position!r} of {self.owner} on {type(self.module).__name__}>"
+
+
 class Module:
     """Base class: subclasses set Parameters and sub-Modules as attributes and define ``forward``."""
 
     def __init__(self):
         object.__setattr__(self, "_params", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "_wrappers", {})
         object.__setattr__(self, "training", True)
 
     def __setattr__(self, name, value):
         if "_params" not in self.__dict__:
             raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() first")
+        if name == "forward":
+            raise AttributeError(f"{type(self).__name__}.forward is not assigned on an instance; wrap it "
+                                 "with module.register_forward_wrapper(fn, position) instead")
         self._params.pop(name, None)
         self._modules.pop(name, None)
         if isinstance(value, Parameter):
@@ -44,10 +97,53 @@ class Module:
         object.__setattr__(self, name, value)
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        if not self._wrappers:
+            return self.forward(*args, **kwargs)
+        return self._run_from(0, args, kwargs)
 
     def forward(self, *args, **kwargs):  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} has no forward()")
+
+    # -- forward wrappers (the module docstring says which, and in what order) ------------------
+    def register_forward_wrapper(self, fn, position: str, owner: str | None = None) -> WrapperHandle:
+        """Wrap this module's forward at ``position`` (one of ``WRAPPER_ORDER``).
+
+        ``fn(module, inner, *args, **kwargs)`` returns the output; ``inner(*args, **kwargs)`` runs the
+        wrappers inside ``position`` and then the class forward. ``owner`` names the technique in
+        errors. Returns a handle; ``handle.remove()`` unregisters this wrapper only."""
+        if position not in WRAPPER_ORDER:
+            raise ValueError(f"unknown forward-wrapper position {position!r}; use one of {WRAPPER_ORDER}")
+        owner = owner or position
+        taken = self._wrappers.get(position)
+        if taken is not None:
+            raise ValueError(f"{type(self).__name__} already has a {position!r} forward wrapper (from "
+                             f"{taken.owner}); {owner} cannot add a second one: remove the first "
+                             "(its handle's remove()) or apply the technique once")
+        handle = WrapperHandle(self, position, fn, owner)
+        self._wrappers[position] = handle
+        return handle
+
+    def forward_wrapper(self, position: str) -> WrapperHandle | None:
+        """The handle of the wrapper registered at ``position``, or None."""
+        return self._wrappers.get(position)
+
+    def forward_wrappers(self) -> list[WrapperHandle]:
+        """The registered wrappers, outermost first (the order a call runs them)."""
+        return [self._wrappers[p] for p in WRAPPER_ORDER if p in self._wrappers]
+
+    def call_inside(self, position: str, *args, **kwargs):
+        """Run only the wrappers *inside* ``position``, then the class forward: what a wrapper that
+        re-runs the layer (a checkpoint segment's recomputation) calls for its members."""
+        return self._run_from(WRAPPER_ORDER.index(position) + 1, args, kwargs)
+
+    def _run_from(self, level: int, args, kwargs):
+        for lv in range(level, len(WRAPPER_ORDER)):
+            handle = self._wrappers.get(WRAPPER_ORDER[lv])
+            if handle is not None:
+                def inner(*a, _next=lv + 1, **kw):
+                    return self._run_from(_next, a, kw)
+                return handle.fn(self, inner, *args, **kwargs)
+        return self.forward(*args, **kwargs)
 
     # -- the tree --------------------------------------------------------------------------------
     def named_modules(self, prefix: str = ""):

@@ -21,7 +21,6 @@ never crosses a stage boundary, and ``check_segments_within`` refuses one that w
 from __future__ import annotations
 
 import math
-import types
 
 import numpy as np
 
@@ -135,14 +134,6 @@ def _selective_attention_forward(attn, x):
     return attn.drop(attn.proj(merge_heads(y)))
 
 
-def _segment_forward(layers):
-    def run(x):
-        for m in layers:
-            x = m(x)
-        return x
-    return run
-
-
 def apply_checkpointing(model, policy: str = "full", k: int | None = None):
     """Checkpoint a GPT's blocks (serial ``Block`` or tensor-parallel ``ParallelBlock``) by ``policy``
     (see ``POLICIES``); returns the model.
@@ -150,9 +141,10 @@ def apply_checkpointing(model, policy: str = "full", k: int | None = None):
     Works on any Sequential whose layers include blocks; segments never cross a non-block layer.
     For a pipeline, checkpoint each stage's own layers (``PipelineStage(..., checkpoint=policy)``,
     ``checkpoint_stage``): a segment of the whole model may span a stage boundary, and
-    ``PipelineStage`` refuses such a model. The patched modules get instance ``forward``s;
-    ``remove_checkpointing`` (or applying another policy) restores the class ones. Composes with
-    ``precision.autocast``. A model with no block raises (nothing would be checkpointed).
+    ``PipelineStage`` refuses such a model. Each block (for "selective": each block's attention) gets
+    a forward wrapper at the ``"checkpoint"`` position of ``Module``'s wrapper stack, outside ZeRO-3's
+    gather and autocast, so a recomputation gathers and casts again; ``remove_checkpointing`` (or
+    applying another policy) removes exactly those wrappers. A model with no block raises.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -164,9 +156,10 @@ def apply_checkpointing(model, policy: str = "full", k: int | None = None):
         raise ValueError(f"apply_checkpointing({policy!r}): {type(model).__name__} has no transformer block "
                          "(nn.gpt.Block or parallel.tp_gpt.ParallelBlock) among its layers, so nothing "
                          "would be checkpointed; pass a GPT, a TPGPT or a Sequential of their blocks")
+    owner = f"activation checkpointing ({policy})"
     if policy == "selective":
         for _, blk in blocks:
-            _patch(blk.attn, types.MethodType(_selective_attention_forward, blk.attn))
+            blk.attn.register_forward_wrapper(_selective_wrapper, "checkpoint", owner)
         return model
     size = segment_size(policy, len(blocks), k)
     runs, cur = [], []  # runs of consecutive blocks, cut into segments of `size`
@@ -177,15 +170,38 @@ def apply_checkpointing(model, policy: str = "full", k: int | None = None):
         cur.append((i, blk))
     runs.append(cur)
     for seg in runs:
-        first, layers = seg[0][1], [b for _, b in seg]
-        seg_fn = _segment_forward([_plain(b) for b in layers])
+        layers = tuple(b for _, b in seg)
         gens = tuple({id(g): g for b in layers for g in block_generators(b)}.values())
-        _patch(first, lambda x, f=seg_fn, g=gens: checkpoint(f, x, generators=g))
-        for b in layers[1:]:
-            _patch(b, _identity)
+        layers[0].register_forward_wrapper(_segment_wrapper(layers, gens), "checkpoint", owner)
+        for b in layers[1:]:  # computed inside the first member's segment
+            b.register_forward_wrapper(_skip, "checkpoint", owner)
         for b in layers:  # every member knows its segment: PipelineStage checks none is cut
-            object.__setattr__(b, "_checkpoint_segment", tuple(layers))
+            object.__setattr__(b, "_checkpoint_segment", layers)
     return model
+
+
+def _segment_wrapper(layers, generators):
+    """The first member's wrapper: one ``checkpoint`` node running every member's inner stack
+    (ZeRO-3 gather, autocast, the block), recomputed as a whole in backward."""
+    def run(x):
+        for b in layers:
+            x = b.call_inside("checkpoint", x)
+        return x
+
+    def wrapper(module, inner, x):
+        return checkpoint(run, x, generators=generators)
+    return wrapper
+
+
+def _skip(module, inner, x):
+    """A later segment member: already computed by the first member's checkpoint."""
+    return x
+
+
+def _selective_wrapper(attn, inner, x):
+    """The attention with only its core checkpointed. It computes the attention itself (the core is
+    inside its forward), so it does not call ``inner``: nothing else wraps an attention module."""
+    return _selective_attention_forward(attn, x)
 
 
 def checkpoint_stage(layers, policy: str, k: int | None = None):
@@ -215,25 +231,15 @@ def check_segments_within(layers, layer_ids, stage: int) -> None:
                 "'selective' policy, whose segments are single blocks")
 
 
-def _patch(module, forward):
-    object.__setattr__(module, "forward", forward)
-
-
-def _identity(x):
-    return x
-
-
-def _plain(block):
-    """The block's own (class) forward, bound: what a segment runs inside the checkpoint."""
-    return types.MethodType(type(block).forward, block)
-
-
 def remove_checkpointing(model):
-    """Undo ``apply_checkpointing``: every block of ``model`` (and its attention) gets its class
-    forward back and forgets its segment. Other instance forwards (``autocast``'s) are kept."""
+    """Undo ``apply_checkpointing``: the ``"checkpoint"`` wrappers of every block of ``model`` (and of
+    its attention) are removed and the blocks forget their segment. Other wrappers (ZeRO-3's,
+    autocast's) stay."""
     for _, blk in _blocks(model):
         for m in (blk, blk.attn):
-            m.__dict__.pop("forward", None)
+            handle = m.forward_wrapper("checkpoint")
+            if handle is not None:
+                handle.remove()
         blk.__dict__.pop("_checkpoint_segment", None)
     return model
 

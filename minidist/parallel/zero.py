@@ -81,6 +81,7 @@ class ZeRO(DistributedDataParallel):
         self.optimizer = optimizer(self.shards)
         self._flats: dict[int, object] = {}
         self.gathered: set[int] = set()
+        self._handles_zero3 = []
         if stage == 3:
             for u in range(len(self.units)):
                 self._wrap_unit(u)
@@ -210,35 +211,35 @@ class ZeRO(DistributedDataParallel):
         self.gathered.discard(u)
 
     def _wrap_unit(self, u: int):
-        unit = self.units[u]
-        inner = unit.forward
+        """Register unit ``u``'s gather/release at the ``"zero3"`` position of its wrapper stack."""
+        self._handles_zero3.append(self.units[u].register_forward_wrapper(
+            lambda unit, inner, *a, **kw: self._gathered_forward(u, inner, a, kw), "zero3", "ZeRO-3"))
 
-        def forward(*args, **kwargs):
-            self._gather_unit(u, "forward")
-            # released again once backward has produced all the unit's gradients (or at step())
-            self._unit_pending[u] = sum(len(b.params) for b in self._unit_buckets[u])
-            mine = {id(p.data): p for b in self._unit_buckets[u] for p in b.params}
-            outer = current_saved_tensors_hooks()
+    def _gathered_forward(self, u: int, inner, args, kwargs):
+        """Gather unit ``u``, run ``inner`` with parameters saved as references, release."""
+        self._gather_unit(u, "forward")
+        # released again once backward has produced all the unit's gradients (or at step())
+        self._unit_pending[u] = sum(len(b.params) for b in self._unit_buckets[u])
+        mine = {id(p.data): p for b in self._unit_buckets[u] for p in b.params}
+        outer = current_saved_tensors_hooks()
 
-            def pack(a):
-                p = mine.get(id(a))
-                if p is not None and p.data is a:
-                    return _ParamRef(p, u)
-                return (None, outer[0](a)) if outer else (None, a)
+        def pack(a):
+            p = mine.get(id(a))
+            if p is not None and p.data is a:
+                return _ParamRef(p, u)
+            return (None, outer[0](a)) if outer else (None, a)
 
-            def unpack(s):
-                if isinstance(s, _ParamRef):
-                    self._gather_unit(s.unit)
-                    return s.param.data
-                return outer[1](s[1]) if outer else s[1]
+        def unpack(s):
+            if isinstance(s, _ParamRef):
+                self._gather_unit(s.unit)
+                return s.param.data
+            return outer[1](s[1]) if outer else s[1]
 
-            try:
-                with saved_tensors_hooks(pack, unpack):
-                    return inner(*args, **kwargs)
-            finally:
-                self._release_unit(u)
-
-        object.__setattr__(unit, "forward", forward)
+        try:
+            with saved_tensors_hooks(pack, unpack):
+                return inner(*args, **kwargs)
+        finally:
+            self._release_unit(u)
 
     # -- a sharded checkpoint: each rank saves and restores only what it owns -------------------
     def state_dict(self) -> dict:
