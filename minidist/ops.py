@@ -104,7 +104,7 @@ class Neg(Function):
 
 
 class Pow(Function):
-    """``a ** b``; ``b`` may be a number or a tensor (then ``a`` must be positive)."""
+    """``a ** b``; either may be a plain number (``2.0 ** t`` too); d/db needs ``a`` positive."""
 
     @staticmethod
     def forward(ctx, a, b):
@@ -118,7 +118,9 @@ class Pow(Function):
         a, b, out = ctx.saved
         sa, sb = ctx.shapes
         ga = unbroadcast(g * b * a ** (b - 1), sa) if ctx.needs_grad[0] else None
-        gb = unbroadcast(g * out * _xp(a).log(a), sb) if ctx.needs_grad[1] else None
+        # a Python-number base keeps its weak dtype (math.log), so a float32 exponent stays float32
+        log_a = _xp(out).log(a) if hasattr(a, "shape") else math.log(a)
+        gb = unbroadcast(g * out * log_a, sb) if ctx.needs_grad[1] else None
         return ga, gb
 
 
@@ -207,6 +209,12 @@ class Cast(Function):
 # ---------------------------------------------------------------------------------------------
 # matrix products
 # ---------------------------------------------------------------------------------------------
+def _rows(a):
+    """``a`` as a matrix (every leading axis folded into rows); unlike ``reshape(-1, n)`` it works
+    when the last axis is 0."""
+    return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
+
+
 def _check_matmul(a, b):
     if a.ndim == 0 or b.ndim == 0 or a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
         raise ValueError(f"matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} don't match: the last "
@@ -232,16 +240,18 @@ class Matmul(Function):
             if b.ndim == 1:
                 ga = g[..., None] * b
             elif a.ndim == 1:
-                ga = (g[..., None, :] @ xp.swapaxes(b, -1, -2)).reshape(-1, a.shape[0]).sum(axis=0)
+                ga = _rows(g[..., None, :] @ xp.swapaxes(b, -1, -2)).sum(axis=0)
             else:
                 ga = unbroadcast(g @ xp.swapaxes(b, -1, -2), a.shape)
         if ctx.needs_grad[1]:
             if b.ndim == 2 and a.ndim >= 2:  # a weight: fold the batch axes into one big product
-                gb = a.reshape(-1, a.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+                gb = _rows(a).T @ _rows(g)
+            elif a.ndim == 1 and b.ndim == 1:  # a dot product: g is 0-d
+                gb = g * a
             elif a.ndim == 1:
                 gb = unbroadcast(a[:, None] * g[..., None, :], b.shape)
             elif b.ndim == 1:
-                gb = (a * g[..., None]).reshape(-1, a.shape[-1]).sum(axis=0)
+                gb = _rows(a * g[..., None]).sum(axis=0)
             else:
                 gb = unbroadcast(xp.swapaxes(a, -1, -2) @ g, b.shape)
         return ga, gb
@@ -265,9 +275,9 @@ class Linear(Function):
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved
-        g2 = g.reshape(-1, g.shape[-1])
+        g2 = _rows(g)
         gx = (g @ w.T) if ctx.needs_grad[0] else None
-        gw = x.reshape(-1, x.shape[-1]).T @ g2 if ctx.needs_grad[1] else None
+        gw = _rows(x).T @ g2 if ctx.needs_grad[1] else None
         gb = g2.sum(axis=0) if len(ctx.needs_grad) > 2 and ctx.needs_grad[2] else None
         return gx, gw, gb
 

@@ -284,6 +284,9 @@ class Tensor:
     def __pow__(self, o):
         return _ops().pow(self, o)
 
+    def __rpow__(self, o):
+        return _ops().pow(o, self)
+
     def __matmul__(self, o):
         return _ops().matmul(self, o)
 

@@ -6,7 +6,7 @@ the numerical one to 1e-6.
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from minidist import ops
@@ -36,6 +36,9 @@ def broadcast_pair(draw):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "pow"])
 @given(pair=broadcast_pair(), seed=st.integers(0, 2**16))
+@example(pair=((), (3,)), seed=0)        # a 0-d array against a vector
+@example(pair=((0, 3), (3,)), seed=0)    # 0-size, broadcast
+@example(pair=((2, 0), (1, 0)), seed=0)
 def test_binary_broadcasting(backend, op, pair, seed):
     rng = np.random.default_rng(seed)
     a = rand(rng, pair[0], "positive" if op == "pow" else None)
@@ -48,6 +51,9 @@ def test_binary_broadcasting(backend, op, pair, seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", ["exp", "log", "tanh", "relu", "gelu", "neg", "square", "scalar"])
 @given(shape=shapes, seed=st.integers(0, 2**16))
+@example(shape=(), seed=0)
+@example(shape=(0,), seed=0)
+@example(shape=(2, 0), seed=0)
 def test_unary(backend, op, shape, seed):
     rng = np.random.default_rng(seed)
     a = rand(rng, shape, "positive" if op == "log" else None)
@@ -56,6 +62,36 @@ def test_unary(backend, op, shape, seed):
     fn = {"exp": ops.exp, "log": ops.log, "tanh": ops.tanh, "relu": ops.relu, "gelu": ops.gelu,
           "neg": lambda x: -x, "square": lambda x: x ** 2, "scalar": lambda x: 3.0 - 2.0 * x / 4.0 + 1}[op]
     gradcheck(fn, [a], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_max_ties_share_the_gradient_equally(backend):
+    """Written-out ties (a numerical check can't judge a tie: max is not differentiable there)."""
+    from minidist.backend import get_backend
+    from minidist.tensor import Tensor
+
+    be = get_backend(backend)
+    a = np.array([[1.0, 3.0, 3.0, 0.0],
+                  [2.0, 2.0, 2.0, 2.0],
+                  [5.0, -1.0, 4.0, 2.0]])
+    cases = [  # (axis, keepdims, upstream gradient, expected gradient of a)
+        (1, False, np.array([6.0, 4.0, 1.0]),
+         [[0, 3, 3, 0], [1, 1, 1, 1], [1, 0, 0, 0]]),
+        (0, True, np.array([[2.0, 1.0, 4.0, 3.0]]),
+         [[0, 1, 0, 0], [0, 0, 0, 1.5], [2, 0, 4, 1.5]]),
+        (None, False, np.array(1.0),
+         [[0, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]),
+        ((0, 1), False, np.array(2.0),
+         [[0, 0, 0, 0], [0, 0, 0, 0], [2, 0, 0, 0]]),
+    ]
+    for axis, keepdims, g, want in cases:
+        t = Tensor(be.from_host(a), requires_grad=True)
+        ops.max(t, axis=axis, keepdims=keepdims).backward(Tensor(be.from_host(g)))
+        np.testing.assert_allclose(np.asarray(be.to_host(t.grad)), want, atol=0,
+                                   err_msg=f"max(axis={axis}, keepdims={keepdims})")
+    t = Tensor(be.from_host(np.array([[7.0, 7.0, 7.0]])), requires_grad=True)  # a three-way tie
+    ops.max(t).backward()
+    np.testing.assert_allclose(np.asarray(be.to_host(t.grad)), [[1 / 3, 1 / 3, 1 / 3]], rtol=1e-15)
 
 
 @st.composite
@@ -69,6 +105,10 @@ def shape_and_axis(draw):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", ["sum", "mean", "max"])
 @given(sak=shape_and_axis(), seed=st.integers(0, 2**16))
+@example(sak=((), None, False), seed=0)       # 0-d
+@example(sak=((), None, True), seed=0)
+@example(sak=((0, 3), 1, False), seed=0)      # 0 rows, reduced over the non-empty axis
+@example(sak=((2, 0, 3), (0, 2), True), seed=0)
 def test_reductions(backend, op, sak, seed):
     shape, axis, keepdims = sak
     a = np.random.default_rng(seed).standard_normal(shape)
@@ -79,6 +119,9 @@ def test_reductions(backend, op, sak, seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(batch=st.lists(st.integers(1, 3), max_size=2).map(tuple), m=st.integers(1, 4), k=st.integers(1, 4),
        n=st.integers(1, 4), b_batched=st.booleans(), seed=st.integers(0, 2**16))
+@example(batch=(), m=2, k=0, n=3, b_batched=False, seed=0)   # an empty inner axis: the product is zeros
+@example(batch=(2,), m=0, k=3, n=2, b_batched=True, seed=0)
+@example(batch=(3,), m=2, k=0, n=1, b_batched=False, seed=0)
 def test_matmul_batched_and_broadcast(backend, batch, m, k, n, b_batched, seed):
     rng = np.random.default_rng(seed)
     a = rng.standard_normal(batch + (m, k))
@@ -87,17 +130,39 @@ def test_matmul_batched_and_broadcast(backend, batch, m, k, n, b_batched, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["vec_mat", "mat_vec"])
+@pytest.mark.parametrize("kind", ["vec_mat", "mat_vec", "vec_vec", "empty_dot"])
 def test_matmul_vectors(backend, kind):
     rng = np.random.default_rng(1)
-    a, b = (rng.standard_normal(3), rng.standard_normal((2, 3, 4))) if kind == "vec_mat" else \
-        (rng.standard_normal((2, 4, 3)), rng.standard_normal(3))
+    a, b = {"vec_mat": (rng.standard_normal(3), rng.standard_normal((2, 3, 4))),
+            "mat_vec": (rng.standard_normal((2, 4, 3)), rng.standard_normal(3)),
+            "vec_vec": (rng.standard_normal(3), rng.standard_normal(3)),  # a dot product: 0-d output
+            "empty_dot": (np.zeros(0), np.zeros(0))}[kind]
     gradcheck(ops.matmul, [a, b], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_number_to_the_power_of_a_tensor(backend):
+    """``2.0 ** t`` (``Tensor.__rpow__``): d/dt 2^t = 2^t ln 2, checked by finite differences."""
+    from minidist.backend import get_backend
+    from minidist.tensor import Tensor
+
+    a = np.random.default_rng(2).standard_normal((2, 3))
+    gradcheck(lambda x: 2.0 ** x, [a], backend=backend)
+    gradcheck(lambda x: 0.5 ** (x * x), [a], backend=backend)
+    t = Tensor(get_backend(backend).from_host(np.array([0.0, 1.0, 3.0], np.float32)), requires_grad=True)
+    y = 2.0 ** t
+    assert y.dtype == np.float32  # a Python number never widens the tensor's dtype
+    np.testing.assert_allclose(y.numpy(), [1.0, 2.0, 8.0])
+    y.sum().backward()
+    assert t.grad.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(t.grad), np.array([1.0, 2.0, 8.0]) * np.log(2.0), rtol=1e-6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(lead=st.lists(st.integers(1, 3), min_size=1, max_size=2).map(tuple), k=st.integers(1, 4),
        n=st.integers(1, 4), bias=st.booleans(), seed=st.integers(0, 2**16))
+@example(lead=(2,), k=0, n=3, bias=True, seed=0)
+@example(lead=(0, 2), k=3, n=2, bias=True, seed=0)
 def test_linear(backend, lead, k, n, bias, seed):
     rng = np.random.default_rng(seed)
     arrays = [rng.standard_normal(lead + (k,)), rng.standard_normal((k, n))] + \
@@ -177,24 +242,31 @@ def test_attention(backend, b, h, tq, extra, d, causal, seed):
               backend=backend, atol=1e-5)
 
 
-def attention_reference(q, k, v):
-    """Attention written with the unfused ops: the fused op must agree with it."""
-    t = q.shape[-2]
-    s = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / np.sqrt(q.shape[-1]))
-    mask = np.triu(np.full((t, t), -np.inf), 1)
-    return ops.softmax(s + mask, axis=-1) @ v
+def attention_reference(q, k, v, causal=True):
+    """Unfused masked softmax in plain NumPy, one query row at a time: with tq queries and tk >= tq
+    keys, query i sits at key position tk - tq + i and sees keys 0 .. tk - tq + i (the KV-cache case)."""
+    tq, tk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    out = np.zeros(q.shape[:-1] + (v.shape[-1],))
+    for i in range(tq):
+        seen = tk - tq + i + 1 if causal else tk
+        scores = np.einsum("bhd,bhkd->bhk", q[:, :, i], k[:, :, :seen]) / np.sqrt(d)
+        w = np.exp(scores - scores.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        out[:, :, i] = np.einsum("bhk,bhkd->bhd", w, v[:, :, :seen])
+    return out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_attention_matches_unfused(backend):
+@pytest.mark.parametrize("tq,tk,causal", [(5, 5, True), (2, 5, True), (1, 4, True), (3, 6, False)])
+def test_attention_matches_unfused(backend, tq, tk, causal):
     from minidist.backend import get_backend
     from minidist.tensor import Tensor
 
     be = get_backend(backend)
     rng = np.random.default_rng(0)
-    q, k, v = (Tensor(be.from_host(rng.standard_normal((2, 3, 5, 4)))) for _ in range(3))
-    fused = ops.scaled_dot_product_attention(q, k, v).numpy()
-    np.testing.assert_allclose(fused, attention_reference(q, k, v).numpy(), atol=1e-12)
+    q, k, v = (rng.standard_normal((2, 3, t, 4)) for t in (tq, tk, tk))
+    fused = ops.scaled_dot_product_attention(*(Tensor(be.from_host(a)) for a in (q, k, v)), causal=causal)
+    np.testing.assert_allclose(fused.numpy(), attention_reference(q, k, v, causal), atol=1e-12)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
