@@ -13,7 +13,7 @@ Grade it:  python -m minidist.grade tensor_parallel
 The grader runs your functions on 1..4 thread ranks, compares with the serial ``x @ w + b`` and
 reads the ledger: column parallel sends nothing, row parallel exactly one all-reduce.
 Lesson: lessons/04-tensor-parallel.md; minidist's answer is ColumnParallelLinear / RowParallelLinear
-in minidist/parallel/tensor.py, so try before you look.
+in minidist/parallel/tp_layers.py, so try before you look.
 """
 
 import numpy as np  # noqa: F401  (you will need it)

@@ -28,7 +28,7 @@ from minidist.infer.generate import as_weights, check_prompts, decode_loop, host
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import GREEDY
 from minidist.parallel.pipeline import partition_uniform
-from minidist.parallel.tensor import split_columns, split_qkv, split_rows
+from minidist.parallel.sharding import Shard, split_columns, split_rows
 
 
 def stage_weights(w: GPTWeights, pp_rank: int, pp: int) -> GPTWeights:
@@ -44,7 +44,7 @@ def tp_shard(w: GPTWeights, tp_rank: int, tp: int, reduce, rank=None) -> GPTWeig
     """This rank's slices of every block: its heads' q/k/v columns and proj rows, its MLP units.
 
     The slicing rules are training's (``split_qkv``, ``split_columns``, ``split_rows`` of
-    ``minidist.parallel.tensor``): a rank serves exactly the shard it would train.
+    ``minidist.parallel.sharding``): a rank serves exactly the shard it would train.
     """
     blocks = []
     for blk in w.blocks:
@@ -57,8 +57,8 @@ def tp_shard(w: GPTWeights, tp_rank: int, tp: int, reduce, rank=None) -> GPTWeig
             raise ValueError(f"{who}MLP hidden size {hidden} is not divisible by tp {tp}")
         blocks.append(replace(
             blk,
-            qkv_w=split_qkv(blk.qkv_w, tp_rank, tp).copy(),
-            qkv_b=split_qkv(blk.qkv_b, tp_rank, tp).copy(),
+            qkv_w=Shard(1, blocks=3).split(blk.qkv_w, tp_rank, tp).copy(),
+            qkv_b=Shard(0, blocks=3).split(blk.qkv_b, tp_rank, tp).copy(),
             proj_w=split_rows(blk.proj_w, tp_rank, tp).copy(),
             fc_w=split_columns(blk.fc_w, tp_rank, tp).copy(),
             fc_b=split_columns(blk.fc_b, tp_rank, tp).copy(),

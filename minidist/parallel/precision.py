@@ -106,7 +106,7 @@ def autocast(model, dtype="bf16"):
     run as above. The attention's qkv projection hands the attention core low-precision *values*
     held in fp32, so the softmax runs in fp32 (as torch.autocast does). Returns the model. Cast the
     logits to fp32 before the loss (``MixedPrecision.loss`` does)."""
-    from minidist.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    from minidist.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
 
     dt = low_dtype(dtype)
     for p in model.parameters():

@@ -2,18 +2,20 @@
 
 ``TPGPT(cfg, tp_comm)`` is a ``Sequential`` of ``ParallelEmbed``, ``ParallelBlock`` × n_layer,
 ``ParallelHead`` -- the same layer list (and the same parameter names) as the serial GPT, so a
-pipeline can cut it into stages and a serial state_dict maps onto it name by name:
+pipeline can cut it into stages and a serial state_dict maps onto it name by name. Its layers
+(``minidist.parallel.tp_layers``) declare how each parameter is split; ``sharding_table(model)``
+(``minidist.parallel.sharding``) reads them:
 
 =========================  =======================  ==========================================
-parameter                  split                    how (``minidist.parallel.tensor``)
+parameter                  split                    declared by
 =========================  =======================  ==========================================
-``0.wte.weight`` (V, h)    vocabulary rows          ``split_rows``
-``i.attn.qkv.*`` (h, 3h)   heads of q, k and v      ``split_qkv``
-``i.attn.proj.weight``     input rows (heads)       ``split_rows``  (bias replicated)
-``i.mlp.fc.*`` (h, 4h)     output columns           ``split_columns``
-``i.mlp.proj.weight``      input rows               ``split_rows``  (bias replicated)
-``{L+1}.proj.weight``      vocabulary columns       ``split_columns`` (the LM head)
-LayerNorms, ``0.wpe``      replicated
+``0.wte.weight`` (V, h)    vocabulary rows          ``VocabParallelEmbedding``: ``Shard(0)``
+``i.attn.qkv.*`` (h, 3h)   heads of q, k and v      ``ColumnParallelLinear(blocks=3)``
+``i.attn.proj.weight``     input rows (heads)       ``RowParallelLinear``: ``Shard(0)``
+``i.mlp.fc.*`` (h, 4h)     output columns           ``ColumnParallelLinear``: ``Shard(1)``/``(0)``
+``i.mlp.proj.weight``      input rows               ``RowParallelLinear`` (bias replicated)
+``{L+1}.proj.weight``      vocabulary columns       ``ColumnParallelLinear`` (the LM head)
+LayerNorms, ``0.wpe``      replicated               (nothing declared)
 =========================  =======================  ==========================================
 
 Initialisation draws the full weights from ``default_rng(cfg.seed)`` in the serial GPT's order and
@@ -30,7 +32,6 @@ rank of the group (``minidist.random.manual_seed``): replicated-region masks com
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 
 import numpy as np
@@ -39,19 +40,10 @@ from minidist.backend import backend_of
 from minidist.nn.gpt import token_ids
 from minidist.nn.layers import Embedding, LayerNorm
 from minidist.nn.module import Module, Sequential
-from minidist.parallel.tensor import (
-    ColumnParallelLinear,
-    all_reduce_grad_hook,
-    check_divisible,
-    concat_columns,
-    concat_qkv,
-    concat_rows,
-    gather_last_dim,
-    split_columns,
-    split_qkv,
-    split_rows,
-)
+from minidist.parallel.sharding import shard_state_dict, sharding_table, unshard
+from minidist.parallel.tp_comm import all_reduce_grad_hook, check_divisible, gather_last_dim
 from minidist.parallel.tp_layers import (
+    ColumnParallelLinear,
     ParallelAttention,
     ParallelMLP,
     ShardedRNG,
@@ -169,48 +161,9 @@ class TPGPT(Sequential):
     def serial_state_dict(self) -> OrderedDict:
         """The serial GPT's state_dict, assembled on every rank (small models: pickled all-gather)."""
         local = OrderedDict((k, backend_of(a).to_host(a)) for k, a in self.state_dict().items())
-        return unshard(self.comm.allgather_obj(local))
+        return unshard(self.comm.allgather_obj(local), sharding_table(self))
 
     def load_serial_state_dict(self, serial_sd: dict):
-        return self.load_state_dict(shard_state_dict(serial_sd, self.comm.rank, self.comm.size))
-
-
-# -- serial state_dict <-> tensor-parallel shards -------------------------------------------------------
-
-_RULES = {"rows": (split_rows, concat_rows), "columns": (split_columns, concat_columns),
-          "qkv": (split_qkv, concat_qkv), "replicated": (lambda a, r, p: a, lambda parts: parts[0])}
-
-
-def shard_rule(name: str) -> str:
-    """How the GPT parameter called ``name`` is split: rows, columns, qkv or replicated."""
-    if name.endswith("wte.weight") or re.search(r"\.(attn|mlp)\.proj\.weight$", name):
-        return "rows"
-    if ".attn.qkv." in name:
-        return "qkv"
-    if ".mlp.fc." in name or re.fullmatch(r"\d+\.proj\.weight", name):
-        return "columns"
-    return "replicated"
-
-
-def shard_state_dict(serial_sd: dict, tp_rank: int, tp_size: int) -> OrderedDict:
-    """This rank's slice of every tensor of a serial GPT state_dict (host NumPy arrays)."""
-    out = OrderedDict()
-    for name, a in serial_sd.items():
-        host = np.asarray(backend_of(a).to_host(a)) if hasattr(a, "shape") else np.asarray(a)
-        rule = shard_rule(name)
-        axis_len = host.shape[0] if rule == "rows" else host.shape[-1] // (3 if rule == "qkv" else 1)
-        if rule != "replicated" and axis_len % tp_size:
-            raise ValueError(f"shard_state_dict: {name} of shape {host.shape} ({rule}) does not split "
-                             f"into {tp_size} equal parts")
-        out[name] = np.ascontiguousarray(_RULES[rule][0](host, tp_rank, tp_size))
-    return out
-
-
-def unshard(shards: list) -> OrderedDict:
-    """The serial state_dict from every rank's (``shards[r]``: rank r's) TP state_dict."""
-    out = OrderedDict()
-    for name in shards[0]:
-        parts = [np.asarray(backend_of(s[name]).to_host(s[name])) for s in shards]
-        out[name] = _RULES[shard_rule(name)][1](parts)
-    return out
-
+        """Load this rank's part of the serial GPT's state_dict."""
+        table = sharding_table(self)
+        return self.load_state_dict(shard_state_dict(serial_sd, table, self.comm.rank, self.comm.size))

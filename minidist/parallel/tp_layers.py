@@ -1,5 +1,7 @@
-"""Tensor-parallel layers built from ``minidist.parallel.tensor``'s column/row linears and conjugates.
+"""The tensor-parallel layers (Megatron-LM), built on the conjugate functions of ``tp_comm``.
 
+* ``ColumnParallelLinear``: y_r = f(x) @ W[:, cols_r] + b[cols_r] -- my block of output features.
+* ``RowParallelLinear``: y = g(x_r @ W[rows_r, :]) + b -- partial products summed over the group.
 * ``ParallelMLP``: column-parallel fc (4h/tp features per rank) -> GELU -> row-parallel proj.
 * ``ParallelAttention``: the fused qkv projection column-parallel *by heads* (rank r holds heads
   r·H/tp .. (r+1)·H/tp of q, k and v), attention on local heads, row-parallel output projection.
@@ -13,6 +15,12 @@
   by default the rank's slice of the full mask drawn from the shared generator ("twin": results
   don't depend on tp and equal the serial model's); or, with a ``ShardedRNG``, masks from a
   per-rank generator (Megatron's way: no wasted draws, but results depend on tp).
+
+Every layer declares how its parameters are split, as data: ``param_shards`` maps a parameter's
+name to a ``minidist.parallel.sharding.Shard`` (unlisted: replicated). Initialisation draws the
+*full* weight from the same generator, in the same order, as the serial twin (``minidist.nn``)
+and keeps this rank's part by that same Shard, so a tensor-parallel model equals the serial one
+exactly, and ``sharding_table`` converts between the two.
 """
 
 from __future__ import annotations
@@ -21,23 +29,111 @@ import numpy as np
 
 from minidist import ops
 from minidist import random as mrandom
-from minidist.backend import backend_of
+from minidist.backend import backend_of, default_backend, get_backend
 from minidist.nn.attention import merge_heads, split_heads
 from minidist.nn.layers import Dropout
-from minidist.nn.module import Module
-from minidist.parallel.tensor import (
+from minidist.nn.module import Module, Parameter
+from minidist.parallel.sharding import Shard
+from minidist.parallel.tp_comm import (
     SEQ_AXIS,
-    ColumnParallelLinear,
-    RowParallelLinear,
+    all_reduce_grad_hook,
     check_divisible,
+    copy_to_tp,
+    gather_from_seq,
+    gather_last_dim,
     reduce_from_tp,
     reduce_scatter_to_seq,
-    sharded_normal,
-    split_qkv,
-    split_rows,
+    scatter_last_dim,
     tp_all_reduce,
 )
 from minidist.tensor import Function, Tensor
+
+
+def sharded_normal(shape, std, dtype, comm, shard: Shard, rng=None, backend=None) -> Parameter:
+    """Draw the full (serial) weight from ``rng`` on the host, keep this rank's ``shard`` of it."""
+    rng = rng if rng is not None else mrandom.default_generator()
+    full = get_backend("numpy").random_normal(rng, shape, dtype, scale=std)  # as Backend.random_normal
+    be = get_backend(backend) if backend is not None else default_backend()
+    return Parameter(be.from_host(np.ascontiguousarray(shard.split(full, comm.rank, comm.size))))
+
+
+def _zeros(n, dtype, backend) -> Parameter:
+    be = get_backend(backend) if backend is not None else default_backend()
+    return Parameter(be.from_host(np.zeros((n,), dtype=dtype)))
+
+
+# -- the two parallel linear layers -----------------------------------------------------------------
+
+class ColumnParallelLinear(Module):
+    """y_r = f(x) @ W[:, cols_r] + b[cols_r]: each rank computes its block of output features.
+
+    ``gather_output=True`` all-gathers y along the last axis (the full output on every rank);
+    otherwise y stays split, ready for a ``RowParallelLinear``. ``sequence_parallel=True``: x is
+    a sequence shard, all-gathered first (f becomes ``gather_from_seq``). ``blocks=3``: the output
+    is q|k|v side by side, and this rank keeps its columns of each (the attention's heads).
+    """
+
+    def __init__(self, in_features, out_features, comm, bias=True, gather_output=False,
+                 sequence_parallel=False, *, blocks=1, dtype=np.float32, std=None, rng=None, backend=None):
+        super().__init__()
+        local = check_divisible(comm, "out_features", out_features)
+        std = (1.0 / np.sqrt(in_features)) if std is None else std
+        self.comm, self.gather_output, self.sequence_parallel = comm, gather_output, sequence_parallel
+        self.in_features, self.out_features, self.local_out = in_features, out_features, local
+        self.param_shards = {"weight": Shard(axis=1, blocks=blocks)}  # output features
+        self.weight = sharded_normal((in_features, out_features), std, dtype, comm,
+                                     self.param_shards["weight"], rng, backend)
+        self.bias = _zeros(local, dtype, backend) if bias else None
+        if bias:
+            self.param_shards["bias"] = Shard(axis=0, blocks=blocks)
+
+    def forward(self, x):
+        x = gather_from_seq(x, self.comm) if self.sequence_parallel else copy_to_tp(x, self.comm)
+        y = self._local(x)
+        return gather_last_dim(y, self.comm) if self.gather_output else y
+
+    def _local(self, x):
+        """This rank's block of output features, bias included (``autocast`` swaps in a low-precision one)."""
+        return ops.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(Module):
+    """y = g(x_r @ W[rows_r, :]) + b: each rank multiplies its block of input features; the
+    partial products are summed by an all-reduce (or reduce-scattered along the sequence).
+
+    ``input_is_parallel=False``: x is full and this rank first keeps its slice. The bias is
+    replicated and added once, after the reduction.
+    """
+
+    def __init__(self, in_features, out_features, comm, bias=True, input_is_parallel=True,
+                 sequence_parallel=False, *, dtype=np.float32, std=None, rng=None, backend=None):
+        super().__init__()
+        self.local_in = check_divisible(comm, "in_features", in_features)
+        std = (1.0 / np.sqrt(in_features)) if std is None else std
+        self.comm, self.input_is_parallel, self.sequence_parallel = comm, input_is_parallel, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        self.param_shards = {"weight": Shard(axis=0)}  # input features; the bias is replicated
+        self.weight = sharded_normal((in_features, out_features), std, dtype, comm,
+                                     self.param_shards["weight"], rng, backend)
+        self.bias = _zeros(out_features, dtype, backend) if bias else None
+        if bias and sequence_parallel:
+            all_reduce_grad_hook(self.bias, comm)
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = scatter_last_dim(x, self.comm)
+        y = self._local(x)
+        y = reduce_scatter_to_seq(y, self.comm) if self.sequence_parallel else reduce_from_tp(y, self.comm)
+        return y if self.bias is None else self._add_bias(y)
+
+    def _local(self, x):
+        """This rank's partial product, before the reduction (``autocast`` swaps these two hooks)."""
+        return ops.linear(x, self.weight)
+
+    def _add_bias(self, y):
+        return y + self.bias
+
+
 
 # -- dropout in sharded regions -----------------------------------------------------------------------
 
@@ -126,7 +222,7 @@ class ParallelAttention(Module):
         self.n_head = n_head
         self.local_heads = check_divisible(comm, "n_head", n_head)
         kw = dict(dtype=dtype, rng=rng, backend=backend, sequence_parallel=sequence_parallel)
-        self.qkv = ColumnParallelLinear(dim, 3 * dim, comm, split=split_qkv, std=std, **kw)
+        self.qkv = ColumnParallelLinear(dim, 3 * dim, comm, blocks=3, std=std, **kw)
         self.proj = RowParallelLinear(dim, dim, comm, std=proj_std or std, **kw)
         self.drop = make_dropout(dropout, comm, sequence_parallel, sharded_rng)
 
@@ -154,7 +250,8 @@ class VocabParallelEmbedding(Module):
         self.num_embeddings, self.local_rows = num_embeddings, check_divisible(comm, "vocab_size",
                                                                                num_embeddings)
         self.start = comm.rank * self.local_rows
-        self.weight = sharded_normal((num_embeddings, dim), std, dtype, comm.rank, comm.size, split_rows,
+        self.param_shards = {"weight": Shard(axis=0)}  # vocabulary rows
+        self.weight = sharded_normal((num_embeddings, dim), std, dtype, comm, self.param_shards["weight"],
                                      rng, backend)
 
     def partial(self, idx):

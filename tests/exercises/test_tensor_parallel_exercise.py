@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from minidist.comm import measure
 from minidist.comm.collectives import all_reduce
 from minidist.grade import grader_tests, no_hang, run_guarded
-from minidist.parallel import tensor as T
+from minidist.parallel import sharding as S
+from minidist.parallel import tp_layers as T
 from minidist.tensor import Tensor
 
 GRADE = settings(max_examples=12, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
@@ -72,11 +73,11 @@ def _check_shard(impl, task, axis, split):
 
 
 def check_shard_columns(impl):
-    _check_shard(impl, "shard_columns", -1, T.split_columns)
+    _check_shard(impl, "shard_columns", -1, S.split_columns)
 
 
 def check_shard_rows(impl):
-    _check_shard(impl, "shard_rows", 0, T.split_rows)
+    _check_shard(impl, "shard_rows", 0, S.split_rows)
 
 
 def check_column_parallel_forward(impl):
@@ -86,11 +87,11 @@ def check_column_parallel_forward(impl):
     def prop(layer):
         tp, x, w, b = layer
         out = _on_ranks(tp, lambda c: impl.column_parallel_forward(
-            c, x, T.split_columns(w, c.rank, tp), T.split_columns(b, c.rank, tp)))
+            c, x, S.split_columns(w, c.rank, tp), S.split_columns(b, c.rank, tp)))
         want = x @ w + b
         for r, (y, msgs, calls) in enumerate(out):
             what = f"rank {r} of tp={tp}, x {x.shape}, w {w.shape}"
-            _close(y, T.split_columns(want, r, tp), what)
+            _close(y, S.split_columns(want, r, tp), what)
             assert msgs == 0 and not calls, f"{what}: sent {msgs} messages, {calls}; it needs none"
     no_hang(prop)
 
@@ -102,7 +103,7 @@ def check_row_parallel_forward(impl):
     def prop(layer):
         tp, x, w, b = layer
         out = _on_ranks(tp, lambda c: impl.row_parallel_forward(
-            c, T.split_columns(x, c.rank, tp), T.split_rows(w, c.rank, tp), b))
+            c, S.split_columns(x, c.rank, tp), S.split_rows(w, c.rank, tp), b))
         want = x @ w + b
         for r, (y, _, calls) in enumerate(out):
             what = f"rank {r} of tp={tp}, x {x.shape}, w {w.shape}"
@@ -131,7 +132,7 @@ def _reference():
         layer.weight.data, layer.bias.data = w_shard, b
         return layer(Tensor(x_shard)).numpy()
 
-    return types.SimpleNamespace(shard_columns=T.split_columns, shard_rows=T.split_rows,
+    return types.SimpleNamespace(shard_columns=S.split_columns, shard_rows=S.split_rows,
                                  column_parallel_forward=column_parallel_forward,
                                  row_parallel_forward=row_parallel_forward)
 
@@ -142,12 +143,14 @@ def _interleaved_columns(w, rank, tp):  # every tp-th column: right shape, wrong
     return w[..., rank::tp]
 
 
-def _rows_for_columns(w, rank, tp):  # wrong shard axis
-    return T.split_rows(w, rank, tp)
+def _rows_for_columns(w, rank, tp):  # wrong shard axis (written as a student would)
+    n = w.shape[0] // tp
+    return w[rank * n:(rank + 1) * n]
 
 
 def _columns_for_rows(w, rank, tp):  # wrong shard axis
-    return T.split_columns(w, rank, tp)
+    n = w.shape[-1] // tp
+    return w[..., rank * n:(rank + 1) * n]
 
 
 def _column_all_reduces_input(comm, x, w_shard, b_shard):  # right answer, needless communication

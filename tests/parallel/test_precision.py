@@ -180,8 +180,10 @@ def test_bf16_tensor_parallel_training_stays_close_to_fp32_serial():
     """TP (tp=2, sequence parallel): the column/row-parallel linears run in bf16 with fp32
     accumulation and the vocabulary-parallel loss is used; the same stated tolerance as the serial
     test above against the fp32 *serial* model (its weights sliced as TP slices them)."""
-    from minidist.parallel.tp_gpt import shard_state_dict
+    from minidist.parallel.sharding import shard_state_dict, sharding_table
+    from minidist.parallel.tp_gpt import TPGPT
 
+    table = run(lambda comm: sharding_table(TPGPT(CFG, comm)), ranks=1)[0]
     idx = np.random.default_rng(0).integers(0, 32, (4, 16))
     ref_losses, ref_params = _train("fp32", 6, idx)
     ref_sd = dict(zip(GPT(CFG).state_dict(), ref_params))
@@ -190,7 +192,7 @@ def test_bf16_tensor_parallel_training_stays_close_to_fp32_serial():
         assert {"ColumnParallelLinear", "RowParallelLinear", "LayerNorm"} <= set(patched)
         assert out_dtype == low_dtype("bf16")
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-2)
-        ref = shard_state_dict(ref_sd, rank, 2)
+        ref = shard_state_dict(ref_sd, table, rank, 2)
         diffs = np.concatenate([np.abs(params[n] - ref[n]).ravel() for n in params])
         assert diffs.max() < 2 * 6 * 1e-3 and diffs.mean() < 1e-4
         assert losses[-1] < losses[0]

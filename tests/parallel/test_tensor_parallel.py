@@ -17,12 +17,9 @@ from minidist import ops
 from minidist import random as mrandom
 from minidist.comm import measure, run
 from minidist.nn import GPT, GPTConfig, Linear
-from minidist.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    vocab_parallel_cross_entropy,
-)
-from minidist.parallel.tp_gpt import TPGPT, ParallelBlock, shard_state_dict, unshard
+from minidist.parallel.sharding import Shard, reshard, shard_state_dict, sharding_table, unshard
+from minidist.parallel.tp_gpt import TPGPT, ParallelBlock
+from minidist.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
 from minidist.tensor import Tensor
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,6 +46,11 @@ def tp_rank(comm, cfg, idx, tgt, sp, seed=7, dropout_rng="twin"):
     return full, loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def gpt_table(cfg, tp=2):
+    """The TP GPT's sharding table (the same for every rank and tp size)."""
+    return run(lambda comm: sharding_table(TPGPT(cfg, comm)), ranks=tp)[0]
+
+
 @settings(max_examples=30)
 @given(tp=st.sampled_from([1, 2, 3, 4]), b=st.integers(1, 3), s_mult=st.integers(1, 3),
        heads_per_rank=st.integers(1, 2), head_dim=st.sampled_from([2, 4]), vocab_per_rank=st.integers(2, 5),
@@ -68,7 +70,7 @@ def test_tp_gpt_equals_serial(tp, b, s_mult, heads_per_rank, head_dim, vocab_per
         assert abs(tp_loss - loss) < tol
         if full is not None:
             np.testing.assert_allclose(full, logits, atol=tol, rtol=0)
-    tp_grads = unshard([r[2] for r in res])
+    tp_grads = unshard([r[2] for r in res], gpt_table(cfg, tp))
     assert tp_grads.keys() == grads.keys()
     for name in grads:
         np.testing.assert_allclose(tp_grads[name], grads[name], atol=tol, rtol=0, err_msg=name)
@@ -82,7 +84,7 @@ def test_float32_within_stated_tolerance(tp, sp):
     res = run(tp_rank, ranks=tp, cfg=cfg, idx=idx, tgt=idx, sp=sp)
     assert abs(res[0][1] - loss) < TOL["float32"]
     np.testing.assert_allclose(res[0][0], logits, atol=TOL["float32"])
-    tp_grads = unshard([r[2] for r in res])
+    tp_grads = unshard([r[2] for r in res], gpt_table(cfg, tp))
     for name in grads:
         np.testing.assert_allclose(tp_grads[name], grads[name], atol=TOL["float32"], err_msg=name)
 
@@ -169,8 +171,9 @@ def test_column_and_row_linear_equal_serial_linear(tp):
 def test_state_dict_round_trip_and_loading():
     cfg = GPTConfig(vocab_size=8, block_size=6, n_layer=2, n_head=2, d_model=8, dtype="float64", seed=3)
     serial = GPT(cfg).state_dict()
-    shards = [shard_state_dict(serial, r, 2) for r in range(2)]
-    back = unshard(shards)
+    table = gpt_table(cfg)
+    shards = [shard_state_dict(serial, table, r, 2) for r in range(2)]
+    back = unshard(shards, table)
     assert all(np.array_equal(back[k], serial[k]) for k in serial)
 
     def rank(comm):
@@ -182,6 +185,48 @@ def test_state_dict_round_trip_and_loading():
 
     for same, sd in run(rank, ranks=2):
         assert same and all(np.array_equal(sd[k], serial[k]) for k in serial)
+
+
+def test_sharding_table_is_declared_by_the_layers():
+    """The table, written out by hand for a one-layer GPT: what each layer declares, nothing else."""
+    cfg = GPTConfig(vocab_size=8, block_size=6, n_layer=1, n_head=2, d_model=8, dtype="float64")
+    rows, cols, qkv_w, qkv_b = Shard(0), Shard(1), Shard(1, blocks=3), Shard(0, blocks=3)
+    assert dict(gpt_table(cfg)) == {
+        "0.wte.weight": rows, "0.wpe.weight": None,
+        "1.ln1.weight": None, "1.ln1.bias": None,
+        "1.attn.qkv.weight": qkv_w, "1.attn.qkv.bias": qkv_b,
+        "1.attn.proj.weight": rows, "1.attn.proj.bias": None,
+        "1.ln2.weight": None, "1.ln2.bias": None,
+        "1.mlp.fc.weight": cols, "1.mlp.fc.bias": rows,
+        "1.mlp.proj.weight": rows, "1.mlp.proj.bias": None,
+        "2.ln.weight": None, "2.ln.bias": None, "2.proj.weight": cols}
+
+
+def test_shard_split_and_concat_by_hand():
+    a = np.arange(4 * 12).reshape(4, 12)
+    np.testing.assert_array_equal(Shard(0).split(a, 1, 2), a[2:4])
+    np.testing.assert_array_equal(Shard(1).split(a, 2, 3), a[:, 8:12])
+    # q|k|v, each of 4 columns, over 2 ranks: rank 1 keeps columns 2-3 of q, of k and of v
+    np.testing.assert_array_equal(Shard(1, blocks=3).split(a, 1, 2), a[:, [2, 3, 6, 7, 10, 11]])
+    np.testing.assert_array_equal(Shard(0, blocks=3).split(a[0], 0, 2), a[0, [0, 1, 4, 5, 8, 9]])
+    for shard in (Shard(0), Shard(1), Shard(1, blocks=3), Shard(-1, blocks=2)):
+        np.testing.assert_array_equal(shard.concat([shard.split(a, r, 2) for r in range(2)]), a)
+    with pytest.raises(ValueError, match=r"w: axis 1 of shape \(4, 12\).* does not split into 5 equal parts"):
+        Shard(1).split(a, 0, 5, "w")
+    with pytest.raises(ValueError, match=r"of each of its 3 blocks"):
+        Shard(1, blocks=3).split(a, 0, 3)
+
+
+def test_reshard_two_ranks_to_four_equals_sharding_the_full_model():
+    cfg = GPTConfig(vocab_size=8, block_size=6, n_layer=2, n_head=4, d_model=8, dtype="float64", seed=5)
+    full, table = GPT(cfg).state_dict(), gpt_table(cfg)
+    two = [shard_state_dict(full, table, r, 2) for r in range(2)]
+    four = reshard(two, table, 4)
+    for r in range(4):
+        direct = shard_state_dict(full, table, r, 4)
+        assert all(np.array_equal(four[r][k], direct[k]) for k in full)
+    loaded = run(lambda comm: TPGPT(cfg, comm).state_dict(), ranks=4)  # tp=4's own init: the same parts
+    assert all(np.array_equal(loaded[r][k], four[r][k]) for r in range(4) for k in full)
 
 
 def test_megatron_rng_sharded_regions_differ_replicated_agree():

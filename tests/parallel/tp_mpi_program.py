@@ -10,7 +10,8 @@ from test_tensor_parallel import TOL, serial_reference, tp_rank
 
 from minidist.comm import run
 from minidist.nn import GPTConfig
-from minidist.parallel.tp_gpt import unshard
+from minidist.parallel.sharding import sharding_table, unshard
+from minidist.parallel.tp_gpt import TPGPT
 
 
 def check(comm):
@@ -21,7 +22,7 @@ def check(comm):
     idx, tgt = rng.integers(0, cfg.vocab_size, (2, 6)), rng.integers(-1, cfg.vocab_size, (2, 6))
     _, loss, grads = serial_reference(cfg, idx, tgt)
     _, tp_loss, mine = tp_rank(comm, cfg, idx, tgt, sp=True)
-    tp_grads = unshard(comm.allgather_obj(mine))
+    tp_grads = unshard(comm.allgather_obj(mine), sharding_table(TPGPT(cfg, comm)))
     assert tp_grads.keys() == grads.keys()
     diff = max(float(np.max(np.abs(tp_grads[n] - grads[n]))) for n in grads)
     assert abs(tp_loss - loss) < TOL["float64"] and diff < TOL["float64"], (tp_loss, loss, diff)
