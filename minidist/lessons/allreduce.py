@@ -22,7 +22,7 @@ from minidist.comm.collectives import (
     split_sizes,
     two_shot_all_reduce,
 )
-from minidist.lessons.cli import launch, lesson_parser, rprint
+from minidist.lessons.cli import finish, launch, lesson_parser, nonnegative_int, positive_int, rprint
 
 
 def rank_input(rank: int, n: int, seed: int) -> np.ndarray:
@@ -112,6 +112,7 @@ def rank_main(comm, args):
     rprint(comm, f"{'algorithm':<8} {'max|diff|':>10} {'check':>6} {'sent/rank (max)':>16} "
                  f"{'formula':>12}  {'':<28} {'steps':>5} {'time ms':>8} {'busbw GB/s':>10}")
     rows = []  # (name, bytes sent by each rank, formula, seconds): what --plot draws
+    passed = True
     for name, fn in algos.items():
         with measure(comm) as m:
             y = fn(comm, x)
@@ -122,6 +123,7 @@ def rank_main(comm, args):
         text, f = formula(name, p, n, x.itemsize)
         busbw = 2 * (p - 1) / p * N / sec / 1e9 if p > 1 else float("nan")
         rows.append((name, sent, f, sec))
+        passed &= ok
         rprint(comm, f"{name:<8} {diff:>10.2e} {'PASS' if ok else 'FAIL':>6} {max(sent):>16,} "
                      f"{'-' if np.isnan(f) else f'{f:,.0f}':>12}  {text:<28} {m.steps:>5} "
                      f"{sec * 1e3:>8.2f} {busbw:>10.2f}")
@@ -133,12 +135,13 @@ def rank_main(comm, args):
     if args.plot and comm.rank == 0:
         plot(args.plot, rows, p, N)
         print(f"wrote {args.plot}: bytes per rank vs formula, and time, per algorithm", flush=True)
+    return finish(comm, passed)
 
 
 def main(argv=None):
     parser = lesson_parser(__doc__, ranks=4)
-    parser.add_argument("--elements", type=int, default=1 << 18, help="float32 elements per rank")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--elements", type=nonnegative_int, default=1 << 18, help="float32 elements per rank")
+    parser.add_argument("--repeats", type=positive_int, default=5)
     launch(rank_main, parser.parse_args(argv))
 
 

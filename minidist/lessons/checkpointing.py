@@ -19,7 +19,7 @@ import numpy as np
 
 from minidist import random as mrandom
 from minidist.comm import all_reduce
-from minidist.lessons.cli import launch, lesson_parser, rprint
+from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint
 from minidist.memory import MemoryAccountant
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.parallel import recompute
@@ -106,6 +106,7 @@ def rank_main(comm, args):
     rprint(comm, f"{'policy':<10} {'peak act bytes':>15} {'formula':>12} {'vs none':>8} {'cpu ms':>8} "
                  f"{'vs none':>8} {'max|diff| vs twin':>18}")
     base_mem = base_t = None
+    passed = True
     curves, rows = {}, []
     tracer = trace.current()
     for policy in POLICIES:
@@ -126,6 +127,7 @@ def rank_main(comm, args):
         base_mem, base_t = base_mem or peak, base_t or sec
         curves[policy] = samples
         rows.append((policy, peak, formula, sec))
+        passed &= diff <= 1e-6
         ok = "PASS" if diff <= 1e-6 else "FAIL"
         rprint(comm, f"{policy:<10} {peak:>15,} {formula:>12,} {base_mem / peak:>7.2f}x {sec * 1e3:>8.1f} "
                      f"{sec / base_t:>7.2f}x {diff:>13.1e} {ok}")
@@ -144,6 +146,7 @@ def rank_main(comm, args):
     if args.plot and comm.rank == 0:
         plot(args.plot, rows, curves)
         print(f"wrote {args.plot}")
+    return finish(comm, passed)
 
 
 def plot(path, rows, curves):
@@ -171,12 +174,15 @@ def plot(path, rows, curves):
 
 def main(argv=None):
     parser = lesson_parser(__doc__, ranks=2)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--repeats", type=int, default=7)
-    launch(rank_main, parser.parse_args(argv))
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument("--dim", type=positive_int, default=64, help="d_model, a multiple of the 4 heads")
+    parser.add_argument("--seq", type=positive_int, default=64)
+    parser.add_argument("--batch", type=positive_int, default=4, help="sequences per rank")
+    parser.add_argument("--repeats", type=positive_int, default=7)
+    args = parser.parse_args(argv)
+    if args.dim % 4:
+        parser.error(f"argument --dim: must be a multiple of the 4 attention heads, got {args.dim}")
+    launch(rank_main, args)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,20 @@ import numpy as np
 from minidist import optim
 from minidist.comm import all_reduce, measure
 from minidist.comm.cost import all_reduce_bytes_sent
-from minidist.lessons.cli import launch, lesson_parser, rprint
+from minidist.lessons.cli import (
+    finish,
+    launch,
+    lesson_parser,
+    positive_float,
+    positive_int,
+    rprint,
+    world_size,
+)
 from minidist.memory import MemoryAccountant, zero_formula
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel.ddp import DDP, hidden_fraction, split_batch
-from minidist.parallel.three_d import max_state_diff
 from minidist.parallel.zero import ZeRO, param_count
+from minidist.testing import max_state_diff, train_serial
 
 
 def config(args) -> GPTConfig:
@@ -42,17 +50,9 @@ def global_batches(args):
 
 
 def serial_twin(args, batches):
-    """One process, the whole global batch, plain AdamW: what every parallel run must equal."""
-    m = GPT(config(args))
-    opt = optim.AdamW(m.parameters(), lr=args.lr)
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = m.loss(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return m, losses
+    """One process, the whole global batch, plain AdamW: what every parallel run must equal.
+    Returns (host state dict, losses)."""
+    return train_serial(config(args), batches, lr=args.lr, optimizer="adamw", weight_decay=0.01)
 
 
 def my_slice(comm, n):
@@ -166,6 +166,7 @@ def timeline(events_by_rank, width=64) -> str:
 
 def rank_main(comm, args):
     p = comm.size
+    ok = True
     batches = global_batches(args)
     rprint(comm, f"Data parallelism on {p} ranks ({comm.transport}): GPT d_model={args.d_model}, "
                  f"{args.layers} layers, {args.dtype}; global batch {args.batch} split unevenly "
@@ -174,16 +175,17 @@ def rank_main(comm, args):
     serial = serial_twin(args, batches) if comm.rank == 0 else None
     m, ddp, losses = run_ddp(comm, args, batches)
     if comm.rank == 0:
-        sm, slosses = serial
-        diff = max_state_diff(sm.state_dict(), m.state_dict())
+        sstate, slosses = serial
+        diff = max_state_diff(sstate, m.state_dict())
         ldiff = max(abs(a - b) for a, b in zip(losses, slosses))
         tol = 1e-9 if args.dtype == "float64" else 1e-4
         print("1. DDP vs the serial twin (one process, whole batch)")
         print("   step  loss(serial)  loss(DDP)")
         for i, (a, b) in enumerate(zip(slosses, losses)):
             print(f"   {i:4d}  {a:12.6f}  {b:10.6f}")
+        ok = max(diff, ldiff) < tol
         print(f"   max |param diff| = {diff:.2e}, max |loss diff| = {ldiff:.2e} (tolerance {tol:g}: "
-              f"same sums, different order)  {'PASS' if max(diff, ldiff) < tol else 'FAIL'}\n", flush=True)
+              f"same sums, different order)  {'PASS' if ok else 'FAIL'}\n", flush=True)
     ddp, psi = overlap_step(comm, args)
     events = comm.gather_obj(ddp.events)
     if comm.rank == 0:
@@ -232,26 +234,43 @@ def rank_main(comm, args):
                | (back if k == "backward" else {}) for r, e in enumerate(events) for n, k, a, b in e]
         plot_timeline(args.plot, evs, losses=losses, title="DDP: backward and bucket all-reduces")
         print(f"wrote {args.plot}")
-    return losses
+    return finish(comm, ok)
 
 
 def main(argv=None):
     parser = lesson_parser(__doc__, ranks=4)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=12, help="global batch (rows)")
-    parser.add_argument("--accum", type=int, default=2, help="micro-steps per step (gradient accumulation)")
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--steps", type=positive_int, default=3)
+    parser.add_argument("--batch", type=positive_int, default=12, help="global batch (rows)")
+    parser.add_argument("--accum", type=positive_int, default=2,
+                        help="micro-steps per step (gradient accumulation)")
+    parser.add_argument("--seq", type=positive_int, default=32)
+    parser.add_argument("--d-model", type=positive_int, default=64, help="a multiple of the 4 heads")
+    parser.add_argument("--layers", type=positive_int, default=2)
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32"])
-    parser.add_argument("--bucket-kb", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--overlap-d-model", type=int, default=256, help="section 2's model")
-    parser.add_argument("--overlap-layers", type=int, default=4)
-    parser.add_argument("--overlap-rows", type=int, default=8, help="section 2: rows per rank")
-    parser.add_argument("--overlap-bucket-kb", type=int, default=1024)
+    parser.add_argument("--bucket-kb", type=positive_int, default=128)
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument("--overlap-d-model", type=positive_int, default=256,
+                        help="section 2's model (a multiple of the 4 heads)")
+    parser.add_argument("--overlap-layers", type=positive_int, default=4)
+    parser.add_argument("--overlap-rows", type=positive_int, default=8, help="section 2: rows per rank")
+    parser.add_argument("--overlap-bucket-kb", type=positive_int, default=1024)
     args = parser.parse_args(argv)
+    check_args(parser, args, world_size(args))
     return launch(rank_main, args)
+
+
+def check_args(parser, args, p: int) -> None:
+    """Flag errors that depend on the world size, before any rank starts: every rank needs a row of
+    each global batch (a rank with none would wait forever in the gradient all-reduce)."""
+    for flag, d in (("--d-model", args.d_model), ("--overlap-d-model", args.overlap_d_model)):
+        if d % 4:
+            parser.error(f"argument {flag}: must be a multiple of the 4 attention heads, got {d}")
+    sizes = split_sizes(args.batch, p)
+    if min(sizes) == 0:
+        need = next(n for n in range(args.batch, args.batch + 2 * p * p) if min(split_sizes(n, p)) > 0)
+        empty = [r for r, n in enumerate(sizes) if n == 0]
+        parser.error(f"argument --batch: {args.batch} rows split in proportion 1:2:..:{p} over {p} ranks "
+                     f"({sizes}) give rank(s) {empty} no rows; use --batch >= {need}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from minidist.infer import (
     serve,
     sharded_generate,
 )
-from minidist.lessons.cli import launch, lesson_parser, rprint
+from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint
 from minidist.lessons.train import train
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel.pipeline import partition_uniform
@@ -270,18 +270,24 @@ def rank_main(comm, args):
     comm.barrier()
     ok &= sharded(comm, model, args)
     rprint(comm, f"\nall checks: {'PASS' if ok else 'FAIL'}")
-    return ok
+    return finish(comm, ok)
 
 
 def main(argv=None):
     p = lesson_parser(__doc__.splitlines()[0], ranks=2)
-    p.add_argument("--steps", type=int, default=250, help="training steps (rank 0)")
-    p.add_argument("--block", type=int, default=80, help="context length")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=96)
-    p.add_argument("--batch", type=int, default=4, help="slots for batched serving")
+    p.add_argument("--steps", type=positive_int, default=250, help="training steps (rank 0)")
+    p.add_argument("--block", type=positive_int, default=80, help="context length")
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--d-model", type=positive_int, default=96, help="a multiple of --heads")
+    p.add_argument("--batch", type=positive_int, default=4, help="slots for batched serving")
     args = p.parse_args(argv)
+    if args.d_model % args.heads:
+        p.error(f"argument --d-model: must be a multiple of --heads {args.heads}, got {args.d_model}")
+    need = max(len(enc(q)) for q in PROMPTS) + 16 + 1  # the longest prompt, a 16-token answer, one more
+    if args.block < need:
+        p.error(f"argument --block: the lesson's prompts and answers need a context of >= {need} tokens, "
+                f"got {args.block}")
     return launch(rank_main, args)
 
 

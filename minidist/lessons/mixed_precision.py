@@ -17,10 +17,11 @@ import numpy as np
 
 from minidist.comm import measure
 from minidist.comm.cost import all_reduce_bytes_sent
-from minidist.lessons.cli import launch, lesson_parser, rprint
+from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, positive_int, rprint
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.parallel.precision import DynamicLossScaler, MixedPrecision, round_to_bf16
+from minidist.testing import train_serial
 
 TOL = 1e-2  # stated: losses within 1% (relative) of fp32 over the run
 
@@ -56,16 +57,8 @@ def train(comm, cfg, dtype, data, b, lr, inject=(), growth_interval=2000):
 
 
 def serial_fp32(cfg, data, lr):
-    model = GPT(cfg)
-    opt = AdamW(model.parameters(), lr=lr)
-    losses = []
-    for batch in data:
-        loss = model.loss(batch, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    """The serial twin: one fp32 GPT on the whole global batches (AdamW as the runs); its losses."""
+    return train_serial(cfg, [(b, b) for b in data], lr=lr, optimizer="adamw", weight_decay=0.01)[1]
 
 
 def fp16_representation(cfg, idx):
@@ -90,6 +83,7 @@ def rank_main(comm, args):
 
     x = np.random.default_rng(args.seed).standard_normal(1 << 20).astype(np.float32) * 100
     bad = int(np.sum(round_to_bf16(x).view(np.uint16) != x.astype(ml_dtypes.bfloat16).view(np.uint16)))
+    ok = bad == 0
     rprint(comm, "bf16 = the top 16 bits of fp32, rounded to nearest even: round_to_bf16 vs ml_dtypes "
                  f"on 2^20 values: {bad} mismatches {'PASS' if bad == 0 else 'FAIL'}")
     with np.errstate(over="ignore"):  # 70000 > 65504, the largest fp16: inf, on purpose
@@ -109,6 +103,7 @@ def rank_main(comm, args):
     if comm.rank == 0:
         for d in runs:
             rel = max(abs(r[0] - t) / abs(t) for r, t in zip(runs[d][0], twin))
+            ok &= rel <= TOL
             print(f"  {d}: max relative loss difference vs serial fp32 {rel:.2e} "
                   f"(tolerance {TOL:g}) {'PASS' if rel <= TOL else 'FAIL'}", flush=True)
 
@@ -141,6 +136,7 @@ def rank_main(comm, args):
     if args.plot and comm.rank == 0:
         plot(args.plot, twin, runs, log)
         print(f"wrote {args.plot}")
+    return finish(comm, ok)
 
 
 def plot(path, twin, runs, log):
@@ -166,13 +162,17 @@ def plot(path, twin, runs, log):
 
 def main(argv=None):
     parser = lesson_parser(__doc__, ranks=2)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    launch(rank_main, parser.parse_args(argv))
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--dim", type=positive_int, default=64, help="d_model, a multiple of the 4 heads")
+    parser.add_argument("--seq", type=positive_int, default=32)
+    parser.add_argument("--batch", type=positive_int, default=4, help="sequences per rank")
+    parser.add_argument("--steps", type=positive_int, default=8,
+                        help="training steps (>= 7: the loss-scale timeline injects infs at steps 3 and 6)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    args = parser.parse_args(argv)
+    if args.dim % 4:
+        parser.error(f"argument --dim: must be a multiple of the 4 attention heads, got {args.dim}")
+    launch(rank_main, args)
 
 
 if __name__ == "__main__":

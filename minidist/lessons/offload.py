@@ -13,12 +13,13 @@ writes shard n-1's back while the step's thread updates the parameters of shard 
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 
 import numpy as np
 
-from minidist.lessons.cli import launch, lesson_parser, rprint
+from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, positive_int, rprint
 from minidist.memory import MemoryAccountant
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.optim import AdamW
@@ -72,7 +73,7 @@ def rank_main(comm, args):
     eight_psi = f"8Ψ = {8 * psi:,}"
     rprint(comm, f"{'AdamW (twin)':<14} {0.0:>10.1e} {'-':>5} {held:>10,} {held:>10,} {eight_psi:>12} "
                  f"{t_ref * 1e3:>8.1f} {1.0:>5.2f}x {o_ref * 1e3:>11.2f}")
-    events = None
+    events, ok = None, True
     for where in ("host", "disk"):
         def factory(ps, where=where):
             return OffloadedAdamW(ps, folder, where=where, shard_bytes=args.shard_kib << 10, **kw)
@@ -87,6 +88,7 @@ def rank_main(comm, args):
         nshards = len(opt.shards)
         ts = comm.allgather_obj(t)
         held = MemoryAccountant().report(model, opt)["optimizer_state"]
+        ok &= diff == 0
         rprint(comm, f"{'offload ' + where:<14} {diff:>10.1e} {'PASS' if diff == 0 else 'FAIL':>5} "
                      f"{held:>10,} {opt.resident_peak:>10,} {'≤ 3 shards':>12} {np.median(ts) * 1e3:>8.1f} "
                      f"{np.median(ts) / t_ref:>5.2f}x {o * 1e3:>11.2f}")
@@ -110,20 +112,31 @@ def rank_main(comm, args):
 
             plot_timeline(args.plot, events, title="disk offload: step thread (0) and helper thread (1)")
             print(f"wrote {args.plot}", flush=True)
+    return finish(comm, ok)
 
 
 def main(argv=None):
     parser = lesson_parser(__doc__, ranks=2)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--shard-kib", type=int, default=256, help="m+v bytes per shard, in KiB")
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--dim", type=positive_int, default=128, help="d_model, a multiple of the 4 heads")
+    parser.add_argument("--seq", type=positive_int, default=32)
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--steps", type=positive_int, default=6,
+                        help="training steps (>= 2: the first, which creates the state, is not timed)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3)
+    parser.add_argument("--shard-kib", type=positive_int, default=256, help="m+v bytes per shard, in KiB")
     parser.add_argument("--offload-dir", default=None,
                         help="an existing, writable folder (default: the temp dir)")
-    launch(rank_main, parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    if args.dim % 4:
+        parser.error(f"argument --dim: must be a multiple of the 4 attention heads, got {args.dim}")
+    if args.steps < 2:
+        parser.error(f"argument --steps: must be >= 2 (step 0 creates the state and is not timed), "
+                     f"got {args.steps}")
+    if args.offload_dir is not None and not (os.path.isdir(args.offload_dir)
+                                             and os.access(args.offload_dir, os.W_OK)):
+        parser.error(f"argument --offload-dir: {args.offload_dir!r} is not an existing, writable folder")
+    launch(rank_main, args)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,20 @@ import numpy as np
 
 from minidist import trace
 from minidist.data import BatchLoader, TextDataset
-from minidist.lessons.cli import launch, lesson_parser, rprint
+from minidist.lessons.cli import (
+    finish,
+    launch,
+    lesson_parser,
+    positive_float,
+    positive_int,
+    rprint,
+    world_size,
+)
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel.pipeline import format_partition, layer_costs, make_schedule, run_schedule
 from minidist.parallel.simulate import bubble_formula, peak_activations
-from minidist.parallel.three_d import check_3d, gather_full_state, max_state_diff, train_3d, train_serial
+from minidist.parallel.three_d import check_3d, gather_full_state, train_3d
+from minidist.testing import max_state_diff, train_serial
 
 
 def tolerance(args) -> float:
@@ -48,10 +57,10 @@ def make_batches(args) -> list:
     return [loader.next_batch() for _ in range(args.steps)]
 
 
-def mesh_sizes(comm, args) -> tuple[int, int, int]:
+def mesh_sizes(world: int, args) -> tuple[int, int, int]:
     """dp, pp, tp; pp defaults to whatever dp and tp leave of the world."""
     dp, tp = args.dp, args.tp
-    pp = args.pp if args.pp is not None else max(1, comm.size // (dp * tp))
+    pp = args.pp if args.pp is not None else max(1, world // (dp * tp))
     return dp, pp, tp
 
 
@@ -85,7 +94,7 @@ def memory_step(result, other: str, batch, args) -> list:
 
 def rank_main(comm, args):
     cfg = config(args)
-    dp, pp, tp = mesh_sizes(comm, args)
+    dp, pp, tp = mesh_sizes(comm.size, args)
     batches = make_batches(args)
     check_3d(comm.size, cfg, args.batch, dp, pp, tp, args.microbatches, rank=comm.rank)
     m = args.microbatches
@@ -134,7 +143,7 @@ def rank_main(comm, args):
     everyone = comm.gather_obj(mine, root=0)
     state = gather_full_state(comm, result)
     if comm.rank != 0:
-        return None
+        return finish(comm, True)  # rank 0 judges
     ref_state, ref_losses = train_serial(cfg, batches, lr=args.lr, optimizer="adamw")
     diff, tol = max_state_diff(state, ref_state), tolerance(args)
     loss_diff = float(np.max(np.abs(np.array(result.losses) - ref_losses)))
@@ -146,7 +155,7 @@ def rank_main(comm, args):
         events = [e for r in everyone for e in r["events"][-1]]
         trace.plot_timeline(args.plot, events, losses=result.losses, title=f"{args.schedule}, p={pp}, m={m}")
         print(f"wrote {args.plot}")
-    return diff
+    return finish(comm, diff <= tol)
 
 
 def report(everyone, args, pp: int, m: int) -> None:
@@ -184,22 +193,30 @@ def report(everyone, args, pp: int, m: int) -> None:
 
 def main(argv=None):
     parser = lesson_parser(__doc__, ranks=8)
-    parser.add_argument("--dp", type=int, default=2, help="data-parallel replicas")
-    parser.add_argument("--pp", type=int, default=None, help="pipeline stages (default: ranks / (dp x tp))")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel shards per layer")
-    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per replica per step (m)")
+    parser.add_argument("--dp", type=positive_int, default=2, help="data-parallel replicas")
+    parser.add_argument("--pp", type=positive_int, default=None,
+                        help="pipeline stages (default: ranks / (dp x tp))")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel shards per layer")
+    parser.add_argument("--microbatches", type=positive_int, default=8,
+                        help="microbatches per replica per step (m)")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
     parser.add_argument("--partition", choices=["uniform", "time", "params"], default="uniform",
                         help="cut by layer count, or balance measured time / parameter bytes")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=32, help="global batch (rows)")
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=6, help="transformer blocks")
-    parser.add_argument("--width", type=int, default=128, help="d_model")
+    parser.add_argument("--steps", type=positive_int, default=6)
+    parser.add_argument("--batch", type=positive_int, default=32, help="global batch (rows)")
+    parser.add_argument("--seq", type=positive_int, default=64)
+    parser.add_argument("--layers", type=positive_int, default=6, help="transformer blocks")
+    parser.add_argument("--width", type=positive_int, default=128, help="d_model, a multiple of the 4 heads")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--width-chars", type=int, default=100, help="columns of the ASCII timeline")
-    return launch(rank_main, parser.parse_args(argv))
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument("--width-chars", type=positive_int, default=100, help="columns of the ASCII timeline")
+    args = parser.parse_args(argv)
+    world = world_size(args)
+    try:  # every mesh, batch and microbatch error, before any rank starts
+        check_3d(world, config(args), args.batch, *mesh_sizes(world, args), args.microbatches)
+    except ValueError as e:
+        parser.error(str(e))
+    return launch(rank_main, args)
 
 
 if __name__ == "__main__":

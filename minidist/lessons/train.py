@@ -11,6 +11,7 @@ one optimizer, one loop of forward, backward, step.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -18,8 +19,10 @@ import numpy as np
 
 from minidist import optim
 from minidist.data import BatchLoader, ByteTokenizer, SyntheticTask, TextDataset
+from minidist.lessons.cli import nonnegative_int, positive_float, positive_int
 from minidist.nn import GPT, GPTConfig
 from minidist.tensor import no_grad
+from minidist.testing import train_steps
 
 
 def progress(step, total, loss, t0, width=30):
@@ -32,21 +35,18 @@ def progress(step, total, loss, t0, width=30):
 
 
 def train(model, loader, steps, lr, warmup=20, clip=1.0, log=True):
-    """The training loop: returns the list of losses."""
+    """The training loop (``minidist.testing.train_steps``, with a warmup + cosine schedule and
+    gradient clipping), drawing a progress bar; returns the list of losses."""
     opt = optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = optim.WarmupCosine(opt, warmup=warmup, total=steps)
-    losses, t0 = [], time.perf_counter()
-    for step in range(1, steps + 1):
-        x, y = loader.next_batch()
-        loss = model.loss(x, y)
-        opt.zero_grad()
-        loss.backward()
-        optim.clip_grad_norm(model.parameters(), clip)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+    t0 = time.perf_counter()
+
+    def show(i, losses):
+        step = i + 1
         if log and (step % 5 == 0 or step == steps):
             progress(step, steps, float(np.mean(losses[-5:])), t0)
+    batches = (loader.next_batch() for _ in range(steps))
+    losses = train_steps(model, batches, opt, clip=clip, schedule=sched, on_step=show)
     if log:
         print()
     return losses
@@ -69,15 +69,19 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text", help="a UTF-8 text file (default: the text shipped with minidist)")
     ap.add_argument("--task", choices=SyntheticTask.KINDS, help="train on a synthetic task instead")
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--block", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=positive_int, default=400)
+    ap.add_argument("--batch", type=positive_int, default=32)
+    ap.add_argument("--block", type=positive_int, default=64)
+    ap.add_argument("--layers", type=positive_int, default=2)
+    ap.add_argument("--d-model", type=positive_int, default=128, help="a multiple of --heads")
+    ap.add_argument("--heads", type=positive_int, default=4)
+    ap.add_argument("--lr", type=positive_float, default=3e-3)
+    ap.add_argument("--seed", type=nonnegative_int, default=0)
     args = ap.parse_args(argv)
+    if args.d_model % args.heads:
+        ap.error(f"argument --d-model: must be a multiple of --heads {args.heads}, got {args.d_model}")
+    if args.text is not None and not os.path.isfile(args.text):
+        ap.error(f"argument --text: no such file: {args.text!r}")
 
     if args.task:
         data = SyntheticTask(args.task, length=6, size=2048, seed=args.seed)
