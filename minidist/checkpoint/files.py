@@ -1,0 +1,216 @@
+"""A checkpoint on disk: a directory per step, made atomically, described by one JSON manifest.
+
+    ckpt/
+      step-00000040/            one finished checkpoint
+        manifest.json           what every file holds (see below), written last, by rank 0
+        rank-00000.bin          rank 0's pieces, raw bytes back to back (no pickle anywhere)
+        rank-00001.bin
+      step-00000050/
+      latest                    "step-00000050": replaced last, atomically
+
+Writing (``write_step``): every rank writes its file into ``step-N.tmp/`` and fsyncs it; rank 0 adds
+``manifest.json`` (each file's sha256 and size, each piece's file, offset, dtype and shape), fsyncs
+the directory, renames it to ``step-N`` (a rename is atomic: a reader sees the whole checkpoint or
+none of it), then replaces ``latest`` the same way, and deletes all but the newest ``keep``. A crash
+at any moment leaves either the old ``latest`` or the new one, never half of one.
+
+Reading (``choose``): candidates are ``latest`` then every ``step-*`` newest first; one is used only
+if its manifest parses and every file has the recorded size and sha256 (the ranks hash the files
+between them). A bad one is reported -- which file, what is wrong -- and the next older is tried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+
+FORMAT = "minidist-checkpoint/1"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: corrupt, incomplete, or made for another model."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.bin"
+
+
+def sha256_file(path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_dir(path) -> None:
+    """Make a directory's entries (new files, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_pieces(path, arrays, fault=None) -> tuple[list[dict], dict]:
+    """Write host arrays back to back into ``path`` and fsync; return each one's (offset, nbytes,
+    dtype, shape) and the file's {"sha256", "bytes"}. ``fault`` (a ``minidist.faults`` hook) may
+    fail the write (disk full) or damage the file after it was written."""
+    pieces, h, offset = [], hashlib.sha256(), 0
+    with open(path, "wb") as f:
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            buf = memoryview(a).cast("B") if a.size else b""
+            if fault is not None:
+                fault.before_write(path, offset + len(buf))
+            f.write(buf)
+            h.update(buf)
+            pieces.append({"offset": offset, "nbytes": a.nbytes, "dtype": a.dtype.str,
+                           "shape": list(a.shape)})
+            offset += a.nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    return pieces, {"sha256": h.hexdigest(), "bytes": offset}
+
+
+def read_piece(directory, piece: dict) -> np.ndarray:
+    """One piece's bytes, read from its file at its offset (no other bytes are read)."""
+    with open(os.path.join(directory, piece["file"]), "rb") as f:
+        f.seek(piece["offset"])
+        raw = f.read(piece["nbytes"])
+    if len(raw) != piece["nbytes"]:
+        raise CheckpointError(f"{piece['file']} in {directory}: {len(raw)} bytes at offset "
+                              f"{piece['offset']}, "
+                              f"the manifest says {piece['nbytes']} (truncated file)")
+    return np.frombuffer(raw, dtype=np.dtype(piece["dtype"])).reshape(piece["shape"])
+
+
+def _write_json_atomic(path, obj) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def begin_step(root, step: int) -> str:
+    """(Rank 0) a fresh, empty ``step-N.tmp`` directory; the leftovers of a crashed attempt are removed."""
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, step_dir_name(step) + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def commit_step(root, step: int, manifest: dict, keep: int) -> str:
+    """(Rank 0, after every rank's file is written and fsynced) manifest, rename, ``latest``, prune."""
+    tmp = os.path.join(root, step_dir_name(step) + ".tmp")
+    _write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
+    fsync_dir(tmp)
+    final = os.path.join(root, step_dir_name(step))
+    if os.path.exists(final):  # the same step saved again (a restarted run): the new one replaces it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    latest = os.path.join(root, LATEST)
+    with open(latest + ".tmp", "w") as f:
+        f.write(step_dir_name(step))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest + ".tmp", latest)
+    fsync_dir(root)
+    prune(root, keep)
+    return final
+
+
+def prune(root, keep: int) -> None:
+    """Delete all but the newest ``keep`` finished checkpoints (and stale temporary directories)."""
+    steps = list_steps(root)
+    for s in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(root, step_dir_name(s)), ignore_errors=True)
+
+
+def list_steps(root) -> list[int]:
+    """Steps of the finished checkpoint directories under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(root)) if m)
+
+
+def candidates(root) -> tuple[list[str], list[str]]:
+    """Directories to try, best first (``latest``'s target, then newest first), and problems found."""
+    problems, order = [], []
+    latest = os.path.join(root, LATEST)
+    if os.path.exists(latest):
+        name = open(latest, "rb").read().decode("utf-8", "replace").strip()
+        if _STEP_DIR.match(name) and os.path.isdir(os.path.join(root, name)):
+            order.append(name)
+        else:
+            problems.append(f"{latest}: points to {name[:40]!r}, which is not a finished checkpoint")
+    order += [step_dir_name(s) for s in reversed(list_steps(root)) if step_dir_name(s) not in order]
+    return [os.path.join(root, n) for n in order], problems
+
+
+def read_manifest(directory) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (the checkpoint was not finished)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}): truncated or corrupted") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format is {m.get('format') if isinstance(m, dict) else m!r}, "
+                              f"expected {FORMAT!r}")
+    return m
+
+
+def check_file(directory, name: str, meta: dict) -> str | None:
+    """None if ``name`` has the manifest's size and sha256, else what is wrong with it."""
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        return f"{path}: missing"
+    size = os.path.getsize(path)
+    if size != meta["bytes"]:
+        return f"{path}: {size} bytes, the manifest says {meta['bytes']} (truncated or overwritten)"
+    if sha256_file(path) != meta["sha256"]:
+        return f"{path}: sha256 differs from the manifest's (corrupted)"
+    return None
+
+
+def choose(comm, root) -> tuple[str | None, dict | None, list[str]]:
+    """(directory, manifest, problems) of the newest intact checkpoint under ``root``, the same on
+    every rank (collective: rank r hashes files r, r + size, ...; verdicts are all-gathered).
+    (None, None, problems) when there is none."""
+    dirs, problems = candidates(root) if comm.rank == 0 else (None, None)
+    dirs, problems = comm.bcast_obj((dirs, problems), root=0)
+    for d in dirs:
+        try:
+            manifest = read_manifest(d) if comm.rank == 0 else None
+            err = None
+        except CheckpointError as e:
+            manifest, err = None, str(e)
+        manifest, err = comm.bcast_obj((manifest, err), root=0)
+        if err is None:
+            names = sorted(manifest["files"])
+            mine = [check_file(d, n, manifest["files"][n]) for n in names[comm.rank::comm.size]]
+            bad = [e for part in comm.allgather_obj(mine) for e in part if e]
+            err = "; ".join(bad) if bad else None
+        if err is None:
+            return d, manifest, problems
+        problems.append(f"skipped {d}: {err}")
+    return None, None, problems
