@@ -17,9 +17,10 @@ Three pieces, in the order a reader meets them:
   `OptimizerStep` (a callback: DP all-reduce + update).
 
 Loss and gradients: the last virtual stage computes `loss_fn(output, target)` per microbatch and
-back-propagates `loss / m`, so the gradients accumulated over the m microbatches are those of the
-mean loss over the batch (exactly the serial loss when every microbatch counts the same number of
-tokens, as in language-model training without padding).
+back-propagates `w_mb * loss`. The default `w_mb = 1/m` makes the accumulated gradients those of the
+mean loss over the batch when every microbatch counts the same number of tokens; with ignored
+targets (-1) a microbatch's loss is a mean over fewer tokens, so the caller passes
+`loss_weights[mb] = n_mb / N` (its share of the batch's valid tokens) to get the token mean.
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ def split_microbatches(batch, num_microbatches: int, rank: int = 0) -> list:
 @dataclass
 class StepStats:
     """What one stage measured in one `run_schedule` call."""
-    loss: float | None = None                  # mean microbatch loss (last virtual stage only)
+    loss: float | None = None                  # sum of w_mb * microbatch loss (last virtual stage only)
     activation_bytes: dict = field(default_factory=dict)  # (mb, chunk) -> bytes its forward saved
     peak_activation_bytes: int = 0             # most activation bytes held at once (MemoryAccountant)
     peak_microbatches: int = 0                 # most (mb, chunk) activations held at once
@@ -234,11 +235,13 @@ class _Runtime:
     """The state of one stage while it executes one step's instruction list."""
 
     def __init__(self, stage: PipelineStage, comm, inputs, targets, optimizer_step, tracer, ddp=None,
-                 last_backward=None):
+                 last_backward=None, loss_weights=None):
         self.stage, self.comm, self.tracer = stage, comm, tracer
         self.inputs, self.targets, self.optimizer_step = inputs, targets, optimizer_step
         self.ddp, self.last_backward = ddp, last_backward or {}
-        self.m = len(targets) if targets is not None else None  # only the loss stage needs m
+        if targets is not None and loss_weights is None:  # only the loss stage needs them
+            loss_weights = [1.0 / len(targets)] * len(targets)
+        self.loss_weights = loss_weights
         self.x, self.out, self.received, self.to_send = {}, {}, {}, {}
         self.stats, self.losses = StepStats(), []
         # activations are counted as `minidist.memory` counts them: arrays saved for backward, each
@@ -261,8 +264,8 @@ class _Runtime:
             out = st.forward(x, chunk)
             if st.is_last(chunk):
                 loss = st.loss_fn(out, self.targets[mb])
-                self.losses.append(float(loss.item()))
-                out = loss * (1.0 / self.m)
+                self.losses.append(float(loss.item()) * self.loss_weights[mb])
+                out = loss * self.loss_weights[mb]
         self.x[key], self.out[key] = x, out
         self.stats.activation_bytes[key] = self.acct.activation_bytes - before
         self.stats.peak_microbatches = max(self.stats.peak_microbatches, len(self.x))
@@ -337,7 +340,7 @@ class _Runtime:
 
 
 def run_schedule(stage: PipelineStage, comm, instructions, inputs=None, targets=None,
-                 optimizer_step=None, ddp=None) -> StepStats:
+                 optimizer_step=None, ddp=None, loss_weights=None) -> StepStats:
     """Execute one training step's `instructions` (this stage's list) on `stage`.
 
     `comm` is the pipeline group (its rank is the stage index). `inputs[mb]` feed the first virtual
@@ -346,7 +349,9 @@ def run_schedule(stage: PipelineStage, comm, instructions, inputs=None, targets=
     called at `OptimizerStep`. `ddp`: a `DistributedDataParallel` wrapping this stage over its
     data-parallel group: every backward but each chunk's last runs in `ddp.no_sync()`, so the
     gradient buckets' all-reduces start during the last one (`optimizer_step` must call
-    `ddp.wait_gradients()`). Returns this stage's `StepStats`.
+    `ddp.wait_gradients()`). `loss_weights[mb]` multiplies microbatch mb's loss before its backward
+    (default 1/m each; see the module docstring). Returns this stage's `StepStats`, whose `loss` is
+    the weighted sum (default: the mean microbatch loss).
     """
     if comm.size != stage.num_stages:
         raise ValueError(f"rank {comm.rank}: pipeline group has {comm.size} ranks but the model is cut into "
@@ -355,16 +360,20 @@ def run_schedule(stage: PipelineStage, comm, instructions, inputs=None, targets=
         raise ValueError(f"rank {comm.rank}: stage {stage.stage} holds the first layers and needs inputs")
     if any(stage.is_last(c) for c in range(stage.num_chunks)) and targets is None:
         raise ValueError(f"rank {comm.rank}: stage {stage.stage} computes the loss and needs targets")
+    if loss_weights is not None and targets is not None and len(loss_weights) != len(targets):
+        raise ValueError(f"rank {comm.rank}: {len(loss_weights)} loss_weights for {len(targets)} "
+                         "microbatches; give one weight per microbatch")
     last_backward = {}
     for instr in instructions:
         if isinstance(instr, Backward):
             last_backward[instr.chunk] = instr.mb
-    rt = _Runtime(stage, comm, inputs, targets, optimizer_step, trace.current(), ddp, last_backward)
+    rt = _Runtime(stage, comm, inputs, targets, optimizer_step, trace.current(), ddp, last_backward,
+                  loss_weights)
     t0 = time.perf_counter()
     for instr in instructions:
         rt.execute(instr)
     rt.finish_sends()
     rt.stats.seconds = time.perf_counter() - t0
     if rt.losses:
-        rt.stats.loss = float(np.mean(rt.losses))
+        rt.stats.loss = float(np.sum(rt.losses))
     return rt.stats

@@ -13,6 +13,11 @@ Every rank is one cell of the mesh (`minidist.comm.Mesh`: rank = (pp_rank * dp +
   while the rest of it computes. At the schedule's `OptimizerStep` every replica waits for them and
   takes the same optimizer step.
 
+**Ignored targets.** The serial loss is the mean over the global batch's N valid tokens (targets
+of -1 don't count). Microbatch mb of a replica holds n_mb of them, so its loss is weighted by
+n_mb / N, not 1/m (`token_loss_weights`); DDP then averages the replicas' gradients (divides by dp),
+so the weight is dp * n_mb / N, and the sum over every replica and microbatch is the serial mean.
+
 `train_3d` is the parallel run and `train_serial` its serial twin: one process, the same global
 batches, the same optimizer. They give the same parameters up to float rounding (the summation
 order differs: microbatch and replica partial sums); tests check 1e-9 in float64.
@@ -58,6 +63,14 @@ def check_3d(world_size: int, cfg, batch_size: int, dp: int, pp: int, tp: int, m
         raise ValueError(f"rank {rank}: n_head={cfg.n_head} is not divisible by tp={tp}")
 
 
+def token_loss_weights(ys, n_total: int, dp: int, ignore_index: int = -1) -> list[float]:
+    """Per-microbatch loss weights dp * n_mb / N (see the module docstring): `ys` are this replica's
+    microbatch targets, `n_total` the global batch's valid-token count N (0 gives zero weights,
+    as the serial mean over no tokens is 0 with no gradient)."""
+    n_total = max(int(n_total), 1)
+    return [dp * int((np.asarray(y) != ignore_index).sum()) / n_total for y in ys]
+
+
 def build_model(cfg, tp_comm=None):
     """(model, loss_fn): the serial GPT, or for tp > 1 a TPGPT -- the same initial weights, split
     (its init draws the serial GPT's numbers and keeps this rank's slices) -- with its
@@ -75,7 +88,7 @@ class Result3D:
     """What `train_3d` returns on every rank."""
     mesh: Mesh
     stage: PipelineStage
-    losses: list                                  # per step, mean over the global batch (every rank)
+    losses: list                                  # per step, mean over the global batch's valid tokens
     stats: list = field(default_factory=list)     # this rank's StepStats per step
     bounds: list = field(default_factory=list)    # the partition: (start, end) per virtual stage
 
@@ -113,13 +126,15 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
         mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
         xs = split_microbatches(x[mine], microbatches, comm.rank)
         ys = split_microbatches(y[mine], microbatches, comm.rank)
-        stats = run_schedule(stage, mesh.pp, instructions, xs, ys, optimizer_step, ddp=ddp)
+        weights = token_loss_weights(ys, int((np.asarray(y) != -1).sum()), dp)
+        stats = run_schedule(stage, mesh.pp, instructions, xs, ys, optimizer_step, ddp=ddp,
+                             loss_weights=weights)
         all_stats.append(stats)
         if on_step is not None:
             on_step(step, stats)
         losses.append(stats.loss)
     last = mesh.rank_of(pp - 1, 0, 0)
-    if mesh.pp_rank == pp - 1 and mesh.tp_rank == 0 and dp > 1:  # mean of the dp replicas' losses
+    if mesh.pp_rank == pp - 1 and mesh.tp_rank == 0 and dp > 1:  # each replica's is dp x its token share
         losses = list(all_reduce(mesh.dp, np.array(losses, np.float64), op="mean"))
     losses = [float(v) for v in comm.bcast_obj(losses, root=last)]
     return Result3D(mesh=mesh, stage=stage, losses=losses, stats=all_stats, bounds=bounds)

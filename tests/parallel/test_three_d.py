@@ -79,3 +79,28 @@ def test_lesson_on_threads(capsys):
     out = capsys.readouterr().out
     assert "dp 1 x pp 2 x tp 2" in out and "PASS" in out and "FAIL" not in out
     assert "stage 1 |" in out and "formula (p-1)/(m+p-1) = 1/5" in out
+
+
+def _ignored_batches(rows, steps=2, seed=0):
+    """Targets of -1 (ignored) spread unevenly: row r ignores its first r % 4 positions, and the
+    last row ignores every position, so microbatches and replicas count different numbers of tokens."""
+    batches = _batches(rows, steps, seed)
+    for _, y in batches:
+        for r in range(rows):
+            y[r, :r % 4] = -1
+        y[-1] = -1
+    return batches
+
+
+@pytest.mark.parametrize("dp,pp,tp,m,schedule", [(2, 2, 1, 2, "1f1b"), (1, 2, 1, 4, "gpipe"),
+                                                  (2, 1, 2, 2, "1f1b"), (2, 2, 1, 2, "interleaved")])
+def test_ignored_targets_give_the_serial_token_mean(dp, pp, tp, m, schedule):
+    """The serial loss is the mean over the global batch's valid tokens: a microbatch (and a replica)
+    with fewer valid tokens must weigh less, not the same 1/m (and 1/dp)."""
+    batches = _ignored_batches(dp * m * 2)
+    want, want_losses = train_serial(CFG, batches, lr=0.1, optimizer="sgd")
+    results = run(_rank, ranks=dp * pp * tp, batches=batches, optimizer="sgd", dp=dp, pp=pp, tp=tp,
+                  microbatches=m, schedule=schedule, chunks=2 if schedule == "interleaved" else 1)
+    state, losses = results[0]
+    assert max_state_diff(state, want) <= TOL
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
