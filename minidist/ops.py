@@ -690,8 +690,25 @@ def split(a, sections, axis=0):
     return out
 
 
+def _check_ids(ids, n: int, what: str, ignore=None):
+    """Integer ``ids`` in [0, n) (or equal to ``ignore``), else a ValueError naming the first bad one:
+    NumPy would index from the end for -1 and fail deep inside for n."""
+    if getattr(getattr(ids, "dtype", None), "kind", "") not in ("i", "u"):
+        raise TypeError(f"{what} must be an integer array, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    bad = (ids < 0) | (ids >= n)
+    if ignore is not None:
+        bad = bad & (ids != ignore)
+    if bool(bad.any()):
+        be = backend_of(ids)
+        first = be.to_host(ids)[be.to_host(bad)][0]
+        extra = f" or {ignore} (ignored)" if ignore is not None else ""
+        raise ValueError(f"{what} holds {int(first)}: ids must be in [0, {n}){extra}")
+
+
 def embedding(weight, idx):
-    return Embedding.apply(weight, _data(idx))
+    idx = _data(idx)
+    _check_ids(idx, weight.shape[0], "embedding: token id array")
+    return Embedding.apply(weight, idx)
 
 
 def softmax(x, axis=-1):
@@ -720,5 +737,7 @@ def scaled_dot_product_attention(q, k, v, causal=True):
 
 
 def cross_entropy(logits, targets, ignore_index=-1):
-    return CrossEntropy.apply(logits, _data(targets), ignore_index=ignore_index)
+    targets = _data(targets)
+    _check_ids(targets, logits.shape[-1], "cross_entropy: targets", ignore=ignore_index)
+    return CrossEntropy.apply(logits, targets, ignore_index=ignore_index)
 

@@ -32,11 +32,23 @@ class GPTConfig:
     seed: int = 0
 
     def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"GPTConfig.{name} must be an integer, got {v!r}")
+            if v < (0 if name == "seed" else 1):
+                raise ValueError(f"GPTConfig.{name} must be >= {0 if name == 'seed' else 1}, got {v}")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"GPTConfig.dropout must be a probability in [0, 1), got {self.dropout!r}")
+        try:
+            kind = np.dtype(self.dtype).kind
+        except TypeError:
+            kind = None
+        if kind != "f":
+            raise TypeError(f"GPTConfig.dtype must be a float dtype such as 'float32' or 'float64', "
+                            f"got {self.dtype!r}")
 
     def replace(self, **changes) -> GPTConfig:
         return replace(self, **changes)
@@ -62,6 +74,9 @@ class Embed(Module):
 def token_ids(idx, start: int, block_size: int):
     """The id array (B, T) of ``idx`` (an array or a Tensor), checked to fit the context from ``start``."""
     idx = idx.data if isinstance(idx, Tensor) else idx
+    if getattr(idx, "ndim", None) != 2 or idx.shape[0] < 1 or idx.shape[1] < 1:
+        raise ValueError(f"token ids must be an array of shape (batch, time), both >= 1, got shape "
+                         f"{getattr(idx, 'shape', type(idx).__name__)}")
     t = idx.shape[1]
     if start + t > block_size:
         raise ValueError(f"sequence of length {start + t} is longer than the context "
