@@ -28,6 +28,9 @@ def check_prompt(prompt, block_size: int, max_new_tokens: int = 0, what: str = "
                  vocab_size: int | None = None) -> list:
     """A prompt as a list of ints; a clear error, naming ``what``, if it is empty, holds something
     other than token ids in [0, vocab_size), or can't fit the context with ``max_new_tokens``."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens < 0:
+        raise ValueError(f"{what}: max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     arr = np.asarray(prompt)
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{what} must hold integer token ids, got dtype {arr.dtype}")

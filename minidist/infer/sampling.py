@@ -25,8 +25,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # NaN fails this too
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:

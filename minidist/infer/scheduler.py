@@ -24,6 +24,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from minidist.infer.decoder import forward_tokens, last_logits
 from minidist.infer.generate import as_weights, check_prompt, host, is_done
 from minidist.infer.kv_cache import KVCache
@@ -56,6 +58,10 @@ class Scheduler:
 
     def __init__(self, model, max_batch=8, policy="continuous", cache="contiguous", num_blocks=None,
                  block_len=16):
+        for name, v in (("max_batch", max_batch), ("block_len", block_len), ("num_blocks", num_blocks)):
+            if not (v is None and name == "num_blocks") and (
+                    isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+                raise ValueError(f"Scheduler: {name} must be an integer >= 1, got {v!r}")
         if policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {policy!r}")
         self.w = as_weights(model)
