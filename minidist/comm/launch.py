@@ -77,6 +77,10 @@ def _run_mpi(fn, backend, kwargs):
 
     from minidist.comm.mpi import MPIComm
 
+    if MPI.COMM_WORLD.Get_size() == 1 and not any(k in os.environ for k in _MPI_ENV):
+        raise RuntimeError("MINIDIST_TRANSPORT=mpi, but no MPI launcher started this process, so it would "
+                           "run as a world of 1 rank: start it with `mpirun -n N python ...`, or unset "
+                           "MINIDIST_TRANSPORT to run --ranks N threads")
     install_abort_hook()
     comm = MPIComm(MPI.COMM_WORLD)
     comm.backend = bind_backend(backend, comm.rank)
