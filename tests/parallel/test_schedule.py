@@ -1,7 +1,7 @@
 """Pipeline schedules as data: the simulator proves them deadlock-free and checks bubble and memory."""
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minidist.parallel.schedule import (
@@ -47,27 +47,101 @@ def _order_checks(schedule, v=1):
 
 @fast
 @given(stages, microbatches, st.integers(1, 3), st.integers(1, 3))
+@example(3, 4, 1, 2)
+@example(5, 7, 1, 1)
+@example(6, 2, 2, 1)
+@example(7, 16, 1, 3)
 def test_gpipe_and_1f1b_simulate_with_textbook_bubble_and_memory(p, m, f, b):
     for make in (gpipe, one_f_one_b):
         schedule = make(p, m)
         _order_checks(schedule)
         result = simulate(schedule, fwd_time=f, bwd_time=b)  # raises if it deadlocks
         assert result.makespan == (m + p - 1) * (f + b)
-        assert result.bubble == pytest.approx(bubble_formula(p, m), abs=1e-12)
+        assert result.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
     assert simulate(gpipe(p, m)).peak_activations == [m] * p
     assert simulate(one_f_one_b(p, m)).peak_activations == [min(m, p - s) for s in range(p)]
 
 
 @fast
-@given(st.integers(2, 6), st.integers(1, 4), st.integers(1, 3))
+@given(st.integers(2, 7), st.integers(1, 4), st.integers(1, 3))
+@example(3, 2, 3)
+@example(5, 1, 2)
+@example(6, 2, 2)
+@example(7, 2, 3)
 def test_interleaved_1f1b_bubble_and_memory(p, groups, v):
     m = groups * p
     schedule = interleaved_1f1b(p, m, v)
     _order_checks(schedule, v)
     result = simulate(schedule, fwd_time=1.0, bwd_time=1.0)
-    assert result.bubble == pytest.approx(bubble_formula(p, m, v), abs=1e-12)
-    assert result.peak_activations == [min(interleaved_warmup(p, m, v, s) + 1, m * v) for s in range(p)]
+    assert result.makespan == pytest.approx(2 * m * v + 2 * (p - 1) * 1.0)  # v·m fwd+bwd units + bubble
+    assert result.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    # Megatron-LM's warm-up, written out, plus the first steady-state forward
+    want = [m * v if m == p else min((p - s - 1) * 2 + (v - 1) * p + 1, m * v) for s in range(p)]
+    assert result.peak_activations == want
     simulate(schedule, fwd_time=1.0, bwd_time=2.0, comm_time=0.25)  # no deadlock with other costs either
+
+
+# Hard-coded tables (not computed by the code under test). Per stage s:
+#   warm-up  = forwards a stage runs before its first backward's slot (Megatron-LM's count for
+#              interleaved: (p - s - 1) * 2 + (v - 1) * p, capped at m * v; all m * v when m == p),
+#   in flight = most microbatches whose activations a stage holds at once (the peak memory).
+# GPipe: all m forwards first, so m in flight. 1F1B: p - s - 1 warm-up forwards, then one more
+# forward before the first backward: min(m, p - s) in flight.
+GPIPE_IN_FLIGHT = {  # (p, m): per stage
+    (1, 1): [1], (2, 3): [3, 3], (3, 5): [5, 5, 5], (4, 2): [2, 2, 2, 2], (5, 7): [7, 7, 7, 7, 7],
+}
+ONE_F_ONE_B_IN_FLIGHT = {  # (p, m): per stage
+    (1, 1): [1], (2, 1): [1, 1], (2, 3): [2, 1], (3, 2): [2, 2, 1], (3, 5): [3, 2, 1],
+    (4, 8): [4, 3, 2, 1], (5, 3): [3, 3, 3, 2, 1], (6, 6): [6, 5, 4, 3, 2, 1],
+    (7, 4): [4, 4, 4, 4, 3, 2, 1],
+}
+INTERLEAVED = {  # (p, m, chunks): (warm-up per stage, in flight per stage)
+    (2, 2, 2): ([4, 4], [4, 4]),                        # m == p: every forward first
+    (2, 4, 2): ([4, 2], [5, 3]),
+    (3, 3, 2): ([6, 6, 6], [6, 6, 6]),
+    (3, 6, 1): ([4, 2, 0], [5, 3, 1]),
+    (3, 6, 2): ([7, 5, 3], [8, 6, 4]),
+    (3, 6, 3): ([10, 8, 6], [11, 9, 7]),
+    (4, 4, 2): ([8, 8, 8, 8], [8, 8, 8, 8]),
+    (4, 8, 2): ([10, 8, 6, 4], [11, 9, 7, 5]),
+    (4, 8, 3): ([14, 12, 10, 8], [15, 13, 11, 9]),
+    (4, 12, 2): ([10, 8, 6, 4], [11, 9, 7, 5]),
+    (5, 10, 2): ([13, 11, 9, 7, 5], [14, 12, 10, 8, 6]),
+}
+
+
+def _forwards_before_first_backward(ops) -> int:
+    compute = [i for i in ops if isinstance(i, (Forward, Backward))]
+    return next(k for k, i in enumerate(compute) if isinstance(i, Backward))
+
+
+@pytest.mark.parametrize("p,m", sorted(GPIPE_IN_FLIGHT))
+def test_gpipe_in_flight_table(p, m):
+    schedule = gpipe(p, m)
+    assert [_forwards_before_first_backward(ops) for ops in schedule] == GPIPE_IN_FLIGHT[(p, m)]
+    assert simulate(schedule).peak_activations == GPIPE_IN_FLIGHT[(p, m)]
+
+
+@pytest.mark.parametrize("p,m", sorted(ONE_F_ONE_B_IN_FLIGHT))
+def test_one_f_one_b_in_flight_table(p, m):
+    schedule = one_f_one_b(p, m)
+    assert [_forwards_before_first_backward(ops) for ops in schedule] == ONE_F_ONE_B_IN_FLIGHT[(p, m)]
+    assert simulate(schedule).peak_activations == ONE_F_ONE_B_IN_FLIGHT[(p, m)]
+
+
+@pytest.mark.parametrize("p,m,v", sorted(INTERLEAVED))
+def test_interleaved_warmup_and_in_flight_table(p, m, v):
+    warmup, in_flight = INTERLEAVED[(p, m, v)]
+    assert [interleaved_warmup(p, m, v, s) for s in range(p)] == warmup
+    schedule = interleaved_1f1b(p, m, v)
+    assert [_forwards_before_first_backward(ops) for ops in schedule] == in_flight
+    assert simulate(schedule, fwd_time=1.0, bwd_time=1.0).peak_activations == in_flight
+
+
+def test_bubble_formula_textbook_values():
+    assert bubble_formula(4, 8) == pytest.approx(3 / 11) and bubble_formula(1, 5) == 0.0
+    assert bubble_formula(4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_formula(2, 2, 3) == pytest.approx(1 / 7)
 
 
 def test_interleaving_shrinks_the_bubble():
