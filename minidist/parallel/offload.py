@@ -17,6 +17,13 @@ checked first, with a clear error; ``offload_dir=None`` means the system tempora
 folder, and a failure while creating the files deletes whatever was made: nothing half-written is
 left behind.
 
+**Crash safety** (``minidist.parallel.offload_files``: folders and files on disk). The files' space is
+reserved when they are created (``os.posix_fallocate``), so a disk too small for the state is a
+clear ``OSError`` at construction instead of a SIGBUS in the middle of a step (memmaps are sparse).
+The folder's name carries its owner (``minidist-adamw-<host>-<pid>-...``): SIGTERM and interpreter
+exit remove the live folders, and a folder whose owner process is gone (``kill -9``, a peer killed
+by ``MPI_Abort``) is swept by the next ``OffloadedAdamW`` created in the same directory.
+
 ``resident_peak`` (the most optimizer-state bytes in compute memory during a step) is *computed*
 from the shard sizes -- the shard being updated, the one being prefetched and the one being written
 back -- not measured from the process's memory: it is what this design holds, the number the
@@ -34,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from minidist.optim import AdamW, adamw_update
+from minidist.parallel.offload_files import make_private_folder, reserved_memmap, untrack
 
 KEYS = ("m", "v")
 
@@ -110,10 +118,10 @@ class OffloadedAdamW(AdamW):
             self._store = [{k: np.zeros(p.shape, p.dtype) for k in KEYS} for p in self.params]
             return
         root = check_offload_dir(tempfile.gettempdir() if offload_dir is None else offload_dir)
-        self.folder = tempfile.mkdtemp(prefix="minidist-adamw-", dir=root)
+        self.folder = make_private_folder(root, "minidist-adamw")
         try:
-            self._store = [{k: np.memmap(os.path.join(self.folder, f"{i}.{k}"), dtype=p.dtype, mode="w+",
-                                         shape=p.shape) for k in self.keys}
+            self._store = [{k: reserved_memmap(os.path.join(self.folder, f"{i}.{k}"), p.dtype, p.shape)
+                            for k in self.keys}
                            for i, p in enumerate(self.params)]
             if offload_params:
                 for p, st in zip(self.params, self._store):
@@ -224,6 +232,7 @@ class OffloadedAdamW(AdamW):
         self._store = None
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+            untrack(self.folder)
             self.folder = None
 
     def __enter__(self):
