@@ -31,10 +31,21 @@ def default_text() -> str:
     return resources.files("minidist").joinpath("assets/corpus.txt").read_text(encoding="utf-8")
 
 
+def _check_int(owner: str, name: str, value, low: int) -> None:
+    """A clear TypeError/ValueError naming ``owner``'s argument unless ``value`` is an integer >= low."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{owner}: {name} must be an integer >= {low}, got {value!r}")
+    if value < low:
+        raise ValueError(f"{owner}: {name} must be an integer >= {low}, got {value}")
+
+
 class TextDataset:
     """Windows of ``block_size + 1`` tokens from one token stream, every ``stride`` tokens."""
 
     def __init__(self, tokens, block_size: int, stride: int | None = None):
+        _check_int("TextDataset", "block_size", block_size, 1)
+        if stride is not None:
+            _check_int("TextDataset", "stride", stride, 1)
         self.tokens = np.asarray(tokens, dtype=np.int64)
         self.block_size = block_size
         self.stride = stride or max(1, block_size // 2)
@@ -71,6 +82,8 @@ class SyntheticTask:
     def __init__(self, kind: str, length: int = 8, size: int = 4096, seed: int = 0):
         if kind not in self.KINDS:
             raise ValueError(f"unknown task {kind!r}; known tasks: {', '.join(self.KINDS)}")
+        _check_int("SyntheticTask", "length", length, 1)
+        _check_int("SyntheticTask", "size", size, 1)
         self.kind, self.length, self.size = kind, length, size
         rng = np.random.default_rng(seed)
         if kind == "addition":
@@ -114,7 +127,9 @@ class BatchLoader:
     """
 
     def __init__(self, dataset, batch_size: int, seed: int = 0, shuffle: bool = True):
-        if batch_size < 1 or batch_size > len(dataset):
+        _check_int("BatchLoader", "batch_size", batch_size, 1)
+        _check_int("BatchLoader", "seed", seed, 0)
+        if batch_size > len(dataset):
             raise ValueError(f"batch_size must be in [1, {len(dataset)}] (the dataset size), "
                              f"got {batch_size}")
         self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
