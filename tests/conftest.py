@@ -8,11 +8,27 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis.database import DirectoryBasedExampleDatabase  # noqa: E402
 
-# derandomize: every run (and every MPI rank) draws the same examples.
+# ci (the default): derandomized, so every run (and every MPI rank) draws the same examples.
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=10,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# explore (HYPOTHESIS_PROFILE=explore): random draws, 200 examples per test (tests that set their
+# own count through `budget` get at least that), failures saved in .hypothesis/ and replayed first.
+settings.register_profile("explore", derandomize=False, deadline=None, max_examples=200,
+                          database=DirectoryBasedExampleDatabase(".hypothesis/examples"),
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+EXPLORE = os.environ.get("HYPOTHESIS_PROFILE") == "explore"
+
+
+def budget(max_examples: int, **kw) -> settings:
+    """``@budget(n)`` instead of ``@settings(max_examples=n)`` on a slow property test: n examples
+    under ci, but under explore the profile's random draws, count and example database win."""
+    if EXPLORE:
+        kw = {k: v for k, v in kw.items() if k not in ("derandomize", "database")}
+        return settings(max_examples=max(max_examples, settings.default.max_examples), **kw)
+    return settings(max_examples=max_examples, **kw)
 
 
 def _has_gpu() -> bool:

@@ -5,12 +5,13 @@ import threading
 import time
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from minidist import trace
 from minidist.parallel.schedule import one_f_one_b
 from minidist.parallel.simulate import simulate
+from tests.conftest import budget
 
 
 def test_span_records_interval_with_args_and_category():
@@ -85,7 +86,7 @@ def test_gather_events_sorts_all_ranks_on_root_only():
     assert trace.gather_events(_FakeComm(1, everyone), tracers[1]) is None
 
 
-@settings(max_examples=10, deadline=None, derandomize=True)
+@budget(10)
 @given(st.integers(1, 8), st.integers(1, 8))
 def test_chrome_trace_is_valid_json_with_one_track_per_rank(tmp_path_factory, p, m):
     events = simulate(one_f_one_b(p, m)).events
@@ -122,7 +123,7 @@ def per_rank_steps(runs, p):
     return out
 
 
-@settings(max_examples=15, deadline=None, derandomize=True)
+@budget(15)
 @given(p=st.integers(1, 4), m=st.integers(1, 6), n=st.integers(1, 4))
 def test_median_bubble_skips_the_warm_up_step_and_matches_the_formula(p, m, n):
     """A warm-up step of m = 1 (bubble (p-1)/p), then n steps of m microbatches: skipping it gives

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from minidist import ops, optim
@@ -22,6 +22,7 @@ from minidist.comm import measure, run
 from minidist.nn import GPT, GPTConfig, Linear, Module
 from minidist.parallel.ddp import DDP, DistributedSampler
 from minidist.parallel.three_d import max_state_diff
+from tests.conftest import budget
 
 TOL = 1e-10
 CFG = GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=2, d_model=8, dtype="float64")
@@ -79,7 +80,7 @@ def ddp_gpt(comm, batches, counts, accum, bucket_bytes, lr=1e-2, **kw):
     return {k: np.array(v) for k, v in m.state_dict().items()}
 
 
-@settings(max_examples=12)
+@budget(12)
 @given(p=st.integers(1, 4), accum=st.integers(1, 3),
        extra=st.lists(st.integers(0, 3), min_size=4, max_size=4),
        bucket_bytes=st.sampled_from([64, 700, 5000, 1 << 30]))
@@ -93,7 +94,7 @@ def test_ddp_equals_serial_uneven_batches(p, accum, extra, bucket_bytes):
         assert max_state_diff(got[r], got[0]) == 0.0  # replicas identical, bit for bit
 
 
-@settings(max_examples=10)
+@budget(10)
 @given(p=st.integers(1, 4), accum=st.integers(1, 3),
        extra=st.lists(st.integers(0, 3), min_size=4, max_size=4), sync_last=st.booleans(),
        ignore=st.sampled_from([0.0, 0.4]))
@@ -305,7 +306,7 @@ def test_ranks_disagreeing_on_the_model_is_an_error_not_a_hang():
         run(body, ranks=3)
 
 
-@settings(max_examples=15)
+@budget(15)
 @given(n=st.integers(0, 40), size=st.integers(1, 5), seed=st.integers(0, 3), drop_last=st.booleans(),
        even=st.booleans())
 def test_distributed_sampler_shards(n, size, seed, drop_last, even):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from minidist import trace
@@ -29,6 +29,7 @@ from minidist.parallel.pipeline import (
 )
 from minidist.parallel.schedule import Backward, Forward, ScheduleError, one_f_one_b
 from minidist.parallel.simulate import peak_activations
+from tests.conftest import budget
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=3, n_head=2, d_model=8, dtype="float64")
@@ -116,7 +117,7 @@ def _pipeline_rank(comm, schedule, m, chunks, x, y):
 
 @given(schedule=st.sampled_from(["gpipe", "1f1b", "interleaved"]), p=st.integers(1, 4),
        m=st.integers(1, 6), seed=st.integers(0, 99))
-@settings(max_examples=12)
+@budget(12)
 def test_pipeline_gradients_equal_serial(schedule, p, m, seed):
     """GPipe and 1F1B take any m >= 1 -- m < p cuts 1F1B's warm-up short; interleaved needs m % p == 0."""
     chunks = 2 if schedule == "interleaved" else 1

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: the simulator proves them deadlock-free and checks bubble and memory."""
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from minidist.parallel.schedule import (
@@ -21,8 +21,9 @@ from minidist.parallel.schedule import (
     peer_of,
 )
 from minidist.parallel.simulate import DeadlockError, ascii_timeline, bubble_formula, simulate, validate
+from tests.conftest import budget
 
-fast = settings(max_examples=25, deadline=None, derandomize=True)
+fast = budget(25)
 stages = st.integers(1, 8)
 microbatches = st.integers(1, 16)
 

@@ -2,13 +2,14 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from minidist.comm import run
 from minidist.lessons.pipeline import main as lesson_main
 from minidist.nn import GPTConfig
 from minidist.parallel.three_d import check_3d, gather_full_state, max_state_diff, train_3d, train_serial
+from tests.conftest import budget
 
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, d_model=8, dtype="float64")
 TOL = 1e-9  # float64; only the summation order differs (microbatch and replica partial sums)
@@ -51,7 +52,7 @@ def test_interleaved_2x2x2_equals_serial():
 
 @given(dp=st.integers(1, 2), pp=st.integers(1, 4), tp=st.sampled_from([1, 2]), m=st.integers(1, 4),
        schedule=st.sampled_from(["gpipe", "1f1b"]), seed=st.integers(0, 9))
-@settings(max_examples=10)
+@budget(10)
 def test_random_meshes_equal_serial(dp, pp, tp, m, schedule, seed):
     _check(dp, pp, tp, m, schedule, seed=seed)
 

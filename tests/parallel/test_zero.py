@@ -6,7 +6,7 @@ test_data_parallel.py). Ledger bytes and memory bytes are exact (array_split sha
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from minidist import optim
@@ -15,6 +15,7 @@ from minidist.memory import MemoryAccountant, zero_formula
 from minidist.nn import GPT
 from minidist.parallel.three_d import max_state_diff
 from minidist.parallel.zero import ZeRO, param_count
+from tests.conftest import budget
 from tests.parallel.test_data_parallel import CFG, TOL, accumulate, data, my_rows, serial_gpt
 
 
@@ -32,7 +33,7 @@ def zero_gpt(comm, batches, counts, accum, stage, bucket_bytes, sync_last=True):
     return {k: np.array(v) for k, v in z.full_parameters().items()}
 
 
-@settings(max_examples=15)
+@budget(15)
 @given(stage=st.integers(1, 3), p=st.integers(1, 4), accum=st.integers(1, 2),
        extra=st.lists(st.integers(0, 2), min_size=4, max_size=4),
        bucket_bytes=st.sampled_from([64, 3000, 1 << 30]), sync_last=st.booleans())
