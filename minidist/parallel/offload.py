@@ -104,8 +104,9 @@ class OffloadedAdamW(AdamW):
         super().__init__(params, lr, betas, eps, weight_decay)
         if where not in ("disk", "host"):
             raise ValueError(f"where must be 'disk' or 'host', got {where!r}")
-        if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, (int, np.integer)) or shard_bytes < 1:
-            raise ValueError(f"OffloadedAdamW: shard_bytes must be an integer >= 1, got {shard_bytes!r}")
+        if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, (int, np.integer)) or shard_bytes < 0:
+            raise ValueError(f"OffloadedAdamW: shard_bytes must be an integer >= 0 (0: one shard per "
+                             f"parameter), got {shard_bytes!r}")
         if offload_params and (where != "disk" or any(p.backend.name != "numpy" for p in self.params)):
             raise ValueError("offload_params=True needs where='disk' and NumPy parameters (the memmap *is* "
                              "the parameter between steps); offload only the optimizer state otherwise")
