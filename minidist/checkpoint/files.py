@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import time
 
 import numpy as np
 
@@ -106,6 +107,27 @@ def _write_json_atomic(path, obj) -> None:
     os.replace(tmp, path)
 
 
+def write_sidecar(tmp, rank: int, obj: dict) -> None:
+    """Rank ``rank``'s account of its file (pieces, sha256, small state), for rank 0 to collect."""
+    _write_json_atomic(os.path.join(tmp, f"rank-{rank:05d}.json"), obj)
+
+
+def wait_sidecars(tmp, world: int, timeout: float, poll: float = 0.002) -> list[dict]:
+    """Every rank's sidecar, in rank order, once all exist (written atomically: a present one is whole)."""
+    paths = [os.path.join(tmp, f"rank-{r:05d}.json") for r in range(world)]
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        if time.monotonic() > deadline:
+            missing = [r for r, p in enumerate(paths) if not os.path.exists(p)]
+            raise CheckpointError(f"{tmp}: ranks {missing} did not finish writing within {timeout} s")
+        time.sleep(poll)
+    out = []
+    for p in paths:
+        with open(p) as f:
+            out.append(json.load(f))
+    return out
+
+
 def begin_step(root, step: int) -> str:
     """(Rank 0) a fresh, empty ``step-N.tmp`` directory; the leftovers of a crashed attempt are removed."""
     os.makedirs(root, exist_ok=True)
@@ -118,6 +140,9 @@ def begin_step(root, step: int) -> str:
 def commit_step(root, step: int, manifest: dict, keep: int) -> str:
     """(Rank 0, after every rank's file is written and fsynced) manifest, rename, ``latest``, prune."""
     tmp = os.path.join(root, step_dir_name(step) + ".tmp")
+    for name in os.listdir(tmp):
+        if name.endswith(".json"):  # the sidecars: the manifest holds all they said
+            os.remove(os.path.join(tmp, name))
     _write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
     fsync_dir(tmp)
     final = os.path.join(root, step_dir_name(step))

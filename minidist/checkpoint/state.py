@@ -15,6 +15,7 @@ parameter -- is written by the lowest of them); small state is JSON in the manif
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -141,41 +142,60 @@ def snapshot(comm, step: int, state: TrainState) -> Snapshot:
     return Snapshot(step, arrays, specs, state.small_state(), mesh, time.perf_counter() - t0)
 
 
-def write_snapshot(comm, root, snap: Snapshot, keep: int = 3, fault=None) -> str:
-    """Write a snapshot as checkpoint ``step`` under ``root`` (collective, atomic; see files.py)."""
-    tmp = files.begin_step(root, snap.step) if comm.rank == 0 else None
-    tmp = comm.bcast_obj(tmp, root=0)
-    fname = files.rank_file_name(comm.rank)
+def prepare(comm, root, step: int) -> str:
+    """The empty temporary directory of checkpoint ``step`` (collective: rank 0 makes it, all get it)."""
+    tmp = files.begin_step(root, step) if comm.rank == 0 else None
+    return comm.bcast_obj(tmp, root=0)
+
+
+def write_part(root, tmp, rank: int, world: int, snap: Snapshot, keep: int = 3, fault=None,
+               timeout: float = 600.0) -> str | None:
+    """Write this rank's file and its sidecar into ``tmp`` -- no communication, so a background thread
+    may run it while training goes on. Rank 0 then waits for every rank's sidecar and commits the
+    checkpoint (manifest, rename, ``latest``); it returns the directory (other ranks: None)."""
+    fname = files.rank_file_name(rank)
+    path = os.path.join(tmp, fname)
     err = None
     try:
-        pieces, meta = files.write_pieces(os.path.join(tmp, fname), snap.arrays, fault)
-    except OSError as e:  # disk full, permission: every rank must learn it, not hang
-        pieces, meta, err = [], {}, f"rank {comm.rank}: writing {fname} failed: {e}"
-    parts = comm.gather_obj((fname, meta, pieces, snap.specs, snap.small, err), root=0)
-    final = None
-    if comm.rank == 0:
-        errors = [p[5] for p in parts if p[5]]
-        if not errors:
-            final = files.commit_step(root, snap.step, _manifest(snap, parts), keep)
-        else:
-            final = "ERROR: " + "; ".join(errors)
-    final = comm.bcast_obj(final, root=0)
-    if final.startswith("ERROR: "):
-        raise CheckpointError(f"checkpoint of step {snap.step} not written ({final[7:]}); "
-                              f"the previous one stays the latest")
-    if fault is not None:
-        fault.after_commit(final, comm.rank)
+        pieces, meta = files.write_pieces(path, snap.arrays, fault)
+        if fault is not None:
+            fault.after_write(path)
+    except OSError as e:  # disk full, permission: rank 0 learns it from the sidecar
+        pieces, meta, err = [], {}, f"rank {rank}: writing {fname} failed: {e}"
+    files.write_sidecar(tmp, rank, {"file": fname, "meta": meta, "pieces": pieces, "specs": snap.specs,
+                                    "small": snap.small, "error": err})
+    if rank != 0:
+        return None
+    parts = files.wait_sidecars(tmp, world, timeout)
+    errors = [p["error"] for p in parts if p["error"]]
+    if errors:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"checkpoint of step {snap.step} not written ({'; '.join(errors)}); "
+                              "the previous one stays the latest")
+    return files.commit_step(root, snap.step, _manifest(snap, parts), keep)
+
+
+def write_snapshot(comm, root, snap: Snapshot, keep: int = 3, fault=None) -> str:
+    """Write a snapshot as checkpoint ``step`` under ``root``, now (collective, atomic; see files.py)."""
+    tmp = prepare(comm, root, snap.step)
+    try:
+        final, err = write_part(root, tmp, comm.rank, comm.size, snap, keep, fault), None
+    except CheckpointError as e:
+        final, err = None, str(e)
+    final, err = comm.bcast_obj((final, err), root=0)
+    if err:
+        raise CheckpointError(f"rank {comm.rank}: {err}")
     return final
 
 
 def _manifest(snap: Snapshot, parts) -> dict:
     tensors, file_meta, ranks = {}, {}, []
-    for fname, meta, pieces, specs, small, _ in parts:
-        file_meta[fname] = meta
-        ranks.append(small)
-        for piece, (name, shape, dtype, spec) in zip(pieces, specs):
+    for p in parts:
+        file_meta[p["file"]] = p["meta"]
+        ranks.append(p["small"])
+        for piece, (name, shape, dtype, spec) in zip(p["pieces"], p["specs"]):
             t = tensors.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})
-            t["pieces"].append({"file": fname, **piece, **spec})
+            t["pieces"].append({"file": p["file"], **piece, **spec})
     return {"format": files.FORMAT, "step": snap.step, "mesh": snap.mesh, "time": time.time(),
             "files": file_meta, "tensors": dict(sorted(tensors.items())), "ranks": ranks}
 

@@ -1,0 +1,233 @@
+"""Lesson 10: fault tolerance -- a rank dies mid-training, the job restarts and loses (almost) nothing.
+
+    python -m minidist.launch -n 4 -- python -m minidist.lessons.fault_tolerance
+    python -m minidist.launch -n 4 --threads -- python -m minidist.lessons.fault_tolerance
+
+Under the supervisor (``minidist.launch``) the first attempt kills its last rank with SIGKILL in
+the middle of training (``--fault``, default ``kill:rank=N-1,step=STEPS/2+1``; any
+``minidist.faults`` spec). Every ``--mem-every`` steps each rank's shard goes to shared memory
+(tier 1), every ``--disk-every`` steps to disk (tier 2), both written by a background thread. The
+supervisor restarts the job, which restores from the newest intact tier and trains on. At the end
+rank 0 prints the failure, the tier recovered from and how long that took, the steps lost, and
+checks the final parameters against a run that never failed: bit for bit (PASS), or after an
+elastic restart on fewer ranks, against the serial twin within a tolerance. ``--plot FILE.png``
+draws the timeline of all attempts; the Young/Daly checkpoint interval is computed from the
+measured save time. Run alone (no supervisor) it trains without a fault and says how to add one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from minidist.checkpoint.tiers import Checkpointer, Tier, shm_root
+from minidist.checkpoint.trainer import Trainer, small_config
+from minidist.faults import Injector
+from minidist.launch import heartbeat
+from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, probability, rprint
+
+DEFAULT_CKPT = os.path.join(tempfile.gettempdir(), f"minidist-{os.getuid()}-fault-tolerance")
+
+
+def _log(comm, **event):
+    """Rank 0 appends an event to the supervisor's log (the timeline), if there is one."""
+    path = os.environ.get("MINIDIST_SUPERVISOR_LOG")
+    if path and comm.rank == 0:
+        with open(path, "a") as f:
+            f.write(json.dumps({"t": time.time(), **event}) + "\n")
+
+
+def _events():
+    path = os.environ.get("MINIDIST_SUPERVISOR_LOG")
+    if not path or not os.path.exists(path):
+        return []
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def young_daly(cost_s: float, mtbf_s: float) -> float:
+    """The checkpoint interval that minimises expected lost time: sqrt(2 x cost x MTBF)."""
+    return math.sqrt(2 * cost_s * mtbf_s)
+
+
+def train(comm, args, fault: str):
+    """Train to ``args.steps`` with tiered checkpoints and injected faults.
+    Returns (trainer, checkpointer, restore info, tier restored from)."""
+    attempt = int(os.environ.get("MINIDIST_RESTART", "0"))
+    disk, mem = args.ckpt, shm_root(hashlib.sha1(os.path.abspath(args.ckpt).encode()).hexdigest()[:10])
+    if attempt == 0 and comm.rank == 0:  # a fresh run starts from nothing
+        for d in (disk, mem):
+            shutil.rmtree(d, ignore_errors=True)
+    comm.barrier()
+    cfg = small_config(args.dtype, args.dropout)
+    trainer = Trainer(comm, cfg, pp=args.pp, tp=args.tp, zero=args.zero, total_steps=args.steps)
+    inj = Injector.from_env(comm.rank, fault)
+    tiers = [Tier("memory", mem, args.mem_every), Tier("disk", disk, args.disk_every, keep=3)]
+    ckpt = Checkpointer(comm, tiers,
+                        asynchronous=not args.sync, fault=inj)
+    info, tier = ckpt.restore(trainer.state())
+    _log(comm, event="restore", attempt=attempt, step=info.step, tier=tier, seconds=info.seconds,
+         problems=info.problems)
+    heartbeat(comm.rank, trainer.step_count)
+    while trainer.step_count < args.steps:
+        inj.on_step(trainer.step_count)
+        t0 = time.time()
+        trainer.step()
+        heartbeat(comm.rank, trainer.step_count)
+        _log(comm, event="step", attempt=attempt, step=trainer.step_count, t0=t0, t1=time.time())
+        if ckpt.maybe_save(trainer.step_count, trainer.state()):
+            _log(comm, event="save", attempt=attempt, step=trainer.step_count, stall=ckpt.stalls[-1])
+    ckpt.wait()
+    return trainer, ckpt, info, tier
+
+
+def rank_main(comm, args):
+    supervised = "MINIDIST_HEARTBEAT_DIR" in os.environ
+    fault = args.fault
+    if fault is None:
+        fault = os.environ.get("MINIDIST_FAULT") or (
+            f"kill:rank={comm.size - 1},step={args.steps // 2 + 1}" if supervised else "")
+    fault = "" if fault == "none" else fault
+    rprint(comm, f"fault tolerance: {comm.size} ranks, {args.steps} steps, tier 1 (memory) every "
+                 f"{args.mem_every}, tier 2 (disk) every {args.disk_every}, "
+                 f"{'synchronous' if args.sync else 'asynchronous'} saves; fault: {fault or 'none'}")
+    if not supervised:
+        rprint(comm, "  (no supervisor: run `python -m minidist.launch -n 4 -- python -m "
+                     "minidist.lessons.fault_tolerance` to see a rank die and the job recover)")
+    trainer, ckpt, info, tier = train(comm, args, fault)
+    full = trainer.full_parameters()
+
+    # the reference: the same job, started fresh here, never interrupted, never checkpointed
+    events = _events()
+    first = next((e for e in events if e.get("event") == "start"), None)
+    same_mesh = first is None or first["ranks"] == comm.size
+    ref_trainer = Trainer(comm, small_config(args.dtype, args.dropout), pp=args.pp, tp=args.tp,
+                          zero=args.zero,
+                          total_steps=args.steps) if same_mesh else None
+    if ref_trainer is not None:
+        while ref_trainer.step_count < args.steps:
+            ref_trainer.step()
+        ref = ref_trainer.full_parameters()
+    ok = True
+    if comm.rank == 0:
+        if ref_trainer is None:  # elastic: compare with the serial twin
+            ref = _serial_twin(args)
+        failures = [e for e in events if e.get("event") == "failure"]
+        restores = {e["attempt"]: e for e in events if e.get("event") == "restore"}
+        for e in failures:
+            nxt = restores.get(e["attempt"] + 1, {})
+            known = e.get("last_step") is not None and nxt
+            lost = e["last_step"] - (nxt.get("step") or 0) if known else None
+            print(f"failure: attempt {e['attempt']}, rank {e['rank']}: {e['status']} "
+                  f"at step {e['last_step']}")
+            if nxt:
+                print(f"  recovered from tier {nxt.get('tier')} checkpoint of step {nxt.get('step')} in "
+                      f"{1e3 * nxt['seconds']:.1f} ms; steps lost (recomputed): {lost}")
+                for p in nxt.get("problems", []):
+                    print(f"  skipped: {p}")
+        if info.step is not None and not failures:
+            print(f"restored from tier {tier}, step {info.step}, in {1e3 * info.seconds:.1f} ms")
+        diff = max(float(np.max(np.abs(np.asarray(full[k], np.float64) - np.asarray(ref[k], np.float64))))
+                   for k in ref)
+        if same_mesh:
+            ok = all(np.array_equal(full[k], ref[k]) for k in ref) and full.keys() == ref.keys()
+            print(f"final parameters vs a run that never failed: max abs diff {diff:.3g} -> "
+                  f"{'PASS (bit-identical)' if ok else 'FAIL'}")
+        else:
+            tol = 1e-9 if args.dtype == "float64" else 1e-4
+            ok = diff <= tol
+            print(f"elastic restart ({first['ranks']} -> {comm.size} ranks): final parameters vs the "
+                  f"serial twin: "
+                  f"max abs diff {diff:.3g} (tolerance {tol:g}) -> {'PASS' if ok else 'FAIL'}")
+        _report_costs(ckpt)
+        if args.out:
+            np.savez(args.out, **full)
+        if args.plot:
+            plot(args.plot, _events())
+            print(f"wrote {args.plot}")
+    return finish(comm, ok)
+
+
+def _serial_twin(args):
+    from minidist.comm import run
+
+    def one(comm):
+        t = Trainer(comm, small_config(args.dtype, args.dropout), dp=1, total_steps=args.steps)
+        while t.step_count < args.steps:
+            t.step()
+        return t.full_parameters()
+    return run(one, ranks=1)[0]
+
+
+def _report_costs(ckpt):
+    """Stall per save, write time per tier, and the Young/Daly interval they imply."""
+    if not ckpt.stalls:
+        return
+    writes = {}
+    for name, _, s in ckpt.written:
+        writes.setdefault(name, []).append(s)
+    stall = 1e3 * float(np.median(ckpt.stalls))
+    parts = ", ".join(f"{n} write {1e3 * float(np.median(v)):.2f} ms" for n, v in writes.items())
+    print(f"checkpoint cost (median, rank 0): training stall {stall:.2f} ms; {parts}")
+    if "disk" in writes:
+        cost = float(np.median(writes["disk"]))
+        mtbf = 5 * 3600.0  # e.g. 10,000 chips with a 50,000-hour MTBF each: one failure every 5 hours
+        print(f"Young/Daly: with this save cost C = {1e3 * cost:.2f} ms and a job MTBF of 5 h, "
+              f"checkpoint every "
+              f"sqrt(2 C MTBF) = {young_daly(cost, mtbf):.1f} s")
+
+
+def plot(path, events):
+    """Attempts as rows: step bars, saves as ticks, the failure as a red cross, restores in green."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    t0 = min(e["t"] for e in events) if events else 0.0
+    fig = Figure(figsize=(10, 2.5))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for e in events:
+        a = e.get("attempt", 0)
+        if e["event"] == "step":
+            ax.broken_barh([(e["t0"] - t0, e["t1"] - e["t0"])], (a - 0.3, 0.6), facecolors="#4c72b0")
+        elif e["event"] == "save":
+            ax.plot([e["t"] - t0], [a + 0.4], "k|")
+        elif e["event"] == "failure":
+            ax.plot([e["t"] - t0], [a], "rx", markersize=12)
+        elif e["event"] == "restore" and e.get("step") is not None:
+            ax.plot([e["t"] - t0], [a], "g>", markersize=9)
+    ax.set_xlabel("seconds")
+    ax.set_yticks(sorted({e.get("attempt", 0) for e in events}))
+    ax.set_ylabel("attempt")
+    ax.invert_yaxis()
+    ax.set_title("steps (blue), saves (|), failure (x), restore from checkpoint (>)", loc="right", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    p = lesson_parser("A rank dies; the supervisor restarts the job from its checkpoints.", ranks=4)
+    p.add_argument("--steps", type=positive_int, default=12)
+    p.add_argument("--mem-every", type=positive_int, default=2, help="tier 1 (shared memory) every N steps")
+    p.add_argument("--disk-every", type=positive_int, default=4, help="tier 2 (disk) every M steps")
+    p.add_argument("--sync", action="store_true", help="synchronous saves (default: background writer)")
+    p.add_argument("--fault", default=None, help="a MINIDIST_FAULT spec, or 'none'")
+    p.add_argument("--ckpt", default=DEFAULT_CKPT, help="the disk checkpoint directory")
+    p.add_argument("--pp", type=positive_int, default=1)
+    p.add_argument("--tp", type=positive_int, default=1)
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
+    p.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    p.add_argument("--dropout", type=probability, default=0.1)
+    p.add_argument("--out", help="write the final parameters here (.npz)")
+    args = p.parse_args(argv)
+    launch(rank_main, args)
+
+
+if __name__ == "__main__":
+    main()
