@@ -1,0 +1,140 @@
+"""Hardware constants the planner uses, each with where it came from.
+
+One `Hardware` per accelerator system: the chip (peak dense bf16 FLOP/s, HBM capacity and bandwidth),
+the fast domain it sits in (`intra`: NVLink/NVSwitch inside a node, or ICI across a TPU slice) and
+the network between domains (`inter`: InfiniBand/RoCE per GPU, or DCN per TPU chip). Links are
+`Link(bandwidth, latency)`: bandwidth in bytes/s *per chip, per direction* (what one rank can push
+into a ring all-reduce), latency in seconds per message round.
+
+`gemm_efficiency` is the one number that is not a datasheet figure: the share of peak a large,
+well-shaped bf16 matrix multiply reaches on that chip. It is an assumption, stated with its source;
+`python -m minidist.calibrate` measures the same quantity (and everything else here) for this
+machine, giving `here()`.
+
+Sources (accessed for the course; numbers are per chip unless stated):
+  [A100]  NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s bf16 dense, 80 GB HBM2e at
+          2,039 GB/s, NVLink 3 600 GB/s total (300 GB/s each way), PCIe Gen4.
+  [H100]  NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5: 989 TFLOP/s bf16 dense (1,979 with
+          sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s total (450 each way).
+  [B200]  NVIDIA HGX B200 / DGX B200 datasheet (2024): 36 PFLOP/s bf16 sparse per 8 GPUs
+          -> 2.25 PFLOP/s dense per GPU, 180 GB HBM3e at 8 TB/s (DGX: 1,440 GB / 8), NVLink 5
+          1.8 TB/s total (900 GB/s each way), ConnectX-7 400 Gb/s per GPU.
+  [MEG21] Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+          Using Megatron-LM", Sec. 5: DGX A100 nodes, 8 GPUs on NVLink/NVSwitch, 8 x 200 Gb/s HDR
+          InfiniBand HCAs per node -> 25 GB/s per GPU.
+  [LLAMA3] Llama Team 2024, "The Llama 3 Herd of Models", Sec. 3.3: H100 SXM, 8 per node on
+          NVLink, RoCE 400 Gb/s per GPU (50 GB/s).
+  [TPUv4] Jouppi et al. 2023, "TPU v4: An Optically Reconfigurable Supercomputer": 275 TFLOP/s
+          bf16, 32 GiB HBM2 at 1,200 GB/s, 3D torus with 6 ICI links of 50 GB/s each way,
+          4,096 chips per pod.  DCN per chip: Google Cloud TPU docs (v4: 4 chips per host, host NIC
+          100 Gb/s -> ~3.1 GB/s per chip).
+  [v5e]   Google Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GiB HBM2 at 819 GB/s, 2D torus, ICI
+          1,600 Gb/s per chip (4 links of 50 GB/s), 256 chips per pod.
+  [v5p]   Google Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,765 GB/s, 3D torus, ICI
+          1,200 GB/s bidirectional per chip (6 links of 100 GB/s each way), DCN 50 Gb/s per chip.
+  [SB]    Austin et al. 2025, "How to Scale Your Model" (the JAX scaling book), Part 2: TPU ICI and
+          DCN bandwidth tables and the ring all-reduce cost 2(N-1)/N * bytes / bandwidth.
+  [PCIe]  PCI-SIG: Gen4 x16 32 GB/s each way, Gen5 x16 64 GB/s (raw; ~80% achievable).
+  [NVMe]  Samsung 990 PRO datasheet: 7.45 GB/s sequential read (PCIe 4.0 x4).
+  [GEMM]  gemm_efficiency: NVIDIA's published cuBLAS bf16 GEMM results and the Megatron papers
+          report 75-85% of peak for large GEMMs on A100/H100; the TPU MXU reaches 80-90% on large
+          matmuls ([SB] Part 1). We use 0.80 (GPU) and 0.85 (TPU): an assumption, not a datasheet value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link as one chip sees it: bytes/s each way, seconds per message round."""
+    bandwidth: float
+    latency: float
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float            # dense bf16 (or the dtype trained in) FLOP/s per chip
+    hbm_bytes: float             # memory per chip
+    hbm_bandwidth: float         # bytes/s
+    intra: Link                  # inside the fast domain (node / TPU slice)
+    inter: Link                  # between fast domains
+    chips_per_domain: int        # chips in one fast domain (GPUs per node; a TPU slice's chips)
+    gemm_efficiency: float = 0.8  # share of peak a large matmul reaches [GEMM]
+    host_link: Link | None = None  # to host memory (offload)
+    disk: Link | None = None       # to local NVMe (offload)
+    op_overhead: float = 0.0       # seconds per op (forward + backward) outside the math: Python, dispatch
+    cores: int = 0                 # cores the ranks share (0: one chip per rank, nothing shared)
+    sources: tuple = field(default=(), compare=False)
+
+    def with_(self, **changes) -> Hardware:
+        return replace(self, **changes)
+
+
+PCIE4 = Link(32 * GB, 5e-6, "PCIe Gen4 x16")
+PCIE5 = Link(64 * GB, 5e-6, "PCIe Gen5 x16")
+NVME = Link(7.45 * GB, 1e-4, "NVMe PCIe4 x4")
+
+A100 = Hardware("A100-SXM4-80GB", 312e12, 80 * GB, 2039 * GB,
+                intra=Link(300 * GB, 5e-6, "NVLink 3"), inter=Link(25 * GB, 1e-5, "HDR InfiniBand"),
+                chips_per_domain=8, gemm_efficiency=0.8, host_link=PCIE4, disk=NVME,
+                sources=("A100", "MEG21", "GEMM"))
+H100 = Hardware("H100-SXM5-80GB", 989e12, 80 * GB, 3350 * GB,
+                intra=Link(450 * GB, 5e-6, "NVLink 4"), inter=Link(50 * GB, 1e-5, "400G InfiniBand/RoCE"),
+                chips_per_domain=8, gemm_efficiency=0.8, host_link=PCIE5, disk=NVME,
+                sources=("H100", "LLAMA3", "GEMM"))
+B200 = Hardware("B200", 2250e12, 180 * GB, 8000 * GB,
+                intra=Link(900 * GB, 5e-6, "NVLink 5"), inter=Link(50 * GB, 1e-5, "400G InfiniBand"),
+                chips_per_domain=8, gemm_efficiency=0.8, host_link=PCIE5, disk=NVME,
+                sources=("B200", "GEMM"))
+# TPUs: a ring over one torus axis uses 2 links (both neighbours) -> 2 x per-link bandwidth each way
+TPU_V4 = Hardware("TPU v4", 275e12, 32 * 2**30, 1200 * GB,
+                  intra=Link(2 * 50 * GB, 1e-6, "ICI (one torus axis)"), inter=Link(3.1 * GB, 1e-5, "DCN"),
+                  chips_per_domain=4096, gemm_efficiency=0.85, host_link=PCIE4,
+                  sources=("TPUv4", "SB", "GEMM"))
+TPU_V5E = Hardware("TPU v5e", 197e12, 16 * 2**30, 819 * GB,
+                   intra=Link(2 * 50 * GB, 1e-6, "ICI (one torus axis)"), inter=Link(3.1 * GB, 1e-5, "DCN"),
+                   chips_per_domain=256, gemm_efficiency=0.85, host_link=PCIE4,
+                   sources=("v5e", "SB", "GEMM"))
+TPU_V5P = Hardware("TPU v5p", 459e12, 95 * 2**30, 2765 * GB,
+                   intra=Link(2 * 100 * GB, 1e-6, "ICI (one torus axis)"),
+                   inter=Link(50e9 / 8, 1e-5, "DCN"),
+                   chips_per_domain=8960, gemm_efficiency=0.85, host_link=PCIE5,
+                   sources=("v5p", "SB", "GEMM"))
+
+PRESETS = {"a100": A100, "h100": H100, "b200": B200, "tpu-v4": TPU_V4, "tpu-v5e": TPU_V5E, "tpu-v5p": TPU_V5P}
+
+CALIBRATION_PATH = os.path.join(os.path.expanduser("~"), ".cache", "minidist", "calibration.json")
+
+
+def here(path: str | None = None) -> Hardware:
+    """This machine, from the calibration file `python -m minidist.calibrate` wrote (one rank = one
+    chip; the 'intra' link is the threads transport's measured all-reduce alpha/beta)."""
+    path = path or CALIBRATION_PATH
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no calibration at {path}: run `python -m minidist.calibrate` first "
+                                "(it measures this machine once, ~20 s)")
+    with open(path) as f:
+        c = json.load(f)
+    link = Link(1.0 / c["beta"], c["alpha"], "threads transport")
+    return Hardware(f"here ({c.get('cpu', 'this CPU')})", c["flops"], c.get("memory_bytes", 8 * GB),
+                    c["mem_bandwidth"], intra=link, inter=link, chips_per_domain=10**6,
+                    gemm_efficiency=1.0, op_overhead=c["op_overhead"], cores=c["cores"],
+                    sources=("calibrate",))
+
+
+def get(name: str) -> Hardware:
+    """A preset by name (see PRESETS) or "here"."""
+    if name == "here":
+        return here()
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join(PRESETS)} or 'here'") from None

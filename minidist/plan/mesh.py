@@ -1,0 +1,226 @@
+"""A candidate mesh, and what each of its ranks holds: memory by kind, per pipeline stage.
+
+`Candidate(dp, tp, pp, cp, ep, zero, checkpoint, microbatch, schedule, chunks)` is one way to run a
+model on dp·tp·pp·cp chips (ep experts-parallel ranks live inside dp, as in Megatron/DeepSpeed-MoE).
+Rank order is minidist's (`minidist.comm.Mesh`): tensor fastest, then data, pipeline outermost.
+
+`memory(model, cand, batch, settings)` returns per-device bytes of the fullest stage by kind:
+params, grads, optimizer, activations, buffers. For the "minidist" engine every number is what
+`minidist.memory.MemoryAccountant` reports for that rank (tests/test_plan.py runs it and compares):
+the layer list is minidist's (Embed, blocks, Head) cut by `partition_uniform`, tensor-parallel
+shards are `TPGPT`'s, ZeRO shards follow DDP's gradient buckets (`build_buckets`, `Bucket.shard`),
+and activations are those the ops save, times the microbatches a stage holds at its peak
+(`minidist.parallel.simulate.peak_activations` of the real schedule).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from minidist.parallel.ddp import build_buckets
+from minidist.parallel.pipeline import make_schedule, partition_uniform
+from minidist.parallel.simulate import peak_activations
+from minidist.plan.model import (
+    ModelSpec,
+    minidist_block_elements,
+    minidist_embed_elements,
+    minidist_head_elements,
+)
+
+KINDS = ("params", "grads", "optimizer", "activations", "buffers")
+DDP_BUCKET_BYTES = 4 << 20  # minidist's DistributedDataParallel / ZeRO default bucket capacity
+
+
+@dataclass(frozen=True)
+class Candidate:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0                 # 0 = plain data parallel; 1, 2, 3 = ZeRO stages
+    checkpoint: str = "none"      # "none", "selective", "full"
+    microbatch: int = 1           # sequences per microbatch on one replica
+    schedule: str = "1f1b"        # "gpipe", "1f1b", "interleaved"
+    chunks: int = 1               # model chunks per stage (interleaved)
+
+    @property
+    def chips(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def microbatches(self, batch: int) -> int:
+        return batch // (self.dp * self.microbatch)
+
+    def replace(self, **kw) -> Candidate:
+        return replace(self, **kw)
+
+    def label(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        sched = self.schedule + (f"x{self.chunks}" if self.schedule == "interleaved" else "")
+        return " ".join(parts) + f" z{self.zero} ckpt={self.checkpoint} mb={self.microbatch} {sched}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the run stores: optimizer ("adamw"/"sgd"), and bytes per element of each state kind.
+    Defaults per engine: megatron = bf16 params and grads + fp32 master, m, v (2 + 2 + 12, the ZeRO
+    paper's mixed-precision accounting); minidist = everything in the model's dtype, AdamW m and v."""
+    optimizer: str = "adamw"
+    param_bytes: int | None = None
+    grad_bytes: int | None = None
+    opt_bytes: int | None = None
+    sequence_parallel: bool = True
+
+    def bytes_for(self, model: ModelSpec) -> tuple:
+        if model.engine == "minidist":
+            d = model.dtype_bytes
+            k = {"adamw": 2 * d, "sgd": 0}[self.optimizer]
+            k = k if self.opt_bytes is None else self.opt_bytes
+            return self.param_bytes or d, self.grad_bytes or d, k
+        k = {"adamw": 12, "sgd": 4}[self.optimizer]
+        return self.param_bytes or 2, self.grad_bytes or 2, k if self.opt_bytes is None else self.opt_bytes
+
+
+DEFAULT = Settings()
+
+
+# -- the layer list and its parameters ---------------------------------------------------------------
+
+def minidist_param_sizes(model: ModelSpec, kind: str, tp: int) -> list[int]:
+    """Elements of each parameter of one minidist layer ("embed", "block", "head") on a tp rank, in
+    `named_parameters` order (TPGPT's shards for tp > 1)."""
+    h, v, s = model.d_model, model.vocab, model.seq
+    if kind == "embed":
+        return [v * h // tp, s * h]
+    if kind == "head":
+        return [h, h, h * v // tp]
+    return [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h, h, h, 4 * h * h // tp, 4 * h // tp,
+            4 * h * h // tp, h]
+
+
+def layer_kinds(model: ModelSpec) -> list[str]:
+    return ["embed"] + ["block"] * model.n_layer + ["head"]
+
+
+def stage_layers(model: ModelSpec, cand: Candidate) -> list[list[int]]:
+    """For each pipeline stage, the indices (into `layer_kinds`) of the layers it holds (all chunks)."""
+    return _stage_layers(model.n_layer + 2, cand.pp, cand.chunks)
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_layers(n: int, pp: int, chunks: int) -> list[list[int]]:
+    bounds = partition_uniform(n, pp * chunks)
+    return [[i for c in range(chunks) for i in range(*bounds[c * pp + s])] for s in range(pp)]
+
+
+def stage_param_counts(model: ModelSpec, cand: Candidate, stage: int) -> tuple[int, list[int]]:
+    """(elements this rank holds, per-parameter sizes in minidist order) for one pipeline stage."""
+    kinds = layer_kinds(model)
+    sizes = []
+    for i in stage_layers(model, cand)[stage]:
+        if model.engine == "minidist":
+            sizes += minidist_param_sizes(model, kinds[i], cand.tp)
+        elif kinds[i] == "embed":
+            sizes.append(model.embed_params() // cand.tp)
+        elif kinds[i] == "head":
+            sizes.append(model.head_params() // cand.tp)
+        else:
+            layer = i - 1
+            n = model.layer_params(layer)
+            if model.is_moe(layer):  # experts split over ep, everything split over tp
+                expert = model.experts * model.mlp_params()
+                n = (n - expert) + expert // cand.ep
+            sizes.append(n // cand.tp)
+    return sum(sizes), sizes
+
+
+def zero_shard(sizes: list[int], dp: int, itemsize: int) -> int:
+    """Elements rank 0 (the largest share) owns under ZeRO: its `Bucket.shard` of every gradient bucket
+    that DDP's `build_buckets` makes of these parameters (reverse order, DDP_BUCKET_BYTES each)."""
+    fake = [types.SimpleNamespace(size=n, dtype=np.dtype(f"f{itemsize}")) for n in sizes]
+    return sum(hi - lo for b in build_buckets(fake[::-1], DDP_BUCKET_BYTES) for lo, hi in [b.shard(0, dp)])
+
+
+# -- activations ---------------------------------------------------------------------------------
+
+def in_flight(cand: Candidate, m: int) -> list[int]:
+    """Microbatch-chunks each stage holds at its peak under the candidate's real schedule."""
+    return _in_flight(cand.schedule, cand.pp, m, cand.chunks)
+
+
+@functools.lru_cache(maxsize=256)
+def _in_flight(schedule: str, pp: int, m: int, chunks: int) -> list[int]:
+    if pp == 1:
+        return [1 if schedule != "gpipe" else m]
+    return [peak_activations(ops) for ops in make_schedule(schedule, pp, m, chunks)]
+
+
+def layer_activation(model: ModelSpec, cand: Candidate, kind: str, layer: int, b: int, settings) -> float:
+    """Bytes one layer saves for one microbatch of b sequences, on one rank."""
+    s = model.seq // cand.cp
+    if model.engine == "minidist":
+        if kind == "embed":
+            return model.dtype_bytes * minidist_embed_elements(b, s, cand.tp)
+        if kind == "head":
+            return model.dtype_bytes * minidist_head_elements(b, s, model.d_model, model.vocab, cand.tp)
+        if cand.checkpoint == "full":
+            return model.dtype_bytes * b * s * model.d_model  # the checkpointed block keeps its input
+        parts = minidist_block_elements(b, s, model.d_model, model.n_head, cand.tp)
+        return model.dtype_bytes * sum(parts.values())
+    if kind == "embed":
+        return 0
+    if kind == "head":  # fp32 logits for the loss, vocabulary-split
+        return 4.0 * b * s * model.vocab / cand.tp
+    return model.layer_activation_bytes(layer, b, cand.tp, cand.cp, cand.checkpoint,
+                                        settings.sequence_parallel)
+
+
+def stage_activation_peak(model: ModelSpec, cand: Candidate, batch: int, stage: int, settings) -> float:
+    """Peak activation bytes of one stage: each microbatch chunk in flight keeps its layers' saved
+    arrays; with full recomputation, the backward of one block re-creates that block's activations
+    on top (its input is then held twice: as the checkpoint's input and the recomputed graph's)."""
+    m = cand.microbatches(batch)
+    held = in_flight(cand, m)[stage]
+    kinds = layer_kinds(model)
+    layers = stage_layers(model, cand)[stage]
+    b = cand.microbatch
+    per_mb = sum(layer_activation(model, cand, kinds[i], i - 1, b, settings) for i in layers)
+    per_mb = per_mb / cand.chunks
+    if cand.checkpoint != "full" or not any(kinds[i] == "block" for i in layers):
+        return held * per_mb
+    # full recomputation: the other microbatches keep their blocks' inputs (and head); the one in
+    # backward has already freed its head's arrays and re-creates one block's activations
+    head = sum(layer_activation(model, cand, "head", 0, b, settings) for i in layers if kinds[i] == "head")
+    block = layer_activation(model, cand.replace(checkpoint="none"), "block", 1, b, settings)
+    return (held - 1) * per_mb + (per_mb - head) + max(head, block)
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+def memory(model: ModelSpec, cand: Candidate, batch: int, settings: Settings = DEFAULT) -> dict:
+    """Bytes per device by kind (and "total", and "stage": which stage is fullest)."""
+    pb, gb, kb = settings.bytes_for(model)
+    best = None
+    for stage in range(cand.pp):
+        n, sizes = stage_param_counts(model, cand, stage)
+        shard = zero_shard(sizes, cand.dp, pb) if model.engine == "minidist" else -(-n // cand.dp)
+        mem = {
+            "params": pb * (shard if cand.zero >= 3 else n),
+            "grads": gb * (shard if cand.zero >= 2 else n),
+            "optimizer": kb * (shard if cand.zero >= 1 else n),
+            "activations": stage_activation_peak(model, cand, batch, stage, settings),
+            "buffers": 0.0,
+        }
+        if model.engine != "minidist" and cand.zero >= 3 and cand.pp == 1:
+            mem["buffers"] = 2.0 * pb * max(sizes)  # two layers gathered at once (current + prefetch)
+        mem["total"] = sum(mem[k] for k in KINDS)
+        mem["stage"] = stage
+        if best is None or mem["total"] > best["total"]:
+            best = mem
+    return best

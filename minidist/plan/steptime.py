@@ -1,0 +1,168 @@
+"""Predicted step time of a candidate mesh: compute, exposed communication per axis, pipeline bubble.
+
+Per pipeline stage and microbatch (chunk):
+  forward  = matmul FLOPs / (peak · gemm_efficiency) + memory-bound ops + its tensor/context/expert-
+             parallel collectives (not overlapped: Megatron-LM's TP all-reduces sit between matmuls)
+  backward = 2 x the forward's math (+ one more forward with full recomputation) + its collectives
+Memory-bound ops (norms, GELU, softmax, dropout, residuals) move each saved activation about three
+times (written in forward, read and its gradient written in backward): 3 · activation bytes / HBM
+bandwidth. On this machine (`--hardware here`) every op also costs `op_overhead` (Python and
+dispatch), and ranks that share `cores` share the arithmetic (threads: the Python part runs one
+rank at a time).
+
+The pipeline is then *simulated* (`minidist.parallel.simulate.simulate`) on the candidate's real
+schedule with those stage times and the point-to-point time of one activation, which gives the
+makespan and the bubble. Data-parallel gradient traffic starts during the last microbatch's
+backward (as minidist's 3D training and Megatron-LM's overlap do): only what does not fit under
+that backward is exposed. Each axis runs on the link it maps to: tp (fastest, innermost ranks)
+inside a node / ICI; dp inside the node while tp·dp fits there, else hierarchically (inside, then
+across); pp across nodes once tp·dp fills one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minidist.hardware import Hardware, Link
+from minidist.parallel.pipeline import make_schedule
+from minidist.parallel.simulate import simulate
+from minidist.plan.mesh import DEFAULT, Candidate, Settings, layer_kinds, memory, stage_layers
+from minidist.plan.model import ModelSpec
+from minidist.plan.traffic import collectives
+
+OPS_PER_BLOCK = 19    # minidist Block: functions run in forward (ln, linear, reshape, ...); backward as many
+OPS_HEAD = 5          # Head + cross-entropy
+
+
+@dataclass
+class Prediction:
+    cand: Candidate
+    memory: dict
+    fits: bool
+    step: float                 # seconds
+    compute: float              # seconds of math on the busiest stage (all microbatches)
+    comm: dict                  # axis -> exposed seconds
+    bubble: float               # seconds the busiest stage idles (simulated schedule)
+    bubble_fraction: float
+    mfu: float
+    tokens_per_s: float
+    tflops_per_chip: float      # hardware FLOPs (recomputation counted) per chip per second / 1e12
+    notes: list = field(default_factory=list)
+
+
+def axis_link(hw: Hardware, cand: Candidate, axis: str) -> tuple[Link, int, Link | None, int]:
+    """(inner link, ranks on it, outer link or None, ranks across) for a mesh axis."""
+    dom = hw.chips_per_domain
+    if axis == "tp":
+        return (hw.intra, cand.tp, None, 1) if cand.tp <= dom else (hw.inter, cand.tp, None, 1)
+    if axis in ("cp", "ep"):
+        inner = cand.tp * (cand.cp if axis == "cp" else cand.ep)
+        return (hw.intra if inner <= dom else hw.inter), (cand.cp if axis == "cp" else cand.ep), None, 1
+    if axis == "dp":
+        inside = max(1, min(cand.dp, dom // max(1, cand.tp)))
+        if inside >= cand.dp:
+            return hw.intra, cand.dp, None, 1
+        return hw.intra, inside, hw.inter, cand.dp // inside
+    # pp: the outermost axis
+    return (hw.intra if cand.tp * cand.dp * cand.pp <= dom else hw.inter), cand.pp, None, 1
+
+
+def collective_time(hw: Hardware, cand: Candidate, c) -> float:
+    """Seconds for one call of collective `c`: ring steps x latency + bytes / bandwidth; a data-parallel
+    axis split over two links reduces inside first, then sends 1/inside of the bytes across."""
+    link, p, outer, q = axis_link(hw, cand, c.axis)
+    if c.axis == "pp":
+        return link.latency + c.sent / link.bandwidth
+    steps = 2 * (p - 1) if c.name == "ring_all_reduce" else (p - 1)
+    t = steps * link.latency + c.sent / link.bandwidth
+    if outer is not None and q > 1:
+        frac = (2 if c.name == "ring_all_reduce" else 1) * (q - 1) / q
+        t += 2 * (q - 1) * outer.latency + frac * c.payload / p / outer.bandwidth
+    return t
+
+
+def _stage_math(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int, settings: Settings) -> tuple:
+    """(forward, backward) seconds of math for one microbatch through one stage (all its chunks)."""
+    kinds = layer_kinds(model)
+    tokens = cand.microbatch * model.seq // cand.cp
+    flops = 0.0
+    ops = 0
+    for i in stage_layers(model, cand)[stage]:
+        if kinds[i] == "block":
+            flops += model.layer_forward_flops(i - 1, tokens) / cand.tp
+            ops += OPS_PER_BLOCK
+        elif kinds[i] == "head":
+            flops += model.head_forward_flops(tokens) / cand.tp
+            ops += OPS_HEAD
+    act = memory_bound_bytes(model, cand, stage, settings)
+    share = max(1.0, (cand.chips / hw.cores)) if hw.cores else 1.0
+    fwd = (flops / (hw.peak_flops * hw.gemm_efficiency) + act / hw.hbm_bandwidth) * share
+    overhead = ops * hw.op_overhead * (cand.chips if hw.cores else 1)
+    bwd = 2 * fwd
+    if cand.checkpoint == "full":
+        bwd += fwd
+    elif cand.checkpoint == "selective":  # recompute the attention core: 4·s·h FLOPs per token per layer
+        core = sum(4.0 * tokens * model.seq * model.n_head * model.head_dim / cand.tp
+                   for i in stage_layers(model, cand)[stage] if kinds[i] == "block")
+        bwd += core / (hw.peak_flops * hw.gemm_efficiency)
+    return fwd + overhead / 2, bwd + overhead / 2, flops
+
+
+def memory_bound_bytes(model: ModelSpec, cand: Candidate, stage: int, settings: Settings) -> float:
+    from minidist.plan.mesh import layer_activation
+    kinds = layer_kinds(model)
+    plain = cand.replace(checkpoint="none")
+    return 3.0 * sum(layer_activation(model, plain, kinds[i], i - 1, cand.microbatch, settings)
+                     for i in stage_layers(model, cand)[stage])
+
+
+def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, settings: Settings = DEFAULT,
+            simulate_schedule: bool = True) -> Prediction:
+    """Memory, fit, step time and its breakdown for one candidate (see the module docstring)."""
+    m = cand.microbatches(batch)
+    mem = memory(model, cand, batch, settings)
+    fits = mem["total"] <= hw.hbm_bytes
+    stages = []
+    for s in range(cand.pp):
+        fwd, bwd, flops = _stage_math(model, cand, hw, s, settings)
+        calls = collectives(model, cand, batch, s, settings)
+        per_axis = {}
+        for c in calls:
+            per_axis.setdefault(c.axis, {"forward": 0.0, "backward": 0.0, "step": 0.0})
+            per_axis[c.axis][c.phase] += c.count * collective_time(hw, cand, c)
+        stages.append((fwd, bwd, flops, per_axis, calls))
+    # the busiest stage sets the pace
+    fwd_t = max(f + sum(a["forward"] for ax, a in pa.items() if ax not in ("pp", "dp")) / max(1, m)
+                for f, _, _, pa, _ in stages)
+    bwd_t = max(b + sum(a["backward"] for ax, a in pa.items() if ax not in ("pp", "dp")) / max(1, m)
+                for _, b, _, pa, _ in stages)
+    p2p = [c for c in stages[0][4] if c.axis == "pp"]
+    comm_t = collective_time(hw, cand, p2p[0]) if p2p else 0.0
+    v = cand.chunks
+    if cand.pp > 1 and simulate_schedule:
+        sim = simulate(make_schedule(cand.schedule, cand.pp, m, v), fwd_t / v, bwd_t / v, comm_t)
+        makespan, bubble_frac = sim.makespan, sim.bubble
+    else:  # one stage: no bubble; the microbatches run back to back
+        makespan = m * (fwd_t + bwd_t) + (0 if cand.pp == 1 else (cand.pp - 1) * (fwd_t + bwd_t) / v)
+        bubble_frac = 0.0 if cand.pp == 1 else (cand.pp - 1) / (v * m + cand.pp - 1)
+    busy = m * (fwd_t + bwd_t)
+    dp = max(sum(pa.get("dp", {}).get(ph, 0.0) for ph in ("step", "forward", "backward"))
+             for _, _, _, pa, _ in stages)
+    dp_exposed = max(0.0, dp - bwd_t / v) if cand.zero < 3 else dp / 3  # ZeRO-3 gathers prefetch
+    opt = (sum(mem[k] for k in ("params", "grads", "optimizer")) * 2) / hw.hbm_bandwidth
+    step = makespan + dp_exposed + opt
+    compute = m * max(f + b for f, b, _, _, _ in stages)
+    comm = {ax: 0.0 for ax in ("tp", "cp", "ep", "pp", "dp")}
+    for ax in ("tp", "cp", "ep"):
+        comm[ax] = max(sum(pa.get(ax, {}).get(ph, 0.0) for ph in ("forward", "backward"))
+                       for *_, pa, _ in stages)
+    comm["pp"] = max(0.0, makespan - busy) - bubble_frac * makespan if cand.pp > 1 else 0.0
+    comm["pp"] = max(0.0, comm["pp"])
+    comm["dp"] = dp_exposed
+    comm = {k: v_ for k, v_ in comm.items() if v_ > 0 or k in ("tp", "dp", "pp")}
+    tokens = batch * model.seq
+    mfu = model.model_flops_per_token() * tokens / (cand.chips * hw.peak_flops * step)
+    recompute = {"full": 4 / 3, "none": 1.0, "selective": 1.0}[cand.checkpoint]
+    hw_flops = model.model_flops_per_token() * tokens * recompute
+    return Prediction(cand, mem, fits, step, compute, comm, bubble_frac * makespan, bubble_frac, mfu,
+                      tokens / step, hw_flops / cand.chips / step / 1e12)
