@@ -636,6 +636,14 @@ def matmul(a, b):
 
 
 def linear(x, w, b=None):
+    """``x @ w + b``. With 2-byte float weights (bf16, fp16: mixed precision) the product runs as a
+    tensor core does it: inputs cast up, accumulated in fp32, the output rounded once to ``w``'s
+    dtype (gradients likewise), so every layer that multiplies -- serial or tensor-parallel -- gets
+    the same low-precision arithmetic without being patched."""
+    low = w.dtype
+    if low.itemsize == 2 and low.kind not in "iu":
+        args = (cast(x, "float32"), cast(w, "float32")) + (() if b is None else (cast(b, "float32"),))
+        return cast(Linear.apply(*args), low)
     return Linear.apply(x, w, b) if b is not None else Linear.apply(x, w)
 
 

@@ -45,6 +45,7 @@ import numpy as np
 from minidist.comm import all_reduce, all_reduce_async, broadcast
 from minidist.comm.collectives import split_sizes
 from minidist.comm.handles import start_async
+from minidist.parallel.compose import check_compatible, claim
 
 # -- buckets -------------------------------------------------------------------------------------
 
@@ -173,10 +174,13 @@ class DistributedDataParallel:
     Frozen parameters (``requires_grad=False``) are broadcast at start and never communicated again.
     """
 
+    technique = "ddp"  # its name in the composition matrix (minidist.parallel.compose)
+
     def __init__(self, module, comm, bucket_bytes: float = 4 << 20, algorithm: str = "ring",
                  find_unused_parameters: bool = False, broadcast_from: int | None = 0):
         self.module, self.comm = module, comm
         self.algorithm, self.find_unused = algorithm, find_unused_parameters
+        check_compatible(module, self.technique)
         check_same_model(comm, module)
         if broadcast_from is not None:
             broadcast_parameters(comm, module, broadcast_from)
@@ -190,6 +194,7 @@ class DistributedDataParallel:
         self._reset_window()
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        claim(module, self.technique, comm)
 
     def _make_buckets(self, bucket_bytes) -> list[Bucket]:
         return build_buckets(reversed(self.params), bucket_bytes)

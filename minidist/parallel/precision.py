@@ -12,15 +12,16 @@ The recipe (Micikevicius et al. 2018, "Mixed Precision Training"):
    starts at S = 2^16, halves S and skips the step when a gradient is inf/NaN, and doubles S after
    ``growth_interval`` clean steps. bf16 has fp32's 8 exponent bits and needs no scaling.
 3. With several ranks the skip must be unanimous: ``found_inf_across(flag, groups)`` takes the max
-   of the flag over every group (data, tensor, pipeline parallel) before any rank steps; a rank
-   that stepped while another skipped would silently diverge.
+   of the flag over every group before any rank steps; a rank that stepped while another skipped
+   would silently diverge. By default ``MixedPrecision`` agrees over every group that shares the
+   parameters it can see (``agreement_groups``): the data-parallel group of a DDP wrapping the
+   model, the tensor-parallel group of its layers, every group given to ``all_reduce_grads``.
+   Only an explicit ``groups=[...]`` narrows (or widens, e.g. with the pipeline group) that set.
 
 bf16 is ``ml_dtypes.bfloat16``; ``round_to_bf16`` writes its round-to-nearest-even out by hand.
 """
 
 from __future__ import annotations
-
-import types
 
 import ml_dtypes
 import numpy as np
@@ -28,7 +29,9 @@ import numpy as np
 from minidist import ops
 from minidist.backend import backend_of
 from minidist.comm import all_reduce
-from minidist.nn.layers import LayerNorm, Linear
+from minidist.nn.layers import LayerNorm
+from minidist.nn.module import Module
+from minidist.parallel.compose import check_compatible, claimed
 from minidist.tensor import Tensor, no_grad
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
@@ -65,33 +68,18 @@ def round_to_bf16(x) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # the compute copy: low-precision parameters, fp32 accumulation
 # ---------------------------------------------------------------------------------------------
-def _linear_forward(lin, x, out_f32=False):
-    """Low-precision x and weight, product accumulated in fp32, output rounded to low precision."""
-    f32 = np.float32
-    b = None if lin.bias is None else ops.cast(lin.bias, f32)
-    y = ops.linear(ops.cast(x, f32), ops.cast(lin.weight, f32), b)
-    low = lin.weight.dtype
-    y = ops.cast(y, low)
-    return ops.cast(y, f32) if out_f32 else y
-
-
-def _layer_norm_forward(ln, x):
+def _layer_norm_wrapper(ln, inner, x):
+    """LayerNorm statistics in fp32, the output rounded to the low dtype. It computes the layer
+    itself (autocast is the innermost wrapper, so nothing inside it is skipped)."""
     f32 = np.float32
     y = ops.layer_norm(ops.cast(x, f32), ops.cast(ln.weight, f32), ops.cast(ln.bias, f32), ln.eps)
     return ops.cast(y, ln.weight.dtype)
 
 
-def _row_parallel_local(lin, x):
-    """``RowParallelLinear``'s partial product in low precision: accumulated in fp32 and rounded, so
-    the reduction over the group moves low-precision values (half the bytes of fp32, as Megatron)."""
-    f32 = np.float32
-    return ops.cast(ops.linear(ops.cast(x, f32), ops.cast(lin.weight, f32)), lin.weight.dtype)
-
-
-def _row_parallel_add_bias(lin, y):
-    """The bias added in fp32 after the reduction, the sum rounded again."""
-    f32 = np.float32
-    return ops.cast(ops.cast(y, f32) + ops.cast(lin.bias, f32), lin.weight.dtype)
+def _fp32_output_wrapper(module, inner, x):
+    """The attention's qkv projection: low-precision values handed on in fp32, so the attention
+    core (its softmax) runs in fp32, as torch.autocast does."""
+    return ops.cast(inner(x), np.float32)
 
 
 def _fp32_copy(a):
@@ -101,31 +89,41 @@ def _fp32_copy(a):
 
 
 def autocast(model, dtype="bf16"):
-    """Make ``model`` compute in ``dtype``: its parameters are cast (in place) and its Linear and
-    LayerNorm layers -- and the tensor-parallel ``ColumnParallelLinear`` / ``RowParallelLinear`` --
-    run as above. The attention's qkv projection hands the attention core low-precision *values*
-    held in fp32, so the softmax runs in fp32 (as torch.autocast does). Returns the model. Cast the
-    logits to fp32 before the loss (``MixedPrecision.loss`` does)."""
-    from minidist.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
+    """Make ``model`` compute in ``dtype``; returns the model. Cast the logits to fp32 before the
+    loss (``MixedPrecision.loss`` does).
 
+    Its parameters are cast in place. Every product then runs in low precision with fp32
+    accumulation by itself: ``ops.linear`` of 2-byte weights is a tensor core's product (so
+    ``Linear`` and the tensor-parallel ``ColumnParallelLinear`` / ``RowParallelLinear`` need nothing,
+    their communication moves low-precision values). Two ``"autocast"`` forward wrappers (the innermost
+    position of ``Module``'s stack) do the rest: LayerNorm computes its statistics in fp32, and an
+    attention's qkv projection hands its output on in fp32. ``remove_autocast`` takes them away."""
     dt = low_dtype(dtype)
+    check_compatible(model, dtype_technique(dt))
     for p in model.parameters():
         p.data = p.data.astype(dt)
-    for name, m in model.named_modules():
-        qkv = name.endswith("attn.qkv")
-        if isinstance(m, Linear):
-            hooks = {"forward": lambda lin, x, q=qkv: _linear_forward(lin, x, out_f32=q)}
-        elif isinstance(m, ColumnParallelLinear):  # its communication stays; only the local product changes
-            hooks = {"_local": lambda lin, x, q=qkv: _linear_forward(lin, x, out_f32=q)}
-        elif isinstance(m, RowParallelLinear):
-            hooks = {"_local": _row_parallel_local, "_add_bias": _row_parallel_add_bias}
-        elif isinstance(m, LayerNorm):
-            hooks = {"forward": _layer_norm_forward}
-        else:
-            continue
-        for attr, fn in hooks.items():
-            object.__setattr__(m, attr, types.MethodType(fn, m))
+    owner = f"autocast ({dt.name})"
+    for _, m in model.named_modules():
+        if isinstance(m, LayerNorm):
+            m.register_forward_wrapper(_layer_norm_wrapper, "autocast", owner)
+        qkv = getattr(m, "qkv", None)  # an attention (serial or tensor-parallel)
+        if isinstance(qkv, Module):
+            qkv.register_forward_wrapper(_fp32_output_wrapper, "autocast", owner)
     return model  # (an Embedding needs nothing: rows of a low-precision table are low precision)
+
+
+def remove_autocast(model):
+    """Remove ``autocast``'s wrappers (the parameters keep their dtype: cast them back yourself)."""
+    for _, m in model.named_modules():
+        handle = m.forward_wrapper("autocast")
+        if handle is not None:
+            handle.remove()
+    return model
+
+
+def dtype_technique(dt) -> str:
+    """The composition-matrix name of a compute dtype: "bf16", "fp16" (fp32 is no technique)."""
+    return {bfloat16: "bf16", np.dtype(np.float16): "fp16"}.get(np.dtype(dt), "fp32")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,21 +194,44 @@ class MixedPrecision:
     ``scaler`` defaults to a ``DynamicLossScaler`` for fp16 and None (no scaling) otherwise.
     ``loss_fn(logits, targets)`` is the loss of the (fp32-cast) logits: by default the model's own
     ``loss_fn`` if it has one (``TPGPT.loss_fn``: vocabulary-parallel cross-entropy of this rank's
-    slice of the logits), else ``ops.cross_entropy`` of full logits. For a tensor-parallel model
-    pass its TP group in ``groups`` too, so its ranks skip together.
+    slice of the logits), else ``ops.cross_entropy`` of full logits. ``groups``: where the inf/NaN
+    flag is agreed; None (the default) means every group that shares the parameters
+    (``agreement_groups``); a list is used as given (``[]``: each rank decides alone -- only
+    right on one process). Add the pipeline group yourself: stages share no parameters.
     """
 
-    def __init__(self, model, dtype="bf16", scaler="auto", groups=(), loss_fn=None):
+    def __init__(self, model, dtype="bf16", scaler="auto", groups=None, loss_fn=None):
         self.dtype = low_dtype(dtype)
         if scaler == "auto":
             scaler = DynamicLossScaler() if self.dtype == np.float16 else None
-        self.scaler, self.groups = scaler, list(groups)
+        self.scaler = scaler
+        self.groups = None if groups is None else list(groups)
         self.master_params = [Tensor(_fp32_copy(p.data), requires_grad=True, name=n)  # same device as p
                               for n, p in model.named_parameters()]
         self.model = autocast(model, self.dtype)
         self.params = model.parameters()
         self.last_found_inf = False
         self.loss_fn = loss_fn or getattr(model, "loss_fn", None) or ops.cross_entropy
+        self._reduced_over: list = []  # groups all_reduce_grads averaged over: they share the parameters
+
+    def agreement_groups(self) -> list:
+        """The groups the inf/NaN flag is agreed over: ``groups`` if given, else every group that
+        shares the parameters -- the data-parallel group a DDP recorded on the model, the
+        tensor-parallel groups of its layers, and the groups ``all_reduce_grads`` used (the same
+        list on every rank: found in the same model order)."""
+        if self.groups is not None:
+            return self.groups
+        found = {}
+        for comm in claimed(self.model).values():
+            if comm is not None:
+                found.setdefault(id(comm), comm)
+        for _, m in self.model.named_modules():
+            comm = getattr(m, "comm", None)
+            if comm is not None and hasattr(m, "sequence_parallel"):  # a tensor-parallel layer
+                found.setdefault(id(comm), comm)
+        for comm in self._reduced_over:
+            found.setdefault(id(comm), comm)
+        return list(found.values())
 
     @property
     def scale(self) -> float:
@@ -234,6 +255,8 @@ class MixedPrecision:
         ``auto`` can make bandwidth-optimal, instead of one small all-reduce per tensor."""
         from minidist.parallel.ddp import build_buckets
 
+        if all(c is not comm for c in self._reduced_over):
+            self._reduced_over.append(comm)
         for b in build_buckets([p for p in self.params if p.grad is not None], float("inf")):
             flat = b.flatten([p.grad for p in b.params])
             flat = all_reduce(comm, flat * np.asarray(1.0 / comm.size, dtype=flat.dtype), op="sum")
@@ -241,13 +264,13 @@ class MixedPrecision:
                 p.grad = v
 
     def step(self, optimizer) -> bool:
-        """Unscale into the fp32 masters, agree on inf/NaN across ``groups``, step or skip; True if
+        """Unscale into the fp32 masters, agree on inf/NaN (``agreement_groups``), step or skip; True if
         stepped. Low-precision grads are cleared; the model gets the new masters, rounded."""
         inv = 1.0 / self.scale
         for m, p in zip(self.master_params, self.params):
             m.grad = None if p.grad is None else p.grad.astype(np.float32) * np.float32(inv)
             p.grad = None
-        found = found_inf_across(has_inf_or_nan(m.grad for m in self.master_params), self.groups)
+        found = found_inf_across(has_inf_or_nan(m.grad for m in self.master_params), self.agreement_groups())
         self.last_found_inf = found
         if self.scaler is not None:
             self.scaler.update(found)

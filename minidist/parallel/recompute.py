@@ -27,6 +27,7 @@ import numpy as np
 from minidist import ops
 from minidist import random as mrandom
 from minidist.nn.attention import merge_heads, split_heads
+from minidist.parallel.compose import check_compatible
 from minidist.tensor import Function, Tensor, enable_grad, grad_enabled, no_grad, run_backward
 
 POLICIES = ("none", "full", "every_k", "sqrt", "selective")
@@ -148,6 +149,8 @@ def apply_checkpointing(model, policy: str = "full", k: int | None = None):
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if policy != "none":
+        check_compatible(model, "ckpt-selective" if policy == "selective" else "ckpt-full")
     remove_checkpointing(model)
     blocks = _blocks(model)
     if policy == "none":
@@ -188,20 +191,31 @@ def _segment_wrapper(layers, generators):
             x = b.call_inside("checkpoint", x)
         return x
 
-    def wrapper(module, inner, x):
+    def wrapper(module, inner, x, **kwargs):
+        if _inference(kwargs):
+            return inner(x, **kwargs)
         return checkpoint(run, x, generators=generators)
     return wrapper
 
 
-def _skip(module, inner, x):
+def _skip(module, inner, x, **kwargs):
     """A later segment member: already computed by the first member's checkpoint."""
+    if _inference(kwargs):
+        return inner(x, **kwargs)
     return x
 
 
-def _selective_wrapper(attn, inner, x):
+def _selective_wrapper(attn, inner, x, **kwargs):
     """The attention with only its core checkpointed. It computes the attention itself (the core is
     inside its forward), so it does not call ``inner``: nothing else wraps an attention module."""
+    if _inference(kwargs):
+        return inner(x, **kwargs)
     return _selective_attention_forward(attn, x)
+
+
+def _inference(kwargs) -> bool:
+    """No graph is recorded, or a KV cache is passed: nothing to keep, the layers run as they are."""
+    return not grad_enabled() or any(v is not None for v in kwargs.values())
 
 
 def checkpoint_stage(layers, policy: str, k: int | None = None):

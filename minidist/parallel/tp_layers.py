@@ -89,12 +89,8 @@ class ColumnParallelLinear(Module):
 
     def forward(self, x):
         x = gather_from_seq(x, self.comm) if self.sequence_parallel else copy_to_tp(x, self.comm)
-        y = self._local(x)
+        y = ops.linear(x, self.weight, self.bias)  # this rank's block of output features
         return gather_last_dim(y, self.comm) if self.gather_output else y
-
-    def _local(self, x):
-        """This rank's block of output features, bias included (``autocast`` swaps in a low-precision one)."""
-        return ops.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(Module):
@@ -122,16 +118,9 @@ class RowParallelLinear(Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_last_dim(x, self.comm)
-        y = self._local(x)
+        y = ops.linear(x, self.weight)  # this rank's partial product, before the reduction
         y = reduce_scatter_to_seq(y, self.comm) if self.sequence_parallel else reduce_from_tp(y, self.comm)
-        return y if self.bias is None else self._add_bias(y)
-
-    def _local(self, x):
-        """This rank's partial product, before the reduction (``autocast`` swaps these two hooks)."""
-        return ops.linear(x, self.weight)
-
-    def _add_bias(self, y):
-        return y + self.bias
+        return y if self.bias is None else y + self.bias
 
 
 

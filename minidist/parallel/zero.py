@@ -68,6 +68,7 @@ class ZeRO(DistributedDataParallel):
         if stage not in (1, 2, 3):
             raise ValueError(f"rank {comm.rank}: ZeRO stage must be 1, 2 or 3, got {stage!r}")
         self.stage = stage
+        self.technique = f"zero{stage}"
         self._unit_pending: dict[int, int] = {}
         self.gather_log: list[tuple] = []  # (unit, "forward"|"backward"|"state"), for the ledger check
         self.units = list(units) if units is not None else _units_of(module)

@@ -1,0 +1,180 @@
+"""Which techniques combine: the one table the library checks, the tests train and the README prints.
+
+Every pair of the techniques below either trains to the same parameters as its serial twin
+(``tests/parallel/test_compose.py`` runs each supported pair, in each order the API allows) or is
+*refused*: the constructor of whichever comes second raises a ``ValueError`` naming both
+techniques and the reason, before any collective starts -- never a silently wrong result.
+
+How a technique is recognised on a model (``techniques_of``), so the check needs no bookkeeping
+that could go stale: DDP and ZeRO record themselves (``claim``) on the module they wrap;
+checkpointing, ZeRO-3 and autocast are read off ``Module``'s forward-wrapper stack; tensor and
+sequence parallelism off the layers (a ``comm`` and a ``sequence_parallel`` flag); bf16 / fp16 off
+the parameters' dtype; a pipeline stage is a ``PipelineStage``. Host offload is an optimizer
+(``OffloadedAdamW(where="host")``): built last, on whatever parameters the others leave, it
+combines with everything.
+
+``python -m minidist.parallel.compose`` prints the matrix as the README shows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations
+
+#: technique id -> the name errors and the README use
+TECHNIQUES = {
+    "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "tp": "TP",
+    "sp": "sequence parallel", "pp": "PP 1F1B", "ckpt-full": "checkpointing (full)",
+    "ckpt-selective": "checkpointing (selective)", "bf16": "bf16 mixed precision",
+    "fp16": "fp16 mixed precision", "offload": "host offload",
+}
+ZERO = ("zero1", "zero2", "zero3")
+BUILT_IN = {"tp": "the model (TPGPT)", "sp": "the model (TPGPT(sequence_parallel=True))",
+            "offload": "the optimizer (OffloadedAdamW)"}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One pair's verdict. ``first``: the technique that must be applied first (None: either order);
+    ``reason``: why it is refused, or why only one order exists."""
+
+    supported: bool
+    reason: str = ""
+    first: str | None = None
+
+
+def _rules() -> dict:
+    rules = {}
+
+    def put(a, b, rule):
+        rules[frozenset((a, b))] = rule
+
+    for z in ZERO:
+        put("ddp", z, Rule(False, f"{TECHNIQUES[z]} is data parallelism itself: it averages (and shards) the "
+                                  "gradients over the same ranks DDP would; wrap the model in one of them"))
+        for dtype in ("bf16", "fp16"):
+            put(z, dtype, Rule(False, "ZeRO shards and steps the model's own parameters with its optimizer, "
+                                      "while MixedPrecision steps fp32 master copies with another; sharded "
+                                      "fp32 masters are not built"))
+        put(z, "pp", Rule(False, "a PipelineStage is not one Module (ZeRO-3 gathers a Module's layers "
+                                 "as units) and run_schedule drives only DDP's no_sync over the "
+                                 "microbatches; ZeRO over a pipeline's data-parallel group is not built: "
+                                 "use DDP"))
+    for a, b in combinations(ZERO, 2):
+        put(a, b, Rule(False, "one ZeRO stage per model: each owns the gradient sync and the optimizer step"))
+    put("ckpt-full", "ckpt-selective", Rule(False, "one checkpointing policy per block: both wrap the "
+                                                   "same blocks at the 'checkpoint' position; "
+                                                   "remove_checkpointing first, or choose one"))
+    put("bf16", "fp16", Rule(False, "one compute dtype per model: autocast casts the parameters to one "
+                                    "of them"))
+    put("tp", "sp", Rule(True, "sequence parallelism is a mode of TP: the pair is the sequence-parallel "
+                               "model"))
+    put("ddp", "pp", Rule(True, "DDP wraps the pipeline stage over its data-parallel group (DDP(stage, dp)); "
+                                "wrapping the whole model first would sync gradients the stage never makes",
+                          first="pp"))
+    for dtype in ("bf16", "fp16"):
+        put("ddp", dtype, Rule(True, "DDP first: its broadcast of rank 0's parameters must happen before "
+                                     "MixedPrecision copies them into fp32 masters", first="ddp"))
+        put("pp", dtype, Rule(True, "MixedPrecision casts the model, then PipelineStage cuts it (the loss "
+                                    "function multiplies by the loss scale)", first=dtype))
+    for t, what in BUILT_IN.items():
+        for other in TECHNIQUES:
+            key = frozenset((t, other))
+            if other != t and key not in rules:
+                rules[key] = Rule(True, f"{TECHNIQUES[t]} is {what}: it comes "
+                                        f"{'last' if t == 'offload' else 'first'}",
+                                  first=other if t == "offload" else t)
+    return rules
+
+
+RULES = _rules()
+
+
+def rule(a: str, b: str) -> Rule:
+    """The verdict for techniques ``a`` and ``b`` (supported, either order, unless the table says)."""
+    for t in (a, b):
+        if t not in TECHNIQUES:
+            raise ValueError(f"unknown technique {t!r}; known: {', '.join(TECHNIQUES)}")
+    return RULES.get(frozenset((a, b)), Rule(True))
+
+
+def pairs() -> list[tuple[str, str]]:
+    """Every unordered pair of distinct techniques, in the table's order."""
+    return list(combinations(TECHNIQUES, 2))
+
+
+# -- recognising what is applied -------------------------------------------------------------------
+
+def claim(obj, technique: str, comm=None) -> None:
+    """Record that ``technique`` (over ``comm``) now wraps ``obj`` (a Module or a PipelineStage)."""
+    claims = obj.__dict__.setdefault("_techniques", {})
+    claims[technique] = comm
+
+
+def claimed(obj) -> dict:
+    """technique -> communicator, of what recorded itself on ``obj``."""
+    return dict(obj.__dict__.get("_techniques", {}))
+
+
+def _modules(obj):
+    if hasattr(obj, "named_modules"):
+        return [m for _, m in obj.named_modules()]
+    chunks = getattr(obj, "chunks", None)  # a PipelineStage: its layers
+    return [m for chunk in chunks or () for layer in chunk for _, m in layer.named_modules()]
+
+
+def techniques_of(obj) -> set[str]:
+    """The techniques applied to ``obj`` (see the module docstring for how each is recognised)."""
+    found = set(claimed(obj))
+    if hasattr(obj, "chunks") and hasattr(obj, "num_stages"):
+        found.add("pp")
+    for m in _modules(obj):
+        for handle in m.forward_wrappers():
+            if handle.position == "checkpoint":
+                found.add("ckpt-selective" if "selective" in handle.owner else "ckpt-full")
+            elif handle.position == "zero3":
+                found.add("zero3")
+        if getattr(m, "comm", None) is not None and hasattr(m, "sequence_parallel") and m.comm.size > 1:
+            found.add("sp" if m.sequence_parallel else "tp")
+        for p in m._params.values():
+            name = getattr(p.dtype, "name", str(p.dtype))
+            if name in ("bfloat16", "float16"):
+                found.add("bf16" if name == "bfloat16" else "fp16")
+    if "sp" in found:
+        found.add("tp")
+    return found
+
+
+def check_compatible(obj, technique: str) -> None:
+    """Raise ``ValueError`` if ``technique`` may not be applied to ``obj`` now: refused with a
+    technique already there, or applied in the wrong order. Call it before doing anything."""
+    if technique not in TECHNIQUES:
+        return  # fp32, "none": not techniques of the matrix
+    for present in sorted(techniques_of(obj) - {technique}):
+        r = rule(technique, present)
+        if not r.supported:
+            raise ValueError(f"{TECHNIQUES[technique]} cannot be combined with {TECHNIQUES[present]} "
+                             f"(already applied): {r.reason}")
+        if r.first == technique:
+            raise ValueError(f"{TECHNIQUES[technique]} must be applied before {TECHNIQUES[present]}, "
+                             f"not after: {r.reason}")
+
+
+# -- the README's matrix -----------------------------------------------------------------------------
+
+def matrix_markdown() -> str:
+    """The composition matrix as a markdown table: one row per pair, verdict and reason."""
+    lines = ["| technique | with | verdict | why / how |", "|---|---|---|---|"]
+    for a, b in pairs():
+        r = rule(a, b)
+        verdict = "supported" if r.supported else "**refused**"
+        if r.supported and r.first is None:
+            verdict += ", either order"
+        elif r.supported:
+            verdict += f", {TECHNIQUES[r.first]} first"
+        lines.append(f"| {TECHNIQUES[a]} | {TECHNIQUES[b]} | {verdict} | {r.reason} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(matrix_markdown())
