@@ -1,0 +1,90 @@
+"""`python -m minidist.plan --model llama3-70b --chips 64 --batch 512 --hardware h100 [--plot FILE.png]`"""
+
+from __future__ import annotations
+
+import argparse
+
+from minidist import hardware
+from minidist.plan.mesh import KINDS, Settings
+from minidist.plan.model import ModelSpec
+from minidist.plan.presets import MODELS
+from minidist.plan.search import plan
+
+
+def table(preds, top: int) -> str:
+    head = (f"{'#':>2} {'mesh':<44} {'mem GB':>7} fit {'step s':>8} {'compute':>8} {'tp':>7} {'dp':>7} "
+            f"{'pp':>7} {'bubble':>7} {'MFU':>5} {'tok/s':>9}  why not first")
+    lines = [head]
+    for i, p in enumerate(preds[:top]):
+        c = p.comm
+        lines.append(f"{i + 1:>2} {p.cand.label():<44} {p.memory['total'] / 1e9:>7.2f} {'yes' if p.fits else 'NO ':>3} "
+                     f"{p.step:>8.3g} {p.compute:>8.3g} {c.get('tp', 0):>7.2g} {c.get('dp', 0):>7.2g} "
+                     f"{c.get('pp', 0):>7.2g} {p.bubble_fraction:>6.1%} {p.mfu:>5.1%} {p.tokens_per_s:>9.3g}  "
+                     f"{p.reason}")
+    best = preds[0]
+    lines.append("memory of #1 by kind (GB): " + ", ".join(f"{k} {best.memory[k] / 1e9:.2f}" for k in KINDS))
+    return "\n".join(lines)
+
+
+def plot(preds, path: str, top: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    preds = preds[:top]
+    labels = [p.cand.label().replace(" ckpt", "\nckpt") for p in preds]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 1 + 0.8 * len(preds)))
+    left = [0.0] * len(preds)
+    for k in KINDS:
+        vals = [p.memory[k] / 1e9 for p in preds]
+        a.barh(labels, vals, left=left, label=k)
+        left = [x + y for x, y in zip(left, vals)]
+    a.set_xlabel("GB per device"); a.legend(); a.invert_yaxis()
+    left = [0.0] * len(preds)
+    parts = [("compute", lambda p: p.compute), ("bubble", lambda p: p.bubble)]
+    parts += [(f"{ax} comm", lambda p, ax=ax: p.comm.get(ax, 0.0)) for ax in ("tp", "cp", "ep", "pp", "dp")]
+    for name, f in parts:
+        vals = [f(p) for p in preds]
+        b.barh(labels, vals, left=left, label=name)
+        left = [x + y for x, y in zip(left, vals)]
+    b.set_xlabel("seconds per step"); b.legend(); b.invert_yaxis(); b.set_yticks([])
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="llama3-70b", help=f"a preset ({', '.join(MODELS)}) or 'custom'")
+    ap.add_argument("--layers", type=int); ap.add_argument("--d-model", type=int)
+    ap.add_argument("--heads", type=int); ap.add_argument("--vocab", type=int); ap.add_argument("--seq", type=int)
+    ap.add_argument("--engine", choices=("megatron", "minidist"), default=None)
+    ap.add_argument("--batch", type=int, default=512, help="global batch in sequences")
+    ap.add_argument("--chips", type=int, default=64)
+    ap.add_argument("--hardware", default="h100", help=f"{', '.join(hardware.PRESETS)} or 'here'")
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--plot", metavar="FILE.png")
+    args = ap.parse_args(argv)
+    if args.model == "custom":
+        model = ModelSpec("custom", n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
+                          vocab=args.vocab, seq=args.seq, engine=args.engine or "megatron",
+                          dtype_bytes=4 if args.engine == "minidist" else 2)
+    else:
+        model = MODELS[args.model]
+        changes = {k: v for k, v in dict(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
+                                         vocab=args.vocab, seq=args.seq).items() if v}
+        model = model.replace(**changes) if changes else model
+    hw = hardware.get(args.hardware)
+    preds = plan(model, args.chips, args.batch, hw, Settings(args.optimizer), top=args.top)
+    print(f"{model.name}: {model.params() / 1e9:.3g}B parameters, batch {args.batch} x {model.seq} tokens, "
+          f"{args.chips} x {hw.name} ({hw.hbm_bytes / 1e9:.0f} GB each)")
+    for n in model.notes:
+        print("  assumption:", n)
+    print(table(preds, args.top))
+    if args.plot:
+        plot(preds, args.plot, args.top)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
