@@ -94,10 +94,11 @@ def rank_main(comm, args):
     with threadpool_limits(1):
         ours, hidden, psi, nb, our_losses = minidist_steps(comm, args)
     theirs, gloo_ar, their_losses = torch_steps(comm.rank, comm.size, args)
+    agree = all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(our_losses, their_losses))
     if comm.rank == 0:
         print(f"rank 0 losses, steps 1 and {len(our_losses)} (same weights and batches: they must agree): "
               f"minidist {our_losses[0]:.6f} {our_losses[-1]:.6f}  "
-              f"PyTorch {their_losses[0]:.6f} {their_losses[-1]:.6f}")
+              f"PyTorch {their_losses[0]:.6f} {their_losses[-1]:.6f}  {'PASS' if agree else 'FAIL'}")
         print(f"GPT {psi / 1e6:.2f} M float32 parameters, batch {args.batch} per rank, {comm.size} ranks, "
               f"1 thread each, median of {args.steps} steps")
         print(f"  minidist DDP   {ours * 1e3:8.1f} ms/step   ({nb} buckets of <= {args.bucket_mb} MiB, "
@@ -105,6 +106,7 @@ def rank_main(comm, args):
         print(f"  PyTorch DDP    {theirs * 1e3:8.1f} ms/step   (gloo; a bare all-reduce of all gradients "
               f"takes {gloo_ar * 1e3:.1f} ms)")
         print(f"  ratio minidist / PyTorch = {ours / theirs:.2f}  (target <= 1.25)", flush=True)
+    return bool(comm.bcast_obj(agree, root=0))  # every rank exits with rank 0's verdict
 
 
 def main():
@@ -127,7 +129,9 @@ def main():
             return 0
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
         return subprocess.call(["mpirun", "-n", "2", sys.executable, __file__, *sys.argv[1:]], env=env)
-    run(rank_main, args=args)
+    if not all(run(rank_main, args=args)):
+        print("FAIL: minidist DDP and PyTorch DDP losses disagree", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -20,6 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -130,7 +131,11 @@ def main(argv=None):
         print(f"{policy + ' batching':22s}{tps_of[policy]:10.0f}{stats['steps']:8d}{lat:22.1f}")
     print(f"continuous / static throughput: {tps_of['continuous'] / tps_of['static']:.2f}x")
     print(f"same tokens: {outs['static'] == outs['continuous']}")
+    if ours != ours_full or outs["static"] != outs["continuous"]:  # correctness, not speed: exit 1
+        print("FAIL: the KV cache or continuous batching changed the tokens", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

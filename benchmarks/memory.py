@@ -150,7 +150,11 @@ def main(argv=None):
               f"{off_opt.resident_peak / 2**20:.1f} MiB; parameters bit-identical: {same}")
         print(f"  cpu time (all threads): in memory {cpu['memory'] * 1e3:.1f} ms, "
               f"disk {cpu['disk'] * 1e3:.1f} ms: {cpu['disk'] / cpu['memory']:.2f}x")
+    if not same:  # a correctness check, unlike the timing targets: the exit status says so
+        print("FAIL: disk-offloaded AdamW's parameters differ from in-memory AdamW's", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

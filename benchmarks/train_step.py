@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -114,8 +115,9 @@ def main(argv=None):
         first_md = minidist_step(model, opt, x, y)
         if torch is not None:
             first_t = torch_step()
+            agree = abs(first_md - first_t) <= 1e-4 * abs(first_t)
             print(f"first-step loss: minidist {first_md:.6f}  PyTorch {first_t:.6f}  "
-                  f"(same weights and batch: they must agree)")
+                  f"(same weights and batch: they must agree) {'PASS' if agree else 'FAIL'}")
         times = {"minidist": [], "pytorch": []}
         for _ in range(args.steps):  # interleaved, so drift on the shared machine hits both alike
             t0 = time.perf_counter()
@@ -134,7 +136,11 @@ def main(argv=None):
             print(f"  ratio minidist / PyTorch = {med['minidist'] / med['pytorch']:.2f} (target <= 1.25)")
         if args.profile:
             profile_ops(model, opt, x, y)
+    if torch is not None and not agree:
+        print("FAIL: minidist and PyTorch disagree on the first-step loss", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
