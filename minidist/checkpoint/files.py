@@ -71,11 +71,11 @@ def write_pieces(path, arrays, fault=None) -> tuple[list[dict], dict]:
     fail the write (disk full) or damage the file after it was written."""
     pieces, h, offset = [], hashlib.sha256(), 0
     with open(path, "wb") as f:
+        if fault is not None:
+            fault.before_write(path, sum(np.asarray(a).nbytes for a in arrays))
         for a in arrays:
             a = np.ascontiguousarray(a)
             buf = memoryview(a).cast("B") if a.size else b""
-            if fault is not None:
-                fault.before_write(path, offset + len(buf))
             f.write(buf)
             h.update(buf)
             pieces.append({"offset": offset, "nbytes": a.nbytes, "dtype": a.dtype.str,

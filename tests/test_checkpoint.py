@@ -1,0 +1,223 @@
+"""Checkpoints: bit-identical resume on every mesh, atomic checksummed files, fallback past damaged
+checkpoints, clear errors, resharding between meshes, asynchronous two-tier saves."""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from minidist.checkpoint import CheckpointError, load, save
+from minidist.checkpoint.tiers import Checkpointer, Tier
+from minidist.checkpoint.trainer import Trainer, small_config
+from minidist.comm import run
+from minidist.faults import Injector
+from tests.conftest import budget
+
+MODES = {  # name: (ranks, Trainer keywords)
+    "ddp": (2, {}), "zero1": (2, {"zero": 1}), "zero2": (2, {"zero": 2}), "zero3": (2, {"zero": 3}),
+    "tp": (2, {"tp": 2}), "pp": (2, {"pp": 2}), "3d": (8, {"dp": 2, "pp": 2, "tp": 2}),
+}
+
+
+def _job(comm, root, steps, save_at=(), resume=False, dtype="float64", dropout=0.1, **kw):
+    """Train to ``steps`` (resuming from ``root`` first if asked), saving after the steps in ``save_at``;
+    return the full parameters (rank 0) and this rank's losses."""
+    t = Trainer(comm, small_config(dtype, dropout), **kw)
+    if resume:
+        info = load(comm, root, t.state(), required=True)
+        assert t.step_count == info.step
+    while t.step_count < steps:
+        t.step()
+        if t.step_count in save_at:
+            save(comm, root, t.step_count, t.state(), keep=3)
+    return t.full_parameters()
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_resume_in_a_fresh_job_is_bit_identical(tmp_path, mode, dtype):
+    n, kw = MODES[mode]
+    never_stopped = run(_job, ranks=n, root=str(tmp_path), steps=5, save_at=(3,), dtype=dtype, **kw)[0]
+    resumed = run(_job, ranks=n, root=str(tmp_path), steps=5, resume=True, dtype=dtype, **kw)[0]
+    assert _equal(resumed, never_stopped)
+    fresh = run(_job, ranks=n, root=str(tmp_path), steps=2, dtype=dtype, **kw)[0]  # 2 steps differ from 5
+    assert not _equal(fresh, never_stopped)
+
+
+def _files(d):
+    return sorted(os.listdir(d))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero3", "tp", "3d"])
+def test_each_element_is_written_once_and_every_file_is_checksummed(tmp_path, mode):
+    n, kw = MODES[mode]
+    run(_job, ranks=n, root=str(tmp_path), steps=2, save_at=(2,), **kw)
+    d = tmp_path / "step-00000002"
+    m = json.loads((d / "manifest.json").read_text())
+    assert _files(d) == ["manifest.json"] + [f"rank-{r:05d}.bin" for r in range(n)]  # JSON, raw bytes
+    for name, meta in m["files"].items():
+        blob = (d / name).read_bytes()
+        assert hashlib.sha256(blob).hexdigest() == meta["sha256"] and len(blob) == meta["bytes"]
+    # parameters + AdamW's m and v, each element once, in float64: 3 x 8 bytes per parameter
+    cfg = small_config()
+    h, v, T, L = cfg.d_model, cfg.vocab_size, cfg.block_size, cfg.n_layer
+    psi = v * h + T * h + L * (4 * h + 3 * h * h + 3 * h + h * h + h + 4 * h * h + 4 * h + 4 * h * h + h) \
+        + 2 * h + h * v
+    assert sum(meta["bytes"] for meta in m["files"].values()) == 3 * 8 * psi
+    assert m["step"] == 2 and m["mesh"]["world"] == n
+    if mode == "ddp":  # replicated: rank 0 writes everything, rank 1 nothing
+        assert m["files"]["rank-00001.bin"]["bytes"] == 0
+
+
+def test_keep_last_k_and_latest_is_replaced_last(tmp_path):
+    run(_job, ranks=2, root=str(tmp_path), steps=5, save_at=(1, 2, 3, 4, 5))
+    assert _files(tmp_path) == ["latest", "step-00000003", "step-00000004", "step-00000005"]
+    assert (tmp_path / "latest").read_text() == "step-00000005"
+
+
+def _damage(root, how):
+    d = root / "step-00000004"
+    f = d / "rank-00000.bin"
+    if how == "corrupt":
+        b = bytearray(f.read_bytes())
+        b[len(b) // 2] ^= 1
+        f.write_bytes(bytes(b))
+    elif how == "truncate":
+        f.write_bytes(f.read_bytes()[:100])
+    elif how == "missing file":
+        f.unlink()
+    elif how == "manifest cut":
+        m = d / "manifest.json"
+        m.write_text(m.read_text()[:200])
+    elif how == "latest garbage":
+        (root / "latest").write_bytes(b"\x00\xffstep-9")
+        return "not a finished checkpoint", 4
+    elif how == "half-written":  # a crash mid-save: the temporary directory, and latest still old
+        os.rename(d, root / "step-00000004.tmp")
+        (root / "latest").write_text("step-00000002")
+        return None, 2
+    return {"corrupt": "sha256 differs", "truncate": "bytes, the manifest says", "missing file": "missing",
+            "manifest cut": "not valid JSON"}[how], 2
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncate", "missing file", "manifest cut", "latest garbage",
+                                 "half-written"])
+def test_a_damaged_latest_checkpoint_is_reported_and_the_previous_good_one_used(tmp_path, how):
+    run(_job, ranks=2, root=str(tmp_path), steps=4, save_at=(2, 4))
+    message, good = _damage(tmp_path, how)
+    want = run(_job, ranks=2, root=str(tmp_path / "ref"), steps=good)[0]
+
+    def body(comm):
+        t = Trainer(comm, small_config())
+        info = load(comm, str(tmp_path), t.state())
+        return info, t.full_parameters()
+    info, got = run(body, ranks=2)[0]
+    assert info.step == good and _equal(got, want)
+    if message:
+        assert any(message in p for p in info.problems), info.problems
+
+
+def test_no_intact_checkpoint_means_a_fresh_start_or_a_clear_error(tmp_path):
+    def body(comm, required):
+        return load(comm, str(tmp_path / "nothing"), Trainer(comm, small_config()).state(), required=required)
+    assert run(body, ranks=1, required=False)[0].step is None
+    with pytest.raises(CheckpointError, match="no intact checkpoint"):
+        run(body, ranks=1, required=True)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"dtype": "float32"}, "holds float64, this model has float32"),
+    ({"d_model": 8}, "global shape"),
+    ({"n_layer": 1}, "is for another model"),
+])
+def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path, change, message):
+    run(_job, ranks=1, root=str(tmp_path), steps=1, save_at=(1,))
+
+    def body(comm):
+        t = Trainer(comm, small_config().replace(**change))
+        load(comm, str(tmp_path), t.state())
+    with pytest.raises(CheckpointError, match=message):
+        run(body, ranks=1)
+
+
+def test_disk_full_on_one_rank_fails_the_save_and_keeps_the_previous_latest(tmp_path):
+    def body(comm):
+        t = Trainer(comm, small_config())
+        t.step()
+        save(comm, str(tmp_path), 1, t.state())
+        t.step()
+        save(comm, str(tmp_path), 2, t.state(), fault=Injector.from_env(comm.rank, "diskfull:rank=1,step=2"))
+    with pytest.raises(CheckpointError, match="rank 1: writing rank-00001.bin failed.*No space left"):
+        run(body, ranks=2)
+    assert _files(tmp_path) == ["latest", "step-00000001"]
+
+
+# -- resharding: any mesh to any mesh ----------------------------------------------------------------
+
+MESHES = [(1, {}), (2, {}), (4, {}), (2, {"tp": 2}), (4, {"tp": 4}), (2, {"pp": 2}), (4, {"pp": 4}),
+          (4, {"dp": 2, "tp": 2}), (4, {"pp": 2, "tp": 2}), (8, {"dp": 2, "pp": 2, "tp": 2}),
+          (2, {"zero": 1}), (4, {"zero": 2}), (2, {"zero": 3}), (4, {"zero": 3})]
+
+
+@budget(6)
+@given(src=st.sampled_from(MESHES), dst=st.sampled_from(MESHES))
+@example(src=(8, {"dp": 2, "pp": 2, "tp": 2}), dst=(4, {"dp": 2, "pp": 2}))  # 8 ranks -> 4, tp 2 -> 1
+@example(src=(4, {"pp": 4}), dst=(2, {"pp": 2}))                            # pp 4 -> 2
+@example(src=(4, {"zero": 3}), dst=(2, {}))                                 # ZeRO-3 -> plain DDP
+@example(src=(4, {"dp": 2, "tp": 2}), dst=(1, {}))                          # any mesh -> one process
+def test_reshard_any_mesh_to_any_mesh(tmp_path_factory, src, dst):
+    """Saved on one mesh, loaded on another: the full parameters are exactly the saved ones, and
+    training on equals the source job trained on (summation orders differ: a tolerance)."""
+    root = str(tmp_path_factory.mktemp("reshard"))
+    (n, kw), (m, kw2) = src, dst
+    saved = run(_job, ranks=n, root=root, steps=2, save_at=(2,), dropout=0.0, **kw)[0]
+    on_source = run(_job, ranks=n, root=root + "-x", steps=4, dropout=0.0, **kw)[0]
+    reloaded = run(_job, ranks=m, root=root, steps=2, resume=True, dropout=0.0, **kw2)[0]
+    assert _equal(reloaded, saved)
+    trained_on = run(_job, ranks=m, root=root, steps=4, resume=True, dropout=0.0, **kw2)[0]
+    for k in saved:
+        np.testing.assert_allclose(trained_on[k], on_source[k], rtol=0, atol=1e-10, err_msg=k)
+
+
+# -- asynchronous, two tiers ---------------------------------------------------------------------------
+
+def _tiered(comm, root, steps, fault="", delete_memory=False):
+    t = Trainer(comm, small_config())
+    tiers = [Tier("memory", os.path.join(root, "mem"), 1, keep=2),
+             Tier("disk", os.path.join(root, "disk"), 3)]
+    ck = Checkpointer(comm, tiers, asynchronous=True, fault=Injector.from_env(comm.rank, fault))
+    if delete_memory and comm.rank == 0:
+        import shutil
+
+        shutil.rmtree(os.path.join(root, "mem"))
+    comm.barrier()
+    info, tier = ck.restore(t.state())
+    while t.step_count < steps:
+        t.step()
+        ck.maybe_save(t.step_count, t.state())
+    ck.wait()
+    return t.full_parameters(), info.step, tier, ck.errors
+
+
+def test_async_two_tier_resume_uses_the_newest_fastest_intact_tier(tmp_path):
+    root = str(tmp_path)
+    want = run(_tiered, ranks=2, root=root + "/ref", steps=6)[0][0]
+    run(_tiered, ranks=2, root=root, steps=4)
+    got, step, tier, _ = run(_tiered, ranks=2, root=root, steps=6)[0]
+    assert (step, tier) == (4, "memory") and _equal(got, want)
+    got, step, tier, _ = run(_tiered, ranks=2, root=root, steps=6, delete_memory=True)[0]
+    assert (step, tier) == (6, "disk") and _equal(got, want)
+
+
+def test_async_write_failure_is_reported_and_training_goes_on(tmp_path):
+    got, _, _, errors = run(_tiered, ranks=2, root=str(tmp_path), steps=3, fault="diskfull:rank=1,step=3")[0]
+    assert any("disk step 3" in e and "No space left" in e for e in errors), errors
+    assert os.listdir(tmp_path / "disk") == []  # nothing half-written was committed
