@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from minidist import ops, optim
@@ -41,9 +41,15 @@ def data(counts, steps, accum, seed=0, ignore=0.0):
     return out
 
 
-def serial_gpt(batches, lr=1e-2):
+def make_opt(name, params, lr=1e-2):
+    """AdamW, or plain SGD: AdamW is (nearly) invariant to the gradient's scale, so a gradient that
+    is p times too large barely moves its result; SGD moves p times further."""
+    return optim.AdamW(params, lr=lr) if name == "adamw" else optim.SGD(params, lr=lr)
+
+
+def serial_gpt(batches, lr=1e-2, opt="adamw"):
     m = GPT(CFG)
-    opt = optim.AdamW(m.parameters(), lr=lr)
+    opt = make_opt(opt, m.parameters(), lr)
     for x, y in batches:
         opt.zero_grad()
         m.loss(x, y).backward()
@@ -64,13 +70,17 @@ def accumulate(ddp, loss_fn, x, y, accum, sync_last=True, tokens=False):
     for i, ix in enumerate(parts):
         with ddp.no_sync() if i < accum - 1 or not sync_last else contextlib.nullcontext():
             n = int((y[ix] != -1).sum()) if tokens else len(ix)
-            ddp.backward(loss_fn(x[ix], y[ix]), n_samples=n)
+            if len(ix):
+                xi, yi = x[ix], y[ix]
+            else:  # a rank (or micro-step) with no samples still joins the sync: any row, weight n = 0
+                xi = yi = np.zeros((1, x.shape[1]), x.dtype)
+            ddp.backward(loss_fn(xi, yi), n_samples=n)
 
 
-def ddp_gpt(comm, batches, counts, accum, bucket_bytes, lr=1e-2, **kw):
+def ddp_gpt(comm, batches, counts, accum, bucket_bytes, lr=1e-2, opt="adamw", **kw):
     m = GPT(CFG.replace(seed=comm.rank * 7))  # differently seeded: the broadcast must fix it
     ddp = DDP(m, comm, bucket_bytes=bucket_bytes)
-    opt = optim.AdamW(m.parameters(), lr=lr)
+    opt = make_opt(opt, m.parameters(), lr)
     for x, y in batches:
         sl = my_rows(counts, comm.rank)
         opt.zero_grad()
@@ -80,15 +90,26 @@ def ddp_gpt(comm, batches, counts, accum, bucket_bytes, lr=1e-2, **kw):
     return {k: np.array(v) for k, v in m.state_dict().items()}
 
 
+def uneven_counts(p, accum, extra) -> list[int]:
+    """Rows per rank: accum + extra, at least 0 (a rank may get no samples), at least one row in all."""
+    counts = [max(0, accum + e) for e in extra[:p]]
+    return counts if sum(counts) else [1] + counts[1:]
+
+
 @budget(12)
 @given(p=st.integers(1, 4), accum=st.integers(1, 3),
-       extra=st.lists(st.integers(0, 3), min_size=4, max_size=4),
-       bucket_bytes=st.sampled_from([64, 700, 5000, 1 << 30]))
-def test_ddp_equals_serial_uneven_batches(p, accum, extra, bucket_bytes):
-    counts = [accum + e for e in extra[:p]]  # every micro-batch non-empty, ranks uneven
+       extra=st.lists(st.integers(-3, 3), min_size=7, max_size=7),
+       bucket_bytes=st.sampled_from([64, 700, 5000, 1 << 30]), opt=st.sampled_from(["adamw", "sgd"]))
+@example(p=3, accum=1, extra=[-1, 0, 2, 0, 0, 0, 0], bucket_bytes=700, opt="sgd")  # rank 0 has no samples
+@example(p=5, accum=2, extra=[0, -2, 1, 3, -1, 0, 0], bucket_bytes=64, opt="sgd")
+@example(p=6, accum=1, extra=[0, 1, 0, 2, 0, 1, 0], bucket_bytes=5000, opt="adamw")
+@example(p=7, accum=1, extra=[0, 0, 1, 0, 2, 0, -1], bucket_bytes=1 << 30, opt="sgd")
+def test_ddp_equals_serial_uneven_batches(p, accum, extra, bucket_bytes, opt):
+    counts = uneven_counts(p, accum, extra)  # ranks uneven, some micro-steps (or ranks) empty
     batches = data(counts, steps=2, accum=accum)
-    want = serial_gpt(batches)
-    got = run(ddp_gpt, ranks=p, batches=batches, counts=counts, accum=accum, bucket_bytes=bucket_bytes)
+    want = serial_gpt(batches, opt=opt)
+    got = run(ddp_gpt, ranks=p, batches=batches, counts=counts, accum=accum, bucket_bytes=bucket_bytes,
+              opt=opt)
     for r in range(p):
         assert max_state_diff(got[r], want) < TOL
         assert max_state_diff(got[r], got[0]) == 0.0  # replicas identical, bit for bit

@@ -6,7 +6,7 @@ test_data_parallel.py). Ledger bytes and memory bytes are exact (array_split sha
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from minidist import optim
@@ -15,17 +15,27 @@ from minidist.memory import MemoryAccountant, zero_formula
 from minidist.nn import GPT
 from minidist.parallel.three_d import max_state_diff
 from minidist.parallel.zero import ZeRO, param_count
+from minidist.tensor import saved_tensors_hooks
 from tests.conftest import budget
-from tests.parallel.test_data_parallel import CFG, TOL, accumulate, data, my_rows, serial_gpt
+from tests.parallel.test_data_parallel import (
+    CFG,
+    TOL,
+    accumulate,
+    data,
+    make_opt,
+    my_rows,
+    serial_gpt,
+    uneven_counts,
+)
 
 
 def adamw(ps):
     return optim.AdamW(ps, lr=1e-2)
 
 
-def zero_gpt(comm, batches, counts, accum, stage, bucket_bytes, sync_last=True):
+def zero_gpt(comm, batches, counts, accum, stage, bucket_bytes, sync_last=True, opt="adamw"):
     m = GPT(CFG.replace(seed=comm.rank * 3))
-    z = ZeRO(m, comm, adamw, stage=stage, bucket_bytes=bucket_bytes)
+    z = ZeRO(m, comm, lambda ps: make_opt(opt, ps), stage=stage, bucket_bytes=bucket_bytes)
     for x, y in batches:
         sl = my_rows(counts, comm.rank)
         accumulate(z, m.loss, x[sl], y[sl], accum, sync_last=sync_last)
@@ -35,16 +45,70 @@ def zero_gpt(comm, batches, counts, accum, stage, bucket_bytes, sync_last=True):
 
 @budget(15)
 @given(stage=st.integers(1, 3), p=st.integers(1, 4), accum=st.integers(1, 2),
-       extra=st.lists(st.integers(0, 2), min_size=4, max_size=4),
-       bucket_bytes=st.sampled_from([64, 3000, 1 << 30]), sync_last=st.booleans())
-def test_zero_equals_serial(stage, p, accum, extra, bucket_bytes, sync_last):
-    """``sync_last=False``: every micro-step in no_sync(), ``step`` communicates everything."""
-    counts = [accum + e for e in extra[:p]]
+       extra=st.lists(st.integers(-2, 2), min_size=7, max_size=7),
+       bucket_bytes=st.sampled_from([64, 3000, 1 << 30]), sync_last=st.booleans(),
+       opt=st.sampled_from(["adamw", "sgd"]))
+@example(stage=3, p=3, accum=1, extra=[0, 1, 2, 0, 0, 0, 0], bucket_bytes=3000, sync_last=True, opt="sgd")
+@example(stage=3, p=3, accum=2, extra=[-2, 0, 1, 0, 0, 0, 0], bucket_bytes=64, sync_last=True, opt="adamw")
+@example(stage=2, p=3, accum=1, extra=[1, -1, 0, 0, 0, 0, 0], bucket_bytes=64, sync_last=True, opt="sgd")
+@example(stage=2, p=5, accum=1, extra=[0, 1, 0, 2, -1, 0, 0], bucket_bytes=3000, sync_last=False, opt="sgd")
+@example(stage=1, p=6, accum=2, extra=[0, 0, 1, 0, 0, 2, 0], bucket_bytes=64, sync_last=True, opt="sgd")
+@example(stage=3, p=7, accum=1, extra=[0, 0, 1, 0, 0, 1, 0], bucket_bytes=1 << 30, sync_last=True, opt="sgd")
+def test_zero_equals_serial(stage, p, accum, extra, bucket_bytes, sync_last, opt):
+    """``sync_last=False``: every micro-step in no_sync(), ``step`` communicates everything. Plain SGD
+    too: a gradient that is p times too large (a sum, not a mean) changes its parameters p-fold.
+    A rank may have no samples (it still joins every collective, weighted by 0)."""
+    counts = uneven_counts(p, accum, extra)
     batches = data(counts, steps=2, accum=accum, seed=stage)
-    want = serial_gpt(batches)
+    want = serial_gpt(batches, opt=opt)
     for got in run(zero_gpt, ranks=p, batches=batches, counts=counts, accum=accum, stage=stage,
-                   bucket_bytes=bucket_bytes, sync_last=sync_last):
+                   bucket_bytes=bucket_bytes, sync_last=sync_last, opt=opt):
         assert max_state_diff(got, want) < TOL
+
+
+def _memory_during_step(comm, stage, n_layer, bucket_bytes):
+    """One ZeRO step of a GPT, sampling the memory accountant's report during forward (at every
+    array an op saves) and during backward (after every parameter's gradient is accumulated)."""
+    m = GPT(CFG.replace(n_layer=n_layer))
+    z = ZeRO(m, comm, lambda ps: optim.SGD(ps, lr=0.1), stage=stage, bucket_bytes=bucket_bytes)
+    acct, seen, phase = MemoryAccountant(), {"forward": [], "backward": []}, ["forward"]
+
+    def sample(*_):
+        seen[phase[0]].append(acct.report(m, z))
+    for p in m.parameters():  # after ZeRO's own hooks: sees what they left
+        p.register_post_accumulate_grad_hook(sample)
+    x = np.arange(12).reshape(2, 6) % CFG.vocab_size
+    with saved_tensors_hooks(lambda a: (sample(), a)[1], lambda a: a):
+        loss = m.loss(x, x)
+    phase[0] = "backward"
+    z.backward(loss)
+    started = z.started_in_backward
+    z.step()
+    shard = sum(hi - lo for lo, hi in (b.shard(comm.rank, comm.size) for b in z.buckets)) * 8
+    return dict(started=started, buckets=len(z.buckets), shard=shard, psi=param_count(m) * 8,
+                bucket=max(b.numel for b in z.buckets) * 8,
+                unit=max(sum(p.size for p in u.parameters()) for u in z.units) * 8,
+                **{f"{k}_{ph}": max(r[k] for r in seen[ph]) for k in ("params", "grads") for ph in seen})
+
+
+def test_zero2_reduce_scatters_start_in_backward_and_gradients_stay_sharded():
+    """ZeRO-2's point: every bucket's reduce-scatter starts from the backward hook, the full gradient
+    is dropped as it goes, so backward never holds more than a shard plus the bucket being filled.
+    (Deferring the reduce-scatters to step() gives the same parameters and bytes: only this sees it.)"""
+    for r in run(_memory_during_step, ranks=4, stage=2, n_layer=2, bucket_bytes=1000):
+        assert r["buckets"] > 3 and r["started"] == r["buckets"]
+        assert r["grads_backward"] <= r["shard"] + r["bucket"] < r["psi"] / 2
+        assert r["params_backward"] == r["psi"]  # parameters are not sharded at stage 2
+
+
+def test_zero3_holds_one_unit_beyond_its_shard_in_forward_and_backward():
+    """ZeRO-3: a unit's parameters are gathered just before use and freed right after, so at any
+    moment a rank holds its shard of every parameter plus (at most) the one unit being computed."""
+    for r in run(_memory_during_step, ranks=4, stage=3, n_layer=4, bucket_bytes=1000):
+        assert r["started"] == r["buckets"]  # one bucket per unit, each started in backward
+        for phase in ("forward", "backward"):
+            assert r["shard"] < r[f"params_{phase}"] <= r["shard"] + r["unit"] < r["psi"] / 2, phase
+        assert r["grads_backward"] <= r["shard"] + r["unit"]
 
 
 def _chunks(n, p):
