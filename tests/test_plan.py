@@ -100,3 +100,61 @@ def stage_memory(cand, stage):
     return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n,
             "activations": stage_activation_peak(SPEC, cand, B, stage, Settings()),
             "total": 16 * n + stage_activation_peak(SPEC, cand, B, stage, Settings())}
+
+
+# -- published runs: expected values are the papers' numbers and formulas --------------------------
+
+def _predict_run(name):
+    from minidist.plan import RUNS, predict
+
+    r = RUNS[name]
+    mesh = dict(r.mesh)
+    cand = Candidate(microbatch=mesh.pop("microbatch"), **mesh)
+    return r, predict(r.model, cand, r.global_batch, r.hardware)
+
+
+def megatron_flops_per_step(batch, seq, layers, hidden, vocab):
+    """Narayanan et al. 2021, eq. (3): FLOPs per iteration with activation recomputation."""
+    return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+@pytest.mark.parametrize("name,chips,batch,layers,hidden,reported", [
+    ("megatron-1t", 3072, 3072, 128, 25600, 163e12),   # Table 1: 163 TFLOP/s per GPU
+    ("gpt3-175b", 1536, 1536, 96, 12288, 153e12),      # Table 1: 153 TFLOP/s per GPU
+])
+def test_megatron_runs_fit_and_match_reported_throughput(name, chips, batch, layers, hidden, reported):
+    r, p = _predict_run(name)
+    assert p.fits and p.memory["total"] <= 80e9  # A100 80 GB
+    flops = megatron_flops_per_step(batch, 2048, layers, hidden, 51200)
+    per_gpu = flops / p.step / chips
+    assert abs(per_gpu / reported - 1) <= 0.25, f"{name}: {per_gpu / 1e12:.0f} vs {reported / 1e12:.0f}"
+
+
+def test_palm_mfu_within_25_percent():
+    r, p = _predict_run("palm-540b")
+    n = 540.35e9  # PaLM Table 1 / Sec. 4: MFU counts 6N + 12·L·H·Q·T FLOPs per token (Appendix B)
+    flops_per_token = 6 * n + 12 * 118 * 48 * 256 * 2048
+    mfu = flops_per_token * 2048 * 2048 / p.step / (6144 * 275e12)
+    assert p.fits
+    assert abs(mfu / 0.462 - 1) <= 0.25, mfu
+
+
+def test_llama3_405b_mfu_within_25_percent():
+    r, p = _predict_run("llama3-405b")
+    n = 405e9  # Llama 3 Table 4: BF16 MFU 38-43% on 16,384 H100s (989 TFLOP/s dense)
+    tokens = 16 * 2**20  # 16M tokens per batch
+    mfu = (6 * n + 12 * 126 * 16384 * 8192) * tokens / p.step / (16384 * 989e12)
+    assert p.fits
+    assert 0.38 * 0.75 <= mfu <= 0.43 * 1.25, mfu
+
+
+def test_planner_says_a_70b_model_does_not_fit_one_gpu_and_zero3_needs_many():
+    from minidist.hardware import H100
+    from minidist.plan import MODELS
+
+    m = MODELS["llama3-70b"]
+    one = memory(m, Candidate(), 1)
+    assert one["params"] == 2 * m.params() and one["optimizer"] == 12 * m.params()  # 2 + 12 bytes/param
+    assert one["total"] > H100.hbm_bytes
+    z3 = memory(m, Candidate(dp=64, zero=3, checkpoint="full"), 64)
+    assert z3["params"] == 2 * -(-m.params() // 64)

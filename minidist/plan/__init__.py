@@ -16,5 +16,5 @@ from minidist.plan.search import plan
 from minidist.plan.steptime import Prediction, predict
 from minidist.plan.traffic import collectives
 
-__all__ = ["MODELS", "RUNS", "Candidate", "ModelSpec", "Prediction", "Settings", "collectives", "memory", "plan",
-           "predict"]
+__all__ = ["MODELS", "RUNS", "Candidate", "ModelSpec", "Prediction", "Settings", "collectives", "memory",
+           "plan", "predict"]

@@ -17,9 +17,11 @@ def table(preds, top: int) -> str:
     lines = [head]
     for i, p in enumerate(preds[:top]):
         c = p.comm
-        lines.append(f"{i + 1:>2} {p.cand.label():<44} {p.memory['total'] / 1e9:>7.2f} {'yes' if p.fits else 'NO ':>3} "
+        fit = "yes" if p.fits else "NO "
+        lines.append(f"{i + 1:>2} {p.cand.label():<44} {p.memory['total'] / 1e9:>7.2f} {fit:>3} "
                      f"{p.step:>8.3g} {p.compute:>8.3g} {c.get('tp', 0):>7.2g} {c.get('dp', 0):>7.2g} "
-                     f"{c.get('pp', 0):>7.2g} {p.bubble_fraction:>6.1%} {p.mfu:>5.1%} {p.tokens_per_s:>9.3g}  "
+                     f"{c.get('pp', 0):>7.2g} {p.bubble_fraction:>6.1%} {p.mfu:>5.1%} "
+                     f"{p.tokens_per_s:>9.3g}  "
                      f"{p.reason}")
     best = preds[0]
     lines.append("memory of #1 by kind (GB): " + ", ".join(f"{k} {best.memory[k] / 1e9:.2f}" for k in KINDS))
@@ -39,7 +41,9 @@ def plot(preds, path: str, top: int) -> None:
         vals = [p.memory[k] / 1e9 for p in preds]
         a.barh(labels, vals, left=left, label=k)
         left = [x + y for x, y in zip(left, vals)]
-    a.set_xlabel("GB per device"); a.legend(); a.invert_yaxis()
+    a.set_xlabel("GB per device")
+    a.legend()
+    a.invert_yaxis()
     left = [0.0] * len(preds)
     parts = [("compute", lambda p: p.compute), ("bubble", lambda p: p.bubble)]
     parts += [(f"{ax} comm", lambda p, ax=ax: p.comm.get(ax, 0.0)) for ax in ("tp", "cp", "ep", "pp", "dp")]
@@ -47,7 +51,10 @@ def plot(preds, path: str, top: int) -> None:
         vals = [f(p) for p in preds]
         b.barh(labels, vals, left=left, label=name)
         left = [x + y for x, y in zip(left, vals)]
-    b.set_xlabel("seconds per step"); b.legend(); b.invert_yaxis(); b.set_yticks([])
+    b.set_xlabel("seconds per step")
+    b.legend()
+    b.invert_yaxis()
+    b.set_yticks([])
     fig.tight_layout()
     fig.savefig(path)
 
@@ -55,8 +62,8 @@ def plot(preds, path: str, top: int) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="llama3-70b", help=f"a preset ({', '.join(MODELS)}) or 'custom'")
-    ap.add_argument("--layers", type=int); ap.add_argument("--d-model", type=int)
-    ap.add_argument("--heads", type=int); ap.add_argument("--vocab", type=int); ap.add_argument("--seq", type=int)
+    for flag in ("--layers", "--d-model", "--heads", "--vocab", "--seq"):
+        ap.add_argument(flag, type=int, help="model shape (overrides the preset's)")
     ap.add_argument("--engine", choices=("megatron", "minidist"), default=None)
     ap.add_argument("--batch", type=int, default=512, help="global batch in sequences")
     ap.add_argument("--chips", type=int, default=64)

@@ -1,0 +1,97 @@
+"""The planner against measurement here and published runs there.
+
+    python benchmarks/plan.py [--strict]
+
+1. Here: `python -m minidist.calibrate` constants (run first if missing), then small minidist GPT
+   trainings on the threads transport for several meshes; measured median step time vs the
+   planner's prediction with `--hardware here` (target: within 30%).
+2. There: the published runs of `minidist.plan.presets.RUNS`, predicted vs reported (target: 25%).
+Prints MET/MISSED per row; exits nonzero on a miss only with --strict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+from minidist import hardware
+from minidist.comm import run
+from minidist.nn.gpt import GPTConfig
+from minidist.parallel.three_d import train_3d
+from minidist.plan import RUNS, Candidate, ModelSpec, predict
+
+
+def measure_here(cfg, batch, dp, tp, pp, m, steps=6):
+    rng = np.random.default_rng(0)
+    data = [(rng.integers(0, cfg.vocab_size, (batch, cfg.block_size)),) * 2 for _ in range(steps)]
+
+    def body(comm):
+        marks = []
+        train_3d(comm, cfg, data, dp=dp, pp=pp, tp=tp, microbatches=m, optimizer="adamw", lr=1e-3,
+                 on_step=lambda s, st: marks.append(time.perf_counter()))
+        return np.diff(marks)[1:]  # drop the first step (warm-up)
+    times = np.max(np.array(run(body, ranks=dp * tp * pp)), axis=0)
+    return float(np.median(times))
+
+
+def here_rows(args):
+    if not os.path.exists(hardware.CALIBRATION_PATH):
+        from minidist.calibrate import calibrate
+        calibrate()
+    hw = hardware.here()
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
+    spec = ModelSpec("bench", n_layer=4, d_model=128, n_head=4, vocab=256, seq=64, engine="minidist",
+                     dtype_bytes=4)
+    batch = 16
+    print(f"here: {hw.name}, {hw.cores} cores; GPT {cfg.n_layer}x{cfg.d_model}, "
+          f"batch {batch}x{cfg.block_size}")
+    print(f"{'mesh':<22} {'predicted s':>11} {'measured s':>10} {'ratio':>6}  within 30%")
+    ok = True
+    for dp, tp, pp, m in [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 4), (2, 2, 2, 2), (8, 1, 1, 1)]:
+        cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=batch // (dp * m))
+        pred = predict(spec, cand, batch, hw).step
+        meas = measure_here(cfg, batch, dp, tp, pp, m)
+        r = pred / meas
+        met = abs(r - 1) <= 0.30
+        ok &= met
+        print(f"dp{dp} tp{tp} pp{pp} m{m:<10} {pred:>11.4f} {meas:>10.4f} {r:>6.2f}  "
+              f"{'MET' if met else 'MISSED'}")
+    return ok
+
+
+def published_rows():
+    print(f"\n{'published run':<14} {'chips':>6} {'metric':<16} {'reported':>9} {'predicted':>9} "
+          f"{'ratio':>6} fits  within 25%")
+    ok = True
+    for name, r in RUNS.items():
+        mesh = dict(r.mesh)
+        cand = Candidate(microbatch=mesh.pop("microbatch"), **mesh)
+        p = predict(r.model, cand, r.global_batch, r.hardware)
+        if r.metric == "tflops_per_chip":
+            got = p.tflops_per_chip
+        else:
+            got = p.mfu
+        ratio = got / r.reported
+        met = abs(ratio - 1) <= 0.25 and p.fits
+        ok &= met
+        print(f"{name:<14} {r.chips:>6} {r.metric:<16} {r.reported:>9.3g} {got:>9.3g} {ratio:>6.2f} "
+              f"{'yes' if p.fits else 'NO':>4}  {'MET' if met else 'MISSED'}")
+    return ok
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--strict", action="store_true", help="exit nonzero if any row misses its target")
+    args = ap.parse_args()
+    ok = here_rows(args)
+    ok &= published_rows()
+    if args.strict and not ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
