@@ -1,6 +1,7 @@
 """Offloaded AdamW: bit-identical to in-memory AdamW; clear errors; nothing left behind."""
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,7 +88,7 @@ def test_offloaded_master_weights_leave_compute_memory(tmp_path):
 
     cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, d_model=16)
     idx = np.arange(16).reshape(2, 8)
-    runs = []
+    runs, masters = [], []
     for offload in (False, True):
         mp = MixedPrecision(GPT(cfg), "bf16")
         opt = (OffloadedAdamW(mp.master_params, tmp_path, lr=1e-2, offload_params=True) if offload
@@ -96,12 +97,24 @@ def test_offloaded_master_weights_leave_compute_memory(tmp_path):
             mp.backward(mp.loss(idx, idx))
             mp.step(opt)
         runs.append([p.data.copy() for p in mp.params])
-        if offload:
+        masters.append([np.array(m.data) for m in mp.master_params])
+        psi = sum(m.size for m in mp.master_params)
+        if not offload:  # the control: in-memory AdamW holds fp32 masters and m, v in memory
             report = MemoryAccountant().report(GPT(cfg), opt)
-            assert report["params"] == report["optimizer_state"] == 0
-            assert opt.offloaded_bytes == 3 * 4 * sum(p.size for p in mp.master_params)
-            opt.close()
-            assert not isinstance(mp.master_params[0].data, np.memmap) and os.listdir(tmp_path) == []
+            assert report["optimizer_state"] == 2 * 4 * psi
+            continue
+        # between steps every master weight *is* a file under tmp_path (no in-memory copy), and the
+        # file holds the updated weights: read back from disk, they equal the in-memory run's masters
+        for m, want in zip(mp.master_params, masters[0]):
+            assert isinstance(m.data, np.memmap), m.name
+            path = Path(m.data.filename)
+            assert tmp_path in path.parents
+            on_disk = np.fromfile(path, dtype=np.float32, count=m.size, offset=m.data.offset)
+            np.testing.assert_array_equal(on_disk.reshape(m.shape), want, err_msg=m.name)
+        files = [f for f in tmp_path.rglob("*") if f.is_file()]
+        assert sum(f.stat().st_size for f in files) == 3 * 4 * psi  # p, m, v in fp32, on disk
+        opt.close()
+        assert not isinstance(mp.master_params[0].data, np.memmap) and os.listdir(tmp_path) == []
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="offload_params=True needs where='disk'"):
