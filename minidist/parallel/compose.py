@@ -29,8 +29,12 @@ TECHNIQUES = {
     "fp16": "fp16 mixed precision", "offload": "host offload",
 }
 ZERO = ("zero1", "zero2", "zero3")
-BUILT_IN = {"tp": "the model (TPGPT)", "sp": "the model (TPGPT(sequence_parallel=True))",
-            "offload": "the optimizer (OffloadedAdamW)"}
+#: techniques that are a kind of model or optimizer rather than something applied to one
+_MODEL = ("TP and sequence parallelism are the model itself (TPGPT): built first, then the other technique "
+          "is applied to it")
+BUILT_IN = {"tp": _MODEL, "sp": _MODEL,
+            "offload": "host offload is the optimizer (OffloadedAdamW(where='host')): built last, on the "
+                       "parameters the other technique leaves (ZeRO: its optimizer factory)"}
 
 
 @dataclass(frozen=True)
@@ -50,16 +54,15 @@ def _rules() -> dict:
         rules[frozenset((a, b))] = rule
 
     for z in ZERO:
-        put("ddp", z, Rule(False, f"{TECHNIQUES[z]} is data parallelism itself: it averages (and shards) the "
-                                  "gradients over the same ranks DDP would; wrap the model in one of them"))
+        put("ddp", z, Rule(False, "ZeRO is data parallelism itself: it averages (and shards) the gradients "
+                                  "over the same ranks DDP would; wrap the model in one of them"))
         for dtype in ("bf16", "fp16"):
             put(z, dtype, Rule(False, "ZeRO shards and steps the model's own parameters with its optimizer, "
                                       "while MixedPrecision steps fp32 master copies with another; sharded "
                                       "fp32 masters are not built"))
-        put(z, "pp", Rule(False, "a PipelineStage is not one Module (ZeRO-3 gathers a Module's layers "
-                                 "as units) and run_schedule drives only DDP's no_sync over the "
-                                 "microbatches; ZeRO over a pipeline's data-parallel group is not built: "
-                                 "use DDP"))
+        put(z, "pp", Rule(False, "a PipelineStage is not a Module (ZeRO-3 gathers a Module's layers as "
+                                 "units) and run_schedule drives only DDP through the microbatches; ZeRO "
+                                 "over a pipeline's data-parallel group is not built: use DDP"))
     for a, b in combinations(ZERO, 2):
         put(a, b, Rule(False, "one ZeRO stage per model: each owns the gradient sync and the optimizer step"))
     put("ckpt-full", "ckpt-selective", Rule(False, "one checkpointing policy per block: both wrap the "
@@ -69,21 +72,20 @@ def _rules() -> dict:
                                     "of them"))
     put("tp", "sp", Rule(True, "sequence parallelism is a mode of TP: the pair is the sequence-parallel "
                                "model"))
-    put("ddp", "pp", Rule(True, "DDP wraps the pipeline stage over its data-parallel group (DDP(stage, dp)); "
-                                "wrapping the whole model first would sync gradients the stage never makes",
-                          first="pp"))
+    put("ddp", "pp", Rule(True, "PipelineStage first: DDP wraps the stage over its data-parallel group "
+                                "(DDP(stage, dp), as train_3d); on the whole model it would sync gradients "
+                                "the stage never makes", first="pp"))
     for dtype in ("bf16", "fp16"):
-        put("ddp", dtype, Rule(True, "DDP first: its broadcast of rank 0's parameters must happen before "
-                                     "MixedPrecision copies them into fp32 masters", first="ddp"))
-        put("pp", dtype, Rule(True, "MixedPrecision casts the model, then PipelineStage cuts it (the loss "
-                                    "function multiplies by the loss scale)", first=dtype))
-    for t, what in BUILT_IN.items():
+        put("ddp", dtype, Rule(True, "DDP first: its broadcast of rank 0's parameters must come before "
+                                     "MixedPrecision copies them into fp32 masters; then mp.backward, "
+                                     "ddp.wait_gradients, mp.step", first="ddp"))
+        put("pp", dtype, Rule(True, "MixedPrecision first: it casts the model, then PipelineStage cuts it "
+                                    "(the stage's loss function multiplies by mp.scale)", first=dtype))
+    for t, why in BUILT_IN.items():
         for other in TECHNIQUES:
             key = frozenset((t, other))
             if other != t and key not in rules:
-                rules[key] = Rule(True, f"{TECHNIQUES[t]} is {what}: it comes "
-                                        f"{'last' if t == 'offload' else 'first'}",
-                                  first=other if t == "offload" else t)
+                rules[key] = Rule(True, why, first=other if t == "offload" else t)
     return rules
 
 
@@ -163,16 +165,26 @@ def check_compatible(obj, technique: str) -> None:
 # -- the README's matrix -----------------------------------------------------------------------------
 
 def matrix_markdown() -> str:
-    """The composition matrix as a markdown table: one row per pair, verdict and reason."""
-    lines = ["| technique | with | verdict | why / how |", "|---|---|---|---|"]
-    for a, b in pairs():
-        r = rule(a, b)
-        verdict = "supported" if r.supported else "**refused**"
-        if r.supported and r.first is None:
-            verdict += ", either order"
-        elif r.supported:
-            verdict += f", {TECHNIQUES[r.first]} first"
-        lines.append(f"| {TECHNIQUES[a]} | {TECHNIQUES[b]} | {verdict} | {r.reason} |")
+    """The composition matrix as markdown: a grid (✓ either order, ✓n one order or a remark, ✗n
+    refused) and the numbered notes, each reason written once."""
+    ids = list(TECHNIQUES)
+    notes: dict[str, int] = {}
+    short = {t: TECHNIQUES[t].replace(" mixed precision", "").replace("checkpointing", "ckpt") for t in ids}
+    lines = ["| | " + " | ".join(short[t] for t in ids) + " |", "|---" * (len(ids) + 1) + "|"]
+    for a in ids:
+        cells = []
+        for b in ids:
+            if a == b:
+                cells.append("·")
+                continue
+            r = rule(a, b)
+            mark = "✓" if r.supported else "✗"
+            if r.reason:
+                mark += f" {notes.setdefault(r.reason, len(notes) + 1)}"
+            cells.append(mark)
+        lines.append(f"| **{short[a]}** | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"{n}. {text}" for text, n in notes.items()]
     return "\n".join(lines)
 
 

@@ -35,6 +35,7 @@ from minidist import ops, trace
 from minidist.comm.collectives import split_sizes
 from minidist.memory import MemoryAccountant
 from minidist.parallel import recompute
+from minidist.parallel.compose import check_compatible
 from minidist.parallel.schedule import (
     Backward,
     Forward,
@@ -152,6 +153,7 @@ class PipelineStage:
             raise ValueError(f"{len(bounds)} layer ranges do not split over {num_stages} stages")
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} is not in 0..{num_stages - 1}")
+        check_compatible(model, "pp")  # refused pairs (ZeRO) and orders (DDP first) fail here
         layers = list(model)
         self.stage, self.num_stages = stage, num_stages
         self.num_chunks = len(bounds) // num_stages

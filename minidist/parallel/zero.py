@@ -31,6 +31,7 @@ import numpy as np
 from minidist.comm import all_gather, all_reduce
 from minidist.comm.collectives import split_sizes
 from minidist.nn.module import Parameter
+from minidist.parallel.compose import check_compatible
 from minidist.parallel.ddp import Bucket, DistributedDataParallel, build_buckets
 from minidist.tensor import current_saved_tensors_hooks, saved_tensors_hooks
 
@@ -69,6 +70,7 @@ class ZeRO(DistributedDataParallel):
             raise ValueError(f"rank {comm.rank}: ZeRO stage must be 1, 2 or 3, got {stage!r}")
         self.stage = stage
         self.technique = f"zero{stage}"
+        check_compatible(module, self.technique)  # before units are looked for: a stage has none
         self._unit_pending: dict[int, int] = {}
         self.gather_log: list[tuple] = []  # (unit, "forward"|"backward"|"state"), for the ledger check
         self.units = list(units) if units is not None else _units_of(module)
