@@ -333,3 +333,38 @@ def test_lesson_runs_and_passes(capsys):
     out = capsys.readouterr().out
     assert out.count("PASS") == 4 and "FAIL" not in out
     assert "   3    " in out and "-  -" in out  # the skipped steps in the loss-scale timeline
+
+
+def _dp_tp_inf(comm, inject_rank, groups):
+    """dp x tp = 2 x 2: a TPGPT on the tp group, low-precision gradients averaged over dp, an inf put
+    into one rank's gradient *after* the all-reduce (so only that rank sees it), then the step."""
+    from minidist.comm import Mesh
+    from minidist.parallel.tp_gpt import TPGPT
+
+    mesh = Mesh(comm, dp=2, tp=2)
+    kw = {} if groups == "default" else {"groups": []}
+    mp = MixedPrecision(TPGPT(CFG, mesh.tp), "fp16", **kw)
+    opt = SGD(mp.master_params, lr=0.1)
+    idx = np.random.default_rng(mesh.dp_rank).integers(0, 32, (2, 8))
+    mp.backward(mp.loss(idx, idx))
+    mp.all_reduce_grads(mesh.dp)
+    if comm.rank == inject_rank:
+        g = mp.params[0].grad.copy()
+        g.flat[0] = np.inf
+        mp.params[0].grad = g
+    stepped = mp.step(opt)
+    return mesh.tp_rank, stepped, mp.scale, {m.name: m.data.copy() for m in mp.master_params}
+
+
+@pytest.mark.parametrize("inject_rank", [0, 3])
+def test_inf_on_one_rank_of_dp_x_tp_is_agreed_by_default(inject_rank):
+    """No ``groups`` given: the flag is agreed over the TP group found in the model and the DP group
+    given to ``all_reduce_grads``, so every rank skips and the replicas stay identical."""
+    results = run(_dp_tp_inf, ranks=4, inject_rank=inject_rank, groups="default")
+    assert [r[1:3] for r in results] == [(False, 2.0 ** 15)] * 4
+    for tp_rank in (0, 1):
+        a, b = [r[3] for r in results if r[0] == tp_rank]
+        assert all(np.array_equal(a[n], b[n]) for n in a)
+    # narrowed explicitly to no agreement, the bad rank alone skips and its replica diverges
+    narrowed = run(_dp_tp_inf, ranks=4, inject_rank=inject_rank, groups="none")
+    assert [r[1] for r in narrowed] == [r != inject_rank for r in range(4)]
