@@ -4,6 +4,7 @@ import json
 import threading
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -160,7 +161,35 @@ def test_median_bubble_refuses_ranks_with_different_step_counts():
         trace.median_bubble([[], []])
 
 
-def test_plot_timeline_writes_a_png(tmp_path):
+def test_plot_timeline_draws_one_bar_per_event(tmp_path, monkeypatch):
+    """The figure itself (caught as it is saved): per rank, one bar per event (step spans left out)
+    at that event's start and length, compute on the upper band of the rank's row, communication
+    below it, backward darker than forward; and the loss curve."""
+    from matplotlib.figure import Figure
+
+    figures = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: (figures.append(fig), save(fig, *a, **kw)))
+    events = [dict(e, t0=e["t0"] + 100.0, t1=e["t1"] + 100.0) for e in simulate(one_f_one_b(3, 4)).events]
+    events.append({"name": "step", "cat": "step", "rank": 0, "t0": 100.0, "t1": 120.0, "args": {}})
     path = tmp_path / "timeline.png"
-    trace.plot_timeline(path, simulate(one_f_one_b(3, 4)).events, losses=[3.0, 2.5, 2.1])
+    trace.plot_timeline(path, events, losses=[3.0, 2.5, 2.1])
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (fig,) = figures
+    timeline, loss_axes = fig.axes
+    bars = []  # (rank, band, x0, width, color) of every rectangle drawn
+    for coll in timeline.collections:
+        for path_, color in zip(coll.get_paths(), coll.get_facecolors()):
+            (x0, y0), (x1, y1) = path_.vertices.min(axis=0), path_.vertices.max(axis=0)
+            rank = round((y0 + y1) / 2)  # a rank's row is centred on its index
+            bars.append((rank, "compute" if (y0 + y1) / 2 < rank else "comm", x0, x1 - x0, tuple(color)))
+    for r in range(3):
+        mine = [e for e in events if e["rank"] == r and e["cat"] != "step"]
+        drawn = [b for b in bars if b[0] == r]
+        assert len(drawn) == len(mine), f"rank {r}: {len(drawn)} bars for {len(mine)} events"
+        want = sorted(("compute" if e["cat"] == "compute" else "comm", round(e["t0"] - 100.0, 9),
+                       round(e["t1"] - e["t0"], 9)) for e in mine)  # time runs from the first event
+        assert sorted((band, round(x0, 9), round(w, 9)) for _, band, x0, w, _ in drawn) == want
+    colors = {b[4] for b in bars if b[1] == "compute"}
+    assert len(colors) == 2  # forward and backward told apart
+    np.testing.assert_array_equal(loss_axes.lines[0].get_ydata(), [3.0, 2.5, 2.1])
