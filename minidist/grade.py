@@ -71,15 +71,14 @@ class RanksHung(BaseException):
 def run_guarded(body, ranks: int, wait_s: float = 10):
     """``minidist.comm.run(body, ranks)`` with every wait bounded by ``wait_s`` seconds: a student's
     collective that leaves a rank waiting fails the task in seconds, not after the 300 s default."""
-    from minidist.comm import run
-    from minidist.comm.communicator import CommTimeout
+    from minidist.comm import CollectiveMismatch, CommTimeout, RankExited, run
 
     def guarded(comm):
         comm.timeout = wait_s
         return body(comm)
     try:
         return run(guarded, ranks=ranks)
-    except CommTimeout as e:
+    except (CommTimeout, RankExited, CollectiveMismatch) as e:  # would wait forever, caught early or not
         raise RanksHung(str(e).splitlines()[0]) from None
 
 

@@ -6,7 +6,8 @@
 * collectives.py -- ring / recursive-doubling / tree / naive all-reduce, broadcast, reduce,
   all-gather, reduce-scatter, all-to-all, gather, scatter, async versions: all on point-to-point.
 * ledger.py -- bytes, messages and steps per rank and per call: ``with measure(comm) as m``.
-* mesh.py -- ``Mesh(comm, dp, pp, tp)``; debug.py -- ``MINIDIST_DEBUG=1`` call checks.
+* call.py -- what every collective does around its messages (host staging, stamp, ledger record).
+* mesh.py -- ``Mesh(comm, dp, pp, tp)``; debug.py -- call stamps and ``MINIDIST_DEBUG=1`` checks.
 """
 
 from minidist.comm.collectives import (
@@ -27,7 +28,15 @@ from minidist.comm.collectives import (
     scatter,
     tree_all_reduce,
 )
-from minidist.comm.communicator import CommError, CommTimeout, Communicator, RankAborted, Request
+from minidist.comm.communicator import (
+    CommError,
+    CommTimeout,
+    Communicator,
+    MessageMismatch,
+    RankAborted,
+    RankExited,
+    Request,
+)
 from minidist.comm.debug import CollectiveMismatch
 from minidist.comm.handles import Handle
 from minidist.comm.launch import run, under_mpi, world
@@ -37,8 +46,9 @@ from minidist.comm.threads import ThreadComm
 
 __all__ = [
     "CallRecord", "CollectiveMismatch", "CommError", "CommTimeout", "Communicator", "Handle", "Ledger",
-    "Mesh", "RankAborted", "Request", "ThreadComm", "all_gather", "all_gather_async", "all_reduce",
-    "all_reduce_async", "all_to_all", "broadcast", "gather", "measure", "mpi_all_reduce",
+    "Mesh", "MessageMismatch", "RankAborted", "RankExited", "Request", "ThreadComm", "all_gather",
+    "all_gather_async", "all_reduce", "all_reduce_async", "all_to_all", "broadcast", "gather", "measure",
+    "mpi_all_reduce",
     "naive_all_reduce", "recursive_doubling_all_reduce", "reduce", "reduce_scatter",
     "reduce_scatter_async", "ring_all_reduce", "run", "scatter", "tree_all_reduce", "under_mpi", "world",
 ]

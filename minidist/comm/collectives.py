@@ -20,131 +20,29 @@ all_gather (ring)                      (p-1)/p N  (N = output size)   p-1
     sends every chunk but its own in reduce-scatter and every chunk but ``r+1`` in all-gather.
 [2] exactly ``N - |c_r|``.
 
-Collectives run on a private twin of ``comm`` (``comm.derived("coll")``) so they never match a
-user's point-to-point messages. In debug mode every call first checks that all ranks agree.
+Each algorithm opens its call with ``with collective(comm, name, x, op=op) as k`` (call.py): the
+host staging, the op check, the ledger record, the stamp and debug mode's check live there, so the
+body is only the algorithm: messages on ``k.comm`` (the communicator's strict private twin, which
+never matches a user's point-to-point messages) under the call's stamp ``k.tag``, through the
+Communicator's public interface (``sendrecv_buffer``, ``send_buffer``, ``recv_buffer``, ...).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from minidist.backend import backend_of, get_backend
-from minidist.comm import tracing
+from minidist.comm.call import OPS, check_op, collective, result_backend, scratch
 from minidist.comm.communicator import poll
 from minidist.comm.cost import agreed_crowded, choose_algorithm
 from minidist.comm.debug import check_same_call
-from minidist.comm.ledger import CallRecord, current_call, set_current_call
 
-OPS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 ALGORITHMS = ("auto", "ring", "recursive_doubling", "halving_doubling", "two_shot", "tree", "naive", "mpi")
-TAG = 1
-_NUMPY = get_backend("numpy")
-
-
-# -- plumbing shared by every collective ---------------------------------------------------------
-
-def is_floating(dtype) -> bool:
-    """True for NumPy's float/complex dtypes and for ml_dtypes' (bfloat16, float8_*): those are
-    NumPy 'V' kinds, so ``np.issubdtype(bfloat16, np.floating)`` is False."""
-    dtype = np.dtype(dtype)
-    if np.issubdtype(dtype, np.inexact):
-        return True
-    if dtype.kind != "V":
-        return False
-    try:
-        import ml_dtypes
-
-        ml_dtypes.finfo(dtype)
-        return True
-    except (ImportError, ValueError, TypeError):
-        return False
-
-
-def _check_op(comm, op, dtype):
-    if op not in OPS:
-        raise ValueError(f"rank {comm.rank}: unknown op {op!r}; use one of {', '.join(OPS)}")
-    if op == "mean" and not is_floating(dtype):
-        raise TypeError(f"rank {comm.rank}: op='mean' needs a floating dtype, got {dtype}; use op='sum'")
-
-
-def _backend(comm, x):
-    """The backend to return results in: the rank's own (device-bound) one if x is of that kind."""
-    if type(x) is np.ndarray:
-        return comm.backend if comm.backend.name == "numpy" else _NUMPY
-    be = backend_of(x)
-    return comm.backend if comm.backend.name == be.name else be
-
-
-class collective:
-    """``with collective(comm, name, x, op=...) as (c, rec):`` opens one collective call.
-
-    Counts the call (``comm.seq``), opens its ledger record (the algorithm calls ``rec.step()``),
-    in debug mode checks that every rank makes the same call (name, seq, shape, dtype, extras),
-    records a trace span, and hands out ``c``: the private twin of ``comm`` to talk on.
-    A collective called inside another (ring all-reduce's phases) joins the outer call.
-    (A class, not a generator: it runs on every call, and must stay cheap.)
-    """
-
-    def __init__(self, comm, name: str, x=None, shape_key=None, **extra):
-        self.comm, self.name, self.x, self.shape_key, self.extra = comm, name, x, shape_key, extra
-
-    def signature(self) -> dict:
-        sig = {"collective": self.name, "seq": self.comm.seq}
-        x = self.x
-        if x is not None:
-            shape = tuple(np.shape(x))
-            sig["shape"] = shape if self.shape_key is None else self.shape_key(shape)
-            sig["dtype"] = str(x.dtype)
-        return sig | self.extra
-
-    def __enter__(self):
-        comm = self.comm
-        c = comm._derived.get("coll") or comm.derived("coll")
-        outer = current_call()
-        if outer is not None:
-            self.rec = None
-            return c, outer
-        comm.seq += 1
-        self.rec = rec = CallRecord(self.name)
-        self.span = tracing.span(self.name, "collective")
-        self.span.__enter__()
-        set_current_call(rec)
-        comm.note((self.name, comm.seq))
-        if comm.debug and comm.size > 1:
-            try:
-                check_same_call(comm, self.signature())
-            except BaseException:
-                self.__exit__(None, None, None)
-                raise
-        return c, rec
-
-    def __exit__(self, *exc):
-        if self.rec is not None:
-            set_current_call(None)
-            self.comm.ledger.finish_call(self.rec)
-            self.span.__exit__(*exc)
-        return False
-
-
-def _scratch(c, n: int, dtype) -> np.ndarray:
-    """A reusable work buffer of ``n`` elements (fresh large arrays cost page faults every call)."""
-    cache = c.__dict__.setdefault("_scratch", {})
-    buf = cache.get(dtype)
-    if buf is None or buf.size < n:
-        buf = cache[dtype] = np.empty(n, dtype)
-    return buf[:n]
 
 
 def split_sizes(n: int, p: int) -> list[int]:
     """The lengths of ``np.array_split(range(n), p)``: the first ``n % p`` parts one longer."""
     q, extra = divmod(n, p)
     return [q + 1] * extra + [q] * (p - extra)
-
-
-def _finish(buf: np.ndarray, op: str, p: int) -> np.ndarray:
-    if op == "mean":
-        buf /= p
-    return buf
 
 
 # -- ring: reduce-scatter then all-gather (bandwidth optimal) -------------------------------------
@@ -159,64 +57,60 @@ def ring_chunks(rank: int, p: int, step: int, phase: str) -> tuple[int, int]:
     return (rank - step - shift) % p, (rank - step - shift - 1) % p
 
 
-def ring_reduce_scatter_chunks(c, chunks: list[np.ndarray], op: str, rec, src=None) -> None:
+def ring_reduce_scatter_chunks(k, chunks: list[np.ndarray], op: str, src=None) -> None:
     """On flat contiguous ``chunks`` (one per rank): afterwards chunk ``rank`` is fully reduced.
 
     Step s: send chunk (r-s-1) to the right neighbour, receive chunk (r-s-2) from the left one
     and combine it with our own. After p-1 steps chunk r has passed every rank once.
     ``src``: this rank's own data, if not already in ``chunks`` (saves copying the input).
     """
+    c = k.comm
     r, p = c.rank, c.size
     right, left = (r + 1) % p, (r - 1) % p
     src = chunks if src is None else src
-    tmp = _scratch(c, max(ch.size for ch in chunks), chunks[0].dtype)
+    tmp = scratch(c, max(ch.size for ch in chunks), chunks[0].dtype)
     for s in range(p - 1):
         send_i, recv_i = ring_chunks(r, p, s, "reduce-scatter")
         incoming = tmp[:chunks[recv_i].size]
-        c.sendrecv_buffer((src if s == 0 else chunks)[send_i], right, incoming, left, TAG)
+        c.sendrecv_buffer((src if s == 0 else chunks)[send_i], right, incoming, left, k.tag)
         OPS[op](src[recv_i], incoming, out=chunks[recv_i])
-        rec.step()
+        k.rec.step()
 
 
-def ring_all_gather_chunks(c, chunks: list[np.ndarray], rec) -> None:
+def ring_all_gather_chunks(k, chunks: list[np.ndarray]) -> None:
     """In place: rank r owns chunk r; after p-1 steps of pass-to-the-right every rank has all."""
+    c = k.comm
     r, p = c.rank, c.size
     right, left = (r + 1) % p, (r - 1) % p
     for s in range(p - 1):
         send_i, recv_i = ring_chunks(r, p, s, "all-gather")
-        c.sendrecv_buffer(chunks[send_i], right, chunks[recv_i], left, TAG)
-        rec.step()
+        c.sendrecv_buffer(chunks[send_i], right, chunks[recv_i], left, k.tag)
+        k.rec.step()
 
 
 def ring_all_reduce(comm, x, op: str = "sum"):
     """Ring all-reduce: reduce-scatter, then all-gather, over ``np.array_split`` chunks of x."""
-    with collective(comm, "ring_all_reduce", x, op=op) as (c, rec):
-        be = _backend(comm, x)
-        src = np.ascontiguousarray(be.to_host(x)).reshape(-1)
-        _check_op(comm, op, src.dtype)
-        out = np.empty_like(src)  # the result: chunks are reduced straight from src into it
-        if c.size == 1:
-            out[...] = src
+    with collective(comm, "ring_all_reduce", x, op=op) as k:
+        out = np.empty_like(k.flat)  # the result: chunks are reduced straight from the input into it
+        if comm.size == 1:
+            out[...] = k.flat
         else:
-            chunks = np.array_split(out, c.size)
-            ring_reduce_scatter_chunks(c, chunks, op, rec, src=np.array_split(src, c.size))
-            ring_all_gather_chunks(c, chunks, rec)
-        return be.from_host(_finish(out, op, c.size).reshape(np.shape(x)))
+            chunks = np.array_split(out, comm.size)
+            ring_reduce_scatter_chunks(k, chunks, op, src=np.array_split(k.flat, comm.size))
+            ring_all_gather_chunks(k, chunks)
+        return k.result(out)
 
 
 def reduce_scatter(comm, x, op: str = "sum", axis: int = 0):
     """Split x along ``axis`` like ``np.array_split`` into p chunks; return this rank's chunk reduced
     over all ranks (ring, p-1 steps, sends ``N - |chunk_r|`` bytes)."""
-    with collective(comm, "reduce_scatter", x, op=op, axis=axis) as (c, rec):
-        be = _backend(comm, x)
-        h = be.to_host(x)
-        _check_op(comm, op, h.dtype)
-        front = np.array(np.moveaxis(h, axis, 0), order="C", copy=True)  # chunks become contiguous
-        chunks = np.array_split(front, c.size, axis=0)
-        if c.size > 1:
-            ring_reduce_scatter_chunks(c, [ch.reshape(-1) for ch in chunks], op, rec)
-        mine = _finish(chunks[c.rank], op, c.size)
-        return be.from_host(np.ascontiguousarray(np.moveaxis(mine, 0, axis)))
+    with collective(comm, "reduce_scatter", x, op=op, axis=axis) as k:
+        front = np.array(np.moveaxis(k.host, axis, 0), order="C", copy=True)  # chunks become contiguous
+        chunks = np.array_split(front, comm.size, axis=0)
+        if comm.size > 1:
+            ring_reduce_scatter_chunks(k, [ch.reshape(-1) for ch in chunks], op)
+        mine = k.finish(chunks[comm.rank])
+        return k.be.from_host(np.ascontiguousarray(np.moveaxis(mine, 0, axis)))
 
 
 def all_gather(comm, x, axis: int = 0, sizes=None):
@@ -233,16 +127,16 @@ def all_gather(comm, x, axis: int = 0, sizes=None):
 
     if sizes is not None:
         return _all_gather_known(comm, x, axis, sizes)
-    with collective(comm, "all_gather", x, shape_key=shape_key, axis=axis) as (c, rec):
-        be = _backend(comm, x)
-        parts = [None] * c.size
-        parts[c.rank] = np.ascontiguousarray(be.to_host(x))
+    with collective(comm, "all_gather", x, shape_key=shape_key, axis=axis) as k:
+        c, parts = k.comm, [None] * comm.size
         r, p = c.rank, c.size
+        parts[r] = np.atleast_1d(k.host)
         for s in range(p - 1):
             send_i, recv_i = ring_chunks(r, p, s, "all-gather")
-            parts[recv_i] = c._sendrecv_host(parts[send_i], (r + 1) % p, (r - 1) % p, TAG)
-            rec.step()
-        return be.from_host(np.concatenate(parts, axis=axis))
+            parts[recv_i] = c.sendrecv_buffer(parts[send_i], (r + 1) % p, None, (r - 1) % p, k.tag,
+                                              header=True)
+            k.rec.step()
+        return k.be.from_host(np.concatenate(parts, axis=axis))
 
 
 def _all_gather_known(comm, x, axis, sizes):
@@ -263,17 +157,16 @@ def _all_gather_known(comm, x, axis, sizes):
                          f"(x has shape {shape})")
     rest = shape[:axis] + shape[axis + 1:]
     sig = {"shape_key": lambda s: rest, "axis": axis, "sizes": tuple(sizes)}
-    with collective(comm, "all_gather", x, **sig) as (c, rec):
-        be = _backend(comm, x)
-        front = np.moveaxis(be.to_host(x), axis, 0)           # parts become contiguous blocks of out
+    with collective(comm, "all_gather", x, **sig) as k:
+        front = np.moveaxis(k.host, axis, 0)                  # parts become contiguous blocks of out
         out = np.empty((sum(sizes),) + front.shape[1:], front.dtype)
         bounds = np.cumsum([0] + sizes)
-        out[bounds[c.rank]:bounds[c.rank + 1]] = front
-        if c.size > 1:
+        out[bounds[comm.rank]:bounds[comm.rank + 1]] = front
+        if comm.size > 1:
             flat = out.reshape(-1)
-            k = int(np.prod(front.shape[1:], dtype=np.int64))
-            ring_all_gather_chunks(c, [flat[a * k:b * k] for a, b in zip(bounds[:-1], bounds[1:])], rec)
-        return be.from_host(np.ascontiguousarray(np.moveaxis(out, 0, axis)) if axis else out)
+            n = int(np.prod(front.shape[1:], dtype=np.int64))
+            ring_all_gather_chunks(k, [flat[a * n:b * n] for a, b in zip(bounds[:-1], bounds[1:])])
+        return k.be.from_host(np.ascontiguousarray(np.moveaxis(out, 0, axis)) if axis else out)
 
 
 # -- recursive doubling (latency optimal: log2 p steps, any p) ------------------------------------
@@ -284,25 +177,22 @@ def recursive_doubling_all_reduce(comm, x, op: str = "sum"):
     For p not a power of two, the first 2*rem ranks (rem = p - 2**floor(log2 p)) pair up first:
     even ranks hand their array to the odd neighbour and sit out, getting the result at the end.
     """
-    with collective(comm, "recursive_doubling_all_reduce", x, op=op) as (c, rec):
-        be = _backend(comm, x)
-        buf = np.array(be.to_host(x), copy=True).reshape(-1)
-        _check_op(comm, op, buf.dtype)
-        r, p = c.rank, c.size
+    with collective(comm, "recursive_doubling_all_reduce", x, op=op) as k:
+        c, buf = k.comm, k.flat.copy()
+        r, p, fn = c.rank, c.size, OPS[op]
         pof2 = 1 << (p.bit_length() - 1)
-        rem, tmp, rounds = p - pof2, _scratch(c, buf.size, buf.dtype), pof2.bit_length() - 1
-        fn = OPS[op]
-        vrank = _fold_in(c, buf, tmp, fn, rem)
+        rem, tmp, rounds = p - pof2, scratch(c, buf.size, buf.dtype), pof2.bit_length() - 1
+        vrank = _fold_in(k, buf, tmp, fn, rem)
         if vrank >= 0:
             mask = 1
             while mask < pof2:
                 peer = _real_rank(vrank ^ mask, rem)
-                c.sendrecv_buffer(buf, peer, tmp, peer, TAG)
+                c.sendrecv_buffer(buf, peer, tmp, peer, k.tag)
                 fn(tmp, buf, out=buf) if peer < r else fn(buf, tmp, out=buf)  # lower rank first
                 mask <<= 1
-        _fold_out(c, buf, rem)
-        rec.step(rounds + (2 if rem else 0))  # rounds of the algorithm (idle ones included)
-        return be.from_host(_finish(buf, op, p).reshape(np.shape(x)))
+        _fold_out(k, buf, rem)
+        k.rec.step(rounds + (2 if rem else 0))  # rounds of the algorithm (idle ones included)
+        return k.result(buf)
 
 
 # -- two-shot: the ring's bytes in 2 rounds ------------------------------------------------------
@@ -320,33 +210,31 @@ def two_shot_all_reduce(comm, x, op: str = "sum"):
     Round 1: rank r sends chunk j of its x to rank j (for every j != r) and receives chunk r from
     everyone, then reduces them in rank order. Round 2: it sends its reduced chunk to everyone and
     receives theirs. Bytes as the ring, 2(p-1)/p·N, in 2 rounds instead of 2(p-1) steps: no rank
-    waits for a neighbour to finish a step before it can start its own -- what costs most when
-    ranks outnumber cores. The price is p-1 messages per round instead of one.
+    waits for a neighbour that waits for its own -- what costs most when ranks outnumber cores.
+    The price is p-1 messages per round instead of one.
     """
-    with collective(comm, "two_shot_all_reduce", x, op=op) as (c, rec):
-        be = _backend(comm, x)
-        src = np.ascontiguousarray(be.to_host(x)).reshape(-1)
-        _check_op(comm, op, src.dtype)
+    with collective(comm, "two_shot_all_reduce", x, op=op) as k:
+        c, src = k.comm, k.flat
         p, r, fn = c.size, c.rank, OPS[op]
         bounds = np.cumsum([0] + split_sizes(src.size, p))
         part = [slice(bounds[j], bounds[j + 1]) for j in range(p)]
         out = np.empty_like(src)
         n = bounds[r + 1] - bounds[r]
-        incoming = _scratch(c, p * n, src.dtype).reshape(p, n)
+        incoming = scratch(c, p * n, src.dtype).reshape(p, n)
         peers = [j for j in range(p) if j != r]
-        reqs = [c._irecv_host(j, TAG, incoming[j], header=False) for j in peers]
-        reqs += [c._isend_host(src[part[j]], j, TAG, header=False) for j in peers]
+        reqs = [c.irecv_buffer(incoming[j], j, k.tag) for j in peers]
+        reqs += [c.isend_buffer(src[part[j]], j, k.tag) for j in peers]
         wait_all(c, reqs, "two-shot reduce-scatter")
         incoming[r] = src[part[r]]
         out[part[r]] = incoming[0]
         for j in range(1, p):                    # in rank order: every rank's chunk adds up alike
             fn(out[part[r]], incoming[j], out=out[part[r]])
-        _finish(out[part[r]], op, p)
-        reqs = [c._irecv_host(j, TAG + 1, out[part[j]], header=False) for j in peers]
-        reqs += [c._isend_host(out[part[r]], j, TAG + 1, header=False) for j in peers]
+        k.finish(out[part[r]])
+        reqs = [c.irecv_buffer(out[part[j]], j, k.tag + 1) for j in peers]   # round 2: phase bit
+        reqs += [c.isend_buffer(out[part[r]], j, k.tag + 1) for j in peers]
         wait_all(c, reqs, "two-shot all-gather")
-        rec.step(2 if p > 1 else 0)             # p = 1: nothing to exchange, no rounds
-        return be.from_host(out.reshape(np.shape(x)))
+        k.rec.step(2 if p > 1 else 0)           # p = 1: nothing to exchange, no rounds
+        return k.be.from_host(out.reshape(np.shape(x)))
 
 
 # -- halving-doubling (Rabenseifner): the ring's bytes in 2 log2 p steps ---------------------------
@@ -360,18 +248,16 @@ def halving_doubling_all_reduce(comm, x, op: str = "sum"):
     2(p-1)/p N for p a power of two, but in 2 log2 p steps instead of 2(p-1): better when latency
     (or a crowded CPU) dominates. Other p: the extra ranks fold in first, as in recursive doubling.
     """
-    with collective(comm, "halving_doubling_all_reduce", x, op=op) as (c, rec):
-        be = _backend(comm, x)
-        src = np.ascontiguousarray(be.to_host(x)).reshape(-1)
-        _check_op(comm, op, src.dtype)
+    with collective(comm, "halving_doubling_all_reduce", x, op=op) as k:
+        c, src = k.comm, k.flat
         p, fn = c.size, OPS[op]
         q = 1 << (p.bit_length() - 1)
         rem, logq = p - q, q.bit_length() - 1
-        buf, tmp = np.empty_like(src), _scratch(c, src.size, src.dtype)
+        buf, tmp = np.empty_like(src), scratch(c, src.size, src.dtype)
         if c.rank < 2 * rem or q == 1:           # folding works in place: start from a copy
             buf[...] = src
             src = buf
-        vrank = _fold_in(c, buf, tmp, fn, rem)
+        vrank = _fold_in(k, buf, tmp, fn, rem)
 
         if vrank >= 0:
             bounds = np.cumsum([0] + split_sizes(buf.size, q))
@@ -380,19 +266,19 @@ def halving_doubling_all_reduce(comm, x, op: str = "sum"):
                 mid, peer = (lo + hi) // 2, _real_rank(vrank ^ mask, rem)
                 low = not vrank & mask           # the lower partner keeps the lower half
                 (klo, khi), (slo, shi) = ((lo, mid), (mid, hi)) if low else ((mid, hi), (lo, mid))
-                k, incoming = slice(bounds[klo], bounds[khi]), tmp[:bounds[khi] - bounds[klo]]
-                c.sendrecv_buffer(src[bounds[slo]:bounds[shi]], peer, incoming, peer, TAG)
-                fn(src[k], incoming, out=buf[k])  # the first step reads the input: no copy of it
+                keep, incoming = slice(bounds[klo], bounds[khi]), tmp[:bounds[khi] - bounds[klo]]
+                c.sendrecv_buffer(src[bounds[slo]:bounds[shi]], peer, incoming, peer, k.tag)
+                fn(src[keep], incoming, out=buf[keep])  # the first step reads the input: no copy of it
                 lo, hi, mask, src = klo, khi, mask >> 1, buf
             mask = 1
             while mask < q:                      # all-gather: double what I own each step
                 width, peer = hi - lo, _real_rank(vrank ^ mask, rem)
                 plo, phi = (hi, hi + width) if not vrank & mask else (lo - width, lo)
-                c.sendrecv_buffer(buf[bounds[lo]:bounds[hi]], peer, buf[bounds[plo]:bounds[phi]], peer, TAG)
+                c.sendrecv_buffer(buf[bounds[lo]:bounds[hi]], peer, buf[bounds[plo]:bounds[phi]], peer, k.tag)
                 lo, hi, mask = min(lo, plo), max(hi, phi), mask << 1
-        _fold_out(c, buf, rem)
-        rec.step(2 * logq + (2 if rem else 0))
-        return be.from_host(_finish(buf, op, p).reshape(np.shape(x)))
+        _fold_out(k, buf, rem)
+        k.rec.step(2 * logq + (2 if rem else 0))
+        return k.result(buf)
 
 
 def _real_rank(v: int, rem: int) -> int:
@@ -401,29 +287,31 @@ def _real_rank(v: int, rem: int) -> int:
     return 2 * v + 1 if v < rem else v + rem
 
 
-def _fold_in(c, buf, tmp, fn, rem) -> int:
+def _fold_in(k, buf, tmp, fn, rem) -> int:
     """p not a power of two: even ranks below 2*rem hand their array to the odd neighbour and sit
     out (returns -1); the others get virtual ranks 0..q-1."""
+    c = k.comm
     r = c.rank
     if r >= 2 * rem:
         return r - rem
     if r % 2 == 0:
-        c.send_buffer(buf, r + 1, TAG)
+        c.send_buffer(buf, r + 1, k.tag)
         return -1
     incoming = tmp[:buf.size]
-    c.recv_buffer(incoming, r - 1, TAG)
+    c.recv_buffer(incoming, r - 1, k.tag)
     fn(incoming, buf, out=buf)
     return r // 2
 
 
-def _fold_out(c, buf, rem) -> None:
+def _fold_out(k, buf, rem) -> None:
     """Hand the result back to the ranks that sat out."""
+    c = k.comm
     r = c.rank
     if r < 2 * rem:
         if r % 2 == 1:
-            c.send_buffer(buf, r - 1, TAG)
+            c.send_buffer(buf, r - 1, k.tag)
         else:
-            c.recv_buffer(buf, r + 1, TAG)
+            c.recv_buffer(buf, r + 1, k.tag)
 
 
 # -- binomial trees: reduce to a root, broadcast from it ------------------------------------------
@@ -432,99 +320,91 @@ def _rounds(p: int) -> int:
     return (p - 1).bit_length()  # ceil(log2 p)
 
 
-def tree_reduce_host(c, buf: np.ndarray, op: str, root: int, rec) -> None:
+def tree_reduce_host(k, buf: np.ndarray, op: str, root: int) -> None:
     """Binomial tree, in place on ``buf``: in round k, ranks with bit k set (relative to root) send
     to the rank 2**k below and drop out. The root ends with the reduction."""
+    c = k.comm
     p, vr = c.size, (c.rank - root) % c.size
-    tmp, mask, fn = _scratch(c, buf.size, buf.dtype).reshape(buf.shape), 1, OPS[op]
+    tmp, mask, fn = scratch(c, buf.size, buf.dtype).reshape(buf.shape), 1, OPS[op]
     while mask < p:
         if vr & mask:
-            c.send_buffer(buf, (vr - mask + root) % p, TAG)
+            c.send_buffer(buf, (vr - mask + root) % p, k.tag)
             break
         if vr + mask < p:
-            c.recv_buffer(tmp, (vr + mask + root) % p, TAG)
+            c.recv_buffer(tmp, (vr + mask + root) % p, k.tag)
             fn(buf, tmp, out=buf)
         mask <<= 1
-    rec.step(_rounds(p))
+    k.rec.step(_rounds(p))
 
 
-def tree_broadcast_host(c, buf: np.ndarray | None, root: int, rec, header: bool) -> np.ndarray:
+def tree_broadcast_host(k, buf: np.ndarray | None, root: int, header: bool) -> np.ndarray:
     """Binomial tree: receive from the parent (lowest set bit of the relative rank), then send to
     the children 2**k above for every lower k. ``header``: receivers learn shape and dtype."""
+    c = k.comm
     p, vr, mask = c.size, (c.rank - root) % c.size, 1
     while mask < p:
         if vr & mask:
-            src = (vr - mask + root) % p
-            if header:
-                buf = c._sendrecv_host(None, None, src, TAG, out=buf)
-            else:
-                c.recv_buffer(buf, src, TAG)
+            buf = c.recv_buffer(buf, (vr - mask + root) % p, k.tag, header=header)
             break
         mask <<= 1
     mask >>= 1
     while mask > 0:
         if vr + mask < p:
-            c._isend_host(buf, (vr + mask + root) % p, TAG, header=header).wait()
+            c.send_buffer(buf, (vr + mask + root) % p, k.tag, header=header)
         mask >>= 1
-    rec.step(_rounds(p))
+    k.rec.step(_rounds(p))
     return buf
 
 
 def broadcast(comm, x, root: int = 0):
     """Root's x on every rank (binomial tree). Non-roots may pass None (they learn the shape) or
     an array of the right shape and dtype."""
-    with collective(comm, "broadcast", root=root) as (c, rec):
-        root = c._check_peer(root, "root")
-        if c.rank == root and x is None:
-            raise ValueError(f"rank {root}: broadcast root must pass an array, got None")
-        be = c.backend if x is None else _backend(comm, x)
+    root = comm.check_peer(root, "root")
+    if comm.rank == root and x is None:
+        raise ValueError(f"rank {root}: broadcast root must pass an array, got None")
+    with collective(comm, "broadcast", root=root) as k:
+        be = comm.backend if x is None else result_backend(comm, x)
         h = None if x is None else np.ascontiguousarray(be.to_host(x))
-        if h is not None and c.rank != root:
+        if h is not None and comm.rank != root:
             h = np.array(h, copy=True)
-        return be.from_host(tree_broadcast_host(c, h, root, rec, header=True))
+        return be.from_host(tree_broadcast_host(k, h, root, header=True))
 
 
 def reduce(comm, x, op: str = "sum", root: int = 0):
     """The reduction of every rank's x, on ``root`` (binomial tree); None on the other ranks."""
-    with collective(comm, "reduce", x, op=op, root=root) as (c, rec):
-        root = c._check_peer(root, "root")
-        be = _backend(comm, x)
-        buf = np.array(be.to_host(x), copy=True)
-        _check_op(comm, op, buf.dtype)
-        tree_reduce_host(c, buf.reshape(-1), op, root, rec)
-        return be.from_host(_finish(buf, op, c.size)) if c.rank == root else None
+    root = comm.check_peer(root, "root")
+    with collective(comm, "reduce", x, op=op, root=root) as k:
+        buf = k.host.copy()
+        tree_reduce_host(k, buf.reshape(-1), op, root)
+        return k.be.from_host(k.finish(buf)) if comm.rank == root else None
 
 
 def tree_all_reduce(comm, x, op: str = "sum"):
     """Tree reduce to rank 0, then tree broadcast from it: 2 ceil(log2 p) steps."""
-    with collective(comm, "tree_all_reduce", x, op=op) as (c, rec):
-        be = _backend(comm, x)
-        buf = np.array(be.to_host(x), copy=True).reshape(-1)
-        _check_op(comm, op, buf.dtype)
-        tree_reduce_host(c, buf, op, 0, rec)
-        tree_broadcast_host(c, buf, 0, rec, header=False)
-        return be.from_host(_finish(buf, op, c.size).reshape(np.shape(x)))
+    with collective(comm, "tree_all_reduce", x, op=op) as k:
+        buf = k.flat.copy()
+        tree_reduce_host(k, buf, op, 0)
+        tree_broadcast_host(k, buf, 0, header=False)
+        return k.result(buf)
 
 
 def naive_all_reduce(comm, x, op: str = "sum"):
     """Everyone sends to rank 0, which reduces in rank order and sends the result to everyone:
     the root moves (p-1) N bytes each way, one message at a time: 2(p-1) steps."""
-    with collective(comm, "naive_all_reduce", x, op=op) as (c, rec):
-        be = _backend(comm, x)
-        buf = np.array(be.to_host(x), copy=True).reshape(-1)
-        _check_op(comm, op, buf.dtype)
+    with collective(comm, "naive_all_reduce", x, op=op) as k:
+        c, buf = k.comm, k.flat.copy()
         if c.rank == 0:
-            tmp = _scratch(c, buf.size, buf.dtype).reshape(buf.shape)
+            tmp = scratch(c, buf.size, buf.dtype)
             for r in range(1, c.size):
-                c.recv_buffer(tmp, r, TAG)
+                c.recv_buffer(tmp, r, k.tag)
                 OPS[op](buf, tmp, out=buf)
             for r in range(1, c.size):
-                c.send_buffer(buf, r, TAG)
+                c.send_buffer(buf, r, k.tag)
         elif c.size > 1:
-            c.send_buffer(buf, 0, TAG)
-            c.recv_buffer(buf, 0, TAG)
-        rec.step(2 * (c.size - 1))
-        return be.from_host(_finish(buf, op, c.size).reshape(np.shape(x)))
+            c.send_buffer(buf, 0, k.tag)
+            c.recv_buffer(buf, 0, k.tag)
+        k.rec.step(2 * (c.size - 1))
+        return k.result(buf)
 
 
 # -- MPI's own, as the reference to beat --------------------------------------------------------
@@ -538,18 +418,16 @@ def mpi_all_reduce(comm, x, op: str = "sum"):
         return ring_all_reduce(comm, x, op)
     from mpi4py import MPI
 
-    with collective(comm, "mpi_all_reduce", x, op=op) as (c, rec):
-        be = _backend(comm, x)
-        buf = np.array(be.to_host(x), copy=True)
-        _check_op(comm, op, buf.dtype)
-        from minidist.comm.mpi import mpi_knows
+    from minidist.comm.mpi import mpi_knows
 
-        if not mpi_knows(buf.dtype):
-            raise TypeError(f"rank {comm.rank}: MPI's Allreduce can't reduce {buf.dtype} (it doesn't know "
+    with collective(comm, "mpi_all_reduce", x, op=op) as k:
+        if not mpi_knows(k.host.dtype):
+            raise TypeError(f"rank {comm.rank}: MPI's Allreduce can't reduce {k.host.dtype} (it doesn't know "
                             f"the type); use one of minidist's algorithms, e.g. algorithm='ring'")
+        buf = k.host.copy()
         mop = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
-        c.mpi.Allreduce(MPI.IN_PLACE, buf, op=mop)
-        return be.from_host(_finish(buf, op, c.size))
+        k.comm.mpi.Allreduce(MPI.IN_PLACE, buf, op=mop)
+        return k.be.from_host(k.finish(buf))
 
 
 _BY_NAME = {"ring": ring_all_reduce, "two_shot": two_shot_all_reduce,
@@ -562,10 +440,16 @@ def all_reduce(comm, x, op: str = "sum", algorithm: str = "auto"):
     """The reduction (sum/mean/max/min) of every rank's x, on every rank.
 
     ``algorithm="auto"``: the one the cost model predicts fastest for this size and group; every
-    rank gets the same answer (``agreed_crowded``), so none waits for messages of another algorithm."""
+    rank gets the same answer (``agreed_crowded``), so none waits for messages of another algorithm.
+    In debug mode the ranks first compare their calls, before that agreement's handshake."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"rank {comm.rank}: unknown algorithm {algorithm!r}; use one of {ALGORITHMS}")
     if algorithm == "auto":
+        if comm.debug and comm.size > 1 and comm.agreed_crowded is None:
+            check_op(comm, op, x.dtype)
+            check_same_call(comm, {"collective": "all_reduce", "seq": comm.seq + 1, "size": comm.size,
+                                   "shape": tuple(np.shape(x)), "dtype": str(x.dtype), "op": op,
+                                   "algorithm": algorithm})
         algorithm = choose_algorithm(x.nbytes, comm.size, agreed_crowded(comm))
     return _BY_NAME[algorithm](comm, x, op)
 
@@ -578,47 +462,49 @@ def all_to_all(comm, chunks: list) -> list:
     if len(chunks) != comm.size:
         raise ValueError(f"rank {comm.rank}: all_to_all needs {comm.size} chunks (one per rank), "
                          f"got {len(chunks)}")
-    with collective(comm, "all_to_all") as (c, rec):
-        be = _backend(comm, chunks[c.rank])
+    with collective(comm, "all_to_all") as k:
+        c, be = k.comm, result_backend(comm, chunks[comm.rank])
         host = [np.ascontiguousarray(be.to_host(ch)) for ch in chunks]
-        out = [None] * c.size
-        out[c.rank] = np.array(host[c.rank], copy=True)
         r, p = c.rank, c.size
+        out = [None] * p
+        out[r] = np.array(host[r], copy=True)
         for s in range(1, p):
-            out[(r - s) % p] = c._sendrecv_host(host[(r + s) % p], (r + s) % p, (r - s) % p, TAG)
-            rec.step()
+            out[(r - s) % p] = c.sendrecv_buffer(host[(r + s) % p], (r + s) % p, None, (r - s) % p, k.tag,
+                                                 header=True)
+            k.rec.step()
         return [be.from_host(o) for o in out]
 
 
 def gather(comm, x, root: int = 0) -> list | None:
     """Every rank's x, as a list on ``root`` (shapes may differ); None elsewhere."""
-    with collective(comm, "gather", root=root) as (c, rec):
-        root = c._check_peer(root, "root")
-        be = _backend(comm, x)
+    root = comm.check_peer(root, "root")
+    with collective(comm, "gather", root=root) as k:   # shapes and dtypes may differ: x not in the stamp
+        c, be = k.comm, result_backend(comm, x)
         h = np.ascontiguousarray(be.to_host(x))
-        rec.step(c.size - 1)
+        k.rec.step(c.size - 1)
         if c.rank != root:
-            c._isend_host(h, root, TAG, header=True).wait()
+            c.send_buffer(h, root, k.tag, header=True)
             return None
-        return [be.from_host(np.array(h, copy=True) if r == root else
-                             c._irecv_host(r, TAG, None, header=True).wait()) for r in range(c.size)]
+        return [be.from_host(h.copy() if r == root else c.recv_buffer(None, r, k.tag, header=True))
+                for r in range(c.size)]
 
 
 def scatter(comm, chunks: list | None, root: int = 0):
     """``chunks[j]`` (given on root) to rank j; non-roots pass None."""
-    with collective(comm, "scatter", root=root) as (c, rec):
-        root = c._check_peer(root, "root")
-        rec.step(c.size - 1)
+    root = comm.check_peer(root, "root")
+    if comm.rank == root and (chunks is None or len(chunks) != comm.size):
+        raise ValueError(f"rank {root}: scatter root needs {comm.size} chunks, got "
+                         f"{None if chunks is None else len(chunks)}")
+    with collective(comm, "scatter", root=root) as k:
+        c = k.comm
+        k.rec.step(c.size - 1)
         if c.rank == root:
-            if chunks is None or len(chunks) != c.size:
-                raise ValueError(f"rank {root}: scatter root needs {c.size} chunks, got "
-                                 f"{None if chunks is None else len(chunks)}")
-            be = _backend(comm, chunks[root])
+            be = result_backend(comm, chunks[root])
             for r in range(c.size):
                 if r != root:
-                    c._isend_host(np.ascontiguousarray(be.to_host(chunks[r])), r, TAG, header=True).wait()
+                    c.send_buffer(np.ascontiguousarray(be.to_host(chunks[r])), r, k.tag, header=True)
             return be.from_host(np.array(be.to_host(chunks[root]), copy=True))
-        return c.backend.from_host(c._irecv_host(root, TAG, None, header=True).wait())
+        return comm.backend.from_host(c.recv_buffer(None, root, k.tag, header=True))
 
 
 # -- asynchronous versions ----------------------------------------------------------------------

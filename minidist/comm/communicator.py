@@ -1,24 +1,44 @@
-"""The Communicator: one rank's view of a group of ranks (principle 1 of DESIGN.md).
+"""The Communicator: one rank's view of a group of ranks.
 
-A transport (``ThreadComm``: ranks as threads; ``MPIComm``: ranks as MPI processes) implements
-three host-buffer primitives -- ``_isend_host``, ``_irecv_host`` and ``split`` -- and this class
-builds the whole public interface on them, the same for every transport:
+Every algorithm is SPMD code for one rank with its communicator passed in (``ring_all_reduce(comm,
+x)``); this class is that ``comm``. It is written once, on top of a small **transport interface**
+that each transport implements in one file (threads.py: ranks as threads; mpi.py: ranks as MPI
+processes). To add a transport, subclass ``Communicator`` and write these four methods:
+
+* ``isend_buffer(buf, dest, tag=0, *, header=False, count=True) -> Request`` -- start sending the
+  contiguous NumPy host buffer ``buf``. ``header=True``: the shape and dtype travel with it.
+* ``irecv_buffer(out, source, tag=0, *, header=False, count=True) -> Request`` -- start receiving
+  into ``out`` (``None`` allowed when ``header=True``: allocated from the header). A message of
+  another size or dtype raises :class:`MessageMismatch`; ``wait()`` returns the array.
+* ``split(color, key=0)`` -- like ``MPI_Comm_split``: new communicators for groups of ranks.
+* ``make_twin(name)`` -- a communicator over the same ranks whose messages never match ours.
+
+``count=False`` keeps a message out of the ledger's payload counts (objects, barriers). Waiting is
+shared: a transport's ``Request.wait`` calls :func:`poll`, or, like threads.py, its own loop that
+raises the same errors. A *strict* communicator (the private twin that collectives talk on) also
+checks, while it waits, that the peer's next message belongs to the same collective call (see
+debug.py): a mismatch raises at once instead of hanging or adding the wrong arrays.
+
+On these, this class builds the interface every algorithm uses, the same on every transport:
 
 * ``send / recv / isend / irecv / sendrecv``: arrays of any backend. The receiver learns shape and
   dtype from a small header message (not counted as payload in the ledger) unless ``out`` is given.
-* ``send_buffer / recv_buffer / sendrecv_buffer``: NumPy host buffers whose shape both sides
-  already know: no header, no allocation. Collectives use these (they always know the sizes).
+* ``send_buffer / recv_buffer / sendrecv_buffer``: NumPy host buffers. Collectives use these; with
+  ``header=False`` (both sides know the size) no header travels and nothing is allocated.
 * ``send_obj / recv_obj / bcast_obj / gather_obj / allgather_obj``: pickled Python objects, for
   small metadata only (counted as header bytes, not payload).
+* ``twin(name)``: a private twin (same ranks, own messages), e.g. ``twin("coll")`` for collectives.
 
-Every wait is bounded by ``comm.timeout`` (``MINIDIST_TIMEOUT`` seconds, default 300): a wait that
-runs out raises :class:`CommTimeout` naming the waiting rank, its peer and each rank's last operation.
+Every wait is bounded by ``comm.timeout`` (``MINIDIST_TIMEOUT`` seconds, default 300): after
+10 s it prints a "still waiting" line naming the operation and the peer; at the timeout it raises
+:class:`CommTimeout` naming the waiting rank, its peer and each rank's current operation.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import sys
 import threading
 import time
 
@@ -31,6 +51,8 @@ from minidist.comm.ledger import Ledger, current_call
 MAX_USER_TAG = 1 << 20          # user tags are 0 .. MAX_USER_TAG-1; larger ones are minidist's own
 OBJ_TAG = MAX_USER_TAG + 1      # pickled-object messages: OBJ_TAG + 2*tag, tag < MAX_OBJ_TAG
 MAX_OBJ_TAG = 1 << 18
+DEFAULT_TIMEOUT = 300.0         # seconds; MINIDIST_TIMEOUT overrides
+NOTICE_AFTER = 10.0             # seconds of waiting before the "still waiting" line
 
 
 class CommError(RuntimeError):
@@ -45,12 +67,20 @@ class RankAborted(CommError):
     """Raised on the other ranks when one rank failed (threads transport), so nobody hangs."""
 
 
+class RankExited(CommError):
+    """The peer this rank waits for has already returned from its function: it will never send."""
+
+
+class MessageMismatch(CommError, ValueError):
+    """A message arrived with another size or dtype than the receiver's buffer."""
+
+
 def format_op(op) -> str:
     return op if isinstance(op, str) else f"{op[0]} #{op[1]}"
 
 
 def default_timeout() -> float:
-    return float(os.environ.get("MINIDIST_TIMEOUT", "300"))
+    return float(os.environ.get("MINIDIST_TIMEOUT", DEFAULT_TIMEOUT))
 
 
 def debug_enabled() -> bool:
@@ -92,19 +122,24 @@ class Communicator:
         self.rank, self.size = rank, size
         self.backend = backend if backend is not None else default_backend()
         self.ledger = ledger if ledger is not None else Ledger()
-        self._derived: dict = {}        # private twins (same group, own tag space), see derived()
+        self.twins: dict = {}           # name -> private twin (same group, own messages), see twin()
+        self.origin = self              # the communicator this one is a twin of (itself if none)
+        self.strict = False             # every message belongs to a stamped collective call
         self.timeout = default_timeout()
         self.debug = debug_enabled()
         self.seq = 0                    # collectives called on this communicator so far
-        self.last_op = "start"
+        self.last_op = "start"          # this rank's current operation (of the origin: see note())
         self.async_worker = None        # the thread that runs this communicator's async collectives
+        self.agreed_crowded = None      # cost.agreed_crowded's answer, once the ranks agreed on it
+        self.scratch: dict = {}         # dtype -> reusable work buffer of the collectives
 
-    # -- what a transport implements ----------------------------------------------------------
-    def _isend_host(self, buf: np.ndarray, dest: int, tag: int, header: bool, count: bool = True) -> Request:
+    # -- the transport interface (see the module docstring) ------------------------------------
+    def isend_buffer(self, buf: np.ndarray, dest: int, tag: int = 0, *, header: bool = False,
+                     count: bool = True) -> Request:
         raise NotImplementedError
 
-    def _irecv_host(self, source: int, tag: int, out: np.ndarray | None, header: bool,
-                    count: bool = True) -> Request:
+    def irecv_buffer(self, out: np.ndarray | None, source: int, tag: int = 0, *, header: bool = False,
+                     count: bool = True) -> Request:
         raise NotImplementedError
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
@@ -114,21 +149,18 @@ class Communicator:
         """
         raise NotImplementedError
 
-    def _dup(self, name: str) -> Communicator:
+    def make_twin(self, name: str) -> Communicator:
         raise NotImplementedError
 
-    def ranks_status(self) -> str:
-        """Each rank's last operation, as far as this rank can know (threads: all; MPI: its own)."""
-        return f"rank {self.rank}: {format_op(self.last_op)}"
-
-    # -- helpers ------------------------------------------------------------------------------
-    def derived(self, name: str) -> Communicator:
-        """A private twin of this communicator (same ranks, separate messages): collective."""
-        if name not in self._derived:
-            twin = self._dup(name)
-            twin.timeout = self.timeout
-            self._derived[name] = twin
-        return self._derived[name]
+    # -- twins, notes, the watchdog --------------------------------------------------------------
+    def twin(self, name: str) -> Communicator:
+        """This communicator's private twin ``name`` (same ranks, separate messages): collective the
+        first time. ``"coll"`` is strict: collectives talk on it with stamped tags."""
+        t = self.twins.get(name)
+        if t is None:
+            t = self.twins[name] = self.make_twin(name)
+            t.origin, t.strict, t.timeout = self.origin, name == "coll", self.timeout
+        return t
 
     @property
     def timeout(self) -> float:
@@ -138,15 +170,43 @@ class Communicator:
     @timeout.setter
     def timeout(self, seconds: float) -> None:
         self._timeout = seconds
-        for twin in self._derived.values():
+        for twin in self.twins.values():
             twin.timeout = seconds
 
     def note(self, op) -> None:
         """Record this rank's current operation (shown by the watchdog): a string, or a tuple
-        (collective name, sequence number) formatted only when shown -- notes must be cheap."""
-        self.last_op = op
+        (collective name, sequence number) formatted only when shown -- notes must be cheap.
+        A twin notes on its origin, so the watchdog shows the collective, not the twin's start."""
+        self.origin.last_op = op
 
-    def _check_peer(self, peer: int, what: str) -> int:
+    def ranks_status(self) -> str:
+        """Each rank's current operation, as far as this rank can know (threads: all; MPI: its own)."""
+        return f"rank {self.rank}: {format_op(self.origin.last_op)}"
+
+    def not_arrived(self) -> list[int] | None:
+        """Ranks not in this rank's current operation, if this rank can know (threads); else None."""
+        return None
+
+    def timeout_error(self, what: str, waited: float) -> CommTimeout:
+        return CommTimeout(
+            f"watchdog: rank {self.rank} of {self.size} ({self.transport}) waited {waited:.1f} s "
+            f"(timeout {self.timeout:g} s, MINIDIST_TIMEOUT) for {what}.\nCurrent operation of each rank:\n  "
+            + self.ranks_status().replace("\n", "\n  "))
+
+    def still_waiting(self, what: str, waited: float) -> None:
+        """The watchdog's early warning, printed once per wait after ``NOTICE_AFTER`` seconds."""
+        late = self.not_arrived()
+        sys.stderr.write(
+            f"[minidist] rank {self.rank} of {self.size} ({self.transport}): still waiting after "
+            f"{waited:.0f} s in {format_op(self.origin.last_op)} for {what}"
+            + (f"; ranks not there yet: {late}" if late else "")
+            + f"; raises at {self.timeout:g} s (MINIDIST_TIMEOUT)\n")
+        sys.stderr.flush()
+
+    def notice_after(self) -> float:
+        return min(NOTICE_AFTER, self.timeout / 2)
+
+    def check_peer(self, peer: int, what: str) -> int:
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
             raise ValueError(f"rank {self.rank}: {what}={peer!r} is not a rank of this communicator "
                              f"(valid: 0..{self.size - 1})")
@@ -157,34 +217,28 @@ class Communicator:
             raise ValueError(f"rank {self.rank}: tag={tag} must be in 0..{MAX_USER_TAG - 1}")
         return tag
 
-    def timeout_error(self, what: str, waited: float) -> CommTimeout:
-        return CommTimeout(
-            f"watchdog: rank {self.rank} of {self.size} ({self.transport}) waited {waited:.1f} s "
-            f"(timeout {self.timeout:g} s, MINIDIST_TIMEOUT) for {what}.\nLast operation of each rank:\n  "
-            + self.ranks_status().replace("\n", "\n  "))
-
     # -- arrays -------------------------------------------------------------------------------
     def isend(self, x, dest: int, tag: int = 0) -> Request:
-        dest, tag = self._check_peer(dest, "dest"), self._check_tag(tag)
+        dest, tag = self.check_peer(dest, "dest"), self._check_tag(tag)
         host = np.ascontiguousarray(backend_of(x).to_host(x))
         self.note(f"send to {dest} tag {tag}")
-        return self._isend_host(host, dest, tag, header=True)
+        return self.isend_buffer(host, dest, tag, header=True)
 
     def send(self, x, dest: int, tag: int = 0) -> None:
         with tracing.span(f"send->{dest}", "send"):
             self.isend(x, dest, tag).wait()
 
     def irecv(self, source: int, tag: int = 0, out=None) -> Request:
-        source, tag = self._check_peer(source, "source"), self._check_tag(tag)
+        source, tag = self.check_peer(source, "source"), self._check_tag(tag)
         self.note(f"recv from {source} tag {tag}")
         if out is not None and isinstance(out, np.ndarray):
             if not out.flags.c_contiguous:
                 raise ValueError(f"rank {self.rank}: recv out= must be C-contiguous")
-            return self._irecv_host(source, tag, out, header=True)
+            return self.irecv_buffer(out, source, tag, header=True)
         if out is None:
-            return _Converted(self._irecv_host(source, tag, None, header=True), self.backend.from_host)
+            return _Converted(self.irecv_buffer(None, source, tag, header=True), self.backend.from_host)
         be = backend_of(out)  # CuPy: staged through host memory, then copied into out; JAX: a new array
-        return _Converted(self._irecv_host(source, tag, None, header=True),
+        return _Converted(self.irecv_buffer(None, source, tag, header=True),
                           lambda a: be.update(out, be.from_host(a)))
 
     def recv(self, source: int, tag: int = 0, out=None):
@@ -198,23 +252,20 @@ class Communicator:
             s.wait()
             return r.wait()
 
-    # -- raw host buffers (both sides know the shape): what collectives use ---------------------
-    def send_buffer(self, buf: np.ndarray, dest: int, tag: int = 0) -> None:
-        self._isend_host(buf, dest, tag, header=False).wait()
+    # -- host buffers: what collectives use -----------------------------------------------------
+    def send_buffer(self, buf: np.ndarray, dest: int, tag: int = 0, *, header: bool = False) -> None:
+        self.isend_buffer(buf, dest, tag, header=header).wait()
 
-    def recv_buffer(self, buf: np.ndarray, source: int, tag: int = 0) -> np.ndarray:
-        return self._irecv_host(source, tag, buf, header=False).wait()
+    def recv_buffer(self, buf: np.ndarray | None, source: int, tag: int = 0, *,
+                    header: bool = False) -> np.ndarray:
+        return self.irecv_buffer(buf, source, tag, header=header).wait()
 
-    def sendrecv_buffer(self, sendbuf: np.ndarray, dest: int, recvbuf: np.ndarray, source: int,
-                        tag: int = 0) -> np.ndarray:
-        """Send ``sendbuf`` to ``dest`` while receiving into ``recvbuf`` from ``source`` (no deadlock)."""
-        return self._sendrecv_host(sendbuf, dest, source, tag, out=recvbuf, header=False)
-
-    def _sendrecv_host(self, sendbuf, dest, source, tag, out=None, header=True) -> np.ndarray:
-        """Post the receive, send (if ``sendbuf`` is not None), wait for both."""
-        r = self._irecv_host(source, tag, out, header=header)
-        if sendbuf is not None:
-            self._isend_host(sendbuf, dest, tag, header=header).wait()
+    def sendrecv_buffer(self, sendbuf: np.ndarray, dest: int, recvbuf: np.ndarray | None, source: int,
+                        tag: int = 0, *, header: bool = False) -> np.ndarray:
+        """The one exchange: send ``sendbuf`` to ``dest`` while receiving from ``source`` into
+        ``recvbuf`` (None with ``header=True``: allocated); returns what arrived. No deadlock."""
+        r = self.irecv_buffer(recvbuf, source, tag, header=header)
+        self.isend_buffer(sendbuf, dest, tag, header=header).wait()
         return r.wait()
 
     def barrier(self) -> None:
@@ -223,9 +274,8 @@ class Communicator:
         token, got = np.zeros(0, np.uint8), np.zeros(0, np.uint8)
         k = 1
         while k < self.size:
-            r = self._irecv_host((self.rank - k) % self.size, OBJ_TAG + 1, got, header=False, count=False)
-            self._isend_host(token, (self.rank + k) % self.size, OBJ_TAG + 1, header=False,
-                             count=False).wait()
+            r = self.irecv_buffer(got, (self.rank - k) % self.size, OBJ_TAG + 1, count=False)
+            self.isend_buffer(token, (self.rank + k) % self.size, OBJ_TAG + 1, count=False).wait()
             r.wait()
             k *= 2
 
@@ -235,20 +285,20 @@ class Communicator:
             raise ValueError(f"rank {self.rank}: object tag={tag} must be in 0..{MAX_OBJ_TAG - 1}")
 
     def send_obj(self, obj, dest: int, tag: int = 0) -> None:
-        dest = self._check_peer(dest, "dest")
+        dest = self.check_peer(dest, "dest")
         self._check_obj_tag(tag)
         data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
         self.ledger.count_header(data.nbytes)
-        self._isend_host(data, dest, OBJ_TAG + 2 * tag, header=True, count=False).wait()
+        self.isend_buffer(data, dest, OBJ_TAG + 2 * tag, header=True, count=False).wait()
 
     def recv_obj(self, source: int, tag: int = 0):
-        source = self._check_peer(source, "source")
+        source = self.check_peer(source, "source")
         self._check_obj_tag(tag)
-        data = self._irecv_host(source, OBJ_TAG + 2 * tag, None, header=True, count=False).wait()
+        data = self.irecv_buffer(None, source, OBJ_TAG + 2 * tag, header=True, count=False).wait()
         return pickle.loads(data.tobytes())
 
     def bcast_obj(self, obj, root: int = 0):
-        root = self._check_peer(root, "root")
+        root = self.check_peer(root, "root")
         if self.rank == root:
             for r in range(self.size):
                 if r != root:
@@ -257,7 +307,7 @@ class Communicator:
         return self.recv_obj(root)
 
     def gather_obj(self, obj, root: int = 0) -> list | None:
-        root = self._check_peer(root, "root")
+        root = self.check_peer(root, "root")
         if self.rank != root:
             self.send_obj(obj, root)
             return None
@@ -268,7 +318,7 @@ class Communicator:
 
     def close(self) -> None:
         """Stop the async worker of this communicator and of its private twins (if any)."""
-        for c in [self, *self._derived.values()]:
+        for c in [self, *self.twins.values()]:
             if c.async_worker is not None:
                 c.async_worker.stop()
                 c.async_worker = None
@@ -333,10 +383,12 @@ def _fine_sleeps() -> None:
         pass
 
 
-def poll(test, comm: Communicator, what: str) -> None:
+def poll(test, comm: Communicator, what, check=None) -> None:
     """Wait until ``test()`` is true: spin with ``sched_yield``, then sleep with exponential backoff
-    (see ``WaitPolicy``; a collective spins longer). Raises the watchdog's :class:`CommTimeout` after
-    ``comm.timeout`` seconds."""
+    (see ``WaitPolicy``; a collective spins longer). While sleeping, every 5 ms ``check()`` may
+    return an error to raise (a mismatched or departed peer); after ``comm.notice_after()`` seconds
+    the "still waiting" line is printed, and after ``comm.timeout`` the watchdog's
+    :class:`CommTimeout` is raised. ``what``: a string, or a callable giving one (built only if shown)."""
     progress = getattr(comm, "progress", None)  # MPI: post payload receives whose header arrived
     if progress is not None:
         progress()
@@ -348,6 +400,7 @@ def poll(test, comm: Communicator, what: str) -> None:
     clock = time.monotonic
     start = clock()
     spin_until = start + (policy.collective_spin if current_call() is not None else policy.spin)
+    notice_at, next_check = start + comm.notice_after(), start
     delay, yield_ = 2e-5, os.sched_yield
     while not test():
         if progress is not None:
@@ -356,6 +409,14 @@ def poll(test, comm: Communicator, what: str) -> None:
         if now < spin_until:
             yield_()
             continue
+        if check is not None and now >= next_check:
+            error = check()
+            if error is not None and not test():
+                raise error
+            next_check = now + 5e-3
+        if now > notice_at:
+            comm.still_waiting(what() if callable(what) else what, now - start)
+            notice_at = float("inf")
         if now - start > comm.timeout:
             raise comm.timeout_error(what() if callable(what) else what, now - start)
         time.sleep(delay)

@@ -46,14 +46,14 @@ def crowded() -> bool:
 
 def agreed_crowded(comm) -> bool:
     """``crowded()`` on any rank of ``comm``: the same answer on every rank. Collective the first time
-    (one all-gather of a bool on ``comm``'s private twin), then cached on the communicator.
+    (one all-gather of a bool on ``comm``'s private twin), then kept in ``comm.agreed_crowded``.
     Sub-communicators (``split``, a mesh's groups) agree among their own ranks."""
-    flag = getattr(comm, "_agreed_crowded", None)
+    flag = comm.agreed_crowded
     if flag is None:
         mine = bool(crowded())
         comm.note("all_reduce(auto): agreeing on crowded()")  # what the watchdog shows if a rank is missing
-        flag = mine if comm.size == 1 else any(comm.derived("coll").allgather_obj(mine))
-        comm._agreed_crowded = flag
+        flag = mine if comm.size == 1 else any(comm.twin("coll").allgather_obj(mine))
+        comm.agreed_crowded = flag
     return flag
 
 

@@ -1,7 +1,7 @@
 """Asynchronous collectives: start now, ``wait()`` later (data parallelism overlaps them with backward).
 
 Each communicator gets one worker thread (per rank) that runs queued collectives in the order they
-were started, on a private twin of the communicator (``comm.derived("async")``) so its messages
+were started, on a private twin of the communicator (``comm.twin("async")``) so its messages
 never mix with the main thread's. Every rank must start the same async collectives in the same
 order, exactly like the blocking ones.
 """
@@ -40,7 +40,7 @@ class AsyncWorker:
     """One background thread running one communicator's async collectives in order."""
 
     def __init__(self, comm):
-        self.comm = comm.derived("async")  # collective: created at the first async call on every rank
+        self.comm = comm.twin("async")  # collective: created at the first async call on every rank
         self.jobs: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name=f"minidist-async-rank{comm.rank}",
                                        daemon=True)

@@ -2,9 +2,16 @@
 
 Under ``mpirun``/``mpiexec`` (detected from the launcher's environment, or ``MINIDIST_TRANSPORT=mpi``)
 this process is one rank: ``fn`` runs once with an ``MPIComm`` of ``COMM_WORLD``; an exception
-prints the traceback with the rank and aborts the whole job (no hang). Otherwise ``ranks``
-threads each run ``fn`` with a ``ThreadComm``; if one raises, the others are woken with
-``RankAborted`` and the first real error is re-raised here, with a note naming its rank.
+prints the traceback with the rank and aborts the whole job (no hang; the aborting rank never
+returns from ``run``). When ``fn`` returns, the rank tells every other rank so (a peer still
+waiting for it raises ``RankExited`` at once) and waits until all have finished. A rank that
+calls ``os._exit`` inside ``fn`` ends the job with exit code 1 and a message naming it (MPICH's
+launcher would otherwise end every rank quietly with exit code 0).
+
+Otherwise ``ranks`` threads each run ``fn`` with a ``ThreadComm``; if one raises, the others are
+woken with ``RankAborted`` and the first real error is re-raised here, with a note naming its
+rank; a rank whose ``fn`` returns is marked finished, so a peer waiting for it raises
+``RankExited`` at once instead of waiting for the watchdog.
 """
 
 from __future__ import annotations
@@ -44,12 +51,26 @@ def _blas_limit(n_ranks_here: int):
     return threadpool_limits(1)
 
 
+_real_exit = os._exit
+
+
 def _abort(MPI) -> None:
-    """Flush, give the launcher a moment to forward our stderr, then end every rank of the job."""
+    """Flush, give the launcher a moment to forward our stderr, then end every rank of the job.
+    Never returns: MPICH's ``Abort`` may return before the launcher kills this process."""
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(0.5)
     MPI.COMM_WORLD.Abort(1)
+    _real_exit(1)
+
+
+def _guard_exit(MPI, rank: int, size: int):
+    """``os._exit`` while ``fn`` runs: say so and end the whole job with a nonzero exit code."""
+    def guarded(code=0):
+        sys.stderr.write(f"\n[minidist] rank {rank} of {size} called os._exit({code}) before its function "
+                         f"returned from run(); ending the job with exit code 1\n")
+        _abort(MPI)
+    return guarded
 
 
 def install_abort_hook() -> None:
@@ -81,13 +102,20 @@ def _run_mpi(fn, backend, kwargs):
         raise RuntimeError("MINIDIST_TRANSPORT=mpi, but no MPI launcher started this process, so it would "
                            "run as a world of 1 rank: start it with `mpirun -n N python ...`, or unset "
                            "MINIDIST_TRANSPORT to run --ranks N threads")
+    from minidist.comm.mpi import finish_handshake
+
     install_abort_hook()
     comm = MPIComm(MPI.COMM_WORLD)
     comm.backend = bind_backend(backend, comm.rank)
     set_default_backend(comm.backend)
+    os._exit = _guard_exit(MPI, comm.rank, comm.size)
     try:
         with _blas_limit(comm.size):
-            return [fn(comm, **kwargs)]
+            result = fn(comm, **kwargs)
+        comm.close()
+        if comm.size > 1:
+            finish_handshake(comm)
+        return [result]
     except BaseException:
         if comm.size == 1:
             raise
@@ -95,6 +123,7 @@ def _run_mpi(fn, backend, kwargs):
                          + traceback.format_exc())
         _abort(MPI)
     finally:
+        os._exit = _real_exit
         comm.close()
 
 
@@ -110,6 +139,8 @@ def _run_threads(fn, ranks, backend, kwargs):
             set_default_backend(be)
             comm = ThreadComm(world, (), list(range(ranks)), r, be)
             results[r] = fn(comm, **kwargs)
+            comm.close()
+            world.finish(r)  # a peer still waiting for this rank raises RankExited, not a timeout
         except BaseException as e:
             with lock:
                 errors[r] = e

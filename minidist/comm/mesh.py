@@ -22,6 +22,11 @@ class Mesh:
         if dp * pp * tp != comm.size:
             raise ValueError(f"rank {comm.rank}: mesh dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, "
                              f"but the world has {comm.size}; choose sizes whose product is {comm.size}")
+        sizes = comm.allgather_obj((dp, pp, tp))  # every rank must build the same mesh
+        if any(s != sizes[0] for s in sizes):
+            listed = ", ".join(f"rank {r}: dp={d} pp={q} tp={t}" for r, (d, q, t) in enumerate(sizes))
+            raise ValueError(f"rank {comm.rank}: the ranks build meshes of different sizes ({listed}); "
+                             f"every rank must pass the same dp, pp and tp")
         self.world, self.dp_size, self.pp_size, self.tp_size = comm, dp, pp, tp
         r = comm.rank
         self.tp_rank, self.dp_rank, self.pp_rank = r % tp, (r // tp) % dp, r // (tp * dp)

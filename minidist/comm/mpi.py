@@ -8,22 +8,29 @@ payload. Receives with headers post their payload ``Irecv`` strictly in the orde
 posted, so several pending receives from one peer still match the right messages.
 
 Every wait is ``Test`` + sleep with backoff (see ``communicator.poll``): eight ranks waiting on
-two cores leave the CPU to whoever computes, and the watchdog can fire.
+two cores leave the CPU to whoever computes, and the watchdog can fire. While it sleeps, a wait
+also checks its peer: a peer that has returned from ``run()`` (it sent ``DONE_TAG`` on
+COMM_WORLD, see launch.py) raises :class:`RankExited`; on a strict twin, a peer whose next message
+carries another collective's stamp raises :class:`CollectiveMismatch` (see debug.py). Every
+receive checks the size of what arrived (MPI's status), so a mismatch is an error, not garbage.
 """
 
 from __future__ import annotations
 
 import collections
+import time
 
 import numpy as np
 
-from minidist.comm.communicator import Communicator, Request, poll
+from minidist.comm.communicator import Communicator, MessageMismatch, RankExited, Request, format_op, poll
 from minidist.comm.ledger import Ledger
 
 MAX_NDIM = 32
 NAMESPACE = 1 << 21            # tags per twin: user tags < 2**20, then minidist's object tags
 TWINS = {"coll": 1, "debug": 2, "async": 3}
 HEADER_LEN = 4 + MAX_NDIM      # ndim, 3 words of dtype name (24 chars), shape
+GRACE = 0.2                    # s a peer problem must persist (a matched large message may still be
+                               # arriving while the probe already sees the peer's next one)
 
 
 _MPI = None
@@ -76,16 +83,49 @@ def _bytes(buf: np.ndarray):
     return buf.reshape(-1).view(np.uint8)
 
 
+def _truncated(comm, source, tag, nbytes, error) -> Exception:
+    """MPI's truncation error (a message larger than the buffer), in words; other errors as they are."""
+    MPI = _mpi()
+    if error.Get_error_class() not in (MPI.ERR_TRUNCATE, MPI.ERR_IN_STATUS):
+        return error
+    return MessageMismatch(f"rank {comm.rank}: a message from rank {source} (tag {tag}) is larger than the "
+                           f"{nbytes}-byte buffer posted for it: the ranks disagree on the size ({error})")
+
+
+def _check_count(comm, status, source, tag, nbytes) -> None:
+    got = status.Get_count(_mpi().BYTE)
+    if got != nbytes:
+        raise MessageMismatch(f"rank {comm.rank}: received {got} bytes from rank {source} (tag {tag}) into "
+                              f"a buffer of {nbytes} bytes: the ranks disagree on the size")
+
+
 class _MPIRequest(Request):
-    def __init__(self, comm, reqs, keep, what, result=None):
-        self.comm, self.reqs, self.keep, self.what, self.result = comm, reqs, keep, what, result
+    """A raw send, or a raw receive (``out`` given: its size is checked when it completes)."""
+
+    def __init__(self, comm, reqs, keep, what, peer, tag, out=None):
+        self.comm, self.reqs, self.keep, self.what = comm, reqs, keep, what
+        self.peer, self.tag, self.out = peer, tag, out
+        self.status = _mpi().Status() if out is not None else None
+        self.done = False
 
     def test(self) -> bool:
-        return _mpi().Request.Testall(self.reqs)
+        if self.done:
+            return True
+        if self.out is None:
+            self.done = _mpi().Request.Testall(self.reqs)
+            return self.done
+        try:
+            self.done = self.reqs[0].Test(self.status)
+        except _mpi().Exception as e:
+            raise _truncated(self.comm, self.peer, self.tag, self.out.nbytes, e) from None
+        if self.done:
+            _check_count(self.comm, self.status, self.peer, self.tag, _bytes(self.out).nbytes)
+        return self.done
 
     def wait(self):
-        poll(self.test, self.comm, self.what)
-        return self.result
+        poll(self.test, self.comm, self.what,
+             self.comm.peer_check(self.peer, self.tag, receiving=self.out is not None))
+        return self.out
 
 
 def _drain(queue) -> None:
@@ -112,8 +152,8 @@ class _MPIHeaderRecv(Request):
         if self.out is None:
             self.out = np.empty(shape, dtype)
         elif self.out.shape != shape or self.out.dtype != dtype:
-            raise ValueError(f"rank {c.rank}: received {dtype}{list(shape)} from rank {self.source} "
-                             f"into a buffer of {self.out.dtype}{list(self.out.shape)}")
+            raise MessageMismatch(f"rank {c.rank}: received {dtype}{list(shape)} from rank {self.source} "
+                                  f"into a buffer of {self.out.dtype}{list(self.out.shape)}")
         self.preq = c.mpi.Irecv(_bytes(self.out), self.source, c.base + 2 * self.tag + 1)
 
     def test(self) -> bool:
@@ -124,7 +164,8 @@ class _MPIHeaderRecv(Request):
         return self.preq.Test()
 
     def wait(self):
-        poll(self.test, self.comm, f"a message from rank {self.source} (tag {self.tag})")
+        poll(self.test, self.comm, f"a message from rank {self.source} (tag {self.tag})",
+             self.comm.peer_check(self.source, self.tag))
         if self.count:
             self.comm.ledger.count_recv(self.out.nbytes)
             self.count = False
@@ -142,6 +183,8 @@ class MPIComm(Communicator):
         self.namespace = namespace
         self.base = 2 * namespace * NAMESPACE  # MPI tag of (tag, header) = base + 2*tag; payload +1
         self._pending: dict = collections.defaultdict(collections.deque)
+        self._statuses = [_mpi().Status(), _mpi().Status()]
+        self._world_ranks: list | None = None
 
     def progress(self) -> None:
         """Post the payload receive of every pending receive whose header has arrived.
@@ -152,7 +195,48 @@ class MPIComm(Communicator):
         for queue in self._pending.values():
             _drain(queue)
 
-    def _isend_host(self, buf, dest, tag, header, count=True) -> Request:
+    # -- checks while waiting (slow path only) -----------------------------------------------------
+    def world_rank(self, r: int) -> int:
+        if self._world_ranks is None:
+            MPI = _mpi()
+            self._world_ranks = MPI.Group.Translate_ranks(self.mpi.Get_group(), list(range(self.size)),
+                                                         MPI.COMM_WORLD.Get_group())
+        return self._world_ranks[r]
+
+    def peer_problem(self, peer: int, tag: int, receiving: bool = True):
+        """Why ``peer`` may never answer, or None: it has returned from run(), or (strict twin,
+        receiving) its next message belongs to another collective call."""
+        MPI = _mpi()
+        if MPI.COMM_WORLD.Iprobe(self.world_rank(peer), done_tag()):
+            return RankExited(f"rank {self.rank} of {self.size} (mpi), in {format_op(self.origin.last_op)}: "
+                              f"rank {peer} returned from run() without sending or receiving what this "
+                              f"rank waits for (tag {tag})")
+        if self.strict and receiving:
+            status = MPI.Status()
+            if self.mpi.Iprobe(peer, MPI.ANY_TAG, status):
+                ns, t = divmod(status.Get_tag(), 2 * NAMESPACE)
+                if ns == self.namespace and t // 2 != tag:
+                    from minidist.comm.debug import stamp_mismatch
+
+                    return stamp_mismatch(self, peer, tag, t // 2)
+        return None
+
+    def peer_check(self, peer: int, tag: int, receiving: bool = True):
+        """A ``check`` for ``poll``: ``peer_problem``, once it has persisted ``GRACE`` seconds."""
+        since = []
+
+        def check():
+            problem = self.peer_problem(peer, tag, receiving)
+            if problem is None:
+                since.clear()
+                return None
+            if not since:
+                since.append(time.monotonic())
+            return problem if time.monotonic() - since[0] > GRACE else None
+        return check
+
+    # -- the transport interface ---------------------------------------------------------------
+    def isend_buffer(self, buf, dest, tag=0, *, header=False, count=True) -> Request:
         reqs, keep = [], [buf]
         if header:
             h = encode_header(buf)
@@ -162,26 +246,36 @@ class MPIComm(Communicator):
         reqs.append(self.mpi.Isend(_bytes(buf), dest, self.base + 2 * tag + 1))
         if count:
             self.ledger.count_send(buf.nbytes)
-        return _MPIRequest(self, reqs, keep, f"a send to rank {dest} (tag {tag}) to complete")
+        return _MPIRequest(self, reqs, keep, f"a send to rank {dest} (tag {tag}) to complete", dest, tag)
 
-    def _irecv_host(self, source, tag, out, header, count=True) -> Request:
+    def irecv_buffer(self, out, source, tag=0, *, header=False, count=True) -> Request:
         if header:
             return _MPIHeaderRecv(self, source, tag, out, count)
         if count:
             self.ledger.count_recv(out.nbytes)
         req = self.mpi.Irecv(_bytes(out), source, self.base + 2 * tag + 1)
-        return _MPIRequest(self, [req], [out], f"a message from rank {source} (tag {tag})", out)
+        return _MPIRequest(self, [req], [out], f"a message from rank {source} (tag {tag})", source, tag, out)
 
-    def sendrecv_buffer(self, sendbuf, dest, recvbuf, source, tag=0):
-        """The hot path of every ring and butterfly: one Irecv, one Isend, one wait on both."""
+    def sendrecv_buffer(self, sendbuf, dest, recvbuf, source, tag=0, *, header=False):
+        """The hot path of every ring and butterfly: one Irecv, one Isend, one wait on both; the
+        size of what arrived is checked from MPI's status."""
+        if header:
+            return super().sendrecv_buffer(sendbuf, dest, recvbuf, source, tag, header=True)
         t = self.base + 2 * tag + 1
         reqs = [self.mpi.Irecv(_bytes(recvbuf), source, t), self.mpi.Isend(_bytes(sendbuf), dest, t)]
         self.ledger.count_sendrecv(sendbuf.nbytes, recvbuf.nbytes)
-        testall = _mpi().Request.Testall
-        poll(lambda: testall(reqs), self, lambda: f"sendrecv: to rank {dest}, from rank {source}")
+        testall, statuses = _mpi().Request.Testall, self._statuses
+        try:
+            if not testall(reqs, statuses):
+                poll(lambda: testall(reqs, statuses), self,
+                     lambda: f"sendrecv: to rank {dest}, from rank {source}", self.peer_check(source, tag))
+        except _mpi().Exception as e:
+            raise _truncated(self, source, tag, recvbuf.nbytes, e) from None
+        if statuses[0].Get_count(_mpi().BYTE) != recvbuf.nbytes:
+            _check_count(self, statuses[0], source, tag, recvbuf.nbytes)
         return recvbuf
 
-    def _dup(self, name: str) -> MPIComm:
+    def make_twin(self, name: str) -> MPIComm:
         """A twin on the same MPI communicator with its own range of tags (no MPI call, so it can't
         hang); MPI's ``Dup`` only if the tag range would pass the MPI library's TAG_UB."""
         ns = self.namespace * 4 + TWINS.get(name, 3)
@@ -199,3 +293,32 @@ class MPIComm(Communicator):
         if new == MPI.COMM_NULL:
             return None
         return MPIComm(new, self.backend, Ledger(parent=self.ledger))
+
+
+# -- the completion handshake (launch.py): every rank tells every other that it has finished --------
+
+_DONE_TAG: list = []
+
+
+def done_tag() -> int:
+    """A tag no namespace uses: TAG_UB itself (namespaces end below it, see ``make_twin``)."""
+    if not _DONE_TAG:
+        _DONE_TAG.append(_mpi().COMM_WORLD.Get_attr(_mpi().TAG_UB))
+    return _DONE_TAG[0]
+
+
+def finish_handshake(comm: MPIComm) -> None:
+    """Tell every other rank of COMM_WORLD that this one has returned from its function (a peer
+    still waiting for it raises ``RankExited`` at once), then wait until every rank has said so.
+    No timeout: a peer may legitimately compute long after us; a dead peer ends the job (mpirun)."""
+    MPI = _mpi()
+    world, token = MPI.COMM_WORLD, np.zeros(0, np.uint8)
+    peers = [r for r in range(world.Get_size()) if r != world.Get_rank()]
+    tag = done_tag()
+    reqs = [world.Isend(token, r, tag) for r in peers]
+    reqs += [world.Irecv(np.zeros(0, np.uint8), r, tag) for r in peers]
+    comm.note("finished: waiting for the other ranks to finish run()")
+    delay = 1e-4
+    while not MPI.Request.Testall(reqs):
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)

@@ -3,6 +3,11 @@
 check: every collective == NumPy, ledger == formula, p2p, split, mesh, async; prints "OK rank r".
 fail:  rank 1 raises -> the whole job must end (abort), not hang.
 stuck: rank 0 waits for a message never sent -> the watchdog fires (MINIDIST_TIMEOUT) and aborts.
+stuck_in_collective: rank 0 in its 2nd all-reduce, rank 1 in a recv -> the watchdog names both.
+dtype_mismatch: float64[8] against float32[16] (same bytes) -> CollectiveMismatch, not garbage.
+early_return: rank 1 returns from its function while rank 0 waits for it -> RankExited at once.
+exit0: rank 1 calls os._exit(0) mid-run -> the job exits nonzero, naming it.
+after_abort: rank 1 raises; the code after run() must never run on it.
 """
 
 import sys
@@ -87,5 +92,35 @@ def stuck(comm):
     comm.barrier()
 
 
+def stuck_in_collective(comm):
+    all_reduce(comm, np.ones(3), algorithm="ring")
+    if comm.rank == 0:
+        all_reduce(comm, np.ones(3), algorithm="ring")
+    else:
+        comm.recv(0, tag=3)
+
+
+def dtype_mismatch(comm):
+    x = np.ones(8) if comm.rank == 0 else np.ones(16, np.float32)
+    print(f"rank {comm.rank} got {all_reduce(comm, x, algorithm='ring')}", flush=True)
+
+
+def early_return(comm):
+    if comm.rank != 1:
+        all_reduce(comm, np.ones(3), algorithm="ring")
+
+
+def exit0(comm):
+    import os
+
+    if comm.rank == 1:
+        os._exit(0)
+    all_reduce(comm, np.ones(3), algorithm="ring")
+
+
 if __name__ == "__main__":
-    run({"check": check, "fail": fail, "stuck": stuck}[sys.argv[1]])
+    modes = {"check": check, "fail": fail, "stuck": stuck, "stuck_in_collective": stuck_in_collective,
+             "dtype_mismatch": dtype_mismatch, "early_return": early_return, "exit0": exit0,
+             "after_abort": fail}
+    run(modes[sys.argv[1]])
+    print(f"AFTER RUN {sys.argv[1]}", flush=True)

@@ -1,5 +1,6 @@
 """No silent hangs: debug mode catches mismatched collectives; the watchdog names stuck ranks."""
 
+import re
 import time
 
 import numpy as np
@@ -8,6 +9,8 @@ import pytest
 from minidist.comm import (
     CollectiveMismatch,
     CommTimeout,
+    MessageMismatch,
+    RankExited,
     all_gather,
     all_reduce,
     broadcast,
@@ -88,3 +91,96 @@ def test_auto_chooses_one_algorithm_when_only_some_hosts_are_crowded(p, monkeypa
     for names, firsts in out:
         assert names == [f"{choose_algorithm(4 * n, p, True)}_all_reduce"] * 2 and firsts == [p, 2 * p]
     assert sorted(asked) == list(range(p))  # each rank asked once: the agreement is cached
+
+
+# -- always-on checks: a mismatch is an error without debug mode, never garbage --------------------
+
+def _two_ranks(body, timeout="60"):
+    """Run ``body`` on 2 thread ranks with a long watchdog: whatever is raised comes from a check,
+    within a second, not from the timeout."""
+    import os
+
+    saved = os.environ.get("MINIDIST_TIMEOUT")
+    os.environ["MINIDIST_TIMEOUT"] = timeout
+    t = time.monotonic()
+    try:
+        run(body, ranks=2)
+    finally:
+        if saved is None:
+            del os.environ["MINIDIST_TIMEOUT"]
+        else:
+            os.environ["MINIDIST_TIMEOUT"] = saved
+    return time.monotonic() - t
+
+
+MISMATCHES = {  # rank 0's call, rank 1's call, what the error must say
+    "dtype, same bytes": (lambda c: all_reduce(c, np.ones(8), algorithm="ring"),
+                          lambda c: all_reduce(c, np.ones(16, np.float32), algorithm="ring"),
+                          r"dtype float(32|64)"),
+    "op": (lambda c: all_reduce(c, np.ones(8), op="sum", algorithm="ring"),
+           lambda c: all_reduce(c, np.ones(8), op="max", algorithm="ring"), r"op (sum|max)"),
+    "collective": (lambda c: all_reduce(c, np.ones(4), algorithm="ring"),
+                   lambda c: all_gather(c, np.ones(4)), r"all_gather call #1"),
+    "auto's handshake against another collective": (
+        lambda c: all_reduce(c, np.ones(3)), lambda c: all_gather(c, np.ones(3)),
+        r"all_reduce\(auto\).*all_gather call #1"),
+    "skipped call": (lambda c: [all_reduce(c, np.ones(4), algorithm="ring"), broadcast(c, np.ones(2))],
+                     lambda c: broadcast(c, np.ones(2) if c.rank == 0 else None, root=0),
+                     r"broadcast call #(1|2)"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_mismatched_calls_raise_at_once_without_debug_mode(case, monkeypatch):
+    monkeypatch.delenv("MINIDIST_DEBUG", raising=False)
+    first, second, says = MISMATCHES[case]
+    t = time.monotonic()
+    with pytest.raises(CollectiveMismatch, match=says) as info:
+        _two_ranks(lambda comm: first(comm) if comm.rank == 0 else second(comm))
+    assert re.search(r"rank [01] of 2 \(threads\), in .*: waits for .* from rank [01], but rank [01]'s next "
+                     r"message is", str(info.value)), info.value
+    assert time.monotonic() - t < 5  # a check, not the 60 s watchdog
+
+
+def test_size_mismatch_is_an_error_not_garbage(monkeypatch):
+    monkeypatch.delenv("MINIDIST_DEBUG", raising=False)
+    with pytest.raises(MessageMismatch, match=r"received float64\[[45]\] from rank [01] into a buffer"):
+        _two_ranks(lambda comm: all_reduce(comm, np.ones(8 + comm.rank), algorithm="ring"))
+
+
+def test_rank_that_returns_is_reported_to_its_waiting_peer_at_once():
+    def body(comm):
+        if comm.rank == 0:
+            all_reduce(comm, np.ones(3), algorithm="ring")  # rank 1 never joins: it has returned
+
+    t = time.monotonic()
+    with pytest.raises(RankExited, match=r"rank 0 of 2 \(threads\), in ring_all_reduce #1: rank 1 returned"):
+        _two_ranks(body)
+    assert time.monotonic() - t < 5  # not the 60 s watchdog
+
+
+def test_debug_mode_checks_before_autos_handshake_and_catches_root(monkeypatch):
+    """The full signature is compared before any message -- also before ``all_reduce(auto)``'s
+    agreement on the cost model -- and names broadcast's root, which the stamp holds only mod 4."""
+    monkeypatch.setenv("MINIDIST_DEBUG", "1")
+    says = r"differing: .*collective.*\n  rank 0: collective=all_reduce"
+    with pytest.raises(CollectiveMismatch, match=says):
+        _two_ranks(lambda c: all_reduce(c, np.ones(3)) if c.rank == 0 else all_gather(c, np.ones(3)))
+    with pytest.raises(CollectiveMismatch, match=r"differing: root\b"):
+        run(lambda comm: broadcast(comm, np.ones(3), root=0 if comm.rank == 0 else 4), ranks=5)
+
+
+def test_watchdog_prints_still_waiting_early_naming_op_and_missing_ranks(monkeypatch, capsys):
+    monkeypatch.setenv("MINIDIST_TIMEOUT", "3")  # the line comes at min(10 s, timeout / 2)
+
+    def body(comm):
+        if comm.rank == 0:
+            all_gather(comm, np.ones(2))
+        else:
+            comm.recv(0, tag=9)
+
+    with pytest.raises(CommTimeout):
+        run(body, ranks=2)
+    err = capsys.readouterr().err
+    assert "[minidist] rank 0 of 2 (threads): still waiting after 2 s in all_gather #1 for a message " \
+           "from rank 1" in err and "ranks not there yet: [1]; raises at 3 s" in err, err

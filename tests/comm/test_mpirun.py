@@ -2,7 +2,6 @@
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = Path(__file__).with_name("mpi_program.py")
-pytestmark = [pytest.mark.mpi,
-              pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (pip install mpich)")]
+pytestmark = pytest.mark.mpi  # skipped without mpirun (or failed under MINIDIST_REQUIRE_MPI=1): conftest
 
 
 def mpirun(n, mode, timeout=60, **env):
@@ -35,9 +33,31 @@ def test_exception_on_one_rank_ends_the_job():
     assert "rank 1 of 4 raised" in res.stderr and "deliberate failure on rank 1" in res.stderr
 
 
-def test_watchdog_under_mpi():
-    res = mpirun(2, "stuck", timeout=30, MINIDIST_TIMEOUT="1")
+def test_watchdog_under_mpi_names_each_ranks_real_operation():
+    """Rank 0 is inside its 2nd all-reduce, rank 1 in a recv: each one's early "still waiting" line
+    and watchdog error name its real operation (the watchdog once said "start" inside a collective)."""
+    res = mpirun(2, "stuck_in_collective", timeout=30, MINIDIST_TIMEOUT="2")
     assert res.returncode != 0
-    # whichever rank's watchdog fires first names itself, what it waited for and its last operation
     assert re.search(r"watchdog: rank [01] of 2 \(mpi\) waited", res.stderr), res.stderr
-    assert "rank 0: recv from 1 tag 7" in res.stderr or "rank 1: barrier" in res.stderr
+    assert "rank 0 of 2 (mpi): still waiting after 1 s in ring_all_reduce #2" in res.stderr, res.stderr
+    assert "rank 1 of 2 (mpi): still waiting after 1 s in recv from 0 tag 3" in res.stderr, res.stderr
+    assert "rank 0: ring_all_reduce #2" in res.stderr or "rank 1: recv from 0 tag 3" in res.stderr
+    assert "rank 0: start" not in res.stderr and "AFTER RUN" not in res.stdout
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("dtype_mismatch", r"CollectiveMismatch: rank [01] of 2 \(mpi\), in ring_all_reduce #1: waits for a "
+                       r"message of ring_all_reduce call #1 .*dtype float(32|64)"),
+    ("early_return", r"RankExited: rank 0 of 2 \(mpi\), in ring_all_reduce #1: rank 1 returned from run\(\)"),
+    ("exit0", r"rank 1 of 2 called os._exit\(0\) before its function returned from run\(\)"),
+    ("after_abort", r"rank 1 of 2 raised; aborting the job"),
+], ids=["dtype_mismatch", "early_return", "exit0", "after_abort"])
+def test_mpi_jobs_fail_fast_and_truthfully(mode, expected):  # ids: the modes
+    """MPI-only failures that once gave garbage, a 300 s hang, or exit code 0: each ends the job in
+    seconds with a nonzero exit code and a message naming the rank; no rank that failed (or whose
+    peer failed) carries on past run()."""
+    res = mpirun(2, mode, timeout=30, MINIDIST_TIMEOUT="60")
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert re.search(expected, res.stderr), res.stderr
+    assert "got [" not in res.stdout  # no garbage result printed
+    assert "AFTER RUN" not in res.stdout  # the aborting rank never continues past run()

@@ -67,6 +67,9 @@ def test_mesh_rank_order_and_groups():
 def test_bad_input_errors_name_the_rank():
     with pytest.raises(ValueError, match=r"dp=2 x pp=1 x tp=2 = 4 ranks, but the world has 6"):
         run(lambda comm: Mesh(comm, dp=2, tp=2), ranks=6)
+    with pytest.raises(ValueError, match=r"meshes of different sizes \(rank 0: dp=2 pp=1 tp=2, rank 1: dp=4 "
+                                         r"pp=1 tp=1, .*every rank must pass the same dp, pp and tp"):
+        run(lambda comm: Mesh(comm, dp=2, tp=2) if comm.rank == 0 else Mesh(comm, dp=4), ranks=4)
     with pytest.raises(ValueError, match=r"rank 0: dest=3 is not a rank .*0\.\.1"):
         run(lambda comm: comm.send(np.ones(1), 3), ranks=2)
     with pytest.raises(ValueError, match=r"received float64\[3\] from rank 0 into a buffer of float64\[4\]"):
