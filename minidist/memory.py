@@ -21,6 +21,7 @@ ZeRO-2 PΨ + (G+K)Ψ/N;  ZeRO-3 (P+G+K)Ψ/N.  See :func:`zero_formula`.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 
 from minidist.tensor import current_saved_tensors_hooks, saved_tensors_hooks
@@ -160,6 +161,10 @@ def zero_formula(stage: int, psi: int, n: int, p_bytes: int = 4, g_bytes: int = 
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0 (plain DP), 1, 2 or 3, got {stage}")
+    for name, v, low in (("psi", psi, 0), ("n", n, 1), ("p_bytes", p_bytes, 0), ("g_bytes", g_bytes, 0),
+                         ("k_bytes", k_bytes, 0)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
+            raise ValueError(f"zero_formula: {name} must be an integer >= {low}, got {v!r}")
     shard = -(-psi // n)  # ceil: the largest rank's share
     params = p_bytes * (shard if stage >= 3 else psi)
     grads = g_bytes * (shard if stage >= 2 else psi)

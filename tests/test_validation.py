@@ -229,3 +229,11 @@ def test_text_dataset_block_size():
 def test_offload_shard_bytes(n):
     params = Linear(4, 2, rng=np.random.default_rng(0)).parameters()
     raises_clearly(lambda: OffloadedAdamW(params, where="host", shard_bytes=n), "shard_bytes")
+
+
+@given(st.sampled_from([("psi", -1), ("n", 0), ("n", 2.0), ("k_bytes", -8)]))
+def test_zero_formula_sizes(kw):
+    from minidist.memory import zero_formula
+
+    args = {"stage": 1, "psi": 100, "n": 4} | dict([kw])
+    raises_clearly(lambda: zero_formula(**args), f"zero_formula: {kw[0]}")
