@@ -137,12 +137,14 @@ class Supervisor:
                      last_step=a.last_step)
             if a.lost:
                 left = n - len(a.lost)
-                if self.min_ranks is None or left < self.min_ranks:
+                # the largest divisor of the original size that fits, so the data-parallel mesh still splits
+                fits = max(d for d in range(1, left + 1) if self.n % d == 0)
+                if self.min_ranks is None or fits < self.min_ranks:
                     self.say(f"ranks {a.lost} lost; {left} left, below --min-ranks "
                              f"{self.min_ranks}: cannot restart")
                     return self.summary(1)
-                self.say(f"ranks {a.lost} lost: elastic restart on {left} ranks")
-                n = left
+                n = fits
+                self.say(f"ranks {a.lost} lost: elastic restart on {n} ranks")
         self.say(f"giving up after {self.max_restarts} restarts")
         return self.summary(1)
 
@@ -162,8 +164,8 @@ class Supervisor:
             stale = {r: now - t for r, (_, t) in beats.items() if now - t > self.timeout}
             if stale:
                 hung = max(stale, key=stale.get)
-                self.say(f"rank {hung}: no heartbeat for {stale[hung]:.1f} s (> {self.timeout} s): "
-                         "hung; killing the job")
+                silent = ", ".join(f"rank {r}: {s:.1f} s" for r, s in sorted(stale.items()))
+                self.say(f"no heartbeat for more than {self.timeout} s ({silent}): hung; killing the job")
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 code = -signal.SIGKILL
@@ -176,8 +178,9 @@ class Supervisor:
         notes = {int(f[len("fault-rank-"):]): open(os.path.join(hb, f)).read().strip()
                  for f in os.listdir(hb) if f.startswith("fault-rank-")}
         a.lost = sorted(r for r, note in notes.items() if note.startswith("lose"))
-        if hung is not None:
-            a.failed_rank, why = hung, f"hung at step {beats[hung][0]}"
+        if hung is not None:  # every rank waiting on the hung one goes silent too: a fault note knows better
+            a.failed_rank = min(notes) if notes else hung
+            why = f"hung at step {beats[hung][0]}"
         elif notes:
             a.failed_rank = min(notes)
             why = notes[a.failed_rank]

@@ -31,7 +31,15 @@ from minidist.checkpoint.tiers import Checkpointer, Tier, shm_root
 from minidist.checkpoint.trainer import Trainer, small_config
 from minidist.faults import Injector
 from minidist.launch import heartbeat
-from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, probability, rprint
+from minidist.lessons.cli import (
+    finish,
+    launch,
+    lesson_parser,
+    nonnegative_int,
+    positive_int,
+    probability,
+    rprint,
+)
 
 DEFAULT_CKPT = os.path.join(tempfile.gettempdir(), f"minidist-{os.getuid()}-fault-tolerance")
 
@@ -155,14 +163,15 @@ def rank_main(comm, args):
 
 
 def _serial_twin(args):
-    from minidist.comm import run
+    """The same training on one process (a one-rank threads communicator, even inside an MPI job)."""
+    from minidist.backend import default_backend
+    from minidist.comm.threads import ThreadComm, ThreadWorld
 
-    def one(comm):
-        t = Trainer(comm, small_config(args.dtype, args.dropout), dp=1, total_steps=args.steps)
-        while t.step_count < args.steps:
-            t.step()
-        return t.full_parameters()
-    return run(one, ranks=1)[0]
+    one = ThreadComm(ThreadWorld(1), (), [0], 0, default_backend())
+    t = Trainer(one, small_config(args.dtype, args.dropout), dp=1, total_steps=args.steps)
+    while t.step_count < args.steps:
+        t.step()
+    return t.full_parameters()
 
 
 def _report_costs(ckpt):
@@ -214,8 +223,10 @@ def plot(path, events):
 def main(argv=None):
     p = lesson_parser("A rank dies; the supervisor restarts the job from its checkpoints.", ranks=4)
     p.add_argument("--steps", type=positive_int, default=12)
-    p.add_argument("--mem-every", type=positive_int, default=2, help="tier 1 (shared memory) every N steps")
-    p.add_argument("--disk-every", type=positive_int, default=4, help="tier 2 (disk) every M steps")
+    p.add_argument("--mem-every", type=nonnegative_int, default=2,
+                   help="tier 1 (shared memory) every N steps (0: off)")
+    p.add_argument("--disk-every", type=nonnegative_int, default=4,
+                   help="tier 2 (disk) every M steps (0: off)")
     p.add_argument("--sync", action="store_true", help="synchronous saves (default: background writer)")
     p.add_argument("--fault", default=None, help="a MINIDIST_FAULT spec, or 'none'")
     p.add_argument("--ckpt", default=DEFAULT_CKPT, help="the disk checkpoint directory")

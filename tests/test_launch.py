@@ -1,0 +1,115 @@
+"""The supervisor (``python -m minidist.launch``) under real ``mpirun`` (and threads): for each
+injected fault the supervised job restarts from its last good checkpoint and ends with parameters
+bit-identical to a run that never failed -- computed here, independently, on the threads transport."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minidist.checkpoint.trainer import Trainer, small_config
+from minidist.comm import run
+from minidist.faults import parse
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_MPI = shutil.which("mpirun") is not None or (Path(sys.executable).parent / "mpirun").exists()
+STEPS = 8
+
+
+def supervise(tmp_path, n, fault, *launch_args, threads=False, job_args=(), timeout=60):
+    """Run the fault-tolerance lesson under the supervisor; (completed process, final parameters)."""
+    out, ckpt = tmp_path / "final.npz", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "minidist.launch", "-n", str(n), "--ckpt", str(ckpt), "--log",
+           str(tmp_path / "events.jsonl"), *launch_args, *(["--threads"] if threads else []), "--",
+           sys.executable, "-m", "minidist.lessons.fault_tolerance", "--steps", str(STEPS),
+           "--ckpt", str(ckpt), "--out", str(out), "--fault", fault, *job_args]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MINIDIST_TRANSPORT", None)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    final = dict(np.load(out)) if out.exists() else None
+    return res, final
+
+
+def never_failed(n, dropout=0.1):
+    """The uninterrupted run, on the threads transport, with the lesson's model and data."""
+    def body(comm):
+        t = Trainer(comm, small_config("float64", dropout), total_steps=STEPS)
+        while t.step_count < STEPS:
+            t.step()
+        return t.full_parameters()
+    return run(body, ranks=n)[0]
+
+
+def assert_bit_identical(final, want, res):
+    assert final is not None, res.stdout + res.stderr
+    assert final.keys() == want.keys() and all(np.array_equal(final[k], want[k]) for k in want), res.stdout
+
+
+mpi = pytest.mark.skipif(not HAS_MPI, reason="needs mpirun (pip install mpich)")
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("fault,recovered", [
+    ("kill:rank=1,step=5", "recovered from tier memory checkpoint of step 4"),      # SIGKILL
+    # an exception, with a straggler (slow, not failed: its heartbeat keeps coming)
+    ("raise:rank=0,step=3;slow:rank=1,step=0,seconds=0.02",
+     "recovered from tier memory checkpoint of step 2"),
+    # bytes flipped / file cut after hashing: the restart skips step 6 and resumes from disk step 4
+    ("corrupt:rank=0,step=6;kill:rank=1,step=7", "recovered from tier disk checkpoint of step 4"),
+    ("truncate:rank=0,step=6;kill:rank=1,step=7", "recovered from tier disk checkpoint of step 4"),
+    # the write of step 6 fails with ENOSPC on rank 1: it is never committed
+    ("diskfull:rank=1,step=6;kill:rank=0,step=7", "recovered from tier disk checkpoint of step 4"),
+])
+def test_supervised_job_recovers_bit_identically(tmp_path, fault, recovered):
+    """A kill runs under mpirun; the others, to keep the suite fast, as threads of one process."""
+    if fault.startswith("kill") and not HAS_MPI:
+        pytest.skip("needs mpirun (pip install mpich)")
+    tiers = ["--mem-every", "0", "--disk-every", "2", "--sync"] if "step=6" in fault else ["--mem-every", "2"]
+    res, final = supervise(tmp_path, 2, fault, job_args=tiers, threads=not fault.startswith("kill"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "restarts: 1;" in res.stdout and recovered in res.stdout, res.stdout
+    kind = parse(fault)[0].kind
+    if kind in ("corrupt", "truncate"):
+        why = "sha256 differs" if kind == "corrupt" else "bytes, the manifest says"
+        assert "skipped: disk: skipped" in res.stdout and why in res.stdout, res.stdout
+    assert_bit_identical(final, never_failed(2), res)
+
+
+@mpi
+def test_a_hung_rank_is_detected_by_its_heartbeat(tmp_path):
+    res, final = supervise(tmp_path, 2, "hang:rank=1,step=5", "--heartbeat-timeout", "1.5")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no heartbeat for more than 1.5 s" in res.stdout, res.stdout
+    assert "hung; killing the job" in res.stdout, res.stdout
+    assert "failure: attempt 0, rank 1: hung at step 5" in res.stdout, res.stdout
+    assert_bit_identical(final, never_failed(2), res)
+
+
+@mpi
+def test_elastic_restart_on_fewer_ranks_matches_the_serial_twin(tmp_path):
+    res, final = supervise(tmp_path, 4, "lose:rank=3,step=5", "--min-ranks", "2", job_args=["--dropout", "0"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "lost: elastic restart on 2 ranks" in res.stdout and "elastic restart (4 -> 2 ranks)" in res.stdout
+    want = never_failed(1, dropout=0.0)
+    for k in want:
+        np.testing.assert_allclose(final[k], want[k], rtol=0, atol=1e-10, err_msg=k)
+
+
+def test_giving_up_after_max_restarts(tmp_path):
+    res, final = supervise(tmp_path, 2, "raise:rank=1,step=2,attempt=0;raise:rank=1,step=3,attempt=1",
+                           "--max-restarts", "1", threads=True)
+    assert res.returncode == 1 and "giving up after 1 restarts" in res.stdout, res.stdout + res.stderr
+    assert res.stdout.count("FAILED") == 2 and "rank 1, raise" in res.stdout and final is None
+
+
+def test_bad_fault_specs_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown fault 'explode'"):
+        parse("explode:rank=1")
+    with pytest.raises(ValueError, match="bad argument 'rank=x'"):
+        parse("kill:rank=x")
+    assert [(f.kind, f.rank, f.step) for f in parse("kill:rank=1,step=5; hang:step=2")] == [
+        ("kill", 1, 5), ("hang", 0, 2)]
