@@ -3,7 +3,6 @@ injected fault the supervised job restarts from its last good checkpoint and end
 bit-identical to a run that never failed -- computed here, independently, on the threads transport."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,6 @@ from minidist.comm import run
 from minidist.faults import parse
 
 ROOT = Path(__file__).resolve().parents[1]
-HAS_MPI = shutil.which("mpirun") is not None or (Path(sys.executable).parent / "mpirun").exists()
 STEPS = 8
 
 
@@ -49,12 +47,12 @@ def assert_bit_identical(final, want, res):
     assert final.keys() == want.keys() and all(np.array_equal(final[k], want[k]) for k in want), res.stdout
 
 
-mpi = pytest.mark.skipif(not HAS_MPI, reason="needs mpirun (pip install mpich)")
-pytestmark = pytest.mark.mpi
+mpi = pytest.mark.mpi  # conftest skips these without mpirun
 
 
 @pytest.mark.parametrize("fault,recovered", [
-    ("kill:rank=1,step=5", "recovered from tier memory checkpoint of step 4"),      # SIGKILL
+    # SIGKILL, under mpirun
+    pytest.param("kill:rank=1,step=5", "recovered from tier memory checkpoint of step 4", marks=mpi),
     # an exception, with a straggler (slow, not failed: its heartbeat keeps coming)
     ("raise:rank=0,step=3;slow:rank=1,step=0,seconds=0.02",
      "recovered from tier memory checkpoint of step 2"),
@@ -66,8 +64,6 @@ pytestmark = pytest.mark.mpi
 ])
 def test_supervised_job_recovers_bit_identically(tmp_path, fault, recovered):
     """A kill runs under mpirun; the others, to keep the suite fast, as threads of one process."""
-    if fault.startswith("kill") and not HAS_MPI:
-        pytest.skip("needs mpirun (pip install mpich)")
     tiers = ["--mem-every", "0", "--disk-every", "2", "--sync"] if "step=6" in fault else ["--mem-every", "2"]
     res, final = supervise(tmp_path, 2, fault, job_args=tiers, threads=not fault.startswith("kill"))
     assert res.returncode == 0, res.stdout + res.stderr
