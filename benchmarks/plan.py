@@ -17,6 +17,7 @@ import sys
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from minidist import hardware
 from minidist.comm import run
@@ -34,12 +35,20 @@ def measure_here(cfg, batch, dp, tp, pp, m, steps=6):
         train_3d(comm, cfg, data, dp=dp, pp=pp, tp=tp, microbatches=m, optimizer="adamw", lr=1e-3,
                  on_step=lambda s, st: marks.append(time.perf_counter()))
         return np.diff(marks)[1:]  # drop the first step (warm-up)
-    times = np.max(np.array(run(body, ranks=dp * tp * pp)), axis=0)
+    with threadpool_limits(1):  # one BLAS thread per rank, also for a single rank (what the planner assumes)
+        times = np.max(np.array(run(body, ranks=dp * tp * pp)), axis=0)
     return float(np.median(times))
 
 
+def hw_load() -> float:
+    import json
+
+    with open(hardware.CALIBRATION_PATH) as f:
+        return float(json.load(f).get("load", float("nan")))
+
+
 def here_rows(args):
-    if not os.path.exists(hardware.CALIBRATION_PATH):
+    if args.calibrate or not os.path.exists(hardware.CALIBRATION_PATH):
         from minidist.calibrate import calibrate
         calibrate()
     hw = hardware.here()
@@ -47,8 +56,8 @@ def here_rows(args):
     spec = ModelSpec("bench", n_layer=4, d_model=128, n_head=4, vocab=256, seq=64, engine="minidist",
                      dtype_bytes=4)
     batch = 16
-    print(f"here: {hw.name}, {hw.cores} cores; GPT {cfg.n_layer}x{cfg.d_model}, "
-          f"batch {batch}x{cfg.block_size}")
+    print(f"here: {hw.name}, {hw.cores} cores, load average now {os.getloadavg()[0]:.1f} (calibrated at "
+          f"{hw_load():.1f}); GPT {cfg.n_layer}x{cfg.d_model}, batch {batch}x{cfg.block_size}")
     print(f"{'mesh':<22} {'predicted s':>11} {'measured s':>10} {'ratio':>6}  within 30%")
     ok = True
     for dp, tp, pp, m in [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 4), (2, 2, 2, 2), (8, 1, 1, 1)]:
@@ -86,6 +95,7 @@ def published_rows():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strict", action="store_true", help="exit nonzero if any row misses its target")
+    ap.add_argument("--calibrate", action="store_true", help="re-measure this machine first")
     args = ap.parse_args()
     ok = here_rows(args)
     ok &= published_rows()

@@ -1,9 +1,11 @@
 """`python -m minidist.calibrate`: measure this machine once for the planner's `--hardware here`.
 
-Measures, with one BLAS thread (as every minidist rank runs): float32 matmul FLOP/s, memory
-bandwidth (a large copy), the cost of one autograd op outside its arithmetic (forward + backward
-of a tiny add: Python and dispatch), and the threads transport's ring all-reduce alpha (seconds
-per step) and beta (seconds per byte) by a least-squares fit over message sizes. Writes them to
+Measures: float32 matmul FLOP/s, memory bandwidth (a large copy), the cost of one autograd op
+outside its arithmetic (forward + backward of a tiny add: Python and dispatch), the rates minidist's
+own kernels reach (`kernels`: linear, GELU, layer norm, attention scores, cross-entropy, AdamW --
+the planner's compute model for the "minidist" engine is a sum of these), and the threads
+transport's ring all-reduce alpha (seconds per step) and beta (seconds per byte) by a least-squares
+fit over message sizes. The load average is recorded: on a busy machine every number is slower. Writes them to
 ~/.cache/minidist/calibration.json (`minidist.hardware.CALIBRATION_PATH`); `minidist.hardware.here()`
 reads them back.
 """
@@ -54,6 +56,54 @@ def op_overhead(n: int = 200) -> float:
     return _median_time(chain) / (n + 1)
 
 
+def _fwd_bwd(fn, *shapes, seed=0):
+    """Median seconds of forward + backward of minidist op `fn` on float32 tensors of `shapes`."""
+    from minidist.tensor import Tensor
+
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+    def once():
+        ts = [Tensor(a, requires_grad=True) for a in arrays]
+        out = fn(*ts)
+        out.backward(np.ones(out.shape, np.float32))
+    return _median_time(once, 5)
+
+
+def kernels() -> dict:
+    """What minidist's own ops achieve here, forward + backward, per unit of work:
+    linear FLOP/s (3 matmuls of 2·m·k·n), seconds per element of GELU, of layer norm, of a plain
+    elementwise op (add), per attention score (softmax, mask and their backward, the q·kᵀ and p·v
+    matmuls taken out at the linear rate), per cross-entropy logit, and per parameter of AdamW."""
+    from minidist import ops
+    from minidist.optim import AdamW
+    from minidist.tensor import Tensor
+
+    b, s, k, n = 8, 64, 256, 256  # a batch of sequences (3-D input), as the model's layers see it
+    lin = 3 * 2 * b * s * k * n / _fwd_bwd(lambda x, w: ops.linear(x, w), (b, s, k), (k, n))
+    e = 256 * 1024
+    gelu = _fwd_bwd(ops.gelu, (256, 1024)) / e
+    ln = _fwd_bwd(lambda x, w, b: ops.layer_norm(x, w, b), (256, 1024), (1024,), (1024,)) / e
+    add = _fwd_bwd(lambda a, b: a + b, (256, 1024), (256, 1024)) / e
+    b, h, s, d = 8, 4, 64, 32
+    scores = b * h * s * s
+    t = _fwd_bwd(lambda q, kk, v: ops.scaled_dot_product_attention(q, kk, v), *[(b, h, s, d)] * 3)
+    attn = max(t - 3 * 2 * 2 * scores * d / lin, 0.0) / scores
+    logits = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
+    tgt = np.zeros(512, np.int64)
+
+    def ce():
+        x = Tensor(logits, requires_grad=True)
+        ops.cross_entropy(x, tgt).backward()
+    ce_t = _median_time(ce, 5) / logits.size
+    p = Tensor(np.zeros(1 << 20, np.float32), requires_grad=True)
+    p.grad = np.ones(1 << 20, np.float32)
+    opt = AdamW([p], lr=1e-3)
+    adam = _median_time(opt.step, 5) / p.size
+    return {"linear_flops": lin, "gelu": gelu, "layer_norm": ln, "elementwise": add, "attention_score": attn,
+            "cross_entropy": ce_t, "adamw": adam}
+
+
 def allreduce_alpha_beta(ranks: int = 2) -> tuple[float, float]:
     from minidist.comm import all_reduce, run
 
@@ -93,7 +143,8 @@ def calibrate(path: str = CALIBRATION_PATH) -> dict:
     alpha, beta = allreduce_alpha_beta()
     c = {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)), "flops": matmul_flops(),
          "mem_bandwidth": mem_bandwidth(), "op_overhead": op_overhead(), "alpha": alpha, "beta": beta,
-         "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "time": time.time()}
+         "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "time": time.time(),
+         "kernels": kernels(), "load": os.getloadavg()[0]}
     if limit is not None:
         limit.unregister() if hasattr(limit, "unregister") else None
     os.makedirs(os.path.dirname(path), exist_ok=True)

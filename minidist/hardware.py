@@ -72,6 +72,7 @@ class Hardware:
     disk: Link | None = None       # to local NVMe (offload)
     op_overhead: float = 0.0       # seconds per op (forward + backward) outside the math: Python, dispatch
     cores: int = 0                 # cores the ranks share (0: one chip per rank, nothing shared)
+    kernels: dict | None = field(default=None, compare=False)  # measured minidist op rates (calibrate)
     sources: tuple = field(default=(), compare=False)
 
     def with_(self, **changes) -> Hardware:
@@ -127,7 +128,7 @@ def here(path: str | None = None) -> Hardware:
     return Hardware(f"here ({c.get('cpu', 'this CPU')})", c["flops"], c.get("memory_bytes", 8 * GB),
                     c["mem_bandwidth"], intra=link, inter=link, chips_per_domain=10**6,
                     gemm_efficiency=1.0, op_overhead=c["op_overhead"], cores=c["cores"],
-                    sources=("calibrate",))
+                    kernels=c.get("kernels"), sources=("calibrate",))
 
 
 def get(name: str) -> Hardware:

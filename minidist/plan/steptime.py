@@ -94,6 +94,9 @@ def _stage_math(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int, set
         elif kinds[i] == "head":
             flops += model.head_forward_flops(tokens) / cand.tp
             ops += OPS_HEAD
+    if hw.kernels is not None and model.engine == "minidist":
+        fwd, bwd = kernel_time(model, cand, hw, stage)
+        return fwd, bwd, flops
     act = memory_bound_bytes(model, cand, stage, settings)
     share = max(1.0, (cand.chips / hw.cores)) if hw.cores else 1.0
     fwd = (flops / (hw.peak_flops * hw.gemm_efficiency) + act / hw.hbm_bandwidth) * share
@@ -106,6 +109,39 @@ def _stage_math(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int, set
                    for i in stage_layers(model, cand)[stage] if kinds[i] == "block")
         bwd += core / (hw.peak_flops * hw.gemm_efficiency)
     return fwd + overhead / 2, bwd + overhead / 2, flops
+
+
+def kernel_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one microbatch through one stage of a minidist GPT on this
+    machine: a sum over the ops of the work each does at the rate `minidist.calibrate` measured for
+    it (forward + backward together, split 1 : 2). Per block: the four linears (3 x 2·T·12h²/tp
+    FLOPs), GELU on 4·T·h/tp elements, two layer norms on T·h, the attention's b·(H/tp)·s² scores
+    (and its q·kᵀ, p·v matmuls at the linear rate), ~6 plain elementwise passes over T·h (residual
+    adds, bias adds, head split/merge copies); the head's linear and cross-entropy on T·V/tp logits;
+    every op's fixed cost. Ranks sharing the cores share them (one BLAS thread each)."""
+    k = hw.kernels
+    h, s, b = model.d_model, model.seq // cand.cp, cand.microbatch
+    tokens, tp, d = b * s, cand.tp, model.head_dim
+    lin_rate = k["linear_flops"]  # one BLAS thread per rank, as minidist runs its ranks
+    kinds = layer_kinds(model)
+    t, ops = 0.0, 0
+    for i in stage_layers(model, cand)[stage]:
+        if kinds[i] == "block":
+            scores = b * (model.n_head // tp) * s * s
+            t += 3 * 2 * tokens * 12 * h * h / tp / lin_rate + 3 * 2 * 2 * scores * d / lin_rate
+            t += 4 * tokens * h / tp * k["gelu"] + 2 * tokens * h * k["layer_norm"]
+            t += scores * k["attention_score"] + 6 * tokens * h * k["elementwise"]
+            ops += OPS_PER_BLOCK
+        elif kinds[i] == "head":
+            t += 3 * 2 * tokens * h * model.vocab / tp / lin_rate + tokens * h * k["layer_norm"]
+            t += tokens * model.vocab / tp * k["cross_entropy"]
+            ops += OPS_HEAD
+        else:
+            t += 3 * tokens * h * k["elementwise"]
+            ops += 3
+    t += ops * hw.op_overhead
+    share = max(1.0, cand.chips / hw.cores)
+    return t * share / 3, 2 * t * share / 3
 
 
 def memory_bound_bytes(model: ModelSpec, cand: Candidate, stage: int, settings: Settings) -> float:
@@ -150,6 +186,9 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
              for _, _, _, pa, _ in stages)
     dp_exposed = max(0.0, dp - bwd_t / v) if cand.zero < 3 else dp / 3  # ZeRO-3 gathers prefetch
     opt = (sum(mem[k] for k in ("params", "grads", "optimizer")) * 2) / hw.hbm_bandwidth
+    if hw.kernels is not None and model.engine == "minidist":  # measured AdamW (or SGD ~ 1/4 of it)
+        rate = hw.kernels["adamw"] * (1.0 if settings.optimizer == "adamw" else 0.25)
+        opt = mem["params"] / model.dtype_bytes * rate * (max(1.0, cand.chips / hw.cores) if hw.cores else 1)
     step = makespan + dp_exposed + opt
     compute = m * max(f + b for f, b, _, _, _ in stages)
     comm = {ax: 0.0 for ax in ("tp", "cp", "ep", "pp", "dp")}
