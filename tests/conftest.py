@@ -1,8 +1,11 @@
-"""Test set-up: one BLAS thread per process, hypothesis profiles, the gpu marker's skip rule."""
+"""Test set-up: one BLAS thread per process, hypothesis profiles, the gpu and mpi markers' skip
+rules, and a short watchdog: a hung collective fails a test in seconds, never shrunk by hypothesis."""
 
 import os
+import shutil
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("MINIDIST_TIMEOUT", "20")  # tests only: a hang fails in 20 s, not the 300 s default
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -41,6 +44,10 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    if shutil.which("mpirun") is None and os.environ.get("MINIDIST_REQUIRE_MPI") != "1":
+        for item in items:  # mpi tests: skipped with the reason (or failed in setup when CI requires them)
+            if "mpi" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="needs mpirun on PATH (pip install mpich)"))
     if _has_gpu():
         return
     require = os.environ.get("MINIDIST_REQUIRE_GPU") == "1"
@@ -55,6 +62,25 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def _gpu_missing():
     pytest.fail("MINIDIST_REQUIRE_GPU=1 but no NVIDIA GPU with CuPy is available")
+
+
+def pytest_runtest_setup(item):
+    if "mpi" in item.keywords and shutil.which("mpirun") is None:  # only with MINIDIST_REQUIRE_MPI=1
+        pytest.fail("MINIDIST_REQUIRE_MPI=1 but mpirun is not on PATH (pip install mpich)")
+
+
+@pytest.fixture(autouse=True)
+def _hangs_do_not_shrink(request, monkeypatch):
+    """In a hypothesis test the watchdog raises ``RanksHung`` (a BaseException): hypothesis stops at
+    the first hung example instead of shrinking it at MINIDIST_TIMEOUT seconds a try."""
+    if not getattr(request.function, "is_hypothesis_test", False):
+        return
+    from minidist.comm.communicator import Communicator
+    from minidist.grade import RanksHung
+
+    timeout_error = Communicator.timeout_error
+    monkeypatch.setattr(Communicator, "timeout_error",
+                        lambda comm, what, waited: RanksHung(str(timeout_error(comm, what, waited))))
 
 
 def backends():
