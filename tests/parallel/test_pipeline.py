@@ -70,14 +70,34 @@ def test_balanced_partition_is_optimal(costs, p):
     assert got <= max(sum(costs[a:b]) for a, b in partition_uniform(n, p)) + 1e-12
 
 
-def test_layer_costs_and_format():
-    model = GPT(CFG)
+def test_layer_costs_and_format(monkeypatch):
+    """Bytes are the parameters' bytes; times add up: the per-layer forward+backward times sum to
+    the whole model's forward+backward time (within 2x either way), and identical blocks cost alike.
+    Timed with this thread's CPU clock (one BLAS thread), so a loaded machine doesn't skew it."""
+    import time as clock
+
+    model = GPT(CFG.replace(vocab_size=512, block_size=16, d_model=32))
     by_bytes = layer_costs(model, None, by="params")
     assert by_bytes == [sum(p.data.nbytes for p in layer.parameters()) for layer in model]
-    times = layer_costs(model, np.zeros((2, 4), np.int64), by="time", repeats=1)
+    x = np.zeros((4, 16), np.int64)
+    monkeypatch.setattr(clock, "perf_counter", clock.thread_time)
+    times = layer_costs(model, x, by="time", repeats=5)
+    whole = []
+    for _ in range(5):
+        t0 = clock.thread_time()
+        out = model(x)
+        out.backward(np.ones(out.shape))
+        whole.append(clock.thread_time() - t0)
+    total = float(np.median(whole))
     assert len(times) == len(model) and all(t > 0 for t in times)
-    text = format_partition(partition_balanced(by_bytes, 2), by_bytes, " B")
-    assert text.count("stage") == 2 and "predicted cost" in text
+    assert 0.5 * total <= sum(times) <= 2 * total, (times, total)
+    blocks = times[1:-1]  # Embed, Block x 3, Head: the blocks are the same computation
+    assert max(blocks) <= 2 * min(blocks), blocks
+    assert format_partition([(0, 2), (2, 3)], [1.0, 2.0, 1.0], " s").splitlines() == [
+        "stage 0: layers 0..1 (2 layers)  predicted cost 3 s (75%)",
+        "stage 1: layers 2..2 (1 layer)  predicted cost 1 s (25%)"]
+    assert format_partition([(0, 1), (1, 3)]).splitlines() == ["stage 0: layers 0..0 (1 layer)",
+                                                                "stage 1: layers 1..2 (2 layers)"]
     with pytest.raises(ValueError, match="'time' or 'params'"):
         layer_costs(model, None, by="flops")
 
@@ -95,15 +115,15 @@ def test_unknown_schedule():
 
 # -- the runtime on threads equals the serial model ------------------------------------------------
 
-def _serial_grads(x, y):
-    model = GPT(CFG)
+def _serial_grads(x, y, cfg=CFG):
+    model = GPT(cfg)
     loss = model.loss(x, y)
     loss.backward()
     return float(loss.item()), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _pipeline_rank(comm, schedule, m, chunks, x, y):
-    model = GPT(CFG)
+def _pipeline_rank(comm, schedule, m, chunks, x, y, cfg=CFG):
+    model = GPT(cfg)
     p = comm.size
     stage = PipelineStage(model, partition_uniform(len(model), p * chunks), comm.rank, p)
     tracer, outer = trace.Tracer(comm.rank), MemoryAccountant()
@@ -136,11 +156,11 @@ def test_fewer_microbatches_than_stages(schedule, p, m):
     _check_against_serial(schedule, p, m, 1, seed=m)
 
 
-def _check_against_serial(schedule, p, m, chunks, seed):
+def _check_against_serial(schedule, p, m, chunks, seed, cfg=CFG):
     rng = np.random.default_rng(seed)
     x, y = rng.integers(0, 16, (2 * m, 4)), rng.integers(0, 16, (2 * m, 4))
-    loss, want = _serial_grads(x, y)
-    results = run(_pipeline_rank, ranks=p, schedule=schedule, m=m, chunks=chunks, x=x, y=y)
+    loss, want = _serial_grads(x, y, cfg)
+    results = run(_pipeline_rank, ranks=p, schedule=schedule, m=m, chunks=chunks, x=x, y=y, cfg=cfg)
     got = {name: g for _, grads, _ in results for name, g in grads.items()}
     assert got.keys() == want.keys()  # every parameter lives on exactly one stage
     for name in want:
@@ -152,6 +172,13 @@ def _check_against_serial(schedule, p, m, chunks, seed):
         computes = [e for e in events if e["cat"] == "compute"]
         assert {(e["name"], e["args"]["mb"], e["args"]["chunk"]) for e in computes} == \
             {(k, mb, c) for k in ("Forward", "Backward") for mb in range(m) for c in range(chunks)}
+
+
+@pytest.mark.parametrize("p,m,chunks", [(3, 3, 2), (3, 6, 2), (4, 4, 2), (4, 8, 2), (3, 6, 1)])
+def test_interleaved_on_a_deeper_model_equals_serial(p, m, chunks):
+    """Interleaving at p = 3 and 4 with enough layers for every virtual stage (8 layers: embedding,
+    6 blocks, head), so chunks > 1 is really exercised (the default 5-layer model falls back to 1)."""
+    _check_against_serial("interleaved", p, m, chunks, seed=p + m, cfg=CFG.replace(n_layer=6))
 
 
 def test_one_f_one_b_holds_fewer_activations_than_gpipe():
@@ -182,6 +209,13 @@ def test_stage_errors():
         run_schedule(stage, comm, [], [None], [None])
     with pytest.raises(ValueError, match="pipeline group has 2 ranks but the model is cut into 3 stages"):
         run(wrong_group, ranks=2)
+
+    def wrong_weights(comm):
+        stage = PipelineStage(model, partition_uniform(len(model), 1), 0, 1)
+        x = np.zeros((2, 4), np.int64)
+        run_schedule(stage, comm, [], [x, x], [x, x], loss_weights=[1.0])
+    with pytest.raises(ValueError, match="1 loss_weights for 2 microbatches; give one weight per microbatch"):
+        run(wrong_weights, ranks=1)
 
 
 # -- under real mpirun -------------------------------------------------------------------------------
