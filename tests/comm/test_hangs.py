@@ -95,7 +95,7 @@ def test_auto_chooses_one_algorithm_when_only_some_hosts_are_crowded(p, monkeypa
 
 # -- always-on checks: a mismatch is an error without debug mode, never garbage --------------------
 
-def _two_ranks(body, timeout="60"):
+def _two_ranks(body, timeout="60", ranks=2):
     """Run ``body`` on 2 thread ranks with a long watchdog: whatever is raised comes from a check,
     within a second, not from the timeout."""
     import os
@@ -104,7 +104,7 @@ def _two_ranks(body, timeout="60"):
     os.environ["MINIDIST_TIMEOUT"] = timeout
     t = time.monotonic()
     try:
-        run(body, ranks=2)
+        run(body, ranks=ranks)
     finally:
         if saved is None:
             del os.environ["MINIDIST_TIMEOUT"]
@@ -124,9 +124,9 @@ MISMATCHES = {  # rank 0's call, rank 1's call, what the error must say
     "auto's handshake against another collective": (
         lambda c: all_reduce(c, np.ones(3)), lambda c: all_gather(c, np.ones(3)),
         r"all_reduce\(auto\).*all_gather call #1"),
-    "skipped call": (lambda c: [all_reduce(c, np.ones(4), algorithm="ring"), broadcast(c, np.ones(2))],
-                     lambda c: broadcast(c, np.ones(2) if c.rank == 0 else None, root=0),
-                     r"broadcast call #(1|2)"),
+    "skipped call": (lambda c: [broadcast(c, np.ones(2)), all_reduce(c, np.ones(6), algorithm="ring")],
+                     lambda c: all_reduce(c, np.ones(6), algorithm="ring"),  # rank 2 skips the broadcast
+                     r"ring_all_reduce call #1 .*next message is a message of ring_all_reduce call #2"),
 }
 
 
@@ -135,9 +135,10 @@ def test_mismatched_calls_raise_at_once_without_debug_mode(case, monkeypatch):
     monkeypatch.delenv("MINIDIST_DEBUG", raising=False)
     first, second, says = MISMATCHES[case]
     t = time.monotonic()
+    p = 3 if case == "skipped call" else 2  # ranks 0, 1 call `first`, rank 2 `second`
     with pytest.raises(CollectiveMismatch, match=says) as info:
-        _two_ranks(lambda comm: first(comm) if comm.rank == 0 else second(comm))
-    assert re.search(r"rank [01] of 2 \(threads\), in .*: waits for .* from rank [01], but rank [01]'s next "
+        _two_ranks(lambda comm: first(comm) if comm.rank < p - 1 else second(comm), ranks=p)
+    assert re.search(rf"rank \d of {p} \(threads\), in .*: waits for .* from rank \d, but rank \d's next "
                      r"message is", str(info.value)), info.value
     assert time.monotonic() - t < 5  # a check, not the 60 s watchdog
 

@@ -13,10 +13,10 @@ PROGRAM = Path(__file__).with_name("mpi_program.py")
 pytestmark = pytest.mark.mpi  # skipped without mpirun (or failed under MINIDIST_REQUIRE_MPI=1): conftest
 
 
-def mpirun(n, mode, timeout=60, **env):
+def mpirun(n, mode, timeout=60, *args, **env):
     e = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), **env)
     e.pop("MINIDIST_TRANSPORT", None)
-    cmd = ["mpirun", "-n", str(n), sys.executable, str(PROGRAM), mode]
+    cmd = ["mpirun", "-n", str(n), sys.executable, str(PROGRAM), mode, *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
 
 
@@ -52,12 +52,12 @@ def test_watchdog_under_mpi_names_each_ranks_real_operation():
     ("exit0", r"rank 1 of 2 called os._exit\(0\) before its function returned from run\(\)"),
     ("after_abort", r"rank 1 of 2 raised; aborting the job"),
 ], ids=["dtype_mismatch", "early_return", "exit0", "after_abort"])
-def test_mpi_jobs_fail_fast_and_truthfully(mode, expected):  # ids: the modes
+def test_mpi_jobs_fail_fast_and_truthfully(mode, expected, tmp_path):  # ids: the modes
     """MPI-only failures that once gave garbage, a 300 s hang, or exit code 0: each ends the job in
     seconds with a nonzero exit code and a message naming the rank; no rank that failed (or whose
     peer failed) carries on past run()."""
-    res = mpirun(2, mode, timeout=30, MINIDIST_TIMEOUT="60")
+    res = mpirun(2, mode, 30, tmp_path / "after_run", MINIDIST_TIMEOUT="60")
     assert res.returncode != 0, res.stdout + res.stderr
     assert re.search(expected, res.stderr), res.stderr
     assert "got [" not in res.stdout  # no garbage result printed
-    assert "AFTER RUN" not in res.stdout  # the aborting rank never continues past run()
+    assert "AFTER RUN" not in res.stdout and not list(tmp_path.glob("after_run.*"))  # nobody carried on
