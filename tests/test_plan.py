@@ -102,6 +102,44 @@ def stage_memory(cand, stage):
             "total": 16 * n + stage_activation_peak(SPEC, cand, B, stage, Settings())}
 
 
+
+@pytest.mark.parametrize("stage,dp,layers", [(1, 2, 2), (2, 4, 2), (3, 2, 2), (3, 4, 3)])
+def test_zero_bytes_and_memory_equal_ledger_and_accountant(stage, dp, layers):
+    from minidist import optim
+    from minidist.nn import GPT
+    from minidist.parallel.zero import ZeRO
+
+    cfg = CFG.replace(n_layer=layers, d_model=12, n_head=3, vocab_size=30)  # odd sizes: uneven shards
+    spec = SPEC.replace(n_layer=layers, d_model=12, n_head=3, vocab=30)
+    cand = Candidate(dp=dp, zero=stage, microbatch=B // dp)
+    x = np.arange(B * 8).reshape(B, 8) % cfg.vocab_size
+
+    def body(comm):
+        m, acct = GPT(cfg), MemoryAccountant()
+        z = ZeRO(m, comm, lambda ps: optim.AdamW(ps, lr=1e-3), stage=stage)
+        mine = x[comm.rank * B // dp:(comm.rank + 1) * B // dp]
+        for _ in range(2):  # the second step: optimizer state exists, calls are a steady step's
+            with measure(comm) as meas:
+                with acct.track_activations(m):
+                    loss = m.loss(mine, mine)
+                z.backward(loss)
+                z.wait_gradients()
+                rep = acct.report(m, z)
+                z.update()
+        return comm.rank, Counter((c.name, c.bytes_sent) for c in meas.calls), rep
+
+    for rank, calls, rep in run(body, ranks=dp):
+        if rank:
+            continue
+        want = Counter()
+        for c in collectives(spec, cand, B):
+            want[(c.name, int(c.sent))] += c.count
+        assert calls == want
+        mem = memory(spec, cand, B)
+        assert (rep["params"], rep["grads"], rep["optimizer_state"], rep["activations_peak"]) == \
+            (mem["params"], mem["grads"], mem["optimizer"], mem["activations"])
+
+
 # -- published runs: expected values are the papers' numbers and formulas --------------------------
 
 def _predict_run(name):

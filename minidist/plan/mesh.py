@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from minidist.comm.collectives import split_sizes
 from minidist.parallel.ddp import build_buckets
 from minidist.parallel.pipeline import make_schedule, partition_uniform
 from minidist.parallel.simulate import peak_activations
@@ -140,11 +141,23 @@ def stage_param_counts(model: ModelSpec, cand: Candidate, stage: int) -> tuple[i
     return sum(sizes), sizes
 
 
-def zero_shard(sizes: list[int], dp: int, itemsize: int) -> int:
-    """Elements rank 0 (the largest share) owns under ZeRO: its `Bucket.shard` of every gradient bucket
-    that DDP's `build_buckets` makes of these parameters (reverse order, DDP_BUCKET_BYTES each)."""
+def minidist_buckets(model: ModelSpec, cand: Candidate, stage: int, itemsize: int) -> list[tuple[int, str]]:
+    """(elements, layer kind) of each gradient bucket minidist makes for this stage: DDP / ZeRO 1-2 cut
+    the parameters in reverse order into buckets of DDP_BUCKET_BYTES (`build_buckets`); ZeRO-3 makes
+    one bucket per unit (top-level layer), last layer first, so a unit is gathered as one."""
+    kinds = layer_kinds(model)
+    layers = stage_layers(model, cand)[stage]
+    if cand.zero >= 3:
+        return [(sum(minidist_param_sizes(model, kinds[i], cand.tp)), kinds[i]) for i in reversed(layers)]
+    sizes = [n for i in layers for n in minidist_param_sizes(model, kinds[i], cand.tp)]
     fake = [types.SimpleNamespace(size=n, dtype=np.dtype(f"f{itemsize}")) for n in sizes]
-    return sum(hi - lo for b in build_buckets(fake[::-1], DDP_BUCKET_BYTES) for lo, hi in [b.shard(0, dp)])
+    return [(b.numel, "mixed") for b in build_buckets(fake[::-1], DDP_BUCKET_BYTES)]
+
+
+def zero_shard(model: ModelSpec, cand: Candidate, stage: int, itemsize: int) -> int:
+    """Elements rank 0 (the largest share) owns under ZeRO: its `Bucket.shard` (np.array_split part)
+    of every bucket."""
+    return sum(split_sizes(n, cand.dp)[0] for n, _ in minidist_buckets(model, cand, stage, itemsize))
 
 
 # -- activations ---------------------------------------------------------------------------------
@@ -209,7 +222,7 @@ def memory(model: ModelSpec, cand: Candidate, batch: int, settings: Settings = D
     best = None
     for stage in range(cand.pp):
         n, sizes = stage_param_counts(model, cand, stage)
-        shard = zero_shard(sizes, cand.dp, pb) if model.engine == "minidist" else -(-n // cand.dp)
+        shard = zero_shard(model, cand, stage, pb) if model.engine == "minidist" else -(-n // cand.dp)
         mem = {
             "params": pb * (shard if cand.zero >= 3 else n),
             "grads": gb * (shard if cand.zero >= 2 else n),

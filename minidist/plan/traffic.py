@@ -16,19 +16,15 @@ gradient back per microbatch and stage boundary. All-reduces are minidist's ring
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 
-import numpy as np
-
 from minidist.comm.collectives import split_sizes
-from minidist.parallel.ddp import build_buckets
 from minidist.plan.mesh import (
-    DDP_BUCKET_BYTES,
     DEFAULT,
     Candidate,
     Settings,
     layer_kinds,
+    minidist_buckets,
     stage_layers,
     stage_param_counts,
 )
@@ -88,12 +84,11 @@ def _dp_calls(model: ModelSpec, cand: Candidate, stage: int, settings: Settings)
     _, sizes = stage_param_counts(model, cand, stage)
     p = cand.dp
     if model.engine == "minidist":
-        fake = [types.SimpleNamespace(size=n, dtype=np.dtype(f"f{gb}")) for n in sizes]
-        numels = [bk.numel for bk in build_buckets(fake[::-1], DDP_BUCKET_BYTES)]
+        buckets = minidist_buckets(model, cand, stage, gb)
     else:
-        numels = [sum(sizes)]
+        buckets = [(sum(sizes), "mixed")]
     calls = []
-    for n in numels:
+    for n, kind in buckets:
         nb = n * gb
         if cand.zero == 0:
             calls.append(Collective("dp", "ring_all_reduce", nb, ring_sent(nb, p, gb), 1, "step"))
@@ -101,7 +96,9 @@ def _dp_calls(model: ModelSpec, cand: Candidate, stage: int, settings: Settings)
             sent = gb * (n - split_sizes(n, p)[0])  # all but my own part
             calls.append(Collective("dp", "reduce_scatter", nb, sent, 1, "step"))
             pb = settings.bytes_for(model)[0]
-            gathers = 2 if cand.zero >= 3 else 1  # ZeRO-3: before forward and again before backward
+            # ZeRO-3: gathered before forward and again for backward (not the embedding: a lookup's
+            # gradient needs no weights)
+            gathers = 1 if cand.zero < 3 or kind == "embed" else 2
             calls.append(Collective("dp", "all_gather", n * pb, gather_sent(n * pb, p, pb), gathers,
                                     "forward" if cand.zero >= 3 else "step"))
     return [c for c in calls if c.sent or p > 1]
