@@ -1,4 +1,5 @@
-"""Data: a byte-level tokenizer, a text-file dataset, synthetic tasks, and a resumable batch loader.
+"""Data: a byte-level tokenizer, a text-file dataset, synthetic tasks, a resumable batch loader, and
+the split of data over data-parallel ranks (``DistributedSampler``, ``split_batch``).
 
 A dataset is anything with ``len(ds)`` and ``ds.get(indices) -> (x, y)``: integer arrays of shape
 (len(indices), T), ``y`` the next-token targets with -1 where no loss is taken (the prompt part
@@ -156,3 +157,70 @@ class BatchLoader:
     def load_state_dict(self, sd: dict):
         self.epoch, self.position, self.seed = sd["epoch"], sd["position"], sd["seed"]
         return self
+
+
+# -- data parallelism: each rank's share -----------------------------------------------------------
+
+class DistributedSampler:
+    """This rank's share of a dataset's indices, reshuffled every epoch from ``seed + epoch``.
+
+    Every rank draws the same permutation (same seed and epoch) and takes every ``size``-th index
+    starting at its rank, so the shards are disjoint and cover the epoch. ``drop_last=False`` pads
+    with the first indices so all shards have equal length (as PyTorch does); ``drop_last=True``
+    drops the tail; ``even=False`` does neither: shards differ by at most one sample (use
+    ``DistributedDataParallel.backward(loss, n_samples)`` to weigh them right).
+    """
+
+    def __init__(self, n: int, rank: int, size: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, even: bool = True):
+        if not 0 <= rank < size:
+            raise ValueError(f"DistributedSampler: rank {rank} is not in 0..{size - 1}")
+        if n < 0:
+            raise ValueError(f"DistributedSampler: dataset length must be >= 0, got {n}")
+        self.n, self.rank, self.size = n, rank, size
+        self.shuffle, self.seed, self.drop_last, self.even = shuffle, seed, drop_last, even
+        self.epoch = 0
+
+    @classmethod
+    def for_comm(cls, dataset, comm, **kw):
+        return cls(len(dataset), comm.rank, comm.size, **kw)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _order(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.n)
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+
+    def indices(self) -> np.ndarray:
+        idx = self._order()
+        if self.even and self.n:
+            if self.drop_last:
+                idx = idx[: self.n - self.n % self.size]
+            else:
+                pad = (-self.n) % self.size
+                idx = np.concatenate([idx, np.resize(idx, pad)]) if pad else idx
+        return idx[self.rank::self.size]
+
+    def __iter__(self):
+        return iter(self.indices().tolist())
+
+    def __len__(self):
+        return len(self.indices())
+
+
+def split_batch(n: int, size: int, rank: int, weights=None) -> slice:
+    """Rank ``rank``'s rows of a global batch of ``n`` rows: ``np.array_split`` sizes (the first
+    n % size ranks one row more), or sizes proportional to ``weights`` (uneven splits, e.g. for
+    ranks of different speed)."""
+    if weights is None:
+        q, extra = divmod(n, size)
+        counts = [q + 1] * extra + [q] * (size - extra)
+    else:
+        w = np.asarray(weights, float)
+        counts = list(np.floor(n * w / w.sum()).astype(int))
+        for i in range(n - sum(counts)):
+            counts[i % size] += 1
+    lo = sum(counts[:rank])
+    return slice(lo, lo + counts[rank])

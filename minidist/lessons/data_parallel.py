@@ -22,6 +22,7 @@ import numpy as np
 from minidist import optim
 from minidist.comm import all_reduce, measure
 from minidist.comm.cost import all_reduce_bytes_sent
+from minidist.data import split_batch
 from minidist.lessons.cli import (
     finish,
     launch,
@@ -33,9 +34,10 @@ from minidist.lessons.cli import (
 )
 from minidist.memory import MemoryAccountant, zero_formula
 from minidist.nn import GPT, GPTConfig
-from minidist.parallel.ddp import DDP, hidden_fraction, split_batch
+from minidist.parallel.ddp import DDP
 from minidist.parallel.zero import ZeRO, param_count
 from minidist.testing import max_state_diff, train_serial
+from minidist.trace import hidden_fraction
 
 
 def config(args) -> GPTConfig:

@@ -38,7 +38,6 @@ are right only when every row has the same number of valid tokens (then the weig
 from __future__ import annotations
 
 import contextlib
-import time
 
 import numpy as np
 
@@ -46,6 +45,7 @@ from minidist.comm import all_reduce, all_reduce_async, broadcast
 from minidist.comm.collectives import split_sizes
 from minidist.comm.handles import start_async
 from minidist.parallel.compose import check_compatible, claim
+from minidist.trace import OverlapRecorder, hidden_fraction
 
 # -- buckets -------------------------------------------------------------------------------------
 
@@ -130,38 +130,6 @@ def broadcast_parameters(comm, module, root: int = 0) -> None:
             p.data = v
 
 
-# -- timing of the overlap -----------------------------------------------------------------------
-
-def _timed(c, fn, x, events, label, tracer, **kw):
-    """Run collective ``fn`` on the async worker, recording when it really ran (and a trace span)."""
-    t0 = time.perf_counter()
-    if tracer is not None:
-        with tracer.span(label, "collective"):
-            out = fn(c, x, **kw)
-    else:
-        out = fn(c, x, **kw)
-    events.append((label, "comm", t0, time.perf_counter()))
-    return out
-
-
-def _tracer():
-    from minidist import trace
-
-    return trace.current()
-
-
-def hidden_fraction(events) -> float:
-    """Share of communication time that ran while backward was computing, from ``ddp.events``
-    (``(name, kind, t0, t1)`` with kind "backward" or "comm")."""
-    back = [(t0, t1) for _, kind, t0, t1 in events if kind == "backward"]
-    comm = [(t0, t1) for _, kind, t0, t1 in events if kind == "comm"]
-    total = sum(t1 - t0 for t0, t1 in comm)
-    if total <= 0:
-        return 0.0
-    hidden = sum(max(0.0, min(t1, b1) - max(t0, b0)) for t0, t1 in comm for b0, b1 in back)
-    return hidden / total
-
-
 # -- DDP -----------------------------------------------------------------------------------------
 
 class DistributedDataParallel:
@@ -189,8 +157,7 @@ class DistributedDataParallel:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._sync = True
         self.started_in_backward = 0  # buckets of the last window whose collective began during backward
-        self.events: list[tuple] = []  # (name, "backward"|"comm", t0, t1) of the last synced window
-        self._events: list[tuple] = []  # ... of the window being recorded
+        self.timeline = OverlapRecorder()  # when backward and each collective ran (minidist.trace)
         self._reset_window()
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -254,17 +221,13 @@ class DistributedDataParallel:
         if self._sync and self._weighted:  # queued first: the worker runs it before any bucket
             self._start_count()
         seed = loss.backend.xp.full(loss.data.shape, w, dtype=loss.dtype)
-        t0 = time.perf_counter()
         self._in_backward = True
-        tracer = _tracer()
         try:
-            with tracer.span("backward", "compute") if tracer else contextlib.nullcontext():
+            with self.timeline.backward(record=self._sync):  # a sync window: its last backward
                 loss.backward(seed)
         finally:
             self._in_backward = False
-        if self._sync:  # the timeline of a sync window: its last backward and the collectives
-            self._synced = True
-            self._events.append(("backward", "backward", t0, time.perf_counter()))
+        self._synced = self._sync
 
     def _start_count(self):
         """Queue the all-reduce of Σ n_samples (this window's divisor N) on the async worker."""
@@ -294,7 +257,8 @@ class DistributedDataParallel:
         return self._async(all_reduce, flat, f"all-reduce b{b.index}", op="sum", algorithm=self.algorithm)
 
     def _async(self, fn, x, label, **kw):
-        return start_async(self.comm, _timed, fn, x, self._events, label, _tracer(), **kw)
+        """Start collective ``fn(comm, x, **kw)`` on the async worker, timed by ``self.timeline``."""
+        return start_async(self.comm, self.timeline.timed(fn), x, label, **kw)
 
     def _complete(self, b: Bucket, total, divisor: float):
         """Bucket ``b``'s summed gradient arrived: divide and hand out views as ``p.grad``."""
@@ -333,7 +297,7 @@ class DistributedDataParallel:
             self._complete(b, self._handles[b.index].wait(), divisor)
         if self.find_unused:
             self._drop_unused()
-        self.events, self._events = self._events, []
+        self.timeline.close_window()
         self._reset_window()
 
     def _drop_unused(self):
@@ -343,73 +307,14 @@ class DistributedDataParallel:
             if not u:
                 p.grad = None
 
+    @property
+    def events(self) -> list:
+        """(name, "backward"|"comm", t0, t1) of the last synced window (``trace.OverlapRecorder``)."""
+        return self.timeline.events
+
     def hidden_fraction(self) -> float:
+        """Share of the last window's communication that overlapped its backward."""
         return hidden_fraction(self.events)
 
 
 DDP = DistributedDataParallel
-
-
-# -- the sampler ---------------------------------------------------------------------------------
-
-class DistributedSampler:
-    """This rank's share of a dataset's indices, reshuffled every epoch from ``seed + epoch``.
-
-    Every rank draws the same permutation (same seed and epoch) and takes every ``size``-th index
-    starting at its rank, so the shards are disjoint and cover the epoch. ``drop_last=False`` pads
-    with the first indices so all shards have equal length (as PyTorch does); ``drop_last=True``
-    drops the tail; ``even=False`` does neither: shards differ by at most one sample (use
-    ``DistributedDataParallel.backward(loss, n_samples)`` to weigh them right).
-    """
-
-    def __init__(self, n: int, rank: int, size: int, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, even: bool = True):
-        if not 0 <= rank < size:
-            raise ValueError(f"DistributedSampler: rank {rank} is not in 0..{size - 1}")
-        if n < 0:
-            raise ValueError(f"DistributedSampler: dataset length must be >= 0, got {n}")
-        self.n, self.rank, self.size = n, rank, size
-        self.shuffle, self.seed, self.drop_last, self.even = shuffle, seed, drop_last, even
-        self.epoch = 0
-
-    @classmethod
-    def for_comm(cls, dataset, comm, **kw):
-        return cls(len(dataset), comm.rank, comm.size, **kw)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def _order(self) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.n)
-        return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
-
-    def indices(self) -> np.ndarray:
-        idx = self._order()
-        if self.even and self.n:
-            if self.drop_last:
-                idx = idx[: self.n - self.n % self.size]
-            else:
-                pad = (-self.n) % self.size
-                idx = np.concatenate([idx, np.resize(idx, pad)]) if pad else idx
-        return idx[self.rank::self.size]
-
-    def __iter__(self):
-        return iter(self.indices().tolist())
-
-    def __len__(self):
-        return len(self.indices())
-
-
-def split_batch(n: int, size: int, rank: int, weights=None) -> slice:
-    """Rank ``rank``'s rows of a global batch of ``n`` rows: ``np.array_split`` sizes, or sizes
-    proportional to ``weights`` (uneven splits, e.g. for ranks of different speed)."""
-    if weights is None:
-        counts = split_sizes(n, size)
-    else:
-        w = np.asarray(weights, float)
-        counts = list(np.floor(n * w / w.sum()).astype(int))
-        for i in range(n - sum(counts)):
-            counts[i % size] += 1
-    lo = sum(counts[:rank])
-    return slice(lo, lo + counts[rank])

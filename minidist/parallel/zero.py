@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm import all_gather, all_reduce
+from minidist.comm import all_gather, all_reduce, reduce_scatter
 from minidist.comm.collectives import split_sizes
 from minidist.nn.module import Parameter
 from minidist.parallel.compose import check_compatible
@@ -60,20 +60,31 @@ class ZeRO(DistributedDataParallel):
     """``ZeRO(model, comm, lambda ps: AdamW(ps, lr=1e-3), stage=2)``; train with
     ``zero.backward(loss, n_samples)`` and ``zero.step()`` (which syncs, updates, gathers, zeroes).
 
+    ``ZeRO(..., stage=k)`` builds the stage's own class (``ZeRO1``, ``ZeRO2``, ``ZeRO3``); this base
+    is what every stage shares: the owned slices of each bucket (``shards``) and the optimizer over
+    them, the reduce-scatter that replaces DDP's all-reduce, the step, the sharded checkpoint.
     ``units`` (stage 3): modules gathered and freed as one; every trainable parameter must belong to
     exactly one unit. Frozen parameters stay replicated. ``full_parameters()`` gives the whole model.
     """
 
-    def __init__(self, module, comm, optimizer, stage: int = 2, bucket_bytes: float = 4 << 20,
+    stage = 0  # set by each stage's class
+
+    def __new__(cls, module, comm, optimizer, stage: int = 2, *args, **kwargs):
+        if cls is ZeRO:
+            stages = {1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
+            if stage not in stages:
+                raise ValueError(f"rank {comm.rank}: ZeRO stage must be 1, 2 or 3, got {stage!r}")
+            cls = stages[stage]
+        return super().__new__(cls)
+
+    def __init__(self, module, comm, optimizer, stage: int | None = None, bucket_bytes: float = 4 << 20,
                  units=None, broadcast_from: int | None = 0):
-        if stage not in (1, 2, 3):
-            raise ValueError(f"rank {comm.rank}: ZeRO stage must be 1, 2 or 3, got {stage!r}")
-        self.stage = stage
-        self.technique = f"zero{stage}"
-        check_compatible(module, self.technique)  # before units are looked for: a stage has none
-        self._unit_pending: dict[int, int] = {}
-        self.gather_log: list[tuple] = []  # (unit, "forward"|"backward"|"state"), for the ledger check
-        self.units = list(units) if units is not None else _units_of(module)
+        if stage is not None and stage != self.stage:
+            raise ValueError(f"rank {comm.rank}: {type(self).__name__} is stage {self.stage}, "
+                             f"got stage={stage}")
+        self.technique = f"zero{self.stage}"
+        check_compatible(module, self.technique)  # before units are looked for: a pipeline stage has none
+        self._setup_units(module, units, comm)
         super().__init__(module, comm, bucket_bytes=bucket_bytes, algorithm="ring",
                          broadcast_from=broadcast_from)
         self.shards = []
@@ -82,74 +93,20 @@ class ZeRO(DistributedDataParallel):
             flat = b.flatten([p.data for p in b.params])
             self.shards.append(Parameter(flat[lo:hi].copy()))
         self.optimizer = optimizer(self.shards)
-        self._flats: dict[int, object] = {}
-        self.gathered: set[int] = set()
-        self._handles_zero3 = []
-        if stage == 3:
-            for u in range(len(self.units)):
-                self._wrap_unit(u)
-                self._release_unit(u)
 
-    # -- buckets: stage 3 uses one bucket (per dtype) per unit, in backward order ---------------
-    def _make_buckets(self, bucket_bytes) -> list[Bucket]:
-        if self.stage < 3:
-            return super()._make_buckets(bucket_bytes)
-        owner: dict[int, int] = {}
-        for u, unit in enumerate(self.units):
-            for p in unit.parameters():
-                if id(p) in owner:
-                    raise ValueError(f"rank {self.comm.rank}: ZeRO-3 unit {u} shares a parameter with unit "
-                                     f"{owner[id(p)]}; each parameter must live in one unit "
-                                     "(tie weights inside one unit, or use stage 1/2)")
-                owner[id(p)] = u
-        missing = [i for i, p in enumerate(self.params) if id(p) not in owner]
-        if missing:
-            raise ValueError(f"rank {self.comm.rank}: ZeRO-3: {len(missing)} trainable parameters belong to "
-                             "no unit; pass units=[...] covering every parameter")
-        buckets, self._unit_of = [], {}
-        for u in reversed(range(len(self.units))):
-            params = [p for p in self.units[u].parameters() if p.requires_grad]
-            for b in build_buckets(reversed(params), float("inf")):
-                b.index = len(buckets)
-                buckets.append(b)
-                self._unit_of[b.index] = u
-        self._unit_buckets = {u: [b for b in buckets if self._unit_of[b.index] == u]
-                              for u in range(len(self.units))}
-        return buckets
+    def _setup_units(self, module, units, comm) -> None:
+        """The units a model is gathered by (stage 3; the other stages keep them only to report)."""
+        self.units = list(units) if units is not None else _units_of(module)
+        self.gather_log: list[tuple] = []  # (unit, "forward"|"backward"): stage 3's gathers
 
     # -- gradients: reduce-scatter instead of all-reduce -----------------------------------------
-    def _on_grad_ready(self, p):
-        if self.stage == 1:
-            self._hooked = True
-            return  # stage 1 communicates only in step()
-        super()._on_grad_ready(p)
-        if self.stage == 3:
-            u = self._unit_of[self._bucket_of[id(p)].index]
-            self._unit_pending[u] -= 1
-            if self._unit_pending[u] == 0:
-                self._release_unit(u)
-
     def _launch(self, b: Bucket, flat):
-        """Start bucket ``b``'s reduce-scatter (``DistributedDataParallel._start`` flattened it).
-
-        Stage 1 on an in-place backend keeps the flat bucket as the gradient storage: the ``p.grad``
-        become views of it, and ``_complete`` writes this rank's reduced slice back into it."""
-        from minidist.comm import reduce_scatter
-
-        if self.stage == 1 and b.params[0].backend.inplace:
-            self._flats[b.index] = flat
-            for p, v in zip(b.params, b.views(flat)):
-                p.grad = v
+        """Start bucket ``b``'s reduce-scatter (``DistributedDataParallel._start`` flattened it)."""
         return self._async(reduce_scatter, flat, f"reduce-scatter b{b.index}", op="sum")
 
     def _complete(self, b: Bucket, mine, divisor: float):
-        g = mine / divisor if divisor != 1 else mine
-        flat = self._flats.pop(b.index, None)
-        if flat is not None:  # stage 1: write our reduced slice back into the full gradient buffer
-            lo, hi = b.shard(self.comm.rank, self.comm.size)
-            flat[lo:hi] = g
-            g = flat[lo:hi]
-        self.shards[b.index].grad = g
+        """This rank's slice of bucket ``b``'s summed gradient arrived: it is its shard's gradient."""
+        self.shards[b.index].grad = mine / divisor if divisor != 1 else mine
 
     # -- the step --------------------------------------------------------------------------------
     def step(self):
@@ -159,15 +116,15 @@ class ZeRO(DistributedDataParallel):
 
     def update(self):
         """The second half of ``step`` (after ``wait_gradients``): optimizer step on the owned slices,
-        all-gather of the new parameters (stages 1, 2), zero grads."""
+        then every rank gets the new parameters (``_share_parameters``), zero grads."""
         self.optimizer.step()
-        if self.stage < 3:
-            for b in self.buckets:
-                self._gather_bucket(b)
-        else:
-            for u in sorted(self.gathered):
-                self._release_unit(u)
+        self._share_parameters()
         self.zero_grad()
+
+    def _share_parameters(self) -> None:
+        """Stages 1 and 2: all-gather every bucket, so each rank holds the whole model again."""
+        for b in self.buckets:
+            self._gather_bucket(b)
 
     def _full_views(self, b: Bucket) -> list:
         """All-gather bucket ``b``'s slices (collective) and view the flat result as its parameters."""
@@ -194,9 +151,149 @@ class ZeRO(DistributedDataParallel):
         self.module.zero_grad()
         for s in self.shards:
             s.grad = None
+
+    # -- a sharded checkpoint: each rank saves and restores only what it owns -------------------
+    def state_dict(self) -> dict:
+        """This rank's part of the training state: its slices of the parameters (at stage 3 the only
+        copy there is), its optimizer state, and the layout needed to check them on load."""
+        return {"stage": self.stage, "rank": self.comm.rank, "size": self.comm.size,
+                "numels": [b.numel for b in self.buckets],
+                "shards": [np.array(s.backend.to_host(s.data)) for s in self.shards],
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, sd: dict):
+        """Restore what ``state_dict`` saved on this rank (collective: stages 1 and 2 share the
+        restored slices so every replica holds the full parameters again)."""
+        want = {"stage": self.stage, "rank": self.comm.rank, "size": self.comm.size,
+                "numels": [b.numel for b in self.buckets]}
+        got = {k: sd.get(k) for k in want}
+        if got != want:
+            raise ValueError(f"rank {self.comm.rank}: this ZeRO checkpoint shard was saved with {got}, "
+                             f"but this run has {want}; load each rank's own shard, with the same "
+                             "model, stage and world size")
+        for shard, arr in zip(self.shards, sd["shards"]):
+            shard.data = shard.backend.from_host(np.array(arr, dtype=shard.dtype))
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self._share_parameters()
+        return self
+
+    # -- reading the model -----------------------------------------------------------------------
+    def full_parameters(self) -> dict:
+        """Name -> full parameter array (every rank holds them at stages 1 and 2)."""
+        return {n: p.data for n, p in self.module.named_parameters()}
+
+    def memory_arrays(self) -> dict:
+        """What this rank holds between steps, for ``MemoryAccountant.report``."""
+        params = self.module.parameters()
+        opt = [v for st in self.optimizer.state for v in st.values() if hasattr(v, "nbytes")]
+        grads = [s.grad for s in self.shards] + [p.grad for p in params]
+        return {"params": self._held_parameters(), "grads": grads, "optimizer_state": opt}
+
+    def _held_parameters(self) -> list:
+        return [p.data for p in self.module.parameters()]
+
+
+class ZeRO1(ZeRO):
+    """Stage 1: only the optimizer state is sharded. Backward keeps the whole gradient as in serial
+    training (the hooks only note that it ran); ``step`` reduce-scatters every bucket, updates this
+    rank's slice, all-gathers the parameters. On an in-place backend the flat bucket becomes the
+    gradient storage (the ``p.grad`` are views of it) and the reduced slice is written back into it."""
+
+    stage = 1
+
+    def __init__(self, *args, **kwargs):
+        self._flats: dict[int, object] = {}
+        super().__init__(*args, **kwargs)
+
+    def _on_grad_ready(self, p):
+        self._hooked = True  # stage 1 communicates only in step()
+
+    def _launch(self, b: Bucket, flat):
+        if b.params[0].backend.inplace:
+            self._flats[b.index] = flat
+            for p, v in zip(b.params, b.views(flat)):
+                p.grad = v
+        return super()._launch(b, flat)
+
+    def _complete(self, b: Bucket, mine, divisor: float):
+        super()._complete(b, mine, divisor)
+        flat = self._flats.pop(b.index, None)
+        if flat is not None:  # our reduced slice, back into the full gradient buffer
+            lo, hi = b.shard(self.comm.rank, self.comm.size)
+            flat[lo:hi] = self.shards[b.index].grad
+            self.shards[b.index].grad = flat[lo:hi]
+
+    def zero_grad(self):
+        super().zero_grad()
         self._flats.clear()
 
-    # -- stage 3: gather before use, free after --------------------------------------------------
+
+class ZeRO2(ZeRO):
+    """Stage 2: gradients sharded too. DDP's hooks start each bucket's collective as soon as the
+    bucket is complete -- here a reduce-scatter -- and the full gradient is dropped: a rank keeps
+    only its slice. Everything it needs is the shared base."""
+
+    stage = 2
+
+
+class ZeRO3(ZeRO):
+    """Stage 3: parameters sharded too. Each unit keeps only its slices between uses; a forward
+    wrapper at the ``"zero3"`` position of the unit's ``Module`` wrapper stack gathers it before its
+    forward and releases it after, its saved-tensor hook keeps references instead of parameters
+    (backward gathers again), and the unit is released once backward produced all its gradients.
+    Buckets: one per unit (and dtype), in backward order."""
+
+    stage = 3
+
+    def _setup_units(self, module, units, comm) -> None:
+        super()._setup_units(module, units, comm)
+        self._unit_pending: dict[int, int] = {}
+        self.gathered: set[int] = set()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._wrapper_handles = [self.units[u].register_forward_wrapper(self._wrapper(u), "zero3", "ZeRO-3")
+                                 for u in range(len(self.units))]
+        for u in range(len(self.units)):
+            self._release_unit(u)
+
+    def _make_buckets(self, bucket_bytes) -> list[Bucket]:
+        owner: dict[int, int] = {}
+        for u, unit in enumerate(self.units):
+            for p in unit.parameters():
+                if id(p) in owner:
+                    raise ValueError(f"rank {self.comm.rank}: ZeRO-3 unit {u} shares a parameter with unit "
+                                     f"{owner[id(p)]}; each parameter must live in one unit "
+                                     "(tie weights inside one unit, or use stage 1/2)")
+                owner[id(p)] = u
+        missing = [i for i, p in enumerate(self.params) if id(p) not in owner]
+        if missing:
+            raise ValueError(f"rank {self.comm.rank}: ZeRO-3: {len(missing)} trainable parameters belong to "
+                             "no unit; pass units=[...] covering every parameter")
+        buckets, self._unit_of = [], {}
+        for u in reversed(range(len(self.units))):
+            params = [p for p in self.units[u].parameters() if p.requires_grad]
+            for b in build_buckets(reversed(params), float("inf")):
+                b.index = len(buckets)
+                buckets.append(b)
+                self._unit_of[b.index] = u
+        self._unit_buckets = {u: [b for b in buckets if self._unit_of[b.index] == u]
+                              for u in range(len(self.units))}
+        return buckets
+
+    def _on_grad_ready(self, p):
+        super()._on_grad_ready(p)
+        u = self._unit_of[self._bucket_of[id(p)].index]
+        self._unit_pending[u] -= 1
+        if self._unit_pending[u] == 0:  # backward is done with this unit
+            self._release_unit(u)
+
+    def _share_parameters(self) -> None:
+        """Nothing to share: the next forward gathers the new slices; free what is still gathered."""
+        for u in sorted(self.gathered):
+            self._release_unit(u)
+
+    # -- gather before use, free after -------------------------------------------------------------
     def _gather_unit(self, u: int, phase: str = "backward"):
         if u in self.gathered:
             return
@@ -213,10 +310,10 @@ class ZeRO(DistributedDataParallel):
                 p.data = xp.broadcast_to(empty, p.shape)  # right shape, one element of memory
         self.gathered.discard(u)
 
-    def _wrap_unit(self, u: int):
-        """Register unit ``u``'s gather/release at the ``"zero3"`` position of its wrapper stack."""
-        self._handles_zero3.append(self.units[u].register_forward_wrapper(
-            lambda unit, inner, *a, **kw: self._gathered_forward(u, inner, a, kw), "zero3", "ZeRO-3"))
+    def _wrapper(self, u: int):
+        def wrapper(unit, inner, *args, **kwargs):
+            return self._gathered_forward(u, inner, args, kwargs)
+        return wrapper
 
     def _gathered_forward(self, u: int, inner, args, kwargs):
         """Gather unit ``u``, run ``inner`` with parameters saved as references, release."""
@@ -244,54 +341,19 @@ class ZeRO(DistributedDataParallel):
         finally:
             self._release_unit(u)
 
-    # -- a sharded checkpoint: each rank saves and restores only what it owns -------------------
-    def state_dict(self) -> dict:
-        """This rank's part of the training state: its slices of the parameters (at stage 3 the only
-        copy there is), its optimizer state, and the layout needed to check them on load."""
-        return {"stage": self.stage, "rank": self.comm.rank, "size": self.comm.size,
-                "numels": [b.numel for b in self.buckets],
-                "shards": [np.array(s.backend.to_host(s.data)) for s in self.shards],
-                "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, sd: dict):
-        """Restore what ``state_dict`` saved on this rank (collective: stages 1 and 2 share the
-        restored slices so every replica holds the full parameters again)."""
-        want = {"stage": self.stage, "rank": self.comm.rank, "size": self.comm.size,
-                "numels": [b.numel for b in self.buckets]}
-        got = {k: sd.get(k) for k in want}
-        if got != want:
-            raise ValueError(f"rank {self.comm.rank}: this ZeRO checkpoint shard was saved with {got}, "
-                             f"but this run has {want}; load each rank's own shard, with the same "
-                             "model, stage and world size")
-        for shard, arr in zip(self.shards, sd["shards"]):
-            shard.data = shard.backend.from_host(np.array(arr, dtype=shard.dtype))
-        self.optimizer.load_state_dict(sd["optimizer"])
-        if self.stage < 3:
-            for b in self.buckets:
-                self._gather_bucket(b)
-        return self
-
-    # -- reading the model -----------------------------------------------------------------------
+    # -- reading the model -------------------------------------------------------------------------
     def full_parameters(self) -> dict:
-        """Name -> full parameter array (collective: stage 3 all-gathers every unit's slices)."""
+        """Name -> full parameter array (collective: all-gathers every unit's slices)."""
         names = {id(p): n for n, p in self.module.named_parameters()}
-        out = {n: p.data for n, p in self.module.named_parameters() if not p.requires_grad or self.stage < 3}
-        if self.stage == 3:
-            for b in self.buckets:
-                out.update({names[id(p)]: v for p, v in zip(b.params, self._full_views(b))})
+        out = {n: p.data for n, p in self.module.named_parameters() if not p.requires_grad}
+        for b in self.buckets:
+            out.update({names[id(p)]: v for p, v in zip(b.params, self._full_views(b))})
         return {n: out[n] for n in names.values()}
 
-    def memory_arrays(self) -> dict:
-        """What this rank holds between steps, for ``MemoryAccountant.report``."""
-        params = self.module.parameters()
-        opt = [v for st in self.optimizer.state for v in st.values() if hasattr(v, "nbytes")]
-        if self.stage == 3:
-            held = [s.data for s in self.shards] + [p.data for p in params if not p.requires_grad]
-            held += [p.data for u in self.gathered for b in self._unit_buckets[u] for p in b.params]
-        else:
-            held = [p.data for p in params]
-        grads = [s.grad for s in self.shards] + [p.grad for p in params]
-        return {"params": held, "grads": grads, "optimizer_state": opt}
+    def _held_parameters(self) -> list:
+        frozen = [p.data for p in self.module.parameters() if not p.requires_grad]
+        gathered = [p.data for u in self.gathered for b in self._unit_buckets[u] for p in b.params]
+        return [s.data for s in self.shards] + frozen + gathered
 
 
 def param_count(module) -> int:
@@ -299,4 +361,4 @@ def param_count(module) -> int:
     return int(sum(p.size for p in module.parameters() if p.requires_grad))
 
 
-__all__ = ["ZeRO", "all_gather_flat", "param_count"]
+__all__ = ["ZeRO", "ZeRO1", "ZeRO2", "ZeRO3", "all_gather_flat", "param_count"]

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from minidist import ops, optim
 from minidist.comm import measure, run
+from minidist.data import DistributedSampler
 from minidist.nn import GPT, GPTConfig, Linear, Module
-from minidist.parallel.ddp import DDP, DistributedSampler
+from minidist.parallel.ddp import DDP
 from minidist.parallel.three_d import max_state_diff
 from tests.conftest import budget
 
