@@ -68,13 +68,15 @@ def measured_3d(dp, tp, pp, m, checkpoint=None):
     return run(body, ranks=dp * tp * pp)
 
 
-MESHES = [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 2), (2, 2, 2, 2), (1, 4, 2, 4), (4, 1, 2, 1), (1, 2, 4, 2)]
+MESHES = [(2, 1, 1, 1, None), (1, 2, 1, 1, None), (1, 1, 2, 2, None), (2, 2, 2, 2, None),
+          (1, 4, 2, 4, None), (4, 1, 2, 1, None), (1, 2, 4, 2, None),
+          (1, 1, 1, 1, "full"), (1, 2, 2, 2, "full"), (2, 1, 2, 4, "full")]  # dp, tp, pp, microbatches
 
 
-@pytest.mark.parametrize("dp,tp,pp,m", MESHES)
-def test_bytes_and_memory_equal_ledger_and_accountant(dp, tp, pp, m):
-    cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=B // (dp * m))
-    for (stage, dpr, tpr), calls, sent, peak, rep in measured_3d(dp, tp, pp, m):
+@pytest.mark.parametrize("dp,tp,pp,m,checkpoint", MESHES)
+def test_bytes_and_memory_equal_ledger_and_accountant(dp, tp, pp, m, checkpoint):
+    cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=B // (dp * m), checkpoint=checkpoint or "none")
+    for (stage, dpr, tpr), calls, sent, peak, rep in measured_3d(dp, tp, pp, m, checkpoint):
         if dpr or tpr:
             continue  # the planner speaks for (stage, dp 0, tp 0); the others differ only by chunk rounding
         pred = collectives(SPEC, cand, B, stage)
@@ -97,9 +99,8 @@ def stage_memory(cand, stage):
     from minidist.plan.mesh import stage_activation_peak, stage_param_counts
 
     n, _ = stage_param_counts(SPEC, cand, stage)
-    return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n,
-            "activations": stage_activation_peak(SPEC, cand, B, stage, Settings()),
-            "total": 16 * n + stage_activation_peak(SPEC, cand, B, stage, Settings())}
+    act = stage_activation_peak(SPEC, cand, B, stage, Settings(), recompute=False)
+    return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "activations": act, "total": 16 * n + act}
 
 
 
@@ -196,3 +197,19 @@ def test_planner_says_a_70b_model_does_not_fit_one_gpu_and_zero3_needs_many():
     assert one["total"] > H100.hbm_bytes
     z3 = memory(m, Candidate(dp=64, zero=3, checkpoint="full"), 64)
     assert z3["params"] == 2 * -(-m.params() // 64)
+
+
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_activation_peak_with_recomputation_equals_accountant(policy):
+    """One process, forward and backward both watched: the recomputed block's activations count."""
+    from minidist.nn import GPT
+    from minidist.parallel.recompute import apply_checkpointing
+
+    model = GPT(CFG.replace(n_layer=3))
+    apply_checkpointing(model, policy)
+    acct = MemoryAccountant()
+    x, y = batches(1)[0]
+    with acct.track_activations(model):
+        model.loss(x, y).backward()
+    cand = Candidate(microbatch=B, checkpoint=policy)
+    assert acct.peak_activation_bytes == memory(SPEC.replace(n_layer=3), cand, B)["activations"]

@@ -194,10 +194,12 @@ def layer_activation(model: ModelSpec, cand: Candidate, kind: str, layer: int, b
                                         settings.sequence_parallel)
 
 
-def stage_activation_peak(model: ModelSpec, cand: Candidate, batch: int, stage: int, settings) -> float:
+def stage_activation_peak(model: ModelSpec, cand: Candidate, batch: int, stage: int, settings,
+                          recompute: bool = True) -> float:
     """Peak activation bytes of one stage: each microbatch chunk in flight keeps its layers' saved
     arrays; with full recomputation, the backward of one block re-creates that block's activations
-    on top (its input is then held twice: as the checkpoint's input and the recomputed graph's)."""
+    on top. `recompute=False`: only what forwards save (what the pipeline runtime's accountant,
+    `StepStats.peak_activation_bytes`, tracks: it watches forwards, not the recomputation)."""
     m = cand.microbatches(batch)
     held = in_flight(cand, m)[stage]
     kinds = layer_kinds(model)
@@ -205,7 +207,7 @@ def stage_activation_peak(model: ModelSpec, cand: Candidate, batch: int, stage: 
     b = cand.microbatch
     per_mb = sum(layer_activation(model, cand, kinds[i], i - 1, b, settings) for i in layers)
     per_mb = per_mb / cand.chunks
-    if cand.checkpoint != "full" or not any(kinds[i] == "block" for i in layers):
+    if cand.checkpoint != "full" or not recompute or not any(kinds[i] == "block" for i in layers):
         return held * per_mb
     # full recomputation: the other microbatches keep their blocks' inputs (and head); the one in
     # backward has already freed its head's arrays and re-creates one block's activations
