@@ -3,7 +3,8 @@
 Each function is SPMD code for ONE rank: it is called on every rank of ``comm`` with that rank's
 array ``x`` (a 1-D NumPy array, any length, any number of ranks p >= 1) and returns a new array.
 Use only ``comm.rank``, ``comm.size``, ``comm.send(x, dest)``, ``comm.recv(source)`` and
-``comm.sendrecv(x, dest, source)`` (see minidist/comm/communicator.py), and NumPy.
+``comm.sendrecv(x, dest, source)`` (see minidist/comm/communicator.py), and NumPy -- not
+minidist's own collectives (the grader reads the ledger and fails a task that calls one).
 
 Grade it:  python -m minidist.grade allreduce
 The grader runs your functions on 1..8 thread ranks, compares with ``np.sum`` of every rank's x,
@@ -16,13 +17,16 @@ import numpy as np  # noqa: F401  (you will need it)
 def ring_all_reduce(comm, x):
     """Sum of every rank's ``x``, on every rank, by the ring algorithm.
 
-    Split x into p chunks with ``np.array_split`` (lengths need not divide by p). Then:
-    * reduce-scatter, p-1 steps: at step s send chunk (rank - s) % p to the right neighbour
-      (rank + 1) % p, receive chunk (rank - s - 1) % p from the left neighbour and add it to
-      yours. Afterwards you hold the complete sum of chunk (rank + 1) % p.
-    * all-gather, p-1 steps: pass the completed chunks round the ring the same way, replacing
-      (not adding) what you receive.
-    Each rank sends exactly 2(p-1) messages and about 2(p-1)/p * x.nbytes bytes.
+    Split x into p chunks with ``np.array_split`` (lengths need not divide by p). Then, with the
+    same convention as minidist's own ring (minidist/comm/collectives.py) and chapter 2:
+    * reduce-scatter, p-1 steps: at step s send chunk (rank - s - 1) % p to the right neighbour
+      (rank + 1) % p, receive chunk (rank - s - 2) % p from the left neighbour and add it to
+      yours. Afterwards you hold the complete sum of chunk ``rank``.
+    * all-gather, p-1 steps: at step s send chunk (rank - s) % p (you start with your own) and
+      receive chunk (rank - s - 1) % p, replacing (not adding) what you had.
+    Each rank sends exactly 2(p-1) messages: every chunk but its own in the reduce-scatter, every
+    chunk but (rank + 1) % p in the all-gather -- 2·x.nbytes - |chunk rank| - |chunk rank+1| bytes,
+    about 2(p-1)/p · x.nbytes; the grader checks these numbers exactly.
     Use ``comm.sendrecv`` for each step (a plain send-then-recv in a ring can deadlock).
     """
     raise NotImplementedError
