@@ -249,3 +249,49 @@ class OffloadedAdamW(AdamW):
             self.close()
         except Exception:
             pass
+
+
+# -- activation offload: what the forward saves for backward waits in host memory ------------------
+
+class _OnHost:
+    """A saved activation parked in host memory, and the backend to bring it back to."""
+
+    __slots__ = ("array", "backend", "inner")
+
+    def __init__(self, array, backend, inner):
+        self.array, self.backend, self.inner = array, backend, inner
+
+
+def offload_activations(module, min_bytes: int = 0):
+    """Keep the activations ``module``'s forward saves for backward in host memory (PyTorch's
+    ``save_on_cpu``): each saved array of at least ``min_bytes`` is copied to the host when saved
+    and back to the device when backward reads it (parameters stay: they are state). On a GPU this
+    trades transfers for device memory; on NumPy the copy is to the same memory (what is measured
+    is the mechanism).
+
+    It is a forward wrapper at the ``"offload"`` position of ``Module``'s stack: outside ZeRO-3, whose
+    innermost saved-tensor hook turns parameters into references first, so only activations
+    arrive here; inside checkpointing, so a recomputation's activations are offloaded too. Returns
+    the handle (``handle.remove()`` stops it)."""
+    from minidist.backend import backend_of
+    from minidist.tensor import current_saved_tensors_hooks, saved_tensors_hooks
+
+    def wrapper(mod, inner, *args, **kwargs):
+        outer = current_saved_tensors_hooks()
+        params = {id(p.data) for p in mod.parameters()}  # state, not activations: never copied
+
+        def pack(a):
+            if id(a) in params or not hasattr(a, "nbytes") or a.nbytes < min_bytes:
+                return _OnHost(None, None, outer[0](a) if outer else a)  # stays (an outer hook sees it)
+            be = backend_of(a)
+            return _OnHost(np.array(be.to_host(a)), be, None)  # a host copy; the device array can go
+
+        def unpack(s):
+            if s.array is None:
+                return outer[1](s.inner) if outer else s.inner
+            return s.backend.from_host(s.array)
+
+        with saved_tensors_hooks(pack, unpack):
+            return inner(*args, **kwargs)
+
+    return module.register_forward_wrapper(wrapper, "offload", "activation offload")

@@ -283,3 +283,83 @@ def test_nothing_outside_module_py_assigns_forward():
             if re.search(r"""__setattr__\([^)]*["']forward["']|\.forward\s*=[^=]""", line):
                 offenders.append(f"{path.relative_to(ROOT)}:{i}")
     assert not offenders, offenders
+
+
+# -- the wrapper stack itself: every technique at its position, each removable ---------------------
+
+def _offloaded_run(comm, offload_first):
+    from minidist.parallel.offload import offload_activations
+
+    model = apply_checkpointing(GPT(CFG), "full")
+    if offload_first:
+        handles = [offload_activations(m) for m in model.children()]
+    zero = ZeRO(model, comm, lambda ps: SGD(ps, lr=LR_SGD), stage=3)
+    if not offload_first:
+        handles = [offload_activations(m) for m in model.children()]
+    for x in DATA:
+        x = x[2 * comm.rank:2 * comm.rank + 2]
+        zero.backward(model.loss(x, x))
+        zero.step()
+    positions = [h.position for h in model[1].forward_wrappers()]
+    for h in handles:
+        h.remove()
+    return zero.full_parameters(), positions, [h.position for h in model[1].forward_wrappers()]
+
+
+@pytest.mark.parametrize("offload_first", [True, False])
+def test_activation_offload_zero3_and_checkpointing_stack_in_order_and_equal_serial(offload_first):
+    want = _serial(("ckpt-full", "zero3"))
+    for got, positions, after in run(_offloaded_run, ranks=2, offload_first=offload_first):
+        assert _max_diff({k: np.asarray(v) for k, v in got.items()}, want) < EXACT_TOL
+        assert positions == ["checkpoint", "offload", "zero3"]  # the documented order, whatever came first
+        assert after == ["checkpoint", "zero3"]  # removing one leaves the others
+
+
+def test_activation_offload_moves_saved_activations_off_the_device():
+    from minidist.memory import MemoryAccountant
+    from minidist.parallel.offload import offload_activations
+
+    x = DATA[0]
+    peaks, grads = [], []
+    for offload in (False, True):
+        model = GPT(CFG)
+        if offload:
+            for blk in list(model)[1:-1]:
+                offload_activations(blk)
+        meter = MemoryAccountant()
+        with meter.track_activations(model):
+            out = model(x)
+        ops.cross_entropy(out, x).backward()
+        peaks.append(meter.peak_activation_bytes)
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    blocks = CFG.n_layer * 4 * 8 * CFG.d_model * 8  # at least the blocks' (B, T, C) inputs, float64
+    assert peaks[1] <= peaks[0] - blocks
+    for n in grads[0]:
+        np.testing.assert_array_equal(grads[0][n], grads[1][n])
+
+
+def test_a_second_wrapper_at_a_taken_position_is_refused_naming_both():
+    model = apply_checkpointing(GPT(CFG), "full")
+    with pytest.raises(ValueError, match=r"already has a 'checkpoint' forward wrapper \(from activation "
+                                         r"checkpointing \(full\)\); tracing cannot"):
+        model[1].register_forward_wrapper(lambda m, inner, x: inner(x), "checkpoint", "tracing")
+    with pytest.raises(AttributeError, match="register_forward_wrapper"):
+        model[1].forward = lambda x: x
+
+
+def test_tracing_registers_through_the_stack_and_comes_off():
+    from minidist import trace
+
+    model = apply_checkpointing(GPT(CFG), "full")
+    handles = trace.trace_layers(model)
+    tracer = trace.Tracer(0)
+    with trace.tracing(tracer):
+        model.loss(DATA[0], DATA[0]).backward()
+    assert [e["name"] for e in tracer.events] == ["forward 0 (Embed)", "forward 1 (Block)",
+                                                  "forward 2 (Block)", "forward 3 (Head)"]
+    assert [h.position for h in model[1].forward_wrappers()] == ["trace", "checkpoint"]
+    for h in handles:
+        h.remove()
+    with trace.tracing(tracer):
+        model(DATA[0])
+    assert len(tracer.events) == 4 and model[1].forward_wrappers()[0].position == "checkpoint"
