@@ -40,8 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from minidist.backend import backend_of
 from minidist.optim import AdamW, adamw_update
 from minidist.parallel.offload_files import make_private_folder, reserved_memmap, untrack
+from minidist.tensor import current_saved_tensors_hooks, saved_tensors_hooks
 
 KEYS = ("m", "v")
 
@@ -273,9 +275,6 @@ def offload_activations(module, min_bytes: int = 0):
     innermost saved-tensor hook turns parameters into references first, so only activations
     arrive here; inside checkpointing, so a recomputation's activations are offloaded too. Returns
     the handle (``handle.remove()`` stops it)."""
-    from minidist.backend import backend_of
-    from minidist.tensor import current_saved_tensors_hooks, saved_tensors_hooks
-
     def wrapper(mod, inner, *args, **kwargs):
         outer = current_saved_tensors_hooks()
         params = {id(p.data) for p in mod.parameters()}  # state, not activations: never copied

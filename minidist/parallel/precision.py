@@ -32,6 +32,7 @@ from minidist.comm import all_reduce
 from minidist.nn.layers import LayerNorm
 from minidist.nn.module import Module
 from minidist.parallel.compose import check_compatible, claimed
+from minidist.parallel.ddp import build_buckets
 from minidist.tensor import Tensor, no_grad
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
@@ -253,8 +254,6 @@ class MixedPrecision:
         op="mean" is for fp32/fp64 only, so it is a multiply then a sum, in the low dtype.)
         The gradients go as one flat buffer per dtype (``Bucket``, as DDP's): one collective, which
         ``auto`` can make bandwidth-optimal, instead of one small all-reduce per tensor."""
-        from minidist.parallel.ddp import build_buckets
-
         if all(c is not comm for c in self._reduced_over):
             self._reduced_over.append(comm)
         for b in build_buckets([p for p in self.params if p.grad is not None], float("inf")):

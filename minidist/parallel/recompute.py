@@ -27,6 +27,7 @@ import numpy as np
 from minidist import ops
 from minidist import random as mrandom
 from minidist.nn.attention import merge_heads, split_heads
+from minidist.nn.module import Module, Sequential
 from minidist.parallel.compose import check_compatible
 from minidist.tensor import Function, Tensor, enable_grad, grad_enabled, no_grad, run_backward
 
@@ -91,11 +92,11 @@ def checkpoint(fn, *inputs, generators=()):
 # policies for a GPT (Embed, Block x n, Head) -- serial or tensor-parallel
 # ---------------------------------------------------------------------------------------------
 def is_block(module) -> bool:
-    """A transformer block policies checkpoint: ``nn.gpt.Block`` or ``parallel.tp_gpt.ParallelBlock``."""
-    from minidist.nn.gpt import Block
-    from minidist.parallel.tp_gpt import ParallelBlock
-
-    return isinstance(module, (Block, ParallelBlock))
+    """A transformer block, what policies checkpoint: a Module with an attention (``attn``) and an
+    MLP (``mlp``) -- ``nn.gpt.Block`` or ``parallel.tp_gpt.ParallelBlock``, recognised by shape so
+    checkpointing depends on neither."""
+    parts = (getattr(module, "attn", None), getattr(module, "mlp", None))
+    return isinstance(module, Module) and all(isinstance(p, Module) for p in parts)
 
 
 def _blocks(model):
@@ -223,8 +224,6 @@ def checkpoint_stage(layers, policy: str, k: int | None = None):
     the stage ("sqrt" is then sqrt of the stage's block count). A stage without blocks (embedding
     or head only) is left as it is. Returns a ``Sequential`` of the layers (for
     ``remove_checkpointing``)."""
-    from minidist.nn.module import Sequential
-
     seq = Sequential(layers)
     return apply_checkpointing(seq, policy, k) if _blocks(seq) else seq
 
