@@ -184,12 +184,13 @@ def _report_costs(ckpt):
     stall = 1e3 * float(np.median(ckpt.stalls))
     parts = ", ".join(f"{n} write {1e3 * float(np.median(v)):.2f} ms" for n, v in writes.items())
     print(f"checkpoint cost (median, rank 0): training stall {stall:.2f} ms; {parts}")
+    mtbf = 5 * 3600.0  # e.g. 10,000 chips with a 50,000-hour MTBF each: one failure every 5 hours
     if "disk" in writes:
-        cost = float(np.median(writes["disk"]))
-        mtbf = 5 * 3600.0  # e.g. 10,000 chips with a 50,000-hour MTBF each: one failure every 5 hours
-        print(f"Young/Daly: with this save cost C = {1e3 * cost:.2f} ms and a job MTBF of 5 h, "
-              f"checkpoint every "
-              f"sqrt(2 C MTBF) = {young_daly(cost, mtbf):.1f} s")
+        sync_cost, async_cost = float(np.median(writes["disk"])), float(np.median(ckpt.stalls))
+        print(f"Young/Daly, job MTBF 5 h: checkpoint every sqrt(2 C MTBF) = "
+              f"{young_daly(sync_cost, mtbf):.1f} s with C = the disk write ({1e3 * sync_cost:.2f} ms, a "
+              f"synchronous save), {young_daly(async_cost, mtbf):.1f} s with C = the stall of an "
+              f"asynchronous one ({1e3 * async_cost:.2f} ms)")
 
 
 def plot(path, events):
