@@ -25,9 +25,17 @@ TOL = dict(rtol=1e-10, atol=1e-12)  # the ranks' partial sums add up in another 
 WAIT_S = 10  # a rank waiting longer than this for its peers fails the task (not the 300 s default)
 
 
-def _reference_buckets(sizes, bucket_bytes):
-    params = [types.SimpleNamespace(index=i, size=n, dtype=np.uint8) for i, n in enumerate(sizes)]
-    return [[p.index for p in b.params] for b in D.build_buckets(reversed(params), bucket_bytes)]
+def _expected_buckets(sizes, bucket_bytes):
+    """The spec's rule, written out here (not minidist's build_buckets): walk n-1..0, close the
+    current bucket when the next parameter would take it over bucket_bytes."""
+    buckets, cur, used = [], [], 0
+    for i in reversed(range(len(sizes))):
+        if cur and used + sizes[i] > bucket_bytes:
+            buckets.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += sizes[i]
+    return buckets + [cur] if cur else buckets
 
 
 def check_build_buckets(impl):
@@ -40,9 +48,13 @@ def check_build_buckets(impl):
         flat = [int(i) for b in got for i in b]
         assert flat == list(reversed(range(len(sizes)))), (
             f"{what} = {got}: the buckets must hold parameters {len(sizes) - 1}..0, each once, in that order")
-        want = _reference_buckets(sizes, bucket_bytes)
+        want = _expected_buckets(sizes, bucket_bytes)
         assert [list(b) for b in got] == want, f"{what} = {got}, DDP makes {want}"
     prop()
+    for sizes, bucket_bytes, want in [([4, 4, 4, 8], 8, [[3], [2, 1], [0]]), ([1, 2, 3], 100, [[2, 1, 0]]),
+                                      ([5, 5], 4, [[1], [0]]), ([2, 2, 2], 4, [[2, 1], [0]])]:
+        got = [[int(i) for i in b] for b in impl.build_buckets(sizes, bucket_bytes)]
+        assert got == want, f"build_buckets({sizes}, {bucket_bytes}) = {got}, expected {want}"
 
 
 @st.composite
@@ -87,6 +99,12 @@ CHECKS = {"build_buckets": check_build_buckets, "average_gradients": check_avera
 
 
 # -- minidist's own implementation (must pass) ---------------------------------------------------
+
+def _reference_buckets(sizes, bucket_bytes):
+    """minidist's DDP bucketing on stand-in parameters of ``sizes`` bytes (the code being graded)."""
+    params = [types.SimpleNamespace(index=i, size=n, dtype=np.uint8) for i, n in enumerate(sizes)]
+    return [[p.index for p in b.params] for b in D.build_buckets(reversed(params), bucket_bytes)]
+
 
 class _Constant(Module):
     """A model whose loss sum_k <p_k, g_k> has the gradients g_k: DDP then averages exactly them."""
