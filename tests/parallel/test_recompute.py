@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from minidist import random as mrandom
@@ -51,6 +51,11 @@ def _grads(cfg, policy, idx, tgt, k=None, seed=7):
 @given(n_layer=st.integers(1, 5), n_head=st.sampled_from([1, 2]), t=st.integers(2, 9),
        b=st.integers(1, 3), policy=st.sampled_from(POLICIES), k=st.integers(1, 3),
        dropout=st.sampled_from([0.0, 0.2]), dtype=st.sampled_from(["float32", "float64"]))
+@example(n_layer=3, n_head=2, t=5, b=2, policy="full", k=1, dropout=0.2, dtype="float64")
+@example(n_layer=2, n_head=1, t=9, b=1, policy="full", k=1, dropout=0.0, dtype="float32")
+@example(n_layer=4, n_head=2, t=4, b=2, policy="every_k", k=2, dropout=0.2, dtype="float64")
+@example(n_layer=5, n_head=2, t=3, b=3, policy="every_k", k=3, dropout=0.2, dtype="float32")  # 5 = 3 + 2
+@example(n_layer=3, n_head=1, t=6, b=1, policy="every_k", k=1, dropout=0.0, dtype="float64")
 def test_checkpointed_gradients_equal_plain_ones_exactly(n_layer, n_head, t, b, policy, k, dropout, dtype):
     cfg = GPTConfig(vocab_size=11, block_size=9, n_layer=n_layer, n_head=n_head, d_model=8,
                     dropout=dropout, dtype=dtype)
