@@ -258,3 +258,59 @@ def test_assemble_copies_exactly_the_overlap_of_any_pieces(cuts, lo, width, targ
     np.testing.assert_array_equal(got, full.reshape(-1)[idx])
     overlapping = [i for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if ((idx >= a) & (idx < b)).any()]
     assert sorted(read) == overlapping  # only the pieces it needs, each once
+
+
+# -- mixed precision: the loss scaler, and a DistributedSampler's shuffles ------------------------------
+
+def _mixed_job(comm, root, steps, save_at=(), resume=False):
+    """fp16 with a dynamic loss scaler (which skips and grows), dropout, a reshuffling sampler, 2 ranks."""
+    import types
+
+    from minidist import random as mrandom
+    from minidist.checkpoint import Attrs, TrainState
+    from minidist.data import DistributedSampler, SyntheticTask
+    from minidist.nn import GPT
+    from minidist.optim import AdamW
+    from minidist.parallel.precision import DynamicLossScaler, MixedPrecision
+
+    mrandom.manual_seed(5 + comm.rank)
+    data = SyntheticTask("sort", length=4, size=32, seed=1)
+    mp = MixedPrecision(GPT(small_config("float32", 0.1)), "fp16",
+                        scaler=DynamicLossScaler(init_scale=2.0 ** 24, growth_interval=2), groups=[comm])
+    opt = AdamW(mp.master_params, lr=1e-2)
+    sampler = DistributedSampler(len(data), comm.rank, comm.size, seed=3)
+    cursor = types.SimpleNamespace(pos=0, step=0)
+
+    def recast():
+        for m, p in zip(mp.master_params, mp.params):
+            p.data = m.data.astype(mp.dtype)
+    masters = types.SimpleNamespace(named_parameters=lambda: [(m.name, m) for m in mp.master_params])
+    state = TrainState(masters, opt, objects={"scaler": mp.scaler, "sampler": Attrs(sampler, "epoch"),
+                                              "cursor": Attrs(cursor, "pos", "step")}, on_load=[recast])
+    if resume:
+        load(comm, root, state, required=True)
+    scales = []
+    while cursor.step < steps:
+        idx = sampler.indices()
+        if cursor.pos + 4 > len(idx):
+            sampler.set_epoch(sampler.epoch + 1)
+            cursor.pos, idx = 0, sampler.indices()
+        x, y = data.get(idx[cursor.pos:cursor.pos + 4])
+        cursor.pos += 4
+        loss = mp.loss(x, y)
+        mp.backward(loss)
+        mp.all_reduce_grads(comm)
+        mp.step(opt)
+        cursor.step += 1
+        scales.append(mp.scale)
+        if cursor.step in save_at:
+            save(comm, root, cursor.step, state)
+    return {m.name: m.data.copy() for m in mp.master_params}, scales, sampler.epoch
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # fp16 overflows on purpose: the scaler skips
+def test_mixed_precision_resume_restores_the_loss_scaler_and_the_sampler(tmp_path):
+    full, scales, epoch = run(_mixed_job, ranks=2, root=str(tmp_path), steps=7, save_at=(5,))[0]
+    assert epoch == 1 and len(set(scales)) > 1  # the run crossed an epoch and its scale changed
+    got, scales2, _ = run(_mixed_job, ranks=2, root=str(tmp_path), steps=7, resume=True)[0]
+    assert _equal(got, full) and scales2 == scales[5:]

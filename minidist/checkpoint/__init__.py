@@ -12,15 +12,16 @@ The supervisor that restarts a failed job is ``python -m minidist.launch``; faul
 
 from minidist.checkpoint.files import CheckpointError, list_steps
 from minidist.checkpoint.state import (
-           LoadInfo,
-           Snapshot,
-           TrainState,
-           load,
-           restore,
-           save,
-           snapshot,
-           write_snapshot,
+    Attrs,
+    LoadInfo,
+    Snapshot,
+    TrainState,
+    load,
+    restore,
+    save,
+    snapshot,
+    write_snapshot,
 )
 
-__all__ = ["CheckpointError", "LoadInfo", "Snapshot", "TrainState", "list_steps", "load", "restore", "save",
-           "snapshot", "write_snapshot"]
+__all__ = ["Attrs", "CheckpointError", "LoadInfo", "Snapshot", "TrainState", "list_steps", "load", "restore",
+           "save", "snapshot", "write_snapshot"]

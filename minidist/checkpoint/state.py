@@ -38,7 +38,8 @@ class TrainState:
     sharding table (default: ``minidist.parallel.sharding.sharding_table`` of the model, or of each
     layer of a pipeline stage). ``objects``: name -> object
     with ``state_dict``/``load_state_dict``. ``rngs``: name -> numpy Generator (restored in place).
-    ``mesh``: recorded in the manifest, e.g. {"dp": 2, "pp": 2, "tp": 1, "zero": 0}.
+    ``mesh``: recorded in the manifest, e.g. {"dp": 2, "pp": 2, "tp": 1, "zero": 0}. ``on_load``:
+    functions called after a restore (mixed precision: copy the fp32 masters into the model).
     """
 
     model: object
@@ -49,6 +50,7 @@ class TrainState:
     objects: dict = field(default_factory=dict)
     rngs: dict = field(default_factory=dict)
     mesh: dict = field(default_factory=dict)
+    on_load: list = field(default_factory=list)  # called after a restore (e.g. recast fp32 masters)
 
     def sharding(self) -> dict:
         """{parameter name: Shard or None} of the model (a PipelineStage: of the layers it holds)."""
@@ -73,7 +75,7 @@ class TrainState:
             frozen = [(n, p) for n, p in z.module.named_parameters() if not p.requires_grad]
             return slots + param_slots(frozen, {}, 0, 1), finishers
         part, parts = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
-        ps = param_slots(self.model.named_parameters(), self.sharding(), part, parts)
+        ps = param_slots(self.model.named_parameters(), self.sharding() if parts > 1 else {}, part, parts)
         slots = list(ps)
         if self.optimizer is not None:
             by_id = {id(p): s for (_, p), s in zip(self.model.named_parameters(), ps)}
@@ -269,3 +271,20 @@ def restore(comm, path, manifest: dict, state: TrainState) -> None:
     if z is not None and z.stage < 3:
         for b in z.buckets:
             z._gather_bucket(b)
+    for f in state.on_load:
+        f()
+
+
+class Attrs:
+    """Named attributes of any object as checkpointable state: ``Attrs(sampler, "epoch", "seed")``
+    (a ``DistributedSampler``'s shuffle is a function of its seed and epoch)."""
+
+    def __init__(self, obj, *names: str):
+        self.obj, self.names = obj, names
+
+    def state_dict(self) -> dict:
+        return {n: getattr(self.obj, n) for n in self.names}
+
+    def load_state_dict(self, sd: dict):
+        for n in self.names:
+            setattr(self.obj, n, sd[n])
