@@ -110,6 +110,9 @@ def rank_main(comm, args):
                      "minidist.lessons.fault_tolerance` to see a rank die and the job recover)")
     trainer, ckpt, info, tier = train(comm, args, fault)
     full = trainer.full_parameters()
+    comm.barrier()
+    if comm.rank == 0:  # the job is done: give the shared memory of tier 1 back (the disk tier stays)
+        shutil.rmtree(ckpt.tiers[0].root, ignore_errors=True)
 
     # the reference: the same job, started fresh here, never interrupted, never checkpointed
     events = _events()
