@@ -166,8 +166,7 @@ class Supervisor:
                 hung = max(stale, key=stale.get)
                 silent = ", ".join(f"rank {r}: {s:.1f} s" for r, s in sorted(stale.items()))
                 self.say(f"no heartbeat for more than {self.timeout} s ({silent}): hung; killing the job")
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _stop(proc)
                 code = -signal.SIGKILL
                 break
         a.end = time.time()
@@ -228,6 +227,23 @@ class Supervisor:
               f"wall time {time.time() - self.t0:.2f} s", flush=True)
         shutil.rmtree(self.work, ignore_errors=True)
         return code
+
+
+def _stop(proc, grace: float = 2.0) -> None:
+    """End the job's process group: SIGTERM first (mpirun then stops its ranks and frees their shared
+    memory), SIGKILL whatever is left after ``grace`` seconds."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _dash(v) -> str:
