@@ -13,10 +13,13 @@ checkpoints and pipeline stages rely on the names).
 
 Why this order (``WRAPPER_ORDER``), from the outside in:
 
-* ``trace`` times everything the call costs, gathers and checkpoint bookkeeping included.
+* ``trace`` (``minidist.trace.trace_layers``) times everything the call costs, gathers and
+  checkpoint bookkeeping included.
 * ``checkpoint`` (``parallel.recompute``) is outside everything that must run *again* when backward
   recomputes the forward: the recomputation calls ``inner``, so it re-gathers ZeRO-3's released
   parameters and re-enters autocast. (Inside ZeRO-3 it would recompute on released parameters.)
+  ZeRO-3 keeps a unit gathered for a recomputation for the backward that follows, so
+  checkpointing costs no extra all-gather.
 * ``offload`` (``parallel.offload.offload_activations``) moves saved activations to host memory with
   ``saved_tensors_hooks``; it sits outside ``zero3`` because the innermost saved-tensor hook sees an
   array first: ZeRO-3 turns its parameters into references and hands only activations outwards.

@@ -21,6 +21,7 @@ never crosses a stage boundary, and ``check_segments_within`` refuses one that w
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
@@ -32,6 +33,16 @@ from minidist.parallel.compose import check_compatible
 from minidist.tensor import Function, Tensor, enable_grad, grad_enabled, no_grad, run_backward
 
 POLICIES = ("none", "full", "every_k", "sqrt", "selective")
+
+
+_state = threading.local()
+
+
+def recomputing_depth() -> int:
+    """How many checkpoint recomputations are running on this thread (0: an ordinary forward).
+    A wrapper may keep what backward needs at once: ZeRO-3 does not release a unit gathered for a
+    recomputation, since the backward that follows needs it again."""
+    return getattr(_state, "depth", 0)
 
 
 class Checkpoint(Function):
@@ -57,10 +68,12 @@ class Checkpoint(Function):
         mrandom.set_state(ctx.rng_state)
         for g, st in zip(ctx.generators, ctx.gen_states):
             g.bit_generator.state = st
+        _state.depth = recomputing_depth() + 1
         try:
             with enable_grad():
                 out = ctx.fn(*leaves)
         finally:
+            _state.depth -= 1
             mrandom.set_state(now)
             for g, st in zip(ctx.generators, now_gens):
                 g.bit_generator.state = st

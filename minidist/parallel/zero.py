@@ -33,6 +33,7 @@ from minidist.comm.collectives import split_sizes
 from minidist.nn.module import Parameter
 from minidist.parallel.compose import check_compatible
 from minidist.parallel.ddp import Bucket, DistributedDataParallel, build_buckets
+from minidist.parallel.recompute import recomputing_depth
 from minidist.tensor import current_saved_tensors_hooks, saved_tensors_hooks
 
 
@@ -339,7 +340,8 @@ class ZeRO3(ZeRO):
             with saved_tensors_hooks(pack, unpack):
                 return inner(*args, **kwargs)
         finally:
-            self._release_unit(u)
+            if not recomputing_depth():  # a recomputation's backward comes next and needs the unit
+                self._release_unit(u)
 
     # -- reading the model -------------------------------------------------------------------------
     def full_parameters(self) -> dict:

@@ -363,3 +363,22 @@ def test_tracing_registers_through_the_stack_and_comes_off():
     with trace.tracing(tracer):
         model(DATA[0])
     assert len(tracer.events) == 4 and model[1].forward_wrappers()[0].position == "checkpoint"
+
+
+def _gathers(comm, policy):
+    model = apply_checkpointing(GPT(CFG), policy)
+    zero = ZeRO(model, comm, lambda ps: SGD(ps, lr=LR_SGD), stage=3)
+    x = DATA[0][2 * comm.rank:2 * comm.rank + 2]
+    zero.backward(model.loss(x, x))
+    zero.step()
+    return len(zero.gather_log)
+
+
+def test_zero3_under_checkpointing_gathers_no_more_than_without():
+    """A recomputation gathers a unit; the backward right after it uses that gather instead of
+    releasing and gathering again, so checkpointing adds no all-gather: forward, then one per unit
+    whose backward needs weights (every unit but the embedding), as without checkpointing."""
+    plain = run(_gathers, ranks=2, policy="none")
+    assert plain == [4 + 3] * 2  # Embed, 2 Blocks, Head in forward; the Blocks and Head again
+    for policy in ("full", "selective"):
+        assert run(_gathers, ranks=2, policy=policy) == plain
