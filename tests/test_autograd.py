@@ -24,6 +24,26 @@ def test_deep_graph_has_no_recursion_limit():
     assert x.grad == 1.0
 
 
+def test_empty_and_zero_d_tensors_flow_through_backward():
+    """A 0-size batch gives 0-size gradients of the right shape; a 0-d tensor is its own scalar loss;
+    a dot product of vectors (0-d output) sends each vector the other; 2 ** x has gradient 2^x ln 2."""
+    empty = t(np.zeros((0, 3)))
+    w = t(np.ones((3, 2)))
+    ((empty @ w) * 2.0).sum().backward()
+    assert empty.grad.shape == (0, 3) and w.grad.shape == (3, 2)
+    np.testing.assert_array_equal(w.grad, np.zeros((3, 2)))  # no rows: nothing flows into w
+    s = t(1.5)
+    (s * s * s).backward()
+    assert s.grad.shape == () and s.grad == 3 * 1.5 ** 2
+    a, b = t([1.0, 2.0, 3.0]), t([4.0, 5.0, 6.0])
+    (a @ b).backward()
+    np.testing.assert_array_equal(a.grad, [4.0, 5.0, 6.0])
+    np.testing.assert_array_equal(b.grad, [1.0, 2.0, 3.0])
+    x = t([0.0, 1.0, 3.0])
+    (2.0 ** x).sum().backward()
+    np.testing.assert_allclose(x.grad, [np.log(2), 2 * np.log(2), 8 * np.log(2)], rtol=1e-15)
+
+
 def test_tensor_used_many_times_accumulates():
     x = t([1.0, 2.0])
     y = (x * x + x * 3.0 + x).sum()  # dy/dx = 2x + 4
