@@ -3,21 +3,26 @@
 Every gradient bucket (see ``minidist.parallel.ddp``) is a flat array; rank r *owns* the slice
 ``Bucket.shard(r, N)`` of each (``np.array_split``, what ``reduce_scatter``/``all_gather`` use).
 The optimizer (any ``minidist.optim`` optimizer, made by ``optimizer(shard_params)``) only sees the
-owned slices, so its state is 1/N of DP's on every rank. Stage by stage:
+owned slices, so its state is 1/N of DP's on every rank. ``ZeRO`` holds what every stage shares
+(the shards, the reduce-scatter in place of DDP's all-reduce, the step, the sharded checkpoint);
+each stage is its own class, read top to bottom after it (``ZeRO(..., stage=k)`` builds it):
 
-* **1** -- optimizer state sharded. Backward runs as in single-process training, keeping the whole
-  gradient; ``step`` reduce-scatters each bucket (rank r receives the sum of its slice only),
-  updates its slice, and all-gathers the updated parameters. Bytes: Ψ + Ψ, the same 2Ψ as DP.
-* **2** -- gradients sharded too. The reduce-scatter of a bucket starts from the backward hook as
-  soon as the bucket is complete (as DDP's all-reduce does) and the full gradient is dropped: a rank
-  keeps only its slice. Same bytes as stage 1.
-* **3** -- parameters sharded too. Each *unit* (default: the model's top-level layers) keeps only
-  its slice; ``_gather_unit`` all-gathers the full parameters just before the unit's forward and
-  ``_release_unit`` frees them right after. Ops save parameters for backward (``linear`` keeps its
-  weight): a ``saved_tensors_hooks`` pack turns them into references, and the unpack in backward
-  all-gathers the unit again; it is freed when all its gradients are done. Bytes: Ψ (forward
-  gathers) + Ψ (backward gathers) + Ψ (reduce-scatter) = 3Ψ, 1.5x DP -- less a unit whose backward
-  needs no weights and so is not gathered again (a GPT's Embed: a lookup's gradient needs the ids).
+* **1** (``ZeRO1``) -- optimizer state sharded. Backward runs as in single-process training,
+  keeping the whole gradient; ``step`` reduce-scatters each bucket (rank r receives the sum of its
+  slice only), updates its slice, and all-gathers the updated parameters. Bytes: Ψ + Ψ, the same
+  2Ψ as DP.
+* **2** (``ZeRO2``) -- gradients sharded too. The reduce-scatter of a bucket starts from the
+  backward hook as soon as the bucket is complete (as DDP's all-reduce does) and the full gradient
+  is dropped: a rank keeps only its slice. Same bytes as stage 1.
+* **3** (``ZeRO3``) -- parameters sharded too. Each *unit* (default: the model's top-level layers)
+  keeps only its slice; a forward wrapper on the unit (the ``"zero3"`` position of ``Module``'s
+  stack) calls ``_gather_unit``, which all-gathers the full parameters just before the unit's
+  forward, and ``_release_unit``, which frees them right after. Ops save parameters for backward
+  (``linear`` keeps its weight): a ``saved_tensors_hooks`` pack turns them into references, and
+  the unpack in backward all-gathers the unit again; it is freed when all its gradients are done.
+  Bytes: Ψ (forward gathers) + Ψ (backward gathers) + Ψ (reduce-scatter) = 3Ψ, 1.5x DP -- less a
+  unit whose backward needs no weights and so is not gathered again (a GPT's Embed: a lookup's
+  gradient needs the ids).
 
 Per-rank memory (``memory_arrays``, read by ``minidist.memory.MemoryAccountant.report``) follows
 ``minidist.memory.zero_formula``. Loss weighting, ``backward(loss, n_samples)`` and ``no_sync`` are
