@@ -56,9 +56,9 @@ mpi = pytest.mark.mpi  # conftest skips these without mpirun
     # an exception, with a straggler (slow, not failed: its heartbeat keeps coming)
     ("raise:rank=0,step=3;slow:rank=1,step=0,seconds=0.02",
      "recovered from tier memory checkpoint of step 2"),
-    # bytes flipped / file cut after hashing: the restart skips step 6 and resumes from disk step 4
-    ("corrupt:rank=0,step=6;kill:rank=1,step=7", "recovered from tier disk checkpoint of step 4"),
-    ("truncate:rank=0,step=6;kill:rank=1,step=7", "recovered from tier disk checkpoint of step 4"),
+    # a file cut (step 4) and bytes flipped (step 6) after hashing: the restart skips both, resumes at 2
+    ("truncate:rank=0,step=4;corrupt:rank=0,step=6;kill:rank=1,step=7",
+     "recovered from tier disk checkpoint of step 2"),
     # the write of step 6 fails with ENOSPC on rank 1: it is never committed
     ("diskfull:rank=1,step=6;kill:rank=0,step=7", "recovered from tier disk checkpoint of step 4"),
 ])
@@ -68,10 +68,11 @@ def test_supervised_job_recovers_bit_identically(tmp_path, fault, recovered):
     res, final = supervise(tmp_path, 2, fault, job_args=tiers, threads=not fault.startswith("kill"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "restarts: 1;" in res.stdout and recovered in res.stdout, res.stdout
-    kind = parse(fault)[0].kind
-    if kind in ("corrupt", "truncate"):
-        why = "sha256 differs" if kind == "corrupt" else "bytes, the manifest says"
-        assert "skipped: disk: skipped" in res.stdout and why in res.stdout, res.stdout
+    if parse(fault)[0].kind == "truncate":
+        for step, why in ((6, "sha256 differs from the manifest's (corrupted)"),
+                          (4, "bytes, the manifest says")):
+            assert f"skipped: disk: skipped {tmp_path}/ckpt/step-0000000{step}" in res.stdout, res.stdout
+            assert why in res.stdout, res.stdout
     assert_bit_identical(final, never_failed(2), res)
 
 
