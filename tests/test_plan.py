@@ -213,3 +213,28 @@ def test_activation_peak_with_recomputation_equals_accountant(policy):
         model.loss(x, y).backward()
     cand = Candidate(microbatch=B, checkpoint=policy)
     assert acct.peak_activation_bytes == memory(SPEC.replace(n_layer=3), cand, B)["activations"]
+
+
+def test_planner_compares_its_best_mesh_with_the_published_one():
+    """GPT-3 175B on 1536 A100s: the planner ranks a few meshes (the paper's among them) and either
+    agrees (published within its top 2) or says what its best changes and why."""
+    from minidist.plan import RUNS, predict
+    from minidist.plan.search import compare_published
+
+    run = RUNS["gpt3-175b"]
+    cands = [Candidate(dp=1536 // (8 * pp), tp=8, pp=pp, checkpoint=ck, microbatch=1)
+             for pp in (8, 16, 32) for ck in ("full", "selective")]
+    out = compare_published(run, top=2, cands=cands, simulate=6)
+    best, pub = out["best"], out["published"]
+    assert best.fits and best.step <= pub.step
+    assert out["agrees"] == (out["rank"] <= 2)
+    if not out["agrees"]:  # the explanation names every field the best changes, and the gap
+        for field in ("dp", "tp", "pp", "checkpoint"):
+            was, now = getattr(pub.cand, field), getattr(best.cand, field)
+            if was != now:
+                assert f"{field} {was} -> {now}" in out["explanation"]
+        assert "largest part of the gap: +" in out["explanation"]
+    # selective recomputation (Korthikanti et al. 2022) re-runs only the attention core, full
+    # recomputation the whole forward: on the published mesh, selective must be predicted faster
+    sel = predict(run.model, pub.cand.replace(checkpoint="selective"), run.global_batch, run.hardware)
+    assert sel.compute < pub.compute and sel.memory["activations"] > pub.memory["activations"]

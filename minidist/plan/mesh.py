@@ -160,6 +160,20 @@ def zero_shard(model: ModelSpec, cand: Candidate, stage: int, itemsize: int) -> 
     return sum(split_sizes(n, cand.dp)[0] for n, _ in minidist_buckets(model, cand, stage, itemsize))
 
 
+def distinct_stages(model: ModelSpec, cand: Candidate, m: int) -> list[int]:
+    """One stage of each kind: stages holding the same kinds of layers (and the same neighbours'
+    roles) hold, send and compute the same, so the planner looks at the first of each kind only."""
+    seen, out = set(), []
+    kinds = layer_kinds(model)
+    for s, layers in enumerate(stage_layers(model, cand)):
+        key = (tuple(kinds[i] for i in layers), s == 0, s == cand.pp - 1,
+               in_flight(cand, m)[s])
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
 # -- activations ---------------------------------------------------------------------------------
 
 def in_flight(cand: Candidate, m: int) -> list[int]:
@@ -222,7 +236,7 @@ def memory(model: ModelSpec, cand: Candidate, batch: int, settings: Settings = D
     """Bytes per device by kind (and "total", and "stage": which stage is fullest)."""
     pb, gb, kb = settings.bytes_for(model)
     best = None
-    for stage in range(cand.pp):
+    for stage in distinct_stages(model, cand, cand.microbatches(batch)):
         n, sizes = stage_param_counts(model, cand, stage)
         shard = zero_shard(model, cand, stage, pb) if model.engine == "minidist" else -(-n // cand.dp)
         mem = {

@@ -2,7 +2,7 @@
 
 Candidates: tp a divisor of the chips in one fast domain (and of the heads), pp a divisor of the
 layers' count that leaves every stage a layer, dp the rest; ZeRO 0/1/3; checkpointing none /
-selective / full; microbatch sizes 1, 2, 4; 1F1B (and interleaved with 2 chunks when pp > 1).
+selective / full; microbatch sizes 1, 2, 4; 1F1B (and interleaved with 2 or 4 chunks when pp > 1).
 Ranking: among those that fit, the shortest predicted step; a loser's reason is the first of:
 does not fit (by how much), a larger bubble, more exposed communication on an axis, more compute
 (recomputation, smaller matmuls).
@@ -24,7 +24,7 @@ def candidates(model: ModelSpec, chips: int, batch: int, hw: Hardware, zero=(0, 
                checkpoints=("none", "selective", "full"), microbatches=(1, 2, 4)) -> list[Candidate]:
     out = []
     for tp in divisors(chips):
-        if tp > hw.chips_per_domain or model.n_head % tp or model.vocab % tp:
+        if tp > hw.chips_per_domain or model.n_head % tp or (model.engine == "minidist" and model.vocab % tp):
             continue
         for pp in divisors(chips // tp):
             if pp > model.n_layer + 2:
@@ -34,8 +34,8 @@ def candidates(model: ModelSpec, chips: int, batch: int, hw: Hardware, zero=(0, 
                 if batch % (dp * mb):
                     continue
                 m = batch // (dp * mb)
-                scheds = [("1f1b", 1)] + ([("interleaved", 2)] if pp > 1 and m % pp == 0
-                                          and 2 * pp <= model.n_layer + 2 else [])
+                scheds = [("1f1b", 1)] + [("interleaved", v) for v in (2, 4)
+                                          if pp > 1 and m % pp == 0 and v * pp <= model.n_layer + 2]
                 for sched, v in scheds:
                     for z in zero if dp > 1 else (0,):
                         for ck in checkpoints:
@@ -54,19 +54,68 @@ def reason(best: Prediction, other: Prediction, hbm: float) -> str:
     for ax, t in other.comm.items():
         diffs[f"{ax} comm"] = t - best.comm.get(ax, 0.0)
     what, d = max(diffs.items(), key=lambda kv: kv[1])
-    return f"+{d:.3g} s {what}" + (" (recomputation)" if what == "compute" and other.cand.checkpoint != "none"
-                                   else "")
+    why = ""
+    if what == "compute" and other.cand.checkpoint != best.cand.checkpoint:
+        why = f" (recomputation: {other.cand.checkpoint} vs {best.cand.checkpoint})"
+    elif what == "compute" and other.cand.pp != best.cand.pp:
+        why = " (the busiest stage holds more layers)"
+    return f"+{d:.3g} s {what}{why}"
 
 
 def plan(model: ModelSpec, chips: int, batch: int, hw: Hardware, settings: Settings = DEFAULT, top: int = 5,
-         cands=None) -> list[Prediction]:
-    """Predictions for every candidate, fitting ones first, fastest first (each with `.reason`)."""
+         cands=None, simulate: int | None = None) -> list[Prediction]:
+    """Predictions for every candidate, fitting ones first, fastest first (each with `.reason`).
+    All are ranked with the bubble formula first; the first `simulate` (default max(2·top, 10)) are
+    then predicted again with their schedule simulated, and re-ranked."""
     cands = cands if cands is not None else candidates(model, chips, batch, hw)
     quick = [predict(model, c, batch, hw, settings, simulate_schedule=False) for c in cands]
     quick.sort(key=lambda p: (not p.fits, p.step))
     # simulate the real schedule for the front of the list (the formula ranks the rest)
-    head = [predict(model, p.cand, batch, hw, settings) for p in quick[:max(top * 2, 10)]]
+    n = max(top * 2, 10) if simulate is None else simulate
+    head = [predict(model, p.cand, batch, hw, settings) for p in quick[:n]]
     ranked = sorted(head, key=lambda p: (not p.fits, p.step)) + quick[len(head):]
     for p in ranked:
         p.reason = "best" if p is ranked[0] else reason(ranked[0], p, hw.hbm_bytes)
     return ranked
+
+
+def compare_published(run, top: int = 5, cands=None, simulate: int | None = None) -> dict:
+    """Ask the planner for the best mesh of a published run and compare with the one the paper used.
+
+    Returns {"rank" (1-based, of the published mesh), "best", "published" (Predictions), "agrees"
+    (rank <= top), "explanation", "same_shape_rank"}: when the planner disagrees it says what its best
+    changes (mesh shape, ZeRO, checkpointing, microbatch, schedule), the largest part of the time gap,
+    and where the published *shape* (dp, tp, pp) ranks with the best's other settings -- telling a
+    different shape apart from a technique the paper did not have or did not use.
+    """
+    mesh = dict(run.mesh)
+    pub = Candidate(microbatch=mesh.pop("microbatch"), **mesh)
+    if cands is None:
+        cands = candidates(run.model, run.chips, run.global_batch, run.hardware)
+    cands = list(cands)
+    if pub not in cands:
+        cands.append(pub)
+    ranked = plan(run.model, run.chips, run.global_batch, run.hardware, top=top, cands=cands,
+                  simulate=simulate)
+    n = max(top * 2, 10) if simulate is None else simulate
+    rank = next(i for i, p in enumerate(ranked) if p.cand == pub) + 1
+    best, published = ranked[0], ranked[rank - 1]
+    if rank > n:  # ranked by the bubble formula only: simulate its schedule too
+        published = predict(run.model, pub, run.global_batch, run.hardware)
+    fields = ("dp", "tp", "pp", "zero", "checkpoint", "microbatch", "schedule", "chunks")
+    changes = [f"{f} {getattr(pub, f)} -> {getattr(best.cand, f)}" for f in fields
+               if getattr(pub, f) != getattr(best.cand, f)]
+    shape = best.cand.replace(dp=pub.dp, tp=pub.tp, pp=pub.pp)
+    same_shape = next((i + 1 for i, p in enumerate(ranked) if p.cand == shape), None)
+    out = {"rank": rank, "best": best, "published": published, "agrees": rank <= top,
+           "same_shape_rank": same_shape, "changes": changes}
+    if rank <= top:
+        out["explanation"] = f"the published mesh ranks #{rank} of {len(ranked)}"
+    else:
+        gap = reason(best, published, run.hardware.hbm_bytes)
+        where = (f"; the published shape dp{pub.dp} tp{pub.tp} pp{pub.pp} with the best's other settings "
+                 f"ranks #{same_shape}") if same_shape else ""
+        out["explanation"] = (f"the published mesh ranks #{rank} of {len(ranked)}, predicted "
+                              f"{published.step / best.step:.2f}x the best's step; the best changes "
+                              f"{', '.join(changes)}; largest part of the gap: {gap}{where}")
+    return out

@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 from minidist.hardware import Hardware, Link
 from minidist.parallel.pipeline import make_schedule
 from minidist.parallel.simulate import simulate
-from minidist.plan.mesh import DEFAULT, Candidate, Settings, layer_kinds, memory, stage_layers
+from minidist.plan.mesh import (
+    DEFAULT,
+    Candidate,
+    Settings,
+    distinct_stages,
+    layer_kinds,
+    memory,
+    stage_layers,
+)
 from minidist.plan.model import ModelSpec
 from minidist.plan.traffic import collectives
 
@@ -159,7 +167,7 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
     mem = memory(model, cand, batch, settings)
     fits = mem["total"] <= hw.hbm_bytes
     stages = []
-    for s in range(cand.pp):
+    for s in distinct_stages(model, cand, m):
         fwd, bwd, flops = _stage_math(model, cand, hw, s, settings)
         calls = collectives(model, cand, batch, s, settings)
         per_axis = {}
@@ -184,7 +192,8 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
     busy = m * (fwd_t + bwd_t)
     dp = max(sum(pa.get("dp", {}).get(ph, 0.0) for ph in ("step", "forward", "backward"))
              for _, _, _, pa, _ in stages)
-    dp_exposed = max(0.0, dp - bwd_t / v) if cand.zero < 3 else dp / 3  # ZeRO-3 gathers prefetch
+    # ZeRO-3's gathers are prefetched under compute: exposed only beyond the whole step's compute
+    dp_exposed = max(0.0, dp - bwd_t / v) if cand.zero < 3 else max(0.0, dp - m * (fwd_t + bwd_t))
     opt = (sum(mem[k] for k in ("params", "grads", "optimizer")) * 2) / hw.hbm_bandwidth
     if hw.kernels is not None and model.engine == "minidist":  # measured AdamW (or SGD ~ 1/4 of it)
         rate = hw.kernels["adamw"] * (1.0 if settings.optimizer == "adamw" else 0.25)

@@ -79,7 +79,8 @@ def _tp_calls(model: ModelSpec, cand: Candidate, stage: int, m: int) -> list[Col
     return [c for c in calls if c.count]
 
 
-def _dp_calls(model: ModelSpec, cand: Candidate, stage: int, settings: Settings) -> list[Collective]:
+def _dp_calls(model: ModelSpec, cand: Candidate, stage: int, settings: Settings,
+              batch: int) -> list[Collective]:
     _, gb, _ = settings.bytes_for(model)
     _, sizes = stage_param_counts(model, cand, stage)
     p = cand.dp
@@ -97,8 +98,8 @@ def _dp_calls(model: ModelSpec, cand: Candidate, stage: int, settings: Settings)
             calls.append(Collective("dp", "reduce_scatter", nb, sent, 1, "step"))
             pb = settings.bytes_for(model)[0]
             # ZeRO-3: gathered before forward and again for backward (not the embedding: a lookup's
-            # gradient needs no weights)
-            gathers = 1 if cand.zero < 3 or kind == "embed" else 2
+            # gradient needs no weights), for every microbatch: accumulating would keep them whole
+            gathers = 1 if cand.zero < 3 else cand.microbatches(batch) * (1 if kind == "embed" else 2)
             calls.append(Collective("dp", "all_gather", n * pb, gather_sent(n * pb, p, pb), gathers,
                                     "forward" if cand.zero >= 3 else "step"))
     return [c for c in calls if c.sent or p > 1]
@@ -147,7 +148,7 @@ def collectives(model: ModelSpec, cand: Candidate, batch: int, stage: int = 0,
     """Every collective the rank at (stage, dp 0, tp 0) runs in one step (see module docstring)."""
     m = cand.microbatches(batch)
     out = _tp_calls(model, cand, stage, m) if cand.tp > 1 else []
-    out += _dp_calls(model, cand, stage, settings) if cand.dp > 1 else []
+    out += _dp_calls(model, cand, stage, settings, batch) if cand.dp > 1 else []
     out += _pp_calls(model, cand, stage, m)
     out += _cp_ep_calls(model, cand, stage, m)
     return out
