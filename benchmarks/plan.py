@@ -5,7 +5,8 @@
 1. Here: `python -m minidist.calibrate` constants (run first if missing), then small minidist GPT
    trainings on the threads transport for several meshes; measured median step time vs the
    planner's prediction with `--hardware here` (target: within 30%).
-2. There: the published runs of `minidist.plan.presets.RUNS`, predicted vs reported (target: 25%).
+2. There: the published runs of `minidist.plan.presets.RUNS`, predicted vs reported (target: 25%);
+   with --compare, the planner's own best mesh for each and why it differs from the paper's.
 Prints MET/MISSED per row; exits nonzero on a miss only with --strict.
 """
 
@@ -92,13 +93,26 @@ def published_rows():
     return ok
 
 
+def compare_rows():
+    """The planner's best mesh for each published run, against the paper's (slow: minutes)."""
+    from minidist.plan.search import compare_published
+
+    print("\nthe planner's best mesh vs the published one (top 5 = agrees):")
+    for name, r in RUNS.items():
+        out = compare_published(r, top=5)
+        print(f"{name}: best {out['best'].cand.label()} -- {out['explanation']}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strict", action="store_true", help="exit nonzero if any row misses its target")
     ap.add_argument("--calibrate", action="store_true", help="re-measure this machine first")
+    ap.add_argument("--compare", action="store_true", help="also search each published run's best (slow)")
     args = ap.parse_args()
     ok = here_rows(args)
     ok &= published_rows()
+    if args.compare:
+        compare_rows()
     if args.strict and not ok:
         sys.exit(1)
 
