@@ -1,30 +1,42 @@
-"""`python -m minidist.plan --model llama3-70b --chips 64 --batch 512 --hardware h100 [--plot FILE.png]`"""
+"""`python -m minidist.plan --model llama3-70b --chips 64 --batch 512 --hardware h100 [--plot FILE.png]`
+
+Searches every candidate mesh and prints the best few, ranked, with why each loses to the first.
+`--mesh dp=8,tp=8,pp=1,zero=1,checkpoint=full,microbatch=1` (repeatable) evaluates just those.
+"""
 
 from __future__ import annotations
 
 import argparse
 
 from minidist import hardware
-from minidist.plan.mesh import KINDS, Settings
+from minidist.plan.mesh import KINDS, Candidate, Settings
 from minidist.plan.model import ModelSpec
 from minidist.plan.presets import MODELS
 from minidist.plan.search import plan
 
 
+def human(nbytes: float) -> str:
+    """Bytes in the unit that suits them: 1.5 GB, 840 kB."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def table(preds, top: int) -> str:
-    head = (f"{'#':>2} {'mesh':<44} {'mem GB':>7} fit {'step s':>8} {'compute':>8} {'tp':>7} {'dp':>7} "
+    head = (f"{'#':>2} {'mesh':<44} {'memory':>8} fit {'step s':>8} {'compute':>8} {'tp':>7} {'dp':>7} "
             f"{'pp':>7} {'bubble':>7} {'MFU':>5} {'tok/s':>9}  why not first")
     lines = [head]
     for i, p in enumerate(preds[:top]):
         c = p.comm
         fit = "yes" if p.fits else "NO "
-        lines.append(f"{i + 1:>2} {p.cand.label():<44} {p.memory['total'] / 1e9:>7.2f} {fit:>3} "
+        lines.append(f"{i + 1:>2} {p.cand.label():<44} {human(p.memory['total']):>8} {fit:>3} "
                      f"{p.step:>8.3g} {p.compute:>8.3g} {c.get('tp', 0):>7.2g} {c.get('dp', 0):>7.2g} "
                      f"{c.get('pp', 0):>7.2g} {p.bubble_fraction:>6.1%} {p.mfu:>5.1%} "
                      f"{p.tokens_per_s:>9.3g}  "
                      f"{p.reason}")
     best = preds[0]
-    lines.append("memory of #1 by kind (GB): " + ", ".join(f"{k} {best.memory[k] / 1e9:.2f}" for k in KINDS))
+    lines.append("memory of #1 by kind: " + ", ".join(f"{k} {human(best.memory[k])}" for k in KINDS))
     return "\n".join(lines)
 
 
@@ -59,6 +71,23 @@ def plot(preds, path: str, top: int) -> None:
     fig.savefig(path)
 
 
+def parse_mesh(text: str, chips: int) -> Candidate:
+    """"dp=8,tp=8,zero=1,checkpoint=full" -> Candidate (dp defaults to chips / (tp·pp·cp))."""
+    kw = {}
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        if key not in Candidate.__dataclass_fields__:
+            fields = ", ".join(Candidate.__dataclass_fields__)
+            raise SystemExit(f"--mesh {text!r}: unknown field {key!r}; use {fields}")
+        kw[key] = value if key in ("checkpoint", "schedule") else int(value)
+    if "dp" not in kw:
+        kw["dp"] = chips // (kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1))
+    cand = Candidate(**kw)
+    if cand.chips != chips:
+        raise SystemExit(f"--mesh {text!r} uses {cand.chips} chips, but --chips is {chips}")
+    return cand
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="llama3-70b", help=f"a preset ({', '.join(MODELS)}) or 'custom'")
@@ -71,6 +100,8 @@ def main(argv=None) -> None:
     ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--plot", metavar="FILE.png")
+    ap.add_argument("--mesh", action="append", default=[], metavar="dp=..,tp=..,pp=..,...",
+                    help="evaluate this mesh (fields of minidist.plan.Candidate) instead of searching")
     args = ap.parse_args(argv)
     if args.model == "custom":
         model = ModelSpec("custom", n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
@@ -82,7 +113,8 @@ def main(argv=None) -> None:
                                          vocab=args.vocab, seq=args.seq).items() if v}
         model = model.replace(**changes) if changes else model
     hw = hardware.get(args.hardware)
-    preds = plan(model, args.chips, args.batch, hw, Settings(args.optimizer), top=args.top)
+    cands = [parse_mesh(s, args.chips) for s in args.mesh] or None
+    preds = plan(model, args.chips, args.batch, hw, Settings(args.optimizer), top=args.top, cands=cands)
     print(f"{model.name}: {model.params() / 1e9:.3g}B parameters, batch {args.batch} x {model.seq} tokens, "
           f"{args.chips} x {hw.name} ({hw.hbm_bytes / 1e9:.0f} GB each)")
     for n in model.notes:

@@ -76,6 +76,8 @@ def plan(model: ModelSpec, chips: int, batch: int, hw: Hardware, settings: Setti
     ranked = sorted(head, key=lambda p: (not p.fits, p.step)) + quick[len(head):]
     for p in ranked:
         p.reason = "best" if p is ranked[0] else reason(ranked[0], p, hw.hbm_bytes)
+    if not ranked[0].fits:
+        ranked[0].reason = reason(ranked[0], ranked[0], hw.hbm_bytes) + " (nothing fits)"
     return ranked
 
 

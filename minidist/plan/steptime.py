@@ -149,7 +149,8 @@ def kernel_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int) -> 
             ops += 3
     t += ops * hw.op_overhead
     share = max(1.0, cand.chips / hw.cores)
-    return t * share / 3, 2 * t * share / 3
+    fwd, bwd = t * share / 3, 2 * t * share / 3
+    return fwd, bwd + (fwd if cand.checkpoint == "full" else 0.0)  # recomputation: one more forward
 
 
 def memory_bound_bytes(model: ModelSpec, cand: Candidate, stage: int, settings: Settings) -> float:

@@ -1,0 +1,158 @@
+"""Lesson 11: choose your mesh -- the planner predicts, the ranks measure.
+
+    python -m minidist.lessons.planning --ranks 8            # ranks as threads
+    mpirun -n 8 python -m minidist.lessons.planning          # ranks as MPI processes
+
+Asks the planner (`minidist.plan`) for the best way to train a small GPT on this machine's ranks
+(`--hardware here`: the constants `python -m minidist.calibrate` measured; run once if missing),
+prints its ranked candidates, then trains the winner with `train_3d` and prints predicted beside
+measured: bytes each rank sent per step (the ledger), activation and parameter bytes (the memory
+accountant), and the step time. Checks: bytes and memory equal the prediction exactly, and the
+trained parameters equal the serial twin's. The step time is compared with a 30% target and
+printed MET or MISSED (a shared machine's timing is not a pass/fail matter).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from minidist import hardware
+from minidist.comm import measure, under_mpi
+from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint, world_size
+from minidist.memory import MemoryAccountant
+from minidist.nn import GPTConfig
+from minidist.parallel.three_d import gather_full_state, train_3d
+from minidist.plan import ModelSpec, Settings, collectives, memory, plan
+from minidist.plan.__main__ import table
+from minidist.plan.mesh import stage_activation_peak, stage_param_counts
+from minidist.plan.search import candidates
+from minidist.testing import max_state_diff, train_serial
+
+
+def config(args) -> GPTConfig:
+    return GPTConfig(vocab_size=64, block_size=args.seq, n_layer=args.layers, n_head=4, d_model=args.width,
+                     seed=args.seed)
+
+
+def spec(args) -> ModelSpec:
+    return ModelSpec("lesson-gpt", n_layer=args.layers, d_model=args.width, n_head=4, vocab=64, seq=args.seq,
+                     engine="minidist", dtype_bytes=4)
+
+
+def make_batches(args) -> list:
+    rng = np.random.default_rng(args.seed)
+    return [(rng.integers(0, 64, (args.batch, args.seq)), rng.integers(0, 64, (args.batch, args.seq)))
+            for _ in range(args.steps)]
+
+
+def rank_main(comm, args):
+    cfg, model = config(args), spec(args)
+    hw = hardware.here()
+    cands = [c for c in candidates(model, comm.size, args.batch, hw, zero=(0,), checkpoints=("none", "full"),
+                                   microbatches=(1, 2, 4)) if c.schedule == "1f1b"]
+    preds = plan(model, comm.size, args.batch, hw, Settings("adamw"), top=6, cands=cands)
+    rprint(comm, f"{model.name}: {model.params():,} parameters, batch {args.batch} x {args.seq} tokens, "
+                 f"{comm.size} ranks on {hw.name}, {hw.cores} cores")
+    rprint(comm, table(preds, 6))
+    best = preds[0]
+    c = best.cand
+    m = c.microbatches(args.batch)
+    rprint(comm, f"\ntraining the planner's best: {c.label()} ({m} microbatches per replica)")
+    data = make_batches(args)
+    marks = []
+    with measure(comm) as meas:
+        def on_step(step, stats):
+            marks.append((time.perf_counter(), comm.ledger.bytes_sent, len(meas.calls)))
+        res = train_3d(comm, cfg, data, dp=c.dp, pp=c.pp, tp=c.tp, microbatches=m, optimizer="adamw",
+                       lr=1e-3, on_step=on_step, checkpoint=None if c.checkpoint == "none" else c.checkpoint)
+        calls = meas.calls[marks[0][2]:marks[1][2]]
+    mesh = res.mesh
+    mine = {"where": (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), "sent": marks[1][1] - marks[0][1],
+            "calls": sorted((x.name, x.bytes_sent) for x in calls),
+            "act": res.stats[-1].peak_activation_bytes,
+            "params": MemoryAccountant().report(res.stage)["params"],
+            "step": float(np.median(np.diff([t for t, _, _ in marks])[1:]))}
+    everyone = comm.gather_obj(mine, root=0)
+    state = gather_full_state(comm, res)
+    ok = True
+    if comm.rank == 0:
+        ok = report(args, cfg, model, best, everyone, state, data, hw)
+    return finish(comm, ok)
+
+
+def report(args, cfg, model, best, everyone, state, data, hw) -> bool:
+    c = best.cand
+    print(f"\n{'rank (stage,dp,tp)':<20} {'bytes sent/step':>30} {'activations peak':>30} {'params':>22}")
+    ok = True
+    for r in everyone:
+        stage, dpr, tpr = r["where"]
+        if dpr or tpr:
+            continue  # the planner speaks for (stage, dp 0, tp 0)
+        pred_calls = collectives(model, c, args.batch, stage)
+        sent = sum(x.sent * x.count for x in pred_calls)
+        want = sorted((x.name, int(x.sent)) for x in pred_calls if x.axis != "pp" for _ in range(x.count))
+        act = stage_activation_peak(model, c, args.batch, stage, Settings(), recompute=False)
+        params = 4 * stage_param_counts(model, c, stage)[0]
+        same = sent == r["sent"] and want == r["calls"] and act == r["act"] and params == r["params"]
+        ok &= same
+        print(f"{str(r['where']):<20} {r['sent']:>14,} (pred {int(sent):>10,}) {r['act']:>14,} "
+              f"(pred {int(act):>10,}) {r['params']:>8,} (pred {params:>8,})  {'PASS' if same else 'FAIL'}")
+    full = memory(model, c, args.batch)
+    print("predicted memory of the fullest rank: " +
+          ", ".join(f"{k} {full[k]:,.0f} B" for k in ("params", "grads", "optimizer", "activations")))
+    ref, _ = train_serial(cfg, data, lr=1e-3, optimizer="adamw")
+    diff = max_state_diff(state, ref)
+    twin = diff <= 0.1 * 1e-3 * args.steps
+    ok &= twin
+    print(f"serial twin: max |parallel - serial| = {diff:.2e} (tolerance {0.1 * 1e-3 * args.steps:.0e}) "
+          f"{'PASS' if twin else 'FAIL'}")
+    step = max(r["step"] for r in everyone)
+    ratio = best.step / step
+    print(f"step time: predicted {best.step * 1e3:.1f} ms, measured median {step * 1e3:.1f} ms, ratio "
+          f"{ratio:.2f} -> {'MET' if abs(ratio - 1) <= 0.3 else 'MISSED'} the 30% target "
+          f"(load average now {os.getloadavg()[0]:.1f} on {hw.cores} cores)")
+    print(f"bytes and memory: {'PASS' if ok else 'FAIL'} (exact)")
+    return ok
+
+
+def ensure_calibrated() -> None:
+    """Measure this machine once (rank 0 under MPI; the others wait for the file)."""
+    if os.path.exists(hardware.CALIBRATION_PATH):
+        return
+    if under_mpi():
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_rank() != 0:
+            MPI.COMM_WORLD.barrier()
+            return
+    from minidist.calibrate import calibrate
+
+    print("calibrating this machine once (python -m minidist.calibrate) ...", flush=True)
+    calibrate()
+    if under_mpi():
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.barrier()
+
+
+def main(argv=None):
+    parser = lesson_parser(__doc__, ranks=8)
+    parser.add_argument("--steps", type=positive_int, default=4)
+    parser.add_argument("--batch", type=positive_int, default=16, help="global batch (rows)")
+    parser.add_argument("--seq", type=positive_int, default=32)
+    parser.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
+    parser.add_argument("--width", type=positive_int, default=64, help="d_model, a multiple of the 4 heads")
+    args = parser.parse_args(argv)
+    if args.steps < 3:
+        parser.error("--steps must be >= 3: the first step is a warm-up, the next ones are measured")
+    if args.batch % world_size(args):
+        parser.error(f"--batch {args.batch} must be a multiple of the {world_size(args)} ranks")
+    ensure_calibrated()
+    return launch(rank_main, args)
+
+
+if __name__ == "__main__":
+    main()
