@@ -238,3 +238,21 @@ def test_planner_compares_its_best_mesh_with_the_published_one():
     # recomputation the whole forward: on the published mesh, selective must be predicted faster
     sel = predict(run.model, pub.cand.replace(checkpoint="selective"), run.global_batch, run.hardware)
     assert sel.compute < pub.compute and sel.memory["activations"] > pub.memory["activations"]
+
+
+def test_planning_lesson_runs_the_predicted_best_and_passes(capsys, tmp_path, monkeypatch):
+    """The lesson on 4 thread ranks: it plans, trains the best mesh, and its exact checks pass."""
+    import json
+
+    from minidist import hardware
+    from minidist.lessons import planning
+
+    if not __import__("os").path.exists(hardware.CALIBRATION_PATH):  # no calibration here: a stand-in
+        path = tmp_path / "calibration.json"
+        path.write_text(json.dumps({"flops": 1e10, "mem_bandwidth": 1e10, "op_overhead": 1e-5, "cores": 2,
+                                    "alpha": 1e-5, "beta": 1e-9, "kernels": None}))
+        monkeypatch.setattr(hardware, "CALIBRATION_PATH", str(path))
+    results = planning.main(["--ranks", "4", "--steps", "3", "--layers", "2", "--width", "32",
+                             "--batch", "8"])
+    out = capsys.readouterr().out
+    assert all(results) and "bytes and memory: PASS (exact)" in out and "serial twin" in out
