@@ -19,18 +19,15 @@ every call and must stay cheap.)
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from minidist.backend import backend_of, get_backend
 from minidist.comm import tracing
 from minidist.comm.debug import check_same_call, stamp
-from minidist.comm.ledger import CallRecord, set_current_call
+from minidist.comm.ledger import CallRecord, current_call, set_current_call
 
 OPS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 _NUMPY = get_backend("numpy")
-_open = threading.local()  # the collective call open on this thread (rank), if any
 
 
 def is_floating(dtype) -> bool:
@@ -81,6 +78,9 @@ class collective:
     ``extra`` goes into the debug signature.
     """
 
+    __slots__ = ("user", "name", "x", "op", "root", "typed", "shape_key", "extra", "outer", "comm", "be",
+                 "host", "flat", "tag", "rec", "span")
+
     def __init__(self, comm, name: str, x=None, op: str | None = None, root: int | None = None,
                  typed: bool = True, shape_key=None, **extra):
         self.user, self.name, self.x, self.op, self.root = comm, name, x, op, root
@@ -98,28 +98,28 @@ class collective:
         return sig | self.extra
 
     def __enter__(self):
-        outer = getattr(_open, "call", None)
+        outer = current_call()
         if outer is not None:
-            self.outer = outer
-            return outer
+            self.outer = outer.call
+            return self.outer
         self.outer = None
         user = self.user
         self.comm = user.twins.get("coll") or user.twin("coll")
         x = self.x
         if x is not None:
             self.be = result_backend(user, x)
-            self.host = np.asarray(self.be.to_host(x), order="C")  # copies only if not contiguous
+            h = self.be.to_host(x)
+            self.host = np.ascontiguousarray(h) if h.ndim else h  # (ascontiguousarray makes 0-d 1-d)
             self.flat = self.host.reshape(-1)
             if self.op is not None:
                 check_op(user, self.op, self.host.dtype)
         user.seq += 1
         self.tag = stamp(self.name, user.seq, x.dtype if self.typed and x is not None else None,
                          self.op, self.root)
-        self.rec = CallRecord(self.name)
+        self.rec = CallRecord(self.name, 0, 0, 0, 0, self)
         self.span = tracing.span(self.name, "collective")
         self.span.__enter__()
         set_current_call(self.rec)
-        _open.call = self
         user.note((self.name, user.seq))
         if user.debug and user.size > 1:
             try:
@@ -131,7 +131,6 @@ class collective:
 
     def __exit__(self, *exc):
         if self.outer is None:
-            _open.call = None
             set_current_call(None)
             self.user.ledger.finish_call(self.rec)
             self.span.__exit__(*exc)
@@ -144,6 +143,8 @@ class collective:
         return buf
 
     def result(self, buf: np.ndarray):
-        """``buf`` (this rank's all-reduced x on the host) back to the caller: finished, in x's
-        shape and x's backend."""
-        return self.be.from_host(self.finish(buf).reshape(np.shape(self.x)))
+        """``buf`` (this rank's all-reduced x on the host) back to the caller: finished (as
+        ``finish``), in x's shape and x's backend."""
+        if self.op == "mean":
+            buf /= self.user.size
+        return self.be.from_host(buf.reshape(self.host.shape))

@@ -198,8 +198,11 @@ def recursive_doubling_all_reduce(comm, x, op: str = "sum"):
 # -- two-shot: the ring's bytes in 2 rounds ------------------------------------------------------
 
 def wait_all(c, requests: list, what: str) -> None:
-    """Wait for every request together (testing all of them each time, so all make progress)."""
-    poll(lambda: all([q.test() for q in requests]), c, what)
+    """Wait for every request together (testing all of them each time, so all make progress);
+    while waiting, a request's ``problem()`` (a failed, departed or mismatched peer) is raised."""
+    def problem():
+        return next((e for q in requests if not q.test() and (e := q.problem()) is not None), None)
+    poll(lambda: all([q.test() for q in requests]), c, what, problem)
     for q in requests:
         q.wait()
 

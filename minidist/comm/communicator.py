@@ -53,6 +53,7 @@ OBJ_TAG = MAX_USER_TAG + 1      # pickled-object messages: OBJ_TAG + 2*tag, tag 
 MAX_OBJ_TAG = 1 << 18
 DEFAULT_TIMEOUT = 300.0         # seconds; MINIDIST_TIMEOUT overrides
 NOTICE_AFTER = 10.0             # seconds of waiting before the "still waiting" line
+CHECK_GRACE = 0.2               # seconds a peer problem seen while waiting must persist (see poll)
 
 
 class CommError(RuntimeError):
@@ -88,13 +89,18 @@ def debug_enabled() -> bool:
 
 
 class Request:
-    """A pending send or receive. ``wait()`` returns the received array (None for a send)."""
+    """A pending send or receive. ``wait()`` returns the received array (None for a send).
+    ``problem()``: why it may never complete (a failed, departed or mismatched peer), or None --
+    what a wait on several requests (``collectives.wait_all``) checks while it sleeps."""
 
     def test(self) -> bool:
         raise NotImplementedError
 
     def wait(self):
         raise NotImplementedError
+
+    def problem(self):
+        return None
 
 
 class _Converted(Request):
@@ -105,6 +111,9 @@ class _Converted(Request):
 
     def test(self) -> bool:
         return self._req.test()
+
+    def problem(self):
+        return self._req.problem()
 
     def wait(self):
         if not self._done:
@@ -386,9 +395,11 @@ def _fine_sleeps() -> None:
 def poll(test, comm: Communicator, what, check=None) -> None:
     """Wait until ``test()`` is true: spin with ``sched_yield``, then sleep with exponential backoff
     (see ``WaitPolicy``; a collective spins longer). While sleeping, every 5 ms ``check()`` may
-    return an error to raise (a mismatched or departed peer); after ``comm.notice_after()`` seconds
-    the "still waiting" line is printed, and after ``comm.timeout`` the watchdog's
-    :class:`CommTimeout` is raised. ``what``: a string, or a callable giving one (built only if shown)."""
+    return an error (a mismatched or departed peer): raised once it has persisted ``CHECK_GRACE``
+    seconds with ``test()`` still false (a large message may still be arriving while the peer's next
+    one is already seen). After ``comm.notice_after()`` seconds the "still waiting" line is printed,
+    after ``comm.timeout`` the watchdog's :class:`CommTimeout` is raised. ``what``: a string, or a
+    callable giving one (built only if shown)."""
     progress = getattr(comm, "progress", None)  # MPI: post payload receives whose header arrived
     if progress is not None:
         progress()
@@ -400,7 +411,7 @@ def poll(test, comm: Communicator, what, check=None) -> None:
     clock = time.monotonic
     start = clock()
     spin_until = start + (policy.collective_spin if current_call() is not None else policy.spin)
-    notice_at, next_check = start + comm.notice_after(), start
+    notice_at, next_check, problem_since = start + comm.notice_after(), start, None
     delay, yield_ = 2e-5, os.sched_yield
     while not test():
         if progress is not None:
@@ -411,7 +422,11 @@ def poll(test, comm: Communicator, what, check=None) -> None:
             continue
         if check is not None and now >= next_check:
             error = check()
-            if error is not None and not test():
+            if error is None:
+                problem_since = None
+            elif problem_since is None:
+                problem_since = now
+            elif now - problem_since > CHECK_GRACE and not test():
                 raise error
             next_check = now + 5e-3
         if now > notice_at:

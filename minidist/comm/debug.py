@@ -49,10 +49,18 @@ def dtype_code(dtype) -> int:
 
 
 def stamp(name: str, seq: int, dtype=None, op: str | None = None, root: int | None = None) -> int:
-    """The tag of collective call number ``seq`` (a user tag < MAX_USER_TAG, phase bit clear)."""
-    extra = OPS.index(op) if op in OPS else (root & 3 if root is not None else 0)
-    return (((seq & 0xFF) << 12) | (_KIND.get(name, 0) << 7)
-            | ((0 if dtype is None else dtype_code(dtype)) << 3) | (extra << 1))
+    """The tag of collective call number ``seq`` (a user tag < MAX_USER_TAG, phase bit clear).
+    Runs on every collective call: a repeat of the last kind of call costs four identity checks."""
+    global _last
+    n, d, o, r, rest = _last
+    if not (n is name and d is dtype and o is op and r == root):
+        extra = OPS.index(op) if op in OPS else (root & 3 if root is not None else 0)
+        rest = (_KIND.get(name, 0) << 7) | ((0 if dtype is None else dtype_code(dtype)) << 3) | (extra << 1)
+        _last = (name, dtype, op, root, rest)
+    return ((seq & 0xFF) << 12) | rest
+
+
+_last: tuple = (None, None, None, None, 0)
 
 
 def describe(tag: int) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _active = threading.local()  # the CallRecord of the collective running on this thread (rank)
 
@@ -29,6 +29,7 @@ class CallRecord:
     bytes_received: int = 0
     messages: int = 0
     steps: int = 0
+    call: object = field(default=None, repr=False, compare=False)  # the open ``collective`` (call.py)
 
     @property
     def bytes(self) -> int:

@@ -29,8 +29,6 @@ MAX_NDIM = 32
 NAMESPACE = 1 << 21            # tags per twin: user tags < 2**20, then minidist's object tags
 TWINS = {"coll": 1, "debug": 2, "async": 3}
 HEADER_LEN = 4 + MAX_NDIM      # ndim, 3 words of dtype name (24 chars), shape
-GRACE = 0.2                    # s a peer problem must persist (a matched large message may still be
-                               # arriving while the probe already sees the peer's next one)
 
 
 _MPI = None
@@ -122,9 +120,11 @@ class _MPIRequest(Request):
             _check_count(self.comm, self.status, self.peer, self.tag, _bytes(self.out).nbytes)
         return self.done
 
+    def problem(self):
+        return self.comm.peer_problem(self.peer, self.tag, self.out is not None)
+
     def wait(self):
-        poll(self.test, self.comm, self.what,
-             self.comm.peer_check(self.peer, self.tag, receiving=self.out is not None))
+        poll(self.test, self.comm, self.what, self.problem)
         return self.out
 
 
@@ -163,9 +163,11 @@ class _MPIHeaderRecv(Request):
                 return False
         return self.preq.Test()
 
+    def problem(self):
+        return self.comm.peer_problem(self.source, self.tag)
+
     def wait(self):
-        poll(self.test, self.comm, f"a message from rank {self.source} (tag {self.tag})",
-             self.comm.peer_check(self.source, self.tag))
+        poll(self.test, self.comm, f"a message from rank {self.source} (tag {self.tag})", self.problem)
         if self.count:
             self.comm.ledger.count_recv(self.out.nbytes)
             self.count = False
@@ -221,20 +223,6 @@ class MPIComm(Communicator):
                     return stamp_mismatch(self, peer, tag, t // 2)
         return None
 
-    def peer_check(self, peer: int, tag: int, receiving: bool = True):
-        """A ``check`` for ``poll``: ``peer_problem``, once it has persisted ``GRACE`` seconds."""
-        since = []
-
-        def check():
-            problem = self.peer_problem(peer, tag, receiving)
-            if problem is None:
-                since.clear()
-                return None
-            if not since:
-                since.append(time.monotonic())
-            return problem if time.monotonic() - since[0] > GRACE else None
-        return check
-
     # -- the transport interface ---------------------------------------------------------------
     def isend_buffer(self, buf, dest, tag=0, *, header=False, count=True) -> Request:
         reqs, keep = [], [buf]
@@ -267,8 +255,8 @@ class MPIComm(Communicator):
         testall, statuses = _mpi().Request.Testall, self._statuses
         try:
             if not testall(reqs, statuses):
-                poll(lambda: testall(reqs, statuses), self,
-                     lambda: f"sendrecv: to rank {dest}, from rank {source}", self.peer_check(source, tag))
+                poll(lambda: testall(reqs, statuses), self, lambda: f"sendrecv: to {dest}, from {source}",
+                     lambda: self.peer_problem(source, tag))
         except _mpi().Exception as e:
             raise _truncated(self, source, tag, recvbuf.nbytes, e) from None
         if statuses[0].Get_count(_mpi().BYTE) != recvbuf.nbytes:

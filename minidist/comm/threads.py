@@ -85,6 +85,10 @@ class _ThreadRecv(Request):
                 self._deliver(*msg)
         return self.result is not None
 
+    def problem(self):
+        with self.cond:
+            return None if (self.key, self.seq) in self.comm.world.box else self._problem()
+
     def _problem(self):
         """Why the message can never come (called with the condition held), or None."""
         c, world, src = self.comm, self.comm.world, self.key[1]

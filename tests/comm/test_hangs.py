@@ -117,6 +117,9 @@ MISMATCHES = {  # rank 0's call, rank 1's call, what the error must say
     "dtype, same bytes": (lambda c: all_reduce(c, np.ones(8), algorithm="ring"),
                           lambda c: all_reduce(c, np.ones(16, np.float32), algorithm="ring"),
                           r"dtype float(32|64)"),
+    "dtype, two-shot (several receives in flight)": (
+        lambda c: all_reduce(c, np.ones(8), algorithm="two_shot"),
+        lambda c: all_reduce(c, np.ones(16, np.float32), algorithm="two_shot"), r"dtype float(32|64)"),
     "op": (lambda c: all_reduce(c, np.ones(8), op="sum", algorithm="ring"),
            lambda c: all_reduce(c, np.ones(8), op="max", algorithm="ring"), r"op (sum|max)"),
     "collective": (lambda c: all_reduce(c, np.ones(4), algorithm="ring"),
