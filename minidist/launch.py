@@ -1,7 +1,7 @@
 """``python -m minidist.launch``: start a job, watch it, restart it from its last good checkpoint.
 
     python -m minidist.launch -n 4 --max-restarts 3 [--min-ranks 2] [--threads] [--ckpt DIR] \\
-        -- python -m minidist.lessons.fault_tolerance --ckpt DIR
+        [--fault "kill:rank=1,step=5"] -- python -m minidist.lessons.fault_tolerance --ckpt DIR
 
 The job runs under ``mpirun -n N`` (or, with ``--threads``, as one process given ``--ranks N``).
 The supervisor watches two things: the exit status, and a heartbeat per rank -- a file in
@@ -98,6 +98,8 @@ class Supervisor:
         self.attempts: list[Attempt] = []
         self.t0 = time.time()
         self.work = tempfile.mkdtemp(prefix="minidist-launch-")
+        if self.log_path is None:  # the job logs what it restored from: keep a log even if not asked
+            self.log_path = os.path.join(self.work, "events.jsonl")
 
     def say(self, msg: str) -> None:
         print(f"[launch {time.time() - self.t0:7.2f}s] {msg}", flush=True)
@@ -119,12 +121,13 @@ class Supervisor:
     def run(self) -> int:
         n = self.n
         for number in range(self.max_restarts + 1):
-            resumed, problems = newest_good_checkpoint(self.ckpt)
+            resumed, problems = newest_good_checkpoint(self.ckpt) if number else (None, [])
             for p in problems:
                 self.say(f"checkpoint check: {p}")
             a = Attempt(number, n, time.time(), resumed_from=resumed)
             self.attempts.append(a)
-            where = f"(newest intact checkpoint in {self.ckpt}: step {resumed})" if self.ckpt else ""
+            known = self.ckpt and number  # attempt 0: the job decides whether it starts fresh
+            where = f"(newest intact checkpoint in {self.ckpt}: step {resumed})" if known else ""
             self.say(f"attempt {number}: starting {n} ranks {where}".rstrip())
             self.log(event="start", attempt=number, ranks=n, resumed_from=resumed)
             code = self.watch(a)
@@ -263,7 +266,9 @@ def main(argv=None) -> int:
                     help="allow elastic restarts down to this many ranks")
     ap.add_argument("--threads", action="store_true", help="one process with --ranks N instead of mpirun")
     ap.add_argument("--ckpt", help="the job's checkpoint directory (to report what it resumes from)")
-    ap.add_argument("--heartbeat-timeout", type=float, default=30.0, help="seconds without a beat = hung")
+    ap.add_argument("--heartbeat-timeout", type=float, default=60.0,
+                    help="seconds without a heartbeat = hung (the first step may compile: JAX)")
+    ap.add_argument("--fault", help="faults to inject (sets MINIDIST_FAULT for the job; see minidist.faults)")
     ap.add_argument("--log", help="append events (JSON lines) here; the job sees it as "
                     "MINIDIST_SUPERVISOR_LOG")
     args = ap.parse_args(argv[:cut])
@@ -277,6 +282,11 @@ def main(argv=None) -> int:
                          f"--min-ranks {args.min_ranks}")
     if cmd[0] == "python":
         cmd[0] = sys.executable
+    if args.fault is not None:
+        from minidist.faults import parse
+
+        parse(args.fault)  # a typo fails here, not in the job
+        os.environ["MINIDIST_FAULT"] = args.fault
     sup = Supervisor(cmd, args.ranks, args.max_restarts, args.min_ranks, args.threads, args.ckpt,
                      args.heartbeat_timeout, args.log)
     return sup.run()
