@@ -206,7 +206,7 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
         comm[ax] = max(sum(pa.get(ax, {}).get(ph, 0.0) for ph in ("forward", "backward"))
                        for *_, pa, _ in stages)
     comm["pp"] = max(0.0, makespan - busy) - bubble_frac * makespan if cand.pp > 1 else 0.0
-    comm["pp"] = max(0.0, comm["pp"])
+    comm["pp"] = comm["pp"] if comm["pp"] > 1e-9 * makespan else 0.0  # float noise of the subtraction
     comm["dp"] = dp_exposed
     comm = {k: v_ for k, v_ in comm.items() if v_ > 0 or k in ("tp", "dp", "pp")}
     tokens = batch * model.seq
