@@ -285,7 +285,10 @@ def main(argv=None) -> int:
     if args.fault is not None:
         from minidist.faults import parse
 
-        parse(args.fault)  # a typo fails here, not in the job
+        try:
+            parse(args.fault)  # a typo fails here, not in the job
+        except ValueError as e:
+            raise SystemExit(f"minidist.launch: --fault: {e}") from None
         os.environ["MINIDIST_FAULT"] = args.fault
     sup = Supervisor(cmd, args.ranks, args.max_restarts, args.min_ranks, args.threads, args.ckpt,
                      args.heartbeat_timeout, args.log)
