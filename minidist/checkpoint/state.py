@@ -232,13 +232,13 @@ def load(comm, root, state: TrainState, required: bool = False) -> LoadInfo:
         if required:
             raise CheckpointError(f"rank {comm.rank}: no intact checkpoint under {root}: {problems}")
         return LoadInfo(None, None, problems, False, time.perf_counter() - t0)
-    restore(comm, path, manifest, state)
-    same = manifest["mesh"] == dict(state.mesh, world=comm.size)
-    return LoadInfo(manifest["step"], path, problems, not same, time.perf_counter() - t0)
+    resharded = restore(comm, path, manifest, state)
+    return LoadInfo(manifest["step"], path, problems, resharded, time.perf_counter() - t0)
 
 
-def restore(comm, path, manifest: dict, state: TrainState) -> None:
-    """Fill ``state`` from a verified checkpoint directory (collective only for ZeRO stages 1-2)."""
+def restore(comm, path, manifest: dict, state: TrainState) -> bool:
+    """Fill ``state`` from a verified checkpoint directory (collective). True if it was written on
+    another mesh (then the arrays were resharded and per-rank small state is the saved rank 0's)."""
     tensors = manifest["tensors"]
     keys = sorted({n.split("/")[1] for n in tensors if n.startswith("optim/")})
     slots, finishers = state.slots(optim_keys=keys)
@@ -273,6 +273,7 @@ def restore(comm, path, manifest: dict, state: TrainState) -> None:
             z._gather_bucket(b)
     for f in state.on_load:
         f()
+    return not same
 
 
 class Attrs:

@@ -104,6 +104,5 @@ class Checkpointer:
         if not found:
             return LoadInfo(None, None, problems, False, time.perf_counter() - t0), None
         step, _, tier, path, manifest = max(found, key=lambda f: (f[0], f[1]))
-        restore(self.comm, path, manifest, state)
-        same = manifest["mesh"] == dict(state.mesh, world=self.comm.size)
-        return LoadInfo(step, path, problems, not same, time.perf_counter() - t0), tier.name
+        resharded = restore(self.comm, path, manifest, state)
+        return LoadInfo(step, path, problems, resharded, time.perf_counter() - t0), tier.name
