@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.infer.decoder import GPTWeights, forward_tokens, last_logits
+from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import GREEDY, SamplingParams, sample
 from minidist.tensor import no_grad
-
-
-def as_weights(model) -> GPTWeights:
-    return model if isinstance(model, GPTWeights) else GPTWeights.from_model(model)
 
 
 def check_prompt(prompt, block_size: int, max_new_tokens: int = 0, what: str = "prompt",
@@ -110,15 +106,15 @@ def generate(model, prompts, max_new_tokens: int, sampling: SamplingParams = GRE
     Sequence i samples with ``sampling.generator(stream=ids[i])`` (default ``ids = 0, 1, ...``).
     ``return_logits``: also return, per sequence, the (n_new, V) logits each token was drawn from.
     """
-    w = as_weights(model)
-    prompts = check_prompts(prompts, w.block_size, w.vocab_size, max_new_tokens)
-    cache = KVCache.for_weights(w, len(prompts), max(len(p) for p in prompts) + max_new_tokens)
+    dec = as_decoder(model)
+    prompts = check_prompts(prompts, dec.block_size, dec.vocab_size, max_new_tokens)
+    cache = KVCache.for_decoder(dec, len(prompts), max(len(p) for p in prompts) + max_new_tokens)
 
     def step(active, feed):
-        return host(last_logits(forward_tokens(w, cache, active, feed), feed))
+        return host(last_logits(forward_tokens(dec, cache, active, feed), feed))
 
     return decode_loop(step, prompts, max_new_tokens, sampling, stop_tokens, return_logits,
-                       vocab_size=w.vocab_size, ids=ids)
+                       vocab_size=dec.vocab_size, ids=ids)
 
 
 def full_logits(model, tokens) -> np.ndarray:

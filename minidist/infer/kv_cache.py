@@ -6,7 +6,12 @@ keeping them costs memory: 2 · n_layer · max_len · d_model numbers per sequen
 
 A *slot* is one sequence's row. ``lengths[slot]`` counts the tokens cached there; a sequence's
 token at position p lives at ``k[layer][slot, :, p]``. ``paged.py`` has the same interface
-(``index``, ``write``, ``read``, ``lengths``, ``reserve``, ``release``, ``memory``) with blocks.
+(``index``, ``locate``, ``write``, ``read``, ``lengths``, ``reserve``, ``release``, ``memory``) with blocks.
+
+What a model sees of a cache: ``CacheStep`` is one forward pass (which rows, their new tokens'
+positions, the causal mask, built once) and ``step.layer(i)`` is block i's view, handed to the
+block as ``block(x, cache=step.layer(i))``: its attention calls ``update(k, v)`` to store the new
+keys and values and get back every cached one of its sequences, masked by ``hidden``.
 """
 
 from __future__ import annotations
@@ -27,12 +32,11 @@ class CacheStorage:
         self.v = [self.be.xp.zeros(shape, dtype=dtype) for _ in range(n_layer)]
 
     @staticmethod
-    def dims_of(weights) -> tuple:
-        """(n_layer, n_head, head_dim) of ``GPTWeights`` (this rank's heads and layers)."""
-        blk = weights.blocks[0] if weights.blocks else None
-        n_head = blk.n_head if blk else 1
-        head_dim = blk.qkv_w.shape[1] // (3 * n_head) if blk else 1
-        return len(weights.blocks), n_head, head_dim
+    def layout_of(decoder) -> tuple:
+        """(n_layer, n_head, head_dim, dtype, backend) of a ``Decoder``'s blocks: this rank's layers and
+        heads, its parameters' dtype and array library."""
+        p = decoder.first_parameter
+        return (*decoder.cache_dims, p.dtype, p.backend)
 
     def bytes_per_token(self) -> int:
         k = self.k[0] if self.k else None
@@ -46,10 +50,10 @@ class KVCache(CacheStorage):
         self.max_len, self.n_slots = max_len, n_slots
 
     @classmethod
-    def for_weights(cls, weights, n_slots, max_len=None, backend=None) -> KVCache:
-        """A cache shaped for ``GPTWeights`` (this rank's heads and layers)."""
-        n_layer, n_head, head_dim = cls.dims_of(weights)
-        return cls(n_layer, n_slots, n_head, head_dim, max_len or weights.block_size, dtype=weights.dtype,
+    def for_decoder(cls, decoder, n_slots, max_len=None) -> KVCache:
+        """A cache shaped for a ``minidist.infer.Decoder`` (this rank's heads and layers)."""
+        n_layer, n_head, head_dim, dtype, backend = cls.layout_of(decoder)
+        return cls(n_layer, n_slots, n_head, head_dim, max_len or decoder.block_size, dtype=dtype,
                    backend=backend)
 
     # -- what the decoder calls -------------------------------------------------------------------
@@ -60,15 +64,19 @@ class KVCache(CacheStorage):
             return slice(s0, s0 + len(slots))
         return slots
 
-    def write(self, layer, slots, pos, valid, k, v):
-        """Store k, v (B, H, T, D) of the valid tokens at their positions ``pos`` (B, T)."""
-        b, t = np.nonzero(valid)
-        p = pos[b, t]
+    def locate(self, slots, pos, valid):
+        """Where the valid new tokens (positions ``pos`` (B, T)) of rows ``slots`` go: computed once per
+        forward pass, used by every layer's ``write``."""
+        take, s, p = valid_tokens(slots, pos, valid)
         if int(p.max()) >= self.max_len:
             raise ValueError(f"KV cache: position {int(p.max())} is past max_len {self.max_len}")
-        s = slots[b]
-        self.k[layer] = self.be.set_at(self.k[layer], (s, slice(None), p), k.transpose(0, 2, 1, 3)[b, t])
-        self.v[layer] = self.be.set_at(self.v[layer], (s, slice(None), p), v.transpose(0, 2, 1, 3)[b, t])
+        return (s, slice(None), p), take
+
+    def write(self, layer, where, k, v):
+        """Store k, v (B, H, T, D) of the new tokens where ``locate`` said."""
+        index, take = where
+        self.k[layer] = self.be.set_at(self.k[layer], index, new_tokens(k, take))
+        self.v[layer] = self.be.set_at(self.v[layer], index, new_tokens(v, take))
 
     def read(self, layer, rows, tk):
         """Keys and values of positions 0..tk-1 for these rows: (B, H, tk, D)."""
@@ -90,3 +98,67 @@ class KVCache(CacheStorage):
         reserved = self.n_slots * self.max_len * per_tok
         used = int(sum(int(self.lengths[s]) for s in slots)) * per_tok
         return {"reserved": reserved, "used": used, "waste": reserved - used}
+
+
+def valid_tokens(slots, pos, valid):
+    """(take, slot, position) of each valid new token: ``take`` selects them from (B, T) -- None
+    when every row has one token (decoding), the common case made cheap."""
+    if valid.shape[1] == 1 and valid.all():
+        return None, slots, pos[:, 0]
+    b, t = np.nonzero(valid)
+    return (b, t), slots[b], pos[b, t]
+
+
+def new_tokens(k, take):
+    """Keys or values (B, H, T, D) of the tokens ``take`` selects, as (N, H, D)."""
+    return k[:, :, 0] if take is None else k.transpose(0, 2, 1, 3)[take]
+
+
+# -- what a model sees: one forward pass, one layer ---------------------------------------------------
+
+def causal_mask(xp, qpos, tk: int):
+    """Which keys each query may not see: (B, 1, Tq, Tk), True where key j > qpos[b, i] -- or None
+    when nothing is hidden (a batch that only decodes, each query at the newest cached key).
+
+    qpos (B, Tq) is the position of each query and key j sits at position j, so each sequence has
+    its own length and a batch of different lengths needs no shared offset. For one sequence whose
+    Tq queries follow Tk - Tq cached keys this is the causal mask shifted by Tk - Tq.
+    """
+    if qpos.shape[-1] == 1 and int(qpos.min()) >= tk - 1:
+        return None
+    return (xp.arange(tk)[None, None, :] > xp.asarray(qpos)[:, :, None])[:, None]
+
+
+class CacheStep:
+    """One forward pass over ``cache``: rows ``slots`` get new tokens at positions ``pos`` (B, T),
+    of which ``valid`` are real (the rest is padding). Holds what every layer shares: the rows'
+    index, how many keys to read, the mask."""
+
+    def __init__(self, cache, slots, pos, valid):
+        self.cache, self.slots, self.pos, self.valid = cache, slots, pos, valid
+        self.rows = cache.index(slots)
+        self.where = cache.locate(slots, pos, valid)
+        self.tk = int(pos[valid].max()) + 1  # keys needed: up to the furthest real query
+        self.hidden = causal_mask(cache.be.xp, pos, self.tk)
+
+    def layer(self, i: int) -> LayerCache:
+        return LayerCache(self, i)
+
+
+class LayerCache:
+    """Block ``layer``'s view of a ``CacheStep``: what ``minidist.nn.attention.self_attention`` uses."""
+
+    __slots__ = ("step", "layer")
+
+    def __init__(self, step: CacheStep, layer: int):
+        self.step, self.layer = step, layer
+
+    @property
+    def hidden(self):
+        return self.step.hidden
+
+    def update(self, k, v):
+        """Store the new keys and values k, v (B, H, T, D); return all of these rows' (B, H, Tk, D)."""
+        s = self.step
+        s.cache.write(self.layer, s.where, k, v)
+        return s.cache.read(self.layer, s.rows, s.tk)

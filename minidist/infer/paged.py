@@ -10,7 +10,7 @@ values in blocks of ``block_len`` tokens taken from a shared pool only as a sequ
 
 When the pool runs dry, ``reserve`` raises ``OutOfBlocks``; the scheduler then *preempts* a
 sequence (frees its blocks, requeues it) and later *recomputes* its cache from its tokens.
-The interface is ``KVCache``'s (index, write, read, lengths, reserve, release, memory), so the
+The interface is ``KVCache``'s (index, locate, write, read, lengths, reserve, release, memory), so the
 decoder and the scheduler don't know which cache they use.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.infer.kv_cache import CacheStorage
+from minidist.infer.kv_cache import CacheStorage, new_tokens, valid_tokens
 
 
 class OutOfBlocks(RuntimeError):
@@ -41,10 +41,11 @@ class PagedKVCache(CacheStorage):
         self.lengths = np.zeros(n_slots, dtype=np.int64)
 
     @classmethod
-    def for_weights(cls, weights, n_slots, num_blocks, block_len=16, max_len=None, backend=None):
-        n_layer, n_head, head_dim = cls.dims_of(weights)
+    def for_decoder(cls, decoder, n_slots, num_blocks, block_len=16, max_len=None):
+        """A pool shaped for a ``minidist.infer.Decoder`` (this rank's heads and layers)."""
+        n_layer, n_head, head_dim, dtype, backend = cls.layout_of(decoder)
         return cls(n_layer, n_slots, n_head, head_dim, num_blocks, block_len,
-                   max_len or weights.block_size, dtype=weights.dtype, backend=backend)
+                   max_len or decoder.block_size, dtype=dtype, backend=backend)
 
     # -- blocks ---------------------------------------------------------------------------------
     def blocks_needed(self, slot, length) -> int:
@@ -73,15 +74,18 @@ class PagedKVCache(CacheStorage):
     def index(self, slots):
         return slots
 
-    def write(self, layer, slots, pos, valid, k, v):
-        b, t = np.nonzero(valid)
-        p, s = pos[b, t], slots[b]
+    def locate(self, slots, pos, valid):
+        """The block and offset of each valid new token (once per forward pass, for every layer)."""
+        take, s, p = valid_tokens(slots, pos, valid)
         if np.any(p // self.block_len >= self.n_blocks[s]):
             bad = int(s[np.argmax(p // self.block_len >= self.n_blocks[s])])
             raise RuntimeError(f"paged KV cache: slot {bad} writes past its blocks; call reserve() first")
-        blk, off = self.tables[s, p // self.block_len], p % self.block_len
-        self.k[layer] = self.be.set_at(self.k[layer], (blk, slice(None), off), k.transpose(0, 2, 1, 3)[b, t])
-        self.v[layer] = self.be.set_at(self.v[layer], (blk, slice(None), off), v.transpose(0, 2, 1, 3)[b, t])
+        return (self.tables[s, p // self.block_len], slice(None), p % self.block_len), take
+
+    def write(self, layer, where, k, v):
+        index, take = where
+        self.k[layer] = self.be.set_at(self.k[layer], index, new_tokens(k, take))
+        self.v[layer] = self.be.set_at(self.v[layer], index, new_tokens(v, take))
 
     def read(self, layer, rows, tk):
         """Gather each row's blocks into (B, H, tk, D) (rows past a sequence's end hold junk: masked)."""

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minidist.infer.decoder import forward_tokens, last_logits
-from minidist.infer.generate import as_weights, check_prompt, host, is_done
+from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
+from minidist.infer.generate import check_prompt, host, is_done
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.paged import OutOfBlocks, PagedKVCache
 from minidist.infer.sampling import GREEDY, SamplingParams, sample
@@ -64,13 +64,13 @@ class Scheduler:
                 raise ValueError(f"Scheduler: {name} must be an integer >= 1, got {v!r}")
         if policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {policy!r}")
-        self.w = as_weights(model)
+        self.w = as_decoder(model)
         self.policy, self.max_batch = policy, max_batch
         if cache == "paged":
             num_blocks = num_blocks or max_batch * -(-self.w.block_size // block_len)
-            self.cache = PagedKVCache.for_weights(self.w, max_batch, num_blocks, block_len)
+            self.cache = PagedKVCache.for_decoder(self.w, max_batch, num_blocks, block_len)
         elif cache == "contiguous":
-            self.cache = KVCache.for_weights(self.w, max_batch)
+            self.cache = KVCache.for_decoder(self.w, max_batch)
         else:
             raise ValueError(f"cache must be 'contiguous' or 'paged', got {cache!r}")
         self.pending, self.waiting = [], deque()

@@ -23,7 +23,7 @@ from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.data import BatchLoader, ByteTokenizer, TextDataset
 from minidist.infer import (
     GREEDY,
-    GPTWeights,
+    Decoder,
     KVCache,
     Request,
     SamplingParams,
@@ -140,7 +140,7 @@ def batching(model, args):
 
 def paging(model, args, reqs, contiguous_out):
     bl = 16
-    cache = KVCache.for_weights(GPTWeights.from_model(model), args.batch)
+    cache = KVCache.for_decoder(Decoder.from_model(model), args.batch)
     per_tok = cache.bytes_per_token()
     print(f"\n3. paged KV cache: blocks of {bl} tokens; {per_tok:,} bytes per token (2·L·d·4)")
     out_c, st_c, _ = serve(model, reqs, max_batch=args.batch)

@@ -1,18 +1,28 @@
-"""Causal multi-head self-attention.
+"""Causal multi-head self-attention, for training and for KV-cached decoding alike.
 
-x (B, T, C) -> qkv = x @ W_qkv (B, T, 3C) -> q, k, v as (B, H, T, C/H) -> fused causal
+x (B, T, C) -> qkv = x @ W_qkv (B, T, 3C) -> q, k, v as (B, H, T, C/H) -> causal
 scaled-dot-product attention -> merge heads (B, T, C) -> output projection -> dropout.
-``split_heads`` and ``merge_heads`` are separate so that tensor parallelism (heads split across
-ranks) and the KV cache (keys and values kept between decode steps) can reuse them.
+
+``self_attention(qkv, n_head, cache)`` is the middle part, shared by this layer and the
+tensor-parallel one (``minidist.parallel.tp_layers.ParallelAttention``, its heads split across
+ranks). Without a cache it is the fused, differentiable ``ops.scaled_dot_product_attention``.
+With a cache (``minidist.infer``: one layer's view of a KV cache, inference only, under
+``no_grad``) the new keys and values are stored, the queries attend to every cached key of their
+own sequence, and ``cache.hidden`` masks the rest: each query sees the keys at positions up to
+its own, which with Tq queries after Tk - Tq cached keys is the causal mask shifted by Tk - Tq.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from minidist import ops
+from minidist.backend import backend_of
 from minidist.nn.layers import Dropout, Linear
 from minidist.nn.module import Module
+from minidist.tensor import Context, Tensor, grad_enabled
 
 
 def split_heads(qkv, n_head):
@@ -29,6 +39,33 @@ def merge_heads(y):
     return y.transpose(0, 2, 1, 3).reshape(b, t, h * d)
 
 
+def self_attention(qkv, n_head: int, cache=None):
+    """Causal attention of the fused projections qkv (B, T, 3·H·D) over H heads: (B, T, H·D).
+
+    ``cache``: a KV cache's view for this layer (``update(k, v) -> all keys, values`` of these
+    sequences, (B, H, Tk, D), and ``hidden``, (B, 1, T, Tk) True where a key is not visible, or None).
+    """
+    if cache is None:
+        q, k, v = split_heads(qkv, n_head)
+        return merge_heads(ops.scaled_dot_product_attention(q, k, v, causal=True))
+    if grad_enabled() and qkv.requires_grad:
+        raise RuntimeError("self_attention: a KV cache is for inference; run it under "
+                           "minidist.tensor.no_grad()")
+    q, k, v = split_heads(qkv.data, n_head)  # arrays: nothing is recorded
+    keys, values = cache.update(k, v)
+    return Tensor(merge_heads(masked_attention(q, keys, values, cache.hidden)))
+
+
+def masked_attention(q, k, v, hidden=None):
+    """softmax(q·kᵀ/√D, hidden keys at -inf)·v on arrays (no graph): q (B, H, Tq, D), k and v
+    (B, H, Tk, D), ``hidden`` broadcastable to (B, H, Tq, Tk) or None (every key visible)."""
+    xp = backend_of(q).xp
+    s = (q @ xp.swapaxes(k, -1, -2)) * q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
+    if hidden is not None:
+        s = xp.where(hidden, xp.asarray(-xp.inf, dtype=s.dtype), s)
+    return ops.Softmax.forward(Context((False,), record=False), s, -1) @ v
+
+
 class CausalSelfAttention(Module):
     def __init__(self, dim, n_head, dropout=0.0, *, dtype=np.float32, std=0.02, proj_std=None, rng=None,
                  backend=None):
@@ -40,7 +77,5 @@ class CausalSelfAttention(Module):
         self.proj = Linear(dim, dim, dtype=dtype, std=proj_std or std, rng=rng, backend=backend)
         self.drop = Dropout(dropout)
 
-    def forward(self, x):
-        q, k, v = split_heads(self.qkv(x), self.n_head)
-        y = ops.scaled_dot_product_attention(q, k, v, causal=True)
-        return self.drop(self.proj(merge_heads(y)))
+    def forward(self, x, cache=None):
+        return self.drop(self.proj(self_attention(self.qkv(x), self.n_head, cache)))

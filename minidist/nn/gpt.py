@@ -65,9 +65,12 @@ class Embed(Module):
         self.wpe = Embedding(cfg.block_size, cfg.d_model, dtype=dt, rng=rng, backend=backend)
         self.drop = Dropout(cfg.dropout)
 
-    def forward(self, idx, start: int = 0):
+    def forward(self, idx, start: int = 0, positions=None):
+        """Tokens at positions start .. start+T-1, or at ``positions`` (B, T): each sequence's own
+        (KV-cached decoding: every sequence continues from its own length)."""
         idx = token_ids(idx, start, self.block_size)
-        pos = self.wpe.weight.backend.xp.arange(start, start + idx.shape[1])
+        xp = self.wpe.weight.backend.xp
+        pos = xp.arange(start, start + idx.shape[1]) if positions is None else xp.asarray(positions)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
@@ -85,7 +88,8 @@ def token_ids(idx, start: int, block_size: int):
 
 
 class Block(Module):
-    """x + attn(ln1(x)), then + mlp(ln2(x)): a pre-norm transformer block."""
+    """x + attn(ln1(x)), then + mlp(ln2(x)): a pre-norm transformer block. ``cache``: this layer's
+    view of a KV cache (inference; see ``minidist.nn.attention.self_attention``)."""
 
     def __init__(self, cfg: GPTConfig, rng, backend=None):
         super().__init__()
@@ -98,8 +102,8 @@ class Block(Module):
         self.mlp = MLP(cfg.d_model, dropout=cfg.dropout, dtype=dt, proj_std=proj_std, rng=rng,
                        backend=backend)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x, cache=None):
+        x = x + self.attn(self.ln1(x), cache=cache)
         return x + self.mlp(self.ln2(x))
 
 

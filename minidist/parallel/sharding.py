@@ -14,6 +14,7 @@ and its shards reads that table and nothing else (no rules on names):
     shard_state_dict(full_sd, table, rank, size)  # full arrays -> this rank's shards
     unshard(shards, table)                        # every rank's shards (rank order) -> full arrays
     reshard(shards, table, new_size)              # shards for ``size`` ranks -> for ``new_size``
+    load_shard(module, full_sd, rank, size)       # a sharded module loads its part of a full one
 
 The tensor-parallel GPT uses them for ``serial_state_dict`` / ``load_serial_state_dict``; sharded
 inference to slice a trained model; a checkpoint to save shards and load them on another tp size.
@@ -135,6 +136,12 @@ def unshard(shards: list, table: dict, group: str = "tp") -> OrderedDict:
         shard = _shard_of(table, name, group)
         out[name] = parts[0] if shard is None else shard.concat(parts)
     return out
+
+
+def load_shard(module, full_sd: dict, rank: int, size: int, group: str = "tp"):
+    """Load into the sharded ``module`` its part (rank ``rank`` of ``size``) of the full state_dict
+    ``full_sd`` (e.g. its serial twin's), by the module's own sharding table. Returns the module."""
+    return module.load_state_dict(shard_state_dict(full_sd, sharding_table(module), rank, size, group))
 
 
 def reshard(shards: list, table: dict, new_size: int, group: str = "tp") -> list:

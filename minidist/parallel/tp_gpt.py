@@ -40,7 +40,7 @@ from minidist.backend import backend_of
 from minidist.nn.gpt import token_ids
 from minidist.nn.layers import Embedding, LayerNorm
 from minidist.nn.module import Module, Sequential
-from minidist.parallel.sharding import shard_state_dict, sharding_table, unshard
+from minidist.parallel.sharding import load_shard, sharding_table, unshard
 from minidist.parallel.tp_comm import all_reduce_grad_hook, check_divisible, gather_last_dim
 from minidist.parallel.tp_layers import (
     ColumnParallelLinear,
@@ -80,7 +80,8 @@ class ParallelEmbed(Module):
 
 
 class ParallelBlock(Module):
-    """x + attn(ln1(x)), then + mlp(ln2(x)), with attention and MLP tensor-parallel."""
+    """x + attn(ln1(x)), then + mlp(ln2(x)), with attention and MLP tensor-parallel. ``cache``: this
+    layer's view of a KV cache of this rank's heads (sharded inference, ``minidist.infer.sharded``)."""
 
     def __init__(self, cfg, comm, rng, backend=None, sequence_parallel=False, sharded_rng=None):
         super().__init__()
@@ -97,8 +98,8 @@ class ParallelBlock(Module):
                 all_reduce_grad_hook(ln.weight, comm)
                 all_reduce_grad_hook(ln.bias, comm)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x, cache=None):
+        x = x + self.attn(self.ln1(x), cache=cache)
         return x + self.mlp(self.ln2(x))
 
 
@@ -165,5 +166,4 @@ class TPGPT(Sequential):
 
     def load_serial_state_dict(self, serial_sd: dict):
         """Load this rank's part of the serial GPT's state_dict."""
-        table = sharding_table(self)
-        return self.load_state_dict(shard_state_dict(serial_sd, table, self.comm.rank, self.comm.size))
+        return load_shard(self, serial_sd, self.comm.rank, self.comm.size)

@@ -30,7 +30,7 @@ import numpy as np
 from minidist import ops
 from minidist import random as mrandom
 from minidist.backend import backend_of, default_backend, get_backend
-from minidist.nn.attention import merge_heads, split_heads
+from minidist.nn.attention import self_attention
 from minidist.nn.layers import Dropout
 from minidist.nn.module import Module, Parameter
 from minidist.parallel.sharding import Shard
@@ -54,7 +54,7 @@ def sharded_normal(shape, std, dtype, comm, shard: Shard, rng=None, backend=None
     rng = rng if rng is not None else mrandom.default_generator()
     full = get_backend("numpy").random_normal(rng, shape, dtype, scale=std)  # as Backend.random_normal
     be = get_backend(backend) if backend is not None else default_backend()
-    return Parameter(be.from_host(np.ascontiguousarray(shard.split(full, comm.rank, comm.size))))
+    return Parameter(be.from_host(np.array(shard.split(full, comm.rank, comm.size), order="C")))
 
 
 def _zeros(n, dtype, backend) -> Parameter:
@@ -215,10 +215,12 @@ class ParallelAttention(Module):
         self.proj = RowParallelLinear(dim, dim, comm, std=proj_std or std, **kw)
         self.drop = make_dropout(dropout, comm, sequence_parallel, sharded_rng)
 
-    def forward(self, x):
-        q, k, v = split_heads(self.qkv(x), self.local_heads)
-        y = ops.scaled_dot_product_attention(q, k, v, causal=True)
-        return self.drop(self.proj(merge_heads(y)))
+    def forward(self, x, cache=None):
+        """``cache``: this layer's view of a KV cache holding this rank's heads (inference)."""
+        if cache is not None and self.qkv.sequence_parallel:
+            raise ValueError(f"rank {self.qkv.comm.rank}: a KV cache needs the whole sequence on every rank; "
+                             "build the model with sequence_parallel=False to decode")
+        return self.drop(self.proj(self_attention(self.qkv(x), self.local_heads, cache)))
 
 
 # -- vocabulary parallel embedding and loss ---------------------------------------------------------------

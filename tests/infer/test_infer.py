@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minidist.infer import (
-    GPTWeights,
+    Decoder,
     KVCache,
     SamplingParams,
     filter_probs,
@@ -17,8 +17,10 @@ from minidist.infer import (
     generate,
     generate_recompute,
 )
+from minidist.infer.kv_cache import CacheStep, causal_mask
 from minidist.nn import GPT, GPTConfig
-from minidist.tensor import no_grad
+from minidist.nn.attention import masked_attention
+from minidist.tensor import Tensor, no_grad
 
 V, BLOCK = 32, 40
 
@@ -36,8 +38,8 @@ def test_cached_logits_equal_full_recompute(seqs, data):
     """Feed each sequence in random chunks (prefill split anywhere, then decodes): every position's
     logits equal the training-time forward over the whole sequence."""
     m = model()
-    w = GPTWeights.from_model(m)
-    cache = KVCache.for_weights(w, len(seqs))
+    w = Decoder.from_model(m)
+    cache = KVCache.for_decoder(w, len(seqs))
     got = [[] for _ in seqs]
     pos = [0] * len(seqs)
     with no_grad():
@@ -54,6 +56,43 @@ def test_cached_logits_equal_full_recompute(seqs, data):
     for i, s in enumerate(seqs):
         np.testing.assert_allclose(np.concatenate(got[i]), full_logits(m, s), atol=2e-5, rtol=1e-4)
         assert cache.lengths[i] == len(s)
+
+
+def test_cached_attention_mask_by_hand():
+    """Queries after cached keys: row 0's 3 queries sit at positions 4-6 of 7 keys (the causal mask
+    shifted by Tk - Tq = 4), row 1's at 0-2 (a shorter sequence in the same batch). Written out:
+    query at position p attends to keys 0..p only."""
+    rng = np.random.default_rng(0)
+    b, h, tq, tk, d = 2, 3, 3, 7, 4
+    q = rng.standard_normal((b, h, tq, d))
+    k, v = rng.standard_normal((b, h, tk, d)), rng.standard_normal((b, h, tk, d))
+    qpos = np.array([[4, 5, 6], [0, 1, 2]])
+    got = masked_attention(q, k, v, causal_mask(np, qpos, tk))
+    for r in range(b):
+        for head in range(h):
+            for i in range(tq):
+                n = qpos[r, i] + 1
+                s = k[r, head, :n] @ q[r, head, i] / np.sqrt(d)
+                p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+                np.testing.assert_allclose(got[r, head, i], p @ v[r, head, :n], rtol=1e-12, atol=1e-12)
+    assert causal_mask(np, np.array([[6], [6]]), 7) is None  # decoding at the newest key hides nothing
+
+
+def test_block_with_a_cache_refuses_to_record_a_graph():
+    m = model()
+    cache = KVCache.for_decoder(Decoder.from_model(m), 1)
+    step = CacheStep(cache, np.array([0]), np.array([[0]]), np.ones((1, 1), bool))
+    x = Tensor(np.zeros((1, 1, 32), np.float32), requires_grad=True)
+    with pytest.raises(RuntimeError, match="KV cache is for inference; run it under .*no_grad"):
+        m[1](x, cache=step.layer(0))
+
+
+def test_serving_a_model_with_dropout_in_training_mode_is_refused():
+    m = GPT(GPTConfig(vocab_size=V, block_size=BLOCK, n_layer=1, n_head=2, d_model=16, dropout=0.2, seed=4))
+    with pytest.raises(ValueError, match=r"dropout 0.2 and is in training mode: call model.eval\(\)"):
+        generate(m, [[1, 2]], 3)
+    m.eval()
+    assert generate(m, [[1, 2]], 6) == generate_recompute(m, [[1, 2]], 6)
 
 
 @given(prompts=st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=10), min_size=1, max_size=3),

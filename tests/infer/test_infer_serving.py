@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from minidist.infer import (
     GREEDY,
-    GPTWeights,
+    Decoder,
     KVCache,
     OutOfBlocks,
     PagedKVCache,
@@ -73,11 +73,11 @@ def test_paged_equals_contiguous_with_preemption(reqs, max_batch, block_len, spa
 
 @given(lens=st.lists(st.integers(1, 30), min_size=1, max_size=4), block_len=st.sampled_from([1, 3, 16]))
 def test_paged_logits_bit_equal_and_accounting(lens, block_len):
-    w = GPTWeights.from_model(model())
+    w = Decoder.from_model(model())
     rng = np.random.default_rng(sum(lens))
     seqs = [list(rng.integers(0, V, n)) for n in lens]
-    contiguous = KVCache.for_weights(w, len(seqs))
-    paged = PagedKVCache.for_weights(w, len(seqs), num_blocks=sum(-(-n // block_len) for n in lens),
+    contiguous = KVCache.for_decoder(w, len(seqs))
+    paged = PagedKVCache.for_decoder(w, len(seqs), num_blocks=sum(-(-n // block_len) for n in lens),
                                      block_len=block_len)
     slots = list(range(len(seqs)))
     with no_grad():

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minidist.comm import run
-from minidist.infer import SamplingParams, generate, sharded_generate
+from minidist.comm import Mesh, run
+from minidist.infer import SamplingParams, generate, shard_for, sharded_generate
 from minidist.nn import GPT, GPTConfig
 
 V = 32
@@ -39,6 +39,46 @@ def test_sharded_equals_single_process(prompts, new, mesh, temperature):
     sampler = (pp - 1) * tp
     for a, b in zip(res[sampler][1], ref_logits):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_sharded_serving_runs_trainings_parallel_blocks_on_their_shards():
+    """tp=2: each rank serves with ParallelBlocks holding exactly its training shard, written out:
+    heads 2r, 2r+1 (columns 16r..16r+15 of each of q, k, v), rows 64r.. of the MLP's projection,
+    the replicated attention-projection bias; the embedding and head are the serial model's own."""
+    m = model()
+
+    def rank(comm):
+        dec = shard_for(Mesh(comm, dp=1, pp=1, tp=2), m)
+        b = dec.blocks[1]
+        return (type(b).__name__, dec.embed is m[0], dec.head is m[-1], b.attn.qkv.weight.numpy(),
+                b.attn.qkv.bias.numpy(), b.mlp.proj.weight.numpy(), b.attn.proj.bias.numpy(), dec.cache_dims)
+
+    serial = m[2]
+    for r, (name, embed, head, qkv_w, qkv_b, proj, bias, dims) in enumerate(run(rank, ranks=2)):
+        cols = [c for part in range(3) for c in range(32 * part + 16 * r, 32 * part + 16 * (r + 1))]
+        assert name == "ParallelBlock" and embed and head and dims == (3, 2, 8)
+        np.testing.assert_array_equal(qkv_w, serial.attn.qkv.weight.numpy()[:, cols])
+        np.testing.assert_array_equal(qkv_b, serial.attn.qkv.bias.numpy()[cols])
+        np.testing.assert_array_equal(proj, serial.mlp.proj.weight.numpy()[64 * r:64 * (r + 1)])
+        np.testing.assert_array_equal(bias, serial.attn.proj.bias.numpy())
+
+
+def test_a_sequence_parallel_block_refuses_a_cache():
+    from minidist.infer import CacheStep, Decoder, KVCache
+    from minidist.parallel.tp_gpt import ParallelBlock
+    from minidist.tensor import Tensor, no_grad
+
+    cfg = model().config
+    cache = KVCache.for_decoder(Decoder.from_model(model()), 1)
+    step = CacheStep(cache, np.array([0]), np.array([[0, 1]]), np.ones((1, 2), bool))
+
+    def rank(comm):
+        block = ParallelBlock(cfg, comm, np.random.default_rng(0), sequence_parallel=True)
+        with no_grad():
+            block(Tensor(np.zeros((1, 1, cfg.d_model), np.float32)), cache=step.layer(0))
+
+    with pytest.raises(ValueError, match=r"rank \d: a KV cache needs the whole sequence"):
+        run(rank, ranks=2)
 
 
 def test_sharded_errors():
