@@ -315,3 +315,34 @@ def test_mixed_precision_resume_restores_the_loss_scaler_and_the_sampler(tmp_pat
     assert epoch == 1 and any(b > a for a, b in pairs) and any(b < a for a, b in pairs)  # grew, and skipped
     got, scales2, _ = run(_mixed_job, ranks=2, root=str(tmp_path), steps=7, resume=True)[0]
     assert _equal(got, full) and scales2 == scales[5:]
+
+
+def _megatron_rng_job(comm, root, steps, save_at=(), resume=False, keep_rng=True):
+    """Tensor parallel with sequence parallelism and Megatron's per-rank dropout generator."""
+    from minidist import random as mrandom
+    from minidist.checkpoint import TrainState
+    from minidist.optim import AdamW
+    from minidist.parallel.tp_gpt import TPGPT
+
+    mrandom.manual_seed(11)
+    model = TPGPT(small_config("float64", 0.2), comm, sequence_parallel=True, dropout_rng="megatron")
+    opt = AdamW(model.parameters(), lr=1e-2)
+    x, y = np.random.default_rng(0).integers(0, 12, (2, 4, 8))
+    rngs = {"tp dropout": model.sharded_rng.generator} if keep_rng else {}
+    state = TrainState(model, opt, tp=comm, rngs=rngs)
+    if resume:
+        load(comm, root, state, required=True)
+    while opt.step_count < steps:
+        model.loss(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if opt.step_count in save_at:
+            save(comm, root, opt.step_count, state)
+    return model.serial_state_dict()
+
+
+@pytest.mark.parametrize("keep_rng", [True, False])
+def test_tensor_parallel_sharded_rng_stream_is_restored(tmp_path, keep_rng):
+    full = run(_megatron_rng_job, ranks=2, root=str(tmp_path), steps=4, save_at=(2,), keep_rng=keep_rng)[0]
+    got = run(_megatron_rng_job, ranks=2, root=str(tmp_path), steps=4, resume=True, keep_rng=keep_rng)[0]
+    assert _equal(got, full) == keep_rng  # without the per-rank generator the dropout masks differ
