@@ -23,9 +23,9 @@ MODES = {  # name: (ranks, Trainer keywords)
 }
 
 
-def _job(comm, root, steps, save_at=(), resume=False, dtype="float64", dropout=0.1, **kw):
+def _job(comm, root, steps, save_at=(), resume=False, dtype="float64", dropout=0.1, full_state=False, **kw):
     """Train to ``steps`` (resuming from ``root`` first if asked), saving after the steps in ``save_at``;
-    return the full parameters (rank 0) and this rank's losses."""
+    return the full parameters (or with ``full_state``, parameters and optimizer state) on rank 0."""
     t = Trainer(comm, small_config(dtype, dropout), **kw)
     if resume:
         info = load(comm, root, t.state(), required=True)
@@ -34,7 +34,7 @@ def _job(comm, root, steps, save_at=(), resume=False, dtype="float64", dropout=0
         t.step()
         if t.step_count in save_at:
             save(comm, root, t.step_count, t.state(), keep=3)
-    return t.full_parameters()
+    return t.full_state() if full_state else t.full_parameters()
 
 
 def _equal(a, b):
@@ -174,16 +174,17 @@ MESHES = [(1, {}), (2, {}), (4, {}), (2, {"tp": 2}), (4, {"tp": 4}), (2, {"pp": 
 @example(src=(4, {"zero": 3}), dst=(2, {}))                                 # ZeRO-3 -> plain DDP
 @example(src=(4, {"dp": 2, "tp": 2}), dst=(1, {}))                          # any mesh -> one process
 def test_reshard_any_mesh_to_any_mesh(tmp_path_factory, src, dst):
-    """Saved on one mesh, loaded on another: the full parameters are exactly the saved ones, and
-    training on equals the source job trained on (summation orders differ: a tolerance)."""
+    """Saved on one mesh, loaded on another: the full parameters and optimizer state are exactly the
+    saved ones, and training on equals the source job trained on (summation orders differ: a
+    tolerance)."""
     root = str(tmp_path_factory.mktemp("reshard"))
     (n, kw), (m, kw2) = src, dst
-    saved = run(_job, ranks=n, root=root, steps=2, save_at=(2,), dropout=0.0, **kw)[0]
+    saved = run(_job, ranks=n, root=root, steps=2, save_at=(2,), dropout=0.0, full_state=True, **kw)[0]
     on_source = run(_job, ranks=n, root=root + "-x", steps=4, dropout=0.0, **kw)[0]
-    reloaded = run(_job, ranks=m, root=root, steps=2, resume=True, dropout=0.0, **kw2)[0]
-    assert _equal(reloaded, saved)
+    reloaded = run(_job, ranks=m, root=root, steps=2, resume=True, dropout=0.0, full_state=True, **kw2)[0]
+    assert len(saved) == 3 * len(on_source) and _equal(reloaded, saved)  # parameters, m and v
     trained_on = run(_job, ranks=m, root=root, steps=4, resume=True, dropout=0.0, **kw2)[0]
-    for k in saved:
+    for k in on_source:
         np.testing.assert_allclose(trained_on[k], on_source[k], rtol=0, atol=1e-10, err_msg=k)
 
 

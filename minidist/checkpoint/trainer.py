@@ -113,6 +113,38 @@ class Trainer:
         self.losses.append(value)
         return value
 
+    def full_state(self) -> dict | None:
+        """Parameters and optimizer state, full and under serial names (``model/<name>``,
+        ``optim/<key>/<name>``), on rank 0 (None elsewhere). Collective. Gathered with each
+        technique's own tools -- ZeRO's ``all_gather_flat``, the sharding table's ``unshard`` -- not
+        with the checkpoint code, so tests can hold a checkpoint against it."""
+        if self.zero is not None:
+            from minidist.parallel.zero import all_gather_flat
+
+            z, out = self.zero, {}
+            names = {id(p): n for n, p in z.module.named_parameters()}
+            for i, (b, shard) in enumerate(zip(z.buckets, z.shards)):
+                parts = {"model": shard.data, **{f"optim/{k}": v for k, v in z.optimizer.state[i].items()}}
+                for key, arr in parts.items():
+                    full = np.asarray(all_gather_flat(z.comm, arr, b.numel))
+                    out.update({f"{key}/{names[id(p)]}": v.copy() for p, v in zip(b.params, b.views(full))})
+            return out if self.comm.rank == 0 else None
+        from minidist.parallel.sharding import unshard
+
+        table, local = {}, {}
+        shards = self.state().sharding() if self.mesh.tp_size > 1 else {}
+        for i, (name, p) in enumerate(self.stage.named_parameters()):
+            arrays = {"model": p.data, **{f"optim/{k}": v for k, v in self.optimizer.state[i].items()}}
+            for key, arr in arrays.items():
+                local[f"{key}/{name}"] = np.asarray(p.backend.to_host(arr)).copy()
+                table[f"{key}/{name}"] = shards.get(name)
+        if self.mesh.tp_size > 1:
+            gathered = self.mesh.tp.gather_obj(local, root=0)
+            local = dict(unshard(gathered, table)) if gathered is not None else {}
+        first = self.mesh.dp_rank == 0 and self.mesh.tp_rank == 0  # one copy of each stage
+        parts = self.comm.gather_obj(local if first else {}, root=0)
+        return None if parts is None else {k: v for part in parts for k, v in part.items()}
+
     def full_parameters(self) -> dict | None:
         """Every parameter, full and under its serial name, on rank 0 (None on the others). Collective."""
         if self.zero is not None:
