@@ -22,13 +22,21 @@ import numpy as np
 from minidist.hardware import CALIBRATION_PATH
 
 
-def _median_time(fn, repeats: int = 7) -> float:
+def _median_time(fn, repeats: int = 7, min_time: float = 0.02) -> float:
+    """Median seconds per call; each sample repeats `fn` for at least `min_time`, so a sample is a
+    sustained rate (what a training step sees), not one lucky burst on a shared machine.
+    `min_time=0` for collectives: every rank must call them the same number of times."""
     fn()
     ts = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            dt = time.perf_counter() - t0
+            if dt >= min_time:
+                break
+        ts.append(dt / n)
     return float(np.median(ts))
 
 
@@ -113,7 +121,7 @@ def allreduce_alpha_beta(ranks: int = 2) -> tuple[float, float]:
         out = []
         for nbytes in sizes:
             x = np.ones(nbytes // 4, np.float32)
-            out.append(_median_time(lambda x=x: all_reduce(comm, x, algorithm="ring"), 5))
+            out.append(_median_time(lambda x=x: all_reduce(comm, x, algorithm="ring"), 7, min_time=0))
         return out
     times = np.array(run(body, ranks=ranks)).max(axis=0)
     steps = 2 * (ranks - 1)

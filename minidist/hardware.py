@@ -73,6 +73,7 @@ class Hardware:
     op_overhead: float = 0.0       # seconds per op (forward + backward) outside the math: Python, dispatch
     cores: int = 0                 # cores the ranks share (0: one chip per rank, nothing shared)
     kernels: dict | None = field(default=None, compare=False)  # measured minidist op rates (calibrate)
+    gil: bool = False              # ranks are threads of one Python process (their Python runs in turn)
     sources: tuple = field(default=(), compare=False)
 
     def with_(self, **changes) -> Hardware:
@@ -128,7 +129,7 @@ def here(path: str | None = None) -> Hardware:
     return Hardware(f"here ({c.get('cpu', 'this CPU')})", c["flops"], c.get("memory_bytes", 8 * GB),
                     c["mem_bandwidth"], intra=link, inter=link, chips_per_domain=10**6,
                     gemm_efficiency=1.0, op_overhead=c["op_overhead"], cores=c["cores"],
-                    kernels=c.get("kernels"), sources=("calibrate",))
+                    kernels=c.get("kernels"), gil=True, sources=("calibrate",))
 
 
 def get(name: str) -> Hardware:

@@ -126,7 +126,8 @@ def kernel_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int) -> 
     FLOPs), GELU on 4·T·h/tp elements, two layer norms on T·h, the attention's b·(H/tp)·s² scores
     (and its q·kᵀ, p·v matmuls at the linear rate), ~6 plain elementwise passes over T·h (residual
     adds, bias adds, head split/merge copies); the head's linear and cross-entropy on T·V/tp logits;
-    every op's fixed cost. Ranks sharing the cores share them (one BLAS thread each)."""
+    every op's fixed cost. Ranks sharing the cores share them (one BLAS thread each); on the threads
+    transport (`hw.gil`) the ops' fixed costs of all ranks add up, one rank at a time."""
     k = hw.kernels
     h, s, b = model.d_model, model.seq // cand.cp, cand.microbatch
     tokens, tp, d = b * s, cand.tp, model.head_dim
@@ -147,9 +148,10 @@ def kernel_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int) -> 
         else:
             t += 3 * tokens * h * k["elementwise"]
             ops += 3
-    t += ops * hw.op_overhead
     share = max(1.0, cand.chips / hw.cores)
-    fwd, bwd = t * share / 3, 2 * t * share / 3
+    # the Python part of every op runs one rank at a time on the threads transport (the GIL)
+    t = t * share + ops * hw.op_overhead * (cand.chips if hw.gil else share)
+    fwd, bwd = t / 3, 2 * t / 3
     return fwd, bwd + (fwd if cand.checkpoint == "full" else 0.0)  # recomputation: one more forward
 
 
