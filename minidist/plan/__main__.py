@@ -25,14 +25,15 @@ def human(nbytes: float) -> str:
 
 def table(preds, top: int) -> str:
     head = (f"{'#':>2} {'mesh':<44} {'memory':>8} fit {'step s':>8} {'compute':>8} {'tp':>7} {'dp':>7} "
-            f"{'pp':>7} {'bubble':>7} {'MFU':>5} {'tok/s':>9}  why not first")
+            f"{'pp':>7} {'cp+ep':>7} {'bubble':>7} {'MFU':>5} {'tok/s':>9}  why not first")
     lines = [head]
     for i, p in enumerate(preds[:top]):
         c = p.comm
         fit = "yes" if p.fits else "NO "
         lines.append(f"{i + 1:>2} {p.cand.label():<44} {human(p.memory['total']):>8} {fit:>3} "
                      f"{p.step:>8.3g} {p.compute:>8.3g} {c.get('tp', 0):>7.2g} {c.get('dp', 0):>7.2g} "
-                     f"{c.get('pp', 0):>7.2g} {p.bubble_fraction:>6.1%} {p.mfu:>5.1%} "
+                     f"{c.get('pp', 0):>7.2g} {c.get('cp', 0) + c.get('ep', 0):>7.2g} "
+                     f"{p.bubble_fraction:>6.1%} {p.mfu:>5.1%} "
                      f"{p.tokens_per_s:>9.3g}  "
                      f"{p.reason}")
     best = preds[0]

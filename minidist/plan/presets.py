@@ -39,7 +39,7 @@ GEMINI_LIKE_MOE = ModelSpec(
     notes=("ASSUMED: Gemini's architecture is unpublished beyond 'a sparse mixture-of-experts Transformer' "
            "(Gemini Team 2024, Gemini 1.5 report, Sec. 2). This preset is a GLaM/Switch-style MoE: 64 "
            "layers, every other one with 64 experts, top-2 routing (Du et al. 2022, GLaM), d_model 8192, "
-           "GQA, SwiGLU, Gemma's 256K vocabulary (Gemma Team 2024). ~1.7T parameters, ~0.16T active.",))
+           "GQA, SwiGLU, Gemma's 256K vocabulary (Gemma Team 2024). ~1.27T parameters, 72B active a token.",))
 
 MODELS = {m.name: m for m in (GPT3_175B, GPT_1T, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, PALM_540B,
                               GEMINI_LIKE_MOE)}

@@ -2,7 +2,8 @@
 
 Candidates: tp a divisor of the chips in one fast domain (and of the heads), pp a divisor of the
 layers' count that leaves every stage a layer, dp the rest; ZeRO 0/1/3; checkpointing none /
-selective / full; microbatch sizes 1, 2, 4; 1F1B (and interleaved with 2 or 4 chunks when pp > 1).
+selective / full; microbatch sizes 1, 2, 4; 1F1B (and interleaved with 2 or 4 chunks when pp > 1);
+for a mixture of experts, expert parallelism ep (a power of two dividing dp and the experts).
 Ranking: among those that fit, the shortest predicted step; a loser's reason is the first of:
 does not fit (by how much), a larger bubble, more exposed communication on an axis, more compute
 (recomputation, smaller matmuls).
@@ -36,13 +37,15 @@ def candidates(model: ModelSpec, chips: int, batch: int, hw: Hardware, zero=(0, 
                 m = batch // (dp * mb)
                 scheds = [("1f1b", 1)] + [("interleaved", v) for v in (2, 4)
                                           if pp > 1 and m % pp == 0 and v * pp <= model.n_layer + 2]
+                eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if model.experts > 1 and e <= dp
+                       and dp % e == 0 and model.experts % e == 0] or [1]
                 for sched, v in scheds:
                     for z in zero if dp > 1 else (0,):
                         for ck in checkpoints:
                             if model.engine == "minidist" and ck == "selective":
                                 continue
-                            out.append(Candidate(dp=dp, tp=tp, pp=pp, zero=z, checkpoint=ck, microbatch=mb,
-                                                 schedule=sched, chunks=v))
+                            out += [Candidate(dp=dp, tp=tp, pp=pp, ep=ep, zero=z, checkpoint=ck,
+                                              microbatch=mb, schedule=sched, chunks=v) for ep in eps]
     return out
 
 
