@@ -129,14 +129,15 @@ def per_rank_steps(runs, p):
 def test_median_bubble_skips_the_warm_up_step_and_matches_the_formula(p, m, n):
     """A warm-up step of m = 1 (bubble (p-1)/p), then n steps of m microbatches: skipping it gives
     the 1F1B formula (p-1)/(m+p-1); forward/backward are the work, the optimizer step is not."""
-    from minidist.parallel.simulate import bubble_formula
+    def bubble(p, m):  # the textbook formula, written out
+        return (p - 1) / (m + p - 1)
 
     runs = [simulate(one_f_one_b(p, 1)).events] + [simulate(one_f_one_b(p, m)).events] * n
     steps = per_rank_steps(runs, p)
-    assert trace.median_bubble(steps) == pytest.approx(bubble_formula(p, m), abs=1e-12)
-    assert trace.median_bubble(steps, skip=n + 5) == pytest.approx(bubble_formula(p, m), abs=1e-12)
+    assert trace.median_bubble(steps) == pytest.approx(bubble(p, m), abs=1e-12)
+    assert trace.median_bubble(steps, skip=n + 5) == pytest.approx(bubble(p, m), abs=1e-12)
     if n == 1:  # two steps, none skipped: the median is their mean
-        want = (bubble_formula(p, 1) + bubble_formula(p, m)) / 2
+        want = (bubble(p, 1) + bubble(p, m)) / 2
         assert trace.median_bubble(steps, skip=0) == pytest.approx(want, abs=1e-12)
 
 
