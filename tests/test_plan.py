@@ -240,8 +240,9 @@ def test_planner_compares_its_best_mesh_with_the_published_one():
     assert sel.compute < pub.compute and sel.memory["activations"] > pub.memory["activations"]
 
 
-def test_planning_lesson_runs_the_predicted_best_and_passes(capsys, tmp_path, monkeypatch):
-    """The lesson on 4 thread ranks: it plans, trains the best mesh, and its exact checks pass."""
+@pytest.mark.parametrize("choice", ["1", "3"])
+def test_planning_lesson_runs_the_predicted_best_and_passes(choice, capsys, tmp_path, monkeypatch):
+    """The lesson on 4 thread ranks: it plans, trains the best (or 3rd) mesh, its exact checks pass."""
     import json
 
     from minidist import hardware
@@ -253,6 +254,6 @@ def test_planning_lesson_runs_the_predicted_best_and_passes(capsys, tmp_path, mo
                                     "alpha": 1e-5, "beta": 1e-9, "kernels": None}))
         monkeypatch.setattr(hardware, "CALIBRATION_PATH", str(path))
     results = planning.main(["--ranks", "4", "--steps", "3", "--layers", "2", "--width", "32",
-                             "--batch", "8"])
+                             "--batch", "8", "--choice", choice])
     out = capsys.readouterr().out
     assert all(results) and "bytes and memory: PASS (exact)" in out and "serial twin" in out

@@ -2,6 +2,7 @@
 
     python -m minidist.lessons.planning --ranks 8            # ranks as threads
     mpirun -n 8 python -m minidist.lessons.planning          # ranks as MPI processes
+    python -m minidist.lessons.planning --ranks 8 --choice 4 # train the 4th-ranked mesh instead
 
 Asks the planner (`minidist.plan`) for the best way to train a small GPT on this machine's ranks
 (`--hardware here`: the constants `python -m minidist.calibrate` measured; run once if missing),
@@ -51,16 +52,19 @@ def make_batches(args) -> list:
 def rank_main(comm, args):
     cfg, model = config(args), spec(args)
     hw = hardware.here()
+    if under_mpi():  # ranks are processes: their Python does not take turns
+        hw = hw.with_(gil=False)
     cands = [c for c in candidates(model, comm.size, args.batch, hw, zero=(0,), checkpoints=("none", "full"),
                                    microbatches=(1, 2, 4)) if c.schedule == "1f1b"]
     preds = plan(model, comm.size, args.batch, hw, Settings("adamw"), top=6, cands=cands)
     rprint(comm, f"{model.name}: {model.params():,} parameters, batch {args.batch} x {args.seq} tokens, "
                  f"{comm.size} ranks on {hw.name}, {hw.cores} cores")
     rprint(comm, table(preds, 6))
-    best = preds[0]
+    best = preds[args.choice - 1] if args.choice <= len(preds) else preds[0]
     c = best.cand
     m = c.microbatches(args.batch)
-    rprint(comm, f"\ntraining the planner's best: {c.label()} ({m} microbatches per replica)")
+    which = "best" if best is preds[0] else f"#{args.choice}"
+    rprint(comm, f"\ntraining the planner's {which}: {c.label()} ({m} microbatches per replica)")
     data = make_batches(args)
     marks = []
     with measure(comm) as meas:
@@ -145,6 +149,8 @@ def main(argv=None):
     parser.add_argument("--seq", type=positive_int, default=32)
     parser.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
     parser.add_argument("--width", type=positive_int, default=64, help="d_model, a multiple of the 4 heads")
+    parser.add_argument("--choice", type=positive_int, default=1,
+                        help="train the planner's N-th ranked mesh instead of its best (to see pp, tp)")
     args = parser.parse_args(argv)
     if args.steps < 3:
         parser.error("--steps must be >= 3: the first step is a warm-up, the next ones are measured")
