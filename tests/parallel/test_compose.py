@@ -382,3 +382,26 @@ def test_zero3_under_checkpointing_gathers_no_more_than_without():
     assert plain == [4 + 3] * 2  # Embed, 2 Blocks, Head in forward; the Blocks and Head again
     for policy in ("full", "selective"):
         assert run(_gathers, ranks=2, policy=policy) == plain
+
+
+def _zero3_segments(comm, checkpoint_first):
+    model = GPT(CFG)
+    if checkpoint_first:
+        apply_checkpointing(model, "every_k", k=2)  # one segment of both blocks: two ZeRO-3 units
+    zero = ZeRO(model, comm, lambda ps: SGD(ps, lr=LR_SGD), stage=3)
+    if not checkpoint_first:
+        apply_checkpointing(model, "every_k", k=2)
+    for x in DATA:
+        x = x[2 * comm.rank:2 * comm.rank + 2]
+        zero.backward(model.loss(x, x))
+        zero.step()
+    return {k: np.asarray(v) for k, v in zero.full_parameters().items()}
+
+
+@pytest.mark.parametrize("checkpoint_first", [True, False])
+def test_a_checkpoint_segment_spanning_zero3_units_equals_serial(checkpoint_first):
+    """The issue's bug, in its hardest form: the segment's recomputation runs both blocks' inner
+    stacks, so each re-gathers its own (released) unit."""
+    want = _serial(("ckpt-full", "zero3"))
+    for got in run(_zero3_segments, ranks=2, checkpoint_first=checkpoint_first):
+        assert _max_diff(got, want) < EXACT_TOL
