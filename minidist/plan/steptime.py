@@ -31,6 +31,7 @@ from minidist.plan.mesh import (
     Candidate,
     Settings,
     distinct_stages,
+    layer_activation,
     layer_kinds,
     memory,
     stage_layers,
@@ -156,64 +157,82 @@ def kernel_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int) -> 
 
 
 def memory_bound_bytes(model: ModelSpec, cand: Candidate, stage: int, settings: Settings) -> float:
-    from minidist.plan.mesh import layer_activation
+    """Bytes the memory-bound ops move for one microbatch: each saved activation ~3 times."""
     kinds = layer_kinds(model)
     plain = cand.replace(checkpoint="none")
     return 3.0 * sum(layer_activation(model, plain, kinds[i], i - 1, cand.microbatch, settings)
                      for i in stage_layers(model, cand)[stage])
 
 
+@dataclass
+class _Stage:
+    """One pipeline stage's share of a step: math per microbatch, and collectives by axis and phase."""
+    fwd: float
+    bwd: float
+    comm: dict      # axis -> {"forward", "backward", "step"} -> seconds per step
+    calls: list
+
+    def per_microbatch(self, phase: str, m: int) -> float:
+        """Math plus the tp/cp/ep collectives of one microbatch's `phase` (they are not overlapped)."""
+        inline = sum(t[phase] for ax, t in self.comm.items() if ax in ("tp", "cp", "ep")) / max(1, m)
+        return (self.fwd if phase == "forward" else self.bwd) + inline
+
+    def axis(self, ax: str, phases=("forward", "backward", "step")) -> float:
+        return sum(self.comm.get(ax, {}).get(ph, 0.0) for ph in phases)
+
+
+def _stages(model, cand, batch, hw, settings, m) -> list[_Stage]:
+    out = []
+    for s in distinct_stages(model, cand, m):
+        fwd, bwd, _ = _stage_math(model, cand, hw, s, settings)
+        calls = collectives(model, cand, batch, s, settings)
+        comm: dict = {}
+        for c in calls:
+            comm.setdefault(c.axis, {"forward": 0.0, "backward": 0.0, "step": 0.0})
+            comm[c.axis][c.phase] += c.count * collective_time(hw, cand, c)
+        out.append(_Stage(fwd, bwd, comm, calls))
+    return out
+
+
+def _optimizer_time(model, cand, hw, settings, mem) -> float:
+    """The update: read and write the state once (HBM bandwidth), or this machine's measured AdamW."""
+    if hw.kernels is not None and model.engine == "minidist":  # SGD: about a quarter of AdamW's work
+        rate = hw.kernels["adamw"] * (1.0 if settings.optimizer == "adamw" else 0.25)
+        return mem["params"] / model.dtype_bytes * rate * (max(1.0, cand.chips / hw.cores) if hw.cores else 1)
+    return 2.0 * sum(mem[k] for k in ("params", "grads", "optimizer")) / hw.hbm_bandwidth
+
+
 def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, settings: Settings = DEFAULT,
             simulate_schedule: bool = True) -> Prediction:
     """Memory, fit, step time and its breakdown for one candidate (see the module docstring)."""
-    m = cand.microbatches(batch)
+    m, v = cand.microbatches(batch), cand.chunks
     mem = memory(model, cand, batch, settings)
-    fits = mem["total"] <= hw.hbm_bytes
-    stages = []
-    for s in distinct_stages(model, cand, m):
-        fwd, bwd, flops = _stage_math(model, cand, hw, s, settings)
-        calls = collectives(model, cand, batch, s, settings)
-        per_axis = {}
-        for c in calls:
-            per_axis.setdefault(c.axis, {"forward": 0.0, "backward": 0.0, "step": 0.0})
-            per_axis[c.axis][c.phase] += c.count * collective_time(hw, cand, c)
-        stages.append((fwd, bwd, flops, per_axis, calls))
-    # the busiest stage sets the pace
-    fwd_t = max(f + sum(a["forward"] for ax, a in pa.items() if ax not in ("pp", "dp")) / max(1, m)
-                for f, _, _, pa, _ in stages)
-    bwd_t = max(b + sum(a["backward"] for ax, a in pa.items() if ax not in ("pp", "dp")) / max(1, m)
-                for _, b, _, pa, _ in stages)
-    p2p = [c for c in stages[0][4] if c.axis == "pp"]
-    comm_t = collective_time(hw, cand, p2p[0]) if p2p else 0.0
-    v = cand.chunks
+    stages = _stages(model, cand, batch, hw, settings, m)
+    # the busiest stage sets the pace of every stage in the schedule
+    fwd = max(st.per_microbatch("forward", m) for st in stages)
+    bwd = max(st.per_microbatch("backward", m) for st in stages)
+    p2p = [c for c in stages[0].calls if c.axis == "pp"]
+    p2p_time = collective_time(hw, cand, p2p[0]) if p2p else 0.0
     if cand.pp > 1 and simulate_schedule:
-        sim = simulate(make_schedule(cand.schedule, cand.pp, m, v), fwd_t / v, bwd_t / v, comm_t)
-        makespan, bubble_frac = sim.makespan, sim.bubble
-    else:  # one stage: no bubble; the microbatches run back to back
-        makespan = m * (fwd_t + bwd_t) + (0 if cand.pp == 1 else (cand.pp - 1) * (fwd_t + bwd_t) / v)
-        bubble_frac = 0.0 if cand.pp == 1 else (cand.pp - 1) / (v * m + cand.pp - 1)
-    busy = m * (fwd_t + bwd_t)
-    dp = max(sum(pa.get("dp", {}).get(ph, 0.0) for ph in ("step", "forward", "backward"))
-             for _, _, _, pa, _ in stages)
-    # ZeRO-3's gathers are prefetched under compute: exposed only beyond the whole step's compute
-    dp_exposed = max(0.0, dp - bwd_t / v) if cand.zero < 3 else max(0.0, dp - m * (fwd_t + bwd_t))
-    opt = (sum(mem[k] for k in ("params", "grads", "optimizer")) * 2) / hw.hbm_bandwidth
-    if hw.kernels is not None and model.engine == "minidist":  # measured AdamW (or SGD ~ 1/4 of it)
-        rate = hw.kernels["adamw"] * (1.0 if settings.optimizer == "adamw" else 0.25)
-        opt = mem["params"] / model.dtype_bytes * rate * (max(1.0, cand.chips / hw.cores) if hw.cores else 1)
-    step = makespan + dp_exposed + opt
-    compute = m * max(f + b for f, b, _, _, _ in stages)
-    comm = {ax: 0.0 for ax in ("tp", "cp", "ep", "pp", "dp")}
-    for ax in ("tp", "cp", "ep"):
-        comm[ax] = max(sum(pa.get(ax, {}).get(ph, 0.0) for ph in ("forward", "backward"))
-                       for *_, pa, _ in stages)
-    comm["pp"] = max(0.0, makespan - busy) - bubble_frac * makespan if cand.pp > 1 else 0.0
-    comm["pp"] = comm["pp"] if comm["pp"] > 1e-9 * makespan else 0.0  # float noise of the subtraction
+        sim = simulate(make_schedule(cand.schedule, cand.pp, m, v), fwd / v, bwd / v, p2p_time)
+        makespan, bubble = sim.makespan, sim.bubble
+    else:  # the textbook bubble (p-1)/(v·m+p-1): a quick estimate while searching
+        makespan = (m + (cand.pp - 1) / v) * (fwd + bwd)
+        bubble = (cand.pp - 1) / (v * m + cand.pp - 1)
+    busy = m * (fwd + bwd)
+    dp = max(st.axis("dp") for st in stages)
+    # DP traffic starts in the last microbatch's backward; ZeRO-3's gathers hide under all of compute
+    dp_exposed = max(0.0, dp - bwd / v) if cand.zero < 3 else max(0.0, dp - busy)
+    step = makespan + dp_exposed + _optimizer_time(model, cand, hw, settings, mem)
+    comm = {ax: max(st.axis(ax, ("forward", "backward")) for st in stages) for ax in ("tp", "cp", "ep")}
+    pp_wait = makespan - busy - bubble * makespan  # idle beyond the bubble: waiting for sends
+    comm["pp"] = pp_wait if cand.pp > 1 and pp_wait > 1e-9 * makespan else 0.0
     comm["dp"] = dp_exposed
-    comm = {k: v_ for k, v_ in comm.items() if v_ > 0 or k in ("tp", "dp", "pp")}
+    comm = {k: t for k, t in comm.items() if t > 0 or k in ("tp", "dp", "pp")}
     tokens = batch * model.seq
-    mfu = model.model_flops_per_token() * tokens / (cand.chips * hw.peak_flops * step)
-    recompute = {"full": 4 / 3, "none": 1.0, "selective": 1.0}[cand.checkpoint]
-    hw_flops = model.model_flops_per_token() * tokens * recompute
-    return Prediction(cand, mem, fits, step, compute, comm, bubble_frac * makespan, bubble_frac, mfu,
-                      tokens / step, hw_flops / cand.chips / step / 1e12)
+    model_flops = model.model_flops_per_token() * tokens
+    recompute = 4 / 3 if cand.checkpoint == "full" else 1.0  # one more forward of three passes
+    compute = m * max(st.fwd + st.bwd for st in stages)
+    return Prediction(cand, mem, mem["total"] <= hw.hbm_bytes, step, compute, comm, bubble * makespan, bubble,
+                      model_flops / (cand.chips * hw.peak_flops * step), tokens / step,
+                      model_flops * recompute / cand.chips / step / 1e12)
