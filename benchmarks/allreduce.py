@@ -3,9 +3,9 @@
     mpirun -n 2 python benchmarks/allreduce.py
     mpirun -n 8 python benchmarks/allreduce.py --algorithms auto,ring,halving_doubling --max-bytes 16M
 
-float32, 4 KB .. 64 MB. Prints, from rank 0, per size: MPI's time and bus bandwidth (algbw x
+float32, 4 KB .. 64 MB. Prints, from rank 0, per size: MPI's time (us) and bus bandwidth (algbw x
 2(p-1)/p, the bytes each rank's links carry per second: comparable across p), then for each of
-our algorithms its bus bandwidth and the ratio ours / MPI (higher is better; targets: >= 1.0 from
+our algorithms its time, bus bandwidth and the ratio ours / MPI (higher is better; targets: >= 1.0 from
 1 MB, >= 0.5 at 4 KB). Every repeat starts together after a barrier and lasts as long as its
 slowest rank; a round times each contender (MPI's and ours, interleaved) as the median of its
 repeats; the table shows the median over ``--rounds`` rounds, so a burst of load from other jobs
@@ -49,8 +49,8 @@ def bench(comm, args):
         print(f"all-reduce float32 sum, {p} ranks on {os.cpu_count()} cores, load average "
               f"{os.getloadavg()[0]:.1f}; {args.rounds} rounds; MPI: "
               f"{MPI.Get_library_version().splitlines()[0].strip()}   (busbw in GB/s)")
-        print(f"{'bytes':>10} {'MPI ms':>8} {'MPI bw':>7}" + "".join(f" {a[:18] + ' bw':>21} {'ratio':>5}"
-                                                                  for a in algos))
+        print(f"{'bytes':>10} {'MPI us':>9} {'MPI bw':>7}"
+              + "".join(f" {a[:18] + ' us':>21} {'bw':>6} {'ratio':>5}" for a in algos))
     nbytes, rows = args.min_bytes, []
     while nbytes <= args.max_bytes:
         x = np.random.default_rng(comm.rank).standard_normal(nbytes // 4).astype(np.float32)
@@ -69,8 +69,8 @@ def bench(comm, args):
         bus = 2 * (p - 1) / p * nbytes / 1e9
         rows.append((nbytes, t))
         if comm.rank == 0:
-            print(f"{nbytes:>10,} {t['mpi'] * 1e3:>8.3f} {bus / t['mpi']:>7.2f}"
-                  + "".join(f" {bus / t[a]:>21.2f} {t['mpi'] / t[a]:>5.2f}" for a in algos), flush=True)
+            cols = (f" {t[a] * 1e6:>21.1f} {bus / t[a]:>6.2f} {t['mpi'] / t[a]:>5.2f}" for a in algos)
+            print(f"{nbytes:>10,} {t['mpi'] * 1e6:>9.1f} {bus / t['mpi']:>7.2f}" + "".join(cols), flush=True)
         nbytes *= 4
     return rows
 

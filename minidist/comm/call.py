@@ -117,8 +117,9 @@ class collective:
         self.tag = stamp(self.name, user.seq, x.dtype if self.typed and x is not None else None,
                          self.op, self.root)
         self.rec = CallRecord(self.name, 0, 0, 0, 0, self)
-        self.span = tracing.span(self.name, "collective")
-        self.span.__enter__()
+        self.span = span = tracing.span(self.name, "collective")
+        if span is not tracing.NULL:  # tracing off (the usual case): nothing to enter
+            span.__enter__()
         set_current_call(self.rec)
         user.note((self.name, user.seq))
         if user.debug and user.size > 1:
@@ -133,7 +134,8 @@ class collective:
         if self.outer is None:
             set_current_call(None)
             self.user.ledger.finish_call(self.rec)
-            self.span.__exit__(*exc)
+            if self.span is not tracing.NULL:
+                self.span.__exit__(*exc)
         return False
 
     def finish(self, buf: np.ndarray) -> np.ndarray:

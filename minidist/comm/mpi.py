@@ -128,11 +128,15 @@ class _MPIRequest(Request):
         return self.out
 
 
-def _drain(queue) -> None:
+def _drain(pending: dict, key) -> None:
     """Post the payload receives of this (source, tag)'s pending receives whose header arrived, in
-    the order they were posted."""
+    the order they were posted; forget the (source, tag) once none is pending (every collective
+    call has its own tag: the table must not grow with the calls)."""
+    queue = pending.get(key)
     while queue and queue[0].hreq.Test():
         queue.popleft()._post_payload()
+    if queue is not None and not queue:
+        del pending[key]
 
 
 class _MPIHeaderRecv(Request):
@@ -143,8 +147,7 @@ class _MPIHeaderRecv(Request):
         self.h = np.empty(HEADER_LEN, np.int64)
         self.hreq = comm.mpi.Irecv(self.h, source, comm.base + 2 * tag)
         self.preq = None
-        self.queue = comm._pending[(source, tag)]
-        self.queue.append(self)
+        comm._pending.setdefault((source, tag), collections.deque()).append(self)
 
     def _post_payload(self):
         shape, dtype = decode_header(self.h)
@@ -158,7 +161,7 @@ class _MPIHeaderRecv(Request):
 
     def test(self) -> bool:
         if self.preq is None:
-            _drain(self.queue)
+            _drain(self.comm._pending, (self.source, self.tag))
             if self.preq is None:
                 return False
         return self.preq.Test()
@@ -184,7 +187,7 @@ class MPIComm(Communicator):
         super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), backend, ledger)
         self.namespace = namespace
         self.base = 2 * namespace * NAMESPACE  # MPI tag of (tag, header) = base + 2*tag; payload +1
-        self._pending: dict = collections.defaultdict(collections.deque)
+        self._pending: dict = {}  # (source, tag) -> header receives waiting for their payload, in order
         self._statuses = [_mpi().Status(), _mpi().Status()]
         self._world_ranks: list | None = None
 
@@ -194,8 +197,9 @@ class MPIComm(Communicator):
         Called from every wait: a rank blocked in its own send must still take in a large message
         sent to it, or two ranks exchanging large messages would each wait for the other.
         """
-        for queue in self._pending.values():
-            _drain(queue)
+        if self._pending:
+            for key in list(self._pending):
+                _drain(self._pending, key)
 
     # -- checks while waiting (slow path only) -----------------------------------------------------
     def world_rank(self, r: int) -> int:
@@ -252,14 +256,14 @@ class MPIComm(Communicator):
         t = self.base + 2 * tag + 1
         reqs = [self.mpi.Irecv(_bytes(recvbuf), source, t), self.mpi.Isend(_bytes(sendbuf), dest, t)]
         self.ledger.count_sendrecv(sendbuf.nbytes, recvbuf.nbytes)
-        testall, statuses = _mpi().Request.Testall, self._statuses
+        MPI, statuses = _mpi(), self._statuses
+        testall = MPI.Request.Testall
         try:
-            if not testall(reqs, statuses):
-                poll(lambda: testall(reqs, statuses), self, lambda: f"sendrecv: to {dest}, from {source}",
-                     lambda: self.peer_problem(source, tag))
-        except _mpi().Exception as e:
+            poll(lambda: testall(reqs, statuses), self, lambda: f"sendrecv: to {dest}, from {source}",
+                 lambda: self.peer_problem(source, tag))
+        except MPI.Exception as e:
             raise _truncated(self, source, tag, recvbuf.nbytes, e) from None
-        if statuses[0].Get_count(_mpi().BYTE) != recvbuf.nbytes:
+        if statuses[0].Get_count(MPI.BYTE) != recvbuf.nbytes:
             _check_count(self, statuses[0], source, tag, recvbuf.nbytes)
         return recvbuf
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
-_NULL = contextlib.nullcontext()
+NULL = contextlib.nullcontext()  # what span() returns when tracing is off
 
 _trace = None  # the minidist.trace module, imported on first use (it may not exist)
 _looked = False
@@ -23,6 +23,6 @@ def span(name: str, cat: str):
             _trace = None
         _looked = True
     if _trace is None:
-        return _NULL
+        return NULL
     tracer = _trace.current()
-    return _NULL if tracer is None else tracer.span(name, cat)
+    return NULL if tracer is None else tracer.span(name, cat)
