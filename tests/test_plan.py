@@ -257,3 +257,15 @@ def test_planning_lesson_runs_the_predicted_best_and_passes(choice, capsys, tmp_
                              "--batch", "8", "--choice", choice])
     out = capsys.readouterr().out
     assert all(results) and "bytes and memory: PASS (exact)" in out and "serial twin" in out
+
+
+def test_cli_prints_the_ranked_table_and_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from minidist.plan.__main__ import main
+
+    png = tmp_path / "plan.png"
+    main(["--model", "llama3-8b", "--chips", "16", "--batch", "64", "--hardware", "h100", "--top", "3",
+          "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert " 1 dp" in out and "best" in out and "memory of #1 by kind" in out
+    assert png.stat().st_size > 10_000

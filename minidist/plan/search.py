@@ -57,12 +57,21 @@ def reason(best: Prediction, other: Prediction, hbm: float) -> str:
     for ax, t in other.comm.items():
         diffs[f"{ax} comm"] = t - best.comm.get(ax, 0.0)
     what, d = max(diffs.items(), key=lambda kv: kv[1])
+    if d <= 1e-9 * best.step:
+        more = other.memory["total"] - best.memory["total"]
+        share = more / max(best.memory["total"], 1)
+        return "same predicted step" + (f", {share:+.0%} memory" if more else "")
     why = ""
     if what == "compute" and other.cand.checkpoint != best.cand.checkpoint:
         why = f" (recomputation: {other.cand.checkpoint} vs {best.cand.checkpoint})"
     elif what == "compute" and other.cand.pp != best.cand.pp:
         why = " (the busiest stage holds more layers)"
     return f"+{d:.3g} s {what}{why}"
+
+
+def order(p: Prediction) -> tuple:
+    """Fitting first, then the shortest step, then (a tie) the least memory."""
+    return (not p.fits, p.step, p.memory["total"])
 
 
 def plan(model: ModelSpec, chips: int, batch: int, hw: Hardware, settings: Settings = DEFAULT, top: int = 5,
@@ -72,11 +81,11 @@ def plan(model: ModelSpec, chips: int, batch: int, hw: Hardware, settings: Setti
     then predicted again with their schedule simulated, and re-ranked."""
     cands = cands if cands is not None else candidates(model, chips, batch, hw)
     quick = [predict(model, c, batch, hw, settings, simulate_schedule=False) for c in cands]
-    quick.sort(key=lambda p: (not p.fits, p.step))
+    quick.sort(key=order)
     # simulate the real schedule for the front of the list (the formula ranks the rest)
     n = max(top * 2, 10) if simulate is None else simulate
     head = [predict(model, p.cand, batch, hw, settings) for p in quick[:n]]
-    ranked = sorted(head, key=lambda p: (not p.fits, p.step)) + quick[len(head):]
+    ranked = sorted(head, key=order) + quick[len(head):]
     for p in ranked:
         p.reason = "best" if p is ranked[0] else reason(ranked[0], p, hw.hbm_bytes)
     if not ranked[0].fits:
