@@ -347,3 +347,40 @@ def test_tensor_parallel_sharded_rng_stream_is_restored(tmp_path, keep_rng):
     full = run(_megatron_rng_job, ranks=2, root=str(tmp_path), steps=4, save_at=(2,), keep_rng=keep_rng)[0]
     got = run(_megatron_rng_job, ranks=2, root=str(tmp_path), steps=4, resume=True, keep_rng=keep_rng)[0]
     assert _equal(got, full) == keep_rng  # without the per-rank generator the dropout masks differ
+
+
+def _lose_host(root, host):
+    """Delete everything ``host`` wrote (its RAM is gone): the files whose manifest says it wrote them,
+    and the manifests it committed."""
+    for d in [d for d in sorted(os.listdir(root)) if d.startswith("step-")]:
+        m = json.loads(open(os.path.join(root, d, "manifest.json")).read())
+        for name, meta in m["files"].items():
+            if meta["writer"] == host:
+                os.remove(os.path.join(root, d, name))
+        if m["committed_by"] == host:
+            os.remove(os.path.join(root, d, "manifest.json"))
+
+
+def _peer_job(comm, root, steps, lose=None):
+    t = Trainer(comm, small_config(), zero=1, batch_size=6)  # every rank holds a different shard
+    tiers = [Tier("memory", f"{root}/mem", 2), Tier("peer", f"{root}/peer", 2, peer=True),
+             Tier("disk", f"{root}/disk", 4)]
+    ck = Checkpointer(comm, tiers)
+    if lose is not None and comm.rank == 0:
+        for tier in tiers[:2]:
+            _lose_host(tier.root, lose)
+    comm.barrier()
+    info, tier = ck.restore(t.state())
+    while t.step_count < steps:
+        t.step()
+        ck.maybe_save(t.step_count, t.state())
+    ck.wait()
+    return t.full_parameters(), info.step, tier
+
+
+@pytest.mark.parametrize("lose", [0, 1, 2])
+def test_peer_tier_recovers_a_lost_hosts_shards_from_its_neighbour(tmp_path, lose):
+    want = run(_peer_job, ranks=3, root=str(tmp_path / "ref"), steps=8)[0][0]
+    run(_peer_job, ranks=3, root=str(tmp_path), steps=6)
+    got, step, tier = run(_peer_job, ranks=3, root=str(tmp_path), steps=8, lose=lose)[0]
+    assert (step, tier) == (6, "memory+peer") and _equal(got, want)  # not disk's step 4

@@ -71,7 +71,7 @@ def test_supervised_job_recovers_bit_identically(tmp_path, fault, recovered):
     if parse(fault)[0].kind == "truncate":
         for step, why in ((6, "sha256 differs from the manifest's (corrupted)"),
                           (4, "bytes, the manifest says")):
-            assert f"skipped: disk: skipped {tmp_path}/ckpt/step-0000000{step}" in res.stdout, res.stdout
+            assert f"skipped {tmp_path}/ckpt/step-0000000{step}" in res.stdout, res.stdout
             assert why in res.stdout, res.stdout
     assert_bit_identical(final, never_failed(2), res)
 

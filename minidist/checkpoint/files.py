@@ -14,9 +14,10 @@ the directory, renames it to ``step-N`` (a rename is atomic: a reader sees the w
 none of it), then replaces ``latest`` the same way, and deletes all but the newest ``keep``. A crash
 at any moment leaves either the old ``latest`` or the new one, never half of one.
 
-Reading (``choose``): candidates are ``latest`` then every ``step-*`` newest first; one is used only
-if its manifest parses and every file has the recorded size and sha256 (the ranks hash the files
-between them). A bad one is reported -- which file, what is wrong -- and the next older is tried.
+Reading (``choose``): the newest step is used if its manifest parses and every file has the recorded
+size and sha256 (the ranks hash the files between them). A bad one is reported -- which file, what
+is wrong -- and the next older is tried. Given several roots holding the same steps (tiers), each
+file may come from any of them: the first intact copy wins.
 """
 
 from __future__ import annotations
@@ -217,25 +218,48 @@ def check_file(directory, name: str, meta: dict) -> str | None:
     return None
 
 
-def choose(comm, root) -> tuple[str | None, dict | None, list[str]]:
-    """(directory, manifest, problems) of the newest intact checkpoint under ``root``, the same on
-    every rank (collective: rank r hashes files r, r + size, ...; verdicts are all-gathered).
-    (None, None, problems) when there is none."""
-    dirs, problems = candidates(root) if comm.rank == 0 else (None, None)
-    dirs, problems = comm.bcast_obj((dirs, problems), root=0)
-    for d in dirs:
-        try:
-            manifest = read_manifest(d) if comm.rank == 0 else None
-            err = None
-        except CheckpointError as e:
-            manifest, err = None, str(e)
-        manifest, err = comm.bcast_obj((manifest, err), root=0)
-        if err is None:
+def choose(comm, roots) -> tuple[dict | None, dict | None, list[str]]:
+    """(where, manifest, problems) of the newest step with an intact copy of every file, the same on
+    every rank. ``roots``: one checkpoint directory, or several holding the same steps (tiers: a file
+    damaged or lost in one is taken from the next). ``where`` maps each file to the step directory
+    it is read from; (None, None, problems) when no step is whole. Collective: rank r hashes files
+    r, r + size, ...; the verdicts are all-gathered. (``latest`` is replaced last, so the newest
+    whole step is normally its target; after a crash between the rename and that replacement, the
+    newer step -- complete and verified -- is used.)"""
+    roots = [roots] if isinstance(roots, str | os.PathLike) else list(roots)
+    by_step, problems = {}, []
+    if comm.rank == 0:
+        for root in roots:
+            dirs, probs = candidates(root)
+            problems += probs
+            for d in dirs:
+                by_step.setdefault(int(_STEP_DIR.match(os.path.basename(d)).group(1)), []).append(d)
+    by_step, problems = comm.bcast_obj((by_step, problems), root=0)
+    for step in sorted(by_step, reverse=True):
+        dirs, manifest, errs = by_step[step], None, []
+        if comm.rank == 0:
+            for d in dirs:
+                try:
+                    manifest = read_manifest(d)
+                    break
+                except CheckpointError as e:
+                    errs.append(str(e))
+        manifest, errs = comm.bcast_obj((manifest, errs), root=0)
+        where = {}
+        if manifest is not None:
             names = sorted(manifest["files"])
-            mine = [check_file(d, n, manifest["files"][n]) for n in names[comm.rank::comm.size]]
-            bad = [e for part in comm.allgather_obj(mine) for e in part if e]
-            err = "; ".join(bad) if bad else None
-        if err is None:
-            return d, manifest, problems
-        problems.append(f"skipped {d}: {err}")
+            mine = {}
+            for n in names[comm.rank::comm.size]:
+                verdicts = [(d, check_file(d, n, manifest["files"][n])) for d in dirs]
+                good = [d for d, e in verdicts if e is None]
+                mine[n] = good[0] if good else [e for _, e in verdicts]
+            for part in comm.allgather_obj(mine):
+                for n, v in part.items():
+                    if isinstance(v, str):
+                        where[n] = v
+                    else:
+                        errs += v
+            if len(where) == len(names):
+                return where, manifest, problems
+        problems.append(f"skipped {' + '.join(dirs)}: {'; '.join(errs)}")
     return None, None, problems

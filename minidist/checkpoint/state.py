@@ -151,15 +151,19 @@ def prepare(comm, root, step: int) -> str:
 
 
 def write_part(root, tmp, rank: int, world: int, snap: Snapshot, keep: int = 3, fault=None,
-               timeout: float = 600.0) -> str | None:
-    """Write this rank's file and its sidecar into ``tmp`` -- no communication, so a background thread
-    may run it while training goes on. Rank 0 then waits for every rank's sidecar and commits the
-    checkpoint (manifest, rename, ``latest``); it returns the directory (other ranks: None)."""
+               timeout: float = 600.0, writer: int | None = None) -> str | None:
+    """Write rank ``rank``'s file and its sidecar into ``tmp`` -- no communication, so a background
+    thread may run it while training goes on. The writer of rank 0's file then waits for every
+    sidecar and commits the checkpoint (manifest, rename, ``latest``); it returns the directory
+    (other writers: None). ``writer``: the rank doing the writing, if not ``rank`` itself (a peer
+    tier), recorded in the manifest."""
+    writer = rank if writer is None else writer
     fname = files.rank_file_name(rank)
     path = os.path.join(tmp, fname)
     err = None
     try:
         pieces, meta = files.write_pieces(path, snap.arrays, fault)
+        meta["writer"] = writer
         if fault is not None:
             fault.after_write(path)
     except OSError as e:  # disk full, permission: rank 0 learns it from the sidecar
@@ -174,7 +178,7 @@ def write_part(root, tmp, rank: int, world: int, snap: Snapshot, keep: int = 3, 
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"checkpoint of step {snap.step} not written ({'; '.join(errors)}); "
                               "the previous one stays the latest")
-    return files.commit_step(root, snap.step, _manifest(snap, parts), keep)
+    return files.commit_step(root, snap.step, dict(_manifest(snap, parts), committed_by=writer), keep)
 
 
 def write_snapshot(comm, root, snap: Snapshot, keep: int = 3, fault=None) -> str:
@@ -214,7 +218,7 @@ class LoadInfo:
     """What ``load`` found: the step to resume at, where from, what was skipped, how long it took."""
 
     step: int | None
-    path: str | None
+    path: list | None     # the step directories its files were read from (one, or one per tier)
     problems: list
     resharded: bool
     seconds: float
@@ -227,18 +231,22 @@ def load(comm, root, state: TrainState, required: bool = False) -> LoadInfo:
     ``info.step`` is None (or CheckpointError if ``required``). On another mesh the arrays are
     resharded; per-rank small state (RNG streams, loader) then comes from the saved rank 0."""
     t0 = time.perf_counter()
-    path, manifest, problems = files.choose(comm, root)
-    if path is None:
+    where, manifest, problems = files.choose(comm, root)
+    if where is None:
         if required:
             raise CheckpointError(f"rank {comm.rank}: no intact checkpoint under {root}: {problems}")
         return LoadInfo(None, None, problems, False, time.perf_counter() - t0)
-    resharded = restore(comm, path, manifest, state)
-    return LoadInfo(manifest["step"], path, problems, resharded, time.perf_counter() - t0)
+    resharded = restore(comm, where, manifest, state)
+    return LoadInfo(manifest["step"], sorted(set(where.values())), problems, resharded,
+                    time.perf_counter() - t0)
 
 
-def restore(comm, path, manifest: dict, state: TrainState) -> bool:
-    """Fill ``state`` from a verified checkpoint directory (collective). True if it was written on
-    another mesh (then the arrays were resharded and per-rank small state is the saved rank 0's)."""
+def restore(comm, where, manifest: dict, state: TrainState) -> bool:
+    """Fill ``state`` from a verified checkpoint (``where``: its directory, or file -> directory as
+    ``files.choose`` gives it). Collective. True if it was written on another mesh (then the arrays
+    were resharded and per-rank small state is the saved rank 0's)."""
+    path = where if isinstance(where, str) else sorted(set(where.values()))[0]
+    dir_of = (lambda f: where) if isinstance(where, str) else where.__getitem__
     tensors = manifest["tensors"]
     keys = sorted({n.split("/")[1] for n in tensors if n.startswith("optim/")})
     slots, finishers = state.slots(optim_keys=keys)
@@ -254,7 +262,7 @@ def restore(comm, path, manifest: dict, state: TrainState) -> bool:
     def read(piece):
         k = (piece["file"], piece["offset"], piece["nbytes"])
         if k not in cache:
-            cache[k] = files.read_piece(path, piece)
+            cache[k] = files.read_piece(dir_of(piece["file"]), piece)
         return cache[k]
 
     for s in slots:
