@@ -138,6 +138,10 @@ class Supervisor:
                 return self.summary(0)
             self.log(event="failure", attempt=number, status=a.status, rank=a.failed_rank,
                      last_step=a.last_step)
+            if a.last_step is None and number and self.attempts[-2].last_step is None:
+                self.say("the job failed twice before its first heartbeat: a configuration error or a "
+                         "bug, not a fault a restart can fix (see its error above); giving up")
+                return self.summary(1)
             if a.lost:
                 left = n - len(a.lost)
                 # the largest divisor of the original size that fits, so the data-parallel mesh still splits
@@ -192,8 +196,8 @@ class Supervisor:
             why = "exit status " + (f"{code}" if code > 0 else f"signal {-code}")
         a.status = "hung" if hung is not None else f"failed ({why})"
         steps = ", ".join(f"{r}:{s}" for r, (s, _) in sorted(beats.items()))
-        self.say(f"attempt {a.number} FAILED after {a.end - a.start:.2f} s: rank {a.failed_rank}, {why}; "
-                 f"exit {code}; last step per rank {{{steps}}}")
+        self.say(f"attempt {a.number} FAILED after {a.end - a.start:.2f} s: rank {_dash(a.failed_rank)}, "
+                 f"{why}; exit {code}; last step per rank {{{steps}}}")
         return code
 
     def _job_restores(self) -> None:

@@ -103,6 +103,12 @@ def test_giving_up_after_max_restarts(tmp_path):
     assert res.stdout.count("FAILED") == 2 and "rank 1, raise" in res.stdout and final is None
 
 
+def test_a_job_that_cannot_start_is_not_restarted_forever(tmp_path):
+    res, _ = supervise(tmp_path, 3, "none", threads=True)  # a batch of 8 does not split over 3 ranks
+    assert res.returncode == 1 and res.stdout.count("FAILED") == 2, res.stdout
+    assert "failed twice before its first heartbeat" in res.stdout and "dp=3" in res.stderr
+
+
 def test_bad_fault_specs_are_clear_errors():
     with pytest.raises(ValueError, match="unknown fault 'explode'"):
         parse("explode:rank=1")

@@ -70,13 +70,14 @@ def train(comm, args, fault: str):
     attempt = int(os.environ.get("MINIDIST_RESTART", "0"))
     disk, mem = args.ckpt, shm_root(hashlib.sha1(os.path.abspath(args.ckpt).encode()).hexdigest()[:10])
     if attempt == 0 and comm.rank == 0:  # a fresh run starts from nothing
-        for d in (disk, mem):
+        for d in (disk, mem, mem + "-peer"):
             shutil.rmtree(d, ignore_errors=True)
     comm.barrier()
     cfg = small_config(args.dtype, args.dropout)
     trainer = Trainer(comm, cfg, pp=args.pp, tp=args.tp, zero=args.zero, total_steps=args.steps)
     inj = Injector.from_env(comm.rank, fault)
-    tiers = [Tier("memory", mem, args.mem_every), Tier("disk", disk, args.disk_every, keep=3)]
+    tiers = [Tier("memory", mem, args.mem_every), Tier("peer", mem + "-peer", args.peer_every, peer=True),
+             Tier("disk", disk, args.disk_every, keep=3)]
     ckpt = Checkpointer(comm, tiers,
                         asynchronous=not args.sync, fault=inj)
     info, tier = ckpt.restore(trainer.state())
@@ -112,7 +113,8 @@ def rank_main(comm, args):
     full = trainer.full_parameters()
     comm.barrier()
     if comm.rank == 0:  # the job is done: give the shared memory of tier 1 back (the disk tier stays)
-        shutil.rmtree(ckpt.tiers[0].root, ignore_errors=True)
+        for tier in ckpt.tiers[:2]:
+            shutil.rmtree(tier.root, ignore_errors=True)
 
     # the reference: the same job, started fresh here, never interrupted, never checkpointed
     events = _events()
@@ -229,6 +231,8 @@ def main(argv=None):
     p.add_argument("--steps", type=positive_int, default=12)
     p.add_argument("--mem-every", type=nonnegative_int, default=2,
                    help="tier 1 (shared memory) every N steps (0: off)")
+    p.add_argument("--peer-every", type=nonnegative_int, default=0,
+                   help="tier 1 copy kept by the ring neighbour every N steps (0: off)")
     p.add_argument("--disk-every", type=nonnegative_int, default=4,
                    help="tier 2 (disk) every M steps (0: off)")
     p.add_argument("--sync", action="store_true", help="synchronous saves (default: background writer)")
