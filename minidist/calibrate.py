@@ -156,8 +156,10 @@ def calibrate(path: str = CALIBRATION_PATH) -> dict:
     if limit is not None:
         limit.unregister() if hasattr(limit, "unregister") else None
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:  # written whole, then renamed: a reader never sees half a file
         json.dump(c, f, indent=1)
+    os.replace(tmp, path)
     return c
 
 

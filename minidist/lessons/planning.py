@@ -59,7 +59,7 @@ def rank_main(comm, args):
     preds = plan(model, comm.size, args.batch, hw, Settings("adamw"), top=6, cands=cands)
     rprint(comm, f"{model.name}: {model.params():,} parameters, batch {args.batch} x {args.seq} tokens, "
                  f"{comm.size} ranks on {hw.name}, {hw.cores} cores")
-    rprint(comm, table(preds, 6))
+    rprint(comm, table(preds, 6, args.batch, hw))
     best = preds[args.choice - 1] if args.choice <= len(preds) else preds[0]
     c = best.cand
     m = c.microbatches(args.batch)

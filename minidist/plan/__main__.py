@@ -23,7 +23,21 @@ def human(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def table(preds, top: int) -> str:
+def links(cand, hw) -> str:
+    """Which link each of the candidate's axes runs on (minidist.plan.steptime.axis_link)."""
+    from minidist.plan.steptime import axis_link
+
+    parts = []
+    for ax in ("tp", "cp", "ep", "dp", "pp"):
+        size = getattr(cand, ax)
+        if size > 1:
+            inner, _, outer, q = axis_link(hw, cand, ax)
+            across = f" then {outer.name} ({q} groups)" if outer and q > 1 else ""
+            parts.append(f"{ax} on {inner.name}{across}")
+    return ", ".join(parts) or "one chip: no links"
+
+
+def table(preds, top: int, batch: int | None = None, hw=None) -> str:
     head = (f"{'#':>2} {'mesh':<44} {'memory':>8} fit {'step s':>8} {'compute':>8} {'tp':>7} {'dp':>7} "
             f"{'pp':>7} {'cp+ep':>7} {'bubble':>7} {'MFU':>5} {'tok/s':>9}  why not first")
     lines = [head]
@@ -37,6 +51,10 @@ def table(preds, top: int) -> str:
                      f"{p.tokens_per_s:>9.3g}  "
                      f"{p.reason}")
     best = preds[0]
+    if batch is not None:
+        m = best.cand.microbatches(batch)
+        lines.append(f"#1 runs {m} microbatches of {best.cand.microbatch} per replica; "
+                     f"{links(best.cand, hw)}")
     lines.append("memory of #1 by kind: " + ", ".join(f"{k} {human(best.memory[k])}" for k in KINDS))
     return "\n".join(lines)
 
@@ -120,7 +138,7 @@ def main(argv=None) -> None:
           f"{args.chips} x {hw.name} ({hw.hbm_bytes / 1e9:.0f} GB each)")
     for n in model.notes:
         print("  assumption:", n)
-    print(table(preds, args.top))
+    print(table(preds, args.top, args.batch, hw))
     if args.plot:
         plot(preds, args.plot, args.top)
         print(f"wrote {args.plot}")
