@@ -72,15 +72,17 @@ def partition_uniform(num_layers: int, num_parts: int) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
-def partition_balanced(costs, num_parts: int) -> list[tuple[int, int]]:
+def partition_balanced(costs, num_parts: int, memory=None, cap: float | None = None) -> list[tuple[int, int]]:
     """Contiguous ranges minimising the largest per-stage cost sum (dynamic programming, O(n^2 p)).
 
     The pipeline runs at the pace of its slowest stage, so that is the number to minimise.
+    With ``memory`` (one number per layer) and ``cap``, no stage may hold more than ``cap`` of it.
     """
     costs = [float(c) for c in costs]
     n = len(costs)
     _check_parts(n, num_parts)
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    mem = np.concatenate([[0.0], np.cumsum(memory)]) if memory is not None and cap is not None else None
     inf = float("inf")
     # best[k][i]: smallest max-stage cost putting the first i layers in k stages; cut[k][i]: last start
     best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
@@ -89,9 +91,14 @@ def partition_balanced(costs, num_parts: int) -> list[tuple[int, int]]:
     for k in range(1, num_parts + 1):
         for i in range(k, n + 1):
             for j in range(k - 1, i):
+                if mem is not None and mem[i] - mem[j] > cap:
+                    continue  # layers j..i-1 would not fit one stage's memory
                 c = max(best[k - 1][j], prefix[i] - prefix[j])
                 if c < best[k][i]:
                     best[k][i], cut[k][i] = c, j
+    if best[num_parts][n] == inf:
+        raise ValueError(f"no cut of {n} layers into {num_parts} stages keeps every stage within the memory "
+                         f"cap {cap:g} (largest layer: {max(memory):g}); raise the cap or add stages")
     bounds, end = [], n
     for k in range(num_parts, 0, -1):
         start = cut[k][end]
