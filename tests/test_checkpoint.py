@@ -167,7 +167,7 @@ MESHES = [(1, {}), (2, {}), (4, {}), (2, {"tp": 2}), (4, {"tp": 4}), (2, {"pp": 
           (2, {"zero": 1}), (4, {"zero": 2}), (2, {"zero": 3}), (4, {"zero": 3})]
 
 
-@budget(6)
+@budget(4)
 @given(src=st.sampled_from(MESHES), dst=st.sampled_from(MESHES))
 @example(src=(8, {"dp": 2, "pp": 2, "tp": 2}), dst=(4, {"dp": 2, "pp": 2}))  # 8 ranks -> 4, tp 2 -> 1
 @example(src=(4, {"pp": 4}), dst=(2, {"pp": 2}))                            # pp 4 -> 2
@@ -378,7 +378,7 @@ def _peer_job(comm, root, steps, lose=None):
     return t.full_parameters(), info.step, tier
 
 
-@pytest.mark.parametrize("lose", [0, 1, 2])
+@pytest.mark.parametrize("lose", [0, 1])  # the committer of the memory tier, and of the peer tier
 def test_peer_tier_recovers_a_lost_hosts_shards_from_its_neighbour(tmp_path, lose):
     want = run(_peer_job, ranks=3, root=str(tmp_path / "ref"), steps=8)[0][0]
     run(_peer_job, ranks=3, root=str(tmp_path), steps=6)
