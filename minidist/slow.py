@@ -12,7 +12,9 @@ balancer has to notice. Sleeping also releases the GIL, so on the threads transp
 ranks keep computing meanwhile, as they would on their own devices.
 
 ``Slowdown.compute(rank, step)`` wraps a rank's compute of one step; ``Slowdown.layer_factor(i)``
-is the multiplier a profiled pipeline stage applies to layer ``i``.
+is the multiplier a profiled pipeline stage applies to layer ``i``. ``pace`` (seconds per row)
+emulates a device with a fixed speed, so that a machine with fewer cores than ranks still shows
+clean, reproducible timings.
 """
 
 from __future__ import annotations
@@ -67,10 +69,13 @@ def parse(spec: str) -> list[Slow]:
 class Slowdown:
     """The slowdowns in effect: from ``spec`` (a string or a list of ``Slow``), else ``$MINIDIST_SLOW``."""
 
-    def __init__(self, spec=None):
+    def __init__(self, spec=None, pace: float = 0.0):
         if spec is None:
             spec = os.environ.get("MINIDIST_SLOW", "")
         self.slows = parse(spec) if isinstance(spec, str) else list(spec)
+        if not pace >= 0:
+            raise ValueError(f"Slowdown: pace must be seconds per row >= 0, got {pace!r}")
+        self.pace = float(pace)
 
     def check_world(self, size: int, num_layers: int | None = None, rank: int = 0) -> None:
         """A slowdown naming a rank or layer that does not exist is an error, not a silent no-op."""
@@ -97,11 +102,20 @@ class Slowdown:
         return f
 
     @contextlib.contextmanager
-    def compute(self, rank: int, step: int):
-        """Time the block; then sleep so that it took ``rank_factor(rank, step)`` times as long."""
+    def compute(self, rank: int, step: int, rows: int = 0):
+        """Time the block; then sleep so that it took ``rank_factor(rank, step)`` times as long.
+
+        With ``pace`` > 0 the block first lasts at least ``rows * pace`` seconds: an emulated device
+        that needs ``pace`` seconds per row while the host waits (as for a GPU kernel). On a laptop
+        with fewer cores than ranks, ranks' real compute contends for the cores and is noisy; the
+        paced time is not, so a lesson's numbers are reproducible. Real work still runs inside."""
         t0 = time.perf_counter()
         yield
-        stretch(time.perf_counter() - t0, self.rank_factor(rank, step))
+        spent = time.perf_counter() - t0
+        if self.pace and spent < rows * self.pace:
+            time.sleep(rows * self.pace - spent)
+            spent = rows * self.pace
+        stretch(spent, self.rank_factor(rank, step))
 
     def __bool__(self):
         return bool(self.slows)

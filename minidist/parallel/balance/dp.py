@@ -1,0 +1,89 @@
+"""Data parallelism whose per-rank shares of the global batch follow measured throughput.
+
+    run = train_dp_balanced(comm, cfg, batches, slow=Slowdown("rank=2,factor=3,from_step=5"))
+
+Per step, on every rank: take rows [off_r, off_r + n_r) of the global batch (``shares.offsets``),
+compute loss and backward (inside ``slow.compute``: the emulated slowdown), ``ddp.backward(loss,
+n_samples=tokens_r)`` so the gradient is the whole batch's whatever the n_r, wait for the gradient
+all-reduce (the *wait* time: the fast ranks idle here while a straggler computes), take the
+optimizer step, then ``StepMonitor.record`` (one tiny all-gather) gives every rank the same table of
+compute, wait, rows, loss sum and tokens. From it: the global loss, the straggler detector, and the
+``ShareBalancer``'s decision -- identical on every rank, so no rank ever disagrees about the shares.
+
+``plan(step)`` (tests) replaces the balancer: the shares of each step come from it, e.g. random
+vectors, to prove training equals the serial twin whatever the shares.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minidist.nn import GPT
+from minidist.optim import make_optimizer
+from minidist.parallel.balance.measure import StepMonitor, StragglerDetector
+from minidist.parallel.balance.shares import ShareBalancer, balanced_time, offsets
+from minidist.parallel.ddp import DistributedDataParallel
+from minidist.slow import Slowdown
+
+
+@dataclass
+class BalancedRun:
+    """What ``train_dp_balanced`` returns on every rank (the same on all, but ``model``)."""
+    model: object
+    losses: list = field(default_factory=list)        # per step: the global batch's mean loss
+    step_seconds: list = field(default_factory=list)  # per step: wall time (this rank's clock)
+    shares: list = field(default_factory=list)        # per step: the rows each rank took
+    ideal_seconds: list = field(default_factory=list)  # per step: B / Σ s_i from the smoothed speeds
+    stragglers: list = field(default_factory=list)    # per step: ranks named slow
+    monitor: StepMonitor | None = None
+    detector: StragglerDetector | None = None
+
+
+def train_dp_balanced(comm, cfg, batches, lr: float = 0.1, optimizer: str = "sgd", slow=None,
+                      balance: bool = True, every: int = 2, window: int = 3, margin: float = 0.1,
+                      threshold: float = 0.5, patience: int = 2, plan=None, on_step=None) -> BalancedRun:
+    """Train ``GPT(cfg)`` on ``batches`` (global (x, y), the same list on every rank) with moving shares.
+
+    ``slow``: a ``Slowdown`` (default: from $MINIDIST_SLOW). ``balance=False`` keeps equal shares (the
+    static baseline, still measured). ``on_step(step, run, table)`` after each step."""
+    slow = Slowdown() if slow is None else slow if isinstance(slow, Slowdown) else Slowdown(slow)
+    slow.check_world(comm.size, rank=comm.rank)
+    total = int(batches[0][0].shape[0])
+    model = GPT(cfg)
+    ddp = DistributedDataParallel(model, comm)
+    opt = make_optimizer(optimizer, model.parameters(), lr)
+    balancer = ShareBalancer(total, comm.size, every=every, margin=margin)
+    monitor = StepMonitor(comm, window=window, extra=("loss_sum", "tokens"))
+    run = BalancedRun(model=model, monitor=monitor, detector=StragglerDetector(threshold, patience))
+    for step, (x, y) in enumerate(batches):
+        shares = plan(step) if plan is not None else balancer.shares
+        if sum(shares) != x.shape[0] or len(shares) != comm.size or min(shares) < 1:
+            raise ValueError(f"rank {comm.rank}: step {step}: shares {shares} must be {comm.size} counts >= 1"
+                             f" summing to the global batch of {x.shape[0]} rows")
+        lo = offsets(shares)[comm.rank]
+        xs, ys = x[lo:lo + shares[comm.rank]], y[lo:lo + shares[comm.rank]]
+        tokens = int((np.asarray(ys) != -1).sum())
+        t0 = time.perf_counter()
+        with slow.compute(comm.rank, step, shares[comm.rank]):
+            loss = model.loss(xs, ys)
+            ddp.backward(loss, n_samples=tokens)
+        t1 = time.perf_counter()
+        ddp.wait_gradients()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        table = monitor.record(t1 - t0, t2 - t1, shares[comm.rank], float(loss.item()) * tokens, tokens)
+        run.losses.append(float(table[:, 3].sum() / max(table[:, 4].sum(), 1)))
+        run.shares.append(list(shares))
+        run.step_seconds.append(time.perf_counter() - t0)
+        spr = monitor.seconds_per_row()
+        run.ideal_seconds.append(balanced_time(total, spr))
+        run.stragglers.append(run.detector.update(step, spr))
+        if balance and plan is None:
+            balancer.decide(step, spr)
+        if on_step is not None:
+            on_step(step, run, table)
+    return run
