@@ -86,6 +86,7 @@ def test_output_path_in_a_missing_folder_fails_before_training(tmp_path, module,
     path = tmp_path / "no-such-folder" / "out.file"
     err = cli_error(module, ["--ranks", "2", flag, str(path)])
     assert f"argument {flag}" in err and "does not exist" in err
+    assert "is a folder" in cli_error(module, ["--ranks", "2", flag, str(tmp_path)])
 
 
 def test_flags_checked_against_the_model_and_the_world():

@@ -85,6 +85,8 @@ class LessonParser(argparse.ArgumentParser):
             if path:
                 folder = os.path.dirname(os.path.abspath(path))
                 flag = "--" + dest.replace("_", "-")
+                if os.path.isdir(path):
+                    self.error(f"argument {flag}: {path!r} is a folder; give a file name inside it")
                 if not os.path.isdir(folder):
                     self.error(f"argument {flag}: folder {folder} of {path!r} does not exist")
                 if not os.access(folder, os.W_OK):
