@@ -57,8 +57,9 @@ def here_rows(args):
     spec = ModelSpec("bench", n_layer=4, d_model=128, n_head=4, vocab=256, seq=64, engine="minidist",
                      dtype_bytes=4)
     batch = 16
-    print(f"here: {hw.name}, {hw.cores} cores, load average now {os.getloadavg()[0]:.1f} (calibrated at "
-          f"{hw_load():.1f}); GPT {cfg.n_layer}x{cfg.d_model}, batch {batch}x{cfg.block_size}")
+    print(f"here: {hw.name}, {hw.cores:.1f} cores free to thread ranks, load average now "
+          f"{os.getloadavg()[0]:.1f} (calibrated at {hw_load():.1f}); GPT {cfg.n_layer}x{cfg.d_model}, "
+          f"batch {batch}x{cfg.block_size}")
     print(f"{'mesh':<22} {'predicted s':>11} {'measured s':>10} {'ratio':>6}  within 30%")
     ok = True
     for dp, tp, pp, m in [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 4), (2, 2, 2, 2), (8, 1, 1, 1)]:

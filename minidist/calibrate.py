@@ -131,6 +131,39 @@ def allreduce_alpha_beta(ranks: int = 2) -> tuple[float, float]:
     return max(float(alpha), 1e-7), max(float(beta), 1e-12)
 
 
+def effective_cores(threads: int, minidist_ops: bool = False) -> float:
+    """How many cores' worth of work `threads` threads really get at once: the same work on one
+    thread, then on `threads` threads together. Plain matmuls (NumPy releases the GIL inside BLAS):
+    the core count on an idle machine, less when other programs keep the cores busy -- what MPI
+    ranks, one process each, get. `minidist_ops=True`: forward + backward of minidist layers, whose
+    Python (autograd, small ops) runs one thread at a time -- what ranks on the threads transport get."""
+    import threading
+
+    from minidist.nn import GPT, GPTConfig
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((192, 192)).astype(np.float32)
+    model = GPT(GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=4, d_model=128))
+    ids = rng.integers(0, 64, (8, 64))
+
+    def work():
+        if not minidist_ops:
+            for _ in range(40):
+                a @ a
+            return
+        for _ in range(2):  # a GPT's forward + backward: every kind of op, at a lesson's sizes
+            model.loss(ids, ids).backward()
+
+    def together():
+        ts = [threading.Thread(target=work) for _ in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    one = _median_time(work, 3, min_time=0)
+    return max(1.0, min(float(threads), threads * one / _median_time(together, 3, min_time=0)))
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -149,7 +182,9 @@ def calibrate(path: str = CALIBRATION_PATH) -> dict:
     except ImportError:
         limit = None
     alpha, beta = allreduce_alpha_beta()
-    c = {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)), "flops": matmul_flops(),
+    cores = len(os.sched_getaffinity(0))
+    c = {"cpu": cpu_name(), "cores": cores, "cores_free": effective_cores(cores),
+         "cores_threads": effective_cores(cores, minidist_ops=True), "flops": matmul_flops(),
          "mem_bandwidth": mem_bandwidth(), "op_overhead": op_overhead(), "alpha": alpha, "beta": beta,
          "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "time": time.time(),
          "kernels": kernels(), "load": os.getloadavg()[0]}
@@ -165,7 +200,9 @@ def calibrate(path: str = CALIBRATION_PATH) -> dict:
 
 def main() -> None:
     c = calibrate()
-    print(f"{c['cpu']}, {c['cores']} cores: matmul {c['flops'] / 1e9:.1f} GFLOP/s (one thread), memory "
+    print(f"{c['cpu']}, {c['cores']} cores ({c['cores_free']:.1f} free to processes, "
+          f"{c['cores_threads']:.1f} to minidist's thread ranks):")
+    print(f"  matmul {c['flops'] / 1e9:.1f} GFLOP/s (one thread), memory "
           f"{c['mem_bandwidth'] / 1e9:.1f} GB/s, op overhead {c['op_overhead'] * 1e6:.1f} us, all-reduce "
           f"alpha {c['alpha'] * 1e6:.1f} us, beta {1 / c['beta'] / 1e9:.2f} GB/s")
     print(f"wrote {CALIBRATION_PATH}")

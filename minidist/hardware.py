@@ -71,7 +71,8 @@ class Hardware:
     host_link: Link | None = None  # to host memory (offload)
     disk: Link | None = None       # to local NVMe (offload)
     op_overhead: float = 0.0       # seconds per op (forward + backward) outside the math: Python, dispatch
-    cores: int = 0                 # cores the ranks share (0: one chip per rank, nothing shared)
+    cores: float = 0               # cores the ranks share (0: one chip per rank, nothing shared); for
+                                   # this machine, the cores' worth calibrate found free
     kernels: dict | None = field(default=None, compare=False)  # measured minidist op rates (calibrate)
     gil: bool = False              # ranks are threads of one Python process (their Python runs in turn)
     sources: tuple = field(default=(), compare=False)
@@ -116,9 +117,11 @@ PRESETS = {"a100": A100, "h100": H100, "b200": B200, "tpu-v4": TPU_V4, "tpu-v5e"
 CALIBRATION_PATH = os.path.join(os.path.expanduser("~"), ".cache", "minidist", "calibration.json")
 
 
-def here(path: str | None = None) -> Hardware:
+def here(path: str | None = None, transport: str = "threads") -> Hardware:
     """This machine, from the calibration file `python -m minidist.calibrate` wrote (one rank = one
-    chip; the 'intra' link is the threads transport's measured all-reduce alpha/beta)."""
+    chip; the 'intra' link is the threads transport's measured all-reduce alpha/beta). `transport`:
+    "threads" (ranks share one Python: the cores they really get is `cores_threads`, and their ops'
+    fixed costs add up) or "mpi" (one process per rank: `cores_free`)."""
     path = path or CALIBRATION_PATH
     if not os.path.exists(path):
         raise FileNotFoundError(f"no calibration at {path}: run `python -m minidist.calibrate` first "
@@ -128,8 +131,9 @@ def here(path: str | None = None) -> Hardware:
     link = Link(1.0 / c["beta"], c["alpha"], "threads transport")
     return Hardware(f"here ({c.get('cpu', 'this CPU')})", c["flops"], c.get("memory_bytes", 8 * GB),
                     c["mem_bandwidth"], intra=link, inter=link, chips_per_domain=10**6,
-                    gemm_efficiency=1.0, op_overhead=c["op_overhead"], cores=c["cores"],
-                    kernels=c.get("kernels"), gil=True, sources=("calibrate",))
+                    gemm_efficiency=1.0, op_overhead=c["op_overhead"],
+                    cores=c.get("cores_threads" if transport == "threads" else "cores_free", c["cores"]),
+                    kernels=c.get("kernels"), gil=transport == "threads", sources=("calibrate",))
 
 
 def get(name: str) -> Hardware:

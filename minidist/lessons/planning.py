@@ -51,9 +51,7 @@ def make_batches(args) -> list:
 
 def rank_main(comm, args):
     cfg, model = config(args), spec(args)
-    hw = hardware.here()
-    if under_mpi():  # ranks are processes: their Python does not take turns
-        hw = hw.with_(gil=False)
+    hw = hardware.here(transport="mpi" if under_mpi() else "threads")
     cands = [c for c in candidates(model, comm.size, args.batch, hw, zero=(0,), checkpoints=("none", "full"),
                                    microbatches=(1, 2, 4)) if c.schedule == "1f1b"]
     preds = plan(model, comm.size, args.batch, hw, Settings("adamw"), top=6, cands=cands)
