@@ -112,16 +112,25 @@ class Slowdown:
         t0 = time.perf_counter()
         yield
         spent = time.perf_counter() - t0
-        if self.pace and spent < rows * self.pace:
-            time.sleep(rows * self.pace - spent)
-            spent = rows * self.pace
-        stretch(spent, self.rank_factor(rank, step))
+        sleep_until(t0, self.target(spent, rows, self.rank_factor(rank, step)))
+
+    def target(self, spent: float, rows: int, factor: float) -> float:
+        """How long work that really took ``spent`` seconds for ``rows`` rows lasts when emulated:
+        ``factor * max(spent, rows * pace)``."""
+        return factor * max(spent, rows * self.pace)
 
     def __bool__(self):
         return bool(self.slows)
 
     def __repr__(self):
         return f"Slowdown({self.slows})"
+
+
+def sleep_until(t0: float, seconds: float) -> None:
+    """Sleep until ``seconds`` have passed since ``t0`` (a ``time.perf_counter()``), if they have not."""
+    left = t0 + seconds - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
 
 
 def stretch(seconds: float, factor: float) -> None:
