@@ -56,7 +56,7 @@ def rank_main(comm, args):
                                    microbatches=(1, 2, 4)) if c.schedule == "1f1b"]
     preds = plan(model, comm.size, args.batch, hw, Settings("adamw"), top=6, cands=cands)
     rprint(comm, f"{model.name}: {model.params():,} parameters, batch {args.batch} x {args.seq} tokens, "
-                 f"{comm.size} ranks on {hw.name}, {hw.cores} cores")
+                 f"{comm.size} ranks on {hw.name}, {hw.cores:.1f} cores free to them")
     rprint(comm, table(preds, 6, args.batch, hw))
     best = preds[args.choice - 1] if args.choice <= len(preds) else preds[0]
     c = best.cand
@@ -115,7 +115,7 @@ def report(args, cfg, model, best, everyone, state, data, hw) -> bool:
     ratio = best.step / step
     print(f"step time: predicted {best.step * 1e3:.1f} ms, measured median {step * 1e3:.1f} ms, ratio "
           f"{ratio:.2f} -> {'MET' if abs(ratio - 1) <= 0.3 else 'MISSED'} the 30% target "
-          f"(load average now {os.getloadavg()[0]:.1f} on {hw.cores} cores)")
+          f"(load average now {os.getloadavg()[0]:.1f}, {hw.cores:.1f} cores free to the ranks)")
     print(f"bytes and memory: {'PASS' if ok else 'FAIL'} (exact)")
     return ok
 
