@@ -45,7 +45,7 @@ import time
 import numpy as np
 
 from minidist.backend import backend_of, default_backend
-from minidist.comm import tracing
+from minidist.comm import link, tracing
 from minidist.comm.ledger import Ledger, current_call
 
 MAX_USER_TAG = 1 << 20          # user tags are 0 .. MAX_USER_TAG-1; larger ones are minidist's own
@@ -141,6 +141,7 @@ class Communicator:
         self.async_worker = None        # the thread that runs this communicator's async collectives
         self.agreed_crowded = None      # cost.agreed_crowded's answer, once the ranks agreed on it
         self.scratch: dict = {}         # dtype -> reusable work buffer of the collectives
+        link.attach(self)               # an emulated slow link (MINIDIST_LINK), if any: link.py
 
     # -- the transport interface (see the module docstring) ------------------------------------
     def isend_buffer(self, buf: np.ndarray, dest: int, tag: int = 0, *, header: bool = False,

@@ -45,6 +45,7 @@ from minidist.comm import all_reduce, all_reduce_async, broadcast
 from minidist.comm.collectives import split_sizes
 from minidist.comm.handles import start_async
 from minidist.parallel.compose import check_compatible, claim
+from minidist.parallel.compress.bucket import GradBucket
 from minidist.trace import OverlapRecorder, hidden_fraction
 
 # -- buckets -------------------------------------------------------------------------------------
@@ -156,6 +157,7 @@ class DistributedDataParallel:
         self.buckets = self._make_buckets(bucket_bytes)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._sync = True
+        self._comm_hook = None  # (state, hook) of register_comm_hook; None: the plain all-reduce
         self.started_in_backward = 0  # buckets of the last window whose collective began during backward
         self.timeline = OverlapRecorder()  # when backward and each collective ran (minidist.trace)
         self._reset_window()
@@ -254,7 +256,21 @@ class DistributedDataParallel:
         self._handles[b.index] = self._launch(b, b.flatten(grads))
 
     def _launch(self, b: Bucket, flat):
+        if self._comm_hook is not None:
+            state, hook = self._comm_hook
+            return hook(state, GradBucket(b.index, flat, [p.shape for p in b.params], self.comm, self._async,
+                                          self.algorithm, is_last=b.index == len(self.buckets) - 1))
         return self._async(all_reduce, flat, f"all-reduce b{b.index}", op="sum", algorithm=self.algorithm)
+
+    def register_comm_hook(self, state, hook) -> None:
+        """Send each bucket through ``hook(state, bucket) -> Handle`` instead of the all-reduce
+        (PyTorch's contract; built-in hooks, e.g. PowerSGD, in ``minidist.parallel.compress``). The
+        handle gives the bucket summed over ranks; DDP divides it by the batch as usual. Register once,
+        before the first backward."""
+        if self._comm_hook is not None or self._handles:
+            raise RuntimeError(f"rank {self.comm.rank}: register_comm_hook once, before the first backward "
+                               f"(a hook is {'already registered' if self._comm_hook else 'too late now'})")
+        self._comm_hook = (state, hook)
 
     def _async(self, fn, x, label, **kw):
         """Start collective ``fn(comm, x, **kw)`` on the async worker, timed by ``self.timeline``."""

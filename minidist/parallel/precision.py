@@ -32,6 +32,7 @@ from minidist.comm import all_reduce
 from minidist.nn.layers import LayerNorm
 from minidist.nn.module import Module
 from minidist.parallel.compose import check_compatible, claimed
+from minidist.parallel.compress.cast import cast_all_reduce
 from minidist.parallel.ddp import build_buckets
 from minidist.tensor import Tensor, no_grad
 
@@ -258,7 +259,7 @@ class MixedPrecision:
             self._reduced_over.append(comm)
         for b in build_buckets([p for p in self.params if p.grad is not None], float("inf")):
             flat = b.flatten([p.grad for p in b.params])
-            flat = all_reduce(comm, flat * np.asarray(1.0 / comm.size, dtype=flat.dtype), op="sum")
+            flat = cast_all_reduce(comm, flat, flat.dtype)  # the cast-compression hook's arithmetic
             for p, v in zip(b.params, b.views(flat)):
                 p.grad = v
 
