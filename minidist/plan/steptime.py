@@ -82,12 +82,12 @@ def collective_time(hw: Hardware, cand: Candidate, c) -> float:
     link, p, outer, q = axis_link(hw, cand, c.axis)
     if c.axis == "pp":
         return link.latency + c.sent / link.bandwidth
-    steps = 2 * (p - 1) if c.name == "ring_all_reduce" else (p - 1)
-    t = steps * link.latency + c.sent / link.bandwidth
-    if outer is not None and q > 1:
-        frac = (2 if c.name == "ring_all_reduce" else 1) * (q - 1) / q
-        t += 2 * (q - 1) * outer.latency + frac * c.payload / p / outer.bandwidth
-    return t
+    passes = 2 if c.name == "ring_all_reduce" else 1  # reduce-scatter + all-gather, or one of them
+    if outer is None or q == 1:
+        return passes * (p - 1) * link.latency + c.sent / link.bandwidth
+    inside = passes * (p - 1) * link.latency + passes * (p - 1) / p * c.payload / link.bandwidth
+    across = passes * (q - 1) * outer.latency + passes * (q - 1) / q * c.payload / p / outer.bandwidth
+    return inside + across
 
 
 def _stage_math(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int, settings: Settings) -> tuple:
