@@ -110,13 +110,22 @@ def layer_kinds(model: ModelSpec) -> list[str]:
 
 
 def stage_layers(model: ModelSpec, cand: Candidate) -> list[list[int]]:
-    """For each pipeline stage, the indices (into `layer_kinds`) of the layers it holds (all chunks)."""
-    return _stage_layers(model.n_layer + 2, cand.pp, cand.chunks)
+    """For each pipeline stage, the indices (into `layer_kinds`) of the layers it holds (all chunks).
+
+    minidist: `partition_uniform` of its whole layer list (embedding and head count as layers), what
+    `train_3d` does. Megatron-LM: the blocks split evenly over the virtual stages, the embedding
+    joining the first and the head the last (a 1T GPT's 128 blocks on 64 stages: 2 each)."""
+    return _stage_layers(model.n_layer, cand.pp, cand.chunks, model.engine == "minidist")
 
 
 @functools.lru_cache(maxsize=256)
-def _stage_layers(n: int, pp: int, chunks: int) -> list[list[int]]:
-    bounds = partition_uniform(n, pp * chunks)
+def _stage_layers(n_layer: int, pp: int, chunks: int, whole_list: bool) -> list[list[int]]:
+    if whole_list:
+        bounds = partition_uniform(n_layer + 2, pp * chunks)
+    else:
+        blocks = [(a + 1, b + 1) for a, b in partition_uniform(n_layer, pp * chunks)]  # layer 0 = embed
+        bounds = [(0 if v == 0 else a, n_layer + 2 if v == len(blocks) - 1 else b)
+                  for v, (a, b) in enumerate(blocks)]
     return [[i for c in range(chunks) for i in range(*bounds[c * pp + s])] for s in range(pp)]
 
 
