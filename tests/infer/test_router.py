@@ -1,0 +1,77 @@
+"""Routing requests over replicas: the same tokens whatever the route; least-loaded beats
+round-robin when one replica is slow."""
+
+from functools import cache
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minidist.infer import Request, SamplingParams, serve
+from minidist.infer.router import choose, outstanding_tokens, poisson_arrivals, route
+from minidist.infer.scheduler import Scheduler
+from minidist.nn import GPT, GPTConfig
+from minidist.slow import Slowdown
+
+V = 32
+
+
+@cache
+def model():
+    return GPT(GPTConfig(vocab_size=V, block_size=32, n_layer=1, n_head=2, d_model=16, seed=3))
+
+
+def _requests(specs, temperature=0.0):
+    sampling = SamplingParams(temperature=temperature) if temperature else SamplingParams()
+    return [Request(i, p, n, sampling) for i, (p, n) in enumerate(specs)]
+
+
+@given(specs=st.lists(st.tuples(st.lists(st.integers(0, V - 1), min_size=1, max_size=6), st.integers(0, 6)),
+                      min_size=1, max_size=8),
+       replicas=st.integers(1, 3), temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 3))
+def test_every_route_gives_the_tokens_of_one_replica(specs, replicas, temperature, seed):
+    reqs = _requests(specs, temperature)
+    want, _, _ = serve(model(), reqs, max_batch=2)  # one replica, every request: the reference
+    arrivals = poisson_arrivals(len(reqs), rate=500, seed=seed)
+    for policy in ("round_robin", "least_loaded"):
+        got = route(model(), reqs, arrivals, replicas=replicas, policy=policy, max_batch=2)
+        assert got.outputs == want, policy
+        assert set(got.latency) == {r.id for r in reqs} and min(got.latency.values()) >= 0
+
+
+def test_least_loaded_counts_queued_and_running_tokens():
+    a, b = Scheduler(model(), max_batch=2), Scheduler(model(), max_batch=2)
+    a.submit(Request(0, [1, 2, 3], 5))          # 3 prompt + 5 new = 8 tokens queued
+    b.submit(Request(1, [1], 2))                # 1 + 2 = 3
+    b.submit(Request(2, [1, 2], 1))             # 2 + 1 = 3
+    assert (outstanding_tokens(a), outstanding_tokens(b)) == (8, 6)
+    assert choose("least_loaded", [a, b], 0) == 1 and choose("round_robin", [a, b], 0) == 0
+    b.step()                                    # both admitted, one token each: 2 - 1 + 1 - 1 = 1 left
+    assert outstanding_tokens(b) == 1
+    idle = [Scheduler(model(), max_batch=2) for _ in range(3)]
+    assert [choose("least_loaded", idle, k) for k in range(4)] == [0, 1, 2, 0]  # ties: round-robin
+
+
+def test_a_slow_replica_gets_less_and_least_loaded_beats_round_robin():
+    rng = np.random.default_rng(0)
+    reqs = _requests([(rng.integers(0, V, 4).tolist(), 8) for _ in range(24)])
+    arrivals = poisson_arrivals(len(reqs), rate=100, seed=1)
+    slow = Slowdown("rank=1,factor=4", pace=0.002)  # paced: the clock counts rows, not this machine's load
+    rr = route(model(), reqs, arrivals, replicas=3, policy="round_robin", slow=slow)
+    ll = route(model(), reqs, arrivals, replicas=3, policy="least_loaded", slow=slow)
+    assert ll.outputs == rr.outputs
+    counts = np.bincount(list(ll.replica_of.values()), minlength=3)
+    assert counts[1] < counts[0] and counts[1] < counts[2], counts
+    assert np.bincount(list(rr.replica_of.values())).tolist() == [8, 8, 8]
+    assert ll.percentile(99) < 0.8 * rr.percentile(99) and ll.throughput > rr.throughput
+
+
+def test_route_errors_name_the_argument():
+    reqs = _requests([([1], 2)])
+    with pytest.raises(ValueError, match="policy must be one of"):
+        route(model(), reqs, [0.0], policy="random")
+    with pytest.raises(ValueError, match="one arrival time >= 0"):
+        route(model(), reqs, [])
+    with pytest.raises(ValueError, match="slows rank 3, but there are only 2"):
+        route(model(), reqs, [0.0], replicas=2, slow="rank=3,factor=2")
