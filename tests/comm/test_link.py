@@ -1,0 +1,118 @@
+"""The emulated link (minidist/comm/link.py): a message takes alpha + bytes/bandwidth, and an all-reduce
+takes what the cost model's alpha-beta counts predict for that link."""
+
+import time
+
+import numpy as np
+import pytest
+
+from minidist.comm import all_reduce, measure, run
+from minidist.comm.link import Link, parse_link, set_link
+
+
+@pytest.fixture
+def link():
+    """set_link for the test's communicators, restored afterwards (it is process-wide)."""
+    previous = []
+
+    def use(spec):
+        previous.append(set_link(spec))
+    yield use
+    if previous:
+        set_link(previous[0])
+
+
+def test_parse_link():
+    one = parse_link("alpha_us=50,gbps=1")
+    assert (one.alpha, one.bandwidth) == (pytest.approx(50e-6), 1e9 / 8)
+    assert parse_link("mbps=100") == Link(0.0, 100e6 / 8)
+    assert one.delay(1000) == pytest.approx(50e-6 + 8e-6)
+    assert parse_link("") is None and parse_link("off") is None
+    for bad in ["alpha_us=50", "gbps=x", "alpha=3,gbps=1", "gbps=-1"]:
+        with pytest.raises(ValueError, match="link spec"):
+            parse_link(bad)
+
+
+def _median_time(fn, comm, reps=3):
+    times = []
+    for _ in range(reps):
+        comm.barrier()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def test_one_message_takes_alpha_plus_bytes_over_bandwidth(link):
+    link("alpha_us=2000,mbps=100")   # 2 ms + 80 ns per byte: 200 kB -> 18 ms
+    x = np.ones(25_000, np.float64)  # 200 000 bytes
+
+    def body(comm):
+        if comm.rank == 0:
+            return _median_time(lambda: comm.send(x, 1), comm)
+        return _median_time(lambda: comm.recv(0), comm)
+    sent, received = run(body, ranks=2)
+    want = 2e-3 + 200_000 / (100e6 / 8)
+    assert want <= sent < want * 1.25 + 3e-3, (sent, want)      # the sender's link is busy that long
+    assert want <= received < want * 1.25 + 3e-3, (received, want)
+
+
+def test_a_ring_all_reduce_takes_the_cost_models_alpha_beta_time(link):
+    """4 ranks, 400 kB: 6 rounds of alpha and 2(p-1)/p N bytes -- cost.all_reduce_counts' numbers on
+    this link (measured minus the same all-reduce without a link: local copies and adds)."""
+    x = np.ones(50_000, np.float64)
+
+    def body(comm):
+        with measure(comm) as m:
+            t = _median_time(lambda: all_reduce(comm, x, algorithm="ring"), comm)
+        return t, m.bytes_sent
+    link(None)
+    base = max(t for t, _ in run(body, ranks=4))
+    link("alpha_us=1000,mbps=200")
+    slow = run(body, ranks=4)
+    spec = parse_link("alpha_us=1000,mbps=200")
+    predicted = spec.predict_all_reduce("ring", x.nbytes, 4)
+    assert predicted == pytest.approx(6 * 1e-3 + 6 / 4 * 400_000 / 25e6)  # the textbook formula, by hand
+    measured = max(t for t, _ in slow)
+    assert slow[0][1] == 3 * 6 / 4 * 400_000  # 3 calls; the link changes the time, not the bytes
+    # (a shared 2-core machine: other processes' load comes on top, never off the link's time)
+    assert predicted * 0.9 <= measured - base + 2e-3 and measured - base <= predicted * 1.5 + 5e-3, \
+        (measured, base, predicted)
+
+
+def test_without_a_link_sends_are_not_wrapped(link):
+    link(None)
+    out = run(lambda comm: ("isend_buffer" in vars(comm), comm.link), ranks=2)
+    assert out == [(False, None), (False, None)]
+
+
+PROGRAM = """
+import time, numpy as np
+from minidist.comm import world
+comm = world()
+x = np.ones(25_000)
+for _ in range(2):  # the second message is timed
+    comm.barrier()
+    t = time.perf_counter()
+    comm.send(x, 1) if comm.rank == 0 else comm.recv(0)
+    dt = time.perf_counter() - t
+print(f"rank {comm.rank} {dt:.6f}", flush=True)
+"""
+
+
+@pytest.mark.mpi
+def test_the_link_delays_mpi_messages_too(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "link_program.py"
+    script.write_text(PROGRAM)
+    env = dict(os.environ, MINIDIST_LINK="alpha_us=2000,mbps=100", MINIDIST_TIMEOUT="30")
+    res = subprocess.run(["mpirun", "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    times = [float(line.split()[2]) for line in res.stdout.splitlines() if line.startswith("rank")]
+    want = 2e-3 + 200_000 / (100e6 / 8)
+    # the receiver may leave the barrier a little after the sender: its wait can be that much shorter
+    assert len(times) == 2 and all(want * 0.9 <= t < want * 1.3 + 5e-3 for t in times), (times, want)
