@@ -44,17 +44,18 @@ def _median_time(fn, comm, reps=3):
 
 
 def test_one_message_takes_alpha_plus_bytes_over_bandwidth(link):
+    """A round trip (rank 0 -> 1 -> 0, timed on rank 0: no clock skew between ranks) is two messages."""
     link("alpha_us=2000,mbps=100")   # 2 ms + 80 ns per byte: 200 kB -> 18 ms
     x = np.ones(25_000, np.float64)  # 200 000 bytes
 
     def body(comm):
         if comm.rank == 0:
-            return _median_time(lambda: comm.send(x, 1), comm)
-        return _median_time(lambda: comm.recv(0), comm)
-    sent, received = run(body, ranks=2)
-    want = 2e-3 + 200_000 / (100e6 / 8)
-    assert want <= sent < want * 1.25 + 3e-3, (sent, want)      # the sender's link is busy that long
-    assert want <= received < want * 1.25 + 3e-3, (received, want)
+            return _median_time(lambda: (comm.send(x, 1), comm.recv(1)), comm)
+        return _median_time(lambda: comm.send(comm.recv(0), 0), comm)
+    round_trip = run(body, ranks=2)[0]
+    want = 2 * (2e-3 + 200_000 / (100e6 / 8))
+    # (a shared 2-core machine: other processes' load comes on top, never off the link's time)
+    assert want <= round_trip < want * 1.5 + 5e-3, (round_trip, want)
 
 
 def test_a_ring_all_reduce_takes_the_cost_models_alpha_beta_time(link):
@@ -91,12 +92,17 @@ import time, numpy as np
 from minidist.comm import world
 comm = world()
 x = np.ones(25_000)
-for _ in range(2):  # the second message is timed
+for _ in range(2):  # the second round trip is timed
     comm.barrier()
     t = time.perf_counter()
-    comm.send(x, 1) if comm.rank == 0 else comm.recv(0)
+    if comm.rank == 0:
+        comm.send(x, 1)
+        comm.recv(1)
+    else:
+        comm.send(comm.recv(0), 0)
     dt = time.perf_counter() - t
-print(f"rank {comm.rank} {dt:.6f}", flush=True)
+if comm.rank == 0:
+    print(f"round trip {dt:.6f}", flush=True)
 """
 
 
@@ -112,7 +118,6 @@ def test_the_link_delays_mpi_messages_too(tmp_path):
     res = subprocess.run(["mpirun", "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
                          timeout=60, env=env)
     assert res.returncode == 0, res.stderr
-    times = [float(line.split()[2]) for line in res.stdout.splitlines() if line.startswith("rank")]
-    want = 2e-3 + 200_000 / (100e6 / 8)
-    # the receiver may leave the barrier a little after the sender: its wait can be that much shorter
-    assert len(times) == 2 and all(want * 0.9 <= t < want * 1.3 + 5e-3 for t in times), (times, want)
+    times = [float(line.split()[2]) for line in res.stdout.splitlines() if line.startswith("round trip")]
+    want = 2 * (2e-3 + 200_000 / (100e6 / 8))
+    assert len(times) == 1 and want <= times[0] < want * 1.5 + 5e-3, (res.stdout, want)
