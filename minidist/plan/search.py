@@ -27,8 +27,9 @@ def candidates(model: ModelSpec, chips: int, batch: int, hw: Hardware, zero=(0, 
     for tp in divisors(chips):
         if tp > hw.chips_per_domain or model.n_head % tp or (model.engine == "minidist" and model.vocab % tp):
             continue
+        stages_max = model.n_layer + 2 if model.engine == "minidist" else model.n_layer  # a layer each
         for pp in divisors(chips // tp):
-            if pp > model.n_layer + 2:
+            if pp > stages_max:
                 continue
             dp = chips // (tp * pp)
             for mb in microbatches:
@@ -36,7 +37,7 @@ def candidates(model: ModelSpec, chips: int, batch: int, hw: Hardware, zero=(0, 
                     continue
                 m = batch // (dp * mb)
                 scheds = [("1f1b", 1)] + [("interleaved", v) for v in (2, 4)
-                                          if pp > 1 and m % pp == 0 and v * pp <= model.n_layer + 2]
+                                          if pp > 1 and m % pp == 0 and v * pp <= stages_max]
                 eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if model.experts > 1 and e <= dp
                        and dp % e == 0 and model.experts % e == 0] or [1]
                 for sched, v in scheds:
