@@ -118,9 +118,11 @@ class Pow(Function):
         a, b, out = ctx.saved
         sa, sb = ctx.shapes
         ga = unbroadcast(g * b * a ** (b - 1), sa) if ctx.needs_grad[0] else None
-        # a Python-number base keeps its weak dtype (math.log), so a float32 exponent stays float32
-        log_a = _xp(out).log(a) if hasattr(a, "shape") else math.log(a)
-        gb = unbroadcast(g * out * log_a, sb) if ctx.needs_grad[1] else None
+        gb = None
+        if ctx.needs_grad[1]:  # a Python-number base is made an array of out's dtype: float32 stays so
+            xp = _xp(out)
+            log_a = xp.log(a if hasattr(a, "shape") else xp.asarray(a, dtype=out.dtype))
+            gb = unbroadcast(g * out * log_a, sb)
         return ga, gb
 
 
