@@ -95,11 +95,12 @@ class Result3D:
 
 def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbatches: int = 1,
              schedule: str = "1f1b", lr: float = 0.1, optimizer: str = "sgd", chunks: int = 1,
-             layer_costs=None, on_step=None, checkpoint: str | None = None) -> Result3D:
+             layer_costs=None, on_step=None, checkpoint: str | None = None, comm_hook=None) -> Result3D:
     """Train `GPT(cfg)` on `batches` (list of global (x, y) batches, the same on every rank) with
     dp x pp x tp = comm.size ranks. `layer_costs` (one per layer) selects the balanced partition.
     `on_step(step, stats)` is called after each step (e.g. to record traces). `checkpoint` is an
-    activation-checkpointing policy ("full", "sqrt", "every_k", "selective") applied per stage."""
+    activation-checkpointing policy ("full", "sqrt", "every_k", "selective") applied per stage.
+    `comm_hook`: a (state, hook) pair (`minidist.parallel.compress`) for the data-parallel gradients."""
     batch_size = batches[0][0].shape[0]
     check_3d(comm.size, cfg, batch_size, dp, pp, tp, microbatches, chunks, comm.rank)
     mesh = Mesh(comm, dp=dp, pp=pp, tp=tp)
@@ -113,6 +114,8 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
     instructions = make_schedule(schedule, pp, microbatches, chunks)[mesh.pp_rank]
     # data parallelism: DDP's buckets, started during each chunk's last backward (see run_schedule)
     ddp = DistributedDataParallel(stage, mesh.dp, broadcast_from=None) if dp > 1 else None
+    if ddp is not None and comm_hook is not None:
+        ddp.register_comm_hook(*comm_hook)
 
     def optimizer_step():
         if ddp is not None:
