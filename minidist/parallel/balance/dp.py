@@ -10,6 +10,11 @@ optimizer step, then ``StepMonitor.record`` (one tiny all-gather) gives every ra
 compute, wait, rows, loss sum and tokens. From it: the global loss, the straggler detector, and the
 ``ShareBalancer``'s decision -- identical on every rank, so no rank ever disagrees about the shares.
 
+The backward runs in ``ddp.no_sync()``, so the gradient all-reduce starts in ``wait_gradients``,
+after the (emulated) compute: a slowed device's gradients are late, as on real hardware, and the
+others' lateness shows as *wait* (DDP's usual overlap would start buckets during the real backward,
+before the emulated extra time).
+
 ``plan(step)`` (tests) replaces the balancer: the shares of each step come from it, e.g. random
 vectors, to prove training equals the serial twin whatever the shares.
 """
@@ -17,16 +22,24 @@ vectors, to prove training equals the serial twin whatever the shares.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from minidist import trace
 from minidist.nn import GPT
 from minidist.optim import make_optimizer
 from minidist.parallel.balance.measure import StepMonitor, StragglerDetector
 from minidist.parallel.balance.shares import ShareBalancer, balanced_time, offsets
 from minidist.parallel.ddp import DistributedDataParallel
 from minidist.slow import Slowdown
+
+
+def _span(name: str, cat: str, **args):
+    """A span on this rank's trace (``--trace``), or nothing when no tracer is recording."""
+    tracer = trace.current()
+    return nullcontext() if tracer is None else tracer.span(name, cat, **args)
 
 
 @dataclass
@@ -67,11 +80,13 @@ def train_dp_balanced(comm, cfg, batches, lr: float = 0.1, optimizer: str = "sgd
         xs, ys = x[lo:lo + shares[comm.rank]], y[lo:lo + shares[comm.rank]]
         tokens = int((np.asarray(ys) != -1).sum())
         t0 = time.perf_counter()
-        with slow.compute(comm.rank, step, shares[comm.rank]):
+        with _span("Compute", "compute", step=step, rows=shares[comm.rank]), \
+                slow.compute(comm.rank, step, shares[comm.rank]), ddp.no_sync():
             loss = model.loss(xs, ys)
             ddp.backward(loss, n_samples=tokens)
         t1 = time.perf_counter()
-        ddp.wait_gradients()
+        with _span("Wait", "wait", step=step):
+            ddp.wait_gradients()
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
@@ -82,8 +97,8 @@ def train_dp_balanced(comm, cfg, batches, lr: float = 0.1, optimizer: str = "sgd
         spr = monitor.seconds_per_row()
         run.ideal_seconds.append(balanced_time(total, spr))
         run.stragglers.append(run.detector.update(step, spr))
-        if balance and plan is None:
-            balancer.decide(step, spr)
+        if balance and plan is None and balancer.decide(step, spr) and trace.current() is not None:
+            trace.current().instant("Rebalance", "step", shares=list(balancer.shares))
         if on_step is not None:
             on_step(step, run, table)
     return run
