@@ -196,7 +196,7 @@ class PipelineRun:
     step_seconds: list = field(default_factory=list)   # wall time per step (the slowest stage's pace)
     bounds: list = field(default_factory=list)         # the partition each step ran with
     layer_seconds: list = field(default_factory=list)  # per step: agreed fwd+bwd seconds of every layer
-    moves: list = field(default_factory=list)          # (after step, old, new, bytes sent by me, seconds)
+    moves: list = field(default_factory=list)          # (after step, old, new, bytes moved in all, seconds)
 
 
 def train_pipeline_balanced(comm, cfg, batches, microbatches: int = 4, lr: float = 0.1,
@@ -264,7 +264,9 @@ def train_pipeline_balanced(comm, cfg, batches, microbatches: int = 4, lr: float
             t1 = time.perf_counter()
             stage, opt, sent = move_layers(comm, model, bounds, [tuple(b) for b in new], opt,
                                            {"slow": slow}, optimizer, lr)
-            run.moves.append((step, list(bounds), [tuple(b) for b in new], sent, time.perf_counter() - t1))
+            seconds = time.perf_counter() - t1
+            sent = int(all_reduce(comm, np.array([sent], np.int64), op="sum")[0])  # every stage's
+            run.moves.append((step, list(bounds), [tuple(b) for b in new], sent, seconds))
             bounds = [tuple(b) for b in new]
         run.stage = stage
         if on_step is not None:
