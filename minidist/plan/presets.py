@@ -94,6 +94,7 @@ RUNS = {
         notes=("TP 8, CP 1, PP 16, DP 128, seq 8192, 16M tokens per batch = 2048 sequences, batch 16 "
                "sequences per DP rank (Table 4)",
                "ASSUMED: microbatch 1, interleaved 1F1B with 4 chunks per stage (Sec. 3.3.2 describes an "
-               "interleaved schedule without giving v), optimizer state sharded over DP (FSDP, Sec. 3.3.2), "
-               "no activation recomputation (not mentioned)")),
+               "interleaved schedule without giving v), optimizer state sharded over DP (FSDP, Sec. 3.3.2)",
+               "ASSUMED: full activation recomputation -- the paper does not say, and without it this mesh "
+               "needs ~85 GB per GPU by the planner's count (Korthikanti et al. 2022 activations)")),
 }
