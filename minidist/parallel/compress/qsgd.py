@@ -27,12 +27,14 @@ def code_bits(s: int) -> int:
 def qsgd_encode(v, s: int, rng) -> np.ndarray:
     """``v`` -> uint8 message: the packed (level, sign) codes, then the norm's bytes."""
     norm = np.linalg.norm(v).astype(v.dtype)
-    scaled = np.abs(v) / norm * s if norm > 0 else np.zeros_like(v)
+    scaled = np.abs(v) / norm * v.dtype.type(s) if norm > 0 else np.zeros_like(v)
     low = np.floor(scaled)
-    level = (low + (rng.random(v.size) < scaled - low)).astype(np.uint32)
+    level = (low + (rng.random(v.size, dtype=np.float32) < scaled - low)).astype(np.uint8)
     bits = code_bits(s)
-    code = level | ((v < 0).astype(np.uint32) << (bits - 1))
-    planes = ((code[:, None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
+    code = level | ((v < 0).astype(np.uint8) << (bits - 1))  # s < 128: a code fits a byte
+    planes = np.empty((v.size, bits), np.uint8)  # bit i of every code, as a column
+    for i in range(bits):
+        np.bitwise_and(code >> i, 1, out=planes[:, i])
     return np.concatenate([np.packbits(planes.reshape(-1)), np.atleast_1d(norm).view(np.uint8)])
 
 
@@ -40,19 +42,22 @@ def qsgd_decode(msg: np.ndarray, n: int, s: int, dtype) -> np.ndarray:
     """The inverse of ``qsgd_encode`` (of n entries of ``dtype``): norm · sign · level / s."""
     dtype, bits = np.dtype(dtype), code_bits(s)
     norm = msg[-dtype.itemsize:].view(dtype)[0]
-    planes = np.unpackbits(msg[:-dtype.itemsize], count=n * bits).reshape(n, bits).astype(np.uint32)
-    code = planes @ (np.uint32(1) << np.arange(bits, dtype=np.uint32))
-    level = (code & ((1 << (bits - 1)) - 1)).astype(dtype)
-    sign = np.where(code >> (bits - 1), -1, 1).astype(dtype)
-    return norm * sign * level / dtype.type(s)
+    planes = np.unpackbits(msg[:-dtype.itemsize], count=n * bits).reshape(n, bits)
+    code = np.zeros(n, np.uint8)
+    for i in range(bits):
+        code |= planes[:, i] << i
+    values = np.arange(s + 1, dtype=dtype) * (norm / dtype.type(s))  # level -> norm · level / s
+    table = np.concatenate([values, np.zeros((1 << (bits - 1)) - s - 1, dtype), -values,
+                            np.zeros((1 << (bits - 1)) - s - 1, dtype)])
+    return table[code]
 
 
 class QSGDState:
     """``levels``: s (7 = 4 bits per entry with the sign); ``seed``: the per-rank rounding generator."""
 
     def __init__(self, levels=7, seed=0):
-        if not isinstance(levels, int) or levels < 1:
-            raise ValueError(f"QSGD levels={levels!r} must be an integer >= 1")
+        if not isinstance(levels, int) or not 1 <= levels <= 127:
+            raise ValueError(f"QSGD levels={levels!r} must be an integer in 1..127 (a code fits a byte)")
         self.levels, self.seed, self.rng = levels, seed, None
 
 

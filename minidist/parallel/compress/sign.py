@@ -18,16 +18,15 @@ from minidist.comm import all_gather
 def sign_compress(m):
     """(message, sent): the packed signs (1 = m >= 0) and the scale's bytes; the decoded vector."""
     scale = np.abs(m).mean().astype(m.dtype)
-    positive = m >= 0
-    sent = np.where(positive, scale, -scale).astype(m.dtype)
+    positive = (m >= 0).view(np.uint8)
+    sent = np.array([-scale, scale], m.dtype)[positive]
     return np.concatenate([np.packbits(positive), np.atleast_1d(scale).view(np.uint8)]), sent
 
 
 def sign_decompress(msg, n: int, dtype):
     dtype = np.dtype(dtype)
     scale = msg[-dtype.itemsize:].view(dtype)[0]
-    positive = np.unpackbits(msg[:-dtype.itemsize], count=n).astype(bool)
-    return np.where(positive, scale, -scale).astype(dtype)
+    return np.array([-scale, scale], dtype)[np.unpackbits(msg[:-dtype.itemsize], count=n)]
 
 
 class SignState:
