@@ -1,7 +1,7 @@
 """The collectives one rank runs in one training step, per mesh axis, with the bytes it sends.
 
-`collectives(model, cand, batch, stage)` lists `Collective(axis, name, payload, sent, count,
-phase)`: the rank at (pipeline stage `stage`, dp 0, tp 0) calls `name` `count` times on `axis`
+`collectives(model, cand, batch, stage, dp_rank=0, tp_rank=0)` lists `Collective(axis, name,
+payload, sent, count, phase)`: the rank at those mesh coordinates calls `name` `count` times on `axis`
 ("tp", "dp", "pp", "cp", "ep") with a `payload`-byte buffer and sends `sent` bytes each time.
 
 For the "minidist" engine these are exactly the calls minidist makes (tests compare with the
@@ -60,7 +60,7 @@ def gather_sent(nbytes: float, p: int, itemsize: int = 1, rank: int = 0) -> floa
     return float(itemsize * (n - c[(rank + 1) % p]))
 
 
-def _tp_calls(model: ModelSpec, cand: Candidate, stage: int, m: int) -> list[Collective]:
+def _tp_calls(model: ModelSpec, cand: Candidate, stage: int, m: int, r: int) -> list[Collective]:
     tp, b, s, h = cand.tp, cand.microbatch, model.seq // cand.cp, model.d_model
     d = model.dtype_bytes
     act = b * s * h * d
@@ -70,17 +70,18 @@ def _tp_calls(model: ModelSpec, cand: Candidate, stage: int, m: int) -> list[Col
     bwd = 2 * blocks + int(last)
     recompute = 2 * blocks if cand.checkpoint == "full" else 0
     per = m  # the stage's layers (all its chunks) run once per microbatch
-    calls = [Collective("tp", "ring_all_reduce", act, ring_sent(act, tp, d), per * fwd, "forward"),
-             Collective("tp", "ring_all_reduce", act, ring_sent(act, tp, d), per * (bwd + recompute),
+    calls = [Collective("tp", "ring_all_reduce", act, ring_sent(act, tp, d, r), per * fwd, "forward"),
+             Collective("tp", "ring_all_reduce", act, ring_sent(act, tp, d, r), per * (bwd + recompute),
                         "backward")]
     if last and model.engine == "minidist":
         small = b * s * d
-        calls.append(Collective("tp", "ring_all_reduce", small, ring_sent(small, tp, d), 3 * per, "forward"))
+        sent = ring_sent(small, tp, d, r)
+        calls.append(Collective("tp", "ring_all_reduce", small, sent, 3 * per, "forward"))
     return [c for c in calls if c.count]
 
 
-def _dp_calls(model: ModelSpec, cand: Candidate, stage: int, settings: Settings,
-              batch: int) -> list[Collective]:
+def _dp_calls(model: ModelSpec, cand: Candidate, stage: int, settings: Settings, batch: int,
+              r: int) -> list[Collective]:
     _, gb, _ = settings.bytes_for(model)
     _, sizes = stage_param_counts(model, cand, stage)
     p = cand.dp
@@ -92,15 +93,15 @@ def _dp_calls(model: ModelSpec, cand: Candidate, stage: int, settings: Settings,
     for n, kind in buckets:
         nb = n * gb
         if cand.zero == 0:
-            calls.append(Collective("dp", "ring_all_reduce", nb, ring_sent(nb, p, gb), 1, "step"))
+            calls.append(Collective("dp", "ring_all_reduce", nb, ring_sent(nb, p, gb, r), 1, "step"))
         else:
-            sent = gb * (n - split_sizes(n, p)[0])  # all but my own part
+            sent = gb * (n - split_sizes(n, p)[r])  # all but my own part
             calls.append(Collective("dp", "reduce_scatter", nb, sent, 1, "step"))
             pb = settings.bytes_for(model)[0]
             # ZeRO-3: gathered before forward and again for backward (not the embedding: a lookup's
             # gradient needs no weights), for every microbatch: accumulating would keep them whole
             gathers = 1 if cand.zero < 3 else cand.microbatches(batch) * (1 if kind == "embed" else 2)
-            calls.append(Collective("dp", "all_gather", n * pb, gather_sent(n * pb, p, pb), gathers,
+            calls.append(Collective("dp", "all_gather", n * pb, gather_sent(n * pb, p, pb, r), gathers,
                                     "forward" if cand.zero >= 3 else "step"))
     return [c for c in calls if c.sent or p > 1]
 
@@ -144,11 +145,11 @@ def _cp_ep_calls(model: ModelSpec, cand: Candidate, stage: int, m: int) -> list[
 
 
 def collectives(model: ModelSpec, cand: Candidate, batch: int, stage: int = 0,
-                settings: Settings = DEFAULT) -> list[Collective]:
-    """Every collective the rank at (stage, dp 0, tp 0) runs in one step (see module docstring)."""
+                settings: Settings = DEFAULT, dp_rank: int = 0, tp_rank: int = 0) -> list[Collective]:
+    """Every collective the rank at (stage, dp_rank, tp_rank) runs in one step (module docstring)."""
     m = cand.microbatches(batch)
-    out = _tp_calls(model, cand, stage, m) if cand.tp > 1 else []
-    out += _dp_calls(model, cand, stage, settings, batch) if cand.dp > 1 else []
+    out = _tp_calls(model, cand, stage, m, tp_rank) if cand.tp > 1 else []
+    out += _dp_calls(model, cand, stage, settings, batch, dp_rank) if cand.dp > 1 else []
     out += _pp_calls(model, cand, stage, m)
     out += _cp_ep_calls(model, cand, stage, m)
     return out
