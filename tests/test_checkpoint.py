@@ -78,8 +78,11 @@ def test_each_element_is_written_once_and_every_file_is_checksummed(tmp_path, mo
 
 
 def test_keep_last_k_and_latest_is_replaced_last(tmp_path):
+    (tmp_path / "step-00000000.tmp").mkdir()  # a crashed save of an older step: removed
+    (tmp_path / "step-00000009.tmp").mkdir()  # a save still being written: kept
     run(_job, ranks=2, root=str(tmp_path), steps=5, save_at=(1, 2, 3, 4, 5))
-    assert _files(tmp_path) == ["latest", "step-00000003", "step-00000004", "step-00000005"]
+    assert _files(tmp_path) == ["latest", "step-00000003", "step-00000004", "step-00000005",
+                                "step-00000009.tmp"]
     assert (tmp_path / "latest").read_text() == "step-00000005"
 
 

@@ -163,10 +163,15 @@ def commit_step(root, step: int, manifest: dict, keep: int) -> str:
 
 
 def prune(root, keep: int) -> None:
-    """Delete all but the newest ``keep`` finished checkpoints (and stale temporary directories)."""
+    """Delete all but the newest ``keep`` finished checkpoints, and the temporary directories of
+    steps up to the newest (left by crashed saves; a later step's may still be being written)."""
     steps = list_steps(root)
     for s in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(os.path.join(root, step_dir_name(s)), ignore_errors=True)
+    for name in os.listdir(root):
+        m = re.match(r"^step-(\d{8})\.tmp$", name)
+        if m and steps and int(m.group(1)) <= steps[-1]:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def list_steps(root) -> list[int]:
