@@ -38,6 +38,7 @@ from minidist.parallel.balance.pipeline import (
     step_time,
     train_pipeline_balanced,
 )
+from minidist.parallel.pipeline import partition_uniform
 from minidist.slow import Slowdown, parse
 from minidist.testing import host_state, max_state_diff, train_serial
 
@@ -135,10 +136,15 @@ def _describe(s) -> str:
 
 # -- part 2: pipeline re-partitioning --------------------------------------------------------------
 
+def pipeline_layers(p: int) -> int:
+    """Layers of part 2's GPT (embedding, blocks, head): at least 8, two per stage for 4+ stages."""
+    return max(8, 2 * p)
+
+
 def pipeline(comm, args, slow):
     """Train the pipeline, re-partitioned while it runs; returns (ok, numbers, run)."""
     p = comm.size
-    n_layer = max(6, 2 * p - 2)  # embedding + blocks + head: two layers per stage at the start
+    n_layer = pipeline_layers(p) - 2
     cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=n_layer, n_head=2, d_model=16, dtype="float64",
                     seed=args.seed)
     batches = _batches(args.microbatches, args.pp_steps, 32, 8, args.seed + 1)  # one row per microbatch
@@ -214,7 +220,9 @@ def rank_main(comm, args):
         raise SystemExit("load_balancing needs at least 2 ranks (--ranks 2 or mpirun -n 2)")
     spec = args.slow if args.slow is not None else os.environ.get("MINIDIST_SLOW") or \
         f"rank={min(2, comm.size - 1)},factor=3,from_step=5"
-    skew = args.skew if args.skew is not None else ";".join(f"layer={i},factor=4" for i in (2, 3))
+    # default skew: the first two layers of stage 1 in the uniform cut, 4x heavier (one stage holds both)
+    first = partition_uniform(pipeline_layers(comm.size), comm.size)[1][0]
+    skew = args.skew if args.skew is not None else ";".join(f"layer={i},factor=4" for i in (first, first + 1))
     dp_slow = Slowdown([s for s in parse(spec) if s.rank is not None], pace=args.pace)
     pp_slow = Slowdown([s for s in parse(spec) + parse(skew) if s.layer is not None], pace=args.pace / 2)
     ok1, _, dp_run = data_parallel(comm, args, dp_slow)

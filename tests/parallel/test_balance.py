@@ -6,7 +6,13 @@ recurrence), a brute-force search over every contiguous partition, and the seria
 
 import itertools
 import math
+import os
+import re
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,6 +41,7 @@ from minidist.slow import Slow, Slowdown, parse
 from minidist.testing import host_state, max_state_diff, train_serial
 from tests.conftest import budget
 
+ROOT = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, d_model=8, dtype="float64")
 TOL = 1e-9  # float64; only the summation order differs from the serial twin
 
@@ -293,3 +300,45 @@ def test_heavy_layers_are_separated_while_training_and_it_still_equals_serial():
     final = bounds[-1]
     stage_of = {i: s for s, (a, b) in enumerate(final) for i in range(a, b)}
     assert stage_of[2] != stage_of[3], bounds
+
+
+# -- the lesson: threads, a broken twin, mpirun ------------------------------------------------------
+
+SMALL = ["--steps", "8", "--pp-steps", "4", "--pace", "0.004", "--batch", "12", "--microbatches", "4",
+         "--slow", "rank=1,factor=3,from_step=2"]
+
+
+def test_lesson_detects_moves_and_passes_on_threads(capsys):
+    from minidist.lessons.load_balancing import main
+
+    main(["--ranks", "3", *SMALL])
+    out = capsys.readouterr().out
+    assert "detected: rank 1 is" in out and "shares moved after step" in out
+    assert "re-partitioned after step" in out and out.count("-> PASS") == 2 and "FAIL" not in out
+    assert re.search(r"balanced time B / sum\(s_i\) = [\d.]+ ms: .* (MET|MISSED)", out)
+
+
+def test_lesson_exits_1_when_its_serial_twin_disagrees(monkeypatch, capsys):
+    from minidist.lessons import load_balancing as lesson
+
+    real = lesson.train_serial
+
+    def skewed(*a, **k):
+        state, losses = real(*a, **k)
+        return {n: v * 1.1 for n, v in state.items()}, losses
+    monkeypatch.setattr(lesson, "train_serial", skewed)
+    with pytest.raises(SystemExit) as info:
+        lesson.main(["--ranks", "2", *SMALL[:-2], "--pp-steps", "2"])
+    assert info.value.code == 1 and "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (pip install mpich)")
+def test_lesson_under_mpirun_4():
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MINIDIST_TRANSPORT", None)
+    cmd = ["mpirun", "-n", "4", sys.executable, "-m", "minidist.lessons.load_balancing", *SMALL]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "data parallelism on 4 ranks" in res.stdout and res.stdout.count("-> PASS") == 2
+    assert "re-partitioned after step" in res.stdout

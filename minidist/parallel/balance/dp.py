@@ -97,7 +97,8 @@ def train_dp_balanced(comm, cfg, batches, lr: float = 0.1, optimizer: str = "sgd
         spr = monitor.seconds_per_row()
         run.ideal_seconds.append(balanced_time(total, spr))
         run.stragglers.append(run.detector.update(step, spr))
-        if balance and plan is None and balancer.decide(step, spr) and trace.current() is not None:
+        warm = step >= window  # the window no longer holds step 0 (its warm-up time is not a speed)
+        if balance and plan is None and warm and balancer.decide(step, spr) and trace.current() is not None:
             trace.current().instant("Rebalance", "step", shares=list(balancer.shares))
         if on_step is not None:
             on_step(step, run, table)
