@@ -67,7 +67,8 @@ def exchange_with_buddy(comm, snap: Snapshot) -> Snapshot:
 
 
 class Checkpointer:
-    """Saves a ``TrainState`` to each tier when due; ``asynchronous=True`` writes in the background."""
+    """Saves a ``TrainState`` to each tier when due; ``asynchronous=True`` writes in the background.
+    ``fault`` (a ``minidist.faults.Injector``) acts on the last tier's writes (the disk)."""
 
     def __init__(self, comm, tiers: list[Tier], asynchronous: bool = True, fault=None):
         self.comm, self.tiers, self.asynchronous, self.fault = comm, list(tiers), asynchronous, fault
@@ -111,8 +112,7 @@ class Checkpointer:
                 self.written.append((tier.name, snap.step, time.perf_counter() - t0))
             except (files.CheckpointError, OSError) as e:
                 self.errors.append(f"{tier.name} step {snap.step}: {e}")
-                sys.stderr.write(f"[minidist.checkpoint] rank {self.comm.rank}: {tier.name} checkpoint of "
-                                 f"step "
+                sys.stderr.write(f"[minidist.checkpoint] rank {rank}: {tier.name} checkpoint of step "
                                  f"{snap.step} failed: {e}\n")
 
     def wait(self) -> None:
@@ -133,6 +133,6 @@ class Checkpointer:
         resharded = restore(self.comm, where, manifest, state)
         dirs = sorted(set(where.values()))
         used = [t.name for t in self.tiers
-                if any(os.path.dirname(d) == os.path.normpath(t.root) for d in dirs)]
+                if any(os.path.normpath(os.path.dirname(d)) == os.path.normpath(t.root) for d in dirs)]
         info = LoadInfo(manifest["step"], dirs, problems, resharded, time.perf_counter() - t0)
         return info, "+".join(used)
