@@ -4,9 +4,9 @@ Candidates: tp a divisor of the chips in one fast domain (and of the heads), pp 
 layers' count that leaves every stage a layer, dp the rest; ZeRO 0/1/3; checkpointing none /
 selective / full; microbatch sizes 1, 2, 4; 1F1B (and interleaved with 2 or 4 chunks when pp > 1);
 for a mixture of experts, expert parallelism ep (a power of two dividing dp and the experts).
-Ranking: among those that fit, the shortest predicted step; a loser's reason is the first of:
-does not fit (by how much), a larger bubble, more exposed communication on an axis, more compute
-(recomputation, smaller matmuls).
+Ranking: those that fit first, then the shortest predicted step (a tie: less memory). A loser's
+reason: it does not fit (by how much), or the largest of its differences in time from the first --
+bubble, exposed communication on one axis, or compute (recomputation, a fuller pipeline stage).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ across); pp across nodes once tp·dp fills one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from minidist.hardware import Hardware, Link
 from minidist.parallel.pipeline import make_schedule
@@ -56,7 +56,7 @@ class Prediction:
     mfu: float
     tokens_per_s: float
     tflops_per_chip: float      # hardware FLOPs (recomputation counted) per chip per second / 1e12
-    notes: list = field(default_factory=list)
+    reason: str = ""            # set by the search: why it ranks below the first
 
 
 def axis_link(hw: Hardware, cand: Candidate, axis: str) -> tuple[Link, int, Link | None, int]:
