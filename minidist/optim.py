@@ -202,6 +202,7 @@ def clip_grad_norm(params, max_norm: float, norm: float | None = None) -> float:
 
     Pass ``norm`` when it was computed elsewhere (e.g. summed across tensor-parallel ranks).
     """
+    check_hyper("clip_grad_norm", "max_norm", max_norm, low=0.0, open_low=True)
     params = list(params)
     norm = global_grad_norm(params) if norm is None else norm
     if norm > max_norm:

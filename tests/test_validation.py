@@ -238,3 +238,15 @@ def test_zero_formula_sizes(kw):
 
     args = {"stage": 1, "psi": 100, "n": 4} | dict([kw])
     raises_clearly(lambda: zero_formula(**args), f"zero_formula: {kw[0]}")
+
+
+@given(st.sampled_from([math.nan, math.inf, 0.0, -1.0]))
+def test_clip_grad_norm_max_norm(max_norm):
+    raises_clearly(lambda: optim.clip_grad_norm(MODEL.parameters(), max_norm), "max_norm")
+
+
+@given(st.sampled_from([{"warmup": -1, "total": 10}, {"warmup": 2, "total": 0}, {"warmup": 1.5, "total": 10},
+                        {"warmup": 2, "total": 10, "min_ratio": math.nan}]))
+def test_warmup_cosine(kw):
+    opt = optim.SGD(MODEL.parameters(), lr=0.1)
+    raises_clearly(lambda: optim.WarmupCosine(opt, **kw), "WarmupCosine")
