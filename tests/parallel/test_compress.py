@@ -336,3 +336,26 @@ def test_train_3d_takes_a_hook_for_its_data_parallel_part():
         np.testing.assert_allclose(lb, la, rtol=1e-9)
         for x, y in zip(a, b):  # Gram-Schmidt on a nearly rank-deficient P: ~1e-10 off, not 1e-16
             np.testing.assert_allclose(y, x, rtol=1e-7, atol=1e-8)
+
+
+def test_the_lesson_runs_every_method_and_its_checks_pass(capsys):
+    """A tiny run of lesson 12 (all methods, 2 ranks, a fast emulated link): every check PASSes."""
+    from minidist.comm.link import current_link, set_link
+    from minidist.lessons import compression as lesson
+
+    before = current_link()
+    try:
+        lesson.main(["--ranks", "2", "--steps", "4", "--d-model", "16", "--layers", "1", "--seq", "8",
+                     "--link", "alpha_us=1,gbps=100", "--methods", *lesson.METHODS])
+    finally:
+        set_link(before)
+    out = capsys.readouterr().out
+    assert out.count("PASS") == len(lesson.METHODS) and "FAIL" not in out, out
+    assert "link: alpha_us=1,gbps=100" in out
+
+
+def test_the_lesson_refuses_a_bad_link():
+    from minidist.lessons import compression as lesson
+
+    with pytest.raises(SystemExit):
+        lesson.main(["--ranks", "2", "--link", "gbps=fast"])
