@@ -112,13 +112,14 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="llama3-70b", help=f"a preset ({', '.join(MODELS)}) or 'custom'")
     for flag in ("--layers", "--d-model", "--heads", "--vocab", "--seq"):
         ap.add_argument(flag, type=int, help="model shape (overrides the preset's)")
-    ap.add_argument("--engine", choices=("megatron", "minidist"), default=None)
+    ap.add_argument("--engine", choices=("megatron", "minidist"), default=None,
+                    help="what a rank stores: Megatron-style bf16 + fp32 master (default), or minidist's GPT")
     ap.add_argument("--batch", type=int, default=512, help="global batch in sequences")
-    ap.add_argument("--chips", type=int, default=64)
+    ap.add_argument("--chips", type=int, default=64, help="accelerators (ranks) in all")
     ap.add_argument("--hardware", default="h100", help=f"{', '.join(hardware.PRESETS)} or 'here'")
     ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    ap.add_argument("--top", type=int, default=8)
-    ap.add_argument("--plot", metavar="FILE.png")
+    ap.add_argument("--top", type=int, default=8, help="how many ranked meshes to print")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw memory by kind and the step's time breakdown")
     ap.add_argument("--mesh", action="append", default=[], metavar="dp=..,tp=..,pp=..,...",
                     help="evaluate this mesh (fields of minidist.plan.Candidate) instead of searching")
     args = ap.parse_args(argv)

@@ -21,6 +21,7 @@ across); pp across nodes once tp·dp fills one.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from minidist.hardware import Hardware, Link
@@ -59,6 +60,12 @@ class Prediction:
     reason: str = ""            # set by the search: why it ranks below the first
 
 
+@functools.lru_cache(maxsize=1024)
+def _largest_divisor(n: int, cap: int) -> int:
+    """The largest divisor of n that is at most cap (how many of an axis' ranks share a domain)."""
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
 def axis_link(hw: Hardware, cand: Candidate, axis: str) -> tuple[Link, int, Link | None, int]:
     """(inner link, ranks on it, outer link or None, ranks across) for a mesh axis."""
     dom = hw.chips_per_domain
@@ -68,7 +75,8 @@ def axis_link(hw: Hardware, cand: Candidate, axis: str) -> tuple[Link, int, Link
         inner = cand.tp * (cand.cp if axis == "cp" else cand.ep)
         return (hw.intra if inner <= dom else hw.inter), (cand.cp if axis == "cp" else cand.ep), None, 1
     if axis == "dp":
-        inside = max(1, min(cand.dp, dom // max(1, cand.tp)))
+        fits = dom // max(1, cand.tp)  # dp ranks of one tp coordinate inside a domain
+        inside = _largest_divisor(cand.dp, max(1, fits))
         if inside >= cand.dp:
             return hw.intra, cand.dp, None, 1
         return hw.intra, inside, hw.inter, cand.dp // inside
