@@ -2,10 +2,12 @@
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -95,3 +97,39 @@ def test_space_is_reserved_not_sparse(tmp_path):
     assert st.st_size == 4 * 256 * 1024
     assert st.st_blocks * 512 >= st.st_size  # blocks on disk for every byte: no SIGBUS later
     assert m.shape == shape and not m.any()
+
+
+ABORTING = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from minidist.comm import run
+    from minidist.nn import Linear
+    from minidist.parallel.offload import OffloadedAdamW
+
+    def body(comm):
+        opt = OffloadedAdamW(Linear(8, 4, rng=np.random.default_rng(0)).parameters(), sys.argv[1])
+        comm.barrier()
+        if comm.rank == 1:
+            raise RuntimeError("rank 1 fails: the job is aborted")
+        time.sleep(60)
+
+    run(body)
+""")
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (pip install mpich)")
+def test_folders_of_an_aborted_mpi_job_are_swept_by_the_next_optimizer(tmp_path):
+    r = subprocess.run(["mpirun", "-n", "2", sys.executable, "-c", ABORTING, str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    # MPI_Abort ends the failing rank and kills its peer: no Python cleanup runs on either
+    left = folders(tmp_path)
+    assert 1 <= len(left) <= 2
+    pids = [offload_files.owner_of(n, PREFIX)[1] for n in left]
+    deadline = time.monotonic() + 30  # the launcher may return before the killed ranks are reaped
+    while any(offload_files.pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with OffloadedAdamW(params(), tmp_path) as opt:
+        assert folders(tmp_path) == [os.path.basename(opt.folder)]
+    assert folders(tmp_path) == []
