@@ -182,11 +182,14 @@ def plot(path, results):
     import matplotlib.pyplot as plt
 
     fig, (ax_s, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in results:
-        ax_s.plot(np.arange(1, len(r["losses"]) + 1), r["losses"], label=r["name"])
-        ax_b.plot(np.cumsum(r["sent"]) / 1e6, r["losses"], label=r["name"])
-    ax_s.set(xlabel="step", ylabel="training loss", title="loss vs steps")
-    ax_b.set(xlabel="MB sent by rank 0", ylabel="training loss", title="loss vs bytes sent", xscale="symlog")
+    for r in results:  # each step's batch differs: a running mean of 5 steps shows the trend
+        smooth = np.convolve(r["losses"], np.ones(5) / 5, mode="valid")
+        steps = np.arange(5, len(r["losses"]) + 1)
+        ax_s.plot(steps, smooth, label=r["name"])
+        ax_b.plot(np.cumsum(r["sent"])[4:] / 1e6, smooth, label=r["name"])
+    ax_s.set(xlabel="step", ylabel="training loss (mean of 5 steps)", title="loss vs steps")
+    ax_b.set(xlabel="MB sent by rank 0", ylabel="training loss (mean of 5 steps)", title="loss vs bytes sent",
+             xscale="symlog")
     ax_s.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
