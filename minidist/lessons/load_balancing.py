@@ -244,6 +244,8 @@ def main(argv=None):
     parser.add_argument("--pp-steps", type=positive_int, default=8, help="pipeline steps")
     parser.add_argument("--microbatches", type=positive_int, default=4)
     args = parser.parse_args(argv)
+    if not args.pace >= 0:
+        parser.error(f"argument --pace: must be seconds per row >= 0, got {args.pace}")
     for flag in (args.slow, args.skew):
         if flag:
             try:
