@@ -131,9 +131,3 @@ def sleep_until(t0: float, seconds: float) -> None:
     left = t0 + seconds - time.perf_counter()
     if left > 0:
         time.sleep(left)
-
-
-def stretch(seconds: float, factor: float) -> None:
-    """Sleep ``(factor - 1) * seconds``: work that took ``seconds`` now took ``factor`` times as long."""
-    if factor > 1.0 and seconds > 0:
-        time.sleep((factor - 1.0) * seconds)

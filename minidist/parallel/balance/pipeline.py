@@ -96,7 +96,7 @@ class ProfiledStage(PipelineStage):
                 self.bwd[after] += now - self._bwd_start.pop(after)
             self._bwd_start[i] = now
             real, target = self._fwd_once.get(i, (0.0, 0.0))
-            time.sleep(2 * (target - real))  # backward ~ 2x forward: emulated as 2x the forward's stretch
+            time.sleep(2 * (target - real))  # backward ~ 2x forward: twice the forward's emulated extra
         return hook
 
     def _backward_ends(self, i: int):
