@@ -9,6 +9,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from minidist.comm import measure, run
 from minidist.memory import MemoryAccountant
@@ -19,6 +21,7 @@ from minidist.parallel.three_d import build_model, make_optimizer, train_3d
 from minidist.plan.mesh import Candidate, Settings, memory
 from minidist.plan.model import ModelSpec
 from minidist.plan.traffic import collectives
+from tests.conftest import budget
 
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, d_model=16)
 SPEC = ModelSpec("tiny", n_layer=2, d_model=16, n_head=4, vocab=32, seq=8, engine="minidist", dtype_bytes=4)
@@ -30,7 +33,7 @@ def batches(n=2):
     return [(rng.integers(0, 32, (B, 8)), rng.integers(0, 32, (B, 8))) for _ in range(n)]
 
 
-def measured_3d(dp, tp, pp, m, checkpoint=None):
+def measured_3d(dp, tp, pp, m, checkpoint=None, cfg=CFG):
     """Per rank: (its ledger calls in step 2 as a Counter of (name, bytes), total bytes sent in step 2,
     peak activations of step 2, MemoryAccountant report at the optimizer step of one more step)."""
     data = batches()
@@ -40,13 +43,13 @@ def measured_3d(dp, tp, pp, m, checkpoint=None):
         with measure(comm) as meas:
             def on_step(step, stats):
                 marks.append((len(meas.calls), comm.ledger.bytes_sent))
-            res = train_3d(comm, CFG, data, dp=dp, pp=pp, tp=tp, microbatches=m, on_step=on_step,
+            res = train_3d(comm, cfg, data, dp=dp, pp=pp, tp=tp, microbatches=m, on_step=on_step,
                            optimizer="adamw", lr=1e-3, checkpoint=checkpoint)
             calls = meas.calls[marks[0][0]:marks[1][0]]
         # one more step, as train_3d runs it, reading the accountant where the state is largest:
         # at the optimizer step, gradients complete, AdamW's moments allocated
         mesh = res.mesh
-        model, loss_fn = build_model(CFG, mesh.tp)
+        model, loss_fn = build_model(cfg, mesh.tp)
         stage = PipelineStage(model, res.bounds, mesh.pp_rank, pp, loss_fn=loss_fn, checkpoint=checkpoint)
         ddp = DistributedDataParallel(stage, mesh.dp, broadcast_from=None) if dp > 1 else None
         opt = make_optimizer("adamw", stage.parameters(), 1e-3)
@@ -68,36 +71,57 @@ def measured_3d(dp, tp, pp, m, checkpoint=None):
     return run(body, ranks=dp * tp * pp)
 
 
-MESHES = [(2, 1, 1, 1, None), (1, 2, 1, 1, None), (1, 1, 2, 2, None), (2, 2, 2, 2, None),
-          (1, 4, 2, 4, None), (4, 1, 2, 1, None), (1, 2, 4, 2, None),
-          (1, 1, 1, 1, "full"), (1, 2, 2, 2, "full"), (2, 1, 2, 4, "full")]  # dp, tp, pp, microbatches
+MESHES = [(2, 1, 1, 1, None), (1, 2, 1, 1, None), (2, 2, 2, 2, None), (1, 4, 2, 4, None),
+          (1, 2, 4, 2, None), (2, 1, 2, 4, "full")]  # dp, tp, pp, microbatches, checkpointing
 
 
 @pytest.mark.parametrize("dp,tp,pp,m,checkpoint", MESHES)
 def test_bytes_and_memory_equal_ledger_and_accountant(dp, tp, pp, m, checkpoint):
+    check_mesh(dp, tp, pp, m, checkpoint, CFG, SPEC)
+
+
+@budget(6)
+@given(st.data())
+def test_any_mesh_and_shape_equal_ledger_and_accountant(data):
+    """Drawn: a mesh of up to 8 ranks, microbatches, checkpointing, depth, width and heads."""
+    tp = data.draw(st.sampled_from([1, 2, 4]), "tp")
+    pp = data.draw(st.sampled_from([p for p in (1, 2, 4) if tp * p <= 8]), "pp")
+    dp = data.draw(st.sampled_from([d for d in (1, 2, 4) if tp * pp * d <= 8]), "dp")
+    m = data.draw(st.sampled_from([x for x in (1, 2, 4) if (B // dp) % x == 0]), "microbatches")
+    layers = data.draw(st.integers(max(1, pp - 2), 3), "n_layer")
+    heads = data.draw(st.sampled_from([h for h in (2, 4) if h % tp == 0]), "n_head")
+    width = heads * data.draw(st.sampled_from([2, 3, 4]), "head_dim")
+    ckpt = data.draw(st.sampled_from([None, "full"]), "checkpoint")
+    cfg = CFG.replace(n_layer=layers, n_head=heads, d_model=width)
+    spec = SPEC.replace(n_layer=layers, n_head=heads, d_model=width)
+    check_mesh(dp, tp, pp, m, ckpt, cfg, spec)
+
+
+def check_mesh(dp, tp, pp, m, checkpoint, cfg, spec):
+    """Every rank's ledger calls, bytes, state and activation peak == the planner's prediction."""
     cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=B // (dp * m), checkpoint=checkpoint or "none")
-    for (stage, dpr, tpr), calls, sent, peak, rep in measured_3d(dp, tp, pp, m, checkpoint):
-        pred = collectives(SPEC, cand, B, stage, dp_rank=dpr, tp_rank=tpr)  # every rank, not one per stage
+    for (stage, dpr, tpr), calls, sent, peak, rep in measured_3d(dp, tp, pp, m, checkpoint, cfg):
+        pred = collectives(spec, cand, B, stage, dp_rank=dpr, tp_rank=tpr)  # every rank, not one per stage
         want = Counter()
         for c in pred:
             if c.axis != "pp":
                 want[(c.name, int(c.sent))] += c.count
         assert calls == want, f"stage {stage}: ledger {calls} != planner {want}"
         assert sent == sum(c.sent * c.count for c in pred), f"stage {stage}: total bytes"
-        mem = memory(SPEC, cand, B, Settings("adamw"))
+        mem = memory(spec, cand, B, Settings("adamw"))
         # the fullest stage is what memory() reports; compare stage by stage through a 1-stage view
-        mine = stage_memory(cand, stage)
+        mine = stage_memory(spec, cand, stage)
         assert (rep["params"], rep["grads"], rep["optimizer_state"]) == \
             (mine["params"], mine["grads"], mine["optimizer"]), f"stage {stage}: {rep} vs {mine}"
         assert peak == mine["activations"], f"stage {stage}: activations {peak} vs {mine['activations']}"
         assert mem["total"] >= mine["total"]
 
 
-def stage_memory(cand, stage):
+def stage_memory(spec, cand, stage):
     from minidist.plan.mesh import stage_activation_peak, stage_param_counts
 
-    n, _ = stage_param_counts(SPEC, cand, stage)
-    act = stage_activation_peak(SPEC, cand, B, stage, Settings(), recompute=False)
+    n, _ = stage_param_counts(spec, cand, stage)
+    act = stage_activation_peak(spec, cand, B, stage, Settings(), recompute=False)
     return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "activations": act, "total": 16 * n + act}
 
 
