@@ -359,3 +359,20 @@ def test_the_lesson_refuses_a_bad_link():
 
     with pytest.raises(SystemExit):
         lesson.main(["--ranks", "2", "--link", "gbps=fast"])
+
+
+def test_the_lesson_exits_1_when_bytes_miss_the_formula(monkeypatch, capsys):
+    from minidist.comm.link import current_link, set_link
+    from minidist.lessons import compression as lesson
+
+    real = lesson.step_formula
+    monkeypatch.setattr(lesson, "step_formula", lambda hook, *a, **k: real(hook, *a, **k) + (hook == "topk"))
+    before = current_link()
+    try:
+        with pytest.raises(SystemExit) as info:
+            lesson.main(["--ranks", "2", "--steps", "2", "--d-model", "16", "--layers", "1", "--seq", "8",
+                         "--link", "off", "--methods", "dense", "top-k 1% + EF"])
+    finally:
+        set_link(before)
+    assert info.value.code == 1
+    assert "bytes != formula, replicas identical: FAIL" in capsys.readouterr().out
