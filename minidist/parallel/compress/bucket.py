@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minidist.backend import backend_of
 from minidist.comm import all_reduce
 from minidist.comm.handles import start_async
 
@@ -16,7 +17,8 @@ class GradBucket:
     ``index``: which bucket (hooks keep per-bucket state: residuals, warm-start Q).
     ``is_last``: the last bucket of this step (a hook counts steps there).
     ``start(fn, x, label)``: run ``fn(comm, x)`` on the async worker and return its Handle --
-    ``comm`` is the worker's private twin of the data-parallel communicator.
+    ``comm`` is the worker's private twin of the data-parallel communicator. Hooks are NumPy code:
+    on another backend (CuPy, JAX) ``x`` arrives as a host copy and the result goes back.
     """
 
     def __init__(self, index: int, flat, shapes, comm, start=None, algorithm: str = "ring",
@@ -33,6 +35,9 @@ class GradBucket:
         return self.flat
 
     def start(self, fn, x, label: str):
+        be = backend_of(x)
+        if be.name != "numpy":
+            return self._start(lambda c, y: be.from_host(fn(c, np.asarray(be.to_host(y)))), x, label)
         return self._start(fn, x, label)
 
     def views(self, flat) -> list:
