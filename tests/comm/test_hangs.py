@@ -186,5 +186,5 @@ def test_watchdog_prints_still_waiting_early_naming_op_and_missing_ranks(monkeyp
     with pytest.raises(CommTimeout):
         run(body, ranks=2)
     err = capsys.readouterr().err
-    assert "[minidist] rank 0 of 2 (threads): still waiting after 2 s in all_gather #1 for a message " \
-           "from rank 1" in err and "ranks not there yet: [1]; raises at 3 s" in err, err
+    assert re.search(r"\[minidist\] rank 0 of 2 \(threads\): still waiting after [23] s in all_gather #1 "
+                     r"for a message from rank 1 .*; ranks not there yet: \[1\]; raises at 3 s", err), err
