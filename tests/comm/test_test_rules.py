@@ -47,7 +47,7 @@ def test_hangs_fail_at_once_without_shrinking_and_mpi_tests_never_skip_silently(
     (tmp_path / "test_hang_probe.py").write_text(HANGS)
     (tmp_path / "test_mpi_probe.py").write_text(NEEDS_MPI)
     no_mpirun = "/usr/bin:/bin"  # the venv's bin (which holds mpirun) left out
-    res = child_pytest(tmp_path, PATH=no_mpirun, MINIDIST_TIMEOUT="1")
+    res = child_pytest(tmp_path, PATH=no_mpirun, MINIDIST_TIMEOUT="2")
     assert "RanksHung: watchdog: rank" in res.stdout, res.stdout + res.stderr
     calls = [int(n) for n in (tmp_path / "test_hang_probe.py.calls").read_text().split()]
     assert sum(n >= 3 for n in calls) == 1, calls  # one hung example, then stop: no shrinking
