@@ -68,7 +68,8 @@ def train(comm, args, fault: str):
     """Train to ``args.steps`` with tiered checkpoints and injected faults.
     Returns (trainer, checkpointer, restore info, tier restored from)."""
     attempt = int(os.environ.get("MINIDIST_RESTART", "0"))
-    disk, mem = args.ckpt, shm_root(hashlib.sha1(os.path.abspath(args.ckpt).encode()).hexdigest()[:10])
+    disk = args.ckpt
+    mem = args.mem_dir or shm_root(hashlib.sha1(os.path.abspath(args.ckpt).encode()).hexdigest()[:10])
     if attempt == 0 and comm.rank == 0:  # a fresh run starts from nothing
         for d in (disk, mem, mem + "-peer"):
             shutil.rmtree(d, ignore_errors=True)
@@ -139,7 +140,9 @@ def rank_main(comm, args):
             lost = e["last_step"] - (nxt.get("step") or 0) if known else None
             print(f"failure: attempt {e['attempt']}, rank {e['rank']}: {e['status']} "
                   f"at step {e['last_step']}")
-            if nxt:
+            if nxt and nxt.get("step") is None:
+                print(f"  restarted from scratch (no checkpoint was committed yet); steps lost: {lost}")
+            elif nxt:
                 print(f"  recovered from tier {nxt.get('tier')} checkpoint of step {nxt.get('step')} in "
                       f"{1e3 * nxt['seconds']:.1f} ms; steps lost (recomputed): {lost}")
                 for p in nxt.get("problems", []):
@@ -238,6 +241,7 @@ def main(argv=None):
     p.add_argument("--sync", action="store_true", help="synchronous saves (default: background writer)")
     p.add_argument("--fault", default=None, help="a MINIDIST_FAULT spec, or 'none'")
     p.add_argument("--ckpt", default=DEFAULT_CKPT, help="the disk checkpoint directory")
+    p.add_argument("--mem-dir", help="tier 1's directory (default: one in /dev/shm for this --ckpt)")
     p.add_argument("--pp", type=positive_int, default=1)
     p.add_argument("--tp", type=positive_int, default=1)
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
