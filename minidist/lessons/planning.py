@@ -10,7 +10,8 @@ prints its ranked candidates, then trains the winner with `train_3d` and prints 
 measured: bytes each rank sent per step (the ledger), activation and parameter bytes (the memory
 accountant), and the step time. Checks: bytes and memory equal the prediction exactly, and the
 trained parameters equal the serial twin's. The step time is compared with a 30% target and
-printed MET or MISSED (a shared machine's timing is not a pass/fail matter).
+printed MET or MISSED (a shared machine's timing is not a pass/fail matter). `--plot FILE.png`
+draws the planner's memory bars and time breakdown; `--trace FILE.json` the ranks' timelines.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from minidist.memory import MemoryAccountant
 from minidist.nn import GPTConfig
 from minidist.parallel.three_d import gather_full_state, train_3d
 from minidist.plan import ModelSpec, Settings, collectives, memory, plan
-from minidist.plan.__main__ import table
+from minidist.plan.__main__ import plot, table
 from minidist.plan.mesh import stage_activation_peak, stage_param_counts
 from minidist.plan.search import candidates
 from minidist.testing import max_state_diff, train_serial
@@ -58,6 +59,9 @@ def rank_main(comm, args):
     rprint(comm, f"{model.name}: {model.params():,} parameters, batch {args.batch} x {args.seq} tokens, "
                  f"{comm.size} ranks on {hw.name}, {hw.cores:.1f} cores free to them")
     rprint(comm, table(preds, 6, args.batch, hw))
+    if args.plot and comm.rank == 0:
+        plot(preds, args.plot, 6, hw.hbm_bytes)
+        print(f"wrote {args.plot}: memory by kind and the time breakdown of the 6 best", flush=True)
     best = preds[args.choice - 1] if args.choice <= len(preds) else preds[0]
     c = best.cand
     m = c.microbatches(args.batch)

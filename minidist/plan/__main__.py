@@ -59,7 +59,21 @@ def table(preds, top: int, batch: int | None = None, hw=None) -> str:
     return "\n".join(lines)
 
 
-def plot(preds, path: str, top: int) -> None:
+def _stacked(ax, labels, parts, preds, unit: float):
+    """Horizontal stacked bars, one series per (name, value-of-prediction); all-zero series left out."""
+    left = [0.0] * len(preds)
+    for name, f in parts:
+        vals = [f(p) / unit for p in preds]
+        if any(vals):
+            ax.barh(labels, vals, left=left, label=name)
+            left = [x + y for x, y in zip(left, vals)]
+    ax.legend(loc="lower right", fontsize=8, framealpha=0.8)
+    ax.invert_yaxis()
+
+
+def plot(preds, path: str, top: int, capacity: float | None = None) -> None:
+    """Memory per device by kind (left, with the device's `capacity` as a line) and the step's time by
+    part (right), for the `top` best."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -67,24 +81,21 @@ def plot(preds, path: str, top: int) -> None:
     preds = preds[:top]
     labels = [p.cand.label().replace(" ckpt", "\nckpt") for p in preds]
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, 1 + 0.8 * len(preds)))
-    left = [0.0] * len(preds)
-    for k in KINDS:
-        vals = [p.memory[k] / 1e9 for p in preds]
-        a.barh(labels, vals, left=left, label=k)
-        left = [x + y for x, y in zip(left, vals)]
-    a.set_xlabel("GB per device")
-    a.legend()
-    a.invert_yaxis()
-    left = [0.0] * len(preds)
+    biggest = max(p.memory["total"] for p in preds)
+    name, unit = next((n, u) for n, u in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1))
+                      if biggest >= u or u == 1)
+    _stacked(a, labels, [(k, lambda p, k=k: p.memory[k]) for k in KINDS], preds, unit)
+    a.set_xlabel(f"{name} per device")
+    if capacity is not None and capacity < 4 * biggest:
+        a.axvline(capacity / unit, color="black", linestyle="--", linewidth=1)
+        a.text(capacity / unit, -0.6, " device memory", fontsize=8, va="bottom")
+    axes = ("tp", "cp", "ep", "pp", "dp")
     parts = [("compute", lambda p: p.compute), ("bubble", lambda p: p.bubble)]
-    parts += [(f"{ax} comm", lambda p, ax=ax: p.comm.get(ax, 0.0)) for ax in ("tp", "cp", "ep", "pp", "dp")]
-    for name, f in parts:
-        vals = [f(p) for p in preds]
-        b.barh(labels, vals, left=left, label=name)
-        left = [x + y for x, y in zip(left, vals)]
+    parts += [(f"{ax} comm", lambda p, ax=ax: p.comm.get(ax, 0.0)) for ax in axes]
+    parts.append(("update, other", lambda p: max(0.0, p.step - p.compute - p.bubble
+                                                  - sum(p.comm.get(ax, 0.0) for ax in axes))))
+    _stacked(b, labels, parts, preds, 1.0)
     b.set_xlabel("seconds per step")
-    b.legend()
-    b.invert_yaxis()
     b.set_yticks([])
     fig.tight_layout()
     fig.savefig(path)
@@ -141,7 +152,7 @@ def main(argv=None) -> None:
         print("  assumption:", n)
     print(table(preds, args.top, args.batch, hw))
     if args.plot:
-        plot(preds, args.plot, args.top)
+        plot(preds, args.plot, args.top, hw.hbm_bytes)
         print(f"wrote {args.plot}")
 
 
