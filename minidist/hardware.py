@@ -26,8 +26,8 @@ Sources (accessed for the course; numbers are per chip unless stated):
           NVLink, RoCE 400 Gb/s per GPU (50 GB/s).
   [TPUv4] Jouppi et al. 2023, "TPU v4: An Optically Reconfigurable Supercomputer": 275 TFLOP/s
           bf16, 32 GiB HBM2 at 1,200 GB/s, 3D torus with 6 ICI links of 50 GB/s each way,
-          4,096 chips per pod.  DCN per chip: Google Cloud TPU docs (v4: 4 chips per host, host NIC
-          100 Gb/s -> ~3.1 GB/s per chip).
+          4,096 chips per pod.  DCN per chip is an ASSUMPTION: 4 chips per host sharing a 100 Gb/s
+          NIC -> ~3.1 GB/s per chip (v4 and v5e; the docs give no per-chip figure).
   [v5e]   Google Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GiB HBM2 at 819 GB/s, 2D torus, ICI
           1,600 Gb/s per chip (4 links of 50 GB/s), 256 chips per pod.
   [v5p]   Google Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,765 GB/s, 3D torus, ICI
