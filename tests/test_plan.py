@@ -186,6 +186,11 @@ def megatron_flops_per_step(batch, seq, layers, hidden, vocab):
 def test_megatron_runs_fit_and_match_reported_throughput(name, chips, batch, layers, hidden, reported):
     r, p = _predict_run(name)
     assert p.fits and p.memory["total"] <= 80e9  # A100 80 GB
+    # the first stage is the fullest: its blocks (12h² + 2h each) and the embedding (V·h), split 8 ways,
+    # at 2 + 2 + 12 bytes per parameter (bf16 weights and grads; fp32 master, Adam m and v)
+    pp = r.mesh["pp"]
+    psi = (layers // pp * (12 * hidden**2 + 2 * hidden) + 51200 * hidden) // 8
+    assert p.memory["params"] + p.memory["grads"] + p.memory["optimizer"] == 16 * psi
     flops = megatron_flops_per_step(batch, 2048, layers, hidden, 51200)
     per_gpu = flops / p.step / chips
     assert abs(per_gpu / reported - 1) <= 0.25, f"{name}: {per_gpu / 1e12:.0f} vs {reported / 1e12:.0f}"
