@@ -9,9 +9,10 @@ r = 4 (and r = 2, 8), and with DiLoCo H = 20, every message crossing the emulate
 * DiLoCo H = 20: >= 15x fewer bytes than dense, final loss within 5%;
 * every method: bytes sent == its formula, replicas identical.
 
-Prints the CPU, the load average (other processes' load slows compute, which shrinks every speed-up)
-and MET/MISSED per target; exits nonzero on a miss only with --strict. ``--mpi`` runs the ranks as
-``mpirun -n RANKS`` processes (no GIL between ranks) instead of threads.
+Prints the CPU, the load average (other processes' load slows compute, which shrinks every speed-up),
+MET/MISSED per target, and (threads) dense's step without the link: compute is not compressed, so
+dense-with-link / dense-without bounds every method's speed-up. Exits nonzero on a miss only with
+--strict. ``--mpi`` runs the ranks as ``mpirun -n RANKS`` processes (no GIL between ranks), not threads.
 """
 
 from __future__ import annotations
@@ -29,10 +30,22 @@ from minidist.lessons import compression as lesson
 METHODS = ["dense", "PowerSGD r=2", "PowerSGD r=4", "PowerSGD r=8", "DiLoCo H=20"]
 
 
-def rank_main(comm, args):
+def rank_main(comm, args, methods=METHODS):
     batches, held_out = lesson.data(args, comm.size)
-    results = {name: lesson.train(comm, args, name, batches, held_out) for name in METHODS}
+    results = {name: lesson.train(comm, args, name, batches, held_out) for name in methods}
     return results if comm.rank == 0 else None
+
+
+def amdahl(dense, args):
+    """Dense without the link (threads only: a second run): how much of dense's step the link is, and
+    so the most any compression could gain here -- compute is not compressed."""
+    set_link(None)
+    bare = run(rank_main, ranks=args.ranks, args=args, methods=["dense"])[0]["dense"]
+    link = parse_link(args.link)
+    predicted = link.predict_all_reduce("ring", dense["n_params"] * 4, args.ranks)
+    print(f"\ndense without the link: {1e3 * bare['step_s']:.1f} ms/step; with it "
+          f"{1e3 * dense['step_s']:.1f} ms (link alpha-beta {1e3 * predicted:.1f} ms): no method's step "
+          f"can beat {dense['step_s'] / bare['step_s']:.2f}x here, whatever it sends")
 
 
 def report(results, args) -> bool:
@@ -87,6 +100,8 @@ def main():
           f"{'MPI processes' if under_mpi() else 'threads'}: {args.ranks if not under_mpi() else 'mpirun'} "
           f"ranks; link {args.link}; {args.steps} steps\n")
     ok = report(results, args)
+    if not under_mpi():
+        amdahl(results["dense"], args)
     if args.strict and not ok:
         sys.exit(1)
 
