@@ -295,5 +295,5 @@ def test_cli_prints_the_ranked_table_and_plots(tmp_path, capsys):
           "--mesh", "dp=16,zero=3", "--mesh", "tp=8,zero=1", "--mesh", "tp=4,pp=2,zero=1",
           "--plot", str(png)])
     out = capsys.readouterr().out
-    assert " 1 dp" in out and "best" in out and "memory of #1 by kind" in out
+    assert " 1 dp" in out and "best" in out and "memory per device by kind" in out
     assert png.stat().st_size > 10_000

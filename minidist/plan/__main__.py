@@ -55,7 +55,11 @@ def table(preds, top: int, batch: int | None = None, hw=None) -> str:
         m = best.cand.microbatches(batch)
         lines.append(f"#1 runs {m} microbatches of {best.cand.microbatch} per replica; "
                      f"{links(best.cand, hw)}")
-    lines.append("memory of #1 by kind: " + ", ".join(f"{k} {human(best.memory[k])}" for k in KINDS))
+    lines.append("memory per device by kind (the fullest pipeline stage):")
+    lines.append(f"{'#':>2} {'':<44} " + " ".join(f"{k:>11}" for k in KINDS))
+    for i, p in enumerate(preds[:top]):
+        kinds = " ".join(f"{human(p.memory[k]):>11}" for k in KINDS)
+        lines.append(f"{i + 1:>2} {p.cand.label():<44} {kinds}")
     return "\n".join(lines)
 
 
