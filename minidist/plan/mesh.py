@@ -16,13 +16,14 @@ and activations are those the ops save, times the microbatches a stage holds at 
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from minidist.comm.collectives import split_sizes
-from minidist.parallel.ddp import build_buckets
+from minidist.parallel.ddp import DistributedDataParallel, build_buckets
 from minidist.parallel.pipeline import make_schedule, partition_uniform
 from minidist.parallel.simulate import peak_activations
 from minidist.plan.model import (
@@ -33,7 +34,8 @@ from minidist.plan.model import (
 )
 
 KINDS = ("params", "grads", "optimizer", "activations", "buffers")
-DDP_BUCKET_BYTES = 4 << 20  # minidist's DistributedDataParallel / ZeRO default bucket capacity
+# the gradient bucket capacity minidist's DDP (and ZeRO 1-2) use by default, read from DDP itself
+DDP_BUCKET_BYTES = inspect.signature(DistributedDataParallel.__init__).parameters["bucket_bytes"].default
 
 
 @dataclass(frozen=True)
