@@ -60,7 +60,7 @@ def test_one_message_takes_alpha_plus_bytes_over_bandwidth(link):
 
 def test_a_ring_all_reduce_takes_the_cost_models_alpha_beta_time(link):
     """4 ranks, 400 kB: 6 rounds of alpha and 2(p-1)/p N bytes -- cost.all_reduce_counts' numbers on
-    this link (measured minus the same all-reduce without a link: local copies and adds)."""
+    this link; the same all-reduce without a link bounds what the local copies and adds add."""
     x = np.ones(50_000, np.float64)
 
     def body(comm):
@@ -76,9 +76,10 @@ def test_a_ring_all_reduce_takes_the_cost_models_alpha_beta_time(link):
     assert predicted == pytest.approx(6 * 1e-3 + 6 / 4 * 400_000 / 25e6)  # the textbook formula, by hand
     measured = max(t for t, _ in slow)
     assert slow[0][1] == 3 * 6 / 4 * 400_000  # 3 calls; the link changes the time, not the bytes
-    # (a shared 2-core machine: other processes' load comes on top, never off the link's time)
-    assert predicted * 0.9 <= measured - base + 2e-3 and measured - base <= predicted * 1.5 + 5e-3, \
-        (measured, base, predicted)
+    # every round sleeps alpha + chunk/B on each rank, so the link's time is a floor; on top come the
+    # local copies and adds (at most the run without a link: they overlap other ranks' sleeps) and, on
+    # a shared 2-core machine, other processes' load
+    assert predicted * 0.98 <= measured <= predicted * 1.3 + base + 5e-3, (measured, base, predicted)
 
 
 def test_without_a_link_sends_are_not_wrapped(link):
