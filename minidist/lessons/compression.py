@@ -16,6 +16,7 @@ windows beside dense's, and the wall time per step. Checks: bytes == formula, re
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import math
 import time
@@ -217,10 +218,19 @@ def rank_main(comm, args):
     return finish(comm, ok)
 
 
+def link_spec(text: str) -> str:
+    """--link's type: a spec ``parse_link`` accepts (an argparse error naming the problem otherwise)."""
+    try:
+        parse_link(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def parser():
     ap = lesson_parser(__doc__.split("\n\n")[0], ranks=4)
     ap.add_argument("--steps", type=positive_int, default=40)
-    ap.add_argument("--link", default="alpha_us=50,gbps=1",
+    ap.add_argument("--link", default="alpha_us=50,gbps=1", type=link_spec,
                     help="emulated link, e.g. alpha_us=50,gbps=1 ('off': memory speed)")
     ap.add_argument("--layers", type=positive_int, default=2)
     ap.add_argument("--d-model", type=positive_int, default=128)
@@ -230,7 +240,8 @@ def parser():
     ap.add_argument("--outer-lr", type=positive_float, default=0.7)
     ap.add_argument("--bucket-kb", type=positive_int, default=4096)
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=LESSON, metavar="METHOD",
-                    help=f"which methods (default: all but PowerSGD r=4): {', '.join(METHODS)}")
+                    help="which methods (default: all but PowerSGD r=4): "
+                         + ", ".join(METHODS).replace("%", "%%"))
     return ap
 
 
@@ -238,10 +249,7 @@ def main(argv=None):
     args = parser().parse_args(argv)
     if args.methods[0] != "dense":
         args.methods = ["dense"] + [m for m in args.methods if m != "dense"]  # the baseline comes first
-    try:
-        set_link(parse_link(args.link))  # before any communicator exists: they all take it
-    except ValueError as e:
-        parser().error(f"argument --link: {e}")
+    set_link(parse_link(args.link))  # before any communicator exists: they all take it
     return launch(rank_main, args)
 
 

@@ -354,9 +354,10 @@ def test_the_lesson_runs_every_method_and_its_checks_pass(capsys):
     assert "link: alpha_us=1,gbps=100" in out
 
 
-def test_the_lesson_refuses_a_bad_link():
+def test_the_lesson_refuses_a_bad_link_and_has_help():
     from minidist.lessons import compression as lesson
 
+    assert "top-k 1% + EF" in lesson.parser().format_help()
     with pytest.raises(SystemExit):
         lesson.main(["--ranks", "2", "--link", "gbps=fast"])
 
