@@ -7,8 +7,9 @@ Per pipeline stage and microbatch (chunk):
 Memory-bound ops (norms, GELU, softmax, dropout, residuals) move each saved activation about three
 times (written in forward, read and its gradient written in backward): 3 · activation bytes / HBM
 bandwidth. On this machine (`--hardware here`) every op also costs `op_overhead` (Python and
-dispatch), and ranks that share `cores` share the arithmetic (threads: the Python part runs one
-rank at a time).
+dispatch), and when ranks outnumber the cores they really get (`cores`: for thread ranks,
+calibrate measures how much their Python lets them run at once) the step is at least all ranks'
+work divided by those cores.
 
 The pipeline is then *simulated* (`minidist.parallel.simulate.simulate`) on the candidate's real
 schedule with those stage times and the point-to-point time of one activation, which gives the
@@ -115,9 +116,8 @@ def _stage_math(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int, set
         fwd, bwd = kernel_time(model, cand, hw, stage)
         return fwd, bwd, flops
     act = memory_bound_bytes(model, cand, stage, settings)
-    share = max(1.0, (cand.chips / hw.cores)) if hw.cores else 1.0
-    fwd = (flops / (hw.peak_flops * hw.gemm_efficiency) + act / hw.hbm_bandwidth) * share
-    overhead = ops * hw.op_overhead * (cand.chips if hw.cores else 1)
+    fwd = flops / (hw.peak_flops * hw.gemm_efficiency) + act / hw.hbm_bandwidth
+    overhead = ops * hw.op_overhead
     bwd = 2 * fwd
     if cand.checkpoint == "full":
         bwd += fwd
@@ -135,8 +135,7 @@ def kernel_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int) -> 
     FLOPs), GELU on 4·T·h/tp elements, two layer norms on T·h, the attention's b·(H/tp)·s² scores
     (and its q·kᵀ, p·v matmuls at the linear rate), ~6 plain elementwise passes over T·h (residual
     adds, bias adds, head split/merge copies); the head's linear and cross-entropy on T·V/tp logits;
-    every op's fixed cost. Ranks sharing the cores share them (one BLAS thread each); on the threads
-    transport (`hw.gil`) the ops' fixed costs of all ranks add up, one rank at a time."""
+    every op's fixed cost. One rank alone on a core; sharing the cores is `predict`'s business."""
     k = hw.kernels
     h, s, b = model.d_model, model.seq // cand.cp, cand.microbatch
     tokens, tp, d = b * s, cand.tp, model.head_dim
@@ -157,9 +156,7 @@ def kernel_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int) -> 
         else:
             t += 3 * tokens * h * k["elementwise"]
             ops += 3
-    share = max(1.0, cand.chips / hw.cores)
-    # the Python part of every op runs one rank at a time on the threads transport (the GIL)
-    t = t * share + ops * hw.op_overhead * (cand.chips if hw.gil else share)
+    t += ops * hw.op_overhead
     fwd, bwd = t / 3, 2 * t / 3
     return fwd, bwd + (fwd if cand.checkpoint == "full" else 0.0)  # recomputation: one more forward
 
@@ -206,7 +203,7 @@ def _optimizer_time(model, cand, hw, settings, mem) -> float:
     """The update: read and write the state once (HBM bandwidth), or this machine's measured AdamW."""
     if hw.kernels is not None and model.engine == "minidist":  # SGD: about a quarter of AdamW's work
         rate = hw.kernels["adamw"] * (1.0 if settings.optimizer == "adamw" else 0.25)
-        return mem["params"] / model.dtype_bytes * rate * (max(1.0, cand.chips / hw.cores) if hw.cores else 1)
+        return mem["params"] / model.dtype_bytes * rate
     return 2.0 * sum(mem[k] for k in ("params", "grads", "optimizer")) / hw.hbm_bandwidth
 
 
@@ -228,10 +225,21 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
         makespan = (m + (cand.pp - 1) / v) * (fwd + bwd)
         bubble = (cand.pp - 1) / (v * m + cand.pp - 1)
     busy = m * (fwd + bwd)
+    if hw.cores and cand.chips > hw.cores:
+        # more ranks than cores: the step can't be shorter than all ranks' work on the cores there
+        # are (idle ranks in the bubble leave their core to the busy ones, so the bubble is no
+        # longer the limit when the cores are what is scarce)
+        work = cand.dp * cand.tp * cand.cp * sum(
+            m * sum(_stage_math(model, cand, hw, s, settings)[:2]) for s in range(cand.pp))
+        makespan = max(makespan, work / hw.cores)
+        bubble = min(bubble, max(0.0, 1 - busy / makespan))
     dp = max(st.axis("dp") for st in stages)
     # DP traffic starts in the last microbatch's backward; ZeRO-3's gathers hide under all of compute
     dp_exposed = max(0.0, dp - bwd / v) if cand.zero < 3 else max(0.0, dp - busy)
-    step = makespan + dp_exposed + _optimizer_time(model, cand, hw, settings, mem)
+    update = _optimizer_time(model, cand, hw, settings, mem)
+    if hw.cores and cand.chips > hw.cores:
+        update *= cand.chips / hw.cores  # every rank updates its own state at the same moment
+    step = makespan + dp_exposed + update
     comm = {ax: max(st.axis(ax, ("forward", "backward")) for st in stages) for ax in ("tp", "cp", "ep")}
     pp_wait = makespan - busy - bubble * makespan  # idle beyond the bubble: waiting for sends
     comm["pp"] = pp_wait if cand.pp > 1 and pp_wait > 1e-9 * makespan else 0.0
