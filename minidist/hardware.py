@@ -6,10 +6,11 @@ the network between domains (`inter`: InfiniBand/RoCE per GPU, or DCN per TPU ch
 `Link(bandwidth, latency)`: bandwidth in bytes/s *per chip, per direction* (what one rank can push
 into a ring all-reduce), latency in seconds per message round.
 
-`gemm_efficiency` is the one number that is not a datasheet figure: the share of peak a large,
-well-shaped bf16 matrix multiply reaches on that chip. It is an assumption, stated with its source;
-`python -m minidist.calibrate` measures the same quantity (and everything else here) for this
-machine, giving `here()`.
+`gemm_efficiency` is the main number that is not a datasheet figure: the share of peak a large,
+well-shaped bf16 matrix multiply reaches on that chip -- an assumption, stated with its source
+(the TPU DCN figure is the other, marked ASSUMPTION). `python -m minidist.calibrate` measures this
+machine instead (matmul and minidist's own kernel rates, memory bandwidth, all-reduce alpha/beta,
+the cores the ranks really get), giving `here()`.
 
 Sources (accessed for the course; numbers are per chip unless stated):
   [A100]  NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s bf16 dense, 80 GB HBM2e at
