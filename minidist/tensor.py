@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import numpy as np
+
 from minidist.backend import Backend, backend_of, default_backend
 
 _state = threading.local()
@@ -152,6 +154,10 @@ class Function:
 
     @classmethod
     def apply(cls, *inputs, **kwargs) -> Tensor:
+        if not getattr(_state, "grad_enabled", True):  # no graph (evaluation, decoding): the least work
+            ctx = Context((False,) * len(inputs), record=False)
+            return Tensor._result(cls.forward(ctx, *[t.data if isinstance(t, Tensor) else t for t in inputs],
+                                              **kwargs))
         arrays = [t.data if isinstance(t, Tensor) else t for t in inputs]
         needs = tuple(isinstance(t, Tensor) and t.requires_grad for t in inputs)
         record = any(needs) and grad_enabled()
@@ -186,6 +192,17 @@ class Tensor:
         self._hooks = None
         self._post_hooks = None
         self.name = name
+
+    @classmethod
+    def _result(cls, data) -> Tensor:
+        """An op's output without gradient: a NumPy array is taken as is (the common case, no
+        checks); anything else (a scalar, another library's array) goes through ``__init__``."""
+        if type(data) is not np.ndarray:
+            return cls(data)
+        t = object.__new__(cls)
+        t.data, t.grad, t.requires_grad, t._node, t._hooks, t._post_hooks, t.name = \
+            data, None, False, None, None, None, None
+        return t
 
     # -- properties ----------------------------------------------------------------------------
     shape = property(lambda self: tuple(self.data.shape))

@@ -81,9 +81,12 @@ def pack(token_lists, starts, block_size):
     """Pad ragged token lists into arrays: ids (B, T), positions (B, T), valid (B, T), lengths (B,)."""
     lens = np.array([len(t) for t in token_lists], dtype=np.int64)
     b, t = len(token_lists), int(lens.max())
-    ids = np.zeros((b, t), dtype=np.int64)
-    for i, toks in enumerate(token_lists):
-        ids[i, :len(toks)] = toks
+    if t == 1:  # decoding: one token per sequence, nothing to pad
+        ids = np.array(token_lists, dtype=np.int64)
+    else:
+        ids = np.zeros((b, t), dtype=np.int64)
+        for i, toks in enumerate(token_lists):
+            ids[i, :len(toks)] = toks
     pos = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(t)[None, :]
     valid = np.arange(t)[None, :] < lens[:, None]
     if int(pos[valid].max()) >= block_size:

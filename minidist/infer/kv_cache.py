@@ -60,7 +60,7 @@ class KVCache(CacheStorage):
     def index(self, slots):
         """How to select these rows: a slice (a view, no copy) when they are consecutive."""
         s0 = int(slots[0])
-        if np.array_equal(slots, np.arange(s0, s0 + len(slots))):
+        if len(slots) == 1 or np.array_equal(slots, np.arange(s0, s0 + len(slots))):
             return slice(s0, s0 + len(slots))
         return slots
 
@@ -68,8 +68,8 @@ class KVCache(CacheStorage):
         """Where the valid new tokens (positions ``pos`` (B, T)) of rows ``slots`` go: computed once per
         forward pass, used by every layer's ``write``."""
         take, s, p = valid_tokens(slots, pos, valid)
-        if int(p.max()) >= self.max_len:
-            raise ValueError(f"KV cache: position {int(p.max())} is past max_len {self.max_len}")
+        if int(np.max(p)) >= self.max_len:
+            raise ValueError(f"KV cache: position {int(np.max(p))} is past max_len {self.max_len}")
         return (s, slice(None), p), take
 
     def write(self, layer, where, k, v):
@@ -101,17 +101,20 @@ class KVCache(CacheStorage):
 
 
 def valid_tokens(slots, pos, valid):
-    """(take, slot, position) of each valid new token: ``take`` selects them from (B, T) -- None
-    when every row has one token (decoding), the common case made cheap."""
+    """(take, slot, position) of the valid new tokens: ``take`` picks them out of keys or values
+    transposed to (B, T, H, D). Decoding (one token per row, no padding) needs no search, and
+    decoding one sequence -- the common case -- gets plain integers: basic indexing, no gathers."""
+    if valid.shape == (1, 1):
+        return (0, 0), int(slots[0]), int(pos[0, 0])
     if valid.shape[1] == 1 and valid.all():
-        return None, slots, pos[:, 0]
+        return (slice(None), 0), slots, pos[:, 0]
     b, t = np.nonzero(valid)
     return (b, t), slots[b], pos[b, t]
 
 
 def new_tokens(k, take):
-    """Keys or values (B, H, T, D) of the tokens ``take`` selects, as (N, H, D)."""
-    return k[:, :, 0] if take is None else k.transpose(0, 2, 1, 3)[take]
+    """Keys or values (B, H, T, D) of the tokens ``take`` (from ``valid_tokens``) selects."""
+    return k.transpose(0, 2, 1, 3)[take]
 
 
 # -- what a model sees: one forward pass, one layer ---------------------------------------------------

@@ -77,8 +77,9 @@ class PagedKVCache(CacheStorage):
     def locate(self, slots, pos, valid):
         """The block and offset of each valid new token (once per forward pass, for every layer)."""
         take, s, p = valid_tokens(slots, pos, valid)
-        if np.any(p // self.block_len >= self.n_blocks[s]):
-            bad = int(s[np.argmax(p // self.block_len >= self.n_blocks[s])])
+        past = np.atleast_1d(p // self.block_len >= self.n_blocks[s])
+        if past.any():
+            bad = int(np.atleast_1d(s)[np.argmax(past)])
             raise RuntimeError(f"paged KV cache: slot {bad} writes past its blocks; call reserve() first")
         return (self.tables[s, p // self.block_len], slice(None), p % self.block_len), take
 
