@@ -1,12 +1,16 @@
-"""3D parallelism: data x pipeline x tensor parallel training of a GPT on a `Mesh` of ranks.
+"""Training over any mesh: data x pipeline x context x tensor parallel training of a GPT on a `Mesh`.
 
-Every rank is one cell of the mesh (`minidist.comm.Mesh`: rank = (pp_rank * dp + dp_rank) * tp + tp_rank):
+Every rank is one cell of the mesh (`minidist.comm.Mesh`:
+rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank; with cp = 1 the 3D order):
 
 * **tensor (tp)**: the tp ranks of a cell hold shards of the same layers (`TPGPT`, Megatron-style),
   and do their all-reduces inside the layers' forward and backward;
 * **pipeline (pp)**: the model's layer list is cut into pp stages (`minidist.parallel.pipeline`);
   each stage runs a schedule (GPipe or 1F1B) over the microbatches, sending activations forward
   and gradients back to the same (dp, tp) coordinate of the neighbouring stage;
+* **context (cp)**: the cp ranks of a cell hold different tokens of the same sequences (zig-zag
+  chunks, `minidist.parallel.context`); attention passes keys and values round their ring. Their
+  gradients are partial sums over tokens, so they are averaged together with dp's (group dp_cp);
 * **data (dp)**: dp replicas of the whole pipeline each take 1/dp of the global batch. Each stage
   is wrapped in `DistributedDataParallel` over its dp group: a chunk's gradients are complete after
   its last microbatch's backward, so that backward alone syncs, and its buckets' all-reduces run
@@ -17,9 +21,11 @@ Every rank is one cell of the mesh (`minidist.comm.Mesh`: rank = (pp_rank * dp +
 of -1 don't count). Microbatch mb of a replica holds n_mb of them, so its loss is weighted by
 n_mb / N, not 1/m (`token_loss_weights`); DDP then averages the replicas' gradients (divides by dp),
 so the weight is dp * n_mb / N, and the sum over every replica and microbatch is the serial mean.
+With context parallelism a rank's microbatch holds only its own tokens, and DDP averages over
+dp x cp ranks: the weight is dp * cp * n_mb / N.
 
-`train_3d` is the parallel run and `train_serial` its serial twin: one process, the same global
-batches, the same optimizer. They give the same parameters up to float rounding (the summation
+`train_3d` (also `train_mesh`) is the parallel run and `train_serial` its serial twin: one process,
+the same global batches, the same optimizer. They give the same parameters up to float rounding (the summation
 order differs: microbatch and replica partial sums); tests check 1e-9 in float64.
 """
 
@@ -45,11 +51,20 @@ from minidist.testing import max_state_diff, train_serial  # noqa: F401  (their 
 
 
 def check_3d(world_size: int, cfg, batch_size: int, dp: int, pp: int, tp: int, microbatches: int,
-             chunks: int = 1, rank: int = 0) -> None:
-    """Every error a 3D run can have, raised before any communication, naming what would be right."""
-    if dp * pp * tp != world_size:
-        raise ValueError(f"rank {rank}: mesh dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, but the "
+             chunks: int = 1, rank: int = 0, cp: int = 1, seq_len: int | None = None) -> None:
+    """Every error a mesh run can have, raised before any communication, naming what would be right."""
+    for name, v in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"rank {rank}: mesh size {name}={v!r} must be a positive integer")
+    if dp * pp * cp * tp != world_size:
+        shown = f"dp={dp} x pp={pp} x " + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp}"
+        raise ValueError(f"rank {rank}: mesh {shown} = {dp * pp * cp * tp} ranks, but the "
                          f"world has {world_size}; choose sizes whose product is {world_size}")
+    if cp > 1 and seq_len is not None and seq_len % (2 * cp):
+        raise ValueError(f"rank {rank}: sequence length {seq_len} does not split into 2 x cp = {2 * cp} "
+                         f"zig-zag chunks; use a length that is a multiple of {2 * cp}")
+    if cp > 1 and cfg.dropout:
+        raise ValueError(f"rank {rank}: context parallelism needs dropout=0 (got {cfg.dropout})")
     layers = cfg.n_layer + 2  # Embed, blocks, Head
     if pp * chunks > layers:
         raise ValueError(f"rank {rank}: {pp * chunks} pipeline stages (pp={pp} x chunks={chunks}) but the "
@@ -95,16 +110,24 @@ class Result3D:
 
 def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbatches: int = 1,
              schedule: str = "1f1b", lr: float = 0.1, optimizer: str = "sgd", chunks: int = 1,
-             layer_costs=None, on_step=None, checkpoint: str | None = None, comm_hook=None) -> Result3D:
+             layer_costs=None, on_step=None, checkpoint: str | None = None, comm_hook=None,
+             cp: int = 1, layout: str = "zigzag") -> Result3D:
     """Train `GPT(cfg)` on `batches` (list of global (x, y) batches, the same on every rank) with
-    dp x pp x tp = comm.size ranks. `layer_costs` (one per layer) selects the balanced partition.
+    dp x pp x cp x tp = comm.size ranks (`layout`: the cp chunk assignment, zig-zag or contiguous).
+    `layer_costs` (one per layer) selects the balanced partition.
     `on_step(step, stats)` is called after each step (e.g. to record traces). `checkpoint` is an
     activation-checkpointing policy ("full", "sqrt", "every_k", "selective") applied per stage.
     `comm_hook`: a (state, hook) pair (`minidist.parallel.compress`) for the data-parallel gradients."""
     batch_size = batches[0][0].shape[0]
-    check_3d(comm.size, cfg, batch_size, dp, pp, tp, microbatches, chunks, comm.rank)
-    mesh = Mesh(comm, dp=dp, pp=pp, tp=tp)
+    check_3d(comm.size, cfg, batch_size, dp, pp, tp, microbatches, chunks, comm.rank, cp,
+             batches[0][0].shape[1])
+    mesh = Mesh(comm, dp=dp, pp=pp, tp=tp, cp=cp)
     model, loss_fn = build_model(cfg, mesh.tp)
+    if cp > 1:
+        from minidist.parallel.context import context_parallel
+
+        context_parallel(model, mesh.cp, layout)
+    replicas = mesh.dp if cp == 1 else mesh.dp_cp  # the ranks whose gradients are averaged
     n = len(model)
     bounds = partition_uniform(n, pp * chunks) if layer_costs is None else partition_balanced(layer_costs,
                                                                                              pp * chunks)
@@ -113,7 +136,7 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
     opt = make_optimizer(optimizer, params, lr)
     instructions = make_schedule(schedule, pp, microbatches, chunks)[mesh.pp_rank]
     # data parallelism: DDP's buckets, started during each chunk's last backward (see run_schedule)
-    ddp = DistributedDataParallel(stage, mesh.dp, broadcast_from=None) if dp > 1 else None
+    ddp = DistributedDataParallel(stage, replicas, broadcast_from=None) if dp * cp > 1 else None
     if ddp is not None and comm_hook is not None:
         ddp.register_comm_hook(*comm_hook)
 
@@ -127,9 +150,15 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
     losses, all_stats = [], []
     for step, (x, y) in enumerate(batches):
         mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
-        xs = split_microbatches(x[mine], microbatches, comm.rank)
-        ys = split_microbatches(y[mine], microbatches, comm.rank)
-        weights = token_loss_weights(ys, int((np.asarray(y) != -1).sum()), dp)
+        x, y = np.asarray(x)[mine], np.asarray(y)[mine]
+        n_valid = int((np.asarray(batches[step][1]) != -1).sum())
+        if cp > 1:
+            from minidist.parallel.context import shard_sequence
+
+            x, y = (shard_sequence(a, mesh.cp_rank, cp, layout) for a in (x, y))
+        xs = split_microbatches(x, microbatches, comm.rank)
+        ys = split_microbatches(y, microbatches, comm.rank)
+        weights = token_loss_weights(ys, n_valid, dp * cp)
         stats = run_schedule(stage, mesh.pp, instructions, xs, ys, optimizer_step, ddp=ddp,
                              loss_weights=weights)
         all_stats.append(stats)
@@ -137,8 +166,8 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
             on_step(step, stats)
         losses.append(stats.loss)
     last = mesh.rank_of(pp - 1, 0, 0)
-    if mesh.pp_rank == pp - 1 and mesh.tp_rank == 0 and dp > 1:  # each replica's is dp x its token share
-        losses = list(all_reduce(mesh.dp, np.array(losses, np.float64), op="mean"))
+    if mesh.pp_rank == pp - 1 and mesh.tp_rank == 0 and dp * cp > 1:  # each is dp*cp x its token share
+        losses = list(all_reduce(replicas, np.array(losses, np.float64), op="mean"))
     losses = [float(v) for v in comm.bcast_obj(losses, root=last)]
     return Result3D(mesh=mesh, stage=stage, losses=losses, stats=all_stats, bounds=bounds)
 
@@ -154,7 +183,7 @@ def gather_full_state(comm, result: Result3D) -> dict | None:
                  for k, s in sharding_table(layer, prefix=f"{i}.").items()}
         shards = mesh.tp.gather_obj(sd, root=0)
         sd = dict(unshard(shards, table)) if shards is not None else {}
-    mine = sd if (mesh.dp_rank == 0 and mesh.tp_rank == 0) else {}
+    mine = sd if (mesh.dp_rank == 0 and mesh.cp_rank == 0 and mesh.tp_rank == 0) else {}
     parts = comm.gather_obj(mine, root=0)
     if parts is None:
         return None
@@ -162,3 +191,6 @@ def gather_full_state(comm, result: Result3D) -> dict | None:
     for part in parts:
         full.update(part)
     return full
+
+
+train_mesh = train_3d  # training over any mesh dp x pp x cp x tp: one function, two names
