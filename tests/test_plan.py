@@ -297,3 +297,12 @@ def test_cli_prints_the_ranked_table_and_plots(tmp_path, capsys):
     out = capsys.readouterr().out
     assert " 1 dp" in out and "best" in out and "memory per device by kind" in out
     assert png.stat().st_size > 10_000
+
+
+def test_cli_refuses_an_impossible_mesh_and_says_what_would_do(capsys):
+    from minidist.plan.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--model", "llama3-70b", "--chips", "6", "--mesh", "tp=3,pp=2", "--hardware", "h100"])
+    err = capsys.readouterr().err
+    assert "64 heads do not split over tp=3" in err and "divides 64" in err

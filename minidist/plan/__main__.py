@@ -105,6 +105,23 @@ def plot(preds, path: str, top: int, capacity: float | None = None) -> None:
     fig.savefig(path)
 
 
+def check(model: ModelSpec, cand: Candidate, batch: int) -> str:
+    """What is wrong with running `model` on `cand` with this batch ("" if nothing), and what would do."""
+    if model.n_head % cand.tp:
+        return f"{model.n_head} heads do not split over tp={cand.tp}; use a tp that divides {model.n_head}"
+    stages = cand.pp * cand.chunks
+    most = model.n_layer + 2 if model.engine == "minidist" else model.n_layer
+    if stages > most:
+        return f"{stages} pipeline stages (pp x chunks) but only {most} layers to cut; use at most {most}"
+    if batch % (cand.dp * cand.microbatch):
+        return (f"batch {batch} does not split into dp={cand.dp} replicas x microbatches of "
+                f"{cand.microbatch}; use a batch that is a multiple of {cand.dp * cand.microbatch}")
+    m = cand.microbatches(batch)
+    if cand.schedule == "interleaved" and m % cand.pp:
+        return f"the interleaved schedule needs the microbatches ({m}) to be a multiple of pp={cand.pp}"
+    return ""
+
+
 def parse_mesh(text: str, chips: int) -> Candidate:
     """"dp=8,tp=8,zero=1,checkpoint=full" -> Candidate (dp defaults to chips / (tp·pp·cp))."""
     kw = {}
@@ -147,8 +164,15 @@ def main(argv=None) -> None:
         changes = {k: v for k, v in dict(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
                                          vocab=args.vocab, seq=args.seq).items() if v}
         model = model.replace(**changes) if changes else model
-    hw = hardware.get(args.hardware)
+    try:
+        hw = hardware.get(args.hardware)
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(str(e))
     cands = [parse_mesh(s, args.chips) for s in args.mesh] or None
+    for cand in cands or []:
+        problem = check(model, cand, args.batch)
+        if problem:
+            ap.error(f"--mesh {cand.label()}: {problem}")
     preds = plan(model, args.chips, args.batch, hw, Settings(args.optimizer), top=args.top, cands=cands)
     print(f"{model.name}: {model.params() / 1e9:.3g}B parameters, batch {args.batch} x {model.seq} tokens, "
           f"{args.chips} x {hw.name} ({hw.hbm_bytes / 1e9:.0f} GB each)")
