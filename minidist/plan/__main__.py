@@ -140,7 +140,8 @@ def parse_mesh(text: str, chips: int) -> Candidate:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m minidist.plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama3-70b", help=f"a preset ({', '.join(MODELS)}) or 'custom'")
     for flag in ("--layers", "--d-model", "--heads", "--vocab", "--seq"):
         ap.add_argument(flag, type=int, help="model shape (overrides the preset's)")
