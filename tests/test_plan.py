@@ -33,7 +33,7 @@ def batches(n=2):
     return [(rng.integers(0, 32, (B, 8)), rng.integers(0, 32, (B, 8))) for _ in range(n)]
 
 
-def measured_3d(dp, tp, pp, m, checkpoint=None, cfg=CFG):
+def measured_3d(dp, tp, pp, m, checkpoint=None, cfg=CFG, chunks=1):
     """Per rank: (its ledger calls in step 2 as a Counter of (name, bytes), total bytes sent in step 2,
     peak activations of step 2, MemoryAccountant report at the optimizer step of one more step)."""
     data = batches()
@@ -44,6 +44,7 @@ def measured_3d(dp, tp, pp, m, checkpoint=None, cfg=CFG):
             def on_step(step, stats):
                 marks.append((len(meas.calls), comm.ledger.bytes_sent))
             res = train_3d(comm, cfg, data, dp=dp, pp=pp, tp=tp, microbatches=m, on_step=on_step,
+                           schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks,
                            optimizer="adamw", lr=1e-3, checkpoint=checkpoint)
             calls = meas.calls[marks[0][0]:marks[1][0]]
         # one more step, as train_3d runs it, reading the accountant where the state is largest:
@@ -62,7 +63,8 @@ def measured_3d(dp, tp, pp, m, checkpoint=None, cfg=CFG):
             reports.append(MemoryAccountant().report(stage, opt))
         rows = slice(mesh.dp_rank * B // dp, (mesh.dp_rank + 1) * B // dp)
         x, y = data[0]
-        run_schedule(stage, mesh.pp, make_schedule("1f1b", pp, m)[mesh.pp_rank],
+        sched = make_schedule("interleaved" if chunks > 1 else "1f1b", pp, m, chunks)
+        run_schedule(stage, mesh.pp, sched[mesh.pp_rank],
                      split_microbatches(x[rows], m), split_microbatches(y[rows], m), step, ddp=ddp)
         where = (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)
         return where, Counter((c.name, c.bytes_sent) for c in calls), marks[1][1] - marks[0][1], \
@@ -97,10 +99,17 @@ def test_any_mesh_and_shape_equal_ledger_and_accountant(data):
     check_mesh(dp, tp, pp, m, ckpt, cfg, spec)
 
 
-def check_mesh(dp, tp, pp, m, checkpoint, cfg, spec):
+@pytest.mark.parametrize("dp,tp,pp,m", [(1, 2, 2, 2), (2, 1, 2, 4)])
+def test_interleaved_schedule_equals_ledger_and_accountant(dp, tp, pp, m):
+    """Two model chunks per stage (virtual stages): sends per chunk boundary, activations per chunk."""
+    check_mesh(dp, tp, pp, m, None, CFG, SPEC, chunks=2)
+
+
+def check_mesh(dp, tp, pp, m, checkpoint, cfg, spec, chunks=1):
     """Every rank's ledger calls, bytes, state and activation peak == the planner's prediction."""
-    cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=B // (dp * m), checkpoint=checkpoint or "none")
-    for (stage, dpr, tpr), calls, sent, peak, rep in measured_3d(dp, tp, pp, m, checkpoint, cfg):
+    cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=B // (dp * m), checkpoint=checkpoint or "none",
+                     schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks)
+    for (stage, dpr, tpr), calls, sent, peak, rep in measured_3d(dp, tp, pp, m, checkpoint, cfg, chunks):
         pred = collectives(spec, cand, B, stage, dp_rank=dpr, tp_rank=tpr)  # every rank, not one per stage
         want = Counter()
         for c in pred:

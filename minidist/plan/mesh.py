@@ -25,6 +25,7 @@ import numpy as np
 from minidist.comm.collectives import split_sizes
 from minidist.parallel.ddp import DistributedDataParallel, build_buckets
 from minidist.parallel.pipeline import make_schedule, partition_uniform
+from minidist.parallel.schedule import Backward, Forward
 from minidist.parallel.simulate import peak_activations
 from minidist.plan.model import (
     ModelSpec,
@@ -120,15 +121,25 @@ def stage_layers(model: ModelSpec, cand: Candidate) -> list[list[int]]:
     return _stage_layers(model.n_layer, cand.pp, cand.chunks, model.engine == "minidist")
 
 
+def chunk_layers(model: ModelSpec, cand: Candidate) -> list[list[list[int]]]:
+    """[stage][chunk] -> layer indices: chunk c of stage s is virtual stage c·pp + s."""
+    return _chunk_layers(model.n_layer, cand.pp, cand.chunks, model.engine == "minidist")
+
+
 @functools.lru_cache(maxsize=256)
 def _stage_layers(n_layer: int, pp: int, chunks: int, whole_list: bool) -> list[list[int]]:
+    return [[i for chunk in stage for i in chunk] for stage in _chunk_layers(n_layer, pp, chunks, whole_list)]
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_layers(n_layer: int, pp: int, chunks: int, whole_list: bool) -> list[list[list[int]]]:
     if whole_list:
         bounds = partition_uniform(n_layer + 2, pp * chunks)
     else:
         blocks = [(a + 1, b + 1) for a, b in partition_uniform(n_layer, pp * chunks)]  # layer 0 = embed
         bounds = [(0 if v == 0 else a, n_layer + 2 if v == len(blocks) - 1 else b)
                   for v, (a, b) in enumerate(blocks)]
-    return [[i for c in range(chunks) for i in range(*bounds[c * pp + s])] for s in range(pp)]
+    return [[list(range(*bounds[c * pp + s])) for c in range(chunks)] for s in range(pp)]
 
 
 def stage_param_counts(model: ModelSpec, cand: Candidate, stage: int) -> tuple[int, list[int]]:
@@ -199,6 +210,21 @@ def _in_flight(schedule: str, pp: int, m: int, chunks: int) -> list[int]:
     return [peak_activations(ops) for ops in make_schedule(schedule, pp, m, chunks)]
 
 
+@functools.lru_cache(maxsize=1024)
+def _held_peak(schedule: str, pp: int, m: int, chunks: int, stage: int, chunk_bytes: tuple) -> float:
+    """Most bytes one stage holds at once when its chunks save different amounts: walk its
+    instruction list, + a chunk's bytes at each Forward, - at its Backward (`peak_activations`,
+    weighted)."""
+    held = peak = 0.0
+    for instr in make_schedule(schedule, pp, m, chunks)[stage]:
+        if isinstance(instr, Forward):
+            held += chunk_bytes[instr.chunk]
+        elif isinstance(instr, Backward):
+            held -= chunk_bytes[instr.chunk]
+        peak = max(peak, held)
+    return peak
+
+
 def layer_activation(model: ModelSpec, cand: Candidate, kind: str, layer: int, b: int, settings) -> float:
     """Bytes one layer saves for one microbatch of b sequences, on one rank."""
     s = model.seq // cand.cp
@@ -230,10 +256,13 @@ def stage_activation_peak(model: ModelSpec, cand: Candidate, batch: int, stage: 
     kinds = layer_kinds(model)
     layers = stage_layers(model, cand)[stage]
     b = cand.microbatch
-    per_mb = sum(layer_activation(model, cand, kinds[i], i - 1, b, settings) for i in layers)
-    per_mb = per_mb / cand.chunks
+    per_chunk = tuple(sum(layer_activation(model, cand, kinds[i], i - 1, b, settings) for i in chunk)
+                      for chunk in chunk_layers(model, cand)[stage])
+    per_mb = sum(per_chunk) / cand.chunks
     if cand.checkpoint != "full" or not recompute or not any(kinds[i] == "block" for i in layers):
-        return held * per_mb
+        if cand.chunks == 1:
+            return held * per_mb
+        return _held_peak(cand.schedule, cand.pp, m, cand.chunks, stage, per_chunk)
     # full recomputation: the other microbatches keep their blocks' inputs (and head); the one in
     # backward has already freed its head's arrays and re-creates one block's activations
     head = sum(layer_activation(model, cand, "head", 0, b, settings) for i in layers if kinds[i] == "head")
