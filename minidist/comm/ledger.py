@@ -17,7 +17,7 @@ import contextlib
 import threading
 from dataclasses import dataclass, field
 
-_active = threading.local()  # the CallRecord of the collective running on this thread (rank)
+active = threading.local()  # .rec: the CallRecord of the collective running on this thread (rank)
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Ledger:
                 led.bytes_received += received
                 led.messages_received += 1
             led = led.parent
-        rec = getattr(_active, "rec", None)
+        rec = getattr(active, "rec", None)
         if rec is not None:
             rec.bytes_sent += sent
             rec.messages += 1
@@ -116,11 +116,11 @@ class Ledger:
 
 
 def current_call() -> CallRecord | None:
-    return getattr(_active, "rec", None)
+    return getattr(active, "rec", None)
 
 
 def set_current_call(rec: CallRecord | None) -> None:
-    _active.rec = rec
+    active.rec = rec
 
 
 class Measurement:

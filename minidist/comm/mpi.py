@@ -188,7 +188,8 @@ class MPIComm(Communicator):
         self.namespace = namespace
         self.base = 2 * namespace * NAMESPACE  # MPI tag of (tag, header) = base + 2*tag; payload +1
         self._pending: dict = {}  # (source, tag) -> header receives waiting for their payload, in order
-        self._statuses = [_mpi().Status(), _mpi().Status()]
+        self._statuses = [_mpi().Status(), _mpi().Status()]  # the hot path's: reused, looked up once
+        self._testall, self._BYTE = _MPI.Request.Testall, _MPI.BYTE
         self._world_ranks: list | None = None
 
     def progress(self) -> None:
@@ -256,14 +257,14 @@ class MPIComm(Communicator):
         t = self.base + 2 * tag + 1
         reqs = [self.mpi.Irecv(_bytes(recvbuf), source, t), self.mpi.Isend(_bytes(sendbuf), dest, t)]
         self.ledger.count_sendrecv(sendbuf.nbytes, recvbuf.nbytes)
-        MPI, statuses = _mpi(), self._statuses
-        testall = MPI.Request.Testall
+        statuses, testall = self._statuses, self._testall
         try:
-            poll(lambda: testall(reqs, statuses), self, lambda: f"sendrecv: to {dest}, from {source}",
-                 lambda: self.peer_problem(source, tag))
-        except MPI.Exception as e:
+            if not testall(reqs, statuses):  # (already done: no closures to build)
+                poll(lambda: testall(reqs, statuses), self, lambda: f"sendrecv: to {dest}, from {source}",
+                     lambda: self.peer_problem(source, tag))
+        except _MPI.Exception as e:
             raise _truncated(self, source, tag, recvbuf.nbytes, e) from None
-        if statuses[0].Get_count(MPI.BYTE) != recvbuf.nbytes:
+        if statuses[0].Get_count(self._BYTE) != recvbuf.nbytes:
             _check_count(self, statuses[0], source, tag, recvbuf.nbytes)
         return recvbuf
 
