@@ -33,10 +33,11 @@ def batches(n=2):
     return [(rng.integers(0, 32, (B, 8)), rng.integers(0, 32, (B, 8))) for _ in range(n)]
 
 
-def measured_3d(dp, tp, pp, m, checkpoint=None, cfg=CFG, chunks=1):
+def measured_3d(dp, tp, pp, m, checkpoint=None, cfg=CFG, chunks=1, schedule=None):
     """Per rank: (its ledger calls in step 2 as a Counter of (name, bytes), total bytes sent in step 2,
     peak activations of step 2, MemoryAccountant report at the optimizer step of one more step)."""
     data = batches()
+    schedule = schedule or ("interleaved" if chunks > 1 else "1f1b")
 
     def body(comm):
         marks = []
@@ -44,7 +45,7 @@ def measured_3d(dp, tp, pp, m, checkpoint=None, cfg=CFG, chunks=1):
             def on_step(step, stats):
                 marks.append((len(meas.calls), comm.ledger.bytes_sent))
             res = train_3d(comm, cfg, data, dp=dp, pp=pp, tp=tp, microbatches=m, on_step=on_step,
-                           schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks,
+                           schedule=schedule, chunks=chunks,
                            optimizer="adamw", lr=1e-3, checkpoint=checkpoint)
             calls = meas.calls[marks[0][0]:marks[1][0]]
         # one more step, as train_3d runs it, reading the accountant where the state is largest:
@@ -63,7 +64,7 @@ def measured_3d(dp, tp, pp, m, checkpoint=None, cfg=CFG, chunks=1):
             reports.append(MemoryAccountant().report(stage, opt))
         rows = slice(mesh.dp_rank * B // dp, (mesh.dp_rank + 1) * B // dp)
         x, y = data[0]
-        sched = make_schedule("interleaved" if chunks > 1 else "1f1b", pp, m, chunks)
+        sched = make_schedule(schedule, pp, m, chunks)
         run_schedule(stage, mesh.pp, sched[mesh.pp_rank],
                      split_microbatches(x[rows], m), split_microbatches(y[rows], m), step, ddp=ddp)
         where = (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)
@@ -99,17 +100,20 @@ def test_any_mesh_and_shape_equal_ledger_and_accountant(data):
     check_mesh(dp, tp, pp, m, ckpt, cfg, spec)
 
 
-@pytest.mark.parametrize("dp,tp,pp,m", [(1, 2, 2, 2), (2, 1, 2, 4)])
-def test_interleaved_schedule_equals_ledger_and_accountant(dp, tp, pp, m):
-    """Two model chunks per stage (virtual stages): sends per chunk boundary, activations per chunk."""
-    check_mesh(dp, tp, pp, m, None, CFG, SPEC, chunks=2)
+@pytest.mark.parametrize("dp,tp,pp,m,schedule,chunks", [
+    (1, 2, 2, 2, "interleaved", 2), (2, 1, 2, 4, "interleaved", 2), (1, 1, 4, 4, "gpipe", 1)])
+def test_other_schedules_equal_ledger_and_accountant(dp, tp, pp, m, schedule, chunks):
+    """Interleaved 1F1B (two model chunks per stage: sends per chunk boundary, activations per chunk)
+    and GPipe (every microbatch's activations held at once)."""
+    check_mesh(dp, tp, pp, m, None, CFG, SPEC, chunks=chunks, schedule=schedule)
 
 
-def check_mesh(dp, tp, pp, m, checkpoint, cfg, spec, chunks=1):
+def check_mesh(dp, tp, pp, m, checkpoint, cfg, spec, chunks=1, schedule="1f1b"):
     """Every rank's ledger calls, bytes, state and activation peak == the planner's prediction."""
     cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=B // (dp * m), checkpoint=checkpoint or "none",
-                     schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks)
-    for (stage, dpr, tpr), calls, sent, peak, rep in measured_3d(dp, tp, pp, m, checkpoint, cfg, chunks):
+                     schedule=schedule, chunks=chunks)
+    for (stage, dpr, tpr), calls, sent, peak, rep in measured_3d(dp, tp, pp, m, checkpoint, cfg, chunks,
+                                                                 schedule):
         pred = collectives(spec, cand, B, stage, dp_rank=dpr, tp_rank=tpr)  # every rank, not one per stage
         want = Counter()
         for c in pred:
