@@ -1,0 +1,160 @@
+"""A mixture-of-experts MLP block: a router sends each token to k of E expert MLPs (GShard, Switch).
+
+For N tokens x (N, d) and E experts:
+
+1. **route** -- logits = x·W_r (N, E), probs = softmax(logits). Each token picks its top-k experts
+   (k = 1 Switch, k = 2 GShard); its gates are those probs (top-2: renormalised to sum to 1).
+2. **capacity** -- each expert takes at most C = ceil(capacity_factor · k · N / E) tokens, in
+   priority order: every token's first choice (in token order), then every second choice. An
+   assignment past C is **dropped**: that token gets nothing from that expert, and a token whose
+   every choice was dropped passes through the block's residual connection unchanged.
+3. **dispatch** -- kept tokens are copied into a buffer of E x C rows (expert e's slot s at row
+   e·C + s; empty slots are zeros): a fixed shape, whatever the routing, so expert parallelism
+   (``minidist.parallel.experts``) exchanges it with ``all_to_all`` of known size.
+4. **experts** -- expert e runs on its C rows (``run_experts``: the one step EP replaces).
+5. **combine** -- each kept assignment's output row, times its gate, is added to its token.
+
+Auxiliary losses (Switch Transformer): the **load-balancing loss** E · Σ_e f_e · P_e, where f_e is
+the fraction of the N·k assignments routed to e (before drops; no gradient) and P_e the mean
+router probability of e -- smallest (1) when both are uniform; and the **router z-loss**
+mean_tokens(logsumexp(logits)²), which keeps the logits small. Both are left on ``moe.stats``
+after each forward, with the tokens routed to each expert and the dropped fraction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from minidist import ops
+from minidist.backend import backend_of
+from minidist.nn.layers import MLP, Linear
+from minidist.nn.module import Module, ModuleList
+from minidist.tensor import Function, Tensor
+
+# -- routing decisions (arrays: no gradient flows through a choice) -------------------------------
+
+def capacity(n_tokens: int, n_experts: int, k: int, capacity_factor: float) -> int:
+    """Slots per expert: ceil(capacity_factor · k · N / E), at least 1."""
+    return max(1, math.ceil(capacity_factor * k * n_tokens / n_experts))
+
+
+def top_k_route(probs: np.ndarray, k: int, cap: int):
+    """Top-k routing with capacity, on an (N, E) array of router probabilities.
+
+    Returns ``(experts, slots)``, both (N, k) ints: token n's j-th choice (descending probability,
+    ties to the lower expert) and its slot in that expert's buffer, or -1 where dropped. Slots are
+    given first to every token's first choice in token order, then to the second choices, ...
+    """
+    n, e = probs.shape
+    if not 1 <= k <= e:
+        raise ValueError(f"top-k routing needs 1 <= k <= n_experts={e}, got k={k}")
+    experts = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    slots = np.full((n, k), -1, dtype=np.int64)
+    filled = np.zeros(e, dtype=np.int64)
+    for j in range(k):
+        for t in range(n):
+            x = experts[t, j]
+            if filled[x] < cap:
+                slots[t, j] = filled[x]
+                filled[x] += 1
+    return experts, slots
+
+
+@dataclass
+class MoEStats:
+    """What one forward routed: tokens per expert (before drops), kept per expert, dropped fraction
+    of the N·k assignments, and the two auxiliary losses (Tensors: add them to the loss)."""
+    tokens_per_expert: np.ndarray
+    kept_per_expert: np.ndarray
+    dropped_fraction: float
+    capacity: int
+    aux_loss: Tensor
+    z_loss: Tensor
+
+    @property
+    def imbalance_cv(self) -> float:
+        """Coefficient of variation of tokens per expert: std / mean (0 = perfectly balanced)."""
+        t = self.tokens_per_expert.astype(np.float64)
+        return float(t.std() / t.mean()) if t.mean() > 0 else 0.0
+
+
+# -- differentiable row moves ------------------------------------------------------------------------
+
+class ScatterAddRows(Function):
+    """out (n, d) = zeros, then out[index[i]] += rows[i]; backward: g[index]."""
+
+    @staticmethod
+    def forward(ctx, rows, index, n):
+        be = backend_of(rows)
+        ctx.index = index
+        out = be.xp.zeros((n, *rows.shape[1:]), dtype=rows.dtype)
+        return be.scatter_add(out, index, rows)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.index], None, None
+
+
+def scatter_add_rows(rows, index, n):
+    return ScatterAddRows.apply(rows, index, n)
+
+
+# -- the block ------------------------------------------------------------------------------------
+
+class MoE(Module):
+    """``MoE(dim, n_experts, k, capacity_factor)``: x (..., d) -> (..., d), the experts' gated sum.
+
+    Use it in place of a block's MLP: x + moe(ln(x)) (dropped tokens keep x)."""
+
+    def __init__(self, dim, n_experts, k=1, capacity_factor=1.25, hidden=None, *, dtype=np.float32,
+                 std=0.02, proj_std=None, rng=None, backend=None):
+        super().__init__()
+        if not (isinstance(n_experts, int) and n_experts >= 1 and isinstance(k, int) and 1 <= k <= n_experts):
+            raise ValueError(f"MoE needs n_experts >= 1 and 1 <= k <= n_experts, got "
+                             f"n_experts={n_experts!r}, k={k!r}")
+        if not capacity_factor > 0:
+            raise ValueError(f"MoE capacity_factor must be > 0, got {capacity_factor!r}")
+        self.n_experts, self.k, self.capacity_factor = n_experts, k, capacity_factor
+        self.router = Linear(dim, n_experts, bias=False, dtype=dtype, std=std, rng=rng, backend=backend)
+        self.experts = ModuleList([MLP(dim, hidden, dtype=dtype, std=std, proj_std=proj_std, rng=rng,
+                                       backend=backend) for _ in range(n_experts)])
+        self.stats = None
+
+    def forward(self, x):
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        n, e, k = xf.shape[0], self.n_experts, self.k
+        logits = self.router(xf)
+        probs = ops.softmax(logits, axis=-1)
+        cap = capacity(n, e, k, self.capacity_factor)
+        host = np.asarray(backend_of(probs.data).to_host(probs.data))
+        experts, slots = top_k_route(host, k, cap)
+        gates = probs[np.arange(n)[:, None], experts]                     # (N, k), differentiable
+        if k > 1:
+            gates = gates / gates.sum(axis=-1, keepdims=True)
+        tok, choice = np.nonzero(slots >= 0)                               # the kept assignments
+        rows = experts[tok, choice] * cap + slots[tok, choice]             # their buffer rows
+        buf = scatter_add_rows(xf[tok], rows, e * cap)                     # dispatch: (E·C, d)
+        out_buf = self.run_experts(buf, cap)
+        y = out_buf[rows] * gates[tok, choice].reshape(-1, 1)              # combine
+        out = scatter_add_rows(y, tok, n)
+        self.stats = self._stats(logits, probs, experts, slots, cap)
+        return out.reshape(*shape)
+
+    def run_experts(self, buf, cap):
+        """Expert e on rows e·C .. (e+1)·C - 1 of the dispatch buffer; the outputs in the same rows."""
+        return ops.concat([ex(buf[i * cap:(i + 1) * cap]) for i, ex in enumerate(self.experts)], axis=0)
+
+    def _stats(self, logits, probs, experts, slots, cap) -> MoEStats:
+        e = self.n_experts
+        routed = np.bincount(experts.ravel(), minlength=e)
+        kept = np.bincount(experts[slots >= 0], minlength=e)
+        xp = backend_of(probs.data).xp
+        f = Tensor(xp.asarray(routed / experts.size, dtype=probs.data.dtype))  # no gradient: a count
+        aux = (probs.mean(axis=0) * f).sum() * e
+        m = Tensor(logits.data.max(axis=-1, keepdims=True))                  # detached shift
+        lse = ((logits - m).exp().sum(axis=-1, keepdims=True)).log() + m
+        return MoEStats(routed, kept, float(1 - kept.sum() / experts.size), cap, aux, (lse * lse).mean())

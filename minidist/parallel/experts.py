@@ -1,0 +1,90 @@
+"""Expert parallelism: the E experts of an MoE block split over an ``ep`` group, tokens moved by all-to-all.
+
+Each of the ep ranks holds E/ep experts (rank r: experts r·E/ep .. (r+1)·E/ep - 1) and its own
+tokens (its data-parallel share: ep is carved from dp, ``minidist.comm.Mesh``). It routes them
+itself (router replicated, capacity C from its own N tokens), fills its E x C dispatch buffer
+(``minidist.nn.moe``), and then:
+
+1. **dispatch all-to-all** -- the buffer's rows for rank j's experts (E/ep · C rows) go to rank j;
+   each rank receives ep blocks, one per sender, for its own experts;
+2. its experts run on ep·C rows each (every rank's tokens for that expert);
+3. **combine all-to-all** -- the reverse: each block goes back to the rank it came from, which
+   gates and adds the rows to its tokens exactly as the serial block does.
+
+Backward is the same two all-to-alls in reverse order (an all-to-all is its own transpose). Bytes
+one rank sends per MoE layer, forward: 2 · (ep-1) · (E/ep) · C · d · itemsize (two all-to-alls
+of ep-1 blocks); forward + backward twice that -- :func:`all_to_all_bytes`. The buffer's fixed
+shape (empty slots are zeros) is what makes this a formula: the price of capacity padding.
+
+``ExpertParallelMoE`` equals the serial ``MoE`` applied to each rank's tokens separately (same
+routing, same drops, same outputs and gradients); the router's gradient is a partial sum over the
+ep group's tokens, summed like any data-parallel gradient.
+"""
+
+from __future__ import annotations
+
+from minidist import ops
+from minidist.backend import backend_of
+from minidist.comm import all_to_all
+from minidist.nn.module import ModuleList
+from minidist.nn.moe import MoE
+from minidist.tensor import Function
+
+
+class AllToAll(Function):
+    """x (p, ...) -> y (p, ...) with y[j] = rank j's x[my rank]; backward: the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _exchange(comm, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _exchange(ctx.comm, g), None
+
+
+def _exchange(comm, x):
+    return backend_of(x).xp.stack(all_to_all(comm, [x[j] for j in range(comm.size)]))
+
+
+class ExpertParallelMoE(MoE):
+    """``MoE`` with its experts split over ``ep_comm``: the same weights as ``MoE(..., rng=same seed)``
+    (every rank draws all of them, in the serial order, and keeps its own)."""
+
+    def __init__(self, dim, n_experts, ep_comm, k=1, capacity_factor=1.25, hidden=None, **kw):
+        if n_experts % ep_comm.size:
+            ok = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
+            raise ValueError(f"rank {ep_comm.rank}: n_experts={n_experts} is not divisible by the expert-"
+                             f"parallel size ep={ep_comm.size}; use ep in {ok}")
+        super().__init__(dim, n_experts, k, capacity_factor, hidden, **kw)
+        local = n_experts // ep_comm.size
+        first = ep_comm.rank * local
+        object.__setattr__(self, "ep", ep_comm)
+        object.__setattr__(self, "local_experts", local)
+        object.__setattr__(self, "first_expert", first)
+        self.experts = ModuleList(list(self.experts)[first:first + local])
+
+    def run_experts(self, buf, cap):
+        p, local = self.ep.size, self.local_experts
+        d = buf.shape[-1]
+        sent = AllToAll.apply(buf.reshape(p, local * cap, d), comm=self.ep)      # (senders, my rows, d)
+        outs = []
+        for i, ex in enumerate(self.experts):
+            rows = sent[:, i * cap:(i + 1) * cap, :].reshape(p * cap, d)          # every sender's tokens
+            outs.append(ex(rows).reshape(p, cap, d))
+        back = AllToAll.apply(ops.concat(outs, axis=1), comm=self.ep)            # to where they came from
+        return back.reshape(p * local * cap, d)
+
+    def global_name(self, name: str) -> str:
+        """A local parameter name -> the serial MoE's (``experts.0.`` -> ``experts.{first}.``)."""
+        if name.startswith("experts."):
+            i, rest = name[len("experts."):].split(".", 1)
+            return f"experts.{int(i) + self.first_expert}.{rest}"
+        return name
+
+
+def all_to_all_bytes(n_experts: int, ep: int, cap: int, dim: int, itemsize: int) -> dict:
+    """Bytes one rank sends per MoE layer: each all-to-all sends ep-1 blocks of (E/ep)·C·d elements."""
+    one = (ep - 1) * (n_experts // ep) * cap * dim * itemsize
+    return {"forward": 2 * one, "backward": 2 * one}

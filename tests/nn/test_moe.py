@@ -1,0 +1,126 @@
+"""The MoE block: routing with capacity against hand-worked tables, forward against a loop written
+out here, gradients (outputs, load-balancing loss, z-loss) against finite differences."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minidist.nn.moe import MoE, capacity, top_k_route
+from minidist.tensor import Tensor
+from tests.conftest import budget
+
+
+def test_top2_routing_fills_first_choices_before_second_choices():
+    probs = np.array([[0.6, 0.3, 0.1],    # token 0: expert 0, then 1
+                      [0.5, 0.1, 0.4],    # token 1: 0, then 2
+                      [0.7, 0.2, 0.1],    # token 2: 0 (full after 2 first choices: dropped), then 1
+                      [0.1, 0.2, 0.7]])   # token 3: 2, then 1
+    experts, slots = top_k_route(probs, k=2, cap=2)
+    assert experts.tolist() == [[0, 1], [0, 2], [0, 1], [2, 1]]
+    # first choices in token order: e0 gets t0, t1; t2's e0 is dropped; e2 gets t3.
+    # then second choices: e1 gets t0 (slot 0), e2 gets t1 (slot 1), e1 gets t2 (slot 1), t3's e1 dropped
+    assert slots.tolist() == [[0, 0], [1, 1], [-1, 1], [0, -1]]
+
+
+def test_capacity_formula():
+    assert capacity(10, 4, 1, 1.0) == 3        # ceil(10 / 4)
+    assert capacity(10, 4, 2, 1.25) == 7       # ceil(1.25 * 2 * 10 / 4) = ceil(6.25)
+    assert capacity(1, 8, 1, 0.5) == 1
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _reference(moe, x):
+    """The block written as loops over tokens: softmax, top-k, capacity in priority order, gated sum."""
+    logits = x @ moe.router.weight.data  # Linear weights are (in, out)
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    n, e, k = x.shape[0], moe.n_experts, moe.k
+    cap = math.ceil(moe.capacity_factor * k * n / e)
+    order = [[int(i) for i in sorted(range(e), key=lambda j: (-probs[t, j], j))[:k]] for t in range(n)]
+    used, out, dropped = [0] * e, np.zeros_like(x), 0
+    for j in range(k):
+        for t in range(n):
+            ex = order[t][j]
+            if used[ex] == cap:
+                dropped += 1
+                continue
+            used[ex] += 1
+            gate = probs[t, ex] / (sum(probs[t, c] for c in order[t]) if k > 1 else 1.0)
+            m = moe.experts[ex]
+            h = _gelu(_lin(m.fc, x[t]))
+            out[t] += gate * _lin(m.proj, h)
+    f = np.bincount(np.array(order).ravel(), minlength=e) / (n * k)
+    aux = e * float((f * probs.mean(0)).sum())
+    lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    return out, dropped / (n * k), aux, float((lse ** 2).mean())
+
+
+def _lin(layer, v):
+    return v @ layer.weight.data + layer.bias.data
+
+
+@given(e=st.integers(1, 4), k=st.integers(1, 2), n=st.integers(1, 9), cf=st.sampled_from([0.5, 1.0, 2.0]),
+       seed=st.integers(0, 99))
+@budget(20)
+def test_forward_equals_the_loop_and_stats(e, k, n, cf, seed):
+    k = min(k, e)
+    moe = MoE(4, e, k, cf, hidden=6, dtype=np.float64, std=0.5, rng=np.random.default_rng(seed))
+    x = np.random.default_rng(seed + 1).standard_normal((n, 4))
+    want, dropped, aux, z = _reference(moe, x)
+    got = moe(Tensor(x))
+    np.testing.assert_allclose(got.data, want, rtol=0, atol=1e-12)
+    assert abs(moe.stats.dropped_fraction - dropped) < 1e-12
+    assert abs(float(moe.stats.aux_loss.data) - aux) < 1e-12
+    assert abs(float(moe.stats.z_loss.data) - z) < 1e-12
+    assert moe.stats.tokens_per_expert.sum() == n * k
+    assert moe.stats.kept_per_expert.sum() == round(n * k * (1 - dropped))
+
+
+@pytest.mark.parametrize("k,cf", [(1, 1.0), (2, 0.75)])
+def test_gradients_equal_finite_differences(k, cf):
+    rng = np.random.default_rng(3)
+    moe = MoE(3, 4, k, cf, hidden=5, dtype=np.float64, std=0.5, rng=rng)
+    x0, g = rng.standard_normal((6, 3)), rng.standard_normal((6, 3))
+
+    def loss_of():
+        x = Tensor(x0, requires_grad=True)
+        y = moe(x)
+        loss = (y * Tensor(g)).sum() + moe.stats.aux_loss * 0.3 + moe.stats.z_loss * 0.2
+        return x, loss
+
+    moe.zero_grad()
+    x, loss = loss_of()
+    loss.backward()
+    assert moe.stats.dropped_fraction > 0 or cf >= 1  # the dropping case really drops
+    checks = [(x0, x.grad), (moe.router.weight.data, moe.router.weight.grad),
+              (moe.experts[1].fc.weight.data, moe.experts[1].fc.weight.grad)]
+    for arr, grad in checks:
+        num = np.zeros_like(arr)
+        for i in np.ndindex(arr.shape):
+            old = arr[i]
+            arr[i] = old + 1e-6
+            up = float(loss_of()[1].data)
+            arr[i] = old - 1e-6
+            down = float(loss_of()[1].data)
+            arr[i] = old
+            num[i] = (up - down) / 2e-6
+        np.testing.assert_allclose(grad, num, rtol=1e-6, atol=1e-7)
+
+
+def test_load_balancing_loss_is_one_when_uniform_and_bad_arguments_are_refused():
+    moe = MoE(2, 4, 1, 1.0, dtype=np.float64)
+    moe.router.weight.data[...] = 0                      # every prob 1/4, ties -> expert 0
+    moe(Tensor(np.ones((8, 2))))
+    assert moe.stats.tokens_per_expert.tolist() == [8, 0, 0, 0]
+    assert abs(float(moe.stats.aux_loss.data) - 4 * 1.0 * 0.25) < 1e-15  # E · f_0 · P_0 = 4 · 1 · 1/4
+    assert moe.stats.dropped_fraction == 6 / 8            # capacity 2 of 8
+    with pytest.raises(ValueError, match=r"1 <= k <= n_experts, got n_experts=2, k=3"):
+        MoE(2, 2, k=3)
+    with pytest.raises(ValueError, match=r"capacity_factor must be > 0"):
+        MoE(2, 2, capacity_factor=0)
