@@ -18,7 +18,7 @@ from minidist.nn.gpt import GPTConfig
 from minidist.parallel.ddp import DistributedDataParallel
 from minidist.parallel.pipeline import PipelineStage, make_schedule, run_schedule, split_microbatches
 from minidist.parallel.three_d import build_model, make_optimizer, train_3d
-from minidist.plan.mesh import Candidate, Settings, memory
+from minidist.plan.mesh import Candidate, Settings, memory, stage_activation_peak, stage_param_counts
 from minidist.plan.model import ModelSpec
 from minidist.plan.traffic import collectives
 from tests.conftest import budget
@@ -100,6 +100,14 @@ def test_any_mesh_and_shape_equal_ledger_and_accountant(data):
     check_mesh(dp, tp, pp, m, ckpt, cfg, spec)
 
 
+def test_uneven_ring_chunks_equal_the_ledger():
+    """DDP's bucket of 2070 elements over 4 ranks: np.array_split chunks of 518, 518, 517, 517, so
+    ranks send different bytes (2N - |chunk r| - |chunk r+1|), not the textbook 2(p-1)/p·N."""
+    cfg, spec = CFG.replace(n_layer=1, d_model=10, n_head=2), SPEC.replace(n_layer=1, d_model=10, n_head=2)
+    assert stage_param_counts(spec, Candidate(dp=4, microbatch=2), 0)[0] % 4  # really uneven
+    check_mesh(4, 1, 1, 1, None, cfg, spec)
+
+
 @pytest.mark.parametrize("dp,tp,pp,m,schedule,chunks", [
     (1, 2, 2, 2, "interleaved", 2), (2, 1, 2, 4, "interleaved", 2), (1, 1, 4, 4, "gpipe", 1)])
 def test_other_schedules_equal_ledger_and_accountant(dp, tp, pp, m, schedule, chunks):
@@ -131,8 +139,6 @@ def check_mesh(dp, tp, pp, m, checkpoint, cfg, spec, chunks=1, schedule="1f1b"):
 
 
 def stage_memory(spec, cand, stage):
-    from minidist.plan.mesh import stage_activation_peak, stage_param_counts
-
     n, _ = stage_param_counts(spec, cand, stage)
     act = stage_activation_peak(spec, cand, B, stage, Settings(), recompute=False)
     return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "activations": act, "total": 16 * n + act}
