@@ -325,3 +325,19 @@ def test_cli_refuses_an_impossible_mesh_and_says_what_would_do(capsys):
         main(["--model", "llama3-70b", "--chips", "6", "--mesh", "tp=3,pp=2", "--hardware", "h100"])
     err = capsys.readouterr().err
     assert "64 heads do not split over tp=3" in err and "divides 64" in err
+
+
+def test_here_reads_the_calibration_as_written(tmp_path):
+    import json
+
+    from minidist import hardware
+
+    c = {"cpu": "X", "cores": 4, "cores_free": 3.5, "cores_threads": 1.2, "flops": 5e10,
+         "mem_bandwidth": 2e10, "op_overhead": 1e-5, "alpha": 2e-5, "beta": 1e-9, "kernels": {"adamw": 1e-9}}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(c))
+    threads, mpi = hardware.here(str(path)), hardware.here(str(path), transport="mpi")
+    assert (threads.cores, threads.gil, mpi.cores, mpi.gil) == (1.2, True, 3.5, False)
+    assert threads.intra.bandwidth == 1e9 and threads.intra.latency == 2e-5 and threads.peak_flops == 5e10
+    with pytest.raises(FileNotFoundError, match="python -m minidist.calibrate"):
+        hardware.here(str(tmp_path / "missing.json"))
