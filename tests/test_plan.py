@@ -338,6 +338,7 @@ def test_here_reads_the_calibration_as_written(tmp_path):
     path.write_text(json.dumps(c))
     threads, mpi = hardware.here(str(path)), hardware.here(str(path), transport="mpi")
     assert (threads.cores, threads.gil, mpi.cores, mpi.gil) == (1.2, True, 3.5, False)
-    assert threads.intra.bandwidth == 1e9 and threads.intra.latency == 2e-5 and threads.peak_flops == 5e10
+    assert threads.intra.bandwidth == pytest.approx(1e9) and threads.intra.latency == 2e-5
+    assert threads.peak_flops == 5e10
     with pytest.raises(FileNotFoundError, match="python -m minidist.calibrate"):
         hardware.here(str(tmp_path / "missing.json"))
