@@ -99,6 +99,7 @@ def test_flags_checked_against_the_model_and_the_world():
     assert "--text" in cli_error("train", ["--text", "/no/such/file.txt"])
 
 
+@pytest.mark.timeout(60)  # it deadlocked: a regression must fail here, not wait for the watchdog
 @pytest.mark.parametrize("ranks,batch,empty,need", [(4, 2, "[2, 3]", 4), (3, 2, "[1]", 3), (8, 7, "[4]", 8)])
 def test_data_parallel_refuses_ranks_without_rows(ranks, batch, empty, need):
     """It deadlocked: a rank with no rows never joins the gradient all-reduce."""
