@@ -27,13 +27,13 @@ context-parallel self; each rank feeds it its own tokens (:func:`shard_sequence`
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from minidist.backend import backend_of
-from minidist.comm import tracing
 from minidist.nn.attention import merge_heads, split_heads
 from minidist.nn.module import Module
 from minidist.tensor import Function
@@ -131,6 +131,28 @@ class AttentionStats:
 
 # -- ring attention ---------------------------------------------------------------------------------
 
+def _tracer():
+    """The rank's active tracer (``minidist.trace``), or None: spans cost nothing when it is off."""
+    from minidist import trace
+
+    return trace.current()
+
+
+@contextlib.contextmanager
+def _step(tracer, letter, src):
+    """A compute span 'F<src>' / 'B<src>' (attention on the block of rank src) on the timeline."""
+    if tracer is None:
+        yield
+        return
+    with tracer.span(letter, "compute", mb=src):
+        yield
+
+
+def _in_flight(tracer, t0, what):
+    """Record a transfer from its start (``t0``) to now: drawn under the compute it overlapped."""
+    if tracer is not None:
+        tracer.add(what, "send", t0, tracer.now())
+
 class RingAttention(Function):
     """Attention of this rank's queries over every rank's keys, K/V passed round the ring ``comm``.
 
@@ -149,12 +171,14 @@ class RingAttention(Function):
         out = [xp.zeros_like(x) for x in qs]
         lse = [xp.full(x.shape[:-1], -xp.inf, dtype=q.dtype) for x in qs]
         kv = xp.stack([k, v])
+        tracer = _tracer()
         for s in range(p):
             src = (r - s) % p
             if s < p - 1:  # start moving the next block before computing on this one
+                t0 = tracer.now() if tracer is not None else 0.0
                 recv = ring.irecv((r - 1) % p, tag=0)
                 send = ring.isend(kv, (r + 1) % p, tag=0)
-            with tracing.span(f"attention on K/V of rank {src}", "compute"):
+            with _step(tracer, "F", src):
                 k_pos = positions(src)
                 for i in range(2):
                     for j in range(2):
@@ -169,9 +193,9 @@ class RingAttention(Function):
                             stats.pairs += 1
                             stats.forward_flops += 4 * math.prod(q.shape[:2]) * half * half * q.shape[-1]
             if s < p - 1:
-                with tracing.span("wait K/V", "wait"):
-                    send.wait()
-                    kv = recv.wait()
+                send.wait()
+                kv = recv.wait()
+                _in_flight(tracer, t0, "K/V")
         o = xp.concatenate(out, axis=-2)
         ctx.save(q, k, v, o, xp.concatenate(lse, axis=-1))
         ctx.comm, ctx.positions, ctx.causal, ctx.stats, ctx.scale = comm, positions, causal, stats, scale
@@ -187,12 +211,14 @@ class RingAttention(Function):
         delta = (g * o).sum(axis=-1)  # rowsum(dO ∘ O): the softmax backward's correction term
         dq = xp.zeros_like(q)
         kv, dkv = xp.stack([k, v]), xp.zeros((2, *k.shape), dtype=k.dtype)
+        tracer = _tracer()
         for s in range(p):
             src = (r - s) % p
             if s < p - 1:
+                t0 = tracer.now() if tracer is not None else 0.0
                 recv = ring.irecv((r - 1) % p, tag=1)
                 send = ring.isend(kv, (r + 1) % p, tag=1)
-            with tracing.span(f"attention backward on K/V of rank {src}", "compute"):
+            with _step(tracer, "B", src):
                 k_pos = ctx.positions(src)
                 for i in range(2):
                     qi = slice(i * half, (i + 1) * half)
@@ -210,12 +236,14 @@ class RingAttention(Function):
                         dkv[0][..., kj, :] += xp.swapaxes(ds, -1, -2) @ q[..., qi, :]
                         if ctx.stats is not None:
                             ctx.stats.backward_flops += 8 * math.prod(q.shape[:2]) * half * half * q.shape[-1]
-            with tracing.span("pass dK/dV", "wait"):  # dK, dV of block src go on with it
-                if p > 1:
-                    dkv = ring.sendrecv(dkv, (r + 1) % p, (r - 1) % p, sendtag=2, recvtag=2)
-                if s < p - 1:
-                    send.wait()
-                    kv = recv.wait()
+            if s < p - 1:
+                send.wait()
+                kv = recv.wait()
+                _in_flight(tracer, t0, "K/V")
+            if p > 1:  # dK, dV of block src go on with it (to its owner, after the last hop)
+                t1 = tracer.now() if tracer is not None else 0.0
+                dkv = ring.sendrecv(dkv, (r + 1) % p, (r - 1) % p, sendtag=2, recvtag=2)
+                _in_flight(tracer, t1, "dK/dV")
         return dq, dkv[0], dkv[1]
 
 

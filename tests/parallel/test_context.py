@@ -156,3 +156,19 @@ def test_activation_memory_per_rank_falls_as_t_over_cp():
 def test_dropout_and_sequence_parallel_are_refused():
     with pytest.raises(ValueError, match=r"rank 0: context parallelism with dropout=0.1 is not built"):
         run(lambda comm: context_parallel(GPT(CFG.replace(dropout=0.1)), comm), ranks=1)
+
+
+def test_lesson_passes_and_exits_1_when_ring_attention_is_wrong(monkeypatch, capsys):
+    from minidist.lessons import long_context as lesson
+
+    lesson.main(["--ranks", "2", "--seq", "8"])
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 3 and "FAIL" not in out and "F1" in out  # the timeline names blocks
+    good = lesson.ring_attention
+    monkeypatch.setattr(lesson, "ring_attention", lambda *a, **k: good(*a, **k) * 1.001)
+    with pytest.raises(SystemExit) as e:
+        lesson.main(["--ranks", "2", "--seq", "8"])
+    assert e.value.code == 1 and "FAIL" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        lesson.main(["--ranks", "2", "--seq", "6"])
+    assert e.value.code == 2

@@ -1,0 +1,207 @@
+"""Lesson 14: long context -- ring attention, zig-zag load balance, memory that falls as T/cp.
+
+    mpirun -n 4 python -m minidist.lessons.long_context
+    python -m minidist.lessons.long_context --ranks 4 [--seq 64] [--trace FILE.json] [--plot FILE.png]
+
+The sequence is split over the cp ranks (all of them here). Rank 0 prints:
+
+1. ring attention against serial attention (forward, dQ, dK, dV; float64): PASS;
+2. a GPT trained over cp meshes (cp alone, dp x cp, cp x tp) against the serial GPT: PASS;
+3. attention FLOPs per rank, contiguous chunks vs zig-zag (chunks r and 2cp-1-r), with the formulas;
+4. the ledger's ring bytes beside 2(cp-1)·N forward and 2(cp-1)·N + 2·cp·N backward;
+5. activation memory per rank vs T: serial attention keeps a T x T matrix per head, ring attention
+   only per-token arrays, so each rank holds ~T/cp tokens' worth;
+6. a timeline of one ring-attention forward and backward: F<j> / B<j> = attention on rank j's K/V
+   block, while the next block is in flight (``--plot`` draws the transfers under the compute).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minidist import ops
+from minidist.comm import measure
+from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint, world_size
+from minidist.memory import MemoryAccountant
+from minidist.nn import GPT, GPTConfig
+from minidist.parallel.context import (
+    AttentionStats,
+    context_parallel,
+    ring_attention,
+    ring_bytes,
+    shard_sequence,
+    unshard_sequence,
+)
+from minidist.parallel.three_d import gather_full_state, max_state_diff, train_mesh, train_serial
+from minidist.tensor import Tensor
+
+TOL = 1e-10  # float64: only the summation order differs from the serial twin
+
+
+def attention_check(comm, args):
+    """Ring attention vs serial attention on random q, k, v; returns (max diff, FLOPs, bytes) on rank 0."""
+    b, h, d, t = 1, 2, 8, args.seq
+    rng = np.random.default_rng(args.seed)
+    q, k, v, g = (rng.standard_normal((b, h, t, d)) for _ in range(4))
+    stats = {}
+    for layout in ("contiguous", "zigzag"):
+        ts = [Tensor(shard_sequence(a, comm.rank, comm.size, layout, axis=2), requires_grad=True)
+              for a in (q, k, v)]
+        st = AttentionStats()
+        with measure(comm) as fwd:
+            out = ring_attention(*ts, comm, layout, stats=st)
+        with measure(comm) as bwd:
+            (out * Tensor(shard_sequence(g, comm.rank, comm.size, layout, axis=2))).sum().backward()
+        stats[layout] = (st, fwd.bytes_sent, bwd.bytes_sent, out.data, [x.grad for x in ts])
+    parts = comm.gather_obj(stats, root=0)
+    if comm.rank != 0:
+        return None
+    ref = [Tensor(a, requires_grad=True) for a in (q, k, v)]
+    want = ops.scaled_dot_product_attention(*ref, causal=True)
+    (want * Tensor(g)).sum().backward()
+    diff = 0.0
+    for layout in ("contiguous", "zigzag"):
+        got = unshard_sequence([p[layout][3] for p in parts], layout, axis=2)
+        diff = max(diff, float(np.abs(got - want.data).max()))
+        for i, x in enumerate(ref):
+            got = unshard_sequence([p[layout][4][i] for p in parts], layout, axis=2)
+            diff = max(diff, float(np.abs(got - x.grad).max()))
+    n = b * h * (t // comm.size) * d
+    return diff, {lay: [p[lay][0] for p in parts] for lay in stats}, \
+        [(p["zigzag"][1], p["zigzag"][2]) for p in parts], n, (b, h, t // (2 * comm.size), d)
+
+
+def gpt_check(comm, args, cfg):
+    """Train the GPT over cp meshes; the largest parameter / loss difference to the serial twin."""
+    rng = np.random.default_rng(args.seed)
+    p = comm.size
+    meshes = [dict(dp=1, cp=p, tp=1)]
+    if p % 2 == 0 and p >= 4:
+        meshes += [dict(dp=2, cp=p // 2, tp=1), dict(dp=1, cp=p // 2, tp=2)]
+    rows = []
+    for mesh in meshes:
+        batches = [(rng.integers(0, cfg.vocab_size, (2 * mesh["dp"], args.seq)),
+                    rng.integers(0, cfg.vocab_size, (2 * mesh["dp"], args.seq))) for _ in range(2)]
+        res = train_mesh(comm, cfg, batches, lr=0.1, **mesh)
+        state = gather_full_state(comm, res)
+        if comm.rank == 0:
+            want, want_losses = train_serial(cfg, batches, lr=0.1)
+            diff = max(max_state_diff(state, want), float(np.abs(np.subtract(res.losses, want_losses)).max()))
+            rows.append((mesh, diff))
+    return rows
+
+
+def peak_activations(comm, cfg, t, cp):
+    """Peak activation bytes of one forward: serial GPT (cp=None, this rank alone) or CP over comm."""
+    model = GPT(cfg) if cp is None else context_parallel(GPT(cfg), comm)
+    x = np.zeros((1, t), np.int64)
+    if cp is not None:
+        x = shard_sequence(x, comm.rank, comm.size)
+    acct = MemoryAccountant()
+    with acct.track_activations(model):
+        loss = ops.cross_entropy(model(x), x)
+    loss.backward()
+    return acct.peak_activation_bytes
+
+
+def timeline(comm, args):
+    """One ring-attention forward + backward under a tracer: every rank's events on rank 0."""
+    from minidist import trace
+
+    b, h, d, t = 1, 4, 64, 512 * comm.size  # big enough blocks that compute shows against the transfers
+    rng = np.random.default_rng(args.seed)
+    ts = [Tensor(rng.standard_normal((b, h, t // comm.size, d)), requires_grad=True) for _ in range(3)]
+    outer = trace.current()
+    tracer = trace.Tracer(comm.rank)
+    trace.set_current(tracer)
+    try:
+        comm.barrier()
+        ring_attention(*ts, comm).sum().backward()
+    finally:
+        trace.set_current(outer)
+    if outer is not None:
+        outer.events.extend(tracer.events)
+    return trace.gather_events(comm, tracer)
+
+
+def rank_main(comm, args):
+    p = comm.size
+    cfg = GPTConfig(vocab_size=32, block_size=max(args.seq, 4 * p * 8), n_layer=2, n_head=2, d_model=16,
+                    dtype="float64", seed=args.seed)
+    rprint(comm, f"Long context over cp = {p} ranks: each holds {args.seq // p} of the {args.seq} tokens "
+                 f"(zig-zag: rank r holds chunks r and {2 * p - 1}-r of {2 * p})\n")
+    ok = True
+
+    checked = attention_check(comm, args)
+    rows = gpt_check(comm, args, cfg)
+    if comm.rank == 0:
+        diff, flops, sent, n, (b, h, c, d) = checked
+        verdict = "PASS" if diff <= TOL else "FAIL"
+        ok &= verdict == "PASS"
+        print(f"1. ring attention vs serial attention (out, dQ, dK, dV; float64): max |diff| = {diff:.2e}  "
+              f"{verdict}")
+        print("\n2. GPT over cp meshes, 2 SGD steps, vs the serial GPT (parameters and losses, float64)")
+        for mesh, gdiff in rows:
+            verdict = "PASS" if gdiff <= TOL else "FAIL"
+            ok &= verdict == "PASS"
+            name = " x ".join(f"{k}={v}" for k, v in mesh.items() if v > 1 or k == "cp")
+            print(f"   {name:<16} max |diff| = {gdiff:.2e}  {verdict}")
+        pair = 4 * b * h * c * c * d
+        print("\n3. attention FLOPs per rank (forward; chunk pair = 4·b·h·c²·d = "
+              f"{pair} FLOPs, c = T/2cp = {c})")
+        print(f"   {'rank':>4}  {'contiguous':>11}  {'formula (4r+3)':>14}  {'zig-zag':>9}  "
+              f"{'formula (2cp+1)':>15}")
+        for r in range(p):
+            con, zz = flops["contiguous"][r].forward_flops, flops["zigzag"][r].forward_flops
+            print(f"   {r:>4}  {con:>11}  {(4 * r + 3) * pair:>14}  {zz:>9}  {(2 * p + 1) * pair:>15}")
+            ok &= con == (4 * r + 3) * pair and zz == (2 * p + 1) * pair
+        for lay in ("contiguous", "zigzag"):
+            f = [s.forward_flops for s in flops[lay]]
+            print(f"   {lay:>10}: slowest rank / mean = {max(f) / (sum(f) / len(f)):.2f}")
+        want = ring_bytes(n, 8, p)
+        print(f"\n4. ring bytes per rank (N = b·h·(T/cp)·d = {n} float64 per K or V block)")
+        print(f"   forward  2(cp-1)·N·8 = {want['forward']:>7}   measured {sorted({s[0] for s in sent})}")
+        print(f"   backward (2(cp-1) + 2cp)·N·8 = {want['backward']:>7}   "
+              f"measured {sorted({s[1] for s in sent})}")
+        good = all(s == (want["forward"], want["backward"]) for s in sent)
+        ok &= good
+        print(f"   {'PASS' if good else 'FAIL'}")
+
+    rprint(comm, "\n5. activation memory per rank vs T (one forward's peak, bytes)")
+    rprint(comm, f"   {'T':>5}  {'serial GPT':>11}  {'ring, per rank':>14}  {'serial / ring':>13}")
+    lengths = [t for t in (2 * p * 4, 2 * p * 8, 2 * p * 16) if t <= cfg.block_size]
+    for t in lengths:
+        ring = comm.allgather_obj(peak_activations(comm, cfg, t, p))
+        if comm.rank == 0:
+            serial = peak_activations(comm, cfg, t, None)
+            print(f"   {t:>5}  {serial:>11}  {max(ring):>14}  {serial / max(ring):>13.1f}")
+    rprint(comm, "   the serial column grows like T² (softmax kept per head), the ring column like T/cp")
+
+    events = timeline(comm, args)
+    if comm.rank == 0:
+        from minidist import trace
+
+        print("\n6. timeline of one ring-attention forward (F<j>: on rank j's K/V) and backward (B<j>)")
+        compute = [e for e in events if e["cat"] == "compute"]
+        print(trace.ascii_timeline_from_events(compute, width=96))
+        flight = [e for e in events if e["cat"] == "send" and e["name"] == "K/V"]
+        print(f"   {len(flight)} K/V transfers, each started before its block's compute and waited for after")
+        if args.plot:
+            trace.plot_timeline(args.plot, events, title=f"ring attention, cp={p}: K/V in flight")
+            print(f"   wrote {args.plot}")
+    return finish(comm, ok)
+
+
+def main(argv=None):
+    parser = lesson_parser(__doc__.split("\n")[0], ranks=4)
+    parser.add_argument("--seq", type=positive_int, default=32,
+                        help="sequence length (a multiple of 2·ranks)")
+    args = parser.parse_args(argv)
+    p = world_size(args)
+    if args.seq % (2 * p):
+        parser.error(f"--seq {args.seq} must be a multiple of 2 x ranks = {2 * p} (zig-zag chunks)")
+    launch(rank_main, args)
+
+
+if __name__ == "__main__":
+    main()
