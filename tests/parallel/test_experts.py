@@ -80,3 +80,21 @@ def test_experts_must_divide_over_ep():
     with pytest.raises(ValueError, match=r"n_experts=3 is not divisible by the expert-parallel size ep=2; "
                                          r"use ep in \[1, 3\]"):
         run(lambda comm: ExpertParallelMoE(D, 3, comm), ranks=2)
+
+
+def test_lesson_passes_and_exits_1_when_the_exchange_is_wrong(monkeypatch, capsys):
+    from minidist.lessons import moe as lesson
+    from minidist.parallel import experts
+
+    argv = ["--ranks", "2", "--tokens", "32"]
+    lesson.main(argv)
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 3 and "FAIL" not in out
+    good = experts._exchange
+    monkeypatch.setattr(experts, "_exchange", lambda comm, x: good(comm, x)[::-1].copy())  # blocks misrouted
+    with pytest.raises(SystemExit) as e:
+        lesson.main(argv)
+    assert e.value.code == 1 and "FAIL" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        lesson.main(["--ranks", "2", "--experts", "3"])
+    assert e.value.code == 2

@@ -1,0 +1,212 @@
+"""Lesson 15: mixture of experts -- routing, capacity, the load-balancing loss, expert parallelism.
+
+    mpirun -n 4 python -m minidist.lessons.moe
+    python -m minidist.lessons.moe --ranks 4 [--experts 8] [--steps 40] [--plot FILE.png]
+
+An MoE block (``minidist.nn.moe``) with its experts split over every rank (ep = world size,
+``minidist.parallel.experts``); each rank routes its own tokens. Rank 0 prints:
+
+1. expert parallelism vs the serial MoE on each rank's tokens (outputs and every gradient): PASS;
+2. training the block on a toy regression whose router starts badly skewed: tokens per expert and
+   their coefficient of variation (CV) per step, with the Switch load-balancing loss and without;
+3. the capacity-factor trade-off: dropped tokens vs padded (empty, still computed) expert slots;
+4. the ledger's all-to-all bytes beside 2·(ep-1)·(E/ep)·C·d·8 per direction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minidist import optim
+from minidist.comm import all_reduce, measure
+from minidist.lessons.cli import (
+    finish,
+    launch,
+    lesson_parser,
+    positive_float,
+    positive_int,
+    rprint,
+    world_size,
+)
+from minidist.nn.moe import MoE
+from minidist.parallel.experts import ExpertParallelMoE, all_to_all_bytes
+from minidist.tensor import Tensor, no_grad
+
+D, HIDDEN = 8, 16
+TOL = 1e-10
+
+
+def build(comm, args, cf=None, serial=False):
+    kw = dict(hidden=HIDDEN, dtype=np.float64, std=0.3, rng=np.random.default_rng(args.seed))
+    if serial:
+        return MoE(D, args.experts, args.k, cf or args.capacity, **kw)
+    return ExpertParallelMoE(D, args.experts, comm, args.k, cf or args.capacity, **kw)
+
+
+def tokens(args, rank, n=None, shift=1.5):
+    """This rank's tokens: a shared offset makes a random router send most of them one way."""
+    rng = np.random.default_rng(1000 * args.seed + rank)
+    return rng.standard_normal((n or args.tokens, D)) + shift
+
+
+def twin_check(comm, args):
+    """Expert-parallel forward/backward vs the serial MoE on every rank's tokens; max diff on rank 0."""
+    moe = build(comm, args)
+    xs = [tokens(args, r) for r in range(comm.size)]
+    g = np.random.default_rng(7).standard_normal((args.tokens, D))
+    x = Tensor(xs[comm.rank], requires_grad=True)
+    with measure(comm) as fwd:
+        y = moe(x)
+    loss = (y * Tensor(g)).sum() + moe.stats.aux_loss + moe.stats.z_loss
+    with measure(comm) as bwd:
+        loss.backward()
+    grads = {moe.global_name(n): (all_reduce(comm, p.grad) if n.startswith("router") else p.grad)
+             for n, p in moe.named_parameters()}
+    got = comm.gather_obj((y.data, x.grad, grads, moe.stats.capacity, fwd.bytes_sent, bwd.bytes_sent), root=0)
+    if comm.rank != 0:
+        return None
+    ser = build(comm, args, serial=True)
+    diff, total, all_grads = 0.0, 0, {}
+    for r, xr in enumerate(xs):
+        xt = Tensor(xr, requires_grad=True)
+        yr = ser(xt)
+        total = (yr * Tensor(g)).sum() + ser.stats.aux_loss + ser.stats.z_loss
+        total.backward()
+        diff = max(diff, float(np.abs(yr.data - got[r][0]).max()), float(np.abs(xt.grad - got[r][1]).max()))
+        all_grads.update(got[r][2])
+    for n, p in ser.named_parameters():
+        diff = max(diff, float(np.abs(p.grad - all_grads[n]).max()))
+    return diff, [(c, f, b) for _, _, _, c, f, b in got]
+
+
+def train(comm, args, aux_weight):
+    """Train the block (ep over every rank) on a toy regression; per step: routed counts, CV, dropped."""
+    moe = build(comm, args)
+    with no_grad():  # a skewed start: the router favours expert 0
+        moe.router.weight.data[:, 0] += 0.6
+    opt = optim.make_optimizer("adamw", moe.parameters(), args.lr)
+    target = np.random.default_rng(99).standard_normal((D, D)) / np.sqrt(D)
+    history = []
+    for step in range(args.steps):
+        x = tokens(args, comm.rank + 100 * step)
+        y = moe(Tensor(x))
+        err = y - Tensor(np.tanh(x @ target))
+        loss = (err * err).mean() * (1.0 / comm.size) + moe.stats.aux_loss * (aux_weight / comm.size)
+        loss.backward()
+        for name, p in moe.named_parameters():  # the router is replicated: sum its partial gradients
+            if name.startswith("router"):
+                p.grad = all_reduce(comm, p.grad)
+        opt.step()
+        opt.zero_grad()
+        routed = all_reduce(comm, moe.stats.tokens_per_expert.astype(np.float64))
+        kept = all_reduce(comm, moe.stats.kept_per_expert.astype(np.float64))
+        history.append((routed, float(routed.std() / routed.mean()), 1 - kept.sum() / routed.sum()))
+    return moe, history
+
+
+def capacity_table(comm, args, moe):
+    """Route the same tokens at several capacity factors: dropped fraction and padded slots."""
+    rows = []
+    x = tokens(args, comm.rank + 100 * args.steps)
+    for cf in (0.5, 1.0, 1.25, 1.5, 2.0):
+        moe.capacity_factor = cf
+        with no_grad():
+            moe(Tensor(x))
+        kept = all_reduce(comm, moe.stats.kept_per_expert.astype(np.float64)).sum()
+        slots = comm.size * args.experts * moe.stats.capacity  # every rank's E x C buffer
+        rows.append((cf, moe.stats.capacity, 1 - kept / (comm.size * args.tokens * args.k), 1 - kept / slots))
+    moe.capacity_factor = args.capacity
+    return rows
+
+
+def rank_main(comm, args):
+    p, e = comm.size, args.experts
+    rprint(comm, f"Mixture of experts: E = {e} experts, top-{args.k}, over ep = {p} ranks ({e // p} each); "
+                 f"{args.tokens} tokens per rank, capacity factor {args.capacity}\n")
+    ok = True
+    checked = twin_check(comm, args)
+    if comm.rank == 0:
+        diff, sent = checked
+        verdict = "PASS" if diff <= TOL else "FAIL"
+        ok &= verdict == "PASS"
+        print(f"1. expert parallel vs serial MoE on each rank's tokens (outputs, input and parameter "
+              f"gradients, float64): max |diff| = {diff:.2e}  {verdict}")
+
+    balanced, with_aux = train(comm, args, args.aux)
+    skewed, without = train(comm, args, 0.0)
+    if comm.rank == 0:
+        print(f"\n2. training with the load-balancing loss (weight {args.aux}) and without: tokens routed "
+              f"per expert (all ranks), CV = std/mean")
+        print(f"   {'step':>4}  {'with aux: tokens per expert':<{6 * e}}  {'CV':>5}  {'dropped':>7}   "
+              f"{'without: CV':>11}  {'dropped':>7}")
+        for s in sorted({0, 1, 2, 5, 10, 20, args.steps - 1} & set(range(args.steps))):
+            counts, cv, dropped = with_aux[s]
+            shown = " ".join(f"{int(c):>5}" for c in counts)
+            print(f"   {s:>4}  {shown:<{6 * e}}  {cv:>5.2f}  {dropped:>7.1%}   "
+                  f"{without[s][1]:>11.2f}  {without[s][2]:>7.1%}")
+        falls = with_aux[-1][1] < 0.5 * with_aux[0][1] and with_aux[-1][1] < without[-1][1]
+        ok &= falls
+        print(f"   CV {with_aux[0][1]:.2f} -> {with_aux[-1][1]:.2f} with the aux loss, "
+              f"{without[0][1]:.2f} -> {without[-1][1]:.2f} without  {'PASS' if falls else 'FAIL'}")
+
+    rows = zip(capacity_table(comm, args, balanced), capacity_table(comm, args, skewed))
+    if comm.rank == 0:
+        print("\n3. capacity factor trade-off: C = ceil(cf·k·N/E) slots per expert; a dropped token skips "
+              "the expert,\n   a padded slot is computed for nothing")
+        print(f"   {'':>10}  {'balanced router (aux)':>23}  {'skewed router (no aux)':>23}")
+        print(f"   {'cf':>5}  {'C':>3}  {'dropped':>11}  {'padded':>9}  {'dropped':>11}  {'padded':>9}")
+        for (cf, cap, d1, p1), (_, _, d2, p2) in rows:
+            print(f"   {cf:>5.2f}  {cap:>3}  {d1:>11.1%}  {p1:>9.1%}  {d2:>11.1%}  {p2:>9.1%}")
+
+        cap = sent[0][0]
+        want = all_to_all_bytes(e, p, cap, D, 8)
+        good = all(s == (cap, want["forward"], want["backward"]) for s in sent)
+        ok &= good
+        print(f"\n4. all-to-all bytes per rank (C = {cap}): two all-to-alls of ep-1 blocks of (E/ep)·C·d "
+              f"float64 each way")
+        print(f"   forward  2·{p - 1}·{e // p}·{cap}·{D}·8 = {want['forward']:>6}   measured "
+              f"{sorted({s[1] for s in sent})}")
+        print(f"   backward 2·{p - 1}·{e // p}·{cap}·{D}·8 = {want['backward']:>6}   measured "
+              f"{sorted({s[2] for s in sent})}  {'PASS' if good else 'FAIL'}")
+        if args.plot:
+            plot(args.plot, with_aux, without)
+            print(f"\n   wrote {args.plot}")
+    return finish(comm, ok)
+
+
+def plot(path, with_aux, without):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 3.2))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    ax.plot([h[1] for h in with_aux], label="with load-balancing loss")
+    ax.plot([h[1] for h in without], label="without")
+    ax.set_xlabel("step")
+    ax.set_ylabel("CV of tokens per expert")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv=None):
+    parser = lesson_parser(__doc__.split("\n")[0], ranks=4)
+    parser.add_argument("--experts", type=positive_int, default=8, help="experts (a multiple of the ranks)")
+    parser.add_argument("--k", type=positive_int, default=2, choices=[1, 2], help="experts per token")
+    parser.add_argument("--tokens", type=positive_int, default=64, help="tokens per rank per step")
+    parser.add_argument("--capacity", type=positive_float, default=1.25, help="capacity factor")
+    parser.add_argument("--steps", type=positive_int, default=40)
+    parser.add_argument("--lr", type=positive_float, default=0.02)
+    parser.add_argument("--aux", type=positive_float, default=0.1, help="weight of the load-balancing loss")
+    args = parser.parse_args(argv)
+    p = world_size(args)
+    if args.experts % p:
+        parser.error(f"--experts {args.experts} must be a multiple of the {p} ranks (experts per rank)")
+    if args.k > args.experts:
+        parser.error(f"--k {args.k} is more than --experts {args.experts}")
+    launch(rank_main, args)
+
+
+if __name__ == "__main__":
+    main()
