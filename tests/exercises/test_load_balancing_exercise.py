@@ -107,7 +107,7 @@ CHECKS = {"min_max_partition": check_min_max_partition, "balanced_shares": check
           "my_rows": check_my_rows}
 
 
-def _reference():
+def reference():
     return types.SimpleNamespace(
         min_max_partition=partition_balanced,
         balanced_shares=lambda total, t: proportional_shares(total, [1.0 / x for x in t], minimum=1),
@@ -174,4 +174,4 @@ BROKEN = {"min_max_partition": [_uniform_cut, _greedy_fill],
 
 
 test_reference_passes, test_broken_implementation_fails, test_grade_reports_the_stub_as_not_written = \
-    grader_tests("load_balancing", CHECKS, _reference, BROKEN)
+    grader_tests("load_balancing", CHECKS, reference, BROKEN)
