@@ -252,6 +252,22 @@ def test_moving_pays_off_only_when_the_saving_covers_the_move():
 PCFG = GPTConfig(vocab_size=16, block_size=4, n_layer=4, n_head=2, d_model=8, dtype="float64")
 
 
+def test_profiled_stage_times_each_layers_forward_and_backward():
+    from minidist.nn import GPT
+    from minidist.parallel.balance.pipeline import ProfiledStage
+
+    model = GPT(PCFG)
+    pace, rows = 0.002, 2  # every layer's forward lasts >= 4 ms; layer 3 is 4x that; backward ~ 2x forward
+    stage = ProfiledStage(model, [(0, len(model))], 0, 1, slow=Slowdown("layer=3,factor=4", pace=pace))
+    x, y = _batches(rows, 1)[0]
+    stage.loss_fn(stage.forward(x), y).backward()
+    fwd, bwd = stage.fwd, stage.bwd
+    for i in range(len(model)):
+        want = rows * pace * (4 if i == 3 else 1)
+        assert want <= fwd[i] < want + 0.03, (i, fwd[i])
+        assert 1.5 * fwd[i] <= bwd[i] < 2 * fwd[i] + 0.03, (i, fwd[i], bwd[i])  # measured by the hooks
+
+
 @budget(4)
 @given(data=st.data(), optimizer=st.sampled_from(["sgd", "adamw"]))
 @example(data=None, optimizer="adamw")
