@@ -63,6 +63,11 @@ def top_k_route(probs: np.ndarray, k: int, cap: int):
     return experts, slots
 
 
+def routed_fraction(experts: np.ndarray, n_experts: int) -> np.ndarray:
+    """f_e: the fraction of all N·k choices in ``experts`` (N, k) that name expert e (before drops)."""
+    return np.bincount(experts.ravel(), minlength=n_experts) / experts.size
+
+
 @dataclass
 class MoEStats:
     """What one forward routed: tokens per expert (before drops), kept per expert, dropped fraction
@@ -153,7 +158,7 @@ class MoE(Module):
         routed = np.bincount(experts.ravel(), minlength=e)
         kept = np.bincount(experts[slots >= 0], minlength=e)
         xp = backend_of(probs.data).xp
-        f = Tensor(xp.asarray(routed / experts.size, dtype=probs.data.dtype))  # no gradient: a count
+        f = Tensor(xp.asarray(routed_fraction(experts, e), dtype=probs.data.dtype))  # a count: no gradient
         aux = (probs.mean(axis=0) * f).sum() * e
         m = Tensor(logits.data.max(axis=-1, keepdims=True))                  # detached shift
         lse = ((logits - m).exp().sum(axis=-1, keepdims=True)).log() + m
