@@ -1,21 +1,37 @@
-"""Grade an exercise: ``python -m minidist.grade NAME [--file exercises/NAME.py]``.
+"""Grade an exercise: ``python -m minidist.grade NAME [--file exercises/NAME.py] [-v]``;
+``python -m minidist.grade --list``: every exercise, its topic, estimated time and your score.
 
 An exercise ``NAME`` is a student file ``exercises/NAME.py`` (functions with a spec and a
-``NotImplementedError`` body) and a grader ``tests/exercises/test_NAME_exercise.py`` whose
-``CHECKS`` dict maps each task (function name) to ``check(impl)``: property tests that raise
-AssertionError when ``impl.<task>`` is wrong. The same checks run in CI against minidist's own
-implementation (they must pass) and against deliberately broken ones (they must fail).
+``NotImplementedError`` body; its docstring's first line names the topic, an ``Estimated time:``
+line the time) and a grader: ``minidist/grading/NAME.py`` (or, until it moves there,
+``tests/exercises/test_NAME_exercise.py``) whose ``CHECKS`` dict maps each task (function name) to
+``check(impl)``: property tests that raise AssertionError when ``impl.<task>`` is wrong, and an
+optional ``POINTS`` dict (task -> points, default 1). The same checks run in CI against minidist's
+own implementation (they must pass) and against deliberately broken ones (they must fail).
+
+A failed task prints what failed -- the example (world size, sizes, dtype, rank) and the first
+elements that differ, as the grader's message and hypothesis's falsifying example give them;
+``-v`` adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
+import re
 import sys
 import traceback
 from pathlib import Path
 
+from minidist.grading import RanksHung, assert_close, grader_tests, no_hang, run_guarded  # noqa: F401
+
 ROOT = Path(__file__).resolve().parent.parent
+# the suggested order (README's exercise table); exercises not named here follow, alphabetically
+COURSE = ["autograd", "allreduce", "data_parallel", "zero", "tensor_parallel", "pipeline", "checkpointing",
+          "mixed_precision", "offload", "kv_cache", "three_d", "fault_tolerance", "compression",
+          "load_balancing", "long_context", "moe"]
+MAX_LINES = 12  # lines of a failure's message shown without -v
 
 
 def load_module(path: Path, name: str):
@@ -28,99 +44,104 @@ def load_module(path: Path, name: str):
     return mod
 
 
+def grader_path(name: str) -> Path:
+    """minidist/grading/NAME.py, or the grader not yet moved there from tests/exercises/."""
+    moved = ROOT / "minidist" / "grading" / f"{name}.py"
+    return moved if moved.exists() else ROOT / "tests" / "exercises" / f"test_{name}_exercise.py"
+
+
 def exercises() -> list[str]:
-    return sorted(p.stem for p in (ROOT / "exercises").glob("*.py") if not p.stem.startswith("_"))
+    """Every exercise with a student file and a grader, in the suggested order."""
+    names = {p.stem for p in (ROOT / "exercises").glob("*.py") if not p.stem.startswith("_")}
+    names = {n for n in names if grader_path(n).exists()}
+    return [n for n in COURSE if n in names] + sorted(names - set(COURSE))
 
 
-def grade(name: str, student_file: str | None = None, verbose: bool = False) -> tuple[int, int]:
+def header(name: str) -> tuple[str, str]:
+    """(topic, estimated time) from exercises/NAME.py's docstring."""
+    text = (ROOT / "exercises" / f"{name}.py").read_text()
+    m = re.search(r'"""(?:Exercise [^:]*:\s*)?(.*?)\n', text)
+    topic = m.group(1).strip().rstrip(".") if m else ""
+    t = re.search(r"Estimated time:\s*(.+)", text)
+    return topic, (t.group(1).strip() if t else "?")
+
+
+def _explain(e: BaseException, verbose: bool) -> str:
+    """The failure as a student needs it: the grader's message and hypothesis's example."""
+    lines = str(e).strip().splitlines() or ["assertion failed"]
+    notes = [n.replace("prop(", "(").replace("Failing test case", "Falsifying example")
+             for n in getattr(e, "__notes__", []) if "Falsifying" in n or "Failing test case" in n]
+    shown = lines if verbose else lines[:MAX_LINES] + (["..."] if len(lines) > MAX_LINES else [])
+    for note in notes:
+        shown += note.strip().splitlines()
+    return "\n".join(shown)
+
+
+def grade(name: str, student_file: str | None = None, verbose: bool = False,
+          out=None) -> tuple[int, int]:
     """Run every check of exercise ``name`` on the student's file; print and return (passed, total)."""
-    grader = load_module(ROOT / "tests" / "exercises" / f"test_{name}_exercise.py", f"grader_{name}")
+    out = out or sys.stdout
+    grader = load_module(grader_path(name), f"grader_{name}")
     student = load_module(Path(student_file) if student_file else ROOT / "exercises" / f"{name}.py",
                           f"student_{name}")
-    passed = 0
-    print(f"exercise {name}: {len(grader.CHECKS)} tasks")
+    points = getattr(grader, "POINTS", {})
+    passed = got = 0
+    worth = sum(points.get(t, 1) for t in grader.CHECKS)
+    print(f"exercise {name}: {len(grader.CHECKS)} tasks, {worth} points", file=out)
     for task, check in grader.CHECKS.items():
+        detail = ""
         try:
             check(student)
         except NotImplementedError:
             verdict = "not written yet"
         except AssertionError as e:
-            first = str(e).strip().splitlines()
-            verdict = "FAIL: " + (first[0] if first else "assertion failed")
+            verdict, detail = "FAIL", _explain(e, verbose)
             if verbose:
                 traceback.print_exc()
         except Exception as e:  # a crash in the student's code is a failed task, not a crashed grader
-            verdict = f"FAIL: {type(e).__name__}: {e}"
+            verdict, detail = "FAIL", f"{type(e).__name__}: {_explain(e, verbose)}"
             if verbose:
                 traceback.print_exc()
         else:
             verdict = "PASS"
             passed += 1
-        print(f"  {task:<36} {verdict}")
-    print(f"score: {passed}/{len(grader.CHECKS)}")
+            got += points.get(task, 1)
+        print(f"  {task:<36} {verdict}  ({points.get(task, 1)} pt)", file=out)
+        for line in detail.splitlines():
+            print(f"      {line}", file=out)
+    print(f"score: {passed}/{len(grader.CHECKS)} tasks, {got}/{worth} points", file=out)
     return passed, len(grader.CHECKS)
 
 
-# -- what every grader shares ------------------------------------------------------------------
-
-class RanksHung(BaseException):
-    """Ranks stuck waiting on each other. A BaseException, so hypothesis stops at once instead of
-    shrinking an example that takes ``wait_s`` seconds per try."""
-
-
-def run_guarded(body, ranks: int, wait_s: float = 10):
-    """``minidist.comm.run(body, ranks)`` with every wait bounded by ``wait_s`` seconds: a student's
-    collective that leaves a rank waiting fails the task in seconds, not after the 300 s default."""
-    from minidist.comm import CollectiveMismatch, CommTimeout, RankExited, run
-
-    def guarded(comm):
-        comm.timeout = wait_s
-        return body(comm)
-    try:
-        return run(guarded, ranks=ranks)
-    except (CommTimeout, RankExited, CollectiveMismatch) as e:  # would wait forever, caught early or not
-        raise RanksHung(str(e).splitlines()[0]) from None
-
-
-def no_hang(prop) -> None:
-    """Run a property; ranks that hung become a failed check that says so."""
-    try:
-        prop()
-    except RanksHung as e:
-        raise AssertionError(f"the ranks hung (do all ranks make the same collectives?): {e}") from None
-
-
-def grader_tests(name: str, checks: dict, reference, broken: dict):
-    """The three pytest tests every grader runs in CI: minidist's own ``reference()`` passes every
-    check, each deliberately ``broken`` version fails its task's check, and the untouched stub in
-    exercises/NAME.py scores 0, reported as "not written yet". Assign them to ``test_*`` names."""
-    import types
-
-    import pytest
-
-    @pytest.mark.parametrize("task", list(checks))
-    def test_reference_passes(task):
-        checks[task](reference())
-
-    @pytest.mark.parametrize("task,wrong", [(t, b) for t, bs in broken.items() for b in bs],
-                             ids=lambda v: getattr(v, "__name__", v))
-    def test_broken_implementation_fails(task, wrong):
-        with pytest.raises(AssertionError):
-            checks[task](types.SimpleNamespace(**{task: wrong}))
-
-    def test_grade_reports_the_stub_as_not_written(capsys):
-        assert grade(name) == (0, len(checks))
-        assert capsys.readouterr().out.count("not written yet") == len(checks)
-
-    return test_reference_passes, test_broken_implementation_fails, test_grade_reports_the_stub_as_not_written
+def listing() -> list[tuple[str, str, str, str]]:
+    """(name, topic, time, score) for every exercise, running each grader quietly on your file."""
+    rows = []
+    for name in exercises():
+        topic, time = header(name)
+        try:
+            passed, total = grade(name, out=io.StringIO())
+            score = f"{passed}/{total}"
+        except BaseException as e:  # a broken student file must not hide the other rows
+            score = f"error: {type(e).__name__}"
+        rows.append((name, topic, time, score))
+    return rows
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Grade an exercise with its property tests.")
-    ap.add_argument("name", choices=exercises())
+    ap.add_argument("name", nargs="?", help="the exercise (see --list)")
+    ap.add_argument("--list", action="store_true", help="every exercise, topic, estimated time, your score")
     ap.add_argument("--file", help="the student's file (default: exercises/NAME.py)")
-    ap.add_argument("-v", "--verbose", action="store_true", help="show tracebacks of failures")
+    ap.add_argument("-v", "--verbose", action="store_true", help="full messages and tracebacks of failures")
     args = ap.parse_args(argv)
+    if args.list:
+        rows = listing()
+        print(f"{'exercise':<17} {'time':<10} {'score':<7} topic")
+        for name, topic, time, score in rows:
+            print(f"{name:<17} {time:<10} {score:<7} {topic}")
+        return
+    if args.name not in exercises():
+        ap.error(f"unknown exercise {args.name!r}: choose one of {', '.join(exercises())} (or --list)")
     passed, total = grade(args.name, args.file, args.verbose)
     sys.exit(0 if passed == total else 1)
 

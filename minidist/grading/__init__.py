@@ -1,0 +1,112 @@
+"""The exercise graders: ``python -m minidist.grade NAME`` (see minidist/grade.py).
+
+One module per exercise, ``minidist/grading/NAME.py``, holds ``CHECKS`` (task -> ``check(impl)``:
+property tests that raise AssertionError when ``impl.<task>`` is wrong), optionally ``POINTS``
+(task -> points), ``reference()`` (minidist's own answer: must get full marks) and ``BROKEN``
+(task -> realistic wrong versions: each must fail). CI proves both in tests/exercises/.
+
+This file holds what every grader shares: running ranks with a bound on every wait
+(``run_guarded``; ``rendezvous=True`` for point-to-point exercises, see rendezvous.py), turning
+hung ranks into a failed check (``no_hang``), a comparison that teaches (``assert_close``: which
+rank, sizes, dtype, and the first elements that differ) and the CI tests (``grader_tests``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class RanksHung(BaseException):
+    """Ranks stuck waiting on each other. A BaseException, so hypothesis stops at once instead of
+    shrinking an example that takes ``wait_s`` seconds per try."""
+
+
+def run_guarded(body, ranks: int, wait_s: float = 10, rendezvous: bool = False):
+    """``minidist.comm.run(body, ranks)`` with every wait bounded by ``wait_s`` seconds: a student's
+    collective that leaves a rank waiting fails the task in seconds, not after the 300 s default.
+    ``rendezvous=True``: sends complete only when the receive is posted (MPI's large messages), and
+    a cycle of waiting ranks fails at once, naming the cycle."""
+    from minidist.comm import CollectiveMismatch, CommTimeout, RankExited, run
+    from minidist.grading.rendezvous import Deadlock, run_rendezvous
+
+    def guarded(comm):
+        comm.timeout = wait_s
+        return body(comm)
+    try:
+        return run_rendezvous(guarded, ranks) if rendezvous else run(guarded, ranks=ranks)
+    except Deadlock as e:
+        raise RanksHung(str(e)) from None
+    except (CommTimeout, RankExited, CollectiveMismatch) as e:  # would wait forever, caught early or not
+        raise RanksHung(str(e).splitlines()[0]) from None
+
+
+def no_hang(prop) -> None:
+    """Run a property; ranks that hung become a failed check that says so."""
+    try:
+        prop()
+    except RanksHung as e:
+        msg = str(e)
+        if msg.startswith("deadlock"):
+            raise AssertionError(f"the ranks hung in a {msg}") from None
+        raise AssertionError(f"the ranks hung (do all ranks make the same collectives?): {msg}") from None
+
+
+def _fmt(v) -> str:
+    return np.format_float_positional(v, precision=6, trim="-") if np.isscalar(v) and np.isreal(v) and \
+        not isinstance(v, (bool, np.bool_)) else repr(v)
+
+
+def assert_close(got, want, where: str, *, rtol: float = 0.0, atol: float = 0.0, show: int = 4) -> None:
+    """got == want within ``rtol``/``atol`` (0: exactly), or an AssertionError that teaches:
+    ``where`` (say: "rank 2 of 4, n=10"), the shapes and dtypes, how many elements differ and the
+    first ``show`` of them as ``[index] expected E, got G``."""
+    got_a, want_a = np.asarray(got), np.asarray(want)
+    head = f"{where}: "
+    if got is None:
+        raise AssertionError(head + f"returned None, expected an array of shape {want_a.shape} "
+                                    f"{want_a.dtype}")
+    if got_a.shape != want_a.shape:
+        raise AssertionError(head + f"shape {got_a.shape} ({got_a.dtype}), expected {want_a.shape} "
+                                    f"({want_a.dtype})")
+    g, w = got_a.astype(np.float64, copy=False), want_a.astype(np.float64, copy=False)
+    bad = ~np.isclose(g, w, rtol=rtol, atol=atol, equal_nan=True) if (rtol or atol) else \
+        ~((g == w) | (np.isnan(g) & np.isnan(w)))
+    n = int(bad.sum())
+    if not n:
+        return
+    first = [tuple(int(i) for i in ix) for ix in np.argwhere(bad)[:show]]
+    shown = "; ".join(f"[{', '.join(map(str, ix))}] expected {_fmt(want_a[ix])}, got {_fmt(got_a[ix])}"
+                      for ix in first)
+    err = np.nanmax(np.abs(g - w)[bad]) if n else 0.0
+    tol = f"rtol={rtol:g}, atol={atol:g}" if (rtol or atol) else "exact"
+    raise AssertionError(head + f"{n} of {bad.size} elements differ ({tol}; shape {want_a.shape}, "
+                                f"dtype {got_a.dtype}); first: {shown}; max abs error {err:.3g}")
+
+
+def grader_tests(name: str, checks: dict, reference, broken: dict):
+    """The three pytest tests every grader runs in CI: minidist's own ``reference()`` passes every
+    check, each deliberately ``broken`` version fails its task's check, and the untouched stub in
+    exercises/NAME.py scores 0, reported as "not written yet". Assign them to ``test_*`` names."""
+    import types
+
+    import pytest
+
+    from minidist.grade import grade
+
+    @pytest.mark.parametrize("task", list(checks))
+    def test_reference_passes(task):
+        checks[task](reference())
+
+    @pytest.mark.parametrize("task,wrong", [(t, b) for t, bs in broken.items() for b in bs],
+                             ids=lambda v: getattr(v, "__name__", v))
+    def test_broken_implementation_fails(task, wrong):
+        with pytest.raises(AssertionError) as failure:
+            checks[task](types.SimpleNamespace(**{task: wrong}))
+        message = str(failure.value).strip()
+        assert len(message) >= 20, f"a failure must say what is wrong, not {message!r}"
+
+    def test_grade_reports_the_stub_as_not_written(capsys):
+        assert grade(name) == (0, len(checks))
+        assert capsys.readouterr().out.count("not written yet") == len(checks)
+
+    return test_reference_passes, test_broken_implementation_fails, test_grade_reports_the_stub_as_not_written

@@ -1,0 +1,174 @@
+"""Grader for exercises/tensor_parallel.py: column- and row-parallel linear == the serial x @ w + b.
+
+``CHECKS[task](impl)`` raises AssertionError when ``impl.<task>`` is wrong. Forward checks run on
+1..4 thread ranks (``minidist.comm.run``) and read the ledger (``measure``): column parallel sends
+nothing, row parallel makes one all-reduce. They run here against minidist's own ColumnParallelLinear,
+RowParallelLinear, split_columns and split_rows (must pass) and broken versions (must fail).
+"""
+
+import types
+
+import numpy as np
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from minidist.comm import measure
+from minidist.comm.collectives import all_reduce
+from minidist.grading import no_hang, run_guarded
+from minidist.parallel import sharding as S
+from minidist.parallel import tp_layers as T
+from minidist.tensor import Tensor
+
+GRADE = settings(max_examples=12, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
+SMALL = (1, np.ones((1, 1)), np.ones((1, 1)), np.ones(1))  # tried first: a stub fails fast, unshrunk
+TOL = dict(rtol=1e-10, atol=1e-12)  # row parallel sums the partial products in another order
+
+
+@st.composite
+def layers(draw):
+    """A serial layer and its input: x (..., n_in), w (n_in, n_out), b (n_out,); tp divides n_in, n_out."""
+    tp = draw(st.integers(1, 4))
+    lead = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))
+    n_in, n_out = tp * draw(st.integers(1, 3)), tp * draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(st.integers(0, 99)))
+    normal = rng.standard_normal
+    return tp, normal(lead + (n_in,)), normal((n_in, n_out)), normal(n_out)
+
+
+WAIT_S = 10  # a rank waiting longer than this for its peers fails the task (not the 300 s default)
+
+
+def _close(got, want, what, exact=False):
+    """got == want (exact) or within TOL; the first line of the error says what and by how much."""
+    got = np.asarray(got)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
+    ok = np.array_equal(got, want) if exact else np.allclose(got, want, **TOL)
+    err = np.max(np.abs(got - want), initial=0.0)
+    assert ok, f"{what}: max abs error {err:.3g} from " + ("the block it should be" if exact else "x @ w + b")
+
+
+def _on_ranks(tp, fn):
+    """fn(comm) on tp thread ranks: [(result, messages sent, names of collective calls)] by rank."""
+    def body(comm):
+        with measure(comm) as m:
+            out = fn(comm)
+        return out, m.messages, [c.name for c in m.calls]
+    return run_guarded(body, tp, WAIT_S)
+
+
+def _check_shard(impl, task, axis, split):
+    @GRADE
+    @given(tp=st.integers(1, 4), k=st.integers(1, 3), other=st.integers(1, 4), vector=st.booleans(),
+           seed=st.integers(0, 9))
+    @example(tp=1, k=1, other=1, vector=False, seed=0)
+    def prop(tp, k, other, vector, seed):
+        shape = (tp * k,) if vector else (tp * k, other) if axis == 0 else (other, tp * k)
+        w = np.random.default_rng(seed).standard_normal(shape)
+        for r in range(tp):
+            _close(getattr(impl, task)(w, r, tp), split(w, r, tp),
+                   f"{task}(w of shape {shape}, rank {r}, tp {tp})", exact=True)
+    prop()
+
+
+def check_shard_columns(impl):
+    _check_shard(impl, "shard_columns", -1, S.split_columns)
+
+
+def check_shard_rows(impl):
+    _check_shard(impl, "shard_rows", 0, S.split_rows)
+
+
+def check_column_parallel_forward(impl):
+    @GRADE
+    @given(layer=layers())
+    @example(layer=SMALL)
+    def prop(layer):
+        tp, x, w, b = layer
+        out = _on_ranks(tp, lambda c: impl.column_parallel_forward(
+            c, x, S.split_columns(w, c.rank, tp), S.split_columns(b, c.rank, tp)))
+        want = x @ w + b
+        for r, (y, msgs, calls) in enumerate(out):
+            what = f"rank {r} of tp={tp}, x {x.shape}, w {w.shape}"
+            _close(y, S.split_columns(want, r, tp), what)
+            assert msgs == 0 and not calls, f"{what}: sent {msgs} messages, {calls}; it needs none"
+    no_hang(prop)
+
+
+def check_row_parallel_forward(impl):
+    @GRADE
+    @given(layer=layers())
+    @example(layer=SMALL)
+    def prop(layer):
+        tp, x, w, b = layer
+        out = _on_ranks(tp, lambda c: impl.row_parallel_forward(
+            c, S.split_columns(x, c.rank, tp), S.split_rows(w, c.rank, tp), b))
+        want = x @ w + b
+        for r, (y, _, calls) in enumerate(out):
+            what = f"rank {r} of tp={tp}, x {x.shape}, w {w.shape}"
+            _close(y, want, what)
+            ok = len(calls) == 1 and calls[0].endswith("all_reduce") or tp == 1 and not calls
+            assert ok, f"{what}: collectives {calls}; row parallel needs exactly one all-reduce"
+    no_hang(prop)
+
+
+CHECKS = {"shard_columns": check_shard_columns, "shard_rows": check_shard_rows,
+          "column_parallel_forward": check_column_parallel_forward,
+          "row_parallel_forward": check_row_parallel_forward}
+
+
+# -- minidist's own implementation (must pass) ---------------------------------------------------
+
+def reference():
+    """The library's layers with their weights set to the given shards."""
+    def column_parallel_forward(comm, x, w_shard, b_shard):
+        layer = T.ColumnParallelLinear(w_shard.shape[0], w_shard.shape[1] * comm.size, comm, dtype=np.float64)
+        layer.weight.data, layer.bias.data = w_shard, b_shard
+        return layer(Tensor(x)).numpy()
+
+    def row_parallel_forward(comm, x_shard, w_shard, b):
+        layer = T.RowParallelLinear(w_shard.shape[0] * comm.size, w_shard.shape[1], comm, dtype=np.float64)
+        layer.weight.data, layer.bias.data = w_shard, b
+        return layer(Tensor(x_shard)).numpy()
+
+    return types.SimpleNamespace(shard_columns=S.split_columns, shard_rows=S.split_rows,
+                                 column_parallel_forward=column_parallel_forward,
+                                 row_parallel_forward=row_parallel_forward)
+
+
+# -- deliberately broken implementations (must fail) ---------------------------------------------
+
+def _interleaved_columns(w, rank, tp):  # every tp-th column: right shape, wrong block
+    return w[..., rank::tp]
+
+
+def _rows_for_columns(w, rank, tp):  # wrong shard axis (written as a student would)
+    n = w.shape[0] // tp
+    return w[rank * n:(rank + 1) * n]
+
+
+def _columns_for_rows(w, rank, tp):  # wrong shard axis
+    n = w.shape[-1] // tp
+    return w[..., rank * n:(rank + 1) * n]
+
+
+def _column_all_reduces_input(comm, x, w_shard, b_shard):  # right answer, needless communication
+    return all_reduce(comm, x) / comm.size @ w_shard + b_shard
+
+
+def _row_bias_before_reduce(comm, x_shard, w_shard, b):  # every rank adds b: the sum has tp copies
+    return all_reduce(comm, x_shard @ w_shard + b)
+
+
+def _row_reduce_on_rank_0_only(comm, x_shard, w_shard, b):  # the other ranks never join: a hang
+    y = x_shard @ w_shard
+    return (all_reduce(comm, y) if comm.rank == 0 else y) + b
+
+
+def _row_without_reduce(comm, x_shard, w_shard, b):  # a partial product is not the output
+    return x_shard @ w_shard + b
+
+
+BROKEN = {"shard_columns": [_interleaved_columns, _rows_for_columns], "shard_rows": [_columns_for_rows],
+          "column_parallel_forward": [_column_all_reduces_input],
+          "row_parallel_forward": [_row_bias_before_reduce, _row_without_reduce]}
+HANGS = {"row_parallel_forward": _row_reduce_on_rank_0_only}

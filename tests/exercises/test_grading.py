@@ -1,0 +1,98 @@
+"""The grader itself: the rendezvous transport catches a blocking ring, a failure teaches, --list lists."""
+
+import time
+
+import numpy as np
+import pytest
+
+from minidist.comm import collectives as C
+from minidist.grade import exercises, grade, listing
+from minidist.grading.rendezvous import Deadlock, run_rendezvous
+
+
+def _blocking_ring(comm):
+    comm.send(np.full(3, comm.rank, np.float64), (comm.rank + 1) % comm.size)
+    return comm.recv((comm.rank - 1) % comm.size)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_a_blocking_send_then_recv_ring_is_a_deadlock_naming_the_cycle(p):
+    start = time.monotonic()
+    with pytest.raises(Deadlock) as e:
+        run_rendezvous(_blocking_ring, p)
+    assert time.monotonic() - start < 3, "seen in a fraction of a second, not at the watchdog"
+    msg = str(e.value)
+    for r in range(p):  # every rank of the cycle, waiting in its send to the next
+        assert f"rank {r} waits in send to rank {(r + 1) % p}" in msg, msg
+
+
+def test_the_same_ring_passes_on_the_buffered_threads_transport():
+    from minidist.comm import run  # the reason the grader needs rendezvous: buffered sends hide it
+
+    assert [int(y[0]) for y in run(_blocking_ring, ranks=3)] == [2, 0, 1]
+
+
+def _even_sends_first(comm):
+    x = np.full(2, comm.rank, np.float64)
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    if comm.rank % 2 == 0:
+        comm.send(x, right)
+        return comm.recv(left)
+    y = comm.recv(left)
+    comm.send(x, right)
+    return y
+
+
+@pytest.mark.parametrize("fn", [
+    lambda c: c.sendrecv(np.full(2, c.rank, np.float64), (c.rank + 1) % c.size, (c.rank - 1) % c.size),
+    _even_sends_first,
+], ids=["sendrecv", "even_first"])
+def test_deadlock_free_rings_complete(fn):
+    out = run_rendezvous(fn, 4)
+    assert [int(y[0]) for y in out] == [3, 0, 1, 2]
+
+
+@pytest.mark.parametrize("coll", [C.ring_all_reduce, C.recursive_doubling_all_reduce, C.tree_all_reduce])
+def test_minidist_collectives_run_on_rendezvous(coll):
+    xs = [np.arange(7.0) * (r + 1) for r in range(5)]
+    for y in run_rendezvous(lambda c: coll(c, xs[c.rank]), 5):
+        np.testing.assert_array_equal(y, np.arange(7.0) * 15)
+
+
+def test_a_receive_from_a_rank_that_sends_elsewhere_is_a_cycle_too():
+    def body(comm):  # rank 0 waits for 1's message; 1 waits in a send to 0, which posted no receive (tag)
+        if comm.rank == 0:
+            return comm.recv(1, tag=5)
+        comm.send(np.ones(2), 0, tag=6)
+    with pytest.raises(Deadlock, match="rank 0 waits in receive from rank 1"):
+        run_rendezvous(body, 2)
+
+
+WRONG = '''
+import numpy as np
+def ring_all_reduce(comm, x):
+    return x * comm.size  # right only when every rank holds the same x
+def recursive_doubling_all_reduce(comm, x):
+    raise NotImplementedError
+def tree_broadcast(comm, x, root=0):
+    raise NotImplementedError
+'''
+
+
+def test_a_failure_prints_the_example_rank_and_first_differing_elements(tmp_path, capsys):
+    f = tmp_path / "allreduce.py"
+    f.write_text(WRONG)
+    assert grade("allreduce", str(f)) == (0, 3)
+    out = capsys.readouterr().out
+    fail = out.split("ring_all_reduce")[1].split("recursive_doubling")[0]
+    assert "FAIL" in fail, out
+    for word in ("rank 0 of 3 ranks", "n=4", "elements differ", "[0] expected", "got", "float64"):
+        assert word in fail, (word, out)
+
+
+def test_list_shows_every_exercise_with_topic_time_and_score():
+    rows = {name: (topic, time, score) for name, topic, time, score in listing()}
+    assert set(rows) == set(exercises()) >= {"autograd", "allreduce", "data_parallel", "tensor_parallel",
+                                              "pipeline"}
+    assert all(topic for topic, _, _ in rows.values())
+    assert rows["allreduce"][2] == "0/3"
