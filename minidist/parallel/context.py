@@ -209,8 +209,11 @@ class RingAttention(Function):
         half, scale, causal = q.shape[-2] // 2, ctx.scale, ctx.causal
         q_pos = ctx.positions(r)
         delta = (g * o).sum(axis=-1)  # rowsum(dO ∘ O): the softmax backward's correction term
-        dq = xp.zeros_like(q)
-        kv, dkv = xp.stack([k, v]), xp.zeros((2, *k.shape), dtype=k.dtype)
+        # accumulated per chunk half, never in place (JAX arrays are immutable): dq[i], and the dK, dV
+        # of the block in hand, dkv[0][j] and dkv[1][j]
+        zeros = xp.zeros(q[..., :half, :].shape, dtype=q.dtype)
+        dq, dkv = [zeros, zeros], [[zeros, zeros], [zeros, zeros]]
+        kv = xp.stack([k, v])
         tracer = _tracer()
         for s in range(p):
             src = (r - s) % p
@@ -230,10 +233,10 @@ class RingAttention(Function):
                         sc = _scores(q[..., qi, :], kb, q_pos[qi], k_pos[kj], scale, causal)
                         pr = xp.exp(sc - lse[..., qi, None])           # the final softmax, recomputed
                         gi = g[..., qi, :]
-                        dkv[1][..., kj, :] += xp.swapaxes(pr, -1, -2) @ gi
+                        dkv[1][j] = dkv[1][j] + xp.swapaxes(pr, -1, -2) @ gi
                         ds = pr * (gi @ xp.swapaxes(vb, -1, -2) - delta[..., qi, None]) * q.dtype.type(scale)
-                        dq[..., qi, :] += ds @ kb
-                        dkv[0][..., kj, :] += xp.swapaxes(ds, -1, -2) @ q[..., qi, :]
+                        dq[i] = dq[i] + ds @ kb
+                        dkv[0][j] = dkv[0][j] + xp.swapaxes(ds, -1, -2) @ q[..., qi, :]
                         if ctx.stats is not None:
                             ctx.stats.backward_flops += 8 * math.prod(q.shape[:2]) * half * half * q.shape[-1]
             if s < p - 1:
@@ -242,9 +245,11 @@ class RingAttention(Function):
                 _in_flight(tracer, t0, "K/V")
             if p > 1:  # dK, dV of block src go on with it (to its owner, after the last hop)
                 t1 = tracer.now() if tracer is not None else 0.0
-                dkv = ring.sendrecv(dkv, (r + 1) % p, (r - 1) % p, sendtag=2, recvtag=2)
+                out = xp.stack([xp.concatenate(dkv[0], axis=-2), xp.concatenate(dkv[1], axis=-2)])
+                got = ring.sendrecv(out, (r + 1) % p, (r - 1) % p, sendtag=2, recvtag=2)
+                dkv = [[got[a][..., :half, :], got[a][..., half:, :]] for a in range(2)]
                 _in_flight(tracer, t1, "dK/dV")
-        return dq, dkv[0], dkv[1]
+        return (xp.concatenate(dq, axis=-2), xp.concatenate(dkv[0], axis=-2), xp.concatenate(dkv[1], axis=-2))
 
 
 def ring_attention(q, k, v, comm, layout: str = "zigzag", causal: bool = True, stats=None):
