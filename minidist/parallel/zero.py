@@ -247,7 +247,9 @@ class ZeRO3(ZeRO):
     wrapper at the ``"zero3"`` position of the unit's ``Module`` wrapper stack gathers it before its
     forward and releases it after, its saved-tensor hook keeps references instead of parameters
     (backward gathers again), and the unit is released once backward produced all its gradients.
-    Buckets: one per unit (and dtype), in backward order."""
+    Buckets: one per unit (and dtype), in backward order. ``prefetch=True``: when unit u's forward
+    starts, unit u+1's all-gather starts on the async worker, so its bytes overlap u's compute
+    (FSDP's forward prefetch); same results, same bytes, one more unit in flight."""
 
     stage = 3
 
@@ -255,8 +257,11 @@ class ZeRO3(ZeRO):
         super()._setup_units(module, units, comm)
         self._unit_pending: dict[int, int] = {}
         self.gathered: set[int] = set()
+        self.prefetch_log: list[int] = []  # units whose gather started early (``prefetch=True``)
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, prefetch: bool = False, **kwargs):
+        self.prefetch = prefetch  # start gathering unit u+1 when unit u's forward starts
+        self._prefetched: dict[int, list] = {}  # unit -> handles of its buckets' all-gathers in flight
         super().__init__(*args, **kwargs)
         self._wrapper_handles = [self.units[u].register_forward_wrapper(self._wrapper(u), "zero3", "ZeRO-3")
                                  for u in range(len(self.units))]
@@ -304,9 +309,32 @@ class ZeRO3(ZeRO):
         if u in self.gathered:
             return
         self.gather_log.append((u, phase))
-        for b in self._unit_buckets[u]:
-            self._gather_bucket(b)
+        handles = self._prefetched.pop(u, None)
+        for i, b in enumerate(self._unit_buckets[u]):
+            if handles is None:
+                self._gather_bucket(b)
+            else:  # started while the previous unit computed: usually arrived already
+                for p, v in zip(b.params, b.views(handles[i].wait())):
+                    p.data = v
         self.gathered.add(u)
+
+    def _prefetch_unit(self, u: int) -> None:
+        """Start all-gathering unit ``u`` on the async worker (collective; the same on every rank):
+        its bytes travel while the current unit computes, and ``_gather_unit`` only waits. Costs one
+        more unit of memory in flight; the bytes are the same (``u`` is gathered once either way)."""
+        if u >= len(self.units) or u in self.gathered or u in self._prefetched:
+            return
+        self.prefetch_log.append(u)
+        self._prefetched[u] = [self._async(all_gather_flat, self.shards[b.index].data.copy(),
+                                           f"prefetch unit {u} b{b.index}", numel=b.numel)
+                               for b in self._unit_buckets[u]]
+
+    def update(self):
+        for handles in self._prefetched.values():  # never used: drain before the shards change
+            for h in handles:
+                h.wait()
+        self._prefetched.clear()
+        super().update()
 
     def _release_unit(self, u: int):
         for b in self._unit_buckets[u]:
@@ -324,6 +352,8 @@ class ZeRO3(ZeRO):
     def _gathered_forward(self, u: int, inner, args, kwargs):
         """Gather unit ``u``, run ``inner`` with parameters saved as references, release."""
         self._gather_unit(u, "forward")
+        if self.prefetch and not recomputing_depth():
+            self._prefetch_unit(u + 1)
         # released again once backward has produced all the unit's gradients (or at step())
         self._unit_pending[u] = sum(len(b.params) for b in self._unit_buckets[u])
         mine = {id(p.data): p for b in self._unit_buckets[u] for p in b.params}
