@@ -9,9 +9,17 @@ The forward functions are SPMD code for ONE rank: called on every rank of ``comm
 ``comm.size``) with that rank's NumPy float64 arrays. Sum across ranks with
 ``all_reduce(comm, x)`` (imported below: the sum of every rank's x, on every rank).
 
+Last, the loss over a vocabulary split across the ranks (Megatron's vocab-parallel cross-entropy):
+the LM head is column parallel, so each rank holds only its slice of every row of logits, and the
+full (N, V) logits are never gathered.
+
+Estimated time: 1.5 h (shards 10 min, forwards 20 min, vocab-parallel cross-entropy 1 h)
+Points: shard_columns 1, shard_rows 1, column_parallel_forward 2, row_parallel_forward 2,
+vocab_parallel_cross_entropy 4.
 Grade it:  python -m minidist.grade tensor_parallel
-The grader runs your functions on 1..4 thread ranks, compares with the serial ``x @ w + b`` and
-reads the ledger: column parallel sends nothing, row parallel exactly one all-reduce.
+The grader runs your functions on 1..4 thread ranks, compares with the serial ``x @ w + b`` (and
+the serial cross-entropy) and reads the ledger: column parallel sends nothing, row parallel exactly
+one all-reduce, the cross-entropy a few all-reduces of N numbers and no gather of the logits.
 Lesson: lessons/04-tensor-parallel.md; minidist's answer is ColumnParallelLinear / RowParallelLinear
 in minidist/parallel/tp_layers.py, so try before you look.
 """
@@ -50,5 +58,23 @@ def row_parallel_forward(comm, x_shard, w_shard, b):
     x_shard (..., in/tp) is this rank's block of x's last axis (what a column-parallel layer just
     produced), ``w_shard = shard_rows(w, rank, tp)`` (in/tp, out) and b (out,) is the full bias, the
     same on every rank. Returns (..., out). One all-reduce of the output; mind where the bias goes.
+    """
+    raise NotImplementedError
+
+
+def vocab_parallel_cross_entropy(comm, logits_shard, targets):
+    """(loss, grad_shard): the mean cross-entropy of the full logits, and its gradient w.r.t. this
+    rank's slice of them, without ever gathering the logits.
+
+    logits_shard (N, V/tp) float64 is rank r's block of columns ``r*V/tp .. (r+1)*V/tp`` of the full
+    logits (N, V); targets (N,) int are full-vocabulary ids, the same on every rank. The serial loss
+    is ``mean_i( logsumexp(logits[i]) - logits[i, targets[i]] )``. Work it out with three all-reduces
+    of N numbers each:
+    * the row maximum (``all_reduce(comm, m, op="max")``), subtracted before exp so that logits of
+      1000 do not overflow;
+    * the sum of exp over the row (each rank sums its slice, then op="sum");
+    * the target logit: only the rank whose slice holds ``targets[i]`` knows it; the others put 0.
+    Return the loss (a float, the same on every rank) and ``grad_shard`` (N, V/tp): the gradient of
+    the mean loss, ``(softmax(logits) - onehot(targets)) / N`` restricted to your columns.
     """
     raise NotImplementedError

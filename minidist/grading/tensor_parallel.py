@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from minidist.comm import measure
 from minidist.comm.collectives import all_reduce
-from minidist.grading import no_hang, run_guarded
+from minidist.grading import assert_close, no_hang, run_guarded
 from minidist.parallel import sharding as S
 from minidist.parallel import tp_layers as T
 from minidist.tensor import Tensor
@@ -111,9 +111,70 @@ def check_row_parallel_forward(impl):
     no_hang(prop)
 
 
+def _serial_cross_entropy(logits, targets):
+    """The formula written out: mean_i(logsumexp(logits_i) - logits_i[t_i]) and its gradient."""
+    m = logits.max(axis=1, keepdims=True)
+    e = np.exp(logits - m)
+    lse = np.log(e.sum(axis=1)) + m[:, 0]
+    n = len(targets)
+    loss = float(np.mean(lse - logits[np.arange(n), targets]))
+    grad = e / e.sum(axis=1, keepdims=True)
+    grad[np.arange(n), targets] -= 1.0
+    return loss, grad / n
+
+
+def check_vocab_parallel_cross_entropy(impl):
+    @GRADE
+    @given(tp=st.integers(1, 4), n=st.integers(1, 6), k=st.integers(4, 6), big=st.booleans(),
+           seed=st.integers(0, 9))
+    @example(tp=2, n=3, k=4, big=False, seed=0)
+    @example(tp=2, n=2, k=4, big=True, seed=1)  # logits near 1000: exp overflows without the max
+    def prop(tp, n, k, big, seed):
+        rng = np.random.default_rng(seed)
+        v = tp * k
+        logits = rng.standard_normal((n, v)) * 3 + (1000.0 if big else 0.0)
+        targets = rng.integers(0, v, n)
+        want, want_grad = _serial_cross_entropy(logits, targets)
+        out = _on_ranks(tp, lambda c: impl.vocab_parallel_cross_entropy(
+            c, S.split_columns(logits, c.rank, tp), targets.copy()))
+        for r, ((loss, grad), _, calls) in enumerate(out):
+            what = f"rank {r} of tp={tp}, logits ({n}, {v}) float64{' near 1000' if big else ''}"
+            assert np.isfinite(loss), f"{what}: loss {loss} (subtract the row maximum before exp)"
+            assert abs(float(loss) - want) <= 1e-9 * max(1.0, abs(want)), \
+                f"{what}: loss {float(loss)!r}, expected {want!r} (is each target logit counted once?)"
+            assert_close(grad, S.split_columns(want_grad, r, tp), f"{what}, grad_shard",
+                         rtol=1e-8, atol=1e-12)
+            gathers = [c for c in calls if "gather" in c]
+            assert not gathers, f"{what}: {gathers}: the point is never to gather the (N, V) logits"
+    no_hang(prop)
+    _check_vocab_parallel_bytes(impl)
+
+
+def _check_vocab_parallel_bytes(impl):
+    @GRADE
+    @given(tp=st.integers(2, 4), n=st.integers(1, 5), seed=st.integers(0, 9))
+    def prop(tp, n, seed):
+        rng = np.random.default_rng(seed)
+        v = tp * 8
+        logits, targets = rng.standard_normal((n, v)), rng.integers(0, v, n)
+
+        def body(comm):
+            with measure(comm) as m:
+                impl.vocab_parallel_cross_entropy(comm, S.split_columns(logits, comm.rank, tp), targets)
+            return m.bytes_sent
+        limit = 3 * 2 * n * 8  # three all-reduces of N float64s: each sends < 2N·8 bytes per rank
+        for r, sent in enumerate(run_guarded(body, tp, WAIT_S)):
+            assert sent <= limit, (f"rank {r} of tp={tp}, logits ({n}, {v}): sent {sent} bytes; three "
+                                   f"all-reduces of N={n} numbers send at most {limit} (no logits travel)")
+    no_hang(prop)
+
+
 CHECKS = {"shard_columns": check_shard_columns, "shard_rows": check_shard_rows,
           "column_parallel_forward": check_column_parallel_forward,
-          "row_parallel_forward": check_row_parallel_forward}
+          "row_parallel_forward": check_row_parallel_forward,
+          "vocab_parallel_cross_entropy": check_vocab_parallel_cross_entropy}
+POINTS = {"shard_columns": 1, "shard_rows": 1, "column_parallel_forward": 2, "row_parallel_forward": 2,
+          "vocab_parallel_cross_entropy": 4}
 
 
 # -- minidist's own implementation (must pass) ---------------------------------------------------
@@ -130,9 +191,16 @@ def reference():
         layer.weight.data, layer.bias.data = w_shard, b
         return layer(Tensor(x_shard)).numpy()
 
+    def vocab_parallel_cross_entropy(comm, logits_shard, targets):
+        x = Tensor(logits_shard, requires_grad=True)
+        loss = T.vocab_parallel_cross_entropy(x, targets, comm)
+        loss.backward()
+        return float(loss.numpy()), x.grad
+
     return types.SimpleNamespace(shard_columns=S.split_columns, shard_rows=S.split_rows,
                                  column_parallel_forward=column_parallel_forward,
-                                 row_parallel_forward=row_parallel_forward)
+                                 row_parallel_forward=row_parallel_forward,
+                                 vocab_parallel_cross_entropy=vocab_parallel_cross_entropy)
 
 
 # -- deliberately broken implementations (must fail) ---------------------------------------------
@@ -168,7 +236,46 @@ def _row_without_reduce(comm, x_shard, w_shard, b):  # a partial product is not 
     return x_shard @ w_shard + b
 
 
+def _ce_gathers_logits(comm, logits_shard, targets):  # right numbers, but all (N, V) logits travel
+    from minidist.comm import all_gather
+    logits = all_gather(comm, logits_shard, axis=1)
+    loss, grad = _serial_cross_entropy(logits, targets)
+    return loss, S.split_columns(grad, comm.rank, comm.size)
+
+
+def _ce_parts(comm, logits_shard, targets, subtract_max=True, mask=True, divide=True):
+    n, vl = logits_shard.shape
+    lo = comm.rank * vl
+    m = all_reduce(comm, logits_shard.max(axis=1), op="max") if subtract_max else np.zeros(n)
+    e = np.exp(logits_shard - m[:, None])
+    total = all_reduce(comm, e.sum(axis=1))
+    local = targets - lo
+    mine = (local >= 0) & (local < vl) if mask else np.ones(n, bool)
+    idx = np.clip(local, 0, vl - 1)
+    t = np.where(mine, logits_shard[np.arange(n), idx], 0.0)
+    t = all_reduce(comm, t)
+    loss = float(np.mean(np.log(total) + m - t))
+    grad = e / total[:, None]
+    grad[np.arange(n)[mine], idx[mine]] -= 1.0
+    return loss, grad / n if divide else grad
+
+
+def _ce_no_max(comm, logits_shard, targets):  # exp(1000) overflows: inf / inf
+    with np.errstate(all="ignore"):
+        return _ce_parts(comm, logits_shard, targets, subtract_max=False)
+
+
+def _ce_unmasked_target(comm, logits_shard, targets):  # every rank adds "its" target logit (clipped)
+    return _ce_parts(comm, logits_shard, targets, mask=False)
+
+
+def _ce_grad_not_mean(comm, logits_shard, targets):  # gradient of the sum, not of the mean
+    return _ce_parts(comm, logits_shard, targets, divide=False)
+
+
 BROKEN = {"shard_columns": [_interleaved_columns, _rows_for_columns], "shard_rows": [_columns_for_rows],
           "column_parallel_forward": [_column_all_reduces_input],
-          "row_parallel_forward": [_row_bias_before_reduce, _row_without_reduce]}
+          "row_parallel_forward": [_row_bias_before_reduce, _row_without_reduce],
+          "vocab_parallel_cross_entropy": [_ce_no_max, _ce_unmasked_target, _ce_grad_not_mean,
+                                           _ce_gathers_logits]}
 HANGS = {"row_parallel_forward": _row_reduce_on_rank_0_only}
