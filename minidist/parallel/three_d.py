@@ -51,7 +51,8 @@ from minidist.testing import max_state_diff, train_serial  # noqa: F401  (their 
 
 
 def check_3d(world_size: int, cfg, batch_size: int, dp: int, pp: int, tp: int, microbatches: int,
-             chunks: int = 1, rank: int = 0, cp: int = 1, seq_len: int | None = None) -> None:
+             chunks: int = 1, rank: int = 0, cp: int = 1, seq_len: int | None = None,
+             checkpoint: str | None = None) -> None:
     """Every error a mesh run can have, raised before any communication, naming what would be right."""
     for name, v in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -65,6 +66,10 @@ def check_3d(world_size: int, cfg, batch_size: int, dp: int, pp: int, tp: int, m
                          f"zig-zag chunks; use a length that is a multiple of {2 * cp}")
     if cp > 1 and cfg.dropout:
         raise ValueError(f"rank {rank}: context parallelism needs dropout=0 (got {cfg.dropout})")
+    if cp > 1 and checkpoint == "selective":
+        raise ValueError(f"rank {rank}: checkpoint='selective' recomputes the serial attention core, but "
+                         f"with cp={cp} attention is a ring (which keeps no T x T matrix to save); use "
+                         "'full' or no checkpointing")
     layers = cfg.n_layer + 2  # Embed, blocks, Head
     if pp * chunks > layers:
         raise ValueError(f"rank {rank}: {pp * chunks} pipeline stages (pp={pp} x chunks={chunks}) but the "
@@ -120,7 +125,7 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
     `comm_hook`: a (state, hook) pair (`minidist.parallel.compress`) for the data-parallel gradients."""
     batch_size = batches[0][0].shape[0]
     check_3d(comm.size, cfg, batch_size, dp, pp, tp, microbatches, chunks, comm.rank, cp,
-             batches[0][0].shape[1])
+             batches[0][0].shape[1], checkpoint)
     mesh = Mesh(comm, dp=dp, pp=pp, tp=tp, cp=cp)
     model, loss_fn = build_model(cfg, mesh.tp)
     if cp > 1:

@@ -30,11 +30,13 @@ def _rank(comm, batches, **kw):
     return gather_full_state(comm, result), result.losses
 
 
-def _check(dp, pp, cp, tp, m=1, seed=0, optimizer="sgd", ignore=False, layout="zigzag", schedule="1f1b"):
+def _check(dp, pp, cp, tp, m=1, seed=0, optimizer="sgd", ignore=False, layout="zigzag", schedule="1f1b",
+           checkpoint=None):
     batches = _batches(dp * m, seed=seed, ignore=ignore)
     want, want_losses = train_serial(CFG, batches, lr=0.1, optimizer=optimizer)
     results = run(_rank, ranks=dp * pp * cp * tp, batches=batches, dp=dp, pp=pp, cp=cp, tp=tp,
-                  microbatches=m, optimizer=optimizer, layout=layout, schedule=schedule)
+                  microbatches=m, optimizer=optimizer, layout=layout, schedule=schedule,
+                  checkpoint=checkpoint)
     state, losses = results[0]
     assert max_state_diff(state, want) <= TOL
     np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
@@ -43,6 +45,10 @@ def _check(dp, pp, cp, tp, m=1, seed=0, optimizer="sgd", ignore=False, layout="z
 @pytest.mark.parametrize("dp,pp,cp,tp", [(1, 1, 4, 1), (2, 1, 2, 2), (1, 2, 2, 2)])
 def test_context_parallel_meshes_equal_serial(dp, pp, cp, tp):
     _check(dp, pp, cp, tp, m=2, optimizer="adamw")
+
+
+def test_context_parallel_with_full_checkpointing_equals_serial():
+    _check(1, 2, 2, 1, m=2, checkpoint="full")
 
 
 @given(dp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), cp=st.sampled_from([1, 2, 4]),
@@ -83,6 +89,8 @@ def test_errors_before_any_communication():
         check_3d(8, CFG, 4, 2, 1, 1, 1, cp=2, seq_len=8)
     with pytest.raises(ValueError, match=r"length 6 does not split into 2 x cp = 4 .* multiple of 4"):
         check_3d(2, CFG, 4, 1, 1, 1, 1, cp=2, seq_len=6)
+    with pytest.raises(ValueError, match=r"checkpoint='selective' recomputes the serial attention core"):
+        check_3d(2, CFG, 4, 1, 1, 1, 1, cp=2, seq_len=8, checkpoint="selective")
     with pytest.raises(ValueError, match=r"ep=3 is carved from dp=4 and must divide it"):
         run(lambda comm: Mesh(comm, dp=4, ep=3), ranks=4)
     with pytest.raises(ValueError, match=r"mesh size cp=0 must be a positive integer"):
