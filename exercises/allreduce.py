@@ -6,8 +6,11 @@ Use only ``comm.rank``, ``comm.size``, ``comm.send(x, dest)``, ``comm.recv(sourc
 ``comm.sendrecv(x, dest, source)`` (see minidist/comm/communicator.py), and NumPy -- not
 minidist's own collectives (the grader reads the ledger and fails a task that calls one).
 
+Estimated time: 1.5 h (ring 45 min, recursive doubling 30 min, tree broadcast 15 min)
 Grade it:  python -m minidist.grade allreduce
-The grader runs your functions on 1..8 thread ranks, compares with ``np.sum`` of every rank's x,
+The grader runs your functions on 1..8 thread ranks where a send completes only when the
+matching receive is posted (as MPI does with large messages: a ring of blocking send-then-recv
+is reported as a deadlock, with the cycle of waiting ranks), compares with ``np.sum`` of every rank's x,
 and reads the ledger: how many messages and bytes each rank sent. Lesson: lessons/02-allreduce.md.
 """
 

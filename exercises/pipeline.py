@@ -7,6 +7,7 @@ order. Build it from minidist's instruction classes (imported below): ``Forward(
 Sends and receives are BLOCKING: a send finishes only when its peer posts the matching receive.
 Stage 0 never receives activations and the last stage never receives gradients.
 
+Estimated time: 1 h (1F1B 50 min, bubble 10 min)
 Grade it:  python -m minidist.grade pipeline
 The grader runs your schedule through ``minidist.parallel.simulate.simulate`` for p = 1..6 stages
 and m = 1..10 microbatches: no deadlock, every microbatch forward then backward exactly once on every

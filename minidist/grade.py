@@ -63,7 +63,7 @@ def header(name: str) -> tuple[str, str]:
     m = re.search(r'"""(?:Exercise [^:]*:\s*)?(.*?)\n', text)
     topic = m.group(1).strip().rstrip(".") if m else ""
     t = re.search(r"Estimated time:\s*(.+)", text)
-    return topic, (t.group(1).strip() if t else "?")
+    return topic, (t.group(1).split("(")[0].strip() if t else "?")  # "1 h (parts...)" -> "1 h"
 
 
 def _explain(e: BaseException, verbose: bool) -> str:
@@ -136,9 +136,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.list:
         rows = listing()
-        print(f"{'exercise':<17} {'time':<10} {'score':<7} topic")
+        print(f"{'exercise':<17} {'time':<11} {'score':<7} topic")
         for name, topic, time, score in rows:
-            print(f"{name:<17} {time:<10} {score:<7} {topic}")
+            print(f"{name:<17} {time:<11} {score:<7} {topic}")
+        print("score: tasks passed by your exercises/NAME.py; grade one with python -m minidist.grade NAME")
         return
     if args.name not in exercises():
         ap.error(f"unknown exercise {args.name!r}: choose one of {', '.join(exercises())} (or --list)")
