@@ -1,0 +1,137 @@
+"""Back-of-the-envelope estimates: the cost model every lesson prints beside what it measures.
+
+Chapter 0 (lessons/00-estimates.md) derives each formula; the lessons call these to print
+"predicted vs measured" for their main step. Hardware constants live in ``minidist.hardware``
+(datasheets, with sources); this machine's own are measured once by ``python -m minidist.calibrate``
+and read back by :func:`machine`.
+
+* **compute** -- training a dense transformer of N parameters on D tokens costs ``6·N·D`` FLOPs
+  (2 per parameter per token forward, 4 backward); :func:`mfu` is the share of the peak reached.
+* **memory** -- :func:`training_memory`: bytes per parameter for parameters, gradients and
+  optimizer state in fp32 or mixed precision, divided by the ZeRO stage's sharding; activations
+  per layer from :func:`activation_bytes_per_layer` (Korthikanti et al. 2022).
+* **roofline** -- an op is compute-bound when its arithmetic intensity (FLOPs per byte moved)
+  exceeds the machine's FLOP/s ÷ bytes/s; :func:`matmul_intensity`, :func:`decode_intensity`,
+  :func:`roofline_time`.
+* **communication** -- the alpha-beta model: ``time = rounds·alpha + bytes_sent·beta``;
+  :func:`fit_alpha_beta` fits alpha and beta from timed runs (least squares), :func:`ring_time`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# -- compute ---------------------------------------------------------------------------------------
+
+
+def training_flops(n_params: float, n_tokens: float) -> float:
+    """6·N·D: forward 2 FLOPs per parameter per token (a multiply and an add), backward 4 (the
+    gradient w.r.t. the input and w.r.t. the weight, 2 each). Attention's T² term is left out."""
+    return 6.0 * n_params * n_tokens
+
+
+def mfu(n_params: float, tokens_per_step: float, step_seconds: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: the 6·N·D FLOPs a step must do, per second, over the peak."""
+    return training_flops(n_params, tokens_per_step) / step_seconds / peak_flops
+
+
+# -- memory ----------------------------------------------------------------------------------------
+
+# bytes per parameter: (parameters, gradients, optimizer state) with Adam (two moments)
+BYTES_PER_PARAM = {
+    "fp32": (4, 4, 8),    # fp32 weights and grads; Adam's m and v in fp32
+    "mixed": (2, 2, 12),  # bf16/fp16 weights and grads; fp32 master weights + m + v (ZeRO paper's K=12)
+}
+
+
+def training_memory(n_params: float, precision: str = "mixed", zero_stage: int = 0, dp: int = 1) -> dict:
+    """Bytes per rank of parameters, gradients and optimizer state (no activations).
+
+    ZeRO-1 shards the optimizer state over the dp ranks, ZeRO-2 the gradients too, ZeRO-3 the
+    parameters too: mixed precision is 16 bytes/param unsharded, 2 + 2 + 12/dp at stage 1,
+    2 + 14/dp at stage 2, 16/dp at stage 3 (Rajbhandari et al. 2020, Fig. 1)."""
+    if precision not in BYTES_PER_PARAM:
+        raise ValueError(f"precision={precision!r}: choose one of {sorted(BYTES_PER_PARAM)}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r}: 0 (plain data parallel), 1, 2 or 3")
+    p, g, o = BYTES_PER_PARAM[precision]
+    shard = [1, 1, 1]
+    for i in range(zero_stage):  # stage 1 shards o, stage 2 also g, stage 3 also p
+        shard[2 - i] = dp
+    return {"params": n_params * p / shard[0], "grads": n_params * g / shard[1],
+            "optimizer": n_params * o / shard[2],
+            "total": n_params * (p / shard[0] + g / shard[1] + o / shard[2])}
+
+
+def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, itemsize: int = 2,
+                               tp: int = 1, recompute: str = "none") -> float:
+    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2;
+    the paper's 34·s·b·h + 5·a·s²·b is for 2-byte activations and 1-byte dropout masks).
+    ``recompute``: "none", "selective" (the a·s² attention terms recomputed) or "full" (only the
+    layer input kept). ``tp`` divides everything (with sequence parallelism)."""
+    s, b, h, a = seq, batch, hidden, heads
+    scale = itemsize / 2
+    if recompute == "full":
+        return 2 * s * b * h * scale / tp
+    linear = 34 * s * b * h * scale
+    attention = 0 if recompute == "selective" else 5 * a * s * s * b * scale
+    return (linear + attention) / tp
+
+
+# -- roofline --------------------------------------------------------------------------------------
+
+def matmul_intensity(m: int, k: int, n: int, itemsize: int = 2) -> float:
+    """FLOPs per byte of (m, k) @ (k, n): 2mkn over reading both inputs and writing the output.
+    For square n x n it is n/3 per byte at 2 bytes: large matmuls are compute-bound."""
+    return 2.0 * m * k * n / (itemsize * (m * k + k * n + m * n))
+
+
+def decode_intensity(batch: int, itemsize: int = 2) -> float:
+    """FLOPs per byte of one decode step: 2·P·B FLOPs over reading the P weights once (the KV cache
+    ignored) -- B/itemsize: at batch 1, 0.5 FLOP per byte, so decoding is memory-bound."""
+    return 2.0 * batch / itemsize
+
+
+def ridge_point(peak_flops: float, bandwidth: float) -> float:
+    """FLOPs per byte above which an op is compute-bound (the roofline's knee)."""
+    return peak_flops / bandwidth
+
+
+def roofline_time(flops: float, nbytes: float, peak_flops: float, bandwidth: float) -> tuple[float, str]:
+    """(seconds, "compute" or "memory"): the larger of flops/peak and bytes/bandwidth."""
+    tc, tm = flops / peak_flops, nbytes / bandwidth
+    return (tc, "compute") if tc >= tm else (tm, "memory")
+
+
+# -- communication ---------------------------------------------------------------------------------
+
+def fit_alpha_beta(rounds, bytes_sent, seconds) -> tuple[float, float]:
+    """Least-squares alpha (s per round) and beta (s per byte) of ``t = rounds·alpha + bytes·beta``
+    over timed runs; both kept >= a tiny positive floor (a noisy fit can go negative)."""
+    a = np.stack([np.asarray(rounds, float), np.asarray(bytes_sent, float)], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(a, np.asarray(seconds, float), rcond=None)
+    return max(float(alpha), 1e-9), max(float(beta), 1e-15)
+
+
+def ring_time(nbytes: float, p: int, alpha: float, beta: float) -> float:
+    """Ring all-reduce: 2(p-1) rounds, 2(p-1)/p·N bytes sent per rank."""
+    return 0.0 if p == 1 else 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
+
+
+# -- this machine ----------------------------------------------------------------------------------
+
+def machine(transport: str = "threads"):
+    """This machine's measured constants (``minidist.hardware.here``), or None if
+    ``python -m minidist.calibrate`` has not run yet."""
+    from minidist.hardware import here
+
+    try:
+        return here(transport=transport)
+    except (FileNotFoundError, KeyError, ValueError):
+        return None
+
+
+def predicted_vs_measured(what: str, predicted: float, measured: float) -> str:
+    """One line: ``what: predicted 1.20 ms, measured 1.50 ms (measured/predicted 1.25x)``."""
+    ratio = measured / predicted if predicted > 0 else float("nan")
+    return f"{what}: predicted {predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms ({ratio:.2f}x)"
