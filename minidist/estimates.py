@@ -105,11 +105,14 @@ def roofline_time(flops: float, nbytes: float, peak_flops: float, bandwidth: flo
 
 # -- communication ---------------------------------------------------------------------------------
 
-def fit_alpha_beta(rounds, bytes_sent, seconds) -> tuple[float, float]:
+def fit_alpha_beta(rounds, bytes_sent, seconds, relative: bool = False) -> tuple[float, float]:
     """Least-squares alpha (s per round) and beta (s per byte) of ``t = rounds·alpha + bytes·beta``
-    over timed runs; both kept >= a tiny positive floor (a noisy fit can go negative)."""
+    over timed runs; both kept >= a tiny positive floor (a noisy fit can go negative).
+    ``relative=True`` minimises the relative errors instead: small messages count as much as big ones."""
     a = np.stack([np.asarray(rounds, float), np.asarray(bytes_sent, float)], axis=1)
-    (alpha, beta), *_ = np.linalg.lstsq(a, np.asarray(seconds, float), rcond=None)
+    t = np.asarray(seconds, float)
+    w = 1.0 / t if relative else np.ones_like(t)
+    (alpha, beta), *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
     return max(float(alpha), 1e-9), max(float(beta), 1e-15)
 
 

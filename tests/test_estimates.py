@@ -56,6 +56,7 @@ def test_alpha_beta_fit_recovers_the_constants_it_was_given():
     t = rounds * 30e-6 + sent * 2e-10
     alpha, beta = E.fit_alpha_beta(rounds, sent, t)
     assert alpha == pytest.approx(30e-6) and beta == pytest.approx(2e-10)
+    assert E.fit_alpha_beta(rounds, sent, t, relative=True) == pytest.approx((30e-6, 2e-10))
     assert E.ring_time(4e6, 4, alpha, beta) == pytest.approx(6 * 30e-6 + 1.5 * 4e6 * 2e-10)
     assert E.ring_time(4e6, 1, alpha, beta) == 0.0
 

@@ -3,7 +3,10 @@
     python -m minidist.lessons.allreduce --ranks 8          # ranks as threads
     mpirun -n 8 python -m minidist.lessons.allreduce        # ranks as MPI processes
 
-For each algorithm: the result checked against the serial twin (a NumPy sum of every rank's
+First the alpha-beta model, fitted on this machine and transport: four algorithms timed at three
+message sizes, alpha (seconds per round) and beta (seconds per byte) fitted by least squares, then
+predicted vs measured time per algorithm and size, and where ``algorithm="auto"`` switches.
+Then for each algorithm: the result checked against the serial twin (a NumPy sum of every rank's
 array), the bytes each rank sent (from the ledger) beside the formula, and the time. Then the
 ring's schedule: which chunk each rank passes to its right neighbour at each step.
 ``--plot FILE.png`` draws the same numbers: bytes each rank sent beside the formula, and the time.
@@ -15,13 +18,22 @@ import time
 
 import numpy as np
 
-from minidist.comm import measure, mpi_all_reduce, naive_all_reduce, ring_all_reduce, tree_all_reduce
+from minidist import estimates
+from minidist.comm import (
+    all_reduce,
+    measure,
+    mpi_all_reduce,
+    naive_all_reduce,
+    ring_all_reduce,
+    tree_all_reduce,
+)
 from minidist.comm.collectives import (
     halving_doubling_all_reduce,
     ring_chunks,
     split_sizes,
     two_shot_all_reduce,
 )
+from minidist.comm.cost import agreed_crowded, all_reduce_counts, choose_algorithm
 from minidist.lessons.cli import finish, launch, lesson_parser, nonnegative_int, positive_int, rprint
 
 
@@ -57,6 +69,65 @@ def timed(comm, fn, x, repeats: int) -> float:
         fn(comm, x)
         times.append(time.perf_counter() - t)
     return float(np.median(times))
+
+
+MODEL_ALGOS = ("ring", "two_shot", "halving_doubling", "recursive_doubling")
+MODEL_SIZES = (4 << 10, 64 << 10, 1 << 20)  # bytes: where latency rules, the middle, where bandwidth does
+
+
+def alpha_beta_section(comm, repeats: int) -> list[str]:
+    """Fit t = rounds·alpha + bytes_sent·beta on this machine (the slowest rank's median of each
+    algorithm at each size); lines comparing prediction and measurement, and where auto switches."""
+    p, runs = comm.size, []
+    for nbytes in MODEL_SIZES:
+        x = np.ones(nbytes // 4, np.float32)
+        for a in MODEL_ALGOS:
+            def run(c, v, a=a):
+                return all_reduce(c, v, algorithm=a)
+            run(comm, x)  # warm up: the first call builds the private communicators
+            sec = max(comm.allgather_obj(timed(comm, run, x, repeats)))
+            rounds, _, sent, _ = all_reduce_counts(a, nbytes, p)
+            runs.append((a, nbytes, rounds, sent, sec))
+    alpha, beta = estimates.fit_alpha_beta(*zip(*[(r, s, t) for _, _, r, s, t in runs]), relative=True)
+    lines = [f"the alpha-beta model, fitted here on {p} ranks ({comm.transport}): t = rounds·alpha + "
+             f"bytes_sent·beta", f"  alpha = {alpha * 1e6:.1f} us per round, beta = {beta * 1e9:.3f} ns per "
+             f"byte ({1 / beta / 1e9:.2f} GB/s); least relative squares over {len(runs)} timed runs", "",
+             f"  {'algorithm':<19}" + "".join(f"{_size(n) + ' pred/meas ms':>26}" for n in MODEL_SIZES)]
+    for a in MODEL_ALGOS:
+        cells = [f"{(r * alpha + s * beta) * 1e3:>12.3f} / {t * 1e3:<8.3f}" for name, _, r, s, t in runs
+                 if name == a]
+        lines.append(f"  {a:<19}" + "".join(f"{c:>26}" for c in cells))
+    fitted = [min(MODEL_ALGOS, key=lambda a, n=n: _predict(a, n, p, alpha, beta)) for n in MODEL_SIZES]
+    measured = [min((t, a) for a, n2, _, _, t in runs if n2 == n)[1] for n in MODEL_SIZES]
+    crowd = agreed_crowded(comm)
+
+    def by_size(choice):
+        return ", ".join(f"{_size(n)} {a}" for n, a in zip(MODEL_SIZES, choice))
+    lines += ["", f"  fastest measured: {by_size(measured)}",
+              f"  fastest predicted by the fit: {by_size(fitted)}",
+              f"  auto (cost.py's constants, {'ranks outnumber cores' if crowd else 'a core per rank'}): "
+              + auto_switches(p, crowd)]
+    return lines
+
+
+def _predict(algorithm: str, nbytes: int, p: int, alpha: float, beta: float) -> float:
+    rounds, _, sent, _ = all_reduce_counts(algorithm, nbytes, p)
+    return rounds * alpha + sent * beta
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
+
+
+def auto_switches(p: int, is_crowded: bool) -> str:
+    """Where ``choose_algorithm`` changes its choice, 1 KB .. 64 MB in powers of two."""
+    out, last = [], None
+    for k in range(10, 27):
+        a = choose_algorithm(1 << k, p, is_crowded)
+        if a != last:
+            out.append(f"{a} from {_size(1 << k)}")
+            last = a
+    return "; ".join(out)
 
 
 def ring_timeline(p: int) -> str:
@@ -107,6 +178,8 @@ def rank_main(comm, args):
              "two-shot": two_shot_all_reduce, "halving": halving_doubling_all_reduce}
     if comm.transport == "mpi":
         algos["mpi"] = mpi_all_reduce
+    if p > 1 and not args.no_model:
+        rprint(comm, "\n".join(alpha_beta_section(comm, args.repeats)) + "\n")
     rprint(comm, f"all-reduce of {n} float32 ({N / 2**20:.2f} MiB) per rank over {p} ranks "
                  f"({comm.transport} transport, {comm.backend.name} arrays)\n")
     rprint(comm, f"{'algorithm':<8} {'max|diff|':>10} {'check':>6} {'sent/rank (max)':>16} "
@@ -142,6 +215,7 @@ def main(argv=None):
     parser = lesson_parser(__doc__, ranks=4)
     parser.add_argument("--elements", type=nonnegative_int, default=1 << 18, help="float32 elements per rank")
     parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--no-model", action="store_true", help="skip fitting the alpha-beta model first")
     launch(rank_main, parser.parse_args(argv))
 
 
