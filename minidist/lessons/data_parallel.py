@@ -5,7 +5,7 @@
 
 1. The same GPT is trained on one process (the serial twin, on rank 0) and with DDP on N ranks, each
    holding an *uneven* slice of every global batch, with gradient accumulation: losses and final
-   parameters compared.
+   parameters compared; then the same training with ZeRO-1, -2 and -3, each against the twin.
 2. A timeline of one DDP step of a bigger GPT (``--overlap-d-model``, ``--overlap-layers``, float32,
    equal slices): backward on each rank, and the bucket all-reduces running beside it.
 3. One step of plain DP and of ZeRO-1/2/3: per-rank bytes of parameters, gradients and AdamW state
@@ -94,6 +94,18 @@ def run_ddp(comm, args, batches):
         ddp.wait_gradients()
         opt.step()
     return m, ddp, losses
+
+
+def run_zero(comm, args, batches, stage):
+    """The same training as ``run_ddp`` with ZeRO-``stage``: (full parameters, losses) -- every rank
+    takes part in gathering the parameters (collective at stage 3)."""
+    m = GPT(config(args).replace(seed=args.seed + 100 * comm.rank))  # broadcast makes them equal
+    z = ZeRO(m, comm, lambda ps: optim.AdamW(ps, lr=args.lr), stage=stage, bucket_bytes=args.bucket_kb * 1024)
+    losses = []
+    for x, y in batches:
+        losses.append(train_step(comm, m, z, x, y, args.accum))
+        z.step()
+    return {k: np.asarray(v) for k, v in z.full_parameters().items()}, losses
 
 
 def stage_numbers(comm, args, batches, stage):
@@ -187,7 +199,17 @@ def rank_main(comm, args):
             print(f"   {i:4d}  {a:12.6f}  {b:10.6f}")
         ok = max(diff, ldiff) < tol
         print(f"   max |param diff| = {diff:.2e}, max |loss diff| = {ldiff:.2e} (tolerance {tol:g}: "
-              f"same sums, different order)  {'PASS' if ok else 'FAIL'}\n", flush=True)
+              f"same sums, different order)  {'PASS' if ok else 'FAIL'}", flush=True)
+    for stage in (1, 2, 3):  # the same training, sharded: each stage must equal the serial twin too
+        zstate, zlosses = run_zero(comm, args, batches, stage)
+        if comm.rank == 0:
+            zdiff = max_state_diff(sstate, zstate)
+            zl = max(abs(a - b) for a, b in zip(zlosses, slosses))
+            zok = max(zdiff, zl) < tol
+            ok &= zok
+            print(f"   ZeRO-{stage} vs the serial twin: max |param diff| = {zdiff:.2e}, max |loss diff| = "
+                  f"{zl:.2e}  {'PASS' if zok else 'FAIL'}", flush=True)
+    rprint(comm, "")
     ddp, psi = overlap_step(comm, args)
     events = comm.gather_obj(ddp.events)
     if comm.rank == 0:
@@ -234,7 +256,7 @@ def rank_main(comm, args):
         back = {"name": "Backward", "cat": "compute"}  # plot_timeline shades names starting with B
         evs = [{"name": n, "cat": "collective", "rank": r, "t0": a, "t1": b}
                | (back if k == "backward" else {}) for r, e in enumerate(events) for n, k, a, b in e]
-        plot_timeline(args.plot, evs, losses=losses, title="DDP: backward and bucket all-reduces")
+        plot_timeline(args.plot, evs, title="DDP: backward and bucket all-reduces (time in ms)")
         print(f"wrote {args.plot}")
     return finish(comm, ok)
 
