@@ -3,11 +3,14 @@
     mpirun -n 8 python -m minidist.lessons.pipeline                  # ranks as MPI processes
     python -m minidist.lessons.pipeline --ranks 8                    # ranks as threads
     python -m minidist.lessons.pipeline --ranks 8 --pp 8 --dp 1 --schedule gpipe --microbatches 16
+    python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule interleaved --chunks 2
 
-Trains a small byte-level GPT on dp x pp x tp ranks with a pipeline schedule (GPipe or 1F1B),
+Trains a small byte-level GPT on dp x pp x tp ranks with a pipeline schedule (GPipe, 1F1B, or
+interleaved 1F1B with ``--chunks v`` model chunks per stage: the bubble shrinks to (p-1)/(v·m+p-1)),
 checks the trained parameters against the serial twin (same batches, one process), prints the
 MEASURED timeline of the last step (one row per pipeline stage), the measured bubble beside
-(p-1)/(m+p-1), and the activation memory each stage held at its peak under GPipe and under 1F1B.
+(p-1)/(v·m+p-1), and the activation memory each stage held at its peak under GPipe and under 1F1B
+(under the interleaved schedule: its own, per stage).
 """
 
 from __future__ import annotations
@@ -96,12 +99,14 @@ def rank_main(comm, args):
     cfg = config(args)
     dp, pp, tp = mesh_sizes(comm.size, args)
     batches = make_batches(args)
-    check_3d(comm.size, cfg, args.batch, dp, pp, tp, args.microbatches, rank=comm.rank)
+    check_3d(comm.size, cfg, args.batch, dp, pp, tp, args.microbatches, args.chunks, rank=comm.rank)
     m = args.microbatches
     rprint(comm, f"Pipeline parallelism: a GPT of {cfg.n_layer + 2} layers (embedding, {cfg.n_layer} blocks, "
                  f"head; d_model {cfg.d_model}, seq {cfg.block_size})\n"
                  f"on {comm.size} ranks ({comm.transport}) = "
-                 f"dp {dp} x pp {pp} x tp {tp}; schedule {args.schedule}; global batch {args.batch} = "
+                 f"dp {dp} x pp {pp} x tp {tp}; schedule {args.schedule}"
+                 + (f" ({args.chunks} chunks per stage)" if args.chunks > 1 else "")
+                 + f"; global batch {args.batch} = "
                  f"{dp} replicas x {m} microbatches of {args.batch // (dp * m)}\n")
     costs = partition_costs(comm, cfg, batches[0], args)
     tracer = trace.current()
@@ -120,9 +125,11 @@ def rank_main(comm, args):
 
     try:
         result = train_3d(comm, cfg, batches, dp=dp, pp=pp, tp=tp, microbatches=m, schedule=args.schedule,
-                          lr=args.lr, optimizer="adamw", layer_costs=costs, on_step=on_step)
-        other = "gpipe" if args.schedule == "1f1b" else "1f1b"
-        other_stats = memory_step(result, other, batches[-1], args)
+                          lr=args.lr, optimizer="adamw", layer_costs=costs, on_step=on_step,
+                          chunks=args.chunks)
+        # the other one-chunk schedule, for the memory table (an interleaved stage has v chunks: no other)
+        other = None if args.schedule == "interleaved" else "gpipe" if args.schedule == "1f1b" else "1f1b"
+        other_stats = memory_step(result, other, batches[-1], args) if other else None
     finally:
         if own_tracer:
             trace.set_current(None)
@@ -139,7 +146,7 @@ def rank_main(comm, args):
     mine = {"coords": (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), "times": times,
             "events": [step_events(tracer, marks, s) for s in range(len(batches))],
             "peak": {name: (st.peak_activation_bytes, st.peak_microbatches)
-                     for name, st in ((args.schedule, result.stats[-1]), (other, other_stats))}}
+                     for name, st in ((args.schedule, result.stats[-1]), (other, other_stats)) if st}}
     everyone = comm.gather_obj(mine, root=0)
     state = gather_full_state(comm, result)
     if comm.rank != 0:
@@ -150,16 +157,20 @@ def rank_main(comm, args):
     print(f"\nserial twin (one GPT, same {len(batches)} global batches, AdamW): "
           f"max |param diff| = {diff:.2e}, "
           f"max |loss diff| = {loss_diff:.2e} (tolerance {tol:.1e})  {'PASS' if diff <= tol else 'FAIL'}")
-    report(everyone, args, pp, m)
+    bubble = report(everyone, args, pp, m)
     if args.plot:
         events = [e for r in everyone for e in r["events"][-1]]
-        trace.plot_timeline(args.plot, events, losses=result.losses, title=f"{args.schedule}, p={pp}, m={m}")
+        v = args.chunks
+        trace.plot_timeline(args.plot, events, losses=result.losses,
+                            title=f"{args.schedule}, p={pp}, m={m}" + (f", v={v}" if v > 1 else "")
+                            + f": bubble measured {bubble:.2f} vs (p-1)/(v·m+p-1) = "
+                              f"{bubble_formula(pp, m, v):.2f}; time in ms")
         print(f"wrote {args.plot}")
     return finish(comm, diff <= tol)
 
 
-def report(everyone, args, pp: int, m: int) -> None:
-    """Timeline, bubble and memory tables from every rank's records (rank 0 only)."""
+def report(everyone, args, pp: int, m: int) -> float:
+    """Timeline, bubble and memory tables from every rank's records (rank 0 only); the measured bubble."""
     last = len(everyone[0]["events"]) - 1
     pipe0 = [r for r in everyone if r["coords"][1:] == (0, 0)]  # the pipeline of dp 0, tp 0
     events = [dict(e, rank=r["coords"][0], **({"cat": "compute"} if e["name"] == "OptimizerStep" else {}))
@@ -175,13 +186,23 @@ def report(everyone, args, pp: int, m: int) -> None:
     step_s = float(np.median([max(r["times"][s] for r in everyone) for s in steps]))
     print(f"\nbubble (idle share of ranks x step time, forward/backward count as busy): "
           f"measured {measured:.3f} "
-          f"(median of steps {steps[0]}..{steps[-1]}) vs formula (p-1)/(m+p-1) = {pp - 1}/{m + pp - 1} = "
-          f"{bubble_formula(pp, m):.3f}; step time {step_s * 1e3:.0f} ms")
+          f"(median of steps {steps[0]}..{steps[-1]}) vs formula (p-1)/({'v·' if args.chunks > 1 else ''}"
+          f"m+p-1) = {pp - 1}/"
+          f"{args.chunks * m + pp - 1} = {bubble_formula(pp, m, args.chunks):.3f}"
+          + (f" (v = {args.chunks} chunks: 1F1B's would be {bubble_formula(pp, m):.3f})"
+             if args.chunks > 1 else "")
+          + f"; step time {step_s * 1e3:.0f} ms")
     cores = os.cpu_count() or 1
     if len(everyone) > cores:
         print(f"(here {len(everyone)} ranks share {cores} cores, so a rank also waits for a free core; "
               f"benchmarks/pipeline.py measures 2 ranks on 2 cores)")
     print("\npeak activation memory per stage (bytes saved for backward, measured; dp 0 / tp 0):")
+    if args.schedule == "interleaved":
+        print(f"{'stage':>5} {'bytes':>12} {'microbatch-chunks held':>23}")
+        for r in sorted(pipe0, key=lambda r: r["coords"][0]):
+            b, held = r["peak"]["interleaved"]
+            print(f"{r['coords'][0]:>5} {b:>12,} {held:>23}")
+        return measured
     print(f"{'stage':>5} {'GPipe bytes':>12} {'mbs held':>8} {'formula m':>9}   {'1F1B bytes':>11} "
           f"{'mbs held':>8} {'formula min(m,p-s)':>18}")
     sims = {name: [peak_activations(ops) for ops in make_schedule(name, pp, m)] for name in ("gpipe", "1f1b")}
@@ -189,6 +210,7 @@ def report(everyone, args, pp: int, m: int) -> None:
         s = r["coords"][0]
         (gb, gm), (ob, om) = r["peak"]["gpipe"], r["peak"]["1f1b"]
         print(f"{s:>5} {gb:>12,} {gm:>8} {sims['gpipe'][s]:>9}   {ob:>11,} {om:>8} {sims['1f1b'][s]:>18}")
+    return measured
 
 
 def main(argv=None):
@@ -199,7 +221,9 @@ def main(argv=None):
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel shards per layer")
     parser.add_argument("--microbatches", type=positive_int, default=8,
                         help="microbatches per replica per step (m)")
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
+    parser.add_argument("--chunks", type=positive_int, default=None,
+                        help="model chunks per stage, interleaved only (default 2 there, 1 otherwise)")
     parser.add_argument("--partition", choices=["uniform", "time", "params"], default="uniform",
                         help="cut by layer count, or balance measured time / parameter bytes")
     parser.add_argument("--steps", type=positive_int, default=6)
@@ -211,9 +235,14 @@ def main(argv=None):
     parser.add_argument("--lr", type=positive_float, default=3e-3)
     parser.add_argument("--width-chars", type=positive_int, default=100, help="columns of the ASCII timeline")
     args = parser.parse_args(argv)
+    if args.chunks is None:
+        args.chunks = 2 if args.schedule == "interleaved" else 1
+    if args.chunks > 1 and args.schedule != "interleaved":
+        parser.error(f"--chunks {args.chunks} needs --schedule interleaved (GPipe and 1F1B run one chunk "
+                     "per stage)")
     world = world_size(args)
     try:  # every mesh, batch and microbatch error, before any rank starts
-        check_3d(world, config(args), args.batch, *mesh_sizes(world, args), args.microbatches)
+        check_3d(world, config(args), args.batch, *mesh_sizes(world, args), args.microbatches, args.chunks)
     except ValueError as e:
         parser.error(str(e))
     return launch(rank_main, args)
