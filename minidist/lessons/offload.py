@@ -73,7 +73,7 @@ def rank_main(comm, args):
     eight_psi = f"8Ψ = {8 * psi:,}"
     rprint(comm, f"{'AdamW (twin)':<14} {0.0:>10.1e} {'-':>5} {held:>10,} {held:>10,} {eight_psi:>12} "
                  f"{t_ref * 1e3:>8.1f} {1.0:>5.2f}x {o_ref * 1e3:>11.2f}")
-    events, ok = None, True
+    events, ok, explain = None, True, []
     for where in ("host", "disk"):
         def factory(ps, where=where):
             return OffloadedAdamW(ps, folder, where=where, shard_bytes=args.shard_kib << 10, **kw)
@@ -93,6 +93,17 @@ def rank_main(comm, args):
                      f"{held:>10,} {opt.resident_peak:>10,} {'≤ 3 shards':>12} {np.median(ts) * 1e3:>8.1f} "
                      f"{np.median(ts) / t_ref:>5.2f}x {o * 1e3:>11.2f}")
         opt.close()
+        explain.append((where, o, float(np.median(ts))))
+    share = o_ref / t_ref  # the optimizer step's part of a whole in-memory step
+    rprint(comm, f"\nwhy a much slower optimizer step barely shows in the whole step: the optimizer step is "
+                 f"{share:.0%} of an\nin-memory step ({o_ref * 1e3:.1f} of {t_ref * 1e3:.1f} ms); forward, "
+                 "backward and the all-reduce are unchanged, so an optimizer step\nk times slower predicts a "
+                 "whole step of 1 + share·(k-1) -- less where one rank's step waits on its helper\n"
+                 "thread while another rank computes (timings on a shared machine move by tens of percent):")
+    for where, o, t in explain:
+        k = o / o_ref
+        rprint(comm, f"  {where}: optimizer step {k:.1f}x -> predicted whole step "
+                     f"{1 + share * (k - 1):.2f}x, measured {t / t_ref:.2f}x")
     rprint(comm, f"\n({nshards} shards of about {args.shard_kib} KiB of m+v (a bigger tensor is a shard "
                  f"alone); the largest is {largest:,} bytes;\n at most three are resident: being updated, "
                  "prefetched, written back)")
