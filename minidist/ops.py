@@ -12,6 +12,8 @@ from __future__ import annotations
 import builtins
 import math
 
+import numpy as np
+
 from minidist.backend import backend_of
 from minidist.tensor import Function, Tensor
 
@@ -32,6 +34,14 @@ def unbroadcast(grad, shape):
 
 def _shape(x):
     return tuple(x.shape) if hasattr(x, "shape") else ()
+
+
+def _inplace(fn, a):
+    """``fn(a)`` written over ``a`` (a fresh temporary) where the backend allows it (NumPy, CuPy);
+    a new array on JAX. Augmented assignments (``a *= b``) need no such helper: on an immutable
+    JAX array they rebind the name to a new array, on NumPy they update the temporary in place.
+    A NumPy scalar (what 0-d arithmetic returns) has no buffer to write, so it gets a new one too."""
+    return fn(a, out=a) if backend_of(a).inplace and not isinstance(a, np.generic) else fn(a)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,20 +191,39 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 
 
 class Gelu(Function):
-    """GELU, tanh approximation (GPT-2): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))."""
+    """GELU, tanh approximation (GPT-2): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+
+    Computed as x·h with h = 0.5·(1 + tanh(x·(c + c·0.044715·x²))), c = √(2/π). Since
+    1 - tanh² = 4·h·(1 - h), the derivative is h + x·h·(1 - h)·(2c + 6c·0.044715·x²): forward
+    saves x and h, and each formula is a chain of in-place updates of one fresh temporary
+    (``_inplace``), not a new array per operator.
+    """
 
     @staticmethod
     def forward(ctx, x):
-        xp = _xp(x)
-        t = xp.tanh(_GELU_C * (x + 0.044715 * x * x * x))
-        ctx.save(x, t)
-        return 0.5 * x * (1 + t)
+        h = x * x
+        h *= _GELU_C * 0.044715
+        h += _GELU_C
+        h *= x
+        h = _inplace(_xp(x).tanh, h)
+        h += 1.0
+        h *= 0.5
+        ctx.save(x, h)
+        return x * h
 
     @staticmethod
     def backward(ctx, g):
-        x, t = ctx.saved
-        dinner = _GELU_C * (1 + 3 * 0.044715 * x * x)
-        return g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * dinner)
+        x, h = ctx.saved
+        d = x * x
+        d *= 6 * _GELU_C * 0.044715
+        d += 2 * _GELU_C
+        d *= x
+        hh = 1.0 - h
+        hh *= h
+        d *= hh
+        d += h
+        d *= g
+        return d
 
 
 class Cast(Function):
@@ -260,13 +289,17 @@ class Matmul(Function):
 
 
 class Linear(Function):
-    """``x @ w + b`` with ``w`` of shape (in, out): the workhorse of every layer."""
+    """``x @ w + b`` with ``w`` of shape (in, out): the workhorse of every layer.
+
+    Every leading axis of ``x`` is folded into rows, so forward and both backward products are one
+    2-D GEMM each: NumPy's matmul of a (B, T, in) array by a matrix runs B smaller ones, ~25% slower.
+    """
 
     @staticmethod
     def forward(ctx, x, w, b=None):
         _check_matmul(x, w)
         ctx.save(x if ctx.needs_grad[1] else None, w if ctx.needs_grad[0] else None)
-        out = x @ w
+        out = x @ w if w.ndim != 2 or x.ndim < 3 else (_rows(x) @ w).reshape(x.shape[:-1] + w.shape[1:])
         if b is not None:
             if backend_of(out).inplace:
                 out += b
@@ -278,7 +311,9 @@ class Linear(Function):
     def backward(ctx, g):
         x, w = ctx.saved
         g2 = _rows(g)
-        gx = (g @ w.T) if ctx.needs_grad[0] else None
+        gx = None
+        if ctx.needs_grad[0]:
+            gx = g @ w.T if w.ndim != 2 or g.ndim < 3 else (g2 @ w.T).reshape(g.shape[:-1] + w.shape[:1])
         gw = _rows(x).T @ g2 if ctx.needs_grad[1] else None
         gb = g2.sum(axis=0) if len(ctx.needs_grad) > 2 and ctx.needs_grad[2] else None
         return gx, gw, gb
@@ -417,9 +452,16 @@ class Embedding(Function):
 
     @staticmethod
     def backward(ctx, g):
+        # scatter-add element by element into the flat (V·D,) gradient: row i, column j of the table
+        # is element i·D + j. NumPy's add.at is ~6x faster on a flat index than on rows of a matrix.
         be = backend_of(g)
-        out = be.xp.zeros(ctx.shape, dtype=g.dtype)
-        return be.scatter_add(out, ctx.idx.reshape(-1), g.reshape(-1, ctx.shape[-1])), None
+        xp, d = be.xp, ctx.shape[-1]
+        rows = ctx.idx.reshape(-1, 1)
+        if be.inplace:
+            rows = rows.astype(np.intp)  # i·D must not overflow an int32 id
+        flat = (rows * d + xp.arange(d)).reshape(-1)
+        out = be.scatter_add(xp.zeros(ctx.shape[0] * d, dtype=g.dtype), flat, g.reshape(-1))
+        return out.reshape(ctx.shape), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,30 +512,39 @@ def _mean_last(a):
 
 
 class LayerNorm(Function):
-    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis, statistics in float32 or wider."""
+    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis, statistics in float32 or wider.
+
+    Backward: with x̂ the normalised input and d = g·w, dx = rstd·(d - mean(d) - x̂·mean(d·x̂)),
+    and since d·x̂ = (g·x̂)·w, one product g·x̂ serves both dw = Σ g·x̂ and that mean.
+    """
 
     @staticmethod
     def forward(ctx, x, w, b, eps=1e-5):
         xp = _xp(x)
-        mu = _mean_last(x)
-        xc = x - mu
-        rstd = 1.0 / xp.sqrt(_mean_last(xc * xc) + eps)
-        xhat = xc * rstd
+        xhat = x - _mean_last(x)
+        rstd = 1.0 / xp.sqrt(_mean_last(xhat * xhat) + eps)
+        xhat *= rstd
         ctx.save(xhat, rstd, w)
-        return xhat * w + b
+        out = xhat * w
+        out += b
+        return out
 
     @staticmethod
     def backward(ctx, g):
         xhat, rstd, w = ctx.saved
         n = xhat.shape[-1]
         g2 = g.reshape(-1, n)
-        gw = (g2 * xhat.reshape(-1, n)).sum(axis=0) if ctx.needs_grad[1] else None
         gb = g2.sum(axis=0) if ctx.needs_grad[2] else None
+        gxhat = g * xhat
+        gw = gxhat.reshape(-1, n).sum(axis=0) if ctx.needs_grad[1] else None
         gx = None
         if ctx.needs_grad[0]:
-            dxhat = g * w
-            gx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
-                         - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+            gxhat *= w
+            proj = xhat * _mean_last(gxhat)  # x̂·mean(d·x̂)
+            gx = g * w
+            gx -= _mean_last(gx)
+            gx -= proj
+            gx *= rstd
         return gx, gw, gb
 
 
@@ -527,14 +578,23 @@ class ScaledDotProductAttention(Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal=True):
-        xp = _xp(q)
+        be = backend_of(q)
+        xp = be.xp
         tq, tk = q.shape[-2], k.shape[-2]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        s = (q @ xp.swapaxes(k, -1, -2)) * q.dtype.type(scale)
+        s = q @ xp.swapaxes(k, -1, -2)
         if causal and tk > 1:
-            mask = xp.arange(tk)[None, :] > (xp.arange(tq)[:, None] + (tk - tq))
-            s = xp.where(mask, xp.asarray(-xp.inf, dtype=s.dtype), s)
-        p = _softmax(s, -1)
+            hidden = xp.arange(tk)[None, :] > (xp.arange(tq)[:, None] + (tk - tq))
+            minus_inf = xp.asarray(-xp.inf, dtype=s.dtype)
+            if be.inplace:
+                xp.copyto(s, minus_inf, where=hidden)
+            else:
+                s = xp.where(hidden, minus_inf, s)
+        # softmax(scale·s) in place: exp(scale·(s - max s)) / sum; scale > 0 keeps the max where it is
+        s -= s.max(axis=-1, keepdims=True)
+        s *= q.dtype.type(scale)
+        p = _inplace(xp.exp, s)
+        p /= p.sum(axis=-1, keepdims=True)
         ctx.save(q, k, v, p)
         ctx.scale = scale
         return p @ v
@@ -544,8 +604,10 @@ class ScaledDotProductAttention(Function):
         q, k, v, p = ctx.saved
         xp = _xp(g)
         gv = xp.swapaxes(p, -1, -2) @ g
-        gp = g @ xp.swapaxes(v, -1, -2)
-        gs = p * (gp - (gp * p).sum(axis=-1, keepdims=True)) * q.dtype.type(ctx.scale)
+        gs = g @ xp.swapaxes(v, -1, -2)  # d/dp, then turned into d/ds in place
+        gs -= (gs * p).sum(axis=-1, keepdims=True)
+        gs *= p
+        gs *= q.dtype.type(ctx.scale)
         return gs @ k, xp.swapaxes(gs, -1, -2) @ q, gv
 
 

@@ -113,19 +113,21 @@ def adamw_update(p, st, lr, betas, eps, weight_decay, t):
     if "m" not in st:
         st["m"] = xp.zeros_like(p.data)
         st["v"] = xp.zeros_like(p.data)
-    step_size = lr / (1 - b1 ** t)
-    denom_scale = 1.0 / math.sqrt(1 - b2 ** t)
-    if be.inplace:
+    # m / (√(v / c2) + ε) = √c2 · m / (√v + ε·√c2): the bias corrections fold into two scalars
+    root_c2 = math.sqrt(1 - b2 ** t)
+    step_size = lr * root_c2 / (1 - b1 ** t)
+    eps_hat = eps * root_c2
+    if be.inplace:  # one temporary, reused by every line
         m, v, data = st["m"], st["v"], p.data
         m *= b1
-        m += (1 - b1) * g
+        tmp = g * (1 - b1)
+        m += tmp
         v *= b2
-        tmp = g * g
+        xp.multiply(g, g, out=tmp)
         tmp *= 1 - b2
         v += tmp
         xp.sqrt(v, out=tmp)
-        tmp *= denom_scale
-        tmp += eps
+        tmp += eps_hat
         xp.divide(m, tmp, out=tmp)
         if weight_decay:
             data *= 1 - lr * weight_decay
@@ -135,7 +137,7 @@ def adamw_update(p, st, lr, betas, eps, weight_decay, t):
         m = st["m"] = b1 * st["m"] + (1 - b1) * g
         v = st["v"] = b2 * st["v"] + (1 - b2) * g * g
         data = p.data * (1 - lr * weight_decay) if weight_decay else p.data
-        p.data = (data - step_size * m / (xp.sqrt(v) * denom_scale + eps)).astype(p.dtype)
+        p.data = (data - step_size * m / (xp.sqrt(v) + eps_hat)).astype(p.dtype)
 
 
 def _sub_scaled(data, g, lr):
