@@ -153,6 +153,7 @@ def _in_flight(tracer, t0, what):
     if tracer is not None:
         tracer.add(what, "send", t0, tracer.now())
 
+
 class RingAttention(Function):
     """Attention of this rank's queries over every rank's keys, K/V passed round the ring ``comm``.
 
