@@ -138,3 +138,56 @@ def predicted_vs_measured(what: str, predicted: float, measured: float) -> str:
     """One line: ``what: predicted 1.20 ms, measured 1.50 ms (measured/predicted 1.25x)``."""
     ratio = measured / predicted if predicted > 0 else float("nan")
     return f"{what}: predicted {predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms ({ratio:.2f}x)"
+
+
+# -- `python -m minidist.estimates`: the tables of chapter 0 -----------------------------------------
+
+def hardware_table() -> list[str]:
+    """One line per preset of ``minidist.hardware``: compute, HBM, links, the ridge point."""
+    from minidist.hardware import PRESETS
+
+    rows = [f"{'system':<15} {'TFLOP/s':>7} {'HBM GB':>6} {'TB/s':>5} {'ridge':>5}  "
+            f"{'fast domain GB/s':<27} {'network GB/s':<30} {'host/disk GB/s':>14}"]
+    for hw in PRESETS.values():
+        host = f"{hw.host_link.bandwidth / 1e9:.0f}" if hw.host_link else "-"
+        disk = f"{hw.disk.bandwidth / 1e9:.1f}" if hw.disk else "-"
+        fast = f"{hw.intra.bandwidth / 1e9:.0f} {hw.intra.name}"
+        net = f"{hw.inter.bandwidth / 1e9:.1f} {hw.inter.name}"
+        rows.append(f"{hw.name:<15} {hw.peak_flops / 1e12:>7.0f} {hw.hbm_bytes / 1e9:>6.0f} "
+                    f"{hw.hbm_bandwidth / 1e12:>5.2f} {ridge_point(hw.peak_flops, hw.hbm_bandwidth):>5.0f}  "
+                    f"{fast:<27} {net:<30} {host + ' / ' + disk:>14}")
+    return rows
+
+
+def main() -> None:
+    print("hardware (minidist/hardware.py; per chip, bf16 dense, links each way; sources in its docstring;")
+    print("ridge = FLOP/s / HBM bytes/s: FLOPs per byte above which an op is compute-bound):")
+    print("\n".join(hardware_table()))
+    mine = machine()
+    if mine is None:
+        print("\nthis machine: not calibrated yet -- run `python -m minidist.calibrate` (~20 s, cached)")
+    else:
+        ridge = ridge_point(mine.peak_flops, mine.hbm_bandwidth)
+        print(f"\nthis machine ({mine.name}, calibrated): matmul {mine.peak_flops / 1e9:.1f} GFLOP/s, "
+              f"memory {mine.hbm_bandwidth / 1e9:.1f} GB/s (ridge {ridge:.1f}),\n  all-reduce alpha "
+              f"{mine.intra.latency * 1e6:.0f} us, beta {1e9 / mine.intra.bandwidth:.2f} ns/byte")
+    psi, tokens = 7e9, 2e12
+    days = training_flops(psi, tokens) / (1024 * 989e12 * 0.4) / 86400
+    print(f"\nworked example: a 7B model on 2T tokens needs 6·N·D = {training_flops(psi, tokens):.2e} FLOPs: "
+          f"{days:.1f} days on 1024 H100s at 40% MFU")
+    for stage in range(4):
+        m = training_memory(psi, "mixed", stage, dp=64)
+        print(f"  mixed precision + Adam, ZeRO-{stage} over 64 ranks: {m['total'] / 1e9:6.1f} GB per rank "
+              f"(params {m['params'] / 1e9:.1f}, grads {m['grads'] / 1e9:.1f}, "
+              f"optimizer {m['optimizer'] / 1e9:.1f})")
+    act = activation_bytes_per_layer(4096, 1, 4096, 32)
+    sel = activation_bytes_per_layer(4096, 1, 4096, 32, recompute="selective")
+    print(f"  activations per layer, seq 4096, micro-batch 1, h 4096, 32 heads, bf16: {act / 1e9:.2f} GB "
+          f"(selective recompute: {sel / 1e9:.2f} GB)")
+    print(f"  roofline on an H100 (ridge {ridge_point(989e12, 3.35e12):.0f}): a 4096^3 bf16 matmul does "
+          f"{matmul_intensity(4096, 4096, 4096):.0f} FLOP/byte (compute-bound);\n  a decode step "
+          f"{decode_intensity(1):.0f} at batch 1 and {decode_intensity(256):.0f} at batch 256 (memory-bound)")
+
+
+if __name__ == "__main__":
+    main()

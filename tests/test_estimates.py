@@ -64,3 +64,13 @@ def test_alpha_beta_fit_recovers_the_constants_it_was_given():
 def test_predicted_vs_measured_line():
     line = E.predicted_vs_measured("step", 0.002, 0.003)
     assert line == "step: predicted 2.00 ms, measured 3.00 ms (1.50x)"
+
+
+def test_the_chapter_zero_tables_print(capsys):
+    from minidist.hardware import PRESETS
+
+    rows = E.hardware_table()
+    assert len(rows) == len(PRESETS) + 1 and "H100" in "".join(rows) and "TPU v5p" in "".join(rows)
+    E.main()
+    out = capsys.readouterr().out
+    assert "6·N·D = 8.40e+22" in out and "ZeRO-3 over 64 ranks" in out
