@@ -1,6 +1,7 @@
 """Test set-up: one BLAS thread per process, hypothesis profiles, the gpu and mpi markers' skip
 rules, and a short watchdog: a hung collective fails a test in seconds, never shrunk by hypothesis."""
 
+import functools
 import os
 import shutil
 
@@ -34,6 +35,7 @@ def budget(max_examples: int, **kw) -> settings:
     return settings(max_examples=max_examples, **kw)
 
 
+@functools.cache
 def _has_gpu() -> bool:
     try:
         import cupy
@@ -48,23 +50,17 @@ def pytest_collection_modifyitems(config, items):
         for item in items:  # mpi tests: skipped with the reason (or failed in setup when CI requires them)
             if "mpi" in item.keywords:
                 item.add_marker(pytest.mark.skip(reason="needs mpirun on PATH (pip install mpich)"))
-    if _has_gpu():
-        return
-    require = os.environ.get("MINIDIST_REQUIRE_GPU") == "1"
+    if _has_gpu() or os.environ.get("MINIDIST_REQUIRE_GPU") == "1":
+        return  # gpu tests run (and fail in setup below when no GPU is there)
     for item in items:
         if "gpu" in item.keywords:
-            if require:
-                item.add_marker(pytest.mark.usefixtures("_gpu_missing"))
-            else:
-                item.add_marker(pytest.mark.skip(reason="needs CuPy and an NVIDIA GPU"))
-
-
-@pytest.fixture
-def _gpu_missing():
-    pytest.fail("MINIDIST_REQUIRE_GPU=1 but no NVIDIA GPU with CuPy is available")
+            item.add_marker(pytest.mark.skip(reason="needs CuPy and an NVIDIA GPU"))
 
 
 def pytest_runtest_setup(item):
+    # a fixture added by a marker at collection time is never requested, so fail here instead
+    if "gpu" in item.keywords and not _has_gpu():  # only with MINIDIST_REQUIRE_GPU=1
+        pytest.fail("MINIDIST_REQUIRE_GPU=1 but no NVIDIA GPU with CuPy is available")
     if "mpi" in item.keywords and shutil.which("mpirun") is None:  # only with MINIDIST_REQUIRE_MPI=1
         pytest.fail("MINIDIST_REQUIRE_MPI=1 but mpirun is not on PATH (pip install mpich)")
 
