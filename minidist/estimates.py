@@ -134,8 +134,31 @@ def machine(transport: str = "threads"):
         return None
 
 
+def step_prediction(n_layer: int, d_model: int, n_head: int, vocab: int, seq: int, batch: int, *, dp: int = 1,
+                    pp: int = 1, tp: int = 1, microbatches: int = 1, schedule: str = "1f1b", chunks: int = 1,
+                    dtype_bytes: int = 4, optimizer: str = "adamw", transport: str = "threads"):
+    """Seconds the planner (``minidist.plan``, chapter 11) predicts for one training step of a
+    minidist GPT on THIS machine's calibrated constants, or None before ``python -m minidist.calibrate``.
+    ``batch`` is the global batch in sequences."""
+    hw = machine(transport)
+    if hw is None:
+        return None
+    from minidist.plan.mesh import Candidate, Settings
+    from minidist.plan.model import ModelSpec
+    from minidist.plan.steptime import predict
+
+    model = ModelSpec("lesson", n_layer=n_layer, d_model=d_model, n_head=n_head, vocab=vocab, seq=seq,
+                      engine="minidist", dtype_bytes=dtype_bytes)
+    cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=max(batch // (dp * microbatches), 1), schedule=schedule,
+                     chunks=chunks)
+    return predict(model, cand, batch, hw, Settings(optimizer)).step
+
+
 def predicted_vs_measured(what: str, predicted: float, measured: float) -> str:
-    """One line: ``what: predicted 1.20 ms, measured 1.50 ms (measured/predicted 1.25x)``."""
+    """One line: ``what: predicted 1.20 ms, measured 1.50 ms (measured/predicted 1.25x)``;
+    ``predicted`` None: say how to get a prediction."""
+    if predicted is None:
+        return f"{what}: measured {measured * 1e3:.2f} ms (`python -m minidist.calibrate` gives a prediction)"
     ratio = measured / predicted if predicted > 0 else float("nan")
     return f"{what}: predicted {predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms ({ratio:.2f}x)"
 

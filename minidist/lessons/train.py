@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from minidist import optim
+from minidist import estimates, optim
 from minidist.data import BatchLoader, ByteTokenizer, SyntheticTask, TextDataset
 from minidist.lessons.cli import nonnegative_int, positive_float, positive_int
 from minidist.nn import GPT, GPTConfig
@@ -97,8 +97,16 @@ def main(argv=None):
     loader = BatchLoader(data, args.batch, seed=args.seed)
     t0 = time.perf_counter()
     losses = train(model, loader, args.steps, args.lr)
-    print(f"trained {args.steps} steps in {time.perf_counter() - t0:.1f}s: loss {np.mean(losses[:5]):.3f} "
+    elapsed = time.perf_counter() - t0
+    print(f"trained {args.steps} steps in {elapsed:.1f}s: loss {np.mean(losses[:5]):.3f} "
           f"-> {np.mean(losses[-5:]):.3f} (uniform guess: {np.log(vocab):.3f})")
+    tokens = args.batch * block
+    print(f"cost model (chapter 0): 6·N·D = 6 x {model.num_parameters():,} x {tokens:,} tokens = "
+          f"{estimates.training_flops(model.num_parameters(), tokens) / 1e9:.2f} GFLOP per step")
+    print(estimates.predicted_vs_measured(
+        "one step on this machine's calibrated constants (the planner, chapter 11)",
+        estimates.step_prediction(cfg.n_layer, cfg.d_model, cfg.n_head, vocab, block, args.batch),
+        elapsed / args.steps))
 
     model.eval()
     if args.task:
