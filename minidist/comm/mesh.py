@@ -11,7 +11,8 @@ ranks. With cp = 1 this is the 3D order ``(pp_rank * dp + dp_rank) * tp + tp_ran
 **Expert parallelism** is carved from data parallelism: ``ep`` divides ``dp``, and the dp group is
 cut into dp/ep ep groups of consecutive dp ranks (ep_rank = dp_rank % ep). The experts of a
 mixture-of-experts layer are split over an ep group; ranks holding the same experts (same ep_rank)
-form the expert-data-parallel group ``edp`` (size dp/ep) that averages those experts' gradients.
+form the expert-data-parallel group ``edp`` (size dp/ep; with the cp ranks, ``edp_cp``) that
+averages those experts' gradients.
 Dense parameters average over ``dp_cp`` (dp x cp: the cp ranks see different tokens of the same
 sequences, so their gradients are partial sums too).
 
@@ -32,7 +33,7 @@ AXES = ("pp", "dp", "cp", "tp")  # outermost first
 
 class Mesh:
     """``Mesh(comm, dp, pp, tp, cp=1, ep=1)``: ``.dp``, ``.pp``, ``.cp``, ``.tp``, ``.ep``, ``.edp``,
-    ``.dp_cp`` sub-communicators, ``.dp_rank`` etc. and ``.group(name)``, ``.size(name)``."""
+    ``.dp_cp``, ``.edp_cp`` sub-communicators, ``.dp_rank`` etc. and ``.group(name)``, ``.size(name)``."""
 
     def __init__(self, comm, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1):
         sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "ep": ep}
@@ -68,12 +69,15 @@ class Mesh:
         # ep: consecutive dp ranks; edp: the dp ranks with my ep_rank
         self.ep = comm.split(self._color(("dp",)) * (dp // ep) + self.edp_rank, self.ep_rank)
         self.edp = comm.split(self._color(("dp",)) * ep + self.ep_rank, self.edp_rank)
+        # the ranks holding the same experts, over dp and cp: they average those experts' gradients
+        self.edp_cp = comm.split(self._color(("dp", "cp")) * ep + self.ep_rank,
+                                 self.edp_rank * cp + self.cp_rank)
 
     def size(self, axis: str) -> int:
         return getattr(self, f"{axis}_size")
 
     def group(self, axis: str):
-        """The sub-communicator of ``axis`` ('dp', 'pp', 'cp', 'tp', 'ep', 'edp' or 'dp_cp')."""
+        """The sub-communicator of ``axis`` ('dp', 'pp', 'cp', 'tp', 'ep', 'edp', 'dp_cp' or 'edp_cp')."""
         return getattr(self, axis)
 
     def coords_of(self, rank: int) -> dict:

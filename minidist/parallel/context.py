@@ -308,7 +308,7 @@ class ContextParallelEmbed(Module):
         return self.drop(self.wte(idx) + self.wpe(self.wpe.weight.backend.xp.asarray(pos)))
 
 
-def _replace(parent: Module, name: str, new: Module) -> None:
+def replace_child(parent: Module, name: str, new: Module) -> None:
     """Swap child ``name`` keeping its place in the parameter order (setattr would move it last)."""
     parent._modules[name] = new
     object.__setattr__(parent, name, new)
@@ -328,9 +328,9 @@ def context_parallel(model, cp, layout: str = "zigzag"):
     if getattr(model, "sequence_parallel", False):
         raise ValueError(f"rank {cp.rank}: context parallelism over a sequence-parallel TPGPT is not built; "
                          "build the TPGPT with sequence_parallel=False")
-    _replace(model, "0", ContextParallelEmbed(model[0], cp, layout))
+    replace_child(model, "0", ContextParallelEmbed(model[0], cp, layout))
     for block in list(model)[1:-1]:
-        _replace(block, "attn", ContextParallelAttention(block.attn, cp, layout))
+        replace_child(block, "attn", ContextParallelAttention(block.attn, cp, layout))
     return model
 
 

@@ -23,6 +23,10 @@ ep group's tokens, summed like any data-parallel gradient.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from minidist import ops
 from minidist.backend import backend_of
 from minidist.comm import all_to_all
@@ -88,3 +92,55 @@ def all_to_all_bytes(n_experts: int, ep: int, cap: int, dim: int, itemsize: int)
     """Bytes one rank sends per MoE layer: each all-to-all sends ep-1 blocks of (E/ep)·C·d elements."""
     one = (ep - 1) * (n_experts // ep) * cap * dim * itemsize
     return {"forward": 2 * one, "backward": 2 * one}
+
+
+# -- an MoE GPT: every block's MLP a mixture of experts ---------------------------------------------
+
+def moe_gpt(model, n_experts: int, k: int = 1, capacity_factor: float | None = None, seed: int = 0,
+            ep=None):
+    """Replace the MLP of every block of ``model`` (GPT or TPGPT) by an MoE of ``n_experts``, in place.
+
+    Every layout draws the same weights (``seed``; experts std 0.02, output projection scaled by
+    1/sqrt(2·n_layer) as the GPT's). ``ep``: the expert-parallel group (None: all experts here).
+    ``capacity_factor`` None is E/k: every expert has room for every token, nothing is dropped, and
+    the routing does not depend on how tokens are grouped -- what lets a run over any mesh equal its
+    serial twin. (With drops, routing groups are each rank's microbatches: see ``ExpertParallelMoE``.)
+    """
+    from minidist.parallel.context import replace_child
+
+    rng = np.random.default_rng(seed)
+    blocks = [m for m in model if hasattr(m, "mlp") and hasattr(m, "ln2")]
+    cf = capacity_factor or n_experts / k
+    for block in blocks:
+        dim, dtype = block.ln2.weight.shape[0], block.ln2.weight.data.dtype
+        kw = dict(dtype=dtype, std=0.02, proj_std=0.02 / math.sqrt(2 * len(blocks)), rng=rng,
+                  backend=block.ln2.weight.backend)
+        if ep is None:
+            replace_child(block, "mlp", MoE(dim, n_experts, k, cf, **kw))
+        else:
+            replace_child(block, "mlp", ExpertParallelMoE(dim, n_experts, ep, k, cf, **kw))
+    return model
+
+
+def expert_names(layers) -> dict:
+    """{local parameter name: the serial model's name} of every expert-parallel parameter in
+    ``layers`` ((prefix, module) pairs, e.g. a pipeline stage's ("3.", layer))."""
+    names = {}
+    for prefix, layer in layers:
+        for mprefix, mod in layer.named_modules(prefix):
+            if isinstance(mod, ExpertParallelMoE):
+                for pname, _ in mod.experts.named_parameters("experts."):
+                    names[mprefix + pname] = mprefix + mod.global_name(pname)
+    return names
+
+
+def train_serial_moe(cfg, batches, moe: dict, lr: float = 0.1, optimizer: str = "sgd"):
+    """The serial twin of ``train_mesh(..., moe=moe)``: one process, every expert, the whole batch.
+    Returns (host state dict, losses)."""
+    from minidist.nn import GPT
+    from minidist.optim import make_optimizer
+    from minidist.testing import host_state, train_steps
+
+    model = moe_gpt(GPT(cfg), **moe)
+    losses = train_steps(model, batches, make_optimizer(optimizer, model.parameters(), lr))
+    return host_state(model), losses

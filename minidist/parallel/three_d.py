@@ -52,7 +52,7 @@ from minidist.testing import max_state_diff, train_serial  # noqa: F401  (their 
 
 def check_3d(world_size: int, cfg, batch_size: int, dp: int, pp: int, tp: int, microbatches: int,
              chunks: int = 1, rank: int = 0, cp: int = 1, seq_len: int | None = None,
-             checkpoint: str | None = None) -> None:
+             checkpoint: str | None = None, ep: int = 1, moe: dict | None = None) -> None:
     """Every error a mesh run can have, raised before any communication, naming what would be right."""
     for name, v in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -66,6 +66,9 @@ def check_3d(world_size: int, cfg, batch_size: int, dp: int, pp: int, tp: int, m
                          f"zig-zag chunks; use a length that is a multiple of {2 * cp}")
     if cp > 1 and cfg.dropout:
         raise ValueError(f"rank {rank}: context parallelism needs dropout=0 (got {cfg.dropout})")
+    if ep > 1 and (moe is None or dp % ep or moe["n_experts"] % ep):
+        raise ValueError(f"rank {rank}: ep={ep} needs an MoE model (moe=dict(n_experts=...)) whose n_experts "
+                         f"({None if moe is None else moe['n_experts']}) and dp ({dp}) it divides")
     if cp > 1 and checkpoint == "selective":
         raise ValueError(f"rank {rank}: checkpoint='selective' recomputes the serial attention core, but "
                          f"with cp={cp} attention is a ring (which keeps no T x T matrix to save); use "
@@ -116,18 +119,25 @@ class Result3D:
 def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbatches: int = 1,
              schedule: str = "1f1b", lr: float = 0.1, optimizer: str = "sgd", chunks: int = 1,
              layer_costs=None, on_step=None, checkpoint: str | None = None, comm_hook=None,
-             cp: int = 1, layout: str = "zigzag") -> Result3D:
+             cp: int = 1, layout: str = "zigzag", ep: int = 1, moe: dict | None = None) -> Result3D:
     """Train `GPT(cfg)` on `batches` (list of global (x, y) batches, the same on every rank) with
     dp x pp x cp x tp = comm.size ranks (`layout`: the cp chunk assignment, zig-zag or contiguous).
     `layer_costs` (one per layer) selects the balanced partition.
     `on_step(step, stats)` is called after each step (e.g. to record traces). `checkpoint` is an
     activation-checkpointing policy ("full", "sqrt", "every_k", "selective") applied per stage.
-    `comm_hook`: a (state, hook) pair (`minidist.parallel.compress`) for the data-parallel gradients."""
+    `comm_hook`: a (state, hook) pair (`minidist.parallel.compress`) for the data-parallel gradients.
+    `moe`: make every block's MLP a mixture of experts (`minidist.parallel.experts.moe_gpt` arguments,
+    e.g. dict(n_experts=4, k=2)), split over ep groups carved from dp (`ep`); the expert-parallel
+    parameters average over the ranks holding the same experts (mesh.edp_cp), not over dp_cp."""
     batch_size = batches[0][0].shape[0]
     check_3d(comm.size, cfg, batch_size, dp, pp, tp, microbatches, chunks, comm.rank, cp,
-             batches[0][0].shape[1], checkpoint)
-    mesh = Mesh(comm, dp=dp, pp=pp, tp=tp, cp=cp)
+             batches[0][0].shape[1], checkpoint, ep, moe)
+    mesh = Mesh(comm, dp=dp, pp=pp, tp=tp, cp=cp, ep=ep)
     model, loss_fn = build_model(cfg, mesh.tp)
+    if moe is not None:
+        from minidist.parallel.experts import moe_gpt
+
+        moe_gpt(model, ep=mesh.ep if ep > 1 else None, **moe)
     if cp > 1:
         from minidist.parallel.context import context_parallel
 
@@ -141,13 +151,25 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
     opt = make_optimizer(optimizer, params, lr)
     instructions = make_schedule(schedule, pp, microbatches, chunks)[mesh.pp_rank]
     # data parallelism: DDP's buckets, started during each chunk's last backward (see run_schedule)
-    ddp = DistributedDataParallel(stage, replicas, broadcast_from=None) if dp * cp > 1 else None
+    experts = expert_parameters(stage)
+    ddp = None
+    if dp * cp > 1:  # experts are left out of DDP (not the same experts on every replica): synced below
+        for p in experts:
+            p.requires_grad = False
+        try:
+            ddp = DistributedDataParallel(stage, replicas, broadcast_from=None)
+        finally:
+            for p in experts:
+                p.requires_grad = True
     if ddp is not None and comm_hook is not None:
         ddp.register_comm_hook(*comm_hook)
 
     def optimizer_step():
         if ddp is not None:
             ddp.wait_gradients()
+        for p in experts:  # each token's weight is dp*cp x its share, as for DDP's mean
+            if p.grad is not None:
+                p.grad = all_reduce(mesh.edp_cp, p.grad) / (dp * cp)
         opt.step()
         opt.zero_grad()
 
@@ -177,10 +199,27 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
     return Result3D(mesh=mesh, stage=stage, losses=losses, stats=all_stats, bounds=bounds)
 
 
+def stage_layers(stage) -> list:
+    """(prefix, layer) of every layer of a pipeline stage, prefixed with its index in the model."""
+    return [(f"{i}.", layer) for ids, layers in zip(stage.layer_ids, stage.chunks)
+            for i, layer in zip(ids, layers)]
+
+
+def expert_parameters(stage) -> list:
+    """The stage's expert-parallel parameters (none without ep)."""
+    from minidist.parallel.experts import expert_names
+
+    names = expert_names(stage_layers(stage))
+    return [p for k, p in stage.named_parameters() if k in names]
+
+
 def gather_full_state(comm, result: Result3D) -> dict | None:
     """The whole model's parameters (serial names, full unsharded arrays) on rank 0; None elsewhere."""
     mesh, stage = result.mesh, result.stage
     sd = {k: np.asarray(p.backend.to_host(p.data)) for k, p in stage.named_parameters()}
+    from minidist.parallel.experts import expert_names
+
+    names = expert_names(stage_layers(stage))  # expert-parallel: local name -> the serial model's
     if mesh.tp_size > 1:
         from minidist.parallel.sharding import sharding_table, unshard
 
@@ -188,7 +227,11 @@ def gather_full_state(comm, result: Result3D) -> dict | None:
                  for k, s in sharding_table(layer, prefix=f"{i}.").items()}
         shards = mesh.tp.gather_obj(sd, root=0)
         sd = dict(unshard(shards, table)) if shards is not None else {}
-    mine = sd if (mesh.dp_rank == 0 and mesh.cp_rank == 0 and mesh.tp_rank == 0) else {}
+    sd = {names.get(k, k): v for k, v in sd.items()}
+    first = mesh.cp_rank == 0 and mesh.tp_rank == 0
+    mine = sd if first and mesh.dp_rank == 0 else {}
+    if first and 0 < mesh.dp_rank < mesh.ep_size:  # the other ep ranks' experts
+        mine = {names[k]: sd[names[k]] for k in names}
     parts = comm.gather_obj(mine, root=0)
     if parts is None:
         return None

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from minidist.comm import Mesh, run
 from minidist.nn import GPTConfig
+from minidist.parallel.experts import train_serial_moe
 from minidist.parallel.three_d import check_3d, gather_full_state, max_state_diff, train_mesh, train_serial
 from tests.conftest import budget
 
@@ -66,17 +67,39 @@ def test_meshes_of_eight_ranks_equal_serial(dp, pp, cp, tp, m, seed, ignore, lay
     _check(dp, pp, cp, tp, m, seed=seed, ignore=ignore, layout=layout)
 
 
+@given(dp=st.sampled_from([2, 4]), pp=st.sampled_from([1, 2]), cp=st.sampled_from([1, 2]),
+       tp=st.sampled_from([1, 2]), ep=st.sampled_from([1, 2, 4]), k=st.integers(1, 2), m=st.integers(1, 2),
+       seed=st.integers(0, 9))
+@budget(5)
+@example(dp=2, pp=2, cp=1, tp=2, ep=2, k=2, m=2, seed=0)
+@example(dp=4, pp=1, cp=2, tp=1, ep=4, k=1, m=1, seed=1)
+def test_moe_meshes_of_eight_ranks_equal_serial(dp, pp, cp, tp, ep, k, m, seed):
+    """Every block's MLP a mixture of 4 experts split over ep groups carved from dp (no drops)."""
+    if dp * pp * cp * tp != 8:
+        pp = 8 // (dp * cp * tp) if 8 % (dp * cp * tp) == 0 else 0
+        if pp not in (1, 2, 4):
+            return
+    ep = min(ep, dp)
+    moe = dict(n_experts=4, k=k, seed=seed)
+    batches = _batches(dp * m, seed=seed)
+    want, want_losses = train_serial_moe(CFG, batches, moe, lr=0.1)
+    results = run(_rank, ranks=8, batches=batches, dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, microbatches=m, moe=moe)
+    state, losses = results[0]
+    assert max_state_diff(state, want) <= TOL
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
+
+
 def test_rank_order_is_pp_dp_cp_tp_and_groups_follow_it():
     def body(comm):
         m = Mesh(comm, dp=2, pp=1, tp=2, cp=2, ep=2)
         assert m.rank_of(m.pp_rank, m.dp_rank, m.tp_rank, m.cp_rank) == comm.rank
-        names = ("tp", "cp", "dp", "ep", "edp", "dp_cp", "pp")
+        names = ("tp", "cp", "dp", "ep", "edp", "dp_cp", "edp_cp", "pp")
         return (m.dp_rank, m.cp_rank, m.tp_rank), {g: m.group(g).allgather_obj(comm.rank) for g in names}
 
     out = run(body, ranks=8)
     assert out[5][0] == (1, 0, 1)  # 5 = ((0*2 + 1)*2 + 0)*2 + 1
     assert out[5][1] == {"tp": [4, 5], "cp": [5, 7], "dp": [1, 5], "ep": [1, 5], "edp": [5],
-                         "dp_cp": [1, 3, 5, 7], "pp": [5]}
+                         "dp_cp": [1, 3, 5, 7], "edp_cp": [5, 7], "pp": [5]}
 
 
 def test_mesh_draws_every_rank_at_its_place():
@@ -91,6 +114,8 @@ def test_errors_before_any_communication():
         check_3d(2, CFG, 4, 1, 1, 1, 1, cp=2, seq_len=6)
     with pytest.raises(ValueError, match=r"checkpoint='selective' recomputes the serial attention core"):
         check_3d(2, CFG, 4, 1, 1, 1, 1, cp=2, seq_len=8, checkpoint="selective")
+    with pytest.raises(ValueError, match=r"ep=2 needs an MoE model .* n_experts \(3\) and dp \(2\)"):
+        check_3d(2, CFG, 4, 2, 1, 1, 1, ep=2, moe=dict(n_experts=3))
     with pytest.raises(ValueError, match=r"ep=3 is carved from dp=4 and must divide it"):
         run(lambda comm: Mesh(comm, dp=4, ep=3), ranks=4)
     with pytest.raises(ValueError, match=r"mesh size cp=0 must be a positive integer"):
