@@ -11,6 +11,10 @@ rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank; with cp = 1 the
 * **context (cp)**: the cp ranks of a cell hold different tokens of the same sequences (zig-zag
   chunks, `minidist.parallel.context`); attention passes keys and values round their ring. Their
   gradients are partial sums over tokens, so they are averaged together with dp's (group dp_cp);
+* **experts (ep, carved from dp)**: with ``moe=``, every block's MLP is a mixture of experts split
+  over ep consecutive dp ranks (`minidist.parallel.experts`: tokens travel by all-to-all). Expert
+  parameters differ across an ep group, so DDP leaves them out; they are averaged over the ranks
+  holding the same experts (`mesh.edp_cp`) at the optimizer step;
 * **data (dp)**: dp replicas of the whole pipeline each take 1/dp of the global batch. Each stage
   is wrapped in `DistributedDataParallel` over its dp group: a chunk's gradients are complete after
   its last microbatch's backward, so that backward alone syncs, and its buckets' all-reduces run
