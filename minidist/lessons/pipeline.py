@@ -20,7 +20,8 @@ import time
 
 import numpy as np
 
-from minidist import trace
+from minidist import estimates, trace
+from minidist.comm import under_mpi
 from minidist.data import BatchLoader, TextDataset
 from minidist.lessons.cli import (
     finish,
@@ -192,6 +193,12 @@ def report(everyone, args, pp: int, m: int) -> float:
           + (f" (v = {args.chunks} chunks: 1F1B's would be {bubble_formula(pp, m):.3f})"
              if args.chunks > 1 else "")
           + f"; step time {step_s * 1e3:.0f} ms")
+    print(estimates.predicted_vs_measured(
+        "step time on this machine's calibrated constants (the planner, chapter 11)",
+        estimates.step_prediction(args.layers, args.width, 4, 256, args.seq, args.batch, dp=args.dp, pp=pp,
+                                  tp=args.tp, microbatches=m, schedule=args.schedule, chunks=args.chunks,
+                                  dtype_bytes=np.dtype(args.dtype).itemsize,
+                                  transport="mpi" if under_mpi() else "threads"), step_s))
     cores = os.cpu_count() or 1
     if len(everyone) > cores:
         print(f"(here {len(everyone)} ranks share {cores} cores, so a rank also waits for a free core; "
