@@ -87,7 +87,7 @@ def gpt_check(comm, args, cfg):
         if comm.rank == 0:
             want, want_losses = train_serial(cfg, batches, lr=0.1)
             diff = max(max_state_diff(state, want), float(np.abs(np.subtract(res.losses, want_losses)).max()))
-            rows.append((mesh, diff))
+            rows.append((mesh, diff, res.mesh.draw()))
     return rows
 
 
@@ -141,11 +141,14 @@ def rank_main(comm, args):
         print(f"1. ring attention vs serial attention (out, dQ, dK, dV; float64): max |diff| = {diff:.2e}  "
               f"{verdict}")
         print("\n2. GPT over cp meshes, 2 SGD steps, vs the serial GPT (parameters and losses, float64)")
-        for mesh, gdiff in rows:
+        for mesh, gdiff, drawn in rows:
             verdict = "PASS" if gdiff <= TOL else "FAIL"
             ok &= verdict == "PASS"
             name = " x ".join(f"{k}={v}" for k, v in mesh.items() if v > 1 or k == "cp")
             print(f"   {name:<16} max |diff| = {gdiff:.2e}  {verdict}")
+            print("\n".join("      ranks: " + line for line in drawn.splitlines()[1:]))
+        print("   (rank = ((pp_rank·dp + dp_rank)·cp + cp_rank)·tp + tp_rank: '|' between cp ranks, "
+              "'||' between dp replicas)")
         pair = 4 * b * h * c * c * d
         print("\n3. attention FLOPs per rank (forward; chunk pair = 4·b·h·c²·d = "
               f"{pair} FLOPs, c = T/2cp = {c})")
