@@ -379,6 +379,17 @@ def wait_policy() -> WaitPolicy:
 _thread = threading.local()
 
 
+def mark_background_thread() -> None:
+    """This thread only communicates (``handles.AsyncWorker``): its waits never spin. A spinning
+    background thread takes the GIL back after every ``sched_yield`` and keeps a core busy, both of
+    which the compute thread (backward) needs; sleeping with backoff (20 us doubling to
+    ``BACKGROUND_LONGEST``) costs at most that much latency per wait and almost no CPU."""
+    _thread.background = True
+
+
+BACKGROUND_LONGEST = 2e-4       # seconds: the longest sleep of a background thread's wait
+
+
 def _fine_sleeps() -> None:
     """Linux rounds a thread's short sleeps up by its timer slack (50 us by default); set it to
     1 us for this thread, so a 20 us back-off sleep costs 20 us. Once per thread; harmless elsewhere."""
@@ -411,7 +422,11 @@ def poll(test, comm: Communicator, what, check=None) -> None:
         _fine_sleeps()
     clock = time.monotonic
     start = clock()
-    spin_until = start + (policy.collective_spin if current_call() is not None else policy.spin)
+    longest = policy.longest
+    if getattr(_thread, "background", False):  # a communication thread: sleep at once (see above)
+        spin_until, longest = start, BACKGROUND_LONGEST
+    else:
+        spin_until = start + (policy.collective_spin if current_call() is not None else policy.spin)
     notice_at, next_check, problem_since = start + comm.notice_after(), start, None
     delay, yield_ = 2e-5, os.sched_yield
     while not test():
@@ -436,4 +451,4 @@ def poll(test, comm: Communicator, what, check=None) -> None:
         if now - start > comm.timeout:
             raise comm.timeout_error(what() if callable(what) else what, now - start)
         time.sleep(delay)
-        delay = min(delay * 2, policy.longest)
+        delay = min(delay * 2, longest)

@@ -1,0 +1,74 @@
+"""The async worker's waits leave the CPU (and the GIL) to the compute thread.
+
+A wait in a thread marked as background (``mark_background_thread``, which every ``AsyncWorker``
+does) sleeps with backoff from the start instead of spinning with ``sched_yield``; the worker
+counts its busy and CPU seconds, which the DDP benchmark reports per step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from minidist.comm import communicator, run
+from minidist.comm.communicator import mark_background_thread, poll
+from minidist.comm.handles import start_async
+
+WAITS, WAIT_S = 20, 0.005
+
+
+class _Peerless:
+    """Just enough of a communicator for ``poll``: no progress engine, no peer to check."""
+
+    timeout = 30.0
+
+    def notice_after(self):
+        return float("inf")
+
+
+def _cpu_share(background: bool) -> float:
+    """CPU seconds / wall seconds of a thread that waits WAITS times for WAIT_S each."""
+    out = []
+
+    def waiter():
+        if background:
+            mark_background_thread()
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        for _ in range(WAITS):
+            deadline = time.perf_counter() + WAIT_S
+            poll(lambda d=deadline: time.perf_counter() >= d, _Peerless(), "a test deadline")
+        out.append((time.thread_time() - cpu0) / (time.perf_counter() - wall0))
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_a_background_wait_does_not_spin():
+    # spinning would burn the spin phase of every wait (at least 1 ms of each 5 ms: >= 20%); sleeping
+    # with backoff wakes ~25 times per wait for a few microseconds each
+    assert _cpu_share(background=True) < 0.1
+
+
+def test_the_spin_policy_is_left_to_foreground_threads():
+    policy = communicator.wait_policy()
+    assert policy.spin >= 1e-3  # the foreground keeps its spin (latency) phase
+    assert communicator.BACKGROUND_LONGEST <= 1e-3  # a background wait oversleeps at most this much
+
+
+def test_async_worker_marks_itself_background_and_counts_its_time():
+    def job(c):
+        time.sleep(0.05)
+        return getattr(communicator._thread, "background", False), threading.current_thread().name
+
+    def rank(comm):
+        h = start_async(comm, job)
+        marked, name = h.wait()
+        worker = comm.async_worker
+        return marked, name, worker.busy_seconds, worker.cpu_seconds
+
+    marked, name, busy, cpu = run(rank, ranks=1)[0]
+    assert marked and name.startswith("minidist-async")
+    assert busy >= 0.05  # the job's sleep is busy (wall) time...
+    assert cpu < busy  # ...but not CPU time
