@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import string
+import time
 
 import numpy as np
 
-from minidist import optim
+from minidist import estimates, optim
 from minidist.comm import all_reduce, measure
 from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.data import split_batch
@@ -87,12 +88,15 @@ def run_ddp(comm, args, batches):
     m = GPT(config(args).replace(seed=args.seed + 100 * comm.rank))  # broadcast makes them equal
     ddp = DDP(m, comm, bucket_bytes=args.bucket_kb * 1024)
     opt = optim.AdamW(m.parameters(), lr=args.lr)
-    losses = []
+    losses, times = [], []
     for x, y in batches:
+        t0 = time.perf_counter()
         opt.zero_grad()
         losses.append(train_step(comm, m, ddp, x, y, args.accum))
         ddp.wait_gradients()
         opt.step()
+        times.append(time.perf_counter() - t0)
+    ddp.step_seconds = float(np.median([max(t) for t in zip(*comm.allgather_obj(times))]))  # slowest rank
     return m, ddp, losses
 
 
@@ -200,6 +204,12 @@ def rank_main(comm, args):
         ok = max(diff, ldiff) < tol
         print(f"   max |param diff| = {diff:.2e}, max |loss diff| = {ldiff:.2e} (tolerance {tol:g}: "
               f"same sums, different order)  {'PASS' if ok else 'FAIL'}", flush=True)
+        print("   " + estimates.predicted_vs_measured(
+            "DDP step (median), the planner on this machine's calibration",
+            estimates.step_prediction(args.layers, args.d_model, 4, 64, args.seq, args.batch, dp=p,
+                                      dtype_bytes=np.dtype(args.dtype).itemsize,
+                                      transport="mpi" if comm.transport == "mpi" else "threads"),
+            ddp.step_seconds), flush=True)
     for stage in (1, 2, 3):  # the same training, sharded: each stage must equal the serial twin too
         zstate, zlosses = run_zero(comm, args, batches, stage)
         if comm.rank == 0:
