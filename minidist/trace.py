@@ -292,9 +292,10 @@ _COLORS = {"compute": "#4c72b0", "send": "#dd8452", "recv": "#55a868", "wait": "
            "collective": "#8172b3", "step": "#cccccc"}
 
 
-def plot_timeline(path, events: list[dict], losses=None, title: str = "timeline") -> None:
+def plot_timeline(path, events: list[dict], losses=None, title: str = "timeline", labels=None) -> None:
     """Draw per-rank bars colored by category (backward ops darker; communication in a thinner band
-    below the compute) and, if given, the loss curve.
+    below the compute; a compute op's microbatch written inside its bar), time in ms, and, if given,
+    the loss curve. ``labels``: rank -> row label (e.g. "dp 0 · stage 1 · tp 0"; default "rank r").
 
     Uses matplotlib's Agg canvas directly (no pyplot global state), so it is safe in any thread.
     """
@@ -316,13 +317,17 @@ def plot_timeline(path, events: list[dict], losses=None, title: str = "timeline"
         # compute on the upper part of a rank's row, communication on the lower part: an all-reduce
         # that overlaps backward shows under it instead of hiding it
         band = (e["rank"] - 0.4, 0.5) if e["cat"] == "compute" else (e["rank"] + 0.12, 0.28)
-        ax.broken_barh([(e["t0"] - t_origin, max(e["t1"] - e["t0"], 0.0))], band,
-                       facecolors=color, edgecolors="white", linewidth=0.5)
+        ms0, ms = (e["t0"] - t_origin) * 1e3, max(e["t1"] - e["t0"], 0.0) * 1e3
+        ax.broken_barh([(ms0, ms)], band, facecolors=color, edgecolors="white", linewidth=0.5)
+        mb = e.get("args", {}).get("mb") if e["cat"] == "compute" else None
+        if mb is not None:
+            ax.text(ms0 + ms / 2, band[0] + band[1] / 2, str(mb), ha="center", va="center", fontsize=6,
+                    color="white", clip_on=True)
     ax.set_yticks(ranks)
-    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.set_yticklabels([(labels or {}).get(r, f"rank {r}") for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("time")
-    ax.set_title(title, loc="right")
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title, loc="right", pad=16)  # above the legend
     handles = [Patch(color=c, label=k) for k, c in _COLORS.items() if k != "step"]
     handles.insert(1, Patch(color="#1f3b63", label="compute (backward)"))
     ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=7, ncol=len(handles),

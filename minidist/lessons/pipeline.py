@@ -162,10 +162,12 @@ def rank_main(comm, args):
     if args.plot:
         events = [e for r in everyone for e in r["events"][-1]]
         v = args.chunks
-        trace.plot_timeline(args.plot, events, losses=result.losses,
+        rows = {i: f"dp {r['coords'][1]} · stage {r['coords'][0]} · tp {r['coords'][2]}"
+                for i, r in enumerate(everyone)}
+        trace.plot_timeline(args.plot, events, losses=result.losses, labels=rows,
                             title=f"{args.schedule}, p={pp}, m={m}" + (f", v={v}" if v > 1 else "")
-                            + f": bubble measured {bubble:.2f} vs (p-1)/(v·m+p-1) = "
-                              f"{bubble_formula(pp, m, v):.2f}; time in ms")
+                            + f": bubble measured {bubble:.2f} vs (p-1)/({'v·' if v > 1 else ''}m+p-1) = "
+                              f"{bubble_formula(pp, m, v):.2f}")
         print(f"wrote {args.plot}")
     return finish(comm, diff <= tol)
 
