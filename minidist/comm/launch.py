@@ -175,12 +175,21 @@ def _run_threads(fn, ranks, backend, kwargs, comm_class=ThreadComm):
     return results
 
 
-def run(fn, ranks: int | None = None, backend=None, **kwargs) -> list:
+def run(fn, ranks: int | None = None, backend=None, transport: str | None = None, **kwargs) -> list:
     """Run ``fn(comm, **kwargs)`` on every rank; return the results in rank order.
 
     Under MPI this process is a single rank and the list has one element (its own result).
+    ``transport="jax"`` (or ``MINIDIST_TRANSPORT=jax``): threads bound to JAX devices whose
+    point-to-point arrays move device to device (jaxdev.py); it implies ``backend="jax"``.
     """
-    if under_mpi():
+    if (transport or os.environ.get("MINIDIST_TRANSPORT", "")) == "jax":
+        from minidist.comm.jaxdev import JaxDeviceComm
+
+        ranks = 1 if ranks is None else ranks
+        return _run_threads(fn, ranks, "jax" if backend is None else backend, kwargs, JaxDeviceComm)
+    if transport not in (None, "threads", "mpi"):
+        raise ValueError(f"transport={transport!r}: known transports are 'threads', 'mpi' and 'jax'")
+    if transport == "mpi" or (transport is None and under_mpi()):
         return _run_mpi(fn, backend, kwargs)
     ranks = 1 if ranks is None else ranks
     if not isinstance(ranks, int) or ranks < 1:

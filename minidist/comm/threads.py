@@ -172,7 +172,7 @@ class ThreadComm(Communicator):
         if self.world.failed is not None:
             raise RankAborted(f"rank {self.rank}: rank {self.world.failed} failed; not sending to {dest}")
         key = self._key(self.rank, dest, tag)
-        msg = (np.array(buf, copy=True), header)  # buffered: the sender may reuse its buffer at once
+        msg = (self.copy_message(buf, dest), header)  # buffered: the sender may reuse its buffer at once
         cond = self.world.conds[self.members[dest]]
         with cond:
             seq = self.world.sent.get(key, 0)
@@ -186,6 +186,11 @@ class ThreadComm(Communicator):
         if header:
             self.ledger.count_header(8 * HEADER_LEN)  # what the MPI transport's header costs
         return _Done()
+
+    def copy_message(self, buf, dest: int):
+        """What lands in rank ``dest``'s mailbox: a copy of ``buf`` (the JAX device transport,
+        jaxdev.py, instead moves a device array onto ``dest``'s device)."""
+        return np.array(buf, copy=True)
 
     def irecv_buffer(self, out, source, tag=0, *, header=False, count=True) -> Request:
         key = self._key(source, self.rank, tag)
