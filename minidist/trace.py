@@ -292,10 +292,12 @@ _COLORS = {"compute": "#4c72b0", "send": "#dd8452", "recv": "#55a868", "wait": "
            "collective": "#8172b3", "step": "#cccccc"}
 
 
-def plot_timeline(path, events: list[dict], losses=None, title: str = "timeline", labels=None) -> None:
+def plot_timeline(path, events: list[dict], losses=None, title: str = "timeline", labels=None,
+                  ms: bool = False) -> None:
     """Draw per-rank bars colored by category (backward ops darker; communication in a thinner band
-    below the compute; a compute op's microbatch written inside its bar), time in ms, and, if given,
-    the loss curve. ``labels``: rank -> row label (e.g. "dp 0 · stage 1 · tp 0"; default "rank r").
+    below the compute; a compute op's microbatch written inside its bar) and, if given, the loss
+    curve. ``labels``: rank -> row label (e.g. "dp 0 · stage 1 · tp 0"; default "rank r");
+    ``ms=True``: event times are seconds, drawn in milliseconds.
 
     Uses matplotlib's Agg canvas directly (no pyplot global state), so it is safe in any thread.
     """
@@ -317,16 +319,17 @@ def plot_timeline(path, events: list[dict], losses=None, title: str = "timeline"
         # compute on the upper part of a rank's row, communication on the lower part: an all-reduce
         # that overlaps backward shows under it instead of hiding it
         band = (e["rank"] - 0.4, 0.5) if e["cat"] == "compute" else (e["rank"] + 0.12, 0.28)
-        ms0, ms = (e["t0"] - t_origin) * 1e3, max(e["t1"] - e["t0"], 0.0) * 1e3
-        ax.broken_barh([(ms0, ms)], band, facecolors=color, edgecolors="white", linewidth=0.5)
+        k = 1e3 if ms else 1.0
+        x0, w = (e["t0"] - t_origin) * k, max(e["t1"] - e["t0"], 0.0) * k
+        ax.broken_barh([(x0, w)], band, facecolors=color, edgecolors="white", linewidth=0.5)
         mb = e.get("args", {}).get("mb") if e["cat"] == "compute" else None
         if mb is not None:
-            ax.text(ms0 + ms / 2, band[0] + band[1] / 2, str(mb), ha="center", va="center", fontsize=6,
+            ax.text(x0 + w / 2, band[0] + band[1] / 2, str(mb), ha="center", va="center", fontsize=6,
                     color="white", clip_on=True)
     ax.set_yticks(ranks)
     ax.set_yticklabels([(labels or {}).get(r, f"rank {r}") for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
+    ax.set_xlabel("time (ms)" if ms else "time")
     ax.set_title(title, loc="right", pad=16)  # above the legend
     handles = [Patch(color=c, label=k) for k, c in _COLORS.items() if k != "step"]
     handles.insert(1, Patch(color="#1f3b63", label="compute (backward)"))

@@ -266,7 +266,7 @@ def rank_main(comm, args):
         back = {"name": "Backward", "cat": "compute"}  # plot_timeline shades names starting with B
         evs = [{"name": n, "cat": "collective", "rank": r, "t0": a, "t1": b}
                | (back if k == "backward" else {}) for r, e in enumerate(events) for n, k, a, b in e]
-        plot_timeline(args.plot, evs, title="DDP: backward and bucket all-reduces (time in ms)")
+        plot_timeline(args.plot, evs, title="DDP: backward and bucket all-reduces", ms=True)
         print(f"wrote {args.plot}")
     return finish(comm, ok)
 

@@ -164,7 +164,7 @@ def rank_main(comm, args):
         v = args.chunks
         rows = {i: f"dp {r['coords'][1]} · stage {r['coords'][0]} · tp {r['coords'][2]}"
                 for i, r in enumerate(everyone)}
-        trace.plot_timeline(args.plot, events, losses=result.losses, labels=rows,
+        trace.plot_timeline(args.plot, events, losses=result.losses, labels=rows, ms=True,
                             title=f"{args.schedule}, p={pp}, m={m}" + (f", v={v}" if v > 1 else "")
                             + f": bubble measured {bubble:.2f} vs (p-1)/({'v·' if v > 1 else ''}m+p-1) = "
                               f"{bubble_formula(pp, m, v):.2f}")
