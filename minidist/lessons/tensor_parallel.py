@@ -11,11 +11,13 @@ parameter and activation bytes beside 1/tp of the serial model's.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-from minidist import optim
+from minidist import estimates, optim
 from minidist import random as mrandom
-from minidist.comm import measure
+from minidist.comm import measure, under_mpi
 from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.data import BatchLoader, TextDataset
 from minidist.lessons.cli import (
@@ -63,6 +65,13 @@ def layer_traffic(group, cfg, b, s, sp):
     return m
 
 
+def predicted_ms(args, tp: int) -> str:
+    """The planner's step time for this tp on this machine's calibration (chapter 0), as text."""
+    t = estimates.step_prediction(args.layers, args.d_model, 4, 256, args.seq, args.batch, tp=tp,
+                                  transport="mpi" if under_mpi() else "threads")
+    return "-" if t is None else f"{t * 1e3:.1f}"
+
+
 def rank_main(comm, args):
     cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=4, d_model=args.d_model,
                     dropout=args.dropout, seed=args.seed)
@@ -83,7 +92,8 @@ def rank_main(comm, args):
         serial_param_bytes = sum(p.data.nbytes for p in serial.parameters())
         rprint(comm, f"serial twin: loss {serial_losses[0]:.4f} -> {serial_losses[-1]:.4f}\n")
     rprint(comm, f"{'tp':>3} {'seq-par':>7} {'final loss':>10} {'max|dloss|':>11} {'max|dparam|':>12} "
-                 f"{'check':>5} {'params/rank':>12} {'serial/tp':>10} {'activ./rank':>12} {'serial/tp':>10}")
+                 f"{'check':>5} {'params/rank':>12} {'serial/tp':>10} {'activ./rank':>12} {'serial/tp':>10} "
+                 f"{'step ms':>8} {'predicted':>9}")
     rows, passed = [], True
     for tp in tps:
         group = comm.split(0 if comm.rank < tp else None, comm.rank)
@@ -92,7 +102,9 @@ def rank_main(comm, args):
                 continue
             mrandom.manual_seed(args.seed)
             model = TPGPT(cfg, group, sequence_parallel=sp, dropout_rng=args.dropout_rng)
+            t0 = time.perf_counter()
             losses = train(model, batches, args.lr)
+            step_ms = max(group.allgather_obj(time.perf_counter() - t0)) / len(batches) * 1e3
             full = model.serial_state_dict()
             act = activation_bytes(model, *batches[0])
             pbytes = sum(p.data.nbytes for p in model.parameters())
@@ -105,8 +117,12 @@ def rank_main(comm, args):
                 rprint(comm, f"{tp:>3} {'on' if sp else 'off':>7} {losses[-1]:>10.4f} {dl:>11.2e} "
                              f"{dp:>12.2e} {'PASS' if ok else 'FAIL':>5} {pbytes:>12,} "
                              f"{serial_param_bytes // tp:>10,} "
-                             f"{act:>12,} {serial_act // tp:>10,}")
-    rprint(comm, f"(tolerance {args.tol:g}: float32, the ranks sum partial products in another order)\n")
+                             f"{act:>12,} {serial_act // tp:>10,} {step_ms:>8.1f} "
+                             f"{predicted_ms(args, tp):>9}")
+    rprint(comm, f"(tolerance {args.tol:g}: float32, the ranks sum partial products in another order;\n"
+                 " step ms: measured per AdamW step; predicted: the planner on this machine's calibration,\n"
+                 " chapter 0 -- a tiny model split tp ways is slower, not faster: the all-reduces and\n"
+                 " per-op overheads do not shrink with tp)\n")
     rprint(comm, "Parameters shrink ~1/tp (LayerNorms and position table stay replicated). Without sequence\n"
                  "parallelism LayerNorm, dropout and residual activations are replicated on every rank, so\n"
                  "activations do not shrink 1/tp; with it they are sequence shards.\n")
