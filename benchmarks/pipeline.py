@@ -8,7 +8,9 @@ steps after a warm-up) beside (p-1)/(m+p-1), and the pipelined step time beside 
 (rank 0 alone: forward + backward + update of the whole GPT on the same global batch). The model is
 cut by per-layer time measured at each microbatch size (`partition_balanced`): the formula assumes
 equal stages. The machine's load average is printed: other processes on the cores inflate waits.
-Target: measured bubble within 0.05 of the formula at m >= 4.
+Targets (issue 14), MET / MISSED for each m in 4..16: measured bubble within 0.05 of the formula, and
+the speed-up over one process within 15% of the ideal m/(m+p-1) x p. Prints the CPU, the BLAS kernel
+and the load average; exits nonzero on a miss only with --strict.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from minidist.optim import AdamW
 from minidist.parallel.pipeline import format_partition, layer_costs
 from minidist.parallel.simulate import bubble_formula
 from minidist.parallel.three_d import train_3d
+
+BUBBLE_SLACK, SPEEDUP_SLACK = 0.05, 0.15
 
 
 def serial_step_time(cfg, batches) -> float:
@@ -51,6 +55,9 @@ def bench(comm, args):
     batches = [(rng.integers(0, 256, (args.batch, args.seq)), rng.integers(0, 256, (args.batch, args.seq)))
                for _ in range(args.steps)]
     if comm.rank == 0:
+        from bench_env import print_machine
+
+        print_machine()
         print(f"GPT {cfg.n_layer} blocks, d_model {cfg.d_model}, seq {cfg.block_size}, "
               f"global batch {args.batch}; 2 MPI ranks, pp=2, 1F1B; "
               f"median of {args.steps - 1} steps after a warm-up "
@@ -84,6 +91,17 @@ def bench(comm, args):
         for m, b, f, t, serial in rows:
             print(f"{m:>3} {b:>15.3f} {f:>13.3f} {b - f:>+6.3f}   {t * 1e3:>8.1f} {serial * 1e3:>9.1f} "
                   f"{serial / t:>7.2f}x")
+        from bench_env import Targets
+
+        targets = Targets()
+        for m, b, f, t, serial in rows:
+            if 4 <= m <= 16:
+                targets.check(f"m = {m}: |bubble - formula|", abs(b - f), "<=", BUBBLE_SLACK)
+                ideal = m / (m + 1) * 2  # m / (m + p - 1) x p at p = 2
+                targets.check(f"m = {m}: speed-up / ideal {ideal:.2f}x", serial / t / ideal, ">=",
+                              1 - SPEEDUP_SLACK)
+        return targets.exit_code(args.strict)
+    return 0
 
 
 def main(argv=None):
@@ -95,13 +113,14 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--verbose", action="store_true", help="print each partition")
+    p.add_argument("--strict", action="store_true", help="exit nonzero when a target is missed")
     args = p.parse_args(argv)
     if not under_mpi():
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
         cmd = ["mpirun", "-n", "2", sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])]
         raise SystemExit(subprocess.call(cmd, env=env))
-    run(bench, args=args)
+    return max(run(bench, args=args))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -100,11 +100,13 @@ class Ledger:
                 led.header_bytes += nbytes
 
     def finish_call(self, rec: CallRecord) -> None:
-        for led in self._chain():
+        led = self  # (a loop, not _chain(): this runs on every collective call)
+        while led is not None:
             with led._lock:
                 led.steps += rec.steps
                 if led.watching:  # a long run must not keep a record of every call it ever made
                     led.calls.append(rec)
+            led = led.parent
 
     def snapshot(self) -> dict:
         with self._lock:

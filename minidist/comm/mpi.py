@@ -68,10 +68,16 @@ def decode_header(h: np.ndarray):
 _NATIVE = set("?bBhHiIlLqQefdgFDG")  # dtypes mpi4py maps to MPI types itself
 
 
+_KNOWN: dict = {}  # dtype -> mpi_knows(dtype): asked for every message, answered once per dtype
+
+
 def mpi_knows(dtype) -> bool:
     """Does mpi4py map this dtype to an MPI type (so MPI itself can reduce it)?"""
-    dtype = np.dtype(dtype)
-    return dtype.char in _NATIVE and dtype.isnative
+    known = _KNOWN.get(dtype)
+    if known is None:
+        d = np.dtype(dtype)
+        known = _KNOWN[dtype] = d.char in _NATIVE and d.isnative
+    return known
 
 
 def _bytes(buf: np.ndarray):
