@@ -13,6 +13,7 @@ one rank, no checkpointing). Then the live activation bytes during one backward,
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -132,6 +133,12 @@ def rank_main(comm, args):
         rprint(comm, f"{policy:<10} {peak:>15,} {formula:>12,} {base_mem / peak:>7.2f}x {sec * 1e3:>8.1f} "
                      f"{sec / base_t:>7.2f}x {diff:>13.1e} {ok}")
     k = segment_size("sqrt", cfg.n_layer)
+    k_star = math.sqrt(cfg.n_layer * b * t * c / a)  # d/dk [(L/k)·BTC + k·A] = 0
+    best = min(range(1, cfg.n_layer + 1), key=lambda j: -(-cfg.n_layer // j) * b * t * c + j * a)
+    rprint(comm, f"\nthe best segment: (L/k)·BTC + k·A is least at k* = sqrt(L·BTC/A) = sqrt({cfg.n_layer}·"
+                 f"{b * t * c:,}/{a:,}) = {k_star:.2f}, not sqrt(L) = {math.sqrt(cfg.n_layer):.2f}: "
+                 f"the best whole k is {best}" + (" -- full checkpointing, which is why it beats sqrt here"
+                                                  if best == 1 else ""))
     rprint(comm, f"\nformulas: none E + L·A + Head; full max(E + L·BTC + Head, E + L·BTC + A); "
                  f"sqrt: segments of k = round(√{cfg.n_layer}) = {k} blocks,\n  E + (L/k)·BTC + k·A; "
                  "selective: the B·H·T² attention probabilities are not kept.\nExpected step time: "
