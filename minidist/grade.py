@@ -128,7 +128,8 @@ def listing() -> list[tuple[str, str, str, str]]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Grade an exercise with its property tests.")
+    ap = argparse.ArgumentParser(prog="python -m minidist.grade",
+                                 description="Grade an exercise with its property tests.")
     ap.add_argument("name", nargs="?", help="the exercise (see --list)")
     ap.add_argument("--list", action="store_true", help="every exercise, topic, estimated time, your score")
     ap.add_argument("--file", help="the student's file (default: exercises/NAME.py)")
@@ -141,6 +142,8 @@ def main(argv=None):
             print(f"{name:<17} {time:<11} {score:<7} {topic}")
         print("score: tasks passed by your exercises/NAME.py; grade one with python -m minidist.grade NAME")
         return
+    if args.name is None:
+        ap.error("name an exercise to grade, or --list to see them all with your scores")
     if args.name not in exercises():
         ap.error(f"unknown exercise {args.name!r}: choose one of {', '.join(exercises())} (or --list)")
     passed, total = grade(args.name, args.file, args.verbose)
