@@ -52,11 +52,26 @@ def test_deadlock_free_rings_complete(fn):
     assert [int(y[0]) for y in out] == [3, 0, 1, 2]
 
 
-@pytest.mark.parametrize("coll", [C.ring_all_reduce, C.recursive_doubling_all_reduce, C.tree_all_reduce])
-def test_minidist_collectives_run_on_rendezvous(coll):
+@pytest.mark.parametrize("coll", [C.ring_all_reduce, C.recursive_doubling_all_reduce, C.tree_all_reduce,
+                                  C.two_shot_all_reduce, C.halving_doubling_all_reduce, C.naive_all_reduce])
+def test_minidist_all_reduces_are_deadlock_free_when_sends_rendezvous(coll):
     xs = [np.arange(7.0) * (r + 1) for r in range(5)]
     for y in run_rendezvous(lambda c: coll(c, xs[c.rank]), 5):
         np.testing.assert_array_equal(y, np.arange(7.0) * 15)
+
+
+def test_minidist_other_collectives_are_deadlock_free_when_sends_rendezvous():
+    p = 3
+    out = run_rendezvous(lambda c: (C.broadcast(c, np.arange(3.0) if c.rank == 2 else None, 2),
+                                    C.all_gather(c, np.full(2, float(c.rank))),
+                                    C.reduce_scatter(c, np.arange(6.0)),
+                                    C.all_to_all(c, np.arange(2.0 * p).reshape(p, 2) + 10 * c.rank)), p)
+    for r, (b, g, rs, a2a) in enumerate(out):
+        np.testing.assert_array_equal(b, np.arange(3.0))
+        np.testing.assert_array_equal(g, np.repeat(np.arange(3.0), 2))
+        np.testing.assert_array_equal(rs, 3 * np.arange(6.0)[2 * r:2 * r + 2])
+        sent_to_me = [np.arange(2.0 * p).reshape(p, 2)[r] + 10 * q for q in range(p)]  # row r of rank q
+        np.testing.assert_array_equal(a2a, np.stack(sent_to_me))
 
 
 def test_a_receive_from_a_rank_that_sends_elsewhere_is_a_cycle_too():
