@@ -15,6 +15,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from minidist import estimates
 from minidist.comm import measure
 from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, positive_int, rprint
@@ -116,6 +117,10 @@ def rank_main(comm, args):
     rprint(comm, "memory per parameter: fp32 training 4 (weights) + 4 (grads) + 8 (Adam) = 16 bytes; "
                  "mixed 2 + 2 + 4 (fp32 master) + 8 = 16 bytes --\n  the same, but activations (and what is "
                  "sent) are halved; ZeRO then shards the 12 bytes of master + Adam state.")
+    mem = {k: estimates.training_memory(psi, k)["total"] for k in ("fp32", "mixed")}
+    z1 = estimates.training_memory(psi, "mixed", zero_stage=1, dp=p)["total"]
+    rprint(comm, f"  for this Ψ (chapter 0, estimates.training_memory): fp32 {mem['fp32']:,.0f} bytes, mixed "
+                 f"{mem['mixed']:,.0f}, mixed + ZeRO-1 over {p} ranks {z1:,.0f} per rank")
 
     if comm.rank == 0:
         rep = fp16_representation(cfg, data[0][:b])
