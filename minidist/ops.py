@@ -511,18 +511,32 @@ def _mean_last(a):
     return a.sum(axis=-1, keepdims=True) / a.shape[-1]
 
 
+def _dot_last(a, v):
+    """Σ_i a[..., i]·v[i] over the last axis, keepdims: one matrix-vector product (float32/64: a
+    BLAS pass with no temporary, ~6x faster than ``(a * v).sum(-1)``); 2-byte floats as a mean does,
+    accumulated in float32."""
+    if a.dtype.itemsize < 4:
+        return _mean_last(a * v) * a.shape[-1]
+    return (_rows(a) @ v).reshape(a.shape[:-1] + (1,))
+
+
 class LayerNorm(Function):
     """y = (x - mean) / sqrt(var + eps) * w + b over the last axis, statistics in float32 or wider.
 
-    Backward: with x̂ the normalised input and d = g·w, dx = rstd·(d - mean(d) - x̂·mean(d·x̂)),
-    and since d·x̂ = (g·x̂)·w, one product g·x̂ serves both dw = Σ g·x̂ and that mean.
+    Backward: with x̂ the normalised input and d = g·w, dx = rstd·(d - mean(d) - x̂·mean(d·x̂)); the
+    two means are matrix-vector products (Σ_i g_i·w_i and Σ_i (g·x̂)_i·w_i), and the one product g·x̂
+    serves both dw = Σ g·x̂ and the second.
     """
 
     @staticmethod
     def forward(ctx, x, w, b, eps=1e-5):
         xp = _xp(x)
         xhat = x - _mean_last(x)
-        rstd = 1.0 / xp.sqrt(_mean_last(xhat * xhat) + eps)
+        if x.dtype.itemsize < 4:
+            var = _mean_last(xhat * xhat)
+        else:  # Σ x̂² without an x̂² temporary
+            var = xp.einsum("...i,...i->...", xhat, xhat)[..., None] / x.shape[-1]
+        rstd = 1.0 / xp.sqrt(var + eps)
         xhat *= rstd
         ctx.save(xhat, rstd, w)
         out = xhat * w
@@ -533,16 +547,14 @@ class LayerNorm(Function):
     def backward(ctx, g):
         xhat, rstd, w = ctx.saved
         n = xhat.shape[-1]
-        g2 = g.reshape(-1, n)
-        gb = g2.sum(axis=0) if ctx.needs_grad[2] else None
+        gb = g.reshape(-1, n).sum(axis=0) if ctx.needs_grad[2] else None
         gxhat = g * xhat
         gw = gxhat.reshape(-1, n).sum(axis=0) if ctx.needs_grad[1] else None
         gx = None
         if ctx.needs_grad[0]:
-            gxhat *= w
-            proj = xhat * _mean_last(gxhat)  # x̂·mean(d·x̂)
+            proj = xhat * (_dot_last(gxhat, w) / n)  # x̂·mean(d·x̂)
             gx = g * w
-            gx -= _mean_last(gx)
+            gx -= _dot_last(g, w) / n  # mean(d)
             gx -= proj
             gx *= rstd
         return gx, gw, gb
