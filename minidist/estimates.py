@@ -136,10 +136,11 @@ def machine(transport: str = "threads"):
 
 def step_prediction(n_layer: int, d_model: int, n_head: int, vocab: int, seq: int, batch: int, *, dp: int = 1,
                     pp: int = 1, tp: int = 1, microbatches: int = 1, schedule: str = "1f1b", chunks: int = 1,
-                    dtype_bytes: int = 4, optimizer: str = "adamw", transport: str = "threads"):
+                    dtype_bytes: int = 4, optimizer: str = "adamw", transport: str = "threads",
+                    checkpoint: str = "none"):
     """Seconds the planner (``minidist.plan``, chapter 11) predicts for one training step of a
     minidist GPT on THIS machine's calibrated constants, or None before ``python -m minidist.calibrate``.
-    ``batch`` is the global batch in sequences."""
+    ``batch`` is the global batch in sequences; ``checkpoint``: "none", "selective" or "full"."""
     hw = machine(transport)
     if hw is None:
         return None
@@ -150,7 +151,7 @@ def step_prediction(n_layer: int, d_model: int, n_head: int, vocab: int, seq: in
     model = ModelSpec("lesson", n_layer=n_layer, d_model=d_model, n_head=n_head, vocab=vocab, seq=seq,
                       engine="minidist", dtype_bytes=dtype_bytes)
     cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=max(batch // (dp * microbatches), 1), schedule=schedule,
-                     chunks=chunks)
+                     chunks=chunks, checkpoint=checkpoint)
     return predict(model, cand, batch, hw, Settings(optimizer)).step
 
 

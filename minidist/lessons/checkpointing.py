@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from minidist import estimates
 from minidist import random as mrandom
 from minidist.comm import all_reduce
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint
@@ -33,6 +34,9 @@ from minidist.parallel.recompute import (
 
 POLICIES = tuple(q for q in recompute.POLICIES if q != "every_k")  # every_k needs a k: sqrt picks one
 BARS = " ▁▂▃▄▅▆▇█"
+
+
+PLANNER_POLICY = {"full": "full", "selective": "selective"}  # the planner has no sqrt segments: "none"
 
 
 def sparkline(values, top) -> str:
@@ -105,7 +109,7 @@ def rank_main(comm, args):
         twin = [sum(gs) / p for gs in zip(*grads)]
 
     rprint(comm, f"{'policy':<10} {'peak act bytes':>15} {'formula':>12} {'vs none':>8} {'cpu ms':>8} "
-                 f"{'vs none':>8} {'max|diff| vs twin':>18}")
+                 f"{'vs none':>8} {'max|diff| vs twin':>18} {'planner ms':>12}")
     base_mem = base_t = None
     passed = True
     curves, rows = {}, []
@@ -130,8 +134,15 @@ def rank_main(comm, args):
         rows.append((policy, peak, formula, sec))
         passed &= diff <= 1e-6
         ok = "PASS" if diff <= 1e-6 else "FAIL"
+        pred = estimates.step_prediction(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size, args.seq,
+                                         args.batch * p, dp=p, checkpoint=PLANNER_POLICY.get(policy, "none"),
+                                         transport=comm.transport if comm.transport == "mpi" else "threads")
+        pred_ms = "-" if pred is None else f"{pred * 1e3:.1f}"
         rprint(comm, f"{policy:<10} {peak:>15,} {formula:>12,} {base_mem / peak:>7.2f}x {sec * 1e3:>8.1f} "
-                     f"{sec / base_t:>7.2f}x {diff:>13.1e} {ok}")
+                     f"{sec / base_t:>7.2f}x {diff:>13.1e} {ok} {pred_ms:>12}")
+    rprint(comm, "(planner ms: the wall-clock step the planner predicts from this machine's calibration, "
+                 "chapter 0 -- all ranks\n sharing the cores, so compare its ratio full/none with the "
+                 "cpu-time ratio, not its milliseconds; it has no sqrt segments)")
     k = segment_size("sqrt", cfg.n_layer)
     k_star = math.sqrt(cfg.n_layer * b * t * c / a)  # d/dk [(L/k)·BTC + k·A] = 0
     best = min(range(1, cfg.n_layer + 1), key=lambda j: -(-cfg.n_layer // j) * b * t * c + j * a)
