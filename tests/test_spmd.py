@@ -77,3 +77,22 @@ def test_errors_say_what_would_be_right():
         make_mesh(4, 4)
     with pytest.raises(ValueError, match="dp_reduce='tree'"):
         SPMDTwin(CFG, dp=2, tp=1, dp_reduce="tree")
+
+
+
+@pytest.mark.parametrize("off,code", [(0.0, 0), (1e-3, 1)])
+def test_tpu_lesson_checks_the_two_runs_and_exits_nonzero_on_fail(monkeypatch, capsys, off, code):
+    """The lesson's check and report, on stand-in runs (the real pair is the test above): equal
+    parameters PASS with exit 0, a 1e-3 difference FAILs with exit 1."""
+    from minidist.lessons import tpu
+
+    state = {"w": np.ones((2, 2))}
+    monkeypatch.setattr(tpu, "eager", lambda cfg, batches, args: (
+        state, [3.0, 2.0], [1.0, 0.1], {"ring_all_reduce": 8}, 64, ["cpu:0", "cpu:1"]))
+    monkeypatch.setattr(tpu, "compiled", lambda cfg, batches, args: (
+        {"w": state["w"] + off}, [3.0, 2.0], [2.0, 0.01], {"all-reduce": 5, "collective-permute": 2},
+        make_mesh(2, 1)))
+    assert tpu.main(["--dp", "2", "--tp", "1", "--steps", "2", "--dtype", "float64"]) == code
+    out = capsys.readouterr().out
+    assert ("PASS" if code == 0 else "FAIL") + ": eager minidist == compiled twin" in out
+    assert "rank 1 -> cpu:1" in out and "collective-permute" in out and "10.0x" in out  # 100 ms / 10 ms

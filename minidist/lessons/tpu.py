@@ -1,0 +1,161 @@
+"""Lesson 16: the same GPT step, eager on JAX devices and compiled for the whole mesh.
+
+    python -m minidist.lessons.tpu                       # 8 forced CPU devices on a laptop
+    python -m minidist.lessons.tpu --dp 2 --tp 4         # a TPU VM's 8 TensorCores (v5e-8, v4-8: 4)
+
+Runs on whatever devices JAX sees. Prints the device kind and the dp x tp mesh, then trains the
+same GPT twice from the same weights on the same batches:
+
+1. **eager minidist** on the JAX device transport: one rank per device, each rank a thread that
+   dispatches one op at a time; tensor-parallel and data-parallel all-reduces are minidist's own
+   algorithms on point-to-point messages, counted by the ledger;
+2. **the compiled SPMD twin** (``minidist.spmd``): the step written once with ``shard_map`` and
+   compiled by ``jax.jit`` for every device at once; its collectives are counted in the HLO.
+
+It checks that both reach the same loss and parameters (PASS, exit 1 on FAIL) and prints the step
+times side by side, and the collectives each one ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before JAX loads
+
+import numpy as np  # noqa: E402
+
+from minidist.lessons.cli import positive_float, positive_int  # noqa: E402
+
+
+def make_batches(args):
+    from minidist.data import BatchLoader, TextDataset
+
+    loader = BatchLoader(TextDataset.from_file(block_size=args.seq), batch_size=args.batch, seed=args.seed)
+    return [loader.next_batch() for _ in range(args.steps)]
+
+
+def eager(cfg, batches, args):
+    """minidist on the device transport: (full state, losses, step seconds, ledger calls, devices)."""
+    from minidist.comm import measure, run
+    from minidist.parallel.three_d import gather_full_state, train_3d
+
+    def body(comm):
+        times = [time.perf_counter()]
+        with measure(comm) as m:
+            res = train_3d(comm, cfg, batches, dp=args.dp, pp=1, tp=args.tp, lr=args.lr, optimizer="sgd",
+                           on_step=lambda step, stats: (comm.backend.synchronize(),
+                                                        times.append(time.perf_counter())))
+        calls = Counter(c.name for c in m.calls)
+        return gather_full_state(comm, res), res.losses, np.diff(times), calls, m.bytes_sent, str(comm.device)
+
+    out = run(body, ranks=args.dp * args.tp, transport="jax")
+    state, losses, times, calls, sent, _ = out[0]
+    return state, losses, times, calls, sent, [o[5] for o in out]
+
+
+def compiled(cfg, batches, args):
+    """The SPMD twin: (state, losses, step seconds, HLO collective counts)."""
+    from minidist.spmd import SPMDTwin, collective_counts
+
+    twin = SPMDTwin(cfg, args.dp, args.tp, lr=args.lr, dp_reduce=args.dp_reduce)
+    losses, times = [], []
+    for x, y in batches:
+        t = time.perf_counter()
+        losses.append(twin.step(x, y))  # float(): waits for the device
+        times.append(time.perf_counter() - t)
+    return twin.state(), losses, times, collective_counts(twin.compiled_text(*batches[0])), twin.mesh
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dp", type=positive_int, default=2)
+    parser.add_argument("--tp", type=positive_int, default=2)
+    parser.add_argument("--steps", type=positive_int, default=4)
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--seq", type=positive_int, default=16)
+    parser.add_argument("--d-model", type=positive_int, default=32)
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--lr", type=positive_float, default=0.1)
+    parser.add_argument("--dp-reduce", choices=["ring", "psum"], default="ring",
+                        help="the twin's gradient all-reduce: minidist's ring (ppermute) or XLA's psum")
+    parser.add_argument("--tol", type=positive_float, default=None,
+                        help="largest parameter difference (default 1e-5 in float32, 1e-9 in float64)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.batch % args.dp:
+        parser.error(f"argument --batch: {args.batch} rows do not split over --dp {args.dp}")
+    if args.heads % args.tp or args.d_model % args.heads:
+        parser.error(f"--heads {args.heads} must be a multiple of --tp {args.tp} and divide --d-model")
+    tol = args.tol or (1e-5 if args.dtype == "float32" else 1e-9)
+
+    import jax
+
+    from minidist.nn import GPTConfig
+    from minidist.parallel.three_d import max_state_diff
+
+    jax.config.update("jax_enable_x64", True)
+    jax.config.update("jax_default_matmul_precision", "highest")  # TPU: full float32 matmuls, not bf16
+    devices = jax.devices()
+    if args.dp * args.tp > len(devices):
+        parser.error(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} devices, "
+                     f"JAX sees {len(devices)}")
+    print(f"JAX {jax.__version__}: {len(devices)} devices, platform {devices[0].platform}, "
+          f"kind {devices[0].device_kind!r}, {jax.process_count()} process(es)")
+    batches = make_batches(args)
+    vocab = 256  # bytes (minidist.data.ByteTokenizer): a multiple of 128, what a TPU's MXU wants
+    cfg = GPTConfig(vocab_size=vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                    d_model=args.d_model, dtype=args.dtype)
+    print(f"GPT: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, vocab {vocab}, "
+          f"batch {args.batch} x {args.seq} tokens, {args.dtype}, SGD lr {args.lr}, {args.steps} steps\n")
+
+    twin_state, twin_losses, twin_times, hlo, mesh = compiled(cfg, batches, args)
+    print(f"mesh ('dp', 'tp') = {args.dp} x {args.tp}:")
+    for row in mesh.devices:
+        print("   " + "  ".join(f"{d.platform}:{d.id}" for d in row))
+    state, losses, times, calls, sent, bound = eager(cfg, batches, args)
+    print("eager ranks bound to: " + ", ".join(f"rank {r} -> {d}" for r, d in enumerate(bound)) + "\n")
+
+    print(f"{'step':>4}  {'eager loss':>12}  {'twin loss':>12}  {'eager ms':>10}  {'twin ms':>10}")
+    for i in range(args.steps):
+        print(f"{i:>4}  {losses[i]:>12.6f}  {twin_losses[i]:>12.6f}  {times[i] * 1e3:>10.1f}  "
+              f"{twin_times[i] * 1e3:>10.1f}")
+    if args.steps > 1:
+        e, t = statistics.median(times[1:]), statistics.median(twin_times[1:])
+        print(f"median after the first (compiling) step: eager {e * 1e3:.1f} ms, compiled {t * 1e3:.1f} ms "
+              f"({e / t:.1f}x)")
+
+    print("\ncollectives per run -- eager minidist, rank 0's ledger (calls over all steps, "
+          f"{sent} bytes sent):")
+    for name, n in sorted(calls.items()):
+        print(f"   {name:<28} {n:>4} calls ({n / args.steps:g} per step)")
+    print("compiled twin, one step's HLO (what XLA emitted):")
+    for name, n in hlo.items():
+        if n:
+            print(f"   {name:<28} {n:>4}")
+
+    from minidist.hardware import TPU_V4, TPU_V5E, TPU_V5P
+
+    print("\nwhere these collectives would run (minidist.hardware, sources there), GB/s per chip:")
+    print(f"   {'chip':<9} {'HBM':>7} {'ICI ring':>9} {'DCN':>6}")
+    for hw in (TPU_V4, TPU_V5E, TPU_V5P):
+        print(f"   {hw.name:<9} {hw.hbm_bandwidth / 1e9:>7.0f} {hw.intra.bandwidth / 1e9:>9.0f} "
+              f"{hw.inter.bandwidth / 1e9:>6.1f}")
+
+    diff = max_state_diff(twin_state, state)
+    ldiff = float(np.max(np.abs(np.array(losses) - np.array(twin_losses))))
+    ok = diff <= tol and ldiff <= tol * 10
+    print(f"\n{'PASS' if ok else 'FAIL'}: eager minidist == compiled twin after {args.steps} steps: "
+          f"max parameter difference {diff:.2e}, max loss difference {ldiff:.2e} (tolerance {tol:g})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
