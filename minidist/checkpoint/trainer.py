@@ -86,6 +86,7 @@ class Trainer:
     def step(self) -> float:
         """Train one step on the next global batch; returns this replica's loss (last stage; else nan)."""
         from minidist.parallel.pipeline import run_schedule, split_microbatches
+        from minidist.parallel.three_d import token_loss_weights
 
         x, y = self.loader.next_batch()
         rows = x.shape[0] // self.mesh.dp_size
@@ -106,7 +107,9 @@ class Trainer:
 
             xs = split_microbatches(x[mine], self.microbatches, self.comm.rank)
             ys = split_microbatches(y[mine], self.microbatches, self.comm.rank)
-            stats = run_schedule(self.stage, self.mesh.pp, self.instructions, xs, ys, optimizer_step, ddp=ddp)
+            weights = token_loss_weights(ys, int((np.asarray(y) != -1).sum()), self.mesh.dp_size)
+            stats = run_schedule(self.stage, self.mesh.pp, self.instructions, xs, ys, optimizer_step, ddp=ddp,
+                                 loss_weights=weights)
             value = float(stats.loss) if stats.loss is not None else float("nan")
         self.schedule.step()
         self.step_count += 1
