@@ -89,14 +89,11 @@ def minidist_steps(comm, args):
         return 0.0
 
     _, _, losses = timed_steps(comm.barrier, step, args.steps)  # losses of steps 1.. (as PyTorch's)
-    worker = comm.async_worker
-    cpu0 = worker.cpu_seconds
-    t, _, _ = timed_steps(comm.barrier, step, args.steps)  # timed again: now from the worker's CPU clock
-    worker_cpu = (worker.cpu_seconds - cpu0) / (args.steps + 2)
+    t, cpu, _ = timed_steps(comm.barrier, step, args.steps)  # timed again: the worker thread now exists
     t_local, _, _ = timed_steps(comm.barrier, local_step, args.steps)
     flat = np.zeros(m.num_parameters(), np.float32)
     bare = timed_steps(comm.barrier, lambda: all_reduce(comm, flat, op="sum"), 5)[0]
-    return dict(step=t, local=t_local, bare=bare, cpu=worker_cpu, hidden_trace=float(np.median(hidden)),
+    return dict(step=t, local=t_local, bare=bare, cpu=cpu, hidden_trace=float(np.median(hidden)),
                 psi=m.num_parameters(), buckets=len(ddp.buckets), losses=losses)
 
 
