@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minidist import ops
+from minidist.grading import assert_close
 from minidist.tensor import Tensor
 
 GRADE = settings(max_examples=10, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
@@ -65,7 +66,8 @@ def _close(got, want, what):
     assert len(got) == len(want), f"{what}: returned {len(got)} arrays, expected {len(want)}"
     for i, (a, b) in enumerate(zip(got, want)):
         assert np.shape(a) == np.shape(b), f"{what}: gradient {i} has shape {np.shape(a)}, expected {b.shape}"
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{what}: gradient {i} is wrong")
+        assert_close(a, b, f"{what}: gradient {i} of {len(want)} (vs finite differences)",
+                     rtol=1e-5, atol=1e-6)
 
 
 lead = st.lists(st.integers(1, 3), min_size=1, max_size=2).map(tuple)

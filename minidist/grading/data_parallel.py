@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minidist.comm.collectives import all_reduce
-from minidist.grading import no_hang, run_guarded
+from minidist.grading import assert_close, no_hang, run_guarded
 from minidist.nn import Module
 from minidist.nn.module import Parameter
 from minidist.parallel import ddp as D
@@ -87,11 +87,8 @@ def check_average_gradients(impl):
             what = f"rank {r} of {p}, samples per rank {counts}"
             assert len(got) == len(want), f"{what}: {len(got)} gradients returned, expected {len(want)}"
             for k, (a, b) in enumerate(zip(got, want)):
-                a = np.asarray(a)
-                assert a.shape == b.shape, f"{what}: gradient {k} has shape {a.shape}, expected {b.shape}"
-                err = np.max(np.abs(a - b))
-                assert np.allclose(a, b, **TOL), (
-                    f"{what}: gradient {k} is {err:.3g} off the serial mean over all {sum(counts)} samples")
+                assert_close(a, b, f"{what}: gradient {k}, vs the serial mean over all {sum(counts)} samples",
+                             **TOL)
     no_hang(prop)
 
 

@@ -39,12 +39,10 @@ WAIT_S = 10  # a rank waiting longer than this for its peers fails the task (not
 
 
 def _close(got, want, what, exact=False):
-    """got == want (exact) or within TOL; the first line of the error says what and by how much."""
-    got = np.asarray(got)
-    assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
-    ok = np.array_equal(got, want) if exact else np.allclose(got, want, **TOL)
-    err = np.max(np.abs(got - want), initial=0.0)
-    assert ok, f"{what}: max abs error {err:.3g} from " + ("the block it should be" if exact else "x @ w + b")
+    """got == want (exact) or within TOL; the error names the example and the first elements that
+    differ from the block it should be (exact) or from x @ w + b."""
+    where = f"{what}, compared with " + ("the block it should be" if exact else "x @ w + b")
+    assert_close(got, want, where, **({} if exact else TOL))
 
 
 def _on_ranks(tp, fn):
