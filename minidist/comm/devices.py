@@ -26,3 +26,20 @@ def bind_backend(backend, rank: int) -> Backend:
         cupy.cuda.Device(gpu).use()  # current device is per thread: set it in this rank's thread
         return get_backend("cupy", device=gpu)
     return get_backend(name)
+
+
+def jax_distributed_init(comm, port: int = 8476, initialize=None) -> str:
+    """Multi-host JAX under ``mpirun``: rank 0 names itself the coordinator (its host name and
+    ``port``), every rank learns that address over ``comm`` (MPI), and each calls
+    ``jax.distributed.initialize(address, num_processes=comm.size, process_id=comm.rank)``.
+    After it ``jax.devices()`` lists every host's devices. Returns the address. (``initialize``:
+    the function to call, for tests.)"""
+    import socket
+
+    address = comm.bcast_obj(f"{socket.gethostname()}:{port}" if comm.rank == 0 else None, root=0)
+    if initialize is None:
+        import jax
+
+        initialize = jax.distributed.initialize
+    initialize(address, num_processes=comm.size, process_id=comm.rank)
+    return address

@@ -68,7 +68,27 @@ def compiled(cfg, batches, args):
         t = time.perf_counter()
         losses.append(twin.step(x, y))  # float(): waits for the device
         times.append(time.perf_counter() - t)
-    return twin.state(), losses, times, collective_counts(twin.compiled_text(*batches[0])), twin.mesh
+    state = twin.state() if twin.mesh.devices.size == len(twin.mesh.local_devices) else None
+    return state, losses, times, collective_counts(twin.compiled_text(*batches[0])), twin.mesh
+
+
+def multihost(cfg, batches, args, tol) -> int:
+    """Several hosts (under mpirun, after ``jax_distributed_init``): the device transport is one
+    process, so here the compiled twin runs over every host's devices and its losses are checked
+    against the serial twin's (NumPy, on every host); process 0 prints."""
+    import jax
+
+    from minidist.testing import train_serial
+
+    _, losses, times, hlo, _ = compiled(cfg, batches, args)
+    _, want = train_serial(cfg, batches, lr=args.lr)
+    diff = float(np.max(np.abs(np.array(losses) - np.array(want))))
+    ok = diff <= tol * 10
+    if jax.process_index() == 0:
+        print(f"compiled twin over {jax.device_count()} devices on {jax.process_count()} hosts: "
+              f"step ms {[round(t * 1e3, 1) for t in times]}, HLO collectives {hlo}")
+        print(f"{'PASS' if ok else 'FAIL'}: compiled twin == serial twin, max loss difference {diff:.2e}")
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:
@@ -103,6 +123,12 @@ def main(argv=None) -> int:
 
     jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_default_matmul_precision", "highest")  # TPU: full float32 matmuls, not bf16
+    from minidist.comm import under_mpi, world
+
+    if under_mpi():  # one process per host: agree on the coordinator over MPI, then JAX sees all hosts
+        from minidist.comm.devices import jax_distributed_init
+
+        jax_distributed_init(world())
     devices = jax.devices()
     if args.dp * args.tp > len(devices):
         parser.error(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} devices, "
@@ -116,6 +142,8 @@ def main(argv=None) -> int:
     print(f"GPT: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, vocab {vocab}, "
           f"batch {args.batch} x {args.seq} tokens, {args.dtype}, SGD lr {args.lr}, {args.steps} steps\n")
 
+    if jax.process_count() > 1:
+        return multihost(cfg, batches, args, tol)
     twin_state, twin_losses, twin_times, hlo, mesh = compiled(cfg, batches, args)
     print(f"mesh ('dp', 'tp') = {args.dp} x {args.tp}:")
     for row in mesh.devices:

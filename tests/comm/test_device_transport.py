@@ -75,3 +75,18 @@ def test_3d_training_on_devices_equals_the_serial_twin():
     np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-9)
     for r, (_, _, devs) in enumerate(out):
         assert devs == {str(jax.devices()[r])}
+
+
+def test_multihost_initialize_agrees_on_rank_0s_address():
+    import socket
+
+    from minidist.comm.devices import jax_distributed_init
+
+    def body(comm):
+        seen = []
+        address = jax_distributed_init(comm, port=1234, initialize=lambda *a, **k: seen.append((a, k)))
+        return address, seen
+
+    for r, (address, seen) in enumerate(run(body, ranks=3)):  # threads stand in for mpirun's ranks
+        assert address == f"{socket.gethostname()}:1234"
+        assert seen == [((address,), {"num_processes": 3, "process_id": r})]
