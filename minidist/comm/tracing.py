@@ -7,22 +7,12 @@ from __future__ import annotations
 
 import contextlib
 
-NULL = contextlib.nullcontext()  # what span() returns when tracing is off
+from minidist import trace as _trace
 
-_trace = None  # the minidist.trace module, imported on first use (it may not exist)
-_looked = False
+NULL = contextlib.nullcontext()  # what span() returns when tracing is off
 
 
 def span(name: str, cat: str):
     """A context manager recording ``name`` (category ``cat``) on the current rank's tracer, if any."""
-    global _trace, _looked
-    if not _looked:
-        try:
-            from minidist import trace as _trace
-        except ImportError:
-            _trace = None
-        _looked = True
-    if _trace is None:
-        return NULL
-    tracer = _trace.current()
+    tracer = getattr(_trace._local, "tracer", None)  # (trace.current(), inlined: every call asks)
     return NULL if tracer is None else tracer.span(name, cat)
