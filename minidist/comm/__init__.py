@@ -42,21 +42,14 @@ from minidist.comm.handles import Handle
 from minidist.comm.launch import run, under_mpi, world
 from minidist.comm.ledger import CallRecord, Ledger, measure
 from minidist.comm.mesh import Mesh
+from minidist.comm.mpi import MPIComm
 from minidist.comm.threads import ThreadComm
 
 __all__ = [
     "CallRecord", "CollectiveMismatch", "CommError", "CommTimeout", "Communicator", "Handle", "Ledger",
-    "Mesh", "MessageMismatch", "RankAborted", "RankExited", "Request", "ThreadComm", "all_gather",
+    "MPIComm", "Mesh", "MessageMismatch", "RankAborted", "RankExited", "Request", "ThreadComm", "all_gather",
     "all_gather_async", "all_reduce", "all_reduce_async", "all_to_all", "broadcast", "gather", "measure",
     "mpi_all_reduce",
     "naive_all_reduce", "recursive_doubling_all_reduce", "reduce", "reduce_scatter",
     "reduce_scatter_async", "ring_all_reduce", "run", "scatter", "tree_all_reduce", "under_mpi", "world",
 ]
-
-
-def __getattr__(name):  # MPIComm imports mpi4py lazily: only when asked for
-    if name == "MPIComm":
-        from minidist.comm.mpi import MPIComm
-
-        return MPIComm
-    raise AttributeError(name)

@@ -35,6 +35,8 @@ from minidist.comm.call import OPS, check_op, collective, result_backend, scratc
 from minidist.comm.communicator import poll
 from minidist.comm.cost import agreed_crowded, choose_algorithm
 from minidist.comm.debug import check_same_call
+from minidist.comm.handles import start_async
+from minidist.comm.mpi import mpi_knows
 
 ALGORITHMS = ("auto", "ring", "recursive_doubling", "halving_doubling", "two_shot", "tree", "naive", "mpi")
 
@@ -422,8 +424,6 @@ def mpi_all_reduce(comm, x, op: str = "sum"):
         return ring_all_reduce(comm, x, op)
     from mpi4py import MPI
 
-    from minidist.comm.mpi import mpi_knows
-
     with collective(comm, "mpi_all_reduce", x, op=op) as k:
         if not mpi_knows(k.host.dtype):
             raise TypeError(f"rank {comm.rank}: MPI's Allreduce can't reduce {k.host.dtype} (it doesn't know "
@@ -516,18 +516,12 @@ def scatter(comm, chunks: list | None, root: int = 0):
 def all_reduce_async(comm, x, op: str = "sum", algorithm: str = "auto"):
     """Start ``all_reduce`` in the background; ``.wait()`` on the returned Handle gives the result.
     Don't modify x before waiting (NumPy arrays are read by the worker thread)."""
-    from minidist.comm.handles import start_async
-
     return start_async(comm, all_reduce, x, op=op, algorithm=algorithm)
 
 
 def all_gather_async(comm, x, axis: int = 0, sizes=None):
-    from minidist.comm.handles import start_async
-
     return start_async(comm, all_gather, x, axis=axis, sizes=sizes)
 
 
 def reduce_scatter_async(comm, x, op: str = "sum", axis: int = 0):
-    from minidist.comm.handles import start_async
-
     return start_async(comm, reduce_scatter, x, op=op, axis=axis)

@@ -41,7 +41,7 @@ class Link:
         return rounds * self.alpha + sent / self.bandwidth
 
     def pause(self, nbytes: int) -> None:
-        from minidist.comm import communicator  # (it imports this module)
+        from minidist.comm import communicator  # cycle: comm.communicator imports comm.link
 
         if not getattr(communicator._thread, "fine", False):
             communicator._fine_sleeps()  # 1 us timer slack: a 50 us sleep is not rounded up by 50 us
