@@ -5,6 +5,7 @@ Start with ``minidist.tensor`` (autograd), ``minidist.nn`` (models), ``minidist.
 """
 
 from minidist.backend import get_backend
+from minidist.comm import run as _run
 from minidist.tensor import Tensor, no_grad, tensor
 
 __all__ = ["Tensor", "get_backend", "no_grad", "tensor", "run"]
@@ -13,6 +14,4 @@ __version__ = "0.1.0"
 
 def run(fn, ranks=None, **kwargs):
     """Run ``fn(comm, **kwargs)`` on every rank: MPI under mpirun, else ``ranks`` threads."""
-    from minidist.comm import run as _run
-
     return _run(fn, ranks=ranks, **kwargs)

@@ -19,7 +19,12 @@ import time
 
 import numpy as np
 
+from minidist import ops
+from minidist.comm import all_reduce, run
 from minidist.hardware import CALIBRATION_PATH
+from minidist.nn import GPT, GPTConfig
+from minidist.optim import AdamW
+from minidist.tensor import Tensor
 
 
 def _median_time(fn, repeats: int = 7, min_time: float = 0.02) -> float:
@@ -53,8 +58,6 @@ def mem_bandwidth(nbytes: int = 64 << 20) -> float:
 
 def op_overhead(n: int = 200) -> float:
     """Seconds per op (forward + backward) of tiny tensors: everything but the arithmetic."""
-    from minidist.tensor import Tensor
-
     def chain():
         x = Tensor(np.ones((2, 2), np.float32), requires_grad=True)
         y = x
@@ -66,8 +69,6 @@ def op_overhead(n: int = 200) -> float:
 
 def _fwd_bwd(fn, *shapes, seed=0):
     """Median seconds of forward + backward of minidist op `fn` on float32 tensors of `shapes`."""
-    from minidist.tensor import Tensor
-
     rng = np.random.default_rng(seed)
     arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
 
@@ -83,10 +84,6 @@ def kernels() -> dict:
     linear FLOP/s (3 matmuls of 2·m·k·n), seconds per element of GELU, of layer norm, of a plain
     elementwise op (add), per attention score (softmax, mask and their backward, the q·kᵀ and p·v
     matmuls taken out at the linear rate), per cross-entropy logit, and per parameter of AdamW."""
-    from minidist import ops
-    from minidist.optim import AdamW
-    from minidist.tensor import Tensor
-
     b, s, k, n = 8, 64, 256, 256  # a batch of sequences (3-D input), as the model's layers see it
     lin = 3 * 2 * b * s * k * n / _fwd_bwd(lambda x, w: ops.linear(x, w), (b, s, k), (k, n))
     e = 256 * 1024
@@ -113,8 +110,6 @@ def kernels() -> dict:
 
 
 def allreduce_alpha_beta(ranks: int = 2) -> tuple[float, float]:
-    from minidist.comm import all_reduce, run
-
     sizes = [1 << 10, 1 << 16, 1 << 20, 1 << 22]
 
     def body(comm):
@@ -138,8 +133,6 @@ def effective_cores(threads: int, minidist_ops: bool = False) -> float:
     ranks, one process each, get. `minidist_ops=True`: forward + backward of minidist layers, whose
     Python (autograd, small ops) runs one thread at a time -- what ranks on the threads transport get."""
     import threading
-
-    from minidist.nn import GPT, GPTConfig
 
     rng = np.random.default_rng(0)
     a = rng.standard_normal((192, 192)).astype(np.float32)

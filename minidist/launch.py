@@ -31,6 +31,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from minidist.checkpoint import files
+from minidist.faults import parse
+
 
 def heartbeat(rank: int, step: int) -> None:
     """Tell the supervisor this rank is alive and at ``step`` (no-op without a supervisor)."""
@@ -60,8 +63,6 @@ def newest_good_checkpoint(root) -> tuple[int | None, list[str]]:
     """(step, problems) of the checkpoint a restart will resume from, checked as ``load`` does."""
     if not root:
         return None, []
-    from minidist.checkpoint import files
-
     dirs, problems = files.candidates(root)
     for d in dirs:
         try:
@@ -287,8 +288,6 @@ def main(argv=None) -> int:
     if cmd[0] == "python":
         cmd[0] = sys.executable
     if args.fault is not None:
-        from minidist.faults import parse
-
         try:
             parse(args.fault)  # a typo fails here, not in the job
         except ValueError as e:

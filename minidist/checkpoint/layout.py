@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from minidist.backend import backend_of
 from minidist.checkpoint.files import CheckpointError
+from minidist.parallel.sharding import Shard
 
 
 def _shard(spec):
-    from minidist.parallel.sharding import Shard
-
     return None if spec is None else Shard(spec["axis"], spec.get("group", "tp"), spec.get("blocks", 1))
 
 
@@ -126,8 +126,6 @@ def assemble(slot: Slot, tensor: dict, read) -> np.ndarray:
 # -- the slots of a model, an optimizer, a ZeRO wrapper -----------------------------------------------
 
 def _host(a) -> np.ndarray:
-    from minidist.backend import backend_of
-
     return np.asarray(backend_of(a).to_host(a))
 
 

@@ -25,6 +25,7 @@ from minidist import random as mrandom
 from minidist.checkpoint import files
 from minidist.checkpoint.files import CheckpointError
 from minidist.checkpoint.layout import Slot, assemble, optimizer_slots, param_slots, zero_slots
+from minidist.parallel.sharding import sharding_table
 
 
 @dataclass
@@ -56,8 +57,6 @@ class TrainState:
         """{parameter name: Shard or None} of the model (a PipelineStage: of the layers it holds)."""
         if self.table is not None:
             return self.table
-        from minidist.parallel.sharding import sharding_table
-
         m = self.model
         if hasattr(m, "layer_ids"):  # a pipeline stage: its layers, under the full model's names
             return {k: s for ids, layers in zip(m.layer_ids, m.chunks) for i, layer in zip(ids, layers)

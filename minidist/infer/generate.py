@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minidist.backend import backend_of
 from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import GREEDY, SamplingParams, sample
@@ -60,8 +61,6 @@ def check_prompts(prompts, block_size: int, vocab_size: int, max_new_tokens: int
 
 
 def host(a) -> np.ndarray:
-    from minidist.backend import backend_of
-
     return backend_of(a).to_host(a)
 
 

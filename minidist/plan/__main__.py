@@ -13,6 +13,7 @@ from minidist.plan.mesh import KINDS, Candidate, Settings
 from minidist.plan.model import ModelSpec
 from minidist.plan.presets import MODELS
 from minidist.plan.search import plan
+from minidist.plan.steptime import axis_link
 
 
 def human(nbytes: float) -> str:
@@ -25,8 +26,6 @@ def human(nbytes: float) -> str:
 
 def links(cand, hw) -> str:
     """Which link each of the candidate's axes runs on (minidist.plan.steptime.axis_link)."""
-    from minidist.plan.steptime import axis_link
-
     parts = []
     for ax in ("tp", "cp", "ep", "dp", "pp"):
         size = getattr(cand, ax)
