@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minidist import trace
 from minidist.backend import backend_of
 from minidist.nn.attention import merge_heads, split_heads
 from minidist.nn.module import Module
@@ -133,8 +134,6 @@ class AttentionStats:
 
 def _tracer():
     """The rank's active tracer (``minidist.trace``), or None: spans cost nothing when it is off."""
-    from minidist import trace
-
     return trace.current()
 
 

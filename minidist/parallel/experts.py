@@ -30,9 +30,13 @@ import numpy as np
 from minidist import ops
 from minidist.backend import backend_of
 from minidist.comm import all_to_all
+from minidist.nn import GPT
 from minidist.nn.module import ModuleList
 from minidist.nn.moe import MoE
+from minidist.optim import make_optimizer
+from minidist.parallel.context import replace_child
 from minidist.tensor import Function
+from minidist.testing import host_state, train_steps
 
 
 class AllToAll(Function):
@@ -106,8 +110,6 @@ def moe_gpt(model, n_experts: int, k: int = 1, capacity_factor: float | None = N
     the routing does not depend on how tokens are grouped -- what lets a run over any mesh equal its
     serial twin. (With drops, routing groups are each rank's microbatches: see ``ExpertParallelMoE``.)
     """
-    from minidist.parallel.context import replace_child
-
     rng = np.random.default_rng(seed)
     blocks = [m for m in model if hasattr(m, "mlp") and hasattr(m, "ln2")]
     cf = capacity_factor or n_experts / k
@@ -137,10 +139,6 @@ def expert_names(layers) -> dict:
 def train_serial_moe(cfg, batches, moe: dict, lr: float = 0.1, optimizer: str = "sgd"):
     """The serial twin of ``train_mesh(..., moe=moe)``: one process, every expert, the whole batch.
     Returns (host state dict, losses)."""
-    from minidist.nn import GPT
-    from minidist.optim import make_optimizer
-    from minidist.testing import host_state, train_steps
-
     model = moe_gpt(GPT(cfg), **moe)
     losses = train_steps(model, batches, make_optimizer(optimizer, model.parameters(), lr))
     return host_state(model), losses

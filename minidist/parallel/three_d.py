@@ -42,7 +42,9 @@ import numpy as np
 from minidist.comm import Mesh, all_reduce
 from minidist.nn import GPT
 from minidist.optim import make_optimizer
+from minidist.parallel.context import context_parallel, shard_sequence
 from minidist.parallel.ddp import DistributedDataParallel
+from minidist.parallel.experts import expert_names, moe_gpt
 from minidist.parallel.pipeline import (
     PipelineStage,
     make_schedule,
@@ -51,6 +53,8 @@ from minidist.parallel.pipeline import (
     run_schedule,
     split_microbatches,
 )
+from minidist.parallel.sharding import sharding_table, unshard
+from minidist.parallel.tp_gpt import TPGPT
 from minidist.testing import max_state_diff, train_serial  # noqa: F401  (their home; kept importable here)
 
 
@@ -104,8 +108,6 @@ def build_model(cfg, tp_comm=None):
     vocabulary-parallel loss, which the pipeline's last stage uses."""
     if tp_comm is None or tp_comm.size == 1:
         return GPT(cfg), None
-    from minidist.parallel.tp_gpt import TPGPT
-
     model = TPGPT(cfg, tp_comm)
     return model, model.loss_fn
 
@@ -139,12 +141,8 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
     mesh = Mesh(comm, dp=dp, pp=pp, tp=tp, cp=cp, ep=ep)
     model, loss_fn = build_model(cfg, mesh.tp)
     if moe is not None:
-        from minidist.parallel.experts import moe_gpt
-
         moe_gpt(model, ep=mesh.ep if ep > 1 else None, **moe)
     if cp > 1:
-        from minidist.parallel.context import context_parallel
-
         context_parallel(model, mesh.cp, layout)
     replicas = mesh.dp if cp == 1 else mesh.dp_cp  # the ranks whose gradients are averaged
     n = len(model)
@@ -184,8 +182,6 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
         x, y = np.asarray(x)[mine], np.asarray(y)[mine]
         n_valid = int((np.asarray(batches[step][1]) != -1).sum())
         if cp > 1:
-            from minidist.parallel.context import shard_sequence
-
             x, y = (shard_sequence(a, mesh.cp_rank, cp, layout) for a in (x, y))
         xs = split_microbatches(x, microbatches, comm.rank)
         ys = split_microbatches(y, microbatches, comm.rank)
@@ -211,8 +207,6 @@ def stage_layers(stage) -> list:
 
 def expert_parameters(stage) -> list:
     """The stage's expert-parallel parameters (none without ep)."""
-    from minidist.parallel.experts import expert_names
-
     names = expert_names(stage_layers(stage))
     return [p for k, p in stage.named_parameters() if k in names]
 
@@ -221,12 +215,8 @@ def gather_full_state(comm, result: Result3D) -> dict | None:
     """The whole model's parameters (serial names, full unsharded arrays) on rank 0; None elsewhere."""
     mesh, stage = result.mesh, result.stage
     sd = {k: np.asarray(p.backend.to_host(p.data)) for k, p in stage.named_parameters()}
-    from minidist.parallel.experts import expert_names
-
     names = expert_names(stage_layers(stage))  # expert-parallel: local name -> the serial model's
     if mesh.tp_size > 1:
-        from minidist.parallel.sharding import sharding_table, unshard
-
         table = {k: s for ids, layers in zip(stage.layer_ids, stage.chunks) for i, layer in zip(ids, layers)
                  for k, s in sharding_table(layer, prefix=f"{i}.").items()}
         shards = mesh.tp.gather_obj(sd, root=0)

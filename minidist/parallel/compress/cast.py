@@ -23,7 +23,7 @@ class CastState:
     """Which 2-byte float the gradients travel in: "bf16" or "fp16"."""
 
     def __init__(self, dtype="bf16"):
-        from minidist.parallel.precision import low_dtype
+        from minidist.parallel.precision import low_dtype  # cycle: parallel.precision imports this module
 
         self.dtype = low_dtype(dtype)
 
