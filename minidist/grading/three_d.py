@@ -11,9 +11,19 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from minidist.comm import Mesh
 from minidist.grading import RanksHung, run_guarded
 from minidist.nn import GPTConfig
+from minidist.optim import make_optimizer
 from minidist.parallel import three_d as T
+from minidist.parallel.ddp import DistributedDataParallel
+from minidist.parallel.pipeline import (
+    PipelineStage,
+    make_schedule,
+    partition_uniform,
+    run_schedule,
+    split_microbatches,
+)
 from minidist.testing import max_state_diff, train_serial
 
 GRADE = settings(max_examples=15, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
@@ -126,17 +136,6 @@ def _weights_no_dp(ys, n_total, dp):  # forgets that DDP divides by dp
 
 
 def _train_with(weights=None, ddp=True, rows="mine"):
-    from minidist.comm import Mesh
-    from minidist.optim import make_optimizer
-    from minidist.parallel.ddp import DistributedDataParallel
-    from minidist.parallel.pipeline import (
-        PipelineStage,
-        make_schedule,
-        partition_uniform,
-        run_schedule,
-        split_microbatches,
-    )
-
     def train(comm, cfg, batches, dp, pp, tp, microbatches, lr):
         mesh = Mesh(comm, dp=dp, pp=pp, tp=tp)
         model, loss_fn = T.build_model(cfg, mesh.tp)

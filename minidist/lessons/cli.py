@@ -20,6 +20,7 @@ import math
 import os
 import sys
 
+from minidist import trace
 from minidist.backend import BACKENDS
 from minidist.comm import run, under_mpi
 
@@ -119,11 +120,6 @@ def world_size(args) -> int:
 def _traced(main_rank_fn):
     """Wrap ``main_rank_fn`` so each rank records a Tracer and rank 0 writes the Chrome trace."""
     def rank_fn(comm, args):
-        try:
-            from minidist import trace
-        except ImportError:
-            rprint(comm, "(--trace needs minidist.trace; running without it)")
-            return main_rank_fn(comm, args)
         tracer = trace.Tracer(comm.rank)
         trace.set_current(tracer)
         try:

@@ -27,8 +27,10 @@ import time
 
 import numpy as np
 
+from minidist.backend import default_backend
 from minidist.checkpoint.tiers import Checkpointer, Tier, shm_root
 from minidist.checkpoint.trainer import Trainer, small_config
+from minidist.comm.threads import ThreadComm, ThreadWorld
 from minidist.faults import Injector
 from minidist.launch import heartbeat
 from minidist.lessons.cli import (
@@ -172,9 +174,6 @@ def rank_main(comm, args):
 
 def _serial_twin(args):
     """The same training on one process (a one-rank threads communicator, even inside an MPI job)."""
-    from minidist.backend import default_backend
-    from minidist.comm.threads import ThreadComm, ThreadWorld
-
     one = ThreadComm(ThreadWorld(1), (), [0], 0, default_backend())
     t = Trainer(one, small_config(args.dtype, args.dropout), dp=1, total_steps=args.steps)
     while t.step_count < args.steps:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist import ops
+from minidist import ops, trace
 from minidist.comm import measure
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint, world_size
 from minidist.memory import MemoryAccountant
@@ -106,8 +106,6 @@ def peak_activations(comm, cfg, t, cp):
 
 def timeline(comm, args):
     """One ring-attention forward + backward under a tracer: every rank's events on rank 0."""
-    from minidist import trace
-
     b, h, d, t = 1, 4, 64, 512 * comm.size  # big enough blocks that compute shows against the transfers
     rng = np.random.default_rng(args.seed)
     ts = [Tensor(rng.standard_normal((b, h, t // comm.size, d)), requires_grad=True) for _ in range(3)]
@@ -182,8 +180,6 @@ def rank_main(comm, args):
 
     events = timeline(comm, args)
     if comm.rank == 0:
-        from minidist import trace
-
         print("\n6. timeline of one ring-attention forward (F<j>: on rank j's K/V) and backward (B<j>)")
         compute = [e for e in events if e["cat"] == "compute"]
         print(trace.ascii_timeline_from_events(compute, width=96))

@@ -19,12 +19,13 @@ import time
 
 import numpy as np
 
+from minidist import trace
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, positive_int, rprint
 from minidist.memory import MemoryAccountant
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.parallel.offload import OffloadedAdamW
-from minidist.trace import ascii_timeline_from_events
+from minidist.trace import ascii_timeline_from_events, plot_timeline
 
 
 def run_training(cfg, opt_factory, data, comm, tracer=None, name=""):
@@ -50,8 +51,6 @@ def run_training(cfg, opt_factory, data, comm, tracer=None, name=""):
 
 
 def rank_main(comm, args):
-    from minidist import trace
-
     cfg = GPTConfig(vocab_size=64, block_size=args.seq, n_layer=args.layers, n_head=4, d_model=args.dim,
                     seed=args.seed)
     rng = np.random.default_rng(args.seed + comm.rank)
@@ -119,8 +118,6 @@ def rank_main(comm, args):
             text = text.replace(f"thread {r}", n)
         print(text, flush=True)
         if args.plot:
-            from minidist.trace import plot_timeline
-
             plot_timeline(args.plot, events, title="disk offload: step thread (0) and helper thread (1)")
             print(f"wrote {args.plot}", flush=True)
     return finish(comm, ok)

@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from minidist import hardware
+from minidist.calibrate import calibrate
 from minidist.comm import measure, under_mpi
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint, world_size
 from minidist.memory import MemoryAccountant
@@ -137,8 +138,6 @@ def ensure_calibrated() -> None:
         if MPI.COMM_WORLD.Get_rank() != 0:
             MPI.COMM_WORLD.barrier()
             return
-    from minidist.calibrate import calibrate
-
     print("calibrating this machine once (python -m minidist.calibrate) ...", flush=True)
     calibrate()
     if under_mpi():
