@@ -2,7 +2,8 @@
 
 A wait in a thread marked as background (``mark_background_thread``, which every ``AsyncWorker``
 does) sleeps with backoff from the start instead of spinning with ``sched_yield``; the worker
-counts its busy and CPU seconds, which the DDP benchmark reports per step.
+counts its busy and CPU seconds, which the DDP benchmark reports per step. A foreground wait tests
+a few times in a row before it yields the core (small messages land within microseconds).
 """
 
 from __future__ import annotations
@@ -72,3 +73,20 @@ def test_async_worker_marks_itself_background_and_counts_its_time():
     assert marked and name.startswith("minidist-async")
     assert busy >= 0.05  # the job's sleep is busy (wall) time...
     assert cpu < busy  # ...but not CPU time
+
+
+def test_a_foreground_wait_tests_a_few_times_before_yielding_the_core(monkeypatch):
+    yields = []
+    monkeypatch.setattr(communicator.os, "sched_yield", lambda: yields.append(1))
+    calls = []
+
+    def arrives_on_third_test():
+        calls.append(1)
+        return len(calls) >= 3
+
+    poll(arrives_on_third_test, _Peerless(), "a message already on its way")
+    assert len(calls) == 3 and not yields  # caught by testing again, no sched_yield (a lost time slice)
+
+    calls.clear()
+    poll(lambda: calls.append(1) or len(calls) > communicator.QUICK_TESTS + 5, _Peerless(), "a slow one")
+    assert yields  # a longer wait does yield: the spin phase leaves the core to runnable ranks
