@@ -138,6 +138,29 @@ def print_profiles(mine, theirs):
     total_a = sum(mine.values())
     total_b = sum(theirs.values()) if theirs else float("nan")
     print(f"  {'total (profiled)':<28} {total_a:9.1f} {total_b:9.1f}")
+    if theirs:
+        rest_a, rest_b = total_a - mine.get(ROWS[0], 0.0), total_b - theirs.get(ROWS[0], 0.0)
+        print(f"  {'all but matmul':<28} {rest_a:9.1f} {rest_b:9.1f} {rest_a / rest_b:7.2f}"
+              "  (the engine's own share: matmul speed is mostly the BLAS, see below)")
+
+
+def blas_alone(torch, n=1024, k=256, m=1024, repeats=20):
+    """GFLOP/s of one (n, k) @ (k, m) float32 GEMM, NumPy's BLAS and PyTorch's, one thread each."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((n, k), dtype=np.float32), rng.standard_normal((k, m), dtype=np.float32)
+    out = {}
+    for name, (x, y) in (("NumPy", (a, b)), ("PyTorch", (torch.from_numpy(a), torch.from_numpy(b)))):
+        x @ y
+        t = min(_timed(lambda x=x, y=y: x @ y) for _ in range(repeats))
+        out[name] = 2 * n * k * m / t / 1e9
+    print(f"the same GEMM alone ({n}x{k} @ {k}x{m}, fp32, 1 thread): "
+          + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in out.items()))
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def main(argv=None):
@@ -203,6 +226,8 @@ def main(argv=None):
             mine = profile_minidist(model, opt, x, y, steps=5)
             theirs = profile_torch(torch, tmodel, topt, tx, ty, steps=5) if torch is not None else None
             print_profiles(mine, theirs)
+            if torch is not None:
+                blas_alone(torch)
     if torch is not None and not agree:
         print("FAIL: minidist and PyTorch disagree on the first-step loss", file=sys.stderr)
         return 1
