@@ -25,6 +25,8 @@ import traceback
 from minidist.backend import default_backend, set_default_backend
 from minidist.comm.communicator import RankAborted
 from minidist.comm.devices import bind_backend
+from minidist.comm.jaxdev import JaxDeviceComm
+from minidist.comm.mpi import MPIComm, finish_handshake
 from minidist.comm.threads import ThreadComm, ThreadWorld
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
@@ -96,14 +98,10 @@ def install_abort_hook() -> None:
 def _run_mpi(fn, backend, kwargs):
     from mpi4py import MPI
 
-    from minidist.comm.mpi import MPIComm
-
     if MPI.COMM_WORLD.Get_size() == 1 and not any(k in os.environ for k in _MPI_ENV):
         raise RuntimeError("MINIDIST_TRANSPORT=mpi, but no MPI launcher started this process, so it would "
                            "run as a world of 1 rank: start it with `mpirun -n N python ...`, or unset "
                            "MINIDIST_TRANSPORT to run --ranks N threads")
-    from minidist.comm.mpi import finish_handshake
-
     install_abort_hook()
     comm = MPIComm(MPI.COMM_WORLD)
     comm.backend = bind_backend(backend, comm.rank)
@@ -183,8 +181,6 @@ def run(fn, ranks: int | None = None, backend=None, transport: str | None = None
     point-to-point arrays move device to device (jaxdev.py); it implies ``backend="jax"``.
     """
     if (transport or os.environ.get("MINIDIST_TRANSPORT", "")) == "jax":
-        from minidist.comm.jaxdev import JaxDeviceComm
-
         ranks = 1 if ranks is None else ranks
         return _run_threads(fn, ranks, "jax" if backend is None else backend, kwargs, JaxDeviceComm)
     if transport not in (None, "threads", "mpi"):
@@ -203,8 +199,6 @@ def world(ranks: int | None = None):
     (Several thread ranks need ``run``: each must be its own thread.)
     """
     if under_mpi():
-        from minidist.comm.mpi import MPIComm
-
         return MPIComm()
     if ranks not in (None, 1):
         raise ValueError(f"world(ranks={ranks}): several thread ranks need minidist.comm.run(fn, ranks)")

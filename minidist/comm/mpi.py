@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from minidist.comm.communicator import Communicator, MessageMismatch, RankExited, Request, format_op, poll
+from minidist.comm.debug import stamp_mismatch
 from minidist.comm.ledger import Ledger
 
 MAX_NDIM = 32
@@ -229,8 +230,6 @@ class MPIComm(Communicator):
             if self.mpi.Iprobe(peer, MPI.ANY_TAG, status):
                 ns, t = divmod(status.Get_tag(), 2 * NAMESPACE)
                 if ns == self.namespace and t // 2 != tag:
-                    from minidist.comm.debug import stamp_mismatch
-
                     return stamp_mismatch(self, peer, tag, t // 2)
         return None
 

@@ -38,7 +38,7 @@ from minidist.nn import GPT, GPTConfig
 from minidist.parallel.ddp import DDP
 from minidist.parallel.zero import ZeRO, param_count
 from minidist.testing import max_state_diff, train_serial
-from minidist.trace import hidden_fraction
+from minidist.trace import hidden_fraction, plot_timeline
 
 
 def config(args) -> GPTConfig:
@@ -261,8 +261,6 @@ def rank_main(comm, args):
         peak = rows[1][0]["activations_peak"]
         print(f"   activations saved for backward (peak, rank 0): {peak / 1e6:.3f} MB")
     if args.plot and comm.rank == 0:
-        from minidist.trace import plot_timeline
-
         back = {"name": "Backward", "cat": "compute"}  # plot_timeline shades names starting with B
         evs = [{"name": n, "cat": "collective", "rank": r, "t0": a, "t1": b}
                | (back if k == "backward" else {}) for r, e in enumerate(events) for n, k, a, b in e]
