@@ -24,6 +24,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
+from bench_env import Targets, print_machine  # noqa: E402
 
 from minidist.infer import Request, generate, generate_recompute, serve  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
@@ -60,7 +61,11 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a speed target is missed")
     args = ap.parse_args(argv)
+    for flag in ("prompt", "new", "repeat", "requests", "batch"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     try:
         from threadpoolctl import threadpool_limits
 
@@ -68,7 +73,10 @@ def main(argv=None):
     except ImportError:
         pass
 
-    cfg = GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=256, block_size=args.prompt + args.new)
+    print_machine()
+    # the context fits the decode run and the serving workload's longest request (32 + 200 tokens)
+    cfg = GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=256,
+                    block_size=max(args.prompt + args.new, 232))
     model = GPT(cfg)
     prompt = list(np.random.default_rng(0).integers(0, 256, args.prompt))
     n = args.new
@@ -109,9 +117,10 @@ def main(argv=None):
     print(f"\n{'':32s}{'tokens/s':>10s}{'ms/token':>10s}")
     for name, t in rows:
         print(f"{name:32s}{n / t:10.0f}{1000 * t / n:10.3f}")
-    print(f"\nKV cache speed-up over recompute: {t_full / t_cache:.1f}x (target >= 7x)")
+    targets = Targets()
+    targets.check("KV cache speed-up over recompute", t_full / t_cache, ">=", 7.0, "x")
     if torch_gen is not None:
-        print(f"minidist time per token / PyTorch's: {t_cache / t_tc:.2f}x (target <= 1.5x)")
+        targets.check("minidist time per token / PyTorch's", t_cache / t_tc, "<=", 1.5, "x")
 
     reqs = workload(args.requests, cfg.vocab_size, cfg.block_size)
     total = sum(r.max_new_tokens for r in reqs)
@@ -134,7 +143,7 @@ def main(argv=None):
     if ours != ours_full or outs["static"] != outs["continuous"]:  # correctness, not speed: exit 1
         print("FAIL: the KV cache or continuous batching changed the tokens", file=sys.stderr)
         return 1
-    return 0
+    return targets.exit_code(args.strict)
 
 
 if __name__ == "__main__":
