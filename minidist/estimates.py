@@ -21,6 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from minidist.hardware import PRESETS, here
+from minidist.plan.mesh import Candidate, Settings
+from minidist.plan.model import ModelSpec
+from minidist.plan.steptime import predict
+
 # -- compute ---------------------------------------------------------------------------------------
 
 
@@ -126,8 +131,6 @@ def ring_time(nbytes: float, p: int, alpha: float, beta: float) -> float:
 def machine(transport: str = "threads"):
     """This machine's measured constants (``minidist.hardware.here``), or None if
     ``python -m minidist.calibrate`` has not run yet."""
-    from minidist.hardware import here
-
     try:
         return here(transport=transport)
     except (FileNotFoundError, KeyError, ValueError):
@@ -144,10 +147,6 @@ def step_prediction(n_layer: int, d_model: int, n_head: int, vocab: int, seq: in
     hw = machine(transport)
     if hw is None:
         return None
-    from minidist.plan.mesh import Candidate, Settings
-    from minidist.plan.model import ModelSpec
-    from minidist.plan.steptime import predict
-
     model = ModelSpec("lesson", n_layer=n_layer, d_model=d_model, n_head=n_head, vocab=vocab, seq=seq,
                       engine="minidist", dtype_bytes=dtype_bytes)
     cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=max(batch // (dp * microbatches), 1), schedule=schedule,
@@ -168,8 +167,6 @@ def predicted_vs_measured(what: str, predicted: float, measured: float) -> str:
 
 def hardware_table() -> list[str]:
     """One line per preset of ``minidist.hardware``: compute, HBM, links, the ridge point."""
-    from minidist.hardware import PRESETS
-
     rows = [f"{'system':<15} {'TFLOP/s':>7} {'HBM GB':>6} {'TB/s':>5} {'ridge':>5}  "
             f"{'fast domain GB/s':<27} {'network GB/s':<30} {'host/disk GB/s':>14}"]
     for hw in PRESETS.values():

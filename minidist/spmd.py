@@ -30,6 +30,9 @@ from functools import partial
 
 import numpy as np
 
+from minidist.nn import GPT
+from minidist.testing import host_state
+
 
 def _jax():
     import jax
@@ -157,9 +160,6 @@ class SPMDTwin:
     ``step(x, y)`` -> loss, one jitted SGD step. ``dp_reduce``: "ring" (ppermute) or "psum"."""
 
     def __init__(self, cfg, dp: int, tp: int, lr: float = 0.1, dp_reduce: str = "ring", devices=None):
-        from minidist.nn import GPT
-        from minidist.testing import host_state
-
         jax = _jax()
         if cfg.dropout:
             raise ValueError(f"the SPMD twin has no dropout (got dropout={cfg.dropout})")

@@ -26,6 +26,7 @@ import itertools
 import time
 
 from minidist.comm.communicator import CommError, RankAborted, RankExited, Request
+from minidist.comm.launch import _run_threads
 from minidist.comm.threads import ThreadComm, _ThreadRecv
 
 _ids = itertools.count()
@@ -188,6 +189,4 @@ class RendezvousComm(ThreadComm):
 def run_rendezvous(fn, ranks: int, **kwargs) -> list:
     """``minidist.comm.run(fn, ranks)`` on rendezvous threads: results by rank; a deadlock raises
     :class:`Deadlock` naming the cycle of waiting ranks."""
-    from minidist.comm.launch import _run_threads
-
     return _run_threads(fn, ranks, None, kwargs, comm_class=RendezvousComm)

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from minidist import estimates
+from minidist import estimates, trace
 from minidist import random as mrandom
 from minidist.comm import all_reduce
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint
@@ -80,8 +80,6 @@ def time_step(model, comm, idx, repeats, tracer, policy):
 
 
 def rank_main(comm, args):
-    from minidist import trace
-
     cfg = GPTConfig(vocab_size=64, block_size=args.seq, n_layer=args.layers, n_head=4, d_model=args.dim,
                     dropout=0.1, seed=args.seed)
     p = comm.size
