@@ -19,6 +19,17 @@ from minidist.comm import Mesh
 from minidist.data import BatchLoader, SyntheticTask
 from minidist.nn import GPTConfig
 from minidist.optim import AdamW, WarmupCosine
+from minidist.parallel.ddp import DistributedDataParallel
+from minidist.parallel.pipeline import (
+    PipelineStage,
+    make_schedule,
+    partition_uniform,
+    run_schedule,
+    split_microbatches,
+)
+from minidist.parallel.sharding import unshard
+from minidist.parallel.three_d import build_model, check_3d, gather_full_state, token_loss_weights
+from minidist.parallel.zero import ZeRO, all_gather_flat
 
 
 def small_config(dtype: str = "float64", dropout: float = 0.1, n_layer: int = 2) -> GPTConfig:
@@ -33,10 +44,6 @@ class Trainer:
     def __init__(self, comm, cfg: GPTConfig, dp: int | None = None, pp: int = 1, tp: int = 1, zero: int = 0,
                  microbatches: int = 2, batch_size: int = 8, lr: float = 3e-3, total_steps: int = 100,
                  data_seed: int = 0):
-        from minidist.parallel.ddp import DistributedDataParallel
-        from minidist.parallel.pipeline import PipelineStage, make_schedule, partition_uniform
-        from minidist.parallel.three_d import build_model, check_3d
-
         dp = comm.size // (pp * tp) if dp is None else dp
         check_3d(comm.size, cfg, batch_size, dp, pp, tp, microbatches, 1, comm.rank)
         if zero and (pp > 1 or tp > 1):
@@ -50,8 +57,6 @@ class Trainer:
         self.model, self.loss_fn = model, loss_fn
         self.zero = self.ddp = None
         if zero:
-            from minidist.parallel.zero import ZeRO
-
             self.zero = ZeRO(model, self.mesh.dp, lambda ps: AdamW(ps, lr=lr, weight_decay=0.0), stage=zero)
             self.optimizer, self.stage = self.zero.optimizer, None
         else:
@@ -85,9 +90,6 @@ class Trainer:
 
     def step(self) -> float:
         """Train one step on the next global batch; returns this replica's loss (last stage; else nan)."""
-        from minidist.parallel.pipeline import run_schedule, split_microbatches
-        from minidist.parallel.three_d import token_loss_weights
-
         x, y = self.loader.next_batch()
         rows = x.shape[0] // self.mesh.dp_size
         mine = slice(self.mesh.dp_rank * rows, (self.mesh.dp_rank + 1) * rows)
@@ -122,8 +124,6 @@ class Trainer:
         technique's own tools -- ZeRO's ``all_gather_flat``, the sharding table's ``unshard`` -- not
         with the checkpoint code, so tests can hold a checkpoint against it."""
         if self.zero is not None:
-            from minidist.parallel.zero import all_gather_flat
-
             z, out = self.zero, {}
             names = {id(p): n for n, p in z.module.named_parameters()}
             for i, (b, shard) in enumerate(zip(z.buckets, z.shards)):
@@ -132,8 +132,6 @@ class Trainer:
                     full = np.asarray(all_gather_flat(z.comm, arr, b.numel))
                     out.update({f"{key}/{names[id(p)]}": v.copy() for p, v in zip(b.params, b.views(full))})
             return out if self.comm.rank == 0 else None
-        from minidist.parallel.sharding import unshard
-
         table, local = {}, {}
         shards = self.state().sharding() if self.mesh.tp_size > 1 else {}
         for i, (name, p) in enumerate(self.stage.named_parameters()):
@@ -153,6 +151,4 @@ class Trainer:
         if self.zero is not None:
             full = {k: np.asarray(v).copy() for k, v in self.zero.full_parameters().items()}
             return full if self.comm.rank == 0 else None
-        from minidist.parallel.three_d import gather_full_state
-
         return gather_full_state(self.comm, types.SimpleNamespace(mesh=self.mesh, stage=self.stage))
