@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minidist.comm import measure
+from minidist.comm import all_gather, measure
 from minidist.comm.collectives import all_reduce
 from minidist.grading import assert_close, no_hang, run_guarded
 from minidist.parallel import sharding as S
@@ -235,7 +235,6 @@ def _row_without_reduce(comm, x_shard, w_shard, b):  # a partial product is not 
 
 
 def _ce_gathers_logits(comm, logits_shard, targets):  # right numbers, but all (N, V) logits travel
-    from minidist.comm import all_gather
     logits = all_gather(comm, logits_shard, axis=1)
     loss, grad = _serial_cross_entropy(logits, targets)
     return loss, S.split_columns(grad, comm.rank, comm.size)
