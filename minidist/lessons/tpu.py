@@ -29,21 +29,24 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  
 
 import numpy as np  # noqa: E402
 
+from minidist.comm import measure, run, under_mpi, world  # noqa: E402
+from minidist.comm.devices import jax_distributed_init  # noqa: E402
+from minidist.data import BatchLoader, TextDataset  # noqa: E402
+from minidist.hardware import TPU_V4, TPU_V5E, TPU_V5P  # noqa: E402
 from minidist.lessons.cli import positive_float, positive_int  # noqa: E402
+from minidist.nn import GPTConfig  # noqa: E402
+from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d  # noqa: E402
+from minidist.spmd import SPMDTwin, collective_counts  # noqa: E402
+from minidist.testing import train_serial  # noqa: E402
 
 
 def make_batches(args):
-    from minidist.data import BatchLoader, TextDataset
-
     loader = BatchLoader(TextDataset.from_file(block_size=args.seq), batch_size=args.batch, seed=args.seed)
     return [loader.next_batch() for _ in range(args.steps)]
 
 
 def eager(cfg, batches, args):
     """minidist on the device transport: (full state, losses, step seconds, ledger calls, devices)."""
-    from minidist.comm import measure, run
-    from minidist.parallel.three_d import gather_full_state, train_3d
-
     def body(comm):
         times = [time.perf_counter()]
         with measure(comm) as m:
@@ -60,8 +63,6 @@ def eager(cfg, batches, args):
 
 def compiled(cfg, batches, args):
     """The SPMD twin: (state, losses, step seconds, HLO collective counts)."""
-    from minidist.spmd import SPMDTwin, collective_counts
-
     twin = SPMDTwin(cfg, args.dp, args.tp, lr=args.lr, dp_reduce=args.dp_reduce)
     losses, times = [], []
     for x, y in batches:
@@ -77,8 +78,6 @@ def multihost(cfg, batches, args, tol) -> int:
     process, so here the compiled twin runs over every host's devices and its losses are checked
     against the serial twin's (NumPy, on every host); process 0 prints."""
     import jax
-
-    from minidist.testing import train_serial
 
     _, losses, times, hlo, _ = compiled(cfg, batches, args)
     _, want = train_serial(cfg, batches, lr=args.lr)
@@ -118,16 +117,9 @@ def main(argv=None) -> int:
 
     import jax
 
-    from minidist.nn import GPTConfig
-    from minidist.parallel.three_d import max_state_diff
-
     jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_default_matmul_precision", "highest")  # TPU: full float32 matmuls, not bf16
-    from minidist.comm import under_mpi, world
-
     if under_mpi():  # one process per host: agree on the coordinator over MPI, then JAX sees all hosts
-        from minidist.comm.devices import jax_distributed_init
-
         jax_distributed_init(world())
     devices = jax.devices()
     if args.dp * args.tp > len(devices):
@@ -168,8 +160,6 @@ def main(argv=None) -> int:
     for name, n in hlo.items():
         if n:
             print(f"   {name:<28} {n:>4}")
-
-    from minidist.hardware import TPU_V4, TPU_V5E, TPU_V5P
 
     print("\nwhere these collectives would run (minidist.hardware, sources there), GB/s per chip:")
     print(f"   {'chip':<9} {'HBM':>7} {'ICI ring':>9} {'DCN':>6}")
