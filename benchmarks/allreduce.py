@@ -94,8 +94,9 @@ def bench(comm, args):
 
 
 def per_call_overhead(comm, rounds: int) -> tuple[float, float, float]:
-    """Seconds per 1-element all-reduce: alone (a one-rank communicator: no message, only the call's
-    own work), at this p with ``auto``, and MPI's ``Allreduce`` at this p (best round of many calls)."""
+    """Seconds per 1-element all-reduce: alone (rank 0 on a one-rank communicator while the others
+    sleep: no message, only the call's own work), at this p with ``auto``, and MPI's ``Allreduce`` at
+    this p (best round of many calls)."""
     solo = comm.split(color=comm.rank)
     x, buf = np.ones(1, np.float32), np.empty(1, np.float32)
 
@@ -103,16 +104,25 @@ def per_call_overhead(comm, rounds: int) -> tuple[float, float, float]:
         best = float("inf")
         for _ in range(rounds + 2):
             comm.mpi.Barrier()
-            t = time.perf_counter()
-            for _ in range(n):
-                fn()
-            best = min(best, (time.perf_counter() - t) / n)
+            best = min(best, _loop(fn, n))
         return comm.mpi.allreduce(best, op=MPI.MAX)
 
-    alone = per_call(lambda: all_reduce(solo, x))
+    alone = None
+    if comm.rank == 0:  # alone on the machine: the other ranks wait in minidist's barrier, which sleeps
+        all_reduce(solo, x)
+        alone = min(_loop(lambda: all_reduce(solo, x), 2000) for _ in range(rounds + 2))
+    comm.barrier()
+    alone = comm.bcast_obj(alone, root=0)
     ours = per_call(lambda: all_reduce(comm, x))
     mpi = per_call(lambda: comm.mpi.Allreduce(x, buf, op=MPI.SUM))
     return alone, ours, mpi
+
+
+def _loop(fn, n: int) -> float:
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n
 
 
 def report(p: int, rows, overhead, strict: bool) -> int:
@@ -123,7 +133,8 @@ def report(p: int, rows, overhead, strict: bool) -> int:
     print(f"per-call overhead of a 1-element all-reduce: alone (p = 1) {alone * 1e6:.1f} us; at p = {p} "
           f"{ours * 1e6:.1f} us vs MPI {mpi * 1e6:.1f} us: {(ours - mpi) * 1e6:.1f} us more")
     targets.check("per-call overhead at p = 1", alone * 1e6, "<=", OVERHEAD_US, " us")
-    targets.check(f"per-call overhead at p = {p} minus MPI's", (ours - mpi) * 1e6, "<=", OVERHEAD_US, " us")
+    if p == 2:  # (the issue's definition; with more ranks than cores it measures the scheduler)
+        targets.check("per-call overhead at p = 2 minus MPI's", (ours - mpi) * 1e6, "<=", OVERHEAD_US, " us")
     for size, t in rows:
         low = target_ratio(p, size)
         for algo in (k for k in t if k != "mpi" and low is not None):
