@@ -126,6 +126,9 @@ class JaxBackend(Backend):
         except ImportError as e:
             raise RuntimeError("backend 'jax' needs JAX: pip install 'minidist[jax]'") from e
         jax.config.update("jax_enable_x64", True)  # float64 must stay float64
+        from minidist import jax_engine
+
+        jax_engine.install()  # each op's forward/backward compiled once per shape (MINIDIST_JAX_JIT=0: off)
         self.jax = jax
         self.xp = jnp
         self.device = device

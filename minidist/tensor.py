@@ -28,6 +28,7 @@ import numpy as np
 from minidist.backend import Backend, backend_of, default_backend
 
 _state = threading.local()
+JIT_KERNEL = None  # set by minidist.jax_engine.install(): op class -> its compiled twin, for JAX arrays
 
 
 def grad_enabled() -> bool:
@@ -154,6 +155,8 @@ class Function:
 
     @classmethod
     def apply(cls, *inputs, **kwargs) -> Tensor:
+        if JIT_KERNEL is not None and type(getattr(inputs[0], "data", inputs[0])) is not np.ndarray:
+            cls = JIT_KERNEL(cls)  # JAX: the op as one compiled function (minidist/jax_engine.py)
         if not getattr(_state, "grad_enabled", True):  # no graph (evaluation, decoding): the least work
             ctx = Context((False,) * len(inputs), record=False)
             return Tensor._result(cls.forward(ctx, *[t.data if isinstance(t, Tensor) else t for t in inputs],

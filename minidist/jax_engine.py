@@ -1,0 +1,165 @@
+"""The JAX engine: every op's forward and backward as one compiled function, cached by shape and dtype.
+
+Eager JAX dispatches each ``jnp`` call on its own (tens of microseconds each, and every call is a
+small XLA program). minidist's ops are already written as whole functions -- ``Gelu.forward`` is one
+chain, ``LayerNorm.backward`` one formula, ``scaled_dot_product_attention`` and ``cross_entropy``
+fused -- so here each one is traced once with ``jax.jit`` and then runs as **one** compiled call.
+
+How: ``kernel(cls)`` returns a subclass of the op whose ``forward`` runs ``cls.forward`` under
+``jax.jit`` with a stand-in context, returning the output, what it saved for backward, and the
+array attributes it set; plain attributes (shapes, axes) are remembered from the trace. Its
+``backward`` runs ``cls.backward`` the same way on what was saved. Keys: the op, each argument's
+shape and dtype (non-arrays by value), the keyword arguments, which inputs want gradients. An op
+that cannot be traced (a host random generator, a value read back with ``int()``) runs eagerly,
+decided once per key. ``tensor.Function.apply`` asks ``kernel`` only for non-NumPy arrays.
+
+``MINIDIST_JAX_JIT=0`` turns it off (eager dispatch, the reference).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+_FORWARD: dict = {}   # key -> (jitted forward, static attributes holder) or None (runs eagerly)
+_KERNELS: dict = {}   # op class -> its jitted subclass
+_RESERVED = ("needs_grad", "record", "_saved", "_unpack")
+
+
+def enabled() -> bool:
+    return os.environ.get("MINIDIST_JAX_JIT", "1") not in ("0", "false", "False", "")
+
+
+class _TraceCtx:
+    """The context an op sees while it is traced: saves and attributes, nothing else."""
+
+    def __init__(self, needs_grad, record=True):
+        self.needs_grad, self.record, self._saved = needs_grad, record, ()
+
+    def save(self, *arrays):
+        self._saved = arrays
+
+    @property
+    def saved(self):
+        return self._saved
+
+
+def _is_traced(v) -> bool:
+    import jax
+
+    return isinstance(v, (jax.Array, jax.core.Tracer))
+
+
+def _arg_key(a):
+    if hasattr(a, "shape") and hasattr(a, "dtype"):
+        return ("a", tuple(a.shape), str(a.dtype))
+    return ("v", a)
+
+
+def _forward(cls, ctx, arrays, kwargs):
+    import jax
+
+    if not any(type(a).__module__.startswith(("jax", "jaxlib")) for a in arrays):
+        return cls.forward(ctx, *arrays, **kwargs)  # CuPy arrays, scalars: not ours
+    try:
+        key = (cls, tuple(_arg_key(a) for a in arrays), tuple(sorted(kwargs.items())), ctx.needs_grad,
+               ctx.record)
+        hash(key)
+    except TypeError:  # an unhashable argument (a random generator): eager
+        return cls.forward(ctx, *arrays, **kwargs)
+    entry = _FORWARD.get(key, False)
+    if entry is None:
+        return cls.forward(ctx, *arrays, **kwargs)
+    dyn_at = [i for i, a in enumerate(arrays) if hasattr(a, "shape") and hasattr(a, "dtype")]
+    if entry is False:
+        holder: dict = {}
+
+        fixed = [None if i in dyn_at else a for i, a in enumerate(arrays)]  # no array kept alive
+
+        def fwd(*dyn):
+            args = list(fixed)
+            for i, d in zip(dyn_at, dyn):
+                args[i] = d
+            c = _TraceCtx(ctx.needs_grad, ctx.record)
+            out = cls.forward(c, *args, **kwargs)
+            attrs = {k: v for k, v in vars(c).items() if k not in _RESERVED}
+            holder["static"] = {k: v for k, v in attrs.items() if not _is_traced(v)}
+            return out, c._saved, {k: v for k, v in attrs.items() if _is_traced(v)}
+
+        entry = (jax.jit(fwd), holder)
+        try:
+            result = entry[0](*[arrays[i] for i in dyn_at])
+        except Exception:  # reads a value back on the host, writes in place, ...: eager (which
+            _FORWARD[key] = None  # raises again if the arguments are genuinely wrong)
+            return cls.forward(ctx, *arrays, **kwargs)
+        _FORWARD[key] = entry
+    else:
+        result = entry[0](*[arrays[i] for i in dyn_at])
+    out, saved, dyn = result
+    if ctx.record:
+        ctx.save(*saved)
+    vars(ctx).update(entry[1]["static"])
+    vars(ctx).update(dyn)
+    ctx._jax_static = entry[1]["static"]
+    ctx._jax_dyn = tuple(dyn)
+    return out
+
+
+_BACKWARD: dict = {}
+
+
+def _backward(cls, ctx, grad):
+    import jax
+
+    static = getattr(ctx, "_jax_static", None)
+    if static is None:  # the forward ran eagerly
+        return cls.backward(ctx, grad)
+    names = ctx._jax_dyn
+    key = (cls, tuple(sorted((k, repr(v)) for k, v in static.items())), names, ctx.needs_grad)
+    fn = _BACKWARD.get(key)
+    if fn is None:
+        def bwd(saved, dyn, g):
+            c = _TraceCtx(ctx.needs_grad)
+            c._saved = saved
+            vars(c).update(static)
+            vars(c).update(zip(names, dyn))
+            return cls.backward(c, g)  # a tuple, or one array for a one-input op
+
+        fn = jax.jit(bwd)
+        try:
+            out = fn(ctx.saved, tuple(getattr(ctx, k) for k in names), grad)
+        except Exception:  # cannot be traced: eager from now on for this key
+            _BACKWARD[key] = False
+            return cls.backward(ctx, grad)
+        _BACKWARD[key] = fn
+        return out
+    if fn is False:
+        return cls.backward(ctx, grad)
+    return fn(ctx.saved, tuple(getattr(ctx, k) for k in names), grad)
+
+
+def kernel(cls):
+    """The compiled twin of op ``cls`` (a ``minidist.tensor.Function`` subclass). Only the pure
+    array ops of ``minidist.ops`` are compiled: a Function elsewhere may communicate (the tensor-
+    parallel f and g of ``minidist.parallel.tp_comm``) and must run eagerly, message by message."""
+    if cls.__module__ != "minidist.ops":
+        return cls
+    k = _KERNELS.get(cls)
+    if k is None:
+        k = _KERNELS[cls] = type(f"Jit{cls.__name__}", (cls,), {
+            "forward": staticmethod(lambda ctx, *a, **kw: _forward(cls, ctx, a, kw)),
+            "backward": staticmethod(lambda ctx, grad: _backward(cls, ctx, grad)),
+        })
+    return k
+
+
+def install() -> None:
+    """Route ops on JAX arrays through ``kernel`` (``tensor.Function.apply``'s hook)."""
+    import sys
+
+    if enabled():  # (``minidist.tensor`` the attribute is the tensor() function: take the module)
+        sys.modules["minidist.tensor"].JIT_KERNEL = kernel
+
+
+__all__ = ["enabled", "install", "kernel", "np"]
