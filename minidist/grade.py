@@ -3,11 +3,13 @@
 
 An exercise ``NAME`` is a student file ``exercises/NAME.py`` (functions with a spec and a
 ``NotImplementedError`` body; its docstring's first line names the topic, an ``Estimated time:``
-line the time) and a grader: ``minidist/grading/NAME.py`` (or, until it moves there,
-``tests/exercises/test_NAME_exercise.py``) whose ``CHECKS`` dict maps each task (function name) to
-``check(impl)``: property tests that raise AssertionError when ``impl.<task>`` is wrong, and an
-optional ``POINTS`` dict (task -> points, default 1). The same checks run in CI against minidist's
-own implementation (they must pass) and against deliberately broken ones (they must fail).
+line the time) and a grader, the module ``minidist.grading.NAME`` (minidist/grading/NAME.py), whose
+``CHECKS`` dict maps each task (function name) to ``check(impl)``: property tests that raise
+AssertionError when ``impl.<task>`` is wrong, and an optional ``POINTS`` dict (task -> points,
+default 1). The graders ship with the package (they import nothing from tests/), so a student's
+installed minidist grades without a checkout of the test suite; the same checks run in CI
+(tests/exercises/) against minidist's own implementation (``reference()``: must pass) and against
+the deliberately broken ones in ``BROKEN`` (must fail).
 
 A failed task prints what failed -- the example (world size, sizes, dtype, rank) and the first
 elements that differ, as the grader's message and hypothesis's falsifying example give them;
@@ -17,14 +19,13 @@ elements that differ, as the grader's message and hypothesis's falsifying exampl
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import io
 import re
 import sys
 import traceback
 from pathlib import Path
-
-from minidist.grading import RanksHung, assert_close, grader_tests, no_hang, run_guarded  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 # the suggested order (README's exercise table); exercises not named here follow, alphabetically
@@ -45,9 +46,8 @@ def load_module(path: Path, name: str):
 
 
 def grader_path(name: str) -> Path:
-    """minidist/grading/NAME.py, or the grader not yet moved there from tests/exercises/."""
-    moved = ROOT / "minidist" / "grading" / f"{name}.py"
-    return moved if moved.exists() else ROOT / "tests" / "exercises" / f"test_{name}_exercise.py"
+    """The grader of exercise ``name``: minidist/grading/NAME.py."""
+    return ROOT / "minidist" / "grading" / f"{name}.py"
 
 
 def exercises() -> list[str]:
@@ -81,7 +81,9 @@ def grade(name: str, student_file: str | None = None, verbose: bool = False,
           out=None) -> tuple[int, int]:
     """Run every check of exercise ``name`` on the student's file; print and return (passed, total)."""
     out = out or sys.stdout
-    grader = load_module(grader_path(name), f"grader_{name}")
+    if not grader_path(name).exists():
+        raise SystemExit(f"no grader for exercise {name!r}: expected {grader_path(name)}")
+    grader = importlib.import_module(f"minidist.grading.{name}")
     student = load_module(Path(student_file) if student_file else ROOT / "exercises" / f"{name}.py",
                           f"student_{name}")
     points = getattr(grader, "POINTS", {})

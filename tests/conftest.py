@@ -72,7 +72,7 @@ def _hangs_do_not_shrink(request, monkeypatch):
     if not getattr(request.function, "is_hypothesis_test", False):
         return
     from minidist.comm.communicator import Communicator
-    from minidist.grade import RanksHung
+    from minidist.grading import RanksHung
 
     timeout_error = Communicator.timeout_error
     monkeypatch.setattr(Communicator, "timeout_error",

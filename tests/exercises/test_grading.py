@@ -1,12 +1,14 @@
 """The grader itself: the rendezvous transport catches a blocking ring, a failure teaches, --list lists."""
 
+import ast
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from minidist.comm import collectives as C
-from minidist.grade import exercises, grade, listing
+from minidist.grade import ROOT, exercises, grade, listing
 from minidist.grading.rendezvous import Deadlock, run_rendezvous
 
 
@@ -107,7 +109,44 @@ def test_a_failure_prints_the_example_rank_and_first_differing_elements(tmp_path
 
 def test_list_shows_every_exercise_with_topic_time_and_score():
     rows = {name: (topic, time, score) for name, topic, time, score in listing()}
-    assert set(rows) == set(exercises()) >= {"autograd", "allreduce", "data_parallel", "tensor_parallel",
-                                              "pipeline"}
+    stubs = {p.stem for p in (ROOT / "exercises").glob("*.py") if not p.stem.startswith("_")}
+    assert len(stubs) == 16 and set(rows) == set(exercises()) == stubs, "every exercise needs a grader"
     assert all(topic for topic, _, _ in rows.values())
     assert rows["allreduce"][2] == "0/3"
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import in a file, at any depth (function-local ones too)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out += [(node.lineno, node.module or "")]
+    return out
+
+
+def imports_named(root: Path, top: str) -> list[str]:
+    """``file:line: module`` for every import of package ``top`` (or a submodule) in the files under root."""
+    return [f"{p.relative_to(root.parent)}:{n}: {m}" for p in sorted(root.rglob("*.py"))
+            for n, m in imports_of(p) if m == top or m.startswith(top + ".")]
+
+
+def test_the_library_never_imports_the_test_suite():
+    """An installed minidist has no tests/: the graders and everything else must work without it."""
+    assert not imports_named(ROOT / "minidist", "tests")
+
+
+def test_graders_never_import_pytest():
+    """A student grades with plain python; only grader_tests (CI's helper) may load pytest."""
+    bad = [hit for hit in imports_named(ROOT / "minidist", "pytest")
+           if not hit.startswith("minidist/grading/__init__.py:")]
+    assert not bad
+
+
+def test_the_import_scan_finds_a_planted_tests_import(tmp_path):
+    pkg = tmp_path / "minidist"
+    (pkg / "grading").mkdir(parents=True)
+    (pkg / "grading" / "moe.py").write_text("import numpy\ndef f():\n    from tests.exercises import x\n")
+    (pkg / "ok.py").write_text("import testsuite\nfrom . import tests\n")
+    assert imports_named(pkg, "tests") == ["minidist/grading/moe.py:3: tests.exercises"]
