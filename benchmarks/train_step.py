@@ -169,7 +169,14 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="also compare the time per op with torch.profiler's on the same step")
     ap.add_argument("--strict", action="store_true", help="exit nonzero when a target is missed")
+    ap.add_argument("--backend", choices=["numpy", "jax"], default="numpy",
+                    help="jax: minidist on JAX vs on NumPy vs a pure jax.jit step (benchmarks/jax_step.py)")
     args = ap.parse_args(argv)
+    if args.backend == "jax":
+        from jax_step import run as jax_run
+
+        print_machine()
+        return jax_run(CFG, BATCH, args.steps)
     print_machine()
     targets = Targets()
     rng = np.random.default_rng(0)
