@@ -32,8 +32,14 @@ def current() -> Tracer | None:
     return getattr(_local, "tracer", None)
 
 
+ever_set = False  # has any thread had a tracer? Until then a collective skips the thread-local lookup
+
+
 def set_current(tracer: Tracer | None) -> None:
     """Make `tracer` the active tracer of this thread (None turns tracing off)."""
+    global ever_set
+    if tracer is not None:
+        ever_set = True
     _local.tracer = tracer
 
 
