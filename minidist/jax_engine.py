@@ -51,9 +51,22 @@ def _is_traced(v) -> bool:
     return isinstance(v, (jax.Array, jax.core.Tracer))
 
 
+_PLAIN = (type(None), bool, int, float, str, slice, type(Ellipsis), np.dtype, np.generic)
+
+
+def _plain(v) -> bool:
+    """A value the compiled op may bake in: numbers, strings, slices, tuples of them. Anything
+    else (a random generator: its draws would be frozen at trace time) keeps the op eager."""
+    if isinstance(v, (tuple, list)):
+        return all(_plain(x) for x in v)
+    return isinstance(v, _PLAIN)
+
+
 def _arg_key(a):
     if hasattr(a, "shape") and hasattr(a, "dtype"):
         return ("a", tuple(a.shape), str(a.dtype))
+    if not _plain(a):
+        raise TypeError("not a plain value")
     return ("v", a)
 
 
@@ -65,8 +78,10 @@ def _forward(cls, ctx, arrays, kwargs):
     try:
         key = (cls, tuple(_arg_key(a) for a in arrays), tuple(sorted(kwargs.items())), ctx.needs_grad,
                ctx.record)
+        if not _plain(list(kwargs.values())):
+            raise TypeError("not a plain value")
         hash(key)
-    except TypeError:  # an unhashable argument (a random generator): eager
+    except TypeError:  # a random generator, or another value that is not plain: eager
         return cls.forward(ctx, *arrays, **kwargs)
     entry = _FORWARD.get(key, False)
     if entry is None:

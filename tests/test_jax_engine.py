@@ -55,3 +55,17 @@ def test_ops_outside_minidist_ops_are_never_compiled():
     comm_ops = [v for v in vars(tp_comm).values() if isinstance(v, type) and issubclass(v, Function)]
     assert comm_ops and all(jax_engine.kernel(c) is c for c in comm_ops)
     assert jax_engine.kernel(ops.Gelu) is not ops.Gelu
+
+
+def test_dropout_draws_a_new_mask_every_call():
+    """A host random generator is not baked into a compiled op: two calls, two masks (as NumPy)."""
+    from minidist.tensor import Tensor
+
+    be = get_backend("jax")
+    x = Tensor(be.from_host(np.ones((4, 64))), requires_grad=True)
+    rng = np.random.default_rng(0)
+    a, b = (np.asarray(ops.dropout(x, 0.5, rng).data) for _ in range(2))
+    ref = np.random.default_rng(0)
+    want = [ops.dropout_mask((4, 64), 0.5, ref, np.float64) for _ in range(2)]
+    np.testing.assert_array_equal(a, want[0])
+    np.testing.assert_array_equal(b, want[1])
