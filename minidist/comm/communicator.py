@@ -45,7 +45,7 @@ import time
 import numpy as np
 
 from minidist.backend import backend_of, default_backend
-from minidist.comm import link, tracing
+from minidist.comm import cost, link, tracing
 from minidist.comm.ledger import Ledger, current_call
 
 MAX_USER_TAG = 1 << 20          # user tags are 0 .. MAX_USER_TAG-1; larger ones are minidist's own
@@ -363,9 +363,7 @@ def wait_policy() -> WaitPolicy:
     a collective), then sleep up to 1 ms. Otherwise spin 5 ms (20 ms), sleep up to 0.2 ms.
     ``MINIDIST_SPIN_US`` and ``MINIDIST_COLL_SPIN_US`` set the spin times."""
     if not _POLICY:
-        from minidist.comm.cost import crowded as is_crowded
-
-        crowded = is_crowded()
+        crowded = cost.crowded()  # looked up on the module: tests replace cost.crowded
 
         def us(name, default):
             return float(os.environ.get(name, default)) * 1e-6
