@@ -100,7 +100,10 @@ def _forward(cls, ctx, arrays, kwargs):
             out = cls.forward(c, *args, **kwargs)
             attrs = {k: v for k, v in vars(c).items() if k not in _RESERVED}
             holder["static"] = {k: v for k, v in attrs.items() if not _is_traced(v)}
-            return out, c._saved, {k: v for k, v in attrs.items() if _is_traced(v)}
+            # a saved input is handed back as the input itself, not a compiled copy of it (memory)
+            holder["inputs"] = [next((j for j, d in enumerate(dyn) if d is a), None) for a in c._saved]
+            saved = [None if j is not None else a for a, j in zip(c._saved, holder["inputs"])]
+            return out, saved, {k: v for k, v in attrs.items() if _is_traced(v)}
 
         entry = (jax.jit(fwd), holder)
         try:
@@ -112,6 +115,8 @@ def _forward(cls, ctx, arrays, kwargs):
     else:
         result = entry[0](*[arrays[i] for i in dyn_at])
     out, saved, dyn = result
+    given = [arrays[i] for i in dyn_at]
+    saved = [a if j is None else given[j] for a, j in zip(saved, entry[1]["inputs"])]
     if ctx.record:
         ctx.save(*saved)
     vars(ctx).update(entry[1]["static"])

@@ -69,3 +69,16 @@ def test_dropout_draws_a_new_mask_every_call():
     want = [ops.dropout_mask((4, 64), 0.5, ref, np.float64) for _ in range(2)]
     np.testing.assert_array_equal(a, want[0])
     np.testing.assert_array_equal(b, want[1])
+
+
+def test_a_saved_input_is_kept_as_itself_not_a_compiled_copy():
+    """Memory: Linear saves x and w for backward; compiled, it must keep those very arrays."""
+    from minidist.tensor import Tensor
+
+    be = get_backend("jax")
+    x = Tensor(be.from_host(np.ones((3, 4))), requires_grad=True)
+    w = Tensor(be.from_host(np.ones((4, 2))), requires_grad=True)
+    y = ops.linear(x, w)
+    assert y._node.fn.__name__ == "JitLinear"
+    saved = y._node.ctx.saved
+    assert saved[0] is x.data and saved[1] is w.data
