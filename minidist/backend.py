@@ -129,6 +129,7 @@ class JaxBackend(Backend):
         from minidist import jax_engine
 
         jax_engine.install()  # each op's forward/backward compiled once per shape (MINIDIST_JAX_JIT=0: off)
+        jax_engine.persistent_cache()  # compiled programs kept on disk: a rerun does not compile again
         self.jax = jax
         self.xp = jnp
         self.device = device
