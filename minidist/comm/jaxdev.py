@@ -10,6 +10,10 @@ Everything else is inherited unchanged: host NumPy buffers (what the collectives
 call.py) are copied as on the threads transport, so every collective and technique runs on this
 transport as it is, and the ledger counts the same bytes (a device array's ``nbytes`` is its
 host twin's). Select it with ``run(fn, ranks, transport="jax")`` or ``MINIDIST_TRANSPORT=jax``.
+
+``CupyDeviceComm`` is the same idea for CuPy (``transport="cupy"``): rank r on GPU r mod n, a
+CuPy array copied GPU to GPU (peer-to-peer over NVLink/PCIe where the GPUs allow it) with
+``cupy.asarray`` under the receiver's device.
 """
 
 from __future__ import annotations
@@ -40,20 +44,33 @@ class JaxDeviceComm(ThreadComm):
 
     def __init__(self, world, ctx, members, rank, backend=None, ledger=None):
         super().__init__(world, ctx, members, rank, backend, ledger)
-        if self.backend.name != "jax":
-            raise ValueError(f"rank {rank}: the jax device transport needs backend='jax' "
-                             f"(got {self.backend.name!r}); run(..., transport='jax', backend='jax')")
-        self.device = rank_device(self.world_rank)
+        if self.backend.name != self.transport:
+            raise ValueError(f"rank {rank}: the {self.transport} device transport needs backend="
+                             f"'{self.transport}' (got {self.backend.name!r}); run(..., transport="
+                             f"'{self.transport}', backend='{self.transport}')")
+        self.device = self.device_of(self.world_rank)
 
+    # -- what differs between the array libraries ----------------------------------------------
+    def device_of(self, world_rank: int):
+        return rank_device(world_rank)
+
+    def is_device_array(self, x) -> bool:
+        return _is_jax(x)
+
+    def move(self, x, world_rank: int):
+        """``x`` on world rank ``world_rank``'s device (JAX arrays are immutable: no defensive copy)."""
+        import jax
+
+        return jax.device_put(x, rank_device(world_rank))
+
+    # -- the transport ---------------------------------------------------------------------------
     def copy_message(self, buf, dest: int):
-        if _is_jax(buf):  # device to device: no host copy (JAX arrays are immutable: no defensive copy)
-            import jax
-
-            return jax.device_put(buf, rank_device(self.members[dest]))
+        if self.is_device_array(buf):  # device to device: no host copy
+            return self.move(buf, self.members[dest])
         return super().copy_message(buf, dest)
 
     def isend(self, x, dest: int, tag: int = 0):
-        if not _is_jax(x):
+        if not self.is_device_array(x):
             return super().isend(x, dest, tag)
         dest, tag = self.check_peer(dest, "dest"), self._check_tag(tag)
         self.note(f"send to {dest} tag {tag}")
@@ -61,10 +78,10 @@ class JaxDeviceComm(ThreadComm):
 
     def _arrived(self, a):
         """A device array (already on this rank's device) as it is; a host array onto the device."""
-        return a if _is_jax(a) else self.backend.from_host(np.asarray(a))
+        return a if self.is_device_array(a) else self.backend.from_host(np.asarray(a))
 
     def irecv(self, source: int, tag: int = 0, out=None):
-        if out is not None and not _is_jax(out):
+        if out is not None and not self.is_device_array(out):
             return super().irecv(source, tag, out)  # a NumPy out= buffer: filled on the host
         source, tag = self.check_peer(source, "source"), self._check_tag(tag)
         self.note(f"recv from {source} tag {tag}")
@@ -75,11 +92,32 @@ class JaxDeviceComm(ThreadComm):
         return _Converted(req, lambda a: be.update(out, self._arrived(a)))
 
     def make_twin(self, name: str) -> JaxDeviceComm:
-        return JaxDeviceComm(self.world, (*self.ctx, "twin", name), self.members, self.rank,
-                             self.backend, self.ledger)
+        return type(self)(self.world, (*self.ctx, "twin", name), self.members, self.rank,
+                          self.backend, self.ledger)
 
     def split(self, color, key=0):
         sub = super().split(color, key)
         if sub is None:
             return None
-        return JaxDeviceComm(sub.world, sub.ctx, sub.members, sub.rank, sub.backend, sub.ledger)
+        return type(self)(sub.world, sub.ctx, sub.members, sub.rank, sub.backend, sub.ledger)
+
+
+class CupyDeviceComm(JaxDeviceComm):
+    """The same transport for CuPy: rank r on GPU r mod n, arrays copied GPU to GPU."""
+
+    transport = "cupy"
+
+    def device_of(self, world_rank: int) -> int:
+        import cupy
+
+        return world_rank % cupy.cuda.runtime.getDeviceCount()
+
+    def is_device_array(self, x) -> bool:
+        return type(x).__module__.startswith("cupy")
+
+    def move(self, x, world_rank: int):
+        """A copy on the receiver's GPU (the sender may reuse ``x``): peer-to-peer where enabled."""
+        import cupy
+
+        with cupy.cuda.Device(self.device_of(world_rank)):
+            return cupy.array(x, copy=True)

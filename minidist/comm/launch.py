@@ -25,7 +25,7 @@ import traceback
 from minidist.backend import default_backend, set_default_backend
 from minidist.comm.communicator import RankAborted
 from minidist.comm.devices import bind_backend
-from minidist.comm.jaxdev import JaxDeviceComm
+from minidist.comm.jaxdev import CupyDeviceComm, JaxDeviceComm
 from minidist.comm.mpi import MPIComm, finish_handshake
 from minidist.comm.threads import ThreadComm, ThreadWorld
 
@@ -179,12 +179,15 @@ def run(fn, ranks: int | None = None, backend=None, transport: str | None = None
     Under MPI this process is a single rank and the list has one element (its own result).
     ``transport="jax"`` (or ``MINIDIST_TRANSPORT=jax``): threads bound to JAX devices whose
     point-to-point arrays move device to device (jaxdev.py); it implies ``backend="jax"``.
+    ``transport="cupy"``: the same with CuPy arrays, one GPU per rank.
     """
-    if (transport or os.environ.get("MINIDIST_TRANSPORT", "")) == "jax":
+    chosen = transport or os.environ.get("MINIDIST_TRANSPORT", "")
+    if chosen in ("jax", "cupy"):  # device transports (jaxdev.py): threads, arrays device to device
         ranks = 1 if ranks is None else ranks
-        return _run_threads(fn, ranks, "jax" if backend is None else backend, kwargs, JaxDeviceComm)
+        cls = JaxDeviceComm if chosen == "jax" else CupyDeviceComm
+        return _run_threads(fn, ranks, chosen if backend is None else backend, kwargs, cls)
     if transport not in (None, "threads", "mpi"):
-        raise ValueError(f"transport={transport!r}: known transports are 'threads', 'mpi' and 'jax'")
+        raise ValueError(f"transport={transport!r}: known transports are 'threads', 'mpi', 'jax', 'cupy'")
     if transport == "mpi" or (transport is None and under_mpi()):
         return _run_mpi(fn, backend, kwargs)
     ranks = 1 if ranks is None else ranks

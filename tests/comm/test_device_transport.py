@@ -90,3 +90,18 @@ def test_multihost_initialize_agrees_on_rank_0s_address():
     for r, (address, seen) in enumerate(run(body, ranks=3)):  # threads stand in for mpirun's ranks
         assert address == f"{socket.gethostname()}:1234"
         assert seen == [((address,), {"num_processes": 3, "process_id": r})]
+
+
+@pytest.mark.gpu
+def test_cupy_point_to_point_lands_on_the_receivers_gpu():
+    cupy = pytest.importorskip("cupy")
+    n = cupy.cuda.runtime.getDeviceCount()
+
+    def body(comm):
+        x = cupy.full(5, float(comm.rank))
+        got = comm.sendrecv(x, (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size)
+        return int(got.device.id), cupy.asnumpy(got)
+
+    for r, (dev, got) in enumerate(run(body, ranks=2, transport="cupy")):
+        assert dev == r % n
+        np.testing.assert_array_equal(got, np.full(5, float((r - 1) % 2)))
