@@ -22,6 +22,8 @@ import threading
 
 import numpy as np
 
+from minidist import jax_engine
+
 BACKENDS = ("numpy", "cupy", "jax")
 
 
@@ -126,8 +128,6 @@ class JaxBackend(Backend):
         except ImportError as e:
             raise RuntimeError("backend 'jax' needs JAX: pip install 'minidist[jax]'") from e
         jax.config.update("jax_enable_x64", True)  # float64 must stay float64
-        from minidist import jax_engine
-
         jax_engine.install()  # each op's forward/backward compiled once per shape (MINIDIST_JAX_JIT=0: off)
         jax_engine.persistent_cache()  # compiled programs kept on disk: a rerun does not compile again
         self.jax = jax
