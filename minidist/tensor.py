@@ -25,7 +25,7 @@ import threading
 
 import numpy as np
 
-from minidist.backend import Backend, backend_of, default_backend
+from minidist.backend import Backend, backend_of, default_backend, get_backend
 
 _state = threading.local()
 JIT_KERNEL = None  # set by minidist.jax_engine.install(): op class -> its compiled twin, for JAX arrays
@@ -361,7 +361,7 @@ _OPS = None
 def _ops():
     global _OPS
     if _OPS is None:
-        from minidist import ops
+        from minidist import ops  # cycle: minidist.ops imports minidist.tensor
 
         _OPS = ops
     return _OPS
@@ -369,8 +369,6 @@ def _ops():
 
 def tensor(data, dtype, requires_grad: bool = False, backend=None) -> Tensor:
     """Make a Tensor; the dtype is required (NumPy and JAX disagree on defaults)."""
-    from minidist.backend import get_backend
-
     be = get_backend(backend) if backend is not None else default_backend()
     return Tensor(be.asarray(data, dtype=dtype), requires_grad=requires_grad, backend=be)
 
