@@ -36,6 +36,7 @@ Every wait is bounded by ``comm.timeout`` (``MINIDIST_TIMEOUT`` seconds, default
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import sys
@@ -141,6 +142,7 @@ class Communicator:
         self.async_worker = None        # the thread that runs this communicator's async collectives
         self.agreed_crowded = None      # cost.agreed_crowded's answer, once the ranks agreed on it
         self.scratch: dict = {}         # dtype -> reusable work buffer of the collectives
+        self.expected_wait = None       # why a long wait is expected now (no "still waiting" line): patient()
         link.attach(self)               # an emulated slow link (MINIDIST_LINK), if any: link.py
 
     # -- the transport interface (see the module docstring) ------------------------------------
@@ -214,7 +216,20 @@ class Communicator:
         sys.stderr.flush()
 
     def notice_after(self) -> float:
+        if self.origin.expected_wait is not None:
+            return float("inf")  # the program said this wait is long on purpose; the timeout still holds
         return min(NOTICE_AFTER, self.timeout / 2)
+
+    @contextlib.contextmanager
+    def patient(self, why: str):
+        """Waits inside are expected to be long (``why``: e.g. "rank 0 trains the model"), so no
+        "still waiting" line is printed; the watchdog's timeout still applies."""
+        origin = self.origin
+        before, origin.expected_wait = origin.expected_wait, why
+        try:
+            yield self
+        finally:
+            origin.expected_wait = before
 
     def check_peer(self, peer: int, what: str) -> int:
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:

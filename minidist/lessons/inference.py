@@ -62,7 +62,8 @@ def build_model(comm, args) -> GPT:
               f"{time.perf_counter() - t0:.1f}s: loss {np.mean(losses[:5]):.2f} -> "
               f"{np.mean(losses[-5:]):.2f}", flush=True)
         state = {k: np.asarray(v) for k, v in model.state_dict().items()}
-    model.load_state_dict(comm.bcast_obj(state, root=0))
+    with comm.patient("rank 0 trains the model"):  # the others wait for it: no "still waiting" noise
+        model.load_state_dict(comm.bcast_obj(state, root=0))
     model.eval()
     return model
 

@@ -188,3 +188,24 @@ def test_watchdog_prints_still_waiting_early_naming_op_and_missing_ranks(monkeyp
     err = capsys.readouterr().err
     assert re.search(r"\[minidist\] rank 0 of 2 \(threads\): still waiting after [23] s in all_gather #1 "
                      r"for a message from rank 1 .*; ranks not there yet: \[1\]; raises at 3 s", err), err
+
+
+def test_an_expected_long_wait_prints_no_still_waiting_line_but_still_times_out(monkeypatch, capsys):
+    monkeypatch.setenv("MINIDIST_TIMEOUT", "2")
+
+    def body(comm):  # each rank waits for a message the other never sends
+        with comm.patient("the other rank trains"):
+            comm.recv(1 - comm.rank, tag=9)  # the watchdog must still fire
+
+    with pytest.raises(CommTimeout):
+        run(body, ranks=2)
+    assert "still waiting" not in capsys.readouterr().err
+
+    def hurried(comm):
+        with comm.patient("the other rank trains"):
+            pass
+        comm.recv(1 - comm.rank, tag=9)  # outside patient(): the line is back
+
+    with pytest.raises(CommTimeout):
+        run(hurried, ranks=2)
+    assert "still waiting" in capsys.readouterr().err
