@@ -237,8 +237,9 @@ def sharded(comm, model, args):
     if used:
         fold = " (+N for the odd ranks < 2·rem that fold in: p is not a power of 2)" \
             if tp & (tp - 1) and {"recursive_doubling", "halving_doubling"} & set(used) else ""
-        print(f"   each all-reduce of N = B·T·d·4 bytes ran the algorithm 'auto' picked for its size "
-              f"({', '.join(used)}):\n   ring and two-shot send 2(p-1)/p·N, recursive doubling log2(p)·N, "
+        print(f"   each all-reduce of N = B·T·d·4 bytes ran {', '.join(used)} (the tensor-parallel group's "
+              f"algorithm, parallel/tp_comm.py):\n   ring and two-shot send 2(p-1)/p·N, "
+              f"recursive doubling log2(p)·N, "
               f"halving-doubling 2(p-1)/p·N{fold}")
     print(f"   bytes sent per rank: {', '.join(f'{r[1]:,}' for r in rows)}")
     print(f"   formula{' (+ ΣB·T·d·4 sent on to the next stage)' if pp > 1 else ''}: "
