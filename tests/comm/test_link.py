@@ -91,8 +91,9 @@ def test_a_ring_all_reduce_takes_the_cost_models_alpha_beta_time(link, pauses):
     assert slow[0][1] == 3 * 6 / 4 * 400_000  # 3 calls; the link changes the time, not the bytes
     # every round sleeps alpha + chunk/B on each rank, so the link's time is a floor; on top come the
     # local copies and adds (at most the run without a link: they overlap other ranks' sleeps) and, on
-    # a shared 2-core machine, other processes' load
-    assert predicted * 0.98 <= measured <= predicted * 1.5 + base + 0.02, (measured, base, predicted)
+    # a shared 2-core machine, other processes' load: a generous ceiling (predicted * 1.3 + base + 5 ms
+    # failed 1 run in 10 under load), which a link in bits (8x the byte term: 0.198 s) still fails
+    assert predicted * 0.98 <= measured <= predicted * 3 + base + 0.05, (measured, base, predicted)
     # counted, whatever the load: each of the 4 ranks pays once per round, 6 rounds x 3 calls, and the
     # bytes paid for are the bytes sent (a sendrecv that also paid for its inner isend would double both;
     # the barriers' empty messages are left out)
