@@ -143,3 +143,19 @@ def test_each_lesson_exits_1_when_its_serial_twin_disagrees(name, monkeypatch, c
         lesson.main(argv.split() + (["--offload-dir", str(tmp_path)] if name == "offload" else []))
     assert info.value.code == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_every_launched_lesson_names_its_transport_backend_and_each_ranks_device(capsys):
+    import jax
+
+    from minidist.backend import get_backend
+    from minidist.comm.devices import describe_binding
+    from minidist.lessons import cli
+
+    got = describe_binding(get_backend("jax"), 3, "threads")
+    devices = jax.devices()  # 8 forced CPU devices in tests: rank r is bound to device r
+    assert got == (f"3 ranks (threads), backend jax: rank 0 -> {devices[0]}, rank 1 -> {devices[1]}, "
+                   f"rank 2 -> {devices[2]}")
+    args = cli.lesson_parser("probe", ranks=2).parse_args(["--ranks", "2"])
+    cli.launch(lambda comm, a: True, args)
+    assert capsys.readouterr().out.splitlines()[0] == "2 ranks (threads), backend numpy on the host CPU"

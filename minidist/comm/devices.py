@@ -9,6 +9,25 @@ from __future__ import annotations
 from minidist.backend import Backend, get_backend
 
 
+def describe_binding(backend: Backend, size: int, transport: str) -> str:
+    """One line for a lesson's header: the transport, the backend and the device each rank is bound
+    to by ``bind_backend``'s rule (computed here, no message sent)."""
+    head = f"{size} rank{'s' if size != 1 else ''} ({transport}), backend {backend.name}"
+    if backend.name == "numpy":
+        return head + " on the host CPU"
+    if backend.name == "jax":
+        import jax
+
+        devices = jax.devices()
+        return head + ": " + ", ".join(f"rank {r} -> {devices[r % len(devices)]}" for r in range(size))
+    if backend.name == "cupy":
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+        return head + ": " + ", ".join(f"rank {r} -> GPU {r % n}" for r in range(size))
+    return head
+
+
 def bind_backend(backend, rank: int) -> Backend:
     """The Backend rank ``rank`` computes with (NumPy has no device; JAX/CuPy get ``rank % n``)."""
     if isinstance(backend, Backend):

@@ -23,6 +23,7 @@ import sys
 from minidist import trace
 from minidist.backend import BACKENDS
 from minidist.comm import run, under_mpi
+from minidist.comm.devices import describe_binding
 
 # -- argument types: a bad value is an argparse error naming the flag and the allowed range -------
 
@@ -135,13 +136,23 @@ def _traced(main_rank_fn):
     return rank_fn
 
 
+def _with_header(rank_fn):
+    """Rank 0 first prints where the lesson runs: transport, backend, each rank's device."""
+    def with_header(comm, args):
+        if comm.rank == 0:
+            print(describe_binding(comm.backend, comm.size, comm.transport), flush=True)
+        return rank_fn(comm, args)
+    return with_header
+
+
 def launch(main_rank_fn, args) -> list:
     """Run ``main_rank_fn(comm, args)`` on every rank (MPI under mpirun, else ``args.ranks`` threads).
 
     Returns the ranks' results; exits with status 1 (``SystemExit``) when a rank returned False,
     i.e. ``finish`` saw a failed check."""
     fn = _traced(main_rank_fn) if getattr(args, "trace", None) else main_rank_fn
-    results = run(fn, ranks=getattr(args, "ranks", None), backend=getattr(args, "backend", None), args=args)
+    results = run(_with_header(fn), ranks=getattr(args, "ranks", None),
+                  backend=getattr(args, "backend", None), args=args)
     if any(r is False for r in results):
         raise SystemExit(1)
     return results

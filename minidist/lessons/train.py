@@ -18,6 +18,8 @@ import time
 import numpy as np
 
 from minidist import estimates, optim
+from minidist.backend import default_backend
+from minidist.comm.devices import describe_binding
 from minidist.data import BatchLoader, ByteTokenizer, SyntheticTask, TextDataset
 from minidist.lessons.cli import nonnegative_int, positive_float, positive_int
 from minidist.nn import GPT, GPTConfig
@@ -92,6 +94,7 @@ def main(argv=None):
     cfg = GPTConfig(vocab_size=vocab, block_size=block, n_layer=args.layers, n_head=args.heads,
                     d_model=args.d_model, seed=args.seed)
     model = GPT(cfg)
+    print(describe_binding(default_backend(), 1, "one process"))
     print(f"GPT: {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, context {block}, "
           f"{model.num_parameters():,} parameters; {len(data)} training windows")
     loader = BatchLoader(data, args.batch, seed=args.seed)
