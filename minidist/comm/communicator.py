@@ -143,7 +143,7 @@ class Communicator:
         self.agreed_crowded = None      # cost.agreed_crowded's answer, once the ranks agreed on it
         self.scratch: dict = {}         # dtype -> reusable work buffer of the collectives
         self.expected_wait = None       # why a long wait is expected now (no "still waiting" line): patient()
-        link.attach(self)               # an emulated slow link (MINIDIST_LINK), if any: link.py
+        self.link = link.current_link()  # an emulated slow link (MINIDIST_LINK) each send pays, or None
 
     # -- the transport interface (see the module docstring) ------------------------------------
     def isend_buffer(self, buf: np.ndarray, dest: int, tag: int = 0, *, header: bool = False,

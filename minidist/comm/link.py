@@ -10,15 +10,15 @@ now true by construction -- so a 1 Gb/s link between datacenters or a 100 Gb/s N
 emulated, and ``predict_all_reduce`` (the cost model's round and byte counts) checked against it.
 
 The sender sleeps (its outgoing link is busy), so the messages of one rank go one after another and
-different ranks' messages in parallel, as on a full-duplex network. ``Communicator.__init__``
-calls ``attach``: without a link nothing is wrapped and sends cost nothing extra.
+different ranks' messages in parallel, as on a full-duplex network. Each communicator holds the
+link it was created with (``comm.link``); a transport's send pays ``comm.link.pause(nbytes)`` before
+the message leaves, and without a link (``None``) sends cost nothing extra.
 Keys: ``alpha_us`` (default 0), and one of ``gbps`` / ``mbps`` (bits per second) or ``gBps`` (bytes).
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import dataclass
 
@@ -92,29 +92,3 @@ def set_link(spec) -> Link | None:
     previous = current_link()
     _CURRENT[0] = parse_link(spec) if isinstance(spec, str) or spec is None else spec
     return previous
-
-
-_inside = threading.local()  # inside a wrapped sendrecv_buffer: its own isend is already paid for
-
-
-def attach(comm) -> None:
-    """Make ``comm`` pay the current link on every message it sends (no link: nothing changes)."""
-    link = comm.link = current_link()
-    if link is None:
-        return
-    isend, sendrecv = comm.isend_buffer, comm.sendrecv_buffer
-
-    def isend_buffer(buf, dest, tag=0, **kw):
-        if not getattr(_inside, "active", False):
-            link.pause(buf.nbytes)
-        return isend(buf, dest, tag, **kw)
-
-    def sendrecv_buffer(sendbuf, dest, recvbuf, source, tag=0, **kw):
-        link.pause(sendbuf.nbytes)
-        _inside.active = True
-        try:
-            return sendrecv(sendbuf, dest, recvbuf, source, tag, **kw)
-        finally:
-            _inside.active = False
-
-    comm.isend_buffer, comm.sendrecv_buffer = isend_buffer, sendrecv_buffer

@@ -235,6 +235,8 @@ class MPIComm(Communicator):
 
     # -- the transport interface ---------------------------------------------------------------
     def isend_buffer(self, buf, dest, tag=0, *, header=False, count=True) -> Request:
+        if self.link is not None:
+            self.link.pause(buf.nbytes)  # the emulated link is busy for alpha + bytes / bandwidth
         reqs, keep = [], [buf]
         if header:
             h = encode_header(buf)
@@ -259,6 +261,8 @@ class MPIComm(Communicator):
         size of what arrived is checked from MPI's status."""
         if header:
             return super().sendrecv_buffer(sendbuf, dest, recvbuf, source, tag, header=True)
+        if self.link is not None:
+            self.link.pause(sendbuf.nbytes)
         t = self.base + 2 * tag + 1
         reqs = [self.mpi.Irecv(_bytes(recvbuf), source, t), self.mpi.Isend(_bytes(sendbuf), dest, t)]
         self.ledger.count_sendrecv(sendbuf.nbytes, recvbuf.nbytes)

@@ -169,6 +169,8 @@ class ThreadComm(Communicator):
         return (self.ctx, self.members[src], self.members[dst], tag)
 
     def isend_buffer(self, buf, dest, tag=0, *, header=False, count=True) -> Request:
+        if self.link is not None:
+            self.link.pause(buf.nbytes)  # the emulated link is busy for alpha + bytes / bandwidth
         if self.world.failed is not None:
             raise RankAborted(f"rank {self.rank}: rank {self.world.failed} failed; not sending to {dest}")
         key = self._key(self.rank, dest, tag)

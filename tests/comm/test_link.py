@@ -127,6 +127,9 @@ for _ in range(2):  # the second round trip is timed
 if comm.rank == 0:
     print(f"round trip {dt:.6f}", flush=True)
 print(f"rank {comm.rank} paid {sum(n == x.nbytes for n in paid)}", flush=True)
+paid.clear()
+comm.sendrecv_buffer(x, 1 - comm.rank, np.empty_like(x), 1 - comm.rank)  # the collectives' exchange
+print(f"rank {comm.rank} sendrecv paid {sum(n == x.nbytes for n in paid)}", flush=True)
 """
 
 
@@ -148,3 +151,4 @@ def test_the_link_delays_mpi_messages_too(tmp_path):
     # that each send pays once (2 round trips: 2 messages per rank) is counted
     assert len(times) == 1 and want <= times[0] < 2 * want + 0.05, (res.stdout, want)
     assert "rank 0 paid 2" in res.stdout and "rank 1 paid 2" in res.stdout, res.stdout
+    assert "rank 0 sendrecv paid 1" in res.stdout and "rank 1 sendrecv paid 1" in res.stdout, res.stdout
