@@ -106,7 +106,21 @@ def kernels() -> dict:
     opt = AdamW([p], lr=1e-3)
     adam = _median_time(opt.step, 5) / p.size
     return {"linear_flops": lin, "gelu": gelu, "layer_norm": ln, "elementwise": add, "attention_score": attn,
-            "cross_entropy": ce_t, "adamw": adam}
+            "cross_entropy": ce_t, "adamw": adam, **python_costs()}
+
+
+def python_costs() -> dict:
+    """Seconds of Python (autograd, dispatch, small-array bookkeeping) in the forward + backward of
+    one GPT block (`python_block`) and of the embedding + head + loss (`python_ends`): a GPT so small
+    (width 8, 4 tokens) that its arithmetic is nothing, with 1 and with 3 blocks."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 8, (1, 4))
+    t = {}
+    for n in (1, 3):
+        model = GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=n, n_head=2, d_model=8))
+        t[n] = _median_time(lambda model=model: model.loss(ids, ids).backward(), 5)
+    block = max((t[3] - t[1]) / 2, 0.0)
+    return {"python_block": block, "python_ends": max(t[1] - block, 0.0)}
 
 
 def allreduce_alpha_beta(ranks: int = 2) -> tuple[float, float]:
@@ -126,18 +140,19 @@ def allreduce_alpha_beta(ranks: int = 2) -> tuple[float, float]:
     return max(float(alpha), 1e-7), max(float(beta), 1e-12)
 
 
-def effective_cores(threads: int, minidist_ops: bool = False) -> float:
+def effective_cores(threads: int, minidist_ops: bool = False, batch: int = 8) -> float:
     """How many cores' worth of work `threads` threads really get at once: the same work on one
     thread, then on `threads` threads together. Plain matmuls (NumPy releases the GIL inside BLAS):
     the core count on an idle machine, less when other programs keep the cores busy -- what MPI
     ranks, one process each, get. `minidist_ops=True`: forward + backward of minidist layers, whose
-    Python (autograd, small ops) runs one thread at a time -- what ranks on the threads transport get."""
+    Python (autograd, small ops) runs one thread at a time -- what ranks on the threads transport get;
+    `batch` sequences of 64 tokens each (small batches: short kernels, many GIL hand-offs)."""
     import threading
 
     rng = np.random.default_rng(0)
     a = rng.standard_normal((192, 192)).astype(np.float32)
     model = GPT(GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=4, d_model=128))
-    ids = rng.integers(0, 64, (8, 64))
+    ids = rng.integers(0, 64, (batch, 64))
 
     def work():
         if not minidist_ops:
@@ -154,7 +169,8 @@ def effective_cores(threads: int, minidist_ops: bool = False) -> float:
         for t in ts:
             t.join()
     one = _median_time(work, 3, min_time=0)
-    return max(1.0, min(float(threads), threads * one / _median_time(together, 3, min_time=0)))
+    # below 1 is possible: handing the GIL over costs time of its own
+    return max(1.0 / threads, min(float(threads), threads * one / _median_time(together, 3, min_time=0)))
 
 
 def cpu_name() -> str:
@@ -177,7 +193,9 @@ def calibrate(path: str = CALIBRATION_PATH) -> dict:
     alpha, beta = allreduce_alpha_beta()
     cores = len(os.sched_getaffinity(0))
     c = {"cpu": cpu_name(), "cores": cores, "cores_free": effective_cores(cores),
-         "cores_threads": effective_cores(cores, minidist_ops=True), "flops": matmul_flops(),
+         "cores_threads": effective_cores(cores, minidist_ops=True),
+         "cores_threads_crowded": effective_cores(4 * cores, minidist_ops=True, batch=2),
+         "flops": matmul_flops(),
          "mem_bandwidth": mem_bandwidth(), "op_overhead": op_overhead(), "alpha": alpha, "beta": beta,
          "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "time": time.time(),
          "kernels": kernels(), "load": os.getloadavg()[0]}
@@ -194,7 +212,8 @@ def calibrate(path: str = CALIBRATION_PATH) -> dict:
 def main() -> None:
     c = calibrate()
     print(f"{c['cpu']}, {c['cores']} cores ({c['cores_free']:.1f} free to processes, "
-          f"{c['cores_threads']:.1f} to minidist's thread ranks):")
+          f"{c['cores_threads']:.1f} to {c['cores']} of minidist's thread ranks, "
+          f"{c['cores_threads_crowded']:.1f} to {4 * c['cores']}):")
     print(f"  matmul {c['flops'] / 1e9:.1f} GFLOP/s (one thread), memory "
           f"{c['mem_bandwidth'] / 1e9:.1f} GB/s, op overhead {c['op_overhead'] * 1e6:.1f} us, all-reduce "
           f"alpha {c['alpha'] * 1e6:.1f} us, beta {1 / c['beta'] / 1e9:.2f} GB/s")

@@ -74,6 +74,8 @@ class Hardware:
     op_overhead: float = 0.0       # seconds per op (forward + backward) outside the math: Python, dispatch
     cores: float = 0               # cores the ranks share (0: one chip per rank, nothing shared); for
                                    # this machine, the cores' worth calibrate found free
+    cores_crowded: float = 0       # thread ranks, once they outnumber the CPUs: the cores' worth they get
+    cpus: int = 0                  # this machine's CPUs (0: not a shared machine)
     kernels: dict | None = field(default=None, compare=False)  # measured minidist op rates (calibrate)
     gil: bool = False              # ranks are threads of one Python process (their Python runs in turn)
     sources: tuple = field(default=(), compare=False)
@@ -121,8 +123,9 @@ CALIBRATION_PATH = os.path.join(os.path.expanduser("~"), ".cache", "minidist", "
 def here(path: str | None = None, transport: str = "threads") -> Hardware:
     """This machine, from the calibration file `python -m minidist.calibrate` wrote (one rank = one
     chip; the 'intra' link is the threads transport's measured all-reduce alpha/beta). `transport`:
-    "threads" (ranks share one Python: the cores they really get is `cores_threads`, and their ops'
-    fixed costs add up) or "mpi" (one process per rank: `cores_free`)."""
+    "threads" (ranks share one Python: the cores they really get is `cores_threads`, or
+    `cores_threads_crowded` once they outnumber the CPUs; their ops' fixed costs add up) or "mpi"
+    (one process per rank: `cores_free`)."""
     path = path or CALIBRATION_PATH
     if not os.path.exists(path):
         raise FileNotFoundError(f"no calibration at {path}: run `python -m minidist.calibrate` first "
@@ -134,6 +137,7 @@ def here(path: str | None = None, transport: str = "threads") -> Hardware:
                     c["mem_bandwidth"], intra=link, inter=link, chips_per_domain=10**6,
                     gemm_efficiency=1.0, op_overhead=c["op_overhead"],
                     cores=c.get("cores_threads" if transport == "threads" else "cores_free", c["cores"]),
+                    cores_crowded=c.get("cores_threads_crowded", 0.0), cpus=c["cores"],
                     kernels=c.get("kernels"), gil=transport == "threads", sources=("calibrate",))
 
 

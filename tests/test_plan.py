@@ -332,13 +332,63 @@ def test_here_reads_the_calibration_as_written(tmp_path):
 
     from minidist import hardware
 
-    c = {"cpu": "X", "cores": 4, "cores_free": 3.5, "cores_threads": 1.2, "flops": 5e10,
+    c = {"cpu": "X", "cores": 4, "cores_free": 3.5, "cores_threads": 1.2, "cores_threads_crowded": 0.9,
+         "flops": 5e10,
          "mem_bandwidth": 2e10, "op_overhead": 1e-5, "alpha": 2e-5, "beta": 1e-9, "kernels": {"adamw": 1e-9}}
     path = tmp_path / "c.json"
     path.write_text(json.dumps(c))
     threads, mpi = hardware.here(str(path)), hardware.here(str(path), transport="mpi")
     assert (threads.cores, threads.gil, mpi.cores, mpi.gil) == (1.2, True, 3.5, False)
+    assert (threads.cores_crowded, threads.cpus) == (0.9, 4)
     assert threads.intra.bandwidth == pytest.approx(1e9) and threads.intra.latency == 2e-5
     assert threads.peak_flops == 5e10
     with pytest.raises(FileNotFoundError, match="python -m minidist.calibrate"):
         hardware.here(str(tmp_path / "missing.json"))
+
+
+def _hand_machine(**sharing):
+    """A machine whose numbers are easy to add up by hand: arithmetic is free, a block's Python costs
+    1 ms (forward + backward), the embedding's and the head's 1 ms each (2 ms together), every
+    collective step 1 ms and its bytes nothing, the update nothing."""
+    from minidist.hardware import Hardware, Link
+
+    link = Link(1e30, 1e-3, "hand")
+    k = {"linear_flops": 1e30, "gelu": 0.0, "layer_norm": 0.0, "elementwise": 0.0, "attention_score": 0.0,
+         "cross_entropy": 0.0, "adamw": 0.0, "python_block": 1e-3, "python_ends": 2e-3}
+    return Hardware("hand", 1e12, 1e12, 1e12, intra=link, inter=link, chips_per_domain=10**6,
+                    gemm_efficiency=1.0, kernels=k, **sharing)
+
+
+def test_step_time_here_when_ranks_share_the_cores_adds_up_by_hand():
+    """SPEC = embedding, 2 blocks, head: 4 ms of Python per microbatch. A ring all-reduce over p ranks:
+    2(p-1) steps of 1 ms. Alone (one chip per rank) the DP all-reduce hides under the backward (2/3 of
+    the work); shared, each rank runs ranks/cores times slower and nothing hides."""
+    from minidist.plan.steptime import predict
+
+    alone = _hand_machine()
+    threads = _hand_machine(cores=1.5, cores_crowded=0.5, cpus=2, gil=True)
+    mpi = _hand_machine(cores=1.6, cores_crowded=0.5, cpus=2, gil=False)
+    one = Candidate(microbatch=8)
+    dp8, dp2 = Candidate(dp=8, microbatch=1), Candidate(dp=2, microbatch=4)
+    assert predict(SPEC, one, B, alone).step == pytest.approx(4e-3)
+    assert predict(SPEC, dp8, B, alone).step == pytest.approx(4e-3 + (14e-3 - 2 / 3 * 4e-3))
+    # 8 thread ranks on 2 CPUs: the crowded cores (0.5) -> 16 x slower, the all-reduce's 14 ms too
+    assert predict(SPEC, dp8, B, threads).step == pytest.approx(8 / 0.5 * (4e-3 + 14e-3))
+    # 8 processes: the free cores (1.6), no GIL
+    assert predict(SPEC, dp8, B, mpi).step == pytest.approx(8 / 1.6 * (4e-3 + 14e-3))
+    # 2 thread ranks fit on the 2 CPUs: 1.5 cores' worth
+    assert predict(SPEC, dp2, B, threads).step == pytest.approx(2 / 1.5 * (4e-3 + 2e-3))
+
+
+def test_pipeline_bubble_is_not_stretched_when_ranks_share_the_cores():
+    """pp=2: stages [embedding, block] and [block, head], 2 ms of Python per microbatch each. Shared,
+    the ranks' busy time stretches by ranks / cores; the bubble (a rank idles, its core serves the
+    other) does not."""
+    from minidist.plan.steptime import predict
+
+    cand = Candidate(pp=2, microbatch=2)  # 4 microbatches
+    alone = predict(SPEC, cand, B, _hand_machine())
+    shared = predict(SPEC, cand, B, _hand_machine(cores=1.5, cpus=2, gil=True))
+    busy = 4 * 2e-3
+    assert alone.step > busy  # a bubble and point-to-point waits exist to leave unstretched
+    assert shared.step == pytest.approx(2 / 1.5 * busy + (alone.step - busy))

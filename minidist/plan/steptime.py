@@ -7,9 +7,10 @@ Per pipeline stage and microbatch (chunk):
 Memory-bound ops (norms, GELU, softmax, dropout, residuals) move each saved activation about three
 times (written in forward, read and its gradient written in backward): 3 · activation bytes / HBM
 bandwidth. On this machine (`--hardware here`) every op also costs `op_overhead` (Python and
-dispatch), and when ranks outnumber the cores they really get (`cores`: for thread ranks,
-calibrate measures how much their Python lets them run at once) the step is at least all ranks'
-work divided by those cores.
+dispatch: calibrate's measured Python per block and for the embedding + head), and when the ranks
+share too few cores every rank's work and messages run ranks / cores times slower, the bubble not
+(`rank_slowdown`: processes get the free cores; thread ranks share one GIL, and once they outnumber
+the CPUs their Python, kernels and messages take turns -- calibrate measures the cores they get).
 
 The pipeline is then *simulated* (`minidist.parallel.simulate.simulate`) on the candidate's real
 schedule with those stage times and the point-to-point time of one activation, which gives the
@@ -156,9 +157,41 @@ def kernel_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int) -> 
         else:
             t += 3 * tokens * h * k["elementwise"]
             ops += 3
-    t += ops * hw.op_overhead
+    t += python_time(model, cand, hw, stage, ops)
     fwd, bwd = t / 3, 2 * t / 3
     return fwd, bwd + (fwd if cand.checkpoint == "full" else 0.0)  # recomputation: one more forward
+
+
+def python_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int, ops: int) -> float:
+    """Seconds of Python in one microbatch's forward + backward through one stage: calibrate's measured
+    Python per block and for the embedding + head (half each), or, from an older calibration, `ops` x
+    the fixed cost of one tiny op."""
+    k = hw.kernels or {}
+    if "python_block" not in k:
+        return ops * hw.op_overhead
+    kinds = [layer_kinds(model)[i] for i in stage_layers(model, cand)[stage]]
+    blocks = kinds.count("block")
+    return blocks * k["python_block"] + (len(kinds) - blocks) * k["python_ends"] / 2
+
+
+def rank_slowdown(hw: Hardware, ranks: int) -> float:
+    """How many times slower each of `ranks` ranks runs when they share this machine's cores: ranks /
+    the cores' worth of work they get together (1 where every rank has its own chip).
+
+    Processes (`mpirun`) get `hw.cores` (what calibrate found free). Thread ranks share one GIL:
+    only one runs Python at a time, and every time one releases it for a NumPy kernel another must
+    be woken to take it. While the ranks fit on the cores that hand-off is quick and `hw.cores` (two
+    ranks of minidist ops at once, measured) holds; once they outnumber the cores, the rank woken for
+    the GIL has to wait for a core that other ranks' kernels hold, so Python, kernels and messages
+    end up taking turns: `hw.cores_crowded`, measured by calibrate with 4 x cores thread ranks of
+    a small minidist GPT (0.8 of a core on a 2-vCPU machine: the hand-offs cost more than they save).
+    Messages between thread ranks are Python too: they stretch with the rest."""
+    if not hw.cores:
+        return 1.0
+    cores = hw.cores
+    if hw.gil and hw.cpus and ranks > hw.cpus and hw.cores_crowded:
+        cores = hw.cores_crowded
+    return max(1.0, ranks / cores)
 
 
 def memory_bound_bytes(model: ModelSpec, cand: Candidate, stage: int, settings: Settings) -> float:
@@ -225,22 +258,20 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
         makespan = (m + (cand.pp - 1) / v) * (fwd + bwd)
         bubble = (cand.pp - 1) / (v * m + cand.pp - 1)
     busy = m * (fwd + bwd)
-    if hw.cores and cand.chips > hw.cores:
-        # more ranks than cores: the step can't be shorter than all ranks' work on the cores there
-        # are (idle ranks in the bubble leave their core to the busy ones, so the bubble is no
-        # longer the limit when the cores are what is scarce)
-        work = cand.dp * cand.tp * cand.cp * sum(
-            m * sum(_stage_math(model, cand, hw, s, settings)[:2]) for s in range(cand.pp))
-        makespan = max(makespan, work / hw.cores)
-        bubble = min(bubble, max(0.0, 1 - busy / makespan))
-    dp = max(st.axis("dp") for st in stages)
-    # DP traffic starts in the last microbatch's backward; ZeRO-3's gathers hide under all of compute
-    dp_exposed = max(0.0, dp - bwd / v) if cand.zero < 3 else max(0.0, dp - busy)
-    update = _optimizer_time(model, cand, hw, settings, mem)
-    if hw.cores and cand.chips > hw.cores:
-        update *= cand.chips / hw.cores  # every rank updates its own state at the same moment
+    slow = rank_slowdown(hw, cand.chips)
+    if slow > 1:  # every rank's work (its math, Python and messages) runs `slow` times slower; idle time
+        idle = makespan - busy  # (bubble, waiting for sends) leaves its core to the others: not stretched
+        bubble *= makespan / (slow * busy + idle)
+        makespan, busy = slow * busy + idle, slow * busy
+    dp = slow * max(st.axis("dp") for st in stages)
+    # DP traffic starts in the last microbatch's backward; ZeRO-3's gathers hide under all of compute.
+    # Not when the ranks share too few cores: copying and reducing is work that takes its turn with the rest
+    hidden = 0.0 if slow > 1 else (bwd / v if cand.zero < 3 else busy)
+    dp_exposed = max(0.0, dp - hidden)
+    update = slow * _optimizer_time(model, cand, hw, settings, mem)  # every rank updates at the same moment
     step = makespan + dp_exposed + update
-    comm = {ax: max(st.axis(ax, ("forward", "backward")) for st in stages) for ax in ("tp", "cp", "ep")}
+    comm = {ax: slow * max(st.axis(ax, ("forward", "backward")) for st in stages)
+            for ax in ("tp", "cp", "ep")}
     pp_wait = makespan - busy - bubble * makespan  # idle beyond the bubble: waiting for sends
     comm["pp"] = pp_wait if cand.pp > 1 and pp_wait > 1e-9 * makespan else 0.0
     comm["dp"] = dp_exposed
@@ -248,7 +279,7 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
     tokens = batch * model.seq
     model_flops = model.model_flops_per_token() * tokens
     recompute = 4 / 3 if cand.checkpoint == "full" else 1.0  # one more forward of three passes
-    compute = m * max(st.fwd + st.bwd for st in stages)
+    compute = slow * m * max(st.fwd + st.bwd for st in stages)
     return Prediction(cand, mem, mem["total"] <= hw.hbm_bytes, step, compute, comm, bubble * makespan, bubble,
                       model_flops / (cand.chips * hw.peak_flops * step), tokens / step,
                       model_flops * recompute / cand.chips / step / 1e12)
