@@ -120,7 +120,28 @@ def python_costs() -> dict:
         model = GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=n, n_head=2, d_model=8))
         t[n] = _median_time(lambda model=model: model.loss(ids, ids).backward(), 5)
     block = max((t[3] - t[1]) / 2, 0.0)
-    return {"python_block": block, "python_ends": max(t[1] - block, 0.0)}
+    return {"python_block": block, "python_ends": max(t[1] - block, 0.0), **step_python(ids, t)}
+
+
+def step_python(ids, fwd_bwd: dict) -> dict:
+    """Seconds of Python a training step spends outside the model's forward + backward: per parameter
+    tensor (`python_tensor`: AdamW, DDP's gradient buckets, zeroing) and once (`python_step`: the
+    schedule's bookkeeping). `train_3d` on one thread rank of the same tiny GPTs as `python_costs`
+    (17 and 41 tensors), less their forward + backward (`fwd_bwd`, by block count)."""
+    from minidist.parallel.three_d import train_3d
+
+    rest = {}
+    for n in (1, 3):
+        cfg = GPTConfig(vocab_size=8, block_size=4, n_layer=n, n_head=2, d_model=8)
+
+        def body(comm, cfg=cfg):
+            marks = []
+            train_3d(comm, cfg, [(ids, ids)] * 15, optimizer="adamw", lr=1e-3,
+                     on_step=lambda s, st: marks.append(time.perf_counter()))
+            return float(np.median(np.diff(marks)[2:]))
+        rest[n] = run(body, ranks=1)[0] - fwd_bwd[n]
+    per_tensor = max((rest[3] - rest[1]) / (41 - 17), 0.0)
+    return {"python_tensor": per_tensor, "python_step": max(rest[1] - 17 * per_tensor, 0.0)}
 
 
 def allreduce_alpha_beta(ranks: int = 2) -> tuple[float, float]:

@@ -233,10 +233,16 @@ def _stages(model, cand, batch, hw, settings, m) -> list[_Stage]:
 
 
 def _optimizer_time(model, cand, hw, settings, mem) -> float:
-    """The update: read and write the state once (HBM bandwidth), or this machine's measured AdamW."""
+    """The update: read and write the state once (HBM bandwidth), or this machine's measured AdamW and
+    the step's Python outside the model (per parameter tensor and once)."""
     if hw.kernels is not None and model.engine == "minidist":  # SGD: about a quarter of AdamW's work
-        rate = hw.kernels["adamw"] * (1.0 if settings.optimizer == "adamw" else 0.25)
-        return mem["params"] / model.dtype_bytes * rate
+        k = hw.kernels
+        rate = k["adamw"] * (1.0 if settings.optimizer == "adamw" else 0.25)
+        kinds = layer_kinds(model)  # parameter tensors: 12 per block, 2 in the embedding, 3 in the head
+        tensors = max(sum({"block": 12, "embed": 2, "head": 3}[kinds[i]] for i in layers)
+                      for layers in stage_layers(model, cand))
+        python = tensors * k.get("python_tensor", 0.0) + k.get("python_step", 0.0)
+        return mem["params"] / model.dtype_bytes * rate + python
     return 2.0 * sum(mem[k] for k in ("params", "grads", "optimizer")) / hw.hbm_bandwidth
 
 
@@ -263,6 +269,13 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
         idle = makespan - busy  # (bubble, waiting for sends) leaves its core to the others: not stretched
         bubble *= makespan / (slow * busy + idle)
         makespan, busy = slow * busy + idle, slow * busy
+    if hw.gil and hw.kernels is not None and model.engine == "minidist":
+        # thread ranks: one GIL, so all ranks' Python runs one after another, however many cores
+        ranks_per_stage = cand.dp * cand.tp * cand.cp
+        gil = ranks_per_stage * m * sum(python_time(model, cand, hw, s, 0) for s in range(cand.pp))
+        if gil > makespan:
+            bubble *= makespan / gil
+            makespan = gil
     dp = slow * max(st.axis("dp") for st in stages)
     # DP traffic starts in the last microbatch's backward; ZeRO-3's gathers hide under all of compute.
     # Not when the ranks share too few cores: copying and reducing is work that takes its turn with the rest
