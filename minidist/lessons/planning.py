@@ -32,6 +32,7 @@ from minidist.plan import ModelSpec, Settings, collectives, memory, plan
 from minidist.plan.__main__ import plot, table
 from minidist.plan.mesh import stage_activation_peak, stage_param_counts
 from minidist.plan.search import candidates
+from minidist.plan.steptime import rank_slowdown
 from minidist.testing import max_state_diff, train_serial
 
 
@@ -58,7 +59,7 @@ def rank_main(comm, args):
                                    microbatches=(1, 2, 4)) if c.schedule == "1f1b"]
     preds = plan(model, comm.size, args.batch, hw, Settings("adamw"), top=6, cands=cands)
     rprint(comm, f"{model.name}: {model.params():,} parameters, batch {args.batch} x {args.seq} tokens, "
-                 f"{comm.size} ranks on {hw.name}, {hw.cores:.1f} cores free to them")
+                 f"{comm.size} ranks on {hw.name}, {cores_for(hw, comm.size):.1f} cores' worth free to them")
     rprint(comm, table(preds, 6, args.batch, hw))
     if args.plot and comm.rank == 0:
         plot(preds, args.plot, 6, hw.hbm_bytes)
@@ -123,9 +124,15 @@ def report(args, cfg, model, best, everyone, state, data, hw) -> bool:
     ratio = best.step / step
     print(f"step time: predicted {best.step * 1e3:.1f} ms, measured median {step * 1e3:.1f} ms, ratio "
           f"{ratio:.2f} -> {'MET' if abs(ratio - 1) <= 0.3 else 'MISSED'} the 30% target "
-          f"(load average now {os.getloadavg()[0]:.1f}, {hw.cores:.1f} cores free to the ranks)")
+          f"(load average now {os.getloadavg()[0]:.1f}, {cores_for(hw, len(everyone)):.1f} cores' worth free "
+          f"to the {len(everyone)} ranks)")
     print(f"bytes and memory: {'PASS' if ok else 'FAIL'} (exact)")
     return ok
+
+
+def cores_for(hw, ranks: int) -> float:
+    """The cores' worth of work `ranks` ranks get together here (the planner's `rank_slowdown`)."""
+    return ranks / rank_slowdown(hw, ranks) if hw.cores else float(ranks)
 
 
 def ensure_calibrated() -> None:
