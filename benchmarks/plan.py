@@ -57,7 +57,8 @@ def here_rows(args):
     spec = ModelSpec("bench", n_layer=4, d_model=128, n_head=4, vocab=256, seq=64, engine="minidist",
                      dtype_bytes=4)
     batch = 16
-    print(f"here: {hw.name}, {hw.cores:.1f} cores free to thread ranks, load average now "
+    print(f"here: {hw.name}, {hw.cores:.1f} cores free to thread ranks ({hw.cores_crowded:.1f} once they "
+          f"outnumber the {hw.cpus} CPUs), load average now "
           f"{os.getloadavg()[0]:.1f} (calibrated at {hw_load():.1f}); GPT {cfg.n_layer}x{cfg.d_model}, "
           f"batch {batch}x{cfg.block_size}")
     print(f"{'mesh':<22} {'predicted s':>11} {'measured s':>10} {'ratio':>6}  within 30%")

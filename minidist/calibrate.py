@@ -3,7 +3,10 @@
 Measures: float32 matmul FLOP/s, memory bandwidth (a large copy), the cost of one autograd op
 outside its arithmetic (forward + backward of a tiny add: Python and dispatch), the rates minidist's
 own kernels reach (`kernels`: linear, GELU, layer norm, attention scores, cross-entropy, AdamW --
-the planner's compute model for the "minidist" engine is a sum of these), and the threads
+the planner's compute model for the "minidist" engine is a sum of these, with the Python of a block,
+of the embedding + head, and of a training step per parameter tensor), how many cores' worth of work
+processes and thread ranks get (thread ranks twice: as many as the CPUs, and 4 x as many, where
+handing the GIL over costs more than the cores give), and the threads
 transport's ring all-reduce alpha (seconds per step) and beta (seconds per byte) by a least-squares
 fit over message sizes. The load average is recorded: on a busy machine every number is slower. Writes them to
 ~/.cache/minidist/calibration.json (`minidist.hardware.CALIBRATION_PATH`); `minidist.hardware.here()`
