@@ -27,6 +27,7 @@ from minidist.comm import all_reduce, run
 from minidist.hardware import CALIBRATION_PATH
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
+from minidist.parallel.three_d import train_3d
 from minidist.tensor import Tensor
 
 
@@ -131,8 +132,6 @@ def step_python(ids, fwd_bwd: dict) -> dict:
     tensor (`python_tensor`: AdamW, DDP's gradient buckets, zeroing) and once (`python_step`: the
     schedule's bookkeeping). `train_3d` on one thread rank of the same tiny GPTs as `python_costs`
     (17 and 41 tensors), less their forward + backward (`fwd_bwd`, by block count)."""
-    from minidist.parallel.three_d import train_3d
-
     rest = {}
     for n in (1, 3):
         cfg = GPTConfig(vocab_size=8, block_size=4, n_layer=n, n_head=2, d_model=8)
