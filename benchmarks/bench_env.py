@@ -13,19 +13,8 @@ and after, so a reader can tell a quiet run from a busy one.
 from __future__ import annotations
 
 import os
-import platform
 
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux), else what ``platform`` knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from minidist.calibrate import cpu_name as cpu_model  # one reader of /proc/cpuinfo
 
 
 def blas() -> str:
