@@ -246,6 +246,12 @@ def _rows(a):
     return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
 
 
+def _stacked(a, w) -> bool:
+    """Would ``a @ w`` run several GEMMs (a stack of matrices times one matrix)? Then fold the stack
+    into rows: one GEMM. A single matrix (one token while decoding) skips the reshapes."""
+    return w.ndim == 2 and a.ndim > 2 and math.prod(a.shape[:-2]) > 1
+
+
 def _check_matmul(a, b):
     if a.ndim == 0 or b.ndim == 0 or a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
         raise ValueError(f"matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} don't match: the last "
@@ -299,7 +305,7 @@ class Linear(Function):
     def forward(ctx, x, w, b=None):
         _check_matmul(x, w)
         ctx.save(x if ctx.needs_grad[1] else None, w if ctx.needs_grad[0] else None)
-        out = x @ w if w.ndim != 2 or x.ndim < 3 else (_rows(x) @ w).reshape(x.shape[:-1] + w.shape[1:])
+        out = (_rows(x) @ w).reshape(x.shape[:-1] + w.shape[1:]) if _stacked(x, w) else x @ w
         if b is not None:
             if backend_of(out).inplace:
                 out += b
@@ -313,7 +319,7 @@ class Linear(Function):
         g2 = _rows(g)
         gx = None
         if ctx.needs_grad[0]:
-            gx = g @ w.T if w.ndim != 2 or g.ndim < 3 else (g2 @ w.T).reshape(g.shape[:-1] + w.shape[:1])
+            gx = (g2 @ w.T).reshape(g.shape[:-1] + w.shape[:1]) if _stacked(g, w) else g @ w.T
         gw = _rows(x).T @ g2 if ctx.needs_grad[1] else None
         gb = g2.sum(axis=0) if len(ctx.needs_grad) > 2 and ctx.needs_grad[2] else None
         return gx, gw, gb
