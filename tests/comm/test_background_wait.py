@@ -93,3 +93,13 @@ def test_a_foreground_wait_tests_a_few_times_before_yielding_the_core(monkeypatc
     calls.clear()
     poll(lambda: calls.append(1) or len(calls) > communicator.QUICK_TESTS + 5, _Peerless(), "a slow one")
     assert yields  # a longer wait does yield: the spin phase leaves the core to runnable ranks
+
+
+def test_a_crowded_host_yields_at_once_instead_of_testing_in_a_row(monkeypatch):
+    # more ranks than cores: the peer that must send may need this very core, so no quick tests
+    monkeypatch.setattr(communicator, "_POLICY", [communicator.WaitPolicy(1e-3, 5e-3, 1e-3, quick=0)])
+    yields = []
+    monkeypatch.setattr(communicator.os, "sched_yield", lambda: yields.append(1))
+    calls = []
+    poll(lambda: calls.append(1) or len(calls) >= 3, _Peerless(), "a message already on its way")
+    assert len(calls) == 3 and len(yields) == 1  # tested, yielded, tested: the third test found it
