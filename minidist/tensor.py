@@ -163,7 +163,7 @@ class Function:
                                               **kwargs))
         arrays = [t.data if isinstance(t, Tensor) else t for t in inputs]
         needs = tuple(isinstance(t, Tensor) and t.requires_grad for t in inputs)
-        record = any(needs) and grad_enabled()
+        record = any(needs)  # gradients are enabled: the no-graph case returned above
         ctx = Context(needs, record)
         out = cls.forward(ctx, *arrays, **kwargs)
         result = Tensor(out, requires_grad=record)
