@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
+from bench_env import Targets, print_machine  # noqa: E402
 
 from minidist.checkpoint import TrainState  # noqa: E402
 from minidist.checkpoint.tiers import Checkpointer, Tier, shm_root  # noqa: E402
@@ -83,7 +85,8 @@ def body(comm, args):
     print(f"  asynchronous:     training stalls {1e3 * async_s:8.1f} ms  (snapshot to host memory); the "
           f"background write takes {1e3 * write_s:.1f} ms")
     ratio = async_s / sync_s
-    print(f"  async stall / sync save = {ratio:.3f}  (target <= 0.10: {'PASS' if ratio <= 0.10 else 'FAIL'})")
+    targets = Targets()
+    targets.check("async stall / sync save", ratio, "<=", 0.10)
     print(f"  a training step: {1e3 * np.median(t_plain):.1f} ms alone, {1e3 * np.median(t_busy):.1f} ms "
           "while the background write runs")
     # recovery per tier
@@ -101,6 +104,7 @@ def body(comm, args):
     shutil.rmtree(mem, ignore_errors=True)
     if not args.disk:
         shutil.rmtree(disk, ignore_errors=True)
+    return targets.exit_code(args.strict)
 
 
 def main():
@@ -108,9 +112,11 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mb", type=float, default=100.0, help="size of the training state")
     ap.add_argument("--disk", help="disk checkpoint directory (default: a temporary one)")
+    ap.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
     args = ap.parse_args()
-    run(body, ranks=1, args=args)
+    print_machine()
+    return run(body, ranks=1, args=args)[0]
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
