@@ -1,10 +1,11 @@
 """The planner against measurement here and published runs there.
 
-    python benchmarks/plan.py [--strict]
+    python benchmarks/plan.py [--mpi] [--strict]
 
 1. Here: `python -m minidist.calibrate` constants (run first if missing), then small minidist GPT
-   trainings on the threads transport for several meshes; measured median step time vs the
-   planner's prediction with `--hardware here` (target: within 30%).
+   trainings on the threads transport for several meshes (`--mpi`: each mesh as `mpirun -n N`
+   processes, more of them than this machine has cores for the larger meshes); measured median
+   step time vs the planner's prediction with `--hardware here` (target: within 30%).
 2. There: the published runs of `minidist.plan.presets.RUNS`, predicted vs reported (target: 25%);
    with --compare, the planner's own best mesh for each and why it differs from the paper's.
 Prints MET/MISSED per row; exits nonzero on a miss only with --strict.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 
@@ -26,8 +28,16 @@ from minidist.nn.gpt import GPTConfig
 from minidist.parallel.three_d import train_3d
 from minidist.plan import RUNS, Candidate, ModelSpec, predict
 
+MESHES = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 4), (4, 1, 1, 1), (2, 2, 2, 2), (8, 1, 1, 1)]
+CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
+SPEC = ModelSpec("bench", n_layer=4, d_model=128, n_head=4, vocab=256, seq=64, engine="minidist",
+                 dtype_bytes=4)
+BATCH = 16
 
-def measure_here(cfg, batch, dp, tp, pp, m, steps=6):
+
+def measure_here(cfg, batch, dp, tp, pp, m, steps=8):
+    """Median step time (the slowest rank's, first step dropped) of `train_3d` on this process's
+    transport: dp·tp·pp thread ranks, or under mpirun the job's processes."""
     rng = np.random.default_rng(0)
     data = [(rng.integers(0, cfg.vocab_size, (batch, cfg.block_size)),) * 2 for _ in range(steps)]
 
@@ -35,10 +45,21 @@ def measure_here(cfg, batch, dp, tp, pp, m, steps=6):
         marks = []
         train_3d(comm, cfg, data, dp=dp, pp=pp, tp=tp, microbatches=m, optimizer="adamw", lr=1e-3,
                  on_step=lambda s, st: marks.append(time.perf_counter()))
-        return np.diff(marks)[1:]  # drop the first step (warm-up)
+        return np.max(comm.allgather_obj(list(np.diff(marks)[1:])), axis=0)  # drop the warm-up step
     with threadpool_limits(1):  # one BLAS thread per rank, also for a single rank (what the planner assumes)
-        times = np.max(np.array(run(body, ranks=dp * tp * pp)), axis=0)
-    return float(np.median(times))
+        return float(np.median(run(body, ranks=dp * tp * pp)[0]))
+
+
+def measure_mpi(dp, tp, pp, m) -> float:
+    """The same under `mpirun -n dp·tp·pp` (this script with --measure): one BLAS thread per process."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    cmd = ["mpirun", "-n", str(dp * tp * pp), sys.executable, os.path.abspath(__file__), "--measure",
+           *map(str, (dp, tp, pp, m))]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("step ")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
+    return float(lines[0].split()[1])
 
 
 def hw_load() -> float:
@@ -52,26 +73,27 @@ def here_rows(args):
     if args.calibrate or not os.path.exists(hardware.CALIBRATION_PATH):
         from minidist.calibrate import calibrate
         calibrate()
-    hw = hardware.here()
-    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
-    spec = ModelSpec("bench", n_layer=4, d_model=128, n_head=4, vocab=256, seq=64, engine="minidist",
-                     dtype_bytes=4)
-    batch = 16
-    print(f"here: {hw.name}, {hw.cores:.1f} cores free to thread ranks ({hw.cores_crowded:.1f} once they "
-          f"outnumber the {hw.cpus} CPUs), load average now "
-          f"{os.getloadavg()[0]:.1f} (calibrated at {hw_load():.1f}); GPT {cfg.n_layer}x{cfg.d_model}, "
-          f"batch {batch}x{cfg.block_size}")
+    hw = hardware.here(transport="mpi" if args.mpi else "threads")
+    if args.mpi:
+        crowds = ", ".join(f"{c.ranks}: {c.cores:.1f}" for c in hw.crowds) or "not probed: recalibrate"
+        print(f"here: {hw.name}, MPI processes ({hw.cpus} CPUs; cores' worth per process count {crowds})",
+              end="")
+    else:
+        print(f"here: {hw.name}, {hw.cores:.1f} cores free to thread ranks ({hw.cores_crowded:.1f} once they "
+              f"outnumber the {hw.cpus} CPUs)", end="")
+    print(f", load average now {os.getloadavg()[0]:.1f} (calibrated at {hw_load():.1f}); "
+          f"GPT {CFG.n_layer}x{CFG.d_model}, batch {BATCH}x{CFG.block_size}")
     print(f"{'mesh':<22} {'predicted s':>11} {'measured s':>10} {'ratio':>6}  within 30%")
     ok = True
-    for dp, tp, pp, m in [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 4), (2, 2, 2, 2), (8, 1, 1, 1)]:
-        cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=batch // (dp * m))
-        pred = predict(spec, cand, batch, hw).step
-        meas = measure_here(cfg, batch, dp, tp, pp, m)
+    for dp, tp, pp, m in MESHES:
+        cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=BATCH // (dp * m))
+        pred = predict(SPEC, cand, BATCH, hw).step
+        meas = measure_mpi(dp, tp, pp, m) if args.mpi else measure_here(CFG, BATCH, dp, tp, pp, m)
         r = pred / meas
         met = abs(r - 1) <= 0.30
         ok &= met
         print(f"dp{dp} tp{tp} pp{pp} m{m:<10} {pred:>11.4f} {meas:>10.4f} {r:>6.2f}  "
-              f"{'MET' if met else 'MISSED'}")
+              f"{'MET' if met else 'MISSED'}", flush=True)
     return ok
 
 
@@ -110,7 +132,14 @@ def main():
     ap.add_argument("--strict", action="store_true", help="exit nonzero if any row misses its target")
     ap.add_argument("--calibrate", action="store_true", help="re-measure this machine first")
     ap.add_argument("--compare", action="store_true", help="also search each published run's best (slow)")
+    ap.add_argument("--mpi", action="store_true", help="run each mesh as mpirun -n N processes, not threads")
+    ap.add_argument("--measure", type=int, nargs=4, metavar=("DP", "TP", "PP", "M"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.measure:  # one mesh, under mpirun (measure_mpi): rank 0 prints its median step
+        step = measure_here(CFG, BATCH, *args.measure)
+        if int(os.environ.get("PMI_RANK", "0")) == 0:
+            print(f"step {step!r}", flush=True)
+        return
     ok = here_rows(args)
     ok &= published_rows()
     if args.compare:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -141,7 +143,7 @@ def step_python(ids, fwd_bwd: dict) -> dict:
             train_3d(comm, cfg, [(ids, ids)] * 15, optimizer="adamw", lr=1e-3,
                      on_step=lambda s, st: marks.append(time.perf_counter()))
             return float(np.median(np.diff(marks)[2:]))
-        rest[n] = run(body, ranks=1)[0] - fwd_bwd[n]
+        rest[n] = run(body, ranks=1, transport="threads")[0] - fwd_bwd[n]
     per_tensor = max((rest[3] - rest[1]) / (41 - 17), 0.0)
     return {"python_tensor": per_tensor, "python_step": max(rest[1] - 17 * per_tensor, 0.0)}
 
@@ -155,7 +157,7 @@ def allreduce_alpha_beta(ranks: int = 2) -> tuple[float, float]:
             x = np.ones(nbytes // 4, np.float32)
             out.append(_median_time(lambda x=x: all_reduce(comm, x, algorithm="ring"), 7, min_time=0))
         return out
-    times = np.array(run(body, ranks=ranks)).max(axis=0)
+    times = np.array(run(body, ranks=ranks, transport="threads")).max(axis=0)
     steps = 2 * (ranks - 1)
     sent = np.array([2 * (ranks - 1) / ranks * s for s in sizes])
     a = np.stack([np.full(len(sizes), steps), sent], axis=1)
@@ -163,15 +165,10 @@ def allreduce_alpha_beta(ranks: int = 2) -> tuple[float, float]:
     return max(float(alpha), 1e-7), max(float(beta), 1e-12)
 
 
-def effective_cores(threads: int, minidist_ops: bool = False, batch: int = 8) -> float:
-    """How many cores' worth of work `threads` threads really get at once: the same work on one
-    thread, then on `threads` threads together. Plain matmuls (NumPy releases the GIL inside BLAS):
-    the core count on an idle machine, less when other programs keep the cores busy -- what MPI
-    ranks, one process each, get. `minidist_ops=True`: forward + backward of minidist layers, whose
-    Python (autograd, small ops) runs one thread at a time -- what ranks on the threads transport get;
-    `batch` sequences of 64 tokens each (small batches: short kernels, many GIL hand-offs)."""
-    import threading
-
+def _work(minidist_ops: bool, batch: int = 8):
+    """A unit of work: 40 plain 192x192 matmuls, or (`minidist_ops`) two forward + backward passes of a
+    one-block minidist GPT (width 128, `batch` sequences of 64 tokens: every kind of op, at a lesson's
+    sizes; small batches mean short kernels and many GIL hand-offs)."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((192, 192)).astype(np.float32)
     model = GPT(GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=4, d_model=128))
@@ -182,8 +179,20 @@ def effective_cores(threads: int, minidist_ops: bool = False, batch: int = 8) ->
             for _ in range(40):
                 a @ a
             return
-        for _ in range(2):  # a GPT's forward + backward: every kind of op, at a lesson's sizes
+        for _ in range(2):
             model.loss(ids, ids).backward()
+    return work
+
+
+def effective_cores(threads: int, minidist_ops: bool = False, batch: int = 8) -> float:
+    """How many cores' worth of work `threads` threads really get at once: the same work (`_work`) on
+    one thread, then on `threads` threads together. Plain matmuls (NumPy releases the GIL inside
+    BLAS): the core count on an idle machine, less when other programs keep the cores busy.
+    `minidist_ops=True`: minidist layers, whose Python (autograd, small ops) runs one thread at a
+    time -- what ranks on the threads transport get. (Processes: `processes.py`'s mpirun probe.)"""
+    import threading
+
+    work = _work(minidist_ops, batch)
 
     def together():
         ts = [threading.Thread(target=work) for _ in range(threads)]
@@ -207,6 +216,20 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def processes() -> list:
+    """The mpirun probe (`minidist.calibrate_mpi`): per process count, the cores' worth and all-reduce
+    links n MPI processes get. [] without mpiexec or if the probe fails (said on stderr): the planner
+    then prices MPI ranks with the free cores and the threads transport's link."""
+    from minidist.calibrate_mpi import probe_processes  # cycle: the probe times with _median_time, _work
+
+    try:
+        return probe_processes()
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        print(f"calibrate: the mpirun probe failed ({e}); MPI step times will use the free cores",
+              file=sys.stderr)
+        return []
+
+
 def calibrate(path: str = CALIBRATION_PATH) -> dict:
     try:
         from threadpoolctl import threadpool_limits
@@ -221,7 +244,7 @@ def calibrate(path: str = CALIBRATION_PATH) -> dict:
          "flops": matmul_flops(),
          "mem_bandwidth": mem_bandwidth(), "op_overhead": op_overhead(), "alpha": alpha, "beta": beta,
          "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "time": time.time(),
-         "kernels": kernels(), "load": os.getloadavg()[0]}
+         "kernels": kernels(), "processes": processes(), "load": os.getloadavg()[0]}
     if limit is not None:
         limit.unregister() if hasattr(limit, "unregister") else None
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -60,6 +60,21 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Crowd:
+    """`ranks` MPI processes at once on this machine, as calibrate's mpirun probe measured them
+    (`minidist.calibrate_mpi`): the cores' worth of minidist work they get together, and per
+    all-reduce algorithm the wall time of its rounds and bytes with all of them running it --
+    `fg` called between computations (tensor parallel), `bg` on the communication thread (DDP)."""
+    ranks: int
+    cores: float
+    links: dict = field(compare=False)  # algorithm -> {"fg": Link, "bg": Link}
+
+    def link(self, algorithm: str, background: bool) -> Link:
+        by = self.links.get(algorithm) or self.links["ring"]
+        return by["bg" if background else "fg"]
+
+
+@dataclass(frozen=True)
 class Hardware:
     name: str
     peak_flops: float            # dense bf16 (or the dtype trained in) FLOP/s per chip
@@ -78,10 +93,27 @@ class Hardware:
     cpus: int = 0                  # this machine's CPUs (0: not a shared machine)
     kernels: dict | None = field(default=None, compare=False)  # measured minidist op rates (calibrate)
     gil: bool = False              # ranks are threads of one Python process (their Python runs in turn)
+    transport: str = ""            # "threads" or "mpi" for this machine ("": a preset's own collectives)
+    crowds: tuple = ()             # MPI processes here: a `Crowd` per probed process count (calibrate)
     sources: tuple = field(default=(), compare=False)
 
     def with_(self, **changes) -> Hardware:
         return replace(self, **changes)
+
+    def crowd(self, ranks: int) -> Crowd | None:
+        """The probe for `ranks` processes: the measured one, the next larger one measured (between
+        probes the cores' worth and latency of the larger count, a little pessimistic), or beyond
+        the largest its cores' worth with every round ranks / largest times as long (the partner's
+        turn comes round that much later). None: nothing measured, or a single rank."""
+        if not self.crowds or ranks <= 1:
+            return None
+        for c in sorted(self.crowds, key=lambda c: c.ranks):
+            if c.ranks >= ranks:
+                return c
+        k = ranks / c.ranks
+        links = {a: {w: Link(lk.bandwidth, lk.latency * k, lk.name) for w, lk in by.items()}
+                 for a, by in c.links.items()}
+        return Crowd(ranks, c.cores, links)
 
 
 PCIE4 = Link(32 * GB, 5e-6, "PCIe Gen4 x16")
@@ -120,6 +152,13 @@ PRESETS = {"a100": A100, "h100": H100, "b200": B200, "tpu-v4": TPU_V4, "tpu-v5e"
 CALIBRATION_PATH = os.path.join(os.path.expanduser("~"), ".cache", "minidist", "calibration.json")
 
 
+def _crowd(e: dict) -> Crowd:
+    """A Crowd from calibrate's "processes" entry: ranks, cores, links {alg: {"fg"/"bg": [alpha, beta]}}."""
+    links = {a: {w: Link(1.0 / beta, alpha, f"mpi {a}, {e['ranks']} processes ({w})")
+                 for w, (alpha, beta) in by.items()} for a, by in e["links"].items()}
+    return Crowd(e["ranks"], e["cores"], links)
+
+
 def here(path: str | None = None, transport: str = "threads") -> Hardware:
     """This machine, from the calibration file `python -m minidist.calibrate` wrote (one rank = one
     chip; the 'intra' link is the threads transport's measured all-reduce alpha/beta). `transport`:
@@ -133,12 +172,14 @@ def here(path: str | None = None, transport: str = "threads") -> Hardware:
     with open(path) as f:
         c = json.load(f)
     link = Link(1.0 / c["beta"], c["alpha"], "threads transport")
+    crowds = () if transport == "threads" else tuple(_crowd(e) for e in c.get("processes", ()))
     return Hardware(f"here ({c.get('cpu', 'this CPU')})", c["flops"], c.get("memory_bytes", 8 * GB),
                     c["mem_bandwidth"], intra=link, inter=link, chips_per_domain=10**6,
                     gemm_efficiency=1.0, op_overhead=c["op_overhead"],
                     cores=c.get("cores_threads" if transport == "threads" else "cores_free", c["cores"]),
                     cores_crowded=c.get("cores_threads_crowded", 0.0), cpus=c["cores"],
-                    kernels=c.get("kernels"), gil=transport == "threads", sources=("calibrate",))
+                    kernels=c.get("kernels"), gil=transport == "threads", transport=transport, crowds=crowds,
+                    sources=("calibrate",))
 
 
 def get(name: str) -> Hardware:

@@ -20,7 +20,7 @@ from minidist.parallel.pipeline import PipelineStage, make_schedule, run_schedul
 from minidist.parallel.three_d import build_model, make_optimizer, train_3d
 from minidist.plan.mesh import Candidate, Settings, memory, stage_activation_peak, stage_param_counts
 from minidist.plan.model import ModelSpec
-from minidist.plan.traffic import collectives
+from minidist.plan.traffic import THREADS, collectives
 from tests.conftest import budget
 
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, d_model=16)
@@ -116,13 +116,14 @@ def test_other_schedules_equal_ledger_and_accountant(dp, tp, pp, m, schedule, ch
     check_mesh(dp, tp, pp, m, None, CFG, SPEC, chunks=chunks, schedule=schedule)
 
 
-def check_mesh(dp, tp, pp, m, checkpoint, cfg, spec, chunks=1, schedule="1f1b"):
-    """Every rank's ledger calls, bytes, state and activation peak == the planner's prediction."""
+def check_mesh(dp, tp, pp, m, checkpoint, cfg, spec, chunks=1, schedule="1f1b", where=THREADS):
+    """Every rank's ledger calls, bytes, state and activation peak == the planner's prediction
+    (`where`: the transport the ranks run on; under mpirun each process checks its own rank)."""
     cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=B // (dp * m), checkpoint=checkpoint or "none",
                      schedule=schedule, chunks=chunks)
     for (stage, dpr, tpr), calls, sent, peak, rep in measured_3d(dp, tp, pp, m, checkpoint, cfg, chunks,
                                                                  schedule):
-        pred = collectives(spec, cand, B, stage, dp_rank=dpr, tp_rank=tpr)  # every rank, not one per stage
+        pred = collectives(spec, cand, B, stage, dp_rank=dpr, tp_rank=tpr, where=where)  # every rank
         want = Counter()
         for c in pred:
             if c.axis != "pp":

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from minidist.comm.cost import all_reduce_counts
 from minidist.hardware import Hardware, Link
 from minidist.parallel.pipeline import make_schedule
 from minidist.parallel.simulate import simulate
@@ -40,7 +41,7 @@ from minidist.plan.mesh import (
     stage_layers,
 )
 from minidist.plan.model import ModelSpec
-from minidist.plan.traffic import collectives
+from minidist.plan.traffic import Placement, collectives
 
 OPS_PER_BLOCK = 19    # minidist Block: functions run in forward (ln, linear, reshape, ...); backward as many
 OPS_HEAD = 5          # Head + cross-entropy
@@ -87,17 +88,45 @@ def axis_link(hw: Hardware, cand: Candidate, axis: str) -> tuple[Link, int, Link
 
 
 def collective_time(hw: Hardware, cand: Candidate, c) -> float:
-    """Seconds for one call of collective `c`: ring steps x latency + bytes / bandwidth; a data-parallel
-    axis split over two links reduces inside first, then sends 1/inside of the bytes across."""
-    link, p, outer, q = axis_link(hw, cand, c.axis)
+    """Seconds for one call of collective `c`: its algorithm's rounds x latency + bytes / bandwidth; a
+    data-parallel axis split over two links reduces inside first, then sends 1/inside of the bytes
+    across. MPI processes on this machine (`hw.crowd`): the link calibrate's probe measured for that
+    algorithm with all the mesh's processes at once -- wall time, crowding included (not stretched
+    again); DDP's buckets go through the communication thread (`background`)."""
+    crowd = hw.crowd(cand.chips)
+    if crowd is not None:
+        link = crowd.link(algorithm(c) or "ring", background=c.axis == "dp")
+        p, outer, q = axis_size(cand, c.axis), None, 1
+    else:
+        link, p, outer, q = axis_link(hw, cand, c.axis)
     if c.axis == "pp":
         return link.latency + c.sent / link.bandwidth
-    passes = 2 if c.name == "ring_all_reduce" else 1  # reduce-scatter + all-gather, or one of them
     if outer is None or q == 1:
-        return passes * (p - 1) * link.latency + c.sent / link.bandwidth
+        return rounds(c, p) * link.latency + c.sent / link.bandwidth
+    passes = 2 if algorithm(c) else 1  # reduce-scatter + all-gather, or one of them
     inside = passes * (p - 1) * link.latency + passes * (p - 1) / p * c.payload / link.bandwidth
     across = passes * (q - 1) * outer.latency + passes * (q - 1) / q * c.payload / p / outer.bandwidth
     return inside + across
+
+
+def algorithm(c) -> str:
+    """The all-reduce algorithm of collective `c` ("ring" for "ring_all_reduce"), or "" if it is not one."""
+    return c.name[:-len("_all_reduce")] if c.name.endswith("_all_reduce") else ""
+
+
+def rounds(c, p: int) -> int:
+    """Message rounds of one call on p ranks: an all-reduce's per `minidist.comm.cost` (2(p-1) for the
+    ring and for an algorithm the cost model does not know), one ring pass (p-1) for the others."""
+    if not algorithm(c):
+        return p - 1
+    try:
+        return all_reduce_counts(algorithm(c), int(c.payload), p)[0]
+    except ValueError:
+        return 2 * (p - 1)
+
+
+def axis_size(cand: Candidate, axis: str) -> int:
+    return {"tp": cand.tp, "dp": cand.dp, "pp": cand.pp, "cp": cand.cp, "ep": cand.ep}[axis]
 
 
 def _stage_math(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int, settings: Settings) -> tuple:
@@ -174,24 +203,41 @@ def python_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int, ops
     return blocks * k["python_block"] + (len(kinds) - blocks) * k["python_ends"] / 2
 
 
+def placement(hw: Hardware, ranks: int) -> Placement:
+    """The transport `ranks` ranks run on here, and whether they outnumber the CPUs: what the comm
+    layer's "auto" all-reduce looks at. Presets: NCCL-like, never crowded."""
+    return Placement(hw.transport or "threads", bool(hw.cpus) and ranks > hw.cpus)
+
+
 def rank_slowdown(hw: Hardware, ranks: int) -> float:
     """How many times slower each of `ranks` ranks runs when they share this machine's cores: ranks /
     the cores' worth of work they get together (1 where every rank has its own chip).
 
-    Processes (`mpirun`) get `hw.cores` (what calibrate found free). Thread ranks share one GIL:
-    only one runs Python at a time, and every time one releases it for a NumPy kernel another must
-    be woken to take it. While the ranks fit on the cores that hand-off is quick and `hw.cores` (two
-    ranks of minidist ops at once, measured) holds; once they outnumber the cores, the rank woken for
-    the GIL has to wait for a core that other ranks' kernels hold, so Python, kernels and messages
-    end up taking turns: `hw.cores_crowded`, measured by calibrate with 4 x cores thread ranks of
-    a small minidist GPT (0.8 of a core on a 2-vCPU machine: the hand-offs cost more than they save).
-    Messages between thread ranks are Python too: they stretch with the rest."""
+    MPI processes: the cores' worth calibrate's mpirun probe measured for that many processes doing
+    minidist work at once (`hw.crowd`: once they outnumber the CPUs they take turns, and every switch
+    costs cache), else the cores calibrate found free. Thread ranks share one GIL: only one runs
+    Python at a time, and every time one releases it for a NumPy kernel another must be woken to
+    take it. While the ranks fit on the cores that hand-off is quick and `hw.cores` (two ranks of
+    minidist ops at once, measured) holds; once they outnumber the cores, the rank woken for the GIL
+    has to wait for a core that other ranks' kernels hold, so Python, kernels and messages end up
+    taking turns: `hw.cores_crowded`, measured by calibrate with 4 x cores thread ranks of a small
+    minidist GPT (0.8 of a core on a 2-vCPU machine: the hand-offs cost more than they save)."""
+    crowd = hw.crowd(ranks)
+    if crowd is not None:
+        return max(1.0, ranks / crowd.cores)
     if not hw.cores:
         return 1.0
     cores = hw.cores
     if hw.gil and hw.cpus and ranks > hw.cpus and hw.cores_crowded:
         cores = hw.cores_crowded
     return max(1.0, ranks / cores)
+
+
+def comm_slowdown(hw: Hardware, ranks: int) -> float:
+    """How many times slower messages run than `collective_time` says: thread ranks' messages are
+    Python that takes its turn with the rest (`rank_slowdown`); MPI processes' measured links are
+    wall time already (1)."""
+    return 1.0 if hw.crowd(ranks) is not None else rank_slowdown(hw, ranks)
 
 
 def memory_bound_bytes(model: ModelSpec, cand: Candidate, stage: int, settings: Settings) -> float:
@@ -210,10 +256,11 @@ class _Stage:
     comm: dict      # axis -> {"forward", "backward", "step"} -> seconds per step
     calls: list
 
-    def per_microbatch(self, phase: str, m: int) -> float:
-        """Math plus the tp/cp/ep collectives of one microbatch's `phase` (they are not overlapped)."""
+    def per_microbatch(self, phase: str, m: int, slow: float = 1.0, comm_slow: float = 1.0) -> float:
+        """Math plus the tp/cp/ep collectives of one microbatch's `phase` (they are not overlapped);
+        the math `slow` and the collectives `comm_slow` times slower (ranks sharing the cores)."""
         inline = sum(t[phase] for ax, t in self.comm.items() if ax in ("tp", "cp", "ep")) / max(1, m)
-        return (self.fwd if phase == "forward" else self.bwd) + inline
+        return slow * (self.fwd if phase == "forward" else self.bwd) + comm_slow * inline
 
     def axis(self, ax: str, phases=("forward", "backward", "step")) -> float:
         return sum(self.comm.get(ax, {}).get(ph, 0.0) for ph in phases)
@@ -223,7 +270,7 @@ def _stages(model, cand, batch, hw, settings, m) -> list[_Stage]:
     out = []
     for s in distinct_stages(model, cand, m):
         fwd, bwd, _ = _stage_math(model, cand, hw, s, settings)
-        calls = collectives(model, cand, batch, s, settings)
+        calls = collectives(model, cand, batch, s, settings, where=placement(hw, cand.chips))
         comm: dict = {}
         for c in calls:
             comm.setdefault(c.axis, {"forward": 0.0, "backward": 0.0, "step": 0.0})
@@ -264,11 +311,13 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
         makespan = (m + (cand.pp - 1) / v) * (fwd + bwd)
         bubble = (cand.pp - 1) / (v * m + cand.pp - 1)
     busy = m * (fwd + bwd)
-    slow = rank_slowdown(hw, cand.chips)
-    if slow > 1:  # every rank's work (its math, Python and messages) runs `slow` times slower; idle time
-        idle = makespan - busy  # (bubble, waiting for sends) leaves its core to the others: not stretched
-        bubble *= makespan / (slow * busy + idle)
-        makespan, busy = slow * busy + idle, slow * busy
+    slow, comm_slow = rank_slowdown(hw, cand.chips), comm_slowdown(hw, cand.chips)
+    if slow > 1:  # every rank's work (its math, Python and messages) runs slower; idle time (bubble,
+        idle = makespan - busy  # waiting for sends) leaves its core to the others: not stretched
+        busy = m * sum(max(st.per_microbatch(ph, m, slow, comm_slow) for st in stages)
+                       for ph in ("forward", "backward"))
+        bubble *= makespan / (busy + idle)
+        makespan = busy + idle
     if hw.gil and hw.kernels is not None and model.engine == "minidist":
         # thread ranks: one GIL, so all ranks' Python runs one after another, however many cores
         ranks_per_stage = cand.dp * cand.tp * cand.cp
@@ -276,14 +325,14 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
         if gil > makespan:
             bubble *= makespan / gil
             makespan = gil
-    dp = slow * max(st.axis("dp") for st in stages)
+    dp = comm_slow * max(st.axis("dp") for st in stages)
     # DP traffic starts in the last microbatch's backward; ZeRO-3's gathers hide under all of compute.
     # Not when the ranks share too few cores: copying and reducing is work that takes its turn with the rest
     hidden = 0.0 if slow > 1 else (bwd / v if cand.zero < 3 else busy)
     dp_exposed = max(0.0, dp - hidden)
     update = slow * _optimizer_time(model, cand, hw, settings, mem)  # every rank updates at the same moment
     step = makespan + dp_exposed + update
-    comm = {ax: slow * max(st.axis(ax, ("forward", "backward")) for st in stages)
+    comm = {ax: comm_slow * max(st.axis(ax, ("forward", "backward")) for st in stages)
             for ax in ("tp", "cp", "ep")}
     pp_wait = makespan - busy - bubble * makespan  # idle beyond the bubble: waiting for sends
     comm["pp"] = pp_wait if cand.pp > 1 and pp_wait > 1e-9 * makespan else 0.0

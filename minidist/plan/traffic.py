@@ -10,15 +10,22 @@ lookup, two b·s·h activations per block forward and two gradients per block ba
 input gradient, and three b·s numbers for the vocabulary-parallel loss (max, target logit, sum of
 exponentials); data parallelism all-reduces DDP's gradient buckets once per step (ZeRO 1-2:
 reduce-scatter + all-gather per bucket); the pipeline sends one b·s·h activation forward and one
-gradient back per microbatch and stage boundary. All-reduces are minidist's ring over
-`np.array_split` chunks: rank r sends 2N - |chunk r| - |chunk r+1| bytes.
+gradient back per microbatch and stage boundary. Each all-reduce runs the algorithm its caller
+asks the comm layer for (`DP_ALGORITHM`: DDP's, `TP_ALGORITHM`: the tensor-parallel layers'), and
+for "auto" the one the comm layer's own `choose_algorithm` picks for that size, group and
+transport (`all_reduce_algorithm`), so the planner follows the comm layer rather than assuming one.
+minidist's ring runs over `np.array_split` chunks: rank r sends 2N - |chunk r| - |chunk r+1| bytes.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
+from minidist.comm import cost
 from minidist.comm.collectives import split_sizes
+from minidist.parallel import tp_comm
+from minidist.parallel.ddp import DistributedDataParallel
 from minidist.plan.mesh import (
     DEFAULT,
     Candidate,
@@ -30,6 +37,30 @@ from minidist.plan.mesh import (
 )
 from minidist.plan.model import ModelSpec
 
+# the all-reduce algorithm each caller asks for, read from the callers themselves
+DP_ALGORITHM = inspect.signature(DistributedDataParallel.__init__).parameters["algorithm"].default
+TP_ALGORITHM = tp_comm.ALGORITHM
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the ranks run, as far as the comm layer's `auto` choice cares: the transport ("threads"
+    or "mpi") and whether this host's ranks outnumber its cores (`minidist.comm.cost.crowded`)."""
+    transport: str = "threads"
+    crowded: bool = False
+
+
+THREADS = Placement()
+
+
+def all_reduce_algorithm(requested: str, nbytes: float, p: int, where: Placement = THREADS) -> str:
+    """The all-reduce algorithm minidist runs: `requested`, or for "auto" what the comm layer's
+    `choose_algorithm` picks for this size, group and placement (every rank of a group agrees on
+    the same answer, see `minidist.comm.cost.agreed_crowded`)."""
+    if requested != "auto":
+        return requested
+    return cost.choose_algorithm(int(nbytes), p, where.crowded)
+
 
 @dataclass(frozen=True)
 class Collective:
@@ -39,6 +70,18 @@ class Collective:
     sent: float        # bytes this rank sends per call
     count: int         # calls per step
     phase: str         # "forward", "backward", "step"
+
+
+def all_reduce_call(axis: str, requested: str, nbytes: float, p: int, itemsize: int, rank: int, count: int,
+                    phase: str, where: Placement = THREADS) -> Collective:
+    """One all-reduce as the ledger records it: the algorithm's name and the bytes rank `rank` sends
+    (the ring's exact uneven chunks; other algorithms by `minidist.comm.cost.all_reduce_bytes_sent`)."""
+    alg = all_reduce_algorithm(requested, nbytes, p, where)
+    if alg == "ring":
+        sent = ring_sent(nbytes, p, itemsize, rank)
+    else:
+        sent = float(cost.all_reduce_bytes_sent(alg, int(nbytes), p, rank))
+    return Collective(axis, f"{alg}_all_reduce", nbytes, sent, count, phase)
 
 
 def ring_sent(nbytes: float, p: int, itemsize: int = 1, rank: int = 0) -> float:
@@ -60,7 +103,8 @@ def gather_sent(nbytes: float, p: int, itemsize: int = 1, rank: int = 0) -> floa
     return float(itemsize * (n - c[(rank + 1) % p]))
 
 
-def _tp_calls(model: ModelSpec, cand: Candidate, stage: int, m: int, r: int) -> list[Collective]:
+def _tp_calls(model: ModelSpec, cand: Candidate, stage: int, m: int, r: int,
+              where: Placement) -> list[Collective]:
     tp, b, s, h = cand.tp, cand.microbatch, model.seq // cand.cp, model.d_model
     d = model.dtype_bytes
     act = b * s * h * d
@@ -70,18 +114,15 @@ def _tp_calls(model: ModelSpec, cand: Candidate, stage: int, m: int, r: int) -> 
     bwd = 2 * blocks + int(last)
     recompute = 2 * blocks if cand.checkpoint == "full" else 0
     per = m  # the stage's layers (all its chunks) run once per microbatch
-    calls = [Collective("tp", "ring_all_reduce", act, ring_sent(act, tp, d, r), per * fwd, "forward"),
-             Collective("tp", "ring_all_reduce", act, ring_sent(act, tp, d, r), per * (bwd + recompute),
-                        "backward")]
+    calls = [all_reduce_call("tp", TP_ALGORITHM, act, tp, d, r, per * fwd, "forward", where),
+             all_reduce_call("tp", TP_ALGORITHM, act, tp, d, r, per * (bwd + recompute), "backward", where)]
     if last and model.engine == "minidist":
-        small = b * s * d
-        sent = ring_sent(small, tp, d, r)
-        calls.append(Collective("tp", "ring_all_reduce", small, sent, 3 * per, "forward"))
+        calls.append(all_reduce_call("tp", TP_ALGORITHM, b * s * d, tp, d, r, 3 * per, "forward", where))
     return [c for c in calls if c.count]
 
 
 def _dp_calls(model: ModelSpec, cand: Candidate, stage: int, settings: Settings, batch: int,
-              r: int) -> list[Collective]:
+              r: int, where: Placement) -> list[Collective]:
     _, gb, _ = settings.bytes_for(model)
     _, sizes = stage_param_counts(model, cand, stage)
     p = cand.dp
@@ -93,7 +134,7 @@ def _dp_calls(model: ModelSpec, cand: Candidate, stage: int, settings: Settings,
     for n, kind in buckets:
         nb = n * gb
         if cand.zero == 0:
-            calls.append(Collective("dp", "ring_all_reduce", nb, ring_sent(nb, p, gb, r), 1, "step"))
+            calls.append(all_reduce_call("dp", DP_ALGORITHM, nb, p, gb, r, 1, "step", where))
         else:
             sent = gb * (n - split_sizes(n, p)[r])  # all but my own part
             calls.append(Collective("dp", "reduce_scatter", nb, sent, 1, "step"))
@@ -145,11 +186,13 @@ def _cp_ep_calls(model: ModelSpec, cand: Candidate, stage: int, m: int) -> list[
 
 
 def collectives(model: ModelSpec, cand: Candidate, batch: int, stage: int = 0,
-                settings: Settings = DEFAULT, dp_rank: int = 0, tp_rank: int = 0) -> list[Collective]:
-    """Every collective the rank at (stage, dp_rank, tp_rank) runs in one step (module docstring)."""
+                settings: Settings = DEFAULT, dp_rank: int = 0, tp_rank: int = 0,
+                where: Placement = THREADS) -> list[Collective]:
+    """Every collective the rank at (stage, dp_rank, tp_rank) runs in one step (module docstring);
+    `where`: the transport and crowding that the comm layer's "auto" all-reduce choice depends on."""
     m = cand.microbatches(batch)
-    out = _tp_calls(model, cand, stage, m, tp_rank) if cand.tp > 1 else []
-    out += _dp_calls(model, cand, stage, settings, batch, dp_rank) if cand.dp > 1 else []
+    out = _tp_calls(model, cand, stage, m, tp_rank, where) if cand.tp > 1 else []
+    out += _dp_calls(model, cand, stage, settings, batch, dp_rank, where) if cand.dp > 1 else []
     out += _pp_calls(model, cand, stage, m)
     out += _cp_ep_calls(model, cand, stage, m)
     return out

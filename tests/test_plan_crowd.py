@@ -1,0 +1,125 @@
+"""The planner's step time for MPI processes sharing this machine's cores (`Hardware.crowds`, from
+calibrate's mpirun probe), and the bytes it predicts under mpirun against the ledger.
+
+Expected times are added up by hand from hand-written constants; expected bytes come from the
+ledger of a real `mpirun` run.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minidist.hardware import Crowd, Hardware, Link
+from minidist.plan.mesh import Candidate
+from minidist.plan.model import ModelSpec
+from minidist.plan.steptime import predict
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = ModelSpec("tiny", n_layer=2, d_model=16, n_head=4, vocab=32, seq=8, engine="minidist", dtype_bytes=4)
+B = 8
+FREE = 1e30  # bytes/s: a link whose bytes cost nothing, so only its latency counts
+
+
+def crowd(ranks, cores, fg, bg):
+    """A probe result: `ranks` processes get `cores` cores' worth; all-reduce rounds cost fg seconds in
+    the foreground (tensor parallel) and bg on the communication thread (DDP)."""
+    return Crowd(ranks, cores, {"ring": {"fg": Link(FREE, fg), "bg": Link(FREE, bg)}})
+
+
+def machine(crowds=()):
+    """Arithmetic free; Python 1 ms per block and 2 ms for embedding + head (4 ms a microbatch of
+    SPEC); the threads link 1 ms per round; 2 CPUs, 1.9 cores free; MPI processes."""
+    k = {"linear_flops": 1e30, "gelu": 0.0, "layer_norm": 0.0, "elementwise": 0.0, "attention_score": 0.0,
+         "cross_entropy": 0.0, "adamw": 0.0, "python_block": 1e-3, "python_ends": 2e-3}
+    link = Link(FREE, 1e-3, "threads")
+    return Hardware("hand", 1e12, 1e12, 1e12, intra=link, inter=link, chips_per_domain=10**6,
+                    gemm_efficiency=1.0, kernels=k, cores=1.9, cpus=2, transport="mpi", crowds=tuple(crowds))
+
+
+PROBED = machine([crowd(2, 1.6, fg=0.5e-3, bg=0.25e-3), crowd(8, 0.5, fg=5e-3, bg=2e-3)])
+
+
+def test_processes_outnumbering_the_cores_run_at_the_probed_cores_and_links():
+    """dp8: 8 processes get 0.5 cores' worth -> each rank's 4 ms of work takes 8 / 0.5 x 4 ms; DDP's
+    ring all-reduce (one bucket, 2(p-1) = 14 rounds) at the probe's background latency, 2 ms a round,
+    which is already wall time: not stretched again, and not hidden under a backward that is itself
+    waiting for the cores."""
+    step = predict(SPEC, Candidate(dp=8, microbatch=1), B, PROBED).step
+    assert step == pytest.approx(8 / 0.5 * 4e-3 + 14 * 2e-3)
+
+
+def test_tensor_parallel_all_reduces_use_the_foreground_link():
+    """dp1 tp2, one microbatch of 8: 2 processes get 1.6 cores' worth -> 2 / 1.6 x 4 ms of work.
+    TP all-reduces per step: forward 2 per block + the embedding's + 3 small ones of the loss = 8,
+    backward 2 per block + the head's = 5; each 2(p-1) = 2 rounds of the probe's foreground 0.5 ms."""
+    step = predict(SPEC, Candidate(tp=2, microbatch=8), B, PROBED).step
+    assert step == pytest.approx(2 / 1.6 * 4e-3 + (8 + 5) * 2 * 0.5e-3)
+
+
+def test_between_and_beyond_the_probes():
+    """4 processes: the next larger probe (8: 0.5 cores, 2 ms per background round), dp4's ring has
+    6 rounds. 16 processes: the largest probe's cores, every round 16 / 8 times as long."""
+    dp4 = predict(SPEC, Candidate(dp=4, microbatch=2), B, PROBED).step
+    assert dp4 == pytest.approx(4 / 0.5 * 4e-3 + 6 * 2e-3)
+    dp16 = predict(SPEC, Candidate(dp=16, microbatch=1), 16, PROBED).step
+    assert dp16 == pytest.approx(16 / 0.5 * 4e-3 + 30 * 2 * 2e-3)
+
+
+def test_without_a_probe_processes_get_the_free_cores_and_the_threads_link():
+    """An old calibration (no "processes"): 8 processes on 1.9 free cores, everything stretched
+    8 / 1.9 times, the all-reduce's 14 rounds at the threads link's 1 ms included."""
+    step = predict(SPEC, Candidate(dp=8, microbatch=1), B, machine()).step
+    assert step == pytest.approx(8 / 1.9 * (4e-3 + 14 * 1e-3))
+
+
+def test_here_reads_the_probe(tmp_path):
+    import json
+
+    from minidist import hardware
+
+    c = {"cpu": "X", "cores": 2, "cores_free": 1.9, "cores_threads": 1.5, "cores_threads_crowded": 0.8,
+         "flops": 5e10, "mem_bandwidth": 2e10, "op_overhead": 1e-5, "alpha": 2e-5, "beta": 1e-9,
+         "processes": [{"ranks": 4, "cores": 1.2,
+                        "links": {"ring": {"fg": [3e-4, 1e-9], "bg": [1e-4, 2e-9]}}}]}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(c))
+    mpi, threads = hardware.here(str(path), transport="mpi"), hardware.here(str(path))
+    assert threads.crowds == () and threads.crowd(4) is None  # thread ranks: the GIL model, no probe
+    got = mpi.crowd(3)
+    assert (got.ranks, got.cores) == (4, 1.2)
+    assert got.link("ring", background=False).latency == 3e-4
+    assert got.link("ring", background=True).bandwidth == pytest.approx(5e8)
+    assert mpi.crowd(1) is None
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
+def test_bytes_equal_the_ledger_under_mpirun():
+    """4 MPI processes (more than the cores on a small machine: the comm layer's crowded choices):
+    every rank's ledger calls and bytes == the planner's, placed on the MPI transport."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MINIDIST_TRANSPORT", None)
+    res = subprocess.run(["mpirun", "-n", "4", sys.executable, __file__], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("OK rank") == 4 * 2, res.stdout
+
+
+def _mpi_main():
+    from minidist.comm import cost
+    from minidist.plan.traffic import Placement
+    from tests.test_plan import CFG, check_mesh
+    from tests.test_plan import SPEC as TINY
+
+    where = Placement("mpi", cost.crowded())
+    for dp, tp, pp, m in [(2, 2, 1, 2), (2, 1, 2, 2)]:
+        check_mesh(dp, tp, pp, m, None, CFG, TINY, where=where)
+        print(f"OK rank {os.environ.get('PMI_RANK')} dp{dp} tp{tp} pp{pp}", flush=True)
+
+
+if __name__ == "__main__":
+    _mpi_main()
