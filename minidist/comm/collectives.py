@@ -31,14 +31,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm.call import OPS, check_op, collective, result_backend, scratch
+from minidist.comm.call import NUMPY, OPS, check_op, collective, result_backend, scratch, unwatched
 from minidist.comm.communicator import poll
 from minidist.comm.cost import agreed_crowded, choose_algorithm
 from minidist.comm.debug import check_same_call
 from minidist.comm.handles import start_async
 from minidist.comm.mpi import mpi_knows
+from minidist.comm.shm import shm_lane
 
-ALGORITHMS = ("auto", "ring", "recursive_doubling", "halving_doubling", "two_shot", "tree", "naive", "mpi")
+ALGORITHMS = ("auto", "ring", "recursive_doubling", "halving_doubling", "two_shot", "tree", "naive", "mpi",
+              "shm")
 
 
 def split_sizes(n: int, p: int) -> list[int]:
@@ -434,28 +436,67 @@ def mpi_all_reduce(comm, x, op: str = "sum"):
         return k.be.from_host(k.finish(buf))
 
 
+# -- shared memory: ranks on one node read each other's buffers (shm.py) ----------------------------
+
+def shm_all_reduce(comm, x, op: str = "sum"):
+    """Through the node's shared memory, no messages (MPI transport, every rank on one node).
+
+    Each rank copies x into its part of a shared window and posts the call; once every rank has
+    posted, each adds up all ranks' buffers in rank order (one-shot), or, for large messages, its
+    own chunk of them, which the others then copy (two-shot). Double buffering by call parity makes
+    one wait per phase safe. Larger than the window: in pieces. shm.py explains the protocol.
+    Elsewhere (threads, JAX devices, ranks on several nodes, an emulated slow link) this is the
+    algorithm the cost model picks for ``auto``.
+    """
+    lane = shm_lane(comm)
+    if not lane and comm.size > 1:
+        return _BY_NAME[choose_algorithm(x.nbytes, comm.size, agreed_crowded(comm))](comm, x, op)
+    if lane and type(x) is np.ndarray and comm.backend is NUMPY and unwatched(comm):
+        return lane.call(comm, x, op)            # the same, with collective()'s work done leanly
+    with collective(comm, "shm_all_reduce", x, op=op) as k:
+        if not lane:
+            return k.result(k.flat.copy())       # one rank: nothing to add
+        out, sent, received, steps = lane.reduce(comm, k.tag, k.flat, op)
+        comm.ledger.count_sendrecv(sent, received)
+        k.rec.step(steps)
+        return k.result(out)
+
+
 _BY_NAME = {"ring": ring_all_reduce, "two_shot": two_shot_all_reduce,
             "recursive_doubling": recursive_doubling_all_reduce,
             "halving_doubling": halving_doubling_all_reduce, "tree": tree_all_reduce,
-            "naive": naive_all_reduce, "mpi": mpi_all_reduce}
+            "naive": naive_all_reduce, "mpi": mpi_all_reduce, "shm": shm_all_reduce}
 
 
 def all_reduce(comm, x, op: str = "sum", algorithm: str = "auto"):
     """The reduction (sum/mean/max/min) of every rank's x, on every rank.
 
-    ``algorithm="auto"``: the one the cost model predicts fastest for this size and group; every
-    rank gets the same answer (``agreed_crowded``), so none waits for messages of another algorithm.
-    In debug mode the ranks first compare their calls, before that agreement's handshake."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"rank {comm.rank}: unknown algorithm {algorithm!r}; use one of {ALGORITHMS}")
+    ``algorithm="auto"``: on the MPI transport with every rank on one node and no emulated link,
+    ``shm`` (shared memory beats messages at every size there); elsewhere the one the cost model
+    predicts fastest for this size and group. Every rank gets the same answer (both are agreed
+    once per communicator), so none waits for messages of another algorithm. In debug mode the
+    ranks first compare their calls, before those agreements' handshakes."""
     if algorithm == "auto":
-        if comm.debug and comm.size > 1 and comm.agreed_crowded is None:
-            check_op(comm, op, x.dtype)
-            check_same_call(comm, {"collective": "all_reduce", "seq": comm.seq + 1, "size": comm.size,
-                                   "shape": tuple(np.shape(x)), "dtype": str(x.dtype), "op": op,
-                                   "algorithm": algorithm})
+        lane = comm.shm if comm.transport == "mpi" else False
+        if lane:                                 # the common case, decided: nothing else to ask
+            return shm_all_reduce(comm, x, op)
+        if lane is None or comm.agreed_crowded is None:
+            _check_before_handshake(comm, x, op, algorithm)
+        if lane is None and shm_lane(comm):
+            return shm_all_reduce(comm, x, op)
         algorithm = choose_algorithm(x.nbytes, comm.size, agreed_crowded(comm))
+    elif algorithm not in _BY_NAME:
+        raise ValueError(f"rank {comm.rank}: unknown algorithm {algorithm!r}; use one of {ALGORITHMS}")
     return _BY_NAME[algorithm](comm, x, op)
+
+
+def _check_before_handshake(comm, x, op, algorithm) -> None:
+    """Debug mode: compare the ranks' calls before a handshake that a mismatch would hang."""
+    if comm.debug and comm.size > 1:
+        check_op(comm, op, x.dtype)
+        check_same_call(comm, {"collective": "all_reduce", "seq": comm.seq + 1, "size": comm.size,
+                               "shape": tuple(np.shape(x)), "dtype": str(x.dtype), "op": op,
+                               "algorithm": algorithm})
 
 
 # -- all-to-all, gather, scatter ----------------------------------------------------------------

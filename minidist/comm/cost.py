@@ -11,11 +11,19 @@ for the partners to get a core), every message ``delta`` (software overhead), ev
     halving-doubling    2·log2 p    2·log2 p   2(p-1)/p·N                 (p-1)/p·N
     two-shot            2           2(p-1)     2(p-1)/p·N                 (p-1)/p·N
     recursive doubling  log2 p      log2 p     log2 p·N                   log2 p·N
+    shm one-shot        1           1          N (into shared memory)     (p-1)·N
+    shm two-shot        2           1          N + N/p                    (p-1)/p·N
 
 (for p not a power of two, q = the largest power of two below p: the p - q extra ranks fold in
-first and get the result last, two more steps of N bytes). Small messages favour recursive
-doubling (fewest steps), large ones the bandwidth-optimal ring or halving-doubling; the crossover
-moves up by orders of magnitude when ranks share cores, because alpha does.
+first and get the result last, two more steps of N bytes). The shared-memory all-reduce (shm.py)
+sends no message: a rank "sends" what it writes into its part of the node's shared window, and
+waits once per phase (a round) for the others' posts; the ledger counts one message per call.
+It runs where every rank is on one node (``auto`` then picks it on the MPI transport, ahead of
+this model), in pieces of ``shm.window_bytes()`` (the counts above are per piece), one-shot below
+``SHM_TWO_SHOT_BYTES`` and two-shot from there up.
+
+Small messages favour recursive doubling (fewest steps), large ones the bandwidth-optimal ring or
+halving-doubling; the crossover moves up by orders of magnitude when ranks share cores, because alpha does.
 The constants are rough measurements of shared-memory MPI on a small machine; what matters is
 their ratio, and `benchmarks/allreduce.py` shows the choice against the alternatives.
 
@@ -35,6 +43,17 @@ GAMMA = 1 / 4e9   # s per byte reduced (~4 GB/s for a NumPy add of float32)
 # (alpha, delta): s per round and per message, with a core per rank / with ranks outnumbering
 # cores (then every round and every message waits until the partner is scheduled)
 LATENCY = {False: (2e-5, 5e-6), True: (1e-4, 3e-5)}
+
+
+# shm all-reduce: two-shot (each rank reads ~2N) from this many bytes per piece up, one-shot (reads
+# p·N, one wait) below; measured on 2 cores with mpirun -n 2 and -n 4 (benchmarks/allreduce.py)
+SHM_TWO_SHOT_BYTES = {2: 1 << 62, 3: 256 << 10, 4: 256 << 10}
+SHM_TWO_SHOT_DEFAULT = 64 << 10
+
+
+def shm_two_shot(nbytes: int, p: int) -> bool:
+    """Does the shm all-reduce use two-shot for a piece of ``nbytes`` over ``p`` ranks?"""
+    return nbytes >= SHM_TWO_SHOT_BYTES.get(p, SHM_TWO_SHOT_DEFAULT)
 
 
 @functools.cache
@@ -73,6 +92,11 @@ def all_reduce_counts(algorithm: str, nbytes: int, p: int) -> tuple:
         counts = 2 * log_q, 2 * log_q, q_bytes, q_bytes / 2
     elif algorithm == "recursive_doubling":
         counts = log_q, log_q, log_q * nbytes, log_q * nbytes
+    elif algorithm == "shm":
+        if shm_two_shot(nbytes, p):
+            counts = 2, 1, nbytes + nbytes / p, (p - 1) / p * nbytes
+        else:
+            counts = 1, 1, nbytes, (p - 1) * nbytes
     else:
         raise ValueError(f"no cost model for {algorithm!r}")
     if p > q and algorithm in ("halving_doubling", "recursive_doubling"):  # the fold: 2 more steps of N
@@ -90,6 +114,8 @@ def all_reduce_bytes_sent(algorithm: str, nbytes: int, p: int, r: int) -> int:
         return 0
     if algorithm in ("ring", "two_shot"):
         return 2 * (p - 1) * nbytes // p
+    if algorithm == "shm":
+        return nbytes + nbytes // p if shm_two_shot(nbytes, p) else nbytes
     q = 1 << (p.bit_length() - 1)
     _, _, core, _ = all_reduce_counts(algorithm, nbytes, q)
     if r >= 2 * (p - q):

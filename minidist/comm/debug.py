@@ -32,7 +32,7 @@ class CollectiveMismatch(CommError):
 
 KINDS = ("?", "ring_all_reduce", "recursive_doubling_all_reduce", "halving_doubling_all_reduce",
          "two_shot_all_reduce", "tree_all_reduce", "naive_all_reduce", "mpi_all_reduce", "reduce_scatter",
-         "all_gather", "broadcast", "reduce", "all_to_all", "gather", "scatter")
+         "all_gather", "broadcast", "reduce", "all_to_all", "gather", "scatter", "shm_all_reduce")
 DTYPES = ("any", "bool", "int8", "uint8", "int16", "int32", "int64", "uint32", "uint64", "float16",
           "bfloat16", "float32", "float64", "complex64", "complex128", "other")
 OPS = ("sum", "mean", "max", "min")

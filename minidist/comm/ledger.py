@@ -94,6 +94,22 @@ class Ledger:
             rec.messages += 1
             rec.bytes_received += received
 
+    def count_call(self, name: str, sent: int, received: int, steps: int) -> None:
+        """A whole collective call that no ``collective`` record counted (shm.py's lean path): its
+        bytes, one message each way and its steps, in one pass; its CallRecord where watched."""
+        led, rec = self, None
+        while led is not None:
+            with led._lock:
+                led.bytes_sent += sent
+                led.bytes_received += received
+                led.messages += 1
+                led.messages_received += 1
+                led.steps += steps
+                if led.watching:
+                    rec = rec or CallRecord(name, sent, received, 1, steps)
+                    led.calls.append(rec)
+            led = led.parent
+
     def count_header(self, nbytes: int) -> None:
         for led in self._chain():
             with led._lock:

@@ -25,6 +25,7 @@ import numpy as np
 from minidist.comm.communicator import Communicator, MessageMismatch, RankExited, Request, format_op, poll
 from minidist.comm.debug import stamp_mismatch
 from minidist.comm.ledger import Ledger
+from minidist.comm.shm import free_windows
 
 MAX_NDIM = 32
 NAMESPACE = 1 << 21            # tags per twin: user tags < 2**20, then minidist's object tags
@@ -198,6 +199,8 @@ class MPIComm(Communicator):
         self._statuses = [_mpi().Status(), _mpi().Status()]  # the hot path's: reused, looked up once
         self._testall, self._BYTE = _MPI.Request.Testall, _MPI.BYTE
         self._world_ranks: list | None = None
+        self.shm = None         # this communicator's lane of a shared window: None = not asked yet (shm.py)
+        self.shm_window = None  # the origin's shm.Window, or None where shared memory can't serve it
 
     def progress(self) -> None:
         """Post the payload receive of every pending receive whose header has arrived.
@@ -324,3 +327,4 @@ def finish_handshake(comm: MPIComm) -> None:
     while not MPI.Request.Testall(reqs):
         time.sleep(delay)
         delay = min(2 * delay, 0.05)
+    free_windows()  # collective, and every rank has finished: nobody uses a window any more

@@ -1,0 +1,258 @@
+"""All-reduce through shared memory: the ranks of one node add up each other's arrays where they lie.
+
+Message passing on one node copies every byte twice (sender -> MPI's shared buffer -> receiver) and
+pays a protocol per message (tags, matching, eager or rendezvous). Here each rank instead has its
+own part of an MPI-3 shared window (``MPI.Win.Allocate_shared`` on the node's communicator) that
+every other rank can read as a NumPy array. Call k of an all-reduce:
+
+1. copy x into my buffer of parity ``k % 2``, then post ``seq = k`` in my header (with the call's
+   stamp and size beside it);
+2. wait until every peer's ``seq >= k`` (their data is there), checking their stamps;
+3. **one-shot**: out = buffer_0 + buffer_1 + ... + buffer_{p-1}, in rank order, on every rank.
+   Each rank reads p·N bytes, but there is a single wait: best for small messages.
+   **two-shot**: rank r adds up only chunk r of every buffer and writes that reduced chunk back
+   into its own buffer (nobody else reads chunk r there), posts ``seq2 = k``, waits for every
+   peer's ``seq2``, then copies chunk j from rank j. Each rank reads about 2N bytes: best once
+   p·N no longer fits the caches. (NCCL and TensorRT-LLM call these one-shot and two-shot too.)
+
+Every rank sums in the same order, so results are the same bits on every rank.
+
+**Why one wait per call is enough (double buffering by parity).** Before call k writes buffer
+``k % 2``, it must be sure nobody still reads that buffer from call k-2. A rank in call k has
+seen every peer post k-1, and a peer posts k-1 only after it finished reading call k-2. So the
+two parities alternate safely, without a second "I have finished reading" wait.
+
+Messages larger than the window go in pieces; each piece is one call of the protocol. Waits go
+through ``communicator.poll`` (spin with ``sched_yield``, which releases the GIL, then sleep; the
+"still waiting" line and the watchdog); while it waits, a peer that returned from ``run()`` or
+whose next message belongs to another collective raises at once, and a peer that posted another
+call's stamp or size raises :class:`CollectiveMismatch` / :class:`MessageMismatch`.
+
+Ledger: a rank *sends* what it writes into the window (N; two-shot also its reduced chunk) and
+*receives* what it reads from its peers' buffers; one "message" and one step per posting (one-shot
+1 per piece, two-shot 2). ``cost.all_reduce_counts("shm", ...)`` holds the same numbers.
+
+Each communicator gets its own window the first time it needs one (collectively: every rank is in
+the same all-reduce then), with two lanes: one for the communicator and one for its async twin
+(``all_reduce_async`` runs on a worker thread). Windows are freed after ``run()``'s end handshake.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+
+import numpy as np
+
+from minidist.comm.call import OPS, check_op
+from minidist.comm.communicator import MessageMismatch, poll
+from minidist.comm.cost import shm_two_shot
+from minidist.comm.debug import stamp, stamp_mismatch
+
+HEADER = 64                          # bytes per lane and rank: one cache line of int64 words
+SEQ, SEQ2, TAG, NBYTES = 0, 1, 2, 4  # header words: call posted, two-shot's 2nd phase, stamp[2], bytes[2]
+DEFAULT_BYTES = 1 << 20              # bytes per parity buffer (MINIDIST_SHM_BYTES): larger calls go in pieces
+LANES = 2                            # the communicator's own calls, and its async twin's
+NAME = "shm_all_reduce"
+
+_windows: list = []                  # every window this process allocated, in order (freed in that order)
+_lock = threading.Lock()             # the main thread and an async worker may both be first to attach
+
+
+def window_bytes() -> int:
+    """Bytes per parity buffer: MINIDIST_SHM_BYTES (default 1 MiB), a multiple of 64."""
+    return max(64, int(os.environ.get("MINIDIST_SHM_BYTES", DEFAULT_BYTES)) // 64 * 64)
+
+
+class Lane:
+    """One rank's view of one lane of a window: every rank's header and two parity buffers."""
+
+    def __init__(self, slots: list, cap: int, rank: int, fence):
+        self.rank, self.p, self.cap, self.fence = rank, len(slots), cap, fence
+        self.heads = [memoryview(s[:HEADER]).cast("q") for s in slots]  # (item access: ~30 ns)
+        self.data = [[s[HEADER + q * cap:HEADER + (q + 1) * cap] for s in slots] for q in (0, 1)]
+        self.others = [j for j in range(self.p) if j != rank]
+        self.calls = 0                   # protocol calls (pieces) on this lane so far
+        self.plans: dict = {}            # (parity, dtype, n) -> every rank's buffer as n dtype, chunks, shots
+        self.checked: set = set()        # (op, dtype) pairs check_op has accepted
+
+    def plan(self, parity: int, dtype, n: int):
+        """Every rank's parity buffer as ``n`` elements of ``dtype``, the two-shot chunks, and
+        whether this piece goes two-shot (cached: a small call can't spend 1 us slicing)."""
+        key = (parity, dtype, n)
+        got = self.plans.get(key)
+        if got is None:
+            if len(self.plans) > 64:
+                self.plans.clear()
+            bufs = [d[:n * dtype.itemsize].view(dtype) for d in self.data[parity]]
+            bounds = np.cumsum([0] + [n // self.p + (j < n % self.p) for j in range(self.p)])
+            chunks = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+            got = self.plans[key] = bufs, chunks, shm_two_shot(n * dtype.itemsize, self.p)
+        return got
+
+    def call(self, comm, x: np.ndarray, op: str):
+        """``shm_all_reduce`` of a NumPy ``x`` when nothing watches the call (no debug mode, no
+        tracing, no outer collective): what ``collective`` does around it, leanly -- count the call,
+        stamp it, note it for the watchdog, record it in the ledger -- around ``reduce``."""
+        if (op, x.dtype) not in self.checked:
+            check_op(comm, op, x.dtype)
+            self.checked.add((op, x.dtype))
+        comm.seq = seq = comm.seq + 1
+        comm.origin.last_op = (NAME, seq)            # (comm.note, inlined)
+        out, sent, received, steps = self.reduce(comm, stamp(NAME, seq, x.dtype, op, None), x.reshape(-1), op)
+        comm.ledger.count_call(NAME, sent, received, steps)
+        if op == "mean":
+            out /= self.p
+        return out.reshape(x.shape)
+
+    def reduce(self, comm, tag: int, src: np.ndarray, op: str) -> tuple:
+        """Every rank's flat ``src`` reduced, in pieces that fit the window: (result, bytes this rank
+        wrote into the window, bytes it read from the others', steps)."""
+        fn, step = OPS[op], max(1, self.cap // src.itemsize)
+        if src.size <= step:
+            return self.piece(comm, tag, src, None, fn, src.nbytes)
+        out, sent, received, steps = np.empty_like(src), 0, 0, 0
+        for lo in range(0, src.size, step):
+            _, s, r, n = self.piece(comm, tag, src[lo:lo + step], out[lo:lo + step], fn, src.nbytes)
+            sent, received, steps = sent + s, received + r, steps + n
+        return out, sent, received, steps
+
+    def piece(self, comm, tag: int, src: np.ndarray, out, fn, nbytes: int) -> tuple:
+        """One call of the protocol on one piece (module docstring): as ``reduce``. ``out``: where to
+        put the result (None: a new array). ``nbytes``: the whole call's size, posted and checked."""
+        self.calls = call = self.calls + 1
+        parity, r, heads = call & 1, self.rank, self.heads
+        bufs, chunks, two_shot = self.plan(parity, src.dtype, src.size)
+        bufs[r][...] = src
+        me = heads[r]
+        me[TAG + parity], me[NBYTES + parity] = tag, nbytes
+        if self.fence is not None:
+            self.fence()                  # the data before the number (x86 keeps stores in order)
+        me[SEQ] = call
+        for j in self.others:
+            if heads[j][SEQ] < call:
+                self.wait(comm, tag, j, SEQ, call)
+        if self.fence is not None:
+            self.fence()
+        for j in self.others:
+            h = heads[j]
+            if h[TAG + parity] != tag or h[NBYTES + parity] != nbytes:
+                raise self.mismatch(comm, j, parity, tag, nbytes)
+        if not two_shot:                                  # one-shot: everyone adds up everything
+            out = fn(bufs[0], bufs[1], out=out)
+            for b in bufs[2:]:
+                fn(out, b, out=out)
+            return out, src.nbytes, (self.p - 1) * src.nbytes, 1
+        if out is None:
+            out = np.empty_like(src)
+        mine = chunks[r]                                  # two-shot: my chunk of everyone's buffer ...
+        fn(bufs[0][mine], bufs[1][mine], out=out[mine])
+        for b in bufs[2:]:
+            fn(out[mine], b[mine], out=out[mine])
+        bufs[r][mine] = out[mine]                         # ... back into my buffer, for the others
+        if self.fence is not None:
+            self.fence()
+        me[SEQ2] = call
+        for j in self.others:
+            if heads[j][SEQ2] < call:
+                self.wait(comm, tag, j, SEQ2, call)
+        if self.fence is not None:
+            self.fence()
+        for j in self.others:                             # then everyone's reduced chunk
+            out[chunks[j]] = bufs[j][chunks[j]]
+        part = out[mine].nbytes
+        return out, src.nbytes + part, (self.p - 1) * part + src.nbytes - part, 2
+
+    def wait(self, comm, tag: int, j: int, word: int, call: int) -> None:
+        """Until rank ``j``'s header word ``word`` reaches ``call``, through ``poll``: spin with
+        ``sched_yield``, then sleep; the "still waiting" line and the watchdog; a peer that returned
+        from run() or whose next message belongs to another collective raises at once."""
+        h = self.heads[j]
+        phase = " (two-shot's second phase)" if word == SEQ2 else ""
+        poll(lambda: h[word] >= call, comm, lambda: f"rank {j} to post its part of {NAME} (piece "
+             f"#{call} on this communicator{phase})", lambda: comm.twin("coll").peer_problem(j, tag))
+
+    def mismatch(self, comm, j: int, parity: int, tag: int, nbytes: int) -> Exception:
+        """Rank ``j`` posted another call (stamp) or another size than this rank."""
+        h = self.heads[j]
+        if h[TAG + parity] != tag:
+            return stamp_mismatch(comm, j, tag, h[TAG + parity])
+        return MessageMismatch(f"rank {self.rank} of {self.p} (mpi), in {NAME} #{comm.seq}: rank {j} "
+                               f"all-reduces {h[NBYTES + parity]} bytes, this rank {nbytes}: the ranks "
+                               f"disagree on the size")
+
+
+class Window:
+    """The shared window of one communicator: ``LANES`` lanes of (header + 2 parity buffers) per rank."""
+
+    def __init__(self, comm, node):
+        from mpi4py import MPI
+
+        self.cap = cap = window_bytes()
+        lane_bytes = HEADER + 2 * cap
+        self.node = node
+        self.win = MPI.Win.Allocate_shared(LANES * lane_bytes, 1, comm=node)
+        self.win.Lock_all(MPI.MODE_NOCHECK)              # a passive epoch, so Sync() is a memory fence
+        slots = [np.frombuffer(self.win.Shared_query(j)[0], np.uint8) for j in range(node.Get_size())]
+        slots[node.Get_rank()][:] = 0                    # headers start at call 0 (never posted)
+        self.win.Sync()
+        node.Barrier()                                   # (every rank is here: attach's barrier)
+        fence = None if platform.machine() in ("x86_64", "AMD64") else self.win.Sync  # x86: stores in order
+        self.lanes = [Lane([s[i * lane_bytes:(i + 1) * lane_bytes] for s in slots], cap, comm.rank, fence)
+                      for i in range(LANES)]
+        _windows.append(self)
+
+    def free(self) -> None:
+        """Collective over the node's ranks; afterwards no lane may be used."""
+        if self.win is not None:
+            self.win.Unlock_all()
+            self.win.Free()
+            self.node.Free()
+            self.win = None
+
+
+def attach(comm):
+    """A ``Window`` for ``comm`` (an ``MPIComm`` that is its own origin), or None where shared memory
+    can't serve it: its ranks span several nodes, a slow link is emulated (``MINIDIST_LINK``), or
+    ``MINIDIST_SHM=0``. Collective over ``comm``; every rank gets the same answer."""
+    from mpi4py import MPI
+
+    comm.note("all_reduce(shm): allocating the shared window")   # what the watchdog shows meanwhile
+    comm.twin("debug").barrier()  # watchdog-protected: every rank is here, so MPI's calls below can't hang
+    node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    usable = (node.Get_size() == comm.size and comm.link is None
+              and os.environ.get("MINIDIST_SHM", "1") not in ("0", "false", "False"))
+    if not comm.mpi.allreduce(usable, op=MPI.LAND):
+        node.Free()
+        return None
+    return Window(comm, node)
+
+
+def shm_lane(comm):
+    """``comm``'s lane of its shared window (allocated collectively the first time), or False where
+    shared memory can't serve it (another transport, one rank, several nodes, an emulated link)."""
+    lane = getattr(comm, "shm", False)
+    if lane is not None:
+        return lane
+    if comm.size == 1:
+        comm.shm = False
+        return False
+    origin = comm.origin
+    with _lock:
+        if origin.shm is None:
+            window = attach(origin)
+            origin.shm = window.lanes[0] if window else False
+            origin.shm_window = window
+    window = origin.shm_window
+    if comm is not origin:
+        comm.shm = window.lanes[1] if window and comm is origin.twins.get("async") else False
+    return comm.shm
+
+
+def free_windows() -> None:
+    """Free every window, in the order they were allocated (collective: after ``run()``'s end
+    handshake every rank is here). Without it MPI_Finalize still ends cleanly; this returns the
+    shared memory before that."""
+    while _windows:
+        _windows.pop(0).free()
