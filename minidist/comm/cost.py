@@ -45,10 +45,11 @@ GAMMA = 1 / 4e9   # s per byte reduced (~4 GB/s for a NumPy add of float32)
 LATENCY = {False: (2e-5, 5e-6), True: (1e-4, 3e-5)}
 
 
-# shm all-reduce: two-shot (each rank reads ~2N) from this many bytes per piece up, one-shot (reads
-# p·N, one wait) below; measured on 2 cores with mpirun -n 2 and -n 4 (benchmarks/allreduce.py)
-SHM_TWO_SHOT_BYTES = {2: 1 << 62, 3: 256 << 10, 4: 256 << 10}
-SHM_TWO_SHOT_DEFAULT = 64 << 10
+# shm all-reduce: two-shot (each rank reads ~2N, two waits) from this many bytes per piece up,
+# one-shot (reads p·N, one wait) below. At p = 2 both read 2N, so two-shot never pays; on 2 cores
+# with 4 ranks a wait costs a time slice, so two-shot pays only for the largest pieces.
+SHM_TWO_SHOT_BYTES = {2: 1 << 62}
+SHM_TWO_SHOT_DEFAULT = 512 << 10
 
 
 def shm_two_shot(nbytes: int, p: int) -> bool:
@@ -127,6 +128,13 @@ def all_reduce_cost(algorithm: str, nbytes: int, p: int, alpha: float, delta: fl
     """Predicted seconds for one rank to all-reduce ``nbytes`` over ``p`` ranks."""
     rounds, messages, sent, reduced = all_reduce_counts(algorithm, nbytes, p)
     return rounds * alpha + messages * delta + sent * BETA + reduced * GAMMA
+
+
+def auto_algorithm(nbytes: int, p: int, is_crowded: bool | None = None, shared_memory: bool = False) -> str:
+    """What ``all_reduce(algorithm="auto")`` runs: ``"shm"`` where shared memory serves the group
+    (``shared_memory``: the MPI transport, every rank on one node, no emulated link), else the cost
+    model's choice (``choose_algorithm``)."""
+    return "shm" if shared_memory and p > 1 else choose_algorithm(nbytes, p, is_crowded)
 
 
 @functools.lru_cache(maxsize=4096)  # called on every all-reduce: a small message can't wait 5 us for it
