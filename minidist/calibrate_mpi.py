@@ -11,9 +11,10 @@ processes at once, for n in `PROBE_RANKS`:
 * `links`: the all-reduce as the training step calls it, all n ranks at once, as wall time:
   `fg` called in the foreground (tensor parallelism: `all_reduce` between matmuls) and `bg` on the
   communication thread (DDP's gradient buckets: `all_reduce_async`), each fitted to
-  rounds x alpha + bytes sent x beta over message sizes (`minidist.comm.cost.all_reduce_counts`
-  gives the rounds and bytes of each algorithm). Crowding shows up in alpha: each round waits
-  until the partner is scheduled.
+  rounds x alpha + bytes sent x beta over message sizes (the planner's rounds and bytes of each
+  algorithm, `minidist.plan.traffic`), for the ring (what DDP and the TP layers ask for) and shm
+  (what "auto" picks under mpirun). Crowding shows up in alpha: each round waits until the
+  partners are scheduled.
 
 `probe_processes()` starts `mpiexec -n N python -m minidist.calibrate_mpi` for each n and returns
 the entries calibrate stores under "processes"; `minidist.hardware.here(transport="mpi")` reads
@@ -34,17 +35,18 @@ from threadpoolctl import threadpool_limits
 
 from minidist.calibrate import _median_time, _work
 from minidist.comm import all_reduce, all_reduce_async, run
-from minidist.comm.cost import all_reduce_counts
+from minidist.plan.traffic import all_reduce_rounds, all_reduce_sent
 
 PROBE_RANKS = (2, 4, 8)                       # minidist's meshes on one machine: up to 8 ranks
 PROBE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
-PROBE_ALGORITHMS = ("ring",)                  # the all-reduces the training step calls (see plan.traffic)
+PROBE_ALGORITHMS = ("ring", "shm")           # what DDP and TP ask for, and what "auto" picks under mpirun
 _LAUNCH_ENV = ("PMI_", "PMIX_", "HYDRA_", "OMPI_", "MPI_LOCAL", "MINIDIST_TRANSPORT")
 
 
 def fit_alpha_beta(algorithm: str, p: int, sizes, times) -> tuple[float, float]:
-    """Least squares of time = rounds x alpha + bytes sent x beta over the message sizes."""
-    rows = [all_reduce_counts(algorithm, n, p)[:3:2] for n in sizes]  # (rounds, bytes sent)
+    """Least squares of time = rounds x alpha + bytes sent x beta over the message sizes (float32),
+    rounds and bytes as the planner counts them (`minidist.plan.traffic`)."""
+    rows = [(all_reduce_rounds(algorithm, n, p), all_reduce_sent(algorithm, n, p)) for n in sizes]
     (alpha, beta), *_ = np.linalg.lstsq(np.array(rows, float), np.array(times, float), rcond=None)
     return max(float(alpha), 1e-7), max(float(beta), 1e-12)
 
@@ -54,10 +56,10 @@ def _probe_rank(comm) -> dict:
     work = _work(minidist_ops=True, batch=4)
     work()
     comm.barrier()
-    alone = _median_time(work, 3, min_time=0) if comm.rank == 0 else 0.0  # the others wait, asleep
+    alone = _median_time(work, 5, min_time=0) if comm.rank == 0 else 0.0  # the others wait, asleep
     comm.barrier()
     together = []
-    for _ in range(3):
+    for _ in range(5):
         comm.barrier()
         t0 = time.perf_counter()
         work()

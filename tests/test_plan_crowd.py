@@ -96,6 +96,47 @@ def test_here_reads_the_probe(tmp_path):
     assert mpi.crowd(1) is None
 
 
+# float32 elements, latency-bound to windowed (shm: 1 MiB pieces); uneven chunks for shm and the
+# ring, multiples of 12 where the cost model's byte formulas (exact when p divides them) count
+SIZES = (10, 1000, 70_001, 300_001)
+EVEN = (12, 1200, 70_008, 300_000)
+
+
+def auto_calls(comm, background=False, sizes=SIZES):
+    """(name, bytes sent) of each `all_reduce(..., algorithm="auto")` of `sizes`, from the ledger."""
+    import numpy as np
+
+    from minidist.comm import all_reduce, all_reduce_async, measure
+
+    out = []
+    for n in sizes:
+        x = np.ones(n, np.float32)
+        with measure(comm) as meas:
+            all_reduce_async(comm, x, algorithm="auto").wait() if background else \
+                all_reduce(comm, x, algorithm="auto")
+        out.append([(c.name, c.bytes_sent) for c in meas.calls])
+    return out
+
+
+def check_auto(calls, p, rank, where, sizes=SIZES):
+    """The planner's algorithm and bytes for an "auto" all-reduce == the ledger's, size by size."""
+    from minidist.plan.traffic import all_reduce_call
+
+    for n, got in zip(sizes, calls):
+        want = all_reduce_call("dp", "auto", 4 * n, p, 4, rank, 1, "step", where)
+        assert got == [(want.name, want.sent)], f"rank {rank} of {p}, {n} elements: {got} != {want}"
+
+
+@pytest.mark.parametrize("p", [3, 4])
+def test_auto_all_reduce_follows_the_comm_layer_on_threads(p):
+    """Threads: "auto" is the cost model's choice per size; the planner asks the same question."""
+    from minidist.comm import run
+    from minidist.plan.traffic import THREADS
+
+    for rank, calls in enumerate(run(auto_calls, ranks=p, sizes=EVEN)):
+        check_auto(calls, p, rank, THREADS, EVEN)
+
+
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
 def test_bytes_equal_the_ledger_under_mpirun():
@@ -106,19 +147,25 @@ def test_bytes_equal_the_ledger_under_mpirun():
     res = subprocess.run(["mpirun", "-n", "4", sys.executable, __file__], capture_output=True, text=True,
                          timeout=120, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.count("OK rank") == 4 * 2, res.stdout
+    assert res.stdout.count("OK rank") == 4 * 3, res.stdout
 
 
 def _mpi_main():
-    from minidist.comm import cost
+    from minidist.comm import cost, run
     from minidist.plan.traffic import Placement
     from tests.test_plan import CFG, check_mesh
     from tests.test_plan import SPEC as TINY
 
-    where = Placement("mpi", cost.crowded())
+    where = Placement("mpi", cost.crowded(), shared_memory=True)  # one node: "auto" takes shm
     for dp, tp, pp, m in [(2, 2, 1, 2), (2, 1, 2, 2)]:
         check_mesh(dp, tp, pp, m, None, CFG, TINY, where=where)
         print(f"OK rank {os.environ.get('PMI_RANK')} dp{dp} tp{tp} pp{pp}", flush=True)
+
+    def auto(comm):  # in the foreground (TP's way) and on the communication thread (DDP's)
+        for background in (False, True):
+            check_auto(auto_calls(comm, background), comm.size, comm.rank, where)
+        return comm.rank
+    print(f"OK rank {run(auto)[0]} auto all-reduce", flush=True)
 
 
 if __name__ == "__main__":

@@ -136,21 +136,22 @@ def cores_for(hw, ranks: int) -> float:
 
 
 def ensure_calibrated() -> None:
-    """Measure this machine once (rank 0 under MPI; the others wait for the file)."""
+    """Measure this machine once (rank 0 under MPI; the others wait asleep, not in MPI's spinning
+    barrier, so the calibration -- and its own mpirun probe -- sees the cores free)."""
     if os.path.exists(hardware.CALIBRATION_PATH):
         return
+    world = None
     if under_mpi():
         from mpi4py import MPI
 
-        if MPI.COMM_WORLD.Get_rank() != 0:
-            MPI.COMM_WORLD.barrier()
-            return
-    print("calibrating this machine once (python -m minidist.calibrate) ...", flush=True)
-    calibrate()
-    if under_mpi():
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.barrier()
+        world = MPI.COMM_WORLD
+    if world is None or world.Get_rank() == 0:
+        print("calibrating this machine once (python -m minidist.calibrate) ...", flush=True)
+        calibrate()
+    if world is not None:
+        done = world.Ibarrier()
+        while not done.Test():
+            time.sleep(0.01)
 
 
 def main(argv=None):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from minidist.comm.cost import all_reduce_counts
 from minidist.hardware import Hardware, Link
 from minidist.parallel.pipeline import make_schedule
 from minidist.parallel.simulate import simulate
@@ -41,7 +40,7 @@ from minidist.plan.mesh import (
     stage_layers,
 )
 from minidist.plan.model import ModelSpec
-from minidist.plan.traffic import Placement, collectives
+from minidist.plan.traffic import Placement, all_reduce_rounds, collectives
 
 OPS_PER_BLOCK = 19    # minidist Block: functions run in forward (ln, linear, reshape, ...); backward as many
 OPS_HEAD = 5          # Head + cross-entropy
@@ -115,14 +114,9 @@ def algorithm(c) -> str:
 
 
 def rounds(c, p: int) -> int:
-    """Message rounds of one call on p ranks: an all-reduce's per `minidist.comm.cost` (2(p-1) for the
-    ring and for an algorithm the cost model does not know), one ring pass (p-1) for the others."""
-    if not algorithm(c):
-        return p - 1
-    try:
-        return all_reduce_counts(algorithm(c), int(c.payload), p)[0]
-    except ValueError:
-        return 2 * (p - 1)
+    """Message rounds of one call on p ranks: an all-reduce's per its algorithm
+    (`minidist.plan.traffic.all_reduce_rounds`), one ring pass (p-1) for the others."""
+    return all_reduce_rounds(algorithm(c), c.payload, p) if algorithm(c) else p - 1
 
 
 def axis_size(cand: Candidate, axis: str) -> int:
@@ -204,9 +198,10 @@ def python_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int, ops
 
 
 def placement(hw: Hardware, ranks: int) -> Placement:
-    """The transport `ranks` ranks run on here, and whether they outnumber the CPUs: what the comm
-    layer's "auto" all-reduce looks at. Presets: NCCL-like, never crowded."""
-    return Placement(hw.transport or "threads", bool(hw.cpus) and ranks > hw.cpus)
+    """The transport `ranks` ranks run on here, whether they outnumber the CPUs, and (MPI here: one
+    machine) that they share its memory: what the comm layer's "auto" all-reduce looks at. Presets:
+    never crowded."""
+    return Placement(hw.transport or "threads", bool(hw.cpus) and ranks > hw.cpus, hw.transport == "mpi")
 
 
 def rank_slowdown(hw: Hardware, ranks: int) -> float:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from minidist.comm import cost
+from minidist.comm import cost, shm
 from minidist.comm.collectives import split_sizes
 from minidist.parallel import tp_comm
 from minidist.parallel.ddp import DistributedDataParallel
@@ -45,21 +45,58 @@ TP_ALGORITHM = tp_comm.ALGORITHM
 @dataclass(frozen=True)
 class Placement:
     """Where the ranks run, as far as the comm layer's `auto` choice cares: the transport ("threads"
-    or "mpi") and whether this host's ranks outnumber its cores (`minidist.comm.cost.crowded`)."""
+    or "mpi"), whether this host's ranks outnumber its cores (`minidist.comm.cost.crowded`), and
+    whether every rank shares one node's memory (`minidist.comm.shm`: MPI, one node, no emulated link)."""
     transport: str = "threads"
     crowded: bool = False
+    shared_memory: bool = False
 
 
 THREADS = Placement()
 
 
 def all_reduce_algorithm(requested: str, nbytes: float, p: int, where: Placement = THREADS) -> str:
-    """The all-reduce algorithm minidist runs: `requested`, or for "auto" what the comm layer's
-    `choose_algorithm` picks for this size, group and placement (every rank of a group agrees on
-    the same answer, see `minidist.comm.cost.agreed_crowded`)."""
+    """The all-reduce algorithm minidist runs: `requested`, or for "auto" what `minidist.comm.all_reduce`
+    picks: "shm" on the MPI transport with every rank on one node, else the cost model's
+    `choose_algorithm` for this size, group and crowding (every rank of a group agrees on both)."""
     if requested != "auto":
         return requested
+    if where.transport == "mpi" and where.shared_memory and p > 1:
+        return "shm"
     return cost.choose_algorithm(int(nbytes), p, where.crowded)
+
+
+def shm_pieces(nbytes: float, itemsize: int) -> list[int]:
+    """Elements of each piece a shared-memory all-reduce of `nbytes` goes in (`shm.window_bytes()` each)."""
+    n, step = int(nbytes) // itemsize, max(1, shm.window_bytes() // itemsize)
+    return [min(step, n - lo) for lo in range(0, n, step)] or [0]
+
+
+def all_reduce_rounds(algorithm: str, nbytes: float, p: int, itemsize: int = 4) -> int:
+    """Rounds of one all-reduce, each a wait for the partners: per `minidist.comm.cost.all_reduce_counts`
+    (2(p-1) for an algorithm it does not know); "shm": one posting per piece, two if it goes two-shot."""
+    if p == 1:
+        return 0
+    if algorithm == "shm":
+        return sum(2 if cost.shm_two_shot(k * itemsize, p) else 1 for k in shm_pieces(nbytes, itemsize))
+    try:
+        return cost.all_reduce_counts(algorithm, int(nbytes), p)[0]
+    except ValueError:
+        return 2 * (p - 1)
+
+
+def all_reduce_sent(algorithm: str, nbytes: float, p: int, itemsize: int = 4, rank: int = 0) -> float:
+    """Bytes rank `rank` sends in one all-reduce, as the ledger counts them: the ring's uneven chunks
+    (`ring_sent`); shm: every piece it writes into the window, plus its two-shot chunk of each piece
+    that goes two-shot; others by `minidist.comm.cost.all_reduce_bytes_sent`."""
+    if p == 1:
+        return 0.0
+    if algorithm == "ring":
+        return ring_sent(nbytes, p, itemsize, rank)
+    if algorithm == "shm":
+        return float(itemsize * sum(k + (split_sizes(k, p)[rank] if cost.shm_two_shot(k * itemsize, p) else 0)
+                                    for k in shm_pieces(nbytes, itemsize)))
+    return float(cost.all_reduce_bytes_sent(algorithm, int(nbytes), p, rank))
 
 
 @dataclass(frozen=True)
@@ -74,13 +111,9 @@ class Collective:
 
 def all_reduce_call(axis: str, requested: str, nbytes: float, p: int, itemsize: int, rank: int, count: int,
                     phase: str, where: Placement = THREADS) -> Collective:
-    """One all-reduce as the ledger records it: the algorithm's name and the bytes rank `rank` sends
-    (the ring's exact uneven chunks; other algorithms by `minidist.comm.cost.all_reduce_bytes_sent`)."""
+    """One all-reduce as the ledger records it: the algorithm's name and the bytes rank `rank` sends."""
     alg = all_reduce_algorithm(requested, nbytes, p, where)
-    if alg == "ring":
-        sent = ring_sent(nbytes, p, itemsize, rank)
-    else:
-        sent = float(cost.all_reduce_bytes_sent(alg, int(nbytes), p, rank))
+    sent = all_reduce_sent(alg, nbytes, p, itemsize, rank)
     return Collective(axis, f"{alg}_all_reduce", nbytes, sent, count, phase)
 
 
