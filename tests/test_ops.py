@@ -312,3 +312,77 @@ def test_cast_keeps_dtypes_explicit(backend):
 
     t = Tensor(get_backend(backend).from_host(a.astype(np.float32)))
     assert (t * 2.0 + 1).dtype == np.float32
+
+
+# -- float32 at the model's shapes, against float64 compositions of the elementary ops ---------------
+# The fused ops (one formula per backward, BLAS sums, in-place passes) must keep float32 float32 and
+# agree with the same function built from small ops (each checked by finite differences above)
+# computed in float64; shapes include the benchmark GPT's (batch 8, sequence 128, d_model 256).
+
+def _grads64(fn, arrays, g):
+    """Value and input gradients of ``fn`` (Tensors -> Tensor) in float64, for upstream gradient g."""
+    from minidist.tensor import Tensor
+
+    ts = [Tensor(np.asarray(a, np.float64), requires_grad=True) for a in arrays]
+    out = fn(*ts)
+    out.backward(Tensor(np.asarray(g, np.float64)))
+    return out.numpy(), [t.grad for t in ts]
+
+
+def _grads32(fn, arrays, g):
+    from minidist.tensor import Tensor
+
+    ts = [Tensor(np.asarray(a, np.float32), requires_grad=True) for a in arrays]
+    out = fn(*ts)
+    out.backward(Tensor(np.asarray(g, np.float32)))
+    assert out.dtype == np.float32 and all(t.grad.dtype == np.float32 for t in ts)
+    return out.numpy(), [t.grad for t in ts]
+
+
+def _close(got, want, what, rel=3e-5):
+    """float32 against float64: within ``rel`` of the reference's largest magnitude."""
+    scale = max(float(np.abs(want).max()), 1e-30)
+    err = float(np.abs(np.asarray(got, np.float64) - want).max())
+    assert err <= rel * scale, f"{what}: max error {err:.3g} > {rel:g} x max |reference| {scale:.3g}"
+
+
+def _layer_norm_composed(x, w, b, eps=1e-5):
+    xc = x - x.mean(axis=-1, keepdims=True)
+    var = (xc * xc).mean(axis=-1, keepdims=True)
+    return xc * (var + eps) ** -0.5 * w + b
+
+
+@pytest.mark.parametrize("shape,offset", [((8, 128, 256), 0.0), ((3, 5, 7), 0.0), ((6, 33), 30.0),
+                                          ((4, 1), 0.0)])
+def test_layer_norm_float32_matches_the_float64_composition(shape, offset):
+    """offset 30: the mean dwarfs the spread (1), which the centring pass must keep accurate."""
+    rng = np.random.default_rng(len(shape))
+    n = shape[-1]
+    x = rng.standard_normal(shape) + offset
+    w, b = 1.0 + 0.5 * rng.standard_normal(n), rng.standard_normal(n)
+    g = rng.standard_normal(shape)
+    out, grads = _grads32(ops.layer_norm, [x, w, b], g)
+    want, want_grads = _grads64(_layer_norm_composed, [x, w, b], g)
+    _close(out, want, "y")
+    for name, got, ref in zip(("dx", "dw", "db"), grads, want_grads):
+        _close(got, ref, name, rel=1e-4 if offset else 3e-5)
+
+
+@pytest.mark.parametrize("shape,v", [((8, 128), 256), ((2, 3), 5)])
+def test_cross_entropy_float32_matches_the_float64_composition(shape, v):
+    rng = np.random.default_rng(v)
+    logits = 3.0 * rng.standard_normal(shape + (v,))
+    targets = rng.integers(0, v, shape)
+    targets[0, :2] = -1  # ignored: counted neither in the sum nor in n
+    keep = targets.reshape(-1) != -1
+    rows, cols = np.flatnonzero(keep), targets.reshape(-1)[keep]
+
+    def composed(x):
+        logp = ops.log_softmax(x.reshape(-1, v), axis=-1)
+        return -logp[rows, cols].sum() / len(rows)
+
+    out, (grad,) = _grads32(lambda x: ops.cross_entropy(x, targets), [logits], 1.0)
+    want, (want_grad,) = _grads64(composed, [logits], 1.0)
+    _close(out, want, "loss", rel=1e-6)
+    _close(grad, want_grad, "d logits")
+    assert np.all(grad.reshape(-1, v)[~keep] == 0)
