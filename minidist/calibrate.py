@@ -6,9 +6,11 @@ own kernels reach (`kernels`: linear, GELU, layer norm, attention scores, cross-
 the planner's compute model for the "minidist" engine is a sum of these, with the Python of a block,
 of the embedding + head, and of a training step per parameter tensor), how many cores' worth of work
 processes and thread ranks get (thread ranks twice: as many as the CPUs, and 4 x as many, where
-handing the GIL over costs more than the cores give), and the threads
+handing the GIL over costs more than the cores give), the threads
 transport's ring all-reduce alpha (seconds per step) and beta (seconds per byte) by a least-squares
-fit over message sizes. The load average is recorded: on a busy machine every number is slower. Writes them to
+fit over message sizes, and (`processes`, `minidist.calibrate_mpi`'s mpirun probe) what 2, 4 and 8
+MPI processes get at once: their cores' worth of minidist work and their all-reduce's alpha/beta.
+The load average is recorded: on a busy machine every number is slower. Writes them to
 ~/.cache/minidist/calibration.json (`minidist.hardware.CALIBRATION_PATH`); `minidist.hardware.here()`
 reads them back.
 """
@@ -189,7 +191,7 @@ def effective_cores(threads: int, minidist_ops: bool = False, batch: int = 8) ->
     one thread, then on `threads` threads together. Plain matmuls (NumPy releases the GIL inside
     BLAS): the core count on an idle machine, less when other programs keep the cores busy.
     `minidist_ops=True`: minidist layers, whose Python (autograd, small ops) runs one thread at a
-    time -- what ranks on the threads transport get. (Processes: `processes.py`'s mpirun probe.)"""
+    time -- what ranks on the threads transport get. (MPI processes: `minidist.calibrate_mpi`.)"""
     import threading
 
     work = _work(minidist_ops, batch)
@@ -263,6 +265,10 @@ def main() -> None:
     print(f"  matmul {c['flops'] / 1e9:.1f} GFLOP/s (one thread), memory "
           f"{c['mem_bandwidth'] / 1e9:.1f} GB/s, op overhead {c['op_overhead'] * 1e6:.1f} us, all-reduce "
           f"alpha {c['alpha'] * 1e6:.1f} us, beta {1 / c['beta'] / 1e9:.2f} GB/s")
+    for e in c["processes"]:
+        link = ", ".join(f"{a} alpha {by['fg'][0] * 1e6:.0f} us ({by['bg'][0] * 1e6:.0f} us on DDP's thread)"
+                         for a, by in e["links"].items())
+        print(f"  {e['ranks']} MPI processes: {e['cores']:.1f} cores' worth; all-reduce {link}")
     print(f"wrote {CALIBRATION_PATH}")
 
 

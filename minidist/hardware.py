@@ -164,7 +164,8 @@ def here(path: str | None = None, transport: str = "threads") -> Hardware:
     chip; the 'intra' link is the threads transport's measured all-reduce alpha/beta). `transport`:
     "threads" (ranks share one Python: the cores they really get is `cores_threads`, or
     `cores_threads_crowded` once they outnumber the CPUs; their ops' fixed costs add up) or "mpi"
-    (one process per rank: `cores_free`)."""
+    (one process per rank: the mpirun probe's `crowds` -- cores' worth and all-reduce links per
+    process count -- or, from a calibration without it, `cores_free` and the threads link)."""
     path = path or CALIBRATION_PATH
     if not os.path.exists(path):
         raise FileNotFoundError(f"no calibration at {path}: run `python -m minidist.calibrate` first "
