@@ -46,7 +46,8 @@ def minidist_step(model, opt, x, y):
 ROWS = ("matmul (linear)", "attention", "GELU", "layer norm", "cross-entropy", "embedding",
         "other ops", "engine + Python (the rest)", "AdamW step")
 MINIDIST_ROW = {"Linear": "matmul (linear)", "Matmul": "matmul (linear)",
-                "ScaledDotProductAttention": "attention", "Gelu": "GELU", "LayerNorm": "layer norm",
+                "ScaledDotProductAttention": "attention", "PackedAttention": "attention", "Gelu": "GELU",
+                "LayerNorm": "layer norm",
                 "CrossEntropy": "cross-entropy",
                 "Embedding": "embedding"}
 TORCH_ROW = (("scaled_dot_product", "attention"), ("flash_attention", "attention"),

@@ -518,12 +518,28 @@ def _dot_last(a, v):
     return (_rows(a) @ v).reshape(a.shape[:-1] + (1,))
 
 
+def _sum_last(a):
+    """``a.sum(axis=-1, keepdims=True)``; float32/64 as a matrix-vector product with ones: NumPy's
+    ``sum`` along a short last axis costs 3.5-4x the BLAS pass (rows of 128-256)."""
+    if a.dtype.itemsize < 4:
+        return a.sum(axis=-1, keepdims=True)
+    return _dot_last(a, _xp(a).ones(a.shape[-1], dtype=a.dtype))
+
+
 def _mean_last(a):
-    """``a.mean(axis=-1, keepdims=True)`` as a matrix-vector product with ones (float32/64): NumPy's
-    ``sum`` along a short last axis costs ~3.5x the BLAS pass (and ``mean`` more Python on top)."""
-    if a.dtype.itemsize < 4:  # 2-byte floats: ``mean`` accumulates in float32
+    """``a.mean(axis=-1, keepdims=True)``: the sum above over n (2-byte floats: ``mean``, which
+    accumulates in float32)."""
+    if a.dtype.itemsize < 4:
         return a.mean(axis=-1, keepdims=True)
-    return _dot_last(a, _xp(a).ones(a.shape[-1], dtype=a.dtype)) / a.shape[-1]
+    return _sum_last(a) / a.shape[-1]
+
+
+def _vdot_last(a, b):
+    """Σ_i a[..., i]·b[..., i] over the last axis, keepdims; float32/64 by ``einsum``, one pass with
+    no a·b temporary (~3x ``(a * b).sum(-1)``)."""
+    if a.dtype.itemsize < 4:
+        return (a * b).sum(axis=-1, keepdims=True)
+    return _xp(a).einsum("...i,...i->...", a, b)[..., None]
 
 
 def _sum_rows(a):
@@ -548,10 +564,10 @@ class LayerNorm(Function):
     def forward(ctx, x, w, b, eps=1e-5):
         xp = _xp(x)
         xhat = x - _mean_last(x)
-        if x.dtype.itemsize < 4:
+        if x.dtype.itemsize < 4:  # (mean accumulates in float32; a 2-byte Σ x̂² could overflow)
             var = _mean_last(xhat * xhat)
-        else:  # Σ x̂² without an x̂² temporary
-            var = xp.einsum("...i,...i->...", xhat, xhat)[..., None] / x.shape[-1]
+        else:
+            var = _vdot_last(xhat, xhat) / x.shape[-1]
         rstd = 1.0 / xp.sqrt(var + eps)
         xhat *= rstd
         ctx.save(xhat, rstd, w)
@@ -597,6 +613,42 @@ class Dropout(Function):
         return g * mask
 
 
+def _attention_probs(q, k, causal):
+    """p = softmax(q·kᵀ/√d + causal mask) over the keys, in the scores' own buffer: with ``q``
+    shorter than ``k`` (decoding with a KV cache) query i sits at key position Tk - Tq + i and sees
+    keys up to and including it."""
+    be = backend_of(q)
+    xp = be.xp
+    tq, tk = q.shape[-2], k.shape[-2]
+    s = q @ xp.swapaxes(k, -1, -2)
+    if causal and tk > 1:
+        hidden = xp.arange(tk)[None, :] > (xp.arange(tq)[:, None] + (tk - tq))
+        minus_inf = xp.asarray(-xp.inf, dtype=s.dtype)
+        if be.inplace:
+            xp.copyto(s, minus_inf, where=hidden)
+        else:
+            s = xp.where(hidden, minus_inf, s)
+    # exp(scale·(s - max s)) / sum, in place; scale > 0 keeps the max where it is
+    s -= s.max(axis=-1, keepdims=True)
+    s *= q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
+    p = _inplace(xp.exp, s)
+    p /= _sum_last(p)
+    return p
+
+
+def _attention_grads(q, k, v, p, g):
+    """(dq, dk, dv) of y = p·v with p from ``_attention_probs``, for the gradient g of y:
+    dv = pᵀ·g; dp = g·vᵀ; ds = p ⊙ (dp - Σ_j p·dp) / √d (softmax's backward, in dp's buffer);
+    dq = ds·k; dk = dsᵀ·q."""
+    xp = _xp(g)
+    gv = xp.swapaxes(p, -1, -2) @ g
+    gs = g @ xp.swapaxes(v, -1, -2)
+    gs -= _vdot_last(gs, p)
+    gs *= p
+    gs *= q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
+    return gs @ k, xp.swapaxes(gs, -1, -2) @ q, gv
+
+
 class ScaledDotProductAttention(Function):
     """softmax(q·kᵀ/√d + causal mask)·v over (batch, heads, time, head_dim), forward and backward fused.
 
@@ -606,37 +658,51 @@ class ScaledDotProductAttention(Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal=True):
-        be = backend_of(q)
-        xp = be.xp
-        tq, tk = q.shape[-2], k.shape[-2]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        s = q @ xp.swapaxes(k, -1, -2)
-        if causal and tk > 1:
-            hidden = xp.arange(tk)[None, :] > (xp.arange(tq)[:, None] + (tk - tq))
-            minus_inf = xp.asarray(-xp.inf, dtype=s.dtype)
-            if be.inplace:
-                xp.copyto(s, minus_inf, where=hidden)
-            else:
-                s = xp.where(hidden, minus_inf, s)
-        # softmax(scale·s) in place: exp(scale·(s - max s)) / sum; scale > 0 keeps the max where it is
-        s -= s.max(axis=-1, keepdims=True)
-        s *= q.dtype.type(scale)
-        p = _inplace(xp.exp, s)
-        p /= p.sum(axis=-1, keepdims=True)
+        p = _attention_probs(q, k, causal)
         ctx.save(q, k, v, p)
-        ctx.scale = scale
         return p @ v
 
     @staticmethod
     def backward(ctx, g):
         q, k, v, p = ctx.saved
-        xp = _xp(g)
-        gv = xp.swapaxes(p, -1, -2) @ g
-        gs = g @ xp.swapaxes(v, -1, -2)  # d/dp, then turned into d/ds in place
-        gs -= (gs * p).sum(axis=-1, keepdims=True)
-        gs *= p
-        gs *= q.dtype.type(ctx.scale)
-        return gs @ k, xp.swapaxes(gs, -1, -2) @ q, gv
+        return _attention_grads(q, k, v, p, g)
+
+
+def _heads(qkv, n_head):
+    """q, k, v as (B, H, T, D) strided views of the fused projections qkv (B, T, 3·H·D): no copy,
+    and BLAS multiplies such views in place (each (T, D) matrix has unit stride along D)."""
+    b, t, three_c = qkv.shape
+    parts = qkv.reshape(b, t, 3, n_head, three_c // (3 * n_head))
+    return tuple(_xp(qkv).moveaxis(parts[:, :, i], 2, 1) for i in range(3))
+
+
+class PackedAttention(Function):
+    """Causal self-attention of the fused projections qkv (B, T, 3·H·D) to (B, T, H·D): the heads
+    are split and merged inside the op (flash-attn's "qkvpacked" form), with the same math as
+    ``ScaledDotProductAttention``.
+
+    Why one op: split into q, k, v by three indexing ops, qkv's gradient would be three zero-filled
+    (B, T, 3·H·D) arrays, each with one third written, added up, then copied back from the heads'
+    layout. Here backward stacks dq, dk, dv into one array, once.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, n_head, causal=True):
+        q, k, v = _heads(qkv, n_head)
+        p = _attention_probs(q, k, causal)
+        ctx.save(qkv, p)
+        ctx.n_head = n_head
+        y = p @ v  # (B, H, T, D) -> (B, T, H·D)
+        return _xp(y).moveaxis(y, 1, 2).reshape(qkv.shape[:2] + (-1,))
+
+    @staticmethod
+    def backward(ctx, g):
+        qkv, p = ctx.saved
+        q, k, v = _heads(qkv, ctx.n_head)
+        b, t, c = g.shape
+        gh = _xp(g).moveaxis(g.reshape(b, t, ctx.n_head, c // ctx.n_head), 2, 1)
+        grads = _attention_grads(q, k, v, p, gh)  # each (B, H, T, D): stacked as (B, T, 3, H, D)
+        return _xp(g).stack([_xp(g).moveaxis(a, 1, 2) for a in grads], axis=2).reshape(qkv.shape)
 
 
 class CrossEntropy(Function):
@@ -660,7 +726,7 @@ class CrossEntropy(Function):
         e = x - x.max(axis=-1, keepdims=True)
         logit_t = xp.take_along_axis(e, safe_t[:, None], axis=-1)[:, 0]  # x_t - max x
         e = _inplace(xp.exp, e)
-        s = _dot_last(e, xp.ones(v, dtype=e.dtype))
+        s = _sum_last(e)
         n = builtins.max(int(valid.sum()), 1)
         loss = ((xp.log(s[:, 0]) - logit_t) * valid).sum() / n
         ctx.save(e, s)
@@ -843,6 +909,11 @@ def dropout(x, p, rng, training=True):
 
 def scaled_dot_product_attention(q, k, v, causal=True):
     return ScaledDotProductAttention.apply(q, k, v, causal=causal)
+
+
+def packed_attention(qkv, n_head, causal=True):
+    """Self-attention of fused projections qkv (B, T, 3·H·D) over ``n_head`` heads: (B, T, H·D)."""
+    return PackedAttention.apply(qkv, n_head=n_head, causal=causal)
 
 
 def cross_entropy(logits, targets, ignore_index=-1):

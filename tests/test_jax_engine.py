@@ -32,7 +32,7 @@ def test_compiled_ops_give_the_numpy_engines_loss_and_gradients():
     for k in want:
         np.testing.assert_allclose(grads[k], want[k], rtol=0, atol=1e-12, err_msg=k)
     compiled = {key[0].__name__ for key, entry in jax_engine._FORWARD.items() if entry}
-    assert {"Linear", "LayerNorm", "Gelu", "ScaledDotProductAttention"} <= compiled
+    assert {"Linear", "LayerNorm", "Gelu", "PackedAttention"} <= compiled
 
 
 def test_a_one_input_ops_gradient_keeps_its_shape():

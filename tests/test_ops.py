@@ -386,3 +386,38 @@ def test_cross_entropy_float32_matches_the_float64_composition(shape, v):
     _close(out, want, "loss", rel=1e-6)
     _close(grad, want_grad, "d logits")
     assert np.all(grad.reshape(-1, v)[~keep] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(b=st.integers(1, 2), t=st.integers(1, 4), h=st.integers(1, 3), d=st.integers(1, 3),
+       causal=st.booleans(), seed=st.integers(0, 2**16))
+def test_packed_attention(backend, b, t, h, d, causal, seed):
+    qkv = np.random.default_rng(seed).standard_normal((b, t, 3 * h * d))
+    gradcheck(lambda x: ops.packed_attention(x, h, causal=causal), [qkv], backend=backend, atol=1e-5)
+
+
+def _attention_composed(qkv, n_head, causal=True):
+    """Heads split by reshape/transpose/indexing, masked scores, ``ops.softmax``, heads merged."""
+    b, t, three_c = qkv.shape
+    d = three_c // (3 * n_head)
+    parts = qkv.reshape(b, t, 3, n_head, d).transpose(2, 0, 3, 1, 4)
+    q, k, v = parts[0], parts[1], parts[2]
+    s = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / np.sqrt(d))
+    if causal:
+        s = s + np.triu(np.full((t, t), -1e30), 1)  # -1e30 above the diagonal: exp gives exactly 0
+    y = ops.softmax(s, axis=-1) @ v
+    return y.transpose(0, 2, 1, 3).reshape(b, t, n_head * d)
+
+
+@pytest.mark.parametrize("shape,n_head", [((8, 128, 3 * 256), 4), ((2, 5, 3 * 6), 3)])
+def test_packed_attention_float32_matches_the_float64_composition(shape, n_head):
+    rng = np.random.default_rng(n_head)
+    qkv = rng.standard_normal(shape)
+    g = rng.standard_normal(shape[:2] + (shape[2] // 3,))
+    out, (grad,) = _grads32(lambda x: ops.packed_attention(x, n_head), [qkv], g)
+    want, (want_grad,) = _grads64(lambda x: _attention_composed(x, n_head), [qkv], g)
+    _close(out, want, "y")
+    third = shape[2] // 3
+    for i, name in enumerate(("dq", "dk", "dv")):
+        part = slice(i * third, (i + 1) * third)
+        _close(grad[..., part], want_grad[..., part], name, rel=1e-4)

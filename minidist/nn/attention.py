@@ -5,7 +5,9 @@ scaled-dot-product attention -> merge heads (B, T, C) -> output projection -> dr
 
 ``self_attention(qkv, n_head, cache)`` is the middle part, shared by this layer and the
 tensor-parallel one (``minidist.parallel.tp_layers.ParallelAttention``, its heads split across
-ranks). Without a cache it is the fused, differentiable ``ops.scaled_dot_product_attention``.
+ranks). Without a cache it is one fused, differentiable op, ``ops.packed_attention``: the heads are
+split and merged inside it, so backward writes qkv's gradient once (``split_heads`` and
+``merge_heads`` are the same layout changes, for code that attends over other q, k, v).
 With a cache (``minidist.infer``: one layer's view of a KV cache, inference only, under
 ``no_grad``) the new keys and values are stored, the queries attend to every cached key of their
 own sequence, and ``cache.hidden`` masks the rest: each query sees the keys at positions up to
@@ -46,8 +48,7 @@ def self_attention(qkv, n_head: int, cache=None):
     sequences, (B, H, Tk, D), and ``hidden``, (B, 1, T, Tk) True where a key is not visible, or None).
     """
     if cache is None:
-        q, k, v = split_heads(qkv, n_head)
-        return merge_heads(ops.scaled_dot_product_attention(q, k, v, causal=True))
+        return ops.packed_attention(qkv, n_head, causal=True)
     if grad_enabled() and qkv.requires_grad:
         raise RuntimeError("self_attention: a KV cache is for inference; run it under "
                            "minidist.tensor.no_grad()")
