@@ -45,14 +45,16 @@ import threading
 
 import numpy as np
 
+from minidist.comm import cost
 from minidist.comm.call import OPS, check_op
 from minidist.comm.communicator import MessageMismatch, poll
-from minidist.comm.cost import shm_two_shot
+from minidist.comm.cost import shm_two_shot_from
 from minidist.comm.debug import stamp, stamp_mismatch
 
 HEADER = 64                          # bytes per lane and rank: one cache line of int64 words
 SEQ, SEQ2, TAG, NBYTES = 0, 1, 2, 4  # header words: call posted, two-shot's 2nd phase, stamp[2], bytes[2]
-DEFAULT_BYTES = 1 << 20              # bytes per parity buffer (MINIDIST_SHM_BYTES): larger calls go in pieces
+DEFAULT_BYTES = 4 << 20              # bytes per parity buffer (MINIDIST_SHM_BYTES): larger calls go in pieces
+SMALLEST = 64 << 10                  # /dev/shm too full for this much per buffer: no shared memory
 LANES = 2                            # the communicator's own calls, and its async twin's
 NAME = "shm_all_reduce"
 
@@ -60,26 +62,39 @@ _windows: list = []                  # every window this process allocated, in o
 _lock = threading.Lock()             # the main thread and an async worker may both be first to attach
 
 
-def window_bytes() -> int:
-    """Bytes per parity buffer: MINIDIST_SHM_BYTES (default 1 MiB), a multiple of 64."""
-    return max(64, int(os.environ.get("MINIDIST_SHM_BYTES", DEFAULT_BYTES)) // 64 * 64)
+def window_bytes(p: int = 1) -> int:
+    """Bytes per parity buffer: MINIDIST_SHM_BYTES (default 4 MiB; a multiple of 64), halved while
+    ``p`` ranks' windows would take more than half of what is free in /dev/shm (a container's is
+    often 64 MB, and running out there is a crash, SIGBUS, not an error)."""
+    cap = max(64, int(os.environ.get("MINIDIST_SHM_BYTES", DEFAULT_BYTES)) // 64 * 64)
+    try:
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        return cap
+    while 2 * p * LANES * (HEADER + 2 * cap) > free:
+        if cap <= SMALLEST:
+            return 0                     # no room: no shared memory (every rank agrees, see attach)
+        cap = cap // 128 * 64
+    return cap
 
 
 class Lane:
     """One rank's view of one lane of a window: every rank's header and two parity buffers."""
 
-    def __init__(self, slots: list, cap: int, rank: int, fence):
+    def __init__(self, slots: list, cap: int, rank: int, fence, two_shot_from: float):
         self.rank, self.p, self.cap, self.fence = rank, len(slots), cap, fence
+        self.two_shot_from = two_shot_from   # pieces of this many bytes and more go two-shot
         self.heads = [memoryview(s[:HEADER]).cast("q") for s in slots]  # (item access: ~30 ns)
         self.data = [[s[HEADER + q * cap:HEADER + (q + 1) * cap] for s in slots] for q in (0, 1)]
         self.others = [j for j in range(self.p) if j != rank]
         self.calls = 0                   # protocol calls (pieces) on this lane so far
-        self.plans: dict = {}            # (parity, dtype, n) -> every rank's buffer as n dtype, chunks, shots
+        self.plans: dict = {}            # (parity, dtype, n) -> every rank's buffer as n dtype, chunks
         self.checked: set = set()        # (op, dtype) pairs check_op has accepted
 
     def plan(self, parity: int, dtype, n: int):
-        """Every rank's parity buffer as ``n`` elements of ``dtype``, the two-shot chunks, and
-        whether this piece goes two-shot (cached: a small call can't spend 1 us slicing)."""
+        """Every rank's parity buffer as ``n`` elements of ``dtype``, and the two-shot chunks
+        (cached: a small call can't spend 1 us slicing)."""
         key = (parity, dtype, n)
         got = self.plans.get(key)
         if got is None:
@@ -88,7 +103,7 @@ class Lane:
             bufs = [d[:n * dtype.itemsize].view(dtype) for d in self.data[parity]]
             bounds = np.cumsum([0] + [n // self.p + (j < n % self.p) for j in range(self.p)])
             chunks = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-            got = self.plans[key] = bufs, chunks, shm_two_shot(n * dtype.itemsize, self.p)
+            got = self.plans[key] = bufs, chunks
         return got
 
     def call(self, comm, x: np.ndarray, op: str):
@@ -123,7 +138,7 @@ class Lane:
         put the result (None: a new array). ``nbytes``: the whole call's size, posted and checked."""
         self.calls = call = self.calls + 1
         parity, r, heads = call & 1, self.rank, self.heads
-        bufs, chunks, two_shot = self.plan(parity, src.dtype, src.size)
+        bufs, chunks = self.plan(parity, src.dtype, src.size)
         bufs[r][...] = src
         me = heads[r]
         me[TAG + parity], me[NBYTES + parity] = tag, nbytes
@@ -139,7 +154,7 @@ class Lane:
             h = heads[j]
             if h[TAG + parity] != tag or h[NBYTES + parity] != nbytes:
                 raise self.mismatch(comm, j, parity, tag, nbytes)
-        if not two_shot:                                  # one-shot: everyone adds up everything
+        if src.nbytes < self.two_shot_from:               # one-shot: everyone adds up everything
             out = fn(bufs[0], bufs[1], out=out)
             for b in bufs[2:]:
                 fn(out, b, out=out)
@@ -186,10 +201,10 @@ class Lane:
 class Window:
     """The shared window of one communicator: ``LANES`` lanes of (header + 2 parity buffers) per rank."""
 
-    def __init__(self, comm, node):
+    def __init__(self, comm, node, cap: int, crowded: bool):
         from mpi4py import MPI
 
-        self.cap = cap = window_bytes()
+        self.cap, self.crowded = cap, crowded
         lane_bytes = HEADER + 2 * cap
         self.node = node
         self.win = MPI.Win.Allocate_shared(LANES * lane_bytes, 1, comm=node)
@@ -199,8 +214,9 @@ class Window:
         self.win.Sync()
         node.Barrier()                                   # (every rank is here: attach's barrier)
         fence = None if platform.machine() in ("x86_64", "AMD64") else self.win.Sync  # x86: stores in order
-        self.lanes = [Lane([s[i * lane_bytes:(i + 1) * lane_bytes] for s in slots], cap, comm.rank, fence)
-                      for i in range(LANES)]
+        two_from = shm_two_shot_from(comm.size, crowded)
+        self.lanes = [Lane([s[i * lane_bytes:(i + 1) * lane_bytes] for s in slots], cap, comm.rank, fence,
+                           two_from) for i in range(LANES)]
         _windows.append(self)
 
     def free(self) -> None:
@@ -214,19 +230,21 @@ class Window:
 
 def attach(comm):
     """A ``Window`` for ``comm`` (an ``MPIComm`` that is its own origin), or None where shared memory
-    can't serve it: its ranks span several nodes, a slow link is emulated (``MINIDIST_LINK``), or
-    ``MINIDIST_SHM=0``. Collective over ``comm``; every rank gets the same answer."""
+    can't serve it: its ranks span several nodes, a slow link is emulated (``MINIDIST_LINK``),
+    /dev/shm has little room, or ``MINIDIST_SHM=0``. Collective over ``comm``; the ranks agree on
+    the answer, the window's size and whether they outnumber the cores (two-shot or not)."""
     from mpi4py import MPI
 
     comm.note("all_reduce(shm): allocating the shared window")   # what the watchdog shows meanwhile
     comm.twin("debug").barrier()  # watchdog-protected: every rank is here, so MPI's calls below can't hang
     node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-    usable = (node.Get_size() == comm.size and comm.link is None
+    cap = comm.mpi.allreduce(window_bytes(comm.size), op=MPI.MIN)
+    usable = (node.Get_size() == comm.size and comm.link is None and cap > 0
               and os.environ.get("MINIDIST_SHM", "1") not in ("0", "false", "False"))
     if not comm.mpi.allreduce(usable, op=MPI.LAND):
         node.Free()
         return None
-    return Window(comm, node)
+    return Window(comm, node, cap, comm.mpi.allreduce(cost.crowded(), op=MPI.LOR))
 
 
 def shm_lane(comm):

@@ -86,28 +86,30 @@ def check(comm):
     assert (m.bytes_sent, m.bytes_received, m.messages, m.steps) == (4 * n, 4 * (p - 1) * n, 1, 1), m
     assert cost.all_reduce_bytes_sent("shm", 4 * n, p, r) == 4 * n
 
-    xs = inputs(p, (300_000,), "float32", 1)  # 1.2 MB: a window of 1 MiB takes two pieces
+    n, first = 1_200_000, comm.shm.cap // 4  # 4.8 MB: a window of 4 MiB takes two pieces
+    xs = inputs(p, (n,), "float32", 1)
     with measure(comm) as m:
         agree(comm, xs[r], reference(xs, "sum"), "sum", what="two pieces")
-    two = p > 2  # the first piece (1 MiB) goes two-shot from 4 ranks up: N + |chunk r| written
-    first = 1 << 18
-    assert m.steps == (3 if two else 2), m
-    assert m.bytes_sent == 4 * (300_000 + (split_sizes(first, p)[r] if two else 0)), m
+    assert first == 1 << 20 and m.bytes_received == (p - 1) * 4 * n, m  # one-shot reads (p-1) N
+    assert (m.bytes_sent, m.steps) == (4 * n, 2), m
+
+    saved, comm.shm.two_shot_from = comm.shm.two_shot_from, 0  # two-shot: N + |chunk r| per piece, 2 steps
+    with measure(comm) as m:
+        agree(comm, xs[r], reference(xs, "sum"), "sum", what="two pieces, two-shot")
+    comm.shm.two_shot_from = saved
+    chunk = split_sizes(first, p)[r] + split_sizes(n - first, p)[r]
+    assert (m.bytes_sent, m.steps) == (4 * (n + chunk), 4), m
 
     # a window of 4 KB (many pieces) on a sub-communicator, everything two-shot: uneven chunks
     os.environ["MINIDIST_SHM_BYTES"] = "4096"
-    saved = dict(cost.SHM_TWO_SHOT_BYTES), cost.SHM_TWO_SHOT_DEFAULT
-    cost.SHM_TWO_SHOT_BYTES.clear()
-    cost.SHM_TWO_SHOT_DEFAULT = 0
     small = comm.split(0, key=r)
     assert small.shm is None and all_reduce(small, np.ones(1))[0] == p and small.shm.cap == 4096
+    small.shm.two_shot_from = 0
     check_every_op_dtype_shape(small, seed=2)
     xs = inputs(p, (10_001,), "float64", 3)                           # 20 pieces, the last one short
     with measure(small) as m:
         agree(small, xs[r], reference(xs, "mean"), "mean", what="pieces")
     assert m.steps == 2 * 20, m
-    cost.SHM_TWO_SHOT_BYTES.update(saved[0])
-    cost.SHM_TWO_SHOT_DEFAULT = saved[1]
     del os.environ["MINIDIST_SHM_BYTES"]
 
     if p % 2 == 0:  # pairs: their own windows, all of them in use at once
