@@ -54,13 +54,16 @@ SHM_TWO_SHOT_BYTES = {2: 1 << 62}
 SHM_TWO_SHOT_DEFAULT = 512 << 10
 
 
-def shm_two_shot_from(p: int, is_crowded: bool = False) -> float:
+def shm_two_shot_from(p: int, is_crowded: bool | None = None) -> float:
     """The smallest piece (bytes) the shm all-reduce sends two-shot over ``p`` ranks; never (inf)
-    when ranks outnumber cores (``is_crowded``, agreed by the ranks when their window was made)."""
-    return float("inf") if is_crowded else SHM_TWO_SHOT_BYTES.get(p, SHM_TWO_SHOT_DEFAULT)
+    when ranks outnumber cores (``is_crowded``, agreed by the ranks when their window was made;
+    None asks this host's ``crowded()``, as ``choose_algorithm`` does)."""
+    if crowded() if is_crowded is None else is_crowded:
+        return float("inf")
+    return SHM_TWO_SHOT_BYTES.get(p, SHM_TWO_SHOT_DEFAULT)
 
 
-def shm_two_shot(nbytes: int, p: int, is_crowded: bool = False) -> bool:
+def shm_two_shot(nbytes: int, p: int, is_crowded: bool | None = None) -> bool:
     """Does the shm all-reduce use two-shot for a piece of ``nbytes`` over ``p`` ranks?"""
     return nbytes >= shm_two_shot_from(p, is_crowded)
 
@@ -85,7 +88,7 @@ def agreed_crowded(comm) -> bool:
     return flag
 
 
-def all_reduce_counts(algorithm: str, nbytes: int, p: int, is_crowded: bool = False) -> tuple:
+def all_reduce_counts(algorithm: str, nbytes: int, p: int, is_crowded: bool | None = None) -> tuple:
     """(rounds, messages, bytes sent, bytes reduced) of the busiest rank, per the table above
     (``is_crowded``: only shm's choice of one-shot or two-shot depends on it)."""
     if p == 1:
@@ -103,7 +106,7 @@ def all_reduce_counts(algorithm: str, nbytes: int, p: int, is_crowded: bool = Fa
     elif algorithm == "recursive_doubling":
         counts = log_q, log_q, log_q * nbytes, log_q * nbytes
     elif algorithm == "shm":
-        if shm_two_shot(nbytes, p, bool(is_crowded)):
+        if shm_two_shot(nbytes, p, is_crowded):
             counts = 2, 1, nbytes + nbytes / p, (p - 1) / p * nbytes
         else:
             counts = 1, 1, nbytes, (p - 1) * nbytes
@@ -125,8 +128,7 @@ def all_reduce_bytes_sent(algorithm: str, nbytes: int, p: int, r: int, is_crowde
     if algorithm in ("ring", "two_shot"):
         return 2 * (p - 1) * nbytes // p
     if algorithm == "shm":
-        two = shm_two_shot(nbytes, p, crowded() if is_crowded is None else is_crowded)
-        return nbytes + nbytes // p if two else nbytes
+        return nbytes + nbytes // p if shm_two_shot(nbytes, p, is_crowded) else nbytes
     q = 1 << (p.bit_length() - 1)
     _, _, core, _ = all_reduce_counts(algorithm, nbytes, q)
     if r >= 2 * (p - q):
