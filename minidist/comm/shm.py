@@ -90,7 +90,7 @@ class Lane:
         self.others = [j for j in range(self.p) if j != rank]
         self.calls = 0                   # protocol calls (pieces) on this lane so far
         self.plans: dict = {}            # (parity, dtype, n) -> every rank's buffer as n dtype, chunks
-        self.checked: set = set()        # (op, dtype) pairs check_op has accepted
+        self.kinds: dict = {}            # (op, dtype) -> its stamp's bits (debug.stamp of call 0)
 
     def plan(self, parity: int, dtype, n: int):
         """Every rank's parity buffer as ``n`` elements of ``dtype``, and the two-shot chunks
@@ -110,16 +110,18 @@ class Lane:
         """``shm_all_reduce`` of a NumPy ``x`` when nothing watches the call (no debug mode, no
         tracing, no outer collective): what ``collective`` does around it, leanly -- count the call,
         stamp it, note it for the watchdog, record it in the ledger -- around ``reduce``."""
-        if (op, x.dtype) not in self.checked:
+        kind = self.kinds.get((op, x.dtype))
+        if kind is None:                             # checked once per (op, dtype): the stamp's bits
             check_op(comm, op, x.dtype)
-            self.checked.add((op, x.dtype))
+            kind = self.kinds[op, x.dtype] = stamp(NAME, 0, x.dtype, op, None)
         comm.seq = seq = comm.seq + 1
         comm.origin.last_op = (NAME, seq)            # (comm.note, inlined)
-        out, sent, received, steps = self.reduce(comm, stamp(NAME, seq, x.dtype, op, None), x.reshape(-1), op)
+        flat = x if x.ndim == 1 else x.reshape(-1)
+        out, sent, received, steps = self.reduce(comm, ((seq & 0xFF) << 12) | kind, flat, op)
         comm.ledger.count_call(NAME, sent, received, steps)
         if op == "mean":
             out /= self.p
-        return out.reshape(x.shape)
+        return out if x.ndim == 1 else out.reshape(x.shape)
 
     def reduce(self, comm, tag: int, src: np.ndarray, op: str) -> tuple:
         """Every rank's flat ``src`` reduced, in pieces that fit the window: (result, bytes this rank
@@ -138,7 +140,7 @@ class Lane:
         put the result (None: a new array). ``nbytes``: the whole call's size, posted and checked."""
         self.calls = call = self.calls + 1
         parity, r, heads = call & 1, self.rank, self.heads
-        bufs, chunks = self.plan(parity, src.dtype, src.size)
+        bufs, chunks = self.plans.get((parity, src.dtype, src.size)) or self.plan(parity, src.dtype, src.size)
         bufs[r][...] = src
         me = heads[r]
         me[TAG + parity], me[NBYTES + parity] = tag, nbytes
