@@ -1,7 +1,10 @@
-"""minidist's all-reduce (built on point-to-point) against MPI's own ``Allreduce``, in the same run.
+"""minidist's all-reduce against MPI's own ``Allreduce``, in the same run.
 
     mpirun -n 2 python benchmarks/allreduce.py
     mpirun -n 8 python benchmarks/allreduce.py --algorithms auto,ring,halving_doubling --max-bytes 16M
+
+Under mpirun on one node ``auto`` is the shared-memory all-reduce (``shm``: ranks read each
+other's buffers, no messages); ``ring``, ``two_shot``, ... are built on point-to-point messages.
 
 float32, 4 KB .. 64 MB. Prints, from rank 0, per size: MPI's time (us) and bus bandwidth (algbw x
 2(p-1)/p, the bytes each rank's links carry per second: comparable across p), then for each of
@@ -146,7 +149,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--min-bytes", type=parse_bytes, default=4096)
     ap.add_argument("--max-bytes", type=parse_bytes, default=64 << 20)
-    ap.add_argument("--algorithms", default="auto", help="comma-separated: auto, ring, halving_doubling, ...")
+    ap.add_argument("--algorithms", default="auto",
+                    help="comma-separated: auto (shm on one node), shm, ring, two_shot, ...")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows their median")
     ap.add_argument("--repeats", type=int, default=50, help="at most this many timed runs per size and round")
     ap.add_argument("--budget", type=float, default=0.3, help="rough seconds per size, contender and round")
