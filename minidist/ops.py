@@ -246,6 +246,15 @@ def _rows(a):
     return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
 
 
+def _sum_rows(a):
+    """Σ over every leading axis: (..., n) -> (n,), the gradient of a broadcast bias or scale. A
+    ones-vector times the rows matrix (float32/64): one BLAS pass, ~2x NumPy's ``sum(axis=0)``."""
+    rows = _rows(a)
+    if a.dtype.itemsize < 4:
+        return rows.sum(axis=0)
+    return _xp(a).ones(rows.shape[0], dtype=a.dtype) @ rows
+
+
 def _stacked(a, w) -> bool:
     """Would ``a @ w`` run several GEMMs (a stack of matrices times one matrix)? Then fold the stack
     into rows: one GEMM. A single matrix (one token while decoding) skips the reshapes."""
@@ -321,7 +330,7 @@ class Linear(Function):
         if ctx.needs_grad[0]:
             gx = (g2 @ w.T).reshape(g.shape[:-1] + w.shape[:1]) if _stacked(g, w) else g @ w.T
         gw = _rows(x).T @ g2 if ctx.needs_grad[1] else None
-        gb = g2.sum(axis=0) if len(ctx.needs_grad) > 2 and ctx.needs_grad[2] else None
+        gb = _sum_rows(g) if len(ctx.needs_grad) > 2 and ctx.needs_grad[2] else None
         return gx, gw, gb
 
 
@@ -540,15 +549,6 @@ def _vdot_last(a, b):
     if a.dtype.itemsize < 4:
         return (a * b).sum(axis=-1, keepdims=True)
     return _xp(a).einsum("...i,...i->...", a, b)[..., None]
-
-
-def _sum_rows(a):
-    """Σ over every leading axis: (..., n) -> (n,), the gradient of a broadcast bias or scale. A
-    ones-vector times the rows matrix (float32/64): one BLAS pass, ~2x NumPy's ``sum(axis=0)``."""
-    rows = _rows(a)
-    if a.dtype.itemsize < 4:
-        return rows.sum(axis=0)
-    return _xp(a).ones(rows.shape[0], dtype=a.dtype) @ rows
 
 
 class LayerNorm(Function):

@@ -421,3 +421,15 @@ def test_packed_attention_float32_matches_the_float64_composition(shape, n_head)
     for i, name in enumerate(("dq", "dk", "dv")):
         part = slice(i * third, (i + 1) * third)
         _close(grad[..., part], want_grad[..., part], name, rel=1e-4)
+
+
+def test_linear_float32_matches_the_float64_composition():
+    """The GPT's MLP shape; the reference is ``matmul`` + ``add`` (other ops, other backward code)."""
+    rng = np.random.default_rng(5)
+    x, w, b = rng.standard_normal((8, 128, 256)), rng.standard_normal((256, 1024)), rng.standard_normal(1024)
+    g = rng.standard_normal((8, 128, 1024))
+    out, grads = _grads32(ops.linear, [x, w, b], g)
+    want, want_grads = _grads64(lambda x, w, b: ops.matmul(x, w) + b, [x, w, b], g)
+    _close(out, want, "y")
+    for name, got, ref in zip(("dx", "dw", "db"), grads, want_grads):
+        _close(got, ref, name)
