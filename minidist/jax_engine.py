@@ -18,13 +18,46 @@ decided once per key. ``tensor.Function.apply`` asks ``kernel`` only for non-Num
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 
 import numpy as np
 
 _FORWARD: dict = {}   # key -> (jitted forward, static attributes holder) or None (runs eagerly)
 _KERNELS: dict = {}   # op class -> its jitted subclass
 _RESERVED = ("needs_grad", "record", "_saved", "_unpack")
+
+# -- compiling once, not once per rank --------------------------------------------------------
+# JAX does not merge concurrent compilations: four rank threads meeting a new op shape at once
+# compile it four times (measured: 374 compilations for 161 forward keys in the long-context
+# lesson). So the first call of each signature runs under that signature's lock; the others wait
+# for it and then find the program compiled. Later calls take no lock.
+_SEEN: set = set()
+_LOCKS: dict = {}
+_LOCKS_LOCK = threading.Lock()
+STATS: collections.Counter = collections.Counter()  # "compiled:<unit>" (first calls), "calls:<unit>"
+
+
+def call_once_compiled(sig, fn, *args):
+    """``fn(*args)``, where ``fn`` is jitted and ``sig`` names what it compiles for (a hashable:
+    the unit, the argument shapes and dtypes, the device): the first call of each ``sig`` holds a
+    lock so concurrent ranks compile it once."""
+    if sig in _SEEN:
+        return fn(*args)
+    with _LOCKS_LOCK:
+        lock = _LOCKS.setdefault(sig, threading.Lock())
+    with lock:
+        out = fn(*args)
+        if sig not in _SEEN:
+            STATS[f"compiled:{sig[0]}"] += 1
+            _SEEN.add(sig)
+        return out
+
+
+def _device(a):
+    """The device (sharding) an array lives on: part of a signature, since JAX compiles per device."""
+    return getattr(a, "sharding", None)
 
 
 def enabled() -> bool:
@@ -70,9 +103,40 @@ def _arg_key(a):
     return ("v", a)
 
 
-def _forward(cls, ctx, arrays, kwargs):
+def _lock_for(name) -> threading.Lock:
+    with _LOCKS_LOCK:
+        return _LOCKS.setdefault(name, threading.Lock())
+
+
+def _make_forward(cls, ctx, arrays, kwargs, dyn_at):
+    """(jitted forward, holder): the forward traced with the array arguments ``dyn_at`` as inputs,
+    everything else baked in; the holder learns at trace time what is static and what is saved."""
     import jax
 
+    holder: dict = {}
+    fixed = [None if i in dyn_at else a for i, a in enumerate(arrays)]  # no array kept alive
+    needs_grad, record = ctx.needs_grad, ctx.record
+
+    def fwd(*dyn):
+        args = list(fixed)
+        for i, d in zip(dyn_at, dyn):
+            args[i] = d
+        c = _TraceCtx(needs_grad, record)
+        out = cls.forward(c, *args, **kwargs)
+        attrs = {k: v for k, v in vars(c).items() if k not in _RESERVED}
+        holder["static"] = {k: v for k, v in attrs.items() if not _is_traced(v)}
+        # a saved input is handed back as the input itself, not a compiled copy of it (memory);
+        # a saved plain value (a Python number, None) stays what it was, not a 0-d float64 array
+        holder["inputs"] = [next((j for j, d in enumerate(dyn) if d is a), None) for a in c._saved]
+        holder["plain"] = [None if _is_traced(a) else (a,) for a in c._saved]
+        saved = [None if j is not None or p is not None else a
+                 for a, j, p in zip(c._saved, holder["inputs"], holder["plain"])]
+        return out, saved, {k: v for k, v in attrs.items() if _is_traced(v)}
+
+    return jax.jit(fwd), holder
+
+
+def _forward(cls, ctx, arrays, kwargs):
     if not any(type(a).__module__.startswith(("jax", "jaxlib")) for a in arrays):
         return cls.forward(ctx, *arrays, **kwargs)  # CuPy arrays, scalars: not ours
     try:
@@ -87,36 +151,29 @@ def _forward(cls, ctx, arrays, kwargs):
     if entry is None:
         return cls.forward(ctx, *arrays, **kwargs)
     dyn_at = [i for i, a in enumerate(arrays) if hasattr(a, "shape") and hasattr(a, "dtype")]
+    dyn_args = [arrays[i] for i in dyn_at]
+    sig = ("forward", key, _device(dyn_args[0]))
     if entry is False:
-        holder: dict = {}
-
-        fixed = [None if i in dyn_at else a for i, a in enumerate(arrays)]  # no array kept alive
-
-        def fwd(*dyn):
-            args = list(fixed)
-            for i, d in zip(dyn_at, dyn):
-                args[i] = d
-            c = _TraceCtx(ctx.needs_grad, ctx.record)
-            out = cls.forward(c, *args, **kwargs)
-            attrs = {k: v for k, v in vars(c).items() if k not in _RESERVED}
-            holder["static"] = {k: v for k, v in attrs.items() if not _is_traced(v)}
-            # a saved input is handed back as the input itself, not a compiled copy of it (memory)
-            holder["inputs"] = [next((j for j, d in enumerate(dyn) if d is a), None) for a in c._saved]
-            saved = [None if j is not None else a for a, j in zip(c._saved, holder["inputs"])]
-            return out, saved, {k: v for k, v in attrs.items() if _is_traced(v)}
-
-        entry = (jax.jit(fwd), holder)
-        try:
-            result = entry[0](*[arrays[i] for i in dyn_at])
-        except Exception:  # reads a value back on the host, writes in place, ...: eager (which
-            _FORWARD[key] = None  # raises again if the arguments are genuinely wrong)
-            return cls.forward(ctx, *arrays, **kwargs)
-        _FORWARD[key] = entry
+        with _lock_for(("make forward", key)):  # one jitted function per key, however many ranks
+            entry = _FORWARD.get(key, False)
+            if entry is None:
+                return cls.forward(ctx, *arrays, **kwargs)
+            if entry is False:
+                entry = _make_forward(cls, ctx, arrays, kwargs, dyn_at)
+                try:
+                    result = call_once_compiled(sig, entry[0], *dyn_args)
+                except Exception:  # reads a value back on the host, writes in place, ...: eager
+                    _FORWARD[key] = None  # (which raises again if the arguments are genuinely wrong)
+                    return cls.forward(ctx, *arrays, **kwargs)
+                _FORWARD[key] = entry
+            else:
+                result = call_once_compiled(sig, entry[0], *dyn_args)
     else:
-        result = entry[0](*[arrays[i] for i in dyn_at])
+        result = call_once_compiled(sig, entry[0], *dyn_args)
     out, saved, dyn = result
     given = [arrays[i] for i in dyn_at]
-    saved = [a if j is None else given[j] for a, j in zip(saved, entry[1]["inputs"])]
+    saved = [given[j] if j is not None else p[0] if p is not None else a
+             for a, j, p in zip(saved, entry[1]["inputs"], entry[1]["plain"])]
     if ctx.record:
         ctx.save(*saved)
     vars(ctx).update(entry[1]["static"])
@@ -129,6 +186,10 @@ def _forward(cls, ctx, arrays, kwargs):
 _BACKWARD: dict = {}
 
 
+def _shapes(tree) -> tuple:
+    return tuple((tuple(a.shape), str(a.dtype)) if hasattr(a, "shape") else repr(a) for a in tree)
+
+
 def _backward(cls, ctx, grad):
     import jax
 
@@ -138,25 +199,35 @@ def _backward(cls, ctx, grad):
     names = ctx._jax_dyn
     key = (cls, tuple(sorted((k, repr(v)) for k, v in static.items())), names, ctx.needs_grad)
     fn = _BACKWARD.get(key)
-    if fn is None:
-        def bwd(saved, dyn, g):
-            c = _TraceCtx(ctx.needs_grad)
-            c._saved = saved
-            vars(c).update(static)
-            vars(c).update(zip(names, dyn))
-            return cls.backward(c, g)  # a tuple, or one array for a one-input op
-
-        fn = jax.jit(bwd)
-        try:
-            out = fn(ctx.saved, tuple(getattr(ctx, k) for k in names), grad)
-        except Exception:  # cannot be traced: eager from now on for this key
-            _BACKWARD[key] = False
-            return cls.backward(ctx, grad)
-        _BACKWARD[key] = fn
-        return out
     if fn is False:
         return cls.backward(ctx, grad)
-    return fn(ctx.saved, tuple(getattr(ctx, k) for k in names), grad)
+    dyn = tuple(getattr(ctx, k) for k in names)
+    saved = ctx.saved  # once: a saved-tensor hook may unpack (recompute, load from disk) on each read
+    sig = ("backward", key, _shapes(saved), _shapes(dyn), _shapes((grad,)), _device(grad))
+    if fn is None:
+        with _lock_for(("make backward", key)):
+            fn = _BACKWARD.get(key)
+            if fn is None:
+                needs_grad = ctx.needs_grad
+
+                def bwd(saved, dyn, g):
+                    c = _TraceCtx(needs_grad)
+                    c._saved = saved
+                    vars(c).update(static)
+                    vars(c).update(zip(names, dyn))
+                    return cls.backward(c, g)  # a tuple, or one array for a one-input op
+
+                fn = jax.jit(bwd)
+                try:
+                    out = call_once_compiled(sig, fn, saved, dyn, grad)
+                except Exception:  # cannot be traced: eager from now on for this key
+                    _BACKWARD[key] = False
+                    return cls.backward(ctx, grad)
+                _BACKWARD[key] = fn
+                return out
+        if fn is False:
+            return cls.backward(ctx, grad)
+    return call_once_compiled(sig, fn, saved, dyn, grad)
 
 
 def kernel(cls):
@@ -172,6 +243,46 @@ def kernel(cls):
             "backward": staticmethod(lambda ctx, grad: _backward(cls, ctx, grad)),
         })
     return k
+
+
+_FUSED: dict = {}
+
+
+def fused(name: str, formula, columns: list, scalars: tuple, donate: tuple = ()) -> list:
+    """``[formula(*row, *scalars) for row in zip(*columns)]`` as ONE compiled call.
+
+    An optimizer step on JAX: ``columns`` are lists with one array per parameter (parameters,
+    gradients, each state); ``formula`` maps one parameter's arrays to its new ones. Eager, that
+    is ~8 dispatches per parameter and one small compiled program per parameter shape; here it is
+    one program for the whole model, compiled once. ``scalars`` (learning rate, bias corrections)
+    are traced arguments, not constants, so a schedule that changes the learning rate every step
+    reuses the program. ``donate``: the indices of columns whose buffers the result may reuse
+    (the optimizer's own state; never the parameters, which the graph or a caller may still hold).
+    """
+    import jax
+
+    fn = _FUSED.get((formula, donate))
+    if fn is None:
+        def over_all(*cols_and_scalars):
+            *cols, sc = cols_and_scalars
+            return [formula(*row, *sc) for row in zip(*cols)]
+
+        fn = _FUSED.setdefault((formula, donate), jax.jit(over_all, donate_argnums=donate))
+    STATS[f"calls:{name}"] += 1
+    sig = (name, formula, tuple(_shapes(c) for c in columns), _device(columns[0][0]))
+    return call_once_compiled(sig, fn, *columns, tuple(float(x) for x in scalars))
+
+
+def compiles(array) -> bool:
+    """Does an optimizer update ``array`` through ``fused``? (A JAX array, the engine on.)"""
+    return enabled() and type(array).__module__.startswith(("jax", "jaxlib"))
+
+
+def zeros_like(a):
+    """Zeros shaped like JAX array ``a`` on its device, made on the host: no compiled program."""
+    import jax
+
+    return jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)
 
 
 def persistent_cache() -> None:
@@ -199,4 +310,5 @@ def install() -> None:
         sys.modules["minidist.tensor"].JIT_KERNEL = kernel
 
 
-__all__ = ["enabled", "install", "kernel", "np"]
+__all__ = ["STATS", "call_once_compiled", "compiles", "enabled", "fused", "install", "kernel",
+           "zeros_like"]

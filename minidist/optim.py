@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from minidist import jax_engine
 from minidist.backend import backend_of
 
 
@@ -44,12 +45,20 @@ class Optimizer:
 
     def step(self):
         self.step_count += 1
-        for p, st in zip(self.params, self.state):
-            if p.grad is not None and p.requires_grad:
+        live = [(p, st) for p, st in zip(self.params, self.state) if p.grad is not None and p.requires_grad]
+        if live and jax_engine.compiles(live[0][0].data):
+            self.update_all(live)  # JAX: the whole update as one compiled call
+        else:
+            for p, st in live:
                 self.update(p, st)
 
     def update(self, p, state):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def update_all(self, live):
+        """Update every (parameter, state) pair of ``live`` at once; by default one by one."""
+        for p, st in live:
+            self.update(p, st)
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "step_count": self.step_count,
@@ -83,6 +92,36 @@ class SGD(Optimizer):
             g = st["momentum"] = g if buf is None else self.momentum * buf + g
         p.data = _sub_scaled(p.data, g, self.lr)
 
+    def update_all(self, live):
+        """JAX: every parameter's SGD step in one compiled call (``jax_engine.fused``)."""
+        ps = [p for p, _ in live]
+        if self.momentum:
+            for p, st in live:  # mu·0 + g = g: the first step is the formula's too
+                st.setdefault("momentum", jax_engine.zeros_like(p.data))
+            bufs = [st["momentum"] for _, st in live]
+            new = jax_engine.fused("sgd", _sgd_momentum_arrays,
+                                   [[p.data for p in ps], [p.grad for p in ps], bufs],
+                                   (self.lr, self.momentum, self.weight_decay), donate=(2,))
+            for (p, st), (data, buf) in zip(live, new):
+                p.data, st["momentum"] = data, buf
+        else:
+            new = jax_engine.fused("sgd", _sgd_arrays, [[p.data for p in ps], [p.grad for p in ps]],
+                                   (self.lr, self.weight_decay))
+            for p, data in zip(ps, new):
+                p.data = data
+
+
+def _sgd_arrays(p, g, lr, wd):
+    """SGD without momentum on immutable arrays: what ``SGD.update`` computes (wd·p added even when
+    wd is 0: g + 0·p == g)."""
+    return (p - lr * (g + wd * p)).astype(p.dtype)
+
+
+def _sgd_momentum_arrays(p, g, buf, lr, mu, wd):
+    g = g + wd * p
+    buf = mu * buf + g
+    return (p - lr * buf).astype(p.dtype), buf
+
 
 class AdamW(Optimizer):
     """Adam with decoupled weight decay (Loshchilov & Hutter):
@@ -103,6 +142,22 @@ class AdamW(Optimizer):
     def update(self, p, st):
         adamw_update(p, st, self.lr, self.betas, self.eps, self.weight_decay, self.step_count)
 
+    def update_all(self, live):
+        """JAX: every parameter's AdamW step -- m, v and p -- in ONE compiled call per step, with
+        the step's scalars as arguments (a schedule's new lr reuses the program) and m and v's
+        buffers donated to their new values."""
+        for p, st in live:
+            if "m" not in st:
+                st["m"], st["v"] = jax_engine.zeros_like(p.data), jax_engine.zeros_like(p.data)
+        ps = [p for p, _ in live]
+        new = jax_engine.fused("adamw", adamw_arrays,
+                               [[p.data for p in ps], [p.grad for p in ps], [st["m"] for _, st in live],
+                                [st["v"] for _, st in live]],
+                               (self.lr, *_adamw_scalars(self.lr, self.betas, self.eps, self.step_count),
+                                *self.betas, self.weight_decay), donate=(2, 3))
+        for (p, st), (data, m, v) in zip(live, new):
+            p.data, st["m"], st["v"] = data, m, v
+
 
 def adamw_update(p, st, lr, betas, eps, weight_decay, t):
     """One AdamW step of parameter ``p`` with state dict ``st`` ("m", "v"); written once for all."""
@@ -113,11 +168,8 @@ def adamw_update(p, st, lr, betas, eps, weight_decay, t):
     if "m" not in st:
         st["m"] = xp.zeros_like(p.data)
         st["v"] = xp.zeros_like(p.data)
-    # m / (√(v / c2) + ε) = √c2 · m / (√v + ε·√c2): the bias corrections fold into two scalars
-    root_c2 = math.sqrt(1 - b2 ** t)
-    step_size = lr * root_c2 / (1 - b1 ** t)
-    eps_hat = eps * root_c2
-    if be.inplace:  # one temporary, reused by every line
+    step_size, eps_hat = _adamw_scalars(lr, betas, eps, t)
+    if be.inplace:  # adamw_arrays' formula in its order, in place: one temporary, reused by every line
         m, v, data = st["m"], st["v"], p.data
         m *= b1
         tmp = g * (1 - b1)
@@ -133,11 +185,30 @@ def adamw_update(p, st, lr, betas, eps, weight_decay, t):
             data *= 1 - lr * weight_decay
         tmp *= step_size
         data -= tmp
+    elif jax_engine.compiles(p.data):  # compiled, as AdamW.update_all is: the same program's rounding
+        [(p.data, st["m"], st["v"])] = jax_engine.fused(
+            "adamw", adamw_arrays, [[p.data], [g], [st["m"]], [st["v"]]],
+            (lr, step_size, eps_hat, b1, b2, weight_decay))
     else:
-        m = st["m"] = b1 * st["m"] + (1 - b1) * g
-        v = st["v"] = b2 * st["v"] + (1 - b2) * g * g
-        data = p.data * (1 - lr * weight_decay) if weight_decay else p.data
-        p.data = (data - step_size * m / (xp.sqrt(v) + eps_hat)).astype(p.dtype)
+        p.data, st["m"], st["v"] = adamw_arrays(p.data, g, st["m"], st["v"], lr, step_size, eps_hat,
+                                                b1, b2, weight_decay)
+
+
+def _adamw_scalars(lr, betas, eps, t):
+    """(step size, ε̂) of step ``t``: m / (√(v / c2) + ε) = √c2 · m / (√v + ε·√c2), so the bias
+    corrections fold into two scalars."""
+    root_c2 = math.sqrt(1 - betas[1] ** t)
+    return lr * root_c2 / (1 - betas[0] ** t), eps * root_c2
+
+
+def adamw_arrays(p, g, m, v, lr, step_size, eps_hat, b1, b2, wd):
+    """One AdamW step on immutable arrays (JAX, eager or traced by ``jax_engine.fused``): the new
+    (p, m, v). The same operations in the same order as ``adamw_update``'s in-place NumPy branch."""
+    xp = backend_of(p).xp
+    m = m * b1 + g * (1 - b1)
+    v = v * b2 + (g * g) * (1 - b2)
+    update = m / (xp.sqrt(v) + eps_hat) * step_size
+    return (p * (1 - lr * wd) - update).astype(p.dtype), m, v
 
 
 def _sub_scaled(data, g, lr):
