@@ -14,14 +14,16 @@ worker; gloo's threads, from /proc). Target: ratio minidist / PyTorch <= 1.1 (ME
 nonzero on a miss only with --strict). Prints the CPU, the BLAS kernel and the load average.
 
 The bare all-reduce (13 MB) is timed over ``BARE_CALLS`` calls after two warm-ups (the first call
-on a communicator sets up minidist's shared window and faults its pages in: tens of ms), and printed
-as median (min, max) with the times rank 0 was descheduled meanwhile. Its stray slow calls (5-26
-ms instead of 2) come from other programs on the host: each piece of the call (13 MB goes through a
-1 MiB window) needs both ranks on a core at once, and a waiting rank that yields (``sched_yield``)
-hands its core to whoever else is runnable, so on 2 busy cores the two ranks end up sharing one.
-Measured: hundreds to thousands of involuntary context switches on one rank or the other in such a
-call, a handful in a 2 ms one, and no other thread of the process using CPU. The median of many
-calls, the spread and the load average say how much of a number is the machine's.
+on a communicator sets up minidist's shared window and faults its pages in: tens of ms) and printed
+as median (min, max), with the times rank 0 was descheduled meanwhile. Each call's result is
+dropped at once, as DDP drops a bucket's once copied back. It once was 26-48 ms instead of 2.5:
+the timing loop kept every call's return value (for the losses of the training steps), so each
+minidist call -- which returns a new 13 MB array, where torch's reduces in place -- wrote into
+memory never touched before once the freed memory the training steps left behind was used up
+(hence "sometimes"): hundreds of page faults per call, measured, and none when dropped.
+What stray slow calls remain (5-10 ms) come from other programs on the 2 cores: a waiting rank
+yields its core, so under load the two ranks end up sharing one (tens of involuntary context
+switches in such a call); the spread and the load average show it.
 """
 
 from __future__ import annotations
@@ -84,8 +86,12 @@ def timed_steps(barrier, step, steps, spread=False):
 
 def bare_all_reduce(barrier, all_reduce) -> dict:
     """The bare all-reduce of all gradients over ``BARE_CALLS`` calls: median, min, max seconds and
-    this rank's preemptions meanwhile (see the module docstring)."""
-    med, _, _, lo, hi, pre = timed_steps(barrier, all_reduce, BARE_CALLS, spread=True)
+    this rank's preemptions meanwhile. The result is dropped at once (see the module docstring)."""
+    def call():
+        all_reduce()
+        return 0.0
+
+    med, _, _, lo, hi, pre = timed_steps(barrier, call, BARE_CALLS, spread=True)
     return dict(bare=med, bare_min=lo, bare_max=hi, bare_preempted=pre)
 
 
