@@ -34,8 +34,8 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from minidist.calibrate import _median_time, _work
-from minidist.comm import all_reduce, all_reduce_async, run
-from minidist.plan.traffic import all_reduce_rounds, all_reduce_sent
+from minidist.comm import all_reduce, all_reduce_async, cost, run
+from minidist.plan.traffic import Placement, all_reduce_rounds, all_reduce_sent
 
 PROBE_RANKS = (2, 4, 8)                       # minidist's meshes on one machine: up to 8 ranks
 PROBE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
@@ -46,7 +46,9 @@ _LAUNCH_ENV = ("PMI_", "PMIX_", "HYDRA_", "OMPI_", "MPI_LOCAL", "MINIDIST_TRANSP
 def fit_alpha_beta(algorithm: str, p: int, sizes, times) -> tuple[float, float]:
     """Least squares of time = rounds x alpha + bytes sent x beta over the message sizes (float32),
     rounds and bytes as the planner counts them (`minidist.plan.traffic`)."""
-    rows = [(all_reduce_rounds(algorithm, n, p), all_reduce_sent(algorithm, n, p)) for n in sizes]
+    where = Placement("mpi", cost.crowded(), shared_memory=True)  # this host, as the comm layer sees it
+    rows = [(all_reduce_rounds(algorithm, n, p, where=where), all_reduce_sent(algorithm, n, p, where=where))
+            for n in sizes]
     (alpha, beta), *_ = np.linalg.lstsq(np.array(rows, float), np.array(times, float), rcond=None)
     return max(float(alpha), 1e-7), max(float(beta), 1e-12)
 

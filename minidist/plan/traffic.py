@@ -61,41 +61,44 @@ def all_reduce_algorithm(requested: str, nbytes: float, p: int, where: Placement
     `choose_algorithm` for this size, group and crowding (every rank of a group agrees on both)."""
     if requested != "auto":
         return requested
-    if where.transport == "mpi" and where.shared_memory and p > 1:
-        return "shm"
-    return cost.choose_algorithm(int(nbytes), p, where.crowded)
+    return cost.auto_algorithm(int(nbytes), p, where.crowded, where.shared_memory)
 
 
-def shm_pieces(nbytes: float, itemsize: int) -> list[int]:
-    """Elements of each piece a shared-memory all-reduce of `nbytes` goes in (`shm.window_bytes()` each)."""
-    n, step = int(nbytes) // itemsize, max(1, shm.window_bytes() // itemsize)
+def shm_pieces(nbytes: float, p: int, itemsize: int) -> list[int]:
+    """Elements of each piece a shared-memory all-reduce of `nbytes` over p ranks goes in
+    (`shm.window_bytes(p)` each, what the window holds)."""
+    n, step = int(nbytes) // itemsize, max(1, shm.window_bytes(p) // itemsize)
     return [min(step, n - lo) for lo in range(0, n, step)] or [0]
 
 
-def all_reduce_rounds(algorithm: str, nbytes: float, p: int, itemsize: int = 4) -> int:
+def all_reduce_rounds(algorithm: str, nbytes: float, p: int, itemsize: int = 4,
+                      where: Placement = THREADS) -> int:
     """Rounds of one all-reduce, each a wait for the partners: per `minidist.comm.cost.all_reduce_counts`
-    (2(p-1) for an algorithm it does not know); "shm": one posting per piece, two if it goes two-shot."""
+    (2(p-1) for an algorithm it does not know); "shm": per piece, one posting, two if it goes two-shot."""
     if p == 1:
         return 0
     if algorithm == "shm":
-        return sum(2 if cost.shm_two_shot(k * itemsize, p) else 1 for k in shm_pieces(nbytes, itemsize))
+        return sum(2 if cost.shm_two_shot(k * itemsize, p, where.crowded) else 1
+                   for k in shm_pieces(nbytes, p, itemsize))
     try:
         return cost.all_reduce_counts(algorithm, int(nbytes), p)[0]
     except ValueError:
         return 2 * (p - 1)
 
 
-def all_reduce_sent(algorithm: str, nbytes: float, p: int, itemsize: int = 4, rank: int = 0) -> float:
+def all_reduce_sent(algorithm: str, nbytes: float, p: int, itemsize: int = 4, rank: int = 0,
+                    where: Placement = THREADS) -> float:
     """Bytes rank `rank` sends in one all-reduce, as the ledger counts them: the ring's uneven chunks
-    (`ring_sent`); shm: every piece it writes into the window, plus its two-shot chunk of each piece
-    that goes two-shot; others by `minidist.comm.cost.all_reduce_bytes_sent`."""
+    (`ring_sent`); shm: every piece it writes into the window, plus its chunk of each piece that goes
+    two-shot (never where the ranks outnumber the cores); others by `cost.all_reduce_bytes_sent`."""
     if p == 1:
         return 0.0
     if algorithm == "ring":
         return ring_sent(nbytes, p, itemsize, rank)
     if algorithm == "shm":
-        return float(itemsize * sum(k + (split_sizes(k, p)[rank] if cost.shm_two_shot(k * itemsize, p) else 0)
-                                    for k in shm_pieces(nbytes, itemsize)))
+        two = [cost.shm_two_shot(k * itemsize, p, where.crowded) for k in shm_pieces(nbytes, p, itemsize)]
+        return float(itemsize * sum(k + (split_sizes(k, p)[rank] if t else 0)
+                                    for k, t in zip(shm_pieces(nbytes, p, itemsize), two)))
     return float(cost.all_reduce_bytes_sent(algorithm, int(nbytes), p, rank))
 
 
@@ -113,7 +116,7 @@ def all_reduce_call(axis: str, requested: str, nbytes: float, p: int, itemsize: 
                     phase: str, where: Placement = THREADS) -> Collective:
     """One all-reduce as the ledger records it: the algorithm's name and the bytes rank `rank` sends."""
     alg = all_reduce_algorithm(requested, nbytes, p, where)
-    sent = all_reduce_sent(alg, nbytes, p, itemsize, rank)
+    sent = all_reduce_sent(alg, nbytes, p, itemsize, rank, where)
     return Collective(axis, f"{alg}_all_reduce", nbytes, sent, count, phase)
 
 
