@@ -677,9 +677,9 @@ def _heads(qkv, n_head):
 
 
 class PackedAttention(Function):
-    """Causal self-attention of the fused projections qkv (B, T, 3·H·D) to (B, T, H·D): the heads
-    are split and merged inside the op (flash-attn's "qkvpacked" form), with the same math as
-    ``ScaledDotProductAttention``.
+    """Self-attention (causal by default) of the fused projections qkv (B, T, 3·H·D) to (B, T, H·D):
+    the heads are split and merged inside the op (flash-attn's "qkvpacked" form), with the same math
+    as ``ScaledDotProductAttention``.
 
     Why one op: split into q, k, v by three indexing ops, qkv's gradient would be three zero-filled
     (B, T, 3·H·D) arrays, each with one third written, added up, then copied back from the heads'
@@ -913,6 +913,9 @@ def scaled_dot_product_attention(q, k, v, causal=True):
 
 def packed_attention(qkv, n_head, causal=True):
     """Self-attention of fused projections qkv (B, T, 3·H·D) over ``n_head`` heads: (B, T, H·D)."""
+    if len(qkv.shape) != 3 or n_head < 1 or qkv.shape[-1] % (3 * n_head):
+        raise ValueError(f"packed_attention: qkv of shape {tuple(qkv.shape)} with n_head={n_head}: need "
+                         f"(batch, time, 3·n_head·head_dim), the last axis a multiple of 3·n_head")
     return PackedAttention.apply(qkv, n_head=n_head, causal=causal)
 
 

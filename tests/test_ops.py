@@ -433,3 +433,10 @@ def test_linear_float32_matches_the_float64_composition():
     _close(out, want, "y")
     for name, got, ref in zip(("dx", "dw", "db"), grads, want_grads):
         _close(got, ref, name)
+
+
+def test_packed_attention_names_a_bad_shape():
+    from minidist.tensor import Tensor
+
+    with pytest.raises(ValueError, match=r"qkv of shape \(2, 3, 10\) with n_head=2.*multiple of 3·n_head"):
+        ops.packed_attention(Tensor(np.zeros((2, 3, 10))), 2)
