@@ -136,6 +136,19 @@ def _make_forward(cls, ctx, arrays, kwargs, dyn_at):
     return jax.jit(fwd), holder
 
 
+def _eager(cls, ctx, arrays, kwargs):
+    """Run the forward as written (it reads a value back on the host, or takes a generator), and
+    still let its backward compile: what it kept on ``ctx`` is split into arrays (arguments) and
+    plain values (baked in) the way a compiled forward's is. Anything else keeps backward eager."""
+    out = cls.forward(ctx, *arrays, **kwargs)
+    attrs = {k: v for k, v in vars(ctx).items() if k not in _RESERVED}
+    arrays_at = {k for k, v in attrs.items() if hasattr(v, "shape") and hasattr(v, "dtype")}
+    if all(k in arrays_at or _plain(v) for k, v in attrs.items()):
+        ctx._jax_static = {k: v for k, v in attrs.items() if k not in arrays_at}
+        ctx._jax_dyn = tuple(sorted(arrays_at))
+    return out
+
+
 def _forward(cls, ctx, arrays, kwargs):
     if not any(type(a).__module__.startswith(("jax", "jaxlib")) for a in arrays):
         return cls.forward(ctx, *arrays, **kwargs)  # CuPy arrays, scalars: not ours
@@ -146,10 +159,10 @@ def _forward(cls, ctx, arrays, kwargs):
             raise TypeError("not a plain value")
         hash(key)
     except TypeError:  # a random generator, or another value that is not plain: eager
-        return cls.forward(ctx, *arrays, **kwargs)
+        return _eager(cls, ctx, arrays, kwargs)
     entry = _FORWARD.get(key, False)
     if entry is None:
-        return cls.forward(ctx, *arrays, **kwargs)
+        return _eager(cls, ctx, arrays, kwargs)
     dyn_at = [i for i, a in enumerate(arrays) if hasattr(a, "shape") and hasattr(a, "dtype")]
     dyn_args = [arrays[i] for i in dyn_at]
     sig = ("forward", key, _device(dyn_args[0]))
@@ -157,14 +170,14 @@ def _forward(cls, ctx, arrays, kwargs):
         with _lock_for(("make forward", key)):  # one jitted function per key, however many ranks
             entry = _FORWARD.get(key, False)
             if entry is None:
-                return cls.forward(ctx, *arrays, **kwargs)
+                return _eager(cls, ctx, arrays, kwargs)
             if entry is False:
                 entry = _make_forward(cls, ctx, arrays, kwargs, dyn_at)
                 try:
                     result = call_once_compiled(sig, entry[0], *dyn_args)
                 except Exception:  # reads a value back on the host, writes in place, ...: eager
                     _FORWARD[key] = None  # (which raises again if the arguments are genuinely wrong)
-                    return cls.forward(ctx, *arrays, **kwargs)
+                    return _eager(cls, ctx, arrays, kwargs)
                 _FORWARD[key] = entry
             else:
                 result = call_once_compiled(sig, entry[0], *dyn_args)
@@ -279,10 +292,13 @@ def compiles(array) -> bool:
 
 
 def zeros_like(a):
-    """Zeros shaped like JAX array ``a`` on its device, made on the host: no compiled program."""
+    """Zeros shaped like JAX array ``a`` on its device, made on the host: no compiled program.
+    Committed to that device only if ``a`` is: a compiled call's program depends on which of its
+    arguments are committed, and a mismatch here would compile the optimizer's update twice."""
     import jax
 
-    return jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)
+    zeros = np.zeros(a.shape, a.dtype)
+    return jax.device_put(zeros, a.sharding) if a.committed else jax.numpy.asarray(zeros)
 
 
 def persistent_cache() -> None:
@@ -302,13 +318,39 @@ def persistent_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+_COMPILED = [0]
+_LISTENING: list = []
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def compilations() -> int:
+    """How many XLA programs this process has compiled or loaded from the persistent cache since
+    the JAX backend started (every one: the engine's, the optimizers', eager JAX's per-primitive
+    ones). Tests count what a step adds; profile a lesson with it."""
+    return _COMPILED[0]
+
+
+def _count_compile(event: str, seconds: float, **kwargs) -> None:
+    if event == _COMPILE_EVENT:
+        with _LOCKS_LOCK:  # ranks compile in several threads
+            _COMPILED[0] += 1
+
+
 def install() -> None:
-    """Route ops on JAX arrays through ``kernel`` (``tensor.Function.apply``'s hook)."""
+    """Route ops on JAX arrays through ``kernel`` (``tensor.Function.apply``'s hook), and count
+    compilations (``compilations``)."""
     import sys
+
+    from jax import monitoring
+
+    with _LOCKS_LOCK:
+        if not _LISTENING:
+            _LISTENING.append(True)
+            monitoring.register_event_duration_secs_listener(_count_compile)
 
     if enabled():  # (``minidist.tensor`` the attribute is the tensor() function: take the module)
         sys.modules["minidist.tensor"].JIT_KERNEL = kernel
 
 
-__all__ = ["STATS", "call_once_compiled", "compiles", "enabled", "fused", "install", "kernel",
-           "zeros_like"]
+__all__ = ["STATS", "call_once_compiled", "compilations", "compiles", "enabled", "fused", "install",
+           "kernel", "zeros_like"]

@@ -82,3 +82,155 @@ def test_a_saved_input_is_kept_as_itself_not_a_compiled_copy():
     assert y._node.fn.__name__ == "JitLinear"
     saved = y._node.ctx.saved
     assert saved[0] is x.data and saved[1] is w.data
+
+
+# -- fewer, larger compiled units (issue 19) ------------------------------------------------------
+def _adamw_reference(params, grads, lrs, betas=(0.9, 0.999), eps=1e-8, wd=0.1):
+    """AdamW written out in float64 NumPy, independent of minidist.optim: the textbook formulas."""
+    ps = [p.copy() for p in params]
+    ms = [np.zeros_like(p) for p in params]
+    vs = [np.zeros_like(p) for p in params]
+    for t, (lr, gs) in enumerate(zip(lrs, grads), start=1):
+        for i, g in enumerate(gs):
+            ms[i] = betas[0] * ms[i] + (1 - betas[0]) * g
+            vs[i] = betas[1] * vs[i] + (1 - betas[1]) * g * g
+            m_hat, v_hat = ms[i] / (1 - betas[0] ** t), vs[i] / (1 - betas[1] ** t)
+            ps[i] = ps[i] - lr * (m_hat / (np.sqrt(v_hat) + eps) + wd * ps[i])
+    return ps, ms, vs
+
+
+def _jax_params(shapes, seed):
+    from minidist.nn import Parameter
+
+    be = get_backend("jax")
+    rng = np.random.default_rng(seed)
+    host = [rng.standard_normal(s) for s in shapes]
+    return host, [Parameter(be.from_host(h.copy())) for h in host]
+
+
+def test_adamw_on_jax_is_one_compiled_call_per_step_and_follows_a_schedule():
+    """Three steps with a new learning rate each step (a schedule): the parameters and m, v equal
+    the textbook formulas; the first step compiles exactly one program for the whole update (no
+    per-parameter or per-primitive programs); later steps, new lr and all, compile nothing."""
+    if not jax_engine.enabled():
+        pytest.skip("MINIDIST_JAX_JIT=0")
+    from minidist.optim import AdamW
+
+    shapes = [(7, 13), (13,), (3, 11, 5)]  # shapes no other test uses: nothing compiled before
+    host, params = _jax_params(shapes, seed=5)
+    opt = AdamW(params, lr=0.01, weight_decay=0.1)
+    rng = np.random.default_rng(6)
+    grads = [[rng.standard_normal(s) for s in shapes] for _ in range(3)]
+    lrs = [0.01, 0.004, 0.0007]
+    be = get_backend("jax")
+    compiled = []
+    for lr, gs in zip(lrs, grads):
+        opt.lr = lr
+        for p, g in zip(params, gs):
+            p.grad = be.from_host(g)
+        calls, before = jax_engine.STATS["calls:adamw"], jax_engine.compilations()
+        opt.step()
+        assert jax_engine.STATS["calls:adamw"] == calls + 1  # one compiled call for all parameters
+        compiled.append(jax_engine.compilations() - before)
+    assert compiled == [1, 0, 0], f"programs compiled per step: {compiled} (want one, then none)"
+    want_p, want_m, want_v = _adamw_reference(host, grads, lrs)
+    for i, p in enumerate(params):
+        np.testing.assert_allclose(np.asarray(p.data), want_p[i], rtol=0, atol=1e-13)
+        np.testing.assert_allclose(np.asarray(opt.state[i]["m"]), want_m[i], rtol=0, atol=1e-15)
+        np.testing.assert_allclose(np.asarray(opt.state[i]["v"]), want_v[i], rtol=0, atol=1e-15)
+
+
+def test_sgd_with_momentum_on_jax_is_one_compiled_call_per_step():
+    if not jax_engine.enabled():
+        pytest.skip("MINIDIST_JAX_JIT=0")
+    from minidist.optim import SGD
+
+    shapes = [(9, 2), (17,)]
+    host, params = _jax_params(shapes, seed=8)
+    opt = SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    rng = np.random.default_rng(9)
+    be = get_backend("jax")
+    want, bufs = [h.copy() for h in host], [None] * len(host)
+    for lr in [0.1, 0.05, 0.02]:
+        opt.lr = lr
+        gs = [rng.standard_normal(s) for s in shapes]
+        for p, g in zip(params, gs):
+            p.grad = be.from_host(g)
+        calls = jax_engine.STATS["calls:sgd"]
+        opt.step()
+        assert jax_engine.STATS["calls:sgd"] == calls + 1
+        for i, g in enumerate(gs):  # heavy-ball momentum with decoupled-from-nothing L2 decay
+            d = g + 0.01 * want[i]
+            bufs[i] = d if bufs[i] is None else 0.9 * bufs[i] + d
+            want[i] = want[i] - lr * bufs[i]
+    for p, w in zip(params, want):
+        np.testing.assert_allclose(np.asarray(p.data), w, rtol=0, atol=1e-13)
+
+
+def test_a_second_training_step_compiles_nothing():
+    """Forward, backward (CrossEntropy's too, though its forward runs eagerly) and AdamW: after the
+    first step every program exists, so the second compiles zero new ones."""
+    if not jax_engine.enabled():
+        pytest.skip("MINIDIST_JAX_JIT=0")
+    from minidist.optim import AdamW
+
+    cfg = GPTConfig(vocab_size=11, block_size=5, n_layer=1, n_head=2, d_model=6, dtype="float64")
+    model = GPT(cfg, backend="jax")
+    opt = AdamW(model.parameters(), lr=1e-2)
+    rng = np.random.default_rng(4)
+    x, y = rng.integers(0, 11, (3, 5)), rng.integers(0, 11, (3, 5))
+    counts = []
+    for _ in range(3):
+        before = jax_engine.compilations()
+        loss = model.loss(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        counts.append(jax_engine.compilations() - before)
+    assert counts[0] > 0 and counts[1:] == [0, 0], f"programs compiled per step: {counts}"
+    assert any(k[0] is ops.CrossEntropy for k, fn in jax_engine._BACKWARD.items() if fn)
+
+
+def test_ranks_meeting_a_new_op_at_once_compile_it_once():
+    """Four threads (ranks) run the same new op shape at the same moment: one compilation each for
+    its forward and its backward, not four (JAX does not merge concurrent compilations)."""
+    import threading
+
+    from minidist.tensor import Tensor
+
+    be = get_backend("jax")
+    barrier = threading.Barrier(4)
+    errors = []
+
+    def rank():
+        try:
+            x = Tensor(be.from_host(np.linspace(-1, 1, 23 * 3).reshape(23, 3)), requires_grad=True)
+            barrier.wait()
+            ops.gelu(x).sum().backward()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    before = jax_engine.compilations()
+    threads = [threading.Thread(target=rank) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    # Gelu forward and backward, Sum forward and backward, the ones_like seed: 5 programs at most
+    # (4 ranks compiling each on their own would make ~20)
+    assert jax_engine.compilations() - before <= 5
+
+
+def test_a_saved_python_number_stays_a_number_and_float32_stays_float32():
+    """Mul by 2.0 saves the 2.0 for backward: compiled, it must come back as the number (a 0-d
+    float64 array would count 8 bytes of activations and promote a float32 gradient to float64)."""
+    from minidist.tensor import Tensor
+
+    be = get_backend("jax")
+    x = Tensor(be.from_host(np.ones((2, 3), np.float32)), requires_grad=True)
+    y = ops.mul(x, 2.0)
+    assert y._node.ctx.saved[1] == 2.0 and isinstance(y._node.ctx.saved[1], float)
+    y.sum().backward()
+    assert x.grad.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(x.grad), np.full((2, 3), 2.0, np.float32))
