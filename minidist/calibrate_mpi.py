@@ -5,9 +5,12 @@ a message spins (`sched_yield`) and then sleeps, the rank that must send it wait
 and every switch costs cache. Two things a training step needs are measured directly, with n
 processes at once, for n in `PROBE_RANKS`:
 
-* `cores`: how many cores' worth of minidist work (forward + backward of a small GPT, `_work`) the
-  n processes get together -- n x (one rank alone) / (all n at once). Below the core count when the
-  processes outnumber the cores, or other programs run.
+* `cores`: how many cores' worth of minidist training work the n processes get together: the step
+  time of data-parallel training of a small GPT (`_step_time`, the same rows per rank) on one rank
+  alone and on all n at once, n x alone / (together - its gradient all-reduce, priced by the `bg`
+  link below). Below the core count when the processes outnumber the cores -- every wait for a
+  partner, every wake-up of the communication thread is a switch that costs the next rank its
+  caches -- or when other programs run.
 * `links`: the all-reduce as the training step calls it, all n ranks at once, as wall time:
   `fg` called in the foreground (tensor parallelism: `all_reduce` between matmuls) and `bg` on the
   communication thread (DDP's gradient buckets: `all_reduce_async`), each fitted to
@@ -33,8 +36,11 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minidist.calibrate import _median_time, _work
+from minidist.calibrate import _median_time
 from minidist.comm import all_reduce, all_reduce_async, cost, run
+from minidist.nn import GPT, GPTConfig
+from minidist.parallel.three_d import train_3d
+from minidist.plan.traffic import DP_ALGORITHM as DDP_ALGORITHM
 from minidist.plan.traffic import Placement, all_reduce_rounds, all_reduce_sent
 
 PROBE_RANKS = (2, 4, 8)                       # minidist's meshes on one machine: up to 8 ranks
@@ -53,21 +59,31 @@ def fit_alpha_beta(algorithm: str, p: int, sizes, times) -> tuple[float, float]:
     return max(float(alpha), 1e-7), max(float(beta), 1e-12)
 
 
+PROBE_GPT = GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=4, d_model=128)
+PROBE_ROWS = 16                     # sequences per rank and step
+
+
+def _step_time(comm, steps: int = 7) -> float:
+    """Median seconds per step (first dropped) of data-parallel training of PROBE_GPT on `comm`,
+    PROBE_ROWS sequences per rank: the slowest rank's."""
+    ids = np.random.default_rng(0).integers(0, PROBE_GPT.vocab_size, (PROBE_ROWS * comm.size, 64))
+    marks = []
+    train_3d(comm, PROBE_GPT, [(ids, ids)] * steps, dp=comm.size, optimizer="adamw", lr=1e-3,
+             on_step=lambda s, st: marks.append(time.perf_counter()))
+    return float(np.max(comm.allgather_obj(float(np.median(np.diff(marks)[1:])))))
+
+
+def _asleep_until_all_here() -> None:
+    """A barrier whose waiters sleep (MPI's own spins): the rank measuring alone keeps the cores."""
+    from mpi4py import MPI  # defers mpi4py (only under mpiexec)
+
+    done = MPI.COMM_WORLD.Ibarrier()
+    while not done.Test():
+        time.sleep(1e-3)
+
+
 def _probe_rank(comm) -> dict:
-    """One rank of the probe (under mpiexec): the cores' worth, then the all-reduce links."""
-    work = _work(minidist_ops=True, batch=4)
-    work()
-    comm.barrier()
-    alone = _median_time(work, 5, min_time=0) if comm.rank == 0 else 0.0  # the others wait, asleep
-    comm.barrier()
-    together = []
-    for _ in range(5):
-        comm.barrier()
-        t0 = time.perf_counter()
-        work()
-        together.append(time.perf_counter() - t0)
-    longest = np.max(comm.allgather_obj(together), axis=0)  # per repeat: the last rank to finish
-    alone = comm.allgather_obj(alone)[0]
+    """One rank of the probe (under mpiexec): the all-reduce links, then the cores' worth."""
     links = {}
     for alg in PROBE_ALGORITHMS:
         fg, bg = [], []
@@ -79,7 +95,17 @@ def _probe_rank(comm) -> dict:
         fg, bg = (np.max(comm.allgather_obj(t), axis=0) for t in (fg, bg))
         links[alg] = {"fg": fit_alpha_beta(alg, comm.size, PROBE_SIZES, fg),
                       "bg": fit_alpha_beta(alg, comm.size, PROBE_SIZES, bg)}
-    cores = comm.size * alone / float(np.median(longest))
+    solo = comm.split(comm.rank)                     # a one-rank communicator each
+    alone = _step_time(solo) if comm.rank == 0 else 0.0
+    _asleep_until_all_here()
+    alone = comm.allgather_obj(alone)[0]
+    together = _step_time(comm)
+    grads = 4 * sum(p.size for p in GPT(PROBE_GPT).parameters())  # one DDP bucket, all-reduced on its thread
+    alpha, beta = links[DDP_ALGORITHM]["bg"]
+    where = Placement("mpi", cost.crowded(), shared_memory=True)
+    ar = all_reduce_rounds(DDP_ALGORITHM, grads, comm.size, where=where) * alpha + \
+        all_reduce_sent(DDP_ALGORITHM, grads, comm.size, where=where) * beta
+    cores = comm.size * alone / max(together - ar, alone)
     return {"ranks": comm.size, "cores": min(float(comm.size), cores), "links": links}
 
 
