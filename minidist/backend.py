@@ -142,10 +142,10 @@ class JaxBackend(Backend):
         return np.asarray(x)
 
     def from_host(self, x):
+        """A copy of ``x`` on this backend's device (on the default device, uncommitted, if none).
+        ``jax.device_put``, not ``jnp.asarray``: that one compiles a small program per shape."""
         x = np.asarray(x)
-        if self.device is not None:
-            return self.jax.device_put(x, self.device)
-        return self.xp.asarray(x)
+        return self.jax.device_put(x, self.device) if self.device is not None else self.jax.device_put(x)
 
     def is_array(self, x):
         return isinstance(x, self.jax.Array)
@@ -154,7 +154,10 @@ class JaxBackend(Backend):
         return target.at[indices].add(values)
 
     def update(self, target, value):
-        return self.xp.asarray(value, dtype=target.dtype)
+        if self.is_array(value):
+            return value if value.dtype == target.dtype else value.astype(target.dtype)
+        value = np.asarray(value, dtype=target.dtype)  # from the host: a copy, no compiled program
+        return self.jax.device_put(value, target.sharding) if target.committed else self.jax.device_put(value)
 
     def set_at(self, target, index, values):
         return target.at[index].set(values)

@@ -78,6 +78,11 @@ class _TraceCtx:
         return self._saved
 
 
+def _is_jax(v) -> bool:
+    """A JAX array (checked by its type's module: no import of JAX)."""
+    return type(v).__module__.startswith(("jax", "jaxlib"))
+
+
 def _is_traced(v) -> bool:
     import jax
 
@@ -286,6 +291,46 @@ def fused(name: str, formula, columns: list, scalars: tuple, donate: tuple = ())
     return call_once_compiled(sig, fn, *columns, tuple(float(x) for x in scalars))
 
 
+def pure(fn):
+    """Decorator: on JAX arrays, run ``fn`` -- a pure function of arrays (in lists and tuples too)
+    and plain values -- as one compiled call per signature, the plain values baked in; on anything
+    else (NumPy, CuPy, the engine off), run it as written. For the array code outside the ops that
+    would otherwise compile one program per primitive and shape (a bucket's views: a slice and a
+    reshape per parameter, each a program of its own on eager JAX)."""
+    import functools
+
+    made: dict = {}
+
+    @functools.wraps(fn)
+    def call(*args):
+        if not any(_is_jax(a) or isinstance(a, (list, tuple)) and any(_is_jax(x) for x in a)
+                   for a in args) or not enabled():
+            return fn(*args)  # NumPy (JAX is not even imported), CuPy, the engine off
+        import jax
+
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        at = tuple(i for i, x in enumerate(leaves) if hasattr(x, "shape") and hasattr(x, "dtype"))
+        fixed = tuple(None if i in at else x for i, x in enumerate(leaves))
+        key = (tree, fixed, at)
+        try:
+            jitted = made.get(key)
+        except TypeError:  # a value that cannot be part of a key (not plain): as written
+            return fn(*args)
+        if jitted is None:
+            def run(*dyn):
+                full = list(fixed)
+                for i, d in zip(at, dyn):
+                    full[i] = d
+                return fn(*jax.tree_util.tree_unflatten(tree, full))
+
+            jitted = made.setdefault(key, jax.jit(run))
+        dyn = [leaves[i] for i in at]
+        return call_once_compiled((f"pure:{fn.__qualname__}", key, _shapes(dyn), _device(dyn[0])),
+                                  jitted, *dyn)
+
+    return call
+
+
 def compiles(array) -> bool:
     """Does an optimizer update ``array`` through ``fused``? (A JAX array, the engine on.)"""
     return enabled() and type(array).__module__.startswith(("jax", "jaxlib"))
@@ -298,7 +343,7 @@ def zeros_like(a):
     import jax
 
     zeros = np.zeros(a.shape, a.dtype)
-    return jax.device_put(zeros, a.sharding) if a.committed else jax.numpy.asarray(zeros)
+    return jax.device_put(zeros, a.sharding) if a.committed else jax.device_put(zeros)
 
 
 def persistent_cache() -> None:
@@ -353,4 +398,4 @@ def install() -> None:
 
 
 __all__ = ["STATS", "call_once_compiled", "compilations", "compiles", "enabled", "fused", "install",
-           "kernel", "zeros_like"]
+           "kernel", "pure", "zeros_like"]

@@ -41,6 +41,7 @@ import contextlib
 
 import numpy as np
 
+from minidist import jax_engine
 from minidist.comm import all_reduce, all_reduce_async, broadcast
 from minidist.comm.collectives import split_sizes
 from minidist.comm.handles import start_async
@@ -49,6 +50,11 @@ from minidist.parallel.compress.bucket import GradBucket
 from minidist.trace import OverlapRecorder, hidden_fraction
 
 # -- buckets -------------------------------------------------------------------------------------
+
+@jax_engine.pure  # on JAX one compiled call, not a slice and a reshape program per parameter
+def _views(flat, offsets, sizes, shapes) -> list:
+    return [flat[o:o + n].reshape(s) for o, n, s in zip(offsets, sizes, shapes)]
+
 
 class Bucket:
     """Parameters of one dtype whose gradients travel in one message, as one flat array."""
@@ -69,7 +75,7 @@ class Bucket:
 
     def views(self, flat) -> list:
         """The inverse of ``flatten``: per-parameter views of ``flat`` in their shapes."""
-        return [flat[o:o + n].reshape(p.shape) for p, o, n in zip(self.params, self.offsets, self.sizes)]
+        return _views(flat, tuple(self.offsets), tuple(self.sizes), tuple(p.shape for p in self.params))
 
     def shard(self, rank: int, size: int) -> tuple[int, int]:
         """[lo, hi) of the flat bucket rank ``rank`` owns: ``np.array_split`` of numel into size parts
