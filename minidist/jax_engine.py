@@ -78,6 +78,11 @@ class _TraceCtx:
         return self._saved
 
 
+def _is_array(v) -> bool:
+    """An array of any library (a module like ``jax.numpy`` has ``shape`` and ``dtype`` too)."""
+    return isinstance(getattr(v, "shape", None), tuple) and hasattr(v, "dtype")
+
+
 def _is_jax(v) -> bool:
     """A JAX array (checked by its type's module: no import of JAX)."""
     return type(v).__module__.startswith(("jax", "jaxlib"))
@@ -205,7 +210,7 @@ _BACKWARD: dict = {}
 
 
 def _shapes(tree) -> tuple:
-    return tuple((tuple(a.shape), str(a.dtype)) if hasattr(a, "shape") else repr(a) for a in tree)
+    return tuple((tuple(a.shape), str(a.dtype)) if _is_array(a) else repr(a) for a in tree)
 
 
 def _backward(cls, ctx, grad):
@@ -309,7 +314,7 @@ def pure(fn):
         import jax
 
         leaves, tree = jax.tree_util.tree_flatten(args)
-        at = tuple(i for i, x in enumerate(leaves) if hasattr(x, "shape") and hasattr(x, "dtype"))
+        at = tuple(i for i, x in enumerate(leaves) if _is_array(x))
         fixed = tuple(None if i in at else x for i, x in enumerate(leaves))
         key = (tree, fixed, at)
         try:

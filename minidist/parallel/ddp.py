@@ -51,6 +51,11 @@ from minidist.trace import OverlapRecorder, hidden_fraction
 
 # -- buckets -------------------------------------------------------------------------------------
 
+@jax_engine.pure  # on JAX one compiled call, not a zeros/reshape program per parameter and a concat
+def _flatten(xp, arrays, sizes, dtype):
+    return xp.concatenate([xp.zeros(n, dtype) if a is None else a.reshape(-1) for a, n in zip(arrays, sizes)])
+
+
 @jax_engine.pure  # on JAX one compiled call, not a slice and a reshape program per parameter
 def _views(flat, offsets, sizes, shapes) -> list:
     return [flat[o:o + n].reshape(s) for o, n, s in zip(offsets, sizes, shapes)]
@@ -69,9 +74,7 @@ class Bucket:
 
     def flatten(self, arrays):
         """One flat array of the bucket's parameters' arrays (None -> zeros), in bucket order."""
-        xp = self.params[0].backend.xp
-        return xp.concatenate([xp.zeros(p.size, self.dtype) if a is None else a.reshape(-1)
-                               for p, a in zip(self.params, arrays)])
+        return _flatten(self.params[0].backend.xp, list(arrays), tuple(self.sizes), self.dtype)
 
     def views(self, flat) -> list:
         """The inverse of ``flatten``: per-parameter views of ``flat`` in their shapes."""
