@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from minidist.comm import all_reduce, cost, measure, run
 
@@ -88,3 +90,51 @@ def test_shm_cost_counts_are_the_protocols():
     assert cost.auto_algorithm(4096, 4, False, shared_memory=True) == "shm"
     assert cost.auto_algorithm(4096, 1, False, shared_memory=True) == cost.choose_algorithm(4096, 1, False)
     assert cost.auto_algorithm(1 << 24, 4, False) == cost.choose_algorithm(1 << 24, 4, False)
+
+
+# -- the protocol alone, fast: thread ranks given lanes over plain shared NumPy memory --------------
+
+def thread_lanes(p: int, cap: int, two_shot_from: float) -> list:
+    """What ``shm.Window`` makes, for thread ranks of one process: their memory is already shared."""
+    from minidist.comm.shm import HEADER, LANES, Lane
+
+    slots = [np.zeros(LANES * (HEADER + 2 * cap), np.uint8) for _ in range(p)]
+    return [Lane(slots, cap, r, None, two_shot_from) for r in range(p)]
+
+
+def rank_order(xs: list, op: str) -> np.ndarray:
+    """Rank 0's array combined with rank 1's, then rank 2's, ...: the bits every rank must get."""
+    fn = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}[op]
+    acc = xs[0]
+    for x in xs[1:]:
+        acc = fn(acc, x)
+    return acc / len(xs) if op == "mean" else acc
+
+
+@given(p=st.integers(2, 4), shape=st.lists(st.integers(0, 40), max_size=2).map(tuple),
+       dtype=st.sampled_from(["float16", "float32", "float64", "int32", "uint8"]),
+       op=st.sampled_from(["sum", "mean", "max", "min"]), cap=st.sampled_from([64, 128, 4096]),
+       two_shot=st.booleans(), calls=st.integers(1, 4))
+def test_shm_protocol_is_exact_for_any_window(p, shape, dtype, op, cap, two_shot, calls):
+    """Pieces of any window size, one-shot and two-shot, several calls in a row (both parities):
+    bit for bit the rank-order reduction on every rank; the ledger's bytes and steps per piece."""
+    if op == "mean" and dtype in ("int32", "uint8"):
+        op = "sum"
+    lanes = thread_lanes(p, cap, 0 if two_shot else float("inf"))
+    rng = np.random.default_rng(len(shape) + p)
+    xss = [[(rng.standard_normal(shape) * 50).astype(dtype) for _ in range(p)] for _ in range(calls)]
+
+    def body(comm):
+        comm.shm = lanes[comm.rank]
+        comm.timeout = 2  # (a rank that raised leaves its peers waiting on its header: not for 20 s)
+        with measure(comm) as m:
+            ys = [all_reduce(comm, xs[comm.rank], op=op, algorithm="shm") for xs in xss]
+        return [y.tobytes() for y in ys], m.bytes_sent, m.steps
+
+    n = int(np.prod(shape, dtype=np.int64))
+    item = np.dtype(dtype).itemsize
+    pieces = [len(range(lo, min(n, lo + cap // item))) for lo in range(0, max(n, 1), cap // item)]
+    for r, (ys, sent, steps) in enumerate(run(body, ranks=p)):
+        assert ys == [rank_order(xs, op).tobytes() for xs in xss]
+        chunks = sum(k // p + (r < k % p) for k in pieces) if two_shot else 0
+        assert (sent, steps) == (calls * item * (n + chunks), calls * len(pieces) * (2 if two_shot else 1))
