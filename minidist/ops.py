@@ -3,8 +3,11 @@
 Every op is a ``Function`` subclass working on raw backend arrays (``xp`` is NumPy, CuPy or
 jax.numpy, found from the arrays themselves), plus a lower-case wrapper that takes Tensors.
 Backward formulas are written out, not derived by a tracer, so a reader can check each one.
-Fused ops (``layer_norm``, ``scaled_dot_product_attention``, ``cross_entropy``, ``linear``, ``gelu``)
-save only what their backward needs: they are where the speed of the engine comes from.
+Fused ops (``layer_norm``, ``scaled_dot_product_attention``, ``packed_attention``, ``cross_entropy``,
+``linear``, ``gelu``) save only what their backward needs: they are where the speed of the engine
+comes from. NumPy makes one memory pass per operator, so their cost is counted in passes: sums over
+a short last axis or over rows are BLAS matrix-vector products (``_sum_last``, ``_sum_rows``; NumPy's
+``sum`` there is 2-4x slower), chains update one fresh temporary in place (``_inplace``).
 """
 
 from __future__ import annotations
