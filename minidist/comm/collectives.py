@@ -12,6 +12,7 @@ recursive_doubling_all_reduce          N log2 p  (p a power of 2)     log2 p (+2
 halving_doubling_all_reduce            2(p-1)/p N  (p a power of 2)   2 log2 p (+2 if not)
 tree_all_reduce (reduce + broadcast)   <= 2 N ceil(log2 p)            2 ceil(log2 p)
 naive_all_reduce (gather + broadcast)  root (p-1) N, others N         2(p-1)
+shm_all_reduce (one node, no messages) N into shared memory [3]       1 per piece (two-shot 2)
 reduce_scatter (ring)                  (p-1)/p N  [2]                 p-1
 all_gather (ring)                      (p-1)/p N  (N = output size)   p-1
 =====================================  =============================  ====================
@@ -19,6 +20,8 @@ all_gather (ring)                      (p-1)/p N  (N = output size)   p-1
 [1] exactly ``2N - |c_r| - |c_{r+1}|`` with ``c = np.array_split(x.ravel(), p)`` in bytes: rank r
     sends every chunk but its own in reduce-scatter and every chunk but ``r+1`` in all-gather.
 [2] exactly ``N - |c_r|``.
+[3] two-shot also writes its reduced chunk: ``N + |c_r|`` per piece; bytes received = bytes read from
+    the other ranks' buffers; one message per call (shm.py).
 
 Each algorithm opens its call with ``with collective(comm, name, x, op=op) as k`` (call.py): the
 host staging, the op check, the ledger record, the stamp and debug mode's check live there, so the
