@@ -83,7 +83,8 @@ def train(comm, args, aux_weight):
     """Train the block (ep over every rank) on a toy regression; per step: routed counts, CV, dropped."""
     moe = build(comm, args)
     with no_grad():  # a skewed start: the router favours expert 0
-        moe.router.weight.data[:, 0] += 0.6
+        w = moe.router.weight  # set_at: in place on NumPy, a new array on JAX (immutable)
+        w.data = w.backend.set_at(w.data, (slice(None), 0), w.data[:, 0] + 0.6)
     opt = optim.make_optimizer("adamw", moe.parameters(), args.lr)
     target = np.random.default_rng(99).standard_normal((D, D)) / np.sqrt(D)
     history = []
