@@ -138,3 +138,20 @@ def test_shm_protocol_is_exact_for_any_window(p, shape, dtype, op, cap, two_shot
         assert ys == [rank_order(xs, op).tobytes() for xs in xss]
         chunks = sum(k // p + (r < k % p) for k in pieces) if two_shot else 0
         assert (sent, steps) == (calls * item * (n + chunks), calls * len(pieces) * (2 if two_shot else 1))
+
+
+def test_shm_protocol_stages_other_backends_like_every_collective():
+    """A JAX array goes through ``collective``'s host staging (not the NumPy-only lean path) and
+    comes back a JAX array, with the same ledger."""
+    jax = pytest.importorskip("jax")
+    lanes = thread_lanes(2, 4096, float("inf"))
+
+    def body(comm):
+        comm.shm = lanes[comm.rank]
+        x = comm.backend.from_host(np.arange(6.0).reshape(2, 3) * (comm.rank + 1))
+        with measure(comm) as m:
+            y = all_reduce(comm, x, op="mean", algorithm="shm")
+        return isinstance(y, jax.Array), np.asarray(y).tolist(), m.bytes_sent, m.steps
+
+    want = (np.arange(6.0).reshape(2, 3) * 3 / 2).tolist()
+    assert run(body, ranks=2, backend="jax") == [(True, want, 48, 1)] * 2
