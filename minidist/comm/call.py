@@ -28,7 +28,7 @@ from minidist.comm.debug import check_same_call, stamp
 from minidist.comm.ledger import CallRecord, active
 
 OPS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
-NUMPY = _NUMPY = get_backend("numpy")
+_NUMPY = get_backend("numpy")
 
 
 def is_floating(dtype) -> bool:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm.call import NUMPY, OPS, check_op, collective, result_backend, scratch, unwatched
+from minidist.comm.call import OPS, check_op, collective, result_backend, scratch, unwatched
 from minidist.comm.communicator import poll
 from minidist.comm.cost import agreed_crowded, choose_algorithm
 from minidist.comm.debug import check_same_call
@@ -451,10 +451,13 @@ def shm_all_reduce(comm, x, op: str = "sum"):
     Elsewhere (threads, JAX devices, ranks on several nodes, an emulated slow link) this is the
     algorithm the cost model picks for ``auto``.
     """
-    lane = shm_lane(comm)
+    lane = getattr(comm, "shm", False)
+    if lane is None:                             # MPI, first time: the window's handshake
+        _check_before_handshake(comm, x, op, "shm")
+        lane = shm_lane(comm)
     if not lane and comm.size > 1:
         return _BY_NAME[choose_algorithm(x.nbytes, comm.size, agreed_crowded(comm))](comm, x, op)
-    if lane and type(x) is np.ndarray and comm.backend is NUMPY and unwatched(comm):
+    if lane and type(x) is np.ndarray and unwatched(comm):  # (NumPy in, NumPy out, on any backend)
         return lane.call(comm, x, op)            # the same, with collective()'s work done leanly
     with collective(comm, "shm_all_reduce", x, op=op) as k:
         if not lane:
