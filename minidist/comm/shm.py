@@ -213,7 +213,10 @@ class Window:
         self.win = MPI.Win.Allocate_shared(LANES * lane_bytes, 1, comm=node)
         self.win.Lock_all(MPI.MODE_NOCHECK)              # a passive epoch, so Sync() is a memory fence
         slots = [np.frombuffer(self.win.Shared_query(j)[0], np.uint8) for j in range(node.Get_size())]
-        slots[node.Get_rank()][:] = 0                    # headers start at call 0 (never posted)
+        # headers start at call 0 (never posted); buffers stay untouched until used: /dev/shm gives
+        # a page on its first write, so an unused lane (or the part beyond small calls) costs nothing
+        for i in range(LANES):
+            slots[node.Get_rank()][i * lane_bytes:i * lane_bytes + HEADER] = 0
         self.win.Sync()
         node.Barrier()                                   # (every rank is here: attach's barrier)
         fence = None if platform.machine() in ("x86_64", "AMD64") else self.win.Sync  # x86: stores in order
