@@ -151,7 +151,7 @@ class JaxBackend(Backend):
         return isinstance(x, self.jax.Array)
 
     def scatter_add(self, target, indices, values):
-        return target.at[indices].add(values)
+        return _jax_scatter_add(target, indices, values)
 
     def update(self, target, value):
         if self.is_array(value):
@@ -160,10 +160,22 @@ class JaxBackend(Backend):
         return self.jax.device_put(value, target.sharding) if target.committed else self.jax.device_put(value)
 
     def set_at(self, target, index, values):
-        return target.at[index].set(values)
+        return _jax_set_at(target, index, values)
 
     def synchronize(self):
         self.jax.effects_barrier()
+
+
+# One compiled program per shape, the index an argument (eager JAX's ``.at[].add`` compiles 3-5
+# programs for each new shape: an MoE lesson's routing makes new shapes every step).
+@jax_engine.pure
+def _jax_scatter_add(target, indices, values):
+    return target.at[indices].add(values)
+
+
+@jax_engine.pure
+def _jax_set_at(target, index, values):
+    return target.at[index].set(values)
 
 
 _tuned = False

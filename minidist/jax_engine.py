@@ -88,6 +88,10 @@ def _is_jax(v) -> bool:
     return type(v).__module__.startswith(("jax", "jaxlib"))
 
 
+def _has_traced(v) -> bool:
+    return _is_traced(v) or isinstance(v, (tuple, list)) and any(_has_traced(x) for x in v)
+
+
 def _is_traced(v) -> bool:
     import jax
 
@@ -106,11 +110,39 @@ def _plain(v) -> bool:
 
 
 def _arg_key(a):
-    if hasattr(a, "shape") and hasattr(a, "dtype"):
+    if _is_array(a):
         return ("a", tuple(a.shape), str(a.dtype))
     if not _plain(a):
         raise TypeError("not a plain value")
+    if isinstance(a, slice):  # (a slice is not hashable before Python 3.12)
+        return ("s", a.start, a.stop, a.step)
     return ("v", a)
+
+
+def _split_kwargs(kwargs):
+    """(plain keyword arguments, layout, inputs): a keyword argument that is an array, or a tuple
+    holding arrays (an index like ``(rows, cols)``), becomes inputs -- one per array or element;
+    ``layout`` names them, for ``_join_kwargs``."""
+    plain, layout, extra = {}, [], []
+    for k in sorted(kwargs):
+        v = kwargs[k]
+        if _is_array(v):
+            layout.append((k, None))
+            extra.append(v)
+        elif isinstance(v, tuple) and any(_is_array(x) for x in v):
+            layout.append((k, len(v)))
+            extra.extend(v)
+        else:
+            plain[k] = v
+    return plain, tuple(layout), extra
+
+
+def _join_kwargs(plain, layout, extra) -> dict:
+    """The keyword arguments again, from ``_split_kwargs``' parts (``extra`` possibly traced)."""
+    kw, i = dict(plain), 0
+    for k, n in layout:
+        kw[k], i = (extra[i], i + 1) if n is None else (tuple(extra[i:i + n]), i + n)
+    return kw
 
 
 def _lock_for(name) -> threading.Lock:
@@ -118,13 +150,14 @@ def _lock_for(name) -> threading.Lock:
         return _LOCKS.setdefault(name, threading.Lock())
 
 
-def _make_forward(cls, ctx, arrays, kwargs, dyn_at):
-    """(jitted forward, holder): the forward traced with the array arguments ``dyn_at`` as inputs,
-    everything else baked in; the holder learns at trace time what is static and what is saved."""
+def _make_forward(cls, ctx, inputs, n_positional, kwargs, named, dyn_at):
+    """(jitted forward, holder): the forward traced with the arrays ``dyn_at`` of ``inputs`` (the
+    positional arguments, then the keyword arguments ``named``) as its arguments, everything else
+    baked in; the holder learns at trace time what is static and what is saved."""
     import jax
 
     holder: dict = {}
-    fixed = [None if i in dyn_at else a for i, a in enumerate(arrays)]  # no array kept alive
+    fixed = [None if i in dyn_at else a for i, a in enumerate(inputs)]  # no array kept alive
     needs_grad, record = ctx.needs_grad, ctx.record
 
     def fwd(*dyn):
@@ -132,16 +165,20 @@ def _make_forward(cls, ctx, arrays, kwargs, dyn_at):
         for i, d in zip(dyn_at, dyn):
             args[i] = d
         c = _TraceCtx(needs_grad, record)
-        out = cls.forward(c, *args, **kwargs)
+        out = cls.forward(c, *args[:n_positional], **_join_kwargs(kwargs, named, args[n_positional:]))
         attrs = {k: v for k, v in vars(c).items() if k not in _RESERVED}
-        holder["static"] = {k: v for k, v in attrs.items() if not _is_traced(v)}
+        dyn_attrs = {k: v for k, v in attrs.items() if _has_traced(v)}
+        if not all(_is_traced(v) or isinstance(v, tuple) and all(map(_is_traced, v))
+                   for v in dyn_attrs.values()):
+            raise TypeError("an attribute mixes arrays and values (an index (slice, array)): run eagerly")
+        holder["static"] = {k: v for k, v in attrs.items() if k not in dyn_attrs}
         # a saved input is handed back as the input itself, not a compiled copy of it (memory);
         # a saved plain value (a Python number, None) stays what it was, not a 0-d float64 array
         holder["inputs"] = [next((j for j, d in enumerate(dyn) if d is a), None) for a in c._saved]
         holder["plain"] = [None if _is_traced(a) else (a,) for a in c._saved]
         saved = [None if j is not None or p is not None else a
                  for a, j, p in zip(c._saved, holder["inputs"], holder["plain"])]
-        return out, saved, {k: v for k, v in attrs.items() if _is_traced(v)}
+        return out, saved, dyn_attrs
 
     return jax.jit(fwd), holder
 
@@ -162,10 +199,14 @@ def _eager(cls, ctx, arrays, kwargs):
 def _forward(cls, ctx, arrays, kwargs):
     if not any(type(a).__module__.startswith(("jax", "jaxlib")) for a in arrays):
         return cls.forward(ctx, *arrays, **kwargs)  # CuPy arrays, scalars: not ours
+    # an array passed by keyword (GetItem's integer index, or a tuple of them) is an argument like
+    # the others, so the op compiles: eager JAX indexing is ~7 programs per new shape, this is one
+    plain_kw, named, extra = _split_kwargs(kwargs)
+    inputs = list(arrays) + extra
     try:
-        key = (cls, tuple(_arg_key(a) for a in arrays), tuple(sorted(kwargs.items())), ctx.needs_grad,
-               ctx.record)
-        if not _plain(list(kwargs.values())):
+        key = (cls, tuple(_arg_key(a) for a in inputs), tuple(sorted(plain_kw.items())), named,
+               ctx.needs_grad, ctx.record)
+        if not _plain(list(plain_kw.values())):
             raise TypeError("not a plain value")
         hash(key)
     except TypeError:  # a random generator, or another value that is not plain: eager
@@ -173,8 +214,8 @@ def _forward(cls, ctx, arrays, kwargs):
     entry = _FORWARD.get(key, False)
     if entry is None:
         return _eager(cls, ctx, arrays, kwargs)
-    dyn_at = [i for i, a in enumerate(arrays) if hasattr(a, "shape") and hasattr(a, "dtype")]
-    dyn_args = [arrays[i] for i in dyn_at]
+    dyn_at = [i for i, a in enumerate(inputs) if _is_array(a)]
+    dyn_args = [inputs[i] for i in dyn_at]
     sig = ("forward", key, _device(dyn_args[0]))
     if entry is False:
         with _lock_for(("make forward", key)):  # one jitted function per key, however many ranks
@@ -182,7 +223,7 @@ def _forward(cls, ctx, arrays, kwargs):
             if entry is None:
                 return _eager(cls, ctx, arrays, kwargs)
             if entry is False:
-                entry = _make_forward(cls, ctx, arrays, kwargs, dyn_at)
+                entry = _make_forward(cls, ctx, inputs, len(arrays), plain_kw, named, dyn_at)
                 try:
                     result = call_once_compiled(sig, entry[0], *dyn_args)
                 except Exception:  # reads a value back on the host, writes in place, ...: eager
@@ -194,8 +235,7 @@ def _forward(cls, ctx, arrays, kwargs):
     else:
         result = call_once_compiled(sig, entry[0], *dyn_args)
     out, saved, dyn = result
-    given = [arrays[i] for i in dyn_at]
-    saved = [given[j] if j is not None else p[0] if p is not None else a
+    saved = [dyn_args[j] if j is not None else p[0] if p is not None else a
              for a, j, p in zip(saved, entry[1]["inputs"], entry[1]["plain"])]
     if ctx.record:
         ctx.save(*saved)
@@ -210,7 +250,10 @@ _BACKWARD: dict = {}
 
 
 def _shapes(tree) -> tuple:
-    return tuple((tuple(a.shape), str(a.dtype)) if _is_array(a) else repr(a) for a in tree)
+    """What a compiled call's program depends on: each array's shape and dtype (in nested tuples
+    too), each other value's repr."""
+    return tuple(_shapes(a) if isinstance(a, (tuple, list)) else (tuple(a.shape), str(a.dtype))
+                 if _is_array(a) else repr(a) for a in tree)
 
 
 def _backward(cls, ctx, grad):
@@ -255,9 +298,10 @@ def _backward(cls, ctx, grad):
 
 def kernel(cls):
     """The compiled twin of op ``cls`` (a ``minidist.tensor.Function`` subclass). Only the pure
-    array ops of ``minidist.ops`` are compiled: a Function elsewhere may communicate (the tensor-
+    array ops of ``minidist.ops`` are compiled, and Functions elsewhere that say they are pure with
+    ``compilable = True`` (MoE's row scatter): a Function elsewhere may communicate (the tensor-
     parallel f and g of ``minidist.parallel.tp_comm``) and must run eagerly, message by message."""
-    if cls.__module__ != "minidist.ops":
+    if cls.__module__ != "minidist.ops" and not getattr(cls, "compilable", False):
         return cls
     k = _KERNELS.get(cls)
     if k is None:
@@ -314,6 +358,8 @@ def pure(fn):
         import jax
 
         leaves, tree = jax.tree_util.tree_flatten(args)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return fn(*args)  # called while a compiled op is traced: part of that program
         at = tuple(i for i, x in enumerate(leaves) if _is_array(x))
         fixed = tuple(None if i in at else x for i, x in enumerate(leaves))
         key = (tree, fixed, at)

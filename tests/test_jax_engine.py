@@ -255,3 +255,35 @@ def test_a_pure_helper_is_one_compiled_call_on_jax_and_itself_on_numpy():
     assert jax_engine.compilations() - before == 1  # eager JAX: a slice and a reshape each, ~5 programs
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), w)
+
+
+def test_an_index_array_is_an_argument_not_a_constant():
+    """``x[idx]`` with integer arrays (one, or a (rows, cols) tuple), as token ids and MoE routing
+    index: the op is compiled (eager JAX indexing is ~7 programs per new shape), its values and
+    gradients equal NumPy's (repeated ids add up), and a new index of the same shape compiles nothing."""
+    from minidist.tensor import Tensor
+
+    be = get_backend("jax")
+    host = np.arange(35.0).reshape(7, 5)
+
+    def grads(idx, backend):
+        x = Tensor(get_backend(backend).from_host(host.copy()), requires_grad=True)
+        y = ops.getitem(x, idx)
+        (y * y).sum().backward()
+        return np.asarray(y.data), np.asarray(x.grad)
+
+    rng = np.random.default_rng(2)
+    for make in (lambda: rng.integers(0, 7, 9), lambda: (rng.integers(0, 7, 6), rng.integers(0, 5, 6))):
+        counts = []
+        for _ in range(3):
+            idx = make()
+            before = jax_engine.compilations()
+            got, gx = grads(idx, "jax")
+            key = next((k for k in jax_engine._FORWARD if k[0] is ops.GetItem and k[3]), None)
+            assert key and jax_engine._FORWARD[key], "GetItem with an index array (by keyword) ran eagerly"
+            counts.append(jax_engine.compilations() - before)
+            want, wx = grads(idx, "numpy")
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_allclose(gx, wx, rtol=0, atol=1e-12)
+        assert counts[1:] == [0, 0], f"programs compiled per new index: {counts}"
+    assert be.name == "jax"

@@ -91,6 +91,8 @@ class MoEStats:
 class ScatterAddRows(Function):
     """out (n, d) = zeros, then out[index[i]] += rows[i]; backward: g[index]."""
 
+    compilable = True  # pure array code: on JAX one compiled call with the index as an argument
+
     @staticmethod
     def forward(ctx, rows, index, n):
         be = backend_of(rows)
