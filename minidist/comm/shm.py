@@ -52,7 +52,8 @@ from minidist.comm.cost import shm_two_shot_from
 from minidist.comm.debug import stamp, stamp_mismatch
 
 HEADER = 64                          # bytes per lane and rank: one cache line of int64 words
-SEQ, SEQ2, TAG, NBYTES = 0, 1, 2, 4  # header words: call posted, two-shot's 2nd phase, stamp[2], bytes[2]
+SEQ, SEQ2, CALL = 0, 1, 2            # header words: call posted, two-shot's 2nd phase, what[parity]:
+TAG_BITS = 20                        # what = the call's stamp | its bytes << TAG_BITS (stamps < 2**20)
 DEFAULT_BYTES = 4 << 20              # bytes per parity buffer (MINIDIST_SHM_BYTES): larger calls go in pieces
 SMALLEST = 64 << 10                  # /dev/shm too full for this much per buffer: no shared memory
 LANES = 2                            # the communicator's own calls, and its async twin's
@@ -117,7 +118,11 @@ class Lane:
         comm.seq = seq = comm.seq + 1
         comm.origin.last_op = (NAME, seq)            # (comm.note, inlined)
         flat = x if x.ndim == 1 else x.reshape(-1)
-        out, sent, received, steps = self.reduce(comm, ((seq & 0xFF) << 12) | kind, flat, op)
+        tag = ((seq & 0xFF) << 12) | kind
+        if flat.nbytes <= self.cap:                  # one piece (reduce's first case, inlined)
+            out, sent, received, steps = self.piece(comm, tag, flat, None, OPS[op], flat.nbytes)
+        else:
+            out, sent, received, steps = self.reduce(comm, tag, flat, op)
         comm.ledger.count_call(NAME, sent, received, steps)
         if op == "mean":
             out /= self.p
@@ -143,19 +148,19 @@ class Lane:
         bufs, chunks = self.plans.get((parity, src.dtype, src.size)) or self.plan(parity, src.dtype, src.size)
         bufs[r][...] = src
         me = heads[r]
-        me[TAG + parity], me[NBYTES + parity] = tag, nbytes
-        if self.fence is not None:
-            self.fence()                  # the data before the number (x86 keeps stores in order)
+        me[CALL + parity] = what = tag | nbytes << TAG_BITS
+        fence = self.fence
+        if fence is not None:
+            fence()                       # the data before the number (x86 keeps stores in order)
         me[SEQ] = call
         for j in self.others:
-            if heads[j][SEQ] < call:
-                self.wait(comm, tag, j, SEQ, call)
-        if self.fence is not None:
-            self.fence()
-        for j in self.others:
             h = heads[j]
-            if h[TAG + parity] != tag or h[NBYTES + parity] != nbytes:
-                raise self.mismatch(comm, j, parity, tag, nbytes)
+            if h[SEQ] < call:
+                self.wait(comm, tag, j, SEQ, call)
+            if fence is not None:
+                fence()                   # the number before the data
+            if h[CALL + parity] != what:
+                raise self.mismatch(comm, j, h[CALL + parity], tag, nbytes)
         if src.nbytes < self.two_shot_from:               # one-shot: everyone adds up everything
             out = fn(bufs[0], bufs[1], out=out)
             for b in bufs[2:]:
@@ -168,14 +173,14 @@ class Lane:
         for b in bufs[2:]:
             fn(out[mine], b[mine], out=out[mine])
         bufs[r][mine] = out[mine]                         # ... back into my buffer, for the others
-        if self.fence is not None:
-            self.fence()
+        if fence is not None:
+            fence()
         me[SEQ2] = call
         for j in self.others:
             if heads[j][SEQ2] < call:
                 self.wait(comm, tag, j, SEQ2, call)
-        if self.fence is not None:
-            self.fence()
+        if fence is not None:
+            fence()
         for j in self.others:                             # then everyone's reduced chunk
             out[chunks[j]] = bufs[j][chunks[j]]
         part = out[mine].nbytes
@@ -191,13 +196,12 @@ class Lane:
         poll(lambda: h[word] >= call, comm, lambda: f"rank {j} to post its part of {NAME} (piece "
              f"#{call} on this communicator{phase})", problem and (lambda: problem(j, tag)))
 
-    def mismatch(self, comm, j: int, parity: int, tag: int, nbytes: int) -> Exception:
-        """Rank ``j`` posted another call (stamp) or another size than this rank."""
-        h = self.heads[j]
-        if h[TAG + parity] != tag:
-            return stamp_mismatch(comm, j, tag, h[TAG + parity])
+    def mismatch(self, comm, j: int, what: int, tag: int, nbytes: int) -> Exception:
+        """Rank ``j`` posted ``what``: another call (stamp) or another size than this rank's."""
+        if what & ((1 << TAG_BITS) - 1) != tag:
+            return stamp_mismatch(comm, j, tag, what & ((1 << TAG_BITS) - 1))
         return MessageMismatch(f"rank {self.rank} of {self.p} (mpi), in {NAME} #{comm.seq}: rank {j} "
-                               f"all-reduces {h[NBYTES + parity]} bytes, this rank {nbytes}: the ranks "
+                               f"all-reduces {what >> TAG_BITS} bytes, this rank {nbytes}: the ranks "
                                f"disagree on the size")
 
 
