@@ -1,4 +1,5 @@
-"""Lesson 2: all-reduce five ways -- naive, tree, ring, two-shot, halving-doubling -- and MPI's own.
+"""Lesson 2: all-reduce five ways -- naive, tree, ring, two-shot, halving-doubling -- and MPI's own
+(under mpirun also through the node's shared memory, what ``auto`` runs there).
 
     python -m minidist.lessons.allreduce --ranks 8          # ranks as threads
     mpirun -n 8 python -m minidist.lessons.allreduce        # ranks as MPI processes
@@ -30,10 +31,12 @@ from minidist.comm import (
 from minidist.comm.collectives import (
     halving_doubling_all_reduce,
     ring_chunks,
+    shm_all_reduce,
     split_sizes,
     two_shot_all_reduce,
 )
-from minidist.comm.cost import agreed_crowded, all_reduce_counts, choose_algorithm
+from minidist.comm.cost import agreed_crowded, all_reduce_counts, choose_algorithm, shm_two_shot
+from minidist.comm.shm import window_bytes
 from minidist.lessons.cli import finish, launch, lesson_parser, nonnegative_int, positive_int, rprint
 
 
@@ -49,6 +52,7 @@ def formula(name: str, p: int, n: int, itemsize: int) -> tuple[str, float]:
     N, log2p = n * itemsize, (p - 1).bit_length()
     c = [s * itemsize for s in split_sizes(n, p)]
     ring = max(2 * N - c[r] - c[(r + 1) % p] for r in range(p)) if p > 1 else 0
+    shm_two = shm_two_shot(min(N, window_bytes(p)), p)  # each piece of at most the window's size
     return {
         "naive": ("(p-1)N at the root", (p - 1) * N),
         "tree": ("ceil(log2 p)N at the root", log2p * N),
@@ -56,6 +60,8 @@ def formula(name: str, p: int, n: int, itemsize: int) -> tuple[str, float]:
         "two-shot": ("2(p-1)/p N, in 2 rounds", max(N + (p - 2) * c[r] for r in range(p)) if p > 1 else 0),
         "halving": ("2(p-1)/p N (p = 2^k, p | n)", 2 * (p - 1) * N / p if p & (p - 1) == 0 and n % p == 0
                     else float("nan")),
+        "shm": (("N + N/p written (two-shot)" if shm_two else "N written (one-shot)"),
+                N + max(c) if shm_two and p > 1 else N if p > 1 else 0),
         "mpi": ("MPI's own (not in ledger)", float("nan")),
     }[name]
 
@@ -176,8 +182,8 @@ def rank_main(comm, args):
     N = x.nbytes
     algos = {"naive": naive_all_reduce, "tree": tree_all_reduce, "ring": ring_all_reduce,
              "two-shot": two_shot_all_reduce, "halving": halving_doubling_all_reduce}
-    if comm.transport == "mpi":
-        algos["mpi"] = mpi_all_reduce
+    if comm.transport == "mpi":  # ranks on one node: through shared memory (auto's choice), and MPI's own
+        algos |= {"shm": shm_all_reduce, "mpi": mpi_all_reduce}
     if p > 1 and not args.no_model:
         rprint(comm, "\n".join(alpha_beta_section(comm, args.repeats)) + "\n")
     rprint(comm, f"all-reduce of {n} float32 ({N / 2**20:.2f} MiB) per rank over {p} ranks "
