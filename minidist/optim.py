@@ -266,8 +266,13 @@ class WarmupCosine:
 def global_grad_norm(params) -> float:
     """√(Σ‖g‖²) over every parameter's gradient, summed in float64 on the gradients' device and
     brought to the host once (no float64 copy of each gradient, no device sync per parameter)."""
-    squares = [(p.grad * p.grad).sum(dtype="float64") for p in params if p.grad is not None]
-    return math.sqrt(float(sum(squares))) if squares else 0.0
+    grads = [p.grad for p in params if p.grad is not None]
+    return math.sqrt(float(_sum_of_squares(grads))) if grads else 0.0
+
+
+@jax_engine.pure  # on JAX one compiled call for every gradient, not two programs per shape
+def _sum_of_squares(grads):
+    return sum((g * g).sum(dtype="float64") for g in grads)
 
 
 def clip_grad_norm(params, max_norm: float, norm: float | None = None) -> float:
@@ -280,7 +285,15 @@ def clip_grad_norm(params, max_norm: float, norm: float | None = None) -> float:
     norm = global_grad_norm(params) if norm is None else norm
     if norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad = (p.grad * scale).astype(p.grad.dtype)
+        live = [p for p in params if p.grad is not None]
+        if live and jax_engine.compiles(live[0].grad):  # JAX: one compiled call, the scale an argument
+            for p, g in zip(live, jax_engine.fused("clip", _scaled, [[p.grad for p in live]], (scale,))):
+                p.grad = g
+        else:
+            for p in live:
+                p.grad = _scaled(p.grad, scale)
     return norm
+
+
+def _scaled(g, scale):
+    return (g * scale).astype(g.dtype)

@@ -287,3 +287,28 @@ def test_an_index_array_is_an_argument_not_a_constant():
             np.testing.assert_allclose(gx, wx, rtol=0, atol=1e-12)
         assert counts[1:] == [0, 0], f"programs compiled per new index: {counts}"
     assert be.name == "jax"
+
+
+def test_clipping_on_jax_is_two_compiled_calls_whatever_the_scale():
+    """Global-norm clipping: the norm (one program summing every gradient's squares in float64) and
+    the scaling (one program, the scale an argument) equal the formulas; a second clip with a new
+    scale compiles nothing."""
+    from minidist.optim import clip_grad_norm
+
+    shapes = [(6, 7), (7,), (2, 3, 4)]
+    host, params = _jax_params(shapes, seed=11)
+    be = get_backend("jax")
+    rng = np.random.default_rng(12)
+    counts = []
+    for max_norm in (0.5, 0.25):
+        gs = [rng.standard_normal(s) for s in shapes]
+        for p, g in zip(params, gs):
+            p.grad = be.from_host(g)
+        before = jax_engine.compilations()
+        norm = clip_grad_norm(params, max_norm)
+        counts.append(jax_engine.compilations() - before)
+        want = np.sqrt(sum((g * g).sum() for g in gs))
+        assert abs(norm - want) <= 1e-12 * want
+        for p, g in zip(params, gs):
+            np.testing.assert_allclose(np.asarray(p.grad), g * (max_norm / (want + 1e-6)), rtol=1e-14)
+    assert counts == [2, 0], f"programs compiled per clip: {counts}"
