@@ -149,6 +149,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=512, help="global batch in sequences")
     ap.add_argument("--chips", type=int, default=64, help="accelerators (ranks) in all")
     ap.add_argument("--hardware", default="h100", help=f"{', '.join(hardware.PRESETS)} or 'here'")
+    ap.add_argument("--transport", choices=("threads", "mpi"), default="threads",
+                    help="with --hardware here: the ranks as threads of one process, or mpirun processes")
     ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     ap.add_argument("--top", type=int, default=8, help="how many ranked meshes to print")
     ap.add_argument("--plot", metavar="FILE.png", help="draw memory by kind and the step's time breakdown")
@@ -165,7 +167,8 @@ def main(argv=None) -> None:
                                          vocab=args.vocab, seq=args.seq).items() if v}
         model = model.replace(**changes) if changes else model
     try:
-        hw = hardware.get(args.hardware)
+        here = args.hardware == "here"
+        hw = hardware.here(transport=args.transport) if here else hardware.get(args.hardware)
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
     cands = [parse_mesh(s, args.chips) for s in args.mesh] or None
