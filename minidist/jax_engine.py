@@ -351,28 +351,29 @@ def pure(fn):
     made: dict = {}
 
     @functools.wraps(fn)
-    def call(*args):
+    def call(*args, **kwargs):
         if not any(_is_jax(a) or isinstance(a, (list, tuple)) and any(_is_jax(x) for x in a)
-                   for a in args) or not enabled():
-            return fn(*args)  # NumPy (JAX is not even imported), CuPy, the engine off
+                   for a in (*args, *kwargs.values())) or not enabled():
+            return fn(*args, **kwargs)  # NumPy (JAX is not even imported), CuPy, the engine off
         import jax
 
-        leaves, tree = jax.tree_util.tree_flatten(args)
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
-            return fn(*args)  # called while a compiled op is traced: part of that program
+            return fn(*args, **kwargs)  # called while a compiled op is traced: part of that program
         at = tuple(i for i, x in enumerate(leaves) if _is_array(x))
         fixed = tuple(None if i in at else x for i, x in enumerate(leaves))
         key = (tree, fixed, at)
         try:
             jitted = made.get(key)
         except TypeError:  # a value that cannot be part of a key (not plain): as written
-            return fn(*args)
+            return fn(*args, **kwargs)
         if jitted is None:
             def run(*dyn):
                 full = list(fixed)
                 for i, d in zip(at, dyn):
                     full[i] = d
-                return fn(*jax.tree_util.tree_unflatten(tree, full))
+                a, kw = jax.tree_util.tree_unflatten(tree, full)
+                return fn(*a, **kw)
 
             jitted = made.setdefault(key, jax.jit(run))
         dyn = [leaves[i] for i in at]

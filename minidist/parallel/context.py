@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minidist import trace
+from minidist import jax_engine, trace
 from minidist.backend import backend_of
 from minidist.nn.attention import merge_heads, split_heads
 from minidist.nn.module import Module
@@ -83,6 +83,7 @@ def unshard_sequence(parts: list, layout: str = "zigzag", axis: int = 1):
 
 # -- one block of attention, and the merge -------------------------------------------------------
 
+@jax_engine.pure  # on JAX one compiled program per block shape (eager: ~10)
 def merge_attention(out_a, lse_a, out_b, lse_b):
     """The online-softmax merge: two attentions of the same queries over disjoint key sets ->
     the attention over their union. out (..., T, D), lse (..., T) = log Σ exp(scores) of each set
@@ -103,6 +104,7 @@ def _scores(q, k, q_pos, k_pos, scale, causal):
     return s
 
 
+@jax_engine.pure
 def block_attention(q, k, v, q_pos, k_pos, scale, causal=True):
     """softmax(q·kᵀ·scale, keys after a query hidden)·v and its lse, for one block pair."""
     xp = backend_of(q).xp
