@@ -1,17 +1,22 @@
-"""The JAX engine: every op's forward and backward as one compiled function, cached by shape and dtype.
+"""The JAX engine: which compiled programs minidist runs on JAX, and how few.
 
-Eager JAX dispatches each ``jnp`` call on its own (tens of microseconds each, and every call is a
-small XLA program). minidist's ops are already written as whole functions -- ``Gelu.forward`` is one
-chain, ``LayerNorm.backward`` one formula, ``scaled_dot_product_attention`` and ``cross_entropy``
-fused -- so here each one is traced once with ``jax.jit`` and then runs as **one** compiled call.
+On JAX every array operation is a compiled XLA program -- eager ``x * y`` on a new shape compiles a
+one-multiply program first -- and a lesson's time on JAX is mostly the number of distinct programs
+it needs (~45 ms to compile one here, ~10 ms to load it from the persistent cache). So:
 
-How: ``kernel(cls)`` returns a subclass of the op whose ``forward`` runs ``cls.forward`` under
-``jax.jit`` with a stand-in context, returning the output, what it saved for backward, and the
-array attributes it set; plain attributes (shapes, axes) are remembered from the trace. Its
-``backward`` runs ``cls.backward`` the same way on what was saved. Keys: the op, each argument's
-shape and dtype (non-arrays by value), the keyword arguments, which inputs want gradients. An op
-that cannot be traced (a host random generator, a value read back with ``int()``) runs eagerly,
-decided once per key. ``tensor.Function.apply`` asks ``kernel`` only for non-NumPy arrays.
+* **Ops**: ``kernel(cls)`` returns a subclass of the op whose ``forward`` runs ``cls.forward`` under
+  ``jax.jit`` with a stand-in context, returning the output, what it saved for backward, and the
+  array attributes it set; plain attributes (shapes, axes) are remembered from the trace. Its
+  ``backward`` runs ``cls.backward`` the same way. Keys: the op, each argument's shape and dtype
+  (non-arrays by value; an array passed by keyword, like an index, is an argument too), the keyword
+  arguments, which inputs want gradients. An op that cannot be traced (a host random generator, a
+  value read back with ``int()``) runs eagerly, decided once per key; its backward still compiles.
+  ``tensor.Function.apply`` asks ``kernel`` only for non-NumPy arrays.
+* **Optimizer steps**: ``fused`` runs one parameter's update formula over every parameter as ONE
+  compiled call, the step's scalars as arguments (a schedule never recompiles), state donated.
+* **Array helpers** outside the ops (DDP's buckets, ring attention's blocks): ``pure``.
+* **Once, not once per rank**: ``call_once_compiled`` (JAX does not merge concurrent compiles).
+* ``compilations()`` counts every program compiled or loaded; ``persistent_cache`` keeps them.
 
 ``MINIDIST_JAX_JIT=0`` turns it off (eager dispatch, the reference).
 """
