@@ -10,6 +10,8 @@ from minidist import jax_engine, ops  # noqa: E402
 from minidist.backend import get_backend  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
 
+needs_engine = pytest.mark.skipif(not jax_engine.enabled(), reason="MINIDIST_JAX_JIT=0: nothing is compiled")
+
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=2, d_model=8, dtype="float64")
 
 
@@ -71,6 +73,7 @@ def test_dropout_draws_a_new_mask_every_call():
     np.testing.assert_array_equal(b, want[1])
 
 
+@needs_engine
 def test_a_saved_input_is_kept_as_itself_not_a_compiled_copy():
     """Memory: Linear saves x and w for backward; compiled, it must keep those very arrays."""
     from minidist.tensor import Tensor
@@ -191,6 +194,7 @@ def test_a_second_training_step_compiles_nothing():
     assert any(k[0] is ops.CrossEntropy for k, fn in jax_engine._BACKWARD.items() if fn)
 
 
+@needs_engine
 def test_ranks_meeting_a_new_op_at_once_compile_it_once():
     """Four threads (ranks) run the same new op shape at the same moment: one compilation each for
     its forward and its backward, not four (JAX does not merge concurrent compilations)."""
@@ -236,6 +240,7 @@ def test_a_saved_python_number_stays_a_number_and_float32_stays_float32():
     np.testing.assert_array_equal(np.asarray(x.grad), np.full((2, 3), 2.0, np.float32))
 
 
+@needs_engine
 def test_a_pure_helper_is_one_compiled_call_on_jax_and_itself_on_numpy():
     """``jax_engine.pure``: a bucket's per-parameter views of a flat array, as DDP takes them."""
 
@@ -257,6 +262,7 @@ def test_a_pure_helper_is_one_compiled_call_on_jax_and_itself_on_numpy():
         np.testing.assert_array_equal(np.asarray(g), w)
 
 
+@needs_engine
 def test_an_index_array_is_an_argument_not_a_constant():
     """``x[idx]`` with integer arrays (one, or a (rows, cols) tuple), as token ids and MoE routing
     index: the op is compiled (eager JAX indexing is ~7 programs per new shape), its values and
@@ -289,6 +295,7 @@ def test_an_index_array_is_an_argument_not_a_constant():
     assert be.name == "jax"
 
 
+@needs_engine
 def test_clipping_on_jax_is_two_compiled_calls_whatever_the_scale():
     """Global-norm clipping: the norm (one program summing every gradient's squares in float64) and
     the scaling (one program, the scale an argument) equal the formulas; a second clip with a new
