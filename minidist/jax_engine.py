@@ -39,6 +39,7 @@ _RESERVED = ("needs_grad", "record", "_saved", "_unpack")
 # lesson). So the first call of each signature runs under that signature's lock; the others wait
 # for it and then find the program compiled. Later calls take no lock.
 _SEEN: set = set()
+_UNTRACEABLE: set = set()  # signatures whose trace failed (an index that is a boolean mask): eager
 _LOCKS: dict = {}
 _LOCKS_LOCK = threading.Lock()
 STATS: collections.Counter = collections.Counter()  # "compiled:<unit>" (first calls), "calls:<unit>"
@@ -298,7 +299,15 @@ def _backward(cls, ctx, grad):
                 return out
         if fn is False:
             return cls.backward(ctx, grad)
-    return call_once_compiled(sig, fn, saved, dyn, grad)
+    if sig in _SEEN:
+        return fn(saved, dyn, grad)
+    if sig in _UNTRACEABLE:
+        return cls.backward(ctx, grad)
+    try:
+        return call_once_compiled(sig, fn, saved, dyn, grad)
+    except Exception:  # this signature cannot be traced (a boolean mask index): eager, for it only
+        _UNTRACEABLE.add(sig)
+        return cls.backward(ctx, grad)
 
 
 def kernel(cls):
@@ -372,6 +381,8 @@ def pure(fn):
             jitted = made.get(key)
         except TypeError:  # a value that cannot be part of a key (not plain): as written
             return fn(*args, **kwargs)
+        if key in _UNTRACEABLE:
+            return fn(*args, **kwargs)
         if jitted is None:
             def run(*dyn):
                 full = list(fixed)
@@ -382,8 +393,14 @@ def pure(fn):
 
             jitted = made.setdefault(key, jax.jit(run))
         dyn = [leaves[i] for i in at]
-        return call_once_compiled((f"pure:{fn.__qualname__}", key, _shapes(dyn), _device(dyn[0])),
-                                  jitted, *dyn)
+        sig = (f"pure:{fn.__qualname__}", key, _shapes(dyn), _device(dyn[0]))
+        if sig in _SEEN:
+            return jitted(*dyn)
+        try:
+            return call_once_compiled(sig, jitted, *dyn)
+        except Exception:  # cannot be traced (a boolean mask index): as written, for this key
+            _UNTRACEABLE.add(key)
+            return fn(*args, **kwargs)
 
     return call
 
