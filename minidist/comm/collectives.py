@@ -36,7 +36,7 @@ import numpy as np
 
 from minidist.comm.call import OPS, check_op, collective, result_backend, scratch, unwatched
 from minidist.comm.communicator import poll
-from minidist.comm.cost import agreed_crowded, choose_algorithm
+from minidist.comm.cost import agreed_crowded, choose_algorithm, shm_wins
 from minidist.comm.debug import check_same_call
 from minidist.comm.handles import start_async
 from minidist.comm.mpi import mpi_knows
@@ -478,17 +478,18 @@ def all_reduce(comm, x, op: str = "sum", algorithm: str = "auto"):
     """The reduction (sum/mean/max/min) of every rank's x, on every rank.
 
     ``algorithm="auto"``: on the MPI transport with every rank on one node and no emulated link,
-    ``shm`` (shared memory beats messages at every size there); elsewhere the one the cost model
+    ``shm`` up to one window's piece, or at any size when ranks outnumber cores (``cost.shm_wins``);
+    elsewhere (and for larger messages) the one the cost model
     predicts fastest for this size and group. Every rank gets the same answer (both are agreed
     once per communicator), so none waits for messages of another algorithm. In debug mode the
     ranks first compare their calls, before those agreements' handshakes."""
     if algorithm == "auto":
         lane = comm.shm if comm.transport == "mpi" else False
-        if lane:                                 # the common case, decided: nothing else to ask
+        if lane and (x.nbytes <= lane.cap or lane.crowded):  # the common case (cost.shm_wins), decided
             return shm_all_reduce(comm, x, op)
         if lane is None or comm.agreed_crowded is None:
             _check_before_handshake(comm, x, op, algorithm)
-        if lane is None and shm_lane(comm):
+        if lane is None and shm_lane(comm) and shm_wins(x.nbytes, comm.shm.cap, comm.shm.crowded):
             return shm_all_reduce(comm, x, op)
         algorithm = choose_algorithm(x.nbytes, comm.size, agreed_crowded(comm))
     elif algorithm not in _BY_NAME:

@@ -142,11 +142,26 @@ def all_reduce_cost(algorithm: str, nbytes: int, p: int, alpha: float, delta: fl
     return rounds * alpha + messages * delta + sent * BETA + reduced * GAMMA
 
 
-def auto_algorithm(nbytes: int, p: int, is_crowded: bool | None = None, shared_memory: bool = False) -> str:
+def shm_wins(nbytes: int, window: int, is_crowded: bool) -> bool:
+    """Does the shared-memory all-reduce beat the message algorithms for ``nbytes``, given a window
+    of ``window`` bytes per piece? Up to one piece always: one wait, no protocol. Beyond, only when
+    the ranks outnumber the cores, where every round of the ring waits for a time slice. With a core
+    per rank the message algorithms win there: MPI moves a large message in one copy, while shm
+    first copies all of x into the window and reads p copies (mpirun -n 2, 16 and 64 MB: shm 1.1x
+    MPICH, the ring 1.5x and 2.3x; -n 4 on 2 cores: shm 1.6x and 1.4x, the ring 1.3x)."""
+    return nbytes <= window or is_crowded
+
+
+def auto_algorithm(nbytes: int, p: int, is_crowded: bool | None = None, shared_memory: bool = False,
+                   window: int | None = None) -> str:
     """What ``all_reduce(algorithm="auto")`` runs: ``"shm"`` where shared memory serves the group
-    (``shared_memory``: the MPI transport, every rank on one node, no emulated link), else the cost
+    (``shared_memory``: the MPI transport, every rank on one node, no emulated link) and ``shm_wins``
+    (``window``: bytes per piece, ``shm.window_bytes(p)``; None: any message fits), else the cost
     model's choice (``choose_algorithm``)."""
-    return "shm" if shared_memory and p > 1 else choose_algorithm(nbytes, p, is_crowded)
+    is_crowded = crowded() if is_crowded is None else is_crowded
+    if shared_memory and p > 1 and shm_wins(nbytes, nbytes if window is None else window, is_crowded):
+        return "shm"
+    return choose_algorithm(nbytes, p, is_crowded)
 
 
 @functools.lru_cache(maxsize=4096)  # called on every all-reduce: a small message can't wait 5 us for it

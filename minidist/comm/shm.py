@@ -83,8 +83,9 @@ def window_bytes(p: int = 1) -> int:
 class Lane:
     """One rank's view of one lane of a window: every rank's header and two parity buffers."""
 
-    def __init__(self, slots: list, cap: int, rank: int, fence, two_shot_from: float):
+    def __init__(self, slots: list, cap: int, rank: int, fence, two_shot_from: float, crowded: bool = False):
         self.rank, self.p, self.cap, self.fence = rank, len(slots), cap, fence
+        self.crowded = crowded               # ranks outnumber cores (agreed): auto uses shm at any size
         self.two_shot_from = two_shot_from   # pieces of this many bytes and more go two-shot
         self.heads = [memoryview(s[:HEADER]).cast("q") for s in slots]  # (item access: ~30 ns)
         self.data = [[s[HEADER + q * cap:HEADER + (q + 1) * cap] for s in slots] for q in (0, 1)]
@@ -226,7 +227,7 @@ class Window:
         fence = None if platform.machine() in ("x86_64", "AMD64") else self.win.Sync  # x86: stores in order
         two_from = shm_two_shot_from(comm.size, crowded)
         self.lanes = [Lane([s[i * lane_bytes:(i + 1) * lane_bytes] for s in slots], cap, comm.rank, fence,
-                           two_from) for i in range(LANES)]
+                           two_from, crowded) for i in range(LANES)]
         _windows.append(self)
 
     def free(self) -> None:

@@ -57,11 +57,11 @@ THREADS = Placement()
 
 def all_reduce_algorithm(requested: str, nbytes: float, p: int, where: Placement = THREADS) -> str:
     """The all-reduce algorithm minidist runs: `requested`, or for "auto" what `minidist.comm.all_reduce`
-    picks: "shm" on the MPI transport with every rank on one node, else the cost model's
-    `choose_algorithm` for this size, group and crowding (every rank of a group agrees on both)."""
+    picks: "shm" on the MPI transport with every rank on one node (where `cost.shm_wins`), else the
+    cost model's `choose_algorithm` for this size, group and crowding (every rank of a group agrees)."""
     if requested != "auto":
         return requested
-    return cost.auto_algorithm(int(nbytes), p, where.crowded, where.shared_memory)
+    return cost.auto_algorithm(int(nbytes), p, where.crowded, where.shared_memory, shm.window_bytes(p))
 
 
 def shm_pieces(nbytes: float, p: int, itemsize: int) -> list[int]:

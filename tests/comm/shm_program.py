@@ -93,6 +93,11 @@ def check(comm):
     assert first == 1 << 20 and m.bytes_received == (p - 1) * 4 * n, m  # one-shot reads (p-1) N
     assert (m.bytes_sent, m.steps) == (4 * n, 2), m
 
+    crowded = p > len(os.sched_getaffinity(0))  # beyond one piece auto keeps shm only when crowded
+    with measure(comm) as m:
+        agree(comm, xs[r], reference(xs, "sum"), "sum", "auto", "auto beyond one piece")
+    assert (m.calls[0].name == "shm_all_reduce") == crowded, (crowded, m.calls)
+
     saved, comm.shm.two_shot_from = comm.shm.two_shot_from, 0  # two-shot: N + |chunk r| per piece, 2 steps
     with measure(comm) as m:
         agree(comm, xs[r], reference(xs, "sum"), "sum", what="two pieces, two-shot")

@@ -90,6 +90,10 @@ def test_shm_cost_counts_are_the_protocols():
     assert cost.auto_algorithm(4096, 4, False, shared_memory=True) == "shm"
     assert cost.auto_algorithm(4096, 1, False, shared_memory=True) == cost.choose_algorithm(4096, 1, False)
     assert cost.auto_algorithm(1 << 24, 4, False) == cost.choose_algorithm(1 << 24, 4, False)
+    # beyond one window's piece: shm only when ranks outnumber cores
+    assert cost.auto_algorithm(4 << 20, 2, False, True, window=4 << 20) == "shm"
+    assert cost.auto_algorithm((4 << 20) + 4, 2, False, True, window=4 << 20) == "ring"
+    assert cost.auto_algorithm(1 << 26, 4, True, True, window=4 << 20) == "shm"
 
 
 # -- the protocol alone, fast: thread ranks given lanes over plain shared NumPy memory --------------
