@@ -12,13 +12,19 @@ What a model sees of a cache: ``CacheStep`` is one forward pass (which rows, the
 positions, the causal mask, built once) and ``step.layer(i)`` is block i's view, handed to the
 block as ``block(x, cache=step.layer(i))``: its attention calls ``update(k, v)`` to store the new
 keys and values and get back every cached one of its sequences, masked by ``hidden``.
+
+On JAX, where every new shape is a new compiled program, the keys are read in buckets (the next
+power of two; ``buckets.py``) and the mask hides the positions past the real ones, so decoding T
+tokens compiles O(log T) programs, not O(T); NumPy and CuPy read exactly the keys they need.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from minidist import jax_engine
 from minidist.backend import default_backend, get_backend
+from minidist.infer.buckets import as_arguments, bucket, compiles_per_shape
 
 
 class CacheStorage:
@@ -28,6 +34,7 @@ class CacheStorage:
         """Zeroed ``self.k``, ``self.v`` of ``shape`` per layer (written with ``Backend.set_at``: in
         place on NumPy and CuPy, a new array per step on JAX)."""
         self.be = get_backend(backend) if backend is not None else default_backend()
+        self.bucketed = compiles_per_shape(self.be)  # JAX: bucketed reads, positions as arguments
         self.k = [self.be.xp.zeros(shape, dtype=dtype) for _ in range(n_layer)]
         self.v = [self.be.xp.zeros(shape, dtype=dtype) for _ in range(n_layer)]
 
@@ -58,7 +65,10 @@ class KVCache(CacheStorage):
 
     # -- what the decoder calls -------------------------------------------------------------------
     def index(self, slots):
-        """How to select these rows: a slice (a view, no copy) when they are consecutive."""
+        """How to select these rows: a slice (a view, no copy) when they are consecutive; bucketed,
+        always the array (an argument of the compiled read, whichever rows)."""
+        if self.bucketed:
+            return np.asarray(slots, dtype=np.int64)
         s0 = int(slots[0])
         if len(slots) == 1 or np.array_equal(slots, np.arange(s0, s0 + len(slots))):
             return slice(s0, s0 + len(slots))
@@ -70,7 +80,7 @@ class KVCache(CacheStorage):
         take, s, p = valid_tokens(slots, pos, valid)
         if int(np.max(p)) >= self.max_len:
             raise ValueError(f"KV cache: position {int(np.max(p))} is past max_len {self.max_len}")
-        return (s, slice(None), p), take
+        return (as_arguments((s, slice(None), p)) if self.bucketed else (s, slice(None), p)), take
 
     def write(self, layer, where, k, v):
         """Store k, v (B, H, T, D) of the new tokens where ``locate`` said."""
@@ -80,6 +90,8 @@ class KVCache(CacheStorage):
 
     def read(self, layer, rows, tk):
         """Keys and values of positions 0..tk-1 for these rows: (B, H, tk, D)."""
+        if self.bucketed:
+            return prefix(self.k[layer], self.v[layer], rows, tk)
         return self.k[layer][rows, :, :tk], self.v[layer][rows, :, :tk]
 
     # -- what a scheduler calls -------------------------------------------------------------------
@@ -98,6 +110,13 @@ class KVCache(CacheStorage):
         reserved = self.n_slots * self.max_len * per_tok
         used = int(sum(int(self.lengths[s]) for s in slots)) * per_tok
         return {"reserved": reserved, "used": used, "waste": reserved - used}
+
+
+@jax_engine.pure
+def prefix(k, v, rows, tk: int):
+    """Positions 0..tk-1 of ``rows`` (an index array) of k and v: one compiled read per (rows, tk)
+    shape on JAX, the rows an argument."""
+    return k[rows, :, :tk], v[rows, :, :tk]
 
 
 def valid_tokens(slots, pos, valid):
@@ -142,7 +161,13 @@ class CacheStep:
         self.rows = cache.index(slots)
         self.where = cache.locate(slots, pos, valid)
         self.tk = int(pos[valid].max()) + 1  # keys needed: up to the furthest real query
-        self.hidden = causal_mask(cache.be.xp, pos, self.tk)
+        if not cache.bucketed:
+            self.hidden = causal_mask(cache.be.xp, pos, self.tk)
+            return
+        # JAX: read up to the next power of two; the mask, made on the host, hides the rest
+        self.tk = bucket(self.tk, cache.max_len)
+        hidden = causal_mask(np, pos, self.tk)
+        self.hidden = None if hidden is None else cache.be.from_host(hidden)
 
     def layer(self, i: int) -> LayerCache:
         return LayerCache(self, i)

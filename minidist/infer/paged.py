@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minidist.infer.buckets import as_arguments
 from minidist.infer.kv_cache import CacheStorage, new_tokens, valid_tokens
 
 
@@ -81,7 +82,8 @@ class PagedKVCache(CacheStorage):
         if past.any():
             bad = int(np.atleast_1d(s)[np.argmax(past)])
             raise RuntimeError(f"paged KV cache: slot {bad} writes past its blocks; call reserve() first")
-        return (self.tables[s, p // self.block_len], slice(None), p % self.block_len), take
+        index = (self.tables[s, p // self.block_len], slice(None), p % self.block_len)
+        return (as_arguments(index) if self.bucketed else index), take
 
     def write(self, layer, where, k, v):
         index, take = where
