@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from minidist import ops
+from minidist import jax_engine, ops
 from minidist.backend import backend_of
 from minidist.nn.layers import Dropout, Linear
 from minidist.nn.module import Module
@@ -57,6 +57,7 @@ def self_attention(qkv, n_head: int, cache=None):
     return Tensor(merge_heads(masked_attention(q, keys, values, cache.hidden)))
 
 
+@jax_engine.pure  # on JAX one compiled call per shape, not ~8 (the KV cache's bucketed reads)
 def masked_attention(q, k, v, hidden=None):
     """softmax(q·kᵀ/√D, hidden keys at -inf)·v on arrays (no graph): q (B, H, Tq, D), k and v
     (B, H, Tk, D), ``hidden`` broadcastable to (B, H, Tq, Tk) or None (every key visible)."""
