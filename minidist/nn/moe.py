@@ -14,6 +14,11 @@ For N tokens x (N, d) and E experts:
 4. **experts** -- expert e runs on its C rows (``run_experts``: the one step EP replaces).
 5. **combine** -- each kept assignment's output row, times its gate, is added to its token.
 
+On JAX, where every new shape is a new compiled program, the kept assignments (a different number
+every step) are padded to all N·k: a padded one moves token 0 to buffer row 0 times a gate of 0,
+adding exact zeros, so every step has the same shapes and compiles nothing new
+(``pad_assignments``); NumPy moves only the kept ones.
+
 Auxiliary losses (Switch Transformer): the **load-balancing loss** E · Σ_e f_e · P_e, where f_e is
 the fraction of the N·k assignments routed to e (before drops; no gradient) and P_e the mean
 router probability of e -- smallest (1) when both are uniform; and the **router z-loss**
@@ -61,6 +66,16 @@ def top_k_route(probs: np.ndarray, k: int, cap: int):
                 slots[t, j] = filled[x]
                 filled[x] += 1
     return experts, slots
+
+
+def pad_assignments(tok, choice, rows, total: int, like):
+    """The kept assignments (token, choice, buffer row) padded to ``total`` (all N·k), and ``keep``
+    (total, 1): 1 for a real one, 0 for padding -- token 0's first choice to row 0, times 0, so it
+    adds exact zeros forward and backward. One shape whatever the routing: on JAX, one program."""
+    pad = np.zeros(total - len(tok), dtype=np.int64)
+    keep = (np.arange(total) < len(tok)).astype(like.dtype)[:, None]
+    return (np.concatenate([tok, pad]), np.concatenate([choice, pad]), np.concatenate([rows, pad]),
+            Tensor(backend_of(like).from_host(keep)))
 
 
 def routed_fraction(experts: np.ndarray, n_experts: int) -> np.ndarray:
@@ -144,9 +159,15 @@ class MoE(Module):
             gates = gates / gates.sum(axis=-1, keepdims=True)
         tok, choice = np.nonzero(slots >= 0)                               # the kept assignments
         rows = experts[tok, choice] * cap + slots[tok, choice]             # their buffer rows
-        buf = scatter_add_rows(xf[tok], rows, e * cap)                     # dispatch: (E·C, d)
+        keep = None
+        if backend_of(xf.data).name == "jax":                              # one shape: N·k, padded
+            tok, choice, rows, keep = pad_assignments(tok, choice, rows, n * k, xf.data)
+        picked, gate = xf[tok], gates[tok, choice].reshape(-1, 1)
+        if keep is not None:
+            picked, gate = picked * keep, gate * keep
+        buf = scatter_add_rows(picked, rows, e * cap)                      # dispatch: (E·C, d)
         out_buf = self.run_experts(buf, cap)
-        y = out_buf[rows] * gates[tok, choice].reshape(-1, 1)              # combine
+        y = out_buf[rows] * gate                                           # combine
         out = scatter_add_rows(y, tok, n)
         self.stats = self._stats(logits, probs, experts, slots, cap)
         return out.reshape(*shape)

@@ -124,3 +124,50 @@ def test_load_balancing_loss_is_one_when_uniform_and_bad_arguments_are_refused()
         MoE(2, 2, k=3)
     with pytest.raises(ValueError, match=r"capacity_factor must be > 0"):
         MoE(2, 2, capacity_factor=0)
+
+
+def _moe_step(backend, x, g, k=2, cf=0.75):
+    """One forward and backward of a float64 MoE on ``backend``: output, input and parameter
+    gradients, losses, stats, all on the host."""
+    from minidist.backend import get_backend
+
+    be = get_backend(backend)
+    moe = MoE(4, 4, k, cf, hidden=6, dtype=np.float64, std=0.5, rng=np.random.default_rng(11),
+              backend=backend)
+    xt = Tensor(be.from_host(x), requires_grad=True)
+    y = moe(xt)
+    loss = (y * Tensor(be.from_host(g))).sum() + moe.stats.aux_loss * 0.3 + moe.stats.z_loss * 0.2
+    loss.backward()
+    grads = {n: be.to_host(p.grad) for n, p in moe.named_parameters()}
+    return moe, be.to_host(y.data), be.to_host(xt.grad), grads, float(be.to_host(loss.data))
+
+
+def test_moe_on_jax_pads_to_one_shape_and_equals_numpy_with_uneven_routing():
+    """On JAX the kept assignments are padded to N·k (a padded one adds exact zeros): outputs equal
+    the loop reference, gradients and loss equal NumPy's (float64), on steps whose routing keeps a
+    different number of tokens per expert and drops some -- and after the first step, no step
+    compiles a new program, whatever the routing."""
+    pytest.importorskip("jax")
+    from minidist import jax_engine
+
+    rng = np.random.default_rng(5)
+    kept_counts, programs = set(), []
+    for step, shift in enumerate([0.0, 1.0, 2.5, -1.5]):
+        x, g = rng.standard_normal((10, 4)) + shift, rng.standard_normal((10, 4))
+        ref, y_np, xg_np, grads_np, loss_np = _moe_step("numpy", x, g)
+        before = jax_engine.compilations()
+        moe, y, xg, grads, loss = _moe_step("jax", x, g)
+        programs.append(jax_engine.compilations() - before)
+        kept_counts.add(tuple(moe.stats.kept_per_expert))
+        assert tuple(moe.stats.kept_per_expert) == tuple(ref.stats.kept_per_expert)
+        want, dropped, _, _ = _reference(ref, x)
+        assert dropped > 0, f"step {step}: the capacity should drop tokens"
+        np.testing.assert_allclose(y, want, rtol=0, atol=1e-12, err_msg=f"step {step}")
+        np.testing.assert_allclose(xg, xg_np, rtol=1e-12, atol=1e-12, err_msg=f"step {step}")
+        for name in grads_np:
+            np.testing.assert_allclose(grads[name], grads_np[name], rtol=1e-12, atol=1e-12,
+                                       err_msg=f"step {step}: {name}")
+        assert abs(loss - loss_np) <= 1e-12 * max(1.0, abs(loss_np))
+    assert len({sum(c) for c in kept_counts}) > 1, f"routing kept the same count every step: {kept_counts}"
+    if jax_engine.enabled():
+        assert programs[0] > 0 and programs[1:] == [0, 0, 0], f"programs per step: {programs}"
