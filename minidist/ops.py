@@ -730,8 +730,11 @@ class CrossEntropy(Function):
         logit_t = xp.take_along_axis(e, safe_t[:, None], axis=-1)[:, 0]  # x_t - max x
         e = _inplace(xp.exp, e)
         s = _sum_last(e)
-        n = builtins.max(int(valid.sum()), 1)
-        loss = ((xp.log(s[:, 0]) - logit_t) * valid).sum() / n
+        total = ((xp.log(s[:, 0]) - logit_t) * valid).sum()
+        # the count stays an array (no host read-back, so the op compiles on JAX), in the loss's
+        # dtype: what dividing by a Python int does on NumPy, so the result is the same bits
+        n = xp.maximum(valid.sum(), 1).astype(total.dtype)
+        loss = total / n
         ctx.save(e, s)
         ctx.t, ctx.valid, ctx.n, ctx.shape = safe_t, valid, n, logits.shape
         return loss.astype(logits.dtype)
