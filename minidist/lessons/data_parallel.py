@@ -196,7 +196,9 @@ def rank_main(comm, args):
         sstate, slosses = serial
         diff = max_state_diff(sstate, m.state_dict())
         ldiff = max(abs(a - b) for a, b in zip(losses, slosses))
-        tol = 1e-9 if args.dtype == "float64" else 1e-4
+        # float32: AdamW turns a rounding-level gradient into up to ±lr a step, so not a fixed 1e-4 (seed 4
+        # reached 9.7e-05): 10% of AdamW's largest travel, lesson 5's rule (pipeline.tolerance)
+        tol = 1e-9 if args.dtype == "float64" else 0.1 * args.lr * args.steps
         print("1. DDP vs the serial twin (one process, whole batch)")
         print("   step  loss(serial)  loss(DDP)")
         for i, (a, b) in enumerate(zip(slosses, losses)):
