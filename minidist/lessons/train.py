@@ -21,6 +21,7 @@ from minidist import estimates, optim
 from minidist.backend import default_backend
 from minidist.comm.devices import describe_binding
 from minidist.data import BatchLoader, ByteTokenizer, SyntheticTask, TextDataset
+from minidist.infer.buckets import bucket, compiles_per_shape
 from minidist.lessons.cli import nonnegative_int, positive_float, positive_int
 from minidist.nn import GPT, GPTConfig
 from minidist.tensor import no_grad
@@ -55,13 +56,19 @@ def train(model, loader, steps, lr, warmup=20, clip=1.0, log=True):
 
 
 def sample(model, prompt_ids, new_tokens, temperature=0.8, seed=0):
-    """Sample by recomputing the whole window each step (the KV-cached way is in minidist.infer)."""
+    """Sample by recomputing the whole window each step (the KV-cached way is in minidist.infer).
+
+    On JAX the window is padded to the next power of two (a new length would be a new compiled
+    program every token); causal attention keeps the padding from changing the real positions."""
     rng = np.random.default_rng(seed)
     ids = list(prompt_ids)
     block = model.config.block_size
+    padded = compiles_per_shape(next(iter(model.parameters())).backend)
     with no_grad():
         for _ in range(new_tokens):
-            logits = model(np.array([ids[-block:]])).numpy()[0, -1].astype(np.float64)
+            window = ids[-block:]
+            pad = [0] * (bucket(len(window), block) - len(window) if padded else 0)
+            logits = model(np.array([window + pad])).numpy()[0, len(window) - 1].astype(np.float64)
             p = np.exp((logits - logits.max()) / temperature)
             ids.append(int(rng.choice(len(p), p=p / p.sum())))
     return ids

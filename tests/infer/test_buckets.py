@@ -107,3 +107,21 @@ def test_generate_on_jax_gives_numpys_tokens_and_logits_past_a_bucket_edge():
     assert toks == want_toks
     for a, b in zip(logits, want_logits):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_the_train_lessons_sampling_pads_its_window_on_jax_and_gives_numpys_tokens():
+    """Lesson 1 samples by recomputing the window; on JAX the window is padded to a power of two,
+    which causal attention keeps from changing the real positions: the same tokens as NumPy's
+    (float64); once windows of 4, 8 and 16 tokens have run, windows of 3 .. 15 compile nothing."""
+    pytest.importorskip("jax")
+    from minidist import jax_engine
+    from minidist.lessons.train import sample
+
+    cfg = GPTConfig(vocab_size=30, block_size=16, n_layer=1, n_head=2, d_model=10, seed=3, dtype="float64")
+    jm = GPT(cfg, backend="jax")
+    for n in (4, 8, 16):
+        sample(jm, list(range(n)), 1)
+    before = jax_engine.compilations()
+    assert sample(jm, [4, 5, 6], 13, seed=2) == sample(GPT(cfg), [4, 5, 6], 13, seed=2)
+    if jax_engine.enabled():
+        assert jax_engine.compilations() == before
