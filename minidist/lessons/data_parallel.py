@@ -37,7 +37,7 @@ from minidist.memory import MemoryAccountant, zero_formula
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel.ddp import DDP
 from minidist.parallel.zero import ZeRO, param_count
-from minidist.testing import max_state_diff, train_serial
+from minidist.testing import adamw_tolerance, max_state_diff, train_serial
 from minidist.trace import hidden_fraction, plot_timeline
 
 
@@ -198,7 +198,7 @@ def rank_main(comm, args):
         ldiff = max(abs(a - b) for a, b in zip(losses, slosses))
         # float32: AdamW turns a rounding-level gradient into up to ±lr a step, so not a fixed 1e-4 (seed 4
         # reached 9.7e-05): 10% of AdamW's largest travel, lesson 5's rule (pipeline.tolerance)
-        tol = 1e-9 if args.dtype == "float64" else 0.1 * args.lr * args.steps
+        tol = 1e-9 if args.dtype == "float64" else adamw_tolerance(args.lr, args.steps)
         print("1. DDP vs the serial twin (one process, whole batch)")
         print("   step  loss(serial)  loss(DDP)")
         for i, (a, b) in enumerate(zip(slosses, losses)):

@@ -36,18 +36,16 @@ from minidist.nn import GPT, GPTConfig
 from minidist.parallel.pipeline import format_partition, layer_costs, make_schedule, run_schedule
 from minidist.parallel.simulate import bubble_formula, peak_activations
 from minidist.parallel.three_d import check_3d, gather_full_state, train_3d
-from minidist.testing import max_state_diff, train_serial
+from minidist.testing import adamw_tolerance, max_state_diff, train_serial
 
 
 def tolerance(args) -> float:
     """How far the parallel parameters may be from the serial twin's.
 
-    The two differ only in summation order (microbatch and replica partial sums). AdamW divides each
-    gradient by its running RMS, so float32 rounding in a near-zero gradient can move a parameter by
-    a sizeable part of lr; we allow 10% of the largest possible AdamW travel, 0.1 * lr * steps (a
-    real bug, e.g. a lost microbatch, can move a parameter by up to ~lr every step). float64: 1e-9.
+    The two differ only in summation order (microbatch and replica partial sums): float32 gets
+    ``testing.adamw_tolerance`` (10% of AdamW's largest travel, 0.1 * lr * steps), float64 1e-9.
     """
-    return 1e-9 if args.dtype == "float64" else 0.1 * args.lr * args.steps
+    return 1e-9 if args.dtype == "float64" else adamw_tolerance(args.lr, args.steps)
 
 
 def config(args) -> GPTConfig:

@@ -33,7 +33,7 @@ from minidist.plan.__main__ import plot, table
 from minidist.plan.mesh import stage_activation_peak, stage_param_counts
 from minidist.plan.search import candidates
 from minidist.plan.steptime import rank_slowdown
-from minidist.testing import max_state_diff, train_serial
+from minidist.testing import adamw_tolerance, max_state_diff, train_serial
 
 
 def config(args) -> GPTConfig:
@@ -116,9 +116,10 @@ def report(args, cfg, model, best, everyone, state, data, hw) -> bool:
           ", ".join(f"{k} {full[k]:,.0f} B" for k in ("params", "grads", "optimizer", "activations")))
     ref, _ = train_serial(cfg, data, lr=1e-3, optimizer="adamw")
     diff = max_state_diff(state, ref)
-    twin = diff <= 0.1 * 1e-3 * args.steps
+    tol = adamw_tolerance(1e-3, args.steps)
+    twin = diff <= tol
     ok &= twin
-    print(f"serial twin: max |parallel - serial| = {diff:.2e} (tolerance {0.1 * 1e-3 * args.steps:.0e}) "
+    print(f"serial twin: max |parallel - serial| = {diff:.2e} (tolerance {tol:.0e}) "
           f"{'PASS' if twin else 'FAIL'}")
     step = max(r["step"] for r in everyone)
     ratio = best.step / step

@@ -36,7 +36,7 @@ from minidist.nn import GPT, GPTConfig
 from minidist.parallel.sharding import sharding_table, unshard
 from minidist.parallel.tp_gpt import TPGPT, ParallelBlock
 from minidist.tensor import Tensor
-from minidist.testing import max_state_diff, train_steps
+from minidist.testing import adamw_tolerance, max_state_diff, train_steps
 
 
 def make_batches(args, block_size):
@@ -89,18 +89,6 @@ def rounding_bound(b: int, s: int, h: int, vocab: int, dtype) -> float:
     """
     u = float(np.finfo(dtype).eps) / 2
     return 2 * u * math.sqrt(b * s * max(4 * h, vocab))
-
-
-def adamw_tolerance(lr: float, steps: int) -> float:
-    """How far the parameters may be apart after ``steps`` AdamW steps: 0.1·lr·steps, as lesson 5.
-
-    AdamW moves each parameter by lr·m̂/(√v̂+ε), at most ~lr a step whatever the gradient's size. A
-    gradient whose true value sits at the rounding level (measured: -2.9e-09 in a tensor whose
-    gradients reach 1e-03, with ε = 1e-08) gets an update set by its rounding: up to ±lr, and later
-    steps carry the difference on. So no rounding-sized bound exists for parameters; we allow 10% of
-    the largest travel (measured: up to 0.8% of it over seeds 0-5), a real bug moves them ~lr a step.
-    """
-    return 0.1 * lr * steps
 
 
 def first_gradients(model, batch, seed: int, names=None):

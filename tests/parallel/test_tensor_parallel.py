@@ -17,13 +17,14 @@ from minidist import ops
 from minidist import random as mrandom
 from minidist.comm import measure, run
 from minidist.lessons import tensor_parallel
-from minidist.lessons.tensor_parallel import adamw_tolerance, compare, rounding_bound
+from minidist.lessons.tensor_parallel import compare, rounding_bound
 from minidist.nn import GPT, GPTConfig, Linear
 from minidist.parallel import tp_comm, tp_gpt
 from minidist.parallel.sharding import Shard, reshard, shard_state_dict, sharding_table, unshard
 from minidist.parallel.tp_gpt import TPGPT, ParallelBlock
 from minidist.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
 from minidist.tensor import Tensor
+from minidist.testing import adamw_tolerance
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = {"float64": 1e-10}  # summation order differs across ranks, nothing else (float32: rounding_bound)
