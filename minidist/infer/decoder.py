@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minidist.infer.buckets import bucket
 from minidist.infer.kv_cache import CacheStep
 from minidist.nn.module import Module
 from minidist.tensor import Tensor, no_grad
@@ -77,10 +78,13 @@ def as_decoder(model) -> Decoder:
     return model if isinstance(model, Decoder) else Decoder.from_model(model)
 
 
-def pack(token_lists, starts, block_size):
-    """Pad ragged token lists into arrays: ids (B, T), positions (B, T), valid (B, T), lengths (B,)."""
+def pack(token_lists, starts, block_size, bucketed=False):
+    """Pad ragged token lists into arrays: ids (B, T), positions (B, T), valid (B, T), lengths (B,).
+    ``bucketed`` (JAX): T padded further, to the next power of two, so prompts of many lengths make
+    few shapes (padding is never written to the cache, and its outputs are not read)."""
     lens = np.array([len(t) for t in token_lists], dtype=np.int64)
     b, t = len(token_lists), int(lens.max())
+    t = bucket(t, block_size) if bucketed else t
     if t == 1:  # decoding: one token per sequence, nothing to pad
         ids = np.array(token_lists, dtype=np.int64)
     else:
@@ -109,7 +113,8 @@ def forward_tokens(decoder: Decoder, cache, slots, token_lists, x=None):
                          "(need one list per slot, at least one)")
     if any(len(t) == 0 for t in token_lists):
         raise ValueError("forward_tokens: an empty token list (every sequence needs >= 1 new token)")
-    ids, pos, valid, lens = pack(token_lists, cache.lengths[slots], decoder.block_size)
+    ids, pos, valid, lens = pack(token_lists, cache.lengths[slots], decoder.block_size,
+                                 getattr(cache, "bucketed", False))
     step = CacheStep(cache, slots, pos, valid)
     with no_grad():
         h = decoder.embed(ids, positions=pos) if x is None else Tensor(x)

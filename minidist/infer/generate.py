@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.backend import backend_of
+from minidist.infer.buckets import bucket, compiles_per_shape
 from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import GREEDY, SamplingParams, sample
@@ -117,9 +118,14 @@ def generate(model, prompts, max_new_tokens: int, sampling: SamplingParams = GRE
 
 
 def full_logits(model, tokens) -> np.ndarray:
-    """Logits (T, V) of the training-time forward over ``tokens``: no cache, the reference."""
+    """Logits (T, V) of the training-time forward over ``tokens``: no cache, the reference. On JAX
+    the tokens are padded to the next power of two (one program per bucket, not per length); causal
+    attention keeps the padding out of the real positions."""
+    n = len(tokens)
+    if compiles_per_shape(next(iter(model.parameters())).backend):
+        tokens = list(tokens) + [0] * (bucket(n, model.config.block_size) - n)
     with no_grad():
-        return host(model(np.asarray([tokens], dtype=np.int64)).data)[0]
+        return host(model(np.asarray([tokens], dtype=np.int64)).data)[0, :n]
 
 
 def generate_recompute(model, prompts, max_new_tokens: int, sampling: SamplingParams = GREEDY,

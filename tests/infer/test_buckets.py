@@ -4,7 +4,7 @@ and decoding 2^k + 1 tokens compiles a program per bucket, not one per token."""
 import numpy as np
 import pytest
 
-from minidist.infer import Decoder, KVCache, PagedKVCache, forward_tokens, generate
+from minidist.infer import Decoder, KVCache, PagedKVCache, forward_tokens, generate, generate_recompute
 from minidist.infer.buckets import as_arguments, bucket
 from minidist.nn import GPT, GPTConfig
 from minidist.tensor import no_grad
@@ -98,15 +98,19 @@ def test_decoding_2k_plus_1_tokens_compiles_a_program_per_bucket_not_per_token()
 
 
 def test_generate_on_jax_gives_numpys_tokens_and_logits_past_a_bucket_edge():
-    """``generate``, greedy, float64: a 5-token prompt plus 12 new tokens (keys 6 .. 17: buckets 8,
-    16 and the cache's 17) -- the same tokens as NumPy, logits within 1e-12."""
+    """``generate`` and its recompute twin, greedy, float64: a 5-token prompt plus 12 new tokens (keys
+    6 .. 17: buckets 8, 16 and the cache's 17; the prefill padded to 8, the recompute's windows to
+    8, 16, 32) -- the same tokens as NumPy, logits within 1e-12."""
     pytest.importorskip("jax")
     prompts = [[1, 2, 3, 4, 5], [6, 7]]
     want_toks, want_logits = generate(GPT(CFG), prompts, 12, return_logits=True)
-    toks, logits = generate(GPT(CFG, backend="jax"), prompts, 12, return_logits=True)
-    assert toks == want_toks
-    for a, b in zip(logits, want_logits):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+    jm = GPT(CFG, backend="jax")
+    toks, logits = generate(jm, prompts, 12, return_logits=True)
+    slow, slow_logits = generate_recompute(jm, prompts, 12, return_logits=True)  # padded windows
+    assert toks == slow == want_toks
+    for a, b, c in zip(logits, slow_logits, want_logits):
+        np.testing.assert_allclose(a, c, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(b, c, rtol=0, atol=1e-12)
 
 
 def test_the_train_lessons_sampling_pads_its_window_on_jax_and_gives_numpys_tokens():
