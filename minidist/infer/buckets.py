@@ -28,7 +28,12 @@ def bucket(n: int, cap: int) -> int:
     return min(1 << (int(n) - 1).bit_length(), max(int(cap), int(n)))
 
 
-def as_arguments(index: tuple) -> tuple:
-    """An index whose integers become 0-d arrays: arguments of a compiled write, not constants
-    (a constant position would be a new program for every position written)."""
-    return tuple(np.asarray(i, dtype=np.int64) if isinstance(i, (int, np.integer)) else i for i in index)
+def array_where(rows, positions, take, n_rows: int) -> tuple:
+    """A KV write's ``((rows, positions), take)`` (see ``kv_cache.valid_tokens``) with every varying
+    part an index array -- an argument of the one compiled write, not a constant baked into a new
+    program per position -- and no slices (``take``'s "every row" becomes ``arange(n_rows)``)."""
+    def arr(i):
+        return np.asarray(i, dtype=np.int64)
+
+    take = tuple(np.arange(n_rows) if isinstance(i, slice) else i for i in take)
+    return (arr(rows), arr(positions)), take

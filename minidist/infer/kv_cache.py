@@ -24,7 +24,7 @@ import numpy as np
 
 from minidist import jax_engine
 from minidist.backend import default_backend, get_backend
-from minidist.infer.buckets import as_arguments, bucket, compiles_per_shape
+from minidist.infer.buckets import array_where, bucket, compiles_per_shape
 
 
 class CacheStorage:
@@ -44,6 +44,15 @@ class CacheStorage:
         heads, its parameters' dtype and array library."""
         p = decoder.first_parameter
         return (*decoder.cache_dims, p.dtype, p.backend)
+
+    def write(self, layer, where, k, v):
+        """Store k, v (B, H, T, D) of the new tokens where ``locate`` said."""
+        if self.bucketed:
+            self.k[layer], self.v[layer] = store(self.k[layer], self.v[layer], where, k, v)
+            return
+        index, take = where
+        self.k[layer] = self.be.set_at(self.k[layer], index, new_tokens(k, take))
+        self.v[layer] = self.be.set_at(self.v[layer], index, new_tokens(v, take))
 
     def bytes_per_token(self) -> int:
         k = self.k[0] if self.k else None
@@ -80,13 +89,7 @@ class KVCache(CacheStorage):
         take, s, p = valid_tokens(slots, pos, valid)
         if int(np.max(p)) >= self.max_len:
             raise ValueError(f"KV cache: position {int(np.max(p))} is past max_len {self.max_len}")
-        return (as_arguments((s, slice(None), p)) if self.bucketed else (s, slice(None), p)), take
-
-    def write(self, layer, where, k, v):
-        """Store k, v (B, H, T, D) of the new tokens where ``locate`` said."""
-        index, take = where
-        self.k[layer] = self.be.set_at(self.k[layer], index, new_tokens(k, take))
-        self.v[layer] = self.be.set_at(self.v[layer], index, new_tokens(v, take))
+        return array_where(s, p, take, len(slots)) if self.bucketed else ((s, slice(None), p), take)
 
     def read(self, layer, rows, tk):
         """Keys and values of positions 0..tk-1 for these rows: (B, H, tk, D)."""
@@ -110,6 +113,14 @@ class KVCache(CacheStorage):
         reserved = self.n_slots * self.max_len * per_tok
         used = int(sum(int(self.lengths[s]) for s in slots)) * per_tok
         return {"reserved": reserved, "used": used, "waste": reserved - used}
+
+
+@jax_engine.pure
+def store(k_all, v_all, where, k, v):
+    """``write`` as one compiled call on JAX: rows, positions and ``take`` are arguments."""
+    (rows, positions), take = where
+    return (k_all.at[rows, :, positions].set(new_tokens(k, take)),
+            v_all.at[rows, :, positions].set(new_tokens(v, take)))
 
 
 @jax_engine.pure

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.infer.buckets import as_arguments
-from minidist.infer.kv_cache import CacheStorage, new_tokens, valid_tokens
+from minidist import jax_engine
+from minidist.infer.buckets import array_where
+from minidist.infer.kv_cache import CacheStorage, valid_tokens
 
 
 class OutOfBlocks(RuntimeError):
@@ -82,24 +83,16 @@ class PagedKVCache(CacheStorage):
         if past.any():
             bad = int(np.atleast_1d(s)[np.argmax(past)])
             raise RuntimeError(f"paged KV cache: slot {bad} writes past its blocks; call reserve() first")
-        index = (self.tables[s, p // self.block_len], slice(None), p % self.block_len)
-        return (as_arguments(index) if self.bucketed else index), take
-
-    def write(self, layer, where, k, v):
-        index, take = where
-        self.k[layer] = self.be.set_at(self.k[layer], index, new_tokens(k, take))
-        self.v[layer] = self.be.set_at(self.v[layer], index, new_tokens(v, take))
+        block, offset = self.tables[s, p // self.block_len], p % self.block_len
+        if self.bucketed:
+            return array_where(block, offset, take, len(slots))
+        return (block, slice(None), offset), take
 
     def read(self, layer, rows, tk):
         """Gather each row's blocks into (B, H, tk, D) (rows past a sequence's end hold junk: masked)."""
         nb = -(-tk // self.block_len)
         ids = self.tables[rows, :nb]  # (B, nb); entries past n_blocks point at block 0 (masked anyway)
-        out = []
-        for pool in (self.k[layer], self.v[layer]):
-            g = pool[ids]  # (B, nb, H, L, D)
-            b, _, h, l, d = g.shape
-            out.append(g.transpose(0, 2, 1, 3, 4).reshape(b, h, nb * l, d)[:, :, :tk])
-        return out[0], out[1]
+        return gather_blocks(self.k[layer], self.v[layer], ids, tk)
 
     # -- accounting -------------------------------------------------------------------------------
     def memory(self, active_slots=None) -> dict:
@@ -110,3 +103,14 @@ class PagedKVCache(CacheStorage):
         used = int(sum(int(self.lengths[s]) for s in slots)) * per_tok
         return {"reserved": alloc, "used": used, "waste": alloc - used,
                 "pool": self.num_blocks * self.block_len * per_tok, "free_blocks": len(self.free)}
+
+
+@jax_engine.pure  # on JAX one compiled call per (rows, blocks) shape, the block ids an argument
+def gather_blocks(k_pool, v_pool, ids, tk: int):
+    """Each row's blocks ``ids`` (B, nb) of both pools, laid end to end: (B, H, tk, D) each."""
+    out = []
+    for pool in (k_pool, v_pool):
+        g = pool[ids]  # (B, nb, H, L, D)
+        b, nb, h, l, d = g.shape
+        out.append(g.transpose(0, 2, 1, 3, 4).reshape(b, h, nb * l, d)[:, :, :tk])
+    return out[0], out[1]

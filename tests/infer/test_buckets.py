@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from minidist.infer import Decoder, KVCache, PagedKVCache, forward_tokens, generate, generate_recompute
-from minidist.infer.buckets import as_arguments, bucket
+from minidist.infer.buckets import array_where, bucket
 from minidist.nn import GPT, GPTConfig
 from minidist.tensor import no_grad
 
@@ -17,11 +17,12 @@ def test_bucket_is_the_next_power_of_two_capped_at_the_cache():
         bucket(0, 40)
 
 
-def test_integer_positions_become_array_arguments():
-    s, everything, p = as_arguments((3, slice(None), np.int64(7)))
-    assert everything == slice(None) and s.shape == () and int(s) == 3 and int(p) == 7
-    rows = np.array([1, 2])
-    assert as_arguments((rows,))[0] is rows
+def test_a_writes_rows_positions_and_take_become_index_arrays():
+    (rows, pos), take = array_where(3, np.int64(7), (0, 0), 1)  # one sequence decoding
+    assert rows.shape == pos.shape == () and (int(rows), int(pos)) == (3, 7) and take == (0, 0)
+    (rows, pos), take = array_where(np.array([2, 0]), np.array([5, 9]), (slice(None), 0), 2)
+    assert rows.tolist() == [2, 0] and pos.tolist() == [5, 9]
+    assert take[0].tolist() == [0, 1] and take[1] == 0
 
 
 def _chunked_logits(dec, cache, seqs, rounds):
