@@ -160,8 +160,8 @@ class MoE(Module):
         tok, choice = np.nonzero(slots >= 0)                               # the kept assignments
         rows = experts[tok, choice] * cap + slots[tok, choice]             # their buffer rows
         keep = None
-        if backend_of(xf.data).name == "jax":                              # one shape: N·k, padded
-            tok, choice, rows, keep = pad_assignments(tok, choice, rows, n * k, xf.data)
+        if backend_of(probs.data).name == "jax":                           # one shape: N·k, padded
+            tok, choice, rows, keep = pad_assignments(tok, choice, rows, n * k, probs.data)
         picked, gate = xf[tok], gates[tok, choice].reshape(-1, 1)
         if keep is not None:
             picked, gate = picked * keep, gate * keep

@@ -126,15 +126,16 @@ def test_load_balancing_loss_is_one_when_uniform_and_bad_arguments_are_refused()
         MoE(2, 2, capacity_factor=0)
 
 
-def _moe_step(backend, x, g, k=2, cf=0.75):
+def _moe_step(backend, x, g, k=2, cf=0.75, host_input=False):
     """One forward and backward of a float64 MoE on ``backend``: output, input and parameter
-    gradients, losses, stats, all on the host."""
+    gradients, losses, stats, all on the host. ``host_input``: x stays a NumPy array (as the lesson
+    feeds it), only the parameters live on ``backend``."""
     from minidist.backend import get_backend
 
     be = get_backend(backend)
     moe = MoE(4, 4, k, cf, hidden=6, dtype=np.float64, std=0.5, rng=np.random.default_rng(11),
               backend=backend)
-    xt = Tensor(be.from_host(x), requires_grad=True)
+    xt = Tensor(x if host_input else be.from_host(x), requires_grad=True)
     y = moe(xt)
     loss = (y * Tensor(be.from_host(g))).sum() + moe.stats.aux_loss * 0.3 + moe.stats.z_loss * 0.2
     loss.backward()
@@ -142,7 +143,8 @@ def _moe_step(backend, x, g, k=2, cf=0.75):
     return moe, be.to_host(y.data), be.to_host(xt.grad), grads, float(be.to_host(loss.data))
 
 
-def test_moe_on_jax_pads_to_one_shape_and_equals_numpy_with_uneven_routing():
+@pytest.mark.parametrize("host_input", [False, True])
+def test_moe_on_jax_pads_to_one_shape_and_equals_numpy_with_uneven_routing(host_input):
     """On JAX the kept assignments are padded to N·k (a padded one adds exact zeros): outputs equal
     the loop reference, gradients and loss equal NumPy's (float64), on steps whose routing keeps a
     different number of tokens per expert and drops some -- and after the first step, no step
@@ -156,7 +158,7 @@ def test_moe_on_jax_pads_to_one_shape_and_equals_numpy_with_uneven_routing():
         x, g = rng.standard_normal((10, 4)) + shift, rng.standard_normal((10, 4))
         ref, y_np, xg_np, grads_np, loss_np = _moe_step("numpy", x, g)
         before = jax_engine.compilations()
-        moe, y, xg, grads, loss = _moe_step("jax", x, g)
+        moe, y, xg, grads, loss = _moe_step("jax", x, g, host_input=host_input)
         programs.append(jax_engine.compilations() - before)
         kept_counts.add(tuple(moe.stats.kept_per_expert))
         assert tuple(moe.stats.kept_per_expert) == tuple(ref.stats.kept_per_expert)
