@@ -171,8 +171,8 @@ def test_sgd_with_momentum_on_jax_is_one_compiled_call_per_step():
 
 
 def test_a_second_training_step_compiles_nothing():
-    """Forward, backward (CrossEntropy's too, though its forward runs eagerly) and AdamW: after the
-    first step every program exists, so the second compiles zero new ones."""
+    """Forward, backward (CrossEntropy's forward and backward both compiled: its token count stays an
+    array) and AdamW: after the first step every program exists, so the second compiles zero new ones."""
     if not jax_engine.enabled():
         pytest.skip("MINIDIST_JAX_JIT=0")
     from minidist.optim import AdamW
@@ -192,6 +192,7 @@ def test_a_second_training_step_compiles_nothing():
         counts.append(jax_engine.compilations() - before)
     assert counts[0] > 0 and counts[1:] == [0, 0], f"programs compiled per step: {counts}"
     assert any(k[0] is ops.CrossEntropy for k, fn in jax_engine._BACKWARD.items() if fn)
+    assert any(k[0] is ops.CrossEntropy for k, fn in jax_engine._FORWARD.items() if fn)
 
 
 @needs_engine
