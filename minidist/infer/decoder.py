@@ -69,6 +69,11 @@ class Decoder:
         return len(self.blocks), cfg.n_head // self.tp, cfg.d_model // cfg.n_head
 
     @property
+    def whole(self) -> bool:
+        """All of the model on this rank (no tensor or pipeline split): nothing is sent."""
+        return self.tp == 1 and self.embed is not None and self.head is not None
+
+    @property
     def first_parameter(self):
         layers = [m for m in (self.embed, *self.blocks, self.head) if m is not None]
         return next(p for m in layers for p in m.parameters())
@@ -113,8 +118,10 @@ def forward_tokens(decoder: Decoder, cache, slots, token_lists, x=None):
                          "(need one list per slot, at least one)")
     if any(len(t) == 0 for t in token_lists):
         raise ValueError("forward_tokens: an empty token list (every sequence needs >= 1 new token)")
-    ids, pos, valid, lens = pack(token_lists, cache.lengths[slots], decoder.block_size,
-                                 getattr(cache, "bucketed", False))
+    # JAX: prompts padded to a bucket -- but not on a sharded decoder, whose messages would grow
+    # with the padding (the ledger counts the bytes really sent; decoding pads nothing anyway)
+    bucketed = getattr(cache, "bucketed", False) and decoder.whole
+    ids, pos, valid, lens = pack(token_lists, cache.lengths[slots], decoder.block_size, bucketed)
     step = CacheStep(cache, slots, pos, valid)
     with no_grad():
         h = decoder.embed(ids, positions=pos) if x is None else Tensor(x)

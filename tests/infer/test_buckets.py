@@ -130,3 +130,17 @@ def test_the_train_lessons_sampling_pads_its_window_on_jax_and_gives_numpys_toke
     assert sample(jm, [4, 5, 6], 13, seed=2) == sample(GPT(cfg), [4, 5, 6], 13, seed=2)
     if jax_engine.enabled():
         assert jax_engine.compilations() == before
+
+
+def test_a_prompt_is_padded_on_a_whole_decoder_but_not_on_a_pipeline_stage():
+    """On JAX a whole model's prefill pads 3 tokens to 4 (one program for lengths 3 and 4); a
+    pipeline stage (no head: it sends its hidden states on) does not pad, so it sends the bytes of
+    3 tokens, what the ledger's formula counts."""
+    pytest.importorskip("jax")
+    model = GPT(CFG, backend="jax")
+    layers = list(model)
+    whole, stage = Decoder.from_model(model), Decoder(CFG, layers[1:-1], embed=layers[0])
+    assert whole.whole and not stage.whole
+    out_whole = forward_tokens(whole, KVCache.for_decoder(whole, 1), [0], [[1, 2, 3]])
+    out_stage = forward_tokens(stage, KVCache.for_decoder(stage, 1), [0], [[1, 2, 3]])
+    assert out_whole.shape == (1, 4, CFG.vocab_size) and out_stage.shape == (1, 3, CFG.d_model)
