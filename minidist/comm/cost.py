@@ -46,26 +46,22 @@ LATENCY = {False: (2e-5, 5e-6), True: (1e-4, 3e-5)}
 
 
 # shm all-reduce: two-shot (each rank reads ~2N, two waits) from this many bytes per piece up,
-# one-shot (reads p·N, one wait) below. At p = 2 both read 2N, so two-shot never pays. With ranks
-# outnumbering cores a wait costs a time slice and one-shot always won (mpirun -n 4 on 2 cores,
-# 1 and 4 MB: one-shot 0.8-2.9 ms, two-shot 2.7-3.4 ms); 512 KB with a core per rank is NCCL's kind
-# of crossover, not measured here.
+# one-shot (reads p·N, one wait) below. At p = 2 both read 2N, so two-shot never pays. Measured with
+# ranks outnumbering cores (mpirun -n 4 on 2 cores, load 1.3): two-shot 1.5-2x faster from 1 MB
+# (1 MB 0.35 vs 0.52 ms, 4 MB 1.5 vs 2.3-3.1 ms, 16 MB 6.7 vs 10-11 ms); under heavy outside load
+# (3.7) the two were level, its second wait costing a time slice. 512 KB is NCCL's kind of crossover.
 SHM_TWO_SHOT_BYTES = {2: 1 << 62}
 SHM_TWO_SHOT_DEFAULT = 512 << 10
 
 
-def shm_two_shot_from(p: int, is_crowded: bool | None = None) -> float:
-    """The smallest piece (bytes) the shm all-reduce sends two-shot over ``p`` ranks; never (inf)
-    when ranks outnumber cores (``is_crowded``, agreed by the ranks when their window was made;
-    None asks this host's ``crowded()``, as ``choose_algorithm`` does)."""
-    if crowded() if is_crowded is None else is_crowded:
-        return float("inf")
+def shm_two_shot_from(p: int) -> float:
+    """The smallest piece (bytes) the shm all-reduce sends two-shot over ``p`` ranks."""
     return SHM_TWO_SHOT_BYTES.get(p, SHM_TWO_SHOT_DEFAULT)
 
 
-def shm_two_shot(nbytes: int, p: int, is_crowded: bool | None = None) -> bool:
+def shm_two_shot(nbytes: int, p: int) -> bool:
     """Does the shm all-reduce use two-shot for a piece of ``nbytes`` over ``p`` ranks?"""
-    return nbytes >= shm_two_shot_from(p, is_crowded)
+    return nbytes >= shm_two_shot_from(p)
 
 
 @functools.cache
@@ -88,9 +84,8 @@ def agreed_crowded(comm) -> bool:
     return flag
 
 
-def all_reduce_counts(algorithm: str, nbytes: int, p: int, is_crowded: bool | None = None) -> tuple:
-    """(rounds, messages, bytes sent, bytes reduced) of the busiest rank, per the table above
-    (``is_crowded``: only shm's choice of one-shot or two-shot depends on it)."""
+def all_reduce_counts(algorithm: str, nbytes: int, p: int) -> tuple:
+    """(rounds, messages, bytes sent, bytes reduced) of the busiest rank, per the table above."""
     if p == 1:
         return 0, 0, 0.0, 0.0
     q = 1 << (p.bit_length() - 1)
@@ -106,7 +101,7 @@ def all_reduce_counts(algorithm: str, nbytes: int, p: int, is_crowded: bool | No
     elif algorithm == "recursive_doubling":
         counts = log_q, log_q, log_q * nbytes, log_q * nbytes
     elif algorithm == "shm":
-        if shm_two_shot(nbytes, p, is_crowded):
+        if shm_two_shot(nbytes, p):
             counts = 2, 1, nbytes + nbytes / p, (p - 1) / p * nbytes
         else:
             counts = 1, 1, nbytes, (p - 1) * nbytes
@@ -118,7 +113,7 @@ def all_reduce_counts(algorithm: str, nbytes: int, p: int, is_crowded: bool | No
     return counts
 
 
-def all_reduce_bytes_sent(algorithm: str, nbytes: int, p: int, r: int, is_crowded: bool | None = None) -> int:
+def all_reduce_bytes_sent(algorithm: str, nbytes: int, p: int, r: int) -> int:
     """Bytes rank ``r`` of ``p`` sends in one all-reduce of ``nbytes`` (exact when p divides the
     element count). For p not a power of two, recursive doubling and halving-doubling first fold the
     2·rem lowest ranks in pairs (rem = p - q): the even one sends its N and sits out, the odd one
@@ -128,7 +123,7 @@ def all_reduce_bytes_sent(algorithm: str, nbytes: int, p: int, r: int, is_crowde
     if algorithm in ("ring", "two_shot"):
         return 2 * (p - 1) * nbytes // p
     if algorithm == "shm":
-        return nbytes + nbytes // p if shm_two_shot(nbytes, p, is_crowded) else nbytes
+        return nbytes + nbytes // p if shm_two_shot(nbytes, p) else nbytes
     q = 1 << (p.bit_length() - 1)
     _, _, core, _ = all_reduce_counts(algorithm, nbytes, q)
     if r >= 2 * (p - q):

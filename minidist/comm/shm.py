@@ -225,7 +225,7 @@ class Window:
         self.win.Sync()
         node.Barrier()                                   # (every rank is here: attach's barrier)
         fence = None if platform.machine() in ("x86_64", "AMD64") else self.win.Sync  # x86: stores in order
-        two_from = shm_two_shot_from(comm.size, crowded)
+        two_from = shm_two_shot_from(comm.size)
         self.lanes = [Lane([s[i * lane_bytes:(i + 1) * lane_bytes] for s in slots], cap, comm.rank, fence,
                            two_from, crowded) for i in range(LANES)]
         _windows.append(self)
@@ -243,7 +243,7 @@ def attach(comm):
     """A ``Window`` for ``comm`` (an ``MPIComm`` that is its own origin), or None where shared memory
     can't serve it: its ranks span several nodes, a slow link is emulated (``MINIDIST_LINK``),
     /dev/shm has little room, or ``MINIDIST_SHM=0``. Collective over ``comm``; the ranks agree on
-    the answer, the window's size and whether they outnumber the cores (two-shot or not)."""
+    the answer, the window's size and whether they outnumber the cores (shm at any size or not)."""
     from mpi4py import MPI
 
     comm.note("all_reduce(shm): allocating the shared window")   # what the watchdog shows meanwhile

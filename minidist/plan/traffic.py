@@ -78,7 +78,7 @@ def all_reduce_rounds(algorithm: str, nbytes: float, p: int, itemsize: int = 4,
     if p == 1:
         return 0
     if algorithm == "shm":
-        return sum(2 if cost.shm_two_shot(k * itemsize, p, where.crowded) else 1
+        return sum(2 if cost.shm_two_shot(k * itemsize, p) else 1
                    for k in shm_pieces(nbytes, p, itemsize))
     try:
         return cost.all_reduce_counts(algorithm, int(nbytes), p)[0]
@@ -96,7 +96,7 @@ def all_reduce_sent(algorithm: str, nbytes: float, p: int, itemsize: int = 4, ra
     if algorithm == "ring":
         return ring_sent(nbytes, p, itemsize, rank)
     if algorithm == "shm":
-        two = [cost.shm_two_shot(k * itemsize, p, where.crowded) for k in shm_pieces(nbytes, p, itemsize)]
+        two = [cost.shm_two_shot(k * itemsize, p) for k in shm_pieces(nbytes, p, itemsize)]
         return float(itemsize * sum(k + (split_sizes(k, p)[rank] if t else 0)
                                     for k, t in zip(shm_pieces(nbytes, p, itemsize), two)))
     return float(cost.all_reduce_bytes_sent(algorithm, int(nbytes), p, rank))

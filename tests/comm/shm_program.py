@@ -90,8 +90,14 @@ def check(comm):
     xs = inputs(p, (n,), "float32", 1)
     with measure(comm) as m:
         agree(comm, xs[r], reference(xs, "sum"), "sum", what="two pieces")
-    assert first == 1 << 20 and m.bytes_received == (p - 1) * 4 * n, m  # one-shot reads (p-1) N
-    assert (m.bytes_sent, m.steps) == (4 * n, 2), m
+    assert first == 1 << 20, first
+    if p == 2:  # one-shot: writes N, reads the other's N, one wait per piece
+        assert (m.bytes_sent, m.bytes_received, m.steps) == (4 * n, 4 * n, 2), m
+    else:       # both pieces >= 512 KB: two-shot writes N + its chunk, reads (p-1) chunks + the rest
+        pieces = (first, n - first)
+        chunks = [split_sizes(k, p)[r] for k in pieces]
+        received = sum((p - 1) * c + k - c for k, c in zip(pieces, chunks))
+        assert (m.bytes_sent, m.bytes_received, m.steps) == (4 * (n + sum(chunks)), 4 * received, 4), m
 
     crowded = p > len(os.sched_getaffinity(0))  # beyond one piece auto keeps shm only when crowded
     with measure(comm) as m:

@@ -77,16 +77,15 @@ def test_shm_elsewhere_is_autos_choice():
 
 
 def test_shm_cost_counts_are_the_protocols():
-    """Per piece: one-shot writes N, reads (p-1)N, one wait; two-shot (4 ranks, from 512 KB, not when
-    ranks outnumber cores) also writes its reduced chunk, reads about 2N, two waits. Auto picks shm
-    only where it can run."""
-    assert cost.all_reduce_counts("shm", 4096, 2, False) == (1, 1, 4096, 4096)
-    assert cost.all_reduce_counts("shm", 1 << 20, 2, False) == (1, 1, 1 << 20, 1 << 20)
-    assert cost.all_reduce_counts("shm", 4096, 4, False) == (1, 1, 4096, 3 * 4096)
-    assert cost.all_reduce_counts("shm", 1 << 20, 4, False) == (2, 1, 1.25 * (1 << 20), 0.75 * (1 << 20))
-    assert cost.all_reduce_counts("shm", 1 << 20, 4, is_crowded=True) == (1, 1, 1 << 20, 3 * (1 << 20))
-    assert cost.all_reduce_bytes_sent("shm", 1 << 20, 4, 3, is_crowded=False) == 1.25 * (1 << 20)
-    assert cost.all_reduce_bytes_sent("shm", 1 << 20, 4, 3, is_crowded=True) == 1 << 20
+    """Per piece: one-shot writes N, reads (p-1)N, one wait; two-shot (4 ranks, from 512 KB, whether
+    or not ranks outnumber cores) also writes its reduced chunk, reads about 2N, two waits. Auto
+    picks shm only where it can run."""
+    assert cost.all_reduce_counts("shm", 4096, 2) == (1, 1, 4096, 4096)
+    assert cost.all_reduce_counts("shm", 1 << 20, 2) == (1, 1, 1 << 20, 1 << 20)
+    assert cost.all_reduce_counts("shm", 4096, 4) == (1, 1, 4096, 3 * 4096)
+    assert cost.all_reduce_counts("shm", (512 << 10) - 4, 4) == (1, 1, (512 << 10) - 4, 3 * ((512 << 10) - 4))
+    assert cost.all_reduce_counts("shm", 1 << 20, 4) == (2, 1, 1.25 * (1 << 20), 0.75 * (1 << 20))
+    assert cost.all_reduce_bytes_sent("shm", 1 << 20, 4, 3) == 1.25 * (1 << 20)
     assert cost.auto_algorithm(4096, 4, False, shared_memory=True) == "shm"
     assert cost.auto_algorithm(4096, 1, False, shared_memory=True) == cost.choose_algorithm(4096, 1, False)
     assert cost.auto_algorithm(1 << 24, 4, False) == cost.choose_algorithm(1 << 24, 4, False)
