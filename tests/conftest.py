@@ -65,6 +65,47 @@ def pytest_runtest_setup(item):
         pytest.fail("MINIDIST_REQUIRE_MPI=1 but mpirun is not on PATH (pip install mpich)")
 
 
+def _unused_mpich_segments(older_than: float = 10.0) -> list[str]:
+    """MPICH's shared-memory files in /dev/shm that are ours, older than ``older_than`` seconds and
+    neither mapped nor open in any process: what a job whose ranks were killed (the watchdog and
+    failure tests kill them on purpose) leaves behind. In a container /dev/shm is often 64 MB, and
+    once it is full MPICH's next job dies of SIGBUS."""
+    import time
+
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith("mpich_shm_")]
+    except OSError:
+        return []
+    now, uid = time.time(), os.getuid()
+    old = set()
+    for n in names:
+        try:
+            st = os.stat(f"/dev/shm/{n}")
+        except OSError:
+            continue
+        if st.st_uid == uid and now - st.st_mtime > older_than:
+            old.add(f"/dev/shm/{n}")
+    if not old:
+        return []
+    for pid in filter(str.isdigit, os.listdir("/proc")):  # what any process still maps or holds open
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                old -= {line.split(maxsplit=5)[-1].strip() for line in f if "/dev/shm/mpich_shm_" in line}
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                old.discard(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    return sorted(old)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for path in _unused_mpich_segments():
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 @pytest.fixture(autouse=True)
 def _hangs_do_not_shrink(request, monkeypatch):
     """In a hypothesis test the watchdog raises ``RanksHung`` (a BaseException): hypothesis stops at
