@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import threading
 
 import numpy as np
@@ -366,6 +367,8 @@ def pure(fn):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if "jax" not in sys.modules:    # no JAX array can exist: the NumPy path pays one dict lookup
+            return fn(*args, **kwargs)
         if not any(_is_jax(a) or isinstance(a, (list, tuple)) and any(_is_jax(x) for x in a)
                    for a in (*args, *kwargs.values())) or not enabled():
             return fn(*args, **kwargs)  # NumPy (JAX is not even imported), CuPy, the engine off
