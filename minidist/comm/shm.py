@@ -212,7 +212,6 @@ class Window:
     def __init__(self, comm, node, cap: int, crowded: bool):
         from mpi4py import MPI
 
-        self.cap, self.crowded = cap, crowded
         lane_bytes = HEADER + 2 * cap
         self.node = node
         self.win = MPI.Win.Allocate_shared(LANES * lane_bytes, 1, comm=node)
