@@ -465,6 +465,7 @@ class Embedding(Function):
 
     @staticmethod
     def forward(ctx, weight, idx):
+        idx = _xp(weight).asarray(idx)  # host ids (NumPy) onto the table's device: CuPy won't mix them
         ctx.idx, ctx.shape = idx, weight.shape
         return weight[idx]
 
@@ -723,7 +724,7 @@ class CrossEntropy(Function):
         xp = _xp(logits)
         v = logits.shape[-1]
         x = logits.reshape(-1, v)
-        t = targets.reshape(-1)
+        t = xp.asarray(targets).reshape(-1)  # host targets onto the logits' device (CuPy won't mix)
         valid = t != ignore_index
         safe_t = xp.where(valid, t, 0)
         e = x - x.max(axis=-1, keepdims=True)
