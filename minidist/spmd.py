@@ -41,14 +41,81 @@ def _jax():
     return jax
 
 
-def make_mesh(dp: int, tp: int, devices=None):
-    """A ``Mesh(('dp', 'tp'))`` over the first dp*tp devices: device dp_rank*tp + tp_rank, the
-    order of ``minidist.comm.Mesh`` (rank = dp_rank * tp + tp_rank with pp = 1)."""
+def default_shape(n: int) -> tuple[int, int]:
+    """The (dp, tp) mesh a lesson uses when it is not told: every one of ``n`` devices, tp = 2 when
+    n is even and at least 4, otherwise 1, and dp = n // tp. 1 -> 1x1, 2 -> 2x1, 3 -> 3x1, 4 -> 2x2,
+    8 -> 4x2, 16 -> 8x2: tensor parallelism stays small (it all-reduces every layer, so it wants the
+    fastest links, inside a host) and data parallelism takes the rest."""
+    if n < 1:
+        raise ValueError(f"a mesh needs at least one device, got n={n}")
+    tp = 2 if n >= 4 and n % 2 == 0 else 1
+    return n // tp, tp
+
+
+def mesh_devices(n: int, devices=None) -> list:
+    """The ``n`` devices a mesh uses, in mesh order. Of ``jax.devices()`` (every process's devices):
+    each of the P processes contributes its first n / P local devices, ordered by process, then by
+    id. So a multi-host mesh spans every host (``jax.make_mesh`` would take the first n devices, all
+    on process 0 when n is smaller than the job, and the other processes would own none of the
+    program); with one process it is simply the first n devices. ``devices``: an explicit list,
+    used as it is (its first n)."""
     jax = _jax()
-    devices = jax.devices() if devices is None else devices
-    if dp * tp > len(devices):
-        raise ValueError(f"mesh dp={dp} x tp={tp} needs {dp * tp} devices, JAX sees {len(devices)}")
-    return jax.sharding.Mesh(np.array(devices[:dp * tp]).reshape(dp, tp), ("dp", "tp"))
+    if devices is not None:
+        if n > len(devices):
+            raise ValueError(f"mesh needs {n} devices, {len(devices)} were given")
+        return list(devices[:n])
+    everything = jax.devices()
+    if n > len(everything):
+        raise ValueError(f"mesh needs {n} devices, JAX sees {len(everything)}")
+    procs = jax.process_count()
+    if n % procs:
+        raise ValueError(f"mesh of {n} devices does not split over {procs} processes: on process "
+                         f"{jax.process_index()} use a multiple of {procs} devices")
+    by_proc = {}
+    for d in sorted(everything, key=lambda d: (d.process_index, d.id)):
+        by_proc.setdefault(d.process_index, []).append(d)
+    if any(len(local) < n // procs for local in by_proc.values()):
+        raise ValueError(f"mesh of {n} devices needs {n // procs} on each of {procs} processes; "
+                         f"they have {sorted(len(v) for v in by_proc.values())}")
+    return [d for p in sorted(by_proc) for d in by_proc[p][:n // procs]]
+
+
+def make_mesh(dp: int, tp: int, devices=None):
+    """A ``Mesh(('dp', 'tp'))`` over ``mesh_devices(dp * tp)``: device dp_rank*tp + tp_rank, the
+    order of ``minidist.comm.Mesh`` (rank = dp_rank * tp + tp_rank with pp = 1). tp is the inner
+    axis, so a tp group sits inside one process (one host's fast links) whenever each process
+    contributes a multiple of tp devices; dp crosses the hosts. When the mesh uses every device,
+    ``mesh_utils.create_device_mesh`` orders it (what ``jax.make_mesh`` calls: on a TPU it follows
+    the physical torus, elsewhere it keeps this order)."""
+    jax = _jax()
+    from jax.experimental import mesh_utils
+
+    chosen = mesh_devices(dp * tp, devices)
+    if devices is None and len(chosen) == jax.device_count():
+        grid = mesh_utils.create_device_mesh((dp, tp), chosen)
+    else:
+        grid = np.array(chosen).reshape(dp, tp)
+    return jax.sharding.Mesh(grid, ("dp", "tp"))
+
+
+def global_array(a, sharding):
+    """A host array that every process holds whole (same seed, same values) as one global
+    ``jax.Array``: each process puts only the pieces its own devices hold."""
+    jax = _jax()
+    a = np.asarray(a)
+    return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+
+
+def batch_array(a, sharding):
+    """Batch rows as one global array sharded over dp: each process hands JAX only its own rows
+    (``jax.make_array_from_process_local_data``), as a multi-host data loader that reads just its
+    share would. Here every process has the whole batch and cuts its rows out of it."""
+    jax = _jax()
+    a = np.asarray(a)
+    rows = [index[0] for index in sharding.addressable_devices_indices_map(a.shape).values()]
+    lo = min(r.start or 0 for r in rows)
+    hi = max(a.shape[0] if r.stop is None else r.stop for r in rows)
+    return jax.make_array_from_process_local_data(sharding, a[lo:hi], a.shape)
 
 
 # -- Megatron's f and g ------------------------------------------------------------------------
@@ -172,8 +239,7 @@ class SPMDTwin:
         state = host_state(GPT(cfg, backend="numpy"))
         self.shapes = {k: v.shape for k, v in state.items()}
         self.specs = {k: _spec(k) for k in state}
-        self.params = {k: jax.device_put(_view(k, v, cfg.n_head),
-                                         jax.sharding.NamedSharding(self.mesh, self.specs[k]))
+        self.params = {k: global_array(_view(k, v, cfg.n_head), self._sharding(self.specs[k]))
                        for k, v in state.items()}
         self._step = jax.jit(self._build(dp_reduce))
 
@@ -203,19 +269,48 @@ class SPMDTwin:
         return jax.shard_map(device_step, mesh=self.mesh, in_specs=(specs, P("dp"), P("dp"), P()),
                              out_specs=(specs, P()), check_vma=False)
 
+    def _sharding(self, spec):
+        from jax.sharding import NamedSharding
+
+        return NamedSharding(self.mesh, spec)
+
     def _inputs(self, x, y):
+        """Global arrays: x and y sharded over dp by rows, N (the valid-token count) replicated."""
+        from jax.sharding import PartitionSpec as P
+
         x, y = np.asarray(x), np.asarray(y)
         if x.shape[0] % self.dp:
             raise ValueError(f"batch of {x.shape[0]} rows does not split over dp={self.dp}")
-        return x, y, np.asarray(max(int((y != -1).sum()), 1), np.dtype(self.cfg.dtype))
+        n_valid = np.asarray(max(int((y != -1).sum()), 1), np.dtype(self.cfg.dtype))
+        rows = self._sharding(P("dp"))
+        return batch_array(x, rows), batch_array(y, rows), global_array(n_valid, self._sharding(P()))
 
     def step(self, x, y) -> float:
+        """One SGD step; the loss comes out replicated on every device, so every process reads it."""
         self.params, loss = self._step(self.params, *self._inputs(x, y))
         return float(loss)
 
     def state(self) -> dict:
-        """The parameters in minidist's names and shapes (host NumPy, full arrays)."""
+        """The parameters in minidist's names and shapes (host NumPy, full arrays). One process
+        only: across processes each holds just its shards (compare them with ``shard_diff``)."""
+        if not all(v.is_fully_addressable for v in self.params.values()):
+            import jax
+
+            raise ValueError(f"process {jax.process_index()}: the twin's parameters span "
+                             f"{jax.process_count()} processes, this one holds only its shards; "
+                             "use shard_diff(state) to compare them")
         return {k: np.asarray(v).reshape(self.shapes[k]) for k, v in self.params.items()}
+
+    def shard_diff(self, state: dict) -> float:
+        """Largest |difference| between the parameter shards on this process's devices and the same
+        pieces of ``state`` (full arrays in minidist's names and shapes, e.g. the serial twin's)."""
+        worst = 0.0
+        for k, v in self.params.items():
+            want = _view(k, np.asarray(state[k]), self.cfg.n_head)
+            for shard in v.addressable_shards:
+                got = np.asarray(shard.data)
+                worst = max(worst, float(np.max(np.abs(got - want[shard.index]), initial=0.0)))
+        return worst
 
     def compiled_text(self, x, y) -> str:
         return self._step.lower(self.params, *self._inputs(x, y)).compile().as_text()

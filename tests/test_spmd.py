@@ -1,6 +1,8 @@
 """The compiled SPMD twin (minidist/spmd.py) equals minidist's eager dp x tp run, and XLA emitted
 the collectives the algorithm calls for."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,7 @@ jax = pytest.importorskip("jax")
 from minidist.comm import run  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d, train_serial  # noqa: E402
-from minidist.spmd import SPMDTwin, collective_counts, make_mesh, ring_all_reduce  # noqa: E402
+from minidist.spmd import SPMDTwin, collective_counts, default_shape, make_mesh, ring_all_reduce  # noqa: E402
 
 # the device-transport test's model and batch rows: JAX's per-device compile cache is shared
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=2, d_model=8, dtype="float64")
@@ -89,10 +91,117 @@ def test_tpu_lesson_checks_the_two_runs_and_exits_nonzero_on_fail(monkeypatch, c
     state = {"w": np.ones((2, 2))}
     monkeypatch.setattr(tpu, "eager", lambda cfg, batches, args: (
         state, [3.0, 2.0], [1.0, 0.1], {"ring_all_reduce": 8}, 64, ["cpu:0", "cpu:1"]))
+    twin = SimpleNamespace(state=lambda: {"w": state["w"] + off}, mesh=make_mesh(2, 1))
     monkeypatch.setattr(tpu, "compiled", lambda cfg, batches, args: (
-        {"w": state["w"] + off}, [3.0, 2.0], [2.0, 0.01], {"all-reduce": 5, "collective-permute": 2},
-        make_mesh(2, 1)))
+        twin, [3.0, 2.0], [2.0, 0.01], {"all-reduce": 5, "collective-permute": 2}))
     assert tpu.main(["--dp", "2", "--tp", "1", "--steps", "2", "--dtype", "float64"]) == code
     out = capsys.readouterr().out
     assert ("PASS" if code == 0 else "FAIL") + ": eager minidist == compiled twin" in out
     assert "rank 1 -> cpu:1" in out and "collective-permute" in out and "10.0x" in out  # 100 ms / 10 ms
+
+
+@pytest.mark.parametrize("n,shape", [(1, (1, 1)), (2, (2, 1)), (3, (3, 1)), (4, (2, 2)), (6, (3, 2)),
+                                     (8, (4, 2)), (16, (8, 2))])
+def test_default_mesh_uses_every_device_with_tp_2_when_it_can(n, shape):
+    assert default_shape(n) == shape
+
+
+@pytest.mark.parametrize("argv,dp,tp,batch", [
+    ([], 4, 2, 4), (["--tp", "4"], 1, 4, 4), (["--dp", "8"], 8, 1, 8), (["--dp", "3", "--tp", "2"], 3, 2, 6)])
+def test_tpu_lesson_mesh_and_batch_follow_the_devices(monkeypatch, argv, dp, tp, batch):
+    """No --dp/--tp: the mesh is default_shape(8 forced CPU devices) = 4 x 2; one flag given: the
+    other is 1; the batch is 4 rows or the next multiple of dp. (Stand-in runs record the args.)"""
+    from minidist.lessons import tpu
+
+    seen = {}
+
+    def stop(cfg, batches, args):
+        seen.update(dp=args.dp, tp=args.tp, batch=args.batch, rows=[len(x) for x, _ in batches])
+        raise StopIteration
+
+    monkeypatch.setattr(tpu, "compiled", stop)
+    with pytest.raises(StopIteration):
+        tpu.main([*argv, "--steps", "2"])
+    assert seen == {"dp": dp, "tp": tp, "batch": batch, "rows": [batch, batch]}
+
+
+def test_tpu_lesson_refuses_a_mesh_larger_than_the_devices(capsys):
+    from minidist.lessons import tpu
+
+    with pytest.raises(SystemExit) as e:
+        tpu.main(["--dp", "4", "--tp", "4"])
+    assert e.value.code == 2 and "--dp 4 x --tp 4 = 16 devices, JAX sees 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env,per,flags", [
+    ({}, 8, "--xla_force_host_platform_device_count=8"),
+    ({"PMI_SIZE": "2"}, 4, "--xla_force_host_platform_device_count=4"),           # mpirun -n 2 (MPICH)
+    ({"OMPI_COMM_WORLD_SIZE": "16"}, 1, "--xla_force_host_platform_device_count=1"),  # Open MPI, 16 > 8
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PMI_SIZE": "2"}, 1,
+     "--xla_force_host_platform_device_count=1"),                                 # the user's choice wins
+    ({"XLA_FLAGS": "--xla_cpu_use_thunk_runtime=false", "PMI_SIZE": "4"}, 2,
+     "--xla_cpu_use_thunk_runtime=false --xla_force_host_platform_device_count=2"),  # other flags kept
+])
+def test_tpu_lesson_forces_8_cpu_devices_for_the_whole_job(env, per, flags):
+    from minidist.lessons.tpu import force_cpu_devices
+
+    assert force_cpu_devices(env) == per and env["XLA_FLAGS"] == flags
+
+
+def _fake_devices(procs, per):
+    """Devices of ``procs`` processes, ``per`` each, listed out of order (process P-1 first)."""
+    return [SimpleNamespace(process_index=p, id=1000 * p + i) for p in reversed(range(procs))
+            for i in range(per)]
+
+
+@pytest.mark.parametrize("procs,per,n,want", [
+    (1, 8, 4, [0, 1, 2, 3]),
+    (2, 8, 4, [0, 1, 1000, 1001]),            # each process its first n/P: not the first 4 (all process 0)
+    (4, 2, 4, [0, 1000, 2000, 3000]),
+    (2, 4, 8, [0, 1, 2, 3, 1000, 1001, 1002, 1003]),
+])
+def test_a_multi_process_mesh_takes_devices_from_every_process(monkeypatch, procs, per, n, want):
+    import minidist.spmd as spmd
+
+    monkeypatch.setattr(jax, "devices", lambda: _fake_devices(procs, per))
+    monkeypatch.setattr(jax, "process_count", lambda: procs)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    assert [d.id for d in spmd.mesh_devices(n)] == want
+
+
+def test_a_mesh_that_does_not_split_over_the_processes_is_refused(monkeypatch):
+    import minidist.spmd as spmd
+
+    monkeypatch.setattr(jax, "devices", lambda: _fake_devices(2, 8))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    with pytest.raises(ValueError, match="mesh of 3 devices does not split over 2 processes: on process 1"):
+        spmd.mesh_devices(3)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("per,dp,tp,mesh", [
+    (4, 2, 2, ["cpu:0@0  cpu:1@0", "cpu:2048@1  cpu:2049@1"]),  # dp across the processes, tp inside each
+    (1, 1, 2, ["cpu:0@0  cpu:2048@1"]),                          # tp across the process boundary
+], ids=["dp-across", "tp-across"])
+def test_tpu_lesson_under_mpirun_spans_both_processes(per, dp, tp, mesh):
+    """Multi-controller JAX for real: mpirun -n 2, jax.distributed.initialize over gloo, the twin's
+    mesh on both processes' devices, each process checking its own parameter shards; exit 0 and
+    PASS from process 0 only. (A mesh of the first dp*tp devices left process 1 without one: it
+    crashed reading the loss.)"""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={per}")
+    env.pop("MINIDIST_TRANSPORT", None)
+    cmd = ["mpirun", "-n", "2", sys.executable, "-m", "minidist.lessons.tpu", "--dp", str(dp),
+           "--tp", str(tp), "--steps", "2", "--layers", "1", "--seq", "8", "--d-model", "16"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"JAX {jax.__version__}: {2 * per} devices, platform cpu, kind 'cpu', 2 process(es)" in res.stdout
+    assert res.stdout.count("PASS: compiled twin == serial twin after 2 steps") == 1, res.stdout  # process 0
+    assert f"mesh ('dp', 'tp') = {dp} x {tp}, device@process:\n" + "".join(f"   {row}\n" for row in mesh) \
+        in res.stdout

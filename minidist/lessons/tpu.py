@@ -1,9 +1,12 @@
 """Lesson 16: the same GPT step, eager on JAX devices and compiled for the whole mesh.
 
-    python -m minidist.lessons.tpu                       # 8 forced CPU devices on a laptop
-    python -m minidist.lessons.tpu --dp 2 --tp 4         # a TPU VM's 8 TensorCores (v5e-8, v4-8: 4)
+    python -m minidist.lessons.tpu                       # every device JAX sees (laptop: 8 forced CPU ones)
+    python -m minidist.lessons.tpu --dp 2 --tp 4         # a chosen mesh, e.g. a v5e-8's 8 TensorCores
+    mpirun -n 2 python -m minidist.lessons.tpu           # multi-controller: 2 processes, 4 devices each
 
-Runs on whatever devices JAX sees. Prints the device kind and the dp x tp mesh, then trains the
+Runs on whatever devices JAX sees: without --dp/--tp the mesh takes all n of them
+(``minidist.spmd.default_shape``: tp = 2 when n is even and >= 4, else 1; dp = n // tp; so 1 -> 1x1,
+2 -> 2x1, 4 -> 2x2, 8 -> 4x2). Prints the device kind and the dp x tp mesh, then trains the
 same GPT twice from the same weights on the same batches:
 
 1. **eager minidist** on the JAX device transport: one rank per device, each rank a thread that
@@ -19,13 +22,31 @@ times side by side, and the collectives each one ran.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
 import time
 from collections import Counter
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before JAX loads
+
+def force_cpu_devices(env=os.environ, total: int = 8) -> int:
+    """On a CPU, XLA shows one device per process unless ``XLA_FLAGS`` forces more. The lesson
+    forces ``total`` (8) for the whole job: all 8 in one process, ``total // P`` in each of the P
+    processes ``mpirun`` starts (at least 1), so one process and ``mpirun -n 2`` run the same 8-device
+    mesh, split over the processes as a multi-host slice is split over hosts. Only when
+    ``XLA_FLAGS`` does not already say (set it to choose: ``--xla_force_host_platform_device_count=1``
+    gives one device per process); TPUs and GPUs ignore the flag. Returns the count per process."""
+    flags = env.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        return int(flags.split("xla_force_host_platform_device_count=")[1].split()[0])
+    procs = int(env.get("PMI_SIZE") or env.get("OMPI_COMM_WORLD_SIZE") or 1)  # MPICH, Open MPI
+    per = max(1, total // procs)
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={per}".strip()
+    return per
+
+
+force_cpu_devices()  # before JAX loads
 
 import numpy as np  # noqa: E402
 
@@ -36,7 +57,7 @@ from minidist.hardware import TPU_V4, TPU_V5E, TPU_V5P  # noqa: E402
 from minidist.lessons.cli import positive_float, positive_int  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d  # noqa: E402
-from minidist.spmd import SPMDTwin, collective_counts  # noqa: E402
+from minidist.spmd import SPMDTwin, collective_counts, default_shape  # noqa: E402
 from minidist.testing import train_serial  # noqa: E402
 
 
@@ -62,41 +83,59 @@ def eager(cfg, batches, args):
 
 
 def compiled(cfg, batches, args):
-    """The SPMD twin: (state, losses, step seconds, HLO collective counts)."""
+    """The SPMD twin: (twin, losses, step seconds, HLO collective counts)."""
     twin = SPMDTwin(cfg, args.dp, args.tp, lr=args.lr, dp_reduce=args.dp_reduce)
     losses, times = [], []
     for x, y in batches:
         t = time.perf_counter()
         losses.append(twin.step(x, y))  # float(): waits for the device
         times.append(time.perf_counter() - t)
-    state = twin.state() if twin.mesh.devices.size == len(twin.mesh.local_devices) else None
-    return state, losses, times, collective_counts(twin.compiled_text(*batches[0])), twin.mesh
+    return twin, losses, times, collective_counts(twin.compiled_text(*batches[0]))
+
+
+def print_mesh(mesh, processes: int) -> None:
+    print(f"mesh ('dp', 'tp') = {mesh.devices.shape[0]} x {mesh.devices.shape[1]}"
+          + (", device@process:" if processes > 1 else ":"))
+    for row in mesh.devices:
+        print("   " + "  ".join(f"{d.platform}:{d.id}" + (f"@{d.process_index}" if processes > 1 else "")
+                                for d in row))
 
 
 def multihost(cfg, batches, args, tol) -> int:
-    """Several hosts (under mpirun, after ``jax_distributed_init``): the device transport is one
-    process, so here the compiled twin runs over every host's devices and its losses are checked
-    against the serial twin's (NumPy, on every host); process 0 prints."""
+    """Several processes (``mpirun``, after ``jax_distributed_init``), JAX's multi-controller mode:
+    every process runs this same program, and the compiled twin's mesh spans every process's
+    devices. The eager device transport is one process's threads, so here the twin is checked
+    against the serial twin (NumPy, computed in every process): the losses (replicated, every
+    process reads them) and, in each process, the parameter shards on its own devices; the worst
+    difference of any process decides. Process 0 prints; every process returns the same code."""
     import jax
+    from jax.experimental import multihost_utils
 
-    _, losses, times, hlo, _ = compiled(cfg, batches, args)
-    _, want = train_serial(cfg, batches, lr=args.lr)
-    diff = float(np.max(np.abs(np.array(losses) - np.array(want))))
-    ok = diff <= tol * 10
-    if jax.process_index() == 0:
-        print(f"compiled twin over {jax.device_count()} devices on {jax.process_count()} hosts: "
-              f"step ms {[round(t * 1e3, 1) for t in times]}, HLO collectives {hlo}")
-        print(f"{'PASS' if ok else 'FAIL'}: compiled twin == serial twin, max loss difference {diff:.2e}")
+    twin, losses, times, hlo = compiled(cfg, batches, args)
+    want_state, want = train_serial(cfg, batches, lr=args.lr)
+    mine = [float(np.max(np.abs(np.array(losses) - np.array(want)))), twin.shard_diff(want_state)]
+    ldiff, diff = np.max(multihost_utils.process_allgather(np.array(mine)), axis=0)
+    ok = diff <= tol and ldiff <= tol * 10
+    print_mesh(twin.mesh, jax.process_count())  # (process 0 prints: main silenced the others)
+    print(f"compiled twin over {twin.mesh.devices.size} devices in {jax.process_count()} processes: "
+          f"step ms {[round(t * 1e3, 1) for t in times]}, HLO collectives "
+          f"{ {k: n for k, n in hlo.items() if n} }")
+    print(f"{'PASS' if ok else 'FAIL'}: compiled twin == serial twin after {args.steps} steps: "
+          f"max parameter difference {diff:.2e} (each process its own shards), "
+          f"max loss difference {ldiff:.2e} (tolerance {tol:g})")
     return 0 if ok else 1
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dp", type=positive_int, default=2)
-    parser.add_argument("--tp", type=positive_int, default=2)
+    parser.add_argument("--dp", type=positive_int, default=None,
+                        help="data-parallel size (default: from the device count, see above; 1 if only --tp)")
+    parser.add_argument("--tp", type=positive_int, default=None,
+                        help="tensor-parallel size (default: from the device count; 1 if only --dp)")
     parser.add_argument("--steps", type=positive_int, default=4)
-    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--batch", type=positive_int, default=None,
+                        help="rows per step (default: 4, or the next multiple of dp)")
     parser.add_argument("--seq", type=positive_int, default=16)
     parser.add_argument("--d-model", type=positive_int, default=32)
     parser.add_argument("--heads", type=positive_int, default=4)
@@ -109,22 +148,32 @@ def main(argv=None) -> int:
                         help="largest parameter difference (default 1e-5 in float32, 1e-9 in float64)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.batch % args.dp:
-        parser.error(f"argument --batch: {args.batch} rows do not split over --dp {args.dp}")
-    if args.heads % args.tp or args.d_model % args.heads:
-        parser.error(f"--heads {args.heads} must be a multiple of --tp {args.tp} and divide --d-model")
     tol = args.tol or (1e-5 if args.dtype == "float32" else 1e-9)
 
     import jax
 
-    jax.config.update("jax_enable_x64", True)
-    jax.config.update("jax_default_matmul_precision", "highest")  # TPU: full float32 matmuls, not bf16
+    jax.config.update("jax_enable_x64", True)  # float64 stays float64, on any platform
+    # full float32 matmuls: not bf16 passes (TPU), not TF32 (GPU)
+    jax.config.update("jax_default_matmul_precision", "highest")
     if under_mpi():  # one process per host: agree on the coordinator over MPI, then JAX sees all hosts
         jax_distributed_init(world())
     devices = jax.devices()
+    if args.dp is None and args.tp is None:
+        args.dp, args.tp = default_shape(len(devices))
+    args.dp, args.tp = args.dp or 1, args.tp or 1
     if args.dp * args.tp > len(devices):
         parser.error(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} devices, "
                      f"JAX sees {len(devices)}")
+    if args.dp * args.tp % jax.process_count():
+        parser.error(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} devices do not split "
+                     f"over {jax.process_count()} processes")
+    args.batch = args.batch or args.dp * math.ceil(4 / args.dp)
+    if args.batch % args.dp:
+        parser.error(f"argument --batch: {args.batch} rows do not split over --dp {args.dp}")
+    if args.heads % args.tp or args.d_model % args.heads:
+        parser.error(f"--heads {args.heads} must be a multiple of --tp {args.tp} and divide --d-model")
+    if jax.process_index():  # multi-controller: every process runs all of this, process 0 prints
+        sys.stdout = open(os.devnull, "w")
     print(f"JAX {jax.__version__}: {len(devices)} devices, platform {devices[0].platform}, "
           f"kind {devices[0].device_kind!r}, {jax.process_count()} process(es)")
     batches = make_batches(args)
@@ -136,10 +185,8 @@ def main(argv=None) -> int:
 
     if jax.process_count() > 1:
         return multihost(cfg, batches, args, tol)
-    twin_state, twin_losses, twin_times, hlo, mesh = compiled(cfg, batches, args)
-    print(f"mesh ('dp', 'tp') = {args.dp} x {args.tp}:")
-    for row in mesh.devices:
-        print("   " + "  ".join(f"{d.platform}:{d.id}" for d in row))
+    twin, twin_losses, twin_times, hlo = compiled(cfg, batches, args)
+    print_mesh(twin.mesh, 1)
     state, losses, times, calls, sent, bound = eager(cfg, batches, args)
     print("eager ranks bound to: " + ", ".join(f"rank {r} -> {d}" for r, d in enumerate(bound)) + "\n")
 
@@ -167,7 +214,7 @@ def main(argv=None) -> int:
         print(f"   {hw.name:<9} {hw.hbm_bandwidth / 1e9:>7.0f} {hw.intra.bandwidth / 1e9:>9.0f} "
               f"{hw.inter.bandwidth / 1e9:>6.1f}")
 
-    diff = max_state_diff(twin_state, state)
+    diff = max_state_diff(twin.state(), state)
     ldiff = float(np.max(np.abs(np.array(losses) - np.array(twin_losses))))
     ok = diff <= tol and ldiff <= tol * 10
     print(f"\n{'PASS' if ok else 'FAIL'}: eager minidist == compiled twin after {args.steps} steps: "
