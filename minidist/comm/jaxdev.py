@@ -116,8 +116,22 @@ class CupyDeviceComm(JaxDeviceComm):
         return type(x).__module__.startswith("cupy")
 
     def move(self, x, world_rank: int):
-        """A copy on the receiver's GPU (the sender may reuse ``x``): peer-to-peer where enabled."""
+        """A copy on the receiver's GPU (the sender may reuse ``x``): peer-to-peer where enabled.
+
+        On one GPU (ranks sharing it) this is a device-to-device copy, ordered after the kernels
+        that made ``x`` because both go to the same stream. Across GPUs CuPy enqueues the copy on
+        the *receiver's* stream, which does not wait for the sender's: so it waits for an event
+        recorded on the sender's stream first, and ``x`` is made contiguous (CuPy copies only
+        contiguous arrays between devices)."""
         import cupy
 
-        with cupy.cuda.Device(self.device_of(world_rank)):
+        dst = self.device_of(world_rank)
+        if x.device.id == dst:
+            with cupy.cuda.Device(dst):
+                return cupy.array(x, copy=True)
+        with cupy.cuda.Device(x.device.id):
+            x = cupy.ascontiguousarray(x)
+            made = cupy.cuda.get_current_stream().record()
+        with cupy.cuda.Device(dst):
+            cupy.cuda.get_current_stream().wait_event(made)
             return cupy.array(x, copy=True)

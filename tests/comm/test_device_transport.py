@@ -105,3 +105,51 @@ def test_cupy_point_to_point_lands_on_the_receivers_gpu():
     for r, (dev, got) in enumerate(run(body, ranks=2, transport="cupy")):
         assert dev == r % n
         np.testing.assert_array_equal(got, np.full(5, float((r - 1) % 2)))
+
+
+def test_cupy_move_across_gpus_waits_for_the_senders_stream(monkeypatch):
+    """No GPU here: a stand-in ``cupy`` module records what ``CupyDeviceComm.move`` asks of CUDA.
+    Across GPUs the copy goes on the receiver's stream, so an event recorded on the sender's
+    stream must be waited for first; on one GPU (ranks sharing it) a plain copy on that stream."""
+    import contextlib
+    import sys
+    import types
+
+    from minidist.comm.jaxdev import CupyDeviceComm
+
+    log, current = [], [0]
+
+    class Stream:
+        def record(self):
+            log.append(("record on", current[0]))
+            return f"event@{current[0]}"
+
+        def wait_event(self, event):
+            log.append(("wait on", current[0], event))
+
+    @contextlib.contextmanager
+    def device(i):
+        before, current[0] = current[0], i
+        yield
+        current[0] = before
+
+    class Array:
+        def __init__(self, dev):
+            self.device = types.SimpleNamespace(id=dev)
+
+    def array(x, copy):
+        log.append(("copy on", current[0], x.device.id))
+        return Array(current[0])
+
+    fake = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=device, get_current_stream=Stream,
+                                   runtime=types.SimpleNamespace(getDeviceCount=lambda: 2)),
+        array=array, ascontiguousarray=lambda x: (log.append(("contiguous on", current[0])), x)[1])
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    comm = object.__new__(CupyDeviceComm)  # move() needs no group: only device_of and cupy
+    got = comm.move(Array(0), world_rank=1)  # GPU 0 -> GPU 1
+    assert got.device.id == 1 and current[0] == 0
+    assert log == [("contiguous on", 0), ("record on", 0), ("wait on", 1, "event@0"), ("copy on", 1, 0)]
+    log.clear()
+    assert comm.move(Array(0), world_rank=2).device.id == 0  # rank 2 shares GPU 0: one stream, no event
+    assert log == [("copy on", 0, 0)]
