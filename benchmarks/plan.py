@@ -1,11 +1,14 @@
 """The planner against measurement here and published runs there.
 
-    python benchmarks/plan.py [--mpi] [--strict]
+    python benchmarks/plan.py [--mpi] [--calibrate] [--strict]
 
-1. Here: `python -m minidist.calibrate` constants (run first if missing), then small minidist GPT
+1. Here: `python -m minidist.calibrate` constants (run first if missing; `--calibrate`: in the same
+   run, right before measuring, so calibration and measurement see the same load), then small minidist GPT
    trainings on the threads transport for several meshes (`--mpi`: each mesh as `mpirun -n N`
    processes, more of them than this machine has cores for the larger meshes); measured median
-   step time vs the planner's prediction with `--hardware here` (target: within 30%).
+   step time vs the planner's prediction with `--hardware here` (target: within 30%). The load
+   average at calibration and before each row is printed: other programs on the machine take cores
+   the calibration did not see, or gave back cores it did not get.
 2. There: the published runs of `minidist.plan.presets.RUNS`, predicted vs reported (target: 25%);
    with --compare, the planner's own best mesh for each and why it differs from the paper's.
 Prints MET/MISSED per row; exits nonzero on a miss only with --strict.
@@ -83,17 +86,18 @@ def here_rows(args):
               f"outnumber the {hw.cpus} CPUs)", end="")
     print(f", load average now {os.getloadavg()[0]:.1f} (calibrated at {hw_load():.1f}); "
           f"GPT {CFG.n_layer}x{CFG.d_model}, batch {BATCH}x{CFG.block_size}")
-    print(f"{'mesh':<22} {'predicted s':>11} {'measured s':>10} {'ratio':>6}  within 30%")
+    print(f"{'mesh':<22} {'predicted s':>11} {'measured s':>10} {'ratio':>6}  within 30%  load")
     ok = True
     for dp, tp, pp, m in MESHES:
         cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=BATCH // (dp * m))
         pred = predict(SPEC, cand, BATCH, hw).step
+        load = os.getloadavg()[0]
         meas = measure_mpi(dp, tp, pp, m) if args.mpi else measure_here(CFG, BATCH, dp, tp, pp, m)
         r = pred / meas
         met = abs(r - 1) <= 0.30
         ok &= met
         print(f"dp{dp} tp{tp} pp{pp} m{m:<10} {pred:>11.4f} {meas:>10.4f} {r:>6.2f}  "
-              f"{'MET' if met else 'MISSED'}", flush=True)
+              f"{'MET' if met else 'MISSED':<10}  {load:.1f}", flush=True)
     return ok
 
 

@@ -1,16 +1,19 @@
 """`python -m minidist.calibrate`: measure this machine once for the planner's `--hardware here`.
 
-Measures: float32 matmul FLOP/s, memory bandwidth (a large copy), the cost of one autograd op
+Measures, in one thread's CPU seconds (`cpu`: what the work costs on a core of its own, whatever
+else runs): float32 matmul FLOP/s, memory bandwidth (a large copy), the cost of one autograd op
 outside its arithmetic (forward + backward of a tiny add: Python and dispatch), the rates minidist's
 own kernels reach (`kernels`: linear, GELU, layer norm, attention scores, cross-entropy, AdamW --
 the planner's compute model for the "minidist" engine is a sum of these, with the Python of a block,
-of the embedding + head, and of a training step per parameter tensor), how many cores' worth of work
-processes and thread ranks get (thread ranks twice: as many as the CPUs, and 4 x as many, where
-handing the GIL over costs more than the cores give), the threads
-transport's ring all-reduce alpha (seconds per step) and beta (seconds per byte) by a least-squares
-fit over message sizes, and (`processes`, `minidist.calibrate_mpi`'s mpirun probe) what 2, 4 and 8
-MPI processes get at once: their cores' worth of minidist work and their all-reduce's alpha/beta.
-The load average is recorded: on a busy machine every number is slower. Writes them to
+of the embedding + head, and of a training step per parameter tensor, times `cold`: a whole step
+over the sum of its parts). In wall time, because sharing is what they measure: how many cores'
+worth of work processes and thread ranks get (`threads`: as many thread ranks as the CPUs, 2 x and
+4 x as many, a fixed batch split over them -- past the CPUs handing the GIL over costs more than
+the cores give), the threads transport's ring all-reduce alpha (seconds per step) and beta
+(seconds per byte) by a least-squares fit over message sizes, and (`processes`,
+`minidist.calibrate_mpi`'s mpirun probe) what 2, 4 and 8 MPI processes get at once: their cores'
+worth of minidist work, what each op's Python loses besides, and their all-reduce's alpha/beta.
+The load average is recorded: on a busy machine the cores' worth is less. Writes them to
 ~/.cache/minidist/calibration.json (`minidist.hardware.CALIBRATION_PATH`); `minidist.hardware.here()`
 reads them back.
 """
@@ -28,40 +31,52 @@ import numpy as np
 
 from minidist import ops
 from minidist.comm import all_reduce, run
-from minidist.hardware import CALIBRATION_PATH
+from minidist.hardware import CALIBRATION_PATH, Hardware, Link
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.parallel.three_d import train_3d
+from minidist.plan.mesh import Candidate
+from minidist.plan.model import ModelSpec
+from minidist.plan.steptime import predict
 from minidist.tensor import Tensor
 
 
-def _median_time(fn, repeats: int = 7, min_time: float = 0.02) -> float:
+def _median_time(fn, repeats: int = 7, min_time: float = 0.02, clock=time.perf_counter) -> float:
     """Median seconds per call; each sample repeats `fn` for at least `min_time`, so a sample is a
     sustained rate (what a training step sees), not one lucky burst on a shared machine.
-    `min_time=0` for collectives: every rank must call them the same number of times."""
+    `min_time=0` for collectives: every rank must call them the same number of times. `clock`:
+    wall time, or `cpu` for the work of one thread alone (see `cpu`)."""
     fn()
     ts = []
     for _ in range(repeats):
-        n, t0 = 0, time.perf_counter()
+        n, t0 = 0, clock()
         while True:
             fn()
             n += 1
-            dt = time.perf_counter() - t0
+            dt = clock() - t0
             if dt >= min_time:
                 break
         ts.append(dt / n)
     return float(np.median(ts))
 
 
+# What one thread's work costs on a core of its own is timed in that thread's CPU seconds, not wall
+# seconds: another program taking the core for a while stretches the wall time of whatever runs
+# (at load 7.7 on 2 vCPUs a single rank's wall-time calibration was 17-35% off, its CPU time 9-13%),
+# but not the CPU seconds the work needs. How much of the cores the ranks get is measured apart, in
+# wall time (`effective_cores`, the mpirun probe): that is where the load shows.
+cpu = time.thread_time
+
+
 def matmul_flops(n: int = 256) -> float:
     a = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
-    return 2 * n**3 / _median_time(lambda: a @ a)
+    return 2 * n**3 / _median_time(lambda: a @ a, clock=cpu)
 
 
 def mem_bandwidth(nbytes: int = 64 << 20) -> float:
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
-    return 2 * nbytes / _median_time(lambda: np.copyto(dst, src))  # read + write
+    return 2 * nbytes / _median_time(lambda: np.copyto(dst, src), clock=cpu)  # read + write
 
 
 def op_overhead(n: int = 200) -> float:
@@ -72,7 +87,7 @@ def op_overhead(n: int = 200) -> float:
         for _ in range(n):
             y = y + x
         y.sum().backward()
-    return _median_time(chain) / (n + 1)
+    return _median_time(chain, clock=cpu) / (n + 1)
 
 
 def _fwd_bwd(fn, *shapes, seed=0):
@@ -84,7 +99,7 @@ def _fwd_bwd(fn, *shapes, seed=0):
         ts = [Tensor(a, requires_grad=True) for a in arrays]
         out = fn(*ts)
         out.backward(np.ones(out.shape, np.float32))
-    return _median_time(once, 5)
+    return _median_time(once, 5, clock=cpu)
 
 
 def kernels() -> dict:
@@ -108,13 +123,39 @@ def kernels() -> dict:
     def ce():
         x = Tensor(logits, requires_grad=True)
         ops.cross_entropy(x, tgt).backward()
-    ce_t = _median_time(ce, 5) / logits.size
+    ce_t = _median_time(ce, 5, clock=cpu) / logits.size
     p = Tensor(np.zeros(1 << 20, np.float32), requires_grad=True)
     p.grad = np.ones(1 << 20, np.float32)
     opt = AdamW([p], lr=1e-3)
-    adam = _median_time(opt.step, 5) / p.size
-    return {"linear_flops": lin, "gelu": gelu, "layer_norm": ln, "elementwise": add, "attention_score": attn,
-            "cross_entropy": ce_t, "adamw": adam, **python_costs()}
+    adam = _median_time(opt.step, 5, clock=cpu) / p.size
+    k = {"linear_flops": lin, "gelu": gelu, "layer_norm": ln, "elementwise": add, "attention_score": attn,
+         "cross_entropy": ce_t, "adamw": adam, **python_costs()}
+    return {**k, "cold": cold_factor(k)}
+
+
+WHOLE_GPT = GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=4, d_model=128)
+WHOLE_ROWS = 4
+
+
+def cold_factor(k: dict) -> float:
+    """A whole training step over the sum of its parts: one thread rank trains `WHOLE_GPT`
+    (`train_3d`, AdamW, `WHOLE_ROWS` sequences), timed in its CPU seconds, against the planner's
+    sum of the ops at the rates `k` measured one op at a time. Each op was timed on its own, over
+    and over, its arrays and code hot in the caches; in a step every op finds them holding the
+    previous op's (~1.1 here). The planner multiplies a rank's work by it."""
+    ids = np.random.default_rng(0).integers(0, WHOLE_GPT.vocab_size, (WHOLE_ROWS, WHOLE_GPT.block_size))
+
+    def body(comm):
+        marks = []
+        train_3d(comm, WHOLE_GPT, [(ids, ids)] * 9, optimizer="adamw", lr=1e-3,
+                 on_step=lambda s, st: marks.append(cpu()))
+        return float(np.median(np.diff(marks)[1:]))
+    measured = run(body, ranks=1, transport="threads")[0]
+    spec = ModelSpec("whole", n_layer=WHOLE_GPT.n_layer, d_model=WHOLE_GPT.d_model, n_head=WHOLE_GPT.n_head,
+                     vocab=WHOLE_GPT.vocab_size, seq=WHOLE_GPT.block_size, engine="minidist", dtype_bytes=4)
+    free = Link(1e30, 0.0)
+    hw = Hardware("parts", 1e12, 1e12, 1e12, intra=free, inter=free, chips_per_domain=1, kernels=k)
+    return measured / predict(spec, Candidate(microbatch=WHOLE_ROWS), WHOLE_ROWS, hw).step
 
 
 def python_costs() -> dict:
@@ -126,7 +167,7 @@ def python_costs() -> dict:
     t = {}
     for n in (1, 3):
         model = GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=n, n_head=2, d_model=8))
-        t[n] = _median_time(lambda model=model: model.loss(ids, ids).backward(), 5)
+        t[n] = _median_time(lambda model=model: model.loss(ids, ids).backward(), 5, clock=cpu)
     block = max((t[3] - t[1]) / 2, 0.0)
     return {"python_block": block, "python_ends": max(t[1] - block, 0.0), **step_python(ids, t)}
 
@@ -143,7 +184,7 @@ def step_python(ids, fwd_bwd: dict) -> dict:
         def body(comm, cfg=cfg):
             marks = []
             train_3d(comm, cfg, [(ids, ids)] * 15, optimizer="adamw", lr=1e-3,
-                     on_step=lambda s, st: marks.append(time.perf_counter()))
+                     on_step=lambda s, st: marks.append(cpu()))  # the rank's own thread
             return float(np.median(np.diff(marks)[2:]))
         rest[n] = run(body, ranks=1, transport="threads")[0] - fwd_bwd[n]
     per_tensor = max((rest[3] - rest[1]) / (41 - 17), 0.0)
@@ -188,7 +229,8 @@ def _work(minidist_ops: bool, batch: int = 8):
 
 def effective_cores(threads: int, minidist_ops: bool = False, batch: int = 8) -> float:
     """How many cores' worth of work `threads` threads really get at once: the same work (`_work`) on
-    one thread, then on `threads` threads together. Plain matmuls (NumPy releases the GIL inside
+    one thread (its CPU seconds: what it needs), then on `threads` threads together (wall time), in
+    three turns. Plain matmuls (NumPy releases the GIL inside
     BLAS): the core count on an idle machine, less when other programs keep the cores busy.
     `minidist_ops=True`: minidist layers, whose Python (autograd, small ops) runs one thread at a
     time -- what ranks on the threads transport get. (MPI processes: `minidist.calibrate_mpi`.)"""
@@ -202,9 +244,21 @@ def effective_cores(threads: int, minidist_ops: bool = False, batch: int = 8) ->
             t.start()
         for t in ts:
             t.join()
-    one = _median_time(work, 3, min_time=0)
+    ratios = []
+    for _ in range(3):  # alone and together in turns: a burst of other work spoils one pair, not the median
+        ratios.append(threads * _median_time(work, 3, min_time=0, clock=cpu) /  # what it needs alone
+                      _median_time(together, 3, min_time=0))
     # below 1 is possible: handing the GIL over costs time of its own
-    return max(1.0 / threads, min(float(threads), threads * one / _median_time(together, 3, min_time=0)))
+    return max(1.0 / threads, min(float(threads), float(np.median(ratios))))
+
+
+def thread_counts(cores: int) -> list:
+    """The cores' worth of minidist's thread ranks per rank count: as many as the CPUs, 2 x and 4 x
+    as many, each with a fixed global batch of 16 rows split over them (16 / ranks rows each, so
+    the more ranks, the thinner the kernels and the more GIL hand-offs per FLOP -- what a fixed
+    batch over a bigger mesh does)."""
+    return [{"ranks": n, "cores": effective_cores(n, minidist_ops=True, batch=max(1, 16 // n))}
+            for n in (cores, 2 * cores, 4 * cores)]
 
 
 def cpu_name() -> str:
@@ -240,9 +294,10 @@ def calibrate(path: str = CALIBRATION_PATH) -> dict:
         limit = None
     alpha, beta = allreduce_alpha_beta()
     cores = len(os.sched_getaffinity(0))
+    threads = thread_counts(cores)
     c = {"cpu": cpu_name(), "cores": cores, "cores_free": effective_cores(cores),
-         "cores_threads": effective_cores(cores, minidist_ops=True),
-         "cores_threads_crowded": effective_cores(4 * cores, minidist_ops=True, batch=2),
+         "cores_threads": threads[0]["cores"], "cores_threads_crowded": threads[-1]["cores"],
+         "threads": threads,
          "flops": matmul_flops(),
          "mem_bandwidth": mem_bandwidth(), "op_overhead": op_overhead(), "alpha": alpha, "beta": beta,
          "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "time": time.time(),
@@ -259,16 +314,17 @@ def calibrate(path: str = CALIBRATION_PATH) -> dict:
 
 def main() -> None:
     c = calibrate()
-    print(f"{c['cpu']}, {c['cores']} cores ({c['cores_free']:.1f} free to processes, "
-          f"{c['cores_threads']:.1f} to {c['cores']} of minidist's thread ranks, "
-          f"{c['cores_threads_crowded']:.1f} to {4 * c['cores']}):")
+    threads = ", ".join(f"{e['cores']:.1f} to {e['ranks']}" for e in c["threads"])
+    print(f"{c['cpu']}, {c['cores']} cores ({c['cores_free']:.1f} free to processes; minidist's thread "
+          f"ranks get {threads}; load average {c['load']:.1f}):")
     print(f"  matmul {c['flops'] / 1e9:.1f} GFLOP/s (one thread), memory "
           f"{c['mem_bandwidth'] / 1e9:.1f} GB/s, op overhead {c['op_overhead'] * 1e6:.1f} us, all-reduce "
           f"alpha {c['alpha'] * 1e6:.1f} us, beta {1 / c['beta'] / 1e9:.2f} GB/s")
     for e in c["processes"]:
         link = ", ".join(f"{a} alpha {by['fg'][0] * 1e6:.0f} us ({by['bg'][0] * 1e6:.0f} us on DDP's thread)"
                          for a, by in e["links"].items())
-        print(f"  {e['ranks']} MPI processes: {e['cores']:.1f} cores' worth; all-reduce {link}")
+        print(f"  {e['ranks']} MPI processes: {e['cores']:.1f} cores' worth, +{e.get('python', 0):.2f} s "
+              f"per s of Python; all-reduce {link}")
     print(f"wrote {CALIBRATION_PATH}")
 
 

@@ -5,12 +5,16 @@ a message spins (`sched_yield`) and then sleeps, the rank that must send it wait
 and every switch costs cache. Two things a training step needs are measured directly, with n
 processes at once, for n in `PROBE_RANKS`:
 
-* `cores`: how many cores' worth of minidist training work the n processes get together: the step
-  time of data-parallel training of a small GPT (`_step_time`, the same rows per rank) on one rank
-  alone and on all n at once, n x alone / (together - its gradient all-reduce, priced by the `bg`
-  link below). Below the core count when the processes outnumber the cores -- every wait for a
-  partner, every wake-up of the communication thread is a switch that costs the next rank its
-  caches -- or when other programs run.
+* `cores` and `python`: what the n processes get together, from data-parallel training of a small
+  GPT (`_step_time`): each step on one rank alone and on all n at once, less its gradient
+  all-reduce (priced by the `bg` link below), twice -- with fat kernels (16 rows per rank) and thin
+  ones (2 rows: the same ops, an eighth of the arithmetic). The processes together run n / cores
+  times slower than alone (`cores` from the difference of the two: arithmetic only), and every op
+  loses a little more besides: a switched-in process finds its caches holding another's arrays and
+  interpreter state, and every wait for a partner is a switch. That loss is per op, not per FLOP,
+  so it is measured against the step's Python (`python`: extra seconds per second of Python alone,
+  the Python timed as the same GPT with no arithmetic, `HOLLOW_GPT`; `crowd_fit`). Below the core
+  count when the processes outnumber the cores, or when other programs run.
 * `links`: the all-reduce as the training step calls it, all n ranks at once, as wall time:
   `fg` called in the foreground (tensor parallelism: `all_reduce` between matmuls) and `bg` on the
   communication thread (DDP's gradient buckets: `all_reduce_async`), each fitted to
@@ -36,7 +40,7 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minidist.calibrate import _median_time
+from minidist.calibrate import _median_time, cpu
 from minidist.comm import all_reduce, all_reduce_async, cost, run
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel.three_d import train_3d
@@ -60,17 +64,35 @@ def fit_alpha_beta(algorithm: str, p: int, sizes, times) -> tuple[float, float]:
 
 
 PROBE_GPT = GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=4, d_model=128)
-PROBE_ROWS = 16                     # sequences per rank and step
+PROBE_ROWS = (16, 2)                # sequences per rank and step: fat kernels, then thin ones (same ops)
+HOLLOW_GPT = GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=4, d_model=8)  # PROBE_GPT's ops, no math
 
 
-def _step_time(comm, steps: int = 5) -> float:
-    """Median seconds per step (first dropped) of data-parallel training of PROBE_GPT on `comm`,
-    PROBE_ROWS sequences per rank: the slowest rank's."""
-    ids = np.random.default_rng(0).integers(0, PROBE_GPT.vocab_size, (PROBE_ROWS * comm.size, 64))
+def _step_time(comm, rows: int = PROBE_ROWS[0], cfg: GPTConfig = PROBE_GPT, steps: int = 5,
+               clock=time.perf_counter) -> float:
+    """Median seconds per step (first dropped) of data-parallel training of `cfg` on `comm`, `rows`
+    sequences per rank: the slowest rank's. `clock`: wall time, or (one rank alone: no DDP thread)
+    its CPU seconds, what the step needs on a core of its own whatever else runs."""
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (rows * comm.size, cfg.block_size))
     marks = []
-    train_3d(comm, PROBE_GPT, [(ids, ids)] * steps, dp=comm.size, optimizer="adamw", lr=1e-3,
-             on_step=lambda s, st: marks.append(time.perf_counter()))
+    train_3d(comm, cfg, [(ids, ids)] * steps, dp=comm.size, optimizer="adamw", lr=1e-3,
+             on_step=lambda s, st: marks.append(clock()))
     return float(np.max(comm.allgather_obj(float(np.median(np.diff(marks)[1:])))))
+
+
+def crowd_fit(n: int, alone: dict, together: dict, python: float, cpus: int) -> tuple[float, float]:
+    """(cores, python) from the probe's timings: n processes' step, less its gradient all-reduce, is
+    n / cores x (the step alone + python x its Python), for the fat and the thin step alike
+    (`alone`, `together`: rows -> seconds; `python`: seconds of Python in a step alone, the hollow
+    GPT's). The fat and thin steps run the same ops, so their difference is arithmetic only: it gives
+    n / cores (the slope); what the thin step loses beyond that is per op, a share of the Python.
+    cores: at most n, and at most the CPUs; python: at least 0."""
+    (fat, thin) = sorted(alone, reverse=True)
+    slope = (together[fat] - together[thin]) / max(alone[fat] - alone[thin], 1e-12)
+    cores = min(float(n), float(cpus), n / max(slope, 1e-12))
+    slope = n / cores
+    extra = together[thin] / slope - alone[thin]       # seconds per step beyond the stretched work
+    return cores, max(0.0, extra / max(python, 1e-12))
 
 
 def _asleep_until_all_here() -> None:
@@ -100,15 +122,24 @@ def _probe_rank(comm) -> dict:
     where = Placement("mpi", cost.crowded(), shared_memory=True)
     ar = all_reduce_rounds(DDP_ALGORITHM, grads, comm.size, where=where) * alpha + \
         all_reduce_sent(DDP_ALGORITHM, grads, comm.size, where=where) * beta
-    solo, ratios = comm.split(comm.rank), []      # a one-rank communicator each
+    solo = comm.split(comm.rank)      # a one-rank communicator each
+    turns = {r: ([], []) for r in PROBE_ROWS}
+    hollow = []
     for _ in range(3):  # alone and together in turns: a burst of other work spoils one pair, not the median
-        alone = _step_time(solo) if comm.rank == 0 else 0.0
+        for rows, (alone, together) in turns.items():
+            t = _step_time(solo, rows, clock=cpu) if comm.rank == 0 else 0.0
+            _asleep_until_all_here()
+            alone.append(comm.allgather_obj(t)[0])
+            together.append(_step_time(comm, rows) - ar)
+        t = _step_time(solo, 1, HOLLOW_GPT, clock=cpu) if comm.rank == 0 else 0.0
         _asleep_until_all_here()
-        alone = comm.allgather_obj(alone)[0]
-        ratios.append(comm.size * alone / max(_step_time(comm) - ar, alone))
-    # n processes can't get more than n cores, nor more than the CPUs this process may use
-    cores = min(float(comm.size), float(len(os.sched_getaffinity(0))), float(np.median(ratios)))
-    return {"ranks": comm.size, "cores": cores, "links": links}
+        hollow.append(comm.allgather_obj(t)[0])
+    med = {r: (float(np.median(a)), float(np.median(t))) for r, (a, t) in turns.items()}
+    cores, python = crowd_fit(comm.size, {r: a for r, (a, _) in med.items()},
+                              {r: t for r, (_, t) in med.items()}, float(np.median(hollow)),
+                              len(os.sched_getaffinity(0)))
+    return {"ranks": comm.size, "cores": cores, "python": python, "links": links,
+            "steps": {str(r): v for r, v in med.items()}, "hollow": float(np.median(hollow))}
 
 
 def probe_processes(ranks=PROBE_RANKS, timeout: float = 120.0) -> list:

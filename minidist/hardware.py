@@ -64,10 +64,13 @@ class Crowd:
     """`ranks` MPI processes at once on this machine, as calibrate's mpirun probe measured them
     (`minidist.calibrate_mpi`): the cores' worth of minidist work they get together, and per
     all-reduce algorithm the wall time of its rounds and bytes with all of them running it --
-    `fg` called between computations (tensor parallel), `bg` on the communication thread (DDP)."""
+    `fg` called between computations (tensor parallel), `bg` on the communication thread (DDP) --
+    and `python`: what each op loses besides, as extra seconds per second of a rank's Python alone
+    (switches and cold caches come per op, not per FLOP)."""
     ranks: int
     cores: float
     links: dict = field(compare=False)  # algorithm -> {"fg": Link, "bg": Link}
+    python: float = 0.0
 
     def link(self, algorithm: str, background: bool) -> Link:
         by = self.links.get(algorithm) or self.links["ring"]
@@ -95,6 +98,7 @@ class Hardware:
     gil: bool = False              # ranks are threads of one Python process (their Python runs in turn)
     transport: str = ""            # "threads" or "mpi" for this machine ("": a preset's own collectives)
     crowds: tuple = ()             # MPI processes here: a `Crowd` per probed process count (calibrate)
+    threads: tuple = ()            # thread ranks here: (ranks, cores' worth) per measured count (calibrate)
     sources: tuple = field(default=(), compare=False)
 
     def with_(self, **changes) -> Hardware:
@@ -113,7 +117,18 @@ class Hardware:
         k = ranks / c.ranks
         links = {a: {w: Link(lk.bandwidth, lk.latency * k, lk.name) for w, lk in by.items()}
                  for a, by in c.links.items()}
-        return Crowd(ranks, c.cores, links)
+        return Crowd(ranks, c.cores, links, c.python)
+
+    def thread_cores(self, ranks: int) -> float:
+        """The cores' worth `ranks` thread ranks get together: calibrate's measurement for that many
+        (`threads`: (ranks, cores) pairs), else the next larger count measured; past the largest, or
+        from an older calibration, `cores_crowded` once they outnumber the CPUs, else `cores`."""
+        for n, cores in sorted(self.threads):
+            if n >= ranks:
+                return cores
+        if self.cpus and ranks > self.cpus and self.cores_crowded:
+            return self.cores_crowded
+        return self.cores
 
 
 PCIE4 = Link(32 * GB, 5e-6, "PCIe Gen4 x16")
@@ -156,14 +171,15 @@ def _crowd(e: dict) -> Crowd:
     """A Crowd from calibrate's "processes" entry: ranks, cores, links {alg: {"fg"/"bg": [alpha, beta]}}."""
     links = {a: {w: Link(1.0 / beta, alpha, f"mpi {a}, {e['ranks']} processes ({w})")
                  for w, (alpha, beta) in by.items()} for a, by in e["links"].items()}
-    return Crowd(e["ranks"], e["cores"], links)
+    return Crowd(e["ranks"], e["cores"], links, e.get("python", 0.0))
 
 
 def here(path: str | None = None, transport: str = "threads") -> Hardware:
     """This machine, from the calibration file `python -m minidist.calibrate` wrote (one rank = one
     chip; the 'intra' link is the threads transport's measured all-reduce alpha/beta). `transport`:
-    "threads" (ranks share one Python: the cores they really get is `cores_threads`, or
-    `cores_threads_crowded` once they outnumber the CPUs; their ops' fixed costs add up) or "mpi"
+    "threads" (ranks share one Python: the cores they really get, measured per rank count in
+    `threads`, from older calibrations `cores_threads`, or `cores_threads_crowded` once they
+    outnumber the CPUs; their ops' fixed costs add up) or "mpi"
     (one process per rank: the mpirun probe's `crowds` -- cores' worth and all-reduce links per
     process count -- or, from a calibration without it, `cores_free` and the threads link)."""
     path = path or CALIBRATION_PATH
@@ -174,13 +190,14 @@ def here(path: str | None = None, transport: str = "threads") -> Hardware:
         c = json.load(f)
     link = Link(1.0 / c["beta"], c["alpha"], "threads transport")
     crowds = () if transport == "threads" else tuple(_crowd(e) for e in c.get("processes", ()))
+    threads = tuple((e["ranks"], e["cores"]) for e in c.get("threads", ())) if transport == "threads" else ()
     return Hardware(f"here ({c.get('cpu', 'this CPU')})", c["flops"], c.get("memory_bytes", 8 * GB),
                     c["mem_bandwidth"], intra=link, inter=link, chips_per_domain=10**6,
                     gemm_efficiency=1.0, op_overhead=c["op_overhead"],
                     cores=c.get("cores_threads" if transport == "threads" else "cores_free", c["cores"]),
                     cores_crowded=c.get("cores_threads_crowded", 0.0), cpus=c["cores"],
                     kernels=c.get("kernels"), gil=transport == "threads", transport=transport, crowds=crowds,
-                    sources=("calibrate",))
+                    threads=threads, sources=("calibrate",))
 
 
 def get(name: str) -> Hardware:

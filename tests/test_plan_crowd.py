@@ -24,10 +24,11 @@ B = 8
 FREE = 1e30  # bytes/s: a link whose bytes cost nothing, so only its latency counts
 
 
-def crowd(ranks, cores, fg, bg):
+def crowd(ranks, cores, fg, bg, python=0.0):
     """A probe result: `ranks` processes get `cores` cores' worth; all-reduce rounds cost fg seconds in
-    the foreground (tensor parallel) and bg on the communication thread (DDP)."""
-    return Crowd(ranks, cores, {"ring": {"fg": Link(FREE, fg), "bg": Link(FREE, bg)}})
+    the foreground (tensor parallel) and bg on the communication thread (DDP); each second of a
+    rank's Python costs `python` seconds more."""
+    return Crowd(ranks, cores, {"ring": {"fg": Link(FREE, fg), "bg": Link(FREE, bg)}}, python)
 
 
 def machine(crowds=()):
@@ -76,6 +77,57 @@ def test_without_a_probe_processes_get_the_free_cores_and_the_threads_link():
     assert step == pytest.approx(8 / 1.9 * (4e-3 + 14 * 1e-3))
 
 
+def test_crowded_processes_lose_the_probes_share_of_their_python():
+    """The probe says 8 processes lose 0.5 s per second of Python besides their cores' worth (0.5).
+    SPEC's microbatch is all Python here (4 ms) -> 8 / 0.5 x 4 ms x 1.5; the update's Python (29
+    tensors x 0.1 ms + 1 ms) x 1.5 x 16 too. 2 processes fit on the 2 CPUs: no turns, no loss."""
+    k = {**PROBED.kernels, "python_tensor": 1e-4, "python_step": 1e-3}
+    hw = PROBED.with_(kernels=k, crowds=(crowd(2, 1.6, 0.5e-3, 0.25e-3, python=0.5),
+                                         crowd(8, 0.5, 5e-3, 2e-3, python=0.5)))
+    update = 29e-4 + 1e-3
+    dp8 = predict(SPEC, Candidate(dp=8, microbatch=1), B, hw).step
+    assert dp8 == pytest.approx(8 / 0.5 * 1.5 * (4e-3 + update) + 14 * 2e-3)
+    dp2 = predict(SPEC, Candidate(dp=2, microbatch=4), B, hw).step
+    assert dp2 == pytest.approx(2 / 1.6 * (4e-3 + update) + 2 * 0.25e-3)
+
+
+def test_a_whole_step_is_its_parts_times_cold():
+    """calibrate's `cold` (a whole step over its parts one at a time) multiplies a rank's work:
+    4 ms of Python x 1.25 for one rank alone."""
+    hw = PROBED.with_(kernels={**PROBED.kernels, "cold": 1.25}, cores=0, crowds=())
+    assert predict(SPEC, Candidate(microbatch=8), B, hw).step == pytest.approx(1.25 * 4e-3)
+
+
+def test_crowd_fit_reads_cores_and_python_off_the_fat_and_thin_steps():
+    """8 processes on 2 CPUs, made-up timings: alone 20 ms (fat) and 4 ms (thin), together 100 ms
+    and 30 ms. The difference, 70 ms for 16 ms of arithmetic: 8 / cores = 70 / 16 -> cores = 8 x
+    16 / 70 = 1.829. The thin step stretched would take 4 x 70 / 16 = 17.5 ms; the other 12.5 ms
+    are 12.5 / (70 / 16) = 2.857 ms of a rank's own time, over its 2 ms of Python: 1.429."""
+    from minidist.calibrate_mpi import crowd_fit
+
+    cores, python = crowd_fit(8, {16: 20e-3, 2: 4e-3}, {16: 100e-3, 2: 30e-3}, 2e-3, cpus=2)
+    assert cores == pytest.approx(8 * 16 / 70)
+    assert python == pytest.approx((30 - 4 * 70 / 16) / (70 / 16) / 2)
+    # the cores' worth is never more than the CPUs, nor a loss below nothing
+    cores, python = crowd_fit(8, {16: 20e-3, 2: 4e-3}, {16: 40e-3, 2: 4e-3}, 2e-3, cpus=2)
+    assert (cores, python) == (2.0, 0.0)
+
+
+def test_thread_ranks_get_the_cores_measured_for_their_count():
+    """calibrate's `threads`: 2 ranks 1.5 cores, 4 ranks 1.2, 8 ranks 0.6. 3 ranks take the next
+    larger count's (4: 1.2), 16 the crowded cores past the largest (0.5)."""
+    from minidist.plan.steptime import rank_slowdown
+
+    link = Link(FREE, 1e-3)
+    hw = Hardware("hand", 1e12, 1e12, 1e12, intra=link, inter=link, chips_per_domain=10**6, cores=1.5,
+                  cores_crowded=0.5, cpus=2, gil=True, threads=((2, 1.5), (4, 1.2), (8, 0.6)))
+    assert [rank_slowdown(hw, n) for n in (2, 3, 4, 8, 16)] == pytest.approx(
+        [2 / 1.5, 3 / 1.2, 4 / 1.2, 8 / 0.6, 16 / 0.5])
+    # an older calibration (no per-count list): cores while they fit, the crowded cores past the CPUs
+    old = hw.with_(threads=())
+    assert [rank_slowdown(old, n) for n in (2, 4)] == pytest.approx([2 / 1.5, 4 / 0.5])
+
+
 def test_here_reads_the_probe(tmp_path):
     import json
 
@@ -83,14 +135,16 @@ def test_here_reads_the_probe(tmp_path):
 
     c = {"cpu": "X", "cores": 2, "cores_free": 1.9, "cores_threads": 1.5, "cores_threads_crowded": 0.8,
          "flops": 5e10, "mem_bandwidth": 2e10, "op_overhead": 1e-5, "alpha": 2e-5, "beta": 1e-9,
-         "processes": [{"ranks": 4, "cores": 1.2,
-                        "links": {"ring": {"fg": [3e-4, 1e-9], "bg": [1e-4, 2e-9]}}}]}
+         "processes": [{"ranks": 4, "cores": 1.2, "python": 0.3,
+                        "links": {"ring": {"fg": [3e-4, 1e-9], "bg": [1e-4, 2e-9]}}}],
+         "threads": [{"ranks": 2, "cores": 1.5}, {"ranks": 8, "cores": 0.7}]}
     path = tmp_path / "c.json"
     path.write_text(json.dumps(c))
     mpi, threads = hardware.here(str(path), transport="mpi"), hardware.here(str(path))
     assert threads.crowds == () and threads.crowd(4) is None  # thread ranks: the GIL model, no probe
     got = mpi.crowd(3)
-    assert (got.ranks, got.cores) == (4, 1.2)
+    assert (got.ranks, got.cores, got.python) == (4, 1.2, 0.3)
+    assert threads.threads == ((2, 1.5), (8, 0.7)) and mpi.threads == ()
     assert got.link("ring", background=False).latency == 3e-4
     assert got.link("ring", background=True).bandwidth == pytest.approx(5e8)
     assert mpi.crowd(1) is None

@@ -159,7 +159,9 @@ def kernel_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int) -> 
     FLOPs), GELU on 4·T·h/tp elements, two layer norms on T·h, the attention's b·(H/tp)·s² scores
     (and its q·kᵀ, p·v matmuls at the linear rate), ~6 plain elementwise passes over T·h (residual
     adds, bias adds, head split/merge copies); the head's linear and cross-entropy on T·V/tp logits;
-    every op's fixed cost. One rank alone on a core; sharing the cores is `predict`'s business."""
+    every op's fixed cost; all of it x calibrate's `cold` (a whole step over the sum of its ops
+    measured one at a time, in cache). One rank alone on a core; sharing the cores is `predict`'s
+    business, but MPI processes' Python x `python_crowding` is this function's."""
     k = hw.kernels
     h, s, b = model.d_model, model.seq // cand.cp, cand.microbatch
     tokens, tp, d = b * s, cand.tp, model.head_dim
@@ -180,7 +182,8 @@ def kernel_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int) -> 
         else:
             t += 3 * tokens * h * k["elementwise"]
             ops += 3
-    t += python_time(model, cand, hw, stage, ops)
+    t += python_time(model, cand, hw, stage, ops) * python_crowding(hw, cand.chips)
+    t *= k.get("cold", 1.0)  # ops in a step find cold caches (calibrate's whole step over its parts)
     fwd, bwd = t / 3, 2 * t / 3
     return fwd, bwd + (fwd if cand.checkpoint == "full" else 0.0)  # recomputation: one more forward
 
@@ -195,6 +198,18 @@ def python_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int, ops
     kinds = [layer_kinds(model)[i] for i in stage_layers(model, cand)[stage]]
     blocks = kinds.count("block")
     return blocks * k["python_block"] + (len(kinds) - blocks) * k["python_ends"] / 2
+
+
+def python_crowding(hw: Hardware, ranks: int) -> float:
+    """How many times longer a rank's Python takes when `ranks` MPI processes outnumber this machine's
+    CPUs, before the sharing itself (`rank_slowdown`): 1 + the probe's `python`. Processes that
+    outnumber the cores take turns: one switched back in finds its caches holding another's arrays
+    and interpreter state, and every wait for a partner is a switch -- costs that come per op, so a
+    step of many thin ops loses more than one of few fat ones. 1 while each process has a CPU (no
+    turns to take), for thread ranks (one process: `rank_slowdown` measures their sharing whole)
+    and for presets."""
+    crowd = hw.crowd(ranks)
+    return 1.0 + crowd.python if crowd is not None and hw.cpus and ranks > hw.cpus else 1.0
 
 
 def placement(hw: Hardware, ranks: int) -> Placement:
@@ -212,20 +227,18 @@ def rank_slowdown(hw: Hardware, ranks: int) -> float:
     minidist work at once (`hw.crowd`: once they outnumber the CPUs they take turns, and every switch
     costs cache), else the cores calibrate found free. Thread ranks share one GIL: only one runs
     Python at a time, and every time one releases it for a NumPy kernel another must be woken to
-    take it. While the ranks fit on the cores that hand-off is quick and `hw.cores` (two ranks of
-    minidist ops at once, measured) holds; once they outnumber the cores, the rank woken for the GIL
-    has to wait for a core that other ranks' kernels hold, so Python, kernels and messages end up
-    taking turns: `hw.cores_crowded`, measured by calibrate with 4 x cores thread ranks of a small
-    minidist GPT (0.8 of a core on a 2-vCPU machine: the hand-offs cost more than they save)."""
+    take it. While the ranks fit on the cores that hand-off is quick; once they outnumber the cores,
+    the rank woken for the GIL has to wait for a core that other ranks' kernels hold, so Python,
+    kernels and messages end up taking turns, the more so the more ranks and the thinner their
+    kernels: `hw.thread_cores(ranks)`, measured by calibrate for as many thread ranks as the CPUs,
+    2 x and 4 x as many, a fixed batch split over them (8 ranks on a 2-vCPU machine: ~0.6-0.8 of a
+    core, the hand-offs cost more than they save; 4 ranks more than that)."""
     crowd = hw.crowd(ranks)
     if crowd is not None:
         return max(1.0, ranks / crowd.cores)
     if not hw.cores:
         return 1.0
-    cores = hw.cores
-    if hw.gil and hw.cpus and ranks > hw.cpus and hw.cores_crowded:
-        cores = hw.cores_crowded
-    return max(1.0, ranks / cores)
+    return max(1.0, ranks / (hw.thread_cores(ranks) if hw.gil else hw.cores))
 
 
 def comm_slowdown(hw: Hardware, ranks: int) -> float:
@@ -283,8 +296,9 @@ def _optimizer_time(model, cand, hw, settings, mem) -> float:
         kinds = layer_kinds(model)  # parameter tensors: 12 per block, 2 in the embedding, 3 in the head
         tensors = max(sum({"block": 12, "embed": 2, "head": 3}[kinds[i]] for i in layers)
                       for layers in stage_layers(model, cand))
-        python = tensors * k.get("python_tensor", 0.0) + k.get("python_step", 0.0)
-        return mem["params"] / model.dtype_bytes * rate + python
+        python = (tensors * k.get("python_tensor", 0.0) + k.get("python_step", 0.0)) * \
+            python_crowding(hw, cand.chips)
+        return (mem["params"] / model.dtype_bytes * rate + python) * k.get("cold", 1.0)
     return 2.0 * sum(mem[k] for k in ("params", "grads", "optimizer")) / hw.hbm_bandwidth
 
 
