@@ -253,12 +253,13 @@ def effective_cores(threads: int, minidist_ops: bool = False, batch: int = 8) ->
 
 
 def thread_counts(cores: int) -> list:
-    """The cores' worth of minidist's thread ranks per rank count: as many as the CPUs, 2 x and 4 x
-    as many, each with a fixed global batch of 16 rows split over them (16 / ranks rows each, so
-    the more ranks, the thinner the kernels and the more GIL hand-offs per FLOP -- what a fixed
-    batch over a bigger mesh does)."""
+    """The cores' worth of minidist's thread ranks per rank count: one alone (the share of a core a
+    single rank gets: 1 on a quiet machine, less when other programs want the cores too), as many
+    as the CPUs, 2 x and 4 x as many, each with a fixed global batch of 16 rows split over them
+    (16 / ranks rows each, so the more ranks, the thinner the kernels and the more GIL hand-offs per
+    FLOP -- what a fixed batch over a bigger mesh does)."""
     return [{"ranks": n, "cores": effective_cores(n, minidist_ops=True, batch=max(1, 16 // n))}
-            for n in (cores, 2 * cores, 4 * cores)]
+            for n in (1, cores, 2 * cores, 4 * cores)]
 
 
 def cpu_name() -> str:
@@ -296,7 +297,7 @@ def calibrate(path: str = CALIBRATION_PATH) -> dict:
     cores = len(os.sched_getaffinity(0))
     threads = thread_counts(cores)
     c = {"cpu": cpu_name(), "cores": cores, "cores_free": effective_cores(cores),
-         "cores_threads": threads[0]["cores"], "cores_threads_crowded": threads[-1]["cores"],
+         "cores_threads": threads[1]["cores"], "cores_threads_crowded": threads[-1]["cores"],
          "threads": threads,
          "flops": matmul_flops(),
          "mem_bandwidth": mem_bandwidth(), "op_overhead": op_overhead(), "alpha": alpha, "beta": beta,

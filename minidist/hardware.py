@@ -99,6 +99,7 @@ class Hardware:
     transport: str = ""            # "threads" or "mpi" for this machine ("": a preset's own collectives)
     crowds: tuple = ()             # MPI processes here: a `Crowd` per probed process count (calibrate)
     threads: tuple = ()            # thread ranks here: (ranks, cores' worth) per measured count (calibrate)
+    cores_one: float = 0           # here: the share of a core one rank alone gets (1 on a quiet machine)
     sources: tuple = field(default=(), compare=False)
 
     def with_(self, **changes) -> Hardware:
@@ -190,14 +191,16 @@ def here(path: str | None = None, transport: str = "threads") -> Hardware:
         c = json.load(f)
     link = Link(1.0 / c["beta"], c["alpha"], "threads transport")
     crowds = () if transport == "threads" else tuple(_crowd(e) for e in c.get("processes", ()))
-    threads = tuple((e["ranks"], e["cores"]) for e in c.get("threads", ())) if transport == "threads" else ()
+    counts = tuple((e["ranks"], e["cores"]) for e in c.get("threads", ()))
+    threads = counts if transport == "threads" else ()
+    one = min((cores for n, cores in counts if n == 1), default=0.0)  # one rank: one thread, GIL or not
     return Hardware(f"here ({c.get('cpu', 'this CPU')})", c["flops"], c.get("memory_bytes", 8 * GB),
                     c["mem_bandwidth"], intra=link, inter=link, chips_per_domain=10**6,
                     gemm_efficiency=1.0, op_overhead=c["op_overhead"],
                     cores=c.get("cores_threads" if transport == "threads" else "cores_free", c["cores"]),
                     cores_crowded=c.get("cores_threads_crowded", 0.0), cpus=c["cores"],
                     kernels=c.get("kernels"), gil=transport == "threads", transport=transport, crowds=crowds,
-                    threads=threads, sources=("calibrate",))
+                    threads=threads, cores_one=one, sources=("calibrate",))
 
 
 def get(name: str) -> Hardware:

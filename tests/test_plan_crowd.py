@@ -126,6 +126,9 @@ def test_thread_ranks_get_the_cores_measured_for_their_count():
     # an older calibration (no per-count list): cores while they fit, the crowded cores past the CPUs
     old = hw.with_(threads=())
     assert [rank_slowdown(old, n) for n in (2, 4)] == pytest.approx([2 / 1.5, 4 / 0.5])
+    # one rank alone gets 0.8 of a core (another program takes turns on it): 1 / 0.8, thread or process
+    assert rank_slowdown(hw.with_(cores_one=0.8), 1) == pytest.approx(1.25)
+    assert rank_slowdown(hw.with_(cores_one=0.8, gil=False), 1) == pytest.approx(1.25)
 
 
 def test_here_reads_the_probe(tmp_path):
@@ -137,14 +140,15 @@ def test_here_reads_the_probe(tmp_path):
          "flops": 5e10, "mem_bandwidth": 2e10, "op_overhead": 1e-5, "alpha": 2e-5, "beta": 1e-9,
          "processes": [{"ranks": 4, "cores": 1.2, "python": 0.3,
                         "links": {"ring": {"fg": [3e-4, 1e-9], "bg": [1e-4, 2e-9]}}}],
-         "threads": [{"ranks": 2, "cores": 1.5}, {"ranks": 8, "cores": 0.7}]}
+         "threads": [{"ranks": 1, "cores": 0.9}, {"ranks": 2, "cores": 1.5}, {"ranks": 8, "cores": 0.7}]}
     path = tmp_path / "c.json"
     path.write_text(json.dumps(c))
     mpi, threads = hardware.here(str(path), transport="mpi"), hardware.here(str(path))
     assert threads.crowds == () and threads.crowd(4) is None  # thread ranks: the GIL model, no probe
     got = mpi.crowd(3)
     assert (got.ranks, got.cores, got.python) == (4, 1.2, 0.3)
-    assert threads.threads == ((2, 1.5), (8, 0.7)) and mpi.threads == ()
+    assert threads.threads == ((1, 0.9), (2, 1.5), (8, 0.7)) and mpi.threads == ()
+    assert threads.cores_one == mpi.cores_one == 0.9
     assert got.link("ring", background=False).latency == 3e-4
     assert got.link("ring", background=True).bandwidth == pytest.approx(5e8)
     assert mpi.crowd(1) is None

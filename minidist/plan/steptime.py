@@ -223,6 +223,8 @@ def rank_slowdown(hw: Hardware, ranks: int) -> float:
     """How many times slower each of `ranks` ranks runs when they share this machine's cores: ranks /
     the cores' worth of work they get together (1 where every rank has its own chip).
 
+    One rank alone: the share of a core calibrate found one rank gets (`hw.cores_one`: 1 on a quiet
+    machine, less when other programs take turns on its core).
     MPI processes: the cores' worth calibrate's mpirun probe measured for that many processes doing
     minidist work at once (`hw.crowd`: once they outnumber the CPUs they take turns, and every switch
     costs cache), else the cores calibrate found free. Thread ranks share one GIL: only one runs
@@ -236,6 +238,8 @@ def rank_slowdown(hw: Hardware, ranks: int) -> float:
     crowd = hw.crowd(ranks)
     if crowd is not None:
         return max(1.0, ranks / crowd.cores)
+    if ranks == 1 and hw.cores_one:  # one rank, thread or process: the share of a core it gets alone
+        return max(1.0, 1.0 / hw.cores_one)
     if not hw.cores:
         return 1.0
     return max(1.0, ranks / (hw.thread_cores(ranks) if hw.gil else hw.cores))
