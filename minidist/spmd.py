@@ -99,23 +99,14 @@ def make_mesh(dp: int, tp: int, devices=None):
 
 
 def global_array(a, sharding):
-    """A host array that every process holds whole (same seed, same values) as one global
-    ``jax.Array``: each process puts only the pieces its own devices hold."""
+    """One global ``jax.Array`` laid out by ``sharding``, from a host array. JAX asks for the
+    pieces of *this process's* devices only (``make_array_from_callback`` calls back with each
+    one's index), so in a multi-host job each process hands over just its own batch rows -- what a
+    data loader that reads only its shard would answer -- and its share of the parameters. Here
+    every process holds the whole array (same seed, same values) and cuts its pieces out of it."""
     jax = _jax()
     a = np.asarray(a)
     return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
-
-
-def batch_array(a, sharding):
-    """Batch rows as one global array sharded over dp: each process hands JAX only its own rows
-    (``jax.make_array_from_process_local_data``), as a multi-host data loader that reads just its
-    share would. Here every process has the whole batch and cuts its rows out of it."""
-    jax = _jax()
-    a = np.asarray(a)
-    rows = [index[0] for index in sharding.addressable_devices_indices_map(a.shape).values()]
-    lo = min(r.start or 0 for r in rows)
-    hi = max(a.shape[0] if r.stop is None else r.stop for r in rows)
-    return jax.make_array_from_process_local_data(sharding, a[lo:hi], a.shape)
 
 
 # -- Megatron's f and g ------------------------------------------------------------------------
@@ -283,7 +274,7 @@ class SPMDTwin:
             raise ValueError(f"batch of {x.shape[0]} rows does not split over dp={self.dp}")
         n_valid = np.asarray(max(int((y != -1).sum()), 1), np.dtype(self.cfg.dtype))
         rows = self._sharding(P("dp"))
-        return batch_array(x, rows), batch_array(y, rows), global_array(n_valid, self._sharding(P()))
+        return global_array(x, rows), global_array(y, rows), global_array(n_valid, self._sharding(P()))
 
     def step(self, x, y) -> float:
         """One SGD step; the loss comes out replicated on every device, so every process reads it."""
