@@ -3,7 +3,8 @@
     python benchmarks/plan.py [--mpi] [--calibrate] [--strict]
 
 1. Here: `python -m minidist.calibrate` constants (run first if missing; `--calibrate`: in the same
-   run, right before measuring, so calibration and measurement see the same load), then small minidist GPT
+   run, right before measuring, so calibration and measurement see the same load; `--calibrate each`:
+   right before every row), then small minidist GPT
    trainings on the threads transport for several meshes (`--mpi`: each mesh as `mpirun -n N`
    processes, more of them than this machine has cores for the larger meshes); measured median
    step time vs the planner's prediction with `--hardware here` (target: within 30%). The load
@@ -73,10 +74,12 @@ def hw_load() -> float:
 
 
 def here_rows(args):
+    from minidist.calibrate import calibrate
+
     if args.calibrate or not os.path.exists(hardware.CALIBRATION_PATH):
-        from minidist.calibrate import calibrate
         calibrate()
-    hw = hardware.here(transport="mpi" if args.mpi else "threads")
+    transport = "mpi" if args.mpi else "threads"
+    hw = hardware.here(transport=transport)
     if args.mpi:
         crowds = ", ".join(f"{c.ranks}: {c.cores:.1f}" for c in hw.crowds) or "not probed: recalibrate"
         print(f"here: {hw.name}, MPI processes ({hw.cpus} CPUs; cores' worth per process count {crowds})",
@@ -86,9 +89,13 @@ def here_rows(args):
               f"outnumber the {hw.cpus} CPUs)", end="")
     print(f", load average now {os.getloadavg()[0]:.1f} (calibrated at {hw_load():.1f}); "
           f"GPT {CFG.n_layer}x{CFG.d_model}, batch {BATCH}x{CFG.block_size}")
-    print(f"{'mesh':<22} {'predicted s':>11} {'measured s':>10} {'ratio':>6}  within 30%  load")
+    print(f"{'mesh':<22} {'predicted s':>11} {'measured s':>10} {'ratio':>6}  within 30%  "
+          "load (calibrated at)")
     ok = True
-    for dp, tp, pp, m in MESHES:
+    for i, (dp, tp, pp, m) in enumerate(MESHES):
+        if args.calibrate == "each" and i:  # the first row's is the one above
+            calibrate()
+            hw = hardware.here(transport=transport)
         cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=BATCH // (dp * m))
         pred = predict(SPEC, cand, BATCH, hw).step
         load = os.getloadavg()[0]
@@ -97,7 +104,7 @@ def here_rows(args):
         met = abs(r - 1) <= 0.30
         ok &= met
         print(f"dp{dp} tp{tp} pp{pp} m{m:<10} {pred:>11.4f} {meas:>10.4f} {r:>6.2f}  "
-              f"{'MET' if met else 'MISSED':<10}  {load:.1f}", flush=True)
+              f"{'MET' if met else 'MISSED':<10}  {load:.1f} ({hw_load():.1f})", flush=True)
     return ok
 
 
@@ -134,7 +141,9 @@ def compare_rows():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strict", action="store_true", help="exit nonzero if any row misses its target")
-    ap.add_argument("--calibrate", action="store_true", help="re-measure this machine first")
+    ap.add_argument("--calibrate", nargs="?", const="once", choices=("once", "each"),
+                    help="re-measure this machine first (once), or before every row (each: ~20 s a row, so "
+                         "calibration and measurement see the same load)")
     ap.add_argument("--compare", action="store_true", help="also search each published run's best (slow)")
     ap.add_argument("--mpi", action="store_true", help="run each mesh as mpirun -n N processes, not threads")
     ap.add_argument("--measure", type=int, nargs=4, metavar=("DP", "TP", "PP", "M"), help=argparse.SUPPRESS)
