@@ -47,6 +47,19 @@ def test_twin_equals_the_eager_run_on_the_device_transport(twin_run):
     np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
 
 
+def test_shard_diff_compares_each_shard_with_its_piece_of_the_full_state(twin_run):
+    """What each process checks across hosts: its shards against the same pieces of a full state.
+    One process holds every shard here, so a change anywhere -- in one tp half of a split weight
+    -- must show, and the state itself differs by nothing."""
+    twin, _ = twin_run
+    state = twin.state()
+    assert twin.shard_diff(state) == 0.0
+    name = "1.mlp.fc.weight"  # column-parallel: tp rank 1 holds the second half of the columns
+    bumped = dict(state, **{name: state[name].copy()})
+    bumped[name][0, -1] += 0.25
+    assert twin.shard_diff(bumped) == pytest.approx(0.25, abs=1e-6)
+
+
 def test_xla_emitted_the_collectives_of_the_algorithm(twin_run):
     twin, _ = twin_run
     counts = collective_counts(twin.compiled_text(*_batches()[0]))

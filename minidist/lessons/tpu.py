@@ -203,6 +203,8 @@ def main(argv=None) -> int:
           f"{sent} bytes sent):")
     for name, n in sorted(calls.items()):
         print(f"   {name:<28} {n:>4} calls ({n / args.steps:g} per step)")
+    if not calls:
+        print("   none: one rank has no one to talk to")
     print("compiled twin, one step's HLO (what XLA emitted):")
     for name, n in hlo.items():
         if n:
