@@ -69,8 +69,9 @@ class Embed(Module):
         """Tokens at positions start .. start+T-1, or at ``positions`` (B, T): each sequence's own
         (KV-cached decoding: every sequence continues from its own length)."""
         idx = token_ids(idx, start, self.block_size)
-        xp = self.wpe.weight.backend.xp
-        pos = xp.arange(start, start + idx.shape[1]) if positions is None else xp.asarray(positions)
+        # host positions (the lookup moves ids to the table's device): on JAX a device arange is a
+        # compiled program and the embedding's range check of device ids a read-back to the host
+        pos = np.arange(start, start + idx.shape[1]) if positions is None else positions
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 

@@ -70,12 +70,11 @@ class ParallelEmbed(Module):
     def forward(self, idx, start: int = 0):
         idx = token_ids(idx, start, self.block_size)
         t = idx.shape[1]
-        xp = self.wpe.weight.backend.xp
-        if self.sequence_parallel:
+        if self.sequence_parallel:  # host positions, as ``minidist.nn.gpt.Embed`` (no program on JAX)
             n = check_divisible(self.comm, "sequence length (sequence parallelism)", t)
-            pos = xp.arange(start + self.comm.rank * n, start + (self.comm.rank + 1) * n)
+            pos = np.arange(start + self.comm.rank * n, start + (self.comm.rank + 1) * n)
         else:
-            pos = xp.arange(start, start + t)
+            pos = np.arange(start, start + t)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
