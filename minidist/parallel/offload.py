@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from minidist import jax_engine
 from minidist.backend import backend_of
 from minidist.optim import AdamW, adamw_update
 from minidist.parallel.offload_files import make_private_folder, reserved_memmap, untrack
@@ -188,11 +189,14 @@ class OffloadedAdamW(AdamW):
             window = sizes[max(0, n - 1): n + 2] if self._pool is not None else sizes[n: n + 1]
             self.resident_peak = max(self.resident_peak, sum(window))
             t0 = time.perf_counter()
-            for i, st in zip(shard, states):
-                if self.offload_params:
-                    self.params[i].data = st.pop("p")  # update an in-memory copy; _write puts it back
-                adamw_update(self.params[i], st, self.lr, self.betas, self.eps, self.weight_decay,
-                             self.step_count)
+            live = [(self.params[i], st) for i, st in zip(shard, states)]
+            if jax_engine.compiles(live[0][0].data):
+                self.update_all(live)  # JAX: the shard's update as one compiled call, not one per tensor
+            else:
+                for p, st in live:
+                    if self.offload_params:
+                        p.data = st.pop("p")  # update an in-memory copy; _write puts it back
+                    adamw_update(p, st, self.lr, self.betas, self.eps, self.weight_decay, self.step_count)
             self._record("Update", 0, t0, n)
             writes.append(self._submit(self._write, n, shard, states))  # write back in the background
         for w in writes:
