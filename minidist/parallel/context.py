@@ -118,6 +118,76 @@ def block_attention(q, k, v, q_pos, k_pos, scale, causal=True):
     return (e / xp.where(total > 0, total, 1.0)) @ v, lse
 
 
+# The ring's array steps below are pure functions: on NumPy they run as written; on JAX each is one
+# compiled call per shape (``jax_engine.pure``) instead of a dozen eager primitives -- each one a
+# dispatch, and a program of its own per shape -- for every pair of blocks and every hop.
+
+@jax_engine.pure
+def _attend_block(q, kv, j, half, q_pos, k_pos, scale, causal, out, lse):
+    """Queries ``q`` over key/value half ``j`` of ``kv`` (2, B, H, T/cp, D), merged into (out, lse)."""
+    kj = slice(j * half, (j + 1) * half)
+    o, l_ = block_attention(q, kv[0][..., kj, :], kv[1][..., kj, :], q_pos, k_pos, scale, causal)
+    return merge_attention(out, lse, o, l_)
+
+
+@jax_engine.pure
+def _block_grads(q, kv, g, lse, delta, i, j, half, q_pos, k_pos, scale, causal, dq, dk, dv):
+    """Query half ``i`` against key/value half ``j`` backward: (dq, dk, dv) plus this pair's part.
+    The softmax is recomputed from the saved lse; ``delta`` = rowsum(dO ∘ O) corrects its backward."""
+    xp = backend_of(q).xp
+    qi, kj = slice(i * half, (i + 1) * half), slice(j * half, (j + 1) * half)
+    kb, vb = kv[0][..., kj, :], kv[1][..., kj, :]
+    sc = _scores(q[..., qi, :], kb, q_pos, k_pos, scale, causal)
+    pr = xp.exp(sc - lse[..., qi, None])           # the final softmax, recomputed
+    gi = g[..., qi, :]
+    dv = dv + xp.swapaxes(pr, -1, -2) @ gi
+    ds = pr * (gi @ xp.swapaxes(vb, -1, -2) - delta[..., qi, None]) * q.dtype.type(scale)
+    return dq + ds @ kb, dk + xp.swapaxes(ds, -1, -2) @ q[..., qi, :], dv
+
+
+@jax_engine.pure
+def _halves(x, half):
+    """x[..., :half, :] and x[..., half:, :] (the two chunks a rank holds)."""
+    return x[..., :half, :], x[..., half:, :]
+
+
+@jax_engine.pure
+def _stack(a, b):
+    return backend_of(a).xp.stack([a, b])
+
+
+@jax_engine.pure
+def _join(a, b, axis):
+    return backend_of(a).xp.concatenate([a, b], axis=axis)
+
+
+@jax_engine.pure
+def _start_forward(q, half):
+    """The query halves, and their empty results: out 0, lse -inf (no key seen yet)."""
+    xp = backend_of(q).xp
+    qs = _halves(q, half)
+    return qs, [xp.zeros_like(x) for x in qs], [xp.full(x.shape[:-1], -xp.inf, dtype=q.dtype) for x in qs]
+
+
+@jax_engine.pure
+def _start_backward(g, o, q, half):
+    """delta = rowsum(dO ∘ O), the softmax backward's correction term, and zeros for a half's grads."""
+    xp = backend_of(g).xp
+    return (g * o).sum(axis=-1), xp.zeros(q[..., :half, :].shape, dtype=q.dtype)
+
+
+@jax_engine.pure
+def _pack_grads(dkv):
+    """[[dK halves], [dV halves]] -> one (2, B, H, T/cp, D) array, the message to the next rank."""
+    xp = backend_of(dkv[0][0]).xp
+    return xp.stack([xp.concatenate(dkv[0], axis=-2), xp.concatenate(dkv[1], axis=-2)])
+
+
+@jax_engine.pure
+def _unpack_grads(got, half):
+    return [list(_halves(got[a], half)) for a in range(2)]
+
+
 def visible(q_pos, k_pos, causal) -> bool:
     """Does any query of this pair see any key? (Fully hidden pairs are skipped, not computed.)"""
     return (not causal) or int(k_pos.min()) <= int(q_pos.max())
@@ -163,16 +233,13 @@ class RingAttention(Function):
 
     @staticmethod
     def forward(ctx, q, k, v, comm, positions, causal=True, stats=None):
-        xp = backend_of(q).xp
         ring, r, p = comm.twin("ring_attention"), comm.rank, comm.size
         scale = 1.0 / math.sqrt(q.shape[-1])
         half = q.shape[-2] // 2
-        qs = [q[..., :half, :], q[..., half:, :]]
+        qs, out, lse = _start_forward(q, half)
         q_pos = positions(r)
         qp = [q_pos[:half], q_pos[half:]]
-        out = [xp.zeros_like(x) for x in qs]
-        lse = [xp.full(x.shape[:-1], -xp.inf, dtype=q.dtype) for x in qs]
-        kv = xp.stack([k, v])
+        kv = _stack(k, v)
         tracer = _tracer()
         for s in range(p):
             src = (r - s) % p
@@ -187,10 +254,8 @@ class RingAttention(Function):
                         kp = k_pos[j * half:(j + 1) * half]
                         if not visible(qp[i], kp, causal):
                             continue
-                        kj = slice(j * half, (j + 1) * half)
-                        kb, vb = kv[0][..., kj, :], kv[1][..., kj, :]
-                        o, l_ = block_attention(qs[i], kb, vb, qp[i], kp, scale, causal)
-                        out[i], lse[i] = merge_attention(out[i], lse[i], o, l_)
+                        out[i], lse[i] = _attend_block(qs[i], kv, j, half, qp[i], kp, scale, causal,
+                                                       out[i], lse[i])
                         if stats is not None:
                             stats.pairs += 1
                             stats.forward_flops += 4 * math.prod(q.shape[:2]) * half * half * q.shape[-1]
@@ -198,24 +263,22 @@ class RingAttention(Function):
                 send.wait()
                 kv = recv.wait()
                 _in_flight(tracer, t0, "K/V")
-        o = xp.concatenate(out, axis=-2)
-        ctx.save(q, k, v, o, xp.concatenate(lse, axis=-1))
+        o = _join(*out, axis=-2)
+        ctx.save(q, k, v, o, _join(*lse, axis=-1))
         ctx.comm, ctx.positions, ctx.causal, ctx.stats, ctx.scale = comm, positions, causal, stats, scale
         return o
 
     @staticmethod
     def backward(ctx, g):
         q, k, v, o, lse = ctx.saved
-        xp = backend_of(g).xp
         ring, r, p = ctx.comm.twin("ring_attention"), ctx.comm.rank, ctx.comm.size
         half, scale, causal = q.shape[-2] // 2, ctx.scale, ctx.causal
         q_pos = ctx.positions(r)
-        delta = (g * o).sum(axis=-1)  # rowsum(dO ∘ O): the softmax backward's correction term
+        delta, zeros = _start_backward(g, o, q, half)  # delta = rowsum(dO ∘ O)
         # accumulated per chunk half, never in place (JAX arrays are immutable): dq[i], and the dK, dV
         # of the block in hand, dkv[0][j] and dkv[1][j]
-        zeros = xp.zeros(q[..., :half, :].shape, dtype=q.dtype)
         dq, dkv = [zeros, zeros], [[zeros, zeros], [zeros, zeros]]
-        kv = xp.stack([k, v])
+        kv = _stack(k, v)
         tracer = _tracer()
         for s in range(p):
             src = (r - s) % p
@@ -231,14 +294,9 @@ class RingAttention(Function):
                         kj = slice(j * half, (j + 1) * half)
                         if not visible(q_pos[qi], k_pos[kj], causal):
                             continue
-                        kb, vb = kv[0][..., kj, :], kv[1][..., kj, :]
-                        sc = _scores(q[..., qi, :], kb, q_pos[qi], k_pos[kj], scale, causal)
-                        pr = xp.exp(sc - lse[..., qi, None])           # the final softmax, recomputed
-                        gi = g[..., qi, :]
-                        dkv[1][j] = dkv[1][j] + xp.swapaxes(pr, -1, -2) @ gi
-                        ds = pr * (gi @ xp.swapaxes(vb, -1, -2) - delta[..., qi, None]) * q.dtype.type(scale)
-                        dq[i] = dq[i] + ds @ kb
-                        dkv[0][j] = dkv[0][j] + xp.swapaxes(ds, -1, -2) @ q[..., qi, :]
+                        dq[i], dkv[0][j], dkv[1][j] = _block_grads(
+                            q, kv, g, lse, delta, i, j, half, q_pos[qi], k_pos[kj], scale, causal,
+                            dq[i], dkv[0][j], dkv[1][j])
                         if ctx.stats is not None:
                             ctx.stats.backward_flops += 8 * math.prod(q.shape[:2]) * half * half * q.shape[-1]
             if s < p - 1:
@@ -247,11 +305,10 @@ class RingAttention(Function):
                 _in_flight(tracer, t0, "K/V")
             if p > 1:  # dK, dV of block src go on with it (to its owner, after the last hop)
                 t1 = tracer.now() if tracer is not None else 0.0
-                out = xp.stack([xp.concatenate(dkv[0], axis=-2), xp.concatenate(dkv[1], axis=-2)])
-                got = ring.sendrecv(out, (r + 1) % p, (r - 1) % p, sendtag=2, recvtag=2)
-                dkv = [[got[a][..., :half, :], got[a][..., half:, :]] for a in range(2)]
+                got = ring.sendrecv(_pack_grads(dkv), (r + 1) % p, (r - 1) % p, sendtag=2, recvtag=2)
+                dkv = _unpack_grads(got, half)
                 _in_flight(tracer, t1, "dK/dV")
-        return (xp.concatenate(dq, axis=-2), xp.concatenate(dkv[0], axis=-2), xp.concatenate(dkv[1], axis=-2))
+        return _join(*dq, axis=-2), _join(*dkv[0], axis=-2), _join(*dkv[1], axis=-2)
 
 
 def ring_attention(q, k, v, comm, layout: str = "zigzag", causal: bool = True, stats=None):
