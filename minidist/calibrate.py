@@ -147,7 +147,7 @@ def cold_factor(k: dict) -> float:
 
     def body(comm):
         marks = []
-        train_3d(comm, WHOLE_GPT, [(ids, ids)] * 9, optimizer="adamw", lr=1e-3,
+        train_3d(comm, WHOLE_GPT, [(ids, ids)] * 25, optimizer="adamw", lr=1e-3,
                  on_step=lambda s, st: marks.append(cpu()))
         return float(np.median(np.diff(marks)[1:]))
     measured = run(body, ranks=1, transport="threads")[0]
