@@ -47,15 +47,30 @@ def bind_backend(backend, rank: int) -> Backend:
     return get_backend(name)
 
 
-def jax_distributed_init(comm, port: int = 8476, initialize=None) -> str:
+def free_port() -> int:
+    """A TCP port nothing on this host listens on now (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def jax_distributed_init(comm, port: int | None = None, initialize=None) -> str:
     """Multi-host JAX under ``mpirun``: rank 0 names itself the coordinator (its host name and
-    ``port``), every rank learns that address over ``comm`` (MPI), and each calls
+    ``port``: ``$MINIDIST_JAX_PORT``, else a port free on its host now, so two jobs on one machine
+    don't collide), every rank learns that address over ``comm`` (MPI), and each calls
     ``jax.distributed.initialize(address, num_processes=comm.size, process_id=comm.rank)``.
     After it ``jax.devices()`` lists every host's devices. Returns the address. (``initialize``:
     the function to call, for tests.)"""
+    import os
     import socket
 
-    address = comm.bcast_obj(f"{socket.gethostname()}:{port}" if comm.rank == 0 else None, root=0)
+    address = None
+    if comm.rank == 0:
+        port = port or int(os.environ.get("MINIDIST_JAX_PORT") or free_port())
+        address = f"{socket.gethostname()}:{port}"
+    address = comm.bcast_obj(address, root=0)
     if initialize is None:
         import jax
 

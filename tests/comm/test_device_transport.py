@@ -92,6 +92,34 @@ def test_multihost_initialize_agrees_on_rank_0s_address():
         assert seen == [((address,), {"num_processes": 3, "process_id": r})]
 
 
+def test_multihost_coordinator_port_is_free_or_the_one_asked_for(monkeypatch):
+    """No port given: rank 0 picks one free on its host (two jobs on one machine must not both
+    take 8476) and every rank gets that one; ``MINIDIST_JAX_PORT`` chooses it."""
+    import socket
+
+    from minidist.comm.devices import jax_distributed_init
+
+    def addresses():
+        return [a for a in run(lambda comm: jax_distributed_init(comm, initialize=lambda *a, **k: None),
+                               ranks=3)]
+
+    monkeypatch.delenv("MINIDIST_JAX_PORT", raising=False)
+    with socket.socket() as busy:  # another job's coordinator on the old fixed port
+        try:
+            busy.bind(("", 8476))
+            busy.listen()
+        except OSError:
+            pass  # someone already holds it: busy all the same
+        got = addresses()
+    assert len(set(got)) == 1
+    port = int(got[0].rsplit(":", 1)[1])
+    assert port != 8476
+    with socket.socket() as s:
+        s.bind(("", port))  # nothing holds it: the coordinator can
+    monkeypatch.setenv("MINIDIST_JAX_PORT", "4321")
+    assert addresses() == [f"{socket.gethostname()}:4321"] * 3
+
+
 @pytest.mark.gpu
 def test_cupy_point_to_point_lands_on_the_receivers_gpu():
     cupy = pytest.importorskip("cupy")
