@@ -91,6 +91,10 @@ def make_mesh(dp: int, tp: int, devices=None):
     from jax.experimental import mesh_utils
 
     chosen = mesh_devices(dp * tp, devices)
+    if not any(d.process_index == jax.process_index() for d in chosen):
+        raise ValueError(f"process {jax.process_index()} of {jax.process_count()}: none of the mesh's "
+                         f"{len(chosen)} devices is its own, so it could run no part of the program; "
+                         "every process must contribute devices (mesh_devices takes n / P from each)")
     if devices is None and len(chosen) == jax.device_count():
         grid = mesh_utils.create_device_mesh((dp, tp), chosen)
     else:

@@ -192,6 +192,15 @@ def test_a_mesh_that_does_not_split_over_the_processes_is_refused(monkeypatch):
         spmd.mesh_devices(3)
 
 
+def test_a_mesh_without_this_processs_devices_is_refused_naming_the_process(monkeypatch):
+    """Such a process could run no part of the program; the first version crashed reading the loss."""
+    devices = jax.devices()[:2]  # all on process 0
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    with pytest.raises(ValueError, match="process 1 of 2: none of the mesh's 2 devices is its own"):
+        make_mesh(2, 1, devices)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("per,dp,tp,mesh", [
     (4, 2, 2, ["cpu:0@0  cpu:1@0", "cpu:2048@1  cpu:2049@1"]),  # dp across the processes, tp inside each

@@ -52,6 +52,7 @@ import numpy as np  # noqa: E402
 
 from minidist.comm import measure, run, under_mpi, world  # noqa: E402
 from minidist.comm.devices import jax_distributed_init  # noqa: E402
+from minidist.comm.launch import install_abort_hook  # noqa: E402
 from minidist.data import BatchLoader, TextDataset  # noqa: E402
 from minidist.hardware import TPU_V4, TPU_V5E, TPU_V5P  # noqa: E402
 from minidist.lessons.cli import positive_float, positive_int  # noqa: E402
@@ -156,6 +157,7 @@ def main(argv=None) -> int:
     # full float32 matmuls: not bf16 passes (TPU), not TF32 (GPU)
     jax.config.update("jax_default_matmul_precision", "highest")
     if under_mpi():  # one process per host: agree on the coordinator over MPI, then JAX sees all hosts
+        install_abort_hook()  # a process that raises ends the job: the others would wait in a collective
         jax_distributed_init(world())
     devices = jax.devices()
     if args.dp is None and args.tp is None:
