@@ -214,6 +214,28 @@ def test_embedding(backend, v, d, ids):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_ids_out_of_range_are_named_on_every_backend(backend):
+    """Token ids and targets on the backend's device are range-checked like host ones; on JAX the
+    check runs on a host copy: no program compiled (on the device it was ~5 per shape)."""
+    from minidist.backend import get_backend
+    from minidist.tensor import Tensor
+
+    be = get_backend(backend)
+    w = Tensor(be.from_host(np.ones((5, 3))), requires_grad=True)
+    with pytest.raises(ValueError, match=r"holds 7: ids must be in \[0, 5\)"):
+        ops.embedding(w, be.from_host(np.array([[0, 7, 1]])))
+    logits = Tensor(be.from_host(np.zeros((1, 2, 5))), requires_grad=True)
+    with pytest.raises(ValueError, match=r"holds -3: ids must be in \[0, 5\) or -1 \(ignored\)"):
+        ops.cross_entropy(logits, be.from_host(np.array([[-1, -3]])))
+    if backend == "jax":
+        from minidist import jax_engine
+
+        before = jax_engine.compilations()
+        ops._check_ids(be.from_host(np.arange(13).reshape(1, 13)), 13, "ids")  # a shape met nowhere else
+        assert jax_engine.compilations() == before
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
 @given(shape=shapes, seed=st.integers(0, 2**16), data=st.data())
 def test_softmax(backend, op, shape, seed, data):
