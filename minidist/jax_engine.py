@@ -30,41 +30,19 @@ import threading
 
 import numpy as np
 
+from minidist import jax_cache
+
 _FORWARD: dict = {}   # key -> (jitted forward, static attributes holder) or None (runs eagerly)
 _KERNELS: dict = {}   # op class -> its jitted subclass
 _RESERVED = ("needs_grad", "record", "_saved", "_unpack")
 
-# -- compiling once, not once per rank --------------------------------------------------------
-# JAX does not merge concurrent compilations: four rank threads meeting a new op shape at once
-# compile it four times (measured: 374 compilations for 161 forward keys in the long-context
-# lesson). So the first call of each signature runs under that signature's lock; the others wait
-# for it and then find the program compiled. Later calls take no lock.
-_SEEN: set = set()
-_UNTRACEABLE: set = set()  # signatures whose trace failed (an index that is a boolean mask): eager
+# Every compiled unit below is a ``jax_cache.Program``: compiled once per argument signature (the
+# first call holds a lock, so rank threads meeting a new shape at once compile it once: JAX does not
+# merge concurrent compilations), and loaded from minidist's executable cache when a run before
+# compiled it -- no trace, no lowering.
 _LOCKS: dict = {}
 _LOCKS_LOCK = threading.Lock()
-STATS: collections.Counter = collections.Counter()  # "compiled:<unit>" (first calls), "calls:<unit>"
-
-
-def call_once_compiled(sig, fn, *args):
-    """``fn(*args)``, where ``fn`` is jitted and ``sig`` names what it compiles for (a hashable:
-    the unit, the argument shapes and dtypes, the device): the first call of each ``sig`` holds a
-    lock so concurrent ranks compile it once."""
-    if sig in _SEEN:
-        return fn(*args)
-    with _LOCKS_LOCK:
-        lock = _LOCKS.setdefault(sig, threading.Lock())
-    with lock:
-        out = fn(*args)
-        if sig not in _SEEN:
-            STATS[f"compiled:{sig[0]}"] += 1
-            _SEEN.add(sig)
-        return out
-
-
-def _device(a):
-    """The device (sharding) an array lives on: part of a signature, since JAX compiles per device."""
-    return getattr(a, "sharding", None)
+STATS: collections.Counter = collections.Counter()  # "calls:<unit>" (fused)
 
 
 def enabled() -> bool:
@@ -105,7 +83,7 @@ def _is_traced(v) -> bool:
     return isinstance(v, (jax.Array, jax.core.Tracer))
 
 
-_PLAIN = (type(None), bool, int, float, str, slice, type(Ellipsis), np.dtype, np.generic)
+_PLAIN = jax_cache.PLAIN
 
 
 def _plain(v) -> bool:
@@ -157,12 +135,11 @@ def _lock_for(name) -> threading.Lock:
         return _LOCKS.setdefault(name, threading.Lock())
 
 
-def _make_forward(cls, ctx, inputs, n_positional, kwargs, named, dyn_at):
-    """(jitted forward, holder): the forward traced with the arrays ``dyn_at`` of ``inputs`` (the
+def _make_forward(cls, ctx, inputs, n_positional, kwargs, named, dyn_at, key):
+    """(compiled forward, holder): the forward traced with the arrays ``dyn_at`` of ``inputs`` (the
     positional arguments, then the keyword arguments ``named``) as its arguments, everything else
-    baked in; the holder learns at trace time what is static and what is saved."""
-    import jax
-
+    baked in; the holder learns at trace time what is static and what is saved (and is stored with
+    the executable: a run that loads it does not trace). ``key`` names what is baked in."""
     holder: dict = {}
     fixed = [None if i in dyn_at else a for i, a in enumerate(inputs)]  # no array kept alive
     needs_grad, record = ctx.needs_grad, ctx.record
@@ -187,7 +164,9 @@ def _make_forward(cls, ctx, inputs, n_positional, kwargs, named, dyn_at):
                  for a, j, p in zip(c._saved, holder["inputs"], holder["plain"])]
         return out, saved, dyn_attrs
 
-    return jax.jit(fwd), holder
+    op, baked = jax_cache.identity(cls), jax_cache.value_id(key[1:])
+    ident = None if op is None or baked is None else ("forward", op, baked)
+    return jax_cache.Program("forward", fwd, ident, aux=holder), holder
 
 
 def _eager(cls, ctx, arrays, kwargs):
@@ -223,24 +202,23 @@ def _forward(cls, ctx, arrays, kwargs):
         return _eager(cls, ctx, arrays, kwargs)
     dyn_at = [i for i, a in enumerate(inputs) if _is_array(a)]
     dyn_args = [inputs[i] for i in dyn_at]
-    sig = ("forward", key, _device(dyn_args[0]))
     if entry is False:
         with _lock_for(("make forward", key)):  # one jitted function per key, however many ranks
             entry = _FORWARD.get(key, False)
             if entry is None:
                 return _eager(cls, ctx, arrays, kwargs)
             if entry is False:
-                entry = _make_forward(cls, ctx, inputs, len(arrays), plain_kw, named, dyn_at)
+                entry = _make_forward(cls, ctx, inputs, len(arrays), plain_kw, named, dyn_at, key)
                 try:
-                    result = call_once_compiled(sig, entry[0], *dyn_args)
+                    result = entry[0](*dyn_args)
                 except Exception:  # reads a value back on the host, writes in place, ...: eager
                     _FORWARD[key] = None  # (which raises again if the arguments are genuinely wrong)
                     return _eager(cls, ctx, arrays, kwargs)
                 _FORWARD[key] = entry
             else:
-                result = call_once_compiled(sig, entry[0], *dyn_args)
+                result = entry[0](*dyn_args)
     else:
-        result = call_once_compiled(sig, entry[0], *dyn_args)
+        result = entry[0](*dyn_args)
     out, saved, dyn = result
     saved = [dyn_args[j] if j is not None else p[0] if p is not None else a
              for a, j, p in zip(saved, entry[1]["inputs"], entry[1]["plain"])]
@@ -256,16 +234,7 @@ def _forward(cls, ctx, arrays, kwargs):
 _BACKWARD: dict = {}
 
 
-def _shapes(tree) -> tuple:
-    """What a compiled call's program depends on: each array's shape and dtype (in nested tuples
-    too), each other value's repr."""
-    return tuple(_shapes(a) if isinstance(a, (tuple, list)) else (tuple(a.shape), str(a.dtype))
-                 if _is_array(a) else repr(a) for a in tree)
-
-
 def _backward(cls, ctx, grad):
-    import jax
-
     static = getattr(ctx, "_jax_static", None)
     if static is None:  # the forward ran eagerly
         return cls.backward(ctx, grad)
@@ -276,7 +245,6 @@ def _backward(cls, ctx, grad):
         return cls.backward(ctx, grad)
     dyn = tuple(getattr(ctx, k) for k in names)
     saved = ctx.saved  # once: a saved-tensor hook may unpack (recompute, load from disk) on each read
-    sig = ("backward", key, _shapes(saved), _shapes(dyn), _shapes((grad,)), _device(grad))
     if fn is None:
         with _lock_for(("make backward", key)):
             fn = _BACKWARD.get(key)
@@ -290,9 +258,11 @@ def _backward(cls, ctx, grad):
                     vars(c).update(zip(names, dyn))
                     return cls.backward(c, g)  # a tuple, or one array for a one-input op
 
-                fn = jax.jit(bwd)
+                op, baked = jax_cache.identity(cls), jax_cache.value_id(key[1:])
+                ident = None if op is None or baked is None else ("backward", op, baked)
+                fn = jax_cache.Program("backward", bwd, ident)
                 try:
-                    out = call_once_compiled(sig, fn, saved, dyn, grad)
+                    out = fn(saved, dyn, grad)
                 except Exception:  # cannot be traced: eager from now on for this key
                     _BACKWARD[key] = False
                     return cls.backward(ctx, grad)
@@ -300,14 +270,9 @@ def _backward(cls, ctx, grad):
                 return out
         if fn is False:
             return cls.backward(ctx, grad)
-    if sig in _SEEN:
-        return fn(saved, dyn, grad)
-    if sig in _UNTRACEABLE:
-        return cls.backward(ctx, grad)
     try:
-        return call_once_compiled(sig, fn, saved, dyn, grad)
+        return fn(saved, dyn, grad)
     except Exception:  # this signature cannot be traced (a boolean mask index): eager, for it only
-        _UNTRACEABLE.add(sig)
         return cls.backward(ctx, grad)
 
 
@@ -341,18 +306,17 @@ def fused(name: str, formula, columns: list, scalars: tuple, donate: tuple = ())
     reuses the program. ``donate``: the indices of columns whose buffers the result may reuse
     (the optimizer's own state; never the parameters, which the graph or a caller may still hold).
     """
-    import jax
-
     fn = _FUSED.get((formula, donate))
     if fn is None:
         def over_all(*cols_and_scalars):
             *cols, sc = cols_and_scalars
             return [formula(*row, *sc) for row in zip(*cols)]
 
-        fn = _FUSED.setdefault((formula, donate), jax.jit(over_all, donate_argnums=donate))
+        op = jax_cache.identity(formula)
+        fn = _FUSED.setdefault((formula, donate), jax_cache.Program(
+            name, over_all, None if op is None else ("fused", op), donate_argnums=donate))
     STATS[f"calls:{name}"] += 1
-    sig = (name, formula, tuple(_shapes(c) for c in columns), _device(columns[0][0]))
-    return call_once_compiled(sig, fn, *columns, tuple(float(x) for x in scalars))
+    return fn(*columns, tuple(float(x) for x in scalars))
 
 
 def pure(fn):
@@ -381,12 +345,10 @@ def pure(fn):
         fixed = tuple(None if i in at else x for i, x in enumerate(leaves))
         key = (tree, fixed, at)
         try:
-            jitted = made.get(key)
+            prog = made.get(key)
         except TypeError:  # a value that cannot be part of a key (not plain): as written
             return fn(*args, **kwargs)
-        if key in _UNTRACEABLE:
-            return fn(*args, **kwargs)
-        if jitted is None:
+        if prog is None:
             def run(*dyn):
                 full = list(fixed)
                 for i, d in zip(at, dyn):
@@ -394,15 +356,12 @@ def pure(fn):
                 a, kw = jax.tree_util.tree_unflatten(tree, full)
                 return fn(*a, **kw)
 
-            jitted = made.setdefault(key, jax.jit(run))
-        dyn = [leaves[i] for i in at]
-        sig = (f"pure:{fn.__qualname__}", key, _shapes(dyn), _device(dyn[0]))
-        if sig in _SEEN:
-            return jitted(*dyn)
+            op, baked = jax_cache.identity(fn), jax_cache.value_id(list(fixed))
+            ident = None if op is None or baked is None else ("pure", op, str(tree), baked, repr(at))
+            prog = made.setdefault(key, jax_cache.Program(f"pure:{fn.__qualname__}", run, ident))
         try:
-            return call_once_compiled(sig, jitted, *dyn)
-        except Exception:  # cannot be traced (a boolean mask index): as written, for this key
-            _UNTRACEABLE.add(key)
+            return prog(*(leaves[i] for i in at))
+        except Exception:  # cannot be traced (a boolean mask index): as written, for this signature
             return fn(*args, **kwargs)
 
     return call
@@ -430,9 +389,8 @@ def persistent_cache() -> None:
     here, the tensor-parallel lesson took 28 s the first time and 8 s the next."""
     import jax
 
-    default = os.path.join(os.path.expanduser("~"), ".cache", "minidist", "jax")
-    path = os.environ.get("MINIDIST_JAX_CACHE", default)
-    if path in ("0", "") or os.environ.get("JAX_COMPILATION_CACHE_DIR") or \
+    path = jax_cache.cache_root()
+    if path is None or os.environ.get("JAX_COMPILATION_CACHE_DIR") or \
             jax.config.jax_compilation_cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", path)
@@ -445,11 +403,16 @@ _LISTENING: list = []
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
-def compilations() -> int:
-    """How many XLA programs this process has compiled or loaded from the persistent cache since
-    the JAX backend started (every one: the engine's, the optimizers', eager JAX's per-primitive
-    ones). Tests count what a step adds; profile a lesson with it."""
-    return _COMPILED[0]
+def compilations(kind: str | None = None) -> int:
+    """How many XLA programs this process has compiled or loaded since the JAX backend started
+    (every one: the engine's, the optimizers', eager JAX's per-primitive ones). ``kind="compiled"``:
+    those XLA compiled (or JAX loaded from its own persistent cache, after tracing and lowering);
+    ``kind="loaded"``: those loaded from minidist's executable cache (``jax_cache``: no trace).
+    Tests count what a step adds; profile a lesson with it."""
+    if kind not in (None, "compiled", "loaded"):
+        raise ValueError(f"compilations(kind={kind!r}): kind is None, 'compiled' or 'loaded'")
+    compiled, loaded = _COMPILED[0], jax_cache.STATS["loaded"]
+    return compiled if kind == "compiled" else loaded if kind == "loaded" else compiled + loaded
 
 
 def _count_compile(event: str, seconds: float, **kwargs) -> None:
@@ -474,5 +437,5 @@ def install() -> None:
         sys.modules["minidist.tensor"].JIT_KERNEL = kernel
 
 
-__all__ = ["STATS", "call_once_compiled", "compilations", "compiles", "enabled", "fused", "install",
+__all__ = ["STATS", "compilations", "compiles", "enabled", "fused", "install",
            "kernel", "pure", "zeros_like"]

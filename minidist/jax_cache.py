@@ -1,0 +1,430 @@
+"""minidist's own cache of compiled JAX executables: a program met in an earlier run loads in ~1 ms.
+
+JAX's persistent cache is keyed by a hash of the *lowered* module, so even a hit traces the
+function (~2.5 ms here) and lowers it to MLIR (~8 ms) before it can look: ~10 ms per program, and a
+lesson meets hundreds. This cache keys a program by what minidist knows before tracing -- which
+function, the arguments' shapes and dtypes and devices, the values baked in, the versions and
+settings that change what JAX would emit -- and stores the serialized executable
+(``jax.experimental.serialize_executable``) beside whatever the trace learned (``aux``: an op's
+static attributes). A hit deserializes it (~0.8 ms) and never traces.
+
+A stale or colliding entry would be a silent wrong answer, so the key is conservative, and a unit
+whose identity cannot be written down safely (a closure over an object with no faithful ``repr``, a
+function without a source file) is compiled every run, never stored. The key holds:
+
+* the unit: module and qualified name of the op class or function, a digest of its code objects
+  (constants and nested functions too), its defaults and closure values by ``repr``;
+* every argument's pytree place, shape, dtype, weak type, device and committed-ness;
+* the values baked in (``identity``: shapes of the op's inputs, keyword values, ...);
+* JAX and jaxlib versions, JAX's trace-time settings (x64, default matmul precision, ...), the
+  platform and its version, the device kinds and count, ``XLA_FLAGS``;
+* a digest of every ``.py`` file of the minidist package, computed once per process: any edit to
+  minidist invalidates everything, and a function outside minidist adds its own file's digest.
+
+Files live in ``<cache>/exe`` (``MINIDIST_JAX_CACHE``, default ~/.cache/minidist/jax; ``0`` turns
+this cache off: nothing is read or written). Each is written to a temporary file and
+``os.replace``d, so ranks of several processes sharing the directory never see half a file; each
+carries a SHA-256 of its contents and its full key, checked before anything is deserialized. A
+file that fails either check, or an executable that rejects its arguments, is compiled again and
+overwritten.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import pickle
+import sys
+import tempfile
+import threading
+import types
+
+import numpy as np
+
+FORMAT = b"minidist-jax-exe-1\n"
+PLAIN = (type(None), bool, int, float, complex, str, bytes, slice, type(Ellipsis), np.dtype, np.generic)
+STATS: collections.Counter = collections.Counter()  # compiled, loaded, stored, corrupt, rejected, ...
+
+
+def cache_root() -> str | None:
+    """``MINIDIST_JAX_CACHE`` (default ~/.cache/minidist/jax), or None when it is ``0``: off."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "minidist", "jax")
+    root = os.environ.get("MINIDIST_JAX_CACHE", default)
+    return None if root in ("0", "") else root
+
+
+def cache_dir() -> str | None:
+    """Where executables are kept (``<MINIDIST_JAX_CACHE>/exe``), or None when the cache is off."""
+    root = cache_root()
+    return None if root is None else os.path.join(root, "exe")
+
+
+# -- naming a unit safely ---------------------------------------------------------------------
+_SOURCES: dict = {}
+_SOURCES_LOCK = threading.Lock()
+
+
+def source_digest() -> str:
+    """SHA-256 of every ``.py`` file of the minidist package (paths and contents), once per process."""
+    with _SOURCES_LOCK:
+        if "minidist" not in _SOURCES:
+            root = os.path.dirname(os.path.abspath(__file__))
+            h = hashlib.sha256()
+            for d, dirs, files in os.walk(root):
+                dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+                for f in sorted(x for x in files if x.endswith(".py")):
+                    path = os.path.join(d, f)
+                    h.update(os.path.relpath(path, root).encode() + b"\0")
+                    with open(path, "rb") as fh:
+                        h.update(hashlib.sha256(fh.read()).digest())
+            _SOURCES["minidist"] = h.hexdigest()
+        return _SOURCES["minidist"]
+
+
+def _module_digest(name: str) -> str | None:
+    """The digest that covers module ``name``'s code: minidist's package digest, or the module's own
+    file's. None (do not persist) for a module with no source file (an interactive session)."""
+    if name == "minidist" or name.startswith("minidist."):
+        return source_digest()
+    path = getattr(sys.modules.get(name), "__file__", None)
+    if not path or not path.endswith(".py"):
+        return None
+    with _SOURCES_LOCK:
+        if path not in _SOURCES:
+            try:
+                with open(path, "rb") as fh:
+                    _SOURCES[path] = hashlib.sha256(fh.read()).hexdigest()
+            except OSError:
+                _SOURCES[path] = None
+        return _SOURCES[path]
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """A digest of a code object: bytecode, names, argument counts, flags, and constants -- nested
+    code objects (inner functions, lambdas) by their own digest, frozensets sorted (their order
+    depends on the process's string hashing)."""
+    def const(c):
+        if isinstance(c, types.CodeType):
+            return "code:" + _code_digest(c)
+        if isinstance(c, frozenset):
+            return "frozenset:" + repr(sorted(map(const, c)))
+        if isinstance(c, tuple):
+            return "tuple:" + repr([const(x) for x in c])
+        return repr(c)
+
+    parts = (code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars,
+             code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags,
+             [const(c) for c in code.co_consts])
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def value_id(v, _seen=None):
+    """A faithful, process-independent text for ``v``, or None when there is none: plain values
+    (numbers, strings, slices, dtypes, tuples and lists of them) by ``repr``, functions and classes
+    by ``identity``, modules by name. Anything else (an object whose ``repr`` hides its state, or
+    shows its address) makes the unit that holds it unpersistable."""
+    if isinstance(v, (tuple, list)):
+        parts = [value_id(x, _seen) for x in v]
+        return None if None in parts else f"{type(v).__name__}({', '.join(parts)})"
+    if isinstance(v, dict):
+        parts = [(value_id(k, _seen), value_id(x, _seen)) for k, x in v.items()]
+        return None if any(None in p for p in parts) else "dict(" + repr(sorted(parts)) + ")"
+    if isinstance(v, PLAIN):
+        return repr(v)
+    if isinstance(v, types.ModuleType):
+        return f"module:{v.__name__}"
+    if isinstance(v, type) and v.__module__ in ("builtins", "numpy"):
+        return repr(v)
+    if isinstance(v, (types.FunctionType, type)):
+        ident = identity(v, _seen)
+        return None if ident is None else repr(ident)
+    return None
+
+
+def identity(obj, _seen=None) -> tuple | None:
+    """The stable name of a function or class, as a tuple of strings, or None if it has none.
+
+    A function: module, qualified name, code digest, defaults and closure values (``value_id``; a
+    closure over a function names that function too), its module's digest. A class: the same for
+    each class it inherits from (module, name, each method's code) -- an op is its ``forward`` and
+    ``backward``. Recursion (a function that closes over itself) is cut by ``_seen``."""
+    _seen = set() if _seen is None else _seen
+    if id(obj) in _seen:
+        return ("recursive", getattr(obj, "__qualname__", "?"))
+    _seen = _seen | {id(obj)}
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if isinstance(obj, types.FunctionType):
+        src = _module_digest(obj.__module__)
+        if src is None:
+            return None
+        cells = []
+        for cell in obj.__closure__ or ():
+            try:
+                cells.append(value_id(cell.cell_contents, _seen))
+            except ValueError:  # an empty cell (a name assigned after the function was made)
+                cells.append("<empty>")
+        kw = sorted((obj.__kwdefaults__ or {}).items())
+        defaults = [value_id(d, _seen) for d in obj.__defaults__ or ()] + [value_id(kv, _seen) for kv in kw]
+        if None in cells or None in defaults:
+            return None
+        return ("function", obj.__module__, obj.__qualname__, _code_digest(obj.__code__),
+                repr(defaults), repr(cells), src)
+    if isinstance(obj, type):
+        parts = []
+        for k in obj.__mro__:
+            if k is object:
+                continue
+            src = _module_digest(k.__module__)
+            if src is None:
+                return None
+            methods = sorted((n, identity(f, _seen)) for n, f in vars(k).items()
+                             if isinstance(f, (types.FunctionType, staticmethod, classmethod)))
+            if any(m is None for _, m in methods):
+                return None
+            parts.append((k.__module__, k.__qualname__, repr(methods), src))
+        return ("class", repr(parts))
+    return None
+
+
+def _environment() -> tuple:
+    """What changes the program JAX emits besides the function and its arguments: versions, JAX's
+    trace-time settings (``config.trace_context``: x64, matmul precision, default device, ...; an
+    entry whose repr shows an address is named by its type), platform, devices, ``XLA_FLAGS``."""
+    import jax
+    import jaxlib
+    from jax._src import config
+
+    ctx = []
+    for x in config.trace_context():
+        r = repr(x)
+        ctx.append(type(x).__qualname__ if " at 0x" in r else r)
+    dev = jax.devices()
+    return (jax.__version__, jaxlib.__version__, tuple(ctx), dev[0].platform, dev[0].client.platform_version,
+            tuple(sorted({d.device_kind for d in dev})), len(dev), os.environ.get("XLA_FLAGS", ""),
+            source_digest())
+
+
+# -- arguments ----------------------------------------------------------------------------------
+class _Traced(Exception):
+    """An argument is a tracer: the caller is itself being traced, so inline the plain ``jit``."""
+
+
+def _leaf_sig(x):
+    """What a compiled program depends on in one argument (in memory: fast, not yet stable)."""
+    t = type(x)
+    if t.__module__.startswith("jaxlib") or t.__module__.startswith("jax"):
+        if not hasattr(x, "committed"):
+            raise _Traced
+        return (x.shape, x.dtype, x.weak_type, x.sharding, x.committed)
+    if t is np.ndarray:
+        return ("np", x.shape, x.dtype)
+    if isinstance(x, np.generic):
+        return ("np", (), x.dtype)
+    return (t,)  # a Python scalar: a weakly typed argument, its value not part of the program
+
+
+def _stable_leaf(s) -> str | None:
+    """``_leaf_sig`` as text that means the same in another process, or None (an array sharded over
+    several devices: this cache keeps single-device programs only)."""
+    if len(s) == 5:
+        shape, dtype, weak, sharding, committed = s
+        devices = getattr(sharding, "_device_assignment", None)
+        if type(sharding).__name__ != "SingleDeviceSharding" or not devices or len(devices) != 1:
+            return None
+        d = devices[0]
+        return repr((shape, str(dtype), weak, d.platform, d.id, sharding.memory_kind, committed))
+    if len(s) == 3:
+        return repr(("np", s[1], str(s[2])))
+    return repr(("py", s[0].__name__))
+
+
+# -- compiling, not loading from JAX's cache ------------------------------------------------------
+# An executable that JAX loaded from its own persistent cache serializes WITHOUT its machine code
+# (measured, jax 0.10.2 on CPU: the file loads, and running it fails with "Function
+# broadcast_add_fusion not found"). So our programs are compiled under a JAX cache key of their own
+# (the module's source locations included) that JAX never writes (minimum compile time infinite),
+# both set for this thread only -- JAX's cache keeps serving the eager programs outside minidist's
+# units. A hit on JAX's cache that happens anyway is seen (its event, in this thread) and the
+# program is used but not stored.
+_HITS = threading.local()
+_LISTENING: list = []
+
+
+def _count_hit(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _HITS.n = getattr(_HITS, "n", 0) + 1
+
+
+def _compile_fresh(lowered):
+    """(compiled, fresh): ``lowered.compile()``, fresh when XLA compiled it (not JAX's cache)."""
+    from jax import monitoring
+    from jax._src import config
+
+    with _SOURCES_LOCK:
+        if not _LISTENING:
+            _LISTENING.append(True)
+            monitoring.register_event_listener(_count_hit)
+    before = getattr(_HITS, "n", 0)
+    with config.compilation_cache_include_metadata_in_key(True), \
+            config.persistent_cache_min_compile_time_secs(float("inf")):
+        compiled = lowered.compile()
+    return compiled, getattr(_HITS, "n", 0) == before
+
+
+# -- the program --------------------------------------------------------------------------------
+class Program:
+    """One compiled unit: ``fn`` under ``jax.jit``, compiled once per argument signature, loaded from
+    the cache when an earlier run (or another process) compiled it.
+
+    ``identity``: a tuple of text naming everything ``fn`` bakes in (None: never persist, compile
+    each run). ``aux``: a dict ``fn`` fills while it is traced (what the trace learned); it is
+    stored with the executable and restored on a hit, which does not trace. ``donate_argnums`` as
+    ``jax.jit``'s (the loaded executable donates too). The first call of each signature holds a
+    lock: rank threads meeting it at once compile (or load) it once."""
+
+    def __init__(self, name: str, fn, identity: tuple | None, donate_argnums: tuple = (), aux=None):
+        self.name, self.fn, self.identity, self.donate = name, fn, identity, tuple(donate_argnums)
+        self.aux = aux
+        self._exes: dict = {}     # signature -> [executable, loaded from disk?]
+        self._failed: dict = {}   # signature -> the exception its trace raised
+        self._locks: dict = {}
+        self._lock = threading.Lock()
+        self._jit = None
+
+    def jitted(self):
+        import jax
+
+        if self._jit is None:
+            self._jit = jax.jit(self.fn, donate_argnums=self.donate)
+        return self._jit
+
+    def __call__(self, *args):
+        from jax import tree_util
+        from jax._src import config
+
+        leaves, tree = tree_util.tree_flatten(args)
+        try:
+            sig = (tree, tuple(map(_leaf_sig, leaves)), config.trace_context())
+        except _Traced:
+            return self.jitted()(*args)
+        entry = self._exes.get(sig)
+        if entry is None:
+            entry = self._first(sig, args)
+        if not entry[1]:
+            return entry[0](*args)
+        try:
+            return entry[0](*args)
+        except (TypeError, ValueError):  # a loaded executable that does not take these arguments
+            STATS["rejected"] += 1
+            with self._lock:
+                entry[:] = [self._compile(sig, args, self._key(sig)), False]
+            return entry[0](*args)
+
+    def _first(self, sig, args) -> list:
+        if sig in self._failed:
+            raise self._failed[sig]
+        with self._lock:
+            lock = self._locks.setdefault(sig, threading.Lock())
+        with lock:
+            entry = self._exes.get(sig)
+            if entry is not None:
+                return entry
+            if sig in self._failed:
+                raise self._failed[sig]
+            STATS[f"programs:{self.name}"] += 1
+            key = self._key(sig)
+            exe = self._load(key) if key else None
+            entry = [exe, True] if exe is not None else None
+            if entry is None:
+                try:
+                    entry = [self._compile(sig, args, key), False]
+                except Exception as e:
+                    self._failed[sig] = e
+                    raise
+            self._exes[sig] = entry
+            return entry
+
+    def _key(self, sig) -> str | None:
+        """The text naming this program in any process, or None: not persistable, or the cache off."""
+        if self.identity is None or cache_dir() is None:
+            return None
+        tree, leaves, _ = sig
+        stable = [_stable_leaf(s) for s in leaves]
+        text = str(tree)
+        if None in stable or "CustomNode" in text:
+            return None
+        return repr((FORMAT, self.name, self.identity, self.donate, text, stable, _environment()))
+
+    def _path(self, key: str) -> str:
+        return os.path.join(cache_dir(), hashlib.sha256(key.encode()).hexdigest() + ".exe")
+
+    def _load(self, key: str):
+        """The executable stored under ``key`` (``aux`` restored), or None: absent or unusable."""
+        import jax
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        try:
+            with open(self._path(key), "rb") as fh:
+                blob = fh.read()
+        except OSError:
+            return None
+        try:
+            n = len(FORMAT)
+            head, digest, body = blob[:n], blob[n:n + 32], blob[n + 32:]
+            if head != FORMAT or hashlib.sha256(body).digest() != digest:
+                raise ValueError("checksum")
+            entry = pickle.loads(body)
+            if entry["key"] != key:
+                raise ValueError("key")
+            by_id = {d.id: d for d in jax.devices()}
+            exe = deserialize_and_load(*entry["exe"], execution_devices=[by_id[i] for i in entry["devices"]])
+        except Exception:  # truncated, corrupted, another format: compile again and overwrite
+            STATS["corrupt"] += 1
+            return None
+        if self.aux is not None:
+            self.aux.update(entry["aux"])  # (no clear(): another rank may be reading it)
+        STATS["loaded"] += 1
+        return exe
+
+    def _compile(self, sig, args, key):
+        compiled, fresh = _compile_fresh(self.jitted().lower(*args))
+        STATS["compiled"] += 1
+        if key is not None and fresh:
+            self._store(key, compiled)
+        else:
+            STATS["unpersisted"] += 1
+        return compiled
+
+    def _store(self, key: str, compiled) -> None:
+        from jax.experimental.serialize_executable import serialize
+
+        aux = dict(self.aux) if self.aux is not None else None
+        if aux is not None and value_id(aux) is None:  # what the trace learned is not plain data
+            STATS["unpersisted"] += 1
+            return
+        try:
+            devices = [d.id for d in compiled.runtime_executable().local_devices()]
+            body = pickle.dumps({"key": key, "exe": serialize(compiled), "aux": aux, "devices": devices})
+        except Exception:  # an executable this backend cannot serialize
+            STATS["unpersisted"] += 1
+            return
+        path = self._path(key)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(FORMAT + hashlib.sha256(body).digest() + body)
+                os.replace(tmp, path)  # atomic: a reader sees the old file or the new, never half
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError:  # a read-only or full disk: the run goes on, uncached
+            STATS["store_failed"] += 1
+            return
+        STATS["stored"] += 1
+
+
+__all__ = ["PLAIN", "Program", "STATS", "cache_dir", "cache_root", "identity", "source_digest", "value_id"]

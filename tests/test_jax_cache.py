@@ -1,0 +1,246 @@
+"""minidist's executable cache (minidist/jax_cache.py): a program compiled in one process loads in
+the next with the same bits, and anything that changes the program changes the key -- a stale
+executable would be a silent wrong answer, so each test below is one way to get a wrong one."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+from minidist import jax_cache, jax_engine  # noqa: E402
+from minidist.backend import get_backend  # noqa: E402
+
+get_backend("jax")  # x64 on, as minidist runs JAX
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache directory of this test's own; returns the folder where executables go."""
+    monkeypatch.setenv("MINIDIST_JAX_CACHE", str(tmp_path))
+    return tmp_path / "exe"
+
+
+def _files(folder):
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+def _fresh(fn, name="t", **kw):
+    """A new Program for ``fn``, as a new process would make it: nothing compiled in memory."""
+    ident = jax_cache.identity(fn)
+    assert ident is not None
+    return jax_cache.Program(name, fn, ("test", ident), **kw)
+
+
+def _scaler(c):
+    def scale(x):
+        return x * c
+    return scale
+
+
+def test_a_changed_closure_value_is_a_different_program(cache):
+    x = jax.device_put(np.arange(4.0))
+    np.testing.assert_array_equal(_fresh(_scaler(2.0))(x), np.arange(4.0) * 2)
+    before = dict(jax_cache.STATS)
+    np.testing.assert_array_equal(_fresh(_scaler(3.0))(x), np.arange(4.0) * 3)  # not 2x, loaded
+    assert jax_cache.STATS["loaded"] == before.get("loaded", 0)
+    np.testing.assert_array_equal(_fresh(_scaler(2.0))(x), np.arange(4.0) * 2)
+    assert jax_cache.STATS["loaded"] == before.get("loaded", 0) + 1  # the same closure: a hit
+    assert len(_files(cache)) == 2
+
+
+def test_a_changed_baked_in_argument_is_a_different_program(cache):
+    """``jax_engine.pure`` bakes plain arguments in (here ``k``): each value is its own program."""
+    def times(x, k):
+        return x * k
+
+    x = jax.device_put(np.arange(3.0))
+    got = [np.asarray(jax_engine.pure(times)(x, k)) for k in (2.0, 5.0, 2.0)]  # a new `made` each
+    np.testing.assert_array_equal(got[0], [0, 2, 4])
+    np.testing.assert_array_equal(got[1], [0, 5, 10])
+    np.testing.assert_array_equal(got[2], [0, 2, 4])
+    assert len(_files(cache)) == 2
+
+
+def _twice(x):
+    return x + x
+
+
+def test_a_changed_dtype_is_a_different_program(cache):
+    """A loaded executable for float32 would reject float64 (counted as ``rejected``): the key must
+    have told them apart before, so nothing is rejected and both are stored."""
+    before = jax_cache.STATS["rejected"]
+    for dtype in (np.float32, np.float64):
+        y = _fresh(_twice)(jax.device_put(np.ones(3, dtype)))
+        assert y.dtype == dtype
+    assert jax_cache.STATS["rejected"] == before
+    assert len(_files(cache)) == 2
+
+
+def _add(a, b):
+    return a + b
+
+
+def test_weak_type_is_part_of_the_key(cache):
+    """A weakly typed float64 scalar plus float32 is float32; a strongly typed one makes float64.
+    A loaded executable takes either without complaint, so only the key keeps them apart."""
+    f32 = jax.device_put(np.ones(2, np.float32))
+    weak = jax.numpy.asarray(2.0, dtype=None) * 1  # a Python float's weak type survives `* 1`
+    strong = jax.device_put(np.float64(2.0))
+    assert weak.weak_type and not strong.weak_type
+    assert _fresh(_add)(weak, f32).dtype == np.float32
+    assert _fresh(_add)(strong, f32).dtype == np.float64
+
+
+def test_the_device_is_part_of_the_key(cache):
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip("one JAX device (the tests force 8 CPU devices through XLA_FLAGS)")
+    before = jax_cache.STATS["rejected"]
+    for d in devices[:2]:
+        y = _fresh(_twice)(jax.device_put(np.ones(3), d))
+        assert y.sharding.device_set == {d}
+    assert jax_cache.STATS["rejected"] == before
+    assert len(_files(cache)) == 2
+
+
+def test_an_unnameable_closure_is_never_stored(cache):
+    """A closure over an object whose repr does not say what it holds: compiled, never stored."""
+    class Box:
+        pass
+
+    box = Box()
+    box.k = 4.0
+
+    def f(x):
+        return x * box.k
+
+    assert jax_cache.identity(f) is None
+    prog = jax_cache.Program("t", f, None)
+    np.testing.assert_array_equal(prog(jax.device_put(np.ones(2))), [4.0, 4.0])
+    assert _files(cache) == []
+
+
+def test_a_corrupted_file_is_recompiled_and_overwritten(cache):
+    x = jax.device_put(np.arange(5.0))
+    _fresh(_scaler(7.0))(x)
+    [name] = _files(cache)
+    path = cache / name
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF  # one flipped byte inside the executable
+    path.write_bytes(bytes(blob))
+    before = dict(jax_cache.STATS)
+    np.testing.assert_array_equal(_fresh(_scaler(7.0))(x), np.arange(5.0) * 7)
+    assert jax_cache.STATS["corrupt"] == before.get("corrupt", 0) + 1
+    assert jax_cache.STATS["compiled"] == before.get("compiled", 0) + 1
+    path.write_bytes(path.read_bytes()[:100])  # truncated: the same
+    np.testing.assert_array_equal(_fresh(_scaler(7.0))(x), np.arange(5.0) * 7)
+    assert jax_cache.STATS["corrupt"] == before.get("corrupt", 0) + 2
+    np.testing.assert_array_equal(_fresh(_scaler(7.0))(x), np.arange(5.0) * 7)  # rewritten: a hit
+    assert jax_cache.STATS["loaded"] == before.get("loaded", 0) + 1
+
+
+def test_an_executable_that_rejects_its_arguments_is_recompiled(cache, monkeypatch):
+    """A file written under the wrong key (a float32 program where float64 belongs, as a key that
+    forgot the dtype would do): the call rejects it, the program is compiled again and stored."""
+    real_key = jax_cache.Program._key
+    f64 = jax.device_put(np.ones(3))
+    key64 = real_key(_fresh(_twice), (jax.tree_util.tree_flatten((f64,))[1],
+                                      (jax_cache._leaf_sig(f64),), jax._src.config.trace_context()))
+    monkeypatch.setattr(jax_cache.Program, "_key", lambda self, sig: key64)
+    _fresh(_twice)(jax.device_put(np.ones(3, np.float32)))  # stored under float64's key
+    monkeypatch.setattr(jax_cache.Program, "_key", real_key)
+    before = jax_cache.STATS["rejected"]
+    y = _fresh(_twice)(f64)
+    assert y.dtype == np.float64 and jax_cache.STATS["rejected"] == before + 1
+    assert _fresh(_twice)(f64).dtype == np.float64 and jax_cache.STATS["rejected"] == before + 1
+
+
+def test_identity_names_code_closures_and_defaults():
+    def f(x, k=2):
+        return x * k
+
+    def g(x, k=3):
+        return x * k
+
+    def h(x, k=2):
+        return x + k
+
+    idents = [jax_cache.identity(fn) for fn in (f, g, h)]
+    assert None not in idents and len(set(idents)) == 3
+    assert jax_cache.identity(_scaler(1.0)) != jax_cache.identity(_scaler(1))  # 1.0 vs 1: repr differs
+    assert jax_cache.identity(_scaler(object())) is None
+
+
+# -- across processes ----------------------------------------------------------------------------
+CHILD = r"""
+import hashlib, json, sys
+import numpy as np
+from minidist import jax_cache, jax_engine
+from minidist.backend import get_backend
+from minidist.nn import GPT, GPTConfig
+from minidist.optim import AdamW
+
+cfg = GPTConfig(vocab_size=13, block_size=4, n_layer=1, n_head=2, d_model=8, dtype="float32")
+model = GPT(cfg, backend="jax")
+opt = AdamW(model.parameters(), lr=1e-2)
+rng = np.random.default_rng(0)
+x, y = rng.integers(0, 13, (2, 4)), rng.integers(0, 13, (2, 4))
+for _ in range(2):
+    loss = model.loss(x, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+be = get_backend("jax")
+h = hashlib.sha256(np.asarray(be.to_host(loss.data)).tobytes())
+for k, p in model.named_parameters():
+    h.update(be.to_host(p.data).tobytes())
+print(json.dumps({"bits": h.hexdigest(), "stats": dict(jax_cache.STATS), "source": jax_cache.source_digest(),
+                  "loaded": jax_engine.compilations("loaded")}))
+"""
+
+
+def _start(env):
+    full = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    full.update(env, PYTHONPATH=ROOT, XLA_FLAGS="")
+    return subprocess.Popen([sys.executable, "-c", CHILD], env=full, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc):
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_two_writers_at_once_then_a_reader_that_loads_everything_with_the_same_bits(tmp_path):
+    """Two processes compile the same programs into one empty cache at the same moment (each file
+    written whole, then renamed); a third compiles nothing, loads every program, and ends two
+    AdamW steps of a GPT with bit-identical loss and parameters."""
+    for attempt in range(3):  # (again, in a new folder, if minidist's source changed under the test)
+        env = {"MINIDIST_JAX_CACHE": str(tmp_path / str(attempt))}
+        writers = [_result(p) for p in [_start(env), _start(env)]]
+        reader = _result(_start(env))
+        if len({r["source"] for r in writers + [reader]}) == 1:
+            break
+    assert writers[0]["bits"] == writers[1]["bits"] == reader["bits"]
+    files = _files(tmp_path / str(attempt) / "exe")
+    assert files and not [f for f in files if not f.endswith(".exe")]  # no temporary file left
+    stats = reader["stats"]
+    assert stats.get("compiled", 0) == stats.get("unpersisted", 0) == 0, stats
+    assert stats["loaded"] == reader["loaded"] == len(files), (stats, len(files))
+    assert not stats.get("corrupt") and not stats.get("rejected"), stats
+
+
+def test_cache_off_writes_nothing(tmp_path):
+    """``MINIDIST_JAX_CACHE=0``: neither minidist's cache nor JAX's writes a file (HOME is empty)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    result = _result(_start({"MINIDIST_JAX_CACHE": "0", "HOME": str(home), "XDG_CACHE_HOME": str(home)}))
+    assert not result["stats"].get("stored") and not result["stats"].get("loaded"), result["stats"]
+    assert list(home.rglob("*")) == []
