@@ -30,6 +30,7 @@ import numpy as np
 from minidist import ops
 from minidist.backend import backend_of
 from minidist.comm import all_to_all
+from minidist.comm.call import result_backend
 from minidist.nn import GPT
 from minidist.nn.module import ModuleList
 from minidist.nn.moe import MoE
@@ -53,7 +54,12 @@ class AllToAll(Function):
 
 
 def _exchange(comm, x):
-    return backend_of(x).xp.stack(all_to_all(comm, [x[j] for j in range(comm.size)]))
+    if type(x) is np.ndarray:
+        return np.stack(all_to_all(comm, [x[j] for j in range(comm.size)]))
+    # a device array: ``all_to_all`` stages its chunks through the host anyway, so one copy out, host
+    # views of the rows, one copy back -- on JAX, not an eager slice per row and a stack per call
+    parts = all_to_all(comm, list(np.asarray(backend_of(x).to_host(x))))
+    return result_backend(comm, x).from_host(np.stack(parts))
 
 
 class ExpertParallelMoE(MoE):
