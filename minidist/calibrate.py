@@ -249,7 +249,7 @@ def effective_cores(threads: int, minidist_ops: bool = False, batch: int = 8) ->
         ratios.append(threads * _median_time(work, 3, min_time=0, clock=cpu) /  # what it needs alone
                       _median_time(together, 3, min_time=0))
     # below 1 is possible: handing the GIL over costs time of its own
-    return max(1.0 / threads, min(float(threads), float(np.median(ratios))))
+    return max(0.01, min(float(threads), float(np.median(ratios))))  # never nothing at all
 
 
 def thread_counts(cores: int) -> list:
