@@ -81,12 +81,13 @@ def here_rows(args):
     transport = "mpi" if args.mpi else "threads"
     hw = hardware.here(transport=transport)
     if args.mpi:
-        crowds = ", ".join(f"{c.ranks}: {c.cores:.1f}" for c in hw.crowds) or "not probed: recalibrate"
-        print(f"here: {hw.name}, MPI processes ({hw.cpus} CPUs; cores' worth per process count {crowds})",
-              end="")
+        crowds = ", ".join(f"{c.ranks}: {c.cores:.1f} (+{c.python:.2f})" for c in hw.crowds) or \
+            "not probed: recalibrate"
+        print(f"here: {hw.name}, MPI processes ({hw.cpus} CPUs; one rank alone gets {hw.cores_one:.2f} of a "
+              f"core; cores' worth (+Python lost per s) per process count {crowds})", end="")
     else:
-        print(f"here: {hw.name}, {hw.cores:.1f} cores free to thread ranks ({hw.cores_crowded:.1f} once they "
-              f"outnumber the {hw.cpus} CPUs)", end="")
+        counts = ", ".join(f"{n}: {c:.1f}" for n, c in hw.threads) or f"{hw.cores:.1f}"
+        print(f"here: {hw.name}, thread ranks ({hw.cpus} CPUs; cores' worth per rank count {counts})", end="")
     print(f", load average now {os.getloadavg()[0]:.1f} (calibrated at {hw_load():.1f}); "
           f"GPT {CFG.n_layer}x{CFG.d_model}, batch {BATCH}x{CFG.block_size}")
     print(f"{'mesh':<22} {'predicted s':>11} {'measured s':>10} {'ratio':>6}  within 30%  "
