@@ -103,8 +103,8 @@ def rank_main(comm, args):
             mrandom.manual_seed(args.seed + r)
             rows = data[r * args.batch:(r + 1) * args.batch]
             m.loss(rows, rows).backward()
-            grads.append([q.grad for q in m.parameters()])
-        twin = [sum(gs) / p for gs in zip(*grads)]
+            grads.append([q.backend.to_host(q.grad) for q in m.parameters()])
+        twin = [sum(gs) / p for gs in zip(*grads)]  # on the host: no program per shape on JAX
 
     rprint(comm, f"{'policy':<10} {'peak act bytes':>15} {'formula':>12} {'vs none':>8} {'cpu ms':>8} "
                  f"{'vs none':>8} {'max|diff| vs twin':>18} {'planner ms':>12}")
@@ -122,7 +122,7 @@ def rank_main(comm, args):
             q.register_post_accumulate_grad_hook(lambda q, s=samples, a=acct: window_peak(a, s))
         mrandom.manual_seed(args.seed + comm.rank)
         step(model, acct, shard, samples)
-        got = [q.grad for q in model.parameters()]
+        got = [q.backend.to_host(q.grad) for q in model.parameters()]  # compared on the host
         sec = time_step(apply_checkpointing(GPT(cfg), policy), comm, shard, args.repeats, tracer, policy)
         peak = max(comm.allgather_obj(max(samples)))  # the largest window peak is the peak
         formula = predicted_peak_activation_bytes(cfg, args.batch, args.seq, policy)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist import ops
+from minidist import jax_engine, ops
 from minidist import random as mrandom
 from minidist.backend import backend_of, default_backend, get_backend
 from minidist.nn.attention import self_attention
@@ -227,8 +227,19 @@ class ParallelAttention(Module):
 
 
 def _ids(idx, be):
+    """Integer ids (tokens, targets) as the layers below take them: the backend's device array as it
+    is; host ids stay on the host except on CuPy, which won't mix host and device arrays. (On JAX the
+    ops take host ids as arguments, and masks of host ids are host arithmetic: no compiled program,
+    no read-back.)"""
     idx = idx.data if isinstance(idx, Tensor) else idx
-    return be.asarray(idx) if not be.is_array(idx) else idx
+    if be.is_array(idx):
+        return idx
+    return be.asarray(idx) if be.name == "cupy" else np.asarray(idx)
+
+
+def _ids_xp(ids, be):
+    """The array module for arithmetic on ``ids``: NumPy for host ids, else the backend's."""
+    return np if type(ids) is np.ndarray else be.xp
 
 
 class VocabParallelEmbedding(Module):
@@ -248,8 +259,8 @@ class VocabParallelEmbedding(Module):
     def partial(self, idx):
         """My rows' contribution: embedding of ids in my range, zeros elsewhere."""
         be = self.weight.backend
-        xp = be.xp
         local = _ids(idx, be) - self.start
+        xp = _ids_xp(local, be)
         outside = (local < 0) | (local >= self.local_rows)
         rows = ops.embedding(self.weight, xp.where(outside, 0, local))
         return rows * (~outside)[..., None].astype(self.weight.dtype)
@@ -271,33 +282,66 @@ class VocabParallelCrossEntropy(Function):
 
     @staticmethod
     def forward(ctx, logits, targets, comm, ignore_index=-1):
-        xp = backend_of(logits).xp
         v = logits.shape[-1]
         x = logits.reshape(-1, v)
         t = targets.reshape(-1)
         valid = t != ignore_index
-        m = tp_all_reduce(comm, x.max(axis=-1), op="max")
-        shifted = x - m[:, None]
+        m = tp_all_reduce(comm, _row_max(x), op="max")
         local_t = t - comm.rank * v
         mine = valid & (local_t >= 0) & (local_t < v)
-        safe_t = xp.where(mine, local_t, 0)
-        target = tp_all_reduce(comm, xp.take_along_axis(shifted, safe_t[:, None], axis=-1)[:, 0] * mine)
-        lse = xp.log(tp_all_reduce(comm, xp.exp(shifted).sum(axis=-1)))
+        safe_t = _ids_xp(t, backend_of(logits)).where(mine, local_t, 0)
+        shifted, target, sum_exp = _shifted_target_sum_exp(x, m, safe_t, mine)
+        target = tp_all_reduce(comm, target)
+        lse = _log(tp_all_reduce(comm, sum_exp))
         n = max(int(valid.sum()), 1)
         ctx.save(shifted, lse)
         ctx.t, ctx.mine, ctx.valid, ctx.n, ctx.shape = safe_t, mine, valid, n, logits.shape
-        return (((lse - target) * valid).sum() / n).astype(logits.dtype)
+        return _mean_loss(lse, target, valid, n, logits.dtype)
 
     @staticmethod
     def backward(ctx, g):
         shifted, lse = ctx.saved
-        be = backend_of(shifted)
-        xp = be.xp
-        probs = xp.exp(shifted - lse[:, None])
-        rows = xp.arange(probs.shape[0])
-        probs = be.scatter_add(probs, (rows, ctx.t), -ctx.mine.astype(probs.dtype))
-        scale = (g / ctx.n) * ctx.valid[:, None].astype(probs.dtype)
-        return (probs * scale).reshape(ctx.shape), None
+        return _cross_entropy_grad(shifted, lse, ctx.t, ctx.mine, ctx.valid, g, ctx.n, ctx.shape), None
+
+
+# The loss's array steps between its all-reduces, as pure functions: on NumPy as written, on JAX one
+# compiled call each (``jax_engine.pure``) instead of an eager primitive -- and its program -- apiece.
+
+@jax_engine.pure
+def _row_max(x):
+    return x.max(axis=-1)
+
+
+@jax_engine.pure
+def _shifted_target_sum_exp(x, m, safe_t, mine):
+    """x - max, my part of each token's target logit (0 where the target is not in my slice), and
+    my part of Σ exp."""
+    xp = backend_of(x).xp
+    shifted = x - m[:, None]
+    return shifted, xp.take_along_axis(shifted, safe_t[:, None], axis=-1)[:, 0] * mine, \
+        xp.exp(shifted).sum(axis=-1)
+
+
+@jax_engine.pure
+def _log(x):
+    return backend_of(x).xp.log(x)
+
+
+@jax_engine.pure
+def _mean_loss(lse, target, valid, n, dtype):
+    return (((lse - target) * valid).sum() / n).astype(dtype)
+
+
+@jax_engine.pure
+def _cross_entropy_grad(shifted, lse, t, mine, valid, g, n, shape):
+    """My slice of softmax(z) - onehot(t), times g / n (ignored tokens: 0)."""
+    be = backend_of(shifted)
+    xp = be.xp
+    probs = xp.exp(shifted - lse[:, None])
+    rows = xp.arange(probs.shape[0])
+    probs = be.scatter_add(probs, (rows, t), -mine.astype(probs.dtype))
+    scale = (g / n) * valid[:, None].astype(probs.dtype)
+    return (probs * scale).reshape(shape)
 
 
 def vocab_parallel_cross_entropy(logits, targets, comm, ignore_index=-1):
