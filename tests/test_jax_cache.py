@@ -131,16 +131,18 @@ def test_a_corrupted_file_is_recompiled_and_overwritten(cache):
     _fresh(_scaler(7.0))(x)
     [name] = _files(cache)
     path = cache / name
-    blob = bytearray(path.read_bytes())
-    blob[len(blob) // 2] ^= 0xFF  # one flipped byte inside the executable
-    path.write_bytes(bytes(blob))
+    seven, eight = np.float64(7.0).tobytes(), np.float64(8.0).tobytes()
+    blob = path.read_bytes()
+    assert seven in blob
+    path.write_bytes(blob.replace(seven, eight))  # the baked-in 7.0 becomes 8.0: it would load and run
     before = dict(jax_cache.STATS)
     np.testing.assert_array_equal(_fresh(_scaler(7.0))(x), np.arange(5.0) * 7)
     assert jax_cache.STATS["corrupt"] == before.get("corrupt", 0) + 1
     assert jax_cache.STATS["compiled"] == before.get("compiled", 0) + 1
-    path.write_bytes(path.read_bytes()[:100])  # truncated: the same
-    np.testing.assert_array_equal(_fresh(_scaler(7.0))(x), np.arange(5.0) * 7)
-    assert jax_cache.STATS["corrupt"] == before.get("corrupt", 0) + 2
+    for broken in (path.read_bytes()[:100], b""):  # truncated, empty: the same
+        path.write_bytes(broken)
+        np.testing.assert_array_equal(_fresh(_scaler(7.0))(x), np.arange(5.0) * 7)
+    assert jax_cache.STATS["corrupt"] == before.get("corrupt", 0) + 3
     np.testing.assert_array_equal(_fresh(_scaler(7.0))(x), np.arange(5.0) * 7)  # rewritten: a hit
     assert jax_cache.STATS["loaded"] == before.get("loaded", 0) + 1
 
@@ -159,6 +161,33 @@ def test_an_executable_that_rejects_its_arguments_is_recompiled(cache, monkeypat
     y = _fresh(_twice)(f64)
     assert y.dtype == np.float64 and jax_cache.STATS["rejected"] == before + 1
     assert _fresh(_twice)(f64).dtype == np.float64 and jax_cache.STATS["rejected"] == before + 1
+
+
+def _new_process(monkeypatch):
+    """Forget every op program this process made, as a new process starts (the cache stays)."""
+    monkeypatch.setattr(jax_engine, "_FORWARD", {})
+    monkeypatch.setattr(jax_engine, "_BACKWARD", {})
+
+
+def test_an_ops_baked_number_is_in_its_key_and_its_trace_comes_back_from_the_file(cache, monkeypatch):
+    """``x * c`` bakes ``c`` into Mul's forward and saves it for backward: a new process with
+    another ``c`` must not load the old program, and one with the same ``c`` loads it (no trace)
+    and still has what the trace learned -- the saved number -- for the gradient."""
+    from minidist import ops
+    from minidist.tensor import Tensor
+
+    be = get_backend("jax")
+    host = np.arange(1.0, 7.0).reshape(2, 3)
+    for c in (2.0, 3.0, 2.0):
+        _new_process(monkeypatch)
+        loaded = jax_cache.STATS["loaded"]
+        x = Tensor(be.from_host(host), requires_grad=True)
+        y = ops.mul(x, c)
+        assert y._node.ctx.saved[1] == c and isinstance(y._node.ctx.saved[1], float)
+        y.sum().backward()
+        np.testing.assert_array_equal(np.asarray(y.data), host * c)
+        np.testing.assert_array_equal(np.asarray(x.grad), np.full((2, 3), c))
+    assert jax_cache.STATS["loaded"] > loaded  # the last one: Mul and Sum, forward and backward
 
 
 def test_identity_names_code_closures_and_defaults():
