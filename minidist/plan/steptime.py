@@ -7,7 +7,9 @@ Per pipeline stage and microbatch (chunk):
 Memory-bound ops (norms, GELU, softmax, dropout, residuals) move each saved activation about three
 times (written in forward, read and its gradient written in backward): 3 · activation bytes / HBM
 bandwidth. On this machine (`--hardware here`) every op also costs `op_overhead` (Python and
-dispatch: calibrate's measured Python per block and for the embedding + head), and when the ranks
+dispatch: calibrate's measured Python per block and for the embedding + head), a whole step costs
+calibrate's `cold` times the sum of its ops (timed one at a time, in cache), MPI processes that
+outnumber the CPUs lose the probe's share of their Python besides (`python_crowding`), and when the ranks
 share too few cores every rank's work and messages run ranks / cores times slower, the bubble not
 (`rank_slowdown`: processes get the free cores; thread ranks share one GIL, and once they outnumber
 the CPUs their Python, kernels and messages take turns -- calibrate measures the cores they get).
