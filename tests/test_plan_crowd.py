@@ -96,6 +96,11 @@ def test_a_whole_step_is_its_parts_times_cold():
     4 ms of Python x 1.25 for one rank alone."""
     hw = PROBED.with_(kernels={**PROBED.kernels, "cold": 1.25}, cores=0, crowds=())
     assert predict(SPEC, Candidate(microbatch=8), B, hw).step == pytest.approx(1.25 * 4e-3)
+    # 2 thread ranks: their Python takes turns on one GIL, 2 x 4 ms x 1.25 one after the other; the
+    # all-reduce's 2 rounds of 1 ms stretch by 2 / 1.5
+    threads = hw.with_(cores=1.5, cpus=2, gil=True, transport="threads")
+    assert predict(SPEC, Candidate(dp=2, microbatch=4), B, threads).step == pytest.approx(
+        2 * 1.25 * 4e-3 + 2 / 1.5 * 2e-3)
 
 
 def test_crowd_fit_reads_cores_and_python_off_the_fat_and_thin_steps():

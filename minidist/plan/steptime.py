@@ -336,7 +336,8 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
     if hw.gil and hw.kernels is not None and model.engine == "minidist":
         # thread ranks: one GIL, so all ranks' Python runs one after another, however many cores
         ranks_per_stage = cand.dp * cand.tp * cand.cp
-        gil = ranks_per_stage * m * sum(python_time(model, cand, hw, s, 0) for s in range(cand.pp))
+        gil = ranks_per_stage * m * sum(python_time(model, cand, hw, s, 0) for s in range(cand.pp)) * \
+            hw.kernels.get("cold", 1.0)
         if gil > makespan:
             bubble *= makespan / gil
             makespan = gil
