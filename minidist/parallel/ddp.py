@@ -57,7 +57,9 @@ def _flatten(xp, arrays, sizes, dtype):
 
 
 @jax_engine.pure  # on JAX one compiled call, not a slice and a reshape program per parameter
-def _views(flat, offsets, sizes, shapes) -> list:
+def _views(flat, offsets, sizes, shapes, divisor=1.0) -> list:
+    if divisor != 1:  # the average of a summed gradient (in the same call: no divide program on JAX)
+        flat = flat / divisor
     return [flat[o:o + n].reshape(s) for o, n, s in zip(offsets, sizes, shapes)]
 
 
@@ -76,9 +78,11 @@ class Bucket:
         """One flat array of the bucket's parameters' arrays (None -> zeros), in bucket order."""
         return _flatten(self.params[0].backend.xp, list(arrays), tuple(self.sizes), self.dtype)
 
-    def views(self, flat) -> list:
-        """The inverse of ``flatten``: per-parameter views of ``flat`` in their shapes."""
-        return _views(flat, tuple(self.offsets), tuple(self.sizes), tuple(p.shape for p in self.params))
+    def views(self, flat, divisor: float = 1.0) -> list:
+        """The inverse of ``flatten``: per-parameter views of ``flat`` (divided by ``divisor``, a new
+        array then) in their shapes."""
+        return _views(flat, tuple(self.offsets), tuple(self.sizes), tuple(p.shape for p in self.params),
+                      divisor)
 
     def shard(self, rank: int, size: int) -> tuple[int, int]:
         """[lo, hi) of the flat bucket rank ``rank`` owns: ``np.array_split`` of numel into size parts
@@ -231,7 +235,7 @@ class DistributedDataParallel:
         self._micro += 1
         if self._sync and self._weighted:  # queued first: the worker runs it before any bucket
             self._start_count()
-        seed = loss.backend.xp.full(loss.data.shape, w, dtype=loss.dtype)
+        seed = loss.backend.from_host(np.full(loss.data.shape, w, dtype=loss.dtype))  # (JAX: no program)
         self._in_backward = True
         try:
             with self.timeline.backward(record=self._sync):  # a sync window: its last backward
@@ -287,8 +291,7 @@ class DistributedDataParallel:
 
     def _complete(self, b: Bucket, total, divisor: float):
         """Bucket ``b``'s summed gradient arrived: divide and hand out views as ``p.grad``."""
-        total = total / divisor if divisor != 1 else total
-        for p, v in zip(b.params, b.views(total)):
+        for p, v in zip(b.params, b.views(total, divisor)):
             p.grad = v
 
     def _divisor(self) -> float:

@@ -97,7 +97,8 @@ class ZeRO(DistributedDataParallel):
         for b in self.buckets:
             lo, hi = b.shard(comm.rank, comm.size)
             flat = b.flatten([p.data for p in b.params])
-            self.shards.append(Parameter(flat[lo:hi].copy()))
+            shard = flat[lo:hi]
+            self.shards.append(Parameter(shard.copy() if b.params[0].backend.inplace else shard))  # a view
         self.optimizer = optimizer(self.shards)
 
     def _setup_units(self, module, units, comm) -> None:
