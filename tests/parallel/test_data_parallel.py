@@ -388,3 +388,29 @@ def _mpi_main():
 
 if __name__ == "__main__":
     _mpi_main()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "jax"])
+def test_bucket_views_average_in_one_call(backend):
+    """A bucket's summed gradient -> each parameter's average: flat / divisor, cut and reshaped. On
+    JAX that is one compiled program for the whole bucket (a divide program more, eagerly), reused."""
+    if backend == "jax":
+        pytest.importorskip("jax")
+    from minidist import jax_engine
+    from minidist.backend import get_backend
+    from minidist.nn.module import Parameter
+    from minidist.parallel.ddp import Bucket
+
+    be = get_backend(backend)
+    params = [Parameter(be.from_host(np.zeros(s, np.float32))) for s in [(2, 3), (4,), (1, 5)]]
+    b = Bucket(0, params)
+    flat = np.arange(15, dtype=np.float32) * 3
+    before = jax_engine.compilations() if backend == "jax" else 0
+    for _ in range(3):
+        got = [np.asarray(be.to_host(v)) for v in b.views(be.from_host(flat), 4.0)]
+    want = [flat[:6].reshape(2, 3) / 4, flat[6:10] / 4, flat[10:].reshape(1, 5) / 4]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+        assert g.dtype == np.float32
+    if backend == "jax" and jax_engine.enabled():
+        assert jax_engine.compilations() - before == 1
