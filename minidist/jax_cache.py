@@ -45,6 +45,16 @@ import numpy as np
 FORMAT = b"minidist-jax-exe-1\n"
 PLAIN = (type(None), bool, int, float, complex, str, bytes, slice, type(Ellipsis), np.dtype, np.generic)
 STATS: collections.Counter = collections.Counter()  # compiled, loaded, stored, corrupt, rejected, ...
+_STATS_LOCK = threading.Lock()
+
+
+def _count(what: str) -> None:
+    with _STATS_LOCK:  # (rank threads compile and load at once; a lost count would skew a test)
+        STATS[what] += 1
+
+
+class Untraceable(Exception):
+    """This program's trace failed before for these arguments (the caller runs it eagerly)."""
 
 
 def cache_root() -> str | None:
@@ -288,7 +298,7 @@ class Program:
         self.name, self.fn, self.identity, self.donate = name, fn, identity, tuple(donate_argnums)
         self.aux = aux
         self._exes: dict = {}     # signature -> [executable, loaded from disk?]
-        self._failed: dict = {}   # signature -> the exception its trace raised
+        self._failed: set = set()  # signatures whose trace raised
         self._locks: dict = {}
         self._lock = threading.Lock()
         self._jit = None
@@ -317,14 +327,14 @@ class Program:
         try:
             return entry[0](*args)
         except (TypeError, ValueError):  # a loaded executable that does not take these arguments
-            STATS["rejected"] += 1
+            _count("rejected")
             with self._lock:
                 entry[:] = [self._compile(sig, args, self._key(sig)), False]
             return entry[0](*args)
 
     def _first(self, sig, args) -> list:
         if sig in self._failed:
-            raise self._failed[sig]
+            raise Untraceable(self.name)
         with self._lock:
             lock = self._locks.setdefault(sig, threading.Lock())
         with lock:
@@ -332,16 +342,16 @@ class Program:
             if entry is not None:
                 return entry
             if sig in self._failed:
-                raise self._failed[sig]
-            STATS[f"programs:{self.name}"] += 1
+                raise Untraceable(self.name)
+            _count(f"programs:{self.name}")
             key = self._key(sig)
             exe = self._load(key) if key else None
             entry = [exe, True] if exe is not None else None
             if entry is None:
                 try:
                     entry = [self._compile(sig, args, key), False]
-                except Exception as e:
-                    self._failed[sig] = e
+                except Exception:
+                    self._failed.add(sig)
                     raise
             self._exes[sig] = entry
             return entry
@@ -381,20 +391,20 @@ class Program:
             by_id = {d.id: d for d in jax.devices()}
             exe = deserialize_and_load(*entry["exe"], execution_devices=[by_id[i] for i in entry["devices"]])
         except Exception:  # truncated, corrupted, another format: compile again and overwrite
-            STATS["corrupt"] += 1
+            _count("corrupt")
             return None
         if self.aux is not None:
             self.aux.update(entry["aux"])  # (no clear(): another rank may be reading it)
-        STATS["loaded"] += 1
+        _count("loaded")
         return exe
 
     def _compile(self, sig, args, key):
         compiled, fresh = _compile_fresh(self.jitted().lower(*args))
-        STATS["compiled"] += 1
+        _count("compiled")
         if key is not None and fresh:
             self._store(key, compiled)
         else:
-            STATS["unpersisted"] += 1
+            _count("unpersisted")
         return compiled
 
     def _store(self, key: str, compiled) -> None:
@@ -402,13 +412,13 @@ class Program:
 
         aux = dict(self.aux) if self.aux is not None else None
         if aux is not None and value_id(aux) is None:  # what the trace learned is not plain data
-            STATS["unpersisted"] += 1
+            _count("unpersisted")
             return
         try:
             devices = [d.id for d in compiled.runtime_executable().local_devices()]
             body = pickle.dumps({"key": key, "exe": serialize(compiled), "aux": aux, "devices": devices})
         except Exception:  # an executable this backend cannot serialize
-            STATS["unpersisted"] += 1
+            _count("unpersisted")
             return
         path = self._path(key)
         try:
@@ -422,9 +432,10 @@ class Program:
                 os.unlink(tmp)
                 raise
         except OSError:  # a read-only or full disk: the run goes on, uncached
-            STATS["store_failed"] += 1
+            _count("store_failed")
             return
-        STATS["stored"] += 1
+        _count("stored")
 
 
-__all__ = ["PLAIN", "Program", "STATS", "cache_dir", "cache_root", "identity", "source_digest", "value_id"]
+__all__ = ["PLAIN", "Program", "STATS", "Untraceable", "cache_dir", "cache_root", "identity", "source_digest",
+           "value_id"]

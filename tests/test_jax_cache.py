@@ -109,6 +109,21 @@ def test_the_device_is_part_of_the_key(cache):
     assert len(_files(cache)) == 2
 
 
+def _decay(x, y):
+    return x * 0.5 + y
+
+
+def test_donation_is_in_the_key_and_survives_a_load(cache):
+    """An optimizer's state is donated (its buffer reused for the result): a loaded executable
+    must donate too, and a program without donation is another program."""
+    before = jax_cache.STATS["loaded"]
+    for donate in ((), (0,), (0,)):
+        x, y = jax.device_put(np.ones(4)), jax.device_put(np.ones(4))
+        np.testing.assert_array_equal(_fresh(_decay, donate_argnums=donate)(x, y), np.full(4, 1.5))
+        assert x.is_deleted() == bool(donate) and not y.is_deleted()
+    assert jax_cache.STATS["loaded"] == before + 1  # the third: donating, from the file
+
+
 def test_an_unnameable_closure_is_never_stored(cache):
     """A closure over an object whose repr does not say what it holds: compiled, never stored."""
     class Box:
