@@ -98,3 +98,29 @@ def test_lesson_passes_and_exits_1_when_the_exchange_is_wrong(monkeypatch, capsy
     with pytest.raises(SystemExit) as e:
         lesson.main(["--ranks", "2", "--experts", "3"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("backend", ["numpy", "jax"])
+def test_exchange_transposes_rows_over_ranks_and_compiles_nothing_on_jax(backend):
+    """``_exchange``: rank r's row j goes to rank j, as row r there. A device array goes through
+    the host once each way (all_to_all stages through it anyway): on JAX no program at all."""
+    if backend == "jax":
+        pytest.importorskip("jax")
+    from minidist import jax_engine
+    from minidist.parallel.experts import _exchange
+
+    p = 3
+
+    def body(comm):
+        x = np.arange(p * 2 * 4, dtype=np.float32).reshape(p, 2, 4) + 100 * comm.rank
+        before = jax_engine.compilations() if backend == "jax" else 0
+        y = _exchange(comm, comm.backend.from_host(x))
+        programs = jax_engine.compilations() - before if backend == "jax" else 0
+        return np.asarray(comm.backend.to_host(y)), type(y) is np.ndarray, programs
+
+    out = run(body, ranks=p, backend=backend)
+    for r, (y, on_host, programs) in enumerate(out):
+        want = np.stack([np.arange(p * 2 * 4, dtype=np.float32).reshape(p, 2, 4)[r] + 100 * j
+                         for j in range(p)])
+        np.testing.assert_array_equal(y, want)
+        assert on_host == (backend == "numpy") and programs == 0
