@@ -9,6 +9,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("MINIDIST_TIMEOUT", "20")  # tests only: a hang fails in 20 s, not the 300 s default
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # tests assume 8 CPU devices, also on a GPU or TPU machine
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
