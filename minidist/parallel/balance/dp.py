@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist import trace
+from minidist.infer.buckets import bucket, compiles_per_shape
 from minidist.nn import GPT
 from minidist.optim import make_optimizer
 from minidist.parallel.balance.measure import StepMonitor, StragglerDetector
@@ -40,6 +41,18 @@ def _span(name: str, cat: str, **args):
     """A span on this rank's trace (``--trace``), or nothing when no tracer is recording."""
     tracer = trace.current()
     return nullcontext() if tracer is None else tracer.span(name, cat, **args)
+
+
+def pad_rows(x, y, rows: int):
+    """(x, y) padded to ``rows`` rows: token 0 in, ignored targets (-1) out. The loss averages over
+    the targets that are not ignored, so the loss and gradients are those of (x, y); on JAX (a
+    program per shape) a share of any size then runs at one of a few power-of-two shapes, not a
+    new program set every time the shares move."""
+    pad = rows - x.shape[0]
+    if pad <= 0:
+        return x, y
+    return (np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]),
+            np.concatenate([y, np.full((pad, *y.shape[1:]), -1, y.dtype)]))
 
 
 @dataclass
@@ -79,6 +92,8 @@ def train_dp_balanced(comm, cfg, batches, lr: float = 0.1, optimizer: str = "sgd
         lo = offsets(shares)[comm.rank]
         xs, ys = x[lo:lo + shares[comm.rank]], y[lo:lo + shares[comm.rank]]
         tokens = int((np.asarray(ys) != -1).sum())
+        if compiles_per_shape(model.parameters()[0].backend):
+            xs, ys = pad_rows(xs, ys, bucket(len(xs), total))
         t0 = time.perf_counter()
         with _span("Compute", "compute", step=step, rows=shares[comm.rank]), \
                 slow.compute(comm.rank, step, shares[comm.rank]), ddp.no_sync():
