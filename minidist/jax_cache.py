@@ -221,13 +221,25 @@ class _Traced(Exception):
     """An argument is a tracer: the caller is itself being traced, so inline the plain ``jit``."""
 
 
+_ARRAY: list = []  # [jax's array type, tree_flatten, trace_context], bound on first use (no JAX import here)
+
+
+def _bind() -> list:
+    if not _ARRAY:
+        import jax
+        from jax._src import config
+
+        _ARRAY[:] = [type(jax.device_put(np.zeros(()))), jax.tree_util.tree_flatten, config.trace_context]
+    return _ARRAY
+
+
 def _leaf_sig(x):
     """What a compiled program depends on in one argument (in memory: fast, not yet stable)."""
     t = type(x)
-    if t.__module__.startswith("jaxlib") or t.__module__.startswith("jax"):
-        if not hasattr(x, "committed"):
-            raise _Traced
+    if t is _ARRAY[0]:
         return (x.shape, x.dtype, x.weak_type, x.sharding, x.committed)
+    if t.__module__.startswith(("jax", "jaxlib")):  # a tracer: the caller is being traced
+        raise _Traced
     if t is np.ndarray:
         return ("np", x.shape, x.dtype)
     if isinstance(x, np.generic):
@@ -311,12 +323,10 @@ class Program:
         return self._jit
 
     def __call__(self, *args):
-        from jax import tree_util
-        from jax._src import config
-
-        leaves, tree = tree_util.tree_flatten(args)
+        _, flatten, trace_context = _ARRAY or _bind()
+        leaves, tree = flatten(args)
         try:
-            sig = (tree, tuple(map(_leaf_sig, leaves)), config.trace_context())
+            sig = (tree, tuple([_leaf_sig(x) for x in leaves]), trace_context())
         except _Traced:
             return self.jitted()(*args)
         entry = self._exes.get(sig)
