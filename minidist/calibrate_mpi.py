@@ -68,7 +68,7 @@ PROBE_ROWS = (16, 2)                # sequences per rank and step: fat kernels, 
 HOLLOW_GPT = GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=4, d_model=8)  # PROBE_GPT's ops, no math
 
 
-def _step_time(comm, rows: int = PROBE_ROWS[0], cfg: GPTConfig = PROBE_GPT, steps: int = 5,
+def _step_time(comm, rows: int = PROBE_ROWS[0], cfg: GPTConfig = PROBE_GPT, steps: int = 7,
                clock=time.perf_counter) -> float:
     """Median seconds per step (first dropped) of data-parallel training of `cfg` on `comm`, `rows`
     sequences per rank: the slowest rank's. `clock`: wall time, or (one rank alone: no DDP thread)
@@ -125,7 +125,7 @@ def _probe_rank(comm) -> dict:
     solo = comm.split(comm.rank)      # a one-rank communicator each
     turns = {r: ([], []) for r in PROBE_ROWS}
     hollow = []
-    for _ in range(3):  # alone and together in turns: a burst of other work spoils one pair, not the median
+    for _ in range(5):  # alone and together in turns: a burst of other work spoils one pair, not the median
         for rows, (alone, together) in turns.items():
             t = _step_time(solo, rows, clock=cpu) if comm.rank == 0 else 0.0
             _asleep_until_all_here()
