@@ -326,6 +326,10 @@ def test_cli_refuses_an_impossible_mesh_and_says_what_would_do(capsys):
         main(["--model", "llama3-70b", "--chips", "6", "--mesh", "tp=3,pp=2", "--hardware", "h100"])
     err = capsys.readouterr().err
     assert "64 heads do not split over tp=3" in err and "divides 64" in err
+    with pytest.raises(SystemExit):  # an unknown model: the names there are, not a KeyError
+        main(["--model", "tiny", "--hardware", "h100"])
+    err = capsys.readouterr().err
+    assert "unknown --model 'tiny'" in err and "llama3-70b" in err
 
 
 def test_here_reads_the_calibration_as_written(tmp_path):

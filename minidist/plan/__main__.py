@@ -162,6 +162,9 @@ def main(argv=None) -> None:
                           vocab=args.vocab, seq=args.seq, engine=args.engine or "megatron",
                           dtype_bytes=4 if args.engine == "minidist" else 2)
     else:
+        if args.model not in MODELS:
+            ap.error(f"unknown --model {args.model!r}; choose one of {', '.join(MODELS)} or 'custom' "
+                     "(with --layers, --d-model, --heads, ...)")
         model = MODELS[args.model]
         changes = {k: v for k, v in dict(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
                                          vocab=args.vocab, seq=args.seq).items() if v}
