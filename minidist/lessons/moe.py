@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist import optim
+from minidist.backend import backend_of
 from minidist.comm import all_reduce, measure
 from minidist.lessons.cli import (
     finish,
@@ -49,6 +50,11 @@ def tokens(args, rank, n=None, shift=1.5):
     return rng.standard_normal((n or args.tokens, D)) + shift
 
 
+def _max_diff(a, b) -> float:
+    """max |a - b|, on the host (on JAX a device subtract would be one more program per shape)."""
+    return float(np.abs(np.asarray(backend_of(a).to_host(a)) - np.asarray(backend_of(b).to_host(b))).max())
+
+
 def twin_check(comm, args):
     """Expert-parallel forward/backward vs the serial MoE on every rank's tokens; max diff on rank 0."""
     moe = build(comm, args)
@@ -72,10 +78,10 @@ def twin_check(comm, args):
         yr = ser(xt)
         total = (yr * Tensor(g)).sum() + ser.stats.aux_loss + ser.stats.z_loss
         total.backward()
-        diff = max(diff, float(np.abs(yr.data - got[r][0]).max()), float(np.abs(xt.grad - got[r][1]).max()))
+        diff = max(diff, _max_diff(yr.data, got[r][0]), _max_diff(xt.grad, got[r][1]))
         all_grads.update(got[r][2])
     for n, p in ser.named_parameters():
-        diff = max(diff, float(np.abs(p.grad - all_grads[n]).max()))
+        diff = max(diff, _max_diff(p.grad, all_grads[n]))
     return diff, [(c, f, b) for _, _, _, c, f, b in got]
 
 

@@ -180,8 +180,8 @@ class MoE(Module):
         e = self.n_experts
         routed = np.bincount(experts.ravel(), minlength=e)
         kept = np.bincount(experts[slots >= 0], minlength=e)
-        xp = backend_of(probs.data).xp
-        f = Tensor(xp.asarray(routed_fraction(experts, e), dtype=probs.data.dtype))  # a count: no gradient
+        fraction = routed_fraction(experts, e).astype(probs.data.dtype)  # host; a device copy: no program
+        f = Tensor(backend_of(probs.data).from_host(fraction))                # a count: no gradient
         aux = (probs.mean(axis=0) * f).sum() * e
         m = Tensor(logits.data.max(axis=-1, keepdims=True))                  # detached shift
         lse = ((logits - m).exp().sum(axis=-1, keepdims=True)).log() + m

@@ -363,7 +363,7 @@ class ContextParallelEmbed(Module):
             raise ValueError(f"rank {self.cp.rank}: a context-parallel sequence starts at 0 and is at most "
                              f"block_size={self.block_size} long; got start={start}, length {t_total}")
         pos = chunk_positions(t_total, self.cp.size, self.cp.rank, self.layout)
-        return self.drop(self.wte(idx) + self.wpe(self.wpe.weight.backend.xp.asarray(pos)))
+        return self.drop(self.wte(idx) + self.wpe(pos))  # host positions, as ``minidist.nn.gpt.Embed``
 
 
 def replace_child(parent: Module, name: str, new: Module) -> None:
