@@ -189,8 +189,9 @@ def here(path: str | None = None, transport: str = "threads") -> Hardware:
                                 "(it measures this machine once, ~20 s)")
     with open(path) as f:
         c = json.load(f)
-    link = Link(1.0 / c["beta"], c["alpha"], "threads transport")
     crowds = () if transport == "threads" else tuple(_crowd(e) for e in c.get("processes", ()))
+    link = Link(1.0 / c["beta"], c["alpha"],  # MPI: the probe's links per process count, when it ran
+                "mpi processes (calibrate's probe)" if crowds else "threads transport")
     counts = tuple((e["ranks"], e["cores"]) for e in c.get("threads", ()))
     threads = counts if transport == "threads" else ()
     one = min((cores for n, cores in counts if n == 1), default=0.0)  # one rank: one thread, GIL or not
