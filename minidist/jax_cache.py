@@ -26,7 +26,8 @@ this cache off: nothing is read or written). Each is written to a temporary file
 ``os.replace``d, so ranks of several processes sharing the directory never see half a file; each
 carries a SHA-256 of its contents and its full key, checked before anything is deserialized. A
 file that fails either check, or an executable that rejects its arguments, is compiled again and
-overwritten.
+overwritten. The folder is kept under ``MINIDIST_JAX_CACHE_MB`` (default 2000) by ``evict``, least
+recently used first: every edit of minidist makes all keys new.
 """
 
 from __future__ import annotations
@@ -385,9 +386,11 @@ class Program:
         import jax
         from jax.experimental.serialize_executable import deserialize_and_load
 
+        path = self._path(key)
         try:
-            with open(self._path(key), "rb") as fh:
+            with open(path, "rb") as fh:
                 blob = fh.read()
+            os.utime(path)  # used now: ``evict`` removes the least recently used first
         except OSError:
             return None
         try:
@@ -445,7 +448,47 @@ class Program:
             _count("store_failed")
             return
         _count("stored")
+        if STATS["stored"] % 200 == 1:  # the first store of a process, then every 200th
+            evict()
 
 
-__all__ = ["PLAIN", "Program", "STATS", "Untraceable", "cache_dir", "cache_root", "identity", "source_digest",
-           "value_id"]
+def evict(limit_mb: float | None = None) -> int:
+    """Keep the cache folder under ``limit_mb`` (``MINIDIST_JAX_CACHE_MB``, default 2000): remove
+    the least recently used executables (a load touches its file) down to 80% of it, and temporary
+    files a killed writer left over an hour ago. Any edit of minidist makes every key new, so
+    without this a developer's cache would only grow. Returns how many files were removed."""
+    import time
+
+    folder = cache_dir()
+    if folder is None or not os.path.isdir(folder):
+        return 0
+    limit = 1e6 * (float(os.environ.get("MINIDIST_JAX_CACHE_MB", "2000")) if limit_mb is None else limit_mb)
+    entries, removed, now = [], 0, time.time()
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        try:
+            st = os.stat(path)
+            if name.startswith(".tmp-") and now - st.st_mtime > 3600:
+                os.unlink(path)
+                removed += 1
+            elif name.endswith(".exe"):
+                entries.append((st.st_mtime, st.st_size, path))
+        except OSError:  # removed by another process meanwhile
+            continue
+    total = sum(size for _, size, _ in entries)
+    if total <= limit:
+        return removed
+    for _, size, path in sorted(entries):  # oldest use first
+        if total <= 0.8 * limit:
+            break
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+        total -= size
+    return removed
+
+
+__all__ = ["PLAIN", "Program", "STATS", "Untraceable", "cache_dir", "cache_root", "evict", "identity",
+           "source_digest", "value_id"]

@@ -205,6 +205,28 @@ def test_an_ops_baked_number_is_in_its_key_and_its_trace_comes_back_from_the_fil
     assert jax_cache.STATS["loaded"] > loaded  # the last one: Mul and Sum, forward and backward
 
 
+def test_evict_removes_the_least_recently_used_first(cache):
+    """Four files of about one size S, 1 byte over the limit: down to 80% of it (3.2 S) means one
+    goes -- the least recently used: not the oldest file, which was just loaded -- with a killed
+    writer's temporary file from two hours ago."""
+    x = jax.device_put(np.arange(3.0))
+    _fresh(_scaler(1.5))(x)
+    [first] = _files(cache)
+    for c in (2.5, 3.5, 4.5):  # (not 1.0 or 2.0, which XLA simplifies into smaller programs)
+        _fresh(_scaler(c))(x)
+    others = [n for n in _files(cache) if n != first]
+    for age, name in [(4, first), *enumerate(others)]:  # hours: the first 4, the others 0, 1, 2
+        os.utime(cache / name, (os.path.getmtime(cache / name) - 3600 * age,) * 2)
+    _fresh(_scaler(1.5))(x)  # a load: the first file is now the most recently used
+    (cache / ".tmp-killed").write_bytes(b"half")
+    os.utime(cache / ".tmp-killed", (os.path.getmtime(cache / ".tmp-killed") - 7200,) * 2)
+    sizes = [(cache / n).stat().st_size for n in _files(cache) if n.endswith(".exe")]
+    assert len(sizes) == 4 and max(sizes) < 1.05 * min(sizes)
+    assert jax_cache.evict(limit_mb=(sum(sizes) - 1) / 1e6) == 2
+    assert _files(cache) == sorted([first, others[0], others[1]])
+    assert jax_cache.evict(limit_mb=1e6) == 0  # under the limit: nothing goes
+
+
 def test_identity_names_code_closures_and_defaults():
     def f(x, k=2):
         return x * k
