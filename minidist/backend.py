@@ -243,6 +243,12 @@ def default_backend() -> Backend:
 _BY_TYPE: dict = {}
 
 
+def to_host(array) -> np.ndarray:
+    """Any backend's array as a NumPy array (a copy from a GPU; NumPy's own as is). For checks and
+    prints: CuPy refuses ``np.asarray`` of a device array, so code that may see one calls this."""
+    return backend_of(array).to_host(array)
+
+
 def backend_of(array) -> Backend:
     """The backend whose arrays ``array`` is (NumPy for anything that isn't CuPy or JAX).
 

@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from minidist import optim
+from minidist.backend import to_host
 from minidist.comm import all_reduce, measure
 from minidist.comm.link import parse_link, set_link
 from minidist.data import BatchLoader, ByteTokenizer, TextDataset, default_text
@@ -103,7 +104,7 @@ def data(args, p):
 def fingerprint(model) -> str:
     h = hashlib.sha256()
     for q in model.parameters():
-        h.update(np.ascontiguousarray(q.data).tobytes())
+        h.update(np.ascontiguousarray(to_host(q.data)).tobytes())
     return h.hexdigest()
 
 

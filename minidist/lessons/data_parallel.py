@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from minidist import estimates, optim
+from minidist.backend import to_host
 from minidist.comm import all_reduce, measure
 from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.data import split_batch
@@ -109,7 +110,7 @@ def run_zero(comm, args, batches, stage):
     for x, y in batches:
         losses.append(train_step(comm, m, z, x, y, args.accum))
         z.step()
-    return {k: np.asarray(v) for k, v in z.full_parameters().items()}, losses
+    return {k: to_host(v) for k, v in z.full_parameters().items()}, losses
 
 
 def stage_numbers(comm, args, batches, stage):

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from minidist.backend import to_host
 from minidist.comm import measure
 from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.data import BatchLoader, ByteTokenizer, TextDataset
@@ -61,7 +62,7 @@ def build_model(comm, args) -> GPT:
               f"{cfg.block_size}, {model.num_parameters():,} parameters) for {args.steps} steps in "
               f"{time.perf_counter() - t0:.1f}s: loss {np.mean(losses[:5]):.2f} -> "
               f"{np.mean(losses[-5:]):.2f}", flush=True)
-        state = {k: np.asarray(v) for k, v in model.state_dict().items()}
+        state = {k: to_host(v) for k, v in model.state_dict().items()}
     with comm.patient("rank 0 trains the model"):  # the others wait for it: no "still waiting" noise
         model.load_state_dict(comm.bcast_obj(state, root=0))
     model.eval()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist import ops, trace
+from minidist.backend import default_backend, to_host
 from minidist.comm import measure
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint, world_size
 from minidist.memory import MemoryAccountant
@@ -45,14 +46,16 @@ def attention_check(comm, args):
     q, k, v, g = (rng.standard_normal((b, h, t, d)) for _ in range(4))
     stats = {}
     for layout in ("contiguous", "zigzag"):
-        ts = [Tensor(shard_sequence(a, comm.rank, comm.size, layout, axis=2), requires_grad=True)
+        ts = [Tensor(shard_sequence(a, comm.rank, comm.size, layout, axis=2), requires_grad=True,
+                     backend=default_backend())  # on the lesson's backend (CuPy won't mix in NumPy)
               for a in (q, k, v)]
         st = AttentionStats()
         with measure(comm) as fwd:
             out = ring_attention(*ts, comm, layout, stats=st)
         with measure(comm) as bwd:
-            (out * Tensor(shard_sequence(g, comm.rank, comm.size, layout, axis=2))).sum().backward()
-        stats[layout] = (st, fwd.bytes_sent, bwd.bytes_sent, out.data, [x.grad for x in ts])
+            (out * Tensor(shard_sequence(g, comm.rank, comm.size, layout, axis=2),
+                          backend=default_backend())).sum().backward()
+        stats[layout] = (st, fwd.bytes_sent, bwd.bytes_sent, to_host(out.data), [to_host(x.grad) for x in ts])
     parts = comm.gather_obj(stats, root=0)
     if comm.rank != 0:
         return None

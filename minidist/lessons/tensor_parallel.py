@@ -19,6 +19,7 @@ import numpy as np
 
 from minidist import estimates, optim
 from minidist import random as mrandom
+from minidist.backend import to_host
 from minidist.comm import measure, under_mpi
 from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.data import BatchLoader, TextDataset
@@ -137,7 +138,7 @@ def rank_main(comm, args):
         mrandom.manual_seed(args.seed)
         losses = train(serial, batches, args.lr)
         twin = dict(loss0=loss0, grads=grads, losses=losses,
-                    params={k: np.asarray(v) for k, v in serial.state_dict().items()})
+                    params={k: to_host(v) for k, v in serial.state_dict().items()})
         serial_act = activation_bytes(serial, *batches[0])
         serial_param_bytes = sum(p.data.nbytes for p in serial.parameters())
         rprint(comm, f"serial twin: loss {losses[0]:.4f} -> {losses[-1]:.4f}\n")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from minidist.backend import to_host
 from minidist.comm import all_reduce
 from minidist.nn import GPT
 from minidist.optim import make_optimizer
@@ -164,7 +165,7 @@ def move_layers(comm, model, old_bounds, new_bounds, opt, stage_args: dict, opti
             sent += flat.nbytes
         elif me == dst:
             keys = comm.recv_obj(src, MOVE_TAG)
-            flat = np.asarray(comm.recv(src, MOVE_TAG))
+            flat = to_host(comm.recv(src, MOVE_TAG))
             pieces = iter(np.split(flat, np.cumsum([p.size for _, p in names] +
                                                    [p.size for (_, p), ks in zip(names, keys) for _ in ks])))
             for _, p in names:
