@@ -128,6 +128,9 @@ class JaxBackend(Backend):
         except ImportError as e:
             raise RuntimeError("backend 'jax' needs JAX: pip install 'minidist[jax]'") from e
         jax.config.update("jax_enable_x64", True)  # float64 must stay float64
+        # and float32 float32: by default a GPU multiplies float32 matrices in TF32 (10-bit mantissa)
+        # and a TPU in bfloat16 passes, so twins that agree on a CPU disagreed by ~1e-3 on an H200
+        jax.config.update("jax_default_matmul_precision", "highest")
         jax_engine.install()  # each op's forward/backward compiled once per shape (MINIDIST_JAX_JIT=0: off)
         jax_engine.persistent_cache()  # compiled programs kept on disk: a rerun does not compile again
         self.jax = jax
@@ -163,7 +166,11 @@ class JaxBackend(Backend):
         return _jax_set_at(target, index, values)
 
     def synchronize(self):
+        """Wait for the work queued on this backend's device: a tiny computation queued after it
+        (a device runs its programs in order) is waited for. ``effects_barrier`` alone waits only
+        for side effects, so GPU step times read low."""
         self.jax.effects_barrier()
+        self.jax.block_until_ready(self.from_host(np.zeros((), np.float32)) + 1)
 
 
 # One compiled program per shape, the index an argument (eager JAX's ``.at[].add`` compiles 3-5
