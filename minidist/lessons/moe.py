@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist import optim
-from minidist.backend import backend_of
+from minidist.backend import backend_of, default_backend
 from minidist.comm import all_reduce, measure
 from minidist.lessons.cli import (
     finish,
@@ -50,6 +50,11 @@ def tokens(args, rank, n=None, shift=1.5):
     return rng.standard_normal((n or args.tokens, D)) + shift
 
 
+def on_backend(a, requires_grad=False) -> Tensor:
+    """Host data as a tensor on the lesson's backend (CuPy will not mix NumPy into its kernels)."""
+    return Tensor(a, requires_grad=requires_grad, backend=default_backend())
+
+
 def _max_diff(a, b) -> float:
     """max |a - b|, on the host (on JAX a device subtract would be one more program per shape)."""
     return float(np.abs(np.asarray(backend_of(a).to_host(a)) - np.asarray(backend_of(b).to_host(b))).max())
@@ -60,10 +65,10 @@ def twin_check(comm, args):
     moe = build(comm, args)
     xs = [tokens(args, r) for r in range(comm.size)]
     g = np.random.default_rng(7).standard_normal((args.tokens, D))
-    x = Tensor(xs[comm.rank], requires_grad=True)
+    x = on_backend(xs[comm.rank], requires_grad=True)
     with measure(comm) as fwd:
         y = moe(x)
-    loss = (y * Tensor(g)).sum() + moe.stats.aux_loss + moe.stats.z_loss
+    loss = (y * on_backend(g)).sum() + moe.stats.aux_loss + moe.stats.z_loss
     with measure(comm) as bwd:
         loss.backward()
     grads = {moe.global_name(n): (all_reduce(comm, p.grad) if n.startswith("router") else p.grad)
@@ -74,9 +79,9 @@ def twin_check(comm, args):
     ser = build(comm, args, serial=True)
     diff, total, all_grads = 0.0, 0, {}
     for r, xr in enumerate(xs):
-        xt = Tensor(xr, requires_grad=True)
+        xt = on_backend(xr, requires_grad=True)
         yr = ser(xt)
-        total = (yr * Tensor(g)).sum() + ser.stats.aux_loss + ser.stats.z_loss
+        total = (yr * on_backend(g)).sum() + ser.stats.aux_loss + ser.stats.z_loss
         total.backward()
         diff = max(diff, _max_diff(yr.data, got[r][0]), _max_diff(xt.grad, got[r][1]))
         all_grads.update(got[r][2])
@@ -96,8 +101,8 @@ def train(comm, args, aux_weight):
     history = []
     for step in range(args.steps):
         x = tokens(args, comm.rank + 100 * step)
-        y = moe(Tensor(x))
-        err = y - Tensor(np.tanh(x @ target))
+        y = moe(on_backend(x))
+        err = y - on_backend(np.tanh(x @ target))
         loss = (err * err).mean() * (1.0 / comm.size) + moe.stats.aux_loss * (aux_weight / comm.size)
         loss.backward()
         for name, p in moe.named_parameters():  # the router is replicated: sum its partial gradients
@@ -118,7 +123,7 @@ def capacity_table(comm, args, moe):
     for cf in (0.5, 1.0, 1.25, 1.5, 2.0):
         moe.capacity_factor = cf
         with no_grad():
-            moe(Tensor(x))
+            moe(on_backend(x))
         kept = all_reduce(comm, moe.stats.kept_per_expert.astype(np.float64)).sum()
         slots = comm.size * args.experts * moe.stats.capacity  # every rank's E x C buffer
         rows.append((cf, moe.stats.capacity, 1 - kept / (comm.size * args.tokens * args.k), 1 - kept / slots))
