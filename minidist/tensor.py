@@ -266,6 +266,8 @@ class Tensor:
             grad = self.backend.xp.ones(self.data.shape, dtype=self.dtype)
         elif isinstance(grad, Tensor):
             grad = grad.data
+        if not self.backend.is_array(grad):  # a host seed onto the device (CuPy mixes none)
+            grad = self.backend.asarray(grad)
         if tuple(grad.shape) != self.shape:
             raise ValueError(f"backward(): gradient shape {tuple(grad.shape)} != tensor shape {self.shape}")
         if grad.dtype != self.dtype:
