@@ -108,10 +108,11 @@ class CupyBackend(Backend):
         return isinstance(x, self.xp.ndarray)
 
     def scatter_add(self, target, indices, values):
-        import cupyx
+        """In place, in NumPy's order of additions (not cupyx's atomics, whose order varies run to
+        run): repeated ids, an embedding's gradient, give the same bits every run (segment_add.py)."""
+        from minidist.segment_add import cupy_scatter_add
 
-        cupyx.scatter_add(target, indices, values)
-        return target
+        return cupy_scatter_add(target, indices, values)
 
     def synchronize(self):
         self.xp.cuda.get_current_stream().synchronize()
