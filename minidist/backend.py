@@ -23,6 +23,7 @@ import threading
 import numpy as np
 
 from minidist import jax_engine
+from minidist.segment_add import cupy_scatter_add
 
 BACKENDS = ("numpy", "cupy", "jax")
 
@@ -110,8 +111,6 @@ class CupyBackend(Backend):
     def scatter_add(self, target, indices, values):
         """In place, in NumPy's order of additions (not cupyx's atomics, whose order varies run to
         run): repeated ids, an embedding's gradient, give the same bits every run (segment_add.py)."""
-        from minidist.segment_add import cupy_scatter_add
-
         return cupy_scatter_add(target, indices, values)
 
     def synchronize(self):
