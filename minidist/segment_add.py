@@ -23,10 +23,18 @@ import numpy as np
 def flat_positions(xp, shape, index):
     """Where each element of ``target[index]`` sits in ``target.reshape(-1)`` (int64, shaped like
     ``target[index]``), for any NumPy index: integers, arrays, slices, tuples of them."""
+    index = _on_device(xp, index)
     if len(shape) == 1 and hasattr(index, "dtype") and index.dtype.kind in "iu":
         lin = index.astype(np.int64)  # the embedding's case: already flat, no table of positions
         return xp.where(lin < 0, lin + shape[0], lin)
     return xp.arange(math.prod(shape), dtype=np.int64).reshape(shape)[index]
+
+
+def _on_device(xp, index):
+    """The index with its host (NumPy) arrays moved to ``xp``'s device: CuPy indexes with its own."""
+    if isinstance(index, tuple):
+        return tuple(_on_device(xp, i) for i in index)
+    return xp.asarray(index) if isinstance(index, np.ndarray) and xp is not np else index
 
 
 def segments(xp, lin):
