@@ -16,10 +16,11 @@ function without a source file) is compiled every run, never stored. The key hol
   (constants and nested functions too), its defaults and closure values by ``repr``;
 * every argument's pytree place, shape, dtype, weak type, device and committed-ness;
 * the values baked in (``identity``: shapes of the op's inputs, keyword values, ...);
-* JAX and jaxlib versions, JAX's trace-time settings (x64, default matmul precision, ...), the
-  platform and its version, the device kinds and count, ``XLA_FLAGS``;
+* JAX, jaxlib and NumPy versions, JAX's trace-time settings (x64, default matmul precision, ...),
+  the platform and its version, the device kinds and count, ``XLA_FLAGS``;
 * a digest of every ``.py`` file of the minidist package, computed once per process: any edit to
-  minidist invalidates everything, and a function outside minidist adds its own file's digest.
+  minidist invalidates everything. A function outside minidist adds its own file's digest and the
+  globals it reads (constants by value, helpers by identity, user modules by file digest).
 
 Files live in ``<cache>/exe`` (``MINIDIST_JAX_CACHE``, default ~/.cache/minidist/jax; ``0`` turns
 this cache off: nothing is read or written). Each is written to a temporary file and
@@ -153,11 +154,52 @@ def value_id(v, _seen=None):
     return None
 
 
+def _names(code: types.CodeType) -> set:
+    """The global (and attribute) names a code object and its nested functions use."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _names(c)
+    return names
+
+
+def _installed(module: types.ModuleType) -> bool:
+    """Part of Python or an installed package (named by the versions in the key), not user code."""
+    path = getattr(module, "__file__", None) or ""
+    return not path or "-packages" in path or path.startswith(sys.base_prefix)
+
+
+def _globals_id(fn, _seen) -> str | None:
+    """What a function outside minidist reads from its module's globals -- plain values by repr
+    (a constant rebound at run time), functions and classes by ``identity``, user modules by name
+    and file digest (a helper edited in another file) -- or None if one of them has no name.
+    (minidist's own functions are covered by the package digest.)"""
+    out = []
+    for name in sorted(_names(fn.__code__)):
+        if name not in fn.__globals__:
+            continue  # a builtin, or only an attribute's name
+        v = fn.__globals__[name]
+        if isinstance(v, types.ModuleType):
+            if v.__name__ == "minidist" or v.__name__.startswith("minidist.") or _installed(v):
+                out.append((name, v.__name__))
+                continue
+            vid = _module_digest(v.__name__)
+        elif isinstance(v, PLAIN + (tuple, list, types.FunctionType, type)):
+            vid = value_id(v, _seen)
+        else:
+            continue  # an object (a lock, a logger): not something a program bakes in
+        if vid is None:
+            return None
+        out.append((name, vid))
+    return repr(out)
+
+
 def identity(obj, _seen=None) -> tuple | None:
     """The stable name of a function or class, as a tuple of strings, or None if it has none.
 
     A function: module, qualified name, code digest, defaults and closure values (``value_id``; a
-    closure over a function names that function too), its module's digest. A class: the same for
+    closure over a function names that function too), its module's digest, and -- outside
+    minidist -- the globals it reads (``_globals_id``). A class: the same for
     each class it inherits from (module, name, each method's code) -- an op is its ``forward`` and
     ``backward``. Recursion (a function that closes over itself) is cut by ``_seen``."""
     _seen = set() if _seen is None else _seen
@@ -178,10 +220,12 @@ def identity(obj, _seen=None) -> tuple | None:
                 cells.append("<empty>")
         kw = sorted((obj.__kwdefaults__ or {}).items())
         defaults = [value_id(d, _seen) for d in obj.__defaults__ or ()] + [value_id(kv, _seen) for kv in kw]
-        if None in cells or None in defaults:
+        ours = obj.__module__ == "minidist" or obj.__module__.startswith("minidist.")
+        glob = "" if ours else _globals_id(obj, _seen)
+        if None in cells or None in defaults or glob is None:
             return None
         return ("function", obj.__module__, obj.__qualname__, _code_digest(obj.__code__),
-                repr(defaults), repr(cells), src)
+                repr(defaults), repr(cells), glob, src)
     if isinstance(obj, type):
         parts = []
         for k in obj.__mro__:
@@ -212,9 +256,9 @@ def _environment() -> tuple:
         r = repr(x)
         ctx.append(type(x).__qualname__ if " at 0x" in r else r)
     dev = jax.devices()
-    return (jax.__version__, jaxlib.__version__, tuple(ctx), dev[0].platform, dev[0].client.platform_version,
-            tuple(sorted({d.device_kind for d in dev})), len(dev), os.environ.get("XLA_FLAGS", ""),
-            source_digest())
+    return (jax.__version__, jaxlib.__version__, np.__version__, tuple(ctx), dev[0].platform,
+            dev[0].client.platform_version, tuple(sorted({d.device_kind for d in dev})), len(dev),
+            os.environ.get("XLA_FLAGS", ""), source_digest())
 
 
 # -- arguments ----------------------------------------------------------------------------------

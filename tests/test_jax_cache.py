@@ -227,6 +227,50 @@ def test_evict_removes_the_least_recently_used_first(cache):
     assert jax_cache.evict(limit_mb=1e6) == 0  # under the limit: nothing goes
 
 
+_FACTOR = 2.0
+
+
+def _by_factor(x):
+    return x * _FACTOR
+
+
+def _by_helper(x):
+    return helper_module.times(x)
+
+
+helper_module = None
+
+
+def test_a_global_a_function_outside_minidist_reads_is_in_its_key(cache, monkeypatch, tmp_path):
+    """A constant rebound at run time, and a helper edited in another file, make new keys: a new
+    process compiles a new program instead of loading the old value's. (Checked by files and
+    loads: in one process ``jax.jit`` reuses its trace of the same function object whatever the
+    globals now hold -- JAX's own in-process rule.)"""
+    import importlib
+
+    x = jax.device_put(np.arange(3.0))
+    module = sys.modules[_by_factor.__module__]
+    np.testing.assert_array_equal(_fresh(_by_factor)(x), [0, 2, 4])
+    monkeypatch.setattr(module, "_FACTOR", 5.0)
+    src = tmp_path / "md_helper_for_cache_test.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for k in (3, 4, 5):
+        src.write_text(f"def times(x):\n    return x * {k}\n")
+        mod = importlib.reload(importlib.import_module(src.stem))
+        monkeypatch.setattr(module, "helper_module", mod)
+        monkeypatch.setattr(jax_cache, "_SOURCES", {})  # a new process reads the file again
+        loaded = jax_cache.STATS["loaded"]
+        _fresh(_by_helper)(x)
+        assert jax_cache.STATS["loaded"] == loaded
+    loaded = jax_cache.STATS["loaded"]
+    _fresh(_by_factor)(x)
+    assert jax_cache.STATS["loaded"] == loaded  # 5.0: not the file 2.0 wrote
+    monkeypatch.setattr(module, "_FACTOR", 2.0)
+    _fresh(_by_factor)(x)
+    assert jax_cache.STATS["loaded"] == loaded + 1  # 2.0 again: that file
+    assert len(_files(cache)) == 5
+
+
 def test_identity_names_code_closures_and_defaults():
     def f(x, k=2):
         return x * k
