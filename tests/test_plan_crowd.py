@@ -61,6 +61,16 @@ def test_tensor_parallel_all_reduces_use_the_foreground_link():
     assert step == pytest.approx(2 / 1.6 * 4e-3 + (8 + 5) * 2 * 0.5e-3)
 
 
+def test_tensor_parallel_pairs_inside_a_crowd_use_the_pairs_link_stretched_by_the_rest():
+    """dp4 tp2 = 8 processes, 0.5 cores' worth: each rank's 4 ms of work x 16. The 13 tp all-reduces
+    of 2 rounds are a pair's, called while the other 6 processes compute: the probe's link for 2
+    processes (0.5 ms a round), its work taking turns with the rest, x (8 / 0.5) / (2 / 1.6) = 12.8
+    -- not the 8-process crowd's 5 ms, measured with everyone all-reducing at once. DDP's ring
+    over dp4 (6 rounds) at the end of the backward: the 8-process background link, 2 ms a round."""
+    step = predict(SPEC, Candidate(dp=4, tp=2, microbatch=2), B, PROBED).step
+    assert step == pytest.approx(8 / 0.5 * 4e-3 + (8 + 5) * 2 * 0.5e-3 * (8 / 0.5) / (2 / 1.6) + 6 * 2e-3)
+
+
 def test_between_and_beyond_the_probes():
     """4 processes: the next larger probe (8: 0.5 cores, 2 ms per background round), dp4's ring has
     6 rounds. 16 processes: the largest probe's cores, every round 16 / 8 times as long."""

@@ -91,19 +91,33 @@ def axis_link(hw: Hardware, cand: Candidate, axis: str) -> tuple[Link, int, Link
 def collective_time(hw: Hardware, cand: Candidate, c) -> float:
     """Seconds for one call of collective `c`: its algorithm's rounds x latency + bytes / bandwidth; a
     data-parallel axis split over two links reduces inside first, then sends 1/inside of the bytes
-    across. MPI processes on this machine (`hw.crowd`): the link calibrate's probe measured for that
-    algorithm with all the mesh's processes at once -- wall time, crowding included (not stretched
-    again); DDP's buckets go through the communication thread (`background`)."""
+    across.
+
+    MPI processes on this machine (`hw.crowd`). DDP's buckets (dp) go through the communication
+    thread at the end of the backward, when every process is all-reducing: the link calibrate's probe
+    measured with all the mesh's processes all-reducing at once (`background`), wall time, crowding
+    included, not stretched again. Every other collective (tp, cp, ep, pp) is called between
+    computations by its own group while the other processes compute: the link the probe measured
+    for a group of that size alone, its rounds' work then taking turns with the rest of the mesh --
+    stretched by rank_slowdown(mesh) / rank_slowdown(group). (All-reducing in a crowd of 8 where
+    everyone does nothing else cost ~2 ms a round here, against ~30 us for a pair alone: pricing
+    a tp pair's rounds inside 8 computing processes at the first made the 3D mesh 1.9x too slow.)"""
     crowd = hw.crowd(cand.chips)
+    stretch = 1.0
     if crowd is not None:
-        link = crowd.link(algorithm(c) or "ring", background=c.axis == "dp")
         p, outer, q = axis_size(cand, c.axis), None, 1
+        if c.axis == "dp":
+            link = crowd.link(algorithm(c) or "ring", background=True)
+        else:
+            group = hw.crowd(p) or crowd
+            link = group.link(algorithm(c) or "ring", background=False)
+            stretch = rank_slowdown(hw, cand.chips) / rank_slowdown(hw, group.ranks)
     else:
         link, p, outer, q = axis_link(hw, cand, c.axis)
     if c.axis == "pp":
-        return link.latency + c.sent / link.bandwidth
+        return stretch * (link.latency + c.sent / link.bandwidth)
     if outer is None or q == 1:
-        return rounds(c, p, placement(hw, cand.chips)) * link.latency + c.sent / link.bandwidth
+        return stretch * (rounds(c, p, placement(hw, cand.chips)) * link.latency + c.sent / link.bandwidth)
     passes = 2 if algorithm(c) else 1  # reduce-scatter + all-gather, or one of them
     inside = passes * (p - 1) * link.latency + passes * (p - 1) / p * c.payload / link.bandwidth
     across = passes * (q - 1) * outer.latency + passes * (q - 1) / q * c.payload / p / outer.bandwidth
