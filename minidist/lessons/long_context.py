@@ -111,7 +111,8 @@ def timeline(comm, args):
     """One ring-attention forward + backward under a tracer: every rank's events on rank 0."""
     b, h, d, t = 1, 4, 64, 512 * comm.size  # big enough blocks that compute shows against the transfers
     rng = np.random.default_rng(args.seed)
-    ts = [Tensor(rng.standard_normal((b, h, t // comm.size, d)), requires_grad=True) for _ in range(3)]
+    ts = [Tensor(rng.standard_normal((b, h, t // comm.size, d)), requires_grad=True,
+                 backend=default_backend()) for _ in range(3)]
     outer = trace.current()
     tracer = trace.Tracer(comm.rank)
     trace.set_current(tracer)

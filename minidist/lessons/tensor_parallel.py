@@ -19,7 +19,7 @@ import numpy as np
 
 from minidist import estimates, optim
 from minidist import random as mrandom
-from minidist.backend import to_host
+from minidist.backend import default_backend, to_host
 from minidist.comm import measure, under_mpi
 from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.data import BatchLoader, TextDataset
@@ -63,7 +63,7 @@ def layer_traffic(group, cfg, b, s, sp):
     block = ParallelBlock(cfg, group, np.random.default_rng(0), sequence_parallel=sp)
     t = s // group.size if sp else s
     x = Tensor(np.random.default_rng(1).standard_normal((b, t, cfg.d_model)).astype(cfg.dtype),
-               requires_grad=True)
+               requires_grad=True, backend=default_backend())  # beside the block's weights (CuPy mixes none)
     with measure(group) as m:
         block(x).sum().backward()
     return m

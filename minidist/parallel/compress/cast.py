@@ -8,15 +8,13 @@ gradients that are already bf16/fp16: the bytes are the same as before it moved 
 
 from __future__ import annotations
 
-import numpy as np
-
 from minidist.comm import all_reduce
 
 
 def cast_all_reduce(comm, flat, dtype, algorithm: str = "auto"):
     """Σ_r flat_r / p, sent and summed in ``dtype``; returned in ``dtype``."""
     low = flat.astype(dtype, copy=False)
-    return all_reduce(comm, low * np.asarray(1.0 / comm.size, dtype=low.dtype), op="sum", algorithm=algorithm)
+    return all_reduce(comm, low * low.dtype.type(1.0 / comm.size), op="sum", algorithm=algorithm)
 
 
 class CastState:
