@@ -183,8 +183,8 @@ def test_dp_equals_serial_whatever_the_shares(data, ranks, rows, optimizer):
 
 def test_dp_on_jax_pads_shares_to_a_few_shapes_and_equals_serial():
     """On JAX a rank's rows are padded to a power of two (ignored targets): shares that move compile
-    nothing once their padded shapes have been met (3 and 5 rows run as 4 and 8), and training
-    still equals the serial twin."""
+    nothing once their padded shapes have been met (3 and 5 rows run as 4 and 8; 4 and 4 then reuse
+    rank 0's 4), and training still equals the serial twin."""
     pytest.importorskip("jax")
     from minidist import jax_engine
     from minidist.parallel.balance.dp import pad_rows
@@ -193,9 +193,9 @@ def test_dp_on_jax_pads_shares_to_a_few_shapes_and_equals_serial():
     px, py = pad_rows(x, y, 4)
     assert px.tolist() == [[0, 1], [2, 3], [4, 5], [0, 0]] and py.tolist()[-1] == [-1, -1]
     assert pad_rows(x, y, 3)[0] is x
-    plans = [[3, 5], [5, 3], [4, 4], [3, 5]]
+    plans = [[3, 5], [5, 3], [4, 4]]
     batches = _batches(8, len(plans), seed=1)
-    want, want_losses = train_serial(CFG, batches, lr=0.1, optimizer="adamw")
+    want, want_losses = train_serial(CFG, batches, lr=0.1, optimizer="sgd")
 
     def body(comm):
         programs = []
@@ -204,7 +204,7 @@ def test_dp_on_jax_pads_shares_to_a_few_shapes_and_equals_serial():
             comm.barrier()
             programs.append(jax_engine.compilations())
 
-        r = train_dp_balanced(comm, CFG, batches, optimizer="adamw", slow="", plan=lambda s: plans[s],
+        r = train_dp_balanced(comm, CFG, batches, optimizer="sgd", slow="", plan=lambda s: plans[s],
                               on_step=on_step)  # (the rank's default backend: JAX)
         return host_state(r.model), r.losses, programs
 
@@ -212,7 +212,7 @@ def test_dp_on_jax_pads_shares_to_a_few_shapes_and_equals_serial():
         assert max_state_diff(state, want) <= TOL
         np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
         if jax_engine.enabled():
-            assert programs[3] == programs[1], programs  # steps 2 and 3: shapes met at steps 0 and 1
+            assert programs[2] == programs[1], programs  # step 2: shapes met at steps 0 and 1
 
 
 def test_dp_straggler_appears_is_named_and_loses_rows_and_training_still_equals_serial():
