@@ -40,7 +40,7 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minidist.calibrate import _median_time, cpu
+from minidist.calibrate import _median_time, cpu, fit_relative
 from minidist.comm import all_reduce, all_reduce_async, cost, run
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel.three_d import train_3d
@@ -54,13 +54,13 @@ _LAUNCH_ENV = ("PMI_", "PMIX_", "HYDRA_", "OMPI_", "MPI_LOCAL", "MINIDIST_TRANSP
 
 
 def fit_alpha_beta(algorithm: str, p: int, sizes, times) -> tuple[float, float]:
-    """Least squares of time = rounds x alpha + bytes sent x beta over the message sizes (float32),
-    rounds and bytes as the planner counts them (`minidist.plan.traffic`)."""
+    """Least squares (in relative error, `fit_relative`) of time = rounds x alpha + bytes sent x beta
+    over the message sizes (float32), rounds and bytes as the planner counts them
+    (`minidist.plan.traffic`)."""
     where = Placement("mpi", cost.crowded(), shared_memory=True)  # this host, as the comm layer sees it
     rows = [(all_reduce_rounds(algorithm, n, p, where=where), all_reduce_sent(algorithm, n, p, where=where))
             for n in sizes]
-    (alpha, beta), *_ = np.linalg.lstsq(np.array(rows, float), np.array(times, float), rcond=None)
-    return max(float(alpha), 1e-7), max(float(beta), 1e-12)
+    return fit_relative(rows, times)
 
 
 PROBE_GPT = GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=4, d_model=128)
