@@ -97,6 +97,24 @@ def test_weak_type_is_part_of_the_key(cache):
     assert _fresh(_add)(strong, f32).dtype == np.float64
 
 
+def _matmul(a, b):
+    return a @ b
+
+
+def test_jax_settings_are_part_of_the_key(cache):
+    """The default matmul precision changes what XLA emits for ``a @ b`` (on a TPU, bf16 passes or
+    not): a program compiled under one setting is not loaded under another."""
+    a = jax.device_put(np.ones((4, 4), np.float32))
+    before = jax_cache.STATS["loaded"]
+    _fresh(_matmul)(a, a)
+    with jax.default_matmul_precision("bfloat16"):  # (minidist's backend sets "highest")
+        _fresh(_matmul)(a, a)
+    assert jax_cache.STATS["loaded"] == before and len(_files(cache)) == 2
+    with jax.default_matmul_precision("bfloat16"):
+        _fresh(_matmul)(a, a)
+    assert jax_cache.STATS["loaded"] == before + 1
+
+
 def test_the_device_is_part_of_the_key(cache):
     devices = jax.devices()
     if len(devices) < 2:
