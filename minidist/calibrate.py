@@ -306,12 +306,19 @@ def calibrate(path: str = CALIBRATION_PATH) -> dict:
     cores = len(os.sched_getaffinity(0))
     threads = thread_counts(cores)
     c = {"cpu": cpu_name(), "cores": cores, "cores_free": effective_cores(cores),
-         "cores_threads": threads[1]["cores"], "cores_threads_crowded": threads[-1]["cores"],
-         "threads": threads,
          "flops": matmul_flops(),
          "mem_bandwidth": mem_bandwidth(), "op_overhead": op_overhead(), "alpha": alpha, "beta": beta,
          "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "time": time.time(),
-         "kernels": kernels(), "processes": processes(), "load": os.getloadavg()[0]}
+         "kernels": kernels(), "load": os.getloadavg()[0]}
+    # one rank's share of a core, measured at the start (thread_counts), the middle and the end of
+    # the ~20 s: the median of the three, so a burst of someone else's work during one of them does
+    # not price every lone rank (one calibration caught 0.25 of a core and predicted dp1 4x too slow)
+    ones = [threads[0]["cores"], effective_cores(1, minidist_ops=True, batch=16)]
+    c["processes"] = processes()
+    ones.append(effective_cores(1, minidist_ops=True, batch=16))
+    threads[0]["cores"] = float(np.median(ones))
+    c.update(threads=threads, cores_threads=threads[1]["cores"], cores_threads_crowded=threads[-1]["cores"],
+             load=(c["load"] + os.getloadavg()[0]) / 2)  # the load average at the middle and the end
     if limit is not None:
         limit.unregister() if hasattr(limit, "unregister") else None
     os.makedirs(os.path.dirname(path), exist_ok=True)
