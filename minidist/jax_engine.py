@@ -108,6 +108,16 @@ def _arg_key(a):
     return ("v", a)
 
 
+def _hashable(v):
+    """A plain keyword value as part of a key: a slice (``x[1:3]``, ``split``) is not hashable before
+    Python 3.12, and an unhashable key sent the op to eager JAX, ~7 programs per new shape."""
+    if isinstance(v, slice):
+        return ("__slice__", v.start, v.stop, v.step)
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, *map(_hashable, v))
+    return v
+
+
 def _split_kwargs(kwargs):
     """(plain keyword arguments, layout, inputs): a keyword argument that is an array, or a tuple
     holding arrays (an index like ``(rows, cols)``), becomes inputs -- one per array or element;
@@ -194,8 +204,8 @@ def _forward(cls, ctx, arrays, kwargs):
     plain_kw, named, extra = _split_kwargs(kwargs)
     inputs = list(arrays) + extra
     try:
-        key = (cls, tuple(_arg_key(a) for a in inputs), tuple(sorted(plain_kw.items())), named,
-               ctx.needs_grad, ctx.record)
+        plain_key = tuple((k, _hashable(v)) for k, v in sorted(plain_kw.items()))
+        key = (cls, tuple(_arg_key(a) for a in inputs), plain_key, named, ctx.needs_grad, ctx.record)
         if not _plain(list(plain_kw.values())):
             raise TypeError("not a plain value")
         hash(key)
