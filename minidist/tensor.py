@@ -25,6 +25,7 @@ import threading
 
 import numpy as np
 
+from minidist import jax_engine
 from minidist.backend import Backend, backend_of, default_backend, get_backend
 
 _state = threading.local()
@@ -263,7 +264,9 @@ class Tensor:
             if self.size != 1:
                 raise RuntimeError(f"backward() on a non-scalar tensor of shape {self.shape} needs an "
                                    "explicit gradient of that shape: t.backward(grad)")
-            grad = self.backend.xp.ones(self.data.shape, dtype=self.dtype)
+            be = self.backend  # JAX: the seed from the host (no program); in place where arrays allow
+            grad = be.xp.ones(self.data.shape, dtype=self.dtype) if be.inplace else be.from_host(
+                np.ones(self.data.shape, dtype=self.dtype))
         elif isinstance(grad, Tensor):
             grad = grad.data
         if not self.backend.is_array(grad):  # a host seed onto the device (CuPy mixes none)
@@ -376,7 +379,15 @@ def tensor(data, dtype, requires_grad: bool = False, backend=None) -> Tensor:
 
 
 def _accumulate(a, b):
-    return b if a is None else a + b
+    if a is None:
+        return b
+    return a + b if type(a) is np.ndarray else _add(a, b)
+
+
+@jax_engine.pure
+def _add(a, b):
+    """A gradient sum off NumPy: on JAX one stored program per shape, not an eager ``+``."""
+    return a + b
 
 
 def run_backward(root: Tensor, grad, retain_graph: bool = False) -> None:
