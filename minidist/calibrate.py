@@ -37,7 +37,7 @@ from minidist.optim import AdamW
 from minidist.parallel.three_d import train_3d
 from minidist.plan.mesh import Candidate
 from minidist.plan.model import ModelSpec
-from minidist.plan.steptime import predict
+from minidist.plan.steptime import LINK_RANKS, predict
 from minidist.tensor import Tensor
 
 
@@ -201,7 +201,7 @@ def fit_relative(rows, times) -> tuple[float, float]:
     return max(float(alpha), 1e-7), max(float(beta), 1e-12)
 
 
-def allreduce_alpha_beta(ranks: int = 2) -> tuple[float, float]:
+def allreduce_alpha_beta(ranks: int = LINK_RANKS) -> tuple[float, float]:
     sizes = [1 << 10, 1 << 16, 1 << 20, 1 << 22]
 
     def body(comm):

@@ -46,6 +46,7 @@ from minidist.plan.traffic import Placement, all_reduce_rounds, collectives
 
 OPS_PER_BLOCK = 19    # minidist Block: functions run in forward (ln, linear, reshape, ...); backward as many
 OPS_HEAD = 5          # Head + cross-entropy
+LINK_RANKS = 2        # thread ranks calibrate measures the threads link with (`allreduce_alpha_beta`)
 
 
 @dataclass
@@ -262,10 +263,15 @@ def rank_slowdown(hw: Hardware, ranks: int) -> float:
 
 
 def comm_slowdown(hw: Hardware, ranks: int) -> float:
-    """How many times slower messages run than `collective_time` says: thread ranks' messages are
-    Python that takes its turn with the rest (`rank_slowdown`); MPI processes' measured links are
-    wall time already (1)."""
-    return 1.0 if hw.crowd(ranks) is not None else rank_slowdown(hw, ranks)
+    """How many times slower messages run than `collective_time` says. Thread ranks' messages (and
+    MPI processes' without calibrate's probe) are priced at the threads link, which calibrate
+    measured with `LINK_RANKS` ranks sharing the machine -- their sharing is in it already; with
+    more ranks, the messages' Python takes its turn with the rest: rank_slowdown(ranks) /
+    rank_slowdown(LINK_RANKS) (the same rule as a crowded MPI group's link, `collective_time`). MPI
+    processes' probed links are priced in `collective_time` (1 here)."""
+    if hw.crowd(ranks) is not None:
+        return 1.0
+    return max(1.0, rank_slowdown(hw, ranks) / rank_slowdown(hw, min(ranks, LINK_RANKS)))
 
 
 def memory_bound_bytes(model: ModelSpec, cand: Candidate, stage: int, settings: Settings) -> float:
