@@ -278,6 +278,11 @@ def _bind() -> list:
     return _ARRAY
 
 
+def _flat_tree(n: int):
+    """The tree of ``n`` arguments that are each one array (``Program.__call__``'s flat signature)."""
+    return _ARRAY[1]((0,) * n)[1]
+
+
 def _leaf_sig(x):
     """What a compiled program depends on in one argument (in memory: fast, not yet stable)."""
     t = type(x)
@@ -354,7 +359,7 @@ class Program:
     def __init__(self, name: str, fn, identity: tuple | None, donate_argnums: tuple = (), aux=None):
         self.name, self.fn, self.identity, self.donate = name, fn, identity, tuple(donate_argnums)
         self.aux = aux
-        self._exes: dict = {}     # signature -> [executable, loaded from disk?]
+        self._exes: dict = {}     # signature -> [executable, loaded and not yet called?]
         self._failed: set = set()  # signatures whose trace raised
         self._locks: dict = {}
         self._lock = threading.Lock()
@@ -368,24 +373,39 @@ class Program:
         return self._jit
 
     def __call__(self, *args):
-        _, flatten, trace_context = _ARRAY or _bind()
+        array, flatten, trace_context = _ARRAY or _bind()
+        sigs = []
+        for x in args:  # the common call, an op's arrays: no flattening, its tree is their number
+            if type(x) is not array:
+                break
+            sigs.append((x.shape, x.dtype, x.weak_type, x.sharding, x.committed))  # = _leaf_sig(x)
+        else:
+            sig = (len(args), tuple(sigs), trace_context())
+            entry = self._exes.get(sig)
+            if entry is not None and not entry[1]:
+                return entry[0](*args)
+            return self._run(sig, args, entry)
         leaves, tree = flatten(args)
         try:
             sig = (tree, tuple([_leaf_sig(x) for x in leaves]), trace_context())
         except _Traced:
             return self.jitted()(*args)
-        entry = self._exes.get(sig)
+        return self._run(sig, args, self._exes.get(sig))
+
+    def _run(self, sig, args, entry):
         if entry is None:
             entry = self._first(sig, args)
         if not entry[1]:
             return entry[0](*args)
         try:
-            return entry[0](*args)
+            out = entry[0](*args)
         except (TypeError, ValueError):  # a loaded executable that does not take these arguments
             _count("rejected")
             with self._lock:
                 entry[:] = [self._compile(sig, args, self._key(sig)), False]
             return entry[0](*args)
+        entry[1] = False  # it took arguments of this signature: the next call needs no check
+        return out
 
     def _first(self, sig, args) -> list:
         if sig in self._failed:
@@ -417,7 +437,7 @@ class Program:
             return None
         tree, leaves, _ = sig
         stable = [_stable_leaf(s) for s in leaves]
-        text = str(tree)
+        text = str(_flat_tree(tree) if isinstance(tree, int) else tree)  # (n: n arrays, a flat tuple)
         if None in stable or "CustomNode" in text:
             return None
         return repr((FORMAT, self.name, self.identity, self.donate, text, stable, _environment()))

@@ -98,24 +98,36 @@ def _plain(v) -> bool:
     return isinstance(v, _PLAIN)
 
 
+_JAX_ARRAY: list = []  # [JAX's concrete array type], bound on the first op (no JAX import here)
+
+
+def _jax_array_type():
+    if not _JAX_ARRAY:
+        _JAX_ARRAY.append(jax_cache._bind()[0])
+    return _JAX_ARRAY[0]
+
+
 def _arg_key(a):
+    """One argument as part of a key: an array by ``(shape, dtype)`` (the dtype object: its str()
+    costs ~1.5 us), a plain value by ``_value_key``. The first item tells the two kinds apart: a
+    shape is a tuple, a value's first item its type's name."""
     if _is_array(a):
-        return ("a", tuple(a.shape), a.dtype)  # (the dtype object: its str() costs ~1.5 us)
+        return (tuple(a.shape), a.dtype)
     if not _plain(a):
         raise TypeError("not a plain value")
-    if isinstance(a, slice):  # (a slice is not hashable before Python 3.12)
-        return ("s", a.start, a.stop, a.step)
-    return ("v", a)
+    return _value_key(a)
 
 
-def _hashable(v):
-    """A plain keyword value as part of a key: a slice (``x[1:3]``, ``split``) is not hashable before
+def _value_key(v):
+    """A plain value as part of a key: ``(type name, value)``. The type, since ``2 == 2.0 == True``
+    hash alike, and an int array times 2.0 is float where times 2 stays int (one compiled program
+    for both gave int). A slice (``x[1:3]``, ``split``) is spelled out: it is not hashable before
     Python 3.12, and an unhashable key sent the op to eager JAX, ~7 programs per new shape."""
     if isinstance(v, slice):
-        return ("__slice__", v.start, v.stop, v.step)
+        return ("slice", v.start, v.stop, v.step)  # (None, ints: their types do not change a slice)
     if isinstance(v, (tuple, list)):
-        return (type(v).__name__, *map(_hashable, v))
-    return v
+        return (type(v).__name__, *map(_value_key, v))
+    return (type(v).__name__, v)
 
 
 def _split_kwargs(kwargs):
@@ -196,33 +208,75 @@ def _eager(cls, ctx, arrays, kwargs):
     return out
 
 
+_NO_KW: dict = {}
+_SKEYS: dict = {}  # id(a compiled forward's static attributes) -> (them, their part of a backward key)
+
+
+def _static_key(static: dict) -> tuple:
+    """The backward key's text of a compiled forward's static attributes: each by ``repr``, computed
+    once per forward entry (its dict is shared by every call), not once per backward (~2 us)."""
+    hit = _SKEYS.get(id(static))
+    if hit is None or hit[0] is not static:
+        hit = _SKEYS[id(static)] = (static, tuple(sorted((k, repr(v)) for k, v in static.items())))
+    return hit[1]
+
+
 def _forward(cls, ctx, arrays, kwargs):
-    if not any(type(a).__module__.startswith(("jax", "jaxlib")) for a in arrays):
-        return cls.forward(ctx, *arrays, **kwargs)  # CuPy arrays, scalars: not ours
-    # an array passed by keyword (GetItem's integer index, or a tuple of them) is an argument like
-    # the others, so the op compiles: eager JAX indexing is ~7 programs per new shape, this is one
-    plain_kw, named, extra = _split_kwargs(kwargs)
-    inputs = list(arrays) + extra
+    """``cls.forward(ctx, *arrays, **kwargs)`` as one compiled call, looked up by ``_FORWARD``'s key.
+
+    Every op on JAX comes through here (~15 us of Python per call before this was trimmed, the
+    executable itself ~4 us), so the common case -- positional JAX arrays, no keywords -- touches
+    each argument once: its type, shape and dtype, no getattr probing, no sorting."""
+    jax_array = _JAX_ARRAY[0] if _JAX_ARRAY else _jax_array_type()
+    keys, dyn_at, ours, plain = [], [], False, True
     try:
-        plain_key = tuple((k, _hashable(v)) for k, v in sorted(plain_kw.items()))
-        key = (cls, tuple(_arg_key(a) for a in inputs), plain_key, named, ctx.needs_grad, ctx.record)
-        if not _plain(list(plain_kw.values())):
-            raise TypeError("not a plain value")
-        hash(key)
-    except TypeError:  # a random generator, or another value that is not plain: eager
+        for i, a in enumerate(arrays):
+            if type(a) is jax_array:  # (a shape is a tuple, a value's first item a name: never equal)
+                keys.append((a.shape, a.dtype))
+                dyn_at.append(i)
+                ours = True
+            else:
+                k = _arg_key(a)
+                keys.append(k)
+                if type(k[0]) is tuple:  # another array: a tracer, NumPy's, CuPy's
+                    dyn_at.append(i)
+                    ours = ours or _is_jax(a)
+    except TypeError:  # a random generator, or another value that is not plain: eager, if ours
+        plain = False
+    if not ours and not any(_is_jax(a) for a in arrays):
+        return cls.forward(ctx, *arrays, **kwargs)  # CuPy arrays, scalars: not ours
+    if not plain:
         return _eager(cls, ctx, arrays, kwargs)
-    entry = _FORWARD.get(key, False)
+    if kwargs:
+        # an array passed by keyword (GetItem's integer index, or a tuple of them) is an argument
+        # like the others, so the op compiles: eager JAX indexing is ~7 programs per new shape
+        plain_kw, named, extra = _split_kwargs(kwargs)
+        try:
+            keys.extend(_arg_key(a) for a in extra)
+            plain_key = tuple((k, _value_key(v)) for k, v in sorted(plain_kw.items()))
+            if not _plain(list(plain_kw.values())):
+                raise TypeError("not a plain value")
+        except TypeError:
+            return _eager(cls, ctx, arrays, kwargs)
+        dyn_at.extend(i for i, a in enumerate(extra, len(arrays)) if _is_array(a))
+        inputs = (*arrays, *extra)
+    else:
+        plain_kw, named, plain_key, inputs = _NO_KW, (), (), arrays
+    key = (cls, tuple(keys), plain_key, named, ctx.needs_grad, ctx.record)
+    try:
+        entry = _FORWARD.get(key, False)
+    except TypeError:  # an unhashable value (a list inside a tuple): eager
+        return _eager(cls, ctx, arrays, kwargs)
     if entry is None:
         return _eager(cls, ctx, arrays, kwargs)
-    dyn_at = [i for i, a in enumerate(inputs) if _is_array(a)]
-    dyn_args = [inputs[i] for i in dyn_at]
+    dyn_args = inputs if len(dyn_at) == len(inputs) else [inputs[i] for i in dyn_at]
     if entry is False:
         with _lock_for(("make forward", key)):  # one jitted function per key, however many ranks
             entry = _FORWARD.get(key, False)
             if entry is None:
                 return _eager(cls, ctx, arrays, kwargs)
             if entry is False:
-                entry = _make_forward(cls, ctx, inputs, len(arrays), plain_kw, named, dyn_at, key)
+                entry = _make_forward(cls, ctx, list(inputs), len(arrays), plain_kw, named, dyn_at, key)
                 try:
                     result = entry[0](*dyn_args)
                 except Exception:  # reads a value back on the host, writes in place, ...: eager
@@ -234,14 +288,16 @@ def _forward(cls, ctx, arrays, kwargs):
     else:
         result = entry[0](*dyn_args)
     out, saved, dyn = result
-    saved = [dyn_args[j] if j is not None else p[0] if p is not None else a
-             for a, j, p in zip(saved, entry[1]["inputs"], entry[1]["plain"])]
-    if ctx.record:
-        ctx.save(*saved)
-    vars(ctx).update(entry[1]["static"])
-    vars(ctx).update(dyn)
-    ctx._jax_static = entry[1]["static"]
-    ctx._jax_dyn = tuple(dyn)
+    holder = entry[1]
+    if ctx.record:  # (nothing is kept when no graph is built: no need to rebuild the list)
+        ctx.save(*[dyn_args[j] if j is not None else p[0] if p is not None else a
+                   for a, j, p in zip(saved, holder["inputs"], holder["plain"])])
+    static = holder["static"]
+    attrs = vars(ctx)
+    attrs.update(static)
+    if dyn:
+        attrs.update(dyn)
+    attrs["_jax_static"], attrs["_jax_dyn"], attrs["_jax_skey"] = static, tuple(dyn), _static_key(static)
     return out
 
 
@@ -249,15 +305,19 @@ _BACKWARD: dict = {}
 
 
 def _backward(cls, ctx, grad):
-    static = getattr(ctx, "_jax_static", None)
+    attrs = vars(ctx)
+    static = attrs.get("_jax_static")
     if static is None:  # the forward ran eagerly
         return cls.backward(ctx, grad)
-    names = ctx._jax_dyn
-    key = (cls, tuple(sorted((k, repr(v)) for k, v in static.items())), names, ctx.needs_grad)
+    names = attrs["_jax_dyn"]
+    skey = attrs.get("_jax_skey")  # (a compiled forward's; an eager one's statics are new each call)
+    if skey is None:
+        skey = tuple(sorted((k, repr(v)) for k, v in static.items()))
+    key = (cls, skey, names, ctx.needs_grad)
     fn = _BACKWARD.get(key)
     if fn is False:
         return cls.backward(ctx, grad)
-    dyn = tuple(getattr(ctx, k) for k in names)
+    dyn = tuple([attrs[k] for k in names]) if names else ()
     saved = ctx.saved  # once: a saved-tensor hook may unpack (recompute, load from disk) on each read
     if fn is None:
         with _lock_for(("make backward", key)):
