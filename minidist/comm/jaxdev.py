@@ -120,18 +120,27 @@ class CupyDeviceComm(JaxDeviceComm):
 
         On one GPU (ranks sharing it) this is a device-to-device copy, ordered after the kernels
         that made ``x`` because both go to the same stream. Across GPUs CuPy enqueues the copy on
-        the *receiver's* stream, which does not wait for the sender's: so it waits for an event
-        recorded on the sender's stream first, and ``x`` is made contiguous (CuPy copies only
-        contiguous arrays between devices)."""
+        the *receiver's* stream, which does not wait for the sender's, nor the sender's for it:
+        so the receiver waits for an event recorded on the sender's stream before the copy, and
+        the sender's stream waits for an event recorded after it. Without the second wait the
+        sender's next kernel may overwrite ``x`` (or, when ``x`` was not contiguous, reuse the
+        pooled memory of the contiguous temporary, freed when this returns) while the copy still
+        reads it. CuPy copies only contiguous arrays between devices, hence the temporary."""
         import cupy
 
-        dst = self.device_of(world_rank)
-        if x.device.id == dst:
+        src, dst = x.device.id, self.device_of(world_rank)
+        if src == dst:
             with cupy.cuda.Device(dst):
                 return cupy.array(x, copy=True)
-        with cupy.cuda.Device(x.device.id):
-            x = cupy.ascontiguousarray(x)
-            made = cupy.cuda.get_current_stream().record()
+        with cupy.cuda.Device(src):
+            x = cupy.ascontiguousarray(x)  # may be a temporary: alive until the sender waits below
+            sender = cupy.cuda.get_current_stream()
+            made = sender.record()
         with cupy.cuda.Device(dst):
-            cupy.cuda.get_current_stream().wait_event(made)
-            return cupy.array(x, copy=True)
+            receiver = cupy.cuda.get_current_stream()
+            receiver.wait_event(made)
+            y = cupy.array(x, copy=True)
+            copied = receiver.record()
+        with cupy.cuda.Device(src):
+            sender.wait_event(copied)  # later work on the sender's stream (and pool reuse) comes after
+        return y

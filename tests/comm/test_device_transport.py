@@ -135,10 +135,11 @@ def test_cupy_point_to_point_lands_on_the_receivers_gpu():
         np.testing.assert_array_equal(got, np.full(5, float((r - 1) % 2)))
 
 
-def test_cupy_move_across_gpus_waits_for_the_senders_stream(monkeypatch):
+def test_cupy_move_across_gpus_orders_both_streams_around_the_copy(monkeypatch):
     """No GPU here: a stand-in ``cupy`` module records what ``CupyDeviceComm.move`` asks of CUDA.
     Across GPUs the copy goes on the receiver's stream, so an event recorded on the sender's
-    stream must be waited for first; on one GPU (ranks sharing it) a plain copy on that stream."""
+    stream must be waited for first, and the sender's stream must wait for an event recorded after
+    the copy (else it may overwrite ``x`` mid-copy); on one GPU (ranks sharing it) a plain copy."""
     import contextlib
     import sys
     import types
@@ -177,7 +178,8 @@ def test_cupy_move_across_gpus_waits_for_the_senders_stream(monkeypatch):
     comm = object.__new__(CupyDeviceComm)  # move() needs no group: only device_of and cupy
     got = comm.move(Array(0), world_rank=1)  # GPU 0 -> GPU 1
     assert got.device.id == 1 and current[0] == 0
-    assert log == [("contiguous on", 0), ("record on", 0), ("wait on", 1, "event@0"), ("copy on", 1, 0)]
+    assert log == [("contiguous on", 0), ("record on", 0), ("wait on", 1, "event@0"), ("copy on", 1, 0),
+                   ("record on", 1), ("wait on", 0, "event@1")]  # the sender's stream waits for the copy
     log.clear()
     assert comm.move(Array(0), world_rank=2).device.id == 0  # rank 2 shares GPU 0: one stream, no event
     assert log == [("copy on", 0, 0)]
