@@ -24,10 +24,33 @@ def flat_positions(xp, shape, index):
     """Where each element of ``target[index]`` sits in ``target.reshape(-1)`` (int64, shaped like
     ``target[index]``), for any NumPy index: integers, arrays, slices, tuples of them."""
     index = _on_device(xp, index)
-    if len(shape) == 1 and hasattr(index, "dtype") and index.dtype.kind in "iu":
-        lin = index.astype(np.int64)  # the embedding's case: already flat, no table of positions
-        return xp.where(lin < 0, lin + shape[0], lin)
-    return xp.arange(math.prod(shape), dtype=np.int64).reshape(shape)[index]
+    if len(shape) == 1 and _is_integer(index):
+        index = (index,)  # the embedding's case: already flat
+    if isinstance(index, tuple) and len(index) == len(shape) and all(map(_is_integer, index)):
+        return _ravel(xp, shape, index)  # cross-entropy's (arange, t): no table the size of the target
+    return xp.arange(math.prod(shape), dtype=np.int64).reshape(shape)[index]  # slices, mixed indexes
+
+
+def _is_integer(i) -> bool:
+    """An integer index for one axis: an int or an array of integers (not a bool mask)."""
+    return isinstance(i, (int, np.integer)) and not isinstance(i, bool) or (
+        hasattr(i, "dtype") and i.dtype.kind in "iu")
+
+
+def _ravel(xp, shape, index):
+    """``np.ravel_multi_index`` with NumPy indexing's rules: negative ids wrap, the per-axis ids
+    broadcast, and an id outside ``[-size, size)`` raises IndexError as ``np.add.at`` does."""
+    ids = [xp.asarray(i, dtype=np.int64) for i in index]
+    if any(bool(((i < -n) | (i >= n)).any()) for i, n in zip(ids, shape)):
+        for axis, (i, n) in enumerate(zip(ids, shape)):
+            bad = i[(i < -n) | (i >= n)]
+            if bad.size:
+                raise IndexError(f"scatter_add: index {int(bad.reshape(-1)[0])} is out of bounds for axis "
+                                 f"{axis} with size {n} (ids must lie in [{-n}, {n}))")
+    lin = xp.zeros((), dtype=np.int64)
+    for i, n in zip(ids, shape):
+        lin = lin * n + xp.where(i < 0, i + n, i)
+    return lin
 
 
 def _on_device(xp, index):

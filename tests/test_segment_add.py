@@ -85,3 +85,64 @@ def test_cupy_scatter_add_equals_numpy_bit_for_bit_every_run():
                 for _ in range(3)]
         for got in runs:
             assert cupy.asnumpy(got).tobytes() == want.tobytes()
+
+
+def _integer_ids(rng, shape):
+    """One id per axis: arrays (some 2-D, broadcasting), plain ints, negatives -- all in range."""
+    ids = []
+    for n in shape:
+        kind = rng.integers(0, 3)
+        if kind == 0:
+            ids.append(int(rng.integers(-n, n)))
+        else:
+            dtype = rng.choice(["int32", "int64"])
+            ids.append(rng.integers(-n, n, (4,) if kind == 1 else (3, 1)).astype(dtype))
+    return tuple(ids)
+
+
+@given(seed=st.integers(0, 2**16), ndim=st.integers(1, 3))
+def test_integer_ids_on_every_axis_ravel_like_numpy_indexing(seed, ndim):
+    """The direct path (rows*ncols + cols) against NumPy's own indexing of a table of positions,
+    and the segment adds against ``np.add.at``."""
+    rng = np.random.default_rng(seed)
+    shape = tuple(int(n) for n in rng.integers(1, 6, ndim))
+    index = _integer_ids(rng, shape)
+    table = np.arange(int(np.prod(shape))).reshape(shape)
+    assert np.array_equal(flat_positions(np, shape, index), table[index])
+    start = rng.standard_normal(shape)
+    values = rng.standard_normal(np.shape(table[index])) * 10.0 ** rng.integers(-6, 6, np.shape(table[index]))
+    want = start.copy()
+    np.add.at(want, index, values)
+    assert add_in_segments(start.copy(), index, values).tobytes() == want.tobytes()
+
+
+def test_cross_entropys_index_builds_no_table_the_size_of_the_target():
+    """(arange(B), t) over (B, V) logits: no arange of B*V positions, only the B ids themselves."""
+    sizes = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def arange(self, n, *a, **k):
+            sizes.append(n)
+            return np.arange(n, *a, **k)
+
+    rows, t = np.arange(4), np.array([7, 0, 999, 3])
+    got = flat_positions(Recording(), (4, 1000), (rows, t))
+    assert got.tolist() == [7, 1000, 2999, 3003]
+    assert all(n < 1000 for n in sizes), sizes
+
+
+@pytest.mark.parametrize("shape, index, axis, bad", [
+    ((5, 6), (np.array([0, 1]), np.array([2, 6])), 1, 6),
+    ((5, 6), (np.array([0, -6]), np.array([2, 1])), 0, -6),
+    ((10,), np.array([3, 10, 2]), 0, 10),
+    ((2, 3, 4), (1, np.array([0, 2]), np.array([-5])), 2, -5),
+])
+def test_out_of_range_ids_raise_naming_the_axis_and_its_size(shape, index, axis, bad):
+    message = f"index {bad} is out of bounds for axis {axis} with size {shape[axis]}"
+    with pytest.raises(IndexError, match=message):
+        np.add.at(np.zeros(shape), index, 1.0)  # the behaviour to match
+    with pytest.raises(IndexError, match=message):
+        flat_positions(np, shape, index)
