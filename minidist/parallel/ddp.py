@@ -57,8 +57,8 @@ def _flatten(xp, arrays, sizes, dtype):
 
 
 @jax_engine.pure  # on JAX one compiled call, not a slice and a reshape program per parameter
-def _views(flat, offsets, sizes, shapes, divisor=1.0) -> list:
-    if divisor != 1:  # the average of a summed gradient (in the same call: no divide program on JAX)
+def _views(flat, offsets, sizes, shapes, divisor=None) -> list:
+    if divisor is not None:  # the average of a summed gradient (in the same call: no divide program on JAX)
         flat = flat / divisor
     return [flat[o:o + n].reshape(s) for o, n, s in zip(offsets, sizes, shapes)]
 
@@ -80,9 +80,12 @@ class Bucket:
 
     def views(self, flat, divisor: float = 1.0) -> list:
         """The inverse of ``flatten``: per-parameter views of ``flat`` (divided by ``divisor``, a new
-        array then) in their shapes."""
+        array then) in their shapes. The divisor travels as a host scalar of ``flat``'s dtype (what
+        NumPy makes of a Python float there): an argument of the compiled call on JAX, so a weighted
+        batch or a short last one divides by a new number without compiling a new program."""
+        scalar = None if divisor == 1 else np.dtype(flat.dtype).type(divisor)
         return _views(flat, tuple(self.offsets), tuple(self.sizes), tuple(p.shape for p in self.params),
-                      divisor)
+                      scalar)
 
     def shard(self, rank: int, size: int) -> tuple[int, int]:
         """[lo, hi) of the flat bucket rank ``rank`` owns: ``np.array_split`` of numel into size parts

@@ -296,12 +296,20 @@ class VocabParallelCrossEntropy(Function):
         n = max(int(valid.sum()), 1)
         ctx.save(shifted, lse)
         ctx.t, ctx.mine, ctx.valid, ctx.n, ctx.shape = safe_t, mine, valid, n, logits.shape
-        return _mean_loss(lse, target, valid, n, logits.dtype)
+        return _mean_loss(lse, target, valid, _host_scalar(n, lse), logits.dtype)
 
     @staticmethod
     def backward(ctx, g):
         shifted, lse = ctx.saved
-        return _cross_entropy_grad(shifted, lse, ctx.t, ctx.mine, ctx.valid, g, ctx.n, ctx.shape), None
+        n = _host_scalar(ctx.n, g)
+        return _cross_entropy_grad(shifted, lse, ctx.t, ctx.mine, ctx.valid, g, n, ctx.shape), None
+
+
+def _host_scalar(n, like):
+    """Token count ``n`` as a host scalar of ``like``'s dtype -- the float NumPy makes of a Python int
+    divided into ``like`` -- so the compiled loss takes it as an argument: a batch with another
+    number of ignored targets runs the same program instead of compiling one per count."""
+    return np.dtype(getattr(like, "dtype", np.float64)).type(n)
 
 
 # The loss's array steps between its all-reduces, as pure functions: on NumPy as written, on JAX one

@@ -393,7 +393,8 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("backend", ["numpy", "jax"])
 def test_bucket_views_average_in_one_call(backend):
     """A bucket's summed gradient -> each parameter's average: flat / divisor, cut and reshaped. On
-    JAX that is one compiled program for the whole bucket (a divide program more, eagerly), reused."""
+    JAX that is one compiled program for the whole bucket (a divide program more, eagerly), reused
+    for every divisor, with NumPy's bits."""
     if backend == "jax":
         pytest.importorskip("jax")
     from minidist import jax_engine
@@ -414,3 +415,15 @@ def test_bucket_views_average_in_one_call(backend):
         assert g.dtype == np.float32
     if backend == "jax" and jax_engine.enabled():
         assert jax_engine.compilations() - before == 1
+    before = jax_engine.compilations() if backend == "jax" else 0
+    for divisor in (3.0, 7.0, 0.3):  # weighted DDP, a short last batch: other divisors, the same program
+        got = [np.asarray(be.to_host(v)) for v in b.views(be.from_host(flat), divisor)]
+        want = [flat[:6].reshape(2, 3) / divisor, flat[6:10] / divisor, flat[10:].reshape(1, 5) / divisor]
+        for g, w in zip(got, want):
+            assert g.dtype == np.float32
+            if backend == "numpy":
+                assert g.tobytes() == w.tobytes()
+            else:  # XLA's CPU divide is x * (1/d), the divisor baked in or not: within an ulp
+                np.testing.assert_array_max_ulp(g, w, maxulp=1)
+    if backend == "jax" and jax_engine.enabled():
+        assert jax_engine.compilations() - before == 0  # the divisor is an argument, not a constant

@@ -416,3 +416,44 @@ def test_vocab_parallel_loss_and_embedding_on_jax_equal_serial_with_few_programs
         np.testing.assert_allclose(grad, full.grad[..., r * 4:(r + 1) * 4], rtol=0, atol=TOL["float64"])
         np.testing.assert_allclose(rows, table[ids], rtol=0, atol=0)
     assert out[0][0] <= 12 * tp, out[0][0]  # the process's count: each rank's device compiles its own
+
+
+def _two_token_counts(comm, logits, batches):
+    """Programs each loss + backward adds, after a first one, for targets with other ignored counts."""
+    from minidist import jax_engine
+
+    be, v = comm.backend, logits.shape[-1] // comm.size
+    counts, losses = [], []
+    for targets in batches:
+        mine = Tensor(be.from_host(logits[..., comm.rank * v:(comm.rank + 1) * v]), requires_grad=True)
+        comm.barrier()
+        before = jax_engine.compilations()
+        loss = vocab_parallel_cross_entropy(mine, targets, comm)
+        loss.backward()
+        comm.barrier()
+        counts.append(jax_engine.compilations() - before)
+        losses.append((float(loss.item()), be.to_host(mine.grad)))
+    return counts, losses
+
+
+def test_vocab_parallel_loss_compiles_once_for_every_count_of_ignored_targets():
+    """The mean's token count is an argument of the compiled loss and gradient, not a constant: a
+    batch with other ignored targets (another n) runs the same programs, with the serial numbers."""
+    pytest.importorskip("jax")
+    from minidist import jax_engine
+
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((2, 3, 6))
+    batches = [rng.integers(0, 6, (2, 3)) for _ in range(3)]
+    batches[1][0, :2] = -1  # n = 4
+    batches[2][1, 1] = -1   # n = 5
+    out = run(_two_token_counts, ranks=2, backend="jax", logits=logits, batches=batches)
+    for r, (counts, losses) in enumerate(out):
+        for targets, (loss, grad) in zip(batches, losses):
+            full = Tensor(logits.copy(), requires_grad=True)
+            want = ops.cross_entropy(full, targets)
+            want.backward()
+            assert abs(loss - want.item()) <= TOL["float64"]
+            np.testing.assert_allclose(grad, full.grad[..., r * 3:(r + 1) * 3], rtol=0, atol=TOL["float64"])
+        if jax_engine.enabled():
+            assert counts[1:] == [0, 0], counts
