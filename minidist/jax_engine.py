@@ -91,11 +91,12 @@ _PLAIN = jax_cache.PLAIN
 
 
 def _plain(v) -> bool:
-    """A value the compiled op may bake in: numbers, strings, slices, tuples of them. Anything
-    else (a random generator: its draws would be frozen at trace time) keeps the op eager."""
+    """A value the compiled op may bake in: numbers, strings, slices, dtypes (``np.float32`` the
+    class too: ``ops.cast(x, np.float32)`` ran eagerly), tuples of them. Anything else (a random
+    generator: its draws would be frozen at trace time) keeps the op eager."""
     if isinstance(v, (tuple, list)):
         return all(_plain(x) for x in v)
-    return isinstance(v, _PLAIN)
+    return isinstance(v, _PLAIN) or isinstance(v, type) and issubclass(v, np.generic)
 
 
 _JAX_ARRAY: list = []  # [JAX's concrete array type], bound on the first op (no JAX import here)
@@ -124,7 +125,7 @@ def _value_key(v):
     for both gave int). A slice (``x[1:3]``, ``split``) is spelled out: it is not hashable before
     Python 3.12, and an unhashable key sent the op to eager JAX, ~7 programs per new shape."""
     if isinstance(v, slice):
-        return ("slice", v.start, v.stop, v.step)  # (None, ints: their types do not change a slice)
+        return ("slice", _value_key(v.start), _value_key(v.stop), _value_key(v.step))
     if isinstance(v, (tuple, list)):
         return (type(v).__name__, *map(_value_key, v))
     return (type(v).__name__, v)

@@ -383,3 +383,33 @@ def test_a_boolean_mask_after_an_integer_index_runs_eagerly_and_right():
             got[backend] = np.asarray(y.data), np.asarray(x.grad)
         np.testing.assert_array_equal(got["jax"][0], got["numpy"][0])
         np.testing.assert_array_equal(got["jax"][1], got["numpy"][1])
+
+
+@needs_engine
+def test_an_ops_key_holds_each_arrays_dtype_and_each_numbers_type():
+    """Calls that differ only in an input's dtype, or in a number's type, never share a compiled op.
+    Cast keeps its input's dtype (a static attribute) to cast the gradient back: one program for
+    float32 and float16 inputs would hand one of them the other's gradient dtype. And 2 == 2.0 ==
+    True hash alike, but an int32 array times 2.0 is a float array: the reference is eager JAX."""
+    from minidist.tensor import Tensor
+
+    be = get_backend("jax")
+    for _ in range(2):  # the second round runs the programs the first one made
+        for dt in (np.float32, np.float16, np.float64):
+            x = Tensor(be.from_host(np.ones((2, 3), dt)), requires_grad=True)
+            ops.Cast.apply(x, np.dtype(np.float64)).sum().backward()  # positional: no keywords
+            assert x.grad.dtype == dt, f"the gradient of a {np.dtype(dt)} input came back {x.grad.dtype}"
+            x.grad = None
+            ops.cast(x, np.float64).sum().backward()  # a keyword, and NumPy's scalar type
+            assert x.grad.dtype == dt, f"the gradient of a {np.dtype(dt)} input came back {x.grad.dtype}"
+    compiled = [k for k, entry in jax_engine._FORWARD.items() if k[0] is ops.Cast and entry]
+    assert len(compiled) >= 6, "Cast ran eagerly"
+    n = be.from_host(np.arange(4, dtype=np.int32))
+    for v in (2, 2.0, True, 2, 2.0):
+        got = ops.Mul.apply(Tensor(n), v).data
+        want = n * v  # eager JAX, not the engine
+        assert got.dtype == want.dtype, f"int32 array * {v!r}: {got.dtype}, eager JAX gives {want.dtype}"
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # keywords and tuples are keyed the same way: equal values of other types stay apart
+    values = (2, 2.0, True, (2,), (2.0,), [2], slice(0, 2), slice(0.0, 2.0))
+    assert len({jax_engine._value_key(v) for v in values}) == len(values)
