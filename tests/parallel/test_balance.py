@@ -198,17 +198,20 @@ def test_dp_on_jax_pads_shares_to_a_few_shapes_and_equals_serial():
     want, want_losses = train_serial(CFG, batches, lr=0.1, optimizer="sgd")
 
     def body(comm):
-        programs = []
+        programs, rows = [], []
 
         def on_step(step, run, table):
             comm.barrier()
             programs.append(jax_engine.compilations())
+            rows.append(table[:, run.monitor.fields.index("rows")].tolist())
 
         r = train_dp_balanced(comm, CFG, batches, optimizer="sgd", slow="", plan=lambda s: plans[s],
                               on_step=on_step)  # (the rank's default backend: JAX)
-        return host_state(r.model), r.losses, programs
+        return host_state(r.model), r.losses, programs, rows
 
-    for state, losses, programs in run(body, ranks=2, backend="jax"):
+    for state, losses, programs, rows in run(body, ranks=2, backend="jax"):
+        # the rows each step's time covers, padded: 3 rows take 4 rows' time (per-row cost not 4/3 too high)
+        assert rows == [[4, 8], [8, 4], [4, 4]], rows
         assert max_state_diff(state, want) <= TOL
         np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
         if jax_engine.enabled():

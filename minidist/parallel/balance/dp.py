@@ -94,6 +94,7 @@ def train_dp_balanced(comm, cfg, batches, lr: float = 0.1, optimizer: str = "sgd
         tokens = int((np.asarray(ys) != -1).sum())
         if compiles_per_shape(model.parameters()[0].backend):
             xs, ys = pad_rows(xs, ys, bucket(len(xs), total))
+        computed = len(xs)  # the rows the step's time covers (padded ones too): the balancer's per-row cost
         t0 = time.perf_counter()
         with _span("Compute", "compute", step=step, rows=shares[comm.rank]), \
                 slow.compute(comm.rank, step, shares[comm.rank]), ddp.no_sync():
@@ -105,7 +106,7 @@ def train_dp_balanced(comm, cfg, batches, lr: float = 0.1, optimizer: str = "sgd
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
-        table = monitor.record(t1 - t0, t2 - t1, shares[comm.rank], float(loss.item()) * tokens, tokens)
+        table = monitor.record(t1 - t0, t2 - t1, computed, float(loss.item()) * tokens, tokens)
         run.losses.append(float(table[:, 3].sum() / max(table[:, 4].sum(), 1)))
         run.shares.append(list(shares))
         run.step_seconds.append(time.perf_counter() - t0)
