@@ -60,7 +60,8 @@ class _TraceCtx:
         self.needs_grad, self.record, self._saved = needs_grad, record, ()
 
     def save(self, *arrays):
-        self._saved = arrays
+        if self.record:  # (no graph: the compiled forward returns nothing for a backward)
+            self._saved = arrays
 
     @property
     def saved(self):

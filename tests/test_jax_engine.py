@@ -413,3 +413,25 @@ def test_an_ops_key_holds_each_arrays_dtype_and_each_numbers_type():
     # keywords and tuples are keyed the same way: equal values of other types stay apart
     values = (2, 2.0, True, (2,), (2.0,), [2], slice(0, 2), slice(0.0, 2.0))
     assert len({jax_engine._value_key(v) for v in values}) == len(values)
+
+
+@needs_engine
+def test_a_forward_without_a_graph_returns_nothing_for_a_backward():
+    """Under ``no_grad`` (evaluation, decoding) no backward will run: the compiled forward returns
+    the output alone, not the activations it saves when a graph is built (each output costs a
+    device buffer and ~1 us a call)."""
+    from minidist.tensor import Tensor, no_grad
+
+    be = get_backend("jax")
+    h = np.linspace(-2, 2, 15).reshape(3, 5)
+    x = Tensor(be.from_host(h), requires_grad=True)
+    with no_grad():
+        y = ops.gelu(x)
+    z = ops.gelu(x)
+    c = np.sqrt(2 / np.pi)
+    want = 0.5 * h * (1 + np.tanh(c * (h + 0.044715 * h ** 3)))
+    for t in (y, z):
+        np.testing.assert_allclose(np.asarray(t.data), want, rtol=1e-12)
+    saved = {k[5]: len(e[1]["inputs"]) for k, e in jax_engine._FORWARD.items()
+             if k[0] is ops.Gelu and k[1] == (((3, 5), np.dtype(np.float64)),) and e}
+    assert saved[False] == 0 and saved[True] >= 1, saved
