@@ -210,18 +210,38 @@ def test_tpu_lesson_under_mpirun_spans_both_processes(per, dp, tp, mesh):
     """Multi-controller JAX for real: mpirun -n 2, jax.distributed.initialize over gloo, the twin's
     mesh on both processes' devices, each process checking its own parameter shards; exit 0 and
     PASS from process 0 only. (A mesh of the first dp*tp devices left process 1 without one: it
-    crashed reading the loss.)"""
+    crashed reading the loss.)
+
+    Measured cold (MINIDIST_JAX_CACHE=0, or a fresh HOME), both meshes: 3.8-9.0 s, median ~6.2 s,
+    over ~20 runs at load 2-5 on 2 cores (imports, gloo, step 0's ~4 s compile). The limit is 120 s,
+    13x the worst: one run of 155 s (at load ~2 with the CPUs idle: a stall, not slowness) was seen
+    once and not again in ~20 tries; a run past the limit fails with what the processes printed by
+    then (unbuffered), so the next one shows where it stalled, and mpirun's whole process group is
+    killed (no orphans left to load the rest of the suite)."""
     import os
+    import signal
     import subprocess
     import sys
+    import time
     from pathlib import Path
 
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={per}")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={per}", PYTHONUNBUFFERED="1")
     env.pop("MINIDIST_TRANSPORT", None)
     cmd = ["mpirun", "-n", "2", sys.executable, "-m", "minidist.lessons.tpu", "--dp", str(dp),
            "--tp", str(tp), "--steps", "2", "--layers", "1", "--seq", "8", "--d-model", "16"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    t0, limit = time.monotonic(), 120
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"mpirun -n 2 ran past {limit} s (load {os.getloadavg()[0]:.1f}); "
+                    f"it printed:\n{out}{err}")
+    res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    print(f"mpirun -n 2 took {time.monotonic() - t0:.1f} s")
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"JAX {jax.__version__}: {2 * per} devices, platform cpu, kind 'cpu', 2 process(es)" in res.stdout
     assert res.stdout.count("PASS: compiled twin == serial twin after 2 steps") == 1, res.stdout  # process 0
