@@ -113,6 +113,29 @@ def test_tpu_lesson_checks_the_two_runs_and_exits_nonzero_on_fail(monkeypatch, c
     assert "rank 1 -> cpu:1" in out and "collective-permute" in out and "10.0x" in out  # 100 ms / 10 ms
 
 
+@pytest.mark.parametrize("cache", ["/tmp/somewhere", "0"])
+def test_tpu_lesson_says_why_the_first_eager_step_is_slow_before_it_starts(monkeypatch, capsys, cache):
+    """The first eager step on 8 CPU devices is a silent minute of compiles: a line, printed (and
+    flushed) before it starts, says so and where later runs find them (or that the cache is off)."""
+    from minidist.lessons import tpu
+
+    monkeypatch.setenv("MINIDIST_JAX_CACHE", cache)
+    seen = []
+
+    def eager(cfg, batches, args):
+        seen.append(capsys.readouterr().out)  # what the student has read when step 0 starts
+        return {"w": np.ones(1)}, [1.0], [0.1], {}, 0, ["cpu:0", "cpu:1"]
+
+    monkeypatch.setattr(tpu, "eager", eager)
+    monkeypatch.setattr(tpu, "compiled", lambda cfg, batches, args: (
+        SimpleNamespace(state=lambda: {"w": np.ones(1)}, mesh=make_mesh(2, 1)), [1.0], [0.01], {}))
+    assert tpu.main(["--dp", "2", "--tp", "1", "--steps", "1", "--dtype", "float64"]) == 0
+    note = seen[0].strip().splitlines()[-1]
+    assert note.startswith("eager minidist: its step 0 compiles each op once per device (2 devices")
+    assert note.endswith("later runs load them from the cache (/tmp/somewhere)" if cache != "0" else
+                         "MINIDIST_JAX_CACHE=0: no cache, so every run compiles them again")
+
+
 @pytest.mark.parametrize("n,shape", [(1, (1, 1)), (2, (2, 1)), (3, (3, 1)), (4, (2, 2)), (6, (3, 2)),
                                      (8, (4, 2)), (16, (8, 2))])
 def test_default_mesh_uses_every_device_with_tp_2_when_it_can(n, shape):

@@ -94,6 +94,18 @@ def compiled(cfg, batches, args):
     return twin, losses, times, collective_counts(twin.compiled_text(*batches[0]))
 
 
+def first_run_note(devices: int) -> str:
+    """What the eager run's first step does before it prints anything: on JAX every op compiles once
+    per shape and device, ~60-70 s for 8 CPU devices the first time; the cache makes it seconds."""
+    from minidist import jax_cache
+
+    root = jax_cache.cache_root()
+    later = (f"later runs load them from the cache ({root})" if root else
+             "MINIDIST_JAX_CACHE=0: no cache, so every run compiles them again")
+    return (f"eager minidist: its step 0 compiles each op once per device ({devices} devices; about a "
+            f"minute on a CPU the first time); {later}")
+
+
 def print_mesh(mesh, processes: int) -> None:
     print(f"mesh ('dp', 'tp') = {mesh.devices.shape[0]} x {mesh.devices.shape[1]}"
           + (", device@process:" if processes > 1 else ":"))
@@ -189,6 +201,7 @@ def main(argv=None) -> int:
         return multihost(cfg, batches, args, tol)
     twin, twin_losses, twin_times, hlo = compiled(cfg, batches, args)
     print_mesh(twin.mesh, 1)
+    print(first_run_note(args.dp * args.tp), flush=True)  # step 0 may be a silent minute: say why first
     state, losses, times, calls, sent, bound = eager(cfg, batches, args)
     print("eager ranks bound to: " + ", ".join(f"rank {r} -> {d}" for r, d in enumerate(bound)) + "\n")
 
