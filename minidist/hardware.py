@@ -190,8 +190,8 @@ def here(path: str | None = None, transport: str = "threads") -> Hardware:
     with open(path) as f:
         c = json.load(f)
     crowds = () if transport == "threads" else tuple(_crowd(e) for e in c.get("processes", ()))
-    link = Link(1.0 / c["beta"], c["alpha"],  # MPI: the probe's links per process count, when it ran
-                "mpi processes (calibrate's probe)" if crowds else "threads transport")
+    link = Link(1.0 / c["beta"], c["alpha"],  # the threads link: MPI groups use `crowds`' own links
+                "threads transport" + (" (mpi groups: the probe's link per process count)" if crowds else ""))
     counts = tuple((e["ranks"], e["cores"]) for e in c.get("threads", ()))
     threads = counts if transport == "threads" else ()
     one = min((cores for n, cores in counts if n == 1), default=0.0)  # one rank: one thread, GIL or not

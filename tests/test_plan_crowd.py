@@ -168,6 +168,9 @@ def test_here_reads_the_probe(tmp_path):
     assert got.link("ring", background=False).latency == 3e-4
     assert got.link("ring", background=True).bandwidth == pytest.approx(5e8)
     assert mpi.crowd(1) is None
+    # the machine's own link is the threads one (alpha, beta), whatever the transport: so named
+    assert (mpi.intra.latency, mpi.intra.bandwidth) == (2e-5, pytest.approx(1e9)) and mpi.inter == mpi.intra
+    assert mpi.intra.name.startswith("threads transport") and threads.intra.name == "threads transport"
 
 
 # float32 elements, latency-bound to windowed (shm: 1 MiB pieces); uneven chunks for shm and the
