@@ -41,7 +41,8 @@ def _ravel(xp, shape, index):
     """``np.ravel_multi_index`` with NumPy indexing's rules: negative ids wrap, the per-axis ids
     broadcast, and an id outside ``[-size, size)`` raises IndexError as ``np.add.at`` does."""
     ids = [xp.asarray(i, dtype=np.int64) for i in index]
-    if any(bool(((i < -n) | (i >= n)).any()) for i, n in zip(ids, shape)):
+    outside = [((i < -n) | (i >= n)).any() for i, n in zip(ids, shape)]
+    if bool(xp.stack(outside).any()):  # one read-back on a GPU, then find the axis
         for axis, (i, n) in enumerate(zip(ids, shape)):
             bad = i[(i < -n) | (i >= n)]
             if bad.size:
