@@ -226,9 +226,11 @@ def _static_key(static: dict) -> tuple:
 def _forward(cls, ctx, arrays, kwargs):
     """``cls.forward(ctx, *arrays, **kwargs)`` as one compiled call, looked up by ``_FORWARD``'s key.
 
-    Every op on JAX comes through here (~15 us of Python per call before this was trimmed, the
-    executable itself ~4 us), so the common case -- positional JAX arrays, no keywords -- touches
-    each argument once: its type, shape and dtype, no getattr probing, no sorting."""
+    Every op on JAX comes through here, so the common case -- positional JAX arrays, no keywords --
+    touches each argument once: its type, shape and dtype, no getattr probing, no sorting, and
+    ``Program`` takes the arrays without flattening them. Measured on a (4, 4) Add, one thread:
+    16 us a forward before this path was trimmed, 13 us after (the executable ~4.5 us of it,
+    ``Function.apply``'s own work ~3 us; NumPy's whole Add 3.7 us)."""
     jax_array = _JAX_ARRAY[0] if _JAX_ARRAY else _jax_array_type()
     keys, dyn_at, ours, plain = [], [], False, True
     try:
