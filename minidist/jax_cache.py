@@ -184,10 +184,8 @@ def _globals_id(fn, _seen) -> str | None:
                 out.append((name, v.__name__))
                 continue
             vid = _module_digest(v.__name__)
-        elif isinstance(v, PLAIN + (tuple, list, types.FunctionType, type)):
-            vid = value_id(v, _seen)
-        else:
-            continue  # an object (a lock, a logger): not something a program bakes in
+        else:  # an array, a dict, any object: named faithfully (value_id) or the unit is not stored,
+            vid = value_id(v, _seen)  # since a program bakes in what it reads (a global W = 5 read as 1)
         if vid is None:
             return None
         out.append((name, vid))

@@ -397,6 +397,11 @@ def fused(name: str, formula, columns: list, scalars: tuple, donate: tuple = ())
     return fn(*columns, tuple(float(x) for x in scalars))
 
 
+def _holds_jax(v) -> bool:
+    """A JAX array, or lists and tuples holding one at any depth (ring attention's [[dk0, dk1], ...])."""
+    return _is_jax(v) or isinstance(v, (list, tuple)) and any(map(_holds_jax, v))
+
+
 def pure(fn):
     """Decorator: on JAX arrays, run ``fn`` -- a pure function of arrays (in lists and tuples too)
     and plain values -- as one compiled call per signature, the plain values baked in; on anything
@@ -411,8 +416,7 @@ def pure(fn):
     def call(*args, **kwargs):
         if "jax" not in sys.modules:    # no JAX array can exist: the NumPy path pays one dict lookup
             return fn(*args, **kwargs)
-        if not any(_is_jax(a) or isinstance(a, (list, tuple)) and any(_is_jax(x) for x in a)
-                   for a in (*args, *kwargs.values())) or not enabled():
+        if not any(map(_holds_jax, (*args, *kwargs.values()))) or not enabled():
             return fn(*args, **kwargs)  # NumPy (JAX is not even imported), CuPy, the engine off
         import jax
 
@@ -421,7 +425,7 @@ def pure(fn):
             return fn(*args, **kwargs)  # called while a compiled op is traced: part of that program
         at = tuple(i for i, x in enumerate(leaves) if _is_array(x))
         fixed = tuple(None if i in at else x for i, x in enumerate(leaves))
-        key = (tree, fixed, at)
+        key = (tree, tuple(map(_value_key, fixed)), at)  # typed: x * 2 and x * 2.0 are two programs
         try:
             prog = made.get(key)
         except TypeError:  # a value that cannot be part of a key (not plain): as written

@@ -289,6 +289,28 @@ def test_a_global_a_function_outside_minidist_reads_is_in_its_key(cache, monkeyp
     assert len(_files(cache)) == 5
 
 
+_TABLE = np.array([1.0, 2.0, 3.0])
+_CFG = {"scale": 2.0}
+
+
+def _by_table(x):
+    return x * _TABLE
+
+
+def _by_cfg(x):
+    return x * _CFG["scale"]
+
+
+def test_a_global_array_or_dict_is_never_baked_in_stale(cache, monkeypatch):
+    """A program bakes in the globals it reads: an array's bytes have no faithful name, so such a
+    function is never stored; a dict is named by its items, so a changed one is a new key. (Before,
+    both were skipped from the key: a second process loaded W = 1 while W was 5.)"""
+    assert jax_cache.identity(_by_table) is None
+    before = jax_cache.identity(_by_cfg)
+    monkeypatch.setitem(_CFG, "scale", 5.0)
+    assert jax_cache.identity(_by_cfg) not in (None, before)
+
+
 def test_identity_names_code_closures_and_defaults():
     def f(x, k=2):
         return x * k

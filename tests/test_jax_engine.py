@@ -317,6 +317,30 @@ def test_a_slice_index_compiles_and_equals_numpy():
 
 
 @needs_engine
+def test_pure_keys_baked_numbers_by_type_and_finds_arrays_in_nested_lists():
+    """``pure``: ``x * 2`` and ``x * 2.0`` are two programs (2 == 2.0 hash alike; one program for
+    both returned int for the float), and arrays inside lists of lists are found (ring attention's
+    [[dk0, dk1], [dv0, dv1]] ran eagerly)."""
+    be = get_backend("jax")
+    x = be.from_host(np.arange(3, dtype=np.int32))
+
+    @jax_engine.pure
+    def times(a, c):
+        return a * c
+
+    assert str(times(x, 2.0).dtype) == "float64" and str(times(x, 2).dtype) == "int32"
+
+    @jax_engine.pure
+    def pack(nested):
+        return be.xp.concatenate([be.xp.concatenate(inner) for inner in nested])
+
+    before = jax_engine.compilations()
+    got = pack([[x, x], [x]])
+    assert jax_engine.compilations() == before + 1, "nested lists of JAX arrays were not compiled"
+    np.testing.assert_array_equal(np.asarray(got), np.tile(np.arange(3), 3))
+
+
+@needs_engine
 def test_clipping_on_jax_is_two_compiled_calls_whatever_the_scale():
     """Global-norm clipping: the norm (one program summing every gradient's squares in float64) and
     the scaling (one program, the scale an argument) equal the formulas; a second clip with a new
