@@ -514,6 +514,11 @@ class Program:
             evict()
 
 
+def limit_bytes() -> float:
+    """``MINIDIST_JAX_CACHE_MB`` (default 2000) in bytes: the cap of ``exe/``, and of JAX's own files."""
+    return 1e6 * float(os.environ.get("MINIDIST_JAX_CACHE_MB", "2000"))
+
+
 def evict(limit_mb: float | None = None) -> int:
     """Keep the cache folder under ``limit_mb`` (``MINIDIST_JAX_CACHE_MB``, default 2000): remove
     the least recently used executables (a load touches its file) down to 80% of it, and temporary
@@ -524,7 +529,7 @@ def evict(limit_mb: float | None = None) -> int:
     folder = cache_dir()
     if folder is None or not os.path.isdir(folder):
         return 0
-    limit = 1e6 * (float(os.environ.get("MINIDIST_JAX_CACHE_MB", "2000")) if limit_mb is None else limit_mb)
+    limit = limit_bytes() if limit_mb is None else 1e6 * limit_mb
     entries, removed, now = [], 0, time.time()
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
