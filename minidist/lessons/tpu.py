@@ -50,6 +50,7 @@ force_cpu_devices()  # before JAX loads
 
 import numpy as np  # noqa: E402
 
+from minidist import jax_cache  # noqa: E402
 from minidist.comm import measure, run, under_mpi, world  # noqa: E402
 from minidist.comm.devices import jax_distributed_init  # noqa: E402
 from minidist.comm.launch import install_abort_hook  # noqa: E402
@@ -97,8 +98,6 @@ def compiled(cfg, batches, args):
 def first_run_note(devices: int) -> str:
     """What the eager run's first step does before it prints anything: on JAX every op compiles once
     per shape and device, ~60-70 s for 8 CPU devices the first time; the cache makes it seconds."""
-    from minidist import jax_cache
-
     root = jax_cache.cache_root()
     later = (f"later runs load them from the cache ({root})" if root else
              "MINIDIST_JAX_CACHE=0: no cache, so every run compiles them again")
