@@ -264,12 +264,10 @@ class Tensor:
             if self.size != 1:
                 raise RuntimeError(f"backward() on a non-scalar tensor of shape {self.shape} needs an "
                                    "explicit gradient of that shape: t.backward(grad)")
-            be = self.backend  # JAX: the seed from the host (no program); in place where arrays allow
-            grad = be.xp.ones(self.data.shape, dtype=self.dtype) if be.inplace else be.from_host(
-                np.ones(self.data.shape, dtype=self.dtype))
+            grad = np.ones(self.data.shape, dtype=self.dtype)  # one element, moved over just below
         elif isinstance(grad, Tensor):
             grad = grad.data
-        if not self.backend.is_array(grad):  # a host seed onto the device (CuPy mixes none)
+        if not self.backend.is_array(grad):  # host seed to device (JAX: no program; CuPy)
             grad = self.backend.asarray(grad)
         if tuple(grad.shape) != self.shape:
             raise ValueError(f"backward(): gradient shape {tuple(grad.shape)} != tensor shape {self.shape}")
