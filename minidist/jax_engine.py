@@ -203,7 +203,7 @@ def _eager(cls, ctx, arrays, kwargs):
     plain values (baked in) the way a compiled forward's is. Anything else keeps backward eager."""
     out = cls.forward(ctx, *arrays, **kwargs)
     attrs = {k: v for k, v in vars(ctx).items() if k not in _RESERVED}
-    arrays_at = {k for k, v in attrs.items() if hasattr(v, "shape") and hasattr(v, "dtype")}
+    arrays_at = {k for k, v in attrs.items() if _is_array(v)}
     if all(k in arrays_at or _plain(v) for k, v in attrs.items()):
         ctx._jax_static = {k: v for k, v in attrs.items() if k not in arrays_at}
         ctx._jax_dyn = tuple(sorted(arrays_at))
@@ -451,7 +451,7 @@ def pure(fn):
 
 def compiles(array) -> bool:
     """Does an optimizer update ``array`` through ``fused``? (A JAX array, the engine on.)"""
-    return enabled() and type(array).__module__.startswith(("jax", "jaxlib"))
+    return enabled() and _is_jax(array)
 
 
 def zeros_like(a):

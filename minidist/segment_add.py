@@ -24,10 +24,15 @@ def flat_positions(xp, shape, index):
     """Where each element of ``target[index]`` sits in ``target.reshape(-1)`` (int64, shaped like
     ``target[index]``), for any NumPy index: integers, arrays, slices, tuples of them."""
     index = _on_device(xp, index)
-    if len(shape) == 1 and _is_integer(index):
-        index = (index,)  # the embedding's case: already flat
-    if isinstance(index, tuple) and len(index) == len(shape) and all(map(_is_integer, index)):
-        return _ravel(xp, shape, index)  # cross-entropy's (arange, t): no table the size of the target
+    ids = index if isinstance(index, tuple) else (index,)
+    if ids and len(ids) <= len(shape) and all(map(_is_integer, ids)):
+        # integer ids over the leading axes -- an embedding's flat ids, cross-entropy's (arange, t),
+        # MoE's rows -- and whole rows after them: no table the size of the target
+        lead, rest = _ravel(xp, shape[:len(ids)], ids), shape[len(ids):]
+        if not rest:
+            return lead
+        row = math.prod(rest)
+        return (lead[..., None] * row + xp.arange(row, dtype=np.int64)).reshape(lead.shape + rest)
     return xp.arange(math.prod(shape), dtype=np.int64).reshape(shape)[index]  # slices, mixed indexes
 
 

@@ -222,9 +222,9 @@ def test_ranks_meeting_a_new_op_at_once_compile_it_once():
     for t in threads:
         t.join()
     assert not errors, errors
-    # Gelu forward and backward, Sum forward and backward, the ones_like seed: 5 programs at most
-    # (4 ranks compiling each on their own would make ~20)
-    assert jax_engine.compilations() - before <= 5
+    # Gelu forward and backward, Sum forward and backward (the seed comes from the host): 4 programs
+    # (4 ranks compiling each on their own would make ~16; none would mean nothing was compiled)
+    assert 1 <= jax_engine.compilations() - before <= 4
 
 
 def test_a_saved_python_number_stays_a_number_and_float32_stays_float32():

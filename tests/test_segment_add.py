@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from minidist.segment_add import flat_positions, segments
 
 
-def add_in_segments(target, index, values):
-    """What the CuPy kernel does, one segment at a time, in Python."""
+def add_in_segments(target, index, values, reverse=False):
+    """What the CuPy kernel does, one segment at a time, in Python (``reverse``: each segment
+    backwards, a wrong order the tests must be able to tell apart)."""
     lin = flat_positions(np, target.shape, index)
     vals = np.broadcast_to(np.asarray(values, dtype=target.dtype), lin.shape).reshape(-1)
     lin = lin.reshape(-1)
@@ -21,7 +22,7 @@ def add_in_segments(target, index, values):
         for a, b in zip(starts, stops):
             at = lin[order[a]]
             acc = flat[at]
-            for j in order[a:b]:
+            for j in (order[a:b][::-1] if reverse else order[a:b]):
                 acc = acc + vals[j]
             flat[at] = acc
     return target
@@ -58,15 +59,15 @@ def test_flat_embedding_positions_and_segments_by_hand():
     assert starts.tolist() == [0, 1, 4] and stops.tolist() == [1, 4, 6]
 
 
-def test_order_matters_so_the_reference_is_not_trivial():
-    """Summed in another order, these float32 values give other bits: the test above can fail."""
-    v = np.array([1e8, 1.0, -1e8, 1.0], np.float32)
-    forward, backward = np.float32(0), np.float32(0)
-    for x in v:
-        forward = forward + x
-    for x in v[::-1]:
-        backward = backward + x
-    assert forward != backward
+def test_a_wrong_order_gives_other_bits_so_the_property_test_can_fail():
+    """The same segments added backwards differ from ``np.add.at`` on wide magnitudes: bit
+    equality with NumPy really pins the order."""
+    index = np.array([0, 0, 0, 0, 1])
+    values = np.array([1e8, 1.0, -1e8, 1.0, 2.0], np.float32)
+    want = np.zeros(2, np.float32)
+    np.add.at(want, index, values)
+    assert add_in_segments(np.zeros(2, np.float32), index, values).tobytes() == want.tobytes()
+    assert add_in_segments(np.zeros(2, np.float32), index, values, reverse=True).tobytes() != want.tobytes()
 
 
 @pytest.mark.gpu
@@ -132,6 +133,10 @@ def test_cross_entropys_index_builds_no_table_the_size_of_the_target():
     got = flat_positions(Recording(), (4, 1000), (rows, t))
     assert got.tolist() == [7, 1000, 2999, 3003]
     assert all(n < 1000 for n in sizes), sizes
+    sizes.clear()  # MoE's row scatter: whole rows 3, 0, 3 of a (5, 4) target, positions by hand
+    got = flat_positions(Recording(), (5, 4), np.array([3, 0, 3]))
+    assert got.tolist() == [[12, 13, 14, 15], [0, 1, 2, 3], [12, 13, 14, 15]]
+    assert all(n <= 4 for n in sizes), sizes
 
 
 @pytest.mark.parametrize("shape, index, axis, bad", [
