@@ -41,11 +41,11 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from minidist.calibrate import _median_time, cpu, fit_relative
-from minidist.comm import all_reduce, all_reduce_async, cost, run
+from minidist.comm import all_reduce, all_reduce_async, run
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel.three_d import train_3d
 from minidist.plan.traffic import DP_ALGORITHM as DDP_ALGORITHM
-from minidist.plan.traffic import Placement, all_reduce_rounds, all_reduce_sent
+from minidist.plan.traffic import all_reduce_rounds, all_reduce_sent
 
 PROBE_RANKS = (2, 4, 8)                       # minidist's meshes on one machine: up to 8 ranks
 PROBE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
@@ -57,9 +57,7 @@ def fit_alpha_beta(algorithm: str, p: int, sizes, times) -> tuple[float, float]:
     """Least squares (in relative error, `fit_relative`) of time = rounds x alpha + bytes sent x beta
     over the message sizes (float32), rounds and bytes as the planner counts them
     (`minidist.plan.traffic`)."""
-    where = Placement("mpi", cost.crowded(), shared_memory=True)  # this host, as the comm layer sees it
-    rows = [(all_reduce_rounds(algorithm, n, p, where=where), all_reduce_sent(algorithm, n, p, where=where))
-            for n in sizes]
+    rows = [(all_reduce_rounds(algorithm, n, p), all_reduce_sent(algorithm, n, p)) for n in sizes]
     return fit_relative(rows, times)
 
 
@@ -119,9 +117,8 @@ def _probe_rank(comm) -> dict:
                       "bg": fit_alpha_beta(alg, comm.size, PROBE_SIZES, bg)}
     grads = 4 * sum(p.size for p in GPT(PROBE_GPT).parameters())  # one DDP bucket, all-reduced on its thread
     alpha, beta = links[DDP_ALGORITHM]["bg"]
-    where = Placement("mpi", cost.crowded(), shared_memory=True)
-    ar = all_reduce_rounds(DDP_ALGORITHM, grads, comm.size, where=where) * alpha + \
-        all_reduce_sent(DDP_ALGORITHM, grads, comm.size, where=where) * beta
+    ar = all_reduce_rounds(DDP_ALGORITHM, grads, comm.size) * alpha + \
+        all_reduce_sent(DDP_ALGORITHM, grads, comm.size) * beta
     solo = comm.split(comm.rank)      # a one-rank communicator each
     turns = {r: ([], []) for r in PROBE_ROWS}
     hollow = []

@@ -118,7 +118,7 @@ def collective_time(hw: Hardware, cand: Candidate, c) -> float:
     if c.axis == "pp":
         return stretch * (link.latency + c.sent / link.bandwidth)
     if outer is None or q == 1:
-        return stretch * (rounds(c, p, placement(hw, cand.chips)) * link.latency + c.sent / link.bandwidth)
+        return stretch * (rounds(c, p) * link.latency + c.sent / link.bandwidth)
     passes = 2 if algorithm(c) else 1  # reduce-scatter + all-gather, or one of them
     inside = passes * (p - 1) * link.latency + passes * (p - 1) / p * c.payload / link.bandwidth
     across = passes * (q - 1) * outer.latency + passes * (q - 1) / q * c.payload / p / outer.bandwidth
@@ -130,10 +130,10 @@ def algorithm(c) -> str:
     return c.name[:-len("_all_reduce")] if c.name.endswith("_all_reduce") else ""
 
 
-def rounds(c, p: int, where: Placement) -> int:
+def rounds(c, p: int) -> int:
     """Message rounds of one call on p ranks: an all-reduce's per its algorithm
     (`minidist.plan.traffic.all_reduce_rounds`), one ring pass (p-1) for the others."""
-    return all_reduce_rounds(algorithm(c), c.payload, p, where=where) if algorithm(c) else p - 1
+    return all_reduce_rounds(algorithm(c), c.payload, p) if algorithm(c) else p - 1
 
 
 def axis_size(cand: Candidate, axis: str) -> int:

@@ -71,8 +71,7 @@ def shm_pieces(nbytes: float, p: int, itemsize: int) -> list[int]:
     return [min(step, n - lo) for lo in range(0, n, step)] or [0]
 
 
-def all_reduce_rounds(algorithm: str, nbytes: float, p: int, itemsize: int = 4,
-                      where: Placement = THREADS) -> int:
+def all_reduce_rounds(algorithm: str, nbytes: float, p: int, itemsize: int = 4) -> int:
     """Rounds of one all-reduce, each a wait for the partners: per `minidist.comm.cost.all_reduce_counts`
     (2(p-1) for an algorithm it does not know); "shm": per piece, one posting, two if it goes two-shot."""
     if p == 1:
@@ -86,19 +85,17 @@ def all_reduce_rounds(algorithm: str, nbytes: float, p: int, itemsize: int = 4,
         return 2 * (p - 1)
 
 
-def all_reduce_sent(algorithm: str, nbytes: float, p: int, itemsize: int = 4, rank: int = 0,
-                    where: Placement = THREADS) -> float:
+def all_reduce_sent(algorithm: str, nbytes: float, p: int, itemsize: int = 4, rank: int = 0) -> float:
     """Bytes rank `rank` sends in one all-reduce, as the ledger counts them: the ring's uneven chunks
     (`ring_sent`); shm: every piece it writes into the window, plus its chunk of each piece that goes
-    two-shot (never where the ranks outnumber the cores); others by `cost.all_reduce_bytes_sent`."""
+    two-shot (`cost.shm_two_shot`); others by `cost.all_reduce_bytes_sent`."""
     if p == 1:
         return 0.0
     if algorithm == "ring":
         return ring_sent(nbytes, p, itemsize, rank)
     if algorithm == "shm":
-        two = [cost.shm_two_shot(k * itemsize, p) for k in shm_pieces(nbytes, p, itemsize)]
-        return float(itemsize * sum(k + (split_sizes(k, p)[rank] if t else 0)
-                                    for k, t in zip(shm_pieces(nbytes, p, itemsize), two)))
+        return float(itemsize * sum(k + (split_sizes(k, p)[rank] if cost.shm_two_shot(k * itemsize, p) else 0)
+                                    for k in shm_pieces(nbytes, p, itemsize)))
     return float(cost.all_reduce_bytes_sent(algorithm, int(nbytes), p, rank))
 
 
@@ -116,7 +113,7 @@ def all_reduce_call(axis: str, requested: str, nbytes: float, p: int, itemsize: 
                     phase: str, where: Placement = THREADS) -> Collective:
     """One all-reduce as the ledger records it: the algorithm's name and the bytes rank `rank` sends."""
     alg = all_reduce_algorithm(requested, nbytes, p, where)
-    sent = all_reduce_sent(alg, nbytes, p, itemsize, rank, where)
+    sent = all_reduce_sent(alg, nbytes, p, itemsize, rank)
     return Collective(axis, f"{alg}_all_reduce", nbytes, sent, count, phase)
 
 
