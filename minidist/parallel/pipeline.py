@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist import ops, trace
+from minidist.backend import to_host
 from minidist.comm.collectives import split_sizes
 from minidist.memory import MemoryAccountant
 from minidist.parallel import recompute
@@ -273,7 +274,7 @@ class _Runtime:
             out = st.forward(x, chunk)
             if st.is_last(chunk):
                 loss = st.loss_fn(out, self.targets[mb])
-                self.losses.append((loss.backend, loss.data, self.loss_weights[mb]))  # read after the step
+                self.losses.append((loss.data, self.loss_weights[mb]))  # read after the step
                 out = loss * self.loss_weights[mb]
         self.x[key], self.out[key] = x, out
         self.stats.activation_bytes[key] = self.acct.activation_bytes - before
@@ -384,5 +385,5 @@ def run_schedule(stage: PipelineStage, comm, instructions, inputs=None, targets=
     rt.finish_sends()
     rt.stats.seconds = time.perf_counter() - t0
     if rt.losses:  # read back once the step is done: on JAX a read per microbatch stalls the dispatch
-        rt.stats.loss = float(np.sum([float(be.to_host(v)) * w for be, v, w in rt.losses]))
+        rt.stats.loss = float(np.sum([float(to_host(v)) * w for v, w in rt.losses]))
     return rt.stats

@@ -386,10 +386,6 @@ def _mpi_main():
     run(body)
 
 
-if __name__ == "__main__":
-    _mpi_main()
-
-
 @pytest.mark.parametrize("backend", ["numpy", "jax"])
 def test_bucket_views_average_in_one_call(backend):
     """A bucket's summed gradient -> each parameter's average: flat / divisor, cut and reshaped. On
@@ -427,3 +423,7 @@ def test_bucket_views_average_in_one_call(backend):
                 np.testing.assert_array_max_ulp(g, w, maxulp=1)
     if backend == "jax" and jax_engine.enabled():
         assert jax_engine.compilations() - before == 0  # the divisor is an argument, not a constant
+
+
+if __name__ == "__main__":
+    _mpi_main()
