@@ -250,6 +250,20 @@ def default_backend() -> Backend:
 _BY_TYPE: dict = {}
 
 
+def compiles_per_shape(backend) -> bool:
+    """Does ``backend``'s array library compile a program per array shape (JAX)? Then shapes that
+    change every step are bucketed (KV cache reads, MoE's routed rows, balanced shares: see
+    ``minidist/infer/buckets.py``); NumPy and CuPy keep their exact shapes (and their speed)."""
+    return getattr(backend, "name", None) == "jax"
+
+
+def bucket(n: int, cap: int) -> int:
+    """The smallest power of two >= ``n``, at most ``cap`` (the cache's length): 1, 2, 4, 8, ..."""
+    if n < 1:
+        raise ValueError(f"bucket: need a length >= 1, got {n}")
+    return min(1 << (int(n) - 1).bit_length(), max(int(cap), int(n)))
+
+
 def to_host(array) -> np.ndarray:
     """Any backend's array as a NumPy array (a copy from a GPU; NumPy's own as is). For checks and
     prints: CuPy refuses ``np.asarray`` of a device array, so code that may see one calls this."""

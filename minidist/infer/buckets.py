@@ -14,18 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def compiles_per_shape(backend) -> bool:
-    """Does ``backend``'s array library compile a program per array shape (JAX)? Then shapes are
-    bucketed; NumPy and CuPy keep their exact shapes (and their speed)."""
-    return getattr(backend, "name", None) == "jax"
-
-
-def bucket(n: int, cap: int) -> int:
-    """The smallest power of two >= ``n``, at most ``cap`` (the cache's length): 1, 2, 4, 8, ..."""
-    if n < 1:
-        raise ValueError(f"bucket: need a length >= 1, got {n}")
-    return min(1 << (int(n) - 1).bit_length(), max(int(cap), int(n)))
+from minidist.backend import bucket, compiles_per_shape  # noqa: F401  (where inference finds them)
 
 
 def array_where(rows, positions, take, n_rows: int) -> tuple:

@@ -18,10 +18,9 @@ import time
 import numpy as np
 
 from minidist import estimates, optim
-from minidist.backend import default_backend
+from minidist.backend import bucket, compiles_per_shape, default_backend
 from minidist.comm.devices import describe_binding
 from minidist.data import BatchLoader, ByteTokenizer, SyntheticTask, TextDataset
-from minidist.infer.buckets import bucket, compiles_per_shape
 from minidist.lessons.cli import nonnegative_int, positive_float, positive_int
 from minidist.nn import GPT, GPTConfig
 from minidist.tensor import no_grad

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist import ops
-from minidist.backend import backend_of
+from minidist.backend import backend_of, compiles_per_shape
 from minidist.nn.layers import MLP, Linear
 from minidist.nn.module import Module, ModuleList
 from minidist.tensor import Function, Tensor
@@ -160,7 +160,7 @@ class MoE(Module):
         tok, choice = np.nonzero(slots >= 0)                               # the kept assignments
         rows = experts[tok, choice] * cap + slots[tok, choice]             # their buffer rows
         keep = None
-        if backend_of(probs.data).name == "jax":                           # one shape: N·k, padded
+        if compiles_per_shape(backend_of(probs.data)):                     # one shape: N·k, padded
             tok, choice, rows, keep = pad_assignments(tok, choice, rows, n * k, probs.data)
         picked, gate = xf[tok], gates[tok, choice].reshape(-1, 1)
         if keep is not None:

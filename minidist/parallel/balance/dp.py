@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist import trace
-from minidist.infer.buckets import bucket, compiles_per_shape
+from minidist.backend import bucket, compiles_per_shape
 from minidist.nn import GPT
 from minidist.optim import make_optimizer
 from minidist.parallel.balance.measure import StepMonitor, StragglerDetector
