@@ -45,7 +45,12 @@ class Optimizer:
 
     def step(self):
         self.step_count += 1
-        live = [(p, st) for p, st in zip(self.params, self.state) if p.grad is not None and p.requires_grad]
+        self.apply_updates([(p, st) for p, st in zip(self.params, self.state)
+                    if p.grad is not None and p.requires_grad])
+
+    def apply_updates(self, live):
+        """This step's update of the (parameter, state) pairs ``live``: on JAX one compiled call
+        (``update_all``), elsewhere one parameter at a time (``update``)."""
         if live and jax_engine.compiles(live[0][0].data):
             self.update_all(live)  # JAX: the whole update as one compiled call
         else:

@@ -40,9 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from minidist import jax_engine
 from minidist.backend import backend_of
-from minidist.optim import AdamW, adamw_update
+from minidist.optim import AdamW
 from minidist.parallel.offload_files import make_private_folder, reserved_memmap, untrack
 from minidist.tensor import current_saved_tensors_hooks, saved_tensors_hooks
 
@@ -190,13 +189,10 @@ class OffloadedAdamW(AdamW):
             self.resident_peak = max(self.resident_peak, sum(window))
             t0 = time.perf_counter()
             live = [(self.params[i], st) for i, st in zip(shard, states)]
-            if jax_engine.compiles(live[0][0].data):
-                self.update_all(live)  # JAX: the shard's update as one compiled call, not one per tensor
-            else:
+            if self.offload_params:
                 for p, st in live:
-                    if self.offload_params:
-                        p.data = st.pop("p")  # update an in-memory copy; _write puts it back
-                    adamw_update(p, st, self.lr, self.betas, self.eps, self.weight_decay, self.step_count)
+                    p.data = st.pop("p")  # update an in-memory copy; _write puts it back
+            self.apply_updates(live)  # on JAX the shard's update is one compiled call, not one per tensor
             self._record("Update", 0, t0, n)
             writes.append(self._submit(self._write, n, shard, states))  # write back in the background
         for w in writes:
