@@ -138,6 +138,7 @@ def train(comm, args, name, batches, held_out):
                     wrapper.wait_gradients()
                     inner.step()
                 inner.zero_grad()
+                loss.backend.synchronize()  # a GPU's queued kernels are part of the step (NumPy: no-op)
             times.append(time.perf_counter() - t0)
             sent.append(m.bytes_sent)
             losses.append(loss.item())
@@ -156,7 +157,7 @@ def train(comm, args, name, batches, held_out):
         final = float(all_reduce(comm, np.array([model.loss(*held_out).item()]), op="mean")[0])
     return {"name": name, "losses": losses, "sent": sent, "total": total.bytes_sent, "formula": formula,
             "identical": len(set(same)) == 1, "final": final, "step_s": float(np.median(times[1:] or times)),
-            "n_params": sum(q.size for q in model.parameters())}
+            "first_s": times[0], "n_params": sum(q.size for q in model.parameters())}
 
 
 def table(comm, results: list, p: int) -> bool:
@@ -205,8 +206,13 @@ def rank_main(comm, args):
                  f"on the course text, {args.batch} windows of {args.seq} bytes per rank per step; link: "
                  f"{comm.link or 'none (memory)'}")
     results = []
-    for name in args.methods:
+    for i, name in enumerate(args.methods):  # a line per method as it ends: a long run shows its progress
+        t0 = time.perf_counter()
         results.append(train(comm, args, name, batches, held_out))
+        r = results[-1]
+        rprint(comm, f"  [{i + 1}/{len(args.methods)}] {name:<18} {len(r['losses'])} steps in "
+                     f"{time.perf_counter() - t0:6.1f} s (first step {r['first_s']:.2f} s, then "
+                     f"{1e3 * r['step_s']:.1f} ms per step)")
     rprint(comm, f"parameters: {results[0]['n_params']} (fp32); bytes are rank 0's, sent per step\n")
     ok = table(comm, results, p)
     if comm.link is not None:

@@ -3,6 +3,7 @@ equal the dense sum, QSGD is unbiased, every replica gets the same bits, and the
 each method's formula -- written out here, not taken from the hooks."""
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -338,20 +339,54 @@ def test_train_3d_takes_a_hook_for_its_data_parallel_part():
             np.testing.assert_allclose(y, x, rtol=1e-7, atol=1e-8)
 
 
-def test_the_lesson_runs_every_method_and_its_checks_pass(capsys):
-    """A tiny run of lesson 12 (all methods, 2 ranks, a fast emulated link): every check PASSes."""
+def test_the_lesson_runs_every_method_and_its_checks_pass(capsys, monkeypatch):
+    """A tiny run of lesson 12 (all methods, 2 ranks, a fast emulated link): every check PASSes, and
+    each method's progress line is out before the next method starts training."""
     from minidist.comm.link import current_link, set_link
     from minidist.lessons import compression as lesson
 
+    printed, seen_at_start = [], {}
+    real_train = lesson.train
+
+    def train(comm, args, name, *a):
+        if comm.rank == 0:
+            printed.append(capsys.readouterr().out)
+            seen_at_start[name] = "".join(printed)
+        return real_train(comm, args, name, *a)
+    monkeypatch.setattr(lesson, "train", train)
     before = current_link()
     try:
         lesson.main(["--ranks", "2", "--steps", "4", "--d-model", "16", "--layers", "1", "--seq", "8",
                      "--link", "alpha_us=1,gbps=100", "--methods", *lesson.METHODS])
     finally:
         set_link(before)
-    out = capsys.readouterr().out
+    out = "".join(printed) + capsys.readouterr().out
     assert out.count("PASS") == len(lesson.METHODS) and "FAIL" not in out, out
     assert "link: alpha_us=1,gbps=100" in out
+    # a line per method as it finishes, in order (a slow GPU run shows its progress)
+    progress = [line.split("]")[1].split(" 4 steps in ")[0].strip() for line in out.splitlines()
+                if line.startswith("  [")]
+    assert progress == list(lesson.METHODS), out
+    names = list(lesson.METHODS)
+    for prev, name in zip(names, names[1:]):
+        assert f"] {prev} " in seen_at_start[name], (prev, name, seen_at_start[name])
+
+
+def test_the_lessons_step_clock_waits_for_the_device(monkeypatch):
+    """On a GPU a step's kernels are still queued when the host is done with it: the step time the
+    lesson reports must include waiting for them. A backend whose synchronize takes 0.2 s stands in
+    for that queued work."""
+    from minidist.backend import Backend
+    from minidist.lessons import compression as lesson
+
+    monkeypatch.setattr(Backend, "synchronize", lambda self: time.sleep(0.2))
+    args = lesson.parser().parse_args(["--steps", "3", "--d-model", "16", "--layers", "1", "--seq", "8"])
+
+    def body(comm):
+        batches, held_out = lesson.data(args, comm.size)
+        return lesson.train(comm, args, "dense", batches, held_out)
+    for r in run(body, ranks=2):
+        assert r["step_s"] >= 0.2 and r["first_s"] >= 0.2, r
 
 
 def test_the_lesson_refuses_a_bad_link_and_has_help():

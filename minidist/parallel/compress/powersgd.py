@@ -106,8 +106,9 @@ def powersgd_step(c, state: PowerSGDState, bucket, x):
         out_views[j][...] = (p @ q.T).reshape(out_views[j].shape)
     if state.error_feedback:  # this rank keeps its share of what the approximation missed
         residual = flat - out / x.dtype.type(c.size)
+        res_views = bucket.views(residual)
         for j in vecs:
-            bucket.views(residual)[j][...] = 0  # sent exactly
+            res_views[j][...] = 0  # sent exactly
         state.residuals[bucket.index] = residual
     return out
 
