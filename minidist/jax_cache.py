@@ -557,5 +557,31 @@ def evict(limit_mb: float | None = None) -> int:
     return removed
 
 
-__all__ = ["PLAIN", "Program", "STATS", "Untraceable", "cache_dir", "cache_root", "evict", "identity",
-           "source_digest", "value_id"]
+def drop_unstamped(root: str) -> int:
+    """Remove JAX's own cache entries in ``root`` that have no access-time stamp; returns how many.
+
+    JAX's persistent cache writes ``<key>-cache`` and, only when its size is capped, a
+    ``<key>-atime`` stamp. Once capped (``persistent_cache`` caps it), every write first looks
+    for the least recently used entry and reads each stamp. One entry written before the cap,
+    with no stamp, made every write fail ("Error writing persistent compilation cache entry ...
+    -atime", a warning in the lesson's output), so nothing new was kept and nothing was evicted.
+    A marker file records that ``root`` was cleaned, so later runs skip the listing."""
+    marker = os.path.join(root, ".stamped")
+    if not os.path.isdir(root) or os.path.exists(marker):
+        return 0
+    names = set(os.listdir(root))
+    removed = 0
+    for name in names:
+        if name.endswith("-cache") and name[:-len("-cache")] + "-atime" not in names:
+            try:
+                os.unlink(os.path.join(root, name))
+                removed += 1
+            except OSError:  # removed by another process meanwhile
+                pass
+    with open(marker, "w"):
+        pass
+    return removed
+
+
+__all__ = ["PLAIN", "Program", "STATS", "Untraceable", "cache_dir", "cache_root", "drop_unstamped", "evict",
+           "identity", "source_digest", "value_id"]

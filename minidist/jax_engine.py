@@ -480,7 +480,9 @@ def persistent_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    # JAX's files are capped too (its own LRU), by the same MINIDIST_JAX_CACHE_MB as minidist's exe/
+    # JAX's files are capped too (its own LRU), by the same MINIDIST_JAX_CACHE_MB as minidist's exe/;
+    # its entries from before the cap have no stamp, and one of them fails every write under it
+    jax_cache.drop_unstamped(path)
     jax.config.update("jax_compilation_cache_max_size", int(jax_cache.limit_bytes()))
 
 

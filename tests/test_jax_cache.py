@@ -394,3 +394,36 @@ def test_cache_off_writes_nothing(tmp_path):
     result = _result(_start({"MINIDIST_JAX_CACHE": "0", "HOME": str(home), "XDG_CACHE_HOME": str(home)}))
     assert not result["stats"].get("stored") and not result["stats"].get("loaded"), result["stats"]
     assert list(home.rglob("*")) == []
+
+
+def test_drop_unstamped_removes_jax_entries_without_a_stamp_once(tmp_path, monkeypatch):
+    """JAX's ``<key>-cache`` files with no ``<key>-atime`` stamp go; stamped ones, minidist's ``exe``
+    folder and other files stay; a marker makes the next call skip the folder."""
+    for name in ("old-cache", "new-cache", "new-atime", "notes.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "exe").mkdir()
+    assert jax_cache.drop_unstamped(str(tmp_path)) == 1
+    assert _files(tmp_path) == [".stamped", "exe", "new-atime", "new-cache", "notes.txt"]
+    (tmp_path / "later-cache").write_bytes(b"x")
+    monkeypatch.setattr(os, "listdir", lambda *_: pytest.fail("listed the folder again"))
+    assert jax_cache.drop_unstamped(str(tmp_path)) == 0
+
+
+def test_a_cache_from_before_the_cap_does_not_break_jax_writes(tmp_path):
+    """A fresh process whose cache folder holds a JAX entry written before the size cap (no stamp):
+    JAX writes its new entries without a warning. Before the fix every write failed with
+    "Error writing persistent compilation cache entry ... -atime" printed into the lesson."""
+    (tmp_path / "jit_old-0123-cache").write_bytes(b"x" * 100)
+    code = ("import jax.numpy as jnp\nfrom minidist.backend import get_backend\nget_backend('jax')\n"
+            "print(float((jnp.arange(5.0) * 3.0 + 1.0).sum()))\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(MINIDIST_JAX_CACHE=str(tmp_path), PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "35.0"
+    assert "Error writing" not in out.stderr, out.stderr
+    names = _files(tmp_path)
+    assert "jit_old-0123-cache" not in names
+    written = [n for n in names if n.endswith("-cache")]
+    assert written and all(n[:-len("-cache")] + "-atime" in names for n in written)
