@@ -414,21 +414,25 @@ def test_the_lesson_exits_1_when_bytes_miss_the_formula(monkeypatch, capsys):
     assert "bytes != formula, replicas identical: FAIL" in capsys.readouterr().out
 
 
-def test_hooks_run_on_the_jax_backend_through_host_copies():
+@pytest.mark.parametrize("backend", ["jax", pytest.param("cupy", marks=pytest.mark.gpu)])
+def test_hooks_run_on_a_device_backend_through_host_copies(backend):
+    """A device gradient goes to the host hook and comes back a device array, with the host's sum."""
     from minidist.backend import get_backend
 
+    if backend == "jax":
+        pytest.importorskip("jax")
     grads = rank_data(2, [(3, 4)], 5)
 
     def body(comm):
-        be = get_backend("jax")
+        be = get_backend(backend)
         out = {}
         for name, kw in [("topk", {"ratio": 1.0}), ("powersgd", {"rank": 3})]:
             state, hook = make_hook(name, **kw)
             y = reduce_with_hook(comm, state, hook, be.from_host(grads[comm.rank]), [(3, 4)])
-            assert backend_of_name(y) == "jax"
+            assert backend_of_name(y) == backend
             out[name] = np.asarray(be.to_host(y))
         return out
-    for out in run(body, ranks=2, backend="jax"):
+    for out in run(body, ranks=2, backend=backend):
         np.testing.assert_array_equal(out["topk"], grads[0] + grads[1])
         np.testing.assert_allclose(out["powersgd"], grads[0] + grads[1], rtol=1e-9, atol=1e-9)
 
