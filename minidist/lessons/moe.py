@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist import optim
-from minidist.backend import backend_of, default_backend
+from minidist.backend import backend_of, default_backend, to_host
 from minidist.comm import all_reduce, measure
 from minidist.lessons.cli import (
     finish,
@@ -93,9 +93,10 @@ def twin_check(comm, args):
 def train(comm, args, aux_weight):
     """Train the block (ep over every rank) on a toy regression; per step: routed counts, CV, dropped."""
     moe = build(comm, args)
-    with no_grad():  # a skewed start: the router favours expert 0
-        w = moe.router.weight  # set_at: in place on NumPy, a new array on JAX (immutable)
-        w.data = w.backend.set_at(w.data, (slice(None), 0), w.data[:, 0] + 0.6)
+    w = moe.router.weight  # a skewed start: the router favours expert 0
+    skewed = np.array(to_host(w.data))  # made on the host (on JAX: no eager slice-and-add programs)
+    skewed[:, 0] += 0.6
+    w.data = w.backend.update(w.data, skewed)  # in place on NumPy, a new array on JAX (immutable)
     opt = optim.make_optimizer("adamw", moe.parameters(), args.lr)
     target = np.random.default_rng(99).standard_normal((D, D)) / np.sqrt(D)
     history = []
@@ -103,7 +104,9 @@ def train(comm, args, aux_weight):
         x = tokens(args, comm.rank + 100 * step)
         y = moe(on_backend(x))
         err = y - on_backend(np.tanh(x @ target))
-        loss = (err * err).mean() * (1.0 / comm.size) + moe.stats.aux_loss * (aux_weight / comm.size)
+        loss = (err * err).mean() * (1.0 / comm.size)
+        if aux_weight:  # (without it: not added at all, rather than added times zero)
+            loss = loss + moe.stats.aux_loss * (aux_weight / comm.size)
         loss.backward()
         for name, p in moe.named_parameters():  # the router is replicated: sum its partial gradients
             if name.startswith("router"):

@@ -37,7 +37,8 @@ from minidist import ops
 from minidist.backend import backend_of, compiles_per_shape
 from minidist.nn.layers import MLP, Linear
 from minidist.nn.module import Module, ModuleList
-from minidist.tensor import Function, Tensor
+from minidist.nn.moe_steps import Combine, Dispatch, ExpertMLPs, LoadBalancingLoss, RouterZLoss
+from minidist.tensor import Tensor
 
 # -- routing decisions (arrays: no gradient flows through a choice) -------------------------------
 
@@ -70,12 +71,13 @@ def top_k_route(probs: np.ndarray, k: int, cap: int):
 
 def pad_assignments(tok, choice, rows, total: int, like):
     """The kept assignments (token, choice, buffer row) padded to ``total`` (all N·k), and ``keep``
-    (total, 1): 1 for a real one, 0 for padding -- token 0's first choice to row 0, times 0, so it
-    adds exact zeros forward and backward. One shape whatever the routing: on JAX, one program."""
+    (total, 1), an array like ``like``'s: 1 for a real one, 0 for padding -- token 0's first choice
+    to row 0, times 0, so it adds exact zeros forward and backward. One shape whatever the routing:
+    on JAX, one program."""
     pad = np.zeros(total - len(tok), dtype=np.int64)
     keep = (np.arange(total) < len(tok)).astype(like.dtype)[:, None]
     return (np.concatenate([tok, pad]), np.concatenate([choice, pad]), np.concatenate([rows, pad]),
-            Tensor(backend_of(like).from_host(keep)))
+            backend_of(like).from_host(keep))
 
 
 def routed_fraction(experts: np.ndarray, n_experts: int) -> np.ndarray:
@@ -101,29 +103,6 @@ class MoEStats:
         return float(t.std() / t.mean()) if t.mean() > 0 else 0.0
 
 
-# -- differentiable row moves ------------------------------------------------------------------------
-
-class ScatterAddRows(Function):
-    """out (n, d) = zeros, then out[index[i]] += rows[i]; backward: g[index]."""
-
-    compilable = True  # pure array code: on JAX one compiled call with the index as an argument
-
-    @staticmethod
-    def forward(ctx, rows, index, n):
-        be = backend_of(rows)
-        ctx.index = index
-        out = be.xp.zeros((n, *rows.shape[1:]), dtype=rows.dtype)
-        return be.scatter_add(out, index, rows)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g[ctx.index], None, None
-
-
-def scatter_add_rows(rows, index, n):
-    return ScatterAddRows.apply(rows, index, n)
-
-
 # -- the block ------------------------------------------------------------------------------------
 
 class MoE(Module):
@@ -147,42 +126,66 @@ class MoE(Module):
 
     def forward(self, x):
         shape = x.shape
-        xf = x.reshape(-1, shape[-1])
+        xf = x if len(shape) == 2 else x.reshape(-1, shape[-1])            # tokens as rows (N, d)
         n, e, k = xf.shape[0], self.n_experts, self.k
         logits = self.router(xf)
         probs = ops.softmax(logits, axis=-1)
         cap = capacity(n, e, k, self.capacity_factor)
         host = np.asarray(backend_of(probs.data).to_host(probs.data))
         experts, slots = top_k_route(host, k, cap)
-        gates = probs[np.arange(n)[:, None], experts]                     # (N, k), differentiable
-        if k > 1:
-            gates = gates / gates.sum(axis=-1, keepdims=True)
         tok, choice = np.nonzero(slots >= 0)                               # the kept assignments
         rows = experts[tok, choice] * cap + slots[tok, choice]             # their buffer rows
         keep = None
         if compiles_per_shape(backend_of(probs.data)):                     # one shape: N·k, padded
             tok, choice, rows, keep = pad_assignments(tok, choice, rows, n * k, probs.data)
-        picked, gate = xf[tok], gates[tok, choice].reshape(-1, 1)
-        if keep is not None:
-            picked, gate = picked * keep, gate * keep
-        buf = scatter_add_rows(picked, rows, e * cap)                      # dispatch: (E·C, d)
+        buf = Dispatch.apply(xf, tok, rows, keep, e * cap)                 # dispatch: (E·C, d)
         out_buf = self.run_experts(buf, cap)
-        y = out_buf[rows] * gate                                           # combine
-        out = scatter_add_rows(y, tok, n)
+        out = Combine.apply(out_buf, probs, experts, tok, choice, rows, keep)  # gates, gated sum
         self.stats = self._stats(logits, probs, experts, slots, cap)
-        return out.reshape(*shape)
+        return out if len(shape) == 2 else out.reshape(*shape)
 
     def run_experts(self, buf, cap):
         """Expert e on rows e·C .. (e+1)·C - 1 of the dispatch buffer; the outputs in the same rows."""
-        return ops.concat([ex(buf[i * cap:(i + 1) * cap]) for i, ex in enumerate(self.experts)], axis=0)
+        return run_local_experts(self.experts, buf, 1, cap)
 
     def _stats(self, logits, probs, experts, slots, cap) -> MoEStats:
         e = self.n_experts
         routed = np.bincount(experts.ravel(), minlength=e)
         kept = np.bincount(experts[slots >= 0], minlength=e)
         fraction = routed_fraction(experts, e).astype(probs.data.dtype)  # host; a device copy: no program
-        f = Tensor(backend_of(probs.data).from_host(fraction))                # a count: no gradient
-        aux = (probs.mean(axis=0) * f).sum() * e
-        m = Tensor(logits.data.max(axis=-1, keepdims=True))                  # detached shift
-        lse = ((logits - m).exp().sum(axis=-1, keepdims=True)).log() + m
-        return MoEStats(routed, kept, float(1 - kept.sum() / experts.size), cap, aux, (lse * lse).mean())
+        f = backend_of(probs.data).from_host(fraction)                        # a count: no gradient
+        aux, z = LoadBalancingLoss.apply(probs, f, e), RouterZLoss.apply(logits)
+        return MoEStats(routed, kept, float(1 - kept.sum() / experts.size), cap, aux, z)
+
+
+def _batchable(experts) -> bool:
+    """Can ``ExpertMLPs`` run these experts as one op? Plain MLPs with no dropout at work, no forward
+    wrapper on any of their modules (a technique acting around an expert must see it called), and
+    no 2-byte float weights (``ops.linear`` computes those in float32: the module path does)."""
+    for ex in experts:
+        if type(ex) is not MLP or ex.fc.bias is None or ex.proj.bias is None:
+            return False
+        if ex.drop.p and ex.drop.training or any(m.forward_wrappers() for _, m in ex.named_modules()):
+            return False
+        if any(p.dtype.itemsize < 4 and p.dtype.kind == "f" for p in ex.parameters()):
+            return False
+    return True
+
+
+def run_local_experts(experts, x, groups: int, cap: int):
+    """Expert i of ``experts`` on its rows of x (groups·E·C, d): C rows in each of ``groups``
+    blocks (block g: the E experts' C rows in order); the outputs in the same rows. One op
+    (``ExpertMLPs``) when the experts allow it, else each expert module called on its rows."""
+    if _batchable(experts):
+        params = [t for ex in experts for t in (ex.fc.weight, ex.fc.bias, ex.proj.weight, ex.proj.bias)]
+        return ExpertMLPs.apply(x, *params, groups=groups, cap=cap)
+    d, n = x.shape[-1], len(experts)
+    blocks = x.reshape(groups, n * cap, d) if groups > 1 else x
+    outs = []
+    for i, ex in enumerate(experts):
+        if groups > 1:  # every block's C rows for expert i
+            outs.append(ex(blocks[:, i * cap:(i + 1) * cap].reshape(groups * cap, d)).reshape(groups, cap, d))
+        else:
+            outs.append(ex(x[i * cap:(i + 1) * cap]))
+    out = ops.concat(outs, axis=1 if groups > 1 else 0)
+    return out.reshape(*x.shape) if groups > 1 else out

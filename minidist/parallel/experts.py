@@ -27,13 +27,12 @@ import math
 
 import numpy as np
 
-from minidist import ops
 from minidist.backend import to_host
 from minidist.comm import all_to_all
 from minidist.comm.call import result_backend
 from minidist.nn import GPT
 from minidist.nn.module import ModuleList
-from minidist.nn.moe import MoE
+from minidist.nn.moe import MoE, run_local_experts
 from minidist.optim import make_optimizer
 from minidist.parallel.context import replace_child
 from minidist.tensor import Function
@@ -41,7 +40,8 @@ from minidist.testing import host_state, train_steps
 
 
 class AllToAll(Function):
-    """x (p, ...) -> y (p, ...) with y[j] = rank j's x[my rank]; backward: the same exchange."""
+    """x (p·m, ...) -> y (p·m, ...): block j (m rows) of y is rank j's block [my rank] of x;
+    backward: the same exchange."""
 
     @staticmethod
     def forward(ctx, x, comm):
@@ -54,10 +54,14 @@ class AllToAll(Function):
 
 
 def _exchange(comm, x):
-    """Row j of x to rank j. ``all_to_all`` stages its chunks through the host anyway, so a device
-    array is copied out once, sent as host views of its rows, and copied back once (on JAX: not an
-    eager slice per row and a stack per call); a NumPy array's copies are no-ops."""
-    return result_backend(comm, x).from_host(np.stack(all_to_all(comm, list(to_host(x)))))
+    """Block j of x's rows (its first axis cut in comm.size equal blocks) to rank j, and rank j's
+    block for me in its place. ``all_to_all`` stages its chunks through the host anyway, so a device
+    array is copied out once, sent as host views of its blocks, and copied back once (on JAX: no
+    eager slice per block and no reshape or stack programs); a NumPy array's copies are no-ops."""
+    host = to_host(x)
+    blocks = host.reshape(comm.size, host.shape[0] // comm.size, *host.shape[1:])
+    got = np.stack(all_to_all(comm, list(blocks))).reshape(host.shape)
+    return result_backend(comm, x).from_host(got)
 
 
 class ExpertParallelMoE(MoE):
@@ -78,15 +82,11 @@ class ExpertParallelMoE(MoE):
         self.experts = ModuleList(list(self.experts)[first:first + local])
 
     def run_experts(self, buf, cap):
-        p, local = self.ep.size, self.local_experts
-        d = buf.shape[-1]
-        sent = AllToAll.apply(buf.reshape(p, local * cap, d), comm=self.ep)      # (senders, my rows, d)
-        outs = []
-        for i, ex in enumerate(self.experts):
-            rows = sent[:, i * cap:(i + 1) * cap, :].reshape(p * cap, d)          # every sender's tokens
-            outs.append(ex(rows).reshape(p, cap, d))
-        back = AllToAll.apply(ops.concat(outs, axis=1), comm=self.ep)            # to where they came from
-        return back.reshape(p * local * cap, d)
+        """Buffer (E·C, d) -> its outputs (E·C, d): rank j's rows to rank j, my E/ep experts on every
+        sender's rows (ep blocks of (E/ep)·C rows), the outputs back to where they came from."""
+        sent = AllToAll.apply(buf, comm=self.ep)                     # block j: rank j's rows for me
+        out = run_local_experts(self.experts, sent, self.ep.size, cap)
+        return AllToAll.apply(out, comm=self.ep)                     # to where they came from
 
     def global_name(self, name: str) -> str:
         """A local parameter name -> the serial MoE's (``experts.0.`` -> ``experts.{first}.``)."""

@@ -1,5 +1,6 @@
 """The MoE block: routing with capacity against hand-worked tables, forward against a loop written
-out here, gradients (outputs, load-balancing loss, z-loss) against finite differences."""
+out here, gradients (outputs, load-balancing loss, z-loss) against finite differences, and its fused
+steps against the chain of ops they replace, bit for bit."""
 
 import math
 
@@ -8,8 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from minidist import ops
 from minidist.nn.moe import MoE, capacity, top_k_route
-from minidist.tensor import Tensor
+from minidist.tensor import Function, Tensor
 from tests.conftest import budget
 
 
@@ -173,3 +175,101 @@ def test_moe_on_jax_pads_to_one_shape_and_equals_numpy_with_uneven_routing(host_
     assert len({sum(c) for c in kept_counts}) > 1, f"routing kept the same count every step: {kept_counts}"
     if jax_engine.enabled():
         assert programs[0] > 0 and programs[1:] == [0, 0, 0], f"programs per step: {programs}"
+
+
+# -- the fused steps (minidist/nn/moe_steps.py) against the chain of ops they replace --------------
+
+class _ScatterRows(Function):
+    """out (n, d) = zeros, out[index[i]] += rows[i]; backward g[index] (the chain's row scatter)."""
+
+    @staticmethod
+    def forward(ctx, rows, index, n):
+        ctx.index = index
+        out = np.zeros((n, *rows.shape[1:]), dtype=rows.dtype)
+        np.add.at(out, index, rows)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.index], None, None
+
+
+def _chain(moe, x):
+    """The block as a chain of ``minidist.ops`` (NumPy): gather, gate, scatter, one module call per
+    expert, concat, and the two losses spelled op by op -- what the fused steps must equal bit for bit."""
+    xf = x.reshape(-1, x.shape[-1])
+    n, e, k = xf.shape[0], moe.n_experts, moe.k
+    logits = moe.router(xf)
+    probs = ops.softmax(logits, axis=-1)
+    cap = capacity(n, e, k, moe.capacity_factor)
+    experts, slots = top_k_route(probs.data, k, cap)
+    gates = probs[np.arange(n)[:, None], experts]
+    if k > 1:
+        gates = gates / gates.sum(axis=-1, keepdims=True)
+    tok, choice = np.nonzero(slots >= 0)
+    rows = experts[tok, choice] * cap + slots[tok, choice]
+    buf = _ScatterRows.apply(xf[tok], rows, e * cap)
+    out_buf = ops.concat([ex(buf[i * cap:(i + 1) * cap]) for i, ex in enumerate(moe.experts)], axis=0)
+    out = _ScatterRows.apply(out_buf[rows] * gates[tok, choice].reshape(-1, 1), tok, n)
+    f = Tensor(np.bincount(experts.ravel(), minlength=e) / experts.size)
+    aux = (probs.mean(axis=0) * f).sum() * e
+    m = Tensor(logits.data.max(axis=-1, keepdims=True))
+    lse = ((logits - m).exp().sum(axis=-1, keepdims=True)).log() + m
+    return out.reshape(*x.shape), aux, (lse * lse).mean()
+
+
+def _run(moe, x0, g, fn):
+    moe.zero_grad()
+    x = Tensor(x0, requires_grad=True)
+    y, aux, z = fn(moe, x)
+    ((y * Tensor(g)).sum() + aux * 0.3 + z * 0.2).backward()
+    return [y.data, aux.data, z.data, x.grad] + [p.grad for p in moe.parameters()]
+
+
+def _fused(moe, x):
+    y = moe(x)
+    return y, moe.stats.aux_loss, moe.stats.z_loss
+
+
+@given(e=st.integers(1, 4), k=st.integers(1, 2), n=st.integers(1, 9), cf=st.sampled_from([0.5, 1.0, 2.0]),
+       lead=st.sampled_from([(), (2,)]), seed=st.integers(0, 99))
+@budget(20)
+def test_fused_steps_equal_the_chain_of_ops_bit_for_bit(e, k, n, cf, lead, seed):
+    """Outputs, both losses, the input's and every parameter's gradient: NumPy's bits are those of the
+    ~55-op chain the steps replace (each backward is that chain's rule, in its order)."""
+    k = min(k, e)
+    moe = MoE(4, e, k, cf, hidden=6, dtype=np.float64, std=0.5, rng=np.random.default_rng(seed))
+    rng = np.random.default_rng(seed + 1)
+    x, g = rng.standard_normal((*lead, n, 4)), rng.standard_normal((*lead, n, 4))
+    for got, want in zip(_run(moe, x, g, _fused), _run(moe, x, g, _chain), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_block_is_seven_ops_and_experts_behind_a_wrapper_are_called_one_by_one():
+    """Forward: router Linear, Softmax, Dispatch, ExpertMLPs, Combine, and the two losses. An expert
+    some technique wraps (here a counting wrapper) is called as a module instead -- same bits."""
+    rng = np.random.default_rng(0)
+    x, g = rng.standard_normal((12, 4)), rng.standard_normal((12, 4))
+    moe = MoE(4, 3, 2, 1.0, hidden=6, dtype=np.float64, std=0.5, rng=np.random.default_rng(1))
+    moe(Tensor(x, requires_grad=True))
+    seen, stack = set(), [moe.stats.aux_loss._node, moe.stats.z_loss._node]
+    nodes = []
+    while stack:
+        node = stack.pop()
+        if node is None or isinstance(node, Tensor) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        nodes.append(node.fn.__name__)
+        stack.extend(node.parents)
+    y = moe(Tensor(x, requires_grad=True))
+    out_nodes = [y._node.fn.__name__] + [p.fn.__name__ for p in y._node.parents if hasattr(p, "fn")]
+    assert sorted(nodes) == ["Linear", "LoadBalancingLoss", "RouterZLoss", "Softmax"]
+    assert out_nodes == ["Combine", "ExpertMLPs", "Softmax"]
+    assert [p.fn.__name__ for p in y._node.parents[0].parents if hasattr(p, "fn")] == ["Dispatch"]
+    fused = _run(moe, x, g, _fused)
+    calls = []
+    moe.experts[1].register_forward_wrapper(lambda m, inner, *a: calls.append(1) or inner(*a), "trace")
+    looped = _run(moe, x, g, _fused)
+    assert calls == [1]  # the wrapped expert was called as a module
+    for got, want in zip(looped, fused, strict=True):
+        np.testing.assert_array_equal(got, want)
