@@ -264,6 +264,12 @@ def _stacked(a, w) -> bool:
     return w.ndim == 2 and a.ndim > 2 and math.prod(a.shape[:-2]) > 1
 
 
+def _back_to(dtypes, grads) -> tuple:
+    """Each gradient in its input's dtype (the backward of an op that computed in a wider
+    ``compute`` dtype); None stays None."""
+    return tuple(None if g is None else g.astype(dt, copy=False) for g, dt in zip(grads, dtypes))
+
+
 def _check_matmul(a, b):
     if a.ndim == 0 or b.ndim == 0 or a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
         raise ValueError(f"matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} don't match: the last "
@@ -311,29 +317,44 @@ class Linear(Function):
 
     Every leading axis of ``x`` is folded into rows, so forward and both backward products are one
     2-D GEMM each: NumPy's matmul of a (B, T, in) array by a matrix runs B smaller ones, ~25% slower.
+
+    ``compute`` (mixed precision: float32 for bf16/fp16 weights): a tensor core's product -- the
+    inputs cast up inside, accumulated in ``compute``, the output rounded to w's dtype; backward casts
+    the incoming gradient up and each gradient back to its input's dtype. x and w are saved in their
+    own (low) dtypes and cast up again in backward: exact, and half the saved bytes.
     """
 
     @staticmethod
-    def forward(ctx, x, w, b=None):
+    def forward(ctx, x, w, b=None, compute=None):
         _check_matmul(x, w)
         ctx.save(x if ctx.needs_grad[1] else None, w if ctx.needs_grad[0] else None)
+        if compute is not None:
+            ctx.compute, ctx.dtypes = compute, (x.dtype, w.dtype) + (() if b is None else (b.dtype,))
+            x, w = x.astype(compute, copy=False), w.astype(compute, copy=False)
+            b = None if b is None else b.astype(compute, copy=False)
         out = (_rows(x) @ w).reshape(x.shape[:-1] + w.shape[1:]) if _stacked(x, w) else x @ w
         if b is not None:
             if backend_of(out).inplace:
                 out += b
             else:
                 out = out + b
-        return out
+        return out if compute is None else out.astype(ctx.dtypes[1], copy=False)
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved
+        dtypes = getattr(ctx, "dtypes", None)
+        if dtypes is not None:  # (x or w is None when its partner's gradient is not wanted)
+            g = g.astype(ctx.compute, copy=False)
+            x, w = (None if a is None else a.astype(ctx.compute, copy=False) for a in (x, w))
         g2 = _rows(g)
         gx = None
         if ctx.needs_grad[0]:
             gx = (g2 @ w.T).reshape(g.shape[:-1] + w.shape[:1]) if _stacked(g, w) else g @ w.T
         gw = _rows(x).T @ g2 if ctx.needs_grad[1] else None
         gb = _sum_rows(g) if len(ctx.needs_grad) > 2 and ctx.needs_grad[2] else None
+        if dtypes is not None:
+            return _back_to(dtypes, (gx, gw, gb))
         return gx, gw, gb
 
 
@@ -562,10 +583,18 @@ class LayerNorm(Function):
     makes one memory pass per operator, so the work is counted in passes: every sum is a BLAS
     matrix-vector product (the row means Σ_i g_i·w_i and Σ_i (g·x̂)_i·w_i, the column sums dw =
     Σ g·x̂ and db = Σ g), and the one product g·x̂ serves both dw and the second mean.
+
+    ``compute`` (mixed precision: float32 for bf16/fp16 parameters): x, w, b are cast to it inside,
+    the statistics and the affine run in it, the output is rounded to w's dtype; backward casts the
+    incoming gradient up and each gradient back to its input's dtype. The same numbers as casting
+    around the op (five ops: three casts in, the norm, one cast out), as one op.
     """
 
     @staticmethod
-    def forward(ctx, x, w, b, eps=1e-5):
+    def forward(ctx, x, w, b, eps=1e-5, compute=None):
+        if compute is not None:
+            ctx.compute, ctx.dtypes = compute, (x.dtype, w.dtype, b.dtype)
+            x, w, b = (a.astype(compute, copy=False) for a in (x, w, b))
         xp = _xp(x)
         xhat = x - _mean_last(x)
         if x.dtype.itemsize < 4:  # (mean accumulates in float32; a 2-byte Σ x̂² could overflow)
@@ -577,11 +606,14 @@ class LayerNorm(Function):
         ctx.save(xhat, rstd, w)
         out = xhat * w
         out += b
-        return out
+        return out if compute is None else out.astype(ctx.dtypes[1], copy=False)
 
     @staticmethod
     def backward(ctx, g):
         xhat, rstd, w = ctx.saved
+        dtypes = getattr(ctx, "dtypes", None)
+        if dtypes is not None:
+            g = g.astype(ctx.compute, copy=False)
         n = xhat.shape[-1]
         gb = _sum_rows(g) if ctx.needs_grad[2] else None
         gxhat = g * xhat
@@ -593,6 +625,8 @@ class LayerNorm(Function):
             gx -= _dot_last(g, w) / n  # mean(d)
             gx -= proj
             gx *= rstd
+        if dtypes is not None:
+            return _back_to(dtypes, (gx, gw, gb))
         return gx, gw, gb
 
 
@@ -815,9 +849,9 @@ def linear(x, w, b=None):
     dtype (gradients likewise), so every layer that multiplies -- serial or tensor-parallel -- gets
     the same low-precision arithmetic without being patched."""
     low = w.dtype
-    if low.itemsize == 2 and low.kind not in "iu":
-        args = (cast(x, "float32"), cast(w, "float32")) + (() if b is None else (cast(b, "float32"),))
-        return cast(Linear.apply(*args), low)
+    if low.itemsize == 2 and low.kind not in "iu":  # (one op: the casts happen inside it)
+        return Linear.apply(x, w, b, compute=np.dtype(np.float32)) if b is not None else \
+            Linear.apply(x, w, compute=np.dtype(np.float32))
     return Linear.apply(x, w, b) if b is not None else Linear.apply(x, w)
 
 
@@ -905,8 +939,12 @@ def log_softmax(x, axis=-1):
     return LogSoftmax.apply(x, axis=axis)
 
 
-def layer_norm(x, w, b, eps=1e-5):
-    return LayerNorm.apply(x, w, b, eps=eps)
+def layer_norm(x, w, b, eps=1e-5, compute=None):
+    """LayerNorm over the last axis; ``compute`` (e.g. float32 under bf16 parameters): the dtype its
+    statistics run in, the output rounded to ``w``'s dtype (see ``LayerNorm``)."""
+    if compute is None:
+        return LayerNorm.apply(x, w, b, eps=eps)
+    return LayerNorm.apply(x, w, b, eps=eps, compute=np.dtype(compute))
 
 
 def dropout(x, p, rng, training=True):

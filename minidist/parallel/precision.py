@@ -26,7 +26,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from minidist import ops
+from minidist import jax_engine, ops
 from minidist.backend import backend_of
 from minidist.comm import all_reduce
 from minidist.nn.layers import LayerNorm
@@ -71,23 +71,29 @@ def round_to_bf16(x) -> np.ndarray:
 # the compute copy: low-precision parameters, fp32 accumulation
 # ---------------------------------------------------------------------------------------------
 def _layer_norm_wrapper(ln, inner, x):
-    """LayerNorm statistics in fp32, the output rounded to the low dtype. It computes the layer
-    itself (autocast is the innermost wrapper, so nothing inside it is skipped)."""
-    f32 = np.float32
-    y = ops.layer_norm(ops.cast(x, f32), ops.cast(ln.weight, f32), ops.cast(ln.bias, f32), ln.eps)
-    return ops.cast(y, ln.weight.dtype)
+    """LayerNorm statistics in fp32, the output rounded to the low dtype: one op, which casts x, the
+    weight and the bias up inside and its output down (``ops.layer_norm(..., compute=float32)``;
+    gradients come back in each input's dtype). It computes the layer itself (autocast is the
+    innermost wrapper, so nothing inside it is skipped)."""
+    return ops.layer_norm(x, ln.weight, ln.bias, ln.eps, compute=np.float32)
+
+
+def _to_fp32(t):
+    """``t`` as fp32 for what must run in fp32 (a softmax, the loss); already fp32: ``t`` itself."""
+    return t if t.dtype == np.float32 else ops.cast(t, np.float32)
 
 
 def _fp32_output_wrapper(module, inner, x):
     """The attention's qkv projection: low-precision values handed on in fp32, so the attention
     core (its softmax) runs in fp32, as torch.autocast does."""
-    return ops.cast(inner(x), np.float32)
+    return _to_fp32(inner(x))
 
 
-def _fp32_copy(a):
-    """An fp32 copy of ``a`` on ``a``'s own backend (the masters live where the model does)."""
-    be = backend_of(a)
-    return be.from_host(np.array(be.to_host(a), dtype=np.float32))
+@jax_engine.pure  # on JAX one compiled call for the whole model, not one cast program per shape
+def _cast_all(arrays, dtype) -> list:
+    """Every array of ``arrays`` cast to ``dtype``: a new array each (on NumPy and CuPy a copy even
+    when the dtype is already ``dtype``: the fp32 masters must not share memory with the model)."""
+    return [a.astype(dtype) for a in arrays]
 
 
 def autocast(model, dtype="bf16"):
@@ -102,8 +108,9 @@ def autocast(model, dtype="bf16"):
     attention's qkv projection hands its output on in fp32. ``remove_autocast`` takes them away."""
     dt = low_dtype(dtype)
     check_compatible(model, dtype_technique(dt))
-    for p in model.parameters():
-        p.data = p.data.astype(dt)
+    params = model.parameters()
+    for p, low in zip(params, _cast_all([p.data for p in params], dt)):
+        p.data = low
     owner = f"autocast ({dt.name})"
     for _, m in model.named_modules():
         if isinstance(m, LayerNorm):
@@ -165,8 +172,23 @@ class DynamicLossScaler:
 
 
 def has_inf_or_nan(arrays) -> bool:
-    """Is any element of any array inf or NaN?"""
-    return any(a is not None and not bool(backend_of(a).xp.isfinite(a).all()) for a in arrays)
+    """Is any element of any array inf or NaN? (One pass over all of them, one value read back.)"""
+    arrays = [a for a in arrays if a is not None]
+    return bool(arrays) and bool(_nonfinite(backend_of(arrays[0]).xp, arrays))
+
+
+@jax_engine.pure
+def _nonfinite(xp, arrays):
+    """A 0-d boolean array: does any of ``arrays`` hold an inf or NaN?"""
+    return ~xp.stack([xp.isfinite(a).all() for a in arrays]).all()
+
+
+@jax_engine.pure  # on JAX one compiled call per step: the casts, the multiplies and the check
+def _unscale(xp, grads, inv):
+    """(fp32 gradients g·inv of the low-precision ``grads``, None kept; does any hold inf/NaN?)"""
+    out = [None if g is None else g.astype(np.float32) * inv for g in grads]
+    present = [m for m in out if m is not None]
+    return out, (_nonfinite(xp, present) if present else xp.asarray(False))
 
 
 def found_inf_across(found: bool, groups=()) -> bool:
@@ -208,8 +230,9 @@ class MixedPrecision:
             scaler = DynamicLossScaler() if self.dtype == np.float16 else None
         self.scaler = scaler
         self.groups = None if groups is None else list(groups)
-        self.master_params = [Tensor(_fp32_copy(p.data), requires_grad=True, name=n)  # same device as p
-                              for n, p in model.named_parameters()]
+        named = list(model.named_parameters())
+        self.master_params = [Tensor(m, requires_grad=True, name=n)  # on p's device: the model's
+                              for (n, _), m in zip(named, _cast_all([p.data for _, p in named], np.float32))]
         self.model = autocast(model, self.dtype)
         self.params = model.parameters()
         self.last_found_inf = False
@@ -241,7 +264,7 @@ class MixedPrecision:
 
     def loss(self, idx, targets):
         """``loss_fn`` (cross-entropy) in fp32 of the low-precision model's logits."""
-        return self.loss_fn(ops.cast(self.model(idx), np.float32), targets)
+        return self.loss_fn(_to_fp32(self.model(idx)), targets)
 
     def backward(self, loss):
         """Backward of ``loss · S``: the seed gradient is S, so every gradient is S times larger."""
@@ -266,19 +289,23 @@ class MixedPrecision:
     def step(self, optimizer) -> bool:
         """Unscale into the fp32 masters, agree on inf/NaN (``agreement_groups``), step or skip; True if
         stepped. Low-precision grads are cleared; the model gets the new masters, rounded."""
-        inv = 1.0 / self.scale
-        for m, p in zip(self.master_params, self.params):
-            m.grad = None if p.grad is None else p.grad.astype(np.float32) * np.float32(inv)
-            p.grad = None
-        found = found_inf_across(has_inf_or_nan(m.grad for m in self.master_params), self.agreement_groups())
+        inv = np.float32(1.0 / self.scale)  # (an argument of the compiled call: a new scale compiles nothing)
+        grads = [p.grad for p in self.params]
+        unscaled, nonfinite = grads, False
+        if any(g is not None for g in grads):
+            xp = backend_of(next(g for g in grads if g is not None)).xp
+            unscaled, nonfinite = _unscale(xp, grads, inv)
+        for m, p, g in zip(self.master_params, self.params, unscaled):
+            m.grad, p.grad = g, None
+        found = found_inf_across(bool(nonfinite), self.agreement_groups())
         self.last_found_inf = found
         if self.scaler is not None:
             self.scaler.update(found)
         if not found:
             optimizer.step()
             with no_grad():
-                for m, p in zip(self.master_params, self.params):
-                    p.data = m.data.astype(self.dtype)
+                for p, low in zip(self.params, _cast_all([m.data for m in self.master_params], self.dtype)):
+                    p.data = low
         for m in self.master_params:
             m.grad = None
         return not found
