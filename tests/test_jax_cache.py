@@ -427,3 +427,19 @@ def test_a_cache_from_before_the_cap_does_not_break_jax_writes(tmp_path):
     assert "jit_old-0123-cache" not in names
     written = [n for n in names if n.endswith("-cache")]
     assert written and all(n[:-len("-cache")] + "-atime" in names for n in written)
+
+
+def test_a_jax_without_the_private_settings_compiles_stores_nothing_and_says_so(cache, monkeypatch):
+    """If a JAX release drops the private settings the cache relies on, programs still compile (they
+    used to fall back to eager dispatch without a word), nothing is stored, and one warning says why."""
+    monkeypatch.setattr(jax_cache, "_PRIVATE_SETTINGS", ("a_setting_this_jax_lacks",
+                                                          *jax_cache._PRIVATE_SETTINGS[1:]))
+    monkeypatch.setattr(jax_cache, "_WARNED", set())
+    x = jax.device_put(np.arange(3.0))
+    before = dict(jax_cache.STATS)
+    with pytest.warns(RuntimeWarning, match="stores no JAX executables") as seen:
+        np.testing.assert_array_equal(_fresh(_scaler(6.5))(x), np.arange(3.0) * 6.5)
+        np.testing.assert_array_equal(_fresh(_scaler(7.5))(x), np.arange(3.0) * 7.5)
+    assert len([w for w in seen if "stores no" in str(w.message)]) == 1
+    assert jax_cache.STATS["compiled"] - before.get("compiled", 0) == 2
+    assert jax_cache.STATS["stored"] == before.get("stored", 0) and _files(cache) == []
