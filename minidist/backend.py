@@ -159,8 +159,7 @@ class JaxBackend(Backend):
     def update(self, target, value):
         if self.is_array(value):
             return value if value.dtype == target.dtype else value.astype(target.dtype)
-        value = np.asarray(value, dtype=target.dtype)  # from the host: a copy, no compiled program
-        return self.jax.device_put(value, target.sharding) if target.committed else self.jax.device_put(value)
+        return jax_engine.put_like(np.asarray(value, dtype=target.dtype), target)  # no compiled program
 
     def set_at(self, target, index, values):
         return _jax_set_at(target, index, values)
@@ -268,6 +267,13 @@ def to_host(array) -> np.ndarray:
     """Any backend's array as a NumPy array (a copy from a GPU; NumPy's own as is). For checks and
     prints: CuPy refuses ``np.asarray`` of a device array, so code that may see one calls this."""
     return backend_of(array).to_host(array)
+
+
+def host_scalar(value, like):
+    """``value`` as a NumPy scalar of ``like``'s dtype (float64 for a Python number): what NumPy
+    makes of ``value`` combined with ``like``. Handed to a compiled JAX call it is an argument, not
+    a constant: a new divisor or token count runs the same program instead of compiling another."""
+    return np.dtype(getattr(like, "dtype", np.float64)).type(value)
 
 
 def backend_of(array) -> Backend:

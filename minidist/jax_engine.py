@@ -454,14 +454,18 @@ def compiles(array) -> bool:
     return enabled() and _is_jax(array)
 
 
-def zeros_like(a):
-    """Zeros shaped like JAX array ``a`` on its device, made on the host: no compiled program.
-    Committed to that device only if ``a`` is: a compiled call's program depends on which of its
-    arguments are committed, and a mismatch here would compile the optimizer's update twice."""
+def put_like(host, like):
+    """Host array ``host`` moved where JAX array ``like`` lives: no compiled program. Committed to
+    that device only if ``like`` is: a compiled call's program depends on which of its arguments
+    are committed, and a mismatch would compile the optimizer's update twice."""
     import jax
 
-    zeros = np.zeros(a.shape, a.dtype)
-    return jax.device_put(zeros, a.sharding) if a.committed else jax.device_put(zeros)
+    return jax.device_put(host, like.sharding) if like.committed else jax.device_put(host)
+
+
+def zeros_like(a):
+    """Zeros shaped like JAX array ``a`` on its device, made on the host (``put_like``)."""
+    return put_like(np.zeros(a.shape, a.dtype), a)
 
 
 def persistent_cache() -> None:

@@ -42,6 +42,7 @@ import contextlib
 import numpy as np
 
 from minidist import jax_engine
+from minidist.backend import host_scalar
 from minidist.comm import all_reduce, all_reduce_async, broadcast
 from minidist.comm.collectives import split_sizes
 from minidist.comm.handles import start_async
@@ -83,7 +84,7 @@ class Bucket:
         array then) in their shapes. The divisor travels as a host scalar of ``flat``'s dtype (what
         NumPy makes of a Python float there): an argument of the compiled call on JAX, so a weighted
         batch or a short last one divides by a new number without compiling a new program."""
-        scalar = None if divisor == 1 else np.dtype(flat.dtype).type(divisor)
+        scalar = None if divisor == 1 else host_scalar(divisor, flat)
         return _views(flat, tuple(self.offsets), tuple(self.sizes), tuple(p.shape for p in self.params),
                       scalar)
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from minidist import jax_engine, ops
 from minidist import random as mrandom
-from minidist.backend import backend_of, default_backend, get_backend
+from minidist.backend import backend_of, default_backend, get_backend, host_scalar
 from minidist.nn.attention import self_attention
 from minidist.nn.layers import Dropout
 from minidist.nn.module import Module, Parameter
@@ -296,20 +296,13 @@ class VocabParallelCrossEntropy(Function):
         n = max(int(valid.sum()), 1)
         ctx.save(shifted, lse)
         ctx.t, ctx.mine, ctx.valid, ctx.n, ctx.shape = safe_t, mine, valid, n, logits.shape
-        return _mean_loss(lse, target, valid, _host_scalar(n, lse), logits.dtype)
+        return _mean_loss(lse, target, valid, host_scalar(n, lse), logits.dtype)
 
     @staticmethod
     def backward(ctx, g):
         shifted, lse = ctx.saved
-        n = _host_scalar(ctx.n, g)
+        n = host_scalar(ctx.n, g)
         return _cross_entropy_grad(shifted, lse, ctx.t, ctx.mine, ctx.valid, g, n, ctx.shape), None
-
-
-def _host_scalar(n, like):
-    """Token count ``n`` as a host scalar of ``like``'s dtype -- the float NumPy makes of a Python int
-    divided into ``like`` -- so the compiled loss takes it as an argument: a batch with another
-    number of ignored targets runs the same program instead of compiling one per count."""
-    return np.dtype(getattr(like, "dtype", np.float64)).type(n)
 
 
 # The loss's array steps between its all-reduces, as pure functions: on NumPy as written, on JAX one
