@@ -277,6 +277,11 @@ def _bind() -> list:
     return _ARRAY
 
 
+def array_type() -> type:
+    """JAX's concrete array type (bound on first use: importing this module does not import JAX)."""
+    return (_ARRAY or _bind())[0]
+
+
 def _flat_tree(n: int):
     """The tree of ``n`` arguments that are each one array (``Program.__call__``'s flat signature)."""
     return _ARRAY[1]((0,) * n)[1]

@@ -100,15 +100,6 @@ def _plain(v) -> bool:
     return isinstance(v, _PLAIN) or isinstance(v, type) and issubclass(v, np.generic)
 
 
-_JAX_ARRAY: list = []  # [JAX's concrete array type], bound on the first op (no JAX import here)
-
-
-def _jax_array_type():
-    if not _JAX_ARRAY:
-        _JAX_ARRAY.append(jax_cache._bind()[0])
-    return _JAX_ARRAY[0]
-
-
 def _arg_key(a):
     """One argument as part of a key: an array by ``(shape, dtype)`` (the dtype object: its str()
     costs ~1.5 us), a plain value by ``_value_key``. The first item tells the two kinds apart: a
@@ -231,7 +222,7 @@ def _forward(cls, ctx, arrays, kwargs):
     ``Program`` takes the arrays without flattening them. Measured on a (4, 4) Add, one thread:
     16 us a forward before this path was trimmed, 13 us after (the executable ~4.5 us of it,
     ``Function.apply``'s own work ~3 us; NumPy's whole Add 3.7 us)."""
-    jax_array = _JAX_ARRAY[0] if _JAX_ARRAY else _jax_array_type()
+    jax_array = jax_cache.array_type()
     keys, dyn_at, ours, plain = [], [], False, True
     try:
         for i, a in enumerate(arrays):
