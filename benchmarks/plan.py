@@ -21,15 +21,14 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from minidist import hardware
+from minidist.calibrate import step_seconds
 from minidist.comm import run
 from minidist.nn.gpt import GPTConfig
-from minidist.parallel.three_d import train_3d
 from minidist.plan import RUNS, Candidate, ModelSpec, predict
 
 MESHES = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 4), (4, 1, 1, 1), (2, 2, 2, 2), (8, 1, 1, 1)]
@@ -45,11 +44,9 @@ def measure_here(cfg, batch, dp, tp, pp, m, steps=8):
     rng = np.random.default_rng(0)
     data = [(rng.integers(0, cfg.vocab_size, (batch, cfg.block_size)),) * 2 for _ in range(steps)]
 
-    def body(comm):
-        marks = []
-        train_3d(comm, cfg, data, dp=dp, pp=pp, tp=tp, microbatches=m, optimizer="adamw", lr=1e-3,
-                 on_step=lambda s, st: marks.append(time.perf_counter()))
-        return np.max(comm.allgather_obj(list(np.diff(marks)[1:])), axis=0)  # drop the warm-up step
+    def body(comm):  # (the warm-up step dropped)
+        return np.max(comm.allgather_obj(step_seconds(comm, cfg, data, dp=dp, pp=pp, tp=tp, microbatches=m)),
+                      axis=0)
     with threadpool_limits(1):  # one BLAS thread per rank, also for a single rank (what the planner assumes)
         return float(np.median(run(body, ranks=dp * tp * pp)[0]))
 

@@ -137,6 +137,16 @@ WHOLE_GPT = GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=4, d_mode
 WHOLE_ROWS = 4
 
 
+def step_seconds(comm, cfg, data, clock=time.perf_counter, drop: int = 1, **layout) -> list:
+    """Seconds of each step of ``train_3d`` (AdamW) of ``cfg`` on ``data`` by ``clock``, the first
+    ``drop`` (warm-up) left out. ``layout``: train_3d's dp, tp, pp, microbatches. Every timed step of
+    the planner's calibration and benchmark comes from here."""
+    marks = []
+    train_3d(comm, cfg, data, optimizer="adamw", lr=1e-3, on_step=lambda s, st: marks.append(clock()),
+             **layout)
+    return list(np.diff(marks)[drop:])
+
+
 def cold_factor(k: dict) -> float:
     """A whole training step over the sum of its parts: one thread rank trains `WHOLE_GPT`
     (`train_3d`, AdamW, `WHOLE_ROWS` sequences), timed in its CPU seconds, against the planner's
@@ -146,10 +156,7 @@ def cold_factor(k: dict) -> float:
     ids = np.random.default_rng(0).integers(0, WHOLE_GPT.vocab_size, (WHOLE_ROWS, WHOLE_GPT.block_size))
 
     def body(comm):
-        marks = []
-        train_3d(comm, WHOLE_GPT, [(ids, ids)] * 25, optimizer="adamw", lr=1e-3,
-                 on_step=lambda s, st: marks.append(cpu()))
-        return float(np.median(np.diff(marks)[1:]))
+        return float(np.median(step_seconds(comm, WHOLE_GPT, [(ids, ids)] * 25, clock=cpu)))
     measured = run(body, ranks=1, transport="threads")[0]
     spec = ModelSpec("whole", n_layer=WHOLE_GPT.n_layer, d_model=WHOLE_GPT.d_model, n_head=WHOLE_GPT.n_head,
                      vocab=WHOLE_GPT.vocab_size, seq=WHOLE_GPT.block_size, engine="minidist", dtype_bytes=4)
@@ -181,11 +188,8 @@ def step_python(ids, fwd_bwd: dict) -> dict:
     for n in (1, 3):
         cfg = GPTConfig(vocab_size=8, block_size=4, n_layer=n, n_head=2, d_model=8)
 
-        def body(comm, cfg=cfg):
-            marks = []
-            train_3d(comm, cfg, [(ids, ids)] * 15, optimizer="adamw", lr=1e-3,
-                     on_step=lambda s, st: marks.append(cpu()))  # the rank's own thread
-            return float(np.median(np.diff(marks)[2:]))
+        def body(comm, cfg=cfg):  # (cpu: the rank's own thread)
+            return float(np.median(step_seconds(comm, cfg, [(ids, ids)] * 15, clock=cpu, drop=2)))
         rest[n] = run(body, ranks=1, transport="threads")[0] - fwd_bwd[n]
     per_tensor = max((rest[3] - rest[1]) / (41 - 17), 0.0)
     return {"python_tensor": per_tensor, "python_step": max(rest[1] - 17 * per_tensor, 0.0)}

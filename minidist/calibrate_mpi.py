@@ -40,10 +40,9 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minidist.calibrate import _median_time, cpu, fit_relative
+from minidist.calibrate import _median_time, cpu, fit_relative, step_seconds
 from minidist.comm import all_reduce, all_reduce_async, run
 from minidist.nn import GPT, GPTConfig
-from minidist.parallel.three_d import train_3d
 from minidist.plan.traffic import DP_ALGORITHM as DDP_ALGORITHM
 from minidist.plan.traffic import all_reduce_rounds, all_reduce_sent
 
@@ -72,10 +71,8 @@ def _step_time(comm, rows: int = PROBE_ROWS[0], cfg: GPTConfig = PROBE_GPT, step
     sequences per rank: the slowest rank's. `clock`: wall time, or (one rank alone: no DDP thread)
     its CPU seconds, what the step needs on a core of its own whatever else runs."""
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (rows * comm.size, cfg.block_size))
-    marks = []
-    train_3d(comm, cfg, [(ids, ids)] * steps, dp=comm.size, optimizer="adamw", lr=1e-3,
-             on_step=lambda s, st: marks.append(clock()))
-    return float(np.max(comm.allgather_obj(float(np.median(np.diff(marks)[1:])))))
+    mine = float(np.median(step_seconds(comm, cfg, [(ids, ids)] * steps, clock=clock, dp=comm.size)))
+    return float(np.max(comm.allgather_obj(mine)))
 
 
 def crowd_fit(n: int, alone: dict, together: dict, python: float, cpus: int) -> tuple[float, float]:

@@ -2,9 +2,12 @@
 
 import time
 
+import numpy as np
 import pytest
 
 from minidist import calibrate
+from minidist.comm import run
+from minidist.nn import GPTConfig
 
 
 @pytest.mark.parametrize("threads, cores", [(1, 0.5), (2, 1.0)])
@@ -30,3 +33,14 @@ def test_alpha_and_beta_come_back_from_exact_times_and_alpha_survives_noise_on_b
     noisy = times[:3] + [times[3] * 1.2]
     alpha, _ = calibrate.fit_relative(rows, noisy)
     assert alpha == pytest.approx(50e-6, rel=0.1)
+
+
+def test_step_seconds_times_each_step_after_the_warm_up():
+    """One value per step but the dropped ones, each positive, together no more than the call took."""
+    cfg = GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=2, d_model=8)
+    ids = np.zeros((2, 4), dtype=np.int64)
+    t0 = time.perf_counter()
+    got = run(lambda comm: calibrate.step_seconds(comm, cfg, [(ids, ids)] * 5, drop=2, dp=2), ranks=2)
+    wall = time.perf_counter() - t0
+    assert [len(g) for g in got] == [3, 3]
+    assert all(s > 0 for g in got for s in g) and max(sum(g) for g in got) < wall
