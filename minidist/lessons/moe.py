@@ -104,7 +104,7 @@ def train(comm, args, aux_weight):
         x = tokens(args, comm.rank + 100 * step)
         y = moe(on_backend(x))
         err = y - on_backend(np.tanh(x @ target))
-        loss = (err * err).mean() * (1.0 / comm.size)
+        loss = (err ** 2).mean() * (1.0 / comm.size)
         if aux_weight:  # (without it: not added at all, rather than added times zero)
             loss = loss + moe.stats.aux_loss * (aux_weight / comm.size)
         loss.backward()
@@ -113,8 +113,8 @@ def train(comm, args, aux_weight):
                 p.grad = all_reduce(comm, p.grad)
         opt.step()
         opt.zero_grad()
-        routed = all_reduce(comm, moe.stats.tokens_per_expert.astype(np.float64))
-        kept = all_reduce(comm, moe.stats.kept_per_expert.astype(np.float64))
+        counts = np.concatenate([moe.stats.tokens_per_expert, moe.stats.kept_per_expert])
+        routed, kept = np.split(all_reduce(comm, counts.astype(np.float64)), 2)  # one collective for both
         history.append((routed, float(routed.std() / routed.mean()), 1 - kept.sum() / routed.sum()))
     return moe, history
 

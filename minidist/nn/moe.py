@@ -69,15 +69,14 @@ def top_k_route(probs: np.ndarray, k: int, cap: int):
     return experts, slots
 
 
-def pad_assignments(tok, choice, rows, total: int, like):
+def pad_assignments(tok, choice, rows, total: int, dtype):
     """The kept assignments (token, choice, buffer row) padded to ``total`` (all N·k), and ``keep``
-    (total, 1), an array like ``like``'s: 1 for a real one, 0 for padding -- token 0's first choice
-    to row 0, times 0, so it adds exact zeros forward and backward. One shape whatever the routing:
-    on JAX, one program."""
+    (total, 1) of ``dtype``: 1 for a real one, 0 for padding -- token 0's first choice to row 0,
+    times 0, so it adds exact zeros forward and backward. One shape whatever the routing: on JAX,
+    one program; ``keep`` stays on the host, an argument of that program like the indices."""
     pad = np.zeros(total - len(tok), dtype=np.int64)
-    keep = (np.arange(total) < len(tok)).astype(like.dtype)[:, None]
-    return (np.concatenate([tok, pad]), np.concatenate([choice, pad]), np.concatenate([rows, pad]),
-            backend_of(like).from_host(keep))
+    keep = (np.arange(total) < len(tok)).astype(dtype)[:, None]
+    return np.concatenate([tok, pad]), np.concatenate([choice, pad]), np.concatenate([rows, pad]), keep
 
 
 def routed_fraction(experts: np.ndarray, n_experts: int) -> np.ndarray:
@@ -137,7 +136,7 @@ class MoE(Module):
         rows = experts[tok, choice] * cap + slots[tok, choice]             # their buffer rows
         keep = None
         if compiles_per_shape(backend_of(probs.data)):                     # one shape: N·k, padded
-            tok, choice, rows, keep = pad_assignments(tok, choice, rows, n * k, probs.data)
+            tok, choice, rows, keep = pad_assignments(tok, choice, rows, n * k, probs.dtype)
         buf = Dispatch.apply(xf, tok, rows, keep, e * cap)                 # dispatch: (E·C, d)
         out_buf = self.run_experts(buf, cap)
         out = Combine.apply(out_buf, probs, experts, tok, choice, rows, keep)  # gates, gated sum
