@@ -138,9 +138,10 @@ WHOLE_ROWS = 4
 
 
 def step_seconds(comm, cfg, data, clock=time.perf_counter, drop: int = 1, **layout) -> list:
-    """Seconds of each step of ``train_3d`` (AdamW) of ``cfg`` on ``data`` by ``clock``, the first
-    ``drop`` (warm-up) left out. ``layout``: train_3d's dp, tp, pp, microbatches. Every timed step of
-    the planner's calibration and benchmark comes from here."""
+    """Seconds of the steps of ``train_3d`` (AdamW) of ``cfg`` on ``data`` by ``clock``, from one step's
+    end to the next: the first step is never timed, and ``drop`` more (warm-up) are left out, so
+    ``len(data) - 1 - drop`` values. ``layout``: train_3d's dp, tp, pp, microbatches. Every timed
+    step of the planner's calibration and benchmark comes from here."""
     marks = []
     train_3d(comm, cfg, data, optimizer="adamw", lr=1e-3, on_step=lambda s, st: marks.append(clock()),
              **layout)
