@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from minidist import estimates
+from minidist.backend import to_host
 from minidist.comm import measure
 from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, positive_int, rprint
@@ -67,7 +68,7 @@ def fp16_representation(cfg, idx):
     (|g·S| < 2^-14, fewer than 10 significant bits) at loss scale S = 1 and S = 2^16."""
     model = GPT(cfg)
     model.loss(idx, idx).backward()
-    g = np.abs(np.concatenate([q.grad.ravel() for q in model.parameters()]))
+    g = np.abs(np.concatenate([to_host(q.grad).ravel() for q in model.parameters()]))
     g = g[g > 0]
     out = {}
     for scale in (1.0, 2.0 ** 16):

@@ -8,13 +8,19 @@ gradients that are already bf16/fp16: the bytes are the same as before it moved 
 
 from __future__ import annotations
 
+from minidist import jax_engine
 from minidist.comm import all_reduce
 
 
 def cast_all_reduce(comm, flat, dtype, algorithm: str = "auto"):
     """Σ_r flat_r / p, sent and summed in ``dtype``; returned in ``dtype``."""
+    return all_reduce(comm, _cast_scaled(flat, dtype, 1.0 / comm.size), op="sum", algorithm=algorithm)
+
+
+@jax_engine.pure  # on JAX one compiled call per step, not an eager cast and multiply
+def _cast_scaled(flat, dtype, factor):
     low = flat.astype(dtype, copy=False)
-    return all_reduce(comm, low * low.dtype.type(1.0 / comm.size), op="sum", algorithm=algorithm)
+    return low * low.dtype.type(factor)
 
 
 class CastState:
