@@ -120,16 +120,18 @@ def train(comm, args, aux_weight):
 
 
 def capacity_table(comm, args, moe):
-    """Route the same tokens at several capacity factors: dropped fraction and padded slots."""
+    """Route the same tokens at several capacity factors: dropped fraction and padded slots. The
+    routing alone decides both (``MoE.route``): the experts need not run."""
     rows = []
-    x = tokens(args, comm.rank + 100 * args.steps)
+    x = on_backend(tokens(args, comm.rank + 100 * args.steps))
     for cf in (0.5, 1.0, 1.25, 1.5, 2.0):
         moe.capacity_factor = cf
         with no_grad():
-            moe(on_backend(x))
-        kept = all_reduce(comm, moe.stats.kept_per_expert.astype(np.float64)).sum()
-        slots = comm.size * args.experts * moe.stats.capacity  # every rank's E x C buffer
-        rows.append((cf, moe.stats.capacity, 1 - kept / (comm.size * args.tokens * args.k), 1 - kept / slots))
+            _, _, experts, used, cap = moe.route(x)
+        kept_here = np.bincount(experts[used >= 0], minlength=args.experts)  # per expert, this rank
+        kept = all_reduce(comm, kept_here.astype(np.float64)).sum()
+        slots = comm.size * args.experts * cap  # every rank's E x C buffer
+        rows.append((cf, cap, 1 - kept / (comm.size * args.tokens * args.k), 1 - kept / slots))
     moe.capacity_factor = args.capacity
     return rows
 

@@ -127,11 +127,7 @@ class MoE(Module):
         shape = x.shape
         xf = x if len(shape) == 2 else x.reshape(-1, shape[-1])            # tokens as rows (N, d)
         n, e, k = xf.shape[0], self.n_experts, self.k
-        logits = self.router(xf)
-        probs = ops.softmax(logits, axis=-1)
-        cap = capacity(n, e, k, self.capacity_factor)
-        host = np.asarray(backend_of(probs.data).to_host(probs.data))
-        experts, slots = top_k_route(host, k, cap)
+        logits, probs, experts, slots, cap = self.route(xf)
         tok, choice = np.nonzero(slots >= 0)                               # the kept assignments
         rows = experts[tok, choice] * cap + slots[tok, choice]             # their buffer rows
         keep = None
@@ -142,6 +138,16 @@ class MoE(Module):
         out = Combine.apply(out_buf, probs, experts, tok, choice, rows, keep)  # gates, gated sum
         self.stats = self._stats(logits, probs, experts, slots, cap)
         return out if len(shape) == 2 else out.reshape(*shape)
+
+    def route(self, xf):
+        """Steps 1 and 2 for tokens xf (N, d): the router's logits and probabilities (Tensors), and on
+        the host each token's experts and slots (``top_k_route``) at C = ``capacity(...)`` slots.
+        Returns (logits, probs, experts, slots, C)."""
+        logits = self.router(xf)
+        probs = ops.softmax(logits, axis=-1)
+        cap = capacity(xf.shape[0], self.n_experts, self.k, self.capacity_factor)
+        experts, slots = top_k_route(np.asarray(backend_of(probs.data).to_host(probs.data)), self.k, cap)
+        return logits, probs, experts, slots, cap
 
     def run_experts(self, buf, cap):
         """Expert e on rows e·C .. (e+1)·C - 1 of the dispatch buffer; the outputs in the same rows."""
