@@ -94,16 +94,18 @@ def gpt_check(comm, args, cfg):
     return rows
 
 
-def peak_activations(comm, cfg, t, cp):
-    """Peak activation bytes of one forward: serial GPT (cp=None, this rank alone) or CP over comm."""
-    model = GPT(cfg) if cp is None else context_parallel(GPT(cfg), comm)
-    x = np.zeros((1, t), np.int64)
+def peak_activations(model, t, cp=None):
+    """Peak activation bytes of one forward of a batch of two length-``t`` sequences (section 2's
+    batch: the same shapes, so on JAX the same compiled programs) through ``model``: a serial GPT
+    (cp=None, this rank alone) or a context-parallel one over ``cp`` (this rank's tokens)."""
+    x = np.zeros((2, t), np.int64)
     if cp is not None:
-        x = shard_sequence(x, comm.rank, comm.size)
+        x = shard_sequence(x, cp.rank, cp.size)
     acct = MemoryAccountant()
     with acct.track_activations(model):
         loss = ops.cross_entropy(model(x), x)
     loss.backward()
+    model.zero_grad()  # (the next length's gradients are not added to these)
     return acct.peak_activation_bytes
 
 
@@ -175,10 +177,12 @@ def rank_main(comm, args):
     rprint(comm, "\n5. activation memory per rank vs T (one forward's peak, bytes)")
     rprint(comm, f"   {'T':>5}  {'serial GPT':>11}  {'ring, per rank':>14}  {'serial / ring':>13}")
     lengths = [t for t in (2 * p * 4, 2 * p * 8, 2 * p * 16) if t <= cfg.block_size]
+    ring_gpt = context_parallel(GPT(cfg), comm)  # one model per kind, every length through it
+    serial_gpt = GPT(cfg) if comm.rank == 0 else None
     for t in lengths:
-        ring = comm.allgather_obj(peak_activations(comm, cfg, t, p))
+        ring = comm.allgather_obj(peak_activations(ring_gpt, t, comm))
         if comm.rank == 0:
-            serial = peak_activations(comm, cfg, t, None)
+            serial = peak_activations(serial_gpt, t)
             print(f"   {t:>5}  {serial:>11}  {max(ring):>14}  {serial / max(ring):>13.1f}")
     rprint(comm, "   the serial column grows like T² (softmax kept per head), the ring column like T/cp")
 

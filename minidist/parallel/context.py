@@ -35,7 +35,7 @@ import numpy as np
 
 from minidist import jax_engine, trace
 from minidist.backend import backend_of
-from minidist.nn.attention import merge_heads, split_heads
+from minidist.nn.attention import merge_heads
 from minidist.nn.module import Module
 from minidist.tensor import Function
 
@@ -118,37 +118,27 @@ def block_attention(q, k, v, q_pos, k_pos, scale, causal=True):
     return (e / xp.where(total > 0, total, 1.0)) @ v, lse
 
 
-# The ring's array steps below are pure functions: on NumPy they run as written; on JAX each is one
-# compiled call per shape (``jax_engine.pure``) instead of a dozen eager primitives -- each one a
-# dispatch, and a program of its own per shape -- for every pair of blocks and every hop.
+# -- which chunk pairs a ring step computes ---------------------------------------------------------
 
-@jax_engine.pure
-def _attend_block(q, kv, j, half, q_pos, k_pos, scale, causal, out, lse):
-    """Queries ``q`` over key/value half ``j`` of ``kv`` (2, B, H, T/cp, D), merged into (out, lse)."""
-    kj = slice(j * half, (j + 1) * half)
-    o, l_ = block_attention(q, kv[0][..., kj, :], kv[1][..., kj, :], q_pos, k_pos, scale, causal)
-    return merge_attention(out, lse, o, l_)
-
-
-@jax_engine.pure
-def _block_grads(q, kv, g, lse, delta, i, j, half, q_pos, k_pos, scale, causal, dq, dk, dv):
-    """Query half ``i`` against key/value half ``j`` backward: (dq, dk, dv) plus this pair's part.
-    The softmax is recomputed from the saved lse; ``delta`` = rowsum(dO ∘ O) corrects its backward."""
-    xp = backend_of(q).xp
-    qi, kj = slice(i * half, (i + 1) * half), slice(j * half, (j + 1) * half)
-    kb, vb = kv[0][..., kj, :], kv[1][..., kj, :]
-    sc = _scores(q[..., qi, :], kb, q_pos, k_pos, scale, causal)
-    pr = xp.exp(sc - lse[..., qi, None])           # the final softmax, recomputed
-    gi = g[..., qi, :]
-    dv = dv + xp.swapaxes(pr, -1, -2) @ gi
-    ds = pr * (gi @ xp.swapaxes(vb, -1, -2) - delta[..., qi, None]) * q.dtype.type(scale)
-    return dq + ds @ kb, dk + xp.swapaxes(ds, -1, -2) @ q[..., qi, :], dv
+def chunk_pairs(q_chunks, k_chunks, causal: bool = True) -> tuple:
+    """The pairs (i, j, diagonal) of query chunk ``q_chunks[i]`` and key chunk ``k_chunks[j]`` that
+    see any key, in the order they are merged. Chunks are whole, equal and contiguous, so under the
+    causal mask a pair is fully visible (keys of an earlier chunk), the causal triangle (the same
+    chunk: ``diagonal``), or hidden (a later chunk: skipped, not computed)."""
+    return tuple((i, j, causal and kc == qc) for i, qc in enumerate(q_chunks)
+                 for j, kc in enumerate(k_chunks) if not causal or kc <= qc)
 
 
-@jax_engine.pure
-def _halves(x, half):
-    """x[..., :half, :] and x[..., half:, :] (the two chunks a rank holds)."""
-    return x[..., :half, :], x[..., half:, :]
+# One ring step's array work is ONE pure function (``jax_engine.pure``): on NumPy it runs as written;
+# on JAX it is one compiled call per step -- every chunk pair of the step, its slices, attentions and
+# merges -- with the step's pairs baked in (three patterns per layout: the rank's own block, an
+# earlier rank's, a later rank's), instead of a call per pair and the slicing, stacking and joining
+# calls around them, each a program of its own per shape.
+
+def _half(x, i, axis=-2):
+    """Chunk ``i`` (0 or 1) of the two a rank holds, along ``axis`` (the token axis)."""
+    n = x.shape[axis] // 2
+    return x[(Ellipsis, slice(i * n, (i + 1) * n)) + (slice(None),) * (-axis - 1)]
 
 
 @jax_engine.pure
@@ -157,40 +147,56 @@ def _stack(a, b):
 
 
 @jax_engine.pure
-def _join(a, b, axis):
-    return backend_of(a).xp.concatenate([a, b], axis=axis)
-
-
-@jax_engine.pure
-def _start_forward(q, half):
-    """The query halves, and their empty results: out 0, lse -inf (no key seen yet)."""
+def _attend_step(q, kv, state, pairs, scale):
+    """Queries ``q`` (B, H, T/cp, D) over the K/V block in hand, ``kv`` (2, B, H, T/cp, D): each pair
+    (i, j, diagonal) merged into the running (out, lse) ``state`` -- None on the first step: nothing
+    seen yet, out 0 and lse -inf. Returns the new (out, lse)."""
     xp = backend_of(q).xp
-    qs = _halves(q, half)
-    return qs, [xp.zeros_like(x) for x in qs], [xp.full(x.shape[:-1], -xp.inf, dtype=q.dtype) for x in qs]
+    if state is None:
+        state = xp.zeros_like(q), xp.full(q.shape[:-1], -xp.inf, dtype=q.dtype)
+    out = [_half(state[0], i) for i in range(2)]
+    lse = [_half(state[1], i, axis=-1) for i in range(2)]
+    pos = xp.arange(q.shape[-2] // 2)  # within a chunk: the diagonal's mask is key > query
+    for i, j, diagonal in pairs:
+        o, l_ = block_attention(_half(q, i), _half(kv[0], j), _half(kv[1], j), pos, pos, scale, diagonal)
+        out[i], lse[i] = merge_attention(out[i], lse[i], o, l_)
+    return xp.concatenate(out, axis=-2), xp.concatenate(lse, axis=-1)
+
+
+def _pair_grads(q, k, v, g, lse, delta, diagonal, scale, dq, dk, dv):
+    """One chunk pair backward: (dq, dk, dv) plus its part. The softmax is recomputed from the saved
+    lse; ``delta`` = rowsum(dO ∘ O) corrects its backward."""
+    xp = backend_of(q).xp
+    pos = xp.arange(q.shape[-2])
+    pr = xp.exp(_scores(q, k, pos, pos, scale, diagonal) - lse[..., None])  # the final softmax, recomputed
+    dv = dv + xp.swapaxes(pr, -1, -2) @ g
+    ds = pr * (g @ xp.swapaxes(v, -1, -2) - delta[..., None]) * q.dtype.type(scale)
+    return dq + ds @ k, dk + xp.swapaxes(ds, -1, -2) @ q, dv
 
 
 @jax_engine.pure
-def _start_backward(g, o, q, half):
-    """delta = rowsum(dO ∘ O), the softmax backward's correction term, and zeros for a half's grads."""
-    xp = backend_of(g).xp
-    return (g * o).sum(axis=-1), xp.zeros(q[..., :half, :].shape, dtype=q.dtype)
+def _grads_step(q, kv, g, o, lse, grads, pairs, scale):
+    """Backward of one ring step: every pair's gradients added to ``grads`` = (dQ, dKV, delta) --
+    dQ (B, H, T/cp, D) of this rank's queries, dKV (2, B, H, T/cp, D) of the block in hand (the
+    message that travels on with it), delta = rowsum(dO ∘ O). None on the first step: zeros, and
+    delta computed from ``o``. Returns the new (dQ, dKV, delta)."""
+    xp = backend_of(q).xp
+    if grads is None:
+        grads = xp.zeros_like(q), xp.zeros_like(kv), (g * o).sum(axis=-1)
+    dq, dkv, delta = grads
+    dq = [_half(dq, i) for i in range(2)]
+    dk, dv = [_half(dkv[0], j) for j in range(2)], [_half(dkv[1], j) for j in range(2)]
+    for i, j, diagonal in pairs:
+        dq[i], dk[j], dv[j] = _pair_grads(_half(q, i), _half(kv[0], j), _half(kv[1], j), _half(g, i),
+                                          _half(lse, i, axis=-1), _half(delta, i, axis=-1), diagonal,
+                                          scale, dq[i], dk[j], dv[j])
+    dkv = xp.stack([xp.concatenate(dk, axis=-2), xp.concatenate(dv, axis=-2)])
+    return xp.concatenate(dq, axis=-2), dkv, delta
 
 
 @jax_engine.pure
-def _pack_grads(dkv):
-    """[[dK halves], [dV halves]] -> one (2, B, H, T/cp, D) array, the message to the next rank."""
-    xp = backend_of(dkv[0][0]).xp
-    return xp.stack([xp.concatenate(dkv[0], axis=-2), xp.concatenate(dkv[1], axis=-2)])
-
-
-@jax_engine.pure
-def _unpack_grads(got, half):
-    return [list(_halves(got[a], half)) for a in range(2)]
-
-
-def visible(q_pos, k_pos, causal) -> bool:
-    """Does any query of this pair see any key? (Fully hidden pairs are skipped, not computed.)"""
-    return (not causal) or int(k_pos.min()) <= int(q_pos.max())
+def _unstack(kv):
+    return kv[0], kv[1]
 
 
 @dataclass
@@ -225,98 +231,156 @@ def _in_flight(tracer, t0, what):
         tracer.add(what, "send", t0, tracer.now())
 
 
+def _ring_forward(q, kv, comm, chunks, causal, stats):
+    """The forward ring: this rank's queries q (B, H, T/cp, D) over every rank's K/V block, its own
+    ``kv`` (2, B, H, T/cp, D) first; each block is sent on while this rank computes on it.
+    Returns (out, lse)."""
+    ring, r, p = comm.twin("ring_attention"), comm.rank, comm.size
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    pair_flops = 4 * math.prod(q.shape[:2]) * (q.shape[-2] // 2) ** 2 * q.shape[-1]  # QKᵀ and PV
+    state, tracer = None, _tracer()
+    for s in range(p):
+        src = (r - s) % p
+        if s < p - 1:  # start moving the next block before computing on this one
+            t0 = tracer.now() if tracer is not None else 0.0
+            recv = ring.irecv((r - 1) % p, tag=0)
+            send = ring.isend(kv, (r + 1) % p, tag=0)
+        with _step(tracer, "F", src):
+            pairs = chunk_pairs(chunks(r), chunks(src), causal)
+            if pairs:  # (s = 0, the rank's own block, always has its diagonal pairs)
+                state = _attend_step(q, kv, state, pairs, scale)
+            if stats is not None:
+                stats.pairs += len(pairs)
+                stats.forward_flops += len(pairs) * pair_flops
+        if s < p - 1:
+            send.wait()
+            kv = recv.wait()
+            _in_flight(tracer, t0, "K/V")
+    return state
+
+
+def _ring_backward(q, kv, g, o, lse, comm, chunks, causal, stats):
+    """The backward ring: K/V travel round again, and with each block the dK, dV this rank adds
+    for it; after cp hops every block's dK, dV is back at its owner. Returns (dQ, dKV)."""
+    ring, r, p = comm.twin("ring_attention"), comm.rank, comm.size
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    pair_flops = 8 * math.prod(q.shape[:2]) * (q.shape[-2] // 2) ** 2 * q.shape[-1]  # twice forward's
+    grads, tracer = None, _tracer()  # grads = (dQ, dK/dV of the block in hand, delta)
+    for s in range(p):
+        src = (r - s) % p
+        if s < p - 1:
+            t0 = tracer.now() if tracer is not None else 0.0
+            recv = ring.irecv((r - 1) % p, tag=1)
+            send = ring.isend(kv, (r + 1) % p, tag=1)
+        with _step(tracer, "B", src):
+            pairs = chunk_pairs(chunks(r), chunks(src), causal)
+            if pairs or grads is None:
+                grads = _grads_step(q, kv, g, o, lse, grads, pairs, scale)
+            if stats is not None:
+                stats.backward_flops += len(pairs) * pair_flops
+        if s < p - 1:
+            send.wait()
+            kv = recv.wait()
+            _in_flight(tracer, t0, "K/V")
+        if p > 1:  # dK, dV of block src go on with it (to its owner, after the last hop)
+            t1 = tracer.now() if tracer is not None else 0.0
+            got = ring.sendrecv(grads[1], (r + 1) % p, (r - 1) % p, sendtag=2, recvtag=2)
+            grads = grads[0], got, grads[2]
+            _in_flight(tracer, t1, "dK/dV")
+    return grads[0], grads[1]
+
+
 class RingAttention(Function):
     """Attention of this rank's queries over every rank's keys, K/V passed round the ring ``comm``.
 
-    q, k, v: (B, H, T/cp, D) of the tokens at ``positions(rank)`` (global positions, two chunks).
+    q, k, v: (B, H, T/cp, D) of the two chunks ``chunks(rank)`` (chunk ids of the 2·cp; chunk c holds
+    positions c·T/2cp .. (c+1)·T/2cp - 1).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, positions, causal=True, stats=None):
-        ring, r, p = comm.twin("ring_attention"), comm.rank, comm.size
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        half = q.shape[-2] // 2
-        qs, out, lse = _start_forward(q, half)
-        q_pos = positions(r)
-        qp = [q_pos[:half], q_pos[half:]]
-        kv = _stack(k, v)
-        tracer = _tracer()
-        for s in range(p):
-            src = (r - s) % p
-            if s < p - 1:  # start moving the next block before computing on this one
-                t0 = tracer.now() if tracer is not None else 0.0
-                recv = ring.irecv((r - 1) % p, tag=0)
-                send = ring.isend(kv, (r + 1) % p, tag=0)
-            with _step(tracer, "F", src):
-                k_pos = positions(src)
-                for i in range(2):
-                    for j in range(2):
-                        kp = k_pos[j * half:(j + 1) * half]
-                        if not visible(qp[i], kp, causal):
-                            continue
-                        out[i], lse[i] = _attend_block(qs[i], kv, j, half, qp[i], kp, scale, causal,
-                                                       out[i], lse[i])
-                        if stats is not None:
-                            stats.pairs += 1
-                            stats.forward_flops += 4 * math.prod(q.shape[:2]) * half * half * q.shape[-1]
-            if s < p - 1:
-                send.wait()
-                kv = recv.wait()
-                _in_flight(tracer, t0, "K/V")
-        o = _join(*out, axis=-2)
-        ctx.save(q, k, v, o, _join(*lse, axis=-1))
-        ctx.comm, ctx.positions, ctx.causal, ctx.stats, ctx.scale = comm, positions, causal, stats, scale
+    def forward(ctx, q, k, v, comm, chunks, causal=True, stats=None):
+        o, lse = _ring_forward(q, _stack(k, v), comm, chunks, causal, stats)
+        ctx.save(q, k, v, o, lse)
+        ctx.comm, ctx.chunks, ctx.causal, ctx.stats = comm, chunks, causal, stats
         return o
 
     @staticmethod
     def backward(ctx, g):
         q, k, v, o, lse = ctx.saved
-        ring, r, p = ctx.comm.twin("ring_attention"), ctx.comm.rank, ctx.comm.size
-        half, scale, causal = q.shape[-2] // 2, ctx.scale, ctx.causal
-        q_pos = ctx.positions(r)
-        delta, zeros = _start_backward(g, o, q, half)  # delta = rowsum(dO ∘ O)
-        # accumulated per chunk half, never in place (JAX arrays are immutable): dq[i], and the dK, dV
-        # of the block in hand, dkv[0][j] and dkv[1][j]
-        dq, dkv = [zeros, zeros], [[zeros, zeros], [zeros, zeros]]
-        kv = _stack(k, v)
-        tracer = _tracer()
-        for s in range(p):
-            src = (r - s) % p
-            if s < p - 1:
-                t0 = tracer.now() if tracer is not None else 0.0
-                recv = ring.irecv((r - 1) % p, tag=1)
-                send = ring.isend(kv, (r + 1) % p, tag=1)
-            with _step(tracer, "B", src):
-                k_pos = ctx.positions(src)
-                for i in range(2):
-                    qi = slice(i * half, (i + 1) * half)
-                    for j in range(2):
-                        kj = slice(j * half, (j + 1) * half)
-                        if not visible(q_pos[qi], k_pos[kj], causal):
-                            continue
-                        dq[i], dkv[0][j], dkv[1][j] = _block_grads(
-                            q, kv, g, lse, delta, i, j, half, q_pos[qi], k_pos[kj], scale, causal,
-                            dq[i], dkv[0][j], dkv[1][j])
-                        if ctx.stats is not None:
-                            ctx.stats.backward_flops += 8 * math.prod(q.shape[:2]) * half * half * q.shape[-1]
-            if s < p - 1:
-                send.wait()
-                kv = recv.wait()
-                _in_flight(tracer, t0, "K/V")
-            if p > 1:  # dK, dV of block src go on with it (to its owner, after the last hop)
-                t1 = tracer.now() if tracer is not None else 0.0
-                got = ring.sendrecv(_pack_grads(dkv), (r + 1) % p, (r - 1) % p, sendtag=2, recvtag=2)
-                dkv = _unpack_grads(got, half)
-                _in_flight(tracer, t1, "dK/dV")
-        return _join(*dq, axis=-2), _join(*dkv[0], axis=-2), _join(*dkv[1], axis=-2)
+        dq, dkv = _ring_backward(q, _stack(k, v), g, o, lse, ctx.comm, ctx.chunks, ctx.causal, ctx.stats)
+        return (dq, *_unstack(dkv))
+
+
+# The packed form, as the serial layer's ``ops.packed_attention``: the fused projections qkv
+# (B, T/cp, 3·H·D) in, (B, T/cp, H·D) out, the heads split and merged inside -- one op where a
+# split into q, k, v would be five (reshape, transpose, three indexings) and their five backwards,
+# qkv's gradient three zero-filled arrays added up.
+
+@jax_engine.pure
+def _split_qkv(qkv, heads):
+    """(B, T, 3·H·D) -> q (B, H, T, D) and kv (2, B, H, T, D): views on NumPy, no copy."""
+    b, t, c = qkv.shape
+    x = qkv.reshape(b, t, 3, heads, c // (3 * heads)).transpose(2, 0, 3, 1, 4)
+    return x[0], x[1:]
+
+
+@jax_engine.pure
+def _split_grad(g, heads):
+    """The output's gradient (B, T, H·D) -> (B, H, T, D), the heads' layout."""
+    b, t, c = g.shape
+    return g.reshape(b, t, heads, c // heads).transpose(0, 2, 1, 3)
+
+
+@jax_engine.pure
+def _merge_heads(o):
+    """(B, H, T, D) -> (B, T, H·D)."""
+    return merge_heads(o)
+
+
+@jax_engine.pure
+def _pack_grads(dq, dkv):
+    """dQ (B, H, T, D) and dKV (2, B, H, T, D) -> qkv's gradient (B, T, 3·H·D)."""
+    xp = backend_of(dq).xp
+    b, h, t, d = dq.shape
+    return xp.stack([dq, dkv[0], dkv[1]]).transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * d)
+
+
+class PackedRingAttention(Function):
+    """Ring attention of the fused projections ``qkv`` (B, T/cp, 3·H·D) over ``heads`` heads:
+    (B, T/cp, H·D). The same rings as ``RingAttention``."""
+
+    @staticmethod
+    def forward(ctx, qkv, comm, heads, chunks, causal=True, stats=None):
+        q, kv = _split_qkv(qkv, heads)
+        o, lse = _ring_forward(q, kv, comm, chunks, causal, stats)
+        ctx.save(q, kv, o, lse)
+        ctx.comm, ctx.heads, ctx.chunks, ctx.causal, ctx.stats = comm, heads, chunks, causal, stats
+        return _merge_heads(o)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, kv, o, lse = ctx.saved
+        dq, dkv = _ring_backward(q, kv, _split_grad(g, ctx.heads), o, lse, ctx.comm, ctx.chunks,
+                                 ctx.causal, ctx.stats)
+        return _pack_grads(dq, dkv)
+
+
+def _chunk_table(t_local, comm, layout):
+    """rank -> its two chunk ids, after checking the sequence splits into 2·cp chunks."""
+    check_sequence(t_local * comm.size, comm.size, comm.rank)
+    return {r: chunk_ids(r, comm.size, layout) for r in range(comm.size)}.__getitem__
 
 
 def ring_attention(q, k, v, comm, layout: str = "zigzag", causal: bool = True, stats=None):
     """Differentiable ring attention of Tensors q, k, v (B, H, T/cp, D) over the cp group ``comm``."""
-    t_total = q.shape[-2] * comm.size
-    check_sequence(t_total, comm.size, comm.rank)
-    table = {r: chunk_positions(t_total, comm.size, r, layout) for r in range(comm.size)}
-    return RingAttention.apply(q, k, v, comm=comm, positions=table.__getitem__, causal=causal, stats=stats)
+    chunks = _chunk_table(q.shape[-2], comm, layout)
+    return RingAttention.apply(q, k, v, comm=comm, chunks=chunks, causal=causal, stats=stats)
+
+
+def packed_ring_attention(qkv, heads: int, comm, layout: str = "zigzag", causal: bool = True, stats=None):
+    """Ring attention of the fused projections (a Tensor (B, T/cp, 3·H·D)): (B, T/cp, H·D)."""
+    chunks = _chunk_table(qkv.shape[1], comm, layout)
+    return PackedRingAttention.apply(qkv, comm=comm, heads=heads, chunks=chunks, causal=causal, stats=stats)
 
 
 def ring_bytes(n_elements: int, itemsize: int, cp: int) -> dict:
@@ -341,9 +405,8 @@ class ContextParallelAttention(Module):
     def forward(self, x, cache=None):
         if cache is not None:
             raise ValueError(f"rank {self.cp.rank}: context parallelism is for training; decode without it")
-        q, k, v = split_heads(self.qkv(x), self.heads)
-        y = ring_attention(q, k, v, self.cp, self.layout, stats=self.stats)
-        return self.drop(self.proj(merge_heads(y)))
+        y = packed_ring_attention(self.qkv(x), self.heads, self.cp, self.layout, stats=self.stats)
+        return self.drop(self.proj(y))
 
 
 class ContextParallelEmbed(Module):
