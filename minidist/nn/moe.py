@@ -157,8 +157,7 @@ class MoE(Module):
         e = self.n_experts
         routed = np.bincount(experts.ravel(), minlength=e)
         kept = np.bincount(experts[slots >= 0], minlength=e)
-        fraction = routed_fraction(experts, e).astype(probs.data.dtype)  # host; a device copy: no program
-        f = backend_of(probs.data).from_host(fraction)                        # a count: no gradient
+        f = routed_fraction(experts, e).astype(probs.data.dtype)  # a count on the host: no gradient
         aux, z = LoadBalancingLoss.apply(probs, f, e), RouterZLoss.apply(logits)
         return MoEStats(routed, kept, float(1 - kept.sum() / experts.size), cap, aux, z)
 

@@ -172,12 +172,14 @@ class ExpertMLPs(Function):
 
 class LoadBalancingLoss(Function):
     """The Switch load-balancing loss E · Σ_e f_e · P_e, P_e = mean_n probs[n, e]; ``f`` (E,) is a
-    count, without gradient."""
+    count, without gradient, from the host (on JAX an argument of the compiled op, as an index is:
+    no separate device copy)."""
 
     compilable = True
 
     @staticmethod
     def forward(ctx, probs, f, n_experts):
+        f = backend_of(probs).xp.asarray(f)  # CuPy: onto the device (it will not mix NumPy in)
         ctx.save(f)
         ctx.e, ctx.shape = n_experts, probs.shape
         return (probs.mean(axis=(0,)) * f).sum(axis=(0,)) * n_experts
