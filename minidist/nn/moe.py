@@ -14,6 +14,9 @@ For N tokens x (N, d) and E experts:
 4. **experts** -- expert e runs on its C rows (``run_experts``: the one step EP replaces).
 5. **combine** -- each kept assignment's output row, times its gate, is added to its token.
 
+Steps 3-5 and the losses below are ops of their own (``minidist.nn.moe_steps``: ``Dispatch``,
+``ExpertMLPs``, ``Combine``), each one op forward and one backward -- the block is 7 ops, not ~55.
+
 On JAX, where every new shape is a new compiled program, the kept assignments (a different number
 every step) are padded to all N·k: a padded one moves token 0 to buffer row 0 times a gate of 0,
 adding exact zeros, so every step has the same shapes and compiles nothing new
