@@ -129,16 +129,20 @@ def chunk_pairs(q_chunks, k_chunks, causal: bool = True) -> tuple:
                  for j, kc in enumerate(k_chunks) if not causal or kc <= qc)
 
 
-# One ring step's array work is ONE pure function (``jax_engine.pure``): on NumPy it runs as written;
-# on JAX it is one compiled call per step -- every chunk pair of the step, its slices, attentions and
-# merges -- with the step's pairs baked in (three patterns per layout: the rank's own block, an
-# earlier rank's, a later rank's), instead of a call per pair and the slicing, stacking and joining
-# calls around them, each a program of its own per shape.
+# The ring's array work, in pure functions (``jax_engine.pure``): on NumPy they run as written; on
+# JAX each is one compiled call. A chunk pair's attention and merge (or its backward) is one call
+# whose program depends only on the chunk shape and whether the pair is diagonal -- the chunks are
+# passed in, not picked inside by index -- so a shape needs two programs each way, whichever ranks,
+# steps and chunks meet (and a program's size, not only their number, is what loading one costs).
 
 def _half(x, i, axis=-2):
     """Chunk ``i`` (0 or 1) of the two a rank holds, along ``axis`` (the token axis)."""
     n = x.shape[axis] // 2
     return x[(Ellipsis, slice(i * n, (i + 1) * n)) + (slice(None),) * (-axis - 1)]
+
+
+def _halves(x, axis=-2):
+    return [_half(x, 0, axis), _half(x, 1, axis)]
 
 
 @jax_engine.pure
@@ -147,56 +151,68 @@ def _stack(a, b):
 
 
 @jax_engine.pure
-def _attend_step(q, kv, state, pairs, scale):
-    """Queries ``q`` (B, H, T/cp, D) over the K/V block in hand, ``kv`` (2, B, H, T/cp, D): each pair
-    (i, j, diagonal) merged into the running (out, lse) ``state`` -- None on the first step: nothing
-    seen yet, out 0 and lse -inf. Returns the new (out, lse)."""
+def _split_block(kv):
+    """A K/V block, or its dK/dV, (2, B, H, T/cp, D) -> [[k0, k1], [v0, v1]], its chunks."""
+    return [_halves(kv[0]), _halves(kv[1])]
+
+
+@jax_engine.pure
+def _start_forward(q):
+    """The query chunks, and their results so far: out 0, lse -inf (no key seen yet)."""
     xp = backend_of(q).xp
-    if state is None:
-        state = xp.zeros_like(q), xp.full(q.shape[:-1], -xp.inf, dtype=q.dtype)
-    out = [_half(state[0], i) for i in range(2)]
-    lse = [_half(state[1], i, axis=-1) for i in range(2)]
-    pos = xp.arange(q.shape[-2] // 2)  # within a chunk: the diagonal's mask is key > query
-    for i, j, diagonal in pairs:
-        o, l_ = block_attention(_half(q, i), _half(kv[0], j), _half(kv[1], j), pos, pos, scale, diagonal)
-        out[i], lse[i] = merge_attention(out[i], lse[i], o, l_)
+    qs = _halves(q)
+    return qs, [xp.zeros_like(x) for x in qs], [xp.full(x.shape[:-1], -xp.inf, dtype=q.dtype) for x in qs]
+
+
+@jax_engine.pure
+def _attend_pair(q, k, v, out, lse, scale, diagonal):
+    """Query chunk ``q`` over key chunk ``k`` (``diagonal``: the same chunk, keys after a query
+    hidden), merged into that query chunk's (out, lse)."""
+    pos = backend_of(q).xp.arange(q.shape[-2])
+    o, l_ = block_attention(q, k, v, pos, pos, scale, diagonal)
+    return merge_attention(out, lse, o, l_)
+
+
+@jax_engine.pure
+def _join(out, lse):
+    """The two query chunks' results -> out (B, H, T/cp, D), lse (B, H, T/cp)."""
+    xp = backend_of(out[0]).xp
     return xp.concatenate(out, axis=-2), xp.concatenate(lse, axis=-1)
 
 
-def _pair_grads(q, k, v, g, lse, delta, diagonal, scale, dq, dk, dv):
-    """One chunk pair backward: (dq, dk, dv) plus its part. The softmax is recomputed from the saved
-    lse; ``delta`` = rowsum(dO ∘ O) corrects its backward."""
+@jax_engine.pure
+def _start_backward(q, g, o, lse):
+    """The chunks of q, dO, lse and delta = rowsum(dO ∘ O) (the softmax backward's correction), and
+    zeros for the chunks of dQ and of the dK, dV of the block in hand."""
+    xp = backend_of(q).xp
+    zero = xp.zeros_like(_half(q, 0))
+    return (_halves(q), _halves(g), _halves(lse, -1), _halves((g * o).sum(axis=-1), -1),
+            [zero, zero], [[zero, zero], [zero, zero]])
+
+
+@jax_engine.pure
+def _pair_grads(q, k, v, g, lse, delta, dq, dk, dv, scale, diagonal):
+    """Query chunk ``q`` against key chunk ``k`` backward: (dq, dk, dv) plus this pair's part. The
+    softmax is recomputed from the saved lse; ``delta`` corrects its backward."""
     xp = backend_of(q).xp
     pos = xp.arange(q.shape[-2])
-    pr = xp.exp(_scores(q, k, pos, pos, scale, diagonal) - lse[..., None])  # the final softmax, recomputed
+    pr = xp.exp(_scores(q, k, pos, pos, scale, diagonal) - lse[..., None])  # the final softmax
     dv = dv + xp.swapaxes(pr, -1, -2) @ g
     ds = pr * (g @ xp.swapaxes(v, -1, -2) - delta[..., None]) * q.dtype.type(scale)
     return dq + ds @ k, dk + xp.swapaxes(ds, -1, -2) @ q, dv
 
 
 @jax_engine.pure
-def _grads_step(q, kv, g, o, lse, grads, pairs, scale):
-    """Backward of one ring step: every pair's gradients added to ``grads`` = (dQ, dKV, delta) --
-    dQ (B, H, T/cp, D) of this rank's queries, dKV (2, B, H, T/cp, D) of the block in hand (the
-    message that travels on with it), delta = rowsum(dO ∘ O). None on the first step: zeros, and
-    delta computed from ``o``. Returns the new (dQ, dKV, delta)."""
-    xp = backend_of(q).xp
-    if grads is None:
-        grads = xp.zeros_like(q), xp.zeros_like(kv), (g * o).sum(axis=-1)
-    dq, dkv, delta = grads
-    dq = [_half(dq, i) for i in range(2)]
-    dk, dv = [_half(dkv[0], j) for j in range(2)], [_half(dkv[1], j) for j in range(2)]
-    for i, j, diagonal in pairs:
-        dq[i], dk[j], dv[j] = _pair_grads(_half(q, i), _half(kv[0], j), _half(kv[1], j), _half(g, i),
-                                          _half(lse, i, axis=-1), _half(delta, i, axis=-1), diagonal,
-                                          scale, dq[i], dk[j], dv[j])
-    dkv = xp.stack([xp.concatenate(dk, axis=-2), xp.concatenate(dv, axis=-2)])
-    return xp.concatenate(dq, axis=-2), dkv, delta
+def _pack_grads(dkv):
+    """[[dk0, dk1], [dv0, dv1]] -> one (2, B, H, T/cp, D) array, the message to the next rank."""
+    xp = backend_of(dkv[0][0]).xp
+    return xp.stack([xp.concatenate(dkv[0], axis=-2), xp.concatenate(dkv[1], axis=-2)])
 
 
 @jax_engine.pure
-def _unstack(kv):
-    return kv[0], kv[1]
+def _finish_backward(dq, dkv):
+    """dQ's chunks and the (2, B, H, T/cp, D) dK/dV home from the ring -> dQ, dK, dV."""
+    return backend_of(dkv).xp.concatenate(dq, axis=-2), dkv[0], dkv[1]
 
 
 @dataclass
@@ -238,7 +254,8 @@ def _ring_forward(q, kv, comm, chunks, causal, stats):
     ring, r, p = comm.twin("ring_attention"), comm.rank, comm.size
     scale = 1.0 / math.sqrt(q.shape[-1])
     pair_flops = 4 * math.prod(q.shape[:2]) * (q.shape[-2] // 2) ** 2 * q.shape[-1]  # QKᵀ and PV
-    state, tracer = None, _tracer()
+    qs, out, lse = _start_forward(q)
+    tracer = _tracer()
     for s in range(p):
         src = (r - s) % p
         if s < p - 1:  # start moving the next block before computing on this one
@@ -247,8 +264,10 @@ def _ring_forward(q, kv, comm, chunks, causal, stats):
             send = ring.isend(kv, (r + 1) % p, tag=0)
         with _step(tracer, "F", src):
             pairs = chunk_pairs(chunks(r), chunks(src), causal)
-            if pairs:  # (s = 0, the rank's own block, always has its diagonal pairs)
-                state = _attend_step(q, kv, state, pairs, scale)
+            if pairs:
+                ks, vs = _split_block(kv)
+            for i, j, diagonal in pairs:
+                out[i], lse[i] = _attend_pair(qs[i], ks[j], vs[j], out[i], lse[i], scale, diagonal)
             if stats is not None:
                 stats.pairs += len(pairs)
                 stats.forward_flops += len(pairs) * pair_flops
@@ -256,16 +275,17 @@ def _ring_forward(q, kv, comm, chunks, causal, stats):
             send.wait()
             kv = recv.wait()
             _in_flight(tracer, t0, "K/V")
-    return state
+    return _join(out, lse)
 
 
 def _ring_backward(q, kv, g, o, lse, comm, chunks, causal, stats):
     """The backward ring: K/V travel round again, and with each block the dK, dV this rank adds
-    for it; after cp hops every block's dK, dV is back at its owner. Returns (dQ, dKV)."""
+    for it; after cp hops every block's dK, dV is back at its owner. Returns (dQ, dK, dV)."""
     ring, r, p = comm.twin("ring_attention"), comm.rank, comm.size
     scale = 1.0 / math.sqrt(q.shape[-1])
     pair_flops = 8 * math.prod(q.shape[:2]) * (q.shape[-2] // 2) ** 2 * q.shape[-1]  # twice forward's
-    grads, tracer = None, _tracer()  # grads = (dQ, dK/dV of the block in hand, delta)
+    qs, gs, lses, deltas, dq, dkv = _start_backward(q, g, o, lse)  # dkv: of the block in hand
+    tracer = _tracer()
     for s in range(p):
         src = (r - s) % p
         if s < p - 1:
@@ -274,20 +294,25 @@ def _ring_backward(q, kv, g, o, lse, comm, chunks, causal, stats):
             send = ring.isend(kv, (r + 1) % p, tag=1)
         with _step(tracer, "B", src):
             pairs = chunk_pairs(chunks(r), chunks(src), causal)
-            if pairs or grads is None:
-                grads = _grads_step(q, kv, g, o, lse, grads, pairs, scale)
+            if pairs:
+                ks, vs = _split_block(kv)
+            for i, j, diagonal in pairs:
+                dq[i], dkv[0][j], dkv[1][j] = _pair_grads(qs[i], ks[j], vs[j], gs[i], lses[i], deltas[i],
+                                                         dq[i], dkv[0][j], dkv[1][j], scale, diagonal)
             if stats is not None:
                 stats.backward_flops += len(pairs) * pair_flops
         if s < p - 1:
             send.wait()
             kv = recv.wait()
             _in_flight(tracer, t0, "K/V")
+        got = _pack_grads(dkv)
         if p > 1:  # dK, dV of block src go on with it (to its owner, after the last hop)
             t1 = tracer.now() if tracer is not None else 0.0
-            got = ring.sendrecv(grads[1], (r + 1) % p, (r - 1) % p, sendtag=2, recvtag=2)
-            grads = grads[0], got, grads[2]
+            got = ring.sendrecv(got, (r + 1) % p, (r - 1) % p, sendtag=2, recvtag=2)
             _in_flight(tracer, t1, "dK/dV")
-    return grads[0], grads[1]
+            if s < p - 1:
+                dkv = _split_block(got)
+    return _finish_backward(dq, got)
 
 
 class RingAttention(Function):
@@ -307,8 +332,7 @@ class RingAttention(Function):
     @staticmethod
     def backward(ctx, g):
         q, k, v, o, lse = ctx.saved
-        dq, dkv = _ring_backward(q, _stack(k, v), g, o, lse, ctx.comm, ctx.chunks, ctx.causal, ctx.stats)
-        return (dq, *_unstack(dkv))
+        return _ring_backward(q, _stack(k, v), g, o, lse, ctx.comm, ctx.chunks, ctx.causal, ctx.stats)
 
 
 # The packed form, as the serial layer's ``ops.packed_attention``: the fused projections qkv
@@ -338,11 +362,11 @@ def _merge_heads(o):
 
 
 @jax_engine.pure
-def _pack_grads(dq, dkv):
-    """dQ (B, H, T, D) and dKV (2, B, H, T, D) -> qkv's gradient (B, T, 3·H·D)."""
+def _pack_qkv_grad(dq, dk, dv):
+    """dQ, dK, dV (B, H, T, D) -> qkv's gradient (B, T, 3·H·D)."""
     xp = backend_of(dq).xp
     b, h, t, d = dq.shape
-    return xp.stack([dq, dkv[0], dkv[1]]).transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * d)
+    return xp.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * d)
 
 
 class PackedRingAttention(Function):
@@ -360,9 +384,9 @@ class PackedRingAttention(Function):
     @staticmethod
     def backward(ctx, g):
         q, kv, o, lse = ctx.saved
-        dq, dkv = _ring_backward(q, kv, _split_grad(g, ctx.heads), o, lse, ctx.comm, ctx.chunks,
-                                 ctx.causal, ctx.stats)
-        return _pack_grads(dq, dkv)
+        grads = _ring_backward(q, kv, _split_grad(g, ctx.heads), o, lse, ctx.comm, ctx.chunks,
+                               ctx.causal, ctx.stats)
+        return _pack_qkv_grad(*grads)
 
 
 def _chunk_table(t_local, comm, layout):
