@@ -17,10 +17,12 @@ The sequence is split over the cp ranks (all of them here). Rank 0 prints:
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from minidist import ops, trace
-from minidist.backend import default_backend, to_host
+from minidist.backend import default_backend, set_default_backend, to_host
 from minidist.comm import measure
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint, world_size
 from minidist.memory import MemoryAccountant
@@ -37,6 +39,19 @@ from minidist.parallel.three_d import gather_full_state, max_state_diff, train_m
 from minidist.tensor import Tensor
 
 TOL = 1e-10  # float64: only the summation order differs from the serial twin
+
+
+@contextlib.contextmanager
+def on_numpy():
+    """Build and run the serial twins on NumPy, whatever the ranks' backend (section 1's reference is
+    NumPy arrays too): an independent reference, and on JAX no programs compiled or loaded for
+    shapes only a twin has, on rank 0 while the other ranks wait."""
+    saved = default_backend()
+    set_default_backend("numpy")
+    try:
+        yield
+    finally:
+        set_default_backend(saved)
 
 
 def attention_check(comm, args):
@@ -89,7 +104,8 @@ def gpt_check(comm, args, cfg):
         res = train_mesh(comm, cfg, batches, lr=0.1, **mesh)
         state = gather_full_state(comm, res)
         if comm.rank == 0:
-            want, want_losses = train_serial(cfg, batches, lr=0.1)
+            with on_numpy():
+                want, want_losses = train_serial(cfg, batches, lr=0.1)
             diff = max(max_state_diff(state, want), float(np.abs(np.subtract(res.losses, want_losses)).max()))
             rows.append((mesh, diff, res.mesh.draw()))
     return rows
@@ -179,11 +195,13 @@ def rank_main(comm, args):
     rprint(comm, f"   {'T':>5}  {'serial GPT':>11}  {'ring, per rank':>14}  {'serial / ring':>13}")
     lengths = [t for t in (2 * p * 4, 2 * p * 8, 2 * p * 16) if t <= cfg.block_size]
     ring_gpt = context_parallel(GPT(cfg), comm)  # one model per kind, every length through it
-    serial_gpt = GPT(cfg) if comm.rank == 0 else None
+    with on_numpy():
+        serial_gpt = GPT(cfg) if comm.rank == 0 else None
     for t in lengths:
         ring = comm.allgather_obj(peak_activations(ring_gpt, t, comm))
         if comm.rank == 0:
-            serial = peak_activations(serial_gpt, t)
+            with on_numpy():
+                serial = peak_activations(serial_gpt, t)
             print(f"   {t:>5}  {serial:>11}  {max(ring):>14}  {serial / max(ring):>13.1f}")
     rprint(comm, "   the serial column grows like T² (softmax kept per head), the ring column like T/cp")
 
