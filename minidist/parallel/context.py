@@ -134,6 +134,8 @@ def chunk_pairs(q_chunks, k_chunks, causal: bool = True) -> tuple:
 # whose program depends only on the chunk shape and whether the pair is diagonal -- the chunks are
 # passed in, not picked inside by index -- so a shape needs two programs each way, whichever ranks,
 # steps and chunks meet (and a program's size, not only their number, is what loading one costs).
+# The rings work on chunks; each op's start and finish (one call each) turn its layout into chunks
+# and back.
 
 def _half(x, i, axis=-2):
     """Chunk ``i`` (0 or 1) of the two a rank holds, along ``axis`` (the token axis)."""
@@ -145,9 +147,19 @@ def _halves(x, axis=-2):
     return [_half(x, 0, axis), _half(x, 1, axis)]
 
 
-@jax_engine.pure
-def _stack(a, b):
-    return backend_of(a).xp.stack([a, b])
+def _empty(qs):
+    """Each query chunk's results before any key: out 0, lse -inf."""
+    xp = backend_of(qs[0]).xp
+    return [xp.zeros_like(x) for x in qs], [xp.full(x.shape[:-1], -xp.inf, dtype=x.dtype) for x in qs]
+
+
+def _backward_chunks(q, g, o, lse):
+    """The chunks of q, dO, lse and delta = rowsum(dO ∘ O) (the softmax backward's correction), and
+    zeros for the chunks of dQ and of the dK, dV of the block in hand."""
+    xp = backend_of(q).xp
+    zero = xp.zeros_like(_half(q, 0))
+    return (_halves(q), _halves(g), _halves(lse, -1), _halves((g * o).sum(axis=-1), -1),
+            [zero, zero], [[zero, zero], [zero, zero]])
 
 
 @jax_engine.pure
@@ -157,37 +169,12 @@ def _split_block(kv):
 
 
 @jax_engine.pure
-def _start_forward(q):
-    """The query chunks, and their results so far: out 0, lse -inf (no key seen yet)."""
-    xp = backend_of(q).xp
-    qs = _halves(q)
-    return qs, [xp.zeros_like(x) for x in qs], [xp.full(x.shape[:-1], -xp.inf, dtype=q.dtype) for x in qs]
-
-
-@jax_engine.pure
 def _attend_pair(q, k, v, out, lse, scale, diagonal):
     """Query chunk ``q`` over key chunk ``k`` (``diagonal``: the same chunk, keys after a query
     hidden), merged into that query chunk's (out, lse)."""
     pos = backend_of(q).xp.arange(q.shape[-2])
     o, l_ = block_attention(q, k, v, pos, pos, scale, diagonal)
     return merge_attention(out, lse, o, l_)
-
-
-@jax_engine.pure
-def _join(out, lse):
-    """The two query chunks' results -> out (B, H, T/cp, D), lse (B, H, T/cp)."""
-    xp = backend_of(out[0]).xp
-    return xp.concatenate(out, axis=-2), xp.concatenate(lse, axis=-1)
-
-
-@jax_engine.pure
-def _start_backward(q, g, o, lse):
-    """The chunks of q, dO, lse and delta = rowsum(dO ∘ O) (the softmax backward's correction), and
-    zeros for the chunks of dQ and of the dK, dV of the block in hand."""
-    xp = backend_of(q).xp
-    zero = xp.zeros_like(_half(q, 0))
-    return (_halves(q), _halves(g), _halves(lse, -1), _halves((g * o).sum(axis=-1), -1),
-            [zero, zero], [[zero, zero], [zero, zero]])
 
 
 @jax_engine.pure
@@ -209,10 +196,8 @@ def _pack_grads(dkv):
     return xp.stack([xp.concatenate(dkv[0], axis=-2), xp.concatenate(dkv[1], axis=-2)])
 
 
-@jax_engine.pure
-def _finish_backward(dq, dkv):
-    """dQ's chunks and the (2, B, H, T/cp, D) dK/dV home from the ring -> dQ, dK, dV."""
-    return backend_of(dkv).xp.concatenate(dq, axis=-2), dkv[0], dkv[1]
+def _join(chunks, axis=-2):
+    return backend_of(chunks[0]).xp.concatenate(chunks, axis=axis)
 
 
 @dataclass
@@ -247,14 +232,18 @@ def _in_flight(tracer, t0, what):
         tracer.add(what, "send", t0, tracer.now())
 
 
-def _ring_forward(q, kv, comm, chunks, causal, stats):
-    """The forward ring: this rank's queries q (B, H, T/cp, D) over every rank's K/V block, its own
-    ``kv`` (2, B, H, T/cp, D) first; each block is sent on while this rank computes on it.
-    Returns (out, lse)."""
+def _pair_flops(qs) -> int:
+    """QKᵀ and PV of one chunk pair: 2 · 2·c·c·D per batch and head."""
+    b, h, c, d = qs[0].shape
+    return 4 * b * h * c * c * d
+
+
+def _ring_forward(qs, kv, out, lse, comm, chunks, causal, stats):
+    """The forward ring: this rank's query chunks ``qs`` (B, H, T/2cp, D) over every rank's K/V
+    block, its own ``kv`` (2, B, H, T/cp, D) first; each block is sent on while this rank computes
+    on it. ``out``, ``lse``: each query chunk's results so far. Returns them after the last block."""
     ring, r, p = comm.twin("ring_attention"), comm.rank, comm.size
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    pair_flops = 4 * math.prod(q.shape[:2]) * (q.shape[-2] // 2) ** 2 * q.shape[-1]  # QKᵀ and PV
-    qs, out, lse = _start_forward(q)
+    scale = 1.0 / math.sqrt(qs[0].shape[-1])
     tracer = _tracer()
     for s in range(p):
         src = (r - s) % p
@@ -270,21 +259,20 @@ def _ring_forward(q, kv, comm, chunks, causal, stats):
                 out[i], lse[i] = _attend_pair(qs[i], ks[j], vs[j], out[i], lse[i], scale, diagonal)
             if stats is not None:
                 stats.pairs += len(pairs)
-                stats.forward_flops += len(pairs) * pair_flops
+                stats.forward_flops += len(pairs) * _pair_flops(qs)
         if s < p - 1:
             send.wait()
             kv = recv.wait()
             _in_flight(tracer, t0, "K/V")
-    return _join(out, lse)
+    return out, lse
 
 
-def _ring_backward(q, kv, g, o, lse, comm, chunks, causal, stats):
+def _ring_backward(qs, kv, gs, lses, deltas, dq, dkv, comm, chunks, causal, stats):
     """The backward ring: K/V travel round again, and with each block the dK, dV this rank adds
-    for it; after cp hops every block's dK, dV is back at its owner. Returns (dQ, dK, dV)."""
+    for it (``dkv``: of the block in hand, by chunk); after cp hops every block's dK, dV is back at
+    its owner. Returns (dQ's chunks, the (2, B, H, T/cp, D) dK/dV of this rank's own block)."""
     ring, r, p = comm.twin("ring_attention"), comm.rank, comm.size
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    pair_flops = 8 * math.prod(q.shape[:2]) * (q.shape[-2] // 2) ** 2 * q.shape[-1]  # twice forward's
-    qs, gs, lses, deltas, dq, dkv = _start_backward(q, g, o, lse)  # dkv: of the block in hand
+    scale = 1.0 / math.sqrt(qs[0].shape[-1])
     tracer = _tracer()
     for s in range(p):
         src = (r - s) % p
@@ -300,7 +288,7 @@ def _ring_backward(q, kv, g, o, lse, comm, chunks, causal, stats):
                 dq[i], dkv[0][j], dkv[1][j] = _pair_grads(qs[i], ks[j], vs[j], gs[i], lses[i], deltas[i],
                                                          dq[i], dkv[0][j], dkv[1][j], scale, diagonal)
             if stats is not None:
-                stats.backward_flops += len(pairs) * pair_flops
+                stats.backward_flops += len(pairs) * 2 * _pair_flops(qs)
         if s < p - 1:
             send.wait()
             kv = recv.wait()
@@ -312,7 +300,30 @@ def _ring_backward(q, kv, g, o, lse, comm, chunks, causal, stats):
             _in_flight(tracer, t1, "dK/dV")
             if s < p - 1:
                 dkv = _split_block(got)
-    return _finish_backward(dq, got)
+    return dq, got
+
+
+@jax_engine.pure
+def _start_forward(q, k, v):
+    """q's chunks, the K/V block that travels (2, B, H, T/cp, D), and empty results."""
+    qs = _halves(q)
+    return (qs, backend_of(q).xp.stack([k, v]), *_empty(qs))
+
+
+@jax_engine.pure
+def _finish_forward(out, lse):
+    return _join(out), _join(lse, axis=-1)
+
+
+@jax_engine.pure
+def _start_backward(q, k, v, g, o, lse):
+    return (backend_of(q).xp.stack([k, v]), *_backward_chunks(q, g, o, lse))
+
+
+@jax_engine.pure
+def _finish_backward(dq, dkv):
+    """dQ's chunks and this rank's (2, B, H, T/cp, D) dK/dV -> dQ, dK, dV."""
+    return _join(dq), dkv[0], dkv[1]
 
 
 class RingAttention(Function):
@@ -324,7 +335,8 @@ class RingAttention(Function):
 
     @staticmethod
     def forward(ctx, q, k, v, comm, chunks, causal=True, stats=None):
-        o, lse = _ring_forward(q, _stack(k, v), comm, chunks, causal, stats)
+        qs, kv, out, lse = _start_forward(q, k, v)
+        o, lse = _finish_forward(*_ring_forward(qs, kv, out, lse, comm, chunks, causal, stats))
         ctx.save(q, k, v, o, lse)
         ctx.comm, ctx.chunks, ctx.causal, ctx.stats = comm, chunks, causal, stats
         return o
@@ -332,41 +344,45 @@ class RingAttention(Function):
     @staticmethod
     def backward(ctx, g):
         q, k, v, o, lse = ctx.saved
-        return _ring_backward(q, _stack(k, v), g, o, lse, ctx.comm, ctx.chunks, ctx.causal, ctx.stats)
+        kv, qs, gs, lses, deltas, dq, dkv = _start_backward(q, k, v, g, o, lse)
+        return _finish_backward(*_ring_backward(qs, kv, gs, lses, deltas, dq, dkv, ctx.comm, ctx.chunks,
+                                                ctx.causal, ctx.stats))
 
 
 # The packed form, as the serial layer's ``ops.packed_attention``: the fused projections qkv
 # (B, T/cp, 3·H·D) in, (B, T/cp, H·D) out, the heads split and merged inside -- one op where a
 # split into q, k, v would be five (reshape, transpose, three indexings) and their five backwards,
-# qkv's gradient three zero-filled arrays added up.
+# qkv's gradient three zero-filled arrays added up. Its start and finish do the heads too.
 
 @jax_engine.pure
-def _split_qkv(qkv, heads):
-    """(B, T, 3·H·D) -> q (B, H, T, D) and kv (2, B, H, T, D): views on NumPy, no copy."""
+def _start_packed(qkv, heads):
+    """qkv (B, T, 3·H·D) -> q (B, H, T, D) (views on NumPy, no copy), its chunks, the K/V block
+    (2, B, H, T, D), and empty results."""
     b, t, c = qkv.shape
     x = qkv.reshape(b, t, 3, heads, c // (3 * heads)).transpose(2, 0, 3, 1, 4)
-    return x[0], x[1:]
+    qs = _halves(x[0])
+    return (x[0], qs, x[1:], *_empty(qs))
 
 
 @jax_engine.pure
-def _split_grad(g, heads):
-    """The output's gradient (B, T, H·D) -> (B, H, T, D), the heads' layout."""
+def _finish_packed(out, lse):
+    """The chunks' results -> out (B, H, T, D) and lse (saved for backward), and out (B, T, H·D)."""
+    o = _join(out)
+    return o, _join(lse, axis=-1), merge_heads(o)
+
+
+@jax_engine.pure
+def _start_packed_backward(q, g, o, lse, heads):
     b, t, c = g.shape
-    return g.reshape(b, t, heads, c // heads).transpose(0, 2, 1, 3)
+    return _backward_chunks(q, g.reshape(b, t, heads, c // heads).transpose(0, 2, 1, 3), o, lse)
 
 
 @jax_engine.pure
-def _merge_heads(o):
-    """(B, H, T, D) -> (B, T, H·D)."""
-    return merge_heads(o)
-
-
-@jax_engine.pure
-def _pack_qkv_grad(dq, dk, dv):
-    """dQ, dK, dV (B, H, T, D) -> qkv's gradient (B, T, 3·H·D)."""
-    xp = backend_of(dq).xp
-    b, h, t, d = dq.shape
-    return xp.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * d)
+def _finish_packed_backward(dq, dkv):
+    """dQ's chunks and dK/dV (2, B, H, T, D) -> qkv's gradient (B, T, 3·H·D)."""
+    xp = backend_of(dkv).xp
+    _, b, h, t, d = dkv.shape
+    return xp.stack([_join(dq), dkv[0], dkv[1]]).transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * d)
 
 
 class PackedRingAttention(Function):
@@ -375,18 +391,18 @@ class PackedRingAttention(Function):
 
     @staticmethod
     def forward(ctx, qkv, comm, heads, chunks, causal=True, stats=None):
-        q, kv = _split_qkv(qkv, heads)
-        o, lse = _ring_forward(q, kv, comm, chunks, causal, stats)
+        q, qs, kv, out, lse = _start_packed(qkv, heads)
+        o, lse, y = _finish_packed(*_ring_forward(qs, kv, out, lse, comm, chunks, causal, stats))
         ctx.save(q, kv, o, lse)
         ctx.comm, ctx.heads, ctx.chunks, ctx.causal, ctx.stats = comm, heads, chunks, causal, stats
-        return _merge_heads(o)
+        return y
 
     @staticmethod
     def backward(ctx, g):
         q, kv, o, lse = ctx.saved
-        grads = _ring_backward(q, kv, _split_grad(g, ctx.heads), o, lse, ctx.comm, ctx.chunks,
-                               ctx.causal, ctx.stats)
-        return _pack_qkv_grad(*grads)
+        qs, gs, lses, deltas, dq, dkv = _start_packed_backward(q, g, o, lse, ctx.heads)
+        return _finish_packed_backward(*_ring_backward(qs, kv, gs, lses, deltas, dq, dkv, ctx.comm,
+                                                       ctx.chunks, ctx.causal, ctx.stats))
 
 
 def _chunk_table(t_local, comm, layout):
