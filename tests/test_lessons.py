@@ -159,3 +159,39 @@ def test_every_launched_lesson_names_its_transport_backend_and_each_ranks_device
     args = cli.lesson_parser("probe", ranks=2).parse_args(["--ranks", "2"])
     cli.launch(lambda comm, a: True, args)
     assert capsys.readouterr().out.splitlines()[0] == "2 ranks (threads), backend numpy on the host CPU"
+
+
+# run_lesson's end of a process, with JAX loaded (no teardown) and without: the status, the output
+# and what other threads and exit handlers still had to do all come through
+RUN_LESSON = textwrap.dedent("""
+    import atexit, sys, threading, time
+    if sys.argv[1] == "jax":
+        import jax
+    from minidist.lessons.cli import run_lesson
+
+    def main():
+        atexit.register(lambda: print("exit handler ran"))
+        def write():
+            time.sleep(0.3)
+            open(sys.argv[3], "w").write("whole")
+        threading.Thread(target=write).start()
+        sys.stdout.write("x" * 200000 + "\\nlast line\\n")  # buffered: flushed by run_lesson
+        if sys.argv[2] == "return":
+            return 3
+        if sys.argv[2] == "message":
+            sys.exit("a message")
+        raise SystemExit(0)
+
+    run_lesson(main)
+""")
+
+
+@pytest.mark.parametrize("with_jax", ["jax", "numpy"])
+@pytest.mark.parametrize("how, status", [("return", 3), ("message", 1), ("exit0", 0)])
+def test_run_lesson_ends_with_mains_status_and_loses_nothing(tmp_path, with_jax, how, status):
+    buffered = {k: v for k, v in ENV.items() if k != "PYTHONUNBUFFERED"}  # (what a flush must empty)
+    out = python("-c", RUN_LESSON, with_jax, how, str(tmp_path / "f"), env=buffered)
+    assert out.returncode == status, out.stderr[-2000:]
+    assert out.stdout.endswith("x" * 200000 + "\nlast line\nexit handler ran\n")
+    assert (tmp_path / "f").read_text() == "whole"  # a non-daemon thread finished first
+    assert ("a message" in out.stderr) == (how == "message")

@@ -16,9 +16,11 @@ did every check rank 0 printed say PASS?), and ``launch`` then exits with status
 from __future__ import annotations
 
 import argparse
+import atexit
 import math
 import os
 import sys
+import threading
 
 from minidist import trace
 from minidist.backend import BACKENDS
@@ -166,6 +168,34 @@ def finish(comm, ok: bool) -> bool:
     if not ok and comm.rank == 0:
         print("[minidist] a check printed FAIL (see above): exit status 1", file=sys.stderr, flush=True)
     return ok
+
+
+def run_lesson(main) -> None:
+    """A lesson's ``python -m`` entry: run ``main()``, then end the process with its status (an int
+    ``main`` returns, or the code of the ``SystemExit`` it raises; another exception propagates).
+
+    With JAX loaded the process ends without tearing JAX down: freeing every loaded executable and
+    the XLA client took 0.25-0.33 s here (NumPy's whole exit: 0.03 s), a fifth of a short lesson.
+    Nothing else is skipped: worker threads are joined (a checkpoint writer finishes its file), the
+    exit handlers run (MPI's finalize among them), the output is flushed."""
+    try:
+        result = main()
+        code = result if type(result) is int else 0
+    except SystemExit as e:
+        code = e.code
+    if isinstance(code, str):  # sys.exit("message"): printed, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    code = 0 if code is None else code
+    if "jax" not in sys.modules:
+        sys.exit(code)
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def rprint(comm, *a, **k) -> None:

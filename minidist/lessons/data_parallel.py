@@ -309,4 +309,6 @@ def check_args(parser, args, p: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from minidist.lessons.cli import run_lesson
+
+    run_lesson(main)

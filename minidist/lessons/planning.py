@@ -174,4 +174,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from minidist.lessons.cli import run_lesson
+
+    run_lesson(main)

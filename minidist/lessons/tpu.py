@@ -239,4 +239,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from minidist.lessons.cli import run_lesson
+
+    run_lesson(main)
