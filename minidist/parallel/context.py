@@ -238,6 +238,23 @@ def _pair_flops(qs) -> int:
     return 4 * b * h * c * c * d
 
 
+class _Hop:
+    """A K/V block's move to the next rank of the ring (its own from the previous one), started
+    before this rank computes on the block, so the transfer overlaps the compute."""
+
+    def __init__(self, ring, kv, tag: int, tracer):
+        self.tracer, self.t0 = tracer, tracer.now() if tracer is not None else 0.0
+        self.recv = ring.irecv((ring.rank - 1) % ring.size, tag=tag)
+        self.send = ring.isend(kv, (ring.rank + 1) % ring.size, tag=tag)
+
+    def arrived(self):
+        """The previous rank's block, once it is here and ours has left."""
+        self.send.wait()
+        kv = self.recv.wait()
+        _in_flight(self.tracer, self.t0, "K/V")
+        return kv
+
+
 def _ring_forward(qs, kv, out, lse, comm, chunks, causal, stats):
     """The forward ring: this rank's query chunks ``qs`` (B, H, T/2cp, D) over every rank's K/V
     block, its own ``kv`` (2, B, H, T/cp, D) first; each block is sent on while this rank computes
@@ -247,10 +264,7 @@ def _ring_forward(qs, kv, out, lse, comm, chunks, causal, stats):
     tracer = _tracer()
     for s in range(p):
         src = (r - s) % p
-        if s < p - 1:  # start moving the next block before computing on this one
-            t0 = tracer.now() if tracer is not None else 0.0
-            recv = ring.irecv((r - 1) % p, tag=0)
-            send = ring.isend(kv, (r + 1) % p, tag=0)
+        hop = _Hop(ring, kv, 0, tracer) if s < p - 1 else None  # moving on while this rank computes
         with _step(tracer, "F", src):
             pairs = chunk_pairs(chunks(r), chunks(src), causal)
             if pairs:
@@ -260,10 +274,8 @@ def _ring_forward(qs, kv, out, lse, comm, chunks, causal, stats):
             if stats is not None:
                 stats.pairs += len(pairs)
                 stats.forward_flops += len(pairs) * _pair_flops(qs)
-        if s < p - 1:
-            send.wait()
-            kv = recv.wait()
-            _in_flight(tracer, t0, "K/V")
+        if hop is not None:
+            kv = hop.arrived()
     return out, lse
 
 
@@ -276,10 +288,7 @@ def _ring_backward(qs, kv, gs, lses, deltas, dq, dkv, comm, chunks, causal, stat
     tracer = _tracer()
     for s in range(p):
         src = (r - s) % p
-        if s < p - 1:
-            t0 = tracer.now() if tracer is not None else 0.0
-            recv = ring.irecv((r - 1) % p, tag=1)
-            send = ring.isend(kv, (r + 1) % p, tag=1)
+        hop = _Hop(ring, kv, 1, tracer) if s < p - 1 else None
         with _step(tracer, "B", src):
             pairs = chunk_pairs(chunks(r), chunks(src), causal)
             if pairs:
@@ -289,10 +298,8 @@ def _ring_backward(qs, kv, gs, lses, deltas, dq, dkv, comm, chunks, causal, stat
                                                          dq[i], dkv[0][j], dkv[1][j], scale, diagonal)
             if stats is not None:
                 stats.backward_flops += len(pairs) * 2 * _pair_flops(qs)
-        if s < p - 1:
-            send.wait()
-            kv = recv.wait()
-            _in_flight(tracer, t0, "K/V")
+        if hop is not None:
+            kv = hop.arrived()
         got = _pack_grads(dkv)
         if p > 1:  # dK, dV of block src go on with it (to its owner, after the last hop)
             t1 = tracer.now() if tracer is not None else 0.0
