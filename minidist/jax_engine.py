@@ -476,7 +476,13 @@ def persistent_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     # JAX's files are capped too (its own LRU), by the same MINIDIST_JAX_CACHE_MB as minidist's exe/;
-    # its entries from before the cap have no stamp, and one of them fails every write under it
+    # its entries from before the cap have no stamp, and one of them fails every write under it.
+    # A capped cache locks its folder with filelock (the jax extra installs it); without it JAX
+    # refused every read and write of the cache, so it stays uncapped then.
+    try:
+        import filelock  # noqa: F401
+    except ImportError:
+        return
     jax_cache.drop_unstamped(path)
     jax.config.update("jax_compilation_cache_max_size", int(jax_cache.limit_bytes()))
 

@@ -409,6 +409,23 @@ def test_drop_unstamped_removes_jax_entries_without_a_stamp_once(tmp_path, monke
     assert jax_cache.drop_unstamped(str(tmp_path)) == 0
 
 
+def test_without_filelock_jax_keeps_an_uncapped_cache_that_works(tmp_path):
+    """JAX locks a size-capped cache with filelock; without it, capping made every read and write of
+    JAX's cache fail ("Please install the `filelock` package"), printed into the lesson. A fresh
+    process that cannot import filelock keeps the cache uncapped, and it works."""
+    code = ("import sys\nsys.modules['filelock'] = None\nimport jax, jax.numpy as jnp\n"
+            "from minidist.backend import get_backend\nget_backend('jax')\n"
+            "print(float((jnp.arange(5.0) * 3.0 + 1.0).sum()), jax.config.jax_compilation_cache_max_size)\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(MINIDIST_JAX_CACHE=str(tmp_path), PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["35.0", "-1"]  # the sum, and JAX's "no cap"
+    assert "filelock" not in out.stderr and "Error" not in out.stderr, out.stderr
+    assert any(n.endswith("-cache") for n in _files(tmp_path))  # it wrote its programs
+
+
 def test_a_cache_from_before_the_cap_does_not_break_jax_writes(tmp_path):
     """A fresh process whose cache folder holds a JAX entry written before the size cap (no stamp):
     JAX writes its new entries without a warning. Before the fix every write failed with
