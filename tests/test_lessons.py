@@ -161,20 +161,29 @@ def test_every_launched_lesson_names_its_transport_backend_and_each_ranks_device
     assert capsys.readouterr().out.splitlines()[0] == "2 ranks (threads), backend numpy on the host CPU"
 
 
-# run_lesson's end of a process, with JAX loaded (no teardown) and without: the status, the output
-# and what other threads and exit handlers still had to do all come through
+# run_lesson's end of a process, with JAX loaded (no teardown: os._exit, which says "fast") and
+# without: the status, the output and what other threads and exit handlers still had to do all
+# come through; a thread pool left running does not hang the exit
 RUN_LESSON = textwrap.dedent("""
-    import atexit, sys, threading, time
+    import atexit, os, sys, threading, time
     if sys.argv[1] == "jax":
         import jax
     from minidist.lessons.cli import run_lesson
+    real_exit = os._exit
+    os._exit = lambda code: (sys.stderr.write("fast\\n"), sys.stderr.flush(), real_exit(code))
 
     def main():
         atexit.register(lambda: print("exit handler ran"))
-        def write():
-            time.sleep(0.3)
-            open(sys.argv[3], "w").write("whole")
-        threading.Thread(target=write).start()
+        if sys.argv[4] == "thread":
+            def write():
+                time.sleep(0.3)
+                open(sys.argv[3], "w").write("whole")
+            threading.Thread(target=write).start()
+        if sys.argv[4] == "pool":
+            from concurrent.futures import ThreadPoolExecutor
+            global POOL  # kept, never shut down: its idle worker waits for the interpreter's word
+            POOL = ThreadPoolExecutor(1)
+            POOL.submit(lambda: open(sys.argv[3], "w").write("whole")).result()
         sys.stdout.write("x" * 200000 + "\\nlast line\\n")  # buffered: flushed by run_lesson
         if sys.argv[2] == "return":
             return 3
@@ -188,10 +197,40 @@ RUN_LESSON = textwrap.dedent("""
 
 @pytest.mark.parametrize("with_jax", ["jax", "numpy"])
 @pytest.mark.parametrize("how, status", [("return", 3), ("message", 1), ("exit0", 0)])
-def test_run_lesson_ends_with_mains_status_and_loses_nothing(tmp_path, with_jax, how, status):
+@pytest.mark.parametrize("threads", ["none", "thread", "pool"])
+def test_run_lesson_ends_with_mains_status_and_loses_nothing(tmp_path, with_jax, how, status, threads):
     buffered = {k: v for k, v in ENV.items() if k != "PYTHONUNBUFFERED"}  # (what a flush must empty)
-    out = python("-c", RUN_LESSON, with_jax, how, str(tmp_path / "f"), env=buffered)
+    out = python("-c", RUN_LESSON, with_jax, how, str(tmp_path / "f"), threads, env=buffered, timeout=60)
     assert out.returncode == status, out.stderr[-2000:]
     assert out.stdout.endswith("x" * 200000 + "\nlast line\nexit handler ran\n")
-    assert (tmp_path / "f").read_text() == "whole"  # a non-daemon thread finished first
     assert ("a message" in out.stderr) == (how == "message")
+    if threads != "none":
+        assert (tmp_path / "f").read_text() == "whole"  # the other thread finished first
+    # the fast exit only with JAX loaded and no other thread left to wait for
+    assert ("fast" in out.stderr.split()) == (with_jax == "jax" and threads == "none")
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
+def test_run_lesson_under_mpirun_with_jax_keeps_a_failing_ranks_status():
+    """Rank 1 fails after rank 0 has finished: the job's status is 1. With JAX's fast exit under MPI
+    (os._exit skips mpi4py's finalize) rank 0 left first and the job ended 0, rank 1's FAIL lost."""
+    code = textwrap.dedent("""
+        import sys, time
+        import jax
+        from mpi4py import MPI
+        from minidist.lessons.cli import run_lesson
+
+        def main():
+            MPI.COMM_WORLD.Barrier()
+            if MPI.COMM_WORLD.Get_rank() == 1:
+                time.sleep(1.0)
+                print("rank 1: FAIL", flush=True)
+                return 1
+            return 0
+
+        run_lesson(main)
+    """)
+    out = python("-c", code, launcher=("mpirun", "-n", "2"), timeout=120)
+    assert "rank 1: FAIL" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert out.returncode == 1, out.stderr[-2000:]
