@@ -592,31 +592,33 @@ def evict(limit_mb: float | None = None) -> int:
     return removed
 
 
-def drop_unstamped(root: str) -> int:
-    """Remove JAX's own cache entries in ``root`` that have no access-time stamp; returns how many.
+def stamp_unstamped(root: str) -> int:
+    """Give JAX's own cache entries in ``root`` that have no access-time stamp one (the time the
+    entry was written); returns how many.
 
     JAX's persistent cache writes ``<key>-cache`` and, only when its size is capped, a
-    ``<key>-atime`` stamp. Once capped (``persistent_cache`` caps it), every write first looks
-    for the least recently used entry and reads each stamp. One entry written before the cap,
-    with no stamp, made every write fail ("Error writing persistent compilation cache entry ...
-    -atime", a warning in the lesson's output), so nothing new was kept and nothing was evicted.
-    A marker file records that ``root`` was cleaned, so later runs skip the listing."""
-    marker = os.path.join(root, ".stamped")
-    if not os.path.isdir(root) or os.path.exists(marker):
+    ``<key>-atime`` stamp (8 bytes, little-endian nanoseconds). Once capped (``persistent_cache``
+    caps it), every write first looks for the least recently used entry and reads each stamp. One
+    entry with no stamp -- written before the cap, or by a process killed between its two files --
+    made every write fail ("Error writing persistent compilation cache entry ... -atime", a warning
+    in the lesson's output), so nothing new was kept and nothing was evicted. Stamping, not
+    deleting: the entries stay usable, whoever wrote them. A folder it cannot write is left as is."""
+    try:
+        names = set(os.listdir(root))
+    except OSError:
         return 0
-    names = set(os.listdir(root))
-    removed = 0
+    stamped = 0
     for name in names:
         if name.endswith("-cache") and name[:-len("-cache")] + "-atime" not in names:
             try:
-                os.unlink(os.path.join(root, name))
-                removed += 1
-            except OSError:  # removed by another process meanwhile
+                written = os.stat(os.path.join(root, name)).st_mtime_ns
+                with open(os.path.join(root, name[:-len("-cache")] + "-atime"), "wb") as fh:
+                    fh.write(written.to_bytes(8, "little"))
+                stamped += 1
+            except OSError:  # removed meanwhile, or a read-only folder
                 pass
-    with open(marker, "w"):
-        pass
-    return removed
+    return stamped
 
 
-__all__ = ["PLAIN", "Program", "STATS", "Untraceable", "cache_dir", "cache_root", "drop_unstamped", "evict",
+__all__ = ["PLAIN", "Program", "STATS", "Untraceable", "cache_dir", "cache_root", "stamp_unstamped", "evict",
            "identity", "source_digest", "value_id"]

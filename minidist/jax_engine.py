@@ -348,7 +348,7 @@ def _backward(cls, ctx, grad):
 def kernel(cls):
     """The compiled twin of op ``cls`` (a ``minidist.tensor.Function`` subclass). Only the pure
     array ops of ``minidist.ops`` are compiled, and Functions elsewhere that say they are pure with
-    ``compilable = True`` (MoE's row scatter): a Function elsewhere may communicate (the tensor-
+    ``compilable = True`` (MoE's fused steps): a Function elsewhere may communicate (the tensor-
     parallel f and g of ``minidist.parallel.tp_comm``) and must run eagerly, message by message."""
     if cls.__module__ != "minidist.ops" and not getattr(cls, "compilable", False):
         return cls
@@ -460,8 +460,8 @@ def zeros_like(a):
 
 
 def persistent_cache() -> None:
-    """Keep the eager programs outside minidist's units (a lesson's own ``a + b`` on JAX arrays, the
-    ring attention's backward loop) in JAX's persistent compilation cache (``MINIDIST_JAX_CACHE``,
+    """Keep the eager programs outside minidist's units (a lesson's own ``a + b`` on JAX arrays, an
+    op that communicates and so runs eagerly) in JAX's persistent compilation cache (``MINIDIST_JAX_CACHE``,
     default ~/.cache/minidist/jax; ``0`` turns it off; a ``JAX_COMPILATION_CACHE_DIR`` of your own
     wins). The units themselves load from ``jax_cache`` (its ``exe`` folder), which skips the trace
     and lowering JAX's cache pays on every hit. Measured on the long-context lesson, warm, 2 cores
@@ -476,14 +476,14 @@ def persistent_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     # JAX's files are capped too (its own LRU), by the same MINIDIST_JAX_CACHE_MB as minidist's exe/;
-    # its entries from before the cap have no stamp, and one of them fails every write under it.
+    # an entry of its with no stamp (from before the cap) fails every write under it: stamped here.
     # A capped cache locks its folder with filelock (the jax extra installs it); without it JAX
     # refused every read and write of the cache, so it stays uncapped then.
     try:
         import filelock  # noqa: F401
     except ImportError:
         return
-    jax_cache.drop_unstamped(path)
+    jax_cache.stamp_unstamped(path)
     jax.config.update("jax_compilation_cache_max_size", int(jax_cache.limit_bytes()))
 
 

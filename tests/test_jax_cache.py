@@ -396,17 +396,21 @@ def test_cache_off_writes_nothing(tmp_path):
     assert list(home.rglob("*")) == []
 
 
-def test_drop_unstamped_removes_jax_entries_without_a_stamp_once(tmp_path, monkeypatch):
-    """JAX's ``<key>-cache`` files with no ``<key>-atime`` stamp go; stamped ones, minidist's ``exe``
-    folder and other files stay; a marker makes the next call skip the folder."""
-    for name in ("old-cache", "new-cache", "new-atime", "notes.txt"):
+def test_stamp_unstamped_stamps_jax_entries_without_a_stamp_with_their_write_time(tmp_path):
+    """JAX's ``<key>-cache`` files with no ``<key>-atime`` stamp get one: 8 bytes, little-endian
+    nanoseconds, the entry's modification time. Stamped entries keep theirs; nothing is deleted;
+    minidist's ``exe`` folder and other files are left alone; a read-only folder is no error."""
+    for name in ("old-cache", "new-cache", "notes.txt"):
         (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "new-atime").write_bytes((12345).to_bytes(8, "little"))
     (tmp_path / "exe").mkdir()
-    assert jax_cache.drop_unstamped(str(tmp_path)) == 1
-    assert _files(tmp_path) == [".stamped", "exe", "new-atime", "new-cache", "notes.txt"]
-    (tmp_path / "later-cache").write_bytes(b"x")
-    monkeypatch.setattr(os, "listdir", lambda *_: pytest.fail("listed the folder again"))
-    assert jax_cache.drop_unstamped(str(tmp_path)) == 0
+    os.utime(tmp_path / "old-cache", ns=(5 * 10**18, 4 * 10**18))
+    assert jax_cache.stamp_unstamped(str(tmp_path)) == 1
+    assert _files(tmp_path) == ["exe", "new-atime", "new-cache", "notes.txt", "old-atime", "old-cache"]
+    assert int.from_bytes((tmp_path / "old-atime").read_bytes(), "little") == 4 * 10**18
+    assert int.from_bytes((tmp_path / "new-atime").read_bytes(), "little") == 12345
+    assert jax_cache.stamp_unstamped(str(tmp_path)) == 0
+    assert jax_cache.stamp_unstamped(str(tmp_path / "missing")) == 0
 
 
 def test_without_filelock_jax_keeps_an_uncapped_cache_that_works(tmp_path):
@@ -441,9 +445,9 @@ def test_a_cache_from_before_the_cap_does_not_break_jax_writes(tmp_path):
     assert out.stdout.strip() == "35.0"
     assert "Error writing" not in out.stderr, out.stderr
     names = _files(tmp_path)
-    assert "jit_old-0123-cache" not in names
     written = [n for n in names if n.endswith("-cache")]
-    assert written and all(n[:-len("-cache")] + "-atime" in names for n in written)
+    assert "jit_old-0123-cache" in written and len(written) > 1  # kept, and new entries beside it
+    assert all(n[:-len("-cache")] + "-atime" in names for n in written)
 
 
 def test_a_jax_without_the_private_settings_compiles_stores_nothing_and_says_so(cache, monkeypatch):
