@@ -843,13 +843,19 @@ def matmul(a, b):
     return Matmul.apply(a, b)
 
 
+def low_precision(dtype) -> bool:
+    """A 2-byte float (bf16, fp16): what ``linear`` multiplies in fp32. (Not ``kind == "f"``:
+    ml_dtypes' bfloat16 is kind "V".)"""
+    dtype = np.dtype(dtype)
+    return dtype.itemsize == 2 and dtype.kind not in "iub"
+
+
 def linear(x, w, b=None):
     """``x @ w + b``. With 2-byte float weights (bf16, fp16: mixed precision) the product runs as a
     tensor core does it: inputs cast up, accumulated in fp32, the output rounded once to ``w``'s
     dtype (gradients likewise), so every layer that multiplies -- serial or tensor-parallel -- gets
     the same low-precision arithmetic without being patched."""
-    low = w.dtype
-    if low.itemsize == 2 and low.kind not in "iu":  # (one op: the casts happen inside it)
+    if low_precision(w.dtype):  # (one op: the casts happen inside it)
         return Linear.apply(x, w, b, compute=np.dtype(np.float32)) if b is not None else \
             Linear.apply(x, w, compute=np.dtype(np.float32))
     return Linear.apply(x, w, b) if b is not None else Linear.apply(x, w)

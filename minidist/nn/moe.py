@@ -38,9 +38,17 @@ import numpy as np
 
 from minidist import ops
 from minidist.backend import backend_of, compiles_per_shape
-from minidist.nn.layers import MLP, Linear
+from minidist.nn.layers import MLP, Dropout, Linear
 from minidist.nn.module import Module, ModuleList
-from minidist.nn.moe_steps import Combine, Dispatch, ExpertMLPs, LoadBalancingLoss, RouterZLoss
+from minidist.nn.moe_steps import (
+    Combine,
+    Dispatch,
+    ExpertMLPs,
+    LoadBalancingLoss,
+    RouterZLoss,
+    expert_rows,
+    join_rows,
+)
 from minidist.tensor import Tensor
 
 # -- routing decisions (arrays: no gradient flows through a choice) -------------------------------
@@ -170,11 +178,13 @@ def _batchable(experts) -> bool:
     wrapper on any of their modules (a technique acting around an expert must see it called), and
     no 2-byte float weights (``ops.linear`` computes those in float32: the module path does)."""
     for ex in experts:
-        if type(ex) is not MLP or ex.fc.bias is None or ex.proj.bias is None:
+        if type(ex) is not MLP or not (type(ex.fc) is type(ex.proj) is Linear and type(ex.drop) is Dropout):
+            return False  # (a module swapped into an MLP would be skipped, not run)
+        if ex.fc.bias is None or ex.proj.bias is None:
             return False
         if ex.drop.p and ex.drop.training or any(m.forward_wrappers() for _, m in ex.named_modules()):
             return False
-        if any(p.dtype.itemsize < 4 and p.dtype.kind == "f" for p in ex.parameters()):
+        if any(ops.low_precision(p.dtype) for p in ex.parameters()):
             return False
     return True
 
@@ -186,13 +196,6 @@ def run_local_experts(experts, x, groups: int, cap: int):
     if _batchable(experts):
         params = [t for ex in experts for t in (ex.fc.weight, ex.fc.bias, ex.proj.weight, ex.proj.bias)]
         return ExpertMLPs.apply(x, *params, groups=groups, cap=cap)
-    d, n = x.shape[-1], len(experts)
-    blocks = x.reshape(groups, n * cap, d) if groups > 1 else x
-    outs = []
-    for i, ex in enumerate(experts):
-        if groups > 1:  # every block's C rows for expert i
-            outs.append(ex(blocks[:, i * cap:(i + 1) * cap].reshape(groups * cap, d)).reshape(groups, cap, d))
-        else:
-            outs.append(ex(x[i * cap:(i + 1) * cap]))
-    out = ops.concat(outs, axis=1 if groups > 1 else 0)
-    return out.reshape(*x.shape) if groups > 1 else out
+    n = len(experts)
+    outs = [ex(expert_rows(x, groups, n, i, cap)) for i, ex in enumerate(experts)]
+    return join_rows(outs, groups, cap, x.shape, ops.concat)

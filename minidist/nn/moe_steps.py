@@ -114,16 +114,22 @@ class _Step:
         self.saved = arrays
 
 
-def _expert_rows(x, groups, n_experts, i, cap):
-    """Expert i's rows of x (groups·E·C, d): C rows from each group, (groups·C, d)."""
+def expert_rows(x, groups, n_experts, i, cap):
+    """Expert i's rows of x (groups·E·C, d): C rows from each group, (groups·C, d). An array, or a
+    Tensor (the per-module path of ``moe.run_local_experts``): the layout is written once."""
     d = x.shape[-1]
+    if groups == 1:
+        return x[i * cap:(i + 1) * cap]
     return x.reshape(groups, n_experts * cap, d)[:, i * cap:(i + 1) * cap].reshape(groups * cap, d)
 
 
-def _join_rows(outs, groups, cap, shape):
-    """The inverse of ``_expert_rows`` over every expert: (groups·C, d) each -> ``shape``."""
-    blocks = [o.reshape(groups, cap, shape[-1]) for o in outs]
-    return backend_of(outs[0]).xp.concatenate(blocks, axis=1).reshape(shape)
+def join_rows(outs, groups, cap, shape, concat=None):
+    """The inverse of ``expert_rows`` over every expert: (groups·C, d) each -> ``shape``.
+    ``concat``: ``ops.concat`` for Tensors; arrays use their backend's concatenate."""
+    concat = concat or backend_of(outs[0]).xp.concatenate
+    if groups == 1:
+        return concat(outs, axis=0)
+    return concat([o.reshape(groups, cap, shape[-1]) for o in outs], axis=1).reshape(*shape)
 
 
 class ExpertMLPs(Function):
@@ -145,12 +151,12 @@ class ExpertMLPs(Function):
             want = ng[1 + 4 * i:5 + 4 * i]
             w1, b1, w2, b2 = params[4 * i:4 * i + 4]
             fc, act, proj = _Step((ng[0], *want[:2])), _Step((True,)), _Step((True, *want[2:]))
-            h = Gelu.forward(act, Linear.forward(fc, _expert_rows(x, groups, n_experts, i, cap), w1, b1))
+            h = Gelu.forward(act, Linear.forward(fc, expert_rows(x, groups, n_experts, i, cap), w1, b1))
             outs.append(Linear.forward(proj, h, w2, b2))
             saved += [*fc.saved, *act.saved, *proj.saved]
         ctx.save(*saved)
         ctx.groups, ctx.cap, ctx.x_shape = groups, cap, x.shape
-        return _join_rows(outs, groups, cap, x.shape)
+        return join_rows(outs, groups, cap, x.shape)
 
     @staticmethod
     def backward(ctx, g):
@@ -162,11 +168,11 @@ class ExpertMLPs(Function):
             s = saved[6 * i:6 * i + 6]
             fc, act, proj = _Step((ng[0], *want[:2]), s[0:2]), _Step((True,), s[2:4]), \
                 _Step((True, *want[2:]), s[4:6])
-            gh, gw2, gb2 = Linear.backward(proj, _expert_rows(g, ctx.groups, n_experts, i, ctx.cap))
+            gh, gw2, gb2 = Linear.backward(proj, expert_rows(g, ctx.groups, n_experts, i, ctx.cap))
             gx, gw1, gb1 = Linear.backward(fc, Gelu.backward(act, gh))
             gxs.append(gx)
             grads += [gw1, gb1, gw2, gb2]
-        gx = _join_rows(gxs, ctx.groups, ctx.cap, ctx.x_shape) if ng[0] else None
+        gx = join_rows(gxs, ctx.groups, ctx.cap, ctx.x_shape) if ng[0] else None
         return (gx, *grads)
 
 

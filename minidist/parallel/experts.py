@@ -59,6 +59,9 @@ def _exchange(comm, x):
     array is copied out once, sent as host views of its blocks, and copied back once (on JAX: no
     eager slice per block and no reshape or stack programs); a NumPy array's copies are no-ops."""
     host = to_host(x)
+    if host.shape[0] % comm.size:
+        raise ValueError(f"rank {comm.rank}: the expert exchange cuts its {host.shape[0]} rows into "
+                         f"{comm.size} equal blocks, one per rank: need a multiple of {comm.size} rows")
     blocks = host.reshape(comm.size, host.shape[0] // comm.size, *host.shape[1:])
     got = np.stack(all_to_all(comm, list(blocks))).reshape(host.shape)
     return result_backend(comm, x).from_host(got)

@@ -273,3 +273,30 @@ def test_block_is_seven_ops_and_experts_behind_a_wrapper_are_called_one_by_one()
     assert calls == [1]  # the wrapped expert was called as a module
     for got, want in zip(looped, fused, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("low", ["bf16", "fp16"])
+def test_low_precision_experts_compute_like_their_modules(low):
+    """Under autocast the experts' 2-byte weights send the block down the module path (``ops.linear``
+    multiplies them in fp32, rounds once): the output and every gradient stay in the low dtype, and
+    equal the path forced by a no-op wrapper bit for bit. bf16 is kind "V", not "f": the check that
+    looked for kind "f" let bf16 experts into the fused op, whose bf16 products came out float32."""
+    from minidist.parallel.precision import autocast, low_dtype
+
+    dt = low_dtype(low)
+    rng = np.random.default_rng(0)
+    x, g = rng.standard_normal((12, 4)).astype(dt), rng.standard_normal((12, 4)).astype(dt)
+    runs = []
+    for wrapped in (False, True):
+        moe = autocast(MoE(4, 3, 2, 1.0, hidden=6, std=0.5, rng=np.random.default_rng(1)), low)
+        if wrapped:
+            for ex in moe.experts:
+                ex.register_forward_wrapper(lambda m, inner, *a: inner(*a), "trace")
+        xt = Tensor(x, requires_grad=True)
+        y = moe(xt)
+        (y * Tensor(g)).sum().backward()
+        grads = [p.grad for p in moe.experts.parameters()]
+        assert y.dtype == dt and xt.grad.dtype == dt and all(q.dtype == dt for q in grads)
+        runs.append([y.data, xt.grad, *grads])
+    for got, want in zip(*runs, strict=True):
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))

@@ -124,3 +124,22 @@ def test_exchange_transposes_rows_over_ranks_and_compiles_nothing_on_jax(backend
                          for j in range(p)])
         np.testing.assert_array_equal(y, want)
         assert on_host == (backend == "numpy") and programs == 0
+
+
+def test_exchange_moves_blocks_of_several_rows_and_refuses_uneven_blocks():
+    """Rows (p·m, d) are p blocks of m rows: block j of rank r lands as block r on rank j. Rows that
+    don't cut into p equal blocks are refused, naming the rank and the rule."""
+    from minidist.parallel.experts import _exchange
+
+    p, m, d = 3, 2, 4
+
+    def body(comm):
+        x = np.arange(p * m * d, dtype=np.float64).reshape(p * m, d) + 1000 * comm.rank
+        return _exchange(comm, x)
+
+    for r, y in enumerate(run(body, ranks=p)):
+        base = np.arange(p * m * d, dtype=np.float64).reshape(p * m, d)
+        want = np.concatenate([base[r * m:(r + 1) * m] + 1000 * j for j in range(p)])
+        np.testing.assert_array_equal(y, want)
+    with pytest.raises(ValueError, match=r"rank \d: .*7 rows into 3 equal blocks"):
+        run(lambda comm: _exchange(comm, np.zeros((7, 2))), ranks=3)
