@@ -949,9 +949,18 @@ def layer_norm(x, w, b, eps=1e-5, compute=None):
     """LayerNorm over the last axis; ``compute`` (e.g. float32 under bf16 parameters): the dtype its
     statistics run in, the output rounded to ``w``'s dtype (see ``LayerNorm``). Everything already in
     ``compute``: the plain op (the same numbers, one compiled program fewer on JAX)."""
-    if compute is None or x.dtype == w.dtype == b.dtype == np.dtype(compute):
+    if compute is None:
         return LayerNorm.apply(x, w, b, eps=eps)
-    return LayerNorm.apply(x, w, b, eps=eps, compute=np.dtype(compute))
+    try:
+        dt = np.dtype(compute)
+    except TypeError:
+        dt = np.dtype(object)  # (refused below)
+    if x.dtype == w.dtype == b.dtype == dt:
+        return LayerNorm.apply(x, w, b, eps=eps)
+    if dt.kind != "f" or any(dt.itemsize < a.dtype.itemsize for a in (x, w, b)):
+        raise ValueError(f"layer_norm: compute={compute!r} must be a float dtype at least as wide as x, w "
+                         f"and b ({x.dtype}, {w.dtype}, {b.dtype}), e.g. float32")
+    return LayerNorm.apply(x, w, b, eps=eps, compute=dt)
 
 
 def dropout(x, p, rng, training=True):

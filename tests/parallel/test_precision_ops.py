@@ -230,3 +230,13 @@ def test_a_new_loss_scale_compiles_nothing_on_jax():
     assert stepped == [True, True, False, True, True]
     assert scales == [2.0 ** 16] * 3 + [2.0 ** 15] * 2
     assert jax_engine.compilations() == before
+
+
+@pytest.mark.parametrize("compute", [np.int8, "float16", "f32x"])
+def test_layer_norm_refuses_a_compute_dtype_that_is_not_a_wide_enough_float(compute):
+    """An integer, or a float narrower than the inputs, would compute the statistics in garbage (int8
+    ran and returned wrong numbers); an unknown name raised NumPy's error naming no argument."""
+    x = Tensor(np.ones((2, 4), np.float32))
+    w, b = Tensor(np.ones(4, BF16)), Tensor(np.zeros(4, BF16))
+    with pytest.raises((ValueError, TypeError), match="compute"):
+        ops.layer_norm(x, w, b, compute=compute)
