@@ -978,10 +978,15 @@ def scaled_dot_product_attention(q, k, v, causal=True):
 
 def packed_attention(qkv, n_head, causal=True):
     """Self-attention of fused projections qkv (B, T, 3·H·D) over ``n_head`` heads: (B, T, H·D)."""
-    if len(qkv.shape) != 3 or n_head < 1 or qkv.shape[-1] % (3 * n_head):
-        raise ValueError(f"packed_attention: qkv of shape {tuple(qkv.shape)} with n_head={n_head}: need "
-                         f"(batch, time, 3·n_head·head_dim), the last axis a multiple of 3·n_head")
+    check_packed(qkv, n_head, "packed_attention")
     return PackedAttention.apply(qkv, n_head=n_head, causal=causal)
+
+
+def check_packed(qkv, n_head: int, what: str) -> None:
+    """qkv must be (batch, time, 3·n_head·head_dim): the fused projections an attention unpacks."""
+    if len(qkv.shape) != 3 or n_head < 1 or qkv.shape[-1] % (3 * n_head):
+        raise ValueError(f"{what}: qkv of shape {tuple(qkv.shape)} with n_head={n_head}: need "
+                         f"(batch, time, 3·n_head·head_dim), the last axis a multiple of 3·n_head")
 
 
 def cross_entropy(logits, targets, ignore_index=-1):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minidist import jax_engine, trace
+from minidist import jax_engine, ops, trace
 from minidist.backend import backend_of
 from minidist.nn.attention import merge_heads
 from minidist.nn.module import Module
@@ -426,6 +426,7 @@ def ring_attention(q, k, v, comm, layout: str = "zigzag", causal: bool = True, s
 
 def packed_ring_attention(qkv, heads: int, comm, layout: str = "zigzag", causal: bool = True, stats=None):
     """Ring attention of the fused projections (a Tensor (B, T/cp, 3·H·D)): (B, T/cp, H·D)."""
+    ops.check_packed(qkv, heads, f"rank {comm.rank}: packed_ring_attention")
     chunks = _chunk_table(qkv.shape[1], comm, layout)
     return PackedRingAttention.apply(qkv, comm=comm, heads=heads, chunks=chunks, causal=causal, stats=stats)
 

@@ -237,3 +237,12 @@ def test_lesson_passes_and_exits_1_when_ring_attention_is_wrong(monkeypatch, cap
         lesson.main(["--ranks", "2", "--seq", "6"])
     assert e.value.code == 2
 
+
+
+def test_packed_ring_attention_refuses_a_qkv_that_does_not_split_into_heads():
+    """qkv's last axis must be 3·heads·head_dim; NumPy's reshape error named no argument."""
+    from minidist.parallel.context import packed_ring_attention
+
+    qkv = Tensor(np.zeros((1, 4, 10)))
+    with pytest.raises(ValueError, match=r"rank 0: packed_ring_attention: qkv of shape \(1, 4, 10\)"):
+        run(lambda comm: packed_ring_attention(qkv, 2, comm), ranks=1)
