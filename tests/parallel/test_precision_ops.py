@@ -102,7 +102,12 @@ def check_layer_norm(backend, low, rows, dim, offset, seed):
         _assert_same_bits(ours, theirs)  # output and every gradient: low dtype, the same bits
     y, gx, gw, gb = _ln_reference(x, w, b, g)
     _assert_rounded_from(one[0], y, low)
-    _assert_rounded_from(one[1][0], gx, low, scale=np.abs(g.astype(F64) * w.astype(F64)).max() * dim)
+    # gx is rstd times sums of g·w, and fp32's rounding of x's mean (of size |x|) is magnified by
+    # rstd in x̂: a large offset over a small spread (bf16's coarse steps) is ill-conditioned
+    rstd = 1 / np.sqrt(x.astype(F64).var(-1) + EPS)
+    cond = 1 + np.abs(x.astype(F64)).max() * rstd.max()
+    gw_max = np.abs(g.astype(F64) * w.astype(F64)).max()
+    _assert_rounded_from(one[1][0], gx, low, scale=rstd.max() * gw_max * dim * cond)
     _assert_rounded_from(one[1][1], gw, low, scale=np.abs(g.astype(F64)).max() * 4 * rows)
     _assert_rounded_from(one[1][2], gb, low, scale=np.abs(g.astype(F64)).max() * rows)
 
