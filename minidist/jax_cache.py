@@ -602,11 +602,23 @@ def stamp_unstamped(root: str) -> int:
     entry with no stamp -- written before the cap, or by a process killed between its two files --
     made every write fail ("Error writing persistent compilation cache entry ... -atime", a warning
     in the lesson's output), so nothing new was kept and nothing was evicted. Stamping, not
-    deleting: the entries stay usable, whoever wrote them. A folder it cannot write is left as is."""
+    deleting: the entries stay usable, whoever wrote them. JAX's lock on the folder is held meanwhile
+    (a write of JAX's own is two files); a folder it cannot lock or write is left as is."""
+    import filelock  # JAX's capped cache needs it too: persistent_cache calls this only when it's there
+
     try:
         names = set(os.listdir(root))
-    except OSError:
+        lock = filelock.FileLock(os.path.join(root, ".lockfile"), timeout=10)  # JAX's own lock file
+        lock.acquire()
+    except (OSError, filelock.Timeout):
         return 0
+    try:
+        return _stamp(root, names)
+    finally:
+        lock.release()
+
+
+def _stamp(root: str, names: set) -> int:
     stamped = 0
     for name in names:
         if name.endswith("-cache") and name[:-len("-cache")] + "-atime" not in names:

@@ -957,9 +957,11 @@ def layer_norm(x, w, b, eps=1e-5, compute=None):
         dt = np.dtype(object)  # (refused below)
     if x.dtype == w.dtype == b.dtype == dt:
         return LayerNorm.apply(x, w, b, eps=eps)
-    if dt.kind != "f" or any(dt.itemsize < a.dtype.itemsize for a in (x, w, b)):
-        raise ValueError(f"layer_norm: compute={compute!r} must be a float dtype at least as wide as x, w "
-                         f"and b ({x.dtype}, {w.dtype}, {b.dtype}), e.g. float32")
+    if dt.kind != "f" or not all(np.can_cast(a.dtype, dt, "safe") for a in (x, w, b)):
+        # (safe casts only: float16 is as wide as bfloat16 in bytes, not in range -- 1e5 became inf)
+        widest = np.result_type(np.float32, x.dtype, w.dtype, b.dtype)
+        raise ValueError(f"layer_norm: compute={compute!r} must be a float dtype x, w and b ({x.dtype}, "
+                         f"{w.dtype}, {b.dtype}) cast to without loss, e.g. {widest}")
     return LayerNorm.apply(x, w, b, eps=eps, compute=dt)
 
 

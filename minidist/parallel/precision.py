@@ -75,7 +75,7 @@ def _layer_norm_wrapper(ln, inner, x):
     weight and the bias up inside and its output down (``ops.layer_norm(..., compute=float32)``;
     gradients come back in each input's dtype). It computes the layer itself (autocast is the
     innermost wrapper, so nothing inside it is skipped)."""
-    return ops.layer_norm(x, ln.weight, ln.bias, ln.eps, compute=np.float32)
+    return ops.layer_norm(x, ln.weight, ln.bias, ln.eps, compute=np.promote_types(np.float32, x.dtype))
 
 
 def _to_fp32(t):

@@ -239,9 +239,22 @@ def test_a_new_loss_scale_compiles_nothing_on_jax():
 
 @pytest.mark.parametrize("compute", [np.int8, "float16", "f32x"])
 def test_layer_norm_refuses_a_compute_dtype_that_is_not_a_wide_enough_float(compute):
-    """An integer, or a float narrower than the inputs, would compute the statistics in garbage (int8
-    ran and returned wrong numbers); an unknown name raised NumPy's error naming no argument."""
+    """An integer, or a float the inputs don't cast to without loss, would compute the statistics in
+    garbage (int8 ran and returned wrong numbers; float16 from bf16 turned 1e5 into inf and NaNs
+    out, though both are 2 bytes); an unknown name raised NumPy's error naming no argument."""
     x = Tensor(np.ones((2, 4), np.float32))
     w, b = Tensor(np.ones(4, BF16)), Tensor(np.zeros(4, BF16))
     with pytest.raises((ValueError, TypeError), match="compute"):
         ops.layer_norm(x, w, b, compute=compute)
+
+
+def test_autocast_layer_norm_of_float64_activations_computes_in_float64():
+    """Autocast asks for fp32 statistics; activations wider than that are not narrowed for it."""
+    from minidist.parallel.precision import autocast
+
+    ln = autocast(LayerNorm(4), "bf16")
+    y = ln(Tensor(np.array([[1.0, 2.0, 4.0, 8.0]])))
+    assert y.dtype == BF16
+    xc = np.array([1.0, 2.0, 4.0, 8.0]) - 3.75
+    want = xc / np.sqrt((xc * xc).mean() + 1e-5)  # weight 1, bias 0
+    np.testing.assert_array_equal(y.data, want.astype(BF16)[None])
