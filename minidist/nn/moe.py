@@ -98,7 +98,9 @@ def routed_fraction(experts: np.ndarray, n_experts: int) -> np.ndarray:
 @dataclass
 class MoEStats:
     """What one forward routed: tokens per expert (before drops), kept per expert, dropped fraction
-    of the N·k assignments, and the two auxiliary losses (Tensors: add them to the loss)."""
+    of the N·k assignments, and the two auxiliary losses (Tensors: add them to the loss). Under
+    activation checkpointing the block's forward builds no graph, so the losses carry no gradient
+    there (chapter 15)."""
     tokens_per_expert: np.ndarray
     kept_per_expert: np.ndarray
     dropped_fraction: float
