@@ -414,18 +414,25 @@ def test_stamp_unstamped_stamps_jax_entries_without_a_stamp_with_their_write_tim
     assert jax_cache.stamp_unstamped(str(tmp_path / "missing")) == 0
 
 
+def _jax_process(cache, prelude: str = ""):
+    """A fresh process with its JAX cache in ``cache``: the JAX backend, then one eager JAX sum
+    (JAX's own cache writes its program); prints the sum and JAX's cache cap."""
+    code = (prelude + "import jax, jax.numpy as jnp\nfrom minidist.backend import get_backend\n"
+            "get_backend('jax')\n"
+            "print(float((jnp.arange(5.0) * 3.0 + 1.0).sum()), jax.config.jax_compilation_cache_max_size)\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(MINIDIST_JAX_CACHE=str(cache), PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
 def test_without_filelock_jax_keeps_an_uncapped_cache_that_works(tmp_path):
     """JAX locks a size-capped cache with filelock; without it, capping made every read and write of
     JAX's cache fail ("Please install the `filelock` package"), printed into the lesson. A fresh
     process that cannot import filelock keeps the cache uncapped, and it works."""
-    code = ("import sys\nsys.modules['filelock'] = None\nimport jax, jax.numpy as jnp\n"
-            "from minidist.backend import get_backend\nget_backend('jax')\n"
-            "print(float((jnp.arange(5.0) * 3.0 + 1.0).sum()), jax.config.jax_compilation_cache_max_size)\n")
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    env.update(MINIDIST_JAX_CACHE=str(tmp_path), PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
+    out = _jax_process(tmp_path, "import sys\nsys.modules['filelock'] = None\n")
     assert out.stdout.split() == ["35.0", "-1"]  # the sum, and JAX's "no cap"
     assert "filelock" not in out.stderr and "Error" not in out.stderr, out.stderr
     assert any(n.endswith("-cache") for n in _files(tmp_path))  # it wrote its programs
@@ -437,14 +444,8 @@ def test_a_cache_from_before_the_cap_does_not_break_jax_writes(tmp_path):
     "Error writing persistent compilation cache entry ... -atime" printed into the lesson."""
     pytest.importorskip("filelock")  # (the jax extra installs it; without it JAX's cache is uncapped)
     (tmp_path / "jit_old-0123-cache").write_bytes(b"x" * 100)
-    code = ("import jax.numpy as jnp\nfrom minidist.backend import get_backend\nget_backend('jax')\n"
-            "print(float((jnp.arange(5.0) * 3.0 + 1.0).sum()))\n")
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    env.update(MINIDIST_JAX_CACHE=str(tmp_path), PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "35.0"
+    out = _jax_process(tmp_path)
+    assert out.stdout.split()[0] == "35.0"
     assert "Error writing" not in out.stderr, out.stderr
     names = _files(tmp_path)
     written = [n for n in names if n.endswith("-cache")]
