@@ -31,6 +31,7 @@ import numpy as np
 
 from minidist import ops
 from minidist.comm import all_reduce, run
+from minidist.estimates import fit_alpha_beta
 from minidist.hardware import CALIBRATION_PATH, Hardware, Link
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
@@ -38,6 +39,7 @@ from minidist.parallel.three_d import train_3d
 from minidist.plan.mesh import Candidate
 from minidist.plan.model import ModelSpec
 from minidist.plan.steptime import LINK_RANKS, predict
+from minidist.plan.traffic import all_reduce_rounds, all_reduce_sent
 from minidist.tensor import Tensor
 
 
@@ -196,14 +198,16 @@ def step_python(ids, fwd_bwd: dict) -> dict:
     return {"python_tensor": per_tensor, "python_step": max(rest[1] - 17 * per_tensor, 0.0)}
 
 
-def fit_relative(rows, times) -> tuple[float, float]:
-    """Least squares of time = rows · (alpha, beta) in *relative* error (each row divided by its
-    time): a 4 KB all-reduce's 50 us counts as much as a 4 MB one's 3 ms, so alpha comes from the
-    small messages it dominates, not from the noise of the large ones (plain least squares read a
-    2-process ring's alpha anywhere from 0 to 2 ms on a busy machine)."""
-    rows, times = np.asarray(rows, float), np.asarray(times, float)
-    (alpha, beta), *_ = np.linalg.lstsq(rows / times[:, None], np.ones(len(times)), rcond=None)
-    return max(float(alpha), 1e-7), max(float(beta), 1e-12)
+def fit_link(algorithm: str, p: int, sizes, times) -> tuple[float, float]:
+    """(alpha, beta) of time = rounds x alpha + bytes sent x beta over the message sizes (bytes of
+    float32), rounds and bytes as the planner counts them (``minidist.plan.traffic``), fitted in
+    *relative* error (``estimates.fit_alpha_beta``): a 4 KB all-reduce's 50 us counts as much as a
+    4 MB one's 3 ms, so alpha comes from the small messages it dominates, not from the noise of the
+    large ones (plain least squares read a 2-process ring's alpha anywhere from 0 to 2 ms on a busy
+    machine)."""
+    rounds = [all_reduce_rounds(algorithm, n, p) for n in sizes]
+    sent = [all_reduce_sent(algorithm, n, p) for n in sizes]
+    return fit_alpha_beta(rounds, sent, times, relative=True)
 
 
 def allreduce_alpha_beta(ranks: int = LINK_RANKS) -> tuple[float, float]:
@@ -216,10 +220,7 @@ def allreduce_alpha_beta(ranks: int = LINK_RANKS) -> tuple[float, float]:
             out.append(_median_time(lambda x=x: all_reduce(comm, x, algorithm="ring"), 7, min_time=0))
         return out
     times = np.array(run(body, ranks=ranks, transport="threads")).max(axis=0)
-    steps = 2 * (ranks - 1)
-    sent = np.array([2 * (ranks - 1) / ranks * s for s in sizes])
-    a = np.stack([np.full(len(sizes), steps), sent], axis=1)
-    return fit_relative(a, times)
+    return fit_link("ring", ranks, sizes, times)
 
 
 def _work(minidist_ops: bool, batch: int = 8):

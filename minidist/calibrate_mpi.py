@@ -40,7 +40,7 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minidist.calibrate import _median_time, cpu, fit_relative, step_seconds
+from minidist.calibrate import _median_time, cpu, fit_link, step_seconds
 from minidist.comm import all_reduce, all_reduce_async, run
 from minidist.nn import GPT, GPTConfig
 from minidist.plan.traffic import DP_ALGORITHM as DDP_ALGORITHM
@@ -50,14 +50,6 @@ PROBE_RANKS = (2, 4, 8)                       # minidist's meshes on one machine
 PROBE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 PROBE_ALGORITHMS = ("ring", "shm")           # what DDP and TP ask for, and what "auto" picks under mpirun
 _LAUNCH_ENV = ("PMI_", "PMIX_", "HYDRA_", "OMPI_", "MPI_LOCAL", "MINIDIST_TRANSPORT")
-
-
-def fit_alpha_beta(algorithm: str, p: int, sizes, times) -> tuple[float, float]:
-    """Least squares (in relative error, `fit_relative`) of time = rounds x alpha + bytes sent x beta
-    over the message sizes (float32), rounds and bytes as the planner counts them
-    (`minidist.plan.traffic`)."""
-    rows = [(all_reduce_rounds(algorithm, n, p), all_reduce_sent(algorithm, n, p)) for n in sizes]
-    return fit_relative(rows, times)
 
 
 PROBE_GPT = GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=4, d_model=128)
@@ -110,8 +102,8 @@ def _probe_rank(comm) -> dict:
             bg.append(_median_time(lambda x=x, a=alg: all_reduce_async(comm, x, algorithm=a).wait(), 5,
                                    min_time=0))
         fg, bg = (np.max(comm.allgather_obj(t), axis=0) for t in (fg, bg))
-        links[alg] = {"fg": fit_alpha_beta(alg, comm.size, PROBE_SIZES, fg),
-                      "bg": fit_alpha_beta(alg, comm.size, PROBE_SIZES, bg)}
+        links[alg] = {"fg": fit_link(alg, comm.size, PROBE_SIZES, fg),
+                      "bg": fit_link(alg, comm.size, PROBE_SIZES, bg)}
     grads = 4 * sum(p.size for p in GPT(PROBE_GPT).parameters())  # one DDP bucket, all-reduced on its thread
     alpha, beta = links[DDP_ALGORITHM]["bg"]
     ar = all_reduce_rounds(DDP_ALGORITHM, grads, comm.size) * alpha + \

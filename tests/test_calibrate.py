@@ -23,15 +23,16 @@ def test_effective_cores_is_cpu_seconds_alone_over_wall_seconds_together(monkeyp
 
 
 def test_alpha_and_beta_come_back_from_exact_times_and_alpha_survives_noise_on_big_messages():
-    """Times made from alpha = 50 us a round, beta = 1 ns a byte, 2 rounds each: the fit returns them.
-    Then 20% noise on the 4 MB message alone (8.1 ms -> 9.7 ms): alpha still within 10% -- it comes
-    from the small messages it dominates (plain least squares put it at 17 us, a third)."""
-    rows = [(2, 4096), (2, 65536), (2, 1 << 20), (2, 1 << 22)]
-    times = [2 * 50e-6 + b * 1e-9 for _, b in rows]
-    alpha, beta = calibrate.fit_relative(rows, times)
+    """Times of a 2-rank ring (2 rounds, each rank sends the whole message: 2·(p-1)/p·N bytes) made
+    from alpha = 50 us a round, beta = 1 ns a byte: the fit returns them. Then 20% noise on the 4 MB
+    message alone (8.1 ms -> 9.7 ms): alpha still within 10% -- it comes from the small messages it
+    dominates (plain least squares put it at 17 us, a third)."""
+    sizes = [4096, 65536, 1 << 20, 1 << 22]
+    times = [2 * 50e-6 + n * 1e-9 for n in sizes]
+    alpha, beta = calibrate.fit_link("ring", 2, sizes, times)
     assert (alpha, beta) == (pytest.approx(50e-6), pytest.approx(1e-9))
     noisy = times[:3] + [times[3] * 1.2]
-    alpha, _ = calibrate.fit_relative(rows, noisy)
+    alpha, _ = calibrate.fit_link("ring", 2, sizes, noisy)
     assert alpha == pytest.approx(50e-6, rel=0.1)
 
 
