@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from minidist.backend import backend_of
+from minidist.backend import backend_of, compiles_per_shape, to_host
 from minidist.tensor import Function, Tensor
 
 
@@ -917,10 +917,10 @@ def _check_ids(ids, n: int, what: str, ignore=None):
     NumPy would index from the end for -1 and fail deep inside for n."""
     if getattr(getattr(ids, "dtype", None), "kind", "") not in ("i", "u"):
         raise TypeError(f"{what} must be an integer array, got {getattr(ids, 'dtype', type(ids).__name__)}")
-    if type(ids).__module__.startswith(("jax", "jaxlib")):
+    if compiles_per_shape(backend_of(ids)):
         # JAX: one copy to the host and the check there; on the device it was ~5 small compiled
         # programs (<, >=, |, any) per shape and a read-back of its answer anyway
-        ids = np.asarray(ids)
+        ids = to_host(ids)
     bad = (ids < 0) | (ids >= n)
     if ignore is not None:
         bad = bad & (ids != ignore)

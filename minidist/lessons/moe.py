@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist import optim
-from minidist.backend import backend_of, default_backend, to_host
+from minidist.backend import default_backend, to_host
 from minidist.comm import all_reduce, measure
 from minidist.lessons.cli import (
     finish,
@@ -57,7 +57,7 @@ def on_backend(a, requires_grad=False) -> Tensor:
 
 def _max_diff(a, b) -> float:
     """max |a - b|, on the host (on JAX a device subtract would be one more program per shape)."""
-    return float(np.abs(np.asarray(backend_of(a).to_host(a)) - np.asarray(backend_of(b).to_host(b))).max())
+    return float(np.abs(to_host(a) - to_host(b)).max())
 
 
 def twin_check(comm, args):

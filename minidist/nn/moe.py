@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist import ops
-from minidist.backend import backend_of, compiles_per_shape
+from minidist.backend import backend_of, compiles_per_shape, to_host
 from minidist.nn.layers import MLP, Dropout, Linear
 from minidist.nn.module import Module, ModuleList
 from minidist.nn.moe_steps import (
@@ -159,7 +159,7 @@ class MoE(Module):
         logits = self.router(xf)
         probs = ops.softmax(logits, axis=-1)
         cap = capacity(xf.shape[0], self.n_experts, self.k, self.capacity_factor)
-        experts, slots = top_k_route(np.asarray(backend_of(probs.data).to_host(probs.data)), self.k, cap)
+        experts, slots = top_k_route(to_host(probs.data), self.k, cap)
         return logits, probs, experts, slots, cap
 
     def run_experts(self, buf, cap):
@@ -170,7 +170,7 @@ class MoE(Module):
         e = self.n_experts
         routed = np.bincount(experts.ravel(), minlength=e)
         kept = np.bincount(experts[slots >= 0], minlength=e)
-        f = routed_fraction(experts, e).astype(probs.data.dtype)  # a count on the host: no gradient
+        f = (routed / experts.size).astype(probs.data.dtype)  # routed_fraction, on the host: no gradient
         aux, z = LoadBalancingLoss.apply(probs, f, e), RouterZLoss.apply(logits)
         return MoEStats(routed, kept, float(1 - kept.sum() / experts.size), cap, aux, z)
 
@@ -184,9 +184,10 @@ def _batchable(experts) -> bool:
             return False  # (a module swapped into an MLP would be skipped, not run)
         if ex.fc.bias is None or ex.proj.bias is None:
             return False
-        if ex.drop.p and ex.drop.training or any(m.forward_wrappers() for _, m in ex.named_modules()):
+        # (its modules and parameters are these four and these four: no tree walk on every forward)
+        if ex.drop.p and ex.drop.training or any(m.forward_wrappers() for m in (ex, ex.fc, ex.proj, ex.drop)):
             return False
-        if any(ops.low_precision(p.dtype) for p in ex.parameters()):
+        if any(ops.low_precision(t.dtype) for t in (ex.fc.weight, ex.fc.bias, ex.proj.weight, ex.proj.bias)):
             return False
     return True
 

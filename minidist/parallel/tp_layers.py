@@ -237,11 +237,6 @@ def _ids(idx, be):
     return be.asarray(idx) if be.name == "cupy" else np.asarray(idx)
 
 
-def _ids_xp(ids, be):
-    """The array module for arithmetic on ``ids``: NumPy for host ids, else the backend's."""
-    return np if type(ids) is np.ndarray else be.xp
-
-
 class VocabParallelEmbedding(Module):
     """Rows [start, start + V/tp) of the (V, h) table on each rank; lookups summed over the group."""
 
@@ -260,7 +255,7 @@ class VocabParallelEmbedding(Module):
         """My rows' contribution: embedding of ids in my range, zeros elsewhere."""
         be = self.weight.backend
         local = _ids(idx, be) - self.start
-        xp = _ids_xp(local, be)
+        xp = backend_of(local).xp  # (NumPy for ids on the host)
         outside = (local < 0) | (local >= self.local_rows)
         rows = ops.embedding(self.weight, xp.where(outside, 0, local))
         return rows * (~outside)[..., None].astype(self.weight.dtype)
@@ -289,7 +284,7 @@ class VocabParallelCrossEntropy(Function):
         m = tp_all_reduce(comm, _row_max(x), op="max")
         local_t = t - comm.rank * v
         mine = valid & (local_t >= 0) & (local_t < v)
-        safe_t = _ids_xp(t, backend_of(logits)).where(mine, local_t, 0)
+        safe_t = backend_of(t).xp.where(mine, local_t, 0)
         shifted, target, sum_exp = _shifted_target_sum_exp(x, m, safe_t, mine)
         target = tp_all_reduce(comm, target)
         lse = _log(tp_all_reduce(comm, sum_exp))
