@@ -117,20 +117,28 @@ class CupyBackend(Backend):
         self.xp.cuda.get_current_stream().synchronize()
 
 
+def configure_jax():
+    """Import JAX and set what every minidist JAX computation assumes; returns the module. float64
+    stays float64, and float32 stays float32: by default a GPU multiplies float32 matrices in TF32
+    (10-bit mantissa) and a TPU in bfloat16 passes, so twins that agree on a CPU disagreed by ~1e-3
+    on an H200. The backend, the compiled SPMD twin and the TPU lesson all start here."""
+    try:
+        import jax
+    except ImportError as e:
+        raise RuntimeError("backend 'jax' needs JAX: pip install 'minidist[jax]'") from e
+    jax.config.update("jax_enable_x64", True)
+    jax.config.update("jax_default_matmul_precision", "highest")
+    return jax
+
+
 class JaxBackend(Backend):
     name = "jax"
     inplace = False
 
     def __init__(self, device=None):
-        try:
-            import jax
-            import jax.numpy as jnp
-        except ImportError as e:
-            raise RuntimeError("backend 'jax' needs JAX: pip install 'minidist[jax]'") from e
-        jax.config.update("jax_enable_x64", True)  # float64 must stay float64
-        # and float32 float32: by default a GPU multiplies float32 matrices in TF32 (10-bit mantissa)
-        # and a TPU in bfloat16 passes, so twins that agree on a CPU disagreed by ~1e-3 on an H200
-        jax.config.update("jax_default_matmul_precision", "highest")
+        jax = configure_jax()
+        import jax.numpy as jnp
+
         jax_engine.install()  # each op's forward/backward compiled once per shape (MINIDIST_JAX_JIT=0: off)
         jax_engine.persistent_cache()  # compiled programs kept on disk: a rerun does not compile again
         self.jax = jax

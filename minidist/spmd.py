@@ -30,15 +30,13 @@ from functools import partial
 
 import numpy as np
 
+from minidist.backend import configure_jax
 from minidist.nn import GPT
 from minidist.testing import host_state
 
 
 def _jax():
-    import jax
-
-    jax.config.update("jax_enable_x64", True)
-    return jax
+    return configure_jax()  # (x64, and full float32 matmuls: the twin equals the eager run on a GPU too)
 
 
 def default_shape(n: int) -> tuple[int, int]:

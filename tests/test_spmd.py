@@ -270,3 +270,19 @@ def test_tpu_lesson_under_mpirun_spans_both_processes(per, dp, tp, mesh):
     assert res.stdout.count("PASS: compiled twin == serial twin after 2 steps") == 1, res.stdout  # process 0
     assert f"mesh ('dp', 'tp') = {dp} x {tp}, device@process:\n" + "".join(f"   {row}\n" for row in mesh) \
         in res.stdout
+
+
+def test_the_compiled_twin_multiplies_float32_in_full_precision_in_a_fresh_process():
+    """The twin sets up JAX as the backend does: float64 on, float32 matmuls at full precision (by
+    default a GPU uses TF32 and a TPU bf16 passes: ~1e-3 off the eager run). A fresh process, since
+    this one's JAX was already set up by the backend."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from minidist import spmd\njax = spmd._jax()\n"
+            "print(jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "highest"]

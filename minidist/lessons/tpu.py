@@ -51,6 +51,7 @@ force_cpu_devices()  # before JAX loads
 import numpy as np  # noqa: E402
 
 from minidist import jax_cache  # noqa: E402
+from minidist.backend import configure_jax  # noqa: E402
 from minidist.comm import measure, run, under_mpi, world  # noqa: E402
 from minidist.comm.devices import jax_distributed_init  # noqa: E402
 from minidist.comm.launch import install_abort_hook  # noqa: E402
@@ -162,11 +163,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     tol = args.tol or (1e-5 if args.dtype == "float32" else 1e-9)
 
-    import jax
-
-    jax.config.update("jax_enable_x64", True)  # float64 stays float64, on any platform
-    # full float32 matmuls: not bf16 passes (TPU), not TF32 (GPU)
-    jax.config.update("jax_default_matmul_precision", "highest")
+    jax = configure_jax()  # float64 stays float64; full float32 matmuls: not bf16 passes, not TF32
     if under_mpi():  # one process per host: agree on the coordinator over MPI, then JAX sees all hosts
         install_abort_hook()  # a process that raises ends the job: the others would wait in a collective
         jax_distributed_init(world())
