@@ -513,8 +513,6 @@ def _count_compile(event: str, seconds: float, **kwargs) -> None:
 def install() -> None:
     """Route ops on JAX arrays through ``kernel`` (``tensor.Function.apply``'s hook), and count
     compilations (``compilations``)."""
-    import sys
-
     from jax import monitoring
 
     with _LOCKS_LOCK:

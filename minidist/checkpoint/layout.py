@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minidist.backend import backend_of
+from minidist.backend import to_host
 from minidist.checkpoint.files import CheckpointError
 from minidist.parallel.sharding import Shard
 
@@ -125,10 +125,6 @@ def assemble(slot: Slot, tensor: dict, read) -> np.ndarray:
 
 # -- the slots of a model, an optimizer, a ZeRO wrapper -----------------------------------------------
 
-def _host(a) -> np.ndarray:
-    return np.asarray(backend_of(a).to_host(a))
-
-
 def _param_setter(p, what: str):
     def set_(a):
         a = np.asarray(a)
@@ -146,7 +142,7 @@ def param_slots(named_params, table: dict, part: int, parts: int) -> list[Slot]:
         shard = shard_spec(table.get(name)) if parts > 1 else None
         pt, pts = (part, parts) if shard is not None else (0, 1)
         slots.append(Slot(f"model/{name}", _global_shape(p.shape, shard, parts), np.dtype(p.dtype),
-                          (lambda p=p: _host(p.data)), _param_setter(p, f"model/{name}"), shard, pt, pts))
+                          (lambda p=p: to_host(p.data)), _param_setter(p, f"model/{name}"), shard, pt, pts))
     return slots
 
 
@@ -161,7 +157,7 @@ def optimizer_slots(opt, param_slots_by_id: dict, keys) -> list[Slot]:
             continue
         for key in keys:
             def get(i=i, key=key):
-                return _host(opt.state[i][key])
+                return to_host(opt.state[i][key])
 
             def set_(a, i=i, key=key, p=p):
                 opt.state[i][key] = p.backend.from_host(np.array(a, dtype=p.dtype).reshape(p.shape))
@@ -181,10 +177,10 @@ def zero_slots(zero, keys, names: dict) -> tuple[list[Slot], list[Callable]]:
     slots, finishers = [], []
     for bi, (b, shard) in enumerate(zip(zero.buckets, zero.shards)):
         lo, hi = b.shard(comm.rank, comm.size)
-        bufs = {None: _host(shard.data).copy()}
+        bufs = {None: to_host(shard.data).copy()}
         for key in keys:
             st = opt.state[bi]
-            bufs[key] = _host(st[key]).copy() if key in st else np.zeros(hi - lo, b.dtype)
+            bufs[key] = to_host(st[key]).copy() if key in st else np.zeros(hi - lo, b.dtype)
         for p, o, n in zip(b.params, b.offsets, b.sizes):
             a, c = max(lo, o), min(hi, o + n)
             if a >= c:

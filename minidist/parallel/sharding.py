@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minidist.backend import backend_of
+from minidist.backend import to_host
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def sharding_table(model, prefix: str = "") -> OrderedDict:
 
 
 def _host(a) -> np.ndarray:
-    return np.asarray(backend_of(a).to_host(a)) if hasattr(a, "shape") else np.asarray(a)
+    return to_host(a) if hasattr(a, "shape") else np.asarray(a)
 
 
 def _shard_of(table, name: str, group: str):
