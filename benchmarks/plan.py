@@ -23,10 +23,11 @@ import subprocess
 import sys
 
 import numpy as np
+from bench_env import print_machine
 from threadpoolctl import threadpool_limits
 
 from minidist import hardware
-from minidist.calibrate import step_seconds
+from minidist.calibrate import calibrate, step_seconds
 from minidist.comm import run
 from minidist.nn.gpt import GPTConfig
 from minidist.plan import RUNS, Candidate, ModelSpec, predict
@@ -71,8 +72,6 @@ def hw_load() -> float:
 
 
 def here_rows(args):
-    from minidist.calibrate import calibrate
-
     if args.calibrate or not os.path.exists(hardware.CALIBRATION_PATH):
         calibrate()
     transport = "mpi" if args.mpi else "threads"
@@ -151,6 +150,7 @@ def main():
         if int(os.environ.get("PMI_RANK", "0")) == 0:
             print(f"step {step!r}", flush=True)
         return
+    print_machine()
     ok = here_rows(args)
     ok &= published_rows()
     if args.compare:

@@ -329,7 +329,7 @@ def test_cli_refuses_an_impossible_mesh_and_says_what_would_do(capsys):
     with pytest.raises(SystemExit):  # an unknown model: the names there are, not a KeyError
         main(["--model", "tiny", "--hardware", "h100"])
     err = capsys.readouterr().err
-    assert "unknown --model 'tiny'" in err and "llama3-70b" in err
+    assert "--model: invalid choice: 'tiny'" in err and "llama3-70b" in err
 
 
 def test_here_reads_the_calibration_as_written(tmp_path):

@@ -141,7 +141,8 @@ def parse_mesh(text: str, chips: int) -> Candidate:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m minidist.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama3-70b", help=f"a preset ({', '.join(MODELS)}) or 'custom'")
+    ap.add_argument("--model", default="llama3-70b", choices=(*MODELS, "custom"),
+                    help="a preset, or 'custom' (with --layers, --d-model, --heads, ...)")
     for flag in ("--layers", "--d-model", "--heads", "--vocab", "--seq"):
         ap.add_argument(flag, type=int, help="model shape (overrides the preset's)")
     ap.add_argument("--engine", choices=("megatron", "minidist"), default=None,
@@ -162,9 +163,6 @@ def main(argv=None) -> None:
                           vocab=args.vocab, seq=args.seq, engine=args.engine or "megatron",
                           dtype_bytes=4 if args.engine == "minidist" else 2)
     else:
-        if args.model not in MODELS:
-            ap.error(f"unknown --model {args.model!r}; choose one of {', '.join(MODELS)} or 'custom' "
-                     "(with --layers, --d-model, --heads, ...)")
         model = MODELS[args.model]
         changes = {k: v for k, v in dict(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
                                          vocab=args.vocab, seq=args.seq).items() if v}
