@@ -34,8 +34,7 @@ from minidist.plan import RUNS, Candidate, ModelSpec, predict
 
 MESHES = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 4), (4, 1, 1, 1), (2, 2, 2, 2), (8, 1, 1, 1)]
 CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
-SPEC = ModelSpec("bench", n_layer=4, d_model=128, n_head=4, vocab=256, seq=64, engine="minidist",
-                 dtype_bytes=4)
+SPEC = ModelSpec.of_gpt("bench", CFG)
 BATCH = 16
 
 

@@ -161,8 +161,7 @@ def cold_factor(k: dict) -> float:
     def body(comm):
         return float(np.median(step_seconds(comm, WHOLE_GPT, [(ids, ids)] * 25, clock=cpu)))
     measured = run(body, ranks=1, transport="threads")[0]
-    spec = ModelSpec("whole", n_layer=WHOLE_GPT.n_layer, d_model=WHOLE_GPT.d_model, n_head=WHOLE_GPT.n_head,
-                     vocab=WHOLE_GPT.vocab_size, seq=WHOLE_GPT.block_size, engine="minidist", dtype_bytes=4)
+    spec = ModelSpec.of_gpt("whole", WHOLE_GPT)
     free = Link(1e30, 0.0)
     hw = Hardware("parts", 1e12, 1e12, 1e12, intra=free, inter=free, chips_per_domain=1, kernels=k)
     return measured / predict(spec, Candidate(microbatch=WHOLE_ROWS), WHOLE_ROWS, hw).step

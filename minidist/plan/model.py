@@ -55,6 +55,12 @@ class ModelSpec:
         if self.engine not in ("megatron", "minidist"):
             raise ValueError(f"{self.name}: engine must be 'megatron' or 'minidist', got {self.engine!r}")
 
+    @classmethod
+    def of_gpt(cls, name: str, cfg) -> ModelSpec:
+        """The spec of minidist's own GPT of ``cfg`` (a ``GPTConfig``), trained in float32."""
+        return cls(name, n_layer=cfg.n_layer, d_model=cfg.d_model, n_head=cfg.n_head, vocab=cfg.vocab_size,
+                   seq=cfg.block_size, engine="minidist", dtype_bytes=4)
+
     def replace(self, **kw) -> ModelSpec:
         return replace(self, **kw)
 
