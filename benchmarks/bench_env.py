@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from minidist.calibrate import cpu_name as cpu_model  # one reader of /proc/cpuinfo
+from minidist.plan.calibrate import cpu_name as cpu_model  # one reader of /proc/cpuinfo
 
 
 def blas() -> str:

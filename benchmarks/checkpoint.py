@@ -26,11 +26,11 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 from bench_env import Targets, print_machine  # noqa: E402
 
-from minidist.checkpoint import TrainState  # noqa: E402
-from minidist.checkpoint.tiers import Checkpointer, Tier, shm_root  # noqa: E402
 from minidist.comm import run  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
-from minidist.optim import AdamW  # noqa: E402
+from minidist.nn.optim import AdamW  # noqa: E402
+from minidist.resilience.checkpoint import TrainState  # noqa: E402
+from minidist.resilience.checkpoint.tiers import Checkpointer, Tier, shm_root  # noqa: E402
 
 
 def build(mb: float):

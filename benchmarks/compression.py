@@ -22,10 +22,10 @@ import os
 import subprocess
 import sys
 
-from minidist.calibrate import cpu_name
 from minidist.comm import run, under_mpi
-from minidist.comm.link import parse_link, set_link
+from minidist.comm.transports.link import parse_link, set_link
 from minidist.lessons import compression as lesson
+from minidist.plan.calibrate import cpu_name
 
 METHODS = ["dense", "PowerSGD r=2", "PowerSGD r=4", "PowerSGD r=8", "DiLoCo H=20"]
 

@@ -96,10 +96,9 @@ def bare_all_reduce(barrier, all_reduce) -> dict:
 
 
 def minidist_steps(comm, args):
-    from minidist import optim
     from minidist.comm import all_reduce
-    from minidist.nn import GPT, GPTConfig
-    from minidist.parallel.ddp import DDP
+    from minidist.nn import GPT, GPTConfig, optim
+    from minidist.parallel.data.ddp import DDP
 
     cfg = GPTConfig()
     m = GPT(cfg)

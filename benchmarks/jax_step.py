@@ -1,9 +1,9 @@
 """``train_step.py --backend jax``: the same GPT step on three engines, side by side.
 
 1. minidist on NumPy (the reference engine);
-2. minidist on JAX: eager per op, each op's forward/backward jitted once (minidist/jax_engine.py);
+2. minidist on JAX: eager per op, each op's forward/backward jitted once (minidist/accel/jax_engine.py);
    ``MINIDIST_JAX_JIT=0`` shows plain eager dispatch;
-3. pure ``jax.jit`` of the whole step (minidist/spmd.py's twin on one device): the ceiling.
+3. pure ``jax.jit`` of the whole step (minidist/accel/spmd.py's twin on one device): the ceiling.
 
 All three take SGD steps from the same weights on the same batch (the twin has SGD only); the
 first-step losses must agree. Targets (issue 19): minidist-on-JAX within 2x of minidist-on-NumPy.
@@ -31,10 +31,10 @@ def _median_ms(step, steps):
 def run(cfg, batch: int, steps: int) -> int:
     import jax
 
-    from minidist import jax_engine, optim
-    from minidist.backend import get_backend, set_default_backend
-    from minidist.nn import GPT
-    from minidist.spmd import SPMDTwin
+    from minidist.accel import jax_engine
+    from minidist.accel.backend import get_backend, set_default_backend
+    from minidist.accel.spmd import SPMDTwin
+    from minidist.nn import GPT, optim
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, cfg.vocab_size, (batch, cfg.block_size))

@@ -30,10 +30,10 @@ from bench_env import Targets, print_machine  # noqa: E402
 
 from minidist.memory import MemoryAccountant  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
-from minidist.optim import AdamW  # noqa: E402
-from minidist.parallel import recompute  # noqa: E402
-from minidist.parallel.offload import OffloadedAdamW  # noqa: E402
-from minidist.parallel.recompute import apply_checkpointing, predicted_peak_activation_bytes  # noqa: E402
+from minidist.nn.optim import AdamW  # noqa: E402
+from minidist.parallel.memory import recompute  # noqa: E402
+from minidist.parallel.memory.offload import OffloadedAdamW  # noqa: E402
+from minidist.parallel.memory.recompute import apply_checkpointing, predicted_peak_activation_bytes  # noqa: E402
 
 POLICIES = tuple(q for q in recompute.POLICIES if q != "every_k")  # every_k needs a k: sqrt picks one
 

@@ -26,9 +26,9 @@ import numpy as np
 from minidist import trace
 from minidist.comm import run, under_mpi
 from minidist.nn import GPT, GPTConfig
-from minidist.optim import AdamW
-from minidist.parallel.pipeline import format_partition, layer_costs
-from minidist.parallel.simulate import bubble_formula
+from minidist.nn.optim import AdamW
+from minidist.parallel.pipeline.runtime import format_partition, layer_costs
+from minidist.parallel.pipeline.simulate import bubble_formula
 from minidist.parallel.three_d import train_3d
 
 BUBBLE_SLACK, SPEEDUP_SLACK = 0.05, 0.15

@@ -26,11 +26,10 @@ import numpy as np
 from bench_env import print_machine
 from threadpoolctl import threadpool_limits
 
-from minidist import hardware
-from minidist.calibrate import calibrate, step_seconds
 from minidist.comm import run
 from minidist.nn.gpt import GPTConfig
-from minidist.plan import RUNS, Candidate, ModelSpec, predict
+from minidist.plan import RUNS, Candidate, ModelSpec, hardware, predict
+from minidist.plan.calibrate import calibrate, step_seconds
 
 MESHES = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 4), (4, 1, 1, 1), (2, 2, 2, 2), (8, 1, 1, 1)]
 CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)

@@ -26,8 +26,11 @@ import numpy as np  # noqa: E402
 from bench_env import Targets, print_machine  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
-from minidist import optim  # noqa: E402
-from minidist.nn import GPT, GPTConfig  # noqa: E402
+from minidist.nn import (  # noqa: E402
+    GPT,
+    GPTConfig,
+    optim,  # noqa: E402
+)
 
 CFG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, d_model=256, seed=0)
 BATCH = 8
@@ -64,7 +67,7 @@ def profile_minidist(model, opt, x, y, steps):
     """ms per step in each row: every Function's forward and backward timed by wrapping them."""
     from collections import defaultdict
 
-    from minidist.tensor import Function
+    from minidist.autograd.tensor import Function
 
     totals, originals = defaultdict(float), {}
 

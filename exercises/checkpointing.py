@@ -6,21 +6,21 @@ Grade it:  python -m minidist.grade checkpointing
 The grader runs a small MLP block with dropout plainly and through your ``checkpoint``: the output,
 every gradient and the random state afterwards must be bit-for-bit the same, and your forward may
 keep only the block's input for backward. Lesson: lessons/06-checkpointing.md; minidist's answer
-is minidist/parallel/recompute.py, so try before you look.
+is minidist/parallel/memory/recompute.py, so try before you look.
 
-What you need from minidist (see minidist/tensor.py): a ``Function`` subclass has static methods
+What you need from minidist (see minidist/autograd/tensor.py): a ``Function`` subclass has static methods
 ``forward(ctx, *arrays, **kw) -> array`` and ``backward(ctx, grad) -> one gradient per input``, is
 called as ``MyFunction.apply(*tensors, **kw)``; ``ctx.save(*arrays)`` keeps arrays for backward
 (read them back as ``ctx.saved``), ``ctx.needs_grad[i]`` says if input i wants a gradient;
 ``no_grad()`` / ``enable_grad()`` switch graph recording; ``run_backward(out, grad)`` back-propagates
 ``grad`` from ``out`` through its graph (parameters used inside get their ``.grad``).
-Dropout draws from ``minidist.random``: ``get_state()`` / ``set_state(state)``.
+Dropout draws from ``minidist.autograd.random``: ``get_state()`` / ``set_state(state)``.
 """
 
 import numpy as np  # noqa: F401  (you will need it)
 
-from minidist import random as mrandom  # noqa: F401  (you will need it)
-from minidist.tensor import Function, Tensor, enable_grad, no_grad, run_backward  # noqa: F401
+from minidist.autograd import random as mrandom  # noqa: F401  (you will need it)
+from minidist.autograd.tensor import Function, Tensor, enable_grad, no_grad, run_backward  # noqa: F401
 
 
 def checkpoint(fn, x):

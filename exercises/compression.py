@@ -10,7 +10,7 @@ A data-parallel step all-reduces every gradient entry. Two ways to send far less
 Grade it:  python -m minidist.grade compression
 The grader checks top-k against the spec on random gradients (exact sums, no entry lost), and your
 PowerSGD step on 1..3 thread ranks against a QR-based computation of the same projection.
-Lesson: lessons/12-compression.md; minidist's answer is minidist/parallel/compress/sparse.py
+Lesson: lessons/12-compression.md; minidist's answer is minidist/parallel/data/compress/sparse.py
 (ef_sparsify) and powersgd.py (powersgd_step, orthogonalize), so try before you look.
 """
 

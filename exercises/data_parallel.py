@@ -8,7 +8,7 @@ Estimated time: 45 min (buckets 20 min, averaging 25 min)
 Grade it:  python -m minidist.grade data_parallel
 The grader compares your buckets with minidist's DDP and your averaged gradients, on 1..5 thread
 ranks with uneven batches, with the serial gradient of the whole global batch.
-Lesson: lessons/03-data-parallel.md; minidist's answer is minidist/parallel/ddp.py (build_buckets,
+Lesson: lessons/03-data-parallel.md; minidist's answer is minidist/parallel/data/ddp.py (build_buckets,
 DistributedDataParallel.backward and wait_gradients), so try before you look.
 """
 

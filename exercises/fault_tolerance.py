@@ -8,7 +8,7 @@ Grade it:  python -m minidist.grade fault_tolerance
 The grader crashes your save at every file operation in turn (open, write, fsync, rename, ...) and
 checks that what ``latest`` points to is always a whole checkpoint, old or new; and it reshards
 random arrays between random numbers of ranks, counting which old shards you read.
-Lesson: lessons/10-fault-tolerance.md; minidist's answer is minidist/checkpoint/ (files.py:
+Lesson: lessons/10-fault-tolerance.md; minidist's answer is minidist/resilience/checkpoint/ (files.py:
 begin_step, commit_step; layout.py: assemble), so try before you look.
 """
 

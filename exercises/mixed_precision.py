@@ -9,7 +9,7 @@ Points: scaler_update 2, found_inf_across 2, scaled_sgd_step 3.
 Grade it:  python -m minidist.grade mixed_precision
 The grader replays random overflow sequences against the rules below, and runs the flag and the
 step on 1..4 thread ranks with an inf or NaN planted on one rank. Lesson: lessons/07-mixed-precision.md;
-minidist's answer is DynamicLossScaler and found_inf_across in minidist/parallel/precision.py.
+minidist's answer is DynamicLossScaler and found_inf_across in minidist/parallel/memory/precision.py.
 """
 
 import numpy as np  # noqa: F401  (you will need it)

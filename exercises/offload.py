@@ -10,7 +10,7 @@ Points: make_shards 2, offloaded_momentum_step 4.
 Grade it:  python -m minidist.grade offload
 The grader compares with momentum SGD kept in memory, on a real directory of .npy files read by a
 background thread, and reads the order of your loads, updates and saves.
-Lesson: lessons/08-offload.md; minidist's answer is OffloadedAdamW in minidist/parallel/offload.py.
+Lesson: lessons/08-offload.md; minidist's answer is OffloadedAdamW in minidist/parallel/memory/offload.py.
 """
 
 import numpy as np  # noqa: F401  (you will need it)

@@ -9,13 +9,14 @@ Stage 0 never receives activations and the last stage never receives gradients.
 
 Estimated time: 1 h (1F1B 50 min, bubble 10 min)
 Grade it:  python -m minidist.grade pipeline
-The grader runs your schedule through ``minidist.parallel.simulate.simulate`` for p = 1..6 stages
+The grader runs your schedule through ``minidist.parallel.pipeline.simulate.simulate`` for p = 1..6 stages
 and m = 1..10 microbatches: no deadlock, every microbatch forward then backward exactly once on every
 stage, at most min(m, p - s) activations held on stage s, the same makespan as minidist's 1F1B.
-Lesson: lessons/05-pipeline.md; the answer is in minidist/parallel/schedule.py, so try before you look.
+Lesson: lessons/05-pipeline.md; the answer is in minidist/parallel/pipeline/schedule.py, so try
+before you look.
 """
 
-from minidist.parallel.schedule import (  # noqa: F401  (you will need them)
+from minidist.parallel.pipeline.schedule import (  # noqa: F401  (you will need them)
     Backward,
     Forward,
     OptimizerStep,

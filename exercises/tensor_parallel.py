@@ -21,7 +21,7 @@ The grader runs your functions on 1..4 thread ranks, compares with the serial ``
 the serial cross-entropy) and reads the ledger: column parallel sends nothing, row parallel exactly
 one all-reduce, the cross-entropy a few all-reduces of N numbers and no gather of the logits.
 Lesson: lessons/04-tensor-parallel.md; minidist's answer is ColumnParallelLinear / RowParallelLinear
-in minidist/parallel/tp_layers.py, so try before you look.
+in minidist/parallel/tensor/layers.py, so try before you look.
 """
 
 import numpy as np  # noqa: F401  (you will need it)

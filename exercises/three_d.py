@@ -25,9 +25,9 @@ instructions, xs, ys, optimizer_step, ddp=ddp, loss_weights=weights)`` -> stats 
 import numpy as np  # noqa: F401  (you will need it)
 
 from minidist.comm import Mesh  # noqa: F401
-from minidist.optim import make_optimizer  # noqa: F401
-from minidist.parallel.ddp import DistributedDataParallel  # noqa: F401
-from minidist.parallel.pipeline import (  # noqa: F401
+from minidist.nn.optim import make_optimizer  # noqa: F401
+from minidist.parallel.data.ddp import DistributedDataParallel  # noqa: F401
+from minidist.parallel.pipeline.runtime import (  # noqa: F401
     PipelineStage,
     make_schedule,
     partition_uniform,

@@ -11,7 +11,7 @@ Points: shard_bounds 1, zero2_sgd_step 3, zero3_forward 4.
 Grade it:  python -m minidist.grade zero
 The grader runs your functions on 1..4 thread ranks against the serial update and forward, reads the
 ledger (one reduce-scatter and one all-gather, not an all-reduce) and the order of your gathers and
-releases. Lesson: lessons/03-data-parallel.md; minidist's answer is minidist/parallel/zero.py.
+releases. Lesson: lessons/03-data-parallel.md; minidist's answer is minidist/parallel/data/zero.py.
 """
 
 import numpy as np  # noqa: F401  (you will need it)

@@ -1,12 +1,12 @@
 """minidist: distributed training and inference of neural networks, from scratch.
 
-Start with ``minidist.tensor`` (autograd), ``minidist.nn`` (models), ``minidist.comm``
+Start with ``minidist.autograd.tensor`` (autograd), ``minidist.nn`` (models), ``minidist.comm``
 (communication) and ``minidist.parallel`` (the techniques). See README.md and lessons/.
 """
 
-from minidist.backend import get_backend
+from minidist.accel.backend import get_backend
+from minidist.autograd.tensor import Tensor, no_grad, tensor
 from minidist.comm import run as _run
-from minidist.tensor import Tensor, no_grad, tensor
 
 __all__ = ["Tensor", "get_backend", "no_grad", "tensor", "run"]
 __version__ = "0.1.0"

@@ -24,7 +24,7 @@ import contextlib
 import numbers
 import threading
 
-from minidist.tensor import current_saved_tensors_hooks, saved_tensors_hooks
+from minidist.autograd.tensor import current_saved_tensors_hooks, saved_tensors_hooks
 
 
 def _root(a):

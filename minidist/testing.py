@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.backend import backend_of, get_backend
+from minidist.accel.backend import backend_of, get_backend
+from minidist.autograd.tensor import Tensor
 from minidist.nn import GPT
-from minidist.optim import clip_grad_norm, make_optimizer
-from minidist.tensor import Tensor
+from minidist.nn.optim import clip_grad_norm, make_optimizer
 
 
 def adamw_tolerance(lr: float, steps: int) -> float:
@@ -65,7 +65,7 @@ def host_state(model) -> dict:
 
 def train_serial(cfg, batches, lr: float = 0.1, optimizer: str = "sgd", loss_fn=None, **opt_kw):
     """The serial twin: one GPT of ``cfg``, the whole global batch per step, ``optimizer`` ("sgd" or
-    "adamw", ``minidist.optim.make_optimizer``; AdamW without weight decay unless ``weight_decay=``).
+    "adamw", ``minidist.nn.optim.make_optimizer``; AdamW without weight decay unless ``weight_decay=``).
     Returns (host state dict, losses)."""
     model = GPT(cfg)
     losses = train_steps(model, batches, make_optimizer(optimizer, model.parameters(), lr, **opt_kw), loss_fn)

@@ -6,7 +6,7 @@ Each rank owns a `Tracer` that records intervals ("spans") as plain dicts::
 
 Times are seconds since the Unix epoch: `time.time()` taken once when the tracer is created, plus
 `time.perf_counter()` deltas after that, so spans are precise within a rank and comparable across
-ranks in different processes on one host. The simulator in `minidist.parallel.simulate` produces the
+ranks in different processes on one host. The simulator in `minidist.parallel.pipeline.simulate` produces the
 same dicts (in model time units), so every drawing function here serves both measured and simulated runs.
 
 The active tracer is thread-local (`current()` / `set_current()`), because the threads transport

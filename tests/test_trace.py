@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minidist import trace
-from minidist.parallel.schedule import one_f_one_b
-from minidist.parallel.simulate import simulate
+from minidist.parallel.pipeline.schedule import one_f_one_b
+from minidist.parallel.pipeline.simulate import simulate
 from tests.conftest import budget
 
 

@@ -13,11 +13,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minidist import optim
-from minidist.data import BatchLoader, SyntheticTask, TextDataset
 from minidist.infer import Request, SamplingParams, generate, serve
-from minidist.nn import GPT, GPTConfig, Linear
-from minidist.parallel.offload import OffloadedAdamW
+from minidist.nn import GPT, GPTConfig, Linear, optim
+from minidist.nn.data import BatchLoader, SyntheticTask, TextDataset
+from minidist.parallel.memory.offload import OffloadedAdamW
 
 # -- lesson command lines: argparse errors (exit status 2) naming the flag --------------------------
 

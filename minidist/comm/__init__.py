@@ -39,11 +39,11 @@ from minidist.comm.communicator import (
 )
 from minidist.comm.debug import CollectiveMismatch
 from minidist.comm.handles import Handle
-from minidist.comm.launch import run, under_mpi, world
 from minidist.comm.ledger import CallRecord, Ledger, measure
 from minidist.comm.mesh import Mesh
-from minidist.comm.mpi import MPIComm
-from minidist.comm.threads import ThreadComm
+from minidist.comm.runner import run, under_mpi, world
+from minidist.comm.transports.mpi import MPIComm
+from minidist.comm.transports.threads import ThreadComm
 
 __all__ = [
     "CallRecord", "CollectiveMismatch", "CommError", "CommTimeout", "Communicator", "Handle", "Ledger",

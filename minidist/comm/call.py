@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist import trace
-from minidist.backend import backend_of, get_backend
+from minidist.accel.backend import backend_of, get_backend
 from minidist.comm import debug, tracing
 from minidist.comm.debug import check_same_call, stamp
 from minidist.comm.ledger import CallRecord, active

@@ -39,8 +39,8 @@ from minidist.comm.communicator import poll
 from minidist.comm.cost import agreed_crowded, choose_algorithm, shm_wins
 from minidist.comm.debug import check_same_call
 from minidist.comm.handles import start_async
-from minidist.comm.mpi import mpi_knows
-from minidist.comm.shm import shm_lane
+from minidist.comm.transports.mpi import mpi_knows
+from minidist.comm.transports.shm import shm_lane
 
 ALGORITHMS = ("auto", "ring", "recursive_doubling", "halving_doubling", "two_shot", "tree", "naive", "mpi",
               "shm")

@@ -45,9 +45,10 @@ import time
 
 import numpy as np
 
-from minidist.backend import backend_of, default_backend
-from minidist.comm import cost, link, tracing
+from minidist.accel.backend import backend_of, default_backend
+from minidist.comm import cost, tracing
 from minidist.comm.ledger import Ledger, current_call
+from minidist.comm.transports import link
 
 MAX_USER_TAG = 1 << 20          # user tags are 0 .. MAX_USER_TAG-1; larger ones are minidist's own
 OBJ_TAG = MAX_USER_TAG + 1      # pickled-object messages: OBJ_TAG + 2*tag, tag < MAX_OBJ_TAG

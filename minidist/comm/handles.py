@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 
-from minidist.backend import set_default_backend
+from minidist.accel.backend import set_default_backend
 from minidist.comm.communicator import mark_background_thread
 
 

@@ -12,9 +12,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minidist import ops
+from minidist.autograd import ops
+from minidist.autograd.tensor import Tensor
 from minidist.grading import assert_close
-from minidist.tensor import Tensor
 
 GRADE = settings(max_examples=10, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 

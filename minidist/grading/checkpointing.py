@@ -12,12 +12,12 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minidist import ops
-from minidist import random as mrandom
+from minidist.autograd import ops
+from minidist.autograd import random as mrandom
+from minidist.autograd.tensor import Function, Tensor, enable_grad, no_grad, run_backward, saved_tensors_hooks
 from minidist.grading import assert_close
 from minidist.nn import Linear
-from minidist.parallel.recompute import checkpoint as library_checkpoint
-from minidist.tensor import Function, Tensor, enable_grad, no_grad, run_backward, saved_tensors_hooks
+from minidist.parallel.memory.recompute import checkpoint as library_checkpoint
 
 GRADE = settings(max_examples=10, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from minidist.comm.collectives import all_reduce
 from minidist.grading import no_hang, run_guarded
-from minidist.parallel.compress import PowerSGDState, ef_sparsify, powersgd_hook, reduce_with_hook
+from minidist.parallel.data.compress import PowerSGDState, ef_sparsify, powersgd_hook, reduce_with_hook
 
 GRADE = settings(max_examples=15, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 WAIT_S = 10

@@ -1,7 +1,7 @@
 """Grader for exercises/data_parallel.py: DDP's gradient buckets and the weighted gradient average.
 
 ``CHECKS[task](impl)`` raises AssertionError when ``impl.<task>`` is wrong. Buckets are compared with
-``minidist.parallel.ddp.build_buckets`` fed the parameters in reverse, as DDP does; averaged
+``minidist.parallel.data.ddp.build_buckets`` fed the parameters in reverse, as DDP does; averaged
 gradients, on 1..5 thread ranks with uneven batches, with the serial mean over the global batch.
 They run here against minidist's own DDP (must pass) and deliberately broken versions (must fail).
 """
@@ -16,7 +16,7 @@ from minidist.comm.collectives import all_reduce
 from minidist.grading import assert_close, no_hang, run_guarded
 from minidist.nn import Module
 from minidist.nn.module import Parameter
-from minidist.parallel import ddp as D
+from minidist.parallel.data import ddp as D
 
 GRADE = settings(max_examples=15, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 TOL = dict(rtol=1e-10, atol=1e-12)  # the ranks' partial sums add up in another order than the serial mean

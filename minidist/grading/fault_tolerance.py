@@ -22,8 +22,8 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minidist.checkpoint import files
-from minidist.checkpoint.layout import Slot, assemble
+from minidist.resilience.checkpoint import files
+from minidist.resilience.checkpoint.layout import Slot, assemble
 
 GRADE = settings(max_examples=15, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 

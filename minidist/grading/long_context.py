@@ -16,7 +16,7 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minidist.parallel.context import block_attention, merge_attention
+from minidist.parallel.context.ring import block_attention, merge_attention
 
 GRADE = settings(max_examples=25, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 

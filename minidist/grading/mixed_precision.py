@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from minidist.comm.collectives import all_reduce
 from minidist.grading import assert_close, no_hang, run_guarded
-from minidist.parallel import precision as P
+from minidist.parallel.memory import precision as P
 
 GRADE = settings(max_examples=15, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 WAIT_S = 10

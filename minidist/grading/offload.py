@@ -15,7 +15,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minidist.grading import assert_close
-from minidist.parallel.offload import make_shards as library_make_shards
+from minidist.parallel.memory.offload import make_shards as library_make_shards
 
 GRADE = settings(max_examples=12, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 

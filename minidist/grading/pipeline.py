@@ -11,8 +11,8 @@ import types
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minidist.parallel import schedule as S
-from minidist.parallel.simulate import DeadlockError, bubble_formula, simulate
+from minidist.parallel.pipeline import schedule as S
+from minidist.parallel.pipeline.simulate import DeadlockError, bubble_formula, simulate
 
 GRADE = settings(max_examples=25, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 SIZES = dict(p=st.integers(1, 6), m=st.integers(1, 10))

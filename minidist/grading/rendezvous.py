@@ -26,8 +26,8 @@ import itertools
 import time
 
 from minidist.comm.communicator import CommError, RankAborted, RankExited, Request
-from minidist.comm.launch import _run_threads
-from minidist.comm.threads import ThreadComm, _ThreadRecv
+from minidist.comm.runner import _run_threads
+from minidist.comm.transports.threads import ThreadComm, _ThreadRecv
 
 _ids = itertools.count()
 CONFIRM_S = 0.1  # a cycle must be seen twice this far apart, with the same waits in it

@@ -12,12 +12,12 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from minidist.autograd.tensor import Tensor
 from minidist.comm import all_gather, measure
 from minidist.comm.collectives import all_reduce
 from minidist.grading import assert_close, no_hang, run_guarded
-from minidist.parallel import sharding as S
-from minidist.parallel import tp_layers as T
-from minidist.tensor import Tensor
+from minidist.parallel.tensor import layers as T
+from minidist.parallel.tensor import sharding as S
 
 GRADE = settings(max_examples=12, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 SMALL = (1, np.ones((1, 1)), np.ones((1, 1)), np.ones(1))  # tried first: a stub fails fast, unshrunk

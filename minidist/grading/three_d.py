@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from minidist.comm import Mesh
 from minidist.grading import RanksHung, run_guarded
 from minidist.nn import GPTConfig
-from minidist.optim import make_optimizer
+from minidist.nn.optim import make_optimizer
 from minidist.parallel import three_d as T
-from minidist.parallel.ddp import DistributedDataParallel
-from minidist.parallel.pipeline import (
+from minidist.parallel.data.ddp import DistributedDataParallel
+from minidist.parallel.pipeline.runtime import (
     PipelineStage,
     make_schedule,
     partition_uniform,

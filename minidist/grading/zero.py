@@ -142,7 +142,7 @@ CHECKS = {"shard_bounds": check_shard_bounds, "zero2_sgd_step": check_zero2_sgd_
 POINTS = {"shard_bounds": 1, "zero2_sgd_step": 3, "zero3_forward": 4}
 
 
-# -- minidist's own answer (must pass): the convention of minidist/parallel/zero.py ----------------
+# -- minidist's own answer (must pass): the convention of minidist/parallel/data/zero.py ----------------
 
 def _bounds(numel, rank, world):
     q, extra = divmod(numel, world)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.backend import bucket, compiles_per_shape  # noqa: F401  (where inference finds them)
+from minidist.accel.backend import bucket, compiles_per_shape  # noqa: F401  (where inference finds them)
 
 
 def array_where(rows, positions, take, n_rows: int) -> tuple:

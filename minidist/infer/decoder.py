@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minidist.autograd.tensor import Tensor, no_grad
 from minidist.infer.buckets import bucket
 from minidist.infer.kv_cache import CacheStep
 from minidist.nn.module import Module
-from minidist.tensor import Tensor, no_grad
 
 
 @dataclass

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.backend import backend_of
+from minidist.accel.backend import backend_of
+from minidist.autograd.tensor import no_grad
 from minidist.infer.buckets import bucket, compiles_per_shape
 from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import GREEDY, SamplingParams, sample
-from minidist.tensor import no_grad
 
 
 def check_prompt(prompt, block_size: int, max_new_tokens: int = 0, what: str = "prompt",

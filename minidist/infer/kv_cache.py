@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist import jax_engine
-from minidist.backend import default_backend, get_backend
+from minidist.accel import jax_engine
+from minidist.accel.backend import default_backend, get_backend
 from minidist.infer.buckets import array_where, bucket, compiles_per_shape
 
 

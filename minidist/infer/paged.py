@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist import jax_engine
+from minidist.accel import jax_engine
 from minidist.infer.buckets import array_where
 from minidist.infer.kv_cache import CacheStorage, valid_tokens
 

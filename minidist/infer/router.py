@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist.infer.scheduler import Request, Scheduler
-from minidist.slow import Slowdown
+from minidist.resilience.stragglers import Slowdown
 
 POLICIES = ("round_robin", "least_loaded")
 

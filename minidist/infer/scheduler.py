@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from minidist.autograd.tensor import no_grad
 from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
 from minidist.infer.generate import check_prompt, host, is_done
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.paged import OutOfBlocks, PagedKVCache
 from minidist.infer.sampling import GREEDY, SamplingParams, sample
-from minidist.tensor import no_grad
 
 
 @dataclass

@@ -29,9 +29,9 @@ from minidist.infer.decoder import Decoder, forward_tokens, last_logits
 from minidist.infer.generate import check_prompts, decode_loop, host
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import GREEDY
-from minidist.parallel.pipeline import partition_uniform
-from minidist.parallel.sharding import load_shard
-from minidist.parallel.tp_gpt import ParallelBlock
+from minidist.parallel.pipeline.runtime import partition_uniform
+from minidist.parallel.tensor.gpt import ParallelBlock
+from minidist.parallel.tensor.sharding import load_shard
 
 
 def tp_block(cfg, block, tp_comm) -> ParallelBlock:

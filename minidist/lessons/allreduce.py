@@ -19,7 +19,6 @@ import time
 
 import numpy as np
 
-from minidist import estimates
 from minidist.comm import (
     all_reduce,
     measure,
@@ -36,8 +35,9 @@ from minidist.comm.collectives import (
     two_shot_all_reduce,
 )
 from minidist.comm.cost import agreed_crowded, all_reduce_counts, choose_algorithm, shm_two_shot
-from minidist.comm.shm import window_bytes
+from minidist.comm.transports.shm import window_bytes
 from minidist.lessons.cli import finish, launch, lesson_parser, nonnegative_int, positive_int, rprint
+from minidist.plan import estimates
 
 
 def rank_input(rank: int, n: int, seed: int) -> np.ndarray:

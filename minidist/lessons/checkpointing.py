@@ -18,19 +18,20 @@ import time
 
 import numpy as np
 
-from minidist import estimates, trace
-from minidist import random as mrandom
+from minidist import trace
+from minidist.autograd import random as mrandom
 from minidist.comm import all_reduce
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint
 from minidist.memory import MemoryAccountant
 from minidist.nn.gpt import GPT, GPTConfig
-from minidist.parallel import recompute
-from minidist.parallel.recompute import (
+from minidist.parallel.memory import recompute
+from minidist.parallel.memory.recompute import (
     apply_checkpointing,
     block_activation_elements,
     predicted_peak_activation_bytes,
     segment_size,
 )
+from minidist.plan import estimates
 
 POLICIES = tuple(q for q in recompute.POLICIES if q != "every_k")  # every_k needs a k: sqrt picks one
 BARS = " ▁▂▃▄▅▆▇█"

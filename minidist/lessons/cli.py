@@ -23,9 +23,9 @@ import sys
 import threading
 
 from minidist import trace
-from minidist.backend import BACKENDS
+from minidist.accel.backend import BACKENDS
 from minidist.comm import run, under_mpi
-from minidist.comm.devices import describe_binding
+from minidist.comm.transports.devices import describe_binding
 
 # -- argument types: a bad value is an argparse error naming the flag and the allowed range -------
 

@@ -5,10 +5,10 @@
 
 The same GPT is trained for the same steps on the course text by data parallelism whose gradients
 go, step by step, dense (fp32), in bf16, top-k 1% + error feedback, QSGD 4-bit, sign + error
-feedback, PowerSGD r = 2 and r = 8 (DDP communication hooks, ``minidist.parallel.compress``), and by
+feedback, PowerSGD r = 2 and r = 8 (DDP communication hooks, ``minidist.parallel.data.compress``), and by
 DiLoCo (H local AdamW steps, then one all-reduce of the parameter delta) and its streaming variant
-(``minidist.parallel.local_sgd``). Every message crosses an emulated link (``--link``, default a
-1 Gb/s link with 50 us latency: ``minidist.comm.link``). For each method rank 0 prints the bytes it
+(``minidist.parallel.data.local_sgd``). Every message crosses an emulated link (``--link``, default a
+1 Gb/s link with 50 us latency: ``minidist.comm.transports.link``). For each method rank 0 prints the bytes it
 sent per step (ledger) beside the method's formula, the compression ratio, the final loss on held-out
 windows beside dense's, and the wall time per step. Checks: bytes == formula, replicas identical.
 ``--plot`` draws loss vs steps and loss vs bytes sent.
@@ -23,18 +23,17 @@ import time
 
 import numpy as np
 
-from minidist import optim
-from minidist.backend import to_host
+from minidist.accel.backend import to_host
+from minidist.autograd.tensor import no_grad
 from minidist.comm import all_reduce, measure
-from minidist.comm.link import parse_link, set_link
-from minidist.data import BatchLoader, ByteTokenizer, TextDataset, default_text
+from minidist.comm.transports.link import parse_link, set_link
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, positive_int, rprint
-from minidist.nn import GPT, GPTConfig
-from minidist.parallel.compress import make_hook
-from minidist.parallel.compress.powersgd import matrix_shape
-from minidist.parallel.ddp import DDP
-from minidist.parallel.local_sgd import LocalSGD
-from minidist.tensor import no_grad
+from minidist.nn import GPT, GPTConfig, optim
+from minidist.nn.data import BatchLoader, ByteTokenizer, TextDataset, default_text
+from minidist.parallel.data.compress import make_hook
+from minidist.parallel.data.compress.powersgd import matrix_shape
+from minidist.parallel.data.ddp import DDP
+from minidist.parallel.data.local_sgd import LocalSGD
 
 # name -> (hook name and arguments) for DDP, or ("diloco", LocalSGD arguments)
 METHODS = {

@@ -20,11 +20,9 @@ import time
 
 import numpy as np
 
-from minidist import estimates, optim
-from minidist.backend import to_host
+from minidist.accel.backend import to_host
 from minidist.comm import all_reduce, measure
 from minidist.comm.cost import all_reduce_bytes_sent
-from minidist.data import split_batch
 from minidist.lessons.cli import (
     finish,
     launch,
@@ -35,9 +33,11 @@ from minidist.lessons.cli import (
     world_size,
 )
 from minidist.memory import MemoryAccountant, zero_formula
-from minidist.nn import GPT, GPTConfig
-from minidist.parallel.ddp import DDP
-from minidist.parallel.zero import ZeRO, param_count
+from minidist.nn import GPT, GPTConfig, optim
+from minidist.nn.data import split_batch
+from minidist.parallel.data.ddp import DDP
+from minidist.parallel.data.zero import ZeRO, param_count
+from minidist.plan import estimates
 from minidist.testing import adamw_tolerance, max_state_diff, train_serial
 from minidist.trace import hidden_fraction, plot_timeline
 

@@ -3,9 +3,9 @@
     python -m minidist.launch -n 4 -- python -m minidist.lessons.fault_tolerance
     python -m minidist.launch -n 4 --threads -- python -m minidist.lessons.fault_tolerance
 
-Under the supervisor (``minidist.launch``) the first attempt kills its last rank with SIGKILL in
+Under the supervisor (``python -m minidist.launch``) the first attempt kills its last rank with SIGKILL in
 the middle of training (``--fault``, default ``kill:rank=N-1,step=STEPS/2+1``; any
-``minidist.faults`` spec). Every ``--mem-every`` steps each rank's shard goes to shared memory
+``minidist.resilience.faults`` spec). Every ``--mem-every`` steps each rank's shard goes to shared memory
 (tier 1), every ``--disk-every`` steps to disk (tier 2), both written by a background thread. The
 supervisor restarts the job, which restores from the newest intact tier and trains on. At the end
 rank 0 prints the failure, the tier recovered from and how long that took, the steps lost, and
@@ -27,12 +27,8 @@ import time
 
 import numpy as np
 
-from minidist.backend import default_backend
-from minidist.checkpoint.tiers import Checkpointer, Tier, shm_root
-from minidist.checkpoint.trainer import Trainer, small_config
-from minidist.comm.threads import ThreadComm, ThreadWorld
-from minidist.faults import Injector
-from minidist.launch import heartbeat
+from minidist.accel.backend import default_backend
+from minidist.comm.transports.threads import ThreadComm, ThreadWorld
 from minidist.lessons.cli import (
     finish,
     launch,
@@ -42,6 +38,10 @@ from minidist.lessons.cli import (
     probability,
     rprint,
 )
+from minidist.resilience.checkpoint.tiers import Checkpointer, Tier, shm_root
+from minidist.resilience.checkpoint.trainer import Trainer, small_config
+from minidist.resilience.faults import Injector
+from minidist.resilience.supervisor import heartbeat
 from minidist.testing import adamw_tolerance
 
 LR = 3e-3  # AdamW's learning rate of every trainer here (the failing run, its reference, the serial twin)

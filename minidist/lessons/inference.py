@@ -19,10 +19,9 @@ import time
 
 import numpy as np
 
-from minidist.backend import to_host
+from minidist.accel.backend import to_host
 from minidist.comm import measure
 from minidist.comm.cost import all_reduce_bytes_sent
-from minidist.data import BatchLoader, ByteTokenizer, TextDataset
 from minidist.infer import (
     GREEDY,
     Decoder,
@@ -37,7 +36,8 @@ from minidist.infer import (
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint
 from minidist.lessons.train import train
 from minidist.nn import GPT, GPTConfig
-from minidist.parallel.pipeline import partition_uniform
+from minidist.nn.data import BatchLoader, ByteTokenizer, TextDataset
+from minidist.parallel.pipeline.runtime import partition_uniform
 
 TOK = ByteTokenizer()
 PROMPTS = ["Data parallelism ", "The pipeline ", "A neural network ", "Each rank ", "The gradient ",
@@ -239,7 +239,7 @@ def sharded(comm, model, args):
         fold = " (+N for the odd ranks < 2·rem that fold in: p is not a power of 2)" \
             if tp & (tp - 1) and {"recursive_doubling", "halving_doubling"} & set(used) else ""
         print(f"   each all-reduce of N = B·T·d·4 bytes ran {', '.join(used)} (the tensor-parallel group's "
-              f"algorithm, parallel/tp_comm.py):\n   ring and two-shot send 2(p-1)/p·N, "
+              f"algorithm, parallel/tensor/comm.py):\n   ring and two-shot send 2(p-1)/p·N, "
               f"recursive doubling log2(p)·N, "
               f"halving-doubling 2(p-1)/p·N{fold}")
     print(f"   bytes sent per rank: {', '.join(f'{r[1]:,}' for r in rows)}")

@@ -38,8 +38,8 @@ from minidist.parallel.balance.pipeline import (
     step_time,
     train_pipeline_balanced,
 )
-from minidist.parallel.pipeline import partition_uniform
-from minidist.slow import Slowdown, parse
+from minidist.parallel.pipeline.runtime import partition_uniform
+from minidist.resilience.stragglers import Slowdown, parse
 from minidist.testing import host_state, max_state_diff, train_serial
 
 TOL = 1e-9  # float64: only the summation order differs from the serial twin

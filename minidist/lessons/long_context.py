@@ -21,13 +21,15 @@ import contextlib
 
 import numpy as np
 
-from minidist import ops, trace
-from minidist.backend import default_backend, set_default_backend, to_host
+from minidist import trace
+from minidist.accel.backend import default_backend, set_default_backend, to_host
+from minidist.autograd import ops
+from minidist.autograd.tensor import Tensor
 from minidist.comm import measure
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint, world_size
 from minidist.memory import MemoryAccountant
 from minidist.nn import GPT, GPTConfig
-from minidist.parallel.context import (
+from minidist.parallel.context.ring import (
     AttentionStats,
     context_parallel,
     ring_attention,
@@ -36,7 +38,6 @@ from minidist.parallel.context import (
     unshard_sequence,
 )
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_mesh, train_serial
-from minidist.tensor import Tensor
 
 TOL = 1e-10  # float64: only the summation order differs from the serial twin
 

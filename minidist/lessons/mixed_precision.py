@@ -15,14 +15,14 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from minidist import estimates
-from minidist.backend import to_host
+from minidist.accel.backend import to_host
 from minidist.comm import measure
 from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, positive_int, rprint
 from minidist.nn.gpt import GPT, GPTConfig
-from minidist.optim import AdamW
-from minidist.parallel.precision import DynamicLossScaler, MixedPrecision, round_to_bf16
+from minidist.nn.optim import AdamW
+from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision, round_to_bf16
+from minidist.plan import estimates
 from minidist.testing import train_serial
 
 TOL = 1e-2  # stated: losses within 1% (relative) of fp32 over the run

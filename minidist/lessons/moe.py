@@ -4,7 +4,7 @@
     python -m minidist.lessons.moe --ranks 4 [--experts 8] [--steps 40] [--plot FILE.png]
 
 An MoE block (``minidist.nn.moe``) with its experts split over every rank (ep = world size,
-``minidist.parallel.experts``); each rank routes its own tokens. Rank 0 prints:
+``minidist.parallel.experts.dispatch``); each rank routes its own tokens. Rank 0 prints:
 
 1. expert parallelism vs the serial MoE on each rank's tokens (outputs and every gradient): PASS;
 2. training the block on a toy regression whose router starts badly skewed: tokens per expert and
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist import optim
-from minidist.backend import default_backend, to_host
+from minidist.accel.backend import default_backend, to_host
+from minidist.autograd.tensor import Tensor, no_grad
 from minidist.comm import all_reduce, measure
 from minidist.lessons.cli import (
     finish,
@@ -29,9 +29,9 @@ from minidist.lessons.cli import (
     rprint,
     world_size,
 )
+from minidist.nn import optim
 from minidist.nn.moe import MoE
-from minidist.parallel.experts import ExpertParallelMoE, all_to_all_bytes
-from minidist.tensor import Tensor, no_grad
+from minidist.parallel.experts.dispatch import ExpertParallelMoE, all_to_all_bytes
 
 D, HIDDEN = 8, 16
 TOL = 1e-10

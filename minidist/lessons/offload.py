@@ -23,8 +23,8 @@ from minidist import trace
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, positive_int, rprint
 from minidist.memory import MemoryAccountant
 from minidist.nn.gpt import GPT, GPTConfig
-from minidist.optim import AdamW
-from minidist.parallel.offload import OffloadedAdamW
+from minidist.nn.optim import AdamW
+from minidist.parallel.memory.offload import OffloadedAdamW
 from minidist.trace import ascii_timeline_from_events, plot_timeline
 
 

@@ -20,9 +20,8 @@ import time
 
 import numpy as np
 
-from minidist import estimates, trace
+from minidist import trace
 from minidist.comm import under_mpi
-from minidist.data import BatchLoader, TextDataset
 from minidist.lessons.cli import (
     finish,
     launch,
@@ -33,9 +32,11 @@ from minidist.lessons.cli import (
     world_size,
 )
 from minidist.nn import GPT, GPTConfig
-from minidist.parallel.pipeline import format_partition, layer_costs, make_schedule, run_schedule
-from minidist.parallel.simulate import bubble_formula, peak_activations
+from minidist.nn.data import BatchLoader, TextDataset
+from minidist.parallel.pipeline.runtime import format_partition, layer_costs, make_schedule, run_schedule
+from minidist.parallel.pipeline.simulate import bubble_formula, peak_activations
 from minidist.parallel.three_d import check_3d, gather_full_state, train_3d
+from minidist.plan import estimates
 from minidist.testing import adamw_tolerance, max_state_diff, train_serial
 
 

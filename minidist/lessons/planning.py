@@ -21,15 +21,14 @@ import time
 
 import numpy as np
 
-from minidist import hardware
-from minidist.calibrate import calibrate
 from minidist.comm import measure, under_mpi
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint, world_size
 from minidist.memory import MemoryAccountant
 from minidist.nn import GPTConfig
 from minidist.parallel.three_d import gather_full_state, train_3d
-from minidist.plan import ModelSpec, Settings, collectives, memory, plan
+from minidist.plan import ModelSpec, Settings, collectives, hardware, memory, plan
 from minidist.plan.__main__ import plot, table
+from minidist.plan.calibrate import calibrate
 from minidist.plan.mesh import stage_activation_peak, stage_param_counts
 from minidist.plan.search import candidates
 from minidist.plan.steptime import rank_slowdown

@@ -17,12 +17,11 @@ import time
 
 import numpy as np
 
-from minidist import estimates, optim
-from minidist import random as mrandom
-from minidist.backend import default_backend, to_host
+from minidist.accel.backend import default_backend, to_host
+from minidist.autograd import random as mrandom
+from minidist.autograd.tensor import Tensor
 from minidist.comm import measure, under_mpi
 from minidist.comm.cost import all_reduce_bytes_sent
-from minidist.data import BatchLoader, TextDataset
 from minidist.lessons.cli import (
     finish,
     launch,
@@ -33,10 +32,11 @@ from minidist.lessons.cli import (
     rprint,
 )
 from minidist.memory import MemoryAccountant
-from minidist.nn import GPT, GPTConfig
-from minidist.parallel.sharding import sharding_table, unshard
-from minidist.parallel.tp_gpt import TPGPT, ParallelBlock
-from minidist.tensor import Tensor
+from minidist.nn import GPT, GPTConfig, optim
+from minidist.nn.data import BatchLoader, TextDataset
+from minidist.parallel.tensor.gpt import TPGPT, ParallelBlock
+from minidist.parallel.tensor.sharding import sharding_table, unshard
+from minidist.plan import estimates
 from minidist.testing import adamw_tolerance, max_state_diff, train_steps
 
 

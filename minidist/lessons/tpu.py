@@ -5,14 +5,14 @@
     mpirun -n 2 python -m minidist.lessons.tpu           # multi-controller: 2 processes, 4 devices each
 
 Runs on whatever devices JAX sees: without --dp/--tp the mesh takes all n of them
-(``minidist.spmd.default_shape``: tp = 2 when n is even and >= 4, else 1; dp = n // tp; so 1 -> 1x1,
+(``minidist.accel.spmd.default_shape``: tp = 2 when n is even and >= 4, else 1; dp = n // tp; so 1 -> 1x1,
 2 -> 2x1, 4 -> 2x2, 8 -> 4x2). Prints the device kind and the dp x tp mesh, then trains the
 same GPT twice from the same weights on the same batches:
 
 1. **eager minidist** on the JAX device transport: one rank per device, each rank a thread that
    dispatches one op at a time; tensor-parallel and data-parallel all-reduces are minidist's own
    algorithms on point-to-point messages, counted by the ledger;
-2. **the compiled SPMD twin** (``minidist.spmd``): the step written once with ``shard_map`` and
+2. **the compiled SPMD twin** (``minidist.accel.spmd``): the step written once with ``shard_map`` and
    compiled by ``jax.jit`` for every device at once; its collectives are counted in the HLO.
 
 It checks that both reach the same loss and parameters (PASS, exit 1 on FAIL) and prints the step
@@ -50,17 +50,17 @@ force_cpu_devices()  # before JAX loads
 
 import numpy as np  # noqa: E402
 
-from minidist import jax_cache  # noqa: E402
-from minidist.backend import configure_jax  # noqa: E402
+from minidist.accel import jax_cache  # noqa: E402
+from minidist.accel.backend import configure_jax  # noqa: E402
+from minidist.accel.spmd import SPMDTwin, collective_counts, default_shape  # noqa: E402
 from minidist.comm import measure, run, under_mpi, world  # noqa: E402
-from minidist.comm.devices import jax_distributed_init  # noqa: E402
-from minidist.comm.launch import install_abort_hook  # noqa: E402
-from minidist.data import BatchLoader, TextDataset  # noqa: E402
-from minidist.hardware import TPU_V4, TPU_V5E, TPU_V5P  # noqa: E402
+from minidist.comm.runner import install_abort_hook  # noqa: E402
+from minidist.comm.transports.devices import jax_distributed_init  # noqa: E402
 from minidist.lessons.cli import positive_float, positive_int  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
+from minidist.nn.data import BatchLoader, TextDataset  # noqa: E402
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d  # noqa: E402
-from minidist.spmd import SPMDTwin, collective_counts, default_shape  # noqa: E402
+from minidist.plan.hardware import TPU_V4, TPU_V5E, TPU_V5P  # noqa: E402
 from minidist.testing import train_serial  # noqa: E402
 
 
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     print(f"JAX {jax.__version__}: {len(devices)} devices, platform {devices[0].platform}, "
           f"kind {devices[0].device_kind!r}, {jax.process_count()} process(es)")
     batches = make_batches(args)
-    vocab = 256  # bytes (minidist.data.ByteTokenizer): a multiple of 128, what a TPU's MXU wants
+    vocab = 256  # bytes (minidist.nn.data.ByteTokenizer): a multiple of 128, what a TPU's MXU wants
     cfg = GPTConfig(vocab_size=vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                     d_model=args.d_model, dtype=args.dtype)
     print(f"GPT: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, vocab {vocab}, "
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
         if n:
             print(f"   {name:<28} {n:>4}")
 
-    print("\nwhere these collectives would run (minidist.hardware, sources there), GB/s per chip:")
+    print("\nwhere these collectives would run (minidist.plan.hardware, sources there), GB/s per chip:")
     print(f"   {'chip':<9} {'HBM':>7} {'ICI ring':>9} {'DCN':>6}")
     for hw in (TPU_V4, TPU_V5E, TPU_V5P):
         print(f"   {hw.name:<9} {hw.hbm_bandwidth / 1e9:>7.0f} {hw.intra.bandwidth / 1e9:>9.0f} "

@@ -17,13 +17,13 @@ import time
 
 import numpy as np
 
-from minidist import estimates, optim
-from minidist.backend import bucket, compiles_per_shape, default_backend
-from minidist.comm.devices import describe_binding
-from minidist.data import BatchLoader, ByteTokenizer, SyntheticTask, TextDataset
+from minidist.accel.backend import bucket, compiles_per_shape, default_backend
+from minidist.autograd.tensor import no_grad
+from minidist.comm.transports.devices import describe_binding
 from minidist.lessons.cli import nonnegative_int, positive_float, positive_int
-from minidist.nn import GPT, GPTConfig
-from minidist.tensor import no_grad
+from minidist.nn import GPT, GPTConfig, optim
+from minidist.nn.data import BatchLoader, ByteTokenizer, SyntheticTask, TextDataset
+from minidist.plan import estimates
 from minidist.testing import train_steps
 
 

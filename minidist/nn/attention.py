@@ -4,7 +4,7 @@ x (B, T, C) -> qkv = x @ W_qkv (B, T, 3C) -> q, k, v as (B, H, T, C/H) -> causal
 scaled-dot-product attention -> merge heads (B, T, C) -> output projection -> dropout.
 
 ``self_attention(qkv, n_head, cache)`` is the middle part, shared by this layer and the
-tensor-parallel one (``minidist.parallel.tp_layers.ParallelAttention``, its heads split across
+tensor-parallel one (``minidist.parallel.tensor.layers.ParallelAttention``, its heads split across
 ranks). Without a cache it is one fused, differentiable op, ``ops.packed_attention``: the heads are
 split and merged inside it, so backward writes qkv's gradient once (``split_heads`` and
 ``merge_heads`` are the same layout changes, for code that attends over other q, k, v).
@@ -20,11 +20,12 @@ import math
 
 import numpy as np
 
-from minidist import jax_engine, ops
-from minidist.backend import backend_of
+from minidist.accel import jax_engine
+from minidist.accel.backend import backend_of
+from minidist.autograd import ops
+from minidist.autograd.tensor import Context, Tensor, grad_enabled
 from minidist.nn.layers import Dropout, Linear
 from minidist.nn.module import Module
-from minidist.tensor import Context, Tensor, grad_enabled
 
 
 def split_heads(qkv, n_head):
@@ -51,7 +52,7 @@ def self_attention(qkv, n_head: int, cache=None):
         return ops.packed_attention(qkv, n_head, causal=True)
     if grad_enabled() and qkv.requires_grad:
         raise RuntimeError("self_attention: a KV cache is for inference; run it under "
-                           "minidist.tensor.no_grad()")
+                           "minidist.autograd.tensor.no_grad()")
     q, k, v = split_heads(qkv.data, n_head)  # arrays: nothing is recorded
     keys, values = cache.update(k, v)
     return Tensor(merge_heads(masked_attention(q, keys, values, cache.hidden)))

@@ -13,11 +13,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from minidist import ops
+from minidist.autograd import ops
+from minidist.autograd.tensor import Tensor
 from minidist.nn.attention import CausalSelfAttention
 from minidist.nn.layers import MLP, Dropout, Embedding, LayerNorm, Linear
 from minidist.nn.module import Module, Sequential
-from minidist.tensor import Tensor
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The basic layers: Linear, Embedding, LayerNorm, Dropout, MLP.
 
 Constructors take the dtype explicitly and draw initial weights from a seeded NumPy generator
-(``rng``, default: this rank's ``minidist.random`` generator) so that a model built twice with
+(``rng``, default: this rank's ``minidist.autograd.random`` generator) so that a model built twice with
 the same seed is the same model on every backend and every rank.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist import ops
-from minidist import random as mrandom
-from minidist.backend import default_backend, get_backend
+from minidist.accel.backend import default_backend, get_backend
+from minidist.autograd import ops
+from minidist.autograd import random as mrandom
 from minidist.nn.module import Module, Parameter
 
 
@@ -62,7 +62,7 @@ class LayerNorm(Module):
 
 
 class Dropout(Module):
-    """Drops with probability p in training mode, from this rank's ``minidist.random`` generator."""
+    """Drops with probability p in training mode, from this rank's ``minidist.autograd.random`` generator."""
 
     def __init__(self, p=0.0):
         super().__init__()

@@ -31,7 +31,7 @@ Why this order (``WRAPPER_ORDER``), from the outside in:
 One wrapper per position per module: a second registration at a taken position is an error naming
 both owners (two ZeRO-3 wrappers on one unit would gather twice). Each ``register_forward_wrapper``
 returns a handle whose ``remove()`` takes away that wrapper only, leaving the others in place.
-Saved-tensor hooks (``minidist.tensor.saved_tensors_hooks``) are the backward half of the same idea:
+Saved-tensor hooks (``minidist.autograd.tensor.saved_tensors_hooks``) are the backward half of the same idea:
 a wrapper that enters them around ``inner`` decides what its layers' ops keep for backward.
 """
 
@@ -41,8 +41,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from minidist.backend import backend_of
-from minidist.tensor import Tensor
+from minidist.accel.backend import backend_of
+from minidist.autograd.tensor import Tensor
 
 
 class Parameter(Tensor):

@@ -10,7 +10,7 @@ For N tokens x (N, d) and E experts:
    every choice was dropped passes through the block's residual connection unchanged.
 3. **dispatch** -- kept tokens are copied into a buffer of E x C rows (expert e's slot s at row
    e·C + s; empty slots are zeros): a fixed shape, whatever the routing, so expert parallelism
-   (``minidist.parallel.experts``) exchanges it with ``all_to_all`` of known size.
+   (``minidist.parallel.experts.dispatch``) exchanges it with ``all_to_all`` of known size.
 4. **experts** -- expert e runs on its C rows (``run_experts``: the one step EP replaces).
 5. **combine** -- each kept assignment's output row, times its gate, is added to its token.
 
@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minidist import ops
-from minidist.backend import backend_of, compiles_per_shape, to_host
+from minidist.accel.backend import backend_of, compiles_per_shape, to_host
+from minidist.autograd import ops
+from minidist.autograd.tensor import Tensor
 from minidist.nn.layers import MLP, Dropout, Linear
 from minidist.nn.module import Module, ModuleList
 from minidist.nn.moe_steps import (
@@ -49,7 +50,6 @@ from minidist.nn.moe_steps import (
     expert_rows,
     join_rows,
 )
-from minidist.tensor import Tensor
 
 # -- routing decisions (arrays: no gradient flows through a choice) -------------------------------
 

@@ -13,7 +13,7 @@ Written as ops of their own, not as chains of ``x[idx]``, ``*``, ``reshape``, ``
 forward and as many backward per block), because on JAX each op is one compiled call (~13-30 us of
 dispatch whatever its size) and on NumPy each is a Python-level graph node. Each backward is the
 chain rule of the ops it replaces, in the same order, so NumPy's results are those of the chain
-bit for bit (tests/nn/test_moe.py checks it against the chain written with ``minidist.ops``).
+bit for bit (tests/nn/test_moe.py checks it against the chain written with ``minidist.autograd.ops``).
 Every op here is pure array code: on JAX one compiled program per shape (``compilable``).
 """
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.backend import backend_of
-from minidist.ops import Gelu, Linear, unbroadcast
-from minidist.tensor import Function
+from minidist.accel.backend import backend_of
+from minidist.autograd.ops import Gelu, Linear, unbroadcast
+from minidist.autograd.tensor import Function
 
 
 class Dispatch(Function):

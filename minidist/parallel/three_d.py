@@ -5,14 +5,14 @@ rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank; with cp = 1 the
 
 * **tensor (tp)**: the tp ranks of a cell hold shards of the same layers (`TPGPT`, Megatron-style),
   and do their all-reduces inside the layers' forward and backward;
-* **pipeline (pp)**: the model's layer list is cut into pp stages (`minidist.parallel.pipeline`);
+* **pipeline (pp)**: the model's layer list is cut into pp stages (`minidist.parallel.pipeline.runtime`);
   each stage runs a schedule (GPipe or 1F1B) over the microbatches, sending activations forward
   and gradients back to the same (dp, tp) coordinate of the neighbouring stage;
 * **context (cp)**: the cp ranks of a cell hold different tokens of the same sequences (zig-zag
-  chunks, `minidist.parallel.context`); attention passes keys and values round their ring. Their
+  chunks, `minidist.parallel.context.ring`); attention passes keys and values round their ring. Their
   gradients are partial sums over tokens, so they are averaged together with dp's (group dp_cp);
 * **experts (ep, carved from dp)**: with ``moe=``, every block's MLP is a mixture of experts split
-  over ep consecutive dp ranks (`minidist.parallel.experts`: tokens travel by all-to-all). Expert
+  over ep consecutive dp ranks (`minidist.parallel.experts.dispatch`: tokens travel by all-to-all). Expert
   parameters differ across an ep group, so DDP leaves them out; they are averaged over the ranks
   holding the same experts (`mesh.edp_cp`) at the optimizer step;
 * **data (dp)**: dp replicas of the whole pipeline each take 1/dp of the global batch. Each stage
@@ -41,11 +41,11 @@ import numpy as np
 
 from minidist.comm import Mesh, all_reduce
 from minidist.nn import GPT
-from minidist.optim import make_optimizer
-from minidist.parallel.context import context_parallel, shard_sequence
-from minidist.parallel.ddp import DistributedDataParallel
-from minidist.parallel.experts import expert_names, moe_gpt
-from minidist.parallel.pipeline import (
+from minidist.nn.optim import make_optimizer
+from minidist.parallel.context.ring import context_parallel, shard_sequence
+from minidist.parallel.data.ddp import DistributedDataParallel
+from minidist.parallel.experts.dispatch import expert_names, moe_gpt
+from minidist.parallel.pipeline.runtime import (
     PipelineStage,
     make_schedule,
     partition_balanced,
@@ -53,8 +53,8 @@ from minidist.parallel.pipeline import (
     run_schedule,
     split_microbatches,
 )
-from minidist.parallel.sharding import sharding_table, unshard
-from minidist.parallel.tp_gpt import TPGPT
+from minidist.parallel.tensor.gpt import TPGPT
+from minidist.parallel.tensor.sharding import sharding_table, unshard
 from minidist.testing import max_state_diff, train_serial  # noqa: F401  (their home; kept importable here)
 
 
@@ -131,9 +131,9 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
     `layer_costs` (one per layer) selects the balanced partition.
     `on_step(step, stats)` is called after each step (e.g. to record traces). `checkpoint` is an
     activation-checkpointing policy ("full", "sqrt", "every_k", "selective") applied per stage.
-    `comm_hook`: a (state, hook) pair (`minidist.parallel.compress`) for the data-parallel gradients.
-    `moe`: make every block's MLP a mixture of experts (`minidist.parallel.experts.moe_gpt` arguments,
-    e.g. dict(n_experts=4, k=2)), split over ep groups carved from dp (`ep`); the expert-parallel
+    `comm_hook`: a (state, hook) pair (`minidist.parallel.data.compress`) for the data-parallel gradients.
+    `moe`: make every block's MLP a mixture of experts (`minidist.parallel.experts.dispatch.moe_gpt`
+    arguments, e.g. dict(n_experts=4, k=2)), split over ep groups carved from dp (`ep`); the expert-parallel
     parameters average over the ranks holding the same experts (mesh.edp_cp), not over dp_cp."""
     batch_size = batches[0][0].shape[0]
     check_3d(comm.size, cfg, batch_size, dp, pp, tp, microbatches, chunks, comm.rank, cp,

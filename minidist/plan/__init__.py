@@ -6,7 +6,7 @@
 * traffic.py  -- the collectives of one step per axis, bytes per rank (exact for minidist)
 * steptime.py -- compute, exposed communication per axis on its link, simulated bubble, MFU
 * search.py   -- enumerate, rank, explain
-Hardware constants: `minidist.hardware`; this machine's: `python -m minidist.calibrate`.
+Hardware constants: `minidist.plan.hardware`; this machine's: `python -m minidist.calibrate`.
 """
 
 from minidist.plan.mesh import Candidate, Settings, memory

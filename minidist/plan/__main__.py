@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from minidist import hardware
+from minidist.plan import hardware
 from minidist.plan.mesh import KINDS, Candidate, Settings
 from minidist.plan.model import ModelSpec
 from minidist.plan.presets import MODELS

@@ -6,11 +6,11 @@ Rank order is minidist's (`minidist.comm.Mesh`): tensor fastest, then data, pipe
 
 `memory(model, cand, batch, settings)` returns per-device bytes of the fullest stage by kind:
 params, grads, optimizer, activations, buffers. For the "minidist" engine every number is what
-`minidist.memory.MemoryAccountant` reports for that rank (tests/test_plan.py runs it and compares):
+`minidist.memory.MemoryAccountant` reports for that rank (tests/plan/test_plan.py runs it and compares):
 the layer list is minidist's (Embed, blocks, Head) cut by `partition_uniform`, tensor-parallel
 shards are `TPGPT`'s, ZeRO shards follow DDP's gradient buckets (`build_buckets`, `Bucket.shard`),
 and activations are those the ops save, times the microbatches a stage holds at its peak
-(`minidist.parallel.simulate.peak_activations` of the real schedule).
+(`minidist.parallel.pipeline.simulate.peak_activations` of the real schedule).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from minidist.comm.collectives import split_sizes
-from minidist.parallel.ddp import DistributedDataParallel, build_buckets
-from minidist.parallel.pipeline import make_schedule, partition_uniform
-from minidist.parallel.schedule import Backward, Forward
-from minidist.parallel.simulate import peak_activations
+from minidist.parallel.data.ddp import DistributedDataParallel, build_buckets
+from minidist.parallel.pipeline.runtime import make_schedule, partition_uniform
+from minidist.parallel.pipeline.schedule import Backward, Forward
+from minidist.parallel.pipeline.simulate import peak_activations
 from minidist.plan.model import (
     ModelSpec,
     minidist_block_elements,

@@ -175,7 +175,7 @@ class ModelSpec:
 
 def minidist_block_elements(b: int, s: int, h: int, heads: int, tp: int = 1) -> dict:
     """Elements one `minidist.nn.gpt.Block` (or, for tp > 1, `ParallelBlock`) saves for backward,
-    op by op, without dropout (see `minidist.parallel.recompute.block_activation_elements`, the
+    op by op, without dropout (see `minidist.parallel.memory.recompute.block_activation_elements`, the
     serial count). Replicated on every tensor-parallel rank: ln1 x̂ + rstd, the qkv linear's input,
     ln2 x̂ + rstd, the fc linear's input. Split by tp: the qkv output (q, k, v views of one buffer),
     the attention probabilities, the proj linear's input, GELU's x and tanh, the mlp proj's input."""

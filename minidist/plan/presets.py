@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minidist import hardware
+from minidist.plan import hardware
 from minidist.plan.model import ModelSpec
 
 MEG21 = "Narayanan et al. 2021, Efficient Large-Scale LM Training on GPU Clusters Using Megatron-LM, Table 1"

@@ -11,7 +11,7 @@ bubble, exposed communication on one axis, or compute (recomputation, a fuller p
 
 from __future__ import annotations
 
-from minidist.hardware import Hardware
+from minidist.plan.hardware import Hardware
 from minidist.plan.mesh import DEFAULT, Candidate, Settings
 from minidist.plan.model import ModelSpec
 from minidist.plan.steptime import Prediction, predict

@@ -14,7 +14,7 @@ share too few cores every rank's work and messages run ranks / cores times slowe
 (`rank_slowdown`: processes get the free cores; thread ranks share one GIL, and once they outnumber
 the CPUs their Python, kernels and messages take turns -- calibrate measures the cores they get).
 
-The pipeline is then *simulated* (`minidist.parallel.simulate.simulate`) on the candidate's real
+The pipeline is then *simulated* (`minidist.parallel.pipeline.simulate.simulate`) on the candidate's real
 schedule with those stage times and the point-to-point time of one activation, which gives the
 makespan and the bubble. Data-parallel gradient traffic starts during the last microbatch's
 backward (as minidist's 3D training and Megatron-LM's overlap do): only what does not fit under
@@ -28,9 +28,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from minidist.hardware import Hardware, Link
-from minidist.parallel.pipeline import make_schedule
-from minidist.parallel.simulate import simulate
+from minidist.parallel.pipeline.runtime import make_schedule
+from minidist.parallel.pipeline.simulate import simulate
+from minidist.plan.hardware import Hardware, Link
 from minidist.plan.mesh import (
     DEFAULT,
     Candidate,
@@ -171,7 +171,7 @@ def _stage_math(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int, set
 
 def kernel_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int) -> tuple[float, float]:
     """(forward, backward) seconds of one microbatch through one stage of a minidist GPT on this
-    machine: a sum over the ops of the work each does at the rate `minidist.calibrate` measured for
+    machine: a sum over the ops of the work each does at the rate `minidist.plan.calibrate` measured for
     it (forward + backward together, split 1 : 2). Per block: the four linears (3 x 2·T·12h²/tp
     FLOPs), GELU on 4·T·h/tp elements, two layer norms on T·h, the attention's b·(H/tp)·s² scores
     (and its q·kᵀ, p·v matmuls at the linear rate), ~6 plain elementwise passes over T·h (residual

@@ -22,10 +22,11 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from minidist.comm import cost, shm
+from minidist.comm import cost
 from minidist.comm.collectives import split_sizes
-from minidist.parallel import tp_comm
-from minidist.parallel.ddp import DistributedDataParallel
+from minidist.comm.transports import shm
+from minidist.parallel.data.ddp import DistributedDataParallel
+from minidist.parallel.tensor import comm as tp_comm
 from minidist.plan.mesh import (
     DEFAULT,
     Candidate,
@@ -46,7 +47,8 @@ TP_ALGORITHM = tp_comm.ALGORITHM
 class Placement:
     """Where the ranks run, as far as the comm layer's `auto` choice cares: the transport ("threads"
     or "mpi"), whether this host's ranks outnumber its cores (`minidist.comm.cost.crowded`), and
-    whether every rank shares one node's memory (`minidist.comm.shm`: MPI, one node, no emulated link)."""
+    whether every rank shares one node's memory (`minidist.comm.transports.shm`: MPI, one node, no
+    emulated link)."""
     transport: str = "threads"
     crowded: bool = False
     shared_memory: bool = False

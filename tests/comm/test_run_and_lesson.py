@@ -9,7 +9,7 @@ from minidist.lessons import allreduce as lesson
 
 
 def test_run_returns_results_in_rank_order_and_sets_each_ranks_backend():
-    from minidist.backend import default_backend
+    from minidist.accel.backend import default_backend
 
     out = run(lambda comm, k: (comm.rank, comm.size, default_backend().name, k), ranks=3, k=7)
     assert out == [(r, 3, "numpy", 7) for r in range(3)]

@@ -4,10 +4,10 @@ and decoding 2^k + 1 tokens compiles a program per bucket, not one per token."""
 import numpy as np
 import pytest
 
+from minidist.autograd.tensor import no_grad
 from minidist.infer import Decoder, KVCache, PagedKVCache, forward_tokens, generate, generate_recompute
 from minidist.infer.buckets import array_where, bucket
 from minidist.nn import GPT, GPTConfig
-from minidist.tensor import no_grad
 
 
 def test_bucket_is_the_next_power_of_two_capped_at_the_cache():
@@ -75,7 +75,7 @@ def test_decoding_2k_plus_1_tokens_compiles_a_program_per_bucket_not_per_token()
     position -- not the ~10 per token of exact shapes. A second decode through the same buckets
     compiles nothing."""
     jax = pytest.importorskip("jax")  # noqa: F841
-    from minidist import jax_engine
+    from minidist.accel import jax_engine
 
     if not jax_engine.enabled():
         pytest.skip("MINIDIST_JAX_JIT=0: nothing is compiled")
@@ -119,7 +119,7 @@ def test_the_train_lessons_sampling_pads_its_window_on_jax_and_gives_numpys_toke
     which causal attention keeps from changing the real positions: the same tokens as NumPy's
     (float64); once windows of 4, 8 and 16 tokens have run, windows of 3 .. 15 compile nothing."""
     pytest.importorskip("jax")
-    from minidist import jax_engine
+    from minidist.accel import jax_engine
     from minidist.lessons.train import sample
 
     cfg = GPTConfig(vocab_size=30, block_size=16, n_layer=1, n_head=2, d_model=10, seed=3, dtype="float64")

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from minidist.autograd.tensor import Tensor, no_grad
 from minidist.infer import (
     Decoder,
     KVCache,
@@ -20,7 +21,6 @@ from minidist.infer import (
 from minidist.infer.kv_cache import CacheStep, causal_mask
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.attention import masked_attention
-from minidist.tensor import Tensor, no_grad
 
 V, BLOCK = 32, 40
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from minidist.autograd.tensor import no_grad
 from minidist.infer import (
     GREEDY,
     Decoder,
@@ -20,7 +21,6 @@ from minidist.infer import (
     serve,
 )
 from minidist.nn import GPT, GPTConfig
-from minidist.tensor import no_grad
 
 V, BLOCK = 32, 48
 

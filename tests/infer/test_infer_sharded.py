@@ -64,9 +64,9 @@ def test_sharded_serving_runs_trainings_parallel_blocks_on_their_shards():
 
 
 def test_a_sequence_parallel_block_refuses_a_cache():
+    from minidist.autograd.tensor import Tensor, no_grad
     from minidist.infer import CacheStep, Decoder, KVCache
-    from minidist.parallel.tp_gpt import ParallelBlock
-    from minidist.tensor import Tensor, no_grad
+    from minidist.parallel.tensor.gpt import ParallelBlock
 
     cfg = model().config
     cache = KVCache.for_decoder(Decoder.from_model(model()), 1)

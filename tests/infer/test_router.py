@@ -12,7 +12,7 @@ from minidist.infer import Request, SamplingParams, serve
 from minidist.infer.router import choose, outstanding_tokens, poisson_arrivals, route
 from minidist.infer.scheduler import Scheduler
 from minidist.nn import GPT, GPTConfig
-from minidist.slow import Slowdown
+from minidist.resilience.stragglers import Slowdown
 
 V = 32
 

@@ -3,10 +3,9 @@
 import numpy as np
 import pytest
 
-from minidist import optim
-from minidist.data import BatchLoader, SyntheticTask, TextDataset
-from minidist.nn import GPT, GPTConfig
-from minidist.tensor import Tensor
+from minidist.autograd.tensor import Tensor
+from minidist.nn import GPT, GPTConfig, optim
+from minidist.nn.data import BatchLoader, SyntheticTask, TextDataset
 from tests.conftest import backends
 
 TINY = GPTConfig(vocab_size=7, block_size=6, n_layer=2, n_head=2, d_model=4, dtype="float64", seed=3)
@@ -15,7 +14,7 @@ TINY = GPTConfig(vocab_size=7, block_size=6, n_layer=2, n_head=2, d_model=4, dty
 @pytest.mark.parametrize("backend", backends())
 def test_gpt_gradients_match_central_differences(backend):
     """Every parameter tensor: 3 sampled entries of dL/dθ equal (L(θ+ε) - L(θ-ε)) / 2ε."""
-    from minidist.backend import get_backend
+    from minidist.accel.backend import get_backend
 
     be = get_backend(backend)
     model = GPT(TINY, backend=be)
@@ -41,7 +40,7 @@ def test_gpt_gradients_match_central_differences(backend):
 
 def test_head_gradient_is_the_hand_derived_formula():
     """dL/dW_head = hᵀ(softmax(h W) - onehot(y)) / N, with h the final LayerNorm's output."""
-    from minidist.tensor import no_grad
+    from minidist.autograd.tensor import no_grad
 
     model = GPT(TINY)
     rng = np.random.default_rng(1)
@@ -96,7 +95,7 @@ def test_adamw_matches_reference_formula():
 
 def test_adamw_same_on_jax():
     pytest.importorskip("jax")
-    from minidist.backend import get_backend
+    from minidist.accel.backend import get_backend
 
     rng = np.random.default_rng(1)
     w0, g = rng.standard_normal(4), rng.standard_normal(4)

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minidist import ops
+from minidist.autograd import ops
+from minidist.autograd.tensor import Function, Tensor
 from minidist.nn.moe import MoE, capacity, top_k_route
-from minidist.tensor import Function, Tensor
 from tests.conftest import budget
 
 
@@ -132,7 +132,7 @@ def _moe_step(backend, x, g, k=2, cf=0.75, host_input=False):
     """One forward and backward of a float64 MoE on ``backend``: output, input and parameter
     gradients, losses, stats, all on the host. ``host_input``: x stays a NumPy array (as the lesson
     feeds it), only the parameters live on ``backend``."""
-    from minidist.backend import get_backend
+    from minidist.accel.backend import get_backend
 
     be = get_backend(backend)
     moe = MoE(4, 4, k, cf, hidden=6, dtype=np.float64, std=0.5, rng=np.random.default_rng(11),
@@ -152,7 +152,7 @@ def test_moe_on_jax_pads_to_one_shape_and_equals_numpy_with_uneven_routing(host_
     different number of tokens per expert and drops some -- and after the first step, no step
     compiles a new program, whatever the routing."""
     pytest.importorskip("jax")
-    from minidist import jax_engine
+    from minidist.accel import jax_engine
 
     rng = np.random.default_rng(5)
     kept_counts, programs = set(), []
@@ -195,7 +195,7 @@ class _ScatterRows(Function):
 
 
 def _chain(moe, x):
-    """The block as a chain of ``minidist.ops`` (NumPy): gather, gate, scatter, one module call per
+    """The block as a chain of ``minidist.autograd.ops`` (NumPy): gather, gate, scatter, one module call per
     expert, concat, and the two losses spelled op by op -- what the fused steps must equal bit for bit."""
     xf = x.reshape(-1, x.shape[-1])
     n, e, k = xf.shape[0], moe.n_experts, moe.k
@@ -281,7 +281,7 @@ def test_low_precision_experts_compute_like_their_modules(low):
     multiplies them in fp32, rounds once): the output and every gradient stay in the low dtype, and
     equal the path forced by a no-op wrapper bit for bit. bf16 is kind "V", not "f": the check that
     looked for kind "f" let bf16 experts into the fused op, whose bf16 products came out float32."""
-    from minidist.parallel.precision import autocast, low_dtype
+    from minidist.parallel.memory.precision import autocast, low_dtype
 
     dt = low_dtype(low)
     rng = np.random.default_rng(0)

@@ -21,25 +21,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minidist import ops
-from minidist import random as mrandom
+from minidist.autograd import ops
+from minidist.autograd import random as mrandom
 from minidist.comm import Mesh, run
 from minidist.nn import GPT, GPTConfig
-from minidist.optim import SGD, AdamW
+from minidist.nn.optim import SGD, AdamW
 from minidist.parallel import compose
-from minidist.parallel.ddp import DDP
-from minidist.parallel.offload import OffloadedAdamW
-from minidist.parallel.pipeline import (
+from minidist.parallel.data.ddp import DDP
+from minidist.parallel.data.zero import ZeRO
+from minidist.parallel.memory.offload import OffloadedAdamW
+from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
+from minidist.parallel.memory.recompute import apply_checkpointing
+from minidist.parallel.pipeline.runtime import (
     PipelineStage,
     make_schedule,
     partition_uniform,
     run_schedule,
     split_microbatches,
 )
-from minidist.parallel.precision import DynamicLossScaler, MixedPrecision
-from minidist.parallel.recompute import apply_checkpointing
-from minidist.parallel.sharding import sharding_table, unshard
-from minidist.parallel.zero import ZeRO
+from minidist.parallel.tensor.sharding import sharding_table, unshard
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, d_model=16, dtype="float64")
@@ -122,7 +122,7 @@ def _train(comm, order):
     mrandom.manual_seed(0)
     cfg = _cfg(order)
     if tp > 1:
-        from minidist.parallel.tp_gpt import TPGPT
+        from minidist.parallel.tensor.gpt import TPGPT
 
         model = TPGPT(cfg, mesh.tp, sequence_parallel="sp" in t)
         base_loss = model.loss_fn
@@ -288,7 +288,7 @@ def test_nothing_outside_module_py_assigns_forward():
 # -- the wrapper stack itself: every technique at its position, each removable ---------------------
 
 def _offloaded_run(comm, offload_first):
-    from minidist.parallel.offload import offload_activations
+    from minidist.parallel.memory.offload import offload_activations
 
     model = apply_checkpointing(GPT(CFG), "full")
     if offload_first:
@@ -317,7 +317,7 @@ def test_activation_offload_zero3_and_checkpointing_stack_in_order_and_equal_ser
 
 def test_activation_offload_moves_saved_activations_off_the_device():
     from minidist.memory import MemoryAccountant
-    from minidist.parallel.offload import offload_activations
+    from minidist.parallel.memory.offload import offload_activations
 
     x = DATA[0]
     peaks, grads = [], []

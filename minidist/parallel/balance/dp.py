@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist import trace
-from minidist.backend import bucket, compiles_per_shape
+from minidist.accel.backend import bucket, compiles_per_shape
 from minidist.nn import GPT
-from minidist.optim import make_optimizer
+from minidist.nn.optim import make_optimizer
 from minidist.parallel.balance.measure import StepMonitor, StragglerDetector
 from minidist.parallel.balance.shares import ShareBalancer, balanced_time, offsets
-from minidist.parallel.ddp import DistributedDataParallel
-from minidist.slow import Slowdown
+from minidist.parallel.data.ddp import DistributedDataParallel
+from minidist.resilience.stragglers import Slowdown
 
 
 def _span(name: str, cat: str, **args):

@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minidist.backend import to_host
+from minidist.accel.backend import to_host
+from minidist.autograd.tensor import Tensor
 from minidist.comm import all_reduce
 from minidist.nn import GPT
-from minidist.optim import make_optimizer
-from minidist.parallel.pipeline import (
+from minidist.nn.optim import make_optimizer
+from minidist.parallel.pipeline.runtime import (
     PipelineStage,
     make_schedule,
     partition_balanced,
@@ -44,8 +45,7 @@ from minidist.parallel.pipeline import (
     split_microbatches,
 )
 from minidist.parallel.three_d import token_loss_weights
-from minidist.slow import Slowdown, sleep_until
-from minidist.tensor import Tensor
+from minidist.resilience.stragglers import Slowdown, sleep_until
 
 MOVE_TAG = 7
 

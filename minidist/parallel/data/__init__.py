@@ -1,0 +1,1 @@
+"""Data parallelism: DDP, ZeRO, gradient compression, local SGD / DiLoCo."""

@@ -1,0 +1,1 @@
+"""Expert parallelism: an MoE block's experts split over a group, tokens moved by all-to-all."""

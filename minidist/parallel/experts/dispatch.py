@@ -1,0 +1,151 @@
+"""Expert parallelism: the E experts of an MoE block split over an ``ep`` group, tokens moved by all-to-all.
+
+Each of the ep ranks holds E/ep experts (rank r: experts r·E/ep .. (r+1)·E/ep - 1) and its own
+tokens (its data-parallel share: ep is carved from dp, ``minidist.comm.Mesh``). It routes them
+itself (router replicated, capacity C from its own N tokens), fills its E x C dispatch buffer
+(``minidist.nn.moe``), and then:
+
+1. **dispatch all-to-all** -- the buffer's rows for rank j's experts (E/ep · C rows) go to rank j;
+   each rank receives ep blocks, one per sender, for its own experts;
+2. its experts run on ep·C rows each (every rank's tokens for that expert);
+3. **combine all-to-all** -- the reverse: each block goes back to the rank it came from, which
+   gates and adds the rows to its tokens exactly as the serial block does.
+
+Backward is the same two all-to-alls in reverse order (an all-to-all is its own transpose). Bytes
+one rank sends per MoE layer, forward: 2 · (ep-1) · (E/ep) · C · d · itemsize (two all-to-alls
+of ep-1 blocks); forward + backward twice that -- :func:`all_to_all_bytes`. The buffer's fixed
+shape (empty slots are zeros) is what makes this a formula: the price of capacity padding.
+
+``ExpertParallelMoE`` equals the serial ``MoE`` applied to each rank's tokens separately (same
+routing, same drops, same outputs and gradients); the router's gradient is a partial sum over the
+ep group's tokens, summed like any data-parallel gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minidist.accel.backend import to_host
+from minidist.autograd.tensor import Function
+from minidist.comm import all_to_all
+from minidist.comm.call import result_backend
+from minidist.nn import GPT
+from minidist.nn.module import ModuleList
+from minidist.nn.moe import MoE, run_local_experts
+from minidist.nn.optim import make_optimizer
+from minidist.parallel.context.ring import replace_child
+from minidist.testing import host_state, train_steps
+
+
+class AllToAll(Function):
+    """x (p·m, ...) -> y (p·m, ...): block j (m rows) of y is rank j's block [my rank] of x;
+    backward: the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _exchange(comm, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _exchange(ctx.comm, g), None
+
+
+def _exchange(comm, x):
+    """Block j of x's rows (its first axis cut in comm.size equal blocks) to rank j, and rank j's
+    block for me in its place. ``all_to_all`` stages its chunks through the host anyway, so a device
+    array is copied out once, sent as host views of its blocks, and copied back once (on JAX: no
+    eager slice per block and no reshape or stack programs); a NumPy array's copies are no-ops."""
+    host = to_host(x)
+    if host.shape[0] % comm.size:
+        raise ValueError(f"rank {comm.rank}: the expert exchange cuts its {host.shape[0]} rows into "
+                         f"{comm.size} equal blocks, one per rank: need a multiple of {comm.size} rows")
+    blocks = host.reshape(comm.size, host.shape[0] // comm.size, *host.shape[1:])
+    got = np.stack(all_to_all(comm, list(blocks))).reshape(host.shape)
+    return result_backend(comm, x).from_host(got)
+
+
+class ExpertParallelMoE(MoE):
+    """``MoE`` with its experts split over ``ep_comm``: the same weights as ``MoE(..., rng=same seed)``
+    (every rank draws all of them, in the serial order, and keeps its own)."""
+
+    def __init__(self, dim, n_experts, ep_comm, k=1, capacity_factor=1.25, hidden=None, **kw):
+        if n_experts % ep_comm.size:
+            ok = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
+            raise ValueError(f"rank {ep_comm.rank}: n_experts={n_experts} is not divisible by the expert-"
+                             f"parallel size ep={ep_comm.size}; use ep in {ok}")
+        super().__init__(dim, n_experts, k, capacity_factor, hidden, **kw)
+        local = n_experts // ep_comm.size
+        first = ep_comm.rank * local
+        object.__setattr__(self, "ep", ep_comm)
+        object.__setattr__(self, "local_experts", local)
+        object.__setattr__(self, "first_expert", first)
+        self.experts = ModuleList(list(self.experts)[first:first + local])
+
+    def run_experts(self, buf, cap):
+        """Buffer (E·C, d) -> its outputs (E·C, d): rank j's rows to rank j, my E/ep experts on every
+        sender's rows (ep blocks of (E/ep)·C rows), the outputs back to where they came from."""
+        sent = AllToAll.apply(buf, comm=self.ep)                     # block j: rank j's rows for me
+        out = run_local_experts(self.experts, sent, self.ep.size, cap)
+        return AllToAll.apply(out, comm=self.ep)                     # to where they came from
+
+    def global_name(self, name: str) -> str:
+        """A local parameter name -> the serial MoE's (``experts.0.`` -> ``experts.{first}.``)."""
+        if name.startswith("experts."):
+            i, rest = name[len("experts."):].split(".", 1)
+            return f"experts.{int(i) + self.first_expert}.{rest}"
+        return name
+
+
+def all_to_all_bytes(n_experts: int, ep: int, cap: int, dim: int, itemsize: int) -> dict:
+    """Bytes one rank sends per MoE layer: each all-to-all sends ep-1 blocks of (E/ep)·C·d elements."""
+    one = (ep - 1) * (n_experts // ep) * cap * dim * itemsize
+    return {"forward": 2 * one, "backward": 2 * one}
+
+
+# -- an MoE GPT: every block's MLP a mixture of experts ---------------------------------------------
+
+def moe_gpt(model, n_experts: int, k: int = 1, capacity_factor: float | None = None, seed: int = 0,
+            ep=None):
+    """Replace the MLP of every block of ``model`` (GPT or TPGPT) by an MoE of ``n_experts``, in place.
+
+    Every layout draws the same weights (``seed``; experts std 0.02, output projection scaled by
+    1/sqrt(2·n_layer) as the GPT's). ``ep``: the expert-parallel group (None: all experts here).
+    ``capacity_factor`` None is E/k: every expert has room for every token, nothing is dropped, and
+    the routing does not depend on how tokens are grouped -- what lets a run over any mesh equal its
+    serial twin. (With drops, routing groups are each rank's microbatches: see ``ExpertParallelMoE``.)
+    """
+    rng = np.random.default_rng(seed)
+    blocks = [m for m in model if hasattr(m, "mlp") and hasattr(m, "ln2")]
+    cf = capacity_factor or n_experts / k
+    for block in blocks:
+        dim, dtype = block.ln2.weight.shape[0], block.ln2.weight.data.dtype
+        kw = dict(dtype=dtype, std=0.02, proj_std=0.02 / math.sqrt(2 * len(blocks)), rng=rng,
+                  backend=block.ln2.weight.backend)
+        if ep is None:
+            replace_child(block, "mlp", MoE(dim, n_experts, k, cf, **kw))
+        else:
+            replace_child(block, "mlp", ExpertParallelMoE(dim, n_experts, ep, k, cf, **kw))
+    return model
+
+
+def expert_names(layers) -> dict:
+    """{local parameter name: the serial model's name} of every expert-parallel parameter in
+    ``layers`` ((prefix, module) pairs, e.g. a pipeline stage's ("3.", layer))."""
+    names = {}
+    for prefix, layer in layers:
+        for mprefix, mod in layer.named_modules(prefix):
+            if isinstance(mod, ExpertParallelMoE):
+                for pname, _ in mod.experts.named_parameters("experts."):
+                    names[mprefix + pname] = mprefix + mod.global_name(pname)
+    return names
+
+
+def train_serial_moe(cfg, batches, moe: dict, lr: float = 0.1, optimizer: str = "sgd"):
+    """The serial twin of ``train_mesh(..., moe=moe)``: one process, every expert, the whole batch.
+    Returns (host state dict, losses)."""
+    model = moe_gpt(GPT(cfg), **moe)
+    losses = train_steps(model, batches, make_optimizer(optimizer, model.parameters(), lr))
+    return host_state(model), losses

@@ -1,0 +1,1 @@
+"""Memory techniques: activation checkpointing, mixed precision, optimizer-state offload."""

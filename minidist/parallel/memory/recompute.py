@@ -1,0 +1,315 @@
+"""Activation checkpointing: keep a function's inputs, recompute its insides during backward.
+
+``checkpoint(fn, *inputs)`` is one node in the autograd graph (a ``Function``, ``Checkpoint``).
+Its forward runs ``fn`` under ``no_grad`` -- nothing inside is saved -- and keeps only the inputs
+and the random state (``minidist.autograd.random.get_state()``). Its backward sets that random state again
+(so dropout draws the same masks), re-runs ``fn`` with gradients on, and back-propagates the
+incoming gradient through the recomputed graph. Parameters used inside ``fn`` are leaves of that
+inner graph: they get their ``.grad`` and their post-accumulate hooks fire during the inner
+backward, so data parallelism's all-reduces still start layer by layer (Chen et al. 2016,
+"Training Deep Nets with Sublinear Memory Cost"; PyTorch's reentrant ``torch.utils.checkpoint``).
+
+``apply_checkpointing(model, policy)`` wraps a GPT's blocks by a policy: "none", "full" (every
+block), "every_k" (segments of k blocks: only segment inputs kept), "sqrt" (k = round(sqrt(n))),
+"selective" (only the attention core softmax(qk^T)v, whose (B, H, T, T) probabilities are the
+largest activation; Korthikanti et al. 2022). Blocks are the serial GPT's or a tensor-parallel
+``TPGPT``'s (their per-rank dropout generators are replayed too). In a pipeline, checkpoint each
+stage's own layers (``checkpoint_stage``, ``PipelineStage(..., checkpoint=policy)``): a segment
+never crosses a stage boundary, and ``check_segments_within`` refuses one that would.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+from minidist.autograd import ops
+from minidist.autograd import random as mrandom
+from minidist.autograd.tensor import Function, Tensor, enable_grad, grad_enabled, no_grad, run_backward
+from minidist.nn.attention import merge_heads, split_heads
+from minidist.nn.module import Module, Sequential
+from minidist.parallel.compose import check_compatible
+
+POLICIES = ("none", "full", "every_k", "sqrt", "selective")
+
+
+_state = threading.local()
+
+
+def recomputing_depth() -> int:
+    """How many checkpoint recomputations are running on this thread (0: an ordinary forward).
+    A wrapper may keep what backward needs at once: ZeRO-3 does not release a unit gathered for a
+    recomputation, since the backward that follows needs it again."""
+    return getattr(_state, "depth", 0)
+
+
+class Checkpoint(Function):
+    """The node: forward without a graph, backward = restore RNG, recompute, backprop."""
+
+    @staticmethod
+    def forward(ctx, *arrays, fn, generators):
+        ctx.fn, ctx.generators = fn, generators
+        ctx.rng_state = mrandom.get_state()
+        ctx.gen_states = [g.bit_generator.state for g in generators]
+        ctx.save(*arrays)
+        with no_grad():
+            out = fn(*[Tensor(a) for a in arrays])
+        if not isinstance(out, Tensor):
+            raise TypeError(f"checkpoint: fn must return one Tensor, got {type(out).__name__}")
+        return out.data
+
+    @staticmethod
+    def backward(ctx, grad):
+        leaves = [Tensor(a, requires_grad=need) for a, need in zip(ctx.saved, ctx.needs_grad)]
+        now = mrandom.get_state()
+        now_gens = [g.bit_generator.state for g in ctx.generators]
+        mrandom.set_state(ctx.rng_state)
+        for g, st in zip(ctx.generators, ctx.gen_states):
+            g.bit_generator.state = st
+        _state.depth = recomputing_depth() + 1
+        try:
+            with enable_grad():
+                out = ctx.fn(*leaves)
+        finally:
+            _state.depth -= 1
+            mrandom.set_state(now)
+            for g, st in zip(ctx.generators, now_gens):
+                g.bit_generator.state = st
+        if out.requires_grad:
+            run_backward(out, grad)
+        return tuple(leaf.grad if need else None for leaf, need in zip(leaves, ctx.needs_grad))
+
+
+def checkpoint(fn, *inputs, generators=()):
+    """``fn(*inputs)`` with only ``inputs`` kept for backward; ``fn`` is recomputed in backward.
+
+    ``inputs`` are Tensors (or arrays); ``fn`` returns one Tensor. Random draws inside ``fn`` come
+    from ``minidist.autograd.random``'s default generator (and from ``generators``, e.g. a tensor-parallel
+    RNG), whose states are saved and replayed, so the recomputation is bit-identical.
+    """
+    if not grad_enabled():
+        return fn(*inputs)
+    tensors = [t if isinstance(t, Tensor) else Tensor(t) for t in inputs]
+    if not any(t.requires_grad for t in tensors):
+        # No input wants a gradient, but parameters inside fn do: give the node one input that
+        # does (an empty array) so it is recorded and its backward runs.
+        anchor = Tensor(tensors[0].backend.xp.zeros(0, dtype=np.float32) if tensors
+                        else np.zeros(0, dtype=np.float32), requires_grad=True)
+        return Checkpoint.apply(*tensors, anchor, fn=lambda *ts: fn(*ts[:-1]), generators=tuple(generators))
+    return Checkpoint.apply(*tensors, fn=fn, generators=tuple(generators))
+
+
+# ---------------------------------------------------------------------------------------------
+# policies for a GPT (Embed, Block x n, Head) -- serial or tensor-parallel
+# ---------------------------------------------------------------------------------------------
+def is_block(module) -> bool:
+    """A transformer block, what policies checkpoint: a Module with an attention (``attn``) and an
+    MLP (``mlp``) -- ``nn.gpt.Block`` or ``parallel.tp_gpt.ParallelBlock``, recognised by shape so
+    checkpointing depends on neither."""
+    parts = (getattr(module, "attn", None), getattr(module, "mlp", None))
+    return isinstance(module, Module) and all(isinstance(p, Module) for p in parts)
+
+
+def _blocks(model):
+    return [(i, m) for i, m in enumerate(model) if is_block(m)]
+
+
+def block_generators(module) -> tuple:
+    """Random generators a (tensor-parallel) block draws from besides the default one: the
+    ``ShardedRNG`` generators of its sequence-parallel dropouts (``dropout_rng="megatron"``).
+    Checkpoint saves and replays their states too, so recomputed masks are the same."""
+    gens = {}
+    for _, m in module.named_modules():
+        rng = getattr(m, "sharded_rng", None)
+        if rng is not None:
+            gens[id(rng.generator)] = rng.generator
+    return tuple(gens.values())
+
+
+def segment_size(policy: str, n_layer: int, k: int | None = None) -> int:
+    """Blocks per checkpointed segment: 1 for "full", k for "every_k", round(sqrt(n)) for "sqrt"."""
+    if policy == "full":
+        return 1
+    if policy == "sqrt":
+        return max(1, round(math.sqrt(n_layer)))
+    if policy == "every_k":
+        if k is None or k < 1:
+            raise ValueError(f"policy 'every_k' needs k >= 1 blocks per segment, got k={k}")
+        return k
+    raise ValueError(f"no segments for policy {policy!r}")
+
+
+def _selective_attention_forward(attn, x):
+    """The attention forward (serial ``CausalSelfAttention`` or ``ParallelAttention``, whose rank holds
+    ``local_heads``) with the attention core checkpointed (its T x T probabilities)."""
+    q, k, v = split_heads(attn.qkv(x), getattr(attn, "local_heads", attn.n_head))
+    y = checkpoint(ops.scaled_dot_product_attention, q, k, v)
+    return attn.drop(attn.proj(merge_heads(y)))
+
+
+def apply_checkpointing(model, policy: str = "full", k: int | None = None):
+    """Checkpoint a GPT's blocks (serial ``Block`` or tensor-parallel ``ParallelBlock``) by ``policy``
+    (see ``POLICIES``); returns the model.
+
+    Works on any Sequential whose layers include blocks; segments never cross a non-block layer.
+    For a pipeline, checkpoint each stage's own layers (``PipelineStage(..., checkpoint=policy)``,
+    ``checkpoint_stage``): a segment of the whole model may span a stage boundary, and
+    ``PipelineStage`` refuses such a model. Each block (for "selective": each block's attention) gets
+    a forward wrapper at the ``"checkpoint"`` position of ``Module``'s wrapper stack, outside ZeRO-3's
+    gather and autocast, so a recomputation gathers and casts again; ``remove_checkpointing`` (or
+    applying another policy) removes exactly those wrappers. A model with no block raises.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if policy != "none":
+        check_compatible(model, "ckpt-selective" if policy == "selective" else "ckpt-full")
+    remove_checkpointing(model)
+    blocks = _blocks(model)
+    if policy == "none":
+        return model
+    if not blocks:
+        raise ValueError(f"apply_checkpointing({policy!r}): {type(model).__name__} has no transformer block "
+                         "(nn.gpt.Block or parallel.tp_gpt.ParallelBlock) among its layers, so nothing "
+                         "would be checkpointed; pass a GPT, a TPGPT or a Sequential of their blocks")
+    owner = f"activation checkpointing ({policy})"
+    if policy == "selective":
+        for _, blk in blocks:
+            blk.attn.register_forward_wrapper(_selective_wrapper, "checkpoint", owner)
+        return model
+    size = segment_size(policy, len(blocks), k)
+    runs, cur = [], []  # runs of consecutive blocks, cut into segments of `size`
+    for i, blk in blocks:
+        if cur and (cur[-1][0] != i - 1 or len(cur) == size):
+            runs.append(cur)
+            cur = []
+        cur.append((i, blk))
+    runs.append(cur)
+    for seg in runs:
+        layers = tuple(b for _, b in seg)
+        gens = tuple({id(g): g for b in layers for g in block_generators(b)}.values())
+        layers[0].register_forward_wrapper(_segment_wrapper(layers, gens), "checkpoint", owner)
+        for b in layers[1:]:  # computed inside the first member's segment
+            b.register_forward_wrapper(_skip, "checkpoint", owner)
+        for b in layers:  # every member knows its segment: PipelineStage checks none is cut
+            object.__setattr__(b, "_checkpoint_segment", layers)
+    return model
+
+
+def _segment_wrapper(layers, generators):
+    """The first member's wrapper: one ``checkpoint`` node running every member's inner stack
+    (ZeRO-3 gather, autocast, the block), recomputed as a whole in backward."""
+    def run(x):
+        for b in layers:
+            x = b.call_inside("checkpoint", x)
+        return x
+
+    def wrapper(module, inner, x, **kwargs):
+        if _inference(kwargs):
+            return inner(x, **kwargs)
+        return checkpoint(run, x, generators=generators)
+    return wrapper
+
+
+def _skip(module, inner, x, **kwargs):
+    """A later segment member: already computed by the first member's checkpoint."""
+    if _inference(kwargs):
+        return inner(x, **kwargs)
+    return x
+
+
+def _selective_wrapper(attn, inner, x, **kwargs):
+    """The attention with only its core checkpointed. It computes the attention itself (the core is
+    inside its forward), so it does not call ``inner``: nothing else wraps an attention module."""
+    if _inference(kwargs):
+        return inner(x, **kwargs)
+    return _selective_attention_forward(attn, x)
+
+
+def _inference(kwargs) -> bool:
+    """No graph is recorded, or a KV cache is passed: nothing to keep, the layers run as they are."""
+    return not grad_enabled() or any(v is not None for v in kwargs.values())
+
+
+def checkpoint_stage(layers, policy: str, k: int | None = None):
+    """Checkpoint the blocks among one pipeline stage's ``layers`` (a list), so segments stay inside
+    the stage ("sqrt" is then sqrt of the stage's block count). A stage without blocks (embedding
+    or head only) is left as it is. Returns a ``Sequential`` of the layers (for
+    ``remove_checkpointing``)."""
+    seq = Sequential(layers)
+    return apply_checkpointing(seq, policy, k) if _blocks(seq) else seq
+
+
+def check_segments_within(layers, layer_ids, stage: int) -> None:
+    """Raise if a checkpoint segment among ``layers`` (one stage's, full-model indices ``layer_ids``)
+    also holds blocks outside them: its recomputation would run another stage's blocks on this
+    stage's copies, and their owning stage would get no gradient."""
+    mine = {id(m) for m in layers}
+    for i, m in zip(layer_ids, layers):
+        seg = m.__dict__.get("_checkpoint_segment", ())
+        if any(id(b) not in mine for b in seg):
+            raise ValueError(
+                f"pipeline stage {stage}: layer {i} is in a checkpoint segment of {len(seg)} blocks that "
+                f"crosses this stage's boundary (layers {layer_ids[0]}..{layer_ids[-1]}); apply "
+                "checkpointing per stage instead: PipelineStage(model, bounds, stage, n, checkpoint=policy) "
+                "on an un-checkpointed model (or checkpoint_stage(stage_layers, policy)), or the 'full' / "
+                "'selective' policy, whose segments are single blocks")
+
+
+def remove_checkpointing(model):
+    """Undo ``apply_checkpointing``: the ``"checkpoint"`` wrappers of every block of ``model`` (and of
+    its attention) are removed and the blocks forget their segment. Other wrappers (ZeRO-3's,
+    autocast's) stay."""
+    for _, blk in _blocks(model):
+        for m in (blk, blk.attn):
+            handle = m.forward_wrapper("checkpoint")
+            if handle is not None:
+                handle.remove()
+        blk.__dict__.pop("_checkpoint_segment", None)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# the formula the lesson prints beside the measurement
+# ---------------------------------------------------------------------------------------------
+def block_activation_elements(b: int, t: int, c: int, h: int, dropout: bool) -> dict:
+    """What one Block saves for backward in this engine, in elements, by op (fused ops, float data).
+
+    ln1: x̂ + rstd (BTC + BT); qkv Linear: its input (BTC); attention core: q, k, v (3BTC) and the
+    probabilities (B·H·T²); out-proj input (BTC); ln2 (BTC + BT); fc input (BTC); GELU: x and
+    tanh (8BTC); mlp-proj input (4BTC); dropout masks (2BTC when p > 0).
+    """
+    btc, bt = b * t * c, b * t
+    return {"before_core": btc + bt + btc + 3 * btc, "probs": b * h * t * t,
+            "after_core": btc + (btc + bt) + btc + 8 * btc + 4 * btc, "dropout": 2 * btc if dropout else 0}
+
+
+def predicted_peak_activation_bytes(cfg, batch: int, seq: int, policy: str, k: int | None = None) -> int:
+    """Peak bytes of saved activations for ``model.loss`` on a (batch, seq) batch under ``policy``.
+
+    none:      E + L·A + Head             (A = one block, E = embedding dropout mask, Head = final
+                                           norm, LM-head input, and the loss's logits)
+    full/k:    max(E + (L/k)·BTC + Head,  E + max_s[(s+1)·BTC + k_s·A])   -- segment inputs kept,
+               one segment recomputed at a time
+    selective: max(E + L·(A - BHT²) + Head,  E + L·(A - BHT²) - after_core + BHT²)
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    b, t, c, h, n = batch, seq, cfg.d_model, cfg.n_head, cfg.n_layer
+    parts = block_activation_elements(b, t, c, h, cfg.dropout > 0)
+    a = sum(parts.values())
+    emb = b * t * c if cfg.dropout > 0 else 0
+    head = (b * t * c + b * t) + b * t * c + (b * t * cfg.vocab_size + b * t)
+    if policy == "none":
+        elems = emb + n * a + head
+    elif policy == "selective":
+        kept = n * (a - parts["probs"])
+        elems = max(emb + kept + head, emb + kept - parts["after_core"] - parts["dropout"] + parts["probs"])
+    else:
+        size = segment_size(policy, n, k)
+        sizes = [min(size, n - s) for s in range(0, n, size)]
+        fwd = emb + len(sizes) * b * t * c + head
+        bwd = emb + max((s + 1) * b * t * c + ks * a for s, ks in enumerate(sizes))
+        elems = max(fwd, bwd)
+    return elems * np.dtype(cfg.dtype).itemsize

@@ -1,0 +1,390 @@
+"""Pipeline parallelism: cut a `Sequential` into stages and execute a schedule's instructions on them.
+
+Three pieces, in the order a reader meets them:
+
+* **Partitioning** -- `partition_uniform` (by layer count) or `partition_balanced` (contiguous
+  groups minimising the most expensive stage, for per-layer costs from `layer_costs`: measured
+  forward+backward time, or parameter bytes). `format_partition` prints the cut and the predicted
+  cost of every stage.
+* **`PipelineStage`** -- the layers one rank holds (one slice per model chunk; interleaved 1F1B
+  gives a rank several chunks, virtual stage c*p + s). Parameter names stay the full model's
+  ("3.attn.qkv.weight"), so a stage's parameters compare directly with the serial model's.
+* **`run_schedule`** -- the stage runtime. It walks this stage's instruction list from
+  `minidist.parallel.pipeline.schedule` and does exactly what each says: Forward / Backward (traced as
+  "Forward" / "Backward", category "compute", with mb and chunk), blocking point-to-point sends of
+  activations and their gradients (the receiver learns shape and dtype from the transport's header;
+  sends complete in the background, receives block), `SendRecv` (all parts posted at once) and
+  `OptimizerStep` (a callback: DP all-reduce + update).
+
+Loss and gradients: the last virtual stage computes `loss_fn(output, target)` per microbatch and
+back-propagates `w_mb * loss`. The default `w_mb = 1/m` makes the accumulated gradients those of the
+mean loss over the batch when every microbatch counts the same number of tokens; with ignored
+targets (-1) a microbatch's loss is a mean over fewer tokens, so the caller passes
+`loss_weights[mb] = n_mb / N` (its share of the batch's valid tokens) to get the token mean.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minidist import trace
+from minidist.accel.backend import to_host
+from minidist.autograd import ops
+from minidist.autograd.tensor import Tensor
+from minidist.comm.collectives import split_sizes
+from minidist.memory import MemoryAccountant
+from minidist.parallel.compose import check_compatible
+from minidist.parallel.memory import recompute
+from minidist.parallel.pipeline.schedule import (
+    Backward,
+    Forward,
+    OptimizerStep,
+    RecvAct,
+    ScheduleError,
+    SendAct,
+    SendGrad,
+    SendRecv,
+    gpipe,
+    interleaved_1f1b,
+    message_key,
+    one_f_one_b,
+    peer_of,
+    virtual_stage,
+)
+
+# -- partitioning ------------------------------------------------------------------------------------
+
+
+def _check_parts(num_layers: int, num_parts: int) -> None:
+    if not isinstance(num_parts, int) or num_parts < 1:
+        raise ValueError(f"number of stages must be an int >= 1, got {num_parts!r}")
+    if num_parts > num_layers:
+        raise ValueError(f"cannot cut {num_layers} layers into {num_parts} pipeline stages: every stage "
+                         f"needs at least one layer; use at most {num_layers} stages (or a deeper model)")
+
+
+def partition_uniform(num_layers: int, num_parts: int) -> list[tuple[int, int]]:
+    """Contiguous (start, end) layer ranges of near-equal length (the first ones one longer)."""
+    _check_parts(num_layers, num_parts)
+    ends = np.cumsum(split_sizes(num_layers, num_parts)).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def partition_balanced(costs, num_parts: int, memory=None, cap: float | None = None) -> list[tuple[int, int]]:
+    """Contiguous ranges minimising the largest per-stage cost sum (dynamic programming, O(n^2 p)).
+
+    The pipeline runs at the pace of its slowest stage, so that is the number to minimise.
+    With ``memory`` (one number per layer) and ``cap``, no stage may hold more than ``cap`` of it.
+    """
+    costs = [float(c) for c in costs]
+    n = len(costs)
+    _check_parts(n, num_parts)
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    mem = np.concatenate([[0.0], np.cumsum(memory)]) if memory is not None and cap is not None else None
+    inf = float("inf")
+    # best[k][i]: smallest max-stage cost putting the first i layers in k stages; cut[k][i]: last start
+    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                if mem is not None and mem[i] - mem[j] > cap:
+                    continue  # layers j..i-1 would not fit one stage's memory
+                c = max(best[k - 1][j], prefix[i] - prefix[j])
+                if c < best[k][i]:
+                    best[k][i], cut[k][i] = c, j
+    if best[num_parts][n] == inf:
+        raise ValueError(f"no cut of {n} layers into {num_parts} stages keeps every stage within the memory "
+                         f"cap {cap:g} (largest layer: {max(memory):g}); raise the cap or add stages")
+    bounds, end = [], n
+    for k in range(num_parts, 0, -1):
+        start = cut[k][end]
+        bounds.append((start, end))
+        end = start
+    return bounds[::-1]
+
+
+def layer_costs(model, sample_input, by: str = "time", repeats: int = 3) -> list[float]:
+    """Per-layer cost of a Sequential: "time" = median forward+backward seconds on `sample_input`,
+    "params" = parameter bytes."""
+    layers = list(model)
+    if by == "params":
+        return [float(sum(p.data.nbytes for p in layer.parameters())) for layer in layers]
+    if by != "time":
+        raise ValueError(f"layer_costs(by={by!r}): use 'time' or 'params'")
+    times = np.zeros((repeats, len(layers)))
+    for r in range(repeats):
+        x = sample_input
+        for i, layer in enumerate(layers):
+            inp = Tensor(x.data, requires_grad=True) if isinstance(x, Tensor) else x
+            t0 = time.perf_counter()
+            out = layer(inp)
+            out.backward(out.backend.xp.ones(out.shape, dtype=out.dtype))
+            times[r, i] = time.perf_counter() - t0
+            x = out.detach()
+    return [float(t) for t in np.median(times, axis=0)]
+
+
+def format_partition(bounds, costs=None, unit: str = "") -> str:
+    """One line per stage: its layers and (if costs are given) predicted cost and share of the total."""
+    total = sum(costs) if costs is not None else None
+    lines = []
+    for s, (a, b) in enumerate(bounds):
+        line = f"stage {s}: layers {a}..{b - 1} ({b - a} layer{'s' if b - a != 1 else ''})"
+        if costs is not None:
+            c = sum(costs[a:b])
+            line += f"  predicted cost {c:.4g}{unit} ({100 * c / total:.0f}%)" if total else ""
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# -- stages ------------------------------------------------------------------------------------------
+
+
+class PipelineStage:
+    """The layers of `model` (a Sequential) that pipeline stage `stage` of `num_stages` runs.
+
+    `bounds` has one (start, end) range per virtual stage: num_stages of them, or num_stages * v for
+    v chunks per stage (chunk c of this stage is virtual stage c * num_stages + stage).
+    `checkpoint` (a `minidist.parallel.memory.recompute` policy, `checkpoint_k` for "every_k") checkpoints
+    each chunk's own blocks, so no segment crosses a stage boundary; a model checkpointed as a whole
+    whose segment is cut by `bounds` is refused with a clear error.
+    """
+
+    def __init__(self, model, bounds, stage: int, num_stages: int, loss_fn=None, checkpoint=None,
+                 checkpoint_k=None):
+        if len(bounds) % num_stages:
+            raise ValueError(f"{len(bounds)} layer ranges do not split over {num_stages} stages")
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"stage {stage} is not in 0..{num_stages - 1}")
+        check_compatible(model, "pp")  # refused pairs (ZeRO) and orders (DDP first) fail here
+        layers = list(model)
+        self.stage, self.num_stages = stage, num_stages
+        self.num_chunks = len(bounds) // num_stages
+        self.num_virtual = len(bounds)
+        self.layer_ids = [list(range(*bounds[virtual_stage(stage, c, num_stages)]))
+                          for c in range(self.num_chunks)]
+        self.chunks = [[layers[i] for i in ids] for ids in self.layer_ids]
+        self.loss_fn = loss_fn or ops.cross_entropy
+        for ids, chunk in zip(self.layer_ids, self.chunks):
+            recompute.check_segments_within(chunk, ids, stage)
+            if checkpoint is not None:
+                recompute.checkpoint_stage(chunk, checkpoint, checkpoint_k)
+
+    def is_first(self, chunk: int) -> bool:
+        return virtual_stage(self.stage, chunk, self.num_stages) == 0
+
+    def is_last(self, chunk: int) -> bool:
+        return virtual_stage(self.stage, chunk, self.num_stages) == self.num_virtual - 1
+
+    def forward(self, x, chunk: int = 0):
+        for layer in self.chunks[chunk]:
+            x = layer(x)
+        return x
+
+    def named_parameters(self):
+        """(name in the full model, parameter), e.g. ("3.attn.qkv.weight", p)."""
+        for ids, layers in zip(self.layer_ids, self.chunks):
+            for i, layer in zip(ids, layers):
+                for name, p in layer.named_parameters():
+                    yield f"{i}.{name}", p
+
+    def parameters(self) -> list:
+        return [p for _, p in self.named_parameters()]
+
+    def state_dict(self) -> dict:
+        return {name: p.data for name, p in self.named_parameters()}
+
+
+# -- the runtime -------------------------------------------------------------------------------------
+
+
+def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> list[list]:
+    """The instruction lists of schedule `name` ("gpipe", "1f1b" or "interleaved")."""
+    if name == "gpipe":
+        return gpipe(num_stages, num_microbatches)
+    if name == "1f1b":
+        return one_f_one_b(num_stages, num_microbatches)
+    if name == "interleaved":
+        return interleaved_1f1b(num_stages, num_microbatches, chunks)
+    raise ScheduleError(f"unknown schedule {name!r}: use 'gpipe', '1f1b' or 'interleaved'")
+
+
+def split_microbatches(batch, num_microbatches: int, rank: int = 0) -> list:
+    """Cut a batch along axis 0 into m equal microbatches; a clear error if it does not divide."""
+    n = batch.shape[0]
+    if not isinstance(num_microbatches, int) or num_microbatches < 1 or n % num_microbatches:
+        raise ValueError(f"rank {rank}: a batch of {n} rows does not split into {num_microbatches} equal "
+                         f"microbatches; use a number of microbatches that divides {n}, "
+                         f"or a batch size that is a multiple of {num_microbatches}")
+    size = n // num_microbatches
+    return [batch[i * size:(i + 1) * size] for i in range(num_microbatches)]
+
+
+@dataclass
+class StepStats:
+    """What one stage measured in one `run_schedule` call."""
+    loss: float | None = None                  # sum of w_mb * microbatch loss (last virtual stage only)
+    activation_bytes: dict = field(default_factory=dict)  # (mb, chunk) -> bytes its forward saved
+    peak_activation_bytes: int = 0             # most activation bytes held at once (MemoryAccountant)
+    peak_microbatches: int = 0                 # most (mb, chunk) activations held at once
+    seconds: float = 0.0
+
+
+def _tag(instr, stage: int, num_stages: int, num_virtual: int) -> int:
+    """A tag both ends compute alike: unique per (kind, mb, receiving virtual stage)."""
+    kind, mb, _, dst = message_key(instr, stage, num_stages)
+    return 2 * (mb * num_virtual + dst) + (kind == "grad")
+
+
+class _Runtime:
+    """The state of one stage while it executes one step's instruction list."""
+
+    def __init__(self, stage: PipelineStage, comm, inputs, targets, optimizer_step, tracer, ddp=None,
+                 last_backward=None, loss_weights=None):
+        self.stage, self.comm, self.tracer = stage, comm, tracer
+        self.inputs, self.targets, self.optimizer_step = inputs, targets, optimizer_step
+        self.ddp, self.last_backward = ddp, last_backward or {}
+        if targets is not None and loss_weights is None:  # only the loss stage needs them
+            loss_weights = [1.0 / len(targets)] * len(targets)
+        self.loss_weights = loss_weights
+        self.x, self.out, self.received, self.to_send = {}, {}, {}, {}
+        self.stats, self.losses = StepStats(), []
+        # activations are counted as `minidist.memory` counts them: arrays saved for backward, each
+        # buffer once, the stage's parameters left out, released when backward frees them
+        self.acct = MemoryAccountant()
+        self.sends = []  # requests of sends still in flight
+
+    def _span(self, name: str, cat: str, **args):
+        return nullcontext() if self.tracer is None else self.tracer.span(name, cat, **args)
+
+    def forward(self, mb: int, chunk: int) -> None:
+        st, key = self.stage, (mb, chunk)
+        if st.is_first(chunk):
+            x = self.inputs[mb]
+        else:
+            x = Tensor(self.received.pop(("act",) + key), requires_grad=True)
+        before = self.acct.activation_bytes
+        with self._span("Forward", "compute", mb=mb, chunk=chunk), \
+                self.acct.track_activations(model=st, reset_peak=False):
+            out = st.forward(x, chunk)
+            if st.is_last(chunk):
+                loss = st.loss_fn(out, self.targets[mb])
+                self.losses.append((loss.data, self.loss_weights[mb]))  # read after the step
+                out = loss * self.loss_weights[mb]
+        self.x[key], self.out[key] = x, out
+        self.stats.activation_bytes[key] = self.acct.activation_bytes - before
+        self.stats.peak_microbatches = max(self.stats.peak_microbatches, len(self.x))
+        self.stats.peak_activation_bytes = self.acct.peak_activation_bytes
+        if not st.is_last(chunk):
+            self.to_send[("act",) + key] = out.data
+
+    def backward(self, mb: int, chunk: int) -> None:
+        st, key = self.stage, (mb, chunk)
+        x, out = self.x.pop(key), self.out.pop(key)
+        # data parallelism: only a chunk's last backward completes its gradients, so only then may
+        # their bucketed all-reduces start (overlapping the rest of the backward pass)
+        sync = self.ddp is None or self.last_backward.get(chunk) == mb
+        with self._span("Backward", "compute", mb=mb, chunk=chunk), \
+                (nullcontext() if sync else self.ddp.no_sync()):
+            if st.is_last(chunk):
+                out.backward()
+            else:
+                out.backward(self.received.pop(("grad",) + key))
+        if not st.is_first(chunk):
+            self.to_send[("grad",) + key] = x.grad
+
+    def post(self, instr):
+        """Start one send or receive; returns (request, where to store a received array or None)."""
+        st = self.stage
+        peer = peer_of(instr, st.stage, st.num_stages)
+        tag = _tag(instr, st.stage, st.num_stages, st.num_virtual)
+        if isinstance(instr, (SendAct, SendGrad)):
+            kind = "act" if isinstance(instr, SendAct) else "grad"
+            return self.comm.isend(self.to_send.pop((kind, instr.mb, instr.chunk)), peer, tag), None
+        kind = "act" if isinstance(instr, RecvAct) else "grad"
+        return self.comm.irecv(peer, tag), (kind, instr.mb, instr.chunk)
+
+    def communicate(self, parts) -> None:
+        """Post every part, then wait for the receives (a single one, or all of a SendRecv's).
+
+        Sends are not waited for here: they complete in the background (`finish_sends`). A schedule
+        that cannot deadlock with blocking sends cannot deadlock with these either -- they only
+        remove waits -- and a stage no longer stalls until its neighbour is ready to receive.
+        """
+        names = "+".join(type(p).__name__ for p in parts)
+        cat = "send" if all(isinstance(p, (SendAct, SendGrad)) for p in parts) else "recv"
+        posted = [self.post(p) for p in parts]
+        self.sends = [r for r in self.sends if not r.test()] + [req for req, where in posted if where is None]
+        with self._span(names, cat, mb=min(p.mb for p in parts)):
+            for req, where in posted:
+                if where is not None:
+                    self.received[where] = req.wait()
+
+    def finish_sends(self) -> None:
+        """Wait until every send of this step has been received (before the update and at the end)."""
+        if self.sends:
+            with self._span("WaitSends", "wait"):
+                for req in self.sends:
+                    req.wait()
+            self.sends = []
+
+    def execute(self, instr) -> None:
+        if isinstance(instr, Forward):
+            self.forward(instr.mb, instr.chunk)
+        elif isinstance(instr, Backward):
+            self.backward(instr.mb, instr.chunk)
+        elif isinstance(instr, SendRecv):
+            self.communicate(instr.ops)
+        elif isinstance(instr, OptimizerStep):
+            self.finish_sends()
+            if self.optimizer_step is not None:
+                with self._span("OptimizerStep", "step"):
+                    self.optimizer_step()
+        else:
+            self.communicate((instr,))
+
+
+def run_schedule(stage: PipelineStage, comm, instructions, inputs=None, targets=None,
+                 optimizer_step=None, ddp=None, loss_weights=None) -> StepStats:
+    """Execute one training step's `instructions` (this stage's list) on `stage`.
+
+    `comm` is the pipeline group (its rank is the stage index). `inputs[mb]` feed the first virtual
+    stage, `targets[mb]` the loss on the last one; other ranks may pass None. Parameter gradients
+    accumulate over the microbatches into `p.grad` (the mean-loss gradient); `optimizer_step()` is
+    called at `OptimizerStep`. `ddp`: a `DistributedDataParallel` wrapping this stage over its
+    data-parallel group: every backward but each chunk's last runs in `ddp.no_sync()`, so the
+    gradient buckets' all-reduces start during the last one (`optimizer_step` must call
+    `ddp.wait_gradients()`). `loss_weights[mb]` multiplies microbatch mb's loss before its backward
+    (default 1/m each; see the module docstring). Returns this stage's `StepStats`, whose `loss` is
+    the weighted sum (default: the mean microbatch loss).
+    """
+    if comm.size != stage.num_stages:
+        raise ValueError(f"rank {comm.rank}: pipeline group has {comm.size} ranks but the model is cut into "
+                         f"{stage.num_stages} stages")
+    if any(stage.is_first(c) for c in range(stage.num_chunks)) and inputs is None:
+        raise ValueError(f"rank {comm.rank}: stage {stage.stage} holds the first layers and needs inputs")
+    if any(stage.is_last(c) for c in range(stage.num_chunks)) and targets is None:
+        raise ValueError(f"rank {comm.rank}: stage {stage.stage} computes the loss and needs targets")
+    if loss_weights is not None and targets is not None and len(loss_weights) != len(targets):
+        raise ValueError(f"rank {comm.rank}: {len(loss_weights)} loss_weights for {len(targets)} "
+                         "microbatches; give one weight per microbatch")
+    last_backward = {}
+    for instr in instructions:
+        if isinstance(instr, Backward):
+            last_backward[instr.chunk] = instr.mb
+    rt = _Runtime(stage, comm, inputs, targets, optimizer_step, trace.current(), ddp, last_backward,
+                  loss_weights)
+    t0 = time.perf_counter()
+    for instr in instructions:
+        rt.execute(instr)
+    rt.finish_sends()
+    rt.stats.seconds = time.perf_counter() - t0
+    if rt.losses:  # read back once the step is done: on JAX a read per microbatch stalls the dispatch
+        rt.stats.loss = float(np.sum([float(to_host(v)) * w for v, w in rt.losses]))
+    return rt.stats

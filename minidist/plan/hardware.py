@@ -1,0 +1,214 @@
+"""Hardware constants the planner uses, each with where it came from.
+
+One `Hardware` per accelerator system: the chip (peak dense bf16 FLOP/s, HBM capacity and bandwidth),
+the fast domain it sits in (`intra`: NVLink/NVSwitch inside a node, or ICI across a TPU slice) and
+the network between domains (`inter`: InfiniBand/RoCE per GPU, or DCN per TPU chip). Links are
+`Link(bandwidth, latency)`: bandwidth in bytes/s *per chip, per direction* (what one rank can push
+into a ring all-reduce), latency in seconds per message round.
+
+`gemm_efficiency` is the main number that is not a datasheet figure: the share of peak a large,
+well-shaped bf16 matrix multiply reaches on that chip -- an assumption, stated with its source
+(the TPU DCN figure is the other, marked ASSUMPTION). `python -m minidist.calibrate` measures this
+machine instead (matmul and minidist's own kernel rates, memory bandwidth, all-reduce alpha/beta,
+the cores the ranks really get), giving `here()`.
+
+Sources (accessed for the course; numbers are per chip unless stated):
+  [A100]  NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s bf16 dense, 80 GB HBM2e at
+          2,039 GB/s, NVLink 3 600 GB/s total (300 GB/s each way), PCIe Gen4.
+  [H100]  NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5: 989 TFLOP/s bf16 dense (1,979 with
+          sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s total (450 each way).
+  [B200]  NVIDIA HGX B200 / DGX B200 datasheet (2024): 36 PFLOP/s bf16 sparse per 8 GPUs
+          -> 2.25 PFLOP/s dense per GPU, 180 GB HBM3e at 8 TB/s (DGX: 1,440 GB / 8), NVLink 5
+          1.8 TB/s total (900 GB/s each way), ConnectX-7 400 Gb/s per GPU.
+  [MEG21] Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+          Using Megatron-LM", Sec. 5: DGX A100 nodes, 8 GPUs on NVLink/NVSwitch, 8 x 200 Gb/s HDR
+          InfiniBand HCAs per node -> 25 GB/s per GPU.
+  [LLAMA3] Llama Team 2024, "The Llama 3 Herd of Models", Sec. 3.3: H100 SXM, 8 per node on
+          NVLink, RoCE 400 Gb/s per GPU (50 GB/s).
+  [TPUv4] Jouppi et al. 2023, "TPU v4: An Optically Reconfigurable Supercomputer": 275 TFLOP/s
+          bf16, 32 GiB HBM2 at 1,200 GB/s, 3D torus with 6 ICI links of 50 GB/s each way,
+          4,096 chips per pod.  DCN per chip is an ASSUMPTION: 4 chips per host sharing a 100 Gb/s
+          NIC -> ~3.1 GB/s per chip (v4 and v5e; the docs give no per-chip figure).
+  [v5e]   Google Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GiB HBM2 at 819 GB/s, 2D torus, ICI
+          1,600 Gb/s per chip (4 links of 50 GB/s), 256 chips per pod.
+  [v5p]   Google Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,765 GB/s, 3D torus, ICI
+          1,200 GB/s bidirectional per chip (6 links of 100 GB/s each way), DCN 50 Gb/s per chip.
+  [SB]    Austin et al. 2025, "How to Scale Your Model" (the JAX scaling book), Part 2: TPU ICI and
+          DCN bandwidth tables and the ring all-reduce cost 2(N-1)/N * bytes / bandwidth.
+  [PCIe]  PCI-SIG: Gen4 x16 32 GB/s each way, Gen5 x16 64 GB/s (raw; ~80% achievable).
+  [NVMe]  Samsung 990 PRO datasheet: 7.45 GB/s sequential read (PCIe 4.0 x4).
+  [GEMM]  gemm_efficiency: NVIDIA's published cuBLAS bf16 GEMM results and the Megatron papers
+          report 75-85% of peak for large GEMMs on A100/H100; the TPU MXU reaches 80-90% on large
+          matmuls ([SB] Part 1). We use 0.80 (GPU) and 0.85 (TPU): an assumption, not a datasheet value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link as one chip sees it: bytes/s each way, seconds per message round."""
+    bandwidth: float
+    latency: float
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Crowd:
+    """`ranks` MPI processes at once on this machine, as calibrate's mpirun probe measured them
+    (`minidist.plan.calibrate_mpi`): the cores' worth of minidist work they get together, and per
+    all-reduce algorithm the wall time of its rounds and bytes with all of them running it --
+    `fg` called between computations (tensor parallel), `bg` on the communication thread (DDP) --
+    and `python`: what each op loses besides, as extra seconds per second of a rank's Python alone
+    (switches and cold caches come per op, not per FLOP)."""
+    ranks: int
+    cores: float
+    links: dict = field(compare=False)  # algorithm -> {"fg": Link, "bg": Link}
+    python: float = 0.0
+
+    def link(self, algorithm: str, background: bool) -> Link:
+        by = self.links.get(algorithm) or self.links["ring"]
+        return by["bg" if background else "fg"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float            # dense bf16 (or the dtype trained in) FLOP/s per chip
+    hbm_bytes: float             # memory per chip
+    hbm_bandwidth: float         # bytes/s
+    intra: Link                  # inside the fast domain (node / TPU slice)
+    inter: Link                  # between fast domains
+    chips_per_domain: int        # chips in one fast domain (GPUs per node; a TPU slice's chips)
+    gemm_efficiency: float = 0.8  # share of peak a large matmul reaches [GEMM]
+    host_link: Link | None = None  # to host memory (offload)
+    disk: Link | None = None       # to local NVMe (offload)
+    op_overhead: float = 0.0       # seconds per op (forward + backward) outside the math: Python, dispatch
+    cores: float = 0               # cores the ranks share (0: one chip per rank, nothing shared); for
+                                   # this machine, the cores' worth calibrate found free
+    cores_crowded: float = 0       # thread ranks, once they outnumber the CPUs: the cores' worth they get
+    cpus: int = 0                  # this machine's CPUs (0: not a shared machine)
+    kernels: dict | None = field(default=None, compare=False)  # measured minidist op rates (calibrate)
+    gil: bool = False              # ranks are threads of one Python process (their Python runs in turn)
+    transport: str = ""            # "threads" or "mpi" for this machine ("": a preset's own collectives)
+    crowds: tuple = ()             # MPI processes here: a `Crowd` per probed process count (calibrate)
+    threads: tuple = ()            # thread ranks here: (ranks, cores' worth) per measured count (calibrate)
+    cores_one: float = 0           # here: the share of a core one rank alone gets (1 on a quiet machine)
+    sources: tuple = field(default=(), compare=False)
+
+    def with_(self, **changes) -> Hardware:
+        return replace(self, **changes)
+
+    def crowd(self, ranks: int) -> Crowd | None:
+        """The probe for `ranks` processes: the measured one, the next larger one measured (between
+        probes the cores' worth and latency of the larger count, a little pessimistic), or beyond
+        the largest its cores' worth with every round ranks / largest times as long (the partner's
+        turn comes round that much later). None: nothing measured, or a single rank."""
+        if not self.crowds or ranks <= 1:
+            return None
+        for c in sorted(self.crowds, key=lambda c: c.ranks):
+            if c.ranks >= ranks:
+                return c
+        k = ranks / c.ranks
+        links = {a: {w: Link(lk.bandwidth, lk.latency * k, lk.name) for w, lk in by.items()}
+                 for a, by in c.links.items()}
+        return Crowd(ranks, c.cores, links, c.python)
+
+    def thread_cores(self, ranks: int) -> float:
+        """The cores' worth `ranks` thread ranks get together: calibrate's measurement for that many
+        (`threads`: (ranks, cores) pairs), else the next larger count measured; past the largest, or
+        from an older calibration, `cores_crowded` once they outnumber the CPUs, else `cores`."""
+        for n, cores in sorted(self.threads):
+            if n >= ranks:
+                return cores
+        if self.cpus and ranks > self.cpus and self.cores_crowded:
+            return self.cores_crowded
+        return self.cores
+
+
+PCIE4 = Link(32 * GB, 5e-6, "PCIe Gen4 x16")
+PCIE5 = Link(64 * GB, 5e-6, "PCIe Gen5 x16")
+NVME = Link(7.45 * GB, 1e-4, "NVMe PCIe4 x4")
+
+A100 = Hardware("A100-SXM4-80GB", 312e12, 80 * GB, 2039 * GB,
+                intra=Link(300 * GB, 5e-6, "NVLink 3"), inter=Link(25 * GB, 1e-5, "HDR InfiniBand"),
+                chips_per_domain=8, gemm_efficiency=0.8, host_link=PCIE4, disk=NVME,
+                sources=("A100", "MEG21", "GEMM"))
+H100 = Hardware("H100-SXM5-80GB", 989e12, 80 * GB, 3350 * GB,
+                intra=Link(450 * GB, 5e-6, "NVLink 4"), inter=Link(50 * GB, 1e-5, "400G InfiniBand/RoCE"),
+                chips_per_domain=8, gemm_efficiency=0.8, host_link=PCIE5, disk=NVME,
+                sources=("H100", "LLAMA3", "GEMM"))
+B200 = Hardware("B200", 2250e12, 180 * GB, 8000 * GB,
+                intra=Link(900 * GB, 5e-6, "NVLink 5"), inter=Link(50 * GB, 1e-5, "400G InfiniBand"),
+                chips_per_domain=8, gemm_efficiency=0.8, host_link=PCIE5, disk=NVME,
+                sources=("B200", "GEMM"))
+# TPUs: a ring over one torus axis uses 2 links (both neighbours) -> 2 x per-link bandwidth each way
+TPU_V4 = Hardware("TPU v4", 275e12, 32 * 2**30, 1200 * GB,
+                  intra=Link(2 * 50 * GB, 1e-6, "ICI (one torus axis)"), inter=Link(3.1 * GB, 1e-5, "DCN"),
+                  chips_per_domain=4096, gemm_efficiency=0.85, host_link=PCIE4,
+                  sources=("TPUv4", "SB", "GEMM"))
+TPU_V5E = Hardware("TPU v5e", 197e12, 16 * 2**30, 819 * GB,
+                   intra=Link(2 * 50 * GB, 1e-6, "ICI (one torus axis)"), inter=Link(3.1 * GB, 1e-5, "DCN"),
+                   chips_per_domain=256, gemm_efficiency=0.85, host_link=PCIE4,
+                   sources=("v5e", "SB", "GEMM"))
+TPU_V5P = Hardware("TPU v5p", 459e12, 95 * 2**30, 2765 * GB,
+                   intra=Link(2 * 100 * GB, 1e-6, "ICI (one torus axis)"),
+                   inter=Link(50e9 / 8, 1e-5, "DCN"),
+                   chips_per_domain=8960, gemm_efficiency=0.85, host_link=PCIE5,
+                   sources=("v5p", "SB", "GEMM"))
+
+PRESETS = {"a100": A100, "h100": H100, "b200": B200, "tpu-v4": TPU_V4, "tpu-v5e": TPU_V5E, "tpu-v5p": TPU_V5P}
+
+CALIBRATION_PATH = os.path.join(os.path.expanduser("~"), ".cache", "minidist", "calibration.json")
+
+
+def _crowd(e: dict) -> Crowd:
+    """A Crowd from calibrate's "processes" entry: ranks, cores, links {alg: {"fg"/"bg": [alpha, beta]}}."""
+    links = {a: {w: Link(1.0 / beta, alpha, f"mpi {a}, {e['ranks']} processes ({w})")
+                 for w, (alpha, beta) in by.items()} for a, by in e["links"].items()}
+    return Crowd(e["ranks"], e["cores"], links, e.get("python", 0.0))
+
+
+def here(path: str | None = None, transport: str = "threads") -> Hardware:
+    """This machine, from the calibration file `python -m minidist.calibrate` wrote (one rank = one
+    chip; the 'intra' link is the threads transport's measured all-reduce alpha/beta). `transport`:
+    "threads" (ranks share one Python: the cores they really get, measured per rank count in
+    `threads`, from older calibrations `cores_threads`, or `cores_threads_crowded` once they
+    outnumber the CPUs; their ops' fixed costs add up) or "mpi"
+    (one process per rank: the mpirun probe's `crowds` -- cores' worth and all-reduce links per
+    process count -- or, from a calibration without it, `cores_free` and the threads link)."""
+    path = path or CALIBRATION_PATH
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no calibration at {path}: run `python -m minidist.calibrate` first "
+                                "(it measures this machine once, ~20 s)")
+    with open(path) as f:
+        c = json.load(f)
+    crowds = () if transport == "threads" else tuple(_crowd(e) for e in c.get("processes", ()))
+    link = Link(1.0 / c["beta"], c["alpha"],  # the threads link: MPI groups use `crowds`' own links
+                "threads transport" + (" (mpi groups: the probe's link per process count)" if crowds else ""))
+    counts = tuple((e["ranks"], e["cores"]) for e in c.get("threads", ()))
+    threads = counts if transport == "threads" else ()
+    one = min((cores for n, cores in counts if n == 1), default=0.0)  # one rank: one thread, GIL or not
+    return Hardware(f"here ({c.get('cpu', 'this CPU')})", c["flops"], c.get("memory_bytes", 8 * GB),
+                    c["mem_bandwidth"], intra=link, inter=link, chips_per_domain=10**6,
+                    gemm_efficiency=1.0, op_overhead=c["op_overhead"],
+                    cores=c.get("cores_threads" if transport == "threads" else "cores_free", c["cores"]),
+                    cores_crowded=c.get("cores_threads_crowded", 0.0), cpus=c["cores"],
+                    kernels=c.get("kernels"), gil=transport == "threads", transport=transport, crowds=crowds,
+                    threads=threads, cores_one=one, sources=("calibrate",))
+
+
+def get(name: str) -> Hardware:
+    """A preset by name (see PRESETS) or "here"."""
+    if name == "here":
+        return here()
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join(PRESETS)} or 'here'") from None

@@ -1,0 +1,1 @@
+"""Resilience: checkpoints, the supervisor that restarts a failed job, injected faults and stragglers."""

@@ -1,0 +1,27 @@
+"""Fault tolerance: sharded, atomic, checksummed, reshardable checkpoints of the whole training state.
+
+* ``files``   -- one directory per step, written atomically, verified on load, last k kept.
+* ``layout``  -- which piece of which global tensor a rank holds; resharding by index sets.
+* ``state``   -- ``TrainState`` and the one function pair ``save`` / ``load``.
+* ``tiers``   -- asynchronous saves (snapshot, background writer) and the in-memory tier.
+* ``trainer`` -- a resumable training job on any mesh (DDP, ZeRO, TP, PP, 3D).
+
+The supervisor that restarts a failed job is ``python -m minidist.launch``; faults are injected by
+``minidist.resilience.faults``. Chapter: lessons/10-fault-tolerance.md.
+"""
+
+from minidist.resilience.checkpoint.files import CheckpointError, list_steps
+from minidist.resilience.checkpoint.state import (
+    Attrs,
+    LoadInfo,
+    Snapshot,
+    TrainState,
+    load,
+    restore,
+    save,
+    snapshot,
+    write_snapshot,
+)
+
+__all__ = ["Attrs", "CheckpointError", "LoadInfo", "Snapshot", "TrainState", "list_steps", "load", "restore",
+           "save", "snapshot", "write_snapshot"]

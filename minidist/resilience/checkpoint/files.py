@@ -1,0 +1,270 @@
+"""A checkpoint on disk: a directory per step, made atomically, described by one JSON manifest.
+
+    ckpt/
+      step-00000040/            one finished checkpoint
+        manifest.json           what every file holds (see below), written last, by rank 0
+        rank-00000.bin          rank 0's pieces, raw bytes back to back (no pickle anywhere)
+        rank-00001.bin
+      step-00000050/
+      latest                    "step-00000050": replaced last, atomically
+
+Writing (``write_step``): every rank writes its file into ``step-N.tmp/`` and fsyncs it; rank 0 adds
+``manifest.json`` (each file's sha256 and size, each piece's file, offset, dtype and shape), fsyncs
+the directory, renames it to ``step-N`` (a rename is atomic: a reader sees the whole checkpoint or
+none of it), then replaces ``latest`` the same way, and deletes all but the newest ``keep``. A crash
+at any moment leaves either the old ``latest`` or the new one, never half of one.
+
+Reading (``choose``): the newest step is used if its manifest parses and every file has the recorded
+size and sha256 (the ranks hash the files between them). A bad one is reported -- which file, what
+is wrong -- and the next older is tried. Given several roots holding the same steps (tiers), each
+file may come from any of them: the first intact copy wins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+
+import numpy as np
+
+FORMAT = "minidist-checkpoint/1"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: corrupt, incomplete, or made for another model."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.bin"
+
+
+def sha256_file(path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_dir(path) -> None:
+    """Make a directory's entries (new files, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_pieces(path, arrays, fault=None) -> tuple[list[dict], dict]:
+    """Write host arrays back to back into ``path`` and fsync; return each one's (offset, nbytes,
+    dtype, shape) and the file's {"sha256", "bytes"}. ``fault`` (a ``minidist.resilience.faults`` hook) may
+    fail the write (disk full) or damage the file after it was written."""
+    pieces, h, offset = [], hashlib.sha256(), 0
+    with open(path, "wb") as f:
+        if fault is not None:
+            fault.before_write(path, sum(np.asarray(a).nbytes for a in arrays))
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            buf = memoryview(a).cast("B") if a.size else b""
+            f.write(buf)
+            h.update(buf)
+            pieces.append({"offset": offset, "nbytes": a.nbytes, "dtype": a.dtype.str,
+                           "shape": list(a.shape)})
+            offset += a.nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    return pieces, {"sha256": h.hexdigest(), "bytes": offset}
+
+
+def read_piece(directory, piece: dict) -> np.ndarray:
+    """One piece's bytes, read from its file at its offset (no other bytes are read)."""
+    with open(os.path.join(directory, piece["file"]), "rb") as f:
+        f.seek(piece["offset"])
+        raw = f.read(piece["nbytes"])
+    if len(raw) != piece["nbytes"]:
+        raise CheckpointError(f"{piece['file']} in {directory}: {len(raw)} bytes at offset "
+                              f"{piece['offset']}, "
+                              f"the manifest says {piece['nbytes']} (truncated file)")
+    return np.frombuffer(raw, dtype=np.dtype(piece["dtype"])).reshape(piece["shape"])
+
+
+def _write_json_atomic(path, obj) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_sidecar(tmp, rank: int, obj: dict) -> None:
+    """Rank ``rank``'s account of its file (pieces, sha256, small state), for rank 0 to collect."""
+    _write_json_atomic(os.path.join(tmp, f"rank-{rank:05d}.json"), obj)
+
+
+def wait_sidecars(tmp, world: int, timeout: float, poll: float = 0.002) -> list[dict]:
+    """Every rank's sidecar, in rank order, once all exist (written atomically: a present one is whole)."""
+    paths = [os.path.join(tmp, f"rank-{r:05d}.json") for r in range(world)]
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        if time.monotonic() > deadline:
+            missing = [r for r, p in enumerate(paths) if not os.path.exists(p)]
+            raise CheckpointError(f"{tmp}: ranks {missing} did not finish writing within {timeout} s")
+        time.sleep(poll)
+    out = []
+    for p in paths:
+        with open(p) as f:
+            out.append(json.load(f))
+    return out
+
+
+def begin_step(root, step: int) -> str:
+    """(Rank 0) a fresh, empty ``step-N.tmp`` directory; the leftovers of a crashed attempt are removed."""
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, step_dir_name(step) + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def commit_step(root, step: int, manifest: dict, keep: int) -> str:
+    """(Rank 0, after every rank's file is written and fsynced) manifest, rename, ``latest``, prune."""
+    tmp = os.path.join(root, step_dir_name(step) + ".tmp")
+    for name in os.listdir(tmp):
+        if name.endswith(".json"):  # the sidecars: the manifest holds all they said
+            os.remove(os.path.join(tmp, name))
+    _write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
+    fsync_dir(tmp)
+    final = os.path.join(root, step_dir_name(step))
+    if os.path.exists(final):  # the same step saved again (a restarted run): the new one replaces it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    latest = os.path.join(root, LATEST)
+    with open(latest + ".tmp", "w") as f:
+        f.write(step_dir_name(step))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest + ".tmp", latest)
+    fsync_dir(root)
+    prune(root, keep)
+    return final
+
+
+def prune(root, keep: int) -> None:
+    """Delete all but the newest ``keep`` finished checkpoints, and the temporary directories of
+    steps up to the newest (left by crashed saves; a later step's may still be being written)."""
+    steps = list_steps(root)
+    for s in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(root, step_dir_name(s)), ignore_errors=True)
+    for name in os.listdir(root):
+        m = re.match(r"^step-(\d{8})\.tmp$", name)
+        if m and steps and int(m.group(1)) <= steps[-1]:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def list_steps(root) -> list[int]:
+    """Steps of the finished checkpoint directories under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(root)) if m)
+
+
+def candidates(root) -> tuple[list[str], list[str]]:
+    """Directories to try, best first (``latest``'s target, then newest first), and problems found."""
+    problems, order = [], []
+    latest = os.path.join(root, LATEST)
+    if os.path.exists(latest):
+        name = open(latest, "rb").read().decode("utf-8", "replace").strip()
+        if _STEP_DIR.match(name) and os.path.isdir(os.path.join(root, name)):
+            order.append(name)
+        else:
+            problems.append(f"{latest}: points to {name[:40]!r}, which is not a finished checkpoint")
+    order += [step_dir_name(s) for s in reversed(list_steps(root)) if step_dir_name(s) not in order]
+    return [os.path.join(root, n) for n in order], problems
+
+
+def read_manifest(directory) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (the checkpoint was not finished)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}): truncated or corrupted") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format is {m.get('format') if isinstance(m, dict) else m!r}, "
+                              f"expected {FORMAT!r}")
+    return m
+
+
+def check_file(directory, name: str, meta: dict) -> str | None:
+    """None if ``name`` has the manifest's size and sha256, else what is wrong with it."""
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        return f"{path}: missing"
+    size = os.path.getsize(path)
+    if size != meta["bytes"]:
+        return f"{path}: {size} bytes, the manifest says {meta['bytes']} (truncated or overwritten)"
+    if sha256_file(path) != meta["sha256"]:
+        return f"{path}: sha256 differs from the manifest's (corrupted)"
+    return None
+
+
+def choose(comm, roots) -> tuple[dict | None, dict | None, list[str]]:
+    """(where, manifest, problems) of the newest step with an intact copy of every file, the same on
+    every rank. ``roots``: one checkpoint directory, or several holding the same steps (tiers: a file
+    damaged or lost in one is taken from the next). ``where`` maps each file to the step directory
+    it is read from; (None, None, problems) when no step is whole. Collective: rank r hashes files
+    r, r + size, ...; the verdicts are all-gathered. (``latest`` is replaced last, so the newest
+    whole step is normally its target; after a crash between the rename and that replacement, the
+    newer step -- complete and verified -- is used.)"""
+    roots = [roots] if isinstance(roots, str | os.PathLike) else list(roots)
+    by_step, problems = {}, []
+    if comm.rank == 0:
+        for root in roots:
+            dirs, probs = candidates(root)
+            problems += probs
+            for d in dirs:
+                by_step.setdefault(int(_STEP_DIR.match(os.path.basename(d)).group(1)), []).append(d)
+    by_step, problems = comm.bcast_obj((by_step, problems), root=0)
+    for step in sorted(by_step, reverse=True):
+        dirs, manifest, errs = by_step[step], None, []
+        if comm.rank == 0:
+            for d in dirs:
+                try:
+                    manifest = read_manifest(d)
+                    break
+                except CheckpointError as e:
+                    errs.append(str(e))
+        manifest, errs = comm.bcast_obj((manifest, errs), root=0)
+        where = {}
+        if manifest is not None:
+            names = sorted(manifest["files"])
+            mine = {}
+            for n in names[comm.rank::comm.size]:
+                verdicts = [(d, check_file(d, n, manifest["files"][n])) for d in dirs]
+                good = [d for d, e in verdicts if e is None]
+                mine[n] = good[0] if good else [e for _, e in verdicts]
+            for part in comm.allgather_obj(mine):
+                for n, v in part.items():
+                    if isinstance(v, str):
+                        where[n] = v
+                    else:
+                        errs += v
+            if len(where) == len(names):
+                return where, manifest, problems
+        problems.append(f"skipped {' + '.join(dirs)}: {'; '.join(errs)}")
+    return None, None, problems

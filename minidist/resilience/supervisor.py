@@ -1,0 +1,303 @@
+"""``python -m minidist.launch``: start a job, watch it, restart it from its last good checkpoint.
+
+    python -m minidist.launch -n 4 --max-restarts 3 [--min-ranks 2] [--threads] [--ckpt DIR] \\
+        [--fault "kill:rank=1,step=5"] -- python -m minidist.lessons.fault_tolerance --ckpt DIR
+
+The job runs under ``mpirun -n N`` (or, with ``--threads``, as one process given ``--ranks N``).
+The supervisor watches two things: the exit status, and a heartbeat per rank -- a file in
+``$MINIDIST_HEARTBEAT_DIR`` that the training loop rewrites every step (``heartbeat(rank, step)``),
+so a rank that hangs without dying is noticed after ``--heartbeat-timeout`` seconds and the job is
+killed. On a failure it says what failed and when, reads which checkpoint under ``--ckpt`` is the
+newest intact one (that is where the job resumes), starts the job again with ``MINIDIST_RESTART``
+one higher, and at the end prints each attempt and the work lost: the steps done after the
+checkpoint that was resumed from, which had to be computed again.
+
+Elastic restart: a fault of kind ``lose`` (``minidist.resilience.faults``) stands for a host the cluster
+manager took away. With ``--min-ranks M`` the supervisor restarts on the ranks that are left (at
+least M), and the job reshards its checkpoint onto the smaller data-parallel mesh.
+Events go, one JSON object per line, to ``$MINIDIST_SUPERVISOR_LOG`` (``--log``), for timelines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from minidist.resilience.checkpoint import files
+from minidist.resilience.faults import parse
+
+
+def heartbeat(rank: int, step: int) -> None:
+    """Tell the supervisor this rank is alive and at ``step`` (no-op without a supervisor)."""
+    d = os.environ.get("MINIDIST_HEARTBEAT_DIR")
+    if not d:
+        return
+    path = os.path.join(d, f"rank-{rank}")
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{step} {time.time()}\n")
+    os.replace(path + ".tmp", path)
+
+
+def read_heartbeats(d) -> dict[int, tuple[int, float]]:
+    """{rank: (last step, wall time of the beat)} from a heartbeat directory."""
+    beats = {}
+    for name in os.listdir(d) if os.path.isdir(d) else []:
+        if name.startswith("rank-") and not name.endswith(".tmp"):
+            try:
+                step, t = open(os.path.join(d, name)).read().split()
+                beats[int(name[5:])] = (int(step), float(t))
+            except (OSError, ValueError):
+                continue  # being replaced right now
+    return beats
+
+
+def newest_good_checkpoint(root) -> tuple[int | None, list[str]]:
+    """(step, problems) of the checkpoint a restart will resume from, checked as ``load`` does."""
+    if not root:
+        return None, []
+    dirs, problems = files.candidates(root)
+    for d in dirs:
+        try:
+            m = files.read_manifest(d)
+            bad = [e for n, meta in m["files"].items() if (e := files.check_file(d, n, meta))]
+        except files.CheckpointError as e:
+            bad = [str(e)]
+        if not bad:
+            return m["step"], problems
+        problems.append(f"{os.path.basename(d)}: {'; '.join(bad)}")
+    return None, problems
+
+
+@dataclass
+class Attempt:
+    number: int
+    ranks: int
+    start: float
+    end: float = 0.0
+    status: str = "running"
+    resumed_from: int | None = None
+    last_step: int | None = None
+    failed_rank: int | None = None
+    lost: list = field(default_factory=list)
+    tier: str | None = None
+
+
+class Supervisor:
+    def __init__(self, cmd, n: int, max_restarts: int, min_ranks: int | None, threads: bool, ckpt: str | None,
+                 heartbeat_timeout: float, log: str | None, poll: float = 0.05):
+        self.cmd, self.n, self.max_restarts = list(cmd), n, max_restarts
+        self.min_ranks, self.threads, self.ckpt = min_ranks, threads, ckpt
+        self.timeout, self.poll, self.log_path = heartbeat_timeout, poll, log
+        self.attempts: list[Attempt] = []
+        self.t0 = time.time()
+        self.work = tempfile.mkdtemp(prefix="minidist-launch-")
+        if self.log_path is None:  # the job logs what it restored from: keep a log even if not asked
+            self.log_path = os.path.join(self.work, "events.jsonl")
+
+    def say(self, msg: str) -> None:
+        print(f"[launch {time.time() - self.t0:7.2f}s] {msg}", flush=True)
+
+    def log(self, **event) -> None:
+        if self.log_path:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps({"t": time.time(), **event}) + "\n")
+
+    def command(self, n: int) -> list[str]:
+        if self.threads:
+            return self.cmd + ["--ranks", str(n)]
+        here = os.path.dirname(sys.executable)  # the mpich wheel puts mpirun beside python in a venv
+        mpirun = shutil.which("mpirun") or shutil.which("mpirun", path=here) or shutil.which("mpiexec")
+        if mpirun is None:
+            raise SystemExit("minidist.launch: no mpirun on PATH (pip install mpich), or use --threads")
+        return [mpirun, "-n", str(n)] + self.cmd
+
+    def run(self) -> int:
+        n = self.n
+        for number in range(self.max_restarts + 1):
+            resumed, problems = newest_good_checkpoint(self.ckpt) if number else (None, [])
+            for p in problems:
+                self.say(f"checkpoint check: {p}")
+            a = Attempt(number, n, time.time(), resumed_from=resumed)
+            self.attempts.append(a)
+            known = self.ckpt and number  # attempt 0: the job decides whether it starts fresh
+            where = f"(newest intact checkpoint in {self.ckpt}: step {resumed})" if known else ""
+            self.say(f"attempt {number}: starting {n} ranks {where}".rstrip())
+            self.log(event="start", attempt=number, ranks=n, resumed_from=resumed)
+            code = self.watch(a)
+            if code == 0:
+                a.status = "ok"
+                self.log(event="end", attempt=number, status="ok", last_step=a.last_step)
+                self.say(f"attempt {number}: finished (exit 0)")
+                return self.summary(0)
+            self.log(event="failure", attempt=number, status=a.status, rank=a.failed_rank,
+                     last_step=a.last_step)
+            if a.last_step is None and number and self.attempts[-2].last_step is None:
+                self.say("the job failed twice before its first heartbeat: a configuration error or a "
+                         "bug, not a fault a restart can fix (see its error above); giving up")
+                return self.summary(1)
+            if a.lost:
+                left = n - len(a.lost)
+                # the largest divisor of the original size that fits, so the data-parallel mesh still splits
+                fits = max(d for d in range(1, left + 1) if self.n % d == 0)
+                if self.min_ranks is None or fits < self.min_ranks:
+                    self.say(f"ranks {a.lost} lost; {left} left, below --min-ranks "
+                             f"{self.min_ranks}: cannot restart")
+                    return self.summary(1)
+                n = fits
+                self.say(f"ranks {a.lost} lost: elastic restart on {n} ranks")
+        self.say(f"giving up after {self.max_restarts} restarts")
+        return self.summary(1)
+
+    def watch(self, a: Attempt) -> int:
+        hb = os.path.join(self.work, f"attempt-{a.number}")
+        os.makedirs(hb)
+        env = dict(os.environ, MINIDIST_HEARTBEAT_DIR=hb, MINIDIST_RESTART=str(a.number),
+                   MINIDIST_WORLD_RANKS=str(a.ranks))
+        if self.log_path:
+            env["MINIDIST_SUPERVISOR_LOG"] = self.log_path
+        proc = subprocess.Popen(self.command(a.ranks), env=env, start_new_session=True)
+        hung = None
+        while (code := proc.poll()) is None:
+            time.sleep(self.poll)
+            beats = read_heartbeats(hb)
+            now = time.time()
+            stale = {r: now - t for r, (_, t) in beats.items() if now - t > self.timeout}
+            if stale:
+                hung = max(stale, key=stale.get)
+                silent = ", ".join(f"rank {r}: {s:.1f} s" for r, s in sorted(stale.items()))
+                self.say(f"no heartbeat for more than {self.timeout} s ({silent}): hung; killing the job")
+                _stop(proc)
+                code = -signal.SIGKILL
+                break
+        a.end = time.time()
+        beats = read_heartbeats(hb)
+        a.last_step = max((s for s, _ in beats.values()), default=None)
+        if code == 0:
+            return 0
+        notes = {int(f[len("fault-rank-"):]): open(os.path.join(hb, f)).read().strip()
+                 for f in os.listdir(hb) if f.startswith("fault-rank-")}
+        a.lost = sorted(r for r, note in notes.items() if note.startswith("lose"))
+        if hung is not None:  # every rank waiting on the hung one goes silent too: a fault note knows better
+            a.failed_rank = min(notes) if notes else hung
+            why = f"hung at step {beats[hung][0]}"
+        elif notes:
+            a.failed_rank = min(notes)
+            why = notes[a.failed_rank]
+        else:
+            behind = sorted(beats.items(), key=lambda kv: (kv[1][0], kv[1][1]))
+            a.failed_rank = behind[0][0] if behind else None
+            why = "exit status " + (f"{code}" if code > 0 else f"signal {-code}")
+        a.status = "hung" if hung is not None else f"failed ({why})"
+        steps = ", ".join(f"{r}:{s}" for r, (s, _) in sorted(beats.items()))
+        self.say(f"attempt {a.number} FAILED after {a.end - a.start:.2f} s: rank {_dash(a.failed_rank)}, "
+                 f"{why}; exit {code}; last step per rank {{{steps}}}")
+        return code
+
+    def _job_restores(self) -> None:
+        """What each attempt really resumed from, if the job logged it (it may have used a faster tier
+        than the disk directory the supervisor checks)."""
+        if not self.log_path or not os.path.exists(self.log_path):
+            return
+        for line in open(self.log_path):
+            e = json.loads(line)
+            if e.get("event") == "restore" and e.get("attempt", -1) < len(self.attempts):
+                self.attempts[e["attempt"]].resumed_from = e.get("step")
+                self.attempts[e["attempt"]].tier = e.get("tier")
+
+    def summary(self, code: int) -> int:
+        self._job_restores()
+        self.say("summary:")
+        print(f"  {'attempt':>7} {'ranks':>5} {'seconds':>8} {'resumed':>14} {'last step':>9} "
+              f"{'recomputed':>10}  "
+              "outcome")
+        total = 0
+        for i, a in enumerate(self.attempts):
+            nxt = self.attempts[i + 1] if i + 1 < len(self.attempts) else None
+            lost = None
+            if nxt is not None and a.last_step is not None:
+                lost = a.last_step - (nxt.resumed_from or 0)
+                total += max(lost, 0)
+            tier = f" ({a.tier})" if a.tier and a.resumed_from is not None else ""
+            resumed = _dash(a.resumed_from) + tier
+            cols = [a.number, a.ranks, f"{a.end - a.start:.2f}", resumed, _dash(a.last_step),
+                    _dash(lost)]
+            print(f"  {cols[0]:>7} {cols[1]:>5} {cols[2]:>8} {cols[3]:>14} {cols[4]:>9} {cols[5]:>10}  "
+                  f"{a.status}")
+        print(f"  restarts: {len(self.attempts) - 1}; steps recomputed: {total}; "
+              f"wall time {time.time() - self.t0:.2f} s", flush=True)
+        shutil.rmtree(self.work, ignore_errors=True)
+        return code
+
+
+def _stop(proc, grace: float = 2.0) -> None:
+    """End the job's process group: SIGTERM first (mpirun then stops its ranks and frees their shared
+    memory), SIGKILL whatever is left after ``grace`` seconds."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _dash(v) -> str:
+    return "-" if v is None else str(v)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        raise SystemExit("usage: python -m minidist.launch -n N [options] -- COMMAND ... "
+                         "(the -- is required)")
+    cut = argv.index("--")
+    ap = argparse.ArgumentParser(prog="python -m minidist.launch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("-n", "--ranks", type=int, required=True, help="ranks to start")
+    ap.add_argument("--max-restarts", type=int, default=3)
+    ap.add_argument("--min-ranks", type=int, default=None,
+                    help="allow elastic restarts down to this many ranks")
+    ap.add_argument("--threads", action="store_true", help="one process with --ranks N instead of mpirun")
+    ap.add_argument("--ckpt", help="the job's checkpoint directory (to report what it resumes from)")
+    ap.add_argument("--heartbeat-timeout", type=float, default=60.0,
+                    help="seconds without a heartbeat = hung (the first step may compile: JAX)")
+    ap.add_argument("--fault", help="faults to inject (sets MINIDIST_FAULT for the job; see "
+                    "minidist.resilience.faults)")
+    ap.add_argument("--log", help="append events (JSON lines) here; the job sees it as "
+                    "MINIDIST_SUPERVISOR_LOG")
+    args = ap.parse_args(argv[:cut])
+    cmd = argv[cut + 1:]
+    if not cmd:
+        raise SystemExit("minidist.launch: no command after --")
+    if args.ranks < 1 or args.max_restarts < 0 or (args.min_ranks is not None and
+                                                   not 1 <= args.min_ranks <= args.ranks):
+        raise SystemExit(f"minidist.launch: need -n >= 1, --max-restarts >= 0 and 1 <= --min-ranks <= -n; "
+                         f"got -n {args.ranks}, --max-restarts {args.max_restarts}, "
+                         f"--min-ranks {args.min_ranks}")
+    if cmd[0] == "python":
+        cmd[0] = sys.executable
+    if args.fault is not None:
+        try:
+            parse(args.fault)  # a typo fails here, not in the job
+        except ValueError as e:
+            raise SystemExit(f"minidist.launch: --fault: {e}") from None
+        os.environ["MINIDIST_FAULT"] = args.fault
+    sup = Supervisor(cmd, args.ranks, args.max_restarts, args.min_ranks, args.threads, args.ckpt,
+                     args.heartbeat_timeout, args.log)
+    return sup.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
