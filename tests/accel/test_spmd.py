@@ -286,7 +286,7 @@ def test_the_compiled_twin_multiplies_float32_in_full_precision_in_a_fresh_proce
     import subprocess
     import sys
 
-    code = ("from minidist import spmd\njax = spmd._jax()\n"
+    code = ("from minidist.accel import spmd\njax = spmd._jax()\n"
             "print(jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
