@@ -265,6 +265,30 @@ def test_qsgd_hook_ranks_round_independently():
     np.testing.assert_array_equal(out[0][0], out[1][0])
 
 
+
+def _qsgd_by_hand(v, s, u):
+    """QSGD's quantizer written from the paper: level = floor(|v|/‖v‖·s) + [u < frac], value =
+    ‖v‖·sign(v)·level/s; ``u`` are the uniform draws (float32, one per entry)."""
+    norm = np.sqrt(np.sum(v * v))
+    scaled = np.abs(v) / norm * s
+    level = np.floor(scaled) + (u < scaled - np.floor(scaled))
+    return norm * np.sign(v) * level / s
+
+
+@pytest.mark.parametrize("p,seed", [(2, 0), (3, 5)])
+def test_qsgd_hook_draws_each_ranks_rounding_from_seed_and_rank_across_steps(p, seed):
+    """The hook's sum over 2 steps == Σ_r quantize(g_r) with rank r's draws from
+    default_rng([seed, r]), continued from step to step: equal gradients round differently on each
+    rank (a generator seeded without the rank gives p times one rank's rounding)."""
+    n, s = 64, 3
+    g = np.random.default_rng(7).standard_normal(n)
+    out = run_hook(p, lambda: QSGDState(levels=s, seed=seed), qsgd_hook, [g] * p, [(n,)], steps=2)
+    gens = [np.random.default_rng([seed, r]) for r in range(p)]
+    for step in range(2):
+        want = sum(_qsgd_by_hand(g, s, gen.random(n, dtype=np.float32)) for gen in gens)
+        for r in range(p):
+            np.testing.assert_allclose(out[r][step], want, rtol=1e-12, atol=1e-12)
+
 # -- through DDP --------------------------------------------------------------------------------------
 
 CFG = GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=2, d_model=8, dtype="float64")
