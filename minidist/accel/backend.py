@@ -120,8 +120,9 @@ class CupyBackend(Backend):
 def configure_jax():
     """Import JAX and set what every minidist JAX computation assumes; returns the module. float64
     stays float64, and float32 stays float32: by default a GPU multiplies float32 matrices in TF32
-    (10-bit mantissa) and a TPU in bfloat16 passes, so twins that agree on a CPU disagreed by ~1e-3
-    on an H200. The backend, the compiled SPMD twin and the TPU lesson all start here."""
+    (10-bit mantissa) and a TPU in bfloat16 passes, so a parallel run and its serial twin that
+    agree on a CPU would differ on a GPU (chapter 16 has the measurement). The backend, the compiled
+    SPMD program and the TPU lesson all start here."""
     try:
         import jax
     except ImportError as e:

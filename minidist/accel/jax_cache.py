@@ -1,12 +1,12 @@
-"""minidist's own cache of compiled JAX executables: a program met in an earlier run loads in ~1 ms.
+"""minidist's own cache of compiled JAX executables: a program met in an earlier run loads untraced.
 
 JAX's persistent cache is keyed by a hash of the *lowered* module, so even a hit traces the
-function (~2.5 ms here) and lowers it to MLIR (~8 ms) before it can look: ~10 ms per program, and a
-lesson meets hundreds. This cache keys a program by what minidist knows before tracing -- which
-function, the arguments' shapes and dtypes and devices, the values baked in, the versions and
+function and lowers it to MLIR before it can look, for every program, and a lesson meets hundreds
+(chapter 16 has what each step costs). This cache keys a program by what minidist knows before
+tracing -- which function, the arguments' shapes and dtypes and devices, the values baked in, the versions and
 settings that change what JAX would emit -- and stores the serialized executable
 (``jax.experimental.serialize_executable``) beside whatever the trace learned (``aux``: an op's
-static attributes). A hit deserializes it (~0.8 ms) and never traces.
+static attributes). A hit deserializes it and never traces.
 
 A stale or colliding entry would be a silent wrong answer, so the key is conservative, and a unit
 whose identity cannot be written down safely (a closure over an object with no faithful ``repr``, a

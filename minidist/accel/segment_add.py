@@ -3,11 +3,11 @@
 ``cupyx.scatter_add`` adds with atomics, so the contributions to one element land in whatever order
 the GPU's threads finish, and a float sum differs in its last bits from run to run. An embedding's
 gradient is such a sum (a token that occurs twice adds two rows), so on CuPy two identical runs
-disagreed by ~1e-15: a restart was no longer bit-identical to a run that never failed, and offload's
-"exactly the same parameters" check failed. The remedy is PyTorch's deterministic mode's: sort the
-positions (a stable sort keeps equal positions in index order), cut the sorted list into segments of
-equal positions, and let one thread add each segment's values in that order -- the order NumPy's
-``add.at`` uses, so CuPy's bits equal NumPy's.
+would differ in the last bits: a restart would not be bit-identical to a run that never failed, and
+offload's "exactly the same parameters" check would fail (chapter 16 has the measurement). The
+remedy is PyTorch's deterministic mode's: sort the positions (a stable sort keeps equal positions in
+index order), cut the sorted list into segments of equal positions, and let one thread add each
+segment's values in that order -- the order NumPy's ``add.at`` uses, so CuPy's bits equal NumPy's.
 
 ``flat_positions`` and ``segments`` are plain array code (tested on NumPy); ``cupy_scatter_add``
 adds the CuPy kernel that walks each segment.

@@ -1,4 +1,4 @@
-"""The compiled SPMD twin: minidist's dp x tp GPT training step written once in pure JAX.
+"""The compiled SPMD program: minidist's dp x tp GPT training step written once in pure JAX.
 
 Everything minidist does eagerly, rank by rank, message by message, is written here as one
 program for one device and handed to XLA: ``shard_map`` runs it on every device of a
@@ -36,7 +36,7 @@ from minidist.testing import host_state
 
 
 def _jax():
-    return configure_jax()  # (x64, and full float32 matmuls: the twin equals the eager run on a GPU too)
+    return configure_jax()  # (x64, and full float32 matmuls: this program equals the eager run on a GPU too)
 
 
 def default_shape(n: int) -> tuple[int, int]:
@@ -190,9 +190,9 @@ def local_loss(params, x, y, n_valid, n_layer: int):
     return jnp.sum(jnp.where(valid, nll, 0.0)) / n_valid
 
 
-# -- layouts: minidist's names and shapes <-> the twin's sharded views ------------------------
+# -- layouts: minidist's names and shapes <-> the SPMD program's sharded views ---------------
 def _view(name: str, a, n_head: int):
-    """minidist's array -> the twin's view (heads on their own axis where they are split)."""
+    """minidist's array -> the SPMD program's view (heads on their own axis where they are split)."""
     c = a.shape[0]
     if name.endswith("attn.qkv.weight"):
         return a.reshape(c, 3, n_head, -1)

@@ -25,7 +25,7 @@ all_gather (ring)                      (p-1)/p N  (N = output size)   p-1
 
 Each algorithm opens its call with ``with collective(comm, name, x, op=op) as k`` (call.py): the
 host staging, the op check, the ledger record, the stamp and debug mode's check live there, so the
-body is only the algorithm: messages on ``k.comm`` (the communicator's strict private twin, which
+body is only the algorithm: messages on ``k.comm`` (the communicator's strict private channel, which
 never matches a user's point-to-point messages) under the call's stamp ``k.tag``, through the
 Communicator's public interface (``sendrecv_buffer``, ``send_buffer``, ``recv_buffer``, ...).
 """

@@ -15,7 +15,7 @@ processes). To add a transport, subclass ``Communicator`` and write these four m
 
 ``count=False`` keeps a message out of the ledger's payload counts (objects, barriers). Waiting is
 shared: a transport's ``Request.wait`` calls :func:`poll`, or, like threads.py, its own loop that
-raises the same errors. A *strict* communicator (the private twin that collectives talk on) also
+raises the same errors. A *strict* communicator (the private channel that collectives talk on) also
 checks, while it waits, that the peer's next message belongs to the same collective call (see
 debug.py): a mismatch raises at once instead of hanging or adding the wrong arrays.
 
@@ -27,7 +27,7 @@ On these, this class builds the interface every algorithm uses, the same on ever
   ``header=False`` (both sides know the size) no header travels and nothing is allocated.
 * ``send_obj / recv_obj / bcast_obj / gather_obj / allgather_obj``: pickled Python objects, for
   small metadata only (counted as header bytes, not payload).
-* ``twin(name)``: a private twin (same ranks, own messages), e.g. ``twin("coll")`` for collectives.
+* ``twin(name)``: a private channel (same ranks, own messages), e.g. ``twin("coll")`` for collectives.
 
 Every wait is bounded by ``comm.timeout`` (``MINIDIST_TIMEOUT`` seconds, default 300): after
 10 s it prints a "still waiting" line naming the operation and the peer; at the timeout it raises
@@ -133,8 +133,8 @@ class Communicator:
         self.rank, self.size = rank, size
         self.backend = backend if backend is not None else default_backend()
         self.ledger = ledger if ledger is not None else Ledger()
-        self.twins: dict = {}           # name -> private twin (same group, own messages), see twin()
-        self.origin = self              # the communicator this one is a twin of (itself if none)
+        self.twins: dict = {}           # name -> private channel (same group, own messages), see twin()
+        self.origin = self              # the communicator this one is a private channel of (itself if none)
         self.strict = False             # every message belongs to a stamped collective call
         self.timeout = default_timeout()
         self.debug = debug_enabled()
@@ -165,9 +165,9 @@ class Communicator:
     def make_twin(self, name: str) -> Communicator:
         raise NotImplementedError
 
-    # -- twins, notes, the watchdog --------------------------------------------------------------
+    # -- private channels, notes, the watchdog --------------------------------------------------------------
     def twin(self, name: str) -> Communicator:
-        """This communicator's private twin ``name`` (same ranks, separate messages): collective the
+        """This communicator's private channel ``name`` (same ranks, separate messages): collective the
         first time. ``"coll"`` is strict: collectives talk on it with stamped tags."""
         t = self.twins.get(name)
         if t is None:
@@ -177,7 +177,7 @@ class Communicator:
 
     @property
     def timeout(self) -> float:
-        """Seconds any wait on this communicator (or its private twins) may take: the watchdog."""
+        """Seconds any wait on this communicator (or its private channels) may take: the watchdog."""
         return self._timeout
 
     @timeout.setter
@@ -189,7 +189,8 @@ class Communicator:
     def note(self, op) -> None:
         """Record this rank's current operation (shown by the watchdog): a string, or a tuple
         (collective name, sequence number) formatted only when shown -- notes must be cheap.
-        A twin notes on its origin, so the watchdog shows the collective, not the twin's start."""
+        A private channel notes on its origin, so the watchdog shows the collective, not the
+        channel's start."""
         self.origin.last_op = op
 
     def ranks_status(self) -> str:
@@ -343,7 +344,7 @@ class Communicator:
         return self.bcast_obj(self.gather_obj(obj, 0), 0)
 
     def close(self) -> None:
-        """Stop the async worker of this communicator and of its private twins (if any)."""
+        """Stop the async worker of this communicator and of its private channels (if any)."""
         for c in [self, *self.twins.values()]:
             if c.async_worker is not None:
                 c.async_worker.stop()
@@ -361,7 +362,7 @@ class WaitPolicy:
        large message only while we poll. A collective's ranks are all active and answer soon, so
        inside one we spin longer.
     2. sleep with exponential backoff up to ``longest``: a rank waiting for a pipeline stage or a
-       slow peer leaves the CPU to whoever computes (~60 us wake-up latency per message).
+       slow peer leaves the CPU to whoever computes (at the price of a wake-up per message).
 
     Before both, ``quick`` tests in a row (no yield): a small message on its way lands within
     microseconds. Not on a crowded host, where the peer that must send it may need this very core.
@@ -406,7 +407,7 @@ def mark_background_thread() -> None:
 
 
 BACKGROUND_LONGEST = 2e-4       # seconds: the longest sleep of a background thread's wait
-QUICK_TESTS = 32                # tests in a row (~10 us) before a foreground wait starts to yield
+QUICK_TESTS = 32                # tests in a row before a foreground wait starts to yield
 
 
 def _fine_sleeps() -> None:

@@ -46,10 +46,8 @@ LATENCY = {False: (2e-5, 5e-6), True: (1e-4, 3e-5)}
 
 
 # shm all-reduce: two-shot (each rank reads ~2N, two waits) from this many bytes per piece up,
-# one-shot (reads p·N, one wait) below. At p = 2 both read 2N, so two-shot never pays. Measured with
-# ranks outnumbering cores (mpirun -n 4 on 2 cores, load 1.3): two-shot 1.5-2x faster from 1 MB
-# (1 MB 0.35 vs 0.52 ms, 4 MB 1.5 vs 2.3-3.1 ms, 16 MB 6.7 vs 10-11 ms); under heavy outside load
-# (3.7) the two were level, its second wait costing a time slice. 512 KB is NCCL's kind of crossover.
+# one-shot (reads p·N, one wait) below. At p = 2 both read 2N, so two-shot never pays. Chapter 2
+# has the measurement behind the crossover; 512 KB is NCCL's kind of crossover.
 SHM_TWO_SHOT_BYTES = {2: 1 << 62}
 SHM_TWO_SHOT_DEFAULT = 512 << 10
 
@@ -73,7 +71,7 @@ def crowded() -> bool:
 
 def agreed_crowded(comm) -> bool:
     """``crowded()`` on any rank of ``comm``: the same answer on every rank. Collective the first time
-    (one all-gather of a bool on ``comm``'s private twin), then kept in ``comm.agreed_crowded``.
+    (one all-gather of a bool on ``comm``'s private channel), then kept in ``comm.agreed_crowded``.
     Sub-communicators (``split``, a mesh's groups) agree among their own ranks."""
     flag = comm.agreed_crowded
     if flag is None:
@@ -159,7 +157,7 @@ def auto_algorithm(nbytes: int, p: int, is_crowded: bool | None = None, shared_m
     return choose_algorithm(nbytes, p, is_crowded)
 
 
-@functools.lru_cache(maxsize=4096)  # called on every all-reduce: a small message can't wait 5 us for it
+@functools.lru_cache(maxsize=4096)  # called on every all-reduce: a small message can't wait for the model
 def choose_algorithm(nbytes: int, p: int, is_crowded: bool | None = None) -> str:
     """The all-reduce algorithm the model predicts fastest (a tie goes to the simpler: at p = 2
     halving-doubling and the ring are the same exchange). ``is_crowded``: None asks this host's

@@ -1,7 +1,7 @@
 """Checks that every rank makes the same collective call: always-on stamps, and debug mode.
 
 **Always on, free.** Each collective call gets a *stamp*: the MPI tag (or thread-mailbox tag) its
-messages travel under, on the communicator's strict twin, packs what the call is::
+messages travel under, on the communicator's strict private channel, packs what the call is::
 
     bits 12-19: call number on this communicator (mod 256)   bits 7-11: the collective (KINDS)
     bits 3-6:   dtype (DTYPES; 0 = not stamped)               bits 1-2: op, or root mod 4
@@ -64,7 +64,7 @@ _last: tuple = (None, None, None, None, 0)
 
 
 def describe(tag: int) -> str:
-    """What a tag on a strict twin says, in words."""
+    """What a tag on a strict private channel says, in words."""
     if tag >= MAX_USER_TAG:
         return "a handshake message outside any collective (objects, barrier)"
     seq, kind, dt, extra, phase = tag >> 12, (tag >> 7) & 31, (tag >> 3) & 15, (tag >> 1) & 3, tag & 1

@@ -1,7 +1,7 @@
 """Asynchronous collectives: start now, ``wait()`` later (data parallelism overlaps them with backward).
 
 Each communicator gets one worker thread (per rank) that runs queued collectives in the order they
-were started, on a private twin of the communicator (``comm.twin("async")``) so its messages
+were started, on a private channel of the communicator (``comm.twin("async")``) so its messages
 never mix with the main thread's. Every rank must start the same async collectives in the same
 order, exactly like the blocking ones.
 """
@@ -77,7 +77,7 @@ class AsyncWorker:
 
 
 def start_async(comm, fn, *args, **kwargs) -> Handle:
-    """Queue ``fn(twin, *args, **kwargs)`` on ``comm``'s worker; return its Handle."""
+    """Queue ``fn(channel, *args, **kwargs)`` on ``comm``'s worker; return its Handle."""
     if comm.async_worker is None:
         comm.async_worker = AsyncWorker(comm)
     return comm.async_worker.submit(Handle(comm, fn.__name__), fn, args, kwargs)

@@ -136,7 +136,7 @@ def _doubling_pow2_only(comm, x):  # ignores the fold for p not a power of two
     return y
 
 
-def _ring_next_chunk(comm, x):  # the old spec's convention: rank r ends the reduce-scatter owning r+1
+def _ring_next_chunk(comm, x):  # a convention the spec rules out: rank r ends the reduce-scatter owning r+1
     p, r = comm.size, comm.rank
     chunks = [c.copy() for c in np.array_split(x, p)]
     for s in range(p - 1):

@@ -10,7 +10,7 @@ fails in a fraction of a second with the cycle of waiting ranks instead of at th
     rank 1 waits in send to rank 2 ...  -> back to rank 0: a deadlock.
 
 Only payload messages rendezvous (``count=True``); pickled objects and barriers stay eager, as
-small messages are on MPI. The collectives' private twins rendezvous too (minidist's own
+small messages are on MPI. The collectives' private channels rendezvous too (minidist's own
 collectives must pass here: tests/exercises/test_grading.py); ``split`` gives plain threads
 communicators.
 
@@ -181,7 +181,7 @@ class RendezvousComm(ThreadComm):
         return recv
 
 
-    def make_twin(self, name: str) -> RendezvousComm:  # collectives' private twins rendezvous too
+    def make_twin(self, name: str) -> RendezvousComm:  # collectives' private channels rendezvous too
         return RendezvousComm(self.world, (*self.ctx, "twin", name), self.members, self.rank, self.backend,
                               self.ledger)
 

@@ -1,7 +1,7 @@
 """Bucketed shapes: how a KV cache keeps a compiling array library (JAX) from compiling every step.
 
 On NumPy an array of a new shape costs nothing. On JAX every distinct shape is a new compiled
-program (~10 ms from the persistent cache, ~45 ms to compile), and KV-cached decoding reads one
+program (loaded from a cache or compiled; chapter 16 has what each costs), and KV-cached decoding reads one
 more cached key per step: decoding T tokens would compile O(T) programs. The standard fix (the
 usual TPU recipe; vLLM's CUDA graphs do the same) is to read the cache in *buckets*: the keys up to
 the next power of two, the positions past the real length hidden by the causal mask, which already

@@ -175,7 +175,7 @@ def run_lesson(main) -> None:
     ``main`` returns, or the code of the ``SystemExit`` it raises; another exception propagates).
 
     With JAX loaded the process ends without tearing JAX down: freeing every loaded executable and
-    the XLA client took 0.25-0.33 s here (NumPy's whole exit: 0.03 s), a fifth of a short lesson.
+    the XLA client takes a large part of a short lesson (chapter 16 has the measurement).
     The exit handlers still run and the output is flushed. The ordinary exit is kept where it does
     more than free memory: under MPI (mpi4py finalizes MPI from the interpreter's own last hook, and
     a rank leaving without it ends the other ranks' work and hides their failures), and while a

@@ -5,7 +5,7 @@
 
 1. The same GPT is trained on one process (the serial twin, on rank 0) and with DDP on N ranks, each
    holding an *uneven* slice of every global batch, with gradient accumulation: losses and final
-   parameters compared; then the same training with ZeRO-1, -2 and -3, each against the twin.
+   parameters compared; then the same training with ZeRO-1, -2 and -3, each against the serial twin.
 2. A timeline of one DDP step of a bigger GPT (``--overlap-d-model``, ``--overlap-layers``, float32,
    equal slices): backward on each rank, and the bucket all-reduces running beside it.
 3. One step of plain DP and of ZeRO-1/2/3: per-rank bytes of parameters, gradients and AdamW state

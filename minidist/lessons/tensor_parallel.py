@@ -76,7 +76,7 @@ def predicted_ms(args, tp: int) -> str:
     return "-" if t is None else f"{t * 1e3:.1f}"
 
 
-# -- how far may the twins be apart? ----------------------------------------------------------------
+# -- how far may the two runs be apart? ----------------------------------------------------------------
 
 def rounding_bound(b: int, s: int, h: int, vocab: int, dtype) -> float:
     """Relative bound on how far two summation orders of one forward + backward may differ.
@@ -84,7 +84,7 @@ def rounding_bound(b: int, s: int, h: int, vocab: int, dtype) -> float:
     One rounding errs by at most u·|x| (u = eps/2: 2^-24 in float32). A weight's gradient sums the
     b·s tokens' contributions, each a product of vectors that are themselves sums of up to
     max(4h, vocab) terms (MLP, head): K = b·s·max(4h, vocab) multiply-adds feed one number. Errors of
-    random sign grow like √K·u (the probabilistic bound of Higham & Mary, 2019), and both twins are
+    random sign grow like √K·u (the probabilistic bound of Higham & Mary, 2019), and both runs are
     rounded: 2·u·√K, relative to the quantity's scale (the largest |g| of each gradient tensor, |loss|).
     For b=4, s=32, h=64, vocab=256 in float32: 2.2e-05 (measured: ~10 u = 6e-07).
     """
@@ -94,7 +94,7 @@ def rounding_bound(b: int, s: int, h: int, vocab: int, dtype) -> float:
 
 def first_gradients(model, batch, seed: int, names=None):
     """Loss and host float64 gradients of one forward + backward (dropout seeded like training),
-    before any step: where the twins differ by summation order only, so ``rounding_bound`` holds."""
+    before any step: where the two runs differ by summation order only, so ``rounding_bound`` holds."""
     mrandom.manual_seed(seed)
     loss = model.loss(*batch)
     loss.backward()

@@ -10,10 +10,11 @@ C slots each, M = the kept assignments, each (token ``tok``, choice ``choice``, 
 * ``LoadBalancingLoss`` and ``RouterZLoss`` -- the Switch Transformer's two auxiliary losses.
 
 Written as ops of their own, not as chains of ``x[idx]``, ``*``, ``reshape``, ``concat`` (~55 ops
-forward and as many backward per block), because on JAX each op is one compiled call (~13-30 us of
-dispatch whatever its size) and on NumPy each is a Python-level graph node. Each backward is the
-chain rule of the ops it replaces, in the same order, so NumPy's results are those of the chain
-bit for bit (tests/nn/test_moe.py checks it against the chain written with ``minidist.autograd.ops``).
+forward and as many backward per block), because on JAX each op is one compiled call (a dispatch
+whatever its size; chapter 16 measures it) and on NumPy each is a Python-level graph node. Each
+backward is the chain rule of the ops it replaces, in the same order, so NumPy's results are those
+of the chain bit for bit (tests/nn/test_moe.py checks it against the chain written with
+``minidist.autograd.ops``).
 Every op here is pure array code: on JAX one compiled program per shape (``compilable``).
 """
 

@@ -200,10 +200,9 @@ def step_python(ids, fwd_bwd: dict) -> dict:
 def fit_link(algorithm: str, p: int, sizes, times) -> tuple[float, float]:
     """(alpha, beta) of time = rounds x alpha + bytes sent x beta over the message sizes (bytes of
     float32), rounds and bytes as the planner counts them (``minidist.plan.traffic``), fitted in
-    *relative* error (``estimates.fit_alpha_beta``): a 4 KB all-reduce's 50 us counts as much as a
-    4 MB one's 3 ms, so alpha comes from the small messages it dominates, not from the noise of the
-    large ones (plain least squares read a 2-process ring's alpha anywhere from 0 to 2 ms on a busy
-    machine)."""
+    *relative* error (``estimates.fit_alpha_beta``): a 4 KB all-reduce's time counts as much as a
+    4 MB one's, a thousand times longer, so alpha comes from the small messages it dominates, not
+    from the noise of the large ones (chapter 11: what plain least squares read on a busy machine)."""
     rounds = [all_reduce_rounds(algorithm, n, p) for n in sizes]
     sent = [all_reduce_sent(algorithm, n, p) for n in sizes]
     return fit_alpha_beta(rounds, sent, times, relative=True)

@@ -100,9 +100,9 @@ def collective_time(hw: Hardware, cand: Candidate, c) -> float:
     included, not stretched again. Every other collective (tp, cp, ep, pp) is called between
     computations by its own group while the other processes compute: the link the probe measured
     for a group of that size alone, its rounds' work then taking turns with the rest of the mesh --
-    stretched by rank_slowdown(mesh) / rank_slowdown(group). (All-reducing in a crowd of 8 where
-    everyone does nothing else cost ~2 ms a round here, against ~30 us for a pair alone: pricing
-    a tp pair's rounds inside 8 computing processes at the first made the 3D mesh 1.9x too slow.)"""
+    stretched by rank_slowdown(mesh) / rank_slowdown(group). (A round all-reduced by a crowd of 8
+    that does nothing else is far slower than a pair's alone: pricing a tp pair's rounds inside
+    8 computing processes at the crowd's rate makes a 3D mesh too slow; chapter 11 has the numbers.)"""
     crowd = hw.crowd(cand.chips)
     stretch = 1.0
     if crowd is not None:

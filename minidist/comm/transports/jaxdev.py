@@ -9,7 +9,7 @@ it is. Rank r computes on device ``r % n`` (``jax.devices()``), exactly as ``bin
 Everything else is inherited unchanged: host NumPy buffers (what the collectives move, see
 call.py) are copied as on the threads transport, so every collective and technique runs on this
 transport as it is, and the ledger counts the same bytes (a device array's ``nbytes`` is its
-host twin's). Select it with ``run(fn, ranks, transport="jax")`` or ``MINIDIST_TRANSPORT=jax``.
+host copy's). Select it with ``run(fn, ranks, transport="jax")`` or ``MINIDIST_TRANSPORT=jax``.
 
 ``CupyDeviceComm`` is the same idea for CuPy (``transport="cupy"``): rank r on GPU r mod n, a
 CuPy array copied GPU to GPU (peer-to-peer over NVLink/PCIe where the GPUs allow it) with

@@ -4,7 +4,7 @@ On one machine the "network" is memory, so sending fewer bytes never pays. Setti
 
     MINIDIST_LINK="alpha_us=50,gbps=1"      # or set_link("alpha_us=50,gbps=1"), or a lesson's --link
 
-makes every communicator created afterwards (threads or MPI, their private twins and groups too)
+makes every communicator created afterwards (threads or MPI, their private channels and groups too)
 delay each message it sends by ``alpha + nbytes / bandwidth`` -- the alpha-beta model of chapter 2,
 now true by construction -- so a 1 Gb/s link between datacenters or a 100 Gb/s NIC can be
 emulated, and ``predict_all_reduce`` (the cost model's round and byte counts) checked against it.

@@ -10,7 +10,7 @@ posted, so several pending receives from one peer still match the right messages
 Every wait is ``Test`` + sleep with backoff (see ``communicator.poll``): eight ranks waiting on
 two cores leave the CPU to whoever computes, and the watchdog can fire. While it sleeps, a wait
 also checks its peer: a peer that has returned from ``run()`` (it sent ``DONE_TAG`` on
-COMM_WORLD, see launch.py) raises :class:`RankExited`; on a strict twin, a peer whose next message
+COMM_WORLD, see launch.py) raises :class:`RankExited`; on a strict private channel, a peer whose next message
 carries another collective's stamp raises :class:`CollectiveMismatch` (see debug.py). Every
 receive checks the size of what arrived (MPI's status), so a mismatch is an error, not garbage.
 """
@@ -28,7 +28,7 @@ from minidist.comm.ledger import Ledger
 from minidist.comm.transports.shm import free_windows
 
 MAX_NDIM = 32
-NAMESPACE = 1 << 21            # tags per twin: user tags < 2**20, then minidist's object tags
+NAMESPACE = 1 << 21            # tags per private channel: user tags < 2**20, then minidist's object tags
 TWINS = {"coll": 1, "debug": 2, "async": 3}
 HEADER_LEN = 4 + MAX_NDIM      # ndim, 3 words of dtype name (24 chars), shape
 
@@ -221,7 +221,7 @@ class MPIComm(Communicator):
         return self._world_ranks[r]
 
     def peer_problem(self, peer: int, tag: int, receiving: bool = True):
-        """Why ``peer`` may never answer, or None: it has returned from run(), or (strict twin,
+        """Why ``peer`` may never answer, or None: it has returned from run(), or (strict channel,
         receiving) its next message belongs to another collective call."""
         MPI = _mpi()
         if MPI.COMM_WORLD.Iprobe(self.world_rank(peer), done_tag()):
@@ -281,7 +281,7 @@ class MPIComm(Communicator):
         return recvbuf
 
     def make_twin(self, name: str) -> MPIComm:
-        """A twin on the same MPI communicator with its own range of tags (no MPI call, so it can't
+        """A private channel on the same MPI communicator with its own range of tags (no MPI call, so it can't
         hang); MPI's ``Dup`` only if the tag range would pass the MPI library's TAG_UB."""
         ns = self.namespace * 4 + TWINS.get(name, 3)
         if 2 * (ns + 1) * NAMESPACE <= self.mpi.Get_attr(_mpi().TAG_UB):

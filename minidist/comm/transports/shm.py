@@ -33,7 +33,7 @@ Ledger: a rank *sends* what it writes into the window (N; two-shot also its redu
 1 per piece, two-shot 2). ``cost.all_reduce_counts("shm", ...)`` holds the same numbers.
 
 Each communicator gets its own window the first time it needs one (collectively: every rank is in
-the same all-reduce then), with two lanes: one for the communicator and one for its async twin
+the same all-reduce then), with two lanes: one for the communicator and one for its async channel
 (``all_reduce_async`` runs on a worker thread). Windows are freed after ``run()``'s end handshake.
 """
 
@@ -56,7 +56,7 @@ SEQ, SEQ2, CALL = 0, 1, 2            # header words: call posted, two-shot's 2nd
 TAG_BITS = 20                        # what = the call's stamp | its bytes << TAG_BITS (stamps < 2**20)
 DEFAULT_BYTES = 4 << 20              # bytes per parity buffer (MINIDIST_SHM_BYTES): larger calls go in pieces
 SMALLEST = 64 << 10                  # /dev/shm too full for this much per buffer: no shared memory
-LANES = 2                            # the communicator's own calls, and its async twin's
+LANES = 2                            # the communicator's own calls, and its async channel's
 NAME = "shm_all_reduce"
 
 _windows: list = []                  # every window this process allocated, in order (freed in that order)
@@ -87,7 +87,7 @@ class Lane:
         self.rank, self.p, self.cap, self.fence = rank, len(slots), cap, fence
         self.crowded = crowded               # ranks outnumber cores (agreed): auto uses shm at any size
         self.two_shot_from = two_shot_from   # pieces of this many bytes and more go two-shot
-        self.heads = [memoryview(s[:HEADER]).cast("q") for s in slots]  # (item access: ~30 ns)
+        self.heads = [memoryview(s[:HEADER]).cast("q") for s in slots]  # (item access, no unpacking)
         self.data = [[s[HEADER + q * cap:HEADER + (q + 1) * cap] for s in slots] for q in (0, 1)]
         self.others = [j for j in range(self.p) if j != rank]
         self.calls = 0                   # protocol calls (pieces) on this lane so far
@@ -96,7 +96,7 @@ class Lane:
 
     def plan(self, parity: int, dtype, n: int):
         """Every rank's parity buffer as ``n`` elements of ``dtype``, and the two-shot chunks
-        (cached: a small call can't spend 1 us slicing)."""
+        (cached: a small call can't afford slicing them again)."""
         key = (parity, dtype, n)
         got = self.plans.get(key)
         if got is None:

@@ -315,7 +315,7 @@ class _Runtime:
 
         Sends are not waited for here: they complete in the background (`finish_sends`). A schedule
         that cannot deadlock with blocking sends cannot deadlock with these either -- they only
-        remove waits -- and a stage no longer stalls until its neighbour is ready to receive.
+        remove waits -- and a stage does not stall until its neighbour is ready to receive.
         """
         names = "+".join(type(p).__name__ for p in parts)
         cat = "send" if all(isinstance(p, (SendAct, SendGrad)) for p in parts) else "recv"

@@ -23,11 +23,12 @@ keeps this rank's slices: TPGPT(cfg) on tp ranks *is* GPT(cfg), split. The head 
 rank's vocabulary slice of the logits; ``loss`` uses ``vocab_parallel_cross_entropy`` (the full
 logits are never gathered); ``logits(idx)`` gathers them for inspection or sampling.
 
-``sequence_parallel=True``: between the blocks' parallel regions the activations are sequence
-shards (B, T/tp, h); LayerNorm, dropout and the residual adds run on 1/tp of the tokens.
-Dropout follows ``minidist.parallel.tensor.layers`` ("twin" masks by default, or ``dropout_rng="megatron"``:
-a per-rank ``ShardedRNG`` seeded from ``cfg.seed``). Seed the default generator alike on every
-rank of the group (``minidist.autograd.random.manual_seed``): replicated-region masks come from it.
+``sequence_parallel=True``: between the blocks' parallel regions the activations are sequence shards
+(B, T/tp, h); LayerNorm, dropout and the residual adds run on 1/tp of the tokens. Dropout follows
+``minidist.parallel.tensor.layers`` (the serial twin's masks, "twin", by default, or
+``dropout_rng="megatron"``: a per-rank ``ShardedRNG`` seeded from ``cfg.seed``). Seed the default
+generator alike on every rank of the group (``minidist.autograd.random.manual_seed``):
+replicated-region masks come from it.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@
 * Dropout RNG (Megatron's tracker): in replicated regions every rank of the group draws the same
   mask from the default generator (seeded alike). In sharded regions -- under sequence parallelism,
   dropout acts on sequence shards -- ``SequenceParallelDropout`` gives each rank a different mask:
-  by default the rank's slice of the full mask drawn from the shared generator ("twin": results
-  don't depend on tp and equal the serial model's); or, with a ``ShardedRNG``, masks from a
-  per-rank generator (Megatron's way: no wasted draws, but results depend on tp).
+  by default the rank's slice of the full mask drawn from the shared generator (mode "twin", named
+  after the serial twin whose masks it reproduces: results don't depend on tp and equal the serial
+  model's); or, with a ``ShardedRNG``, masks from a per-rank generator (Megatron's way: no wasted
+  draws, but results depend on tp).
 
 Every layer declares how its parameters are split, as data: ``param_shards`` maps a parameter's
 name to a ``minidist.parallel.tensor.sharding.Shard`` (unlisted: replicated). Initialisation draws the
@@ -159,7 +160,8 @@ class SliceOfFullDropout(ops.Dropout):
 
 
 class SequenceParallelDropout(Dropout):
-    """Dropout on a sequence shard (B, T/tp, C): "twin" masks (default) or ``sharded_rng``'s."""
+    """Dropout on a sequence shard (B, T/tp, C): the serial twin's masks ("twin", the default) or
+    ``sharded_rng``'s."""
 
     def __init__(self, p, comm, sharded_rng: ShardedRNG | None = None):
         super().__init__(p)
