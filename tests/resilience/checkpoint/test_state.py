@@ -387,3 +387,44 @@ def test_peer_tier_recovers_a_lost_hosts_shards_from_its_neighbour(tmp_path, los
     run(_peer_job, ranks=3, root=str(tmp_path), steps=6)
     got, step, tier = run(_peer_job, ranks=3, root=str(tmp_path), steps=8, lose=lose)[0]
     assert (step, tier) == (6, "memory+peer") and _equal(got, want)  # not disk's step 4
+
+
+def _save_and_choose(comm, roots, order, damage=None):
+    """Save one step into every root, optionally damage a file in one root, then ``files.choose``
+    over the roots in ``order``: the directory each file is read from, per file."""
+    from minidist.resilience.checkpoint import files
+
+    t = Trainer(comm, small_config("float64", 0.0), zero=1)  # ZeRO: every rank writes a file
+    t.step()
+    for r in roots:
+        save(comm, r, t.step_count, t.state(), keep=3)
+    comm.barrier()
+    name = None
+    if damage is not None:
+        root, pick = damage
+        step_dir = os.path.join(root, f"step-{t.step_count:08d}")
+        names = sorted(files.read_manifest(step_dir)["files"])
+        name = [n for n in names if os.path.getsize(os.path.join(step_dir, n))][pick]
+    if name is not None and comm.rank == 0:
+        with open(os.path.join(step_dir, name), "r+b") as fh:
+            fh.seek(0)
+            b = fh.read(1)
+            fh.seek(0)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    comm.barrier()
+    where, manifest, _ = files.choose(comm, [roots[i] for i in order])
+    return {n: os.path.dirname(os.path.normpath(d)) for n, d in where.items()}, name
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (1, 2, 0)])
+def test_a_file_intact_in_several_roots_is_read_from_the_first_and_a_damaged_one_from_the_next(tmp_path,
+                                                                                             order):
+    """Tiers are listed fastest first: every file comes from the first root that holds it intact;
+    a file damaged there comes from the next root in the list, the others still from the first."""
+    roots = [str(tmp_path / f"root{i}") for i in range(3)]
+    first, second = roots[order[0]], roots[order[1]]
+    where, _ = run(_save_and_choose, ranks=2, roots=roots, order=order)[0]
+    assert set(where.values()) == {first}
+    damaged, name = run(_save_and_choose, ranks=2, roots=roots, order=order, damage=(first, 1))[0]
+    assert damaged[name] == second, damaged
+    assert all(d == first for n, d in damaged.items() if n != name)
