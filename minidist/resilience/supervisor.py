@@ -145,8 +145,7 @@ class Supervisor:
                 return self.summary(1)
             if a.lost:
                 left = n - len(a.lost)
-                # the largest divisor of the original size that fits, so the data-parallel mesh still splits
-                fits = max(d for d in range(1, left + 1) if self.n % d == 0)
+                fits = elastic_size(self.n, left)
                 if self.min_ranks is None or fits < self.min_ranks:
                     self.say(f"ranks {a.lost} lost; {left} left, below --min-ranks "
                              f"{self.min_ranks}: cannot restart")
@@ -218,13 +217,9 @@ class Supervisor:
         print(f"  {'attempt':>7} {'ranks':>5} {'seconds':>8} {'resumed':>14} {'last step':>9} "
               f"{'recomputed':>10}  "
               "outcome")
-        total = 0
-        for i, a in enumerate(self.attempts):
-            nxt = self.attempts[i + 1] if i + 1 < len(self.attempts) else None
-            lost = None
-            if nxt is not None and a.last_step is not None:
-                lost = a.last_step - (nxt.resumed_from or 0)
-                total += max(lost, 0)
+        per_attempt = recomputed(self.attempts)
+        total = sum(max(lost, 0) for lost in per_attempt if lost is not None)
+        for a, lost in zip(self.attempts, per_attempt):
             tier = f" ({a.tier})" if a.tier and a.resumed_from is not None else ""
             resumed = _dash(a.resumed_from) + tier
             cols = [a.number, a.ranks, f"{a.end - a.start:.2f}", resumed, _dash(a.last_step),
@@ -235,6 +230,22 @@ class Supervisor:
               f"wall time {time.time() - self.t0:.2f} s", flush=True)
         shutil.rmtree(self.work, ignore_errors=True)
         return code
+
+
+def elastic_size(n: int, left: int) -> int:
+    """The ranks an elastic restart uses when ``left`` of the job's original ``n`` survive: the largest
+    divisor of n that is at most ``left``, so a data-parallel split of the original batch still divides."""
+    return max(d for d in range(1, left + 1) if n % d == 0)
+
+
+def recomputed(attempts) -> list:
+    """Per attempt, the steps the next attempt had to redo: how far this one got minus where the next
+    resumed (None for the last attempt, or one that never reported a step)."""
+    out = []
+    for a, nxt in zip(attempts, list(attempts[1:]) + [None]):
+        ok = nxt is not None and a.last_step is not None
+        out.append(a.last_step - (nxt.resumed_from or 0) if ok else None)
+    return out
 
 
 def _stop(proc, grace: float = 2.0) -> None:
