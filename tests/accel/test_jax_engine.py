@@ -3,6 +3,8 @@ engine's numbers, and ops that communicate stay eager."""
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 jax = pytest.importorskip("jax")
 
@@ -10,6 +12,7 @@ from minidist.accel import jax_engine  # noqa: E402
 from minidist.accel.backend import get_backend  # noqa: E402
 from minidist.autograd import ops  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
+from tests.conftest import budget  # noqa: E402
 
 needs_engine = pytest.mark.skipif(not jax_engine.enabled(), reason="MINIDIST_JAX_JIT=0: nothing is compiled")
 
@@ -316,6 +319,41 @@ def test_a_slice_index_compiles_and_equals_numpy():
     assert any(k[0] is ops.GetItem and v for k, v in jax_engine._FORWARD.items()), "x[:, 1:6] ran eagerly"
     np.testing.assert_array_equal(got, run("numpy"))
 
+
+
+_SLICE_PART = st.one_of(st.none(), st.integers(-8, 8))
+
+
+@needs_engine
+@budget(6)
+@given(data=st.data())
+def test_slices_differing_in_start_stop_or_step_never_share_a_program(data):
+    """The program cache's key holds every part of a slice: a run of slices of one array that differ
+    in start, stop or step (x[::1] then x[::2], x[1:5] then x[1:5:2], a negative step) each give
+    NumPy's values and gradients, in any order -- a key without the step would reuse x[::1]'s program
+    for x[::2] and return the wrong elements."""
+    from minidist.autograd.tensor import Tensor
+
+    host = np.arange(48.0).reshape(6, 8)
+    slices = data.draw(st.lists(st.tuples(
+        st.builds(slice, _SLICE_PART, _SLICE_PART, st.sampled_from([None, 1, 2, 3, -1, -2])),
+        st.builds(slice, _SLICE_PART, _SLICE_PART, st.sampled_from([None, 1, 2, -1]))),
+        min_size=2, max_size=4))
+
+    def run(backend, idx):
+        x = Tensor(get_backend(backend).from_host(host.copy()), requires_grad=True)
+        y = ops.getitem(x, idx)
+        if y.data.size:
+            (y * y).sum().backward()
+        grad = np.asarray(x.grad) if x.grad is not None else np.zeros_like(host)
+        return np.asarray(y.data), grad
+
+    for idx in [(slice(None, None, 1), slice(None)), (slice(None, None, 2), slice(None))] + slices:
+        got, gx = run("jax", idx)
+        want, wx = run("numpy", idx)
+        assert got.shape == want.shape, idx
+        np.testing.assert_array_equal(got, want, err_msg=str(idx))
+        np.testing.assert_array_equal(gx, wx, err_msg=str(idx))
 
 @needs_engine
 def test_pure_keys_baked_numbers_by_type_and_finds_arrays_in_nested_lists():
