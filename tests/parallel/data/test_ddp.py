@@ -146,8 +146,8 @@ def test_first_bucket_all_reduce_runs_while_backward_is_still_computing():
         seen = {}
 
         def wait_for_bucket0(p):
-            seen["started"] = sorted(ddp._handles)  # buckets started so far in this backward
-            ddp._handles[0].wait()
+            seen["started"] = sorted(ddp.window.handles)  # buckets started so far in this backward
+            ddp.window.handles[0].wait()
 
         m[1].ln1.weight.register_post_accumulate_grad_hook(wait_for_bucket0)
         x = np.arange(10).reshape(2, 5) % CFG.vocab_size
