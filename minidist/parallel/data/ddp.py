@@ -15,8 +15,8 @@ What happens, by function:
 * ``backward``: seeds backward with this rank's weight and runs it; a ``SyncWindow`` holds what
   the window (every backward since the last sync) has done: its weight, the buckets ready, the
   collectives in flight. A fresh one is made after each sync.
-* ``grad_ready`` (the hook, during backward) -> ``SyncWindow.grad_ready`` says which buckets are
-  complete now -> ``start_bucket`` flattens each and ``reduce`` *starts* its all-reduce on the async
+* ``grad_ready`` (the hook, during backward) counts its bucket down in the window; each bucket
+  complete now (in order) -> ``start_bucket`` flattens it and ``reduce`` *starts* its all-reduce on the async
   worker (``start_collective``) while backward goes on computing earlier layers: communication
   overlaps computation. Buckets start strictly in order, so every rank queues the same collectives
   in the same order.
@@ -81,14 +81,6 @@ class SyncWindow:
     synced: bool = False        # has a syncing backward run? (then wait_gradients must come next)
     started_in_backward: int = 0  # buckets whose collective began during backward
 
-    def grad_ready(self, bucket: int) -> range:
-        """One more gradient of bucket ``bucket`` is complete: the buckets that can start now, in order."""
-        pending, first = self.pending, self.next
-        pending[bucket] -= 1
-        while self.next < len(pending) and pending[self.next] == 0:
-            self.next += 1
-        return range(first, self.next)
-
 
 def _seed(loss, weight: float):
     """The gradient backward starts from: ``weight`` everywhere, made on the host (JAX: no program)."""
@@ -119,7 +111,7 @@ class DistributedDataParallel:
             broadcast_parameters(comm, module, broadcast_from)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = self.make_buckets(bucket_bytes)
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._bucket_index = {id(p): b.index for b in self.buckets for p in b.params}
         self._comm_hook = None  # (state, hook) of register_comm_hook; None: the plain all-reduce
         self.timeline = OverlapRecorder()  # when backward and each collective ran (minidist.trace)
         self.window = self._new_window()
@@ -189,12 +181,16 @@ class DistributedDataParallel:
 
     # -- hook fires -> bucket ready -> start its collective -------------------------------------
     def grad_ready(self, p):
-        """The post-accumulate-grad hook of every trainable parameter: start the buckets it completes."""
+        """The post-accumulate-grad hook of every trainable parameter: count its bucket down and start
+        every bucket that is complete now, in bucket order."""
         w = self.window
         w.hooked = True
-        if w.syncing:
-            for i in w.grad_ready(self._bucket_of[id(p)].index):
-                self.start_bucket(self.buckets[i])
+        if not w.syncing:
+            return
+        w.pending[self._bucket_index[id(p)]] -= 1  # one more gradient of its bucket is complete
+        while w.next < len(self.buckets) and w.pending[w.next] == 0:  # ready buckets start in order
+            self.start_bucket(self.buckets[w.next])
+            w.next += 1
 
     def start_bucket(self, b: Bucket):
         """Flatten bucket ``b``'s gradients (None -> zeros) and start its collective (``reduce``)."""

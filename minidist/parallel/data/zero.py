@@ -171,7 +171,7 @@ class ZeRO3(ZeRO2):
     def grad_ready(self, p):
         """Stage 2's hook, and the unit is freed once backward has produced all its gradients."""
         super().grad_ready(p)
-        u = self.unit_of[self._bucket_of[id(p)].index]
+        u = self.unit_of[self._bucket_index[id(p)]]
         self._unit_pending[u] -= 1
         if self._unit_pending[u] == 0:
             self.release_unit(u)
