@@ -9,17 +9,24 @@
 
 What happens, by function:
 
-* ``__init__``: ``check_same_model`` (an error on every rank, not a hang, if ranks disagree),
-  ``broadcast_parameters`` from rank 0 (ranks may have been seeded differently), ``build_buckets``
-  (gradients in reverse parameter order -- the order backward produces them -- cut into buckets of
-  at most ``bucket_bytes``), and one post-accumulate-grad hook per parameter.
-* ``_on_grad_ready`` (the hook, during backward): when every gradient of a bucket is complete the
-  bucket is flattened and its all-reduce *started* (``all_reduce_async``) while backward goes on
-  computing earlier layers: communication overlaps computation. Buckets start strictly in order,
-  so every rank queues the same collectives in the same order.
+* ``__init__``: ``check_same_model`` and ``broadcast_parameters`` from rank 0 (``replicas``),
+  ``build_buckets`` (``buckets``: gradients in reverse parameter order -- the order backward produces
+  them -- cut into buckets of at most ``bucket_bytes``), one post-accumulate-grad hook per parameter.
+* ``backward``: seeds backward with this rank's weight and runs it; a ``SyncWindow`` holds what
+  the window (every backward since the last sync) has done: its weight, the buckets ready, the
+  collectives in flight. A fresh one is made after each sync.
+* ``grad_ready`` (the hook, during backward) counts its bucket down in the window; each bucket
+  complete now (in order) -> ``start_bucket`` flattens it and ``reduce`` *starts* its all-reduce on the async
+  worker (``start_collective``) while backward goes on computing earlier layers: communication
+  overlaps computation. Buckets start strictly in order, so every rank queues the same collectives
+  in the same order.
 * ``wait_gradients``: starts buckets that never completed (a parameter got no gradient on this
-  rank: it contributes zeros), waits for every all-reduce, and puts the averaged gradient in
-  ``p.grad``.
+  rank: it contributes zeros), waits for every all-reduce, and ``finish`` puts the averaged gradient
+  in ``p.grad``.
+
+The timeline (``self.timeline``, a ``trace.OverlapRecorder``) is reached in three places only: the
+backward span in ``backward``, each collective in ``start_collective``, the window's close in
+``wait_gradients``. ZeRO (``minidist.parallel.data.zero``) replaces ``reduce`` and ``finish``.
 
 **Averaging over the global batch.** The serial twin takes the mean loss over all N samples of the
 global batch: ``g = (1/N) Σ_i ∇ℓ_i``. Rank r computes the mean over its own n_r samples,
@@ -38,114 +45,46 @@ are right only when every row has the same number of valid tokens (then the weig
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from minidist.accel import jax_engine
-from minidist.accel.backend import host_scalar
-from minidist.comm import all_reduce, all_reduce_async, broadcast
-from minidist.comm.collectives import split_sizes
+from minidist.comm import all_reduce, all_reduce_async
 from minidist.comm.handles import start_async
 from minidist.parallel.compose import check_compatible, claim
+from minidist.parallel.data.buckets import Bucket, build_buckets
 from minidist.parallel.data.compress.bucket import GradBucket
+from minidist.parallel.data.replicas import broadcast_parameters, check_same_model, model_signature
 from minidist.trace import OverlapRecorder, hidden_fraction
 
-# -- buckets -------------------------------------------------------------------------------------
+__all__ = ["DDP", "Bucket", "DistributedDataParallel", "SyncWindow", "broadcast_parameters", "build_buckets",
+           "check_same_model", "model_signature"]
 
-@jax_engine.pure  # on JAX one compiled call, not a zeros/reshape program per parameter and a concat
-def _flatten(xp, arrays, sizes, dtype):
-    return xp.concatenate([xp.zeros(n, dtype) if a is None else a.reshape(-1) for a, n in zip(arrays, sizes)])
+# -- one gradient-sync window --------------------------------------------------------------------
 
+@dataclass(slots=True)
+class SyncWindow:
+    """What one gradient-sync window needs: every backward from one sync to the next (the micro-steps
+    of accumulation; the last one syncs) and the collectives they started. Made fresh after a sync."""
 
-@jax_engine.pure  # on JAX one compiled call, not a slice and a reshape program per parameter
-def _views(flat, offsets, sizes, shapes, divisor=None) -> list:
-    if divisor is not None:  # the average of a summed gradient (in the same call: no divide program on JAX)
-        flat = flat / divisor
-    return [flat[o:o + n].reshape(s) for o, n, s in zip(offsets, sizes, shapes)]
-
-
-class Bucket:
-    """Parameters of one dtype whose gradients travel in one message, as one flat array."""
-
-    def __init__(self, index: int, params: list):
-        self.index, self.params = index, params
-        self.sizes = [p.size for p in params]
-        self.offsets = [int(o) for o in np.cumsum([0] + self.sizes[:-1])]
-        self.numel = int(sum(self.sizes))
-        self.dtype = params[0].dtype
-        self.pending = len(params)  # gradients still to come in this backward
-
-    def flatten(self, arrays):
-        """One flat array of the bucket's parameters' arrays (None -> zeros), in bucket order."""
-        return _flatten(self.params[0].backend.xp, list(arrays), tuple(self.sizes), self.dtype)
-
-    def views(self, flat, divisor: float = 1.0) -> list:
-        """The inverse of ``flatten``: per-parameter views of ``flat`` (divided by ``divisor``, a new
-        array then) in their shapes. The divisor travels as a host scalar of ``flat``'s dtype (what
-        NumPy makes of a Python float there): an argument of the compiled call on JAX, so a weighted
-        batch or a short last one divides by a new number without compiling a new program."""
-        scalar = None if divisor == 1 else host_scalar(divisor, flat)
-        return _views(flat, tuple(self.offsets), tuple(self.sizes), tuple(p.shape for p in self.params),
-                      scalar)
-
-    def shard(self, rank: int, size: int) -> tuple[int, int]:
-        """[lo, hi) of the flat bucket rank ``rank`` owns: ``np.array_split`` of numel into size parts
-        (what ``reduce_scatter`` and ``all_gather`` use)."""
-        sizes = split_sizes(self.numel, size)
-        lo = sum(sizes[:rank])
-        return lo, lo + sizes[rank]
-
-    def __repr__(self):
-        return f"<Bucket {self.index}: {len(self.params)} params, {self.numel} x {self.dtype}>"
+    pending: list[int]          # per bucket: gradients the syncing backward has still to produce
+    syncing: bool = True        # does this backward sync (False inside no_sync())
+    weight: float = 0.0         # Σ n_samples of this rank in the window
+    weighted: bool = False      # did backward() get n_samples?
+    micro: int = 0              # backward passes (through DDP.backward)
+    count: object = None        # Handle of the all-reduce of Σ n_samples: the divisor N
+    next: int = 0               # the next bucket to start (buckets start in order)
+    handles: dict = field(default_factory=dict)  # bucket index -> Handle of its collective
+    used: dict = field(default_factory=dict)     # id(param) -> did it have a gradient here
+    in_backward: bool = False
+    hooked: bool = False        # did any gradient hook fire (also for plain loss.backward())?
+    synced: bool = False        # has a syncing backward run? (then wait_gradients must come next)
+    started_in_backward: int = 0  # buckets whose collective began during backward
 
 
-def build_buckets(params, bucket_bytes: float) -> list[Bucket]:
-    """Cut ``params`` (in the given order) into runs of one dtype and at most ``bucket_bytes`` bytes
-    (a parameter larger than that gets a bucket of its own)."""
-    buckets, cur, cur_bytes = [], [], 0
-    for p in params:
-        nbytes = p.size * np.dtype(p.dtype).itemsize
-        if cur and (p.dtype != cur[0].dtype or cur_bytes + nbytes > bucket_bytes):
-            buckets.append(Bucket(len(buckets), cur))
-            cur, cur_bytes = [], 0
-        cur.append(p)
-        cur_bytes += nbytes
-    if cur:
-        buckets.append(Bucket(len(buckets), cur))
-    return buckets
-
-
-# -- start-up checks -----------------------------------------------------------------------------
-
-def model_signature(module) -> list[tuple]:
-    return [(name, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
-            for name, p in module.named_parameters()]
-
-
-def check_same_model(comm, module) -> None:
-    """Every rank must wrap the same architecture: compare (name, shape, dtype, requires_grad) lists.
-
-    Raises ValueError on *every* rank (they all see all signatures), naming the ranks that differ,
-    before any gradient collective could pair up mismatched buffers or hang.
-    """
-    sigs = comm.allgather_obj(model_signature(module))
-    bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
-    if not bad:
-        return
-    r = bad[0]
-    a, b = sigs[0], sigs[r]
-    diff = next((f"rank 0 has {x}, rank {r} has {y}" for x, y in zip(a, b) if x != y),
-                f"rank 0 has {len(a)} parameters, rank {r} has {len(b)}")
-    raise ValueError(f"rank {comm.rank}: data-parallel ranks disagree on the model (ranks {bad} differ "
-                     f"from rank 0): first difference: {diff}. Build the same model on every rank.")
-
-
-def broadcast_parameters(comm, module, root: int = 0) -> None:
-    """Make every rank's parameters (frozen ones too) equal to ``root``'s: one broadcast per dtype."""
-    for b in build_buckets(module.parameters(), float("inf")):
-        flat = broadcast(comm, b.flatten([p.data for p in b.params]), root=root)
-        for p, v in zip(b.params, b.views(flat)):
-            p.data = v
+def _seed(loss, weight: float):
+    """The gradient backward starts from: ``weight`` everywhere, made on the host (JAX: no program)."""
+    return loss.backend.from_host(np.full(loss.data.shape, weight, dtype=loss.dtype))
 
 
 # -- DDP -----------------------------------------------------------------------------------------
@@ -171,19 +110,22 @@ class DistributedDataParallel:
         if broadcast_from is not None:
             broadcast_parameters(comm, module, broadcast_from)
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = self._make_buckets(bucket_bytes)
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._sync = True
+        self.buckets = self.make_buckets(bucket_bytes)
+        self._bucket_index = {id(p): b.index for b in self.buckets for p in b.params}
         self._comm_hook = None  # (state, hook) of register_comm_hook; None: the plain all-reduce
-        self.started_in_backward = 0  # buckets of the last window whose collective began during backward
         self.timeline = OverlapRecorder()  # when backward and each collective ran (minidist.trace)
-        self._reset_window()
+        self.window = self._new_window()
+        self.last_window: SyncWindow | None = None  # the window wait_gradients closed last
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(self.grad_ready)
         claim(module, self.technique, comm)
 
-    def _make_buckets(self, bucket_bytes) -> list[Bucket]:
+    def make_buckets(self, bucket_bytes) -> list[Bucket]:
+        """Gradients in the order backward produces them (reverse parameter order), bucketed."""
         return build_buckets(reversed(self.params), bucket_bytes)
+
+    def _new_window(self) -> SyncWindow:
+        return SyncWindow([len(b.params) for b in self.buckets])
 
     # -- the module ----------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -195,149 +137,152 @@ class DistributedDataParallel:
     def zero_grad(self):
         self.module.zero_grad()
 
-    # -- accumulation --------------------------------------------------------------------------
+    # -- backward: weight, accumulate, sync on the window's last -------------------------------
     @contextlib.contextmanager
     def no_sync(self):
         """Backward inside this block only accumulates ``p.grad`` locally (no communication);
         the first backward after it syncs everything accumulated."""
-        prev, self._sync = self._sync, False
+        w = self.window
+        prev, w.syncing = w.syncing, False
         try:
             yield
         finally:
-            self._sync = prev
-
-    def _reset_window(self):
-        self._weight = 0.0        # Σ n_samples of this rank since the last sync
-        self._weighted = False    # did backward() get n_samples?
-        self._micro = 0           # backward passes since the last sync
-        self._weight_handle = None
-        self._handles: dict[int, object] = {}
-        self._next = 0            # the next bucket to start (buckets start in order)
-        self._used: dict[int, bool] = {}
-        self._in_backward = False
-        self._hooked = False      # did any gradient hook fire (also for plain loss.backward())?
-        self._synced = False      # has a syncing backward run? (then wait_gradients must come next)
-        for b in self.buckets:
-            b.pending = len(b.params)
+            w.syncing = prev
 
     def backward(self, loss, n_samples: int | None = None):
         """``loss.backward()`` for a loss that is the *mean* over this rank's ``n_samples`` terms
         (weights the gradient by n_samples; see the module docstring). A per-token mean with ignored
         targets (``GPT.loss``, ``ops.cross_entropy``) averages over the valid tokens: pass their
         count, ``int((y != -1).sum())``, not the rows. All ranks either pass n_samples or none does."""
+        w = self.window
         if n_samples is not None:
             if n_samples < 0:
                 raise ValueError(f"rank {self.comm.rank}: n_samples must be >= 0, got {n_samples}")
-            self._weighted = True
-        if self._synced:
+            w.weighted = True
+        if w.synced:
             raise RuntimeError(f"rank {self.comm.rank}: backward() after a syncing backward without "
                                "wait_gradients() in between; wrap the earlier micro-steps in no_sync()")
-        if self._micro == 0:
-            self.started_in_backward = 0
-        w = 1.0 if n_samples is None else float(n_samples)
-        self._weight += w
-        self._micro += 1
-        if self._sync and self._weighted:  # queued first: the worker runs it before any bucket
-            self._start_count()
-        seed = loss.backend.from_host(np.full(loss.data.shape, w, dtype=loss.dtype))  # (JAX: no program)
-        self._in_backward = True
+        weight = 1.0 if n_samples is None else float(n_samples)
+        w.weight += weight
+        w.micro += 1
+        if w.syncing and w.weighted:  # queued first: the worker runs it before any bucket
+            self._start_count(w)
+        w.in_backward = True
         try:
-            with self.timeline.backward(record=self._sync):  # a sync window: its last backward
-                loss.backward(seed)
+            with self.timeline.backward(record=w.syncing):  # a sync window: its last backward
+                loss.backward(_seed(loss, weight))
         finally:
-            self._in_backward = False
-        self._synced = self._sync
+            w.in_backward = False
+        w.synced = w.syncing
 
-    def _start_count(self):
+    def _start_count(self, w: SyncWindow):
         """Queue the all-reduce of Σ n_samples (this window's divisor N) on the async worker."""
-        self._weight_handle = all_reduce_async(self.comm, np.array([self._weight]), op="sum")
+        w.count = all_reduce_async(self.comm, np.array([w.weight]), op="sum")
 
-    # -- the hooks: start bucket all-reduces during backward ---------------------------------
-    def _on_grad_ready(self, p):
-        self._hooked = True
-        if not self._sync:
+    # -- hook fires -> bucket ready -> start its collective -------------------------------------
+    def grad_ready(self, p):
+        """The post-accumulate-grad hook of every trainable parameter: count its bucket down and start
+        every bucket that is complete now, in bucket order."""
+        w = self.window
+        w.hooked = True
+        if not w.syncing:
             return
-        b = self._bucket_of[id(p)]
-        b.pending -= 1
-        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            self._start(self.buckets[self._next])
-            self._next += 1
+        w.pending[self._bucket_index[id(p)]] -= 1  # one more gradient of its bucket is complete
+        while w.next < len(self.buckets) and w.pending[w.next] == 0:  # ready buckets start in order
+            self.start_bucket(self.buckets[w.next])
+            w.next += 1
 
-    def _start(self, b: Bucket):
-        """Flatten bucket ``b``'s gradients and start its collective (``_launch``)."""
-        self.started_in_backward += self._in_backward
+    def start_bucket(self, b: Bucket):
+        """Flatten bucket ``b``'s gradients (None -> zeros) and start its collective (``reduce``)."""
+        w = self.window
+        w.started_in_backward += w.in_backward
         grads = [p.grad for p in b.params]
         for p, g in zip(b.params, grads):
-            self._used[id(p)] = g is not None
+            w.used[id(p)] = g is not None
             p.grad = None  # the flat copy holds it now
-        self._handles[b.index] = self._launch(b, b.flatten(grads))
+        w.handles[b.index] = self.reduce(b, b.flatten(grads))
 
-    def _launch(self, b: Bucket, flat):
+    def reduce(self, b: Bucket, flat):
+        """Start the collective of bucket ``b``'s flat gradient: the all-reduce (sum), or the comm hook."""
         if self._comm_hook is not None:
             state, hook = self._comm_hook
-            return hook(state, GradBucket(b.index, flat, [p.shape for p in b.params], self.comm, self._async,
-                                          self.algorithm, is_last=b.index == len(self.buckets) - 1))
-        return self._async(all_reduce, flat, f"all-reduce b{b.index}", op="sum", algorithm=self.algorithm)
+            return hook(state, GradBucket(b.index, flat, [p.shape for p in b.params], self.comm,
+                                          self.start_collective, self.algorithm,
+                                          is_last=b.index == len(self.buckets) - 1))
+        return self.start_collective(all_reduce, flat, f"all-reduce b{b.index}", op="sum",
+                                     algorithm=self.algorithm)
+
+    def start_collective(self, fn, x, label, **kw):
+        """Start collective ``fn(comm, x, **kw)`` on the async worker, timed by ``self.timeline``."""
+        return start_async(self.comm, self.timeline.timed(fn), x, label, **kw)
 
     def register_comm_hook(self, state, hook) -> None:
         """Send each bucket through ``hook(state, bucket) -> Handle`` instead of the all-reduce
         (PyTorch's contract; built-in hooks, e.g. PowerSGD, in ``minidist.parallel.data.compress``). The
         handle gives the bucket summed over ranks; DDP divides it by the batch as usual. Register once,
         before the first backward."""
-        if self._comm_hook is not None or self._handles:
+        if self._comm_hook is not None or self.window.handles:
             raise RuntimeError(f"rank {self.comm.rank}: register_comm_hook once, before the first backward "
                                f"(a hook is {'already registered' if self._comm_hook else 'too late now'})")
         self._comm_hook = (state, hook)
 
-    def _async(self, fn, x, label, **kw):
-        """Start collective ``fn(comm, x, **kw)`` on the async worker, timed by ``self.timeline``."""
-        return start_async(self.comm, self.timeline.timed(fn), x, label, **kw)
-
-    def _complete(self, b: Bucket, total, divisor: float):
-        """Bucket ``b``'s summed gradient arrived: divide and hand out views as ``p.grad``."""
-        for p, v in zip(b.params, b.views(total, divisor)):
-            p.grad = v
-
-    def _divisor(self) -> float:
-        if self._weight_handle is not None:
-            n = float(self._weight_handle.wait()[0])
-            if n <= 0:
-                raise ValueError(f"rank {self.comm.rank}: the global batch is empty (Σ n_samples = 0)")
-            return n
-        if self._micro == 0:  # plain loss.backward() (not ddp.backward): PyTorch's mean over ranks
-            return float(self.comm.size)
-        return float(self.comm.size * self._micro)
-
+    # -- at the end: wait and divide --------------------------------------------------------------
     def wait_gradients(self):
         """Finish the gradient sync: start buckets that never completed, wait, average.
 
         Also right after a window whose every micro-step ran inside ``no_sync()`` (then it starts
         the count of samples and every bucket here)."""
-        if not self._sync:
+        w = self.window
+        if not w.syncing:
             raise RuntimeError(f"rank {self.comm.rank}: wait_gradients() inside no_sync(): the "
                                "gradients of this window have not been communicated")
-        if self._micro == 0 and not self._hooked:
+        if w.micro == 0 and not w.hooked:
             return  # no backward since the last sync: nothing to communicate
-        if self._weighted and self._weight_handle is None:
+        if w.weighted and w.count is None:
             # every micro-step ran inside no_sync(): no syncing backward queued the count, so no
             # bucket has started either -- queue it now, first, as a syncing backward would have
-            self._start_count()
-        for b in self.buckets[self._next:]:
-            self._start(b)
-        divisor = self._divisor()
+            self._start_count(w)
+        for b in self.buckets[w.next:]:
+            self.start_bucket(b)
+        divisor = self._divisor(w)
         for b in self.buckets:
-            self._complete(b, self._handles[b.index].wait(), divisor)
+            self.finish(b, w.handles[b.index].wait(), divisor)
         if self.find_unused:
-            self._drop_unused()
+            self._drop_unused(w)
         self.timeline.close_window()
-        self._reset_window()
+        self.last_window, self.window = w, self._new_window()
 
-    def _drop_unused(self):
-        used = np.array([self._used.get(id(p), False) for p in self.params], np.int64)
+    def finish(self, b: Bucket, total, divisor: float):
+        """Bucket ``b``'s summed gradient arrived: divide and hand out views as ``p.grad``."""
+        for p, v in zip(b.params, b.views(total, divisor)):
+            p.grad = v
+
+    def _divisor(self, w: SyncWindow) -> float:
+        if w.count is not None:
+            n = float(w.count.wait()[0])
+            if n <= 0:
+                raise ValueError(f"rank {self.comm.rank}: the global batch is empty (Σ n_samples = 0)")
+            return n
+        if w.micro == 0:  # plain loss.backward() (not ddp.backward): PyTorch's mean over ranks
+            return float(self.comm.size)
+        return float(self.comm.size * w.micro)
+
+    def _drop_unused(self, w: SyncWindow):
+        used = np.array([w.used.get(id(p), False) for p in self.params], np.int64)
         anywhere = all_reduce(self.comm, used, op="max")
         for p, u in zip(self.params, anywhere):
             if not u:
                 p.grad = None
+
+    # -- what the last window did -----------------------------------------------------------------
+    @property
+    def started_in_backward(self) -> int:
+        """Buckets of the last window whose collective began during backward (the open window's
+        count once its first backward ran)."""
+        w = self.window
+        if w.micro or w.hooked or self.last_window is None:
+            return w.started_in_backward
+        return self.last_window.started_in_backward
 
     @property
     def events(self) -> list:

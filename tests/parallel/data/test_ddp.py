@@ -20,6 +20,7 @@ from minidist.autograd import ops
 from minidist.comm import measure, run
 from minidist.nn import GPT, Linear, Module, optim
 from minidist.nn.data import DistributedSampler
+from minidist.parallel.data.compress.bucket import allreduce_hook
 from minidist.parallel.data.ddp import DDP
 from minidist.parallel.three_d import max_state_diff
 from tests.conftest import budget
@@ -146,8 +147,8 @@ def test_first_bucket_all_reduce_runs_while_backward_is_still_computing():
         seen = {}
 
         def wait_for_bucket0(p):
-            seen["started"] = sorted(ddp._handles)  # buckets started so far in this backward
-            ddp._handles[0].wait()
+            seen["started"] = sorted(ddp.window.handles)  # buckets started so far in this backward
+            ddp.window.handles[0].wait()
 
         m[1].ln1.weight.register_post_accumulate_grad_hook(wait_for_bucket0)
         x = np.arange(10).reshape(2, 5) % CFG.vocab_size
@@ -161,6 +162,36 @@ def test_first_bucket_all_reduce_runs_while_backward_is_still_computing():
         assert nb >= 3 and 0 in started and nb - 1 not in started  # the embedding's bucket: still to come
         assert b0 < c0 <= c1 < b1  # bucket 0's all-reduce ran from start to end inside backward
         assert hidden > 0.0
+
+
+def test_a_comm_hook_sees_each_bucket_once_in_backward_order_and_only_the_last_as_last():
+    """A hook counts steps on ``is_last`` (PowerSGD's start_iter does): exactly one bucket per step
+    may say it, the one DDP starts last -- the bucket that holds the model's first parameter, whose
+    gradient backward produces last. Marking any other (the first, say) would count a step early."""
+    def body(comm):
+        m = GPT(CFG)
+        ddp = DDP(m, comm, bucket_bytes=2000)
+        seen = []
+
+        def hook(state, bucket):
+            seen.append((bucket.index, bucket.is_last, [tuple(s) for s in bucket.shapes]))
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, hook)
+        x = np.arange(10).reshape(2, 5) % CFG.vocab_size
+        for _ in range(2):
+            ddp.backward(m.loss(x, x))
+            ddp.wait_gradients()
+        return seen, len(ddp.buckets), tuple(m.parameters()[0].shape)
+
+    for seen, nb, first_shape in run(body, ranks=2):
+        assert nb >= 3
+        steps = [seen[:nb], seen[nb:]]
+        assert len(seen) == 2 * nb
+        for step in steps:
+            assert [i for i, _, _ in step] == list(range(nb))  # every bucket once, in order
+            assert [last for _, last, _ in step] == [False] * (nb - 1) + [True]
+            assert step[-1][2][-1] == first_shape  # the last bucket ends with the first parameter
 
 
 def test_no_sync_sends_nothing():

@@ -138,7 +138,7 @@ def test_ledger_bytes_match_formulas(stage):
         r = comm.rank
         rs = sum((b.numel - _chunks(b.numel, p)[r]) * 8 for b in z.buckets)
         ag_once = sum((b.numel - _chunks(b.numel, p)[(r + 1) % p]) * 8 for b in z.buckets)
-        embed = sum(b.numel for b in z.buckets if stage == 3 and z._unit_of[b.index] == 0)
+        embed = sum(b.numel for b in z.buckets if stage == 3 and z.unit_of[b.index] == 0)
         ag_embed = (embed - _chunks(embed, p)[(r + 1) % p]) * 8  # the Embed unit is one bucket
         return sent, rs, ag_once, ag_embed, z.gather_log, param_count(m), embed
 

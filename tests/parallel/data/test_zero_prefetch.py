@@ -14,9 +14,9 @@ def _train(comm, prefetch):
     m = GPT(cfg)
     z = ZeRO(m, comm, lambda ps: optim.AdamW(ps, lr=1e-2), stage=3, bucket_bytes=3000, prefetch=prefetch)
     events = []
-    gather, start = z._gather_unit, z._prefetch_unit
-    z._gather_unit = lambda u, phase="backward": (events.append((phase, u)), gather(u, phase))[1]
-    z._prefetch_unit = lambda u: (events.append(("prefetch", u)), start(u))[1]
+    gather, start = z.gather_unit, z.prefetch_unit
+    z.gather_unit = lambda u, phase="backward": (events.append((phase, u)), gather(u, phase))[1]
+    z.prefetch_unit = lambda u: (events.append(("prefetch", u)), start(u))[1]
     rng = np.random.default_rng(comm.rank)
     with measure(comm) as meas:
         for _ in range(2):

@@ -1,0 +1,165 @@
+"""What every ZeRO stage shares: the shard layout, the optimizer over it, the step, the sharded checkpoint.
+
+Every gradient bucket (``minidist.parallel.data.buckets``) is a flat array; rank r *owns* the slice
+``Bucket.shard(r, N)`` of each (``np.array_split``, what ``reduce_scatter``/``all_gather`` use).
+``ShardedDataParallel`` holds those slices as Parameters (``shards``) and builds the optimizer (any
+``minidist.nn.optim`` optimizer, made by ``optimizer(shards)``) over them alone, so its state is 1/N
+of DP's on every rank. It is DDP (backward, ``no_sync``, the sync window) with named tools the stages
+in ``minidist.parallel.data.zero`` are written with:
+
+* ``reduce_scatter(b, flat)`` starts bucket b's reduce-scatter; ``keep_my_slice`` takes this rank's
+  summed slice as its shard's gradient.
+* ``step`` = ``wait_gradients`` + ``update``: the optimizer steps the owned slices, then
+  ``share_parameters`` (each stage's own) makes the model whole again or leaves it sharded.
+* ``all_gather_buckets`` / ``gather_bucket`` / ``full_views``: the slices all-gathered back.
+* ``state_dict`` / ``load_state_dict``: each rank saves and restores only what it owns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minidist.comm import all_gather, all_reduce, reduce_scatter
+from minidist.comm.collectives import split_sizes
+from minidist.nn.module import Parameter
+from minidist.parallel.compose import check_compatible
+from minidist.parallel.data.buckets import Bucket
+from minidist.parallel.data.ddp import DistributedDataParallel
+
+
+def all_gather_flat(comm, shard, numel: int):
+    """The flat array of ``numel`` elements whose ``np.array_split`` part r is rank r's ``shard``:
+    ``minidist.comm.all_gather`` with the part sizes every rank knows (no shape headers)."""
+    return all_gather(comm, shard, axis=0, sizes=split_sizes(numel, comm.size))
+
+
+def param_count(module) -> int:
+    """Ψ: the number of trainable parameters."""
+    return int(sum(p.size for p in module.parameters() if p.requires_grad))
+
+
+def units_of(module) -> list:
+    """The default units of ZeRO-3: a model's top-level layers (the model itself if it has none)."""
+    children = module.children()
+    return children if children and not module._params else [module]
+
+
+class ShardedDataParallel(DistributedDataParallel):
+    """The base of ``ZeRO1``, ``ZeRO2``, ``ZeRO3`` (see the module docstring). ``units``: modules
+    ZeRO-3 gathers and frees as one (the other stages keep them only to report). Frozen parameters
+    stay replicated. ``full_parameters()`` gives the whole model."""
+
+    stage = 0  # set by each stage's class, with its ``technique`` (the composition matrix's name)
+
+    def __init__(self, module, comm, optimizer, bucket_bytes: float = 4 << 20, units=None,
+                 broadcast_from: int | None = 0):
+        check_compatible(module, self.technique)  # before units are looked for: a pipeline stage has none
+        self.units = list(units) if units is not None else units_of(module)
+        self.gather_log: list[tuple] = []  # (unit, "forward"|"backward"): stage 3's gathers
+        super().__init__(module, comm, bucket_bytes=bucket_bytes, algorithm="ring",
+                         broadcast_from=broadcast_from)
+        self.shards = []
+        for b in self.buckets:
+            lo, hi = b.shard(comm.rank, comm.size)
+            shard = b.flatten([p.data for p in b.params])[lo:hi]
+            self.shards.append(Parameter(shard.copy() if b.params[0].backend.inplace else shard))  # a view
+        self.optimizer = optimizer(self.shards)
+
+    # -- gradients: my slice of the sum ----------------------------------------------------------
+    def reduce_scatter(self, b: Bucket, flat):
+        """Start bucket ``b``'s reduce-scatter: this rank receives the sum over ranks of its slice."""
+        return self.start_collective(reduce_scatter, flat, f"reduce-scatter b{b.index}", op="sum")
+
+    def keep_my_slice(self, b: Bucket, mine, divisor: float) -> None:
+        """This rank's slice of bucket ``b``'s summed gradient, averaged: its shard's gradient."""
+        self.shards[b.index].grad = mine / divisor if divisor != 1 else mine
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self):
+        """Finish the gradient sync, update the owned slices, share the new parameters, zero grads."""
+        self.wait_gradients()
+        self.update()
+
+    def update(self):
+        """The second half of ``step`` (after ``wait_gradients``): optimizer step on the owned slices,
+        then the stage's ``share_parameters``, zero grads."""
+        self.optimizer.step()
+        self.share_parameters()
+        self.zero_grad()
+
+    def share_parameters(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must say how parameters are shared after a step")
+
+    def all_gather_buckets(self) -> None:
+        """All-gather every bucket: each rank holds the whole model again (collective)."""
+        for b in self.buckets:
+            self.gather_bucket(b)
+
+    def full_views(self, b: Bucket) -> list:
+        """All-gather bucket ``b``'s slices (collective) and view the flat result as its parameters."""
+        return b.views(all_gather_flat(self.comm, self.shards[b.index].data, b.numel))
+
+    def gather_bucket(self, b: Bucket) -> None:
+        """Every parameter of bucket ``b`` whole again on this rank (collective)."""
+        for p, v in zip(b.params, self.full_views(b)):
+            p.data = v
+
+    _gather_bucket = gather_bucket  # the name minidist.resilience.checkpoint.state calls
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the *global* gradient norm (call after ``wait_gradients``, before ``update``): each rank
+        holds a slice of the gradient, so the squared norms of the slices are summed over ranks."""
+        local = sum(float((s.grad.astype("float64") ** 2).sum()) for s in self.shards if s.grad is not None)
+        norm = float(np.sqrt(all_reduce(self.comm, np.array([local]), op="sum")[0]))
+        if norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for s in self.shards:
+                if s.grad is not None:
+                    s.grad = (s.grad * scale).astype(s.grad.dtype)
+        return norm
+
+    def zero_grad(self):
+        self.module.zero_grad()
+        for s in self.shards:
+            s.grad = None
+
+    # -- a sharded checkpoint: each rank saves and restores only what it owns -------------------
+    def state_dict(self) -> dict:
+        """This rank's part of the training state: its slices of the parameters (at stage 3 the only
+        copy there is), its optimizer state, and the layout needed to check them on load."""
+        return {"stage": self.stage, "rank": self.comm.rank, "size": self.comm.size,
+                "numels": [b.numel for b in self.buckets],
+                "shards": [np.array(s.backend.to_host(s.data)) for s in self.shards],
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, sd: dict):
+        """Restore what ``state_dict`` saved on this rank (collective: stages 1 and 2 share the
+        restored slices so every replica holds the full parameters again)."""
+        want = {"stage": self.stage, "rank": self.comm.rank, "size": self.comm.size,
+                "numels": [b.numel for b in self.buckets]}
+        got = {k: sd.get(k) for k in want}
+        if got != want:
+            raise ValueError(f"rank {self.comm.rank}: this ZeRO checkpoint shard was saved with {got}, "
+                             f"but this run has {want}; load each rank's own shard, with the same "
+                             "model, stage and world size")
+        for shard, arr in zip(self.shards, sd["shards"]):
+            shard.data = shard.backend.from_host(np.array(arr, dtype=shard.dtype))
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.share_parameters()
+        return self
+
+    # -- reading the model -----------------------------------------------------------------------
+    def full_parameters(self) -> dict:
+        """Name -> full parameter array (every rank holds them at stages 1 and 2)."""
+        return {n: p.data for n, p in self.module.named_parameters()}
+
+    def memory_arrays(self) -> dict:
+        """What this rank holds between steps, for ``MemoryAccountant.report``."""
+        params = self.module.parameters()
+        opt = [v for st in self.optimizer.state for v in st.values() if hasattr(v, "nbytes")]
+        grads = [s.grad for s in self.shards] + [p.grad for p in params]
+        return {"params": self.held_parameters(), "grads": grads, "optimizer_state": opt}
+
+    def held_parameters(self) -> list:
+        """The parameter arrays this rank holds now."""
+        return [p.data for p in self.module.parameters()]
