@@ -8,8 +8,9 @@ Estimated time: 45 min (buckets 20 min, averaging 25 min)
 Grade it:  python -m minidist.grade data_parallel
 The grader compares your buckets with minidist's DDP and your averaged gradients, on 1..5 thread
 ranks with uneven batches, with the serial gradient of the whole global batch.
-Lesson: lessons/03-data-parallel.md; minidist's answer is minidist/parallel/data/ddp.py (build_buckets,
-DistributedDataParallel.backward and wait_gradients), so try before you look.
+Lesson: lessons/03-data-parallel.md; minidist's answer is build_buckets in minidist/parallel/data/buckets.py
+and DistributedDataParallel.backward and wait_gradients in minidist/parallel/data/ddp.py, so try before
+you look.
 """
 
 import numpy as np  # noqa: F401  (you will need it)
