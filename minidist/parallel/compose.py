@@ -1,9 +1,12 @@
 """Which techniques combine: the one table the library checks, the tests train and the README prints.
 
 Every pair of the techniques below either trains to the same parameters as its serial twin
-(``tests/parallel/test_compose.py`` runs each supported pair, in each order the API allows) or is
-*refused*: the constructor of whichever comes second raises a ``ValueError`` naming both
-techniques and the reason, before any collective starts -- never a silently wrong result.
+(``tests/parallel/test_compose.py`` builds each supported pair through ``parallelize``) or is
+*refused*: ``parallelize`` raises a ``ValueError`` naming both techniques and the reason before
+building anything, and so does the constructor of whichever comes second when a user applies them
+by hand -- never a silently wrong result. Where a pair has one order (``Rule.first``) it is the
+order ``minidist.parallel.parallelize`` applies: model transforms, the pipeline cut, checkpointing,
+mixed precision, data parallelism, the optimizer.
 
 How a technique is recognised on a model (``techniques_of``), so the check needs no bookkeeping
 that could go stale: DDP and ZeRO record themselves (``claim``) on the module they wrap;
@@ -73,14 +76,17 @@ def _rules() -> dict:
     put("tp", "sp", Rule(True, "sequence parallelism is a mode of TP: the pair is the sequence-parallel "
                                "model"))
     put("ddp", "pp", Rule(True, "PipelineStage first: DDP wraps the stage over its data-parallel group "
-                                "(DDP(stage, dp), as train_3d); on the whole model it would sync gradients "
-                                "the stage never makes", first="pp"))
+                                "(DDP(stage, dp), as parallelize); on the whole model it would sync "
+                                "gradients the stage never makes", first="pp"))
     for dtype in ("bf16", "fp16"):
-        put("ddp", dtype, Rule(True, "DDP first: its broadcast of rank 0's parameters must come before "
-                                     "MixedPrecision copies them into fp32 masters; then mp.backward, "
-                                     "ddp.wait_gradients, mp.step", first="ddp"))
-        put("pp", dtype, Rule(True, "MixedPrecision first: it casts the model, then PipelineStage cuts it "
-                                    "(the stage's loss function multiplies by mp.scale)", first=dtype))
+        put("ddp", dtype, Rule(True, "MixedPrecision first (parallelize's order): DDP then wraps the "
+                                     "low-precision model and its buckets carry low-precision gradients; "
+                                     "its start-up broadcast would reach that copy, not the fp32 masters, "
+                                     "so build the same weights on every rank and pass broadcast_from=None",
+                                     first=dtype))
+        put("pp", dtype, Rule(True, "PipelineStage first (parallelize's order): MixedPrecision then casts "
+                                    "the stage's layers only and keeps their fp32 masters; the last stage's "
+                                    "loss is of fp32 logits times mp.scale", first="pp"))
     for t, why in BUILT_IN.items():
         for other in TECHNIQUES:
             key = frozenset((t, other))

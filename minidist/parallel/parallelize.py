@@ -46,7 +46,7 @@ from minidist.parallel.data.ddp import DistributedDataParallel
 from minidist.parallel.data.zero import ZeRO
 from minidist.parallel.experts.dispatch import expert_names, moe_gpt
 from minidist.parallel.memory.offload import OffloadedAdamW
-from minidist.parallel.memory.precision import MixedPrecision
+from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
 from minidist.parallel.memory.recompute import apply_checkpointing
 from minidist.parallel.pipeline.runtime import (
     PipelineStage,
@@ -249,11 +249,12 @@ def parallelize(cfg_or_model, mesh, *, microbatches: int = 1, schedule: str = "1
                 layer_costs=None, sequence_parallel: bool = False, layout: str = "zigzag",
                 moe: dict | None = None, checkpoint: str | None = None, precision: str | None = None,
                 zero: int | None = None, optimizer: str = "sgd", lr: float = 0.1, offload: bool = False,
-                comm_hook=None) -> Parallelized:
+                comm_hook=None, loss_scale: float | None = None) -> Parallelized:
     """Apply every technique to a GPT (a ``GPTConfig``, or a built serial ``GPT`` when tp = 1) on
     ``mesh`` in the module docstring's order; see ``train_3d`` for the options' meaning. ``zero``:
     1, 2 or 3 (ZeRO instead of DDP); ``precision``: "bf16" / "fp16" (None, "fp32": none);
-    ``offload``: AdamW's state in host memory; ``comm_hook``: (state, hook) for DDP's buckets."""
+    ``offload``: AdamW's state in host memory; ``comm_hook``: (state, hook) for DDP's buckets;
+    ``loss_scale``: fp16's initial dynamic loss scale (None: ``DynamicLossScaler``'s default)."""
     built = not hasattr(cfg_or_model, "n_layer")
     cfg = cfg_or_model.config if built else cfg_or_model
     rank, dp, cp = mesh.world.rank, mesh.dp_size, mesh.cp_size
@@ -299,7 +300,9 @@ def parallelize(cfg_or_model, mesh, *, microbatches: int = 1, schedule: str = "1
     params = stage.parameters()
     if precision not in (None, "fp32"):
         layers = ModuleList([layer for _, layer in par.layers()])
-        par.mp = MixedPrecision(layers, precision, groups=[mesh.tp, replicas, mesh.pp], loss_fn=loss_fn)
+        scaler = "auto" if loss_scale is None or precision != "fp16" else DynamicLossScaler(loss_scale)
+        par.mp = MixedPrecision(layers, precision, scaler, groups=[mesh.tp, replicas, mesh.pp],
+                                loss_fn=loss_fn)
         stage.loss_fn = _scaled(loss_fn, par.mp)
         params = par.mp.master_params
     # 5. data parallelism over the replicas; experts are synced over their own group at the step
