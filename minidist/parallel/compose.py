@@ -11,7 +11,9 @@ mixed precision, data parallelism, the optimizer.
 How a technique is recognised on a model (``techniques_of``), so the check needs no bookkeeping
 that could go stale: DDP and ZeRO record themselves (``claim``) on the module they wrap;
 checkpointing, ZeRO-3 and autocast are read off ``Module``'s forward-wrapper stack; tensor and
-sequence parallelism off the layers (a ``comm`` and a ``sequence_parallel`` flag); bf16 / fp16 off
+sequence parallelism off the layers (a ``comm`` and a ``sequence_parallel`` flag), context
+parallelism off its ring attention (a ``cp`` group and a ``layout``), experts off an MoE (a
+``router`` and ``experts``); bf16 / fp16 off
 the parameters' dtype; a pipeline stage is a ``PipelineStage``. Host offload is an optimizer
 (``OffloadedAdamW(where="host")``): built last, on whatever parameters the others leave, it
 combines with everything.
@@ -27,7 +29,8 @@ from itertools import combinations
 #: technique id -> the name errors and the README use
 TECHNIQUES = {
     "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "tp": "TP",
-    "sp": "sequence parallel", "pp": "PP 1F1B", "ckpt-full": "checkpointing (full)",
+    "sp": "sequence parallel", "cp": "context parallel", "ep": "experts (MoE)",
+    "pp": "PP 1F1B", "ckpt-full": "checkpointing (full)",
     "ckpt-selective": "checkpointing (selective)", "bf16": "bf16 mixed precision",
     "fp16": "fp16 mixed precision", "offload": "host offload",
 }
@@ -35,7 +38,9 @@ ZERO = ("zero1", "zero2", "zero3")
 #: techniques that are a kind of model or optimizer rather than something applied to one
 _MODEL = ("TP and sequence parallelism are the model itself (TPGPT): built first, then the other technique "
           "is applied to it")
-BUILT_IN = {"tp": _MODEL, "sp": _MODEL,
+_TRANSFORM = ("context parallelism and experts are model transforms (context_parallel, moe_gpt): built "
+              "first, then the other technique is applied to the model")
+BUILT_IN = {"tp": _MODEL, "sp": _MODEL, "ep": _TRANSFORM, "cp": _TRANSFORM,  # the order they are built in
             "offload": "host offload is the optimizer (OffloadedAdamW(where='host')): built last, on the "
                        "parameters the other technique leaves (ZeRO: its optimizer factory)"}
 
@@ -73,6 +78,22 @@ def _rules() -> dict:
                                                    "remove_checkpointing first, or choose one"))
     put("bf16", "fp16", Rule(False, "one compute dtype per model: autocast casts the parameters to one "
                                     "of them"))
+    put("cp", "sp", Rule(False, "both split the sequence over ranks, and a ring over sequence-parallel "
+                                "shards is not built (context_parallel refuses a sequence-parallel TPGPT)"))
+    put("cp", "ckpt-selective", Rule(False, "checkpoint='selective' recomputes the serial attention core, "
+                                          "but ring attention keeps no T x T matrix to save; use 'full' or "
+                                          "no checkpointing"))
+    put("ep", "sp", Rule(False, "under sequence parallelism each tp rank's MLP sees only its own tokens, "
+                                "and an MoE's expert gradients are not summed over the tp group: not built; "
+                                "use TP without sequence parallelism"))
+    for z in ZERO:
+        put("ep", z, Rule(False, "ZeRO averages (and shards) every gradient over the data-parallel group, "
+                                 "but expert parameters differ across an ep group; use DDP, which ignores "
+                                 "them (they are averaged over the ranks holding the same experts)"))
+    for dtype in ("bf16", "fp16"):
+        put("ep", dtype, Rule(False, "mixed precision of an MoE is not built (autocast covers LayerNorm and "
+                                     "attention, not the router's top-k or the experts' all-to-all); train "
+                                     "experts in the working precision"))
     put("tp", "sp", Rule(True, "sequence parallelism is a mode of TP: the pair is the sequence-parallel "
                                "model"))
     put("ddp", "pp", Rule(True, "PipelineStage first: DDP wraps the stage over its data-parallel group "
@@ -142,6 +163,10 @@ def techniques_of(obj) -> set[str]:
                 found.add("ckpt-selective" if "selective" in handle.owner else "ckpt-full")
             elif handle.position == "zero3":
                 found.add("zero3")
+        if hasattr(m, "cp") and hasattr(m, "layout"):  # a ring attention or its embedding
+            found.add("cp")
+        if hasattr(m, "router") and hasattr(m, "experts"):  # a mixture of experts
+            found.add("ep")
         if getattr(m, "comm", None) is not None and hasattr(m, "sequence_parallel") and m.comm.size > 1:
             found.add("sp" if m.sequence_parallel else "tp")
         for p in m._params.values():

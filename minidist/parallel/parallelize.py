@@ -81,9 +81,8 @@ def check_3d(world_size: int, cfg, batch_size: int | None, dp: int, pp: int, tp:
         raise ValueError(f"rank {rank}: ep={ep} needs an MoE model (moe=dict(n_experts=...)) whose n_experts "
                          f"({None if moe is None else moe['n_experts']}) and dp ({dp}) it divides")
     if cp > 1 and checkpoint == "selective":
-        raise ValueError(f"rank {rank}: checkpoint='selective' recomputes the serial attention core, but "
-                         f"with cp={cp} attention is a ring (which keeps no T x T matrix to save); use "
-                         "'full' or no checkpointing")
+        raise ValueError(f"rank {rank}: context parallel (cp={cp}) cannot be combined with checkpointing "
+                         f"(selective): {compose.rule('cp', 'ckpt-selective').reason}")
     layers = cfg.n_layer + 2  # Embed, blocks, Head
     if pp * chunks > layers:
         raise ValueError(f"rank {rank}: {pp * chunks} pipeline stages (pp={pp} x chunks={chunks}) but the "
@@ -116,10 +115,12 @@ def build_model(cfg, tp_comm=None, sequence_parallel: bool = False):
 
 
 def techniques(mesh, sequence_parallel=False, checkpoint=None, precision=None, zero=None,
-               offload=False) -> list[str]:
+               offload=False, moe=None) -> list[str]:
     """The composition-matrix techniques a ``parallelize`` call applies, in its order."""
     out = ["tp"] if mesh.tp_size > 1 else []
     out += ["sp"] if sequence_parallel else []
+    out += [] if moe is None else ["ep"]
+    out += ["cp"] if mesh.cp_size > 1 else []
     out += ["pp"] if mesh.pp_size > 1 else []
     out += [] if checkpoint is None else ["ckpt-selective" if checkpoint == "selective" else "ckpt-full"]
     out += [] if precision in (None, "fp32") else [precision]
@@ -267,11 +268,7 @@ def parallelize(cfg_or_model, mesh, *, microbatches: int = 1, schedule: str = "1
         raise ValueError(f"rank {rank}: precision={precision!r}; use None, 'bf16' or 'fp16'")
     if zero not in (None, 0, 1, 2, 3):
         raise ValueError(f"rank {rank}: zero={zero!r}; use None (DDP) or a ZeRO stage 1, 2 or 3")
-    chosen = techniques(mesh, sequence_parallel, checkpoint, precision, zero, offload)
-    check_matrix(chosen)
-    if moe is not None and (zero or precision not in (None, "fp32")):
-        raise ValueError(f"rank {rank}: experts (moe=) are built with DDP in the working precision only: "
-                         f"{'ZeRO' if zero else precision} would treat the expert parameters as replicated")
+    check_matrix(techniques(mesh, sequence_parallel, checkpoint, precision, zero, offload, moe))
     make_opt = _optimizer(optimizer, lr, offload)
     # 1. model transforms: TP / SP, experts, context parallelism
     model, loss_fn = (cfg_or_model, None) if built else build_model(cfg, mesh.tp, sequence_parallel)

@@ -29,8 +29,10 @@ from minidist.comm import Mesh, run
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.optim import SGD, AdamW
 from minidist.parallel import compose
+from minidist.parallel.context.ring import context_parallel
 from minidist.parallel.data.ddp import DDP
 from minidist.parallel.data.zero import ZeRO
+from minidist.parallel.experts.dispatch import moe_gpt
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
 from minidist.parallel.memory.recompute import apply_checkpointing
 from minidist.parallel.parallelize import parallelize
@@ -46,6 +48,7 @@ EXACT_TOL = 1e-10
 LOW_TOL = {"bf16": 5e-3, "fp16": 5e-4}  # measured: 1.1e-3 and 1.7e-4 at most
 DP = {"ddp", "zero1", "zero2", "zero3"}
 PRECISIONS = ("bf16", "fp16")
+MOE = dict(n_experts=2, k=1)
 
 SUPPORTED_PAIRS = [(a, b) for a, b in compose.pairs() if compose.rule(a, b).supported]
 REFUSED = [(a, b) for a, b in compose.pairs() if not compose.rule(a, b).supported]
@@ -57,15 +60,23 @@ def _precision(pair):
 
 def _cfg(pair):
     """float64 unless mixed precision (fp32 masters); dropout 0.1 where the parallel run draws the
-    serial twin's masks (TP's "twin" dropout RNG): so a recomputation must replay the RNG. Data and
-    pipeline parallelism split the batch, so their ranks draw other masks: no dropout there."""
+    serial twin's masks (TP's "twin" dropout RNG): so a recomputation must replay the RNG. Data,
+    pipeline, context and expert parallelism split the batch or the tokens, so their ranks draw
+    other masks: no dropout there."""
     cfg = CFG if _precision(pair) is None else CFG.replace(dtype="float32")
-    return cfg if set(pair) & (DP | {"pp"}) else cfg.replace(dropout=0.1)
+    return cfg if set(pair) & (DP | {"pp", "cp", "ep"}) else cfg.replace(dropout=0.1)
 
 
 def _mesh_sizes(pair):
+    """dp = 2 for a data-parallel technique or experts (ep = 2 of them), tp = 2, pp = 2, cp = 2."""
     t = set(pair)
-    return dict(dp=2 if t & DP else 1, tp=2 if t & {"tp", "sp"} else 1, pp=2 if "pp" in t else 1)
+    dp = 2 if t & (DP | {"ep"}) else 1
+    return dict(dp=dp, tp=2 if t & {"tp", "sp"} else 1, pp=2 if "pp" in t else 1, cp=2 if "cp" in t else 1,
+                ep=2 if "ep" in t else 1)
+
+
+def _ranks(pair):
+    return int(np.prod([v for k, v in _mesh_sizes(pair).items() if k != "ep"]))
 
 
 def _options(pair) -> dict:
@@ -79,6 +90,8 @@ def _options(pair) -> dict:
         opts["checkpoint"] = ckpt[0].split("-")[1] if len(ckpt) == 1 else ckpt
     if _precision(pair):
         opts["precision"] = _precision(pair)
+    if "ep" in t:
+        opts["moe"] = MOE
     return dict(opts, sequence_parallel="sp" in t, offload="offload" in t,
                 optimizer="adamw" if "offload" in t else "sgd", lr=LR_ADAM if "offload" in t else LR_SGD,
                 microbatches=2 if "pp" in t else 1, loss_scale=LOSS_SCALE)
@@ -89,6 +102,8 @@ def _serial(pair):
     precision = _precision(pair)
     mrandom.manual_seed(0)
     model = GPT(_cfg(pair))
+    if "ep" in pair:
+        moe_gpt(model, **MOE)
     scaler = DynamicLossScaler(init_scale=LOSS_SCALE) if precision == "fp16" else None
     mp = MixedPrecision(model, precision, scaler=scaler) if precision else None
     params = mp.master_params if mp else model.parameters()
@@ -128,11 +143,10 @@ def _max_diff(a, b):
 
 @pytest.mark.parametrize("pair", SUPPORTED_PAIRS, ids=lambda p: "+".join(p))
 def test_supported_pair_through_parallelize_equals_serial_twin(pair):
-    sizes = _mesh_sizes(pair)
     want = _serial(pair)
     precision = _precision(pair)
     tol = EXACT_TOL if precision is None else LOW_TOL[precision]
-    got = run(_train, ranks=sizes["dp"] * sizes["tp"] * sizes["pp"], pair=pair)[0]
+    got = run(_train, ranks=_ranks(pair), pair=pair)[0]
     assert _max_diff(got, want) < tol, f"{' with '.join(pair)} (parallelize) differs from the serial twin"
 
 
@@ -154,9 +168,7 @@ ONE_CHOICE = {frozenset(p) for p in REFUSED if set(p) <= DP or set(p) <= set(PRE
 @pytest.mark.parametrize("pair", [p for p in REFUSED if frozenset(p) not in ONE_CHOICE], ids="+".join)
 def test_refused_pair_raises_at_parallelize_naming_both(pair):
     a, b = pair
-    sizes = _mesh_sizes(pair)
-    for rank, msg in enumerate(run(_parallelize_refusal, ranks=sizes["dp"] * sizes["tp"] * sizes["pp"],
-                                   pair=pair)):
+    for rank, msg in enumerate(run(_parallelize_refusal, ranks=_ranks(pair), pair=pair)):
         assert msg is not None, f"rank {rank}: parallelize accepted {a} with {b}"
         assert compose.TECHNIQUES[a] in msg and compose.TECHNIQUES[b] in msg, msg
         assert compose.rule(a, b).reason in msg, msg
@@ -175,7 +187,11 @@ def test_the_one_choice_pairs_are_what_parallelize_cannot_express():
 
 def _apply(comm, name, model, state):
     """Apply technique ``name`` to ``model`` on one rank (the refusal comes before any collective)."""
-    if name in ("ckpt-full", "ckpt-selective"):
+    if name == "ep":
+        moe_gpt(model, **MOE)
+    elif name == "cp":
+        context_parallel(model, comm)
+    elif name in ("ckpt-full", "ckpt-selective"):
         apply_checkpointing(model, "full" if name == "ckpt-full" else "selective")
     elif name in PRECISIONS:
         MixedPrecision(model, name)
@@ -197,11 +213,18 @@ def _refused(comm, first, second):
     return None
 
 
-@pytest.mark.parametrize("pair", REFUSED, ids=lambda p: "+".join(p))
+#: model transforms: by hand they come first (context_parallel and moe_gpt rewire the model and do not
+#: consult the matrix; parallelize does), so only the order transform-then-wrapper is tried by hand
+TRANSFORMS = ("cp", "ep")
+BY_HAND = [p for p in REFUSED if "sp" not in p or not set(p) & set(TRANSFORMS)]  # sp is TPGPT itself
+
+
+@pytest.mark.parametrize("pair", BY_HAND, ids=lambda p: "+".join(p))
 def test_refused_pair_raises_at_construction_naming_both(pair):
     a, b = pair
     reason = compose.rule(a, b).reason
-    for first, second in ((a, b), (b, a)):
+    orders = [(a, b), (b, a)] if not set(pair) & set(TRANSFORMS) else [(a, b) if a in TRANSFORMS else (b, a)]
+    for first, second in orders:
         msg = run(_refused, ranks=1, first=first, second=second)[0]
         assert msg is not None, f"{first} then {second} was accepted"
         assert compose.TECHNIQUES[a] in msg and compose.TECHNIQUES[b] in msg and reason in msg, msg

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from minidist.comm import Mesh, run
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.optim import make_optimizer
-from minidist.parallel.experts.dispatch import train_serial_moe
+from minidist.parallel.experts.dispatch import moe_gpt, train_serial_moe
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
 from minidist.parallel.parallelize import parallelize, techniques
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d
@@ -44,9 +44,11 @@ def _cfg(precision):
     return CFG if precision is None else CFG.replace(dtype="float32")
 
 
-def _serial(batches, precision, optimizer, lr):
+def _serial(batches, precision, optimizer, lr, moe=None):
     """The serial twin: {name: fp64 array} of the trained (master) parameters, and the losses."""
     model = GPT(_cfg(precision))
+    if moe is not None:
+        moe_gpt(model, **moe)
     scaler = DynamicLossScaler(init_scale=LOSS_SCALE) if precision == "fp16" else None
     mp = MixedPrecision(model, precision, scaler=scaler) if precision else None
     params = mp.master_params if mp else model.parameters()
@@ -74,29 +76,34 @@ def _rank(comm, batches, precision, **kw):
 @given(dp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), tp=st.sampled_from([1, 2]),
        cp=st.sampled_from([1, 2]), m=st.integers(1, 2), zero=st.sampled_from([None, 1, 2, 3]),
        precision=st.sampled_from([None, "bf16", "fp16"]), offload=st.booleans(),
-       checkpoint=st.sampled_from([None, "full", "selective"]), sp=st.booleans(), seed=st.integers(0, 9))
+       checkpoint=st.sampled_from([None, "full", "selective"]), sp=st.booleans(), experts=st.booleans(),
+       seed=st.integers(0, 9))
 @budget(10)
 @example(dp=2, pp=2, tp=2, cp=1, m=2, zero=None, precision="bf16", offload=True, checkpoint="full", sp=True,
-         seed=0)
+         experts=False, seed=0)
 @example(dp=2, pp=1, tp=2, cp=2, m=2, zero=3, precision=None, offload=True, checkpoint="full", sp=False,
-         seed=1)
+         experts=False, seed=1)
 @example(dp=2, pp=2, tp=1, cp=2, m=1, zero=None, precision="fp16", offload=False, checkpoint=None, sp=False,
-         seed=2)
+         experts=True, seed=2)
 def test_random_meshes_and_techniques_equal_serial(dp, pp, tp, cp, m, zero, precision, offload, checkpoint,
-                                                   sp, seed):
+                                                   sp, experts, seed):
     """dp x pp x tp x cp <= 8 thread ranks; the draws the matrix refuses are made legal instead
-    (ZeRO needs no pipeline and full precision; selective checkpointing and sequence parallelism
-    no ring attention)."""
+    (experts, ep = dp of them, need DDP in the working precision and no sequence parallelism; ZeRO
+    no pipeline and full precision; selective checkpointing and sequence parallelism no ring attention)."""
+    moe = dict(n_experts=2, k=1, seed=seed) if experts else None
+    if experts:
+        zero, precision, sp = None, None, False
     if zero is not None:
         pp, precision = 1, None
     if cp > 1 and checkpoint == "selective":
         checkpoint = "full"
     optimizer, lr = ("adamw", 1e-2 if precision is None else 1e-3) if offload else ("sgd", 0.5)
     batches = _batches(dp * m, seed=seed)
-    want, want_losses = _serial(batches, precision, optimizer, lr)
+    want, want_losses = _serial(batches, precision, optimizer, lr, moe)
     results = run(_rank, ranks=dp * pp * tp * cp, batches=batches, precision=precision, dp=dp, pp=pp, tp=tp,
-                  cp=cp, microbatches=m, zero=zero, offload=offload, checkpoint=checkpoint,
-                  sequence_parallel=sp and tp > 1 and cp == 1, optimizer=optimizer, lr=lr)
+                  cp=cp, ep=dp if experts else 1, moe=moe, microbatches=m, zero=zero, offload=offload,
+                  checkpoint=checkpoint, sequence_parallel=sp and tp > 1 and cp == 1, optimizer=optimizer,
+                  lr=lr)
     state, losses = results[0]
     tol = TOL if precision is None else max(LOW_TOL[precision], ADAM_STEPS * lr if offload else 0)
     assert max_state_diff(state, want) <= tol
@@ -119,7 +126,9 @@ def _refusal(comm, sizes, **kw):
     (dict(dp=2), dict(offload=True), ("offload=True is OffloadedAdamW", "optimizer='adamw'")),
     (dict(dp=2), dict(precision="int8"), ("precision='int8'", "'bf16' or 'fp16'")),
     (dict(dp=2), dict(zero=4), ("zero=4", "ZeRO stage 1, 2 or 3")),
-    (dict(dp=2), dict(zero=2, moe=dict(n_experts=2)), ("experts (moe=)", "ZeRO")),
+    (dict(dp=2), dict(zero=2, moe=dict(n_experts=2)), ("experts (MoE)", "ZeRO-2", "use DDP")),
+    (dict(dp=2), dict(precision="fp16", moe=dict(n_experts=2)), ("experts (MoE)", "fp16 mixed precision")),
+    (dict(tp=2), dict(sequence_parallel=True, moe=dict(n_experts=2)), ("experts (MoE)", "sequence parallel")),
 ])
 def test_refusals_name_what_is_wrong(sizes, kw, words):
     msgs = run(_refusal, ranks=int(np.prod(list(sizes.values()))), sizes=sizes, **kw)
