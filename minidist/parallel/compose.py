@@ -90,10 +90,6 @@ def _rules() -> dict:
         put("ep", z, Rule(False, "ZeRO averages (and shards) every gradient over the data-parallel group, "
                                  "but expert parameters differ across an ep group; use DDP, which ignores "
                                  "them (they are averaged over the ranks holding the same experts)"))
-    for dtype in ("bf16", "fp16"):
-        put("ep", dtype, Rule(False, "mixed precision of an MoE is not built (autocast covers LayerNorm and "
-                                     "attention, not the router's top-k or the experts' all-to-all); train "
-                                     "experts in the working precision"))
     put("tp", "sp", Rule(True, "sequence parallelism is a mode of TP: the pair is the sequence-parallel "
                                "model"))
     put("ddp", "pp", Rule(True, "PipelineStage first: DDP wraps the stage over its data-parallel group "

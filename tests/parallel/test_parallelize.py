@@ -88,11 +88,11 @@ def _rank(comm, batches, precision, **kw):
 def test_random_meshes_and_techniques_equal_serial(dp, pp, tp, cp, m, zero, precision, offload, checkpoint,
                                                    sp, experts, seed):
     """dp x pp x tp x cp <= 8 thread ranks; the draws the matrix refuses are made legal instead
-    (experts, ep = dp of them, need DDP in the working precision and no sequence parallelism; ZeRO
+    (experts, ep = dp of them, need DDP and no sequence parallelism; ZeRO
     no pipeline and full precision; selective checkpointing and sequence parallelism no ring attention)."""
     moe = dict(n_experts=2, k=1, seed=seed) if experts else None
     if experts:
-        zero, precision, sp = None, None, False
+        zero, sp = None, False
     if zero is not None:
         pp, precision = 1, None
     if cp > 1 and checkpoint == "selective":
@@ -127,7 +127,6 @@ def _refusal(comm, sizes, **kw):
     (dict(dp=2), dict(precision="int8"), ("precision='int8'", "'bf16' or 'fp16'")),
     (dict(dp=2), dict(zero=4), ("zero=4", "ZeRO stage 1, 2 or 3")),
     (dict(dp=2), dict(zero=2, moe=dict(n_experts=2)), ("experts (MoE)", "ZeRO-2", "use DDP")),
-    (dict(dp=2), dict(precision="fp16", moe=dict(n_experts=2)), ("experts (MoE)", "fp16 mixed precision")),
     (dict(tp=2), dict(sequence_parallel=True, moe=dict(n_experts=2)), ("experts (MoE)", "sequence parallel")),
 ])
 def test_refusals_name_what_is_wrong(sizes, kw, words):
