@@ -174,6 +174,15 @@ def techniques_of(obj) -> set[str]:
     return found
 
 
+def check_pairs(chosen) -> None:
+    """Raise ``ValueError`` naming both and the reason if any two of ``chosen`` are refused
+    (``parallelize`` calls it on what it is asked for, before building anything)."""
+    for a, b in combinations(chosen, 2):
+        r = rule(a, b)
+        if not r.supported:
+            raise ValueError(f"{TECHNIQUES[a]} cannot be combined with {TECHNIQUES[b]}: {r.reason}")
+
+
 def check_compatible(obj, technique: str) -> None:
     """Raise ``ValueError`` if ``technique`` may not be applied to ``obj`` now: refused with a
     technique already there, or applied in the wrong order. Call it before doing anything."""

@@ -30,7 +30,6 @@ function's contract. ``check_3d`` holds the mesh errors (sizes, divisibility).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import combinations
 
 import numpy as np
 
@@ -38,7 +37,7 @@ from minidist.accel.backend import to_host
 from minidist.autograd import ops
 from minidist.comm import all_reduce
 from minidist.nn import GPT
-from minidist.nn.module import ModuleList
+from minidist.nn.module import Module, ModuleList
 from minidist.nn.optim import make_optimizer
 from minidist.parallel import compose
 from minidist.parallel.context.ring import context_parallel, shard_sequence
@@ -128,15 +127,6 @@ def techniques(mesh, sequence_parallel=False, checkpoint=None, precision=None, z
     return out + (["offload"] if offload else [])
 
 
-def check_matrix(chosen) -> None:
-    """Refuse a pair the composition matrix refuses: a ValueError naming both and the reason."""
-    for a, b in combinations(chosen, 2):
-        r = compose.rule(a, b)
-        if not r.supported:
-            raise ValueError(f"{compose.TECHNIQUES[a]} cannot be combined with {compose.TECHNIQUES[b]}: "
-                             f"{r.reason}")
-
-
 @dataclass
 class Parallelized:
     """What ``parallelize`` built on this rank; ``step(x, y)`` trains one global batch."""
@@ -174,11 +164,10 @@ class Parallelized:
     def step(self, x, y) -> StepStats:
         """One training step on global batch (x, y): this replica's rows, this cp rank's tokens, the
         microbatches weighted by their valid tokens; ``loss`` is dp*cp x this replica's share."""
-        mesh, m = self.mesh, self.microbatches
-        n_valid = int((np.asarray(y) != -1).sum())
-        rows = x.shape[0] // mesh.dp_size
-        mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
-        x, y = np.asarray(x)[mine], np.asarray(y)[mine]
+        mesh, m, x, y = self.mesh, self.microbatches, np.asarray(x), np.asarray(y)
+        n_valid = int((y != -1).sum())
+        n = x.shape[0] // mesh.dp_size  # this replica's rows
+        x, y = x[mesh.dp_rank * n:(mesh.dp_rank + 1) * n], y[mesh.dp_rank * n:(mesh.dp_rank + 1) * n]
         if mesh.cp_size > 1:
             x, y = (shard_sequence(a, mesh.cp_rank, mesh.cp_size, self.layout) for a in (x, y))
         xs, ys = split_microbatches(x, m, mesh.world.rank), split_microbatches(y, m, mesh.world.rank)
@@ -256,7 +245,7 @@ def parallelize(cfg_or_model, mesh, *, microbatches: int = 1, schedule: str = "1
     1, 2 or 3 (ZeRO instead of DDP); ``precision``: "bf16" / "fp16" (None, "fp32": none);
     ``offload``: AdamW's state in host memory; ``comm_hook``: (state, hook) for DDP's buckets;
     ``loss_scale``: fp16's initial dynamic loss scale (None: ``DynamicLossScaler``'s default)."""
-    built = not hasattr(cfg_or_model, "n_layer")
+    built = isinstance(cfg_or_model, Module)
     cfg = cfg_or_model.config if built else cfg_or_model
     rank, dp, cp = mesh.world.rank, mesh.dp_size, mesh.cp_size
     check_3d(mesh.world.size, cfg, None, dp, mesh.pp_size, mesh.tp_size, microbatches, chunks, rank, cp,
@@ -268,7 +257,10 @@ def parallelize(cfg_or_model, mesh, *, microbatches: int = 1, schedule: str = "1
         raise ValueError(f"rank {rank}: precision={precision!r}; use None, 'bf16' or 'fp16'")
     if zero not in (None, 0, 1, 2, 3):
         raise ValueError(f"rank {rank}: zero={zero!r}; use None (DDP) or a ZeRO stage 1, 2 or 3")
-    check_matrix(techniques(mesh, sequence_parallel, checkpoint, precision, zero, offload, moe))
+    if zero and comm_hook is not None:
+        raise ValueError(f"rank {rank}: comm_hook is a hook on DDP's all-reduced buckets; ZeRO "
+                         f"(zero={zero}) reduce-scatters them: pass comm_hook=None or use DDP")
+    compose.check_pairs(techniques(mesh, sequence_parallel, checkpoint, precision, zero, offload, moe))
     make_opt = _optimizer(optimizer, lr, offload)
     # 1. model transforms: TP / SP, experts, context parallelism
     model, loss_fn = (cfg_or_model, None) if built else build_model(cfg, mesh.tp, sequence_parallel)

@@ -118,12 +118,6 @@ def stage_layers(stage) -> list:
             for i, layer in zip(ids, layers)]
 
 
-def expert_parameters(stage) -> list:
-    """The stage's expert-parallel parameters (none without ep)."""
-    names = expert_names(stage_layers(stage))
-    return [p for k, p in stage.named_parameters() if k in names]
-
-
 def gather_full_state(comm, result: Result3D) -> dict | None:
     """The whole model's parameters (serial names, full unsharded arrays; the fp32 masters under
     mixed precision) on rank 0; None elsewhere."""

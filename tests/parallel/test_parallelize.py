@@ -8,6 +8,8 @@ partial sums -- per rank, per microbatch, row-parallel products -- where the twi
 with AdamW (``offload``) at most ``ADAM_STEPS`` x lr.
 """
 
+import types
+
 import numpy as np
 import pytest
 from hypothesis import example, given
@@ -126,6 +128,7 @@ def _refusal(comm, sizes, **kw):
     (dict(dp=2), dict(offload=True), ("offload=True is OffloadedAdamW", "optimizer='adamw'")),
     (dict(dp=2), dict(precision="int8"), ("precision='int8'", "'bf16' or 'fp16'")),
     (dict(dp=2), dict(zero=4), ("zero=4", "ZeRO stage 1, 2 or 3")),
+    (dict(dp=2), dict(zero=1, comm_hook=(None, None)), ("comm_hook", "zero=1", "use DDP")),
     (dict(dp=2), dict(zero=2, moe=dict(n_experts=2)), ("experts (MoE)", "ZeRO-2", "use DDP")),
     (dict(tp=2), dict(sequence_parallel=True, moe=dict(n_experts=2)), ("experts (MoE)", "sequence parallel")),
 ])
@@ -144,6 +147,18 @@ def _built_refusal(comm):
 
 def test_a_built_model_cannot_be_tensor_parallel():
     assert "pass the GPTConfig, not a built GPT" in run(_built_refusal, ranks=2)[0]
+
+
+def test_a_built_serial_gpt_is_parallelized_as_its_config():
+    batches = _batches(4, seed=4)
+    want, _ = _serial(batches, None, "sgd", 0.5)
+
+    def body(comm):
+        par = parallelize(GPT(CFG), Mesh(comm, dp=2, pp=2), microbatches=2, lr=0.5)
+        for x, y in batches:
+            par.step(x, y)
+        return gather_full_state(comm, types.SimpleNamespace(mesh=par.mesh, parallel=par))
+    assert max_state_diff(run(body, ranks=4)[0], want) <= TOL
 
 
 def test_techniques_are_listed_in_parallelize_order():
