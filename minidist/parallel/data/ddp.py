@@ -158,8 +158,8 @@ class DistributedDataParallel:
     one flag per parameter so that a parameter no rank produced a gradient for keeps ``grad=None``
     (exactly as the serial twin, where e.g. AdamW then skips it); otherwise it gets zeros.
     Frozen parameters (``requires_grad=False``) are broadcast at start and never communicated again.
-    ``ignore``: parameters DDP never averages (e.g. expert-parallel ones, which differ across ranks
-    and are synced over their own group); with them pass ``broadcast_from=None``.
+    ``ignore``: a list of parameters DDP never averages (e.g. expert-parallel ones, which differ
+    across ranks and are synced over their own group); with them pass ``broadcast_from=None``.
     """
 
     technique = "ddp"  # its name in the composition matrix (minidist.parallel.compose)
