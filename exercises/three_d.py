@@ -11,7 +11,8 @@ Grade it:  python -m minidist.grade three_d
 The grader trains a tiny float64 GPT for 2 steps on meshes of 1..8 thread ranks (some targets
 ignored, as -1) and compares the parameters (gathered to rank 0) and losses with ``train_serial``.
 Lesson: lessons/05-pipeline.md and `python -m minidist.lessons.pipeline --ranks 8 --dp 2 --pp 2
---tp 2`; minidist's answer is ``train_3d`` in minidist/parallel/three_d.py, so try before you look.
+--tp 2`; minidist's answer is ``train_3d`` in minidist/parallel/three_d.py (built on ``parallelize``),
+so try before you look.
 
 The pieces (read their docstrings): ``Mesh(comm, dp=, pp=, tp=)`` (``.dp``, ``.pp``, ``.tp``
 communicators, ``.dp_rank``, ``.pp_rank``, ``.tp_rank``); ``build_model(cfg, tp_comm)`` -> (model,

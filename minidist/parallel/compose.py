@@ -1,14 +1,19 @@
 """Which techniques combine: the one table the library checks, the tests train and the README prints.
 
 Every pair of the techniques below either trains to the same parameters as its serial twin
-(``tests/parallel/test_compose.py`` runs each supported pair, in each order the API allows) or is
-*refused*: the constructor of whichever comes second raises a ``ValueError`` naming both
-techniques and the reason, before any collective starts -- never a silently wrong result.
+(``tests/parallel/test_compose.py`` builds each supported pair through ``parallelize``) or is
+*refused*: ``parallelize`` raises a ``ValueError`` naming both techniques and the reason before
+building anything, and so does the constructor of whichever comes second when a user applies them
+by hand -- never a silently wrong result. Where a pair has one order (``Rule.first``) it is the
+order ``minidist.parallel.parallelize`` applies: model transforms, the pipeline cut, checkpointing,
+mixed precision, data parallelism, the optimizer.
 
 How a technique is recognised on a model (``techniques_of``), so the check needs no bookkeeping
 that could go stale: DDP and ZeRO record themselves (``claim``) on the module they wrap;
 checkpointing, ZeRO-3 and autocast are read off ``Module``'s forward-wrapper stack; tensor and
-sequence parallelism off the layers (a ``comm`` and a ``sequence_parallel`` flag); bf16 / fp16 off
+sequence parallelism off the layers (a ``comm`` and a ``sequence_parallel`` flag), context
+parallelism off its ring attention (a ``cp`` group and a ``layout``), experts off an MoE (a
+``router`` and ``experts``); bf16 / fp16 off
 the parameters' dtype; a pipeline stage is a ``PipelineStage``. Host offload is an optimizer
 (``OffloadedAdamW(where="host")``): built last, on whatever parameters the others leave, it
 combines with everything.
@@ -24,7 +29,8 @@ from itertools import combinations
 #: technique id -> the name errors and the README use
 TECHNIQUES = {
     "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "tp": "TP",
-    "sp": "sequence parallel", "pp": "PP 1F1B", "ckpt-full": "checkpointing (full)",
+    "sp": "sequence parallel", "cp": "context parallel", "ep": "experts (MoE)",
+    "pp": "PP 1F1B", "ckpt-full": "checkpointing (full)",
     "ckpt-selective": "checkpointing (selective)", "bf16": "bf16 mixed precision",
     "fp16": "fp16 mixed precision", "offload": "host offload",
 }
@@ -32,7 +38,9 @@ ZERO = ("zero1", "zero2", "zero3")
 #: techniques that are a kind of model or optimizer rather than something applied to one
 _MODEL = ("TP and sequence parallelism are the model itself (TPGPT): built first, then the other technique "
           "is applied to it")
-BUILT_IN = {"tp": _MODEL, "sp": _MODEL,
+_TRANSFORM = ("context parallelism and experts are model transforms (context_parallel, moe_gpt): built "
+              "first, then the other technique is applied to the model")
+BUILT_IN = {"tp": _MODEL, "sp": _MODEL, "ep": _TRANSFORM, "cp": _TRANSFORM,  # the order they are built in
             "offload": "host offload is the optimizer (OffloadedAdamW(where='host')): built last, on the "
                        "parameters the other technique leaves (ZeRO: its optimizer factory)"}
 
@@ -70,17 +78,32 @@ def _rules() -> dict:
                                                    "remove_checkpointing first, or choose one"))
     put("bf16", "fp16", Rule(False, "one compute dtype per model: autocast casts the parameters to one "
                                     "of them"))
+    put("cp", "sp", Rule(False, "both split the sequence over ranks, and a ring over sequence-parallel "
+                                "shards is not built (context_parallel refuses a sequence-parallel TPGPT)"))
+    put("cp", "ckpt-selective", Rule(False, "checkpoint='selective' recomputes the serial attention core, "
+                                          "but ring attention keeps no T x T matrix to save; use 'full' or "
+                                          "no checkpointing"))
+    put("ep", "sp", Rule(False, "under sequence parallelism each tp rank's MLP sees only its own tokens, "
+                                "and an MoE's expert gradients are not summed over the tp group: not built; "
+                                "use TP without sequence parallelism"))
+    for z in ZERO:
+        put("ep", z, Rule(False, "ZeRO averages (and shards) every gradient over the data-parallel group, "
+                                 "but expert parameters differ across an ep group; use DDP, which ignores "
+                                 "them (they are averaged over the ranks holding the same experts)"))
     put("tp", "sp", Rule(True, "sequence parallelism is a mode of TP: the pair is the sequence-parallel "
                                "model"))
     put("ddp", "pp", Rule(True, "PipelineStage first: DDP wraps the stage over its data-parallel group "
-                                "(DDP(stage, dp), as train_3d); on the whole model it would sync gradients "
-                                "the stage never makes", first="pp"))
+                                "(DDP(stage, dp), as parallelize); on the whole model it would sync "
+                                "gradients the stage never makes", first="pp"))
     for dtype in ("bf16", "fp16"):
-        put("ddp", dtype, Rule(True, "DDP first: its broadcast of rank 0's parameters must come before "
-                                     "MixedPrecision copies them into fp32 masters; then mp.backward, "
-                                     "ddp.wait_gradients, mp.step", first="ddp"))
-        put("pp", dtype, Rule(True, "MixedPrecision first: it casts the model, then PipelineStage cuts it "
-                                    "(the stage's loss function multiplies by mp.scale)", first=dtype))
+        put("ddp", dtype, Rule(True, "MixedPrecision first (parallelize's order): DDP then wraps the "
+                                     "low-precision model and its buckets carry low-precision gradients; "
+                                     "its start-up broadcast would reach that copy, not the fp32 masters, "
+                                     "so build the same weights on every rank and pass broadcast_from=None",
+                                     first=dtype))
+        put("pp", dtype, Rule(True, "PipelineStage first (parallelize's order): MixedPrecision then casts "
+                                    "the stage's layers only and keeps their fp32 masters; the last stage's "
+                                    "loss is of fp32 logits times mp.scale", first="pp"))
     for t, why in BUILT_IN.items():
         for other in TECHNIQUES:
             key = frozenset((t, other))
@@ -136,6 +159,10 @@ def techniques_of(obj) -> set[str]:
                 found.add("ckpt-selective" if "selective" in handle.owner else "ckpt-full")
             elif handle.position == "zero3":
                 found.add("zero3")
+        if hasattr(m, "cp") and hasattr(m, "layout"):  # a ring attention or its embedding
+            found.add("cp")
+        if hasattr(m, "router") and hasattr(m, "experts"):  # a mixture of experts
+            found.add("ep")
         if getattr(m, "comm", None) is not None and hasattr(m, "sequence_parallel") and m.comm.size > 1:
             found.add("sp" if m.sequence_parallel else "tp")
         for p in m._params.values():
@@ -145,6 +172,15 @@ def techniques_of(obj) -> set[str]:
     if "sp" in found:
         found.add("tp")
     return found
+
+
+def check_pairs(chosen) -> None:
+    """Raise ``ValueError`` naming both and the reason if any two of ``chosen`` are refused
+    (``parallelize`` calls it on what it is asked for, before building anything)."""
+    for a, b in combinations(chosen, 2):
+        r = rule(a, b)
+        if not r.supported:
+            raise ValueError(f"{TECHNIQUES[a]} cannot be combined with {TECHNIQUES[b]}: {r.reason}")
 
 
 def check_compatible(obj, technique: str) -> None:

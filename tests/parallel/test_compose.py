@@ -1,12 +1,13 @@
 """The composition matrix: every pair of techniques trains to its serial twin's parameters, or is
-refused at construction with an error naming both -- never a wrong result.
+refused with an error naming both -- never a wrong result.
 
-One harness (``_train``) builds any pair in a given order on the threads transport: a mesh with
-dp = 2 when a data-parallel technique is in it, tp = 2 for TP / sequence parallel, pp = 2 for the
-pipeline; a tiny GPT (2 blocks, d_model 16, sequence 8, 4 rows); 2 steps; then the full
-parameters are gathered and compared with ``_serial`` (one GPT, the whole batch, the same
-optimizer). Plain SGD (lr 0.5) except with host offload (Adam, offloaded vs in-memory), so a
-gradient-scale bug moves the parameters.
+Every supported pair is built through ``parallelize`` (``_train``) on the threads transport: a mesh
+with dp = 2 when a data-parallel technique is in it, tp = 2 for TP / sequence parallel, pp = 2 (2
+microbatches) for the pipeline; a tiny GPT (2 blocks, d_model 16, sequence 8, 4 rows); 2 steps;
+then the full parameters are gathered and compared with ``_serial`` (one GPT, the whole batch, the
+same optimizer). Plain SGD (lr 0.5) except with host offload (Adam, offloaded vs in-memory), so a
+gradient-scale bug moves the parameters. Each refused pair ``parallelize`` can express raises there;
+every refused pair also raises in the constructors, in either order.
 
 Tolerances: float64 where every technique is exact (1e-10: only the summation order differs).
 bf16 / fp16 cells compare the fp32 master weights with a serial twin in the same precision; the
@@ -16,6 +17,7 @@ microbatch) where the twin rounds once, so they agree to ``LOW_TOL`` (bf16 keeps
 """
 
 import re
+import types
 from pathlib import Path
 
 import numpy as np
@@ -27,73 +29,85 @@ from minidist.comm import Mesh, run
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.optim import SGD, AdamW
 from minidist.parallel import compose
+from minidist.parallel.context.ring import context_parallel
 from minidist.parallel.data.ddp import DDP
 from minidist.parallel.data.zero import ZeRO
-from minidist.parallel.memory.offload import OffloadedAdamW
+from minidist.parallel.experts.dispatch import moe_gpt
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
 from minidist.parallel.memory.recompute import apply_checkpointing
-from minidist.parallel.pipeline.runtime import (
-    PipelineStage,
-    make_schedule,
-    partition_uniform,
-    run_schedule,
-    split_microbatches,
-)
-from minidist.parallel.tensor.sharding import sharding_table, unshard
+from minidist.parallel.parallelize import parallelize
+from minidist.parallel.pipeline.runtime import PipelineStage, partition_uniform
+from minidist.parallel.three_d import gather_full_state
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, d_model=16, dtype="float64")
 DATA = np.random.default_rng(0).integers(0, 16, (2, 4, 8))  # 2 steps of 4 rows x 8 tokens
 LR_SGD, LR_ADAM = 0.5, 1e-2
+LOSS_SCALE = 2.0 ** 8
 EXACT_TOL = 1e-10
 LOW_TOL = {"bf16": 5e-3, "fp16": 5e-4}  # measured: 1.1e-3 and 1.7e-4 at most
 DP = {"ddp", "zero1", "zero2", "zero3"}
 PRECISIONS = ("bf16", "fp16")
+MOE = dict(n_experts=2, k=1)
 
-
-def _orders(a, b):
-    """The orders the API allows for a supported pair (the table's ``first``, else both)."""
-    r = compose.rule(a, b)
-    if r.first is not None:
-        return [(r.first, b if r.first == a else a)]
-    return [(a, b), (b, a)]
-
-
-SUPPORTED = [order for a, b in compose.pairs() if compose.rule(a, b).supported for order in _orders(a, b)]
 SUPPORTED_PAIRS = [(a, b) for a, b in compose.pairs() if compose.rule(a, b).supported]
 REFUSED = [(a, b) for a, b in compose.pairs() if not compose.rule(a, b).supported]
 
 
-def _precision(order):
-    return next((t for t in order if t in PRECISIONS), None)
+def _precision(pair):
+    return next((t for t in pair if t in PRECISIONS), None)
 
 
-def _scaler(precision):
-    return DynamicLossScaler(init_scale=2.0 ** 8) if precision == "fp16" else None
-
-
-def _optimizer(order, params):
-    if "offload" in order:
-        return OffloadedAdamW(params, None, lr=LR_ADAM, weight_decay=0.0, where="host", prefetch=False)
-    return SGD(params, lr=LR_SGD)
-
-
-def _cfg(order):
+def _cfg(pair):
     """float64 unless mixed precision (fp32 masters); dropout 0.1 where the parallel run draws the
-    serial twin's masks (TP's "twin" dropout RNG): so a recomputation must replay the RNG. Data and
-    pipeline parallelism split the batch, so their ranks draw other masks: no dropout there."""
-    cfg = CFG if _precision(order) is None else CFG.replace(dtype="float32")
-    return cfg if set(order) & (DP | {"pp"}) else cfg.replace(dropout=0.1)
+    serial twin's masks (TP's "twin" dropout RNG): so a recomputation must replay the RNG. Data,
+    pipeline, context and expert parallelism split the batch or the tokens, so their ranks draw
+    other masks: no dropout there."""
+    cfg = CFG if _precision(pair) is None else CFG.replace(dtype="float32")
+    return cfg if set(pair) & (DP | {"pp", "cp", "ep"}) else cfg.replace(dropout=0.1)
 
 
-def _serial(order):
+def _mesh_sizes(pair):
+    """dp = 2 for a data-parallel technique or experts (ep = 2 of them), tp = 2, pp = 2, cp = 2."""
+    t = set(pair)
+    dp = 2 if t & (DP | {"ep"}) else 1
+    return dict(dp=dp, tp=2 if t & {"tp", "sp"} else 1, pp=2 if "pp" in t else 1, cp=2 if "cp" in t else 1,
+                ep=2 if "ep" in t else 1)
+
+
+def _ranks(pair):
+    return int(np.prod([v for k, v in _mesh_sizes(pair).items() if k != "ep"]))
+
+
+def _options(pair) -> dict:
+    """``parallelize``'s keyword arguments for the techniques of ``pair``."""
+    t, opts = set(pair), {}
+    zero = [int(z[-1]) for z in t if z.startswith("zero")]
+    if zero:
+        opts["zero"] = zero[0] if len(zero) == 1 else zero
+    ckpt = [c for c in ("ckpt-full", "ckpt-selective") if c in t]
+    if ckpt:
+        opts["checkpoint"] = ckpt[0].split("-")[1] if len(ckpt) == 1 else ckpt
+    if _precision(pair):
+        opts["precision"] = _precision(pair)
+    if "ep" in t:
+        opts["moe"] = MOE
+    return dict(opts, sequence_parallel="sp" in t, offload="offload" in t,
+                optimizer="adamw" if "offload" in t else "sgd", lr=LR_ADAM if "offload" in t else LR_SGD,
+                microbatches=2 if "pp" in t else 1, loss_scale=LOSS_SCALE)
+
+
+def _serial(pair):
     """The serial twin: one GPT on the whole batch, in the pair's precision, the same optimizer."""
-    precision = _precision(order)
+    precision = _precision(pair)
     mrandom.manual_seed(0)
-    model = GPT(_cfg(order))
-    mp = MixedPrecision(model, precision, scaler=_scaler(precision)) if precision else None
+    model = GPT(_cfg(pair))
+    if "ep" in pair:
+        moe_gpt(model, **MOE)
+    scaler = DynamicLossScaler(init_scale=LOSS_SCALE) if precision == "fp16" else None
+    mp = MixedPrecision(model, precision, scaler=scaler) if precision else None
     params = mp.master_params if mp else model.parameters()
-    opt = AdamW(params, lr=LR_ADAM, weight_decay=0.0) if "offload" in order else SGD(params, lr=LR_SGD)
+    opt = AdamW(params, lr=LR_ADAM, weight_decay=0.0) if "offload" in pair else SGD(params, lr=LR_SGD)
     for x in DATA:
         if mp:
             mp.backward(mp.loss(x, x))
@@ -106,93 +120,20 @@ def _serial(order):
     return {n: np.asarray(p.data, np.float64) for n, p in zip(names, params)}
 
 
-def _stage_loss(base_loss, mp):
-    """The last stage's loss: with mixed precision, of fp32 logits and times the loss scale (what
-    ``mp.loss`` and ``mp.backward`` do outside a pipeline)."""
-    if mp is None:
-        return base_loss
-    return lambda logits, y: base_loss(ops.cast(logits, np.float32), y) * mp.scale
-
-
-def _train(comm, order):
-    """Apply the techniques of ``order`` in that order, train 2 steps, return the full parameters."""
-    t = set(order)
-    dp, tp, pp = 2 if t & DP else 1, 2 if t & {"tp", "sp"} else 1, 2 if "pp" in t else 1
-    mesh = Mesh(comm, dp=dp, pp=pp, tp=tp)
+def _train(comm, pair):
+    """``parallelize`` the pair's techniques, train 2 steps, return the full parameters (rank 0)."""
+    mesh = Mesh(comm, **_mesh_sizes(pair))
     mrandom.manual_seed(0)
-    cfg = _cfg(order)
-    if tp > 1:
-        from minidist.parallel.tensor.gpt import TPGPT
-
-        model = TPGPT(cfg, mesh.tp, sequence_parallel="sp" in t)
-        base_loss = model.loss_fn
-    else:
-        model, base_loss = GPT(cfg), ops.cross_entropy
-    table = sharding_table(model)
-    mp = ddp = zero = stage = None
-    for name in order:
-        if name in ("ckpt-full", "ckpt-selective"):
-            apply_checkpointing(model, "full" if name == "ckpt-full" else "selective")
-        elif name in PRECISIONS:
-            mp = MixedPrecision(model, name, scaler=_scaler(name), groups=[mesh.pp] if pp > 1 else None)
-        elif name == "pp":
-            bounds = partition_uniform(len(model), pp)
-            stage = PipelineStage(model, bounds, mesh.pp_rank, pp, loss_fn=_stage_loss(base_loss, mp))
-        elif name == "ddp":
-            ddp = DDP(stage if stage is not None else model, mesh.dp)
-        elif name in DP:
-            zero = ZeRO(model, mesh.dp, lambda ps: _optimizer(order, ps), stage=int(name[-1]))
-    owner = stage if stage is not None else model
-    opt = None if zero else _optimizer(order, mp.master_params if mp else owner.parameters())
-
-    def step():
-        if ddp is not None:
-            ddp.wait_gradients()
-        if mp is not None:
-            assert mp.step(opt), "a mixed-precision step was skipped"
-        else:
-            opt.step()
-            opt.zero_grad()
-
-    rows = DATA.shape[1] // dp
-    for x in DATA:
-        x = x[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows]
-        if stage is not None:
-            xs, ys = split_microbatches(x, 2, comm.rank), split_microbatches(x, 2, comm.rank)
-            run_schedule(stage, mesh.pp, make_schedule("1f1b", pp, 2)[mesh.pp_rank], xs, ys, step, ddp=ddp)
-            continue
-        loss = mp.loss(x, x) if mp else base_loss(model(x), x)
-        if zero is not None:
-            zero.backward(loss)
-            zero.step()
-        elif mp is not None:
-            mp.backward(loss)
-            step()
-        else:
-            (ddp.backward if ddp else type(loss).backward)(loss)
-            step()
-    if zero is not None:
-        state = zero.full_parameters()
-    elif mp is not None:
-        state = {m.name: m.data for m in mp.master_params}
-    else:
-        state = dict(model.named_parameters())
-        state = {n: p.data for n, p in state.items()}
-    if stage is not None:
-        mine = {n for n, _ in stage.named_parameters()}
-        state = {n: v for n, v in state.items() if n in mine}
-    state = {n: np.asarray(v, np.float64) for n, v in state.items()}
-    if tp > 1:
-        state = unshard(mesh.tp.allgather_obj(state), table)
-    if pp > 1:
-        merged = {}
-        for part in mesh.pp.allgather_obj(state):
-            merged.update(part)
-        state = merged
-    for o in (opt, getattr(zero, "optimizer", None)):
-        if hasattr(o, "close"):
-            o.close()
-    return state
+    par = parallelize(_cfg(pair), mesh, **_options(pair))
+    try:
+        for x in DATA:
+            par.step(x, x)
+            if par.mp is not None:
+                assert not par.mp.last_found_inf, "a mixed-precision step was skipped"
+    finally:
+        par.close()
+    state = gather_full_state(comm, types.SimpleNamespace(mesh=mesh, parallel=par))
+    return None if state is None else {n: np.asarray(v, np.float64) for n, v in state.items()}
 
 
 def _max_diff(a, b):
@@ -200,22 +141,57 @@ def _max_diff(a, b):
     return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
 
 
-@pytest.mark.parametrize("order", SUPPORTED, ids=lambda o: "+".join(o))
-def test_supported_pair_equals_serial_twin(order):
-    t = set(order)
-    ranks = (2 if t & DP else 1) * (2 if t & {"tp", "sp"} else 1) * (2 if "pp" in t else 1)
-    want = _serial(order)
-    precision = _precision(order)
+@pytest.mark.parametrize("pair", SUPPORTED_PAIRS, ids=lambda p: "+".join(p))
+def test_supported_pair_through_parallelize_equals_serial_twin(pair):
+    want = _serial(pair)
+    precision = _precision(pair)
     tol = EXACT_TOL if precision is None else LOW_TOL[precision]
-    for rank, got in enumerate(run(_train, ranks=ranks, order=order)):
-        assert _max_diff(got, want) < tol, f"rank {rank}: {' then '.join(order)} differs from the serial twin"
+    got = run(_train, ranks=_ranks(pair), pair=pair)[0]
+    assert _max_diff(got, want) < tol, f"{' with '.join(pair)} (parallelize) differs from the serial twin"
+
+
+def _parallelize_refusal(comm, pair):
+    mesh = Mesh(comm, **_mesh_sizes(pair))
+    try:
+        parallelize(CFG, mesh, **_options(pair))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+#: refused pairs that are one choice of one option (one ZeRO stage, one policy, one dtype, ZeRO or
+#: DDP): parallelize cannot be asked for both, so only the constructors can refuse them
+ONE_CHOICE = {frozenset(p) for p in REFUSED if set(p) <= DP or set(p) <= set(PRECISIONS)
+              or set(p) == {"ckpt-full", "ckpt-selective"}}
+
+
+@pytest.mark.parametrize("pair", [p for p in REFUSED if frozenset(p) not in ONE_CHOICE], ids="+".join)
+def test_refused_pair_raises_at_parallelize_naming_both(pair):
+    a, b = pair
+    for rank, msg in enumerate(run(_parallelize_refusal, ranks=_ranks(pair), pair=pair)):
+        assert msg is not None, f"rank {rank}: parallelize accepted {a} with {b}"
+        assert compose.TECHNIQUES[a] in msg and compose.TECHNIQUES[b] in msg, msg
+        assert compose.rule(a, b).reason in msg, msg
+
+
+def test_the_one_choice_pairs_are_what_parallelize_cannot_express():
+    assert ONE_CHOICE == {frozenset(p) for p in
+                          [("ddp", "zero1"), ("ddp", "zero2"), ("ddp", "zero3"), ("zero1", "zero2"),
+                           ("zero1", "zero3"), ("zero2", "zero3"), ("bf16", "fp16"),
+                           ("ckpt-full", "ckpt-selective")]}
+    with pytest.raises(ValueError, match=r"zero=\[1, 2\]; use None \(DDP\) or a ZeRO stage 1, 2 or 3"):
+        run(lambda comm: parallelize(CFG, Mesh(comm, dp=2), zero=[1, 2]), ranks=2)
 
 
 # -- refusals: at construction, naming both ------------------------------------------------------
 
 def _apply(comm, name, model, state):
     """Apply technique ``name`` to ``model`` on one rank (the refusal comes before any collective)."""
-    if name in ("ckpt-full", "ckpt-selective"):
+    if name == "ep":
+        moe_gpt(model, **MOE)
+    elif name == "cp":
+        context_parallel(model, comm)
+    elif name in ("ckpt-full", "ckpt-selective"):
         apply_checkpointing(model, "full" if name == "ckpt-full" else "selective")
     elif name in PRECISIONS:
         MixedPrecision(model, name)
@@ -237,17 +213,24 @@ def _refused(comm, first, second):
     return None
 
 
-@pytest.mark.parametrize("pair", REFUSED, ids=lambda p: "+".join(p))
+#: model transforms: by hand they come first (context_parallel and moe_gpt rewire the model and do not
+#: consult the matrix; parallelize does), so only the order transform-then-wrapper is tried by hand
+TRANSFORMS = ("cp", "ep")
+BY_HAND = [p for p in REFUSED if "sp" not in p or not set(p) & set(TRANSFORMS)]  # sp is TPGPT itself
+
+
+@pytest.mark.parametrize("pair", BY_HAND, ids=lambda p: "+".join(p))
 def test_refused_pair_raises_at_construction_naming_both(pair):
     a, b = pair
     reason = compose.rule(a, b).reason
-    for first, second in ((a, b), (b, a)):
+    orders = [(a, b), (b, a)] if not set(pair) & set(TRANSFORMS) else [(a, b) if a in TRANSFORMS else (b, a)]
+    for first, second in orders:
         msg = run(_refused, ranks=1, first=first, second=second)[0]
         assert msg is not None, f"{first} then {second} was accepted"
         assert compose.TECHNIQUES[a] in msg and compose.TECHNIQUES[b] in msg and reason in msg, msg
 
 
-@pytest.mark.parametrize("first,second", [("ddp", "pp"), ("bf16", "ddp"), ("fp16", "ddp")])
+@pytest.mark.parametrize("first,second", [("ddp", "pp"), ("ddp", "bf16"), ("ddp", "fp16"), ("bf16", "pp")])
 def test_the_wrong_order_is_refused(first, second):
     msg = run(_refused, ranks=1, first=first, second=second)[0]
     assert msg is not None and "must be applied before" in msg

@@ -103,3 +103,23 @@ def test_ignored_targets_give_the_serial_token_mean(dp, pp, tp, m, schedule):
     """The serial loss is the mean over the global batch's valid tokens: a microbatch (and a replica)
     with fewer valid tokens must weigh less, not the same 1/m (and 1/dp)."""
     _check(dp, pp, tp, m, schedule, chunks=2 if schedule == "interleaved" else 1, ignore=True)
+
+
+def test_zero_with_a_pipeline_is_refused_naming_both():
+    def body(comm):
+        train_3d(comm, CFG, _batches(4), dp=2, pp=2, microbatches=2, zero=2)
+    with pytest.raises(ValueError, match=r"PP 1F1B cannot be combined with ZeRO-2: a PipelineStage is not"):
+        run(body, ranks=4)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_instead_of_ddp_equals_serial_with_the_same_losses(zero):
+    batches = _ignored_batches(4)
+    want, want_losses = train_serial(CFG, batches, lr=0.1, optimizer="adamw")
+
+    def body(comm):
+        res = train_3d(comm, CFG, batches, dp=2, tp=2, microbatches=2, zero=zero, optimizer="adamw", lr=0.1)
+        return gather_full_state(comm, res), res.losses
+    state, losses = run(body, ranks=4)[0]
+    assert max_state_diff(state, want) <= TOL
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)

@@ -97,19 +97,21 @@ class DistributedDataParallel:
     one flag per parameter so that a parameter no rank produced a gradient for keeps ``grad=None``
     (exactly as the serial twin, where e.g. AdamW then skips it); otherwise it gets zeros.
     Frozen parameters (``requires_grad=False``) are broadcast at start and never communicated again.
+    ``ignore``: a list of parameters DDP never averages (e.g. expert-parallel ones, which differ
+    across ranks and are synced over their own group); with them pass ``broadcast_from=None``.
     """
 
     technique = "ddp"  # its name in the composition matrix (minidist.parallel.compose)
 
     def __init__(self, module, comm, bucket_bytes: float = 4 << 20, algorithm: str = "ring",
-                 find_unused_parameters: bool = False, broadcast_from: int | None = 0):
+                 find_unused_parameters: bool = False, broadcast_from: int | None = 0, ignore=()):
         self.module, self.comm = module, comm
         self.algorithm, self.find_unused = algorithm, find_unused_parameters
         check_compatible(module, self.technique)
         check_same_model(comm, module)
         if broadcast_from is not None:
             broadcast_parameters(comm, module, broadcast_from)
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.params = [p for p in module.parameters() if p.requires_grad and all(p is not q for q in ignore)]
         self.buckets = self.make_buckets(bucket_bytes)
         self._bucket_index = {id(p): b.index for b in self.buckets for p in b.params}
         self._comm_hook = None  # (state, hook) of register_comm_hook; None: the plain all-reduce

@@ -1,0 +1,194 @@
+"""``parallelize`` over random small meshes with random techniques equals the serial twin; its
+refusals name both techniques; experts stay out of DDP by its ``ignore=`` rule.
+
+The twin (``_serial``): one GPT, the whole global batch, the same optimizer, in the same precision
+(``MixedPrecision`` over the whole model). Tolerances as ``test_compose``: float64 1e-9 (only the
+summation order differs); bf16 / fp16 the fp32 masters to ``LOW_TOL`` (the parallel run rounds
+partial sums -- per rank, per microbatch, row-parallel products -- where the twin rounds once),
+with AdamW (``offload``) at most ``ADAM_STEPS`` x lr.
+"""
+
+import types
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from minidist.comm import Mesh, run
+from minidist.nn import GPT, GPTConfig
+from minidist.nn.optim import make_optimizer
+from minidist.parallel.experts.dispatch import moe_gpt, train_serial_moe
+from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
+from minidist.parallel.parallelize import parallelize, techniques
+from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d
+from tests.conftest import budget
+
+CFG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, d_model=8, dtype="float64")
+TOL = 1e-9
+LOW_TOL = {"bf16": 5e-3, "fp16": 5e-4}
+LOSS_SCALE = 2.0 ** 8
+ADAM_STEPS = 4  # AdamW moves a weight ~lr whatever its gradient's size: a rounding that flips a
+#                 near-zero gradient's sign moves it by up to 2 lr, over 2 steps 4 lr
+
+
+def _batches(rows, steps=2, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        y = rng.integers(0, 16, (rows, 8))
+        y = np.where(rng.random(y.shape) < 0.2, -1, y)  # ignored targets, spread unevenly
+        out.append((rng.integers(0, 16, (rows, 8)), y))
+    return out
+
+
+def _cfg(precision):
+    return CFG if precision is None else CFG.replace(dtype="float32")
+
+
+def _serial(batches, precision, optimizer, lr, moe=None):
+    """The serial twin: {name: fp64 array} of the trained (master) parameters, and the losses."""
+    model = GPT(_cfg(precision))
+    if moe is not None:
+        moe_gpt(model, **moe)
+    scaler = DynamicLossScaler(init_scale=LOSS_SCALE) if precision == "fp16" else None
+    mp = MixedPrecision(model, precision, scaler=scaler) if precision else None
+    params = mp.master_params if mp else model.parameters()
+    opt = make_optimizer(optimizer, params, lr)
+    losses = []
+    for x, y in batches:
+        loss = mp.loss(x, y) if mp else model.loss(x, y)
+        losses.append(float(loss.data))
+        if mp:
+            mp.backward(loss)
+            assert mp.step(opt)
+        else:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    names = [n for n, _ in model.named_parameters()]
+    return {n: np.asarray(p.data, np.float64) for n, p in zip(names, params)}, losses
+
+
+def _rank(comm, batches, precision, **kw):
+    res = train_3d(comm, _cfg(precision), batches, precision=precision, loss_scale=LOSS_SCALE, **kw)
+    return gather_full_state(comm, res), res.losses
+
+
+@given(dp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), tp=st.sampled_from([1, 2]),
+       cp=st.sampled_from([1, 2]), m=st.integers(1, 2), zero=st.sampled_from([None, 1, 2, 3]),
+       precision=st.sampled_from([None, "bf16", "fp16"]), offload=st.booleans(),
+       checkpoint=st.sampled_from([None, "full", "selective"]), sp=st.booleans(), experts=st.booleans(),
+       seed=st.integers(0, 9))
+@budget(10)
+@example(dp=2, pp=2, tp=2, cp=1, m=2, zero=None, precision="bf16", offload=True, checkpoint="full", sp=True,
+         experts=False, seed=0)
+@example(dp=2, pp=1, tp=2, cp=2, m=2, zero=3, precision=None, offload=True, checkpoint="full", sp=False,
+         experts=False, seed=1)
+@example(dp=2, pp=2, tp=1, cp=2, m=1, zero=None, precision="fp16", offload=False, checkpoint=None, sp=False,
+         experts=True, seed=2)
+def test_random_meshes_and_techniques_equal_serial(dp, pp, tp, cp, m, zero, precision, offload, checkpoint,
+                                                   sp, experts, seed):
+    """dp x pp x tp x cp <= 8 thread ranks; the draws the matrix refuses are made legal instead
+    (experts, ep = dp of them, need DDP and no sequence parallelism; ZeRO
+    no pipeline and full precision; selective checkpointing and sequence parallelism no ring attention)."""
+    moe = dict(n_experts=2, k=1, seed=seed) if experts else None
+    if experts:
+        zero, sp = None, False
+    if zero is not None:
+        pp, precision = 1, None
+    if cp > 1 and checkpoint == "selective":
+        checkpoint = "full"
+    optimizer, lr = ("adamw", 1e-2 if precision is None else 1e-3) if offload else ("sgd", 0.5)
+    batches = _batches(dp * m, seed=seed)
+    want, want_losses = _serial(batches, precision, optimizer, lr, moe)
+    results = run(_rank, ranks=dp * pp * tp * cp, batches=batches, precision=precision, dp=dp, pp=pp, tp=tp,
+                  cp=cp, ep=dp if experts else 1, moe=moe, microbatches=m, zero=zero, offload=offload,
+                  checkpoint=checkpoint, sequence_parallel=sp and tp > 1 and cp == 1, optimizer=optimizer,
+                  lr=lr)
+    state, losses = results[0]
+    tol = TOL if precision is None else max(LOW_TOL[precision], ADAM_STEPS * lr if offload else 0)
+    assert max_state_diff(state, want) <= tol
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=tol)
+
+
+# -- refusals, before anything is built --------------------------------------------------------
+
+def _refusal(comm, sizes, **kw):
+    try:
+        parallelize(CFG, Mesh(comm, **sizes), **kw)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("sizes,kw,words", [
+    (dict(dp=2, pp=2), dict(zero=1), ("ZeRO-1", "PP 1F1B", "run_schedule drives only DDP")),
+    (dict(dp=2), dict(zero=3, precision="bf16"), ("ZeRO-3", "bf16 mixed precision", "fp32 masters")),
+    (dict(dp=2), dict(offload=True), ("offload=True is OffloadedAdamW", "optimizer='adamw'")),
+    (dict(dp=2), dict(precision="int8"), ("precision='int8'", "'bf16' or 'fp16'")),
+    (dict(dp=2), dict(zero=4), ("zero=4", "ZeRO stage 1, 2 or 3")),
+    (dict(dp=2), dict(zero=1, comm_hook=(None, None)), ("comm_hook", "zero=1", "use DDP")),
+    (dict(dp=2), dict(zero=2, moe=dict(n_experts=2)), ("experts (MoE)", "ZeRO-2", "use DDP")),
+    (dict(tp=2), dict(sequence_parallel=True, moe=dict(n_experts=2)), ("experts (MoE)", "sequence parallel")),
+])
+def test_refusals_name_what_is_wrong(sizes, kw, words):
+    msgs = run(_refusal, ranks=int(np.prod(list(sizes.values()))), sizes=sizes, **kw)
+    for msg in msgs:
+        assert msg is not None and all(w in msg for w in words), msg
+
+
+def _built_refusal(comm):
+    try:
+        parallelize(GPT(CFG), Mesh(comm, tp=2))
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_built_model_cannot_be_tensor_parallel():
+    assert "pass the GPTConfig, not a built GPT" in run(_built_refusal, ranks=2)[0]
+
+
+def test_a_built_serial_gpt_is_parallelized_as_its_config():
+    batches = _batches(4, seed=4)
+    want, _ = _serial(batches, None, "sgd", 0.5)
+
+    def body(comm):
+        par = parallelize(GPT(CFG), Mesh(comm, dp=2, pp=2), microbatches=2, lr=0.5)
+        for x, y in batches:
+            par.step(x, y)
+        return gather_full_state(comm, types.SimpleNamespace(mesh=par.mesh, parallel=par))
+    assert max_state_diff(run(body, ranks=4)[0], want) <= TOL
+
+
+def test_techniques_are_listed_in_parallelize_order():
+    mesh = Mesh.__new__(Mesh)
+    mesh.dp_size, mesh.pp_size, mesh.tp_size, mesh.cp_size = 2, 2, 2, 1
+    want = ["tp", "sp", "pp", "ckpt-full", "bf16", "ddp", "offload"]
+    assert techniques(mesh, True, "full", "bf16", None, True) == want
+
+
+# -- experts: out of DDP by a declared rule --------------------------------------------------------
+
+def _experts_and_ddp(comm):
+    par = parallelize(CFG, Mesh(comm, dp=2, ep=2), moe=dict(n_experts=2, k=1))
+    synced = {id(p) for p in par.dp.params}
+    return (len(par.experts), sum(id(p) in synced for p in par.experts),
+            all(p.requires_grad for p in par.experts), len(par.dp.params) + len(par.experts),
+            len(par.stage.parameters()))
+
+
+def test_experts_are_ignored_by_ddp_and_stay_trainable():
+    for n_experts, in_ddp, trainable, counted, total in run(_experts_and_ddp, ranks=2):
+        assert n_experts > 0 and in_ddp == 0 and trainable and counted == total
+
+
+def test_expert_parallel_training_through_parallelize_equals_serial():
+    moe = dict(n_experts=2, k=1, seed=3)
+    batches = _batches(4, seed=3)
+    want, _ = train_serial_moe(CFG, batches, moe, lr=0.1)
+
+    def body(comm):
+        return gather_full_state(comm, train_3d(comm, CFG, batches, dp=2, pp=2, ep=2, microbatches=2, moe=moe,
+                                                lr=0.1))
+    assert max_state_diff(run(body, ranks=4)[0], want) <= TOL
