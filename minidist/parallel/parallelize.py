@@ -42,6 +42,7 @@ from minidist.nn.optim import make_optimizer
 from minidist.parallel import compose
 from minidist.parallel.context.ring import context_parallel, shard_sequence
 from minidist.parallel.data.ddp import DistributedDataParallel
+from minidist.parallel.data.sharded import ShardedDataParallel
 from minidist.parallel.data.zero import ZeRO
 from minidist.parallel.experts.dispatch import expert_names, moe_gpt
 from minidist.parallel.memory.offload import OffloadedAdamW
@@ -146,7 +147,7 @@ class Parallelized:
 
     def optimizer_step(self) -> None:
         """Wait for the data-parallel gradients, average the experts', step (through the masters)."""
-        if isinstance(self.dp, ZeRO):
+        if isinstance(self.dp, ShardedDataParallel):
             self.dp.step()
             return
         if self.dp is not None:
@@ -207,7 +208,7 @@ class Parallelized:
     def state(self) -> dict:
         """{serial-model name (before expert renaming): host array} of this rank's trained parameters:
         the fp32 masters under mixed precision, ZeRO's gathered parameters."""
-        if isinstance(self.dp, ZeRO):
+        if isinstance(self.dp, ShardedDataParallel):
             return {k: np.asarray(to_host(v)) for k, v in self.dp.full_parameters().items()}
         named = list(self.stage.named_parameters())
         params = self.mp.master_params if self.mp is not None else [p for _, p in named]
