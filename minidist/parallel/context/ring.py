@@ -262,11 +262,14 @@ def ring_bytes(n_elements: int, itemsize: int, cp: int) -> dict:
     return {"forward": (cp - 1) * kv, "backward": (cp - 1) * kv + (cp * kv if cp > 1 else 0)}
 
 
-# the context-parallel GPT (model.py) builds on the ops above; its names are importable from here too
-from minidist.parallel.context.model import (  # noqa: E402, F401
-    ContextParallelAttention,
-    ContextParallelEmbed,
-    attention_stats,
-    context_parallel,
-    replace_child,
-)
+_MODEL_NAMES = ("ContextParallelAttention", "ContextParallelEmbed", "attention_stats", "context_parallel",
+                "replace_child")
+
+
+def __getattr__(name):
+    """The context-parallel GPT's names (``model.py``, which builds on this file) from here too."""
+    if name in _MODEL_NAMES:
+        from minidist.parallel.context import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -246,3 +246,27 @@ def test_packed_ring_attention_refuses_a_qkv_that_does_not_split_into_heads():
     qkv = Tensor(np.zeros((1, 4, 10)))
     with pytest.raises(ValueError, match=r"rank 0: packed_ring_attention: qkv of shape \(1, 4, 10\)"):
         run(lambda comm: packed_ring_attention(qkv, 2, comm), ranks=1)
+
+
+def _ring_steps_on_jax(comm, q, k, v, g, layout):
+    """Ring attention forward and backward on JAX: output and gradients on the host."""
+    out = _ring_on_device(comm, q, k, v, g, layout)
+    return out[0], out[1]
+
+
+def test_compiled_ring_steps_equal_the_eager_steps(monkeypatch):
+    """Each ring step's compute is one compiled call on JAX (``jax_engine.pure`` on attend_block and
+    attend_block_backward); with the engine off the same steps run op by op. XLA fuses a compiled
+    step's elementwise work (and may contract a multiply-add), so the two agree to a few ulps of
+    float64, not bit for bit: within 1e-14 here, where values are O(1)."""
+    pytest.importorskip("jax")
+    cp, b, h, t, d, layout = 3, 1, 2, 12, 4, "zigzag"  # cp = 3: own, earlier and later blocks
+    rng = np.random.default_rng(7)
+    q, k, v, g = (rng.standard_normal((b, h, t, d)) for _ in range(4))
+    fast = run(_ring_steps_on_jax, ranks=cp, backend="jax", q=q, k=k, v=v, g=g, layout=layout)
+    monkeypatch.setenv("MINIDIST_JAX_JIT", "0")
+    eager = run(_ring_steps_on_jax, ranks=cp, backend="jax", q=q, k=k, v=v, g=g, layout=layout)
+    for f, e in zip(fast, eager):
+        np.testing.assert_allclose(f[0], e[0], rtol=0, atol=1e-14)
+        for fg, eg in zip(f[1], e[1]):
+            np.testing.assert_allclose(fg, eg, rtol=0, atol=1e-14)
