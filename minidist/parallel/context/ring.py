@@ -179,8 +179,44 @@ def ring_backward(comm, q, kv, g, lse, delta, pairs_with, stats=None):
     return dq, dkv
 
 
-def _join(chunks, axis=-2):
-    return backend_of(chunks[0]).xp.concatenate(chunks, axis=axis)
+# -- the ops' layouts in and out of the ring's chunks (one compiled call each on JAX, as the steps) --
+
+@jax_engine.pure
+def _unpack(qkv, heads):
+    """The fused projections (B, T, 3·H·D) -> q (B, H, T, D) and the K/V block (2, B, H, T, D)
+    (views on NumPy)."""
+    b, t, c = qkv.shape
+    x = qkv.reshape(b, t, 3, heads, c // (3 * heads)).transpose(2, 0, 3, 1, 4)
+    return x[0], x[1:]
+
+
+@jax_engine.pure
+def _results(out, lse, packed):
+    """The query chunks' results -> out (B, H, T, D) and lse (B, H, T), and ``packed``: out as
+    (B, T, H·D) too."""
+    xp = backend_of(out[0]).xp
+    o, lse = xp.concatenate(out, axis=-2), xp.concatenate(lse, axis=-1)
+    return (o, lse, merge_heads(o)) if packed else (o, lse)
+
+
+@jax_engine.pure
+def _backward_inputs(g, o, heads):
+    """The output gradient as (B, H, T, D) (split from (B, T, H·D) when ``heads``), and delta."""
+    if heads:
+        b, t, c = g.shape
+        g = g.reshape(b, t, heads, c // heads).transpose(0, 2, 1, 3)
+    return g, softmax_correction(g, o)
+
+
+@jax_engine.pure
+def _gradients(dq, dkv, packed):
+    """dQ's chunks and dK/dV (2, B, H, T, D) -> dq, dk, dv, or ``packed``: qkv's (B, T, 3·H·D)."""
+    xp = backend_of(dkv).xp
+    dq = xp.concatenate(dq, axis=-2)
+    if not packed:
+        return dq, dkv[0], dkv[1]
+    _, b, h, t, d = dkv.shape
+    return xp.stack([dq, dkv[0], dkv[1]]).transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * d)
 
 
 # -- the autograd ops --------------------------------------------------------------------------------
@@ -194,8 +230,7 @@ class RingAttention(Function):
 
     @staticmethod
     def forward(ctx, q, k, v, comm, pairs, stats=None):
-        out, lse = ring_forward(comm, q, (k, v), pairs, stats)
-        o, lse = _join(out), _join(lse, -1)
+        o, lse = _results(*ring_forward(comm, q, (k, v), pairs, stats), False)
         ctx.save(q, k, v, o, lse)
         ctx.comm, ctx.pairs, ctx.stats = comm, pairs, stats
         return o
@@ -203,8 +238,8 @@ class RingAttention(Function):
     @staticmethod
     def backward(ctx, g):
         q, k, v, o, lse = ctx.saved
-        dq, dkv = ring_backward(ctx.comm, q, (k, v), g, lse, softmax_correction(g, o), ctx.pairs, ctx.stats)
-        return _join(dq), dkv[0], dkv[1]
+        g, delta = _backward_inputs(g, o, 0)
+        return _gradients(*ring_backward(ctx.comm, q, (k, v), g, lse, delta, ctx.pairs, ctx.stats), False)
 
 
 class PackedRingAttention(Function):
@@ -214,24 +249,17 @@ class PackedRingAttention(Function):
 
     @staticmethod
     def forward(ctx, qkv, comm, heads, pairs, stats=None):
-        b, t, c = qkv.shape
-        x = qkv.reshape(b, t, 3, heads, c // (3 * heads)).transpose(2, 0, 3, 1, 4)  # views on NumPy
-        q, kv = x[0], x[1:]
-        out, lse = ring_forward(comm, q, kv, pairs, stats)
-        o, lse = _join(out), _join(lse, -1)
+        q, kv = _unpack(qkv, heads)
+        o, lse, y = _results(*ring_forward(comm, q, kv, pairs, stats), True)
         ctx.save(q, kv, o, lse)
         ctx.comm, ctx.heads, ctx.pairs, ctx.stats = comm, heads, pairs, stats
-        return merge_heads(o)
+        return y
 
     @staticmethod
     def backward(ctx, g):
         q, kv, o, lse = ctx.saved
-        b, t, c = g.shape
-        g = g.reshape(b, t, ctx.heads, c // ctx.heads).transpose(0, 2, 1, 3)
-        dq, dkv = ring_backward(ctx.comm, q, kv, g, lse, softmax_correction(g, o), ctx.pairs, ctx.stats)
-        xp = backend_of(dkv).xp
-        _, b, h, t, d = dkv.shape
-        return xp.stack([_join(dq), dkv[0], dkv[1]]).transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * d)
+        g, delta = _backward_inputs(g, o, ctx.heads)
+        return _gradients(*ring_backward(ctx.comm, q, kv, g, lse, delta, ctx.pairs, ctx.stats), True)
 
 
 def _pairs_with(t_local: int, comm, layout: str, causal: bool):
