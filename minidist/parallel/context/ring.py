@@ -14,8 +14,9 @@ Backward rings again: the blocks travel the same way, and with each its dK, dV s
 every rank adds its queries' share; after cp hops each block's dK, dV is back at its owner.
 
 :func:`ring_forward` and :func:`ring_backward` are those loops; :func:`attend_block` and
-:func:`attend_block_backward` one step's compute. On JAX each step's compute is one compiled
-call (``jax_engine.pure``): a program per chunk-pair pattern and shape, not per primitive.
+:func:`attend_block_backward` one step's compute. On JAX every function here that does array
+work and no communication -- a step's compute, an op's layout in and out -- is one compiled call
+(``jax_engine.pure``): a program per shape and chunk-pair pattern, not one per primitive.
 
 Bytes per rank (ledger; N = b·h·(T/cp)·d elements of each of K, V, dK, dV): forward 2(cp-1)·N,
 backward 2(cp-1)·N (K, V) + 2·cp·N (dK, dV; none when cp = 1): :func:`ring_bytes`.
@@ -179,7 +180,7 @@ def ring_backward(comm, q, kv, g, lse, delta, pairs_with, stats=None):
     return dq, dkv
 
 
-# -- the ops' layouts in and out of the ring's chunks (one compiled call each on JAX, as the steps) --
+# -- the ops' layouts in and out of the ring's chunks ------------------------------------------------
 
 @jax_engine.pure
 def _unpack(qkv, heads):
