@@ -298,7 +298,7 @@ _MODEL_NAMES = ("ContextParallelAttention", "ContextParallelEmbed", "attention_s
 def __getattr__(name):
     """The context-parallel GPT's names (``model.py``, which builds on this file) from here too."""
     if name in _MODEL_NAMES:
-        from minidist.parallel.context import model
+        from minidist.parallel.context import model  # cycle: context.model imports this module
 
         return getattr(model, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
