@@ -2,8 +2,8 @@
 
 On JAX every array operation is a compiled XLA program -- eager ``x * y`` on a new shape compiles a
 one-multiply program first -- and a lesson's time on JAX is mostly the number of distinct programs
-it needs (~45 ms to compile one here; ~10 ms from JAX's persistent cache, which traces and lowers
-it first; ~1 ms from minidist's own cache, ``jax_cache``, which does neither). So:
+it needs (compiled by XLA; or loaded from JAX's persistent cache, which traces and lowers it
+first; or, cheapest, from minidist's own cache, ``jax_cache``, which does neither). So:
 
 * **Ops**: ``kernel(cls)`` returns a subclass of the op whose ``forward`` runs ``cls.forward`` under
   ``jax.jit`` with a stand-in context, returning the output, what it saved for backward, and the
@@ -15,12 +15,12 @@ it first; ~1 ms from minidist's own cache, ``jax_cache``, which does neither). S
   ``tensor.Function.apply`` asks ``kernel`` only for non-NumPy arrays.
 * **Optimizer steps**: ``fused`` runs one parameter's update formula over every parameter as ONE
   compiled call, the step's scalars as arguments (a schedule never recompiles), state donated.
-* **Array helpers** outside the ops (DDP's buckets, ring attention's blocks): ``pure``.
+* **Array functions** outside the ops (DDP's buckets, one ring-attention step): ``pure``.
 * Each of these units is a ``jax_cache.Program``: compiled once per argument signature, not once
   per rank (JAX does not merge concurrent compiles), and stored on disk under a key minidist
   computes before tracing, so a later run loads the executable without tracing or lowering.
 * ``compilations()`` counts every program compiled or loaded; ``persistent_cache`` keeps JAX's own
-  cache for the eager programs outside these units (measured: it still halves a warm lesson).
+  cache for the eager programs outside these units.
 
 ``MINIDIST_JAX_JIT=0`` turns it off (eager dispatch, the reference).
 """
@@ -101,9 +101,9 @@ def _plain(v) -> bool:
 
 
 def _arg_key(a):
-    """One argument as part of a key: an array by ``(shape, dtype)`` (the dtype object: its str()
-    costs ~1.5 us), a plain value by ``_value_key``. The first item tells the two kinds apart: a
-    shape is a tuple, a value's first item its type's name."""
+    """One argument as part of a key: an array by ``(shape, dtype)`` (the dtype object, not its
+    str(), which costs more than the rest of the key), a plain value by ``_value_key``. The first
+    item tells the two kinds apart: a shape is a tuple, a value's first item its type's name."""
     if _is_array(a):
         return (tuple(a.shape), a.dtype)
     if not _plain(a):
@@ -115,7 +115,7 @@ def _value_key(v):
     """A plain value as part of a key: ``(type name, value)``. The type, since ``2 == 2.0 == True``
     hash alike, and an int array times 2.0 is float where times 2 stays int (one compiled program
     for both gave int). A slice (``x[1:3]``, ``split``) is spelled out: it is not hashable before
-    Python 3.12, and an unhashable key sent the op to eager JAX, ~7 programs per new shape."""
+    Python 3.12, and an unhashable key would send the op to eager JAX, several programs per shape."""
     if isinstance(v, slice):
         return ("slice", _value_key(v.start), _value_key(v.stop), _value_key(v.step))
     if isinstance(v, (tuple, list)):
@@ -207,7 +207,7 @@ _SKEYS: dict = {}  # id(a compiled forward's static attributes) -> (them, their 
 
 def _static_key(static: dict) -> tuple:
     """The backward key's text of a compiled forward's static attributes: each by ``repr``, computed
-    once per forward entry (its dict is shared by every call), not once per backward (~2 us)."""
+    once per forward entry (its dict is shared by every call), not once per backward."""
     hit = _SKEYS.get(id(static))
     if hit is None or hit[0] is not static:
         hit = _SKEYS[id(static)] = (static, tuple(sorted((k, repr(v)) for k, v in static.items())))
@@ -219,9 +219,7 @@ def _forward(cls, ctx, arrays, kwargs):
 
     Every op on JAX comes through here, so the common case -- positional JAX arrays, no keywords --
     touches each argument once: its type, shape and dtype, no getattr probing, no sorting, and
-    ``Program`` takes the arrays without flattening them. Measured on a (4, 4) Add, one thread:
-    16 us a forward before this path was trimmed, 13 us after (the executable ~4.5 us of it,
-    ``Function.apply``'s own work ~3 us; NumPy's whole Add 3.7 us)."""
+    ``Program`` takes the arrays without flattening them."""
     jax_array = jax_cache.array_type()
     keys, dyn_at, ours, plain = [], [], False, True
     try:
@@ -389,7 +387,7 @@ def fused(name: str, formula, columns: list, scalars: tuple, donate: tuple = ())
 
 
 def _holds_jax(v) -> bool:
-    """A JAX array, or lists and tuples holding one at any depth (ring attention's [[dk0, dk1], ...])."""
+    """A JAX array, or lists and tuples holding one at any depth (ring attention's chunk lists)."""
     return _is_jax(v) or isinstance(v, (list, tuple)) and any(map(_holds_jax, v))
 
 
@@ -464,8 +462,8 @@ def persistent_cache() -> None:
     op that communicates and so runs eagerly) in JAX's persistent compilation cache (``MINIDIST_JAX_CACHE``,
     default ~/.cache/minidist/jax; ``0`` turns it off; a ``JAX_COMPILATION_CACHE_DIR`` of your own
     wins). The units themselves load from ``jax_cache`` (its ``exe`` folder), which skips the trace
-    and lowering JAX's cache pays on every hit. Measured on the long-context lesson, warm, 2 cores
-    at load ~7: 5.5-8.0 s with JAX's cache for its ~250 eager programs, 12.3-16.1 s without."""
+    and lowering JAX's cache pays on every hit; the eager programs are the bulk of a warm lesson's
+    compile time without it."""
     import jax
 
     path = jax_cache.cache_root()
@@ -476,9 +474,9 @@ def persistent_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     # JAX's files are capped too (its own LRU), by the same MINIDIST_JAX_CACHE_MB as minidist's exe/;
-    # an entry of its with no stamp (from before the cap) fails every write under it: stamped here.
-    # A capped cache locks its folder with filelock (the jax extra installs it); without it JAX
-    # refused every read and write of the cache, so it stays uncapped then.
+    # an entry of its with no stamp fails every write under the cap: stamped here. A capped cache
+    # locks its folder with filelock (the jax extra installs it); without it JAX refuses every read
+    # and write of the cache, so it stays uncapped then.
     try:
         import filelock  # noqa: F401
     except ImportError:

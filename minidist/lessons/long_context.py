@@ -29,14 +29,9 @@ from minidist.comm import measure
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint, world_size
 from minidist.memory import MemoryAccountant
 from minidist.nn import GPT, GPTConfig
-from minidist.parallel.context.ring import (
-    AttentionStats,
-    context_parallel,
-    ring_attention,
-    ring_bytes,
-    shard_sequence,
-    unshard_sequence,
-)
+from minidist.parallel.context.layout import shard_sequence, unshard_sequence
+from minidist.parallel.context.model import context_parallel
+from minidist.parallel.context.ring import AttentionStats, ring_attention, ring_bytes
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_mesh, train_serial
 
 TOL = 1e-10  # float64: only the summation order differs from the serial twin

@@ -1,0 +1,89 @@
+"""A context-parallel GPT: each rank feeds its own tokens, attention rings over the ``cp`` group.
+
+``context_parallel(model, cp)`` turns a GPT (or a TPGPT: heads over tp, sequence over cp) into its
+context-parallel self in place: the embedding adds each token's *global* position, every attention
+layer becomes :func:`~minidist.parallel.context.ring.packed_ring_attention`, every other layer is
+unchanged (they work token by token). Each rank feeds ``shard_sequence(idx, cp.rank, cp.size)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minidist.nn.module import Module
+from minidist.parallel.context.layout import chunk_ids, chunk_positions
+from minidist.parallel.context.ring import AttentionStats, packed_ring_attention
+
+
+class ContextParallelAttention(Module):
+    """An attention layer (serial or tensor-parallel: its heads) whose attention rings over ``cp``."""
+
+    def __init__(self, attn, cp, layout="zigzag"):
+        super().__init__()
+        self.qkv, self.proj, self.drop = attn.qkv, attn.proj, attn.drop
+        object.__setattr__(self, "heads", getattr(attn, "local_heads", attn.n_head))
+        object.__setattr__(self, "cp", cp)
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "stats", AttentionStats())
+
+    def forward(self, x, cache=None):
+        if cache is not None:
+            raise ValueError(f"rank {self.cp.rank}: context parallelism is for training; decode without it")
+        y = packed_ring_attention(self.qkv(x), self.heads, self.cp, self.layout, stats=self.stats)
+        return self.drop(self.proj(y))
+
+
+class ContextParallelEmbed(Module):
+    """Token + position embedding of this rank's tokens: their positions are the global ones."""
+
+    def __init__(self, embed, cp, layout="zigzag"):
+        super().__init__()
+        self.wte, self.wpe, self.drop = embed.wte, embed.wpe, embed.drop
+        object.__setattr__(self, "cp", cp)
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "block_size", embed.block_size)
+
+    def forward(self, idx, start: int = 0):
+        idx = idx.data if hasattr(idx, "data") and not isinstance(idx, np.ndarray) else idx
+        t_total = idx.shape[1] * self.cp.size
+        if start or t_total > self.block_size:
+            raise ValueError(f"rank {self.cp.rank}: a context-parallel sequence starts at 0 and is at most "
+                             f"block_size={self.block_size} long; got start={start}, length {t_total}")
+        pos = chunk_positions(t_total, self.cp.size, self.cp.rank, self.layout)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # host positions, as ``minidist.nn.gpt.Embed``
+
+
+def replace_child(parent: Module, name: str, new: Module) -> None:
+    """Swap child ``name`` keeping its place in the parameter order (setattr would move it last)."""
+    parent._modules[name] = new
+    object.__setattr__(parent, name, new)
+
+
+def context_parallel(model, cp, layout: str = "zigzag"):
+    """Make ``model`` (a GPT or TPGPT: Embed, Blocks, Head) context parallel over ``cp``, in place.
+
+    Each rank then feeds ``shard_sequence(idx, cp.rank, cp.size, layout)`` and its loss is the mean
+    over its own tokens; parameter names and values are unchanged. Dropout would draw masks no
+    serial model draws, so it is refused."""
+    chunk_ids(cp.rank, cp.size, layout)
+    cfg = getattr(model, "config", None)
+    if cfg is not None and cfg.dropout:
+        raise ValueError(f"rank {cp.rank}: context parallelism with dropout={cfg.dropout} is not built "
+                         "(its masks would differ from the serial model's); use dropout=0")
+    if getattr(model, "sequence_parallel", False):
+        raise ValueError(f"rank {cp.rank}: context parallelism over a sequence-parallel TPGPT is not built; "
+                         "build the TPGPT with sequence_parallel=False")
+    replace_child(model, "0", ContextParallelEmbed(model[0], cp, layout))
+    for block in list(model)[1:-1]:
+        replace_child(block, "attn", ContextParallelAttention(block.attn, cp, layout))
+    return model
+
+
+def attention_stats(model) -> AttentionStats:
+    """The sum of every ring-attention layer's counters in ``model``."""
+    total = AttentionStats()
+    for _, m in model.named_modules():
+        if isinstance(m, ContextParallelAttention):
+            for f in ("pairs", "forward_flops", "backward_flops"):
+                setattr(total, f, getattr(total, f) + getattr(m.stats, f))
+    return total
