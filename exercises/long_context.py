@@ -14,7 +14,7 @@ Estimated time: 45 minutes
 Grade it:  python -m minidist.grade long_context
 The grader draws shapes, positions (so some queries see no key of a block) and splits of the keys,
 and compares with softmax attention over all the keys at once.
-minidist's answer is minidist/parallel/context/ring.py (block_attention, merge_attention): try first.
+minidist's answer is minidist/parallel/context/blocks.py (block_attention, merge_attention): try first.
 """
 
 import numpy as np  # noqa: F401  (you will need it)
