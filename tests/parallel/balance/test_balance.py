@@ -524,12 +524,16 @@ SMALL = ["--steps", "8", "--pp-steps", "4", "--pace", "0.004", "--batch", "12", 
          "--slow", "rank=1,factor=3,from_step=2"]
 
 
-def test_lesson_detects_moves_and_passes_on_threads(capsys):
+def test_lesson_detects_moves_and_passes_on_threads(monkeypatch, capsys):
+    """On the virtual clock (what moves depends only on the emulated times, not the machine's load):
+    rank 1 is named 3x slower, the shares move, the pipeline is re-cut, both twins PASS."""
     from minidist.lessons.load_balancing import main
+    from minidist.parallel.balance import dp, pipeline
 
+    _virtual_clock(monkeypatch, dp, pipeline)
     main(["--ranks", "3", *SMALL])
     out = capsys.readouterr().out
-    assert "detected: rank 1 is" in out and "shares moved after step" in out
+    assert "detected: rank 1 is 3.0x slower per row" in out and "shares moved after step" in out
     assert "re-partitioned after step" in out and out.count("-> PASS") == 2 and "FAIL" not in out
     assert re.search(r"balanced time B / sum\(s_i\) = [\d.]+ ms: .* (MET|MISSED)", out)
 
@@ -557,4 +561,5 @@ def test_lesson_under_mpirun_4():
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "data parallelism on 4 ranks" in res.stdout and res.stdout.count("-> PASS") == 2
-    assert "re-partitioned after step" in res.stdout
+    # real clocks: whether a re-cut pays for itself depends on the load; the lesson says which it did
+    assert "re-partitioned after step" in res.stdout or "no re-partition paid for itself" in res.stdout
