@@ -144,20 +144,23 @@ def _pipeline_rank_rules(world, dp, pp, tp, schedule, chunks, microbatches, batc
 
 
 @budget(60)
-@given(ranks=st.integers(1, 8), dp=st.integers(1, 4), pp=st.sampled_from([None, 1, 2, 3, 4]),
-       tp=st.sampled_from([1, 2, 3]), schedule=st.sampled_from(["gpipe", "1f1b", "interleaved"]),
-       microbatches=st.integers(1, 8), batch=st.integers(1, 24), layers=st.integers(1, 4))
-def test_pipeline_flags_the_ranks_would_reject_are_rejected_in_main(ranks, dp, pp, tp, schedule, microbatches,
-                                                                    batch, layers):
-    """Whatever main lets through, every rank accepts; whatever a rank would refuse, main refuses first."""
+@given(dp=st.integers(1, 3), pp=st.integers(1, 4), tp=st.sampled_from([1, 2, 3]),
+       schedule=st.sampled_from(["gpipe", "1f1b", "interleaved"]), microbatches=st.integers(1, 8),
+       rows=st.integers(1, 3), layers=st.integers(1, 4), give_pp=st.booleans(),
+       off=st.sampled_from([(0, 0)] * 3 + [(1, 0), (0, 1), (-1, 0), (0, -1)]))
+def test_pipeline_flags_the_ranks_would_reject_are_rejected_in_main(dp, pp, tp, schedule, microbatches, rows,
+                                                                    layers, give_pp, off):
+    """Whatever main lets through, every rank accepts; whatever a rank would refuse, main refuses first.
+    Mostly a world of dp x pp x tp ranks and a batch of dp x microbatches x rows (``off`` shifts one)."""
     from minidist.lessons import pipeline as lesson
 
+    ranks, batch = max(1, dp * pp * tp + off[0]), max(1, dp * microbatches * rows + off[1])
     started = []
     argv = [f"--ranks={ranks}", f"--dp={dp}", f"--tp={tp}", f"--schedule={schedule}",
             f"--microbatches={microbatches}", f"--batch={batch}", f"--layers={layers}", "--width=16"]
-    argv += [] if pp is None else [f"--pp={pp}"]
+    argv += [f"--pp={pp}"] if give_pp else []
     chunks = 2 if schedule == "interleaved" else 1
-    stages = pp if pp is not None else max(1, ranks // (dp * tp))
+    stages = pp if give_pp else max(1, ranks // (dp * tp))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(lesson, "launch", lambda fn, args: started.append(args))
         if _pipeline_rank_rules(ranks, dp, stages, tp, schedule, chunks, microbatches, batch, layers):
