@@ -6,7 +6,11 @@ import contextlib
 import importlib
 import io
 import math
+import os
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +21,9 @@ from minidist.infer import Request, SamplingParams, generate, serve
 from minidist.nn import GPT, GPTConfig, Linear, optim
 from minidist.nn.data import BatchLoader, SyntheticTask, TextDataset
 from minidist.parallel.memory.offload import OffloadedAdamW
+from tests.conftest import budget
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # -- lesson command lines: argparse errors (exit status 2) naming the flag --------------------------
 
@@ -96,6 +103,80 @@ def test_flags_checked_against_the_model_and_the_world():
     err = cli_error("pipeline", ["--ranks", "2", "--dp", "1", "--batch", "6", "--microbatches", "4"])
     assert "microbatches" in err and "multiple of 4" in err
     assert "--text" in cli_error("train", ["--text", "/no/such/file.txt"])
+
+
+INTERLEAVED_M2 = ["--ranks", "4", "--dp", "1", "--schedule", "interleaved", "--chunks", "2",
+                  "--microbatches", "2"]
+
+
+def test_pipeline_schedule_rule_is_an_argparse_error_of_one_line():
+    """Interleaved 1F1B needs the microbatches to be a multiple of the stages: refused before any rank
+    starts (no traceback from each rank), exit 2, one error line under the usage, with a count that works."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
+    env.pop("MINIDIST_TRANSPORT", None)
+    res = subprocess.run([sys.executable, "-m", "minidist.lessons.pipeline", *INTERLEAVED_M2],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert res.returncode == 2 and res.stdout == "", (res.returncode, res.stdout, res.stderr)
+    lines = [line for line in res.stderr.splitlines() if not line.startswith(("usage:", " "))]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("pipeline.py: error: argument --microbatches: "), lines[0]
+    assert "multiple of num_stages=4, got 2" in lines[0] and "e.g. --microbatches 4" in lines[0], lines[0]
+    assert "4 or 4" not in lines[0]
+
+
+@pytest.mark.parametrize("argv,flag,alternative", [
+    (["--ranks", "4", "--dp", "1", "--schedule", "interleaved", "--microbatches", "6", "--batch", "12"],
+     "--microbatches", "--microbatches 4"),          # 4 divides the batch of 12; 8 would not
+    (["--ranks", "4", "--dp", "1", "--schedule", "interleaved", "--microbatches", "2", "--batch", "6"],
+     "--microbatches", "--microbatches 4 --batch 8"),
+    (["--ranks", "2", "--dp", "2", "--schedule", "interleaved"], "--schedule", "--schedule 1f1b --chunks 1"),
+])
+def test_pipeline_schedule_errors_name_the_flag_and_values_that_run(argv, flag, alternative):
+    err = cli_error("pipeline", argv)
+    assert f"argument {flag}: " in err and err.rstrip().endswith(f"e.g. {alternative}"), err
+
+
+def _pipeline_rank_rules(world, dp, pp, tp, schedule, chunks, microbatches, batch, layers):
+    """What rank_main enforces, written out: mesh product, stages <= layers, the batch splitting into
+    dp x microbatches, heads (4) divisible by tp, interleaved: pp >= 2 and microbatches a multiple of pp."""
+    return (dp * pp * tp == world and pp * chunks <= layers + 2 and batch % (dp * microbatches) == 0
+            and 4 % tp == 0 and (schedule != "interleaved" or (pp >= 2 and microbatches % pp == 0)))
+
+
+@budget(60)
+@given(dp=st.integers(1, 3), pp=st.integers(1, 4), tp=st.sampled_from([1, 2, 3]),
+       schedule=st.sampled_from(["gpipe", "1f1b", "interleaved"]), microbatches=st.integers(1, 8),
+       rows=st.integers(1, 3), layers=st.integers(1, 4), give_pp=st.booleans(),
+       off=st.sampled_from([(0, 0)] * 3 + [(1, 0), (0, 1), (-1, 0), (0, -1)]))
+def test_pipeline_flags_the_ranks_would_reject_are_rejected_in_main(dp, pp, tp, schedule, microbatches, rows,
+                                                                    layers, give_pp, off):
+    """Whatever main lets through, every rank accepts; whatever a rank would refuse, main refuses first.
+    Mostly a world of dp x pp x tp ranks and a batch of dp x microbatches x rows (``off`` shifts one)."""
+    from minidist.lessons import pipeline as lesson
+
+    ranks, batch = max(1, dp * pp * tp + off[0]), max(1, dp * microbatches * rows + off[1])
+    started = []
+    argv = [f"--ranks={ranks}", f"--dp={dp}", f"--tp={tp}", f"--schedule={schedule}",
+            f"--microbatches={microbatches}", f"--batch={batch}", f"--layers={layers}", "--width=16"]
+    argv += [f"--pp={pp}"] if give_pp else []
+    chunks = 2 if schedule == "interleaved" else 1
+    stages = pp if give_pp else max(1, ranks // (dp * tp))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lesson, "launch", lambda fn, args: started.append(args))
+        if _pipeline_rank_rules(ranks, dp, stages, tp, schedule, chunks, microbatches, batch, layers):
+            lesson.main(argv)
+            assert len(started) == 1, argv
+        else:
+            err = cli_error("pipeline", argv)
+            assert not started and "error: " in err, argv
+
+
+def test_interleaved_hint_names_a_count_that_works():
+    from minidist.parallel.pipeline.schedule import interleaved_1f1b
+
+    assert "use 4 microbatches (or another multiple of 4)" in str(raises_clearly(
+        lambda: interleaved_1f1b(4, 2, 2), "multiple of num_stages=4, got 2"))
+    raises_clearly(lambda: interleaved_1f1b(4, 9, 2), "got 9; use 8 or 12 microbatches")
 
 
 @pytest.mark.timeout(60)  # it deadlocked: a regression must fail here, not wait for the watchdog

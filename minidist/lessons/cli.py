@@ -3,6 +3,7 @@
     parser = lesson_parser("what this lesson shows", ranks=4)
     parser.add_argument("--steps", type=positive_int, default=3)
     args = parser.parse_args(argv)      # bad values and unwritable --trace/--plot paths: argparse errors
+    reject_early(parser, lambda: check_3d(world_size(args), ...))  # a rank's rule, checked in main
     launch(rank_main, args)             # rank_main(comm, args) on every rank; exits 1 on a FAIL
 
 Under ``mpirun`` the ranks are the MPI processes and ``--ranks`` is ignored; otherwise ``--ranks N``
@@ -118,6 +119,33 @@ def world_size(args) -> int:
 
         return MPI.COMM_WORLD.Get_size()
     return args.ranks
+
+
+def reject_early(parser, check) -> None:
+    """Run ``check()`` -- a rule a rank would enforce (``check_3d``, a schedule builder) -- in ``main``,
+    before any rank starts: its ValueError becomes ``parser.error``, exit status 2 and one line, not
+    a traceback from every rank. Under mpirun every process checks and exits 2; rank 0 says why."""
+    try:
+        check()
+    except ValueError as e:
+        if under_mpi():
+            from mpi4py import MPI
+
+            if MPI.COMM_WORLD.Get_rank() != 0:
+                raise SystemExit(2) from None
+        parser.error(str(e))
+
+
+def first_accepted(rule, candidates):
+    """The first candidate ``rule(candidate)`` accepts (returns without a ValueError), else None: a
+    valid alternative to suggest, found by asking the rule itself rather than restating it."""
+    for candidate in candidates:
+        try:
+            rule(candidate)
+        except ValueError:
+            continue
+        return candidate
+    return None
 
 
 def _traced(main_rank_fn):

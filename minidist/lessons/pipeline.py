@@ -24,16 +24,19 @@ from minidist import trace
 from minidist.comm import under_mpi
 from minidist.lessons.cli import (
     finish,
+    first_accepted,
     launch,
     lesson_parser,
     positive_float,
     positive_int,
+    reject_early,
     rprint,
     world_size,
 )
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.data import BatchLoader, TextDataset
 from minidist.parallel.pipeline.runtime import format_partition, layer_costs, make_schedule, run_schedule
+from minidist.parallel.pipeline.schedule import ScheduleError
 from minidist.parallel.pipeline.simulate import bubble_formula, peak_activations
 from minidist.parallel.three_d import check_3d, gather_full_state, train_3d
 from minidist.plan import estimates
@@ -65,6 +68,39 @@ def mesh_sizes(world: int, args) -> tuple[int, int, int]:
     dp, tp = args.dp, args.tp
     pp = args.pp if args.pp is not None else max(1, world // (dp * tp))
     return dp, pp, tp
+
+
+def check_schedule(world: int, args) -> None:
+    """The schedule the flags ask for can be built (``make_schedule``'s own rule, a ScheduleError
+    otherwise), or a ValueError naming the flag and values that work, found by asking the same rules
+    (the schedule's and ``check_3d``'s) about nearby values."""
+    dp, pp, tp = mesh_sizes(world, args)
+    m = args.microbatches
+
+    def builds(microbatches, schedule=args.schedule):
+        make_schedule(schedule, pp, microbatches, args.chunks if schedule == "interleaved" else 1)
+
+    try:
+        builds(m)
+        return
+    except ScheduleError as e:
+        rule = str(e)
+    def runs(microbatches, batch=args.batch):
+        builds(microbatches)
+        check_3d(world, config(args), batch, dp, pp, tp, microbatches, args.chunks)
+
+    near = sorted(set(range(1, 2 * (m + pp) + 1)) - {m}, key=lambda k: (abs(k - m), -k))
+    fix = first_accepted(runs, near)  # the nearest count that runs with this --batch, else with another
+    batch = args.batch
+    if fix is None and (fix := first_accepted(builds, near)) is not None:
+        batch = first_accepted(lambda b: runs(fix, b), range(args.batch, args.batch + dp * fix + 1))
+    if fix is not None:
+        alt = f"--microbatches {fix}" + (f" --batch {batch}" if batch not in (None, args.batch) else "")
+        raise ValueError(f"argument --microbatches: {m} with --schedule {args.schedule} on pp={pp} "
+                         f"stages: {rule}; e.g. {alt}")
+    other = first_accepted(lambda name: builds(m, name), ["1f1b", "gpipe"])
+    raise ValueError(f"argument --schedule: {args.schedule} on pp={pp} stages: {rule}; e.g. --schedule "
+                     f"{other}" + (" --chunks 1" if args.chunks > 1 else ""))
 
 
 def partition_costs(comm, cfg, batch, args):
@@ -249,10 +285,10 @@ def main(argv=None):
         parser.error(f"--chunks {args.chunks} needs --schedule interleaved (GPipe and 1F1B run one chunk "
                      "per stage)")
     world = world_size(args)
-    try:  # every mesh, batch and microbatch error, before any rank starts
-        check_3d(world, config(args), args.batch, *mesh_sizes(world, args), args.microbatches, args.chunks)
-    except ValueError as e:
-        parser.error(str(e))
+    # every mesh, batch, microbatch and schedule error rank_main would raise, before any rank starts
+    reject_early(parser, lambda: check_3d(world, config(args), args.batch, *mesh_sizes(world, args),
+                                          args.microbatches, args.chunks))
+    reject_early(parser, lambda: check_schedule(world, args))
     return launch(rank_main, args)
 
 

@@ -232,9 +232,11 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int) -> lis
     if p < 2:
         raise ScheduleError("interleaved_1f1b needs num_stages >= 2; for one stage use one_f_one_b(1, m)")
     if m % p != 0:
+        lower = m - m % p
         raise ScheduleError(
             f"interleaved_1f1b needs num_microbatches to be a multiple of num_stages={p}, got {m}; "
-            f"use {max(p, m - m % p)} or {m + p - m % p} microbatches")
+            + (f"use {lower} or {lower + p} microbatches" if lower >= p else
+               f"use {p} microbatches (or another multiple of {p})"))
     total = m * v
     schedule = []
     for s in range(p):
