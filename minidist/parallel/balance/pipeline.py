@@ -240,8 +240,7 @@ def train_pipeline_balanced(comm, cfg, batches, microbatches: int = 4, lr: float
         for i, s in stage.layer_seconds().items():
             mine[i] = s
             layer = model[i]
-            mine[n + i] = sum(q.data.nbytes for q in layer.parameters()) * (1 + _slots(optimizer)) + \
-                stage.act_bytes[i] * min(microbatches, p)
+            mine[n + i] = layer_memory_bytes(layer, optimizer, stage.act_bytes[i], min(microbatches, p))
         agreed = all_reduce(comm, mine, op="sum")
         run.step_seconds.append(time.perf_counter() - t0)
         run.losses.append(stats.loss)
@@ -280,6 +279,13 @@ def train_pipeline_balanced(comm, cfg, batches, microbatches: int = 4, lr: float
 def _slots(optimizer: str) -> int:
     """Arrays of optimizer state per parameter (SGD here has no momentum: 0; AdamW: m and v)."""
     return 2 if optimizer == "adamw" else 0
+
+
+def layer_memory_bytes(layer, optimizer: str, act_bytes: float, in_flight: int) -> float:
+    """What a layer costs the stage that holds it (the memory cap's unit, and what a move sends): its
+    parameters and their optimizer state, plus the activations of the ``in_flight`` microbatches 1F1B
+    keeps on the first stage (min(m, p)); ``act_bytes`` per microbatch."""
+    return sum(q.data.nbytes for q in layer.parameters()) * (1 + _slots(optimizer)) + act_bytes * in_flight
 
 
 def gather_stage_states(comm, run: PipelineRun) -> dict | None:

@@ -198,3 +198,16 @@ def test_heavy_layers_are_separated_on_avirtual_clock(monkeypatch):
         assert bounds[2:] == [final] * 4 and max(sum((1, 1, 4, 4, 1, 1)[a:b]) for a, b in final) == 6
         stage_of = {i: s for s, (a, b) in enumerate(final) for i in range(a, b)}
         assert stage_of[2] != stage_of[3], final
+
+
+@pytest.mark.parametrize("optimizer,state_arrays", [("sgd", 0), ("adamw", 2)])
+@pytest.mark.parametrize("dtype,itemsize", [(np.float32, 4), (np.float64, 8)])
+def test_a_layers_memory_is_its_parameters_their_optimizer_state_and_the_activations_in_flight(
+        optimizer, state_arrays, dtype, itemsize):
+    """A Linear(4, 3) holds 12 + 3 parameters; AdamW keeps m and v for each (SGD without momentum
+    nothing); 1F1B keeps min(m, p) microbatches of activations: written out by hand."""
+    from minidist.nn import Linear
+    from minidist.parallel.balance.pipeline import layer_memory_bytes
+
+    want = 15 * itemsize * (1 + state_arrays) + 100 * 2
+    assert layer_memory_bytes(Linear(4, 3, dtype=dtype), optimizer, 100, 2) == want
