@@ -80,7 +80,7 @@ def round_mantissa(x, man_bits: int, emin: int | None = None):
     if emin is not None:
         e = xp.maximum(e, emin + 1)
     ulp = xp.ldexp(xp.ones_like(x), e - 1 - man_bits)
-    with np.errstate(invalid="ignore"):  # inf / inf: NaN, put back below
+    with np.errstate(invalid="ignore", over="ignore"):  # inf / inf: NaN, put back below
         q = xp.rint(x / ulp) * ulp
     return xp.where(xp.isinf(x), x, q)
 
