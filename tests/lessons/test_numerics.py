@@ -39,3 +39,16 @@ def test_the_outlier_flushes_per_tensor_and_spares_block_scaling():
     assert rows[("block", "outlier step")][0] == 0 and rows[("block", "outlier step")][1] < 2 ** -4
     assert rows[("delayed", "outlier step")][2] > 0.99  # saturated at 448 · s, far below the outlier
     assert rows[("delayed", "next step")][0] > 0.5  # the window still holds the outlier's amax
+
+
+def test_the_lab_exits_1_when_its_serial_twin_disagrees(capsys, monkeypatch):
+    real = numerics.train_serial
+
+    def skewed(*a, **k):  # a serial twin whose losses are off by 10%
+        state, losses = real(*a, **k)
+        return state, [x * 1.1 for x in losses]
+    monkeypatch.setattr(numerics, "train_serial", skewed)
+    with pytest.raises(SystemExit) as info:
+        numerics.main(SMALL)
+    assert info.value.code == 1
+    assert "FAIL" in capsys.readouterr().out

@@ -409,3 +409,17 @@ def test_ddp_with_the_fp8_hook_trains_within_3_percent_of_dense():
     dense, fp8 = run(body, ranks=2, hook=None), run(body, ranks=2, hook="fp8")
     assert abs(np.mean(fp8) - np.mean(dense)) <= 0.03 * np.mean(dense)
     assert np.mean(fp8) != np.mean(dense)
+
+
+def test_the_estimates_count_fp8_bytes_and_its_peak():
+    from minidist.parallel.data.compress.fp8 import fp8_bytes_sent
+    from minidist.plan import estimates as E
+    from minidist.plan.hardware import PRESETS
+
+    for n, p in ((1000, 2), (4096, 8), (12, 4)):  # n divisible by p: every chunk n/p codes + 4 bytes
+        assert E.fp8_all_reduce_bytes(n, p) == 2 * (p - 1) * (n // p + 4) == fp8_bytes_sent(n, p)
+    assert E.peak_flops(PRESETS["h100"], "fp8") == 1979e12 == 2 * 989.5e12
+    assert E.peak_flops(PRESETS["b200"], "fp8") == 2 * PRESETS["b200"].peak_flops
+    with pytest.raises(ValueError, match="TPU v4 lists no FP8 peak"):
+        E.peak_flops(PRESETS["tpu-v4"], "fp8")
+    assert E.training_memory(1.0, "fp8")["total"] == 16
