@@ -423,3 +423,20 @@ def test_the_estimates_count_fp8_bytes_and_its_peak():
     with pytest.raises(ValueError, match="TPU v4 lists no FP8 peak"):
         E.peak_flops(PRESETS["tpu-v4"], "fp8")
     assert E.training_memory(1.0, "fp8")["total"] == 16
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "block"])
+def test_the_fp8_layer_on_jax_arrays_equals_numpy(scaling):
+    from minidist.accel.backend import get_backend, to_host
+
+    rng = np.random.default_rng(0)
+    x, g = rng.standard_normal((5, 12)).astype(np.float32), rng.standard_normal((5, 6)).astype(np.float32)
+    out = []
+    for name in ("numpy", "jax"):
+        be = get_backend(name)
+        layer = Linear(12, 6, rng=np.random.default_rng(1), backend=name)
+        fp8_linear(layer, Fp8Recipe(scaling, block=4))
+        got = layer_step(layer, be.from_host(x), be.from_host(g))
+        out.append([to_host(a) for a in got])
+    for a, b in zip(*out):
+        np.testing.assert_array_equal(a, b)
