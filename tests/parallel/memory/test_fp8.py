@@ -317,23 +317,23 @@ def test_ddp_with_block_fp8_trains_as_the_serial_fp8_model():
 
 
 def test_tensor_parallel_fp8_reduces_amaxes_and_matches_serial_fp8():
+    """Every shard quantizes with the whole tensor's scale (the amaxes max-reduced over the group):
+    each layer's last scales on every rank equal the serial FP8 model's, and so do the losses."""
     from minidist.parallel.tensor.gpt import TPGPT
 
     data = [np.random.default_rng(s).integers(0, 32, (2, 16)) for s in range(3)]
-    want, _ = train_fp8(GPT(CFG), data, "current")
-    for losses, kinds in run(lambda comm: (train_fp8(TPGPT(CFG, comm), data, "current")[0],
-                                           sorted({type(m).__name__ for m in fp8_quantizers_modules(comm)})),
-                             ranks=2):
+    want, serial = train_fp8(GPT(CFG), data, "current")
+    serial_scales = {n: dict(q.last) for n, q in fp8_quantizers(serial).items()}
+
+    def body(comm):
+        losses, model = train_fp8(TPGPT(CFG, comm), data, "current")
+        named = dict(model.named_modules())
+        kinds = sorted({type(named[n + "."]).__name__ for n in fp8_quantizers(model)})
+        return losses, kinds, {n: dict(q.last) for n, q in fp8_quantizers(model).items()}
+    for losses, kinds, scales in run(body, ranks=2):
         np.testing.assert_allclose(losses, want, rtol=1e-4)
         assert kinds == ["ColumnParallelLinear", "RowParallelLinear"]
-
-
-def fp8_quantizers_modules(comm):
-    from minidist.parallel.tensor.gpt import TPGPT
-
-    model = fp8_linear(TPGPT(CFG, comm), "current")
-    named = dict(model.named_modules())
-    return [named[n + "."] for n in fp8_quantizers(model)]
+        assert scales == serial_scales
 
 
 def test_fp8_refuses_what_it_does_not_compose_with_naming_both():
