@@ -6,7 +6,8 @@ Chapter 0 (lessons/00-estimates.md) derives each formula; the lessons call these
 and read back by :func:`machine`.
 
 * **compute** -- training a dense transformer of N parameters on D tokens costs ``6·N·D`` FLOPs
-  (2 per parameter per token forward, 4 backward); :func:`mfu` is the share of the peak reached.
+  (2 per parameter per token forward, 4 backward); :func:`mfu` is the share of the peak reached;
+  :func:`peak_flops` picks a chip's FP8 peak for FP8 matmuls (twice bf16's on H100 and B200).
 * **memory** -- :func:`training_memory`: bytes per parameter for parameters, gradients and
   optimizer state in fp32 or mixed precision, divided by the ZeRO stage's sharding; activations
   per layer from :func:`activation_bytes_per_layer` (Korthikanti et al. 2022).
@@ -40,12 +41,29 @@ def mfu(n_params: float, tokens_per_step: float, step_seconds: float, peak_flops
     return training_flops(n_params, tokens_per_step) / step_seconds / peak_flops
 
 
+def peak_flops(hw, dtype: str = "bf16") -> float:
+    """A chip's dense peak for matmuls in ``dtype``: ``hw.fp8_flops`` for "fp8" (an error if the
+    chip lists none), else ``hw.peak_flops`` (bf16)."""
+    if dtype != "fp8":
+        return hw.peak_flops
+    if not hw.fp8_flops:
+        raise ValueError(f"{hw.name} lists no FP8 peak (hardware.py); use dtype='bf16' or an H100/B200")
+    return hw.fp8_flops
+
+
+def fp8_all_reduce_bytes(n: int, p: int) -> float:
+    """Bytes one rank sends in the FP8 all-reduce hook of n gradients (``compress/fp8.py``): 1-byte
+    codes plus a 4-byte scale per chunk, in an all-to-all and an all-gather: 2(p-1)(n/p + 4)."""
+    return 2 * (p - 1) * (n / p + 4) if p > 1 else 0.0
+
+
 # -- memory ----------------------------------------------------------------------------------------
 
 # bytes per parameter: (parameters, gradients, optimizer state) with Adam (two moments)
 BYTES_PER_PARAM = {
     "fp32": (4, 4, 8),    # fp32 weights and grads; Adam's m and v in fp32
     "mixed": (2, 2, 12),  # bf16/fp16 weights and grads; fp32 master weights + m + v (ZeRO paper's K=12)
+    "fp8": (4, 4, 8),     # FP8 Linears (parallel/memory/fp8.py): the fp32 weights are the masters
 }
 
 
@@ -206,6 +224,11 @@ def main() -> None:
     sel = activation_bytes_per_layer(4096, 1, 4096, 32, recompute="selective")
     print(f"  activations per layer, seq 4096, micro-batch 1, h 4096, 32 heads, bf16: {act / 1e9:.2f} GB "
           f"(selective recompute: {sel / 1e9:.2f} GB)")
+    h100 = PRESETS["h100"]
+    print(f"  FP8 matmuls on an H100: {peak_flops(h100, 'fp8') / 1e12:.0f} TFLOP/s dense, "
+          f"{peak_flops(h100, 'fp8') / peak_flops(h100):.0f}x bf16; its gradients all-reduced in FP8 over 64 "
+          f"ranks: {fp8_all_reduce_bytes(psi, 64) / 1e9:.1f} GB sent per rank (bf16 ring "
+          f"{2 * 63 / 64 * 2 * psi / 1e9:.1f} GB)")
     print(f"  roofline on an H100 (ridge {ridge_point(989e12, 3.35e12):.0f}): a 4096^3 bf16 matmul does "
           f"{matmul_intensity(4096, 4096, 4096):.0f} FLOP/byte (compute-bound);\n  a decode step "
           f"{decode_intensity(1):.0f} at batch 1 and {decode_intensity(256):.0f} at batch 256 (memory-bound)")

@@ -16,9 +16,11 @@ Sources (accessed for the course; numbers are per chip unless stated):
   [A100]  NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s bf16 dense, 80 GB HBM2e at
           2,039 GB/s, NVLink 3 600 GB/s total (300 GB/s each way), PCIe Gen4.
   [H100]  NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5: 989 TFLOP/s bf16 dense (1,979 with
-          sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s total (450 each way).
+          sparsity), FP8 1,979 TFLOP/s dense (3,958 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4
+          900 GB/s total (450 each way).
   [B200]  NVIDIA HGX B200 / DGX B200 datasheet (2024): 36 PFLOP/s bf16 sparse per 8 GPUs
-          -> 2.25 PFLOP/s dense per GPU, 180 GB HBM3e at 8 TB/s (DGX: 1,440 GB / 8), NVLink 5
+          -> 2.25 PFLOP/s dense per GPU; FP8 72 PFLOP/s sparse per 8 -> 4.5 PFLOP/s dense per GPU;
+          180 GB HBM3e at 8 TB/s (DGX: 1,440 GB / 8), NVLink 5
           1.8 TB/s total (900 GB/s each way), ConnectX-7 400 Gb/s per GPU.
   [MEG21] Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
           Using Megatron-LM", Sec. 5: DGX A100 nodes, 8 GPUs on NVLink/NVSwitch, 8 x 200 Gb/s HDR
@@ -101,6 +103,7 @@ class Hardware:
     threads: tuple = ()            # thread ranks here: (ranks, cores' worth) per measured count (calibrate)
     cores_one: float = 0           # here: the share of a core one rank alone gets (1 on a quiet machine)
     sources: tuple = field(default=(), compare=False)
+    fp8_flops: float = 0.0         # dense FP8 FLOP/s per chip (0: no FP8 tensor cores listed)
 
     def with_(self, **changes) -> Hardware:
         return replace(self, **changes)
@@ -143,11 +146,11 @@ A100 = Hardware("A100-SXM4-80GB", 312e12, 80 * GB, 2039 * GB,
 H100 = Hardware("H100-SXM5-80GB", 989e12, 80 * GB, 3350 * GB,
                 intra=Link(450 * GB, 5e-6, "NVLink 4"), inter=Link(50 * GB, 1e-5, "400G InfiniBand/RoCE"),
                 chips_per_domain=8, gemm_efficiency=0.8, host_link=PCIE5, disk=NVME,
-                sources=("H100", "LLAMA3", "GEMM"))
+                sources=("H100", "LLAMA3", "GEMM"), fp8_flops=1979e12)
 B200 = Hardware("B200", 2250e12, 180 * GB, 8000 * GB,
                 intra=Link(900 * GB, 5e-6, "NVLink 5"), inter=Link(50 * GB, 1e-5, "400G InfiniBand"),
                 chips_per_domain=8, gemm_efficiency=0.8, host_link=PCIE5, disk=NVME,
-                sources=("B200", "GEMM"))
+                sources=("B200", "GEMM"), fp8_flops=4500e12)
 # TPUs: a ring over one torus axis uses 2 links (both neighbours) -> 2 x per-link bandwidth each way
 TPU_V4 = Hardware("TPU v4", 275e12, 32 * 2**30, 1200 * GB,
                   intra=Link(2 * 50 * GB, 1e-6, "ICI (one torus axis)"), inter=Link(3.1 * GB, 1e-5, "DCN"),

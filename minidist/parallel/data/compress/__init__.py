@@ -18,6 +18,7 @@ One file per idea:
 * sparse.py   -- top-k / random-k with error feedback, (index, value) pairs by all-gather
 * qsgd.py     -- QSGD: s levels, stochastic rounding (unbiased), bit-packed, norm alongside
 * sign.py     -- 1-bit sign with error feedback and one scale per bucket (EF-signSGD)
+* fp8.py      -- FP8 (e4m3) codes with a power-of-two scale per chunk: all-to-all, fp32 sum, all-gather
 * powersgd.py -- PowerSGD rank r: error feedback, warm start, Gram-Schmidt, K dense warm-up steps
 
 ``make_hook("topk", ratio=0.01)`` builds a (state, hook) pair by name (lessons, benchmarks).
@@ -25,6 +26,7 @@ One file per idea:
 
 from minidist.parallel.data.compress.bucket import GradBucket, allreduce_hook, reduce_with_hook
 from minidist.parallel.data.compress.cast import CastState, cast_all_reduce, cast_hook
+from minidist.parallel.data.compress.fp8 import Fp8State, fp8_hook
 from minidist.parallel.data.compress.powersgd import PowerSGDState, orthogonalize, powersgd_hook
 from minidist.parallel.data.compress.qsgd import QSGDState, qsgd_decode, qsgd_encode, qsgd_hook
 from minidist.parallel.data.compress.sign import SignState, sign_hook
@@ -32,9 +34,10 @@ from minidist.parallel.data.compress.sparse import SparseState, ef_sparsify, spa
 
 
 def make_hook(name: str, **kw) -> tuple:
-    """(state, hook) for ``name`` in dense | bf16 | fp16 | topk | randk | qsgd | sign | powersgd."""
+    """(state, hook) for ``name`` in dense | bf16 | fp16 | fp8 | topk | randk | qsgd | sign | powersgd."""
     table = {"dense": lambda: (None, allreduce_hook),
              "bf16": lambda: (CastState("bf16"), cast_hook), "fp16": lambda: (CastState("fp16"), cast_hook),
+             "fp8": lambda: (Fp8State(), fp8_hook),
              "topk": lambda: (SparseState(kind="topk", **kw), sparse_hook),
              "randk": lambda: (SparseState(kind="randk", **kw), sparse_hook),
              "qsgd": lambda: (QSGDState(**kw), qsgd_hook), "sign": lambda: (SignState(**kw), sign_hook),

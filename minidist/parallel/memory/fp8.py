@@ -1,0 +1,276 @@
+"""FP8 training: every Linear's three products with FP8 inputs, accumulated in fp32.
+
+    model = fp8_linear(GPT(cfg), "block")     # or "current", "delayed", or an Fp8Recipe
+    opt = AdamW(model.parameters(), lr=...)    # the fp32 parameters are the master weights
+
+The recipe of Transformer Engine and DeepSeek-V3, emulated (a CPU has no FP8 tensor core, but the
+numbers are the same). Per Linear ``y = x W + b``:
+
+* forward ``y = Q4(x) Q4(W) + b``; backward ``dx = Q5(dy) Q4(W)^T`` and ``dW = Q4(x)^T Q5(dy)``, where
+  Q4 rounds to e4m3 (precision, for activations and weights) and Q5 to e5m2 (range, for the output
+  gradient ``dy``), each under a scale from the recipe (``fp8_scaling``: current, delayed or block).
+  ``db`` sums the unrounded ``dy``. Products of two FP8 numbers are exact in fp32 (at most 8 significant
+  bits), so the only roundings are the casts and the **fp32 accumulation** -- or, with
+  ``accumulate=(N, bits)``, a limited-precision accumulator whose partial sum over every N products
+  is rounded to ``bits`` mantissa bits and then promoted into fp32 (DeepSeek-V3: N = 128, because
+  the H800's FP8 GEMM keeps about 14 bits).
+* The parameters stay fp32 (the master weights), and so do the optimizer and the gradients it sees:
+  FP8 is a property of the products, not of what is stored (a real kernel would also keep Q4(x) as
+  1 byte for backward; here it is kept as the fp32 value of that byte).
+
+``fp8_linear`` swaps the products of a model's ``Linear``, ``ColumnParallelLinear`` and
+``RowParallelLinear`` layers in place through ``Module``'s forward-wrapper stack, at the innermost
+("autocast") position: each wrapper is that layer's forward with ``ops.linear`` replaced by
+``Fp8Linear``; the tensor-parallel layers keep their communication. With tensor parallelism the
+per-tensor amaxes are max-reduced over the layer's group (Transformer Engine's amax reduction), so
+every shard uses the scale the whole tensor would: the sharded model equals the serial FP8 model.
+DDP wraps an FP8 model as any other. The LM head stays fp32 unless ``include_head`` (Transformer
+Engine's recipes keep the last layer in higher precision). Refused, with both names: bf16/fp16
+autocast (one compute format per Linear), ZeRO, activation checkpointing (a recomputed forward
+would record the delayed-scaling amaxes twice) and pipeline stages -- none is built with FP8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from minidist.autograd.tensor import Function
+from minidist.comm import all_reduce
+from minidist.nn.layers import Linear
+from minidist.parallel.compose import TECHNIQUES, techniques_of
+from minidist.parallel.memory.fp8_formats import E4M3, E5M2, round_mantissa
+from minidist.parallel.memory.fp8_scaling import (
+    AmaxHistory,
+    amax_of,
+    block_quantize,
+    pow2_scale,
+    quantize_scaled,
+)
+from minidist.parallel.tensor.comm import (
+    copy_to_tp,
+    gather_from_seq,
+    gather_last_dim,
+    reduce_from_tp,
+    reduce_scatter_to_seq,
+    scatter_last_dim,
+)
+from minidist.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+SCALINGS = ("current", "delayed", "block")
+OWNER = "fp8_linear"
+REFUSED = {"bf16": "one compute format per Linear: autocast casts the weights to 2 bytes, FP8 rounds the "
+                   "fp32 ones; use one of them",
+           "fp16": "one compute format per Linear: autocast casts the weights to 2 bytes, FP8 rounds the "
+                   "fp32 ones; use one of them",
+           "zero1": "ZeRO with FP8 Linears is not built", "zero2": "ZeRO with FP8 Linears is not built",
+           "zero3": "ZeRO with FP8 Linears is not built",
+           "ckpt-full": "a recomputed forward would record the delayed-scaling amaxes twice",
+           "ckpt-selective": "a recomputed forward would record the delayed-scaling amaxes twice",
+           "pp": "FP8 Linears in pipeline stages are not built"}
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How a Linear's operands are scaled. ``scaling``: "current" | "delayed" | "block";
+    ``history``: the delayed amax window (steps); ``block``: tile side (1 x block activations and
+    gradients, block x block weights); ``accumulate``: None (fp32) or (N, mantissa bits);
+    ``margin``: scales times 2^margin (headroom, for delayed scaling)."""
+
+    scaling: str = "block"
+    history: int = 16
+    block: int = 128
+    accumulate: tuple | None = None
+    margin: int = 0
+
+    def __post_init__(self):
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"Fp8Recipe scaling={self.scaling!r}; use one of {', '.join(SCALINGS)}")
+        if not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"Fp8Recipe block={self.block!r} must be a positive integer (128: DeepSeek-V3)")
+        if not isinstance(self.history, int) or self.history < 1:
+            raise ValueError(f"Fp8Recipe history={self.history!r} must be a positive integer (steps)")
+        acc = self.accumulate
+        if acc is not None and (len(acc) != 2 or not all(isinstance(v, int) and v >= 1 for v in acc)):
+            raise ValueError(f"Fp8Recipe accumulate={acc!r} must be None or (N, mantissa bits), both "
+                             "positive integers, e.g. (128, 13)")
+
+
+def get_recipe(recipe) -> Fp8Recipe:
+    """An Fp8Recipe, or the name of a scaling ("current" | "delayed" | "block") with defaults."""
+    if isinstance(recipe, Fp8Recipe):
+        return recipe
+    if isinstance(recipe, str):
+        return Fp8Recipe(scaling=recipe)
+    raise ValueError(f"fp8 recipe={recipe!r}; use an Fp8Recipe or one of {', '.join(SCALINGS)}")
+
+
+class Fp8Quantizer:
+    """One layer's scaling state: its recipe, an ``AmaxHistory`` per operand ("x", "w", "g") and the
+    scales it used last (``last``: role -> a float, or the per-tile array for block scaling)."""
+
+    def __init__(self, recipe):
+        self.recipe = get_recipe(recipe)
+        self.history = {r: AmaxHistory(self.recipe.history) for r in ("x", "w", "g")}
+        self.last: dict = {}
+
+    def quantize(self, role: str, a, fmt, amax: float | None, update: bool = True):
+        """``a`` (2-D) on ``fmt``'s grid under this recipe's scale(s) for ``role``; ``amax``: the
+        tensor's (group-reduced) amax for the per-tensor recipes."""
+        r = self.recipe
+        if r.scaling == "block":
+            tile = (r.block, r.block) if role == "w" else (1, r.block)
+            q, self.last[role] = block_quantize(a, fmt, tile, r.margin)
+            return q
+        if r.scaling == "current":
+            scale = pow2_scale(amax, fmt, r.margin)
+        else:
+            scale = self.history[role].scale(fmt, amax, r.margin)
+            if update:
+                self.history[role].record(amax)
+        self.last[role] = scale
+        return quantize_scaled(a, fmt, scale)
+
+    def amaxes(self, arrays, group):
+        """Each array's amax (None for block scaling), max-reduced over ``group``: one all-reduce."""
+        if self.recipe.scaling == "block":
+            return [None] * len(arrays)
+        local = np.array([amax_of(a) for a in arrays], dtype=np.float64)
+        if group is not None and group.size > 1:
+            local = all_reduce(group, local, op="max")
+        return [float(v) for v in local]
+
+
+def fp8_matmul(a, b, accumulate=None):
+    """``a @ b`` of FP8-valued operands: fp32 accumulation, or partial sums of ``N`` products rounded
+    to ``bits`` mantissa bits and promoted into an fp32 total (``accumulate=(N, bits)``)."""
+    if accumulate is None:
+        return a @ b
+    n, bits = accumulate
+    out = None
+    for k in range(0, a.shape[1], n):
+        part = round_mantissa(a[:, k:k + n] @ b[k:k + n], bits)
+        out = part if out is None else out + part
+    return out
+
+
+class Fp8Linear(Function):
+    """``x @ w + b`` with FP8 operands (module docstring). ``quant``: the layer's ``Fp8Quantizer``;
+    ``group``: where per-tensor amaxes are max-reduced (the layer's tensor-parallel group, or None);
+    ``update``: record the delayed amaxes (training mode)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b=None, quant=None, group=None, update=True):
+        if x.shape[-1] != w.shape[0]:
+            raise ValueError(f"Fp8Linear: x of shape {tuple(x.shape)} and weight {tuple(w.shape)} don't "
+                             f"match: x's last axis must be the weight's in_features {w.shape[0]}")
+        if x.dtype != np.float32 or w.dtype != np.float32:
+            raise ValueError(f"Fp8Linear: x ({x.dtype}) and weight ({w.dtype}) must be float32 "
+                             "(the fp32 master weights; FP8 is applied inside)")
+        rows = x.reshape(-1, x.shape[-1])
+        ax, aw = quant.amaxes([rows, w], group)
+        qx = quant.quantize("x", rows, E4M3, ax, update)
+        qw = quant.quantize("w", w, E4M3, aw, update)
+        ctx.save(qx if ctx.needs_grad[1] else None, qw if ctx.needs_grad[0] else None)
+        ctx.quant, ctx.group, ctx.update, ctx.shape = quant, group, update, x.shape
+        y = fp8_matmul(qx, qw, quant.recipe.accumulate)
+        if b is not None:
+            y = y + b
+        return y.reshape(x.shape[:-1] + (w.shape[1],))
+
+    @staticmethod
+    def backward(ctx, g):
+        qx, qw = ctx.saved
+        quant, acc = ctx.quant, ctx.quant.recipe.accumulate
+        g2 = g.reshape(-1, g.shape[-1]).astype(np.float32, copy=False)
+        (ag,) = quant.amaxes([g2], ctx.group)
+        qg = quant.quantize("g", g2, E5M2, ag, ctx.update)
+        gx = fp8_matmul(qg, qw.T, acc).reshape(ctx.shape) if ctx.needs_grad[0] else None
+        gw = fp8_matmul(qx.T, qg, acc) if ctx.needs_grad[1] else None
+        gb = g2.sum(axis=0) if len(ctx.needs_grad) > 2 and ctx.needs_grad[2] else None
+        return gx, gw, gb
+
+
+class Fp8Forward:
+    """The forward wrapper ``fp8_linear`` registers on one layer: that layer's forward with its
+    product in FP8 (``quant`` holds the layer's scaling state)."""
+
+    def __init__(self, recipe):
+        self.quant = Fp8Quantizer(recipe)
+
+    def product(self, module, x, bias, group):
+        args = (x, module.weight) if bias is None else (x, module.weight, bias)
+        return Fp8Linear.apply(*args, quant=self.quant, group=group, update=module.training)
+
+    def __call__(self, module, inner, x):
+        if isinstance(module, ColumnParallelLinear):  # ColumnParallelLinear.forward, the product swapped
+            c = module.comm
+            x = gather_from_seq(x, c) if module.sequence_parallel else copy_to_tp(x, c)
+            y = self.product(module, x, module.bias, c)
+            return gather_last_dim(y, c) if module.gather_output else y
+        if isinstance(module, RowParallelLinear):  # RowParallelLinear.forward, the product swapped
+            c = module.comm
+            if not module.input_is_parallel:
+                x = scatter_last_dim(x, c)
+            y = self.product(module, x, None, c)
+            y = reduce_scatter_to_seq(y, c) if module.sequence_parallel else reduce_from_tp(y, c)
+            return y if module.bias is None else y + module.bias
+        return self.product(module, x, module.bias, None)
+
+
+LAYERS = (Linear, ColumnParallelLinear, RowParallelLinear)
+
+
+def _head_members(model) -> set:
+    """ids of the modules inside an LM head (a ``Head`` or ``ParallelHead``)."""
+    out = set()
+    for _, m in model.named_modules():
+        if type(m).__name__ in ("Head", "ParallelHead"):
+            out.update(id(sub) for _, sub in m.named_modules())
+    return out
+
+
+def check_fp8(model) -> None:
+    """Raise a ValueError naming FP8 and the technique it cannot join (``REFUSED``)."""
+    if not hasattr(model, "named_modules"):
+        found = techniques_of(model)
+        what = TECHNIQUES["pp"] if "pp" in found else type(model).__name__
+        raise ValueError(f"fp8_linear cannot be combined with {what}: {REFUSED['pp']}; apply fp8_linear "
+                         "to a Module (a GPT, a TPGPT), then DDP")
+    for t in sorted(techniques_of(model)):
+        if t in REFUSED:
+            raise ValueError(f"fp8_linear cannot be combined with {TECHNIQUES[t]} (already applied): "
+                             f"{REFUSED[t]}")
+
+
+def fp8_linear(model, recipe="block", include_head: bool = False):
+    """Make every Linear of ``model`` (serial or tensor-parallel) compute its products in FP8 under
+    ``recipe``; returns the model. Apply it to the fp32 model after building tensor parallelism and
+    before DDP. ``remove_fp8`` undoes it; ``fp8_quantizers`` lists each layer's scaling state."""
+    rec = get_recipe(recipe)
+    check_fp8(model)
+    head = set() if include_head else _head_members(model)
+    for _, m in model.named_modules():
+        if isinstance(m, LAYERS) and id(m) not in head:
+            m.register_forward_wrapper(Fp8Forward(rec), "autocast", OWNER)
+    return model
+
+
+def fp8_quantizers(model) -> dict:
+    """layer name -> its ``Fp8Quantizer`` (the amax histories and last scales), in model order."""
+    out = {}
+    for name, m in model.named_modules():
+        h = m.forward_wrapper("autocast")
+        if h is not None and h.owner == OWNER:
+            out[name.rstrip(".")] = h.fn.quant
+    return out
+
+
+def remove_fp8(model):
+    """Take ``fp8_linear``'s wrappers away: the Linears compute in fp32 again."""
+    for _, m in model.named_modules():
+        h = m.forward_wrapper("autocast")
+        if h is not None and h.owner == OWNER:
+            h.remove()
+    return model
