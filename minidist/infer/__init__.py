@@ -17,11 +17,11 @@ from minidist.infer.paged import OutOfBlocks, PagedKVCache
 from minidist.infer.sampling import GREEDY, SamplingParams, filter_probs, sample
 from minidist.infer.scheduler import Request, Scheduler, serve
 from minidist.infer.sharded import shard_for, sharded_generate, tp_block
-from minidist.infer.speculative import SpecStats, expected_speedup, speculative_generate
+from minidist.infer.speculative import SpecStats, early_exit_draft, expected_speedup, speculative_generate
 
 __all__ = [
     "GREEDY", "CacheStep", "Decoder", "KVCache", "OutOfBlocks", "PagedKVCache", "Request", "SamplingParams",
-    "Scheduler", "SpecStats", "as_decoder", "causal_mask", "expected_speedup", "filter_probs",
-    "forward_tokens", "full_logits", "generate", "generate_recompute", "last_logits", "sample", "serve",
-    "shard_for", "sharded_generate", "speculative_generate", "tp_block",
+    "Scheduler", "SpecStats", "as_decoder", "causal_mask", "early_exit_draft", "expected_speedup",
+    "filter_probs", "forward_tokens", "full_logits", "generate", "generate_recompute", "last_logits",
+    "sample", "serve", "shard_for", "sharded_generate", "speculative_generate", "tp_block",
 ]

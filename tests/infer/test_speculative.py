@@ -157,3 +157,19 @@ def test_bad_arguments_are_named():
         speculative_generate(target(), target(), [[]], 4)
     assert speculative_generate(target(), target(), [[1, 2]], 0) == [[]]
     assert GREEDY.temperature == 0.0
+
+
+def test_early_exit_draft_is_the_targets_first_layers_and_head():
+    """The draft's forward is the target's embedding, its first block and its head, run by hand."""
+    from minidist.autograd.tensor import no_grad
+    from minidist.infer import early_exit_draft
+
+    tokens = np.array([[3, 1, 4, 1, 5]])
+    embed, first, *_, head = list(target())
+    with no_grad():
+        want = head(first(embed(tokens))).data
+    np.testing.assert_array_equal(full_logits(early_exit_draft(target(), 1), tokens[0]), want[0])
+    np.testing.assert_array_equal(full_logits(early_exit_draft(target(), 2), tokens[0]),
+                                  full_logits(target(), tokens[0]))
+    with pytest.raises(ValueError, match=r"n_layer must be an integer in 1..2 \(the target.s layers\)"):
+        early_exit_draft(target(), 3)
