@@ -16,6 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minidist.grading import assert_close
+from minidist.infer import speculative as spec
 
 GRADE = settings(max_examples=25, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 ALPHA = 1e-4  # the chi-square test's false-alarm rate
@@ -133,9 +134,8 @@ POINTS = {"residual": 2, "verify": 4, "expected_speedup": 1}
 # -- minidist's own answer (must pass) -------------------------------------------------------------
 
 def reference():
-    from minidist.infer import speculative as s
-
-    return types.SimpleNamespace(residual=s.residual, verify=s.verify, expected_speedup=s.expected_speedup)
+    return types.SimpleNamespace(residual=spec.residual, verify=spec.verify,
+                                 expected_speedup=spec.expected_speedup)
 
 
 # -- deliberately broken implementations (must fail) -----------------------------------------------

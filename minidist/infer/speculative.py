@@ -36,6 +36,7 @@ from minidist.infer.decoder import as_decoder, forward_tokens
 from minidist.infer.generate import check_prompts, host, is_done
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import GREEDY, SamplingParams, filter_probs
+from minidist.nn.gpt import GPT
 
 # -- the acceptance rule (exercises/speculative.py asks for these) ------------------------------------
 
@@ -133,8 +134,6 @@ def early_exit_draft(target, n_layer: int):
     """A draft for free: a ``GPT`` of the target's first ``n_layer`` blocks, with its embedding and
     head (self-speculative decoding: Zhang et al. 2023, LayerSkip). No training, the same vocabulary;
     how often it agrees with the whole model is what the acceptance rate measures."""
-    from minidist.nn import GPT
-
     cfg = target.config
     if isinstance(n_layer, bool) or not isinstance(n_layer, (int, np.integer)) \
             or not 1 <= n_layer <= cfg.n_layer:
