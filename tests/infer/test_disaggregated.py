@@ -81,6 +81,17 @@ def test_kv_bytes_sent_are_the_formula():
     assert res[0][1].outputs == {r.id: alone(r) for r in rs}
 
 
+def test_decode_ranks_on_a_paged_cache_install_into_blocks():
+    """``Scheduler.install`` writes through the cache's own locate/write: a paged pool of small
+    blocks, too few for every request at once (installs wait for blocks, decodes preempt), gives the
+    same tokens."""
+    sp = SamplingParams(temperature=1.0, top_k=8, seed=9)
+    rs = [Request(i, [1 + i] * (2 + 7 * (i % 3)), 6, sp) for i in range(6)]
+    served = run(lambda c: disaggregated_serve(c, model(), rs, prefill_ranks=1, max_batch=3, cache="paged",
+                                               block_len=4, num_blocks=8), ranks=2)[0]
+    assert served.outputs == {r.id: alone(r) for r in rs}
+
+
 def test_summary_is_median_and_p90():
     rs = [Request(i, [1 + i] * (3 + 8 * (i % 2)), 5, GREEDY) for i in range(6)]
     served = run(lambda c: disaggregated_serve(c, model(), rs, prefill_ranks=1), ranks=2)[0]
