@@ -134,6 +134,29 @@ class Scheduler:
                 if victim == slot:
                     return False
 
+    def install(self, req: Request, k, v, rng) -> bool:
+        """Admit a request prefilled elsewhere (disaggregated serving, ``disaggregated.py``): its
+        prompt's keys and values ``k[layer]``, ``v[layer]`` (1, H, T, D) go into a free slot, its
+        first token is already in ``req.out`` and ``rng`` is its generator as the prefill left it.
+        It then decodes like any running request. False (nothing changed) when no slot or block is
+        free."""
+        free = [s for s in range(self.max_batch) if s not in self.running]
+        t = len(req.prompt)
+        if not free:
+            return False
+        try:
+            self.cache.reserve(free[0], t)
+        except OutOfBlocks:
+            return False
+        slot, one = free[0], np.ones((1, t), dtype=bool)
+        where = self.cache.locate(np.array([slot]), np.arange(t)[None], one)
+        for layer in range(len(self.cache.k)):
+            self.cache.write(layer, where, k[layer], v[layer])
+        self.cache.lengths[slot] = t
+        req.admitted = self.t
+        self.running[slot], self.rngs[req.id] = req, rng
+        return True
+
     # -- one step ---------------------------------------------------------------------------------
     def _forward(self, slots, feed, new):
         """Last logits of every running row: decodes (one token each) and prefills as two passes,

@@ -130,6 +130,25 @@ def test_lesson_runs_on_threads(capsys):
     assert all(inference.main(["--ranks", "8", "--steps", "5", "--d-model", "32"]))
     out = capsys.readouterr().out
     assert "mesh tp=4 x pp=2" in out and "FAIL" not in out and "all checks: PASS" in out
+    assert "4. speculative decoding: a 1-layer early-exit draft proposes k=4" in out
+    assert "disaggregated (4 : 4)" in out  # the default: half the ranks prefill
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--disaggregate", "1:2"], "argument --disaggregate: 1:2 uses 3 ranks, the run has 4"),
+    (["--disaggregate", "2"], "argument --disaggregate: give P:D"),
+    (["--disaggregate", "0:4"], "each >= 1"),
+    (["--draft-layers", "3"], "argument --draft-layers: the draft must not be bigger than the target's"),
+    (["--speculative", "-1"], "argument --speculative: must be an integer >= 0"),
+])
+def test_lesson_flags_are_checked_before_any_rank_starts(flags, message, capsys):
+    from minidist.lessons import inference
+
+    with pytest.raises(SystemExit) as info:
+        inference.main(["--ranks", "4", *flags])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and not any("trained" in line for line in err)
 
 
 @pytest.mark.mpi
@@ -142,3 +161,4 @@ def test_lesson_under_mpirun():
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all checks: PASS" in res.stdout and "mesh tp=2 x pp=1" in res.stdout
+    assert "disaggregated (1 : 1)" in res.stdout

@@ -1,0 +1,234 @@
+"""Disaggregated serving: prefill on some ranks, decode on others, the prompt's KV cache sent between.
+
+    served = disaggregated_serve(comm, model, requests, arrivals, prefill_ranks=1)   # ranks 0..P-1 prefill
+    served = colocated_serve(comm, model, requests, arrivals)                       # the baseline
+
+A prompt's prefill is one long, compute-bound pass; a decode step is short and latency-bound.
+Colocated (every rank a continuous-batching ``Scheduler`` doing both), a long prompt admitted
+into a batch stalls every running sequence's next token for its whole prefill. DistServe (Zhong
+et al. 2024), vLLM and SGLang's PD split put the two phases on different ranks:
+
+* a **prefill rank** takes its requests in arrival order, runs the prompt through the model
+  (one request per pass), samples the first token -- the time to first token ends here -- and
+  sends the prompt's keys and values to the request's decode rank: one message per request of
+  2 · n_layer · T · d_model · itemsize bytes for a T-token prompt (the ledger counts exactly this);
+  with it, as a small object, the first token and the request's generator state;
+* a **decode rank** polls for arrived caches between its decode steps, installs each into a free
+  slot of its own ``Scheduler`` (``Scheduler.install``) and decodes every installed request one
+  token per step, never interrupted by a prefill.
+
+Request i (in arrival order) is prefilled on rank i % P and decoded on rank P + i % D. Its tokens
+are those of colocated serving, token for token: the same prefill computes the same keys, the
+first token is drawn from the same logits with the same generator, which then continues on the
+decode rank. Every rank checks every request before any message is sent.
+
+Times are seconds since rank 0's wall clock at the start (``start``): one clock on one machine,
+the hosts' synchronised clocks across machines. TTFT = first token - arrival; TPOT = (last token -
+first token) / (tokens - 1). On the threads transport all ranks share one Python interpreter, so
+the split shows its effect on latency less than separate processes (``mpirun``) do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minidist.autograd.tensor import no_grad
+from minidist.comm.communicator import poll
+from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
+from minidist.infer.generate import check_prompt, host
+from minidist.infer.kv_cache import KVCache
+from minidist.infer.sampling import sample
+from minidist.infer.scheduler import Request, Scheduler
+
+META = 1  # the object tag of the (request id, first token, generator state) that precedes a cache
+
+
+@dataclass
+class Served:
+    """What a serving run measured, the same on every rank."""
+
+    outputs: dict                                 # request id -> generated tokens
+    ttft: dict                                    # request id -> seconds from arrival to the first token
+    tpot: dict                                    # request id -> seconds per token after the first
+    kv_bytes: list = field(default_factory=list)  # per rank: payload bytes it sent (the caches)
+    makespan: float = 0.0
+
+    @staticmethod
+    def stat(values: dict, q: float) -> float:
+        return float(np.percentile(list(values.values()), q)) if values else 0.0
+
+    def summary(self) -> dict:
+        """TTFT and TPOT, median and p90, in seconds."""
+        return {"ttft_p50": self.stat(self.ttft, 50), "ttft_p90": self.stat(self.ttft, 90),
+                "tpot_p50": self.stat(self.tpot, 50), "tpot_p90": self.stat(self.tpot, 90)}
+
+
+def kv_message_bytes(cfg, prompt_len: int, itemsize: int = 4) -> int:
+    """Bytes of one request's prompt cache on the wire: keys and values, every layer, every token."""
+    return 2 * cfg.n_layer * prompt_len * cfg.d_model * itemsize
+
+
+def check_requests(comm, model, requests, arrivals, who="") -> tuple:
+    """(requests in arrival order, their arrival seconds): every rank raises the same clear error
+    before any message is sent."""
+    cfg = as_decoder(model).config
+    arrivals = [0.0] * len(requests) if arrivals is None else list(arrivals)
+    if len(arrivals) != len(requests) or any(not a >= 0 for a in arrivals):
+        raise ValueError(f"{who}give one arrival time >= 0 (seconds) per request: {len(requests)} requests, "
+                         f"{len(arrivals)} arrivals")
+    for r in requests:
+        check_prompt(r.prompt, cfg.block_size, r.max_new_tokens, f"{who}request {r.id}", cfg.vocab_size)
+    order = sorted(range(len(requests)), key=lambda i: (arrivals[i], requests[i].id))
+    return [requests[i] for i in order], [float(arrivals[i]) for i in order]
+
+
+def copy(r: Request) -> Request:
+    return Request(r.id, [int(t) for t in r.prompt], r.max_new_tokens, r.sampling, tuple(r.stop_tokens))
+
+
+def gathered(comm, local: dict, sent: int, t0: float) -> Served:
+    """Every rank's (outputs, first, last, arrival) merged; times turned into TTFT and TPOT."""
+    parts = comm.allgather_obj((local, sent, time.time() - t0))
+    out, first, last, arrival = {}, {}, {}, {}
+    for (o, f, la, a), _, _ in parts:
+        out.update(o)
+        first.update(f)
+        last.update(la)
+        arrival.update(a)
+    ttft = {i: first[i] - arrival[i] for i in first}
+    tpot = {i: (last[i] - first[i]) / (len(out[i]) - 1) for i in last if len(out[i]) > 1}
+    return Served(dict(sorted(out.items())), ttft, tpot, [p[1] for p in parts], max(p[2] for p in parts))
+
+
+def start(comm) -> float:
+    """The shared time zero: rank 0's wall clock (time.time, one clock on one machine and
+    NTP-close across machines), announced once all ranks are ready."""
+    return comm.bcast_obj(time.time(), root=0)
+
+
+def wait_until(t0: float, at: float) -> None:
+    delay = t0 + at - time.time()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def colocated_serve(comm, model, requests, arrivals=None, max_batch: int = 4, **scheduler_kw) -> Served:
+    """The baseline: every rank a whole-model continuous-batching ``Scheduler`` for requests i % size
+    (in arrival order), each request's prefill sharing its steps with the others' decodes."""
+    reqs, arr = check_requests(comm, model, requests, arrivals, f"rank {comm.rank}: ")
+    mine = [(copy(r), a) for i, (r, a) in enumerate(zip(reqs, arr)) if i % comm.size == comm.rank]
+    sched = Scheduler(model, max_batch=max_batch, **scheduler_kw)
+    out, first, last, arrival = {}, {}, {}, {}
+    t0 = start(comm)
+    todo = deque(mine)
+    while todo or sched.has_work():
+        now = time.time() - t0
+        while todo and todo[0][1] <= now:
+            r, a = todo.popleft()
+            arrival[r.id] = a
+            if r.max_new_tokens == 0:
+                out[r.id] = []
+                continue
+            r.arrival = sched.t
+            sched.submit(r)
+        if not sched.has_work():
+            if todo:
+                wait_until(t0, todo[0][1])
+            continue
+        finished = sched.step()
+        now = time.time() - t0
+        for r in [*sched.running.values(), *finished]:
+            if r.out and r.id not in first:
+                first[r.id] = now
+        for r in finished:
+            out[r.id], last[r.id] = list(r.out), now
+    return gathered(comm, (out, first, last, arrival), 0, t0)
+
+
+def disaggregated_serve(comm, model, requests, arrivals=None, prefill_ranks: int = 1, max_batch: int = 4,
+                        **scheduler_kw) -> Served:
+    """Serve ``requests`` with ranks 0..prefill_ranks-1 prefilling and the rest decoding (see above).
+    Returns the same ``Served`` on every rank; ``kv_bytes[r]``: the cache bytes rank r sent."""
+    who = f"rank {comm.rank}: "
+    p = prefill_ranks
+    if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or not 1 <= p < comm.size:
+        raise ValueError(f"{who}prefill_ranks must be an integer in 1..{comm.size - 1} (at least one rank "
+                         f"must be left to decode, of {comm.size}), got {p!r}")
+    reqs, arr = check_requests(comm, model, requests, arrivals, who)
+    d = comm.size - p
+    plan = [(r, a, i % p, p + i % d) for i, (r, a) in enumerate(zip(reqs, arr))]
+    t0 = start(comm)
+    if comm.rank < p:
+        local, sent = prefill_rank(comm, model, [x for x in plan if x[2] == comm.rank], t0)
+    else:
+        local, sent = decode_rank(comm, model, [x for x in plan if x[3] == comm.rank], t0, max_batch,
+                                  scheduler_kw), 0
+    return gathered(comm, local, sent, t0)
+
+
+def prefill_rank(comm, model, plan, t0) -> tuple:
+    """Prefill each request at its arrival; send its cache on. Returns (times, payload bytes sent)."""
+    dec = as_decoder(model)
+    out, first, arrival, sends, sent = {}, {}, {}, [], 0
+    with no_grad():
+        for r, a, _, dest in plan:
+            wait_until(t0, a)
+            arrival[r.id] = a
+            rng, t = r.sampling.generator(r.id), len(r.prompt)
+            if r.max_new_tokens == 0:
+                tok, kv = None, np.zeros(0, np.float32)
+            else:
+                cache = KVCache.for_decoder(dec, 1, t)
+                logits = host(last_logits(forward_tokens(dec, cache, [0], [r.prompt]), [r.prompt]))
+                tok = sample(logits, r.sampling, [rng])[0]
+                first[r.id] = time.time() - t0
+                done = r.max_new_tokens == 1 or tok in r.stop_tokens
+                xp = cache.be.xp
+                kv = np.zeros(0, np.float32) if done else xp.stack([xp.stack(cache.k), xp.stack(cache.v)])
+            if kv.size == 0:  # nothing left to decode: the answer is complete here
+                out[r.id] = [] if tok is None else [tok]
+            comm.send_obj((r.id, tok, rng.bit_generator.state), dest, tag=META)
+            sends.append(comm.isend(kv, dest))
+            sent += int(kv.nbytes)
+    for s in sends:
+        s.wait()
+    return (out, first, {}, arrival), sent
+
+
+def decode_rank(comm, model, plan, t0, max_batch, scheduler_kw) -> tuple:
+    """Install caches as they arrive and decode everything installed, one token per step."""
+    sched = Scheduler(model, max_batch=max_batch, **scheduler_kw)
+    expect = {}  # prefill rank -> its requests for this rank, in the order it sends them
+    for r, _, src, _ in plan:
+        expect.setdefault(src, deque()).append(r)
+    posted = {src: comm.irecv(src) for src in expect}
+    ready, out, last = deque(), {}, {}
+    while posted or ready or sched.has_work():
+        for src in [s for s, q in posted.items() if q.test()]:
+            kv = posted.pop(src).wait()
+            rid, tok, state = comm.recv_obj(src, tag=META)
+            r = expect[src].popleft()
+            assert r.id == rid, f"rank {comm.rank}: expected request {r.id} from rank {src}, got {rid}"
+            if expect[src]:
+                posted[src] = comm.irecv(src)
+            if kv.size == 0:
+                continue  # answered by the prefill
+            rng = np.random.default_rng()
+            rng.bit_generator.state = state
+            r.out = [tok]
+            ready.append((r, kv, rng))
+        while ready and sched.install(ready[0][0], ready[0][1][0], ready[0][1][1], ready[0][2]):
+            ready.popleft()
+        if not sched.has_work():
+            if posted:
+                poll(lambda: any(q.test() for q in posted.values()), comm, "a prefilled request's cache")
+            continue
+        finished = sched.step()
+        now = time.time() - t0
+        for r in finished:
+            out[r.id], last[r.id] = list(r.out), now
+    return out, {}, last, {}
