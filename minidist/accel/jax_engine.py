@@ -520,8 +520,8 @@ def install() -> None:
             _LISTENING.append(True)
             monitoring.register_event_duration_secs_listener(_count_compile)
 
-    if enabled():  # (``minidist.autograd.tensor`` the attribute is the tensor() function: take the module)
-        sys.modules["minidist.autograd.tensor"].JIT_KERNEL = kernel
+    if enabled():
+        sys.modules["minidist.autograd.tensor"].register_kernel_selector(kernel)
 
 
 __all__ = ["STATS", "compilations", "compiles", "enabled", "fused", "install",
