@@ -2,12 +2,14 @@
 
 Every op is a ``Function`` subclass working on raw backend arrays (``xp`` is NumPy, CuPy or
 jax.numpy, found from the arrays themselves), plus a lower-case wrapper that takes Tensors.
-Backward formulas are written out, not derived by a tracer, so a reader can check each one.
-Fused ops (``layer_norm``, ``scaled_dot_product_attention``, ``packed_attention``, ``cross_entropy``,
-``linear``, ``gelu``) save only what their backward needs: they are where the speed of the engine
-comes from. NumPy makes one memory pass per operator, so their cost is counted in passes: sums over
-a short last axis or over rows are BLAS matrix-vector products (``_sum_last``, ``_sum_rows``; NumPy's
-``sum`` there is 2-4x slower), chains update one fresh temporary in place (``_inplace``).
+Backward formulas are written out, not derived by a tracer, so a reader can check each one
+against the textbook: every op here is that formula in plain ``xp`` code, nothing else.
+
+The ops a model spends its time in (``linear``, ``gelu``, ``layer_norm``, the two attentions,
+``cross_entropy``) are fused -- one op, saving only what their backward needs -- and have a second,
+fast form in ``minidist.autograd.fused`` (in-place chains, BLAS sums) with the same contract. Their
+lower-case wrappers run the class ``fused.fast(Op, x)`` picks: the fast form on NumPy and CuPy, the
+one here on JAX or under ``MINIDIST_FUSED=0`` / ``fused.disabled()``.
 """
 
 from __future__ import annotations
@@ -864,7 +866,7 @@ def log_softmax(x, axis=-1):
 def layer_norm(x, w, b, eps=1e-5, compute=None):
     """LayerNorm over the last axis; ``compute`` (e.g. float32 under bf16 parameters): the dtype its
     statistics run in, the output rounded to ``w``'s dtype (see ``LayerNorm``). Everything already in
-    ``compute``: the plain op (the same numbers, one compiled program fewer on JAX)."""
+    ``compute``: the op without casts (the same numbers, one compiled program fewer on JAX)."""
     if compute is None:
         return fused.fast(LayerNorm, x).apply(x, w, b, eps=eps)
     try:
