@@ -520,7 +520,7 @@ def install() -> None:
             _LISTENING.append(True)
             monitoring.register_event_duration_secs_listener(_count_compile)
 
-    if enabled():
+    if enabled():  # (``minidist.autograd.tensor`` the attribute is the tensor() function: take the module)
         sys.modules["minidist.autograd.tensor"].register_kernel_selector(kernel)
 
 
