@@ -519,7 +519,7 @@ def install() -> None:
             monitoring.register_event_duration_secs_listener(_count_compile)
 
     if enabled():  # (``minidist.autograd.tensor`` the attribute is the tensor() function: take the module)
-        sys.modules["minidist.autograd.tensor"].JIT_KERNEL = kernel
+        sys.modules["minidist.autograd.tensor"].register_kernel_selector(kernel)
 
 
 __all__ = ["STATS", "compilations", "compiles", "enabled", "fused", "install",

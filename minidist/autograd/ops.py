@@ -2,12 +2,14 @@
 
 Every op is a ``Function`` subclass working on raw backend arrays (``xp`` is NumPy, CuPy or
 jax.numpy, found from the arrays themselves), plus a lower-case wrapper that takes Tensors.
-Backward formulas are written out, not derived by a tracer, so a reader can check each one.
-Fused ops (``layer_norm``, ``scaled_dot_product_attention``, ``packed_attention``, ``cross_entropy``,
-``linear``, ``gelu``) save only what their backward needs: they are where the speed of the engine
-comes from. NumPy makes one memory pass per operator, so their cost is counted in passes: sums over
-a short last axis or over rows are BLAS matrix-vector products (``_sum_last``, ``_sum_rows``; NumPy's
-``sum`` there is 2-4x slower), chains update one fresh temporary in place (``_inplace``).
+Backward formulas are written out, not derived by a tracer, so a reader can check each one
+against the textbook: every op here is that formula in plain ``xp`` code, nothing else.
+
+The ops a model spends its time in (``linear``, ``gelu``, ``layer_norm``, the two attentions,
+``cross_entropy``) are fused -- one op, saving only what their backward needs -- and have a second,
+fast form in ``minidist.autograd.fused`` (in-place chains, BLAS sums) with the same contract. Their
+lower-case wrappers run the class ``fused.fast(Op, x)`` picks: the fast form on NumPy and CuPy, the
+one here on JAX or under ``MINIDIST_FUSED=0`` / ``fused.disabled()``.
 """
 
 from __future__ import annotations
@@ -37,14 +39,6 @@ def unbroadcast(grad, shape):
 
 def _shape(x):
     return tuple(x.shape) if hasattr(x, "shape") else ()
-
-
-def _inplace(fn, a):
-    """``fn(a)`` written over ``a`` (a fresh temporary) where the backend allows it (NumPy, CuPy);
-    a new array on JAX. Augmented assignments (``a *= b``) need no such helper: on an immutable
-    JAX array they rebind the name to a new array, on NumPy they update the temporary in place.
-    A NumPy scalar (what 0-d arithmetic returns) has no buffer to write, so it gets a new one too."""
-    return fn(a, out=a) if backend_of(a).inplace and not isinstance(a, np.generic) else fn(a)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,43 +184,27 @@ class Relu(Function):
         return g * (out > 0)
 
 
-_GELU_C = math.sqrt(2.0 / math.pi)
+GELU_C = math.sqrt(2.0 / math.pi)  # c
+GELU_K = GELU_C * 0.044715  # k
 
 
 class Gelu(Function):
-    """GELU, tanh approximation (GPT-2): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+    """GELU, tanh approximation (GPT-2): gelu(x) = 0.5·x·(1 + tanh(c·(x + 0.044715·x³))), c = √(2/π).
 
-    Computed as x·h with h = 0.5·(1 + tanh(x·(c + c·0.044715·x²))), c = √(2/π). Since
-    1 - tanh² = 4·h·(1 - h), the derivative is h + x·h·(1 - h)·(2c + 6c·0.044715·x²): forward
-    saves x and h, and each formula is a chain of in-place updates of one fresh temporary
-    (``_inplace``), not a new array per operator.
+    Written x·h with h = ½(1 + tanh(u)), u = x·(c + k·x²), k = 0.044715·c. The derivative is
+    h + x·h', and h' = ½(1 - tanh²u)·u' = 2·h·(1 - h)·(c + 3k·x²), so gelu'(x) = h + x·(2c + 6k·x²)·h·(1 - h).
     """
 
     @staticmethod
     def forward(ctx, x):
-        h = x * x
-        h *= _GELU_C * 0.044715
-        h += _GELU_C
-        h *= x
-        h = _inplace(_xp(x).tanh, h)
-        h += 1.0
-        h *= 0.5
+        h = 0.5 * (_xp(x).tanh((x * x * GELU_K + GELU_C) * x) + 1.0)
         ctx.save(x, h)
         return x * h
 
     @staticmethod
     def backward(ctx, g):
         x, h = ctx.saved
-        d = x * x
-        d *= 6 * _GELU_C * 0.044715
-        d += 2 * _GELU_C
-        d *= x
-        hh = 1.0 - h
-        hh *= h
-        d *= hh
-        d += h
-        d *= g
-        return d
+        return g * ((x * x * (6 * GELU_K) + 2 * GELU_C) * x * ((1.0 - h) * h) + h)
 
 
 class Cast(Function):
@@ -247,21 +225,6 @@ def _rows(a):
     """``a`` as a matrix (every leading axis folded into rows); unlike ``reshape(-1, n)`` it works
     when the last axis is 0."""
     return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
-
-
-def _sum_rows(a):
-    """Σ over every leading axis: (..., n) -> (n,), the gradient of a broadcast bias or scale. A
-    ones-vector times the rows matrix (float32/64): one BLAS pass, ~2x NumPy's ``sum(axis=0)``."""
-    rows = _rows(a)
-    if a.dtype.itemsize < 4:
-        return rows.sum(axis=0)
-    return _xp(a).ones(rows.shape[0], dtype=a.dtype) @ rows
-
-
-def _stacked(a, w) -> bool:
-    """Would ``a @ w`` run several GEMMs (a stack of matrices times one matrix)? Then fold the stack
-    into rows: one GEMM. A single matrix (one token while decoding) skips the reshapes."""
-    return w.ndim == 2 and a.ndim > 2 and math.prod(a.shape[:-2]) > 1
 
 
 def _back_to(dtypes, grads) -> tuple:
@@ -313,10 +276,10 @@ class Matmul(Function):
 
 
 class Linear(Function):
-    """``x @ w + b`` with ``w`` of shape (in, out): the workhorse of every layer.
+    """y = x·W + b with W of shape (in, out): the workhorse of every layer.
 
-    Every leading axis of ``x`` is folded into rows, so forward and both backward products are one
-    2-D GEMM each: NumPy's matmul of a (B, T, in) array by a matrix runs B smaller ones, ~25% slower.
+    Every leading axis of x is a batch of rows: with X the (rows, in) matrix, G the (rows, out)
+    gradient and 1 a column of ones, Y = X·W + 1·bᵀ, so gX = G·Wᵀ, gW = Xᵀ·G and gb = Gᵀ·1.
 
     ``compute`` (mixed precision: float32 for bf16/fp16 weights): a tensor core's product -- the
     inputs cast up inside, accumulated in ``compute``, the output rounded to w's dtype; backward casts
@@ -332,13 +295,11 @@ class Linear(Function):
             ctx.compute, ctx.dtypes = compute, (x.dtype, w.dtype) + (() if b is None else (b.dtype,))
             x, w = x.astype(compute, copy=False), w.astype(compute, copy=False)
             b = None if b is None else b.astype(compute, copy=False)
-        out = (_rows(x) @ w).reshape(x.shape[:-1] + w.shape[1:]) if _stacked(x, w) else x @ w
+        y = _rows(x) @ w
         if b is not None:
-            if backend_of(out).inplace:
-                out += b
-            else:
-                out = out + b
-        return out if compute is None else out.astype(ctx.dtypes[1], copy=False)
+            y = y + b
+        y = y.reshape(x.shape[:-1] + w.shape[1:])
+        return y if compute is None else y.astype(ctx.dtypes[1], copy=False)
 
     @staticmethod
     def backward(ctx, g):
@@ -347,15 +308,13 @@ class Linear(Function):
         if dtypes is not None:  # (x or w is None when its partner's gradient is not wanted)
             g = g.astype(ctx.compute, copy=False)
             x, w = (None if a is None else a.astype(ctx.compute, copy=False) for a in (x, w))
-        g2 = _rows(g)
-        gx = None
-        if ctx.needs_grad[0]:
-            gx = (g2 @ w.T).reshape(g.shape[:-1] + w.shape[:1]) if _stacked(g, w) else g @ w.T
-        gw = _rows(x).T @ g2 if ctx.needs_grad[1] else None
-        gb = _sum_rows(g) if len(ctx.needs_grad) > 2 and ctx.needs_grad[2] else None
-        if dtypes is not None:
-            return _back_to(dtypes, (gx, gw, gb))
-        return gx, gw, gb
+        G = _rows(g)  # noqa: N806 - the matrix of the docstring
+        gx = (G @ w.T).reshape(g.shape[:-1] + w.shape[:1]) if ctx.needs_grad[0] else None
+        gw = _rows(x).T @ G if ctx.needs_grad[1] else None
+        gb = None
+        if len(ctx.needs_grad) > 2 and ctx.needs_grad[2]:
+            gb = _xp(g).ones(G.shape[0], dtype=G.dtype) @ G
+        return (gx, gw, gb) if dtypes is None else _back_to(dtypes, (gx, gw, gb))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,46 +502,12 @@ class LogSoftmax(Function):
         return g - _xp(g).exp(out) * g.sum(axis=ctx.axis, keepdims=True)
 
 
-def _dot_last(a, v):
-    """Σ_i a[..., i]·v[i] over the last axis, keepdims: one matrix-vector product (float32/64: a
-    BLAS pass with no temporary, ~6x faster than ``(a * v).sum(-1)``); 2-byte floats as a mean does,
-    accumulated in float32."""
-    if a.dtype.itemsize < 4:
-        return _mean_last(a * v) * a.shape[-1]
-    return (_rows(a) @ v).reshape(a.shape[:-1] + (1,))
-
-
-def _sum_last(a):
-    """``a.sum(axis=-1, keepdims=True)``; float32/64 as a matrix-vector product with ones: NumPy's
-    ``sum`` along a short last axis costs 3.5-4x the BLAS pass (rows of 128-256)."""
-    if a.dtype.itemsize < 4:
-        return a.sum(axis=-1, keepdims=True)
-    return _dot_last(a, _xp(a).ones(a.shape[-1], dtype=a.dtype))
-
-
-def _mean_last(a):
-    """``a.mean(axis=-1, keepdims=True)``: the sum above over n (2-byte floats: ``mean``, which
-    accumulates in float32)."""
-    if a.dtype.itemsize < 4:
-        return a.mean(axis=-1, keepdims=True)
-    return _sum_last(a) / a.shape[-1]
-
-
-def _vdot_last(a, b):
-    """Σ_i a[..., i]·b[..., i] over the last axis, keepdims; float32/64 by ``einsum``, one pass with
-    no a·b temporary (~3x ``(a * b).sum(-1)``)."""
-    if a.dtype.itemsize < 4:
-        return (a * b).sum(axis=-1, keepdims=True)
-    return _xp(a).einsum("...i,...i->...", a, b)[..., None]
-
-
 class LayerNorm(Function):
-    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis, statistics in float32 or wider.
+    """y = x̂·w + b over the last axis: x̂ = (x - μ)·rstd, rstd = 1/√(σ² + eps), μ and σ² each row's mean
+    and variance.
 
-    Backward: with x̂ the normalised input and d = g·w, dx = rstd·(d - mean(d) - x̂·mean(d·x̂)). NumPy
-    makes one memory pass per operator, so the work is counted in passes: every sum is a BLAS
-    matrix-vector product (the row means Σ_i g_i·w_i and Σ_i (g·x̂)_i·w_i, the column sums dw =
-    Σ g·x̂ and db = Σ g), and the one product g·x̂ serves both dw and the second mean.
+    Backward, with d = g·w (means over the last axis, sums over every row): dx = rstd·(d - mean(d) -
+    x̂·mean(d·x̂)), dw = Σ g·x̂, db = Σ g.
 
     ``compute`` (mixed precision: float32 for bf16/fp16 parameters): x, w, b are cast to it inside,
     the statistics and the affine run in it, the output is rounded to w's dtype; backward casts the
@@ -595,17 +520,12 @@ class LayerNorm(Function):
         if compute is not None:
             ctx.compute, ctx.dtypes = compute, (x.dtype, w.dtype, b.dtype)
             x, w, b = (a.astype(compute, copy=False) for a in (x, w, b))
-        xp = _xp(x)
-        xhat = x - _mean_last(x)
-        if x.dtype.itemsize < 4:  # (mean accumulates in float32; a 2-byte Σ x̂² could overflow)
-            var = _mean_last(xhat * xhat)
-        else:
-            var = _vdot_last(xhat, xhat) / x.shape[-1]
-        rstd = 1.0 / xp.sqrt(var + eps)
-        xhat *= rstd
+        xc = x - x.mean(axis=-1, keepdims=True)
+        var = (xc * xc).mean(axis=-1, keepdims=True)
+        rstd = 1.0 / _xp(x).sqrt(var + eps)
+        xhat = xc * rstd
         ctx.save(xhat, rstd, w)
-        out = xhat * w
-        out += b
+        out = xhat * w + b
         return out if compute is None else out.astype(ctx.dtypes[1], copy=False)
 
     @staticmethod
@@ -614,20 +534,10 @@ class LayerNorm(Function):
         dtypes = getattr(ctx, "dtypes", None)
         if dtypes is not None:
             g = g.astype(ctx.compute, copy=False)
-        n = xhat.shape[-1]
-        gb = _sum_rows(g) if ctx.needs_grad[2] else None
-        gxhat = g * xhat
-        gw = _sum_rows(gxhat) if ctx.needs_grad[1] else None
-        gx = None
-        if ctx.needs_grad[0]:
-            proj = xhat * (_dot_last(gxhat, w) / n)  # x̂·mean(d·x̂)
-            gx = g * w
-            gx -= _dot_last(g, w) / n  # mean(d)
-            gx -= proj
-            gx *= rstd
-        if dtypes is not None:
-            return _back_to(dtypes, (gx, gw, gb))
-        return gx, gw, gb
+        d = g * w
+        gx = rstd * (d - d.mean(axis=-1, keepdims=True) - xhat * (d * xhat).mean(axis=-1, keepdims=True))
+        gw, gb = _rows(g * xhat).sum(axis=0), _rows(g).sum(axis=0)
+        return (gx, gw, gb) if dtypes is None else _back_to(dtypes, (gx, gw, gb))
 
 
 def dropout_mask(shape, p, rng, dtype):
@@ -651,44 +561,33 @@ class Dropout(Function):
         return g * mask
 
 
-def _attention_probs(q, k, causal):
-    """p = softmax(q·kᵀ/√d + causal mask) over the keys, in the scores' own buffer: with ``q``
-    shorter than ``k`` (decoding with a KV cache) query i sits at key position Tk - Tq + i and sees
-    keys up to and including it."""
-    be = backend_of(q)
-    xp = be.xp
-    tq, tk = q.shape[-2], k.shape[-2]
-    s = q @ xp.swapaxes(k, -1, -2)
-    if causal and tk > 1:
-        hidden = xp.arange(tk)[None, :] > (xp.arange(tq)[:, None] + (tk - tq))
-        minus_inf = xp.asarray(-xp.inf, dtype=s.dtype)
-        if be.inplace:
-            xp.copyto(s, minus_inf, where=hidden)
-        else:
-            s = xp.where(hidden, minus_inf, s)
-    # exp(scale·(s - max s)) / sum, in place; scale > 0 keeps the max where it is
-    s -= s.max(axis=-1, keepdims=True)
-    s *= q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
-    p = _inplace(xp.exp, s)
-    p /= _sum_last(p)
-    return p
+def causal_hidden(q, k):
+    """The scores a causal mask hides: with ``q`` shorter than ``k`` (decoding with a KV cache)
+    query i sits at key position Tk - Tq + i and sees keys up to and including it."""
+    xp, tq, tk = _xp(q), q.shape[-2], k.shape[-2]
+    return xp.arange(tk)[None, :] > (xp.arange(tq)[:, None] + (tk - tq))
 
 
-def _attention_grads(q, k, v, p, g):
-    """(dq, dk, dv) of y = p·v with p from ``_attention_probs``, for the gradient g of y:
-    dv = pᵀ·g; dp = g·vᵀ; ds = p ⊙ (dp - Σ_j p·dp) / √d (softmax's backward, in dp's buffer);
-    dq = ds·k; dk = dsᵀ·q."""
+def attention_probs(q, k, causal):
+    """p = softmax(q·kᵀ/√d + causal mask) over the keys."""
+    xp = _xp(q)
+    s = (q @ xp.swapaxes(k, -1, -2)) * q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
+    if causal and k.shape[-2] > 1:
+        s = xp.where(causal_hidden(q, k), xp.asarray(-xp.inf, dtype=s.dtype), s)
+    return _softmax(s, -1)
+
+
+def attention_grads(q, k, v, p, g):
+    """(dq, dk, dv) of y = p·v, for the gradient g of y: dv = pᵀ·g; dp = g·vᵀ; the scores' gradient
+    ds = p ⊙ (dp - Σ_j p·dp) (softmax's backward), over √d: dq = ds·k, dk = dsᵀ·q."""
     xp = _xp(g)
-    gv = xp.swapaxes(p, -1, -2) @ g
-    gs = g @ xp.swapaxes(v, -1, -2)
-    gs -= _vdot_last(gs, p)
-    gs *= p
-    gs *= q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
-    return gs @ k, xp.swapaxes(gs, -1, -2) @ q, gv
+    dp = g @ xp.swapaxes(v, -1, -2)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True)) * q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
+    return ds @ k, xp.swapaxes(ds, -1, -2) @ q, xp.swapaxes(p, -1, -2) @ g
 
 
 class ScaledDotProductAttention(Function):
-    """softmax(q·kᵀ/√d + causal mask)·v over (batch, heads, time, head_dim), forward and backward fused.
+    """softmax(q·kᵀ/√d + causal mask)·v over (batch, heads, time, head_dim) as one op.
 
     ``q`` may be shorter than ``k``/``v`` (decoding with a KV cache): query i sits at key position
     ``Tk - Tq + i`` and sees keys up to and including it.
@@ -696,14 +595,14 @@ class ScaledDotProductAttention(Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal=True):
-        p = _attention_probs(q, k, causal)
+        p = attention_probs(q, k, causal)
         ctx.save(q, k, v, p)
         return p @ v
 
     @staticmethod
     def backward(ctx, g):
         q, k, v, p = ctx.saved
-        return _attention_grads(q, k, v, p, g)
+        return attention_grads(q, k, v, p, g)
 
 
 def _heads(qkv, n_head):
@@ -714,10 +613,27 @@ def _heads(qkv, n_head):
     return tuple(_xp(qkv).moveaxis(parts[:, :, i], 2, 1) for i in range(3))
 
 
+def merge_heads(y):
+    """(B, H, T, D) -> (B, T, H·D)."""
+    return _xp(y).moveaxis(y, 1, 2).reshape(y.shape[0], y.shape[2], -1)
+
+
+def split_heads(g, n_head):
+    """(B, T, H·D) -> (B, H, T, D) (a view)."""
+    b, t, c = g.shape
+    return _xp(g).moveaxis(g.reshape(b, t, n_head, c // n_head), 2, 1)
+
+
+def pack_heads(dq, dk, dv):
+    """Three (B, H, T, D) gradients as one (B, T, 3·H·D), qkv's layout: stacked as (B, T, 3, H, D)."""
+    xp, (b, _, t, _) = _xp(dq), dq.shape
+    return xp.stack([xp.moveaxis(a, 1, 2) for a in (dq, dk, dv)], axis=2).reshape(b, t, -1)
+
+
 class PackedAttention(Function):
     """Self-attention (causal by default) of the fused projections qkv (B, T, 3·H·D) to (B, T, H·D):
-    the heads are split and merged inside the op (flash-attn's "qkvpacked" form), with the same math
-    as ``ScaledDotProductAttention``.
+    the heads are split and merged inside the op (flash-attn's "qkvpacked" form), with the math of
+    ``ScaledDotProductAttention``.
 
     Why one op: split into q, k, v by three indexing ops, qkv's gradient would be three zero-filled
     (B, T, 3·H·D) arrays, each with one third written, added up, then copied back from the heads'
@@ -727,52 +643,53 @@ class PackedAttention(Function):
     @staticmethod
     def forward(ctx, qkv, n_head, causal=True):
         q, k, v = _heads(qkv, n_head)
-        p = _attention_probs(q, k, causal)
+        p = attention_probs(q, k, causal)
         ctx.save(qkv, p)
         ctx.n_head = n_head
-        y = p @ v  # (B, H, T, D) -> (B, T, H·D)
-        return _xp(y).moveaxis(y, 1, 2).reshape(qkv.shape[:2] + (-1,))
+        return merge_heads(p @ v)
 
     @staticmethod
     def backward(ctx, g):
         qkv, p = ctx.saved
-        q, k, v = _heads(qkv, ctx.n_head)
-        b, t, c = g.shape
-        gh = _xp(g).moveaxis(g.reshape(b, t, ctx.n_head, c // ctx.n_head), 2, 1)
-        grads = _attention_grads(q, k, v, p, gh)  # each (B, H, T, D): stacked as (B, T, 3, H, D)
-        return _xp(g).stack([_xp(g).moveaxis(a, 1, 2) for a in grads], axis=2).reshape(qkv.shape)
+        return pack_heads(*attention_grads(*_heads(qkv, ctx.n_head), p, split_heads(g, ctx.n_head)))
+
+
+def ce_rows(logits, targets, ignore_index):
+    """(logits as rows (N, V), each row's target or 0 where ignored, which rows count)."""
+    xp = _xp(logits)
+    t = xp.asarray(targets).reshape(-1)  # host targets onto the logits' device (CuPy won't mix)
+    valid = t != ignore_index
+    return logits.reshape(-1, logits.shape[-1]), xp.where(valid, t, 0), valid
 
 
 class CrossEntropy(Function):
     """Mean negative log-likelihood of integer ``targets`` under ``logits`` (last axis = classes).
 
-    Fused: with e = exp(x - max x) and s = Σ e per row, the loss is log s - (x_t - max x), and the
-    gradient (softmax - one_hot)·g/n = e·(g/n)/s, minus g/n at each target. Forward keeps e (the
-    shifted logits' buffer, exponentiated in place) and s, so backward is one pass over the logits
-    and one write per row. Targets equal to ``ignore_index`` contribute nothing and are not
-    counted in n.
+    With e = exp(x - max x) and s = Σ e per row, the loss is log s - (x_t - max x), and the gradient
+    (softmax - one_hot)·g/n = e·(g/n)/s, minus g/n at each target. Forward keeps e and s, so backward
+    is one pass over the logits and one write per row. Targets equal to ``ignore_index`` contribute
+    nothing and are not counted in n.
     """
 
     @staticmethod
     def forward(ctx, logits, targets, ignore_index=-1):
-        xp = _xp(logits)
-        v = logits.shape[-1]
-        x = logits.reshape(-1, v)
-        t = xp.asarray(targets).reshape(-1)  # host targets onto the logits' device (CuPy won't mix)
-        valid = t != ignore_index
-        safe_t = xp.where(valid, t, 0)
-        e = x - x.max(axis=-1, keepdims=True)
-        logit_t = xp.take_along_axis(e, safe_t[:, None], axis=-1)[:, 0]  # x_t - max x
-        e = _inplace(xp.exp, e)
-        s = _sum_last(e)
+        x, t, valid = ce_rows(logits, targets, ignore_index)
+        shifted = x - x.max(axis=-1, keepdims=True)
+        logit_t = _xp(x).take_along_axis(shifted, t[:, None], axis=-1)[:, 0]  # x_t - max x
+        e = _xp(x).exp(shifted)
+        return CrossEntropy.finish(ctx, logits, logit_t, e, e.sum(axis=-1, keepdims=True), t, valid)
+
+    @staticmethod
+    def finish(ctx, logits, logit_t, e, s, t, valid):
+        """The mean of log s - (x_t - max x) over the rows that count; keeps e and s for backward."""
+        xp = _xp(e)
         total = ((xp.log(s[:, 0]) - logit_t) * valid).sum()
         # the count stays an array (no host read-back, so the op compiles on JAX), in the loss's
         # dtype: what dividing by a Python int does on NumPy, so the result is the same bits
         n = xp.maximum(valid.sum(), 1).astype(total.dtype)
-        loss = total / n
         ctx.save(e, s)
-        ctx.t, ctx.valid, ctx.n, ctx.shape = safe_t, valid, n, logits.shape
-        return loss.astype(logits.dtype)
+        ctx.t, ctx.valid, ctx.n, ctx.shape = t, valid, n, logits.shape
+        return (total / n).astype(logits.dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -832,7 +749,7 @@ def relu(a):
 
 
 def gelu(a):
-    return Gelu.apply(a)
+    return fused.fast(Gelu, a).apply(a)
 
 
 def cast(a, dtype):
@@ -855,10 +772,11 @@ def linear(x, w, b=None):
     tensor core does it: inputs cast up, accumulated in fp32, the output rounded once to ``w``'s
     dtype (gradients likewise), so every layer that multiplies -- serial or tensor-parallel -- gets
     the same low-precision arithmetic without being patched."""
+    op = fused.fast(Linear, x)
     if low_precision(w.dtype):  # (one op: the casts happen inside it)
-        return Linear.apply(x, w, b, compute=np.dtype(np.float32)) if b is not None else \
-            Linear.apply(x, w, compute=np.dtype(np.float32))
-    return Linear.apply(x, w, b) if b is not None else Linear.apply(x, w)
+        return op.apply(x, w, b, compute=np.dtype(np.float32)) if b is not None else \
+            op.apply(x, w, compute=np.dtype(np.float32))
+    return op.apply(x, w, b) if b is not None else op.apply(x, w)
 
 
 def sum(a, axis=None, keepdims=False):  # noqa: A001
@@ -948,21 +866,21 @@ def log_softmax(x, axis=-1):
 def layer_norm(x, w, b, eps=1e-5, compute=None):
     """LayerNorm over the last axis; ``compute`` (e.g. float32 under bf16 parameters): the dtype its
     statistics run in, the output rounded to ``w``'s dtype (see ``LayerNorm``). Everything already in
-    ``compute``: the plain op (the same numbers, one compiled program fewer on JAX)."""
+    ``compute``: the op without casts (the same numbers, one compiled program fewer on JAX)."""
     if compute is None:
-        return LayerNorm.apply(x, w, b, eps=eps)
+        return fused.fast(LayerNorm, x).apply(x, w, b, eps=eps)
     try:
         dt = np.dtype(compute)
     except TypeError:
         dt = np.dtype(object)  # (refused below)
     if x.dtype == w.dtype == b.dtype == dt:
-        return LayerNorm.apply(x, w, b, eps=eps)
+        return fused.fast(LayerNorm, x).apply(x, w, b, eps=eps)
     if dt.kind != "f" or not all(np.can_cast(a.dtype, dt, "safe") for a in (x, w, b)):
         # (safe casts only: float16 is as wide as bfloat16 in bytes, not in range -- 1e5 became inf)
         widest = np.result_type(np.float32, x.dtype, w.dtype, b.dtype)
         raise ValueError(f"layer_norm: compute={compute!r} must be a float dtype x, w and b ({x.dtype}, "
                          f"{w.dtype}, {b.dtype}) cast to without loss, e.g. {widest}")
-    return LayerNorm.apply(x, w, b, eps=eps, compute=dt)
+    return fused.fast(LayerNorm, x).apply(x, w, b, eps=eps, compute=dt)
 
 
 def dropout(x, p, rng, training=True):
@@ -975,13 +893,13 @@ def dropout(x, p, rng, training=True):
 
 
 def scaled_dot_product_attention(q, k, v, causal=True):
-    return ScaledDotProductAttention.apply(q, k, v, causal=causal)
+    return fused.fast(ScaledDotProductAttention, q).apply(q, k, v, causal=causal)
 
 
 def packed_attention(qkv, n_head, causal=True):
     """Self-attention of fused projections qkv (B, T, 3·H·D) over ``n_head`` heads: (B, T, H·D)."""
     check_packed(qkv, n_head, "packed_attention")
-    return PackedAttention.apply(qkv, n_head=n_head, causal=causal)
+    return fused.fast(PackedAttention, qkv).apply(qkv, n_head=n_head, causal=causal)
 
 
 def check_packed(qkv, n_head: int, what: str) -> None:
@@ -994,5 +912,7 @@ def check_packed(qkv, n_head: int, what: str) -> None:
 def cross_entropy(logits, targets, ignore_index=-1):
     targets = _data(targets)
     _check_ids(targets, logits.shape[-1], "cross_entropy: targets", ignore=ignore_index)
-    return CrossEntropy.apply(logits, targets, ignore_index=ignore_index)
+    return fused.fast(CrossEntropy, logits).apply(logits, targets, ignore_index=ignore_index)
 
+
+from minidist.autograd import fused  # noqa: E402 - the fast forms subclass the ops above

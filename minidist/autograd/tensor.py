@@ -16,6 +16,10 @@ Saved tensors go through ``Context.save``; ``saved_tensors_hooks(pack, unpack)``
 
 All switches (``no_grad``, the saved-tensor hooks) are thread-local: the threads transport runs
 several ranks as threads of one process.
+
+``register_kernel_selector(fn)`` is the one hook by which an array library changes how an op runs:
+``Function.apply`` calls ``fn(op_class)`` for inputs that are not NumPy arrays and runs the class it
+returns (``minidist.accel.jax_engine.install`` registers ``kernel``: each op as one compiled call).
 """
 
 from __future__ import annotations
@@ -29,7 +33,18 @@ from minidist.accel import jax_engine
 from minidist.accel.backend import Backend, backend_of, default_backend, get_backend
 
 _state = threading.local()
-JIT_KERNEL = None  # set by minidist.accel.jax_engine.install(): op class -> its compiled twin, for JAX arrays
+_KERNEL = None  # the registered kernel selector: op class -> the class to run, for non-NumPy inputs
+
+
+def register_kernel_selector(fn) -> None:
+    """``fn(op_class) -> op_class`` runs every op whose first input is not a NumPy array; it may return
+    the class itself (run as written) or a subclass (JAX: the op compiled). One selector at a time; None
+    removes it. NumPy inputs never reach it: their hot path stays one type check."""
+    global _KERNEL
+    if fn is not None and not callable(fn):
+        raise TypeError(f"register_kernel_selector: fn must be callable (op class -> op class) or None, "
+                        f"got {type(fn).__name__}")
+    _KERNEL = fn
 
 
 def grad_enabled() -> bool:
@@ -143,7 +158,8 @@ class Function:
     """A differentiable operation: ``forward(ctx, *arrays, **kw)`` and ``backward(ctx, grad)``.
 
     ``backward`` returns one gradient (array or None) per positional input, shaped like that input.
-    Subclasses live in ``minidist.autograd.ops``; call them through ``Function.apply``.
+    Subclasses live in ``minidist.autograd.ops`` (their fast forms in ``minidist.autograd.fused``); call
+    them through ``Function.apply``.
     """
 
     @staticmethod
@@ -156,8 +172,8 @@ class Function:
 
     @classmethod
     def apply(cls, *inputs, **kwargs) -> Tensor:
-        if JIT_KERNEL is not None and type(getattr(inputs[0], "data", inputs[0])) is not np.ndarray:
-            cls = JIT_KERNEL(cls)  # JAX: the op as one compiled function (minidist/accel/jax_engine.py)
+        if _KERNEL is not None and type(getattr(inputs[0], "data", inputs[0])) is not np.ndarray:
+            cls = _KERNEL(cls)  # JAX: the op as one compiled function (``register_kernel_selector``)
         if not getattr(_state, "grad_enabled", True):  # no graph (evaluation, decoding): the least work
             ctx = Context((False,) * len(inputs), record=False)
             return Tensor._result(cls.forward(ctx, *[t.data if isinstance(t, Tensor) else t for t in inputs],

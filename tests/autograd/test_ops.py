@@ -1,7 +1,8 @@
 """Gradient checks (float64 central differences) for every op, on every backend.
 
 Hypothesis draws shapes, broadcasting patterns and axes; each op's analytic gradient must match
-the numerical one to 1e-6.
+the numerical one to 1e-6. Every test here runs the plain forms of ``minidist.autograd.ops`` (the
+textbook formulas); tests/autograd/test_fused.py checks the fast forms against them.
 """
 
 import numpy as np
@@ -9,11 +10,18 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from minidist.autograd import ops
+from minidist.autograd import fused, ops
 from minidist.testing import gradcheck
 from tests.conftest import backends
 
 BACKENDS = backends()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _plain_forms():
+    """The public ops (``ops.gelu``, ``ops.layer_norm``, ...) run their plain classes in this module."""
+    with fused.disabled():
+        yield
 F64 = np.float64
 
 shapes = st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple)
@@ -288,8 +296,8 @@ def test_attention_matches_unfused(backend, tq, tk, causal):
     be = get_backend(backend)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 3, t, 4)) for t in (tq, tk, tk))
-    fused = ops.scaled_dot_product_attention(*(Tensor(be.from_host(a)) for a in (q, k, v)), causal=causal)
-    np.testing.assert_allclose(fused.numpy(), attention_reference(q, k, v, causal), atol=1e-12)
+    got = ops.scaled_dot_product_attention(*(Tensor(be.from_host(a)) for a in (q, k, v)), causal=causal)
+    np.testing.assert_allclose(got.numpy(), attention_reference(q, k, v, causal), atol=1e-12)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
