@@ -120,10 +120,11 @@ class Injector:
 
     def before_create(self, path) -> None:
         """Called before a checkpoint file or folder of a step is created (and its space reserved):
-        ``readonly`` fails it with EROFS, ``nospace`` with ENOSPC."""
+        ``readonly`` fails it with EROFS, ``nospace`` a rank file's reservation with ENOSPC."""
         step = _step_of(path)
         for f in self.faults:
-            if f.kind in ("readonly", "nospace") and f.step == step:
+            hit = f.kind == "readonly" or f.kind == "nospace" and str(path).endswith(".bin")
+            if hit and f.step == step:
                 self._note(f, "EROFS" if f.kind == "readonly" else "ENOSPC")
                 code = errno.EROFS if f.kind == "readonly" else errno.ENOSPC
                 raise OSError(code, f"{os.strerror(code)} (injected)", str(path))

@@ -88,14 +88,14 @@ def _write_marker(root, job) -> None:
 
 
 def remove(root) -> None:
-    """Delete a folder minidist made (its marker is there); an empty one is removed too. Anything
-    else is refused: minidist never deletes what it did not create."""
+    """Delete a folder minidist made (its marker is there, or it holds only checkpoint steps and
+    ``latest``); an empty one is removed too. Anything else is refused: minidist never deletes what
+    it did not create."""
     if not os.path.lexists(root):
         return
-    if os.path.isdir(root) and not os.path.islink(root) and owner(root) is not None:
-        shutil.rmtree(root)
-    elif os.path.isdir(root) and not os.listdir(root):
-        os.rmdir(root)
+    plain = os.path.isdir(root) and not os.path.islink(root)
+    if plain and (owner(root) is not None or all(_OURS.match(e) for e in os.listdir(root))):
+        shutil.rmtree(root)  # marked, or holding only what minidist names (steps, latest): ours
     else:
         raise CheckpointError(f"{root}: not a checkpoint folder minidist created (no {MARKER} in it); "
                               "refusing to delete it: pass a new or empty folder")
@@ -135,8 +135,9 @@ def space_error(e: OSError, path, needed: int, what: str) -> CheckpointError:
                                    f"{free_bytes(os.path.dirname(str(path))):,} are free ({e.strerror})",
                                    str(path), needed)
     elif e.errno in READONLY_ERRNOS:
-        err = CheckpointSpaceError(f"{what}: read-only at {path}: cannot write its {needed:,} bytes "
-                                   f"({e.strerror})", str(path), needed)
+        size = f" its {needed:,} bytes" if needed else ""
+        err = CheckpointSpaceError(f"{what}: read-only at {path}: cannot write{size} ({e.strerror})",
+                                   str(path), needed)
     else:
         return CheckpointError(f"{what}: writing {path} failed: {e}")
     note(str(err))
