@@ -27,7 +27,6 @@ import json
 import os
 import re
 import shutil
-import time
 
 import numpy as np
 
@@ -108,41 +107,13 @@ def read_piece(directory, piece: dict) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.dtype(piece["dtype"])).reshape(piece["shape"])
 
 
-def _write_json_atomic(path, obj) -> None:
+def write_json_atomic(path, obj) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def write_sidecar(tmp, rank: int, obj: dict) -> None:
-    """Rank ``rank``'s account of its file (pieces, sha256, small state), for rank 0 to collect."""
-    _write_json_atomic(os.path.join(tmp, f"rank-{rank:05d}.json"), obj)
-
-
-def wait_sidecars(tmp, world: int, timeout: float, poll: float = 0.002) -> list[dict]:
-    """Every rank's sidecar, in rank order, once all exist (written atomically: a present one is whole).
-    A rank that could not even write its sidecar (a full disk) leaves ``rank-R.failed``; ``timeout``
-    (``MINIDIST_TIMEOUT``) bounds the wait for one that left nothing."""
-    paths = [os.path.join(tmp, f"rank-{r:05d}.json") for r in range(world)]
-    deadline = time.monotonic() + timeout
-    while not all(os.path.exists(p) or os.path.exists(p[:-5] + ".failed") for p in paths):
-        if time.monotonic() > deadline:
-            missing = [r for r, p in enumerate(paths) if not os.path.exists(p)]
-            raise CheckpointError(f"{tmp}: ranks {missing} did not finish writing within {timeout:g} s "
-                                  "(MINIDIST_TIMEOUT)")
-        time.sleep(poll)
-    out = []
-    for r, p in enumerate(paths):
-        if not os.path.exists(p):
-            out.append({"error": f"rank {r}: could not write its file or its account (disk full?)",
-                        "space": True})
-            continue
-        with open(p) as f:
-            out.append(json.load(f))
-    return out
 
 
 def begin_step(root, step: int) -> str:
@@ -160,7 +131,7 @@ def commit_step(root, step: int, manifest: dict, keep: int) -> str:
     for name in os.listdir(tmp):
         if name.endswith(".json"):  # the sidecars: the manifest holds all they said
             os.remove(os.path.join(tmp, name))
-    _write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
+    write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
     fsync_dir(tmp)
     final = os.path.join(root, step_dir_name(step))
     if os.path.exists(final):  # the same step saved again (a restarted run): the new one replaces it
@@ -216,7 +187,7 @@ def candidates(root) -> tuple[list[str], list[str]]:
 
 def read_manifest(directory) -> dict:
     """The manifest of a step directory, its digest and structure checked (CheckpointError if not)."""
-    from minidist.resilience.checkpoint import integrity
+    from minidist.resilience.checkpoint import integrity  # cycle: files -> integrity -> files
 
     path = os.path.join(directory, MANIFEST)
     try:
@@ -238,7 +209,7 @@ def read_manifest(directory) -> dict:
 def check_file(directory, name: str, meta: dict, manifest: dict | None = None) -> str | None:
     """None if ``name`` has the manifest's size and sha256 (and, given the ``manifest``, its trailer
     says what the manifest says of it), else what is wrong with it."""
-    from minidist.resilience.checkpoint import integrity
+    from minidist.resilience.checkpoint import integrity  # cycle: files -> integrity -> files
 
     path = os.path.join(directory, name)
     if not os.path.isfile(path):

@@ -29,17 +29,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from minidist.resilience.checkpoint import files, folder
-from minidist.resilience.checkpoint.state import (
-    LoadInfo,
-    Snapshot,
-    TrainState,
-    plan_file,
-    prepare,
-    restore,
-    snapshot,
-    warn_skipped,
-    write_part,
-)
+from minidist.resilience.checkpoint.state import LoadInfo, TrainState, restore, warn_skipped
+from minidist.resilience.checkpoint.writer import Snapshot, plan_file, prepare, snapshot, write_part
 
 
 @dataclass

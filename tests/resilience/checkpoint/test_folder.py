@@ -19,9 +19,9 @@ from minidist.comm import run
 from minidist.resilience.checkpoint import CheckpointError, load, save
 from minidist.resilience.checkpoint import folder as folder_mod
 from minidist.resilience.checkpoint.files import CheckpointWarning
-from minidist.resilience.checkpoint.state import snapshot, write_part
 from minidist.resilience.checkpoint.tiers import Checkpointer, Tier
 from minidist.resilience.checkpoint.trainer import Trainer, small_config
+from minidist.resilience.checkpoint.writer import snapshot, write_part
 from minidist.resilience.faults import Injector
 
 ROOT = Path(__file__).resolve().parents[3]
