@@ -14,6 +14,7 @@ parameter -- is written by the lowest of them); small state is JSON in the manif
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import warnings
@@ -220,6 +221,7 @@ def check_config(manifest: dict, state: TrainState, path) -> None:
     """Refuse a checkpoint saved from another model configuration, naming both (shapes may agree:
     n_head=2 and n_head=4 have the same parameters). Another mesh is fine: it is resharded."""
     saved, mine = manifest.get("config"), state.config
+    mine = json.loads(json.dumps(mine)) if mine is not None else None  # as saved: tuples are lists
     if saved is None or mine is None or saved == mine:
         return
     keys = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))

@@ -165,6 +165,14 @@ def write_file(tmp, rank: int, snap: Snapshot, fault=None, writer: int | None = 
         return {"file": fname, "error": str(err), "space": isinstance(err, folder.CheckpointSpaceError)}
 
 
+def _latest(root) -> str | None:
+    try:
+        with open(os.path.join(root, files.LATEST)) as f:
+            return f.read(64).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def _commit(root, tmp, snap: Snapshot, parts, keep: int, writer: int) -> tuple[str | None, tuple | None]:
     """(Rank 0) commit when every rank's file is whole; else remove ``tmp``. (directory, error)."""
     errors = [p for p in parts if p.get("error")]
@@ -173,8 +181,12 @@ def _commit(root, tmp, snap: Snapshot, parts, keep: int, writer: int) -> tuple[s
             m = integrity.seal(dict(_manifest(snap, parts), committed_by=writer))
             return files.commit_step(root, snap.step, m, keep), None
         except OSError as e:
-            errors = [{"error": str(folder.space_error(e, os.path.join(tmp, files.MANIFEST), 0,
-                                                        _what(snap.step, 0))), "space": True}]
+            final = os.path.join(root, files.step_dir_name(snap.step))
+            if _latest(root) == files.step_dir_name(snap.step):
+                return final, None  # committed; only pruning older steps failed
+            shutil.rmtree(final, ignore_errors=True)  # renamed, but ``latest`` could not follow: undo
+            err = folder.space_error(e, os.path.join(tmp, files.MANIFEST), 0, _what(snap.step, 0))
+            errors = [{"error": str(err), "space": isinstance(err, folder.CheckpointSpaceError)}]
     shutil.rmtree(tmp, ignore_errors=True)
     msg = f"checkpoint of step {snap.step} not written ({'; '.join(p['error'] for p in errors)}); " \
           "the previous one stays the latest"
