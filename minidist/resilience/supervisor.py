@@ -193,7 +193,7 @@ class Supervisor:
                  for f in os.listdir(hb) if f.startswith("fault-rank-")}
         a.lost = sorted(r for r, note in notes.items() if note.startswith("lose"))
         full = sorted(open(os.path.join(hb, f)).read().strip() for f in os.listdir(hb)
-                      if f.startswith("diskfull-rank-"))
+                      if f.startswith("diskfull-"))
         other = [n for n in notes.values() if n.split(" ", 1)[0] in ("kill", "lose", "raise", "hang")]
         if full and not other and hung is None:  # the save failed and took the job down: not transient
             a.disk_full = full[0]

@@ -11,8 +11,8 @@
   the path, the bytes needed and the bytes free.
 * **Read-only.** ``chmod`` does not stop root, so writability is checked at the file-system level
   (``statvfs``'s read-only flag) and by the write itself; an ``EROFS``/``EACCES`` is the same clear
-  error. Both kinds leave a note for the supervisor (``MINIDIST_HEARTBEAT_DIR/diskfull-rank-R``),
-  which then does not restart the job into the same failure.
+  error. Such an error raised into the job leaves a note for the supervisor
+  (``MINIDIST_HEARTBEAT_DIR/diskfull-*``), which then does not restart the job into the same failure.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def reserve(path, nbytes: int, fault=None) -> None:
 
 
 def space_error(e: OSError, path, needed: int, what: str) -> CheckpointError:
-    """The clear error for an ``OSError`` of a save (and the supervisor's note); others pass through."""
+    """The clear error for an ``OSError`` of a save: disk full or read-only, naming path and bytes."""
     if e.errno in SPACE_ERRNOS:
         err = CheckpointSpaceError(f"{what}: disk full at {path}: it needs {needed:,} bytes, "
                                    f"{free_bytes(os.path.dirname(str(path))):,} are free ({e.strerror})",
@@ -140,16 +140,16 @@ def space_error(e: OSError, path, needed: int, what: str) -> CheckpointError:
                                    str(path), needed)
     else:
         return CheckpointError(f"{what}: writing {path} failed: {e}")
-    note(str(err))
     return err
 
 
 def note(message: str) -> None:
-    """Leave ``message`` for the supervisor (it reads ``diskfull-rank-*`` after a failure)."""
+    """Leave ``message`` for the supervisor (it reads ``diskfull-*`` after a failure): a save that
+    raised into the job for lack of space (a tolerated background failure leaves none)."""
     hb = os.environ.get("MINIDIST_HEARTBEAT_DIR")
     if hb and os.path.isdir(hb):
         try:
-            with open(os.path.join(hb, f"diskfull-rank-{os.getpid()}"), "w") as f:
+            with open(os.path.join(hb, f"diskfull-pid-{os.getpid()}"), "w") as f:
                 f.write(message + "\n")
         except OSError:
             pass

@@ -226,12 +226,16 @@ def write_snapshot(comm, root, snap: Snapshot, keep: int = 3, fault=None) -> str
     The ranks' accounts go to rank 0 by message; it commits only if every file is whole, and every
     rank returns the directory or raises the same CheckpointError (disk full, read-only: naming the
     path and the bytes needed); the failed step's files are removed, the previous one stays."""
-    tmp = prepare(comm, root, snap.step, fault, snap.job)
-    parts = comm.gather_obj(write_file(tmp, comm.rank, snap, fault), root=0)
-    final, err = _commit(root, tmp, snap, parts, keep, 0) if comm.rank == 0 else (None, None)
-    final, err = comm.bcast_obj((final, err), root=0)
-    if err:
-        _raise(err, f"rank {comm.rank}: ")
+    try:
+        tmp = prepare(comm, root, snap.step, fault, snap.job)
+        parts = comm.gather_obj(write_file(tmp, comm.rank, snap, fault), root=0)
+        final, err = _commit(root, tmp, snap, parts, keep, 0) if comm.rank == 0 else (None, None)
+        final, err = comm.bcast_obj((final, err), root=0)
+        if err:
+            _raise(err, f"rank {comm.rank}: ")
+    except folder.CheckpointSpaceError as e:
+        folder.note(str(e))  # the job will stop on it: tell the supervisor not to restart into it
+        raise
     return final
 
 
