@@ -21,7 +21,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 
@@ -38,6 +37,7 @@ from minidist.lessons.cli import (
     probability,
     rprint,
 )
+from minidist.resilience.checkpoint import CheckpointError, folder
 from minidist.resilience.checkpoint.tiers import Checkpointer, Tier, shm_root
 from minidist.resilience.checkpoint.trainer import Trainer, small_config
 from minidist.resilience.faults import Injector
@@ -74,10 +74,16 @@ def train(comm, args, fault: str):
     attempt = int(os.environ.get("MINIDIST_RESTART", "0"))
     disk = args.ckpt
     mem = args.mem_dir or shm_root(hashlib.sha1(os.path.abspath(args.ckpt).encode()).hexdigest()[:10])
-    if attempt == 0 and comm.rank == 0:  # a fresh run starts from nothing
-        for d in (disk, mem, mem + "-peer"):
-            shutil.rmtree(d, ignore_errors=True)
-    comm.barrier()
+    err = None
+    if attempt == 0 and comm.rank == 0:  # a fresh run starts from nothing: its own old checkpoints go
+        try:
+            for d in (disk, mem, mem + "-peer"):
+                folder.remove(d)  # only a folder minidist created; anything else is refused
+        except CheckpointError as e:
+            err = f"--ckpt / --mem-dir: {e}"
+    err = comm.bcast_obj(err, root=0)
+    if err:
+        raise SystemExit(f"rank {comm.rank}: {err}")
     cfg = small_config(args.dtype, args.dropout)
     trainer = Trainer(comm, cfg, pp=args.pp, tp=args.tp, zero=args.zero, lr=LR, total_steps=args.steps)
     inj = Injector.from_env(comm.rank, fault)
@@ -119,7 +125,7 @@ def rank_main(comm, args):
     comm.barrier()
     if comm.rank == 0:  # the job is done: give the shared memory of tier 1 back (the disk tier stays)
         for tier in ckpt.tiers[:2]:
-            shutil.rmtree(tier.root, ignore_errors=True)
+            folder.remove(tier.root)
 
     # the reference: the same job, started fresh here, never interrupted, never checkpointed
     events = _events()
@@ -241,7 +247,8 @@ def main(argv=None):
                    help="tier 2 (disk) every M steps (0: off)")
     p.add_argument("--sync", action="store_true", help="synchronous saves (default: background writer)")
     p.add_argument("--fault", default=None, help="a MINIDIST_FAULT spec, or 'none'")
-    p.add_argument("--ckpt", default=DEFAULT_CKPT, help="the disk checkpoint directory")
+    p.add_argument("--ckpt", default=DEFAULT_CKPT, help="the disk checkpoint directory (new, empty, or one "
+                   "minidist made: a fresh run deletes only that)")
     p.add_argument("--mem-dir", help="tier 1's directory (default: one in /dev/shm for this --ckpt)")
     p.add_argument("--pp", type=positive_int, default=1)
     p.add_argument("--tp", type=positive_int, default=1)

@@ -9,7 +9,9 @@
     slow:rank=1,step=2,seconds=0.5   rank 1 sleeps 0.5 s at every step from 2 on (a straggler)
     corrupt:rank=0,step=4     once rank 0's file of checkpoint 4 is written and hashed, flip bytes in it
     truncate:rank=0,step=4    ... cut rank 0's file of checkpoint 4 in half
-    diskfull:rank=1,step=6    writing checkpoint 6 fails on rank 1 with ENOSPC
+    diskfull:rank=1,step=6    writing checkpoint 6 fails on rank 1 with ENOSPC part-way (after a first piece)
+    nospace:rank=1,step=6     ... fails when rank 1 reserves its file's space, before a byte is written
+    readonly:rank=0,step=6    ... fails with EROFS as if the folder were read-only (root ignores chmod)
     lose:rank=3,step=5        like kill, and the host is gone: the supervisor restarts on fewer ranks
 
 ``rank`` defaults to 0. A fault fires on the first attempt only (``attempt=K`` to choose another):
@@ -29,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-KINDS = ("kill", "raise", "hang", "slow", "corrupt", "truncate", "diskfull", "lose")
+KINDS = ("kill", "raise", "hang", "slow", "corrupt", "truncate", "diskfull", "nospace", "readonly", "lose")
 
 
 class InjectedFault(RuntimeError):
@@ -70,7 +72,7 @@ def parse(spec: str) -> list[Fault]:
 @dataclass
 class Injector:
     """The faults meant for this rank in this attempt, with hooks the training loop and the
-    checkpoint writer call: ``on_step``, ``before_write``, ``after_write``."""
+    checkpoint writer call: ``on_step``, ``before_create``, ``before_write``, ``after_write``."""
 
     rank: int
     faults: list = field(default_factory=list)
@@ -108,12 +110,24 @@ class Injector:
                     time.sleep(3600)
 
     def before_write(self, path, nbytes: int) -> None:
-        """Called by the checkpoint writer before each piece; a ``diskfull`` fault fails it."""
+        """Called by the checkpoint writer before each piece after the first (and before the file's
+        trailer); a ``diskfull`` fault fails it: the file is left part-written."""
         step = _step_of(path)
         for f in self.faults:
             if f.kind == "diskfull" and f.step == step:
                 self._note(f, "ENOSPC")
                 raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+
+    def before_create(self, path) -> None:
+        """Called before a checkpoint file or folder of a step is created (and its space reserved):
+        ``readonly`` fails it with EROFS, ``nospace`` a rank file's reservation with ENOSPC."""
+        step = _step_of(path)
+        for f in self.faults:
+            hit = f.kind == "readonly" or f.kind == "nospace" and str(path).endswith(".bin")
+            if hit and f.step == step:
+                self._note(f, "EROFS" if f.kind == "readonly" else "ENOSPC")
+                code = errno.EROFS if f.kind == "readonly" else errno.ENOSPC
+                raise OSError(code, f"{os.strerror(code)} (injected)", str(path))
 
     def after_write(self, path) -> None:
         """Called when this rank's checkpoint file is written (its sha256 already taken):

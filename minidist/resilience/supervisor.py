@@ -10,7 +10,9 @@ so a rank that hangs without dying is noticed after ``--heartbeat-timeout`` seco
 killed. On a failure it says what failed and when, reads which checkpoint under ``--ckpt`` is the
 newest intact one (that is where the job resumes), starts the job again with ``MINIDIST_RESTART``
 one higher, and at the end prints each attempt and the work lost: the steps done after the
-checkpoint that was resumed from, which had to be computed again.
+checkpoint that was resumed from, which had to be computed again. A job that died because a save
+found its disk full (or its folder read-only) leaves a note saying where; that is not restarted
+into the same failure.
 
 Elastic restart: a fault of kind ``lose`` (``minidist.resilience.faults``) stands for a host the cluster
 manager took away. With ``--min-ranks M`` the supervisor restarts on the ranks that are left (at
@@ -88,6 +90,7 @@ class Attempt:
     failed_rank: int | None = None
     lost: list = field(default_factory=list)
     tier: str | None = None
+    disk_full: str | None = None  # the job's note when a save found no room (or a read-only folder)
 
 
 class Supervisor:
@@ -139,6 +142,11 @@ class Supervisor:
                 return self.summary(0)
             self.log(event="failure", attempt=number, status=a.status, rank=a.failed_rank,
                      last_step=a.last_step)
+            if a.disk_full:
+                self.say(f"the job stopped because a checkpoint could not be written: {a.disk_full}; a "
+                         "restart would fail the same way (free space, or give the job another --ckpt "
+                         "folder); not restarting")
+                return self.summary(1)
             if a.last_step is None and number and self.attempts[-2].last_step is None:
                 self.say("the job failed twice before its first heartbeat: a configuration error or a "
                          "bug, not a fault a restart can fix (see its error above); giving up")
@@ -184,6 +192,11 @@ class Supervisor:
         notes = {int(f[len("fault-rank-"):]): open(os.path.join(hb, f)).read().strip()
                  for f in os.listdir(hb) if f.startswith("fault-rank-")}
         a.lost = sorted(r for r, note in notes.items() if note.startswith("lose"))
+        full = sorted(open(os.path.join(hb, f)).read().strip() for f in os.listdir(hb)
+                      if f.startswith("diskfull-"))
+        other = [n for n in notes.values() if n.split(" ", 1)[0] in ("kill", "lose", "raise", "hang")]
+        if full and not other and hung is None:  # the save failed and took the job down: not transient
+            a.disk_full = full[0]
         if hung is not None:  # every rank waiting on the hung one goes silent too: a fault note knows better
             a.failed_rank = min(notes) if notes else hung
             why = f"hung at step {beats[hung][0]}"

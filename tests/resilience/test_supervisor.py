@@ -146,3 +146,36 @@ def test_steps_recomputed_count_each_attempt_against_where_the_next_resumed():
     b = [Attempt(0, 4, 0.0, last_step=None), Attempt(1, 4, 0.0, resumed_from=None, last_step=5),
          Attempt(2, 2, 0.0, resumed_from=None, last_step=6)]
     assert recomputed(b) == [None, 5, None]
+
+
+SAVING_JOB = """
+import sys
+from minidist.comm import run
+from minidist.resilience.checkpoint import save
+from minidist.resilience.checkpoint.trainer import Trainer, small_config
+from minidist.resilience.faults import Injector
+from minidist.resilience.supervisor import heartbeat
+
+def body(comm):
+    t = Trainer(comm, small_config())
+    t.step()
+    heartbeat(comm.rank, t.step_count)
+    save(comm, sys.argv[1], t.step_count, t.state(), fault=Injector.from_env(comm.rank))
+
+run(body, ranks=2)
+"""
+
+
+@pytest.mark.parametrize("fault,why", [("nospace:rank=1,step=1", "disk full at"),
+                                       ("readonly:rank=0,step=1", "read-only at")])
+def test_a_job_stopped_by_a_full_or_read_only_disk_is_not_restarted_into_the_same_failure(tmp_path, fault,
+                                                                                        why):
+    script, ckpt = tmp_path / "job.py", tmp_path / "ckpt"
+    script.write_text(SAVING_JOB)
+    cmd = [sys.executable, "-m", "minidist.launch", "-n", "2", "--threads", "--max-restarts", "3", "--fault",
+           fault, "--", sys.executable, str(script), str(ckpt)]  # (--threads appends --ranks 2: unused)
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"{why} {ckpt}/step-00000001.tmp" in res.stdout and "not restarting" in res.stdout, res.stdout
+    assert "restarts: 0;" in res.stdout and res.stdout.count("FAILED") == 1, res.stdout

@@ -3,6 +3,9 @@
 * ``files``   -- one directory per step, written atomically, verified on load, last k kept.
 * ``layout``  -- which piece of which global tensor a rank holds; resharding by index sets.
 * ``state``   -- ``TrainState`` and the one function pair ``save`` / ``load``.
+* ``writer``  -- one save: snapshot, reserve, write, agree, commit (errors on every rank, never a hang).
+* ``integrity`` -- every byte covered: the manifest's digest, each rank file's trailer, the checks between.
+* ``folder``  -- the folder: owned by one job, space reserved, never deleting what minidist did not make.
 * ``tiers``   -- asynchronous saves (snapshot, background writer) and the in-memory tier.
 * ``trainer`` -- a resumable training job on any mesh (DDP, ZeRO, TP, PP, 3D).
 
@@ -11,17 +14,8 @@ The supervisor that restarts a failed job is ``python -m minidist.launch``; faul
 """
 
 from minidist.resilience.checkpoint.files import CheckpointError, list_steps
-from minidist.resilience.checkpoint.state import (
-    Attrs,
-    LoadInfo,
-    Snapshot,
-    TrainState,
-    load,
-    restore,
-    save,
-    snapshot,
-    write_snapshot,
-)
+from minidist.resilience.checkpoint.state import Attrs, LoadInfo, TrainState, load, restore, save
+from minidist.resilience.checkpoint.writer import Snapshot, snapshot, write_snapshot
 
 __all__ = ["Attrs", "CheckpointError", "LoadInfo", "Snapshot", "TrainState", "list_steps", "load", "restore",
            "save", "snapshot", "write_snapshot"]

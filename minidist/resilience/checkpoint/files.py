@@ -27,11 +27,10 @@ import json
 import os
 import re
 import shutil
-import time
 
 import numpy as np
 
-FORMAT = "minidist-checkpoint/1"
+FORMAT = "minidist-checkpoint/2"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -39,6 +38,10 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: corrupt, incomplete, or made for another model."""
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged or foreign checkpoint was skipped; an older one (or none) is used."""
 
 
 def step_dir_name(step: int) -> str:
@@ -66,25 +69,30 @@ def fsync_dir(path) -> None:
         os.close(fd)
 
 
-def write_pieces(path, arrays, fault=None) -> tuple[list[dict], dict]:
-    """Write host arrays back to back into ``path`` and fsync; return each one's (offset, nbytes,
-    dtype, shape) and the file's {"sha256", "bytes"}. ``fault`` (a ``minidist.resilience.faults`` hook) may
-    fail the write (disk full) or damage the file after it was written."""
-    pieces, h, offset = [], hashlib.sha256(), 0
-    with open(path, "wb") as f:
-        if fault is not None:
-            fault.before_write(path, sum(np.asarray(a).nbytes for a in arrays))
-        for a in arrays:
-            a = np.ascontiguousarray(a)
-            buf = memoryview(a).cast("B") if a.size else b""
+def write_pieces(path, arrays, fault=None, trailer=None) -> tuple[list[dict], dict]:
+    """Write host arrays back to back into ``path`` (reserved beforehand or not: it is not truncated),
+    then ``trailer(pieces)`` -- the file's own account of itself, see integrity.py -- and fsync;
+    return each piece's (offset, nbytes, dtype, shape) and the file's {"sha256", "bytes"}.
+    ``fault`` (a ``minidist.resilience.faults`` hook) may fail the write part-way (disk full: some
+    bytes are on disk) or damage the file after it was written."""
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    pieces, offset = [], 0
+    for a in arrays:
+        pieces.append({"offset": offset, "nbytes": a.nbytes, "dtype": a.dtype.str, "shape": list(a.shape)})
+        offset += a.nbytes
+    tail = trailer(pieces) if trailer is not None else b""
+    h = hashlib.sha256()
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644), "wb") as f:
+        bufs = [memoryview(a).cast("B") if a.size else b"" for a in arrays] + [tail]
+        for i, buf in enumerate(bufs):
+            if fault is not None and (i > 0 or len(bufs) == 1):  # part-way: after the first piece
+                fault.before_write(path, len(buf))
             f.write(buf)
             h.update(buf)
-            pieces.append({"offset": offset, "nbytes": a.nbytes, "dtype": a.dtype.str,
-                           "shape": list(a.shape)})
-            offset += a.nbytes
+        f.truncate(offset + len(tail))
         f.flush()
         os.fsync(f.fileno())
-    return pieces, {"sha256": h.hexdigest(), "bytes": offset}
+    return pieces, {"sha256": h.hexdigest(), "bytes": offset + len(tail)}
 
 
 def read_piece(directory, piece: dict) -> np.ndarray:
@@ -99,34 +107,14 @@ def read_piece(directory, piece: dict) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.dtype(piece["dtype"])).reshape(piece["shape"])
 
 
-def _write_json_atomic(path, obj) -> None:
+def write_json_atomic(path, obj) -> None:
+    """``obj`` as compact JSON (the C encoder: an indented dump is several times slower), atomically."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+        f.write(json.dumps(obj, separators=(",", ":")))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def write_sidecar(tmp, rank: int, obj: dict) -> None:
-    """Rank ``rank``'s account of its file (pieces, sha256, small state), for rank 0 to collect."""
-    _write_json_atomic(os.path.join(tmp, f"rank-{rank:05d}.json"), obj)
-
-
-def wait_sidecars(tmp, world: int, timeout: float, poll: float = 0.002) -> list[dict]:
-    """Every rank's sidecar, in rank order, once all exist (written atomically: a present one is whole)."""
-    paths = [os.path.join(tmp, f"rank-{r:05d}.json") for r in range(world)]
-    deadline = time.monotonic() + timeout
-    while not all(os.path.exists(p) for p in paths):
-        if time.monotonic() > deadline:
-            missing = [r for r, p in enumerate(paths) if not os.path.exists(p)]
-            raise CheckpointError(f"{tmp}: ranks {missing} did not finish writing within {timeout} s")
-        time.sleep(poll)
-    out = []
-    for p in paths:
-        with open(p) as f:
-            out.append(json.load(f))
-    return out
 
 
 def begin_step(root, step: int) -> str:
@@ -144,7 +132,7 @@ def commit_step(root, step: int, manifest: dict, keep: int) -> str:
     for name in os.listdir(tmp):
         if name.endswith(".json"):  # the sidecars: the manifest holds all they said
             os.remove(os.path.join(tmp, name))
-    _write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
+    write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
     fsync_dir(tmp)
     final = os.path.join(root, step_dir_name(step))
     if os.path.exists(final):  # the same step saved again (a restarted run): the new one replaces it
@@ -182,55 +170,75 @@ def list_steps(root) -> list[int]:
 
 
 def candidates(root) -> tuple[list[str], list[str]]:
-    """Directories to try, best first (``latest``'s target, then newest first), and problems found."""
-    problems, order = [], []
+    """Step directories to try, newest first, and problems found (a ``latest`` that names no
+    finished checkpoint). Every finished step is whole -- the rename is the commit -- so the newest
+    verified one wins; ``latest`` is the pointer for readers that do not verify."""
+    problems = []
     latest = os.path.join(root, LATEST)
-    if os.path.exists(latest):
-        name = open(latest, "rb").read().decode("utf-8", "replace").strip()
-        if _STEP_DIR.match(name) and os.path.isdir(os.path.join(root, name)):
-            order.append(name)
-        else:
+    if os.path.lexists(latest):
+        try:
+            with open(latest, "rb") as f:
+                name = f.read(64).decode("utf-8", "replace").strip()
+        except OSError as e:
+            name = f"<unreadable: {e.strerror}>"
+        if not (_STEP_DIR.match(name) and os.path.isdir(os.path.join(root, name))):
             problems.append(f"{latest}: points to {name[:40]!r}, which is not a finished checkpoint")
-    order += [step_dir_name(s) for s in reversed(list_steps(root)) if step_dir_name(s) not in order]
-    return [os.path.join(root, n) for n in order], problems
+    return [os.path.join(root, step_dir_name(s)) for s in reversed(list_steps(root))], problems
 
 
 def read_manifest(directory) -> dict:
+    """The manifest of a step directory, its digest and structure checked (CheckpointError if not)."""
+    from minidist.resilience.checkpoint import integrity  # cycle: files -> integrity -> files
+
     path = os.path.join(directory, MANIFEST)
     try:
-        with open(path) as f:
-            m = json.load(f)
+        with open(path, "rb") as f:
+            m = json.loads(f.read())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (the checkpoint was not finished)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}): truncated or corrupted") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: a folder, not a manifest") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({str(e)[:80]}): truncated or corrupted") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format is {m.get('format') if isinstance(m, dict) else m!r}, "
-                              f"expected {FORMAT!r}")
-    return m
+        got = str(m.get("format") if isinstance(m, dict) else m)[:40]
+        raise CheckpointError(f"{path}: format is {got!r}, expected {FORMAT!r}")
+    step = _STEP_DIR.match(os.path.basename(os.path.normpath(directory)))
+    return integrity.validate(integrity.unseal(m, path), path, int(step.group(1)) if step else None)
 
 
-def check_file(directory, name: str, meta: dict) -> str | None:
-    """None if ``name`` has the manifest's size and sha256, else what is wrong with it."""
+def check_file(directory, name: str, meta: dict, manifest: dict | None = None) -> str | None:
+    """None if ``name`` has the manifest's size and sha256 (and, given the ``manifest``, its trailer
+    says what the manifest says of it), else what is wrong with it."""
+    from minidist.resilience.checkpoint import integrity  # cycle: files -> integrity -> files
+
     path = os.path.join(directory, name)
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         return f"{path}: missing"
     size = os.path.getsize(path)
     if size != meta["bytes"]:
         return f"{path}: {size} bytes, the manifest says {meta['bytes']} (truncated or overwritten)"
     if sha256_file(path) != meta["sha256"]:
         return f"{path}: sha256 differs from the manifest's (corrupted)"
-    return None
+    return integrity.cross_check(path, manifest, name) if manifest is not None else None
 
 
-def choose(comm, roots) -> tuple[dict | None, dict | None, list[str]]:
+def _check(d, name: str, manifest: dict) -> str | None:
+    try:
+        return check_file(d, name, manifest["files"][name], manifest)
+    except (OSError, KeyError, TypeError, ValueError, IndexError) as e:
+        return f"{os.path.join(d, name)}: cannot be checked ({type(e).__name__}: {e})"
+
+
+def choose(comm, roots, job=None, any_job: bool = True) -> tuple[dict | None, dict | None, list[str]]:
     """(where, manifest, problems) of the newest step with an intact copy of every file, the same on
     every rank. ``roots``: one checkpoint directory, or several holding the same steps (tiers: a file
     damaged or lost in one is taken from the next). ``where`` maps each file to the step directory
     it is read from; (None, None, problems) when no step is whole. Collective: rank r hashes files
     r, r + size, ...; the verdicts are all-gathered. (``latest`` is replaced last, so the newest
     whole step is normally its target; after a crash between the rename and that replacement, the
-    newer step -- complete and verified -- is used.)"""
+    newer step -- complete and verified -- is used.) Unless ``any_job``, a checkpoint another ``job``
+    wrote is skipped."""
     roots = [roots] if isinstance(roots, str | os.PathLike) else list(roots)
     by_step, problems = {}, []
     if comm.rank == 0:
@@ -246,16 +254,21 @@ def choose(comm, roots) -> tuple[dict | None, dict | None, list[str]]:
             for d in dirs:
                 try:
                     manifest = read_manifest(d)
-                    break
                 except CheckpointError as e:
                     errs.append(str(e))
+                    continue
+                if not any_job and manifest.get("job") != job:
+                    errs.append(f"{d}: written by job {manifest.get('job')!r}, not this job {job!r}")
+                    manifest = None
+                    continue
+                break
         manifest, errs = comm.bcast_obj((manifest, errs), root=0)
         where = {}
         if manifest is not None:
             names = sorted(manifest["files"])
             mine = {}
             for n in names[comm.rank::comm.size]:
-                verdicts = [(d, check_file(d, n, manifest["files"][n])) for d in dirs]
+                verdicts = [(d, _check(d, n, manifest)) for d in dirs]
                 good = [d for d, e in verdicts if e is None]
                 mine[n] = good[0] if good else [e for _, e in verdicts]
             for part in comm.allgather_obj(mine):

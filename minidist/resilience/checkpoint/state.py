@@ -14,18 +14,28 @@ parameter -- is written by the lowest of them); small state is JSON in the manif
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from minidist.autograd import random as mrandom
 from minidist.parallel.tensor.sharding import sharding_table
 from minidist.resilience.checkpoint import files
 from minidist.resilience.checkpoint.files import CheckpointError
 from minidist.resilience.checkpoint.layout import Slot, assemble, optimizer_slots, param_slots, zero_slots
+from minidist.resilience.checkpoint.writer import (
+    Snapshot,
+    plan_file,
+    prepare,
+    snapshot,
+    write_part,
+    write_snapshot,
+)
+
+__all__ = ["Attrs", "LoadInfo", "Snapshot", "TrainState", "check_config", "load", "plan_file", "prepare",
+           "restore", "save", "snapshot", "warn_skipped", "write_part", "write_snapshot"]
 
 
 @dataclass
@@ -41,6 +51,9 @@ class TrainState:
     with ``state_dict``/``load_state_dict``. ``rngs``: name -> numpy Generator (restored in place).
     ``mesh``: recorded in the manifest, e.g. {"dp": 2, "pp": 2, "tp": 1, "zero": 0}. ``on_load``:
     functions called after a restore (mixed precision: copy the fp32 masters into the model).
+    ``config``: the model's configuration (JSON), recorded; a checkpoint of another configuration is
+    refused at load, naming both. ``job``: the job's id; a checkpoint folder belongs to one job
+    (folder.py), another job's checkpoints are skipped at load (default: ``MINIDIST_JOB_ID``).
     """
 
     model: object
@@ -52,6 +65,8 @@ class TrainState:
     rngs: dict = field(default_factory=dict)
     mesh: dict = field(default_factory=dict)
     on_load: list = field(default_factory=list)  # called after a restore (e.g. recast fp32 masters)
+    config: dict | None = None
+    job: str | None = field(default_factory=lambda: os.environ.get("MINIDIST_JOB_ID"))
 
     def sharding(self) -> dict:
         """{parameter name: Shard or None} of the model (a PipelineStage: of the layers it holds)."""
@@ -98,7 +113,16 @@ class TrainState:
                 "rngs": {"minidist.autograd.random": mrandom.get_state(),
                          **{k: g.bit_generator.state for k, g in self.rngs.items()}}}
 
-    def load_small_state(self, st: dict) -> None:
+    def load_small_state(self, st: dict, where: str = "the checkpoint") -> None:
+        try:
+            self._load_small_state(st)
+        except CheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
+            raise CheckpointError(f"{where}: a rank's small state (optimizer scalars, loader, schedule, "
+                                  f"RNG streams) does not load: {type(e).__name__}: {e}") from None
+
+    def _load_small_state(self, st: dict) -> None:
         opt = self._optimizer
         if opt is not None and st["optimizer"] is not None:
             opt.lr, opt.step_count = st["optimizer"]["lr"], st["optimizer"]["step_count"]
@@ -113,104 +137,12 @@ class TrainState:
                 g.bit_generator.state = st["rngs"][k]
 
 
-# -- save -------------------------------------------------------------------------------------------
-
-@dataclass
-class Snapshot:
-    """A rank's part of one checkpoint, copied to host memory: what the (background) writer needs."""
-
-    step: int
-    arrays: list          # host copies, in slot order
-    specs: list           # (name, global shape, dtype, spec) per array
-    small: dict
-    mesh: dict
-    seconds: float = 0.0  # how long the copy took (the training stall of an asynchronous save)
-
-
-def snapshot(comm, step: int, state: TrainState) -> Snapshot:
-    """Copy this rank's owned pieces to host memory (collective: ranks agree who writes replicas)."""
-    t0 = time.perf_counter()
-    slots, _ = state.slots()
-    keys = [s.key() for s in slots]
-    first = {}
-    for r, ks in enumerate(comm.allgather_obj(keys)):
-        for k in ks:
-            first.setdefault(k, r)
-    mine = [s for s in slots if first[s.key()] == comm.rank]
-    arrays = [np.array(s.get(), copy=True) for s in mine]
-    specs = [(s.name, list(s.shape), np.dtype(s.dtype).str, s.spec()) for s in mine]
-    mesh = dict(state.mesh, world=comm.size)
-    return Snapshot(step, arrays, specs, state.small_state(), mesh, time.perf_counter() - t0)
-
-
-def prepare(comm, root, step: int) -> str:
-    """The empty temporary directory of checkpoint ``step`` (collective: rank 0 makes it, all get it)."""
-    tmp = files.begin_step(root, step) if comm.rank == 0 else None
-    return comm.bcast_obj(tmp, root=0)
-
-
-def write_part(root, tmp, rank: int, world: int, snap: Snapshot, keep: int = 3, fault=None,
-               timeout: float = 600.0, writer: int | None = None) -> str | None:
-    """Write rank ``rank``'s file and its sidecar into ``tmp`` -- no communication, so a background
-    thread may run it while training goes on. The writer of rank 0's file then waits for every
-    sidecar and commits the checkpoint (manifest, rename, ``latest``); it returns the directory
-    (other writers: None). ``writer``: the rank doing the writing, if not ``rank`` itself (a peer
-    tier), recorded in the manifest."""
-    writer = rank if writer is None else writer
-    fname = files.rank_file_name(rank)
-    path = os.path.join(tmp, fname)
-    err = None
-    try:
-        pieces, meta = files.write_pieces(path, snap.arrays, fault)
-        meta["writer"] = writer
-        if fault is not None:
-            fault.after_write(path)
-    except OSError as e:  # disk full, permission: rank 0 learns it from the sidecar
-        pieces, meta, err = [], {}, f"rank {rank}: writing {fname} failed: {e}"
-    files.write_sidecar(tmp, rank, {"file": fname, "meta": meta, "pieces": pieces, "specs": snap.specs,
-                                    "small": snap.small, "error": err})
-    if rank != 0:
-        return None
-    parts = files.wait_sidecars(tmp, world, timeout)
-    errors = [p["error"] for p in parts if p["error"]]
-    if errors:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"checkpoint of step {snap.step} not written ({'; '.join(errors)}); "
-                              "the previous one stays the latest")
-    return files.commit_step(root, snap.step, dict(_manifest(snap, parts), committed_by=writer), keep)
-
-
-def write_snapshot(comm, root, snap: Snapshot, keep: int = 3, fault=None) -> str:
-    """Write a snapshot as checkpoint ``step`` under ``root``, now (collective, atomic; see files.py)."""
-    tmp = prepare(comm, root, snap.step)
-    try:
-        final, err = write_part(root, tmp, comm.rank, comm.size, snap, keep, fault), None
-    except CheckpointError as e:
-        final, err = None, str(e)
-    final, err = comm.bcast_obj((final, err), root=0)
-    if err:
-        raise CheckpointError(f"rank {comm.rank}: {err}")
-    return final
-
-
-def _manifest(snap: Snapshot, parts) -> dict:
-    tensors, file_meta, ranks = {}, {}, []
-    for p in parts:
-        file_meta[p["file"]] = p["meta"]
-        ranks.append(p["small"])
-        for piece, (name, shape, dtype, spec) in zip(p["pieces"], p["specs"]):
-            t = tensors.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})
-            t["pieces"].append({"file": p["file"], **piece, **spec})
-    return {"format": files.FORMAT, "step": snap.step, "mesh": snap.mesh, "time": time.time(),
-            "files": file_meta, "tensors": dict(sorted(tensors.items())), "ranks": ranks}
-
+# -- save (writer.py writes) and load ---------------------------------------------------------------
 
 def save(comm, root, step: int, state: TrainState, keep: int = 3, fault=None) -> str:
     """Save the whole training state as checkpoint ``step`` (collective). Returns its directory."""
     return write_snapshot(comm, root, snapshot(comm, step, state), keep, fault)
 
-
-# -- load -------------------------------------------------------------------------------------------
 
 @dataclass
 class LoadInfo:
@@ -230,7 +162,8 @@ def load(comm, root, state: TrainState, required: bool = False) -> LoadInfo:
     ``info.step`` is None (or CheckpointError if ``required``). On another mesh the arrays are
     resharded; per-rank small state (RNG streams, loader) then comes from the saved rank 0."""
     t0 = time.perf_counter()
-    where, manifest, problems = files.choose(comm, root)
+    where, manifest, problems = files.choose(comm, root, job=state.job, any_job=False)
+    warn_skipped(comm, problems, manifest)
     if where is None:
         if required:
             raise CheckpointError(f"rank {comm.rank}: no intact checkpoint under {root}: {problems}")
@@ -246,6 +179,7 @@ def restore(comm, where, manifest: dict, state: TrainState) -> bool:
     were resharded and per-rank small state is the saved rank 0's)."""
     path = where if isinstance(where, str) else sorted(set(where.values()))[0]
     dir_of = (lambda f: where) if isinstance(where, str) else where.__getitem__
+    check_config(manifest, state, path)
     tensors = manifest["tensors"]
     keys = sorted({n.split("/")[1] for n in tensors if n.startswith("optim/")})
     slots, finishers = state.slots(optim_keys=keys)
@@ -273,7 +207,7 @@ def restore(comm, where, manifest: dict, state: TrainState) -> bool:
     for f in finishers:
         f()
     same = manifest["mesh"] == dict(state.mesh, world=comm.size)
-    state.load_small_state(manifest["ranks"][comm.rank if same else 0])
+    state.load_small_state(manifest["ranks"][comm.rank if same else 0], os.path.join(path, files.MANIFEST))
     z = state.zero
     if z is not None and z.stage < 3:
         for b in z.buckets:
@@ -281,6 +215,27 @@ def restore(comm, where, manifest: dict, state: TrainState) -> bool:
     for f in state.on_load:
         f()
     return not same
+
+
+def check_config(manifest: dict, state: TrainState, path) -> None:
+    """Refuse a checkpoint saved from another model configuration, naming both (shapes may agree:
+    n_head=2 and n_head=4 have the same parameters). Another mesh is fine: it is resharded."""
+    saved, mine = manifest.get("config"), state.config
+    mine = json.loads(json.dumps(mine)) if mine is not None else None  # as saved: tuples are lists
+    if saved is None or mine is None or saved == mine:
+        return
+    keys = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+    both = ", ".join(f"{k}={saved.get(k)!r} (checkpoint) vs {mine.get(k)!r} (this model)" for k in keys)
+    raise CheckpointError(f"{path} was saved from another model configuration: {both}; build the model "
+                          "with the configuration it was saved with")
+
+
+def warn_skipped(comm, problems, manifest) -> None:
+    """(Rank 0) a warning for every damaged or foreign checkpoint skipped: a fallback is never silent."""
+    if problems and comm.rank == 0:
+        to = f"step {manifest['step']}" if manifest is not None else "no checkpoint (a fresh start)"
+        warnings.warn(f"checkpoint: skipped {len(problems)}, using {to}: {'; '.join(problems)}",
+                      files.CheckpointWarning, stacklevel=3)
 
 
 class Attrs:

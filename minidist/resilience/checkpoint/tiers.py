@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -27,16 +28,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from minidist.resilience.checkpoint import files
-from minidist.resilience.checkpoint.state import (
-    LoadInfo,
-    Snapshot,
-    TrainState,
-    prepare,
-    restore,
-    snapshot,
-    write_part,
-)
+from minidist.resilience.checkpoint import files, folder
+from minidist.resilience.checkpoint.state import LoadInfo, TrainState, restore, warn_skipped
+from minidist.resilience.checkpoint.writer import Snapshot, plan_file, prepare, snapshot, write_part
 
 
 @dataclass
@@ -97,7 +91,7 @@ class Checkpointer:
         self.wait()
         snap = snapshot(self.comm, step, state)
         buddy = exchange_with_buddy(self.comm, snap) if any(t.peer for t in tiers) else None
-        tmps = [prepare(self.comm, t.root, step) for t in tiers]
+        tiers, tmps = self._reserve(tiers, snap, buddy)
         job = (tiers, tmps, snap, buddy)
         if self.asynchronous:
             self.thread = threading.Thread(target=self._write, args=job, daemon=True,
@@ -109,6 +103,46 @@ class Checkpointer:
         self.stalls.append(time.perf_counter() - t0)
         return True
 
+    def _fail(self, tier: Tier, step: int, e) -> None:
+        self.errors.append(f"{tier.name} step {step}: {e}")
+        sys.stderr.write(f"[minidist.checkpoint] rank {self.comm.rank}: {tier.name} checkpoint of step "
+                         f"{step} failed: {e}\n")
+
+    def _reserve(self, tiers, snap, buddy) -> tuple[list, list]:
+        """Make each tier's temporary directory and reserve this rank's file in it, in the
+        foreground; the ranks agree (one all-gather) and a tier that fails anywhere -- read-only,
+        no room -- is skipped on every rank, its directory removed. The background write then
+        cannot run out of space half-way."""
+        rank, size = self.comm.rank, self.comm.size
+        ok, tmps, mine = [], [], []
+        for tier in tiers:
+            fault = self.fault if tier is self.tiers[-1] else None
+            try:
+                tmps.append(prepare(self.comm, tier.root, snap.step, fault, snap.job))
+                ok.append(tier)
+            except files.CheckpointError as e:
+                self._fail(tier, snap.step, e)
+        for tier, tmp in zip(ok, tmps):
+            owner, data = ((rank - 1) % size, buddy) if tier.peer else (rank, snap)
+            path = os.path.join(tmp, files.rank_file_name(owner))
+            need = plan_file(data, owner)[2]
+            try:
+                folder.reserve(path, need, self.fault if tier is self.tiers[-1] else None)
+                mine.append(None)
+            except OSError as e:
+                mine.append(str(folder.space_error(e, path, need, f"rank {rank}: {tier.name} checkpoint")))
+        verdicts = self.comm.allgather_obj(mine)
+        kept = []
+        for i, (tier, tmp) in enumerate(zip(ok, tmps)):
+            errs = [v[i] for v in verdicts if v[i]]
+            if errs:
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                self._fail(tier, snap.step, "; ".join(errs))
+            else:
+                kept.append((tier, tmp))
+        return [t for t, _ in kept], [d for _, d in kept]
+
     def _write(self, tiers, tmps, snap, buddy) -> None:
         rank, size = self.comm.rank, self.comm.size
         for tier, tmp in zip(tiers, tmps):
@@ -116,12 +150,11 @@ class Checkpointer:
             try:  # a peer tier: this rank writes its left neighbour's file, from the copy it received
                 owner, mine = ((rank - 1) % size, buddy) if tier.peer else (rank, snap)
                 write_part(tier.root, tmp, owner, size, mine, tier.keep,
-                           self.fault if tier is self.tiers[-1] else None, writer=rank)
+                           self.fault if tier is self.tiers[-1] else None, self.comm.timeout, writer=rank,
+                           reserved=True)
                 self.written.append((tier.name, snap.step, time.perf_counter() - t0))
             except (files.CheckpointError, OSError) as e:
-                self.errors.append(f"{tier.name} step {snap.step}: {e}")
-                sys.stderr.write(f"[minidist.checkpoint] rank {rank}: {tier.name} checkpoint of step "
-                                 f"{snap.step} failed: {e}\n")
+                self._fail(tier, snap.step, e)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written."""
@@ -135,7 +168,9 @@ class Checkpointer:
         "memory" or "memory+peer")."""
         self.wait()
         t0 = time.perf_counter()
-        where, manifest, problems = files.choose(self.comm, [t.root for t in self.tiers])
+        where, manifest, problems = files.choose(self.comm, [t.root for t in self.tiers], job=state.job,
+                                                 any_job=False)
+        warn_skipped(self.comm, problems, manifest)
         if where is None:
             return LoadInfo(None, None, problems, False, time.perf_counter() - t0), None
         resharded = restore(self.comm, where, manifest, state)

@@ -3,12 +3,15 @@
 ``Trainer(comm, cfg, dp=2, pp=2, tp=1)`` builds the 3D pieces of ``minidist.parallel.three_d`` (a
 GPT or tensor-parallel GPT, cut into pipeline stages, DDP over the data-parallel group) -- or, with
 ``zero=1|2|3``, a ZeRO data-parallel GPT -- plus AdamW, a warmup-cosine schedule, a seeded
-resumable loader of global batches, and per-rank dropout streams. ``trainer.step()`` trains one
+resumable loader of global batches, and per-rank dropout streams; ``job`` names the job whose
+checkpoints it writes and resumes. ``trainer.step()`` trains one
 step; ``trainer.state()`` is everything ``minidist.resilience.checkpoint.save`` needs to resume it exactly.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import types
 
 import numpy as np
@@ -43,7 +46,7 @@ class Trainer:
 
     def __init__(self, comm, cfg: GPTConfig, dp: int | None = None, pp: int = 1, tp: int = 1, zero: int = 0,
                  microbatches: int = 2, batch_size: int = 8, lr: float = 3e-3, total_steps: int = 100,
-                 data_seed: int = 0):
+                 data_seed: int = 0, job: str | None = None):
         dp = comm.size // (pp * tp) if dp is None else dp
         check_3d(comm.size, cfg, batch_size, dp, pp, tp, microbatches, 1, comm.rank)
         if zero and (pp > 1 or tp > 1):
@@ -70,6 +73,7 @@ class Trainer:
         self.loader = BatchLoader(SyntheticTask("sort", length=4, size=256, seed=data_seed), batch_size,
                                   seed=data_seed)
         self.step_count, self.losses = 0, []
+        self.job = job if job is not None else os.environ.get("MINIDIST_JOB_ID")  # whose checkpoints
 
     def state(self) -> TrainState:
         sharded = getattr(self.model, "sharded_rng", None)
@@ -79,7 +83,8 @@ class Trainer:
                           objects={"loader": self.loader, "schedule": self.schedule, "trainer": self},
                           rngs={"tp_sharded": sharded.generator} if sharded is not None else {},
                           mesh={"dp": self.mesh.dp_size, "pp": self.mesh.pp_size, "tp": self.mesh.tp_size,
-                                "zero": self.zero_stage})
+                                "zero": self.zero_stage},
+                          config=dataclasses.asdict(self.cfg), job=self.job)
 
     # the trainer's own state: the step counter (an object of the checkpoint like the loader)
     def state_dict(self) -> dict:

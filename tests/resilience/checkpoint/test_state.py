@@ -71,18 +71,26 @@ def test_each_element_is_written_once_and_every_file_is_checksummed(tmp_path, mo
     h, v, T, L = cfg.d_model, cfg.vocab_size, cfg.block_size, cfg.n_layer
     psi = v * h + T * h + L * (4 * h + 3 * h * h + 3 * h + h * h + h + 4 * h * h + 4 * h + 4 * h * h + h) \
         + 2 * h + h * v
-    assert sum(meta["bytes"] for meta in m["files"].values()) == 3 * 8 * psi
+    data = dict.fromkeys(m["files"], 0)
+    for t in m["tensors"].values():
+        for p in t["pieces"]:
+            data[p["file"]] += p["nbytes"]
+    assert sum(data.values()) == 3 * 8 * psi
+    for name, meta in m["files"].items():  # the rest of a file is its trailer: length and magic at the end
+        tail = (d / name).read_bytes()[-16:]
+        trailer = int.from_bytes(tail[:8], "little")
+        assert tail[8:] == b"mdckpt02" and meta["bytes"] == data[name] + trailer + 16
     assert m["step"] == 2 and m["mesh"]["world"] == n
-    if mode == "ddp":  # replicated: rank 0 writes everything, rank 1 nothing
-        assert m["files"]["rank-00001.bin"]["bytes"] == 0
+    if mode == "ddp":  # replicated: rank 0 writes everything, rank 1 no piece
+        assert data["rank-00001.bin"] == 0
 
 
 def test_keep_last_k_and_latest_is_replaced_last(tmp_path):
     (tmp_path / "step-00000000.tmp").mkdir()  # a crashed save of an older step: removed
     (tmp_path / "step-00000009.tmp").mkdir()  # a save still being written: kept
     run(_job, ranks=2, root=str(tmp_path), steps=5, save_at=(1, 2, 3, 4, 5))
-    assert _files(tmp_path) == ["latest", "step-00000003", "step-00000004", "step-00000005",
-                                "step-00000009.tmp"]
+    assert _files(tmp_path) == [".minidist-checkpoints", "latest", "step-00000003", "step-00000004",
+                                "step-00000005", "step-00000009.tmp"]
     assert (tmp_path / "latest").read_text() == "step-00000005"
 
 
@@ -136,17 +144,25 @@ def test_no_intact_checkpoint_means_a_fresh_start_or_a_clear_error(tmp_path):
         run(body, ranks=1, required=True)
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"dtype": "float32"}, "holds float64, this model has float32"),
-    ({"d_model": 8}, "global shape"),
-    ({"n_layer": 1}, "is for another model"),
+@pytest.mark.parametrize("change,message,recorded", [
+    ({"dtype": "float32"}, "holds float64, this model has float32", None),
+    ({"d_model": 8}, "global shape", None),
+    ({"n_layer": 1}, "is for another model", None),
+    ({"dtype": "float32"}, "dtype='float64' \\(checkpoint\\) vs 'float32' \\(this model\\)", True),
+    ({"n_layer": 1}, "n_layer=2 \\(checkpoint\\) vs 1 \\(this model\\)", True),
+    ({"n_head": 2}, "n_head=4 \\(checkpoint\\) vs 2 \\(this model\\)", True),  # the same shapes
 ])
-def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path, change, message):
+def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path, change, message, recorded):
+    """With the configuration recorded (the Trainer does) it is compared first, naming both sides;
+    without it (a TrainState built by hand) the parameters' names, shapes and dtypes still are."""
     run(_job, ranks=1, root=str(tmp_path), steps=1, save_at=(1,))
 
     def body(comm):
         t = Trainer(comm, small_config().replace(**change))
-        load(comm, str(tmp_path), t.state())
+        state = t.state()
+        if not recorded:
+            state.config = None
+        load(comm, str(tmp_path), state)
     with pytest.raises(CheckpointError, match=message):
         run(body, ranks=1)
 
@@ -158,9 +174,10 @@ def test_disk_full_on_one_rank_fails_the_save_and_keeps_the_previous_latest(tmp_
         save(comm, str(tmp_path), 1, t.state())
         t.step()
         save(comm, str(tmp_path), 2, t.state(), fault=Injector.from_env(comm.rank, "diskfull:rank=1,step=2"))
-    with pytest.raises(CheckpointError, match="rank 1: writing rank-00001.bin failed.*No space left"):
+    with pytest.raises(CheckpointError, match="rank 1: disk full at .*step-00000002.tmp/rank-00001.bin: "
+                                              "it needs [0-9,]+ bytes"):
         run(body, ranks=2)
-    assert _files(tmp_path) == ["latest", "step-00000001"]
+    assert _files(tmp_path) == [".minidist-checkpoints", "latest", "step-00000001"]
 
 
 # -- resharding: any mesh to any mesh ----------------------------------------------------------------
@@ -224,7 +241,7 @@ def test_async_two_tier_resume_uses_the_newest_fastest_intact_tier(tmp_path):
 def test_async_write_failure_is_reported_and_training_goes_on(tmp_path):
     got, _, _, errors = run(_tiered, ranks=2, root=str(tmp_path), steps=3, fault="diskfull:rank=1,step=3")[0]
     assert any("disk step 3" in e and "No space left" in e for e in errors), errors
-    assert os.listdir(tmp_path / "disk") == []  # nothing half-written was committed
+    assert os.listdir(tmp_path / "disk") == [".minidist-checkpoints"]  # nothing half-written was left
 
 
 @budget(30)

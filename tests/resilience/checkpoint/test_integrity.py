@@ -1,0 +1,223 @@
+"""A damaged checkpoint is never loaded wrong: hypothesis flips, cuts, deletes and edits the bytes and
+fields of the newest checkpoint (its manifest, its rank files, ``latest``, its saved RNG state), and
+every outcome must be one of three: loaded bit-identical, fallen back to the previous good
+checkpoint with a warning, or a CheckpointError naming the file -- never a silent wrong load, never
+another exception. Edited manifests are tried as they are and re-sealed (their digest recomputed,
+as a buggy writer would): the rank files' own trailers must catch those."""
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from minidist.comm import run
+from minidist.resilience.checkpoint import CheckpointError, load, save
+from minidist.resilience.checkpoint.files import CheckpointWarning
+from minidist.resilience.checkpoint.trainer import Trainer, small_config
+from tests.conftest import budget
+
+CFG = small_config("float64", 0.1, n_layer=1)
+NEWEST = "step-00000002"
+FILES = [f"{NEWEST}/manifest.json", f"{NEWEST}/rank-00000.bin", f"{NEWEST}/rank-00001.bin", "latest"]
+
+
+def _observed(t):
+    """What a resumed job is made of, per rank: full parameters and optimizer state (rank 0), and
+    this rank's small state (optimizer scalars, loader, schedule, step, RNG streams) as JSON."""
+    return t.full_state(), json.dumps(t.state().small_state(), sort_keys=True)
+
+
+def _save_two(comm, root):
+    t = Trainer(comm, CFG, zero=1, batch_size=4)  # ZeRO: both ranks write pieces
+    seen = {}
+    for step in (1, 2):
+        t.step()
+        save(comm, root, step, t.state())
+        seen[step] = _observed(t)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("base")
+    seen = run(_save_two, ranks=2, root=str(root))
+    pristine = {}
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            pristine[os.path.relpath(p, root)] = open(p, "rb").read()
+    return pristine, seen, tmp_path_factory.mktemp("fuzz")
+
+
+def _digest(body: dict) -> str:
+    """The manifest's digest as documented: sha256 of its canonical JSON without the digest field."""
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _edit(m: dict, what: str, k: int) -> None:
+    """Edit one field of a parsed manifest, the ways the adversarial user did."""
+    names = sorted(m["tensors"])
+    if what == "offset":
+        pieces = [p for t in m["tensors"].values() for p in t["pieces"] if p["nbytes"]]
+        pieces[k % len(pieces)]["offset"] += 8
+    elif what == "swap":  # model/<x> <-> optim/m/<x>: the same shape, another tensor
+        model = [n for n in names if n.startswith("model/") and f"optim/m/{n[6:]}" in m["tensors"]]
+        a = model[k % len(model)]
+        b = f"optim/m/{a[6:]}"
+        m["tensors"][a], m["tensors"][b] = m["tensors"][b], m["tensors"][a]
+    elif what == "step":
+        m["step"] += 1 + k % 3
+    elif what == "loader":
+        st_ = m["ranks"][k % 2]["objects"]["loader"]
+        key = sorted(st_)[k % len(st_)]
+        st_[key] = st_[key] + 1 if isinstance(st_[key], int) else 7
+    elif what == "rng":  # one digit of the saved dropout RNG state (may overflow PCG64's 128 bits)
+        s = m["ranks"][k % 2]["rngs"]["minidist.autograd.random"]["state"]
+        digits = list(str(s["state"]))
+        digits[k % len(digits)] = "9" if digits[k % len(digits)] != "9" else "1"
+        s["state"] = int("".join(digits)) * (10 ** 30 if k % 2 else 1)
+    elif what == "config":
+        m["config"]["n_head"] = 2
+    elif what == "world":
+        m["mesh"]["world"] = 1 + k % 3
+    elif what == "drop":  # a top-level field deleted (files, tensors, ranks, mesh, ...)
+        del m[sorted(m)[k % len(m)]]
+    elif what == "short ranks":
+        m["ranks"] = m["ranks"][:1]
+    elif what == "no files":
+        m["files"] = {}
+    elif what == "type":  # a field of the wrong type
+        m[["step", "files", "tensors", "ranks", "mesh"][k % 5]] = [None]
+
+
+EDITS = ["offset", "swap", "step", "loader", "rng", "config", "world", "drop", "short ranks", "no files",
+         "type"]
+
+
+def _damage(root, target, how, at, k, reseal):
+    path = os.path.join(root, target)
+    blob = open(path, "rb").read()
+    pos = int(at * max(len(blob) - 1, 0))
+    if how == "flip":
+        b = bytearray(blob)
+        b[pos] ^= 1 << (k % 8)
+        blob = bytes(b)
+    elif how == "truncate":
+        blob = blob[:pos]
+    elif how == "bytes":
+        blob = blob[:pos] + bytes((k * 37 + i) % 256 for i in range(1 + k % 9)) + blob[pos + 1 + k % 9:]
+    elif how == "delete":
+        os.remove(path)
+        return
+    elif how == "folder":  # e.g. `latest` replaced by a directory
+        os.remove(path)
+        os.makedirs(path)
+        return
+    else:  # a field edit of the manifest
+        m = json.loads(blob)
+        _edit(m, how, k)
+        if reseal:
+            m["digest"] = _digest({key: v for key, v in m.items() if key != "digest"})
+        blob = json.dumps(m, indent=1).encode()
+    with open(path, "wb") as f:
+        f.write(blob)
+
+
+def _load(comm, root):
+    t = Trainer(comm, CFG, zero=1, batch_size=4)
+    info = load(comm, root, t.state())
+    return info.step, info.problems, _observed(t)
+
+
+def _same(got, want):
+    (full, small), (wfull, wsmall) = got, want
+    if small != wsmall:
+        return False
+    if full is None or wfull is None:
+        return full is None and wfull is None
+    return full.keys() == wfull.keys() and all(np.array_equal(full[k], wfull[k]) for k in full)
+
+
+@budget(30)
+@given(target=st.sampled_from(FILES),
+       how=st.sampled_from(["flip", "truncate", "bytes", "delete", "folder", *EDITS]),
+       at=st.floats(0, 1), k=st.integers(0, 1000), reseal=st.booleans())
+@example(target=FILES[0], how="offset", at=0, k=0, reseal=True)
+@example(target=FILES[0], how="swap", at=0, k=0, reseal=True)
+@example(target=FILES[0], how="step", at=0, k=0, reseal=True)
+@example(target=FILES[0], how="loader", at=0, k=1, reseal=True)
+@example(target=FILES[0], how="rng", at=0, k=3, reseal=True)
+@example(target=FILES[0], how="rng", at=0, k=3, reseal=False)
+@example(target=FILES[0], how="config", at=0, k=0, reseal=True)
+@example(target=FILES[0], how="drop", at=0, k=1, reseal=True)      # "files" removed
+@example(target=FILES[0], how="short ranks", at=0, k=0, reseal=True)
+@example(target=FILES[0], how="flip", at=0.5, k=2, reseal=False)
+@example(target=FILES[1], how="flip", at=0.999, k=0, reseal=False)  # in the rank file's trailer
+@example(target=FILES[2], how="truncate", at=0.5, k=0, reseal=False)
+@example(target=FILES[3], how="folder", at=0, k=0, reseal=False)
+def test_every_damage_loads_identically_falls_back_with_a_warning_or_is_a_checkpoint_error(
+        base, target, how, at, k, reseal):
+    pristine, seen, scratch = base
+    if how in EDITS and not target.endswith("manifest.json"):
+        how = "flip"
+    root = os.path.join(scratch, "ckpt")
+    shutil.rmtree(root, ignore_errors=True)
+    for rel, blob in pristine.items():
+        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
+        with open(os.path.join(root, rel), "wb") as f:
+            f.write(blob)
+    _damage(root, target, how, at, k, reseal)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = run(_load, ranks=2, root=root)
+        except CheckpointError as e:
+            assert root in str(e), f"the error names no file: {e}"
+            return
+    step, problems, _ = out[0]
+    assert step in (1, 2), f"{how} of {target}: loaded step {step}, problems {problems}"
+    for rank, (s, _, got) in enumerate(out):
+        assert s == step and _same(got, seen[rank][step]), f"{how} of {target}: rank {rank} loaded wrong"
+    if step == 1:  # a fallback: said, with what was wrong and where
+        assert problems and all(root in p for p in problems), problems
+        assert any(issubclass(w.category, CheckpointWarning) for w in caught), "fell back silently"
+
+
+def _fresh_copy(base, name):
+    pristine, seen, scratch = base
+    root = os.path.join(scratch, name)
+    shutil.rmtree(root, ignore_errors=True)
+    for rel, blob in pristine.items():
+        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
+        with open(os.path.join(root, rel), "wb") as f:
+            f.write(blob)
+    return root, seen
+
+
+def test_the_manifest_digest_is_the_sha256_of_its_canonical_json(base):
+    root, _ = _fresh_copy(base, "digest")
+    m = json.loads(open(os.path.join(root, NEWEST, "manifest.json")).read())
+    assert m["digest"] == _digest({k: v for k, v in m.items() if k != "digest"})
+    assert m["config"]["n_head"] == CFG.n_head and m["mesh"] == {"dp": 2, "pp": 1, "tp": 1, "zero": 1,
+                                                                   "world": 2}
+
+
+@pytest.mark.parametrize("how", ["offset", "swap", "step", "loader", "rng", "config"])
+@pytest.mark.parametrize("reseal", [False, True])
+def test_each_edit_is_caught_by_the_digest_or_if_resealed_by_the_rank_files_trailers(base, how, reseal):
+    """Unsealed: the digest differs. Re-sealed: the rank files' trailers (inside their sha256)
+    disagree with the manifest -- or, for the step, the step directory's name does."""
+    root, seen = _fresh_copy(base, f"edit-{how}-{reseal}")
+    _damage(root, f"{NEWEST}/manifest.json", how, 0, 1, reseal)
+    out = run(_load, ranks=2, root=root)
+    step, problems, _ = out[0]
+    assert step == 1 and all(_same(got, seen[r][1]) for r, (_, _, got) in enumerate(out))
+    want = ("folder of step 2" if how == "step" else "trailer and the manifest disagree") if reseal else \
+        "digest"
+    assert any(want in p for p in problems), problems
