@@ -25,6 +25,7 @@ import numpy as np
 from minidist.accel import jax_engine
 from minidist.accel.backend import default_backend, get_backend
 from minidist.infer.buckets import array_where, bucket, compiles_per_shape
+from minidist.parallel.tensor.sharding import local_kv_heads
 
 
 class CacheStorage:
@@ -40,10 +41,14 @@ class CacheStorage:
 
     @staticmethod
     def layout_of(decoder) -> tuple:
-        """(n_layer, n_head, head_dim, dtype, backend) of a ``Decoder``'s blocks: this rank's layers and
-        heads, its parameters' dtype and array library."""
+        """(n_layer, kv heads, head_dim, dtype, backend) of a ``Decoder``'s blocks: this rank's layers
+        and K/V heads (grouped-query attention caches n_kv_head heads, split or replicated over tp by
+        ``local_kv_heads``), its parameters' dtype and array library."""
         p = decoder.first_parameter
-        return (*decoder.cache_dims, p.dtype, p.backend)
+        n_layer, _, head_dim = decoder.cache_dims  # (its heads are query heads)
+        cfg, tp = decoder.config, decoder.tp
+        kv = local_kv_heads(cfg.n_head, getattr(cfg, "kv_heads", cfg.n_head), tp)
+        return n_layer, kv, head_dim, p.dtype, p.backend
 
     def write(self, layer, where, k, v):
         """Store k, v (B, H, T, D) of the new tokens where ``locate`` said."""

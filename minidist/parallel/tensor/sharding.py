@@ -148,3 +148,32 @@ def reshard(shards: list, table: dict, new_size: int, group: str = "tp") -> list
     """State_dicts sharded over ``len(shards)`` ranks of ``group`` -> over ``new_size`` ranks."""
     full = unshard(shards, table, group)
     return [shard_state_dict(full, table, r, new_size, group) for r in range(new_size)]
+
+
+# -- grouped-query attention's K/V heads over tp ------------------------------------------------------
+
+def kv_heads_split(n_head: int, n_kv_head: int, tp: int) -> bool:
+    """The rule for K/V heads under tensor parallelism: split (rank r keeps K/V heads
+    r·K/tp .. (r+1)·K/tp - 1, the groups of its query heads) when tp divides n_kv_head; otherwise
+    replicated (every rank holds all K heads, e.g. multi-query attention at any tp > 1). The
+    query heads are always split, so tp must divide n_head."""
+    if n_head % tp:
+        ok = [d for d in range(1, n_head + 1) if n_head % d == 0]
+        raise ValueError(f"n_head = {n_head} is not divisible by the tensor-parallel size {tp}: the query "
+                         f"heads are split across tp; use a tp size in {ok}")
+    return n_kv_head % tp == 0
+
+
+def local_kv_heads(n_head: int, n_kv_head: int, tp: int) -> int:
+    """How many K/V heads each of ``tp`` ranks holds (and caches): K/tp split, K replicated."""
+    return n_kv_head // tp if kv_heads_split(n_head, n_kv_head, tp) else n_kv_head
+
+
+def kv_of_local_heads(n_head: int, n_kv_head: int, tp: int, rank: int):
+    """The K/V head (among this rank's) of each of this rank's n_head/tp query heads: None when they
+    are whole groups in order (split, or tp = 1: local head j uses j // (H/K)); otherwise the
+    tuple of global K/V heads h // (H/K) for the rank's query heads h (replicated K/V)."""
+    if kv_heads_split(n_head, n_kv_head, tp):
+        return None
+    local, group = n_head // tp, n_head // n_kv_head
+    return tuple((rank * local + j) // group for j in range(local))
