@@ -52,16 +52,27 @@ class CacheStorage:
 
     def write(self, layer, where, k, v):
         """Store k, v (B, H, T, D) of the new tokens where ``locate`` said."""
+        self.k[layer], self.v[layer] = self.put(self.k[layer], self.v[layer], where, k, v)
+
+    def put(self, k_all, v_all, where, k, v):
+        """``k_all``, ``v_all`` (rows, H, L, X) with the new tokens' k, v (B, H, T, X) stored where
+        ``locate`` said (any X: the int8 cache stores its scales, X = 1, the same way)."""
         if self.bucketed:
-            self.k[layer], self.v[layer] = store(self.k[layer], self.v[layer], where, k, v)
-            return
+            return store(k_all, v_all, where, k, v)
         index, take = where
-        self.k[layer] = self.be.set_at(self.k[layer], index, new_tokens(k, take))
-        self.v[layer] = self.be.set_at(self.v[layer], index, new_tokens(v, take))
+        be = self.be
+        return be.set_at(k_all, index, new_tokens(k, take)), be.set_at(v_all, index, new_tokens(v, take))
+
+    def arrays(self) -> list:
+        """Every array the cache holds (what its memory is)."""
+        return [*self.k, *self.v]
 
     def bytes_per_token(self) -> int:
-        k = self.k[0] if self.k else None
-        return 0 if k is None else 2 * len(self.k) * k.shape[1] * k.shape[3] * k.dtype.itemsize
+        """Bytes one cached position costs, measured from the arrays: their bytes / positions."""
+        if not self.k:
+            return 0
+        positions = self.k[0].shape[0] * self.k[0].shape[2]
+        return sum(int(a.nbytes) for a in self.arrays()) // positions
 
 
 class KVCache(CacheStorage):
@@ -98,9 +109,12 @@ class KVCache(CacheStorage):
 
     def read(self, layer, rows, tk):
         """Keys and values of positions 0..tk-1 for these rows: (B, H, tk, D)."""
+        return self.take(self.k[layer], self.v[layer], rows, tk)
+
+    def take(self, k_all, v_all, rows, tk):
         if self.bucketed:
-            return prefix(self.k[layer], self.v[layer], rows, tk)
-        return self.k[layer][rows, :, :tk], self.v[layer][rows, :, :tk]
+            return prefix(k_all, v_all, rows, tk)
+        return k_all[rows, :, :tk], v_all[rows, :, :tk]
 
     # -- what a scheduler calls -------------------------------------------------------------------
     def reserve(self, slot, length):

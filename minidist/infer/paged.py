@@ -102,9 +102,12 @@ class PagedKVCache(CacheStorage):
 
     def read(self, layer, rows, tk):
         """Gather each row's blocks into (B, H, tk, D) (rows past a sequence's end hold junk: masked)."""
+        return self.take(self.k[layer], self.v[layer], rows, tk)
+
+    def take(self, k_pool, v_pool, rows, tk):
         nb = -(-tk // self.block_len)
         ids = self.tables[rows, :nb]  # (B, nb); entries past n_blocks point at block 0 (masked anyway)
-        return gather_blocks(self.k[layer], self.v[layer], ids, tk)
+        return gather_blocks(k_pool, v_pool, ids, tk)
 
     # -- accounting -------------------------------------------------------------------------------
     def memory(self, active_slots=None) -> dict:
