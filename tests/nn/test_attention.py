@@ -154,3 +154,99 @@ def test_planner_counts_the_gqa_models_parameters():
         cfg = GPTConfig(vocab_size=11, block_size=12, n_layer=2, n_head=4, d_model=8, n_kv_head=n_kv)
         n = sum(int(np.prod(p.shape)) for p in GPT(cfg).parameters())
         assert ModelSpec.of_gpt("g", cfg).params() == n
+
+
+# -- under tensor parallelism ------------------------------------------------------------------------
+
+def _serial(cfg, idx, tgt):
+    from minidist.autograd import ops
+
+    model = GPT(cfg)
+    logits = model(idx)
+    loss = ops.cross_entropy(logits, tgt)
+    loss.backward()
+    return logits.numpy(), loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _tp_rank(comm, cfg, idx, tgt, sp):
+    from minidist.parallel.tensor.gpt import TPGPT
+    from minidist.parallel.tensor.sharding import sharding_table
+
+    model = TPGPT(cfg, comm, sequence_parallel=sp)
+    loss = model.loss_fn(model(idx), tgt)
+    loss.backward()
+    heads = (model[1].attn.local_heads, model[1].attn.local_kv_heads, model[1].attn.qkv.weight.shape)
+    return (model.logits(idx).numpy(), loss.item(), {n: p.grad for n, p in model.named_parameters()},
+            sharding_table(model), heads)
+
+
+@pytest.mark.parametrize("n_head,n_kv,tp,sp,local_kv", [
+    (4, 2, 2, False, 1),   # split: each rank one K/V head, its two query heads' group
+    (4, 2, 2, True, 1),
+    (4, 1, 2, False, 1),   # MQA: the one K/V head replicated
+    (6, 3, 2, True, 3),    # 3 K/V heads, tp 2: replicated; rank 0's query heads 0,1,2 use K/V 0,0,1
+    (8, 2, 4, False, 2),   # 2 K/V heads, tp 4: replicated
+    (8, 4, 4, False, 1),
+])
+def test_tp_gqa_gpt_equals_serial(n_head, n_kv, tp, sp, local_kv):
+    """Logits, loss and every gradient (unsharded by the model's own table) equal the serial GPT's."""
+    from minidist.comm import run
+    from minidist.parallel.tensor.sharding import unshard
+
+    d = 2
+    cfg = GPTConfig(vocab_size=2 * tp, block_size=8, n_layer=2, n_head=n_head, d_model=n_head * d,
+                    n_kv_head=n_kv, dtype="float64", seed=n_head + n_kv)
+    rng = np.random.default_rng(tp)
+    idx = rng.integers(0, cfg.vocab_size, (2, 2 * tp))
+    tgt = rng.integers(0, cfg.vocab_size, (2, 2 * tp))
+    logits, loss, grads = _serial(cfg, idx, tgt)
+    res = run(_tp_rank, ranks=tp, cfg=cfg, idx=idx, tgt=tgt, sp=sp)
+    assert res[0][4] == (n_head // tp, local_kv, (n_head * d, (n_head // tp + 2 * local_kv) * d))
+    for full, tp_loss, *_ in res:
+        assert abs(tp_loss - loss) < 1e-10
+        np.testing.assert_allclose(full, logits, atol=1e-10, rtol=0)
+    tp_grads = unshard([r[2] for r in res], res[0][3])
+    for name in grads:
+        np.testing.assert_allclose(tp_grads[name], grads[name], atol=1e-10, rtol=0, err_msg=name)
+
+
+def test_tp_sharded_generation_with_gqa_equals_serial_generation():
+    from minidist.comm import run
+    from minidist.infer import generate, sharded_generate
+
+    for n_kv in (2, 1):
+        cfg = GPTConfig(vocab_size=16, block_size=16, n_layer=2, n_head=4, d_model=16, n_kv_head=n_kv,
+                        dtype="float64", seed=3)
+        model = GPT(cfg).eval()
+        want = generate(model, [[1, 2, 3], [4]], 6)
+        got = run(lambda comm, m: sharded_generate(comm, m, [[1, 2, 3], [4]], 6, tp=2), ranks=2, m=model)
+        assert got[0] == got[1] == want
+
+
+def test_tp_refuses_what_cannot_split():
+    from minidist.comm import run
+    from minidist.parallel.tensor.gpt import TPGPT
+    from minidist.parallel.tensor.sharding import kv_heads_split, kv_of_local_heads, local_kv_heads
+
+    cfg = GPTConfig(vocab_size=12, block_size=8, n_layer=1, n_head=4, d_model=12, n_kv_head=2)
+    with pytest.raises(ValueError, match="n_head = 4 is not divisible by the tensor-parallel size 3"):
+        run(lambda comm: TPGPT(cfg, comm), ranks=3)
+    assert kv_heads_split(8, 4, 2) and not kv_heads_split(8, 2, 4) and not kv_heads_split(8, 1, 2)
+    assert local_kv_heads(8, 4, 2) == 2 and local_kv_heads(8, 2, 4) == 2 and local_kv_heads(8, 1, 8) == 1
+    assert kv_of_local_heads(6, 3, 2, 1) == (1, 2, 2)  # query heads 3, 4, 5 -> K/V heads h // 2
+    assert kv_of_local_heads(8, 4, 2, 1) is None
+
+
+def test_shard_of_unequal_blocks_by_hand():
+    """q|k|v of widths 4, 2, 2 over 2 ranks: q split, k and v split or kept whole."""
+    from minidist.parallel.tensor.sharding import Shard
+
+    full = np.arange(8)[None, :]  # columns q0 q1 q2 q3 | k0 k1 | v0 v1
+    split, whole = Shard(1, widths=(4, 2, 2)), Shard(1, widths=(4, 2, 2), whole=(1, 2))
+    assert split.split(full, 1, 2).tolist() == [[2, 3, 5, 7]]
+    assert whole.split(full, 1, 2).tolist() == [[2, 3, 4, 5, 6, 7]]
+    for s in (split, whole):
+        assert s.concat([s.split(full, r, 2) for r in range(2)]).tolist() == full.tolist()
+        assert s.local_shape((1, 8), 2) == s.split(full, 0, 2).shape
+    with pytest.raises(ValueError, match="block 1 of width 2 .* must divide 2"):
+        split.split(full, 0, 4)

@@ -39,11 +39,30 @@ class Shard:
 
     ``blocks > 1``: the axis is ``blocks`` equal blocks side by side (q|k|v: 3), each split into
     ``size`` parts; rank r keeps part r of every block, in block order.
+
+    ``widths``: blocks of these widths instead (grouped-query attention's q|k|v: H·D, K·D, K·D), and
+    ``whole``: the indices of blocks every rank keeps whole (K/V heads replicated over tp).
     """
 
     axis: int
     group: str = "tp"
     blocks: int = 1
+    widths: tuple = ()
+    whole: tuple = ()
+
+    def _parts(self, n: int, size: int, what: str) -> list:
+        """[(start, width, split?)] of each block of an axis of length ``n`` (``widths`` form)."""
+        if sum(self.widths) != n:
+            raise ValueError(f"{what}: blocks of widths {self.widths} don't add up to the axis length {n}")
+        out, start = [], 0
+        for i, w in enumerate(self.widths):
+            split = i not in self.whole
+            if split and w % size:
+                raise ValueError(f"{what}: block {i} of width {w} ({self}) does not split into {size} "
+                                 f"equal parts; the {self.group} size must divide {w}")
+            out.append((start, w, split))
+            start += w
+        return out
 
     def _check(self, shape, size: int, what: str) -> int:
         axis = self.axis % len(shape)
@@ -56,6 +75,13 @@ class Shard:
 
     def split(self, full, rank: int, size: int, what: str = "parameter"):
         """Rank ``rank``'s part of the full array (a view where the array library allows)."""
+        if self.widths:
+            axis = self.axis % full.ndim
+            pieces = []
+            for start, w, split in self._parts(full.shape[axis], size, what):
+                lo, n = (start + rank * (w // size), w // size) if split else (start, w)
+                pieces.append(full[(slice(None),) * axis + (slice(lo, lo + n),)])
+            return np.concatenate([np.asarray(p) for p in pieces], axis=axis)
         axis = self._check(full.shape, size, what)
         n = full.shape[axis] // self.blocks
         part = n // size
@@ -68,12 +94,25 @@ class Shard:
         """The full array from every rank's part (``parts[r]``: rank r's), the inverse of ``split``."""
         first = parts[0]
         axis = self.axis % first.ndim
+        if self.widths:
+            size, pieces, lo = len(parts), [], 0
+            for _, w, split in self._parts(sum(self.widths), size, "concat"):
+                n = w // size if split else w
+                take = [np.asarray(p)[(slice(None),) * axis + (slice(lo, lo + n),)] for p in parts]
+                pieces += take if split else take[:1]
+                lo += n
+            return np.concatenate(pieces, axis=axis)
         lead, local, rest = first.shape[:axis], first.shape[axis], first.shape[axis + 1:]
         blocked = [np.asarray(p).reshape(*lead, self.blocks, local // self.blocks, *rest) for p in parts]
         full = np.concatenate(blocked, axis=axis + 1)
         return full.reshape(*lead, self.blocks * full.shape[axis + 1], *rest)
 
     def local_shape(self, shape, size: int) -> tuple:
+        if self.widths:
+            axis = self.axis % len(shape)
+            parts = self._parts(shape[axis], size, "local_shape")
+            n = sum(w // size if split else w for _, w, split in parts)
+            return tuple(shape[:axis]) + (n,) + tuple(shape[axis + 1:])
         axis = self._check(shape, size, "local_shape")
         return tuple(shape[:axis]) + (shape[axis] // size,) + tuple(shape[axis + 1:])
 
