@@ -130,6 +130,8 @@ def test_cache_works_on_jax_too():
     tokens, _, _ = serve(jm, [Request(i, p, 4) for i, p in enumerate(prompts)], max_batch=2,
                          policy="continuous", cache="paged", num_blocks=4, block_len=4)
     assert [tokens[i] for i in range(2)] == want
+    mqa = cfg.replace(n_kv_head=1)  # grouped attention's cached path (bucketed reads) on JAX
+    assert generate(GPT(mqa, backend="jax"), prompts, 4) == generate(GPT(mqa), prompts, 4)
 
 
 sampling = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.7, 1.0, 1.5]),

@@ -108,3 +108,18 @@ def test_greedy_tokens_with_the_int8_cache_equal_the_float32_ones_on_a_trained_m
         want = generate_with_prefix_cache(m, asked, 6, plain)
         assert generate_with_prefix_cache(m, asked, 6, shared) == want
     assert shared.stats()["hit_tokens"] >= 19 * 24  # the system prompt's 6 whole blocks, all but once
+
+
+def test_int8_and_prefix_caches_on_jax():
+    """JAX's immutable arrays: values and scales written with set_at, read bucketed; same tokens as
+    NumPy's int8 cache."""
+    pytest.importorskip("jax")
+    cfg = GPTConfig(vocab_size=32, block_size=32, n_layer=1, n_head=2, d_model=16, seed=2, n_kv_head=1)
+    prompts = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7]]
+    outs = []
+    for backend in ("numpy", "jax"):
+        m = GPT(cfg, backend=backend)
+        c = Int8PrefixCachingKVCache.for_decoder(Decoder.from_model(m), 2, num_blocks=8, block_len=2)
+        outs.append([generate_with_prefix_cache(m, prompts, 4, c) for _ in range(2)])
+        assert c.stats()["hit_tokens"] > 0
+    assert outs[0] == outs[1]
