@@ -4,12 +4,13 @@ from functools import cache
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from minidist.infer import Decoder, OutOfBlocks, PagedKVCache, generate
 from minidist.infer.prefix_cache import PrefixCachingKVCache, generate_with_prefix_cache
 from minidist.nn import GPT, GPTConfig
+from tests.conftest import budget
 
 V, BLOCK = 13, 40
 
@@ -43,7 +44,7 @@ requests = st.lists(st.tuples(st.integers(0, 14), st.lists(st.integers(0, V - 1)
                     min_size=1, max_size=3)
 
 
-@settings(max_examples=40, deadline=None)
+@budget(40)
 @given(system=st.lists(st.integers(0, V - 1), min_size=0, max_size=14),
        batches=st.lists(requests, min_size=1, max_size=3), new=st.integers(1, 5),
        block_len=st.sampled_from([2, 3, 4]), tiny=st.booleans(), kv=st.sampled_from([None, 1]),

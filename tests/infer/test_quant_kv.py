@@ -5,7 +5,7 @@ from functools import cache
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from minidist.infer import Decoder, KVCache, PagedKVCache, forward_tokens, generate
@@ -19,9 +19,10 @@ from minidist.infer.quant_kv import (
     quantize,
 )
 from minidist.nn import GPT, GPTConfig
+from tests.conftest import budget
 
 
-@settings(max_examples=50, deadline=None)
+@budget(50)
 @given(st.integers(1, 4), st.integers(1, 9), st.floats(1e-3, 1e3), st.integers(0, 999))
 def test_quantizer_error_is_at_most_half_a_step_of_each_vector(n, d, scale, seed):
     """|x̂ - x| <= max|x| / 254 for every vector (one token, one head), values in [-127, 127]."""

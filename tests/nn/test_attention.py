@@ -6,12 +6,13 @@ of K/V head h // (H / K), and runs causal softmax attention -- nothing from mini
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from minidist.autograd.tensor import Tensor, no_grad
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.attention import CausalSelfAttention, split_heads
+from tests.conftest import budget
 
 
 def reference_gqa(x, w, b, wo, bo, n_head, n_kv_head):
@@ -45,7 +46,7 @@ def params(attn):
     return (attn.qkv.weight.numpy(), attn.qkv.bias.numpy(), attn.proj.weight.numpy(), attn.proj.bias.numpy())
 
 
-@settings(max_examples=25, deadline=None)
+@budget(25)
 @given(st.sampled_from([(4, 4), (4, 2), (4, 1), (6, 3), (6, 2), (8, 2)]), st.integers(1, 3),
        st.integers(1, 7), st.integers(1, 3), st.integers(0, 99))
 def test_gqa_forward_equals_the_papers_definition(heads, b, t, d, seed):
