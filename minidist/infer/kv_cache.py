@@ -2,7 +2,8 @@
 
 Decoding token t needs the keys and values of tokens 0..t-1 in every layer. Recomputing them
 costs a full forward pass over the whole sequence per new token (O(T²) work for T tokens);
-keeping them costs memory: 2 · n_layer · max_len · d_model numbers per sequence, reserved up front.
+keeping them costs memory: 2 · n_layer · max_len · kv_heads · head_dim numbers per sequence
+(kv_heads · head_dim = d_model unless the model uses grouped-query attention), reserved up front.
 
 A *slot* is one sequence's row. ``lengths[slot]`` counts the tokens cached there; a sequence's
 token at position p lives at ``k[layer][slot, :, p]``. ``paged.py`` has the same interface

@@ -26,6 +26,7 @@ the serving loop the tests compare token by token with plain ``generate``.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -159,10 +160,15 @@ class PrefixCachingKVCache(PagedKVCache):
 
 
 def generate_with_prefix_cache(model, prompts, max_new_tokens: int, cache: PagedKVCache,
-                               sampling=GREEDY, stop_tokens=(), return_logits: bool = False, ids=None):
+                               sampling=GREEDY, stop_tokens=(), return_logits: bool = False, ids=None,
+                               ttft: list | None = None):
     """``generate`` over a paged ``cache`` (slots 0..len(prompts)-1, released at the end): each
     prompt in turn looks up its cached prefix and prefills the rest, so later prompts also hit the
-    earlier ones' blocks; decoding is batched. With a plain ``PagedKVCache`` nothing is shared."""
+    earlier ones' blocks; decoding is batched. With a plain ``PagedKVCache`` nothing is shared.
+
+    ``ttft``: a list to which each prompt's time to first token is appended (seconds from the
+    call to its first token's logits), for a benchmark to set with and without sharing."""
+    t0 = time.perf_counter()
     dec = as_decoder(model)
     prompts = check_prompts(prompts, dec.block_size, dec.vocab_size, max_new_tokens)
     if len(prompts) > cache.n_slots:
@@ -180,7 +186,10 @@ def generate_with_prefix_cache(model, prompts, max_new_tokens: int, cache: Paged
         logits = forward_tokens(dec, cache, [i], [toks])
         if sharing:
             cache.commit(i, held[i])
-        return host(last_logits(logits, [toks]))[0]
+        out = host(last_logits(logits, [toks]))[0]
+        if ttft is not None:
+            ttft.append(time.perf_counter() - t0)
+        return out
 
     def step(active, feed):
         if all(int(cache.lengths[i]) == 0 for i in active):  # prefill, one prompt at a time

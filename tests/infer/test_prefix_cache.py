@@ -135,6 +135,13 @@ def test_blocks_in_use_are_never_evicted_and_idle_ones_go_least_recently_used_fi
     check_pool(c)
 
 
+def test_time_to_first_token_is_recorded_per_prompt_in_order():
+    ttft = []
+    c = small(n_slots=3, num_blocks=12)
+    generate_with_prefix_cache(model(), [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [7]], 2, c, ttft=ttft)
+    assert len(ttft) == 3 and 0 < ttft[0] <= ttft[1] <= ttft[2]
+
+
 def test_clear_errors():
     c = small()
     c.reserve(0, 3)
