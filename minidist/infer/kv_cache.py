@@ -2,7 +2,8 @@
 
 Decoding token t needs the keys and values of tokens 0..t-1 in every layer. Recomputing them
 costs a full forward pass over the whole sequence per new token (O(T²) work for T tokens);
-keeping them costs memory: 2 · n_layer · max_len · d_model numbers per sequence, reserved up front.
+keeping them costs memory: 2 · n_layer · max_len · kv_heads · head_dim numbers per sequence
+(kv_heads · head_dim = d_model unless the model uses grouped-query attention), reserved up front.
 
 A *slot* is one sequence's row. ``lengths[slot]`` counts the tokens cached there; a sequence's
 token at position p lives at ``k[layer][slot, :, p]``. ``paged.py`` has the same interface
@@ -25,6 +26,7 @@ import numpy as np
 from minidist.accel import jax_engine
 from minidist.accel.backend import default_backend, get_backend
 from minidist.infer.buckets import array_where, bucket, compiles_per_shape
+from minidist.parallel.tensor.sharding import local_kv_heads
 
 
 class CacheStorage:
@@ -40,23 +42,38 @@ class CacheStorage:
 
     @staticmethod
     def layout_of(decoder) -> tuple:
-        """(n_layer, n_head, head_dim, dtype, backend) of a ``Decoder``'s blocks: this rank's layers and
-        heads, its parameters' dtype and array library."""
+        """(n_layer, kv heads, head_dim, dtype, backend) of a ``Decoder``'s blocks: this rank's layers
+        and K/V heads (grouped-query attention caches n_kv_head heads, split or replicated over tp by
+        ``local_kv_heads``), its parameters' dtype and array library."""
         p = decoder.first_parameter
-        return (*decoder.cache_dims, p.dtype, p.backend)
+        n_layer, _, head_dim = decoder.cache_dims  # (its heads are query heads)
+        cfg, tp = decoder.config, decoder.tp
+        kv = local_kv_heads(cfg.n_head, getattr(cfg, "kv_heads", cfg.n_head), tp)
+        return n_layer, kv, head_dim, p.dtype, p.backend
 
     def write(self, layer, where, k, v):
         """Store k, v (B, H, T, D) of the new tokens where ``locate`` said."""
+        self.k[layer], self.v[layer] = self.put(self.k[layer], self.v[layer], where, k, v)
+
+    def put(self, k_all, v_all, where, k, v):
+        """``k_all``, ``v_all`` (rows, H, L, X) with the new tokens' k, v (B, H, T, X) stored where
+        ``locate`` said (any X: the int8 cache stores its scales, X = 1, the same way)."""
         if self.bucketed:
-            self.k[layer], self.v[layer] = store(self.k[layer], self.v[layer], where, k, v)
-            return
+            return store(k_all, v_all, where, k, v)
         index, take = where
-        self.k[layer] = self.be.set_at(self.k[layer], index, new_tokens(k, take))
-        self.v[layer] = self.be.set_at(self.v[layer], index, new_tokens(v, take))
+        be = self.be
+        return be.set_at(k_all, index, new_tokens(k, take)), be.set_at(v_all, index, new_tokens(v, take))
+
+    def arrays(self) -> list:
+        """Every array the cache holds (what its memory is)."""
+        return [*self.k, *self.v]
 
     def bytes_per_token(self) -> int:
-        k = self.k[0] if self.k else None
-        return 0 if k is None else 2 * len(self.k) * k.shape[1] * k.shape[3] * k.dtype.itemsize
+        """Bytes one cached position costs, measured from the arrays: their bytes / positions."""
+        if not self.k:
+            return 0
+        positions = self.k[0].shape[0] * self.k[0].shape[2]
+        return sum(int(a.nbytes) for a in self.arrays()) // positions
 
 
 class KVCache(CacheStorage):
@@ -93,9 +110,12 @@ class KVCache(CacheStorage):
 
     def read(self, layer, rows, tk):
         """Keys and values of positions 0..tk-1 for these rows: (B, H, tk, D)."""
+        return self.take(self.k[layer], self.v[layer], rows, tk)
+
+    def take(self, k_all, v_all, rows, tk):
         if self.bucketed:
-            return prefix(self.k[layer], self.v[layer], rows, tk)
-        return self.k[layer][rows, :, :tk], self.v[layer][rows, :, :tk]
+            return prefix(k_all, v_all, rows, tk)
+        return k_all[rows, :, :tk], v_all[rows, :, :tk]
 
     # -- what a scheduler calls -------------------------------------------------------------------
     def reserve(self, slot, length):

@@ -58,19 +58,31 @@ class PagedKVCache(CacheStorage):
         if length > self.max_len:
             raise ValueError(f"paged KV cache slot {slot}: {length} tokens exceed max_len {self.max_len}")
         need = self.blocks_needed(slot, length)
-        if need > len(self.free):
+        if need > self.available():
             raise OutOfBlocks(f"slot {slot} needs {need} more blocks for {length} tokens; "
-                              f"{len(self.free)} of {self.num_blocks} free")
+                              f"{self.available()} of {self.num_blocks} free")
         for _ in range(need):
-            self.tables[slot, self.n_blocks[slot]] = self.free.pop()
+            self.tables[slot, self.n_blocks[slot]] = self.take_block()
             self.n_blocks[slot] += 1
 
     def release(self, slot):
         """Return the slot's blocks to the free list."""
         n = int(self.n_blocks[slot])
-        self.free.extend(int(b) for b in self.tables[slot, :n][::-1])
+        for b in self.tables[slot, :n][::-1]:
+            self.give_block(int(b))
         self.n_blocks[slot] = 0
         self.lengths[slot] = 0
+
+    # the pool's bookkeeping, which the prefix cache (``prefix_cache.py``) refines with sharing
+    def available(self) -> int:
+        """Blocks a reservation can take now."""
+        return len(self.free)
+
+    def take_block(self) -> int:
+        return self.free.pop()
+
+    def give_block(self, block: int):
+        self.free.append(block)
 
     # -- what the decoder calls -------------------------------------------------------------------
     def index(self, slots):
@@ -90,9 +102,12 @@ class PagedKVCache(CacheStorage):
 
     def read(self, layer, rows, tk):
         """Gather each row's blocks into (B, H, tk, D) (rows past a sequence's end hold junk: masked)."""
+        return self.take(self.k[layer], self.v[layer], rows, tk)
+
+    def take(self, k_pool, v_pool, rows, tk):
         nb = -(-tk // self.block_len)
         ids = self.tables[rows, :nb]  # (B, nb); entries past n_blocks point at block 0 (masked anyway)
-        return gather_blocks(self.k[layer], self.v[layer], ids, tk)
+        return gather_blocks(k_pool, v_pool, ids, tk)
 
     # -- accounting -------------------------------------------------------------------------------
     def memory(self, active_slots=None) -> dict:

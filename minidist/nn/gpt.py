@@ -4,6 +4,10 @@ The model is a flat sequence of layers -- ``Embed``, ``Block`` × n_layer, ``Hea
 parallelism can cut it into stages anywhere, and ``GPT.forward`` is just that sequence applied in
 order. Initialisation follows GPT-2: N(0, 0.02), residual projections scaled by 1/√(2·n_layer),
 drawn in a fixed order from ``numpy.random.default_rng(config.seed)``.
+
+``n_kv_head`` (default: ``n_head``, multi-head attention) sets grouped-query attention: that many
+key/value heads, each shared by n_head / n_kv_head query heads (1: multi-query); the KV cache of
+a served model holds n_kv_head heads per layer (``minidist.nn.attention``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import numpy as np
 
 from minidist.autograd import ops
 from minidist.autograd.tensor import Tensor
-from minidist.nn.attention import CausalSelfAttention
+from minidist.nn.attention import CausalSelfAttention, check_heads
 from minidist.nn.layers import MLP, Dropout, Embedding, LayerNorm, Linear
 from minidist.nn.module import Module, Sequential
 
@@ -30,6 +34,7 @@ class GPTConfig:
     dropout: float = 0.0
     dtype: str = "float32"
     seed: int = 0
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "seed"):
@@ -38,8 +43,7 @@ class GPTConfig:
                 raise TypeError(f"GPTConfig.{name} must be an integer, got {v!r}")
             if v < (0 if name == "seed" else 1):
                 raise ValueError(f"GPTConfig.{name} must be >= {0 if name == 'seed' else 1}, got {v}")
-        if self.d_model % self.n_head:
-            raise ValueError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}")
+        check_heads(self.d_model, self.n_head, self.n_kv_head, "GPTConfig")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             raise ValueError(f"GPTConfig.dropout must be a probability in [0, 1), got {self.dropout!r}")
         try:
@@ -49,6 +53,15 @@ class GPTConfig:
         if kind != "f":
             raise TypeError(f"GPTConfig.dtype must be a float dtype such as 'float32' or 'float64', "
                             f"got {self.dtype!r}")
+
+    @property
+    def kv_heads(self) -> int:
+        """The number of key/value heads: ``n_kv_head``, or ``n_head`` when it is None."""
+        return self.n_head if self.n_kv_head is None else int(self.n_kv_head)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
 
     def replace(self, **changes) -> GPTConfig:
         return replace(self, **changes)
@@ -98,7 +111,7 @@ class Block(Module):
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         self.ln1 = LayerNorm(cfg.d_model, dtype=dt, backend=backend)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_head, cfg.dropout, dtype=dt, proj_std=proj_std,
-                                        rng=rng, backend=backend)
+                                        rng=rng, backend=backend, n_kv_head=cfg.kv_heads)
         self.ln2 = LayerNorm(cfg.d_model, dtype=dt, backend=backend)
         self.mlp = MLP(cfg.d_model, dropout=cfg.dropout, dtype=dt, proj_std=proj_std, rng=rng,
                        backend=backend)

@@ -59,7 +59,8 @@ class ModelSpec:
     def of_gpt(cls, name: str, cfg) -> ModelSpec:
         """The spec of minidist's own GPT of ``cfg`` (a ``GPTConfig``), trained in float32."""
         return cls(name, n_layer=cfg.n_layer, d_model=cfg.d_model, n_head=cfg.n_head, vocab=cfg.vocab_size,
-                   seq=cfg.block_size, engine="minidist", dtype_bytes=4)
+                   seq=cfg.block_size, engine="minidist", dtype_bytes=4,
+                   kv_heads=getattr(cfg, "n_kv_head", None))
 
     def replace(self, **kw) -> ModelSpec:
         return replace(self, **kw)
@@ -87,8 +88,9 @@ class ModelSpec:
     # -- parameters -------------------------------------------------------------------------------
     def attn_params(self) -> int:
         h, d = self.d_model, self.head_dim
-        w = h * (self.n_head * d + 2 * self.kv * d) + self.n_head * d * h
-        return w + (4 * h if self.engine == "minidist" else 0)  # minidist: qkv bias 3h + proj bias h
+        qkv = self.n_head * d + 2 * self.kv * d
+        w = h * qkv + self.n_head * d * h
+        return w + (qkv + h if self.engine == "minidist" else 0)  # minidist: the qkv bias + proj bias h
 
     def mlp_params(self) -> int:
         h, f = self.d_model, self.hidden

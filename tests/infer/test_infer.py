@@ -11,6 +11,7 @@ from minidist.autograd.tensor import Tensor, no_grad
 from minidist.infer import (
     Decoder,
     KVCache,
+    PagedKVCache,
     SamplingParams,
     filter_probs,
     forward_tokens,
@@ -26,8 +27,9 @@ V, BLOCK = 32, 40
 
 
 @cache
-def model(n_head=4, n_layer=2, d=32):
-    return GPT(GPTConfig(vocab_size=V, block_size=BLOCK, n_layer=n_layer, n_head=n_head, d_model=d, seed=1))
+def model(n_head=4, n_layer=2, d=32, n_kv_head=None):
+    return GPT(GPTConfig(vocab_size=V, block_size=BLOCK, n_layer=n_layer, n_head=n_head, d_model=d, seed=1,
+                         n_kv_head=n_kv_head))
 
 
 seqs = st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=24), min_size=1, max_size=3)
@@ -36,10 +38,19 @@ seqs = st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=24), min_si
 @given(seqs=seqs, data=st.data())
 def test_cached_logits_equal_full_recompute(seqs, data):
     """Feed each sequence in random chunks (prefill split anywhere, then decodes): every position's
-    logits equal the training-time forward over the whole sequence."""
-    m = model()
+    logits equal the training-time forward over the whole sequence -- with multi-head, grouped-query
+    and multi-query attention, in the contiguous and the paged cache."""
+    kv = data.draw(st.sampled_from([None, 2, 1]), label="n_kv_head")
+    m = model(n_kv_head=kv)
     w = Decoder.from_model(m)
-    cache = KVCache.for_decoder(w, len(seqs))
+    if data.draw(st.booleans(), label="paged"):
+        cache = PagedKVCache.for_decoder(w, len(seqs), num_blocks=3 * len(seqs) * 4, block_len=3)
+        for i, s in enumerate(seqs):
+            cache.reserve(i, len(s))
+    else:
+        cache = KVCache.for_decoder(w, len(seqs))
+    # K/V heads cached: 2 (k, v) · layers · kv heads · head_dim · 4 bytes per token
+    assert cache.bytes_per_token() == 2 * 2 * (kv or 4) * 8 * 4
     got = [[] for _ in seqs]
     pos = [0] * len(seqs)
     with no_grad():
@@ -119,6 +130,8 @@ def test_cache_works_on_jax_too():
     tokens, _, _ = serve(jm, [Request(i, p, 4) for i, p in enumerate(prompts)], max_batch=2,
                          policy="continuous", cache="paged", num_blocks=4, block_len=4)
     assert [tokens[i] for i in range(2)] == want
+    mqa = cfg.replace(n_kv_head=1)  # grouped attention's cached path (bucketed reads) on JAX
+    assert generate(GPT(mqa, backend="jax"), prompts, 4) == generate(GPT(mqa), prompts, 4)
 
 
 sampling = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.7, 1.0, 1.5]),

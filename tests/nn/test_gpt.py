@@ -11,13 +11,15 @@ from tests.conftest import backends
 TINY = GPTConfig(vocab_size=7, block_size=6, n_layer=2, n_head=2, d_model=4, dtype="float64", seed=3)
 
 
+@pytest.mark.parametrize("n_kv_head", [None, 1])
 @pytest.mark.parametrize("backend", backends())
-def test_gpt_gradients_match_central_differences(backend):
-    """Every parameter tensor: 3 sampled entries of dL/dθ equal (L(θ+ε) - L(θ-ε)) / 2ε."""
+def test_gpt_gradients_match_central_differences(backend, n_kv_head):
+    """Every parameter tensor: 3 sampled entries of dL/dθ equal (L(θ+ε) - L(θ-ε)) / 2ε; also for
+    multi-query attention (n_kv_head=1: both heads share one K/V head)."""
     from minidist.accel.backend import get_backend
 
     be = get_backend(backend)
-    model = GPT(TINY, backend=be)
+    model = GPT(TINY.replace(n_kv_head=n_kv_head), backend=be)
     rng = np.random.default_rng(0)
     idx = rng.integers(0, 7, (2, 5))
     tgt = rng.integers(0, 7, (2, 5))

@@ -18,6 +18,12 @@ parameter                  split                    declared by
 LayerNorms, ``0.wpe``      replicated               (nothing declared)
 =========================  =======================  ==========================================
 
+Grouped-query attention (``cfg.n_kv_head`` K/V heads < n_head): ``ParallelGroupedAttention``. Its
+q|k|v columns have unequal widths (H·D, K·D, K·D): the query heads are split (tp must divide
+n_head); the K/V heads are split too when tp divides K -- rank r keeps the K/tp K/V heads of its
+query heads' groups -- and are otherwise replicated (every rank computes all K of them, e.g.
+multi-query attention, and their gradients are summed over the group): ``kv_heads_split``.
+
 Initialisation draws the full weights from ``default_rng(cfg.seed)`` in the serial GPT's order and
 keeps this rank's slices: TPGPT(cfg) on tp ranks *is* GPT(cfg), split. The head returns this
 rank's vocabulary slice of the logits; ``loss`` uses ``vocab_parallel_cross_entropy`` (the full
@@ -38,20 +44,40 @@ from collections import OrderedDict
 import numpy as np
 
 from minidist.accel.backend import backend_of
+from minidist.autograd import ops
+from minidist.nn.attention import self_attention
 from minidist.nn.gpt import token_ids
 from minidist.nn.layers import Embedding, LayerNorm
 from minidist.nn.module import Module, Sequential
-from minidist.parallel.tensor.comm import all_reduce_grad_hook, check_divisible, gather_last_dim
+from minidist.parallel.tensor.comm import (
+    all_reduce_grad_hook,
+    check_divisible,
+    copy_to_tp,
+    gather_from_seq,
+    gather_last_dim,
+    tp_all_reduce,
+)
 from minidist.parallel.tensor.layers import (
     ColumnParallelLinear,
     ParallelAttention,
     ParallelMLP,
+    RowParallelLinear,
     ShardedRNG,
     VocabParallelEmbedding,
+    _zeros,
     make_dropout,
+    sharded_normal,
     vocab_parallel_cross_entropy,
 )
-from minidist.parallel.tensor.sharding import load_shard, sharding_table, unshard
+from minidist.parallel.tensor.sharding import (
+    Shard,
+    kv_heads_split,
+    kv_of_local_heads,
+    load_shard,
+    local_kv_heads,
+    sharding_table,
+    unshard,
+)
 
 
 class ParallelEmbed(Module):
@@ -79,6 +105,62 @@ class ParallelEmbed(Module):
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
+class GroupedQKV(Module):
+    """Grouped-query attention's fused q|k|v projection over tp: this rank's query heads' columns,
+    and its K/V heads' (split) or all of them (replicated: the k|v part of the gradient is summed
+    over the group, each rank having used the K/V heads only for its own query heads)."""
+
+    def __init__(self, dim, n_head, n_kv_head, comm, sequence_parallel=False, *, dtype, std, rng, backend):
+        super().__init__()
+        d, tp = dim // n_head, comm.size
+        widths = (n_head * d, n_kv_head * d, n_kv_head * d)
+        whole = () if kv_heads_split(n_head, n_kv_head, tp) else (1, 2)
+        self.comm, self.sequence_parallel, self.q_cols = comm, sequence_parallel, n_head * d // tp
+        self.param_shards = {"weight": Shard(1, widths=widths, whole=whole),
+                             "bias": Shard(0, widths=widths, whole=whole)}
+        self.weight = sharded_normal((dim, sum(widths)), std, dtype, comm, self.param_shards["weight"], rng,
+                                     backend)
+        self.bias = _zeros(self.param_shards["bias"].local_shape((sum(widths),), tp)[0], dtype, backend)
+        if whole and tp > 1:
+            for p in (self.weight, self.bias):
+                p.register_hook(self.sum_kv_grad)
+
+    def sum_kv_grad(self, g):
+        q = self.q_cols
+        xp = backend_of(g).xp
+        return xp.concatenate([g[..., :q], tp_all_reduce(self.comm, g[..., q:].copy())], axis=-1)
+
+    def forward(self, x):
+        x = gather_from_seq(x, self.comm) if self.sequence_parallel else copy_to_tp(x, self.comm)
+        return ops.linear(x, self.weight, self.bias)
+
+
+class ParallelGroupedAttention(Module):
+    """Causal grouped-query attention with n_head/tp query heads per rank and their K/V heads."""
+
+    def __init__(self, cfg, comm, sequence_parallel=False, *, dtype, std=0.02, proj_std=None, rng=None,
+                 backend=None, sharded_rng=None):
+        super().__init__()
+        h, k, tp = cfg.n_head, cfg.kv_heads, comm.size
+        self.n_head, self.n_kv_head = h, k
+        self.local_heads = check_divisible(comm, "n_head", h)
+        self.local_kv_heads = local_kv_heads(h, k, tp)
+        self.kv_of = kv_of_local_heads(h, k, tp, comm.rank)
+        kw = dict(dtype=dtype, rng=rng, backend=backend)
+        self.qkv = GroupedQKV(cfg.d_model, h, k, comm, sequence_parallel, std=std, **kw)
+        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, comm, std=proj_std or std,
+                                      sequence_parallel=sequence_parallel, **kw)
+        self.drop = make_dropout(cfg.dropout, comm, sequence_parallel, sharded_rng)
+
+    def forward(self, x, cache=None):
+        """``cache``: this layer's view of a KV cache holding this rank's K/V heads (inference)."""
+        if cache is not None and self.qkv.sequence_parallel:
+            raise ValueError(f"rank {self.qkv.comm.rank}: a KV cache needs the whole sequence on every rank; "
+                             "build the model with sequence_parallel=False to decode")
+        y = self_attention(self.qkv(x), self.local_heads, cache, self.local_kv_heads, self.kv_of)
+        return self.drop(self.proj(y))
+
+
 class ParallelBlock(Module):
     """x + attn(ln1(x)), then + mlp(ln2(x)), with attention and MLP tensor-parallel. ``cache``: this
     layer's view of a KV cache of this rank's heads (sharded inference, ``minidist.infer.sharded``)."""
@@ -89,7 +171,10 @@ class ParallelBlock(Module):
         proj_std = 0.02 / np.sqrt(2 * cfg.n_layer)
         kw = dict(dtype=dt, proj_std=proj_std, rng=rng, backend=backend, sharded_rng=sharded_rng)
         self.ln1 = LayerNorm(cfg.d_model, dtype=dt, backend=backend)
-        self.attn = ParallelAttention(cfg.d_model, cfg.n_head, comm, cfg.dropout, sequence_parallel, **kw)
+        if getattr(cfg, "kv_heads", cfg.n_head) == cfg.n_head:
+            self.attn = ParallelAttention(cfg.d_model, cfg.n_head, comm, cfg.dropout, sequence_parallel, **kw)
+        else:
+            self.attn = ParallelGroupedAttention(cfg, comm, sequence_parallel, **kw)
         self.ln2 = LayerNorm(cfg.d_model, dtype=dt, backend=backend)
         self.mlp = ParallelMLP(cfg.d_model, comm, dropout=cfg.dropout, sequence_parallel=sequence_parallel,
                                **kw)
@@ -124,6 +209,7 @@ class ParallelHead(Module):
 def check_config(cfg, comm):
     """Every size tensor parallelism splits must divide by tp: clear errors, before any collective."""
     check_divisible(comm, "n_head", cfg.n_head)
+    kv_heads_split(cfg.n_head, getattr(cfg, "kv_heads", cfg.n_head), comm.size)  # K/V: split or replicated
     check_divisible(comm, "vocab_size", cfg.vocab_size)
     check_divisible(comm, "d_model", cfg.d_model)
 

@@ -39,11 +39,30 @@ class Shard:
 
     ``blocks > 1``: the axis is ``blocks`` equal blocks side by side (q|k|v: 3), each split into
     ``size`` parts; rank r keeps part r of every block, in block order.
+
+    ``widths``: blocks of these widths instead (grouped-query attention's q|k|v: H·D, K·D, K·D), and
+    ``whole``: the indices of blocks every rank keeps whole (K/V heads replicated over tp).
     """
 
     axis: int
     group: str = "tp"
     blocks: int = 1
+    widths: tuple = ()
+    whole: tuple = ()
+
+    def _parts(self, n: int, size: int, what: str) -> list:
+        """[(start, width, split?)] of each block of an axis of length ``n`` (``widths`` form)."""
+        if sum(self.widths) != n:
+            raise ValueError(f"{what}: blocks of widths {self.widths} don't add up to the axis length {n}")
+        out, start = [], 0
+        for i, w in enumerate(self.widths):
+            split = i not in self.whole
+            if split and w % size:
+                raise ValueError(f"{what}: block {i} of width {w} ({self}) does not split into {size} "
+                                 f"equal parts; the {self.group} size must divide {w}")
+            out.append((start, w, split))
+            start += w
+        return out
 
     def _check(self, shape, size: int, what: str) -> int:
         axis = self.axis % len(shape)
@@ -56,6 +75,13 @@ class Shard:
 
     def split(self, full, rank: int, size: int, what: str = "parameter"):
         """Rank ``rank``'s part of the full array (a view where the array library allows)."""
+        if self.widths:
+            axis = self.axis % full.ndim
+            pieces = []
+            for start, w, split in self._parts(full.shape[axis], size, what):
+                lo, n = (start + rank * (w // size), w // size) if split else (start, w)
+                pieces.append(full[(slice(None),) * axis + (slice(lo, lo + n),)])
+            return np.concatenate([np.asarray(p) for p in pieces], axis=axis)
         axis = self._check(full.shape, size, what)
         n = full.shape[axis] // self.blocks
         part = n // size
@@ -68,12 +94,25 @@ class Shard:
         """The full array from every rank's part (``parts[r]``: rank r's), the inverse of ``split``."""
         first = parts[0]
         axis = self.axis % first.ndim
+        if self.widths:
+            size, pieces, lo = len(parts), [], 0
+            for _, w, split in self._parts(sum(self.widths), size, "concat"):
+                n = w // size if split else w
+                take = [np.asarray(p)[(slice(None),) * axis + (slice(lo, lo + n),)] for p in parts]
+                pieces += take if split else take[:1]
+                lo += n
+            return np.concatenate(pieces, axis=axis)
         lead, local, rest = first.shape[:axis], first.shape[axis], first.shape[axis + 1:]
         blocked = [np.asarray(p).reshape(*lead, self.blocks, local // self.blocks, *rest) for p in parts]
         full = np.concatenate(blocked, axis=axis + 1)
         return full.reshape(*lead, self.blocks * full.shape[axis + 1], *rest)
 
     def local_shape(self, shape, size: int) -> tuple:
+        if self.widths:
+            axis = self.axis % len(shape)
+            parts = self._parts(shape[axis], size, "local_shape")
+            n = sum(w // size if split else w for _, w, split in parts)
+            return tuple(shape[:axis]) + (n,) + tuple(shape[axis + 1:])
         axis = self._check(shape, size, "local_shape")
         return tuple(shape[:axis]) + (shape[axis] // size,) + tuple(shape[axis + 1:])
 
@@ -148,3 +187,32 @@ def reshard(shards: list, table: dict, new_size: int, group: str = "tp") -> list
     """State_dicts sharded over ``len(shards)`` ranks of ``group`` -> over ``new_size`` ranks."""
     full = unshard(shards, table, group)
     return [shard_state_dict(full, table, r, new_size, group) for r in range(new_size)]
+
+
+# -- grouped-query attention's K/V heads over tp ------------------------------------------------------
+
+def kv_heads_split(n_head: int, n_kv_head: int, tp: int) -> bool:
+    """The rule for K/V heads under tensor parallelism: split (rank r keeps K/V heads
+    r·K/tp .. (r+1)·K/tp - 1, the groups of its query heads) when tp divides n_kv_head; otherwise
+    replicated (every rank holds all K heads, e.g. multi-query attention at any tp > 1). The
+    query heads are always split, so tp must divide n_head."""
+    if n_head % tp:
+        ok = [d for d in range(1, n_head + 1) if n_head % d == 0]
+        raise ValueError(f"n_head = {n_head} is not divisible by the tensor-parallel size {tp}: the query "
+                         f"heads are split across tp; use a tp size in {ok}")
+    return n_kv_head % tp == 0
+
+
+def local_kv_heads(n_head: int, n_kv_head: int, tp: int) -> int:
+    """How many K/V heads each of ``tp`` ranks holds (and caches): K/tp split, K replicated."""
+    return n_kv_head // tp if kv_heads_split(n_head, n_kv_head, tp) else n_kv_head
+
+
+def kv_of_local_heads(n_head: int, n_kv_head: int, tp: int, rank: int):
+    """The K/V head (among this rank's) of each of this rank's n_head/tp query heads: None when they
+    are whole groups in order (split, or tp = 1: local head j uses j // (H/K)); otherwise the
+    tuple of global K/V heads h // (H/K) for the rank's query heads h (replicated K/V)."""
+    if kv_heads_split(n_head, n_kv_head, tp):
+        return None
+    local, group = n_head // tp, n_head // n_kv_head
+    return tuple((rank * local + j) // group for j in range(local))
