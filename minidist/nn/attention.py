@@ -98,7 +98,7 @@ class GroupedAttention(Function):
     @staticmethod
     def forward(ctx, qkv, n_head, n_kv_head, kv_of=None):
         q, k, v = group(*split_heads(qkv, n_head, n_kv_head), kv_of)
-        p = ops._attention_probs(q, k, True)
+        p = ops.attention_probs(q, k, True)
         ctx.save(qkv, p)
         ctx.n_head, ctx.n_kv_head, ctx.kv_of = n_head, n_kv_head, kv_of
         y = p @ v
@@ -110,7 +110,7 @@ class GroupedAttention(Function):
         q, k, v = group(*split_heads(qkv, ctx.n_head, ctx.n_kv_head), ctx.kv_of)
         b, t, c = g.shape
         gh = g.reshape(b, t, ctx.n_head, c // ctx.n_head).transpose(0, 2, 1, 3).reshape(q.shape)
-        dq, dk, dv = ops._attention_grads(q, k, v, p, gh)
+        dq, dk, dv = ops.attention_grads(q, k, v, p, gh)
         dq = dq.reshape(b, ctx.n_head, t, -1)
         dk, dv = (ungroup(a, ctx.n_kv_head, ctx.kv_of) for a in (dk, dv))
         return backend_of(g).xp.concatenate([merge_heads(a) for a in (dq, dk, dv)], axis=-1)
