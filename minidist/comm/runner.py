@@ -144,24 +144,25 @@ class _ExitCalled(BaseException):
 _rank_of_thread = threading.local()  # .rank: set while this thread runs a rank's function
 _guard_lock = threading.Lock()
 _guard_users = 0
+_outside_exit = _real_exit  # what os._exit was before the first threads run() (a grader's guard, say)
 
 
 def _thread_exit(code=0):
     """``os._exit`` while thread ranks run: inside a rank, unwind that rank; elsewhere, exit."""
     if getattr(_rank_of_thread, "rank", None) is not None:
         raise _ExitCalled(code)
-    _real_exit(code)
+    _outside_exit(code)
 
 
 def _guard_threads(on: bool) -> None:
     """Install ``_thread_exit`` as ``os._exit`` while any threads run() is in progress."""
-    global _guard_users
+    global _guard_users, _outside_exit
     with _guard_lock:
         _guard_users += 1 if on else -1
         if on and _guard_users == 1:
-            os._exit = _thread_exit
+            _outside_exit, os._exit = os._exit, _thread_exit
         elif not on and _guard_users == 0:
-            os._exit = _real_exit
+            os._exit = _outside_exit
 
 
 def _early_exit(err: BaseException, r: int, ranks: int) -> BaseException:
