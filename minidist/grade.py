@@ -14,16 +14,25 @@ the deliberately broken ones in ``BROKEN`` (must fail).
 A failed task prints what failed -- the example (world size, sizes, dtype, rank) and the first
 elements that differ, as the grader's message and hypothesis's falsifying example give them;
 ``-v`` adds the traceback.
+
+Exit status: 0 every task passed, 1 some failed, 2 the file could not be graded (missing, not
+Python, ends the process or hangs while imported, or a task still running after ``--timeout``
+seconds), with one line saying which.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import io
+import math
+import os
 import re
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -35,13 +44,74 @@ COURSE = ["autograd", "allreduce", "data_parallel", "zero", "tensor_parallel", "
 MAX_LINES = 12  # lines of a failure's message shown without -v
 
 
-def load_module(path: Path, name: str):
-    if not path.exists():
-        raise SystemExit(f"no such file: {path}")
+class GradeError(Exception):
+    """The student's file could not be graded (missing, not Python, exits or hangs at import, a task
+    that never ends): ``main`` prints the message and exits with status 2."""
+
+
+class _Exited(BaseException):
+    """Raised in place of ``os._exit`` while a student's code runs (so the grader can say so)."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
+class _TimedOut(BaseException):
+    pass
+
+
+@contextlib.contextmanager
+def guarded(seconds: float | None):
+    """While the student's code runs: ``os._exit`` raises ``_Exited`` instead of ending the grader,
+    and after ``seconds`` (main thread, POSIX) ``_TimedOut`` interrupts it."""
+    real = os._exit
+
+    def no_exit(code=0):
+        raise _Exited(code)
+
+    def alarm(signum, frame):
+        raise _TimedOut()
+
+    timer = bool(seconds) and threading.current_thread() is threading.main_thread() and hasattr(signal,
+                                                                                                "setitimer")
+    if timer:
+        previous = signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    os._exit = no_exit
+    try:
+        yield
+    finally:
+        os._exit = real
+        if timer:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+def load_module(path: Path, name: str, timeout: float | None = None):
+    """Import the student's file, or a GradeError saying why it can't be graded."""
+    if not path.is_file():
+        raise GradeError(f"no such file: {path}" if not path.exists() else f"{path} is a folder, not a file")
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    try:
+        with guarded(timeout):
+            spec.loader.exec_module(mod)
+    except (SyntaxError, UnicodeDecodeError, ValueError) as e:  # ValueError: null bytes in source
+        if isinstance(e, SyntaxError):
+            e = f"{type(e).__name__}{f' at line {e.lineno}' if e.lineno else ''}: {e.msg}"
+        raise GradeError(f"{path} is not Python ({e}); give the exercise's .py file") from None
+    except (SystemExit, _Exited) as e:
+        call = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"os._exit({e.code})"
+        raise GradeError(f"{path} called {call} while being imported: a student file defines the "
+                         "exercise's functions and must not end the process (guard scripts with "
+                         "`if __name__ == \"__main__\":`)") from None
+    except _TimedOut:
+        raise GradeError(f"{path} did not finish importing within --timeout {timeout:g} s "
+                         "(an infinite loop at module level?)") from None
+    except Exception as e:
+        raise GradeError(f"{path} raised {type(e).__name__} while being imported: {e}") from None
     return mod
 
 
@@ -77,23 +147,34 @@ def _explain(e: BaseException, verbose: bool) -> str:
     return "\n".join(shown)
 
 
+TIMEOUT = 600.0  # seconds a task (or the import) may run before it is called a hang
+
+
 def grade(name: str, student_file: str | None = None, verbose: bool = False,
-          out=None) -> tuple[int, int]:
-    """Run every check of exercise ``name`` on the student's file; print and return (passed, total)."""
+          out=None, timeout: float | None = TIMEOUT) -> tuple[int, int]:
+    """Run every check of exercise ``name`` on the student's file; print and return (passed, total).
+    A task that runs past ``timeout`` seconds FAILs and stops the grading (GradeError); a task that
+    exits (``sys.exit``, ``os._exit``) FAILs."""
     out = out or sys.stdout
     if not grader_path(name).exists():
         raise SystemExit(f"no grader for exercise {name!r}: expected {grader_path(name)}")
     grader = importlib.import_module(f"minidist.grading.{name}")
     student = load_module(Path(student_file) if student_file else ROOT / "exercises" / f"{name}.py",
-                          f"student_{name}")
+                          f"student_{name}", timeout)
     points = getattr(grader, "POINTS", {})
     passed = got = 0
     worth = sum(points.get(t, 1) for t in grader.CHECKS)
     print(f"exercise {name}: {len(grader.CHECKS)} tasks, {worth} points", file=out)
     for task, check in grader.CHECKS.items():
-        detail = ""
+        detail, hung = "", False
         try:
-            check(student)
+            with guarded(timeout):
+                check(student)
+        except _TimedOut:
+            verdict, detail, hung = "FAIL", f"still running after --timeout {timeout:g} s: stopped", True
+        except (SystemExit, _Exited) as e:
+            call = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"os._exit({e.code})"
+            verdict, detail = "FAIL", f"the code called {call} instead of returning"
         except NotImplementedError:
             verdict = "not written yet"
         except AssertionError as e:
@@ -111,6 +192,10 @@ def grade(name: str, student_file: str | None = None, verbose: bool = False,
         print(f"  {task:<36} {verdict}  ({points.get(task, 1)} pt)", file=out)
         for line in detail.splitlines():
             print(f"      {line}", file=out)
+        if hung:
+            raise GradeError(f"task {task} of exercise {name} ran longer than --timeout {timeout:g} s (an "
+                             f"infinite loop, or a deadlock?); score so far: {passed} of "
+                             f"{len(grader.CHECKS)} tasks")
     print(f"score: {passed}/{len(grader.CHECKS)} tasks, {got}/{worth} points", file=out)
     return passed, len(grader.CHECKS)
 
@@ -136,6 +221,8 @@ def main(argv=None):
     ap.add_argument("--list", action="store_true", help="every exercise, topic, estimated time, your score")
     ap.add_argument("--file", help="the student's file (default: exercises/NAME.py)")
     ap.add_argument("-v", "--verbose", action="store_true", help="full messages and tracebacks of failures")
+    ap.add_argument("--timeout", type=float, default=TIMEOUT,
+                    help=f"seconds a task may run before it counts as hung (default {TIMEOUT:g})")
     args = ap.parse_args(argv)
     if args.list:
         rows = listing()
@@ -148,7 +235,13 @@ def main(argv=None):
         ap.error("name an exercise to grade, or --list to see them all with your scores")
     if args.name not in exercises():
         ap.error(f"unknown exercise {args.name!r}: choose one of {', '.join(exercises())} (or --list)")
-    passed, total = grade(args.name, args.file, args.verbose)
+    if not args.timeout > 0 or not math.isfinite(args.timeout):
+        ap.error(f"argument --timeout: must be a finite number of seconds > 0, got {args.timeout}")
+    try:
+        passed, total = grade(args.name, args.file, args.verbose, timeout=args.timeout)
+    except GradeError as e:
+        print(f"minidist.grade: {e}", file=sys.stderr)
+        sys.exit(2)
     sys.exit(0 if passed == total else 1)
 
 

@@ -11,7 +11,10 @@ launcher would otherwise end every rank quietly with exit code 0).
 Otherwise ``ranks`` threads each run ``fn`` with a ``ThreadComm``; if one raises, the others are
 woken with ``RankAborted`` and the first real error is re-raised here, with a note naming its
 rank; a rank whose ``fn`` returns is marked finished, so a peer waiting for it raises
-``RankExited`` at once instead of waiting for the watchdog.
+``RankExited`` at once instead of waiting for the watchdog. A rank that never returns because it
+called ``os._exit`` or ``sys.exit(0)`` (which would end the process with status 0, or silently
+drop the rank) makes ``run`` raise ``RankExitedEarly`` naming it; ``sys.exit(N)``, N nonzero, keeps
+its status.
 """
 
 from __future__ import annotations
@@ -95,6 +98,14 @@ def install_abort_hook() -> None:
     sys.excepthook = hook
 
 
+def _beat_started(rank: int) -> None:
+    """Under ``python -m minidist.launch``: tell the supervisor this rank is up (before any step)."""
+    if os.environ.get("MINIDIST_HEARTBEAT_DIR"):
+        from minidist.resilience.supervisor import STARTED, heartbeat
+
+        heartbeat(rank, STARTED)
+
+
 def _run_mpi(fn, backend, kwargs):
     from mpi4py import MPI
 
@@ -104,6 +115,7 @@ def _run_mpi(fn, backend, kwargs):
                            "MINIDIST_TRANSPORT to run --ranks N threads")
     install_abort_hook()
     comm = MPIComm(MPI.COMM_WORLD)
+    _beat_started(comm.rank)
     comm.backend = bind_backend(backend, comm.rank)
     set_default_backend(comm.backend)
     os._exit = _guard_exit(MPI, comm.rank, comm.size)
@@ -125,14 +137,69 @@ def _run_mpi(fn, backend, kwargs):
         comm.close()
 
 
+class RankExitedEarly(RuntimeError):
+    """A rank's function ended the rank (``os._exit``, ``sys.exit(0)``) instead of returning."""
+
+
+class _ExitCalled(BaseException):
+    """Raised in a rank thread in place of ``os._exit``: unwinds that rank only (BaseException, so
+    the rank's own ``except Exception`` does not swallow it)."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
+_rank_of_thread = threading.local()  # .rank: set while this thread runs a rank's function
+_guard_lock = threading.Lock()
+_guard_users = 0
+_outside_exit = _real_exit  # what os._exit was before the first threads run() (a grader's guard, say)
+
+
+def _thread_exit(code=0):
+    """``os._exit`` while thread ranks run: inside a rank, unwind that rank; elsewhere, exit."""
+    if getattr(_rank_of_thread, "rank", None) is not None:
+        raise _ExitCalled(code)
+    _outside_exit(code)
+
+
+def _guard_threads(on: bool) -> None:
+    """Install ``_thread_exit`` as ``os._exit`` while any threads run() is in progress."""
+    global _guard_users, _outside_exit
+    with _guard_lock:
+        _guard_users += 1 if on else -1
+        if on and _guard_users == 1:
+            _outside_exit, os._exit = os._exit, _thread_exit
+        elif not on and _guard_users == 0:
+            os._exit = _outside_exit
+
+
+def _early_exit(err: BaseException, r: int, ranks: int) -> BaseException:
+    """The error ``run`` raises for rank ``r``'s ``err``: an ``os._exit`` or a successful
+    ``sys.exit`` becomes ``RankExitedEarly`` naming the rank; anything else is itself."""
+    if isinstance(err, _ExitCalled):
+        how = f"os._exit({err.code})"
+    elif isinstance(err, SystemExit) and err.code in (None, 0):
+        how = f"sys.exit({err.code!r})"
+    else:
+        return err
+    new = RankExitedEarly(f"rank {r} of {ranks} called {how} before its function returned (threads "
+                          "transport): the rank never finished, so the run did not succeed")
+    new.__cause__ = err if isinstance(err, SystemExit) else None
+    return new
+
+
 def _run_threads(fn, ranks, backend, kwargs, comm_class=ThreadComm):
     world = ThreadWorld(ranks)
     results, errors, order = [None] * ranks, [None] * ranks, []
     lock = threading.Lock()
 
     def body(r):
-        comm = None
+        comm, outer = None, getattr(_rank_of_thread, "rank", None)  # outer: a run() inside a rank
+        _rank_of_thread.rank = r
         try:
+            if outer is None:  # not a run() inside a rank
+                _beat_started(r)
             be = bind_backend(backend, r)
             set_default_backend(be)
             comm = comm_class(world, (), list(range(ranks)), r, be)  # the graders' rendezvous variant
@@ -145,9 +212,27 @@ def _run_threads(fn, ranks, backend, kwargs, comm_class=ThreadComm):
                 order.append(r)
             world.abort(r)
         finally:
+            _rank_of_thread.rank = outer
             if comm is not None:
                 comm.close()
 
+    _guard_threads(True)
+    try:
+        _start_and_join(body, ranks)
+    finally:
+        _guard_threads(False)
+    if order:
+        real = [r for r in order if not isinstance(errors[r], RankAborted)] or order
+        r = real[0]
+        err = _early_exit(errors[r], r, ranks)
+        others = sorted(set(order) - {r})
+        err.add_note(f"[minidist] raised on rank {r} of {ranks} (threads transport)"
+                     + (f"; ranks {others} failed too" if others else ""))
+        raise err
+    return results
+
+
+def _start_and_join(body, ranks: int) -> None:
     with _blas_limit(ranks):
         if ranks == 1:
             saved = default_backend()
@@ -162,15 +247,6 @@ def _run_threads(fn, ranks, backend, kwargs, comm_class=ThreadComm):
                 t.start()
             for t in threads:
                 t.join()
-    if order:
-        real = [r for r in order if not isinstance(errors[r], RankAborted)] or order
-        r = real[0]
-        err = errors[r]
-        others = sorted(set(order) - {r})
-        err.add_note(f"[minidist] raised on rank {r} of {ranks} (threads transport)"
-                     + (f"; ranks {others} failed too" if others else ""))
-        raise err
-    return results
 
 
 def run(fn, ranks: int | None = None, backend=None, transport: str | None = None, **kwargs) -> list:

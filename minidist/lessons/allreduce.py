@@ -36,8 +36,22 @@ from minidist.comm.collectives import (
 )
 from minidist.comm.cost import agreed_crowded, all_reduce_counts, choose_algorithm, shm_two_shot
 from minidist.comm.transports.shm import window_bytes
-from minidist.lessons.cli import finish, launch, lesson_parser, nonnegative_int, positive_int, rprint
+from minidist.lessons.cli import (
+    check_fits,
+    finish,
+    launch,
+    lesson_parser,
+    nonnegative_int,
+    positive_int,
+    reject_early,
+    rprint,
+    world_size,
+)
 from minidist.plan import estimates
+
+# what one element costs a rank: x and the result (float32), the twin's float64 sum and the float32 /
+# float64 input it adds (rank_main), and one float32 chunk buffer of the algorithm
+BYTES_PER_ELEMENT = 4 + 4 + 8 + 4 + 8 + 4
 
 
 def rank_input(rank: int, n: int, seed: int) -> np.ndarray:
@@ -222,7 +236,12 @@ def main(argv=None):
     parser.add_argument("--elements", type=nonnegative_int, default=1 << 18, help="float32 elements per rank")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--no-model", action="store_true", help="skip fitting the alpha-beta model first")
-    launch(rank_main, parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    p = world_size(args)
+    # every rank (on one machine) holds x and its result in float32 and the float64 twin it builds
+    reject_early(parser, lambda: check_fits("--elements", args.elements, p * BYTES_PER_ELEMENT,
+                                            f"{BYTES_PER_ELEMENT} bytes per element on each of {p} ranks"))
+    return launch(rank_main, args)
 
 
 if __name__ == "__main__":

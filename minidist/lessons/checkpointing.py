@@ -21,7 +21,14 @@ import numpy as np
 from minidist import trace
 from minidist.autograd import random as mrandom
 from minidist.comm import all_reduce
-from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint
+from minidist.lessons.cli import (
+    finish,
+    launch,
+    lesson_parser,
+    positive_int,
+    rprint,
+    worst,
+)
 from minidist.memory import MemoryAccountant
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.parallel.memory import recompute
@@ -127,7 +134,7 @@ def rank_main(comm, args):
         sec = time_step(apply_checkpointing(GPT(cfg), policy), comm, shard, args.repeats, tracer, policy)
         peak = max(comm.allgather_obj(max(samples)))  # the largest window peak is the peak
         formula = predicted_peak_activation_bytes(cfg, args.batch, args.seq, policy)
-        diff = float(max(np.abs(a - w).max() for a, w in zip(got, twin))) if twin is not None else 0.0
+        diff = worst(np.abs(a - w).max() for a, w in zip(got, twin)) if twin is not None else 0.0
         base_mem, base_t = base_mem or peak, base_t or sec
         curves[policy] = samples
         rows.append((policy, peak, formula, sec))

@@ -23,6 +23,8 @@ import os
 import sys
 import threading
 
+import numpy as np
+
 from minidist import trace
 from minidist.accel.backend import BACKENDS
 from minidist.comm import run, under_mpi
@@ -99,10 +101,24 @@ class LessonParser(argparse.ArgumentParser):
         return ns
 
 
+MAX_THREAD_RANKS = 64  # threads of one process share its cores: more would run for hours, not seconds
+
+
+def thread_ranks(text: str) -> int:
+    """``--ranks``: 1 .. MAX_THREAD_RANKS threads (more ranks: processes, under mpirun)."""
+    value = positive_int(text)
+    if value > MAX_THREAD_RANKS:
+        raise argparse.ArgumentTypeError(
+            f"at most {MAX_THREAD_RANKS} ranks run as threads of one process (they share its cores and "
+            f"a lesson would not finish in minutes), got {value}; use mpirun -n N for more")
+    return value
+
+
 def lesson_parser(description: str, ranks: int = 4) -> LessonParser:
     p = LessonParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=positive_int, default=ranks,
-                   help=f"ranks as threads of this process (default {ranks}; ignored under mpirun)")
+    p.add_argument("--ranks", type=thread_ranks, default=ranks,
+                   help=f"ranks as threads of this process (default {ranks}, at most {MAX_THREAD_RANKS}; "
+                        "ignored under mpirun)")
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="array library (default $MINIDIST_BACKEND or numpy)")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace of every rank")
@@ -146,6 +162,38 @@ def first_accepted(rule, candidates):
             continue
         return candidate
     return None
+
+
+def worst(*values) -> float:
+    """The largest of ``values`` (numbers or iterables of numbers), NaN if any is NaN: a check's
+    ``worst(diffs) <= tol`` then FAILs on a NaN, where ``max()`` would skip it (``max(0.0, nan)`` is 0)."""
+    flat = []
+    for v in values:
+        flat.extend(v if hasattr(v, "__iter__") else [v])
+    arr = np.asarray(flat, dtype=np.float64)
+    return float(np.max(arr)) if arr.size else 0.0
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give (``MemAvailable``; all of RAM where that is not known)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(flag: str, value: int, bytes_per_unit: float, what: str) -> None:
+    """Refuse (ValueError, for ``reject_early``) a ``flag value`` needing more than the memory left:
+    ``value x bytes_per_unit`` bytes, ``what`` says what they hold. The error states the limit."""
+    need, have = value * bytes_per_unit, available_memory()
+    if need > have:
+        raise ValueError(f"argument {flag}: {value:,} needs {need / 2**30:,.2f} GiB ({what}) but this "
+                         f"machine has {have / 2**30:,.2f} GiB available; "
+                         f"use {flag} <= {int(have // bytes_per_unit):,}")
 
 
 def _traced(main_rank_fn):

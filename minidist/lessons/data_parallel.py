@@ -25,12 +25,15 @@ from minidist.comm import all_reduce, measure
 from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.lessons.cli import (
     finish,
+    first_accepted,
     launch,
     lesson_parser,
     positive_float,
     positive_int,
+    reject_early,
     rprint,
     world_size,
+    worst,
 )
 from minidist.memory import MemoryAccountant, zero_formula
 from minidist.nn import GPT, GPTConfig, optim
@@ -70,13 +73,32 @@ def split_sizes(n, p) -> list[int]:
     return [int(s.stop - s.start) for s in slices]
 
 
+def micro_batches(rows: int, accum: int) -> list:
+    """This rank's ``rows`` in ``accum`` micro-batches (index arrays; none empty, so fewer when
+    ``rows < accum``)."""
+    return [ix for ix in np.array_split(np.arange(rows), accum) if len(ix)]
+
+
+def check_accum(batch: int, p: int, accum: int) -> None:
+    """Every rank runs the same number of micro-steps: DDP and ZeRO sync on each rank's last one, so a
+    rank with fewer rows than ``accum`` (and so fewer micro-steps) would pair its collectives with
+    another rank's different ones."""
+    sizes = split_sizes(batch, p)
+    counts = [len(micro_batches(n, accum)) for n in sizes]
+    if len(set(counts)) > 1:
+        fix = first_accepted(lambda a: check_accum(batch, p, a), range(accum - 1, 0, -1))
+        raise ValueError(f"argument --accum: {accum} micro-steps of rows {sizes} (--batch {batch} over {p} "
+                         f"ranks) give the ranks {counts} micro-steps; every rank must run the same number: "
+                         f"use --accum <= {fix} or a --batch that gives every rank >= {accum} rows")
+
+
 def train_step(comm, model, wrapper, x, y, accum):
     """Accumulate ``accum`` micro-batches of this rank's rows; the last backward syncs. Returns the
     global-batch mean loss (each rank's loss weighted by its rows)."""
     sl = my_slice(comm, len(x))
     xs, ys = x[sl], y[sl]
     total = 0.0
-    parts = [ix for ix in np.array_split(np.arange(len(xs)), accum) if len(ix)]
+    parts = micro_batches(len(xs), accum)
     for i, ix in enumerate(parts):
         with wrapper.no_sync() if i < len(parts) - 1 else contextlib.nullcontext():
             loss = model.loss(xs[ix], ys[ix])
@@ -196,7 +218,7 @@ def rank_main(comm, args):
     if comm.rank == 0:
         sstate, slosses = serial
         diff = max_state_diff(sstate, m.state_dict())
-        ldiff = max(abs(a - b) for a, b in zip(losses, slosses))
+        ldiff = worst(abs(a - b) for a, b in zip(losses, slosses))
         # float32: AdamW turns a rounding-level gradient into up to ±lr a step, so not a fixed 1e-4 (seed 4
         # reached 9.7e-05): 10% of AdamW's largest travel, lesson 5's rule (pipeline.tolerance)
         tol = 1e-9 if args.dtype == "float64" else adamw_tolerance(args.lr, args.steps)
@@ -204,7 +226,7 @@ def rank_main(comm, args):
         print("   step  loss(serial)  loss(DDP)")
         for i, (a, b) in enumerate(zip(slosses, losses)):
             print(f"   {i:4d}  {a:12.6f}  {b:10.6f}")
-        ok = max(diff, ldiff) < tol
+        ok = worst(diff, ldiff) < tol
         print(f"   max |param diff| = {diff:.2e}, max |loss diff| = {ldiff:.2e} (tolerance {tol:g}: "
               f"same sums, different order)  {'PASS' if ok else 'FAIL'}", flush=True)
         print("   " + estimates.predicted_vs_measured(
@@ -217,8 +239,8 @@ def rank_main(comm, args):
         zstate, zlosses = run_zero(comm, args, batches, stage)
         if comm.rank == 0:
             zdiff = max_state_diff(sstate, zstate)
-            zl = max(abs(a - b) for a, b in zip(zlosses, slosses))
-            zok = max(zdiff, zl) < tol
+            zl = worst(abs(a - b) for a, b in zip(zlosses, slosses))
+            zok = worst(zdiff, zl) < tol
             ok &= zok
             print(f"   ZeRO-{stage} vs the serial twin: max |param diff| = {zdiff:.2e}, max |loss diff| = "
                   f"{zl:.2e}  {'PASS' if zok else 'FAIL'}", flush=True)
@@ -306,6 +328,7 @@ def check_args(parser, args, p: int) -> None:
         empty = [r for r, n in enumerate(sizes) if n == 0]
         parser.error(f"argument --batch: {args.batch} rows split in proportion 1:2:..:{p} over {p} ranks "
                      f"({sizes}) give rank(s) {empty} no rows; use --batch >= {need}")
+    reject_early(parser, lambda: check_accum(args.batch, p, args.accum))
 
 
 if __name__ == "__main__":

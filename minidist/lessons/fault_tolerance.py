@@ -18,6 +18,7 @@ measured save time. Run alone (no supervisor) it trains without a fault and says
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -30,17 +31,22 @@ from minidist.accel.backend import default_backend
 from minidist.comm.transports.threads import ThreadComm, ThreadWorld
 from minidist.lessons.cli import (
     finish,
+    first_accepted,
     launch,
     lesson_parser,
     nonnegative_int,
     positive_int,
     probability,
+    reject_early,
     rprint,
+    world_size,
 )
+from minidist.parallel.parallelize import check_3d
 from minidist.resilience.checkpoint import CheckpointError, folder
 from minidist.resilience.checkpoint.tiers import Checkpointer, Tier, shm_root
 from minidist.resilience.checkpoint.trainer import Trainer, small_config
 from minidist.resilience.faults import Injector
+from minidist.resilience.faults import parse as parse_faults
 from minidist.resilience.supervisor import heartbeat
 from minidist.testing import adamw_tolerance
 
@@ -256,8 +262,46 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     p.add_argument("--dropout", type=probability, default=0.1)
     p.add_argument("--out", help="write the final parameters here (.npz)")
+    p.output_paths = (*p.output_paths, "out")  # --out's folder must exist and be writable
     args = p.parse_args(argv)
+    check_flags(p, args, world_size(args))
     launch(rank_main, args)
+
+
+def check_flags(parser, args, world: int) -> None:
+    """The mesh, batch split and --fault spec every rank would check, checked once before any rank
+    starts (exit status 2, one line): the Trainer's own rules, with its batch and microbatch counts."""
+    defaults = inspect.signature(Trainer).parameters
+    batch, micro = defaults["batch_size"].default, defaults["microbatches"].default
+    cfg = small_config(args.dtype, args.dropout)
+    mesh = args.pp * args.tp
+    if args.zero and mesh > 1:  # Trainer: ZeRO is data parallel only here
+        parser.error(f"argument --zero: ZeRO-{args.zero} is data parallel only here (got --pp {args.pp} "
+                     f"--tp {args.tp}); use --pp 1 --tp 1 with --zero, or --zero 0")
+
+    def mesh_rule(ranks):  # the Trainer's check_3d, for a job of `ranks` ranks
+        check_3d(ranks, cfg, batch, max(1, ranks // mesh), args.pp, args.tp, micro)
+
+    try:
+        mesh_rule(world)
+    except ValueError as e:
+        alt = first_accepted(mesh_rule, range(world, 0, -1))
+        fix = f"; --ranks {alt} works with --pp {args.pp} --tp {args.tp}" if alt else ""
+        parser.error(f"argument --ranks/--pp/--tp: {str(e).removeprefix('rank 0: ')}{fix}")
+    if args.fault not in (None, "none"):
+        reject_early(parser, lambda: _check_fault(args.fault, world))
+
+
+def _check_fault(spec: str, world: int) -> None:
+    try:
+        faults = parse_faults(spec)
+    except ValueError as e:
+        raise ValueError(f"argument --fault: {e}; e.g. --fault kill:rank={world - 1},step=3 or "
+                         "--fault none") from None
+    for f in faults:
+        if f.rank >= world:
+            raise ValueError(f"argument --fault: {f} names rank {f.rank}, but the job has ranks "
+                             f"0..{world - 1}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,15 @@ import os
 
 import numpy as np
 
-from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint, world_size
+from minidist.lessons.cli import (
+    finish,
+    launch,
+    lesson_parser,
+    positive_int,
+    rprint,
+    world_size,
+    worst,
+)
 from minidist.nn import GPTConfig
 from minidist.parallel.balance.dp import train_dp_balanced
 from minidist.parallel.balance.pipeline import (
@@ -83,7 +91,7 @@ def data_parallel(comm, args, slow):
 
     run = train_dp_balanced(comm, cfg, batches, slow=slow, every=2, window=2, on_step=on_step)
     want, want_losses = train_serial(cfg, batches, lr=0.1)
-    diff = max(max_state_diff(host_state(run.model), want), float(np.max(np.abs(np.subtract(run.losses,
+    diff = worst(max_state_diff(host_state(run.model), want), float(np.max(np.abs(np.subtract(run.losses,
                                                                                             want_losses)))))
     ok = diff <= TOL
     numbers = summarize_dp(run, slow)
@@ -169,7 +177,7 @@ def pipeline(comm, args, slow):
     numbers = {}
     if comm.rank == 0:
         want, want_losses = train_serial(cfg, batches, lr=0.01, optimizer="adamw")
-        diff = max(max_state_diff(full, want), float(np.max(np.abs(np.subtract(run.losses, want_losses)))))
+        diff = worst(max_state_diff(full, want), float(np.max(np.abs(np.subtract(run.losses, want_losses)))))
         ok = diff <= TOL
         for step, old, new, sent, secs in run.moves:
             print(f"re-partitioned after step {step}: {old} -> {new}: {sent} bytes of parameters and AdamW "

@@ -18,7 +18,15 @@ import numpy as np
 from minidist.accel.backend import to_host
 from minidist.comm import measure
 from minidist.comm.cost import all_reduce_bytes_sent
-from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, positive_int, rprint
+from minidist.lessons.cli import (
+    finish,
+    launch,
+    lesson_parser,
+    positive_float,
+    positive_int,
+    rprint,
+    worst,
+)
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.nn.optim import AdamW
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision, round_to_bf16
@@ -104,7 +112,7 @@ def rank_main(comm, args):
         rprint(comm, f"{s:>4} {twin[s] if twin else 0:>12.5f} {cols}")
     if comm.rank == 0:
         for d in runs:
-            rel = max(abs(r[0] - t) / abs(t) for r, t in zip(runs[d][0], twin))
+            rel = worst(abs(r[0] - t) / abs(t) for r, t in zip(runs[d][0], twin))
             ok &= rel <= TOL
             print(f"  {d}: max relative loss difference vs serial fp32 {rel:.2e} "
                   f"(tolerance {TOL:g}) {'PASS' if rel <= TOL else 'FAIL'}", flush=True)

@@ -20,7 +20,15 @@ import time
 import numpy as np
 
 from minidist import trace
-from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, positive_int, rprint
+from minidist.lessons.cli import (
+    finish,
+    launch,
+    lesson_parser,
+    positive_float,
+    positive_int,
+    rprint,
+    worst,
+)
 from minidist.memory import MemoryAccountant
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.nn.optim import AdamW
@@ -77,7 +85,7 @@ def rank_main(comm, args):
         def factory(ps, where=where):
             return OffloadedAdamW(ps, folder, where=where, shard_bytes=args.shard_kib << 10, **kw)
         model, opt, t, o = run_training(cfg, factory, data, comm, tracer, where)
-        diff = max(float(np.abs(a.numpy() - b.numpy()).max())  # on the host: no program per shape on JAX
+        diff = worst(float(np.abs(a.numpy() - b.numpy()).max())  # on the host: no program per shape on JAX
                    for a, b in zip(ref.parameters(), model.parameters()))
         if where == "disk":  # one more step, recorded, for the timeline
             opt.events = []

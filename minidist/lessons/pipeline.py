@@ -190,9 +190,10 @@ def rank_main(comm, args):
     ref_state, ref_losses = train_serial(cfg, batches, lr=args.lr, optimizer="adamw")
     diff, tol = max_state_diff(state, ref_state), tolerance(args)
     loss_diff = float(np.max(np.abs(np.array(result.losses) - ref_losses)))
+    passed = diff <= tol and np.isfinite(loss_diff)  # a NaN loss FAILs
     print(f"\nserial twin (one GPT, same {len(batches)} global batches, AdamW): "
           f"max |param diff| = {diff:.2e}, "
-          f"max |loss diff| = {loss_diff:.2e} (tolerance {tol:.1e})  {'PASS' if diff <= tol else 'FAIL'}")
+          f"max |loss diff| = {loss_diff:.2e} (tolerance {tol:.1e})  {'PASS' if passed else 'FAIL'}")
     bubble = report(everyone, args, pp, m)
     if args.plot:
         events = [e for r in everyone for e in r["events"][-1]]
@@ -204,7 +205,7 @@ def rank_main(comm, args):
                             + f": bubble measured {bubble:.2f} vs (p-1)/({'v·' if v > 1 else ''}m+p-1) = "
                               f"{bubble_formula(pp, m, v):.2f}")
         print(f"wrote {args.plot}")
-    return finish(comm, diff <= tol)
+    return finish(comm, passed)
 
 
 def report(everyone, args, pp: int, m: int) -> float:

@@ -22,7 +22,7 @@ from minidist.autograd.tensor import no_grad
 from minidist.comm.transports.devices import describe_binding
 from minidist.lessons.cli import nonnegative_int, positive_float, positive_int
 from minidist.nn import GPT, GPTConfig, optim
-from minidist.nn.data import BatchLoader, ByteTokenizer, SyntheticTask, TextDataset
+from minidist.nn.data import BatchLoader, ByteTokenizer, SyntheticTask, TextDataset, default_text
 from minidist.plan import estimates
 from minidist.testing import train_steps
 
@@ -73,7 +73,7 @@ def sample(model, prompt_ids, new_tokens, temperature=0.8, seed=0):
     return ids
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text", help="a UTF-8 text file (default: the text shipped with minidist)")
     ap.add_argument("--task", choices=SyntheticTask.KINDS, help="train on a synthetic task instead")
@@ -85,17 +85,50 @@ def main(argv=None):
     ap.add_argument("--heads", type=positive_int, default=4)
     ap.add_argument("--lr", type=positive_float, default=3e-3)
     ap.add_argument("--seed", type=nonnegative_int, default=0)
+    return ap
+
+
+def load_data(args):
+    """The training windows the flags ask for, or a ValueError naming the flag: a ``--text`` that is
+    missing, a folder, not UTF-8, or shorter than one ``--block`` window (TextDataset's own rule)."""
+    if args.task:
+        return SyntheticTask(args.task, length=6, size=2048, seed=args.seed)
+    if args.text is not None:
+        if os.path.isdir(args.text):
+            raise ValueError(f"argument --text: {args.text!r} is a folder; give a UTF-8 text file")
+        if not os.path.isfile(args.text):
+            raise ValueError(f"argument --text: no such file: {args.text!r}")
+    try:
+        text = default_text() if args.text is None else open(args.text, encoding="utf-8").read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"argument --text: {args.text!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                         "give a text file") from None
+    tokens = ByteTokenizer().encode(text)
+    try:
+        return TextDataset(tokens, block_size=args.block)
+    except ValueError as e:
+        fix = f"use --block <= {len(tokens) - 1}" if len(tokens) > 1 else "give a longer --text"
+        raise ValueError(f"argument --block: {args.block}: {e}; {fix}") from None
+
+
+def prepare(argv=None):
+    """Parse and check every flag before any training: (args, data), or exit status 2 and one line."""
+    ap = parser()
     args = ap.parse_args(argv)
     if args.d_model % args.heads:
         ap.error(f"argument --d-model: must be a multiple of --heads {args.heads}, got {args.d_model}")
-    if args.text is not None and not os.path.isfile(args.text):
-        ap.error(f"argument --text: no such file: {args.text!r}")
+    try:
+        data = load_data(args)
+    except ValueError as e:
+        ap.error(str(e))
+    return args, data
 
+
+def main(argv=None):
+    args, data = prepare(argv)
     if args.task:
-        data = SyntheticTask(args.task, length=6, size=2048, seed=args.seed)
         vocab, block = data.vocab_size, data.block_size
     else:
-        data = TextDataset.from_file(args.text, block_size=args.block)
         vocab, block = ByteTokenizer.vocab_size, args.block
     cfg = GPTConfig(vocab_size=vocab, block_size=block, n_layer=args.layers, n_head=args.heads,
                     d_model=args.d_model, seed=args.seed)

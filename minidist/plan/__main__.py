@@ -7,13 +7,16 @@ Searches every candidate mesh and prints the best few, ranked, with why each los
 from __future__ import annotations
 
 import argparse
+import os
 
 from minidist.plan import hardware
 from minidist.plan.mesh import KINDS, Candidate, Settings
 from minidist.plan.model import ModelSpec
 from minidist.plan.presets import MODELS
-from minidist.plan.search import plan
+from minidist.plan.search import MAX_CHIPS, MAX_CHIPS_WHY, plan
 from minidist.plan.steptime import axis_link
+
+CUSTOM = ("--layers", "--d-model", "--heads", "--vocab", "--seq")  # the shape of --model custom
 
 
 def human(nbytes: float) -> str:
@@ -121,44 +124,79 @@ def check(model: ModelSpec, cand: Candidate, batch: int) -> str:
     return ""
 
 
+MESH_CHOICES = {"checkpoint": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved")}
+MESH_LOW = {"zero": 0}  # every other integer field is a size >= 1
+
+
 def parse_mesh(text: str, chips: int) -> Candidate:
-    """"dp=8,tp=8,zero=1,checkpoint=full" -> Candidate (dp defaults to chips / (tp·pp·cp))."""
+    """"dp=8,tp=8,zero=1,checkpoint=full" -> Candidate (dp defaults to chips / (tp·pp·cp)); a bad field
+    or value is a ValueError naming it and what is allowed."""
     kw = {}
     for part in filter(None, text.split(",")):
         key, _, value = part.partition("=")
         if key not in Candidate.__dataclass_fields__:
             fields = ", ".join(Candidate.__dataclass_fields__)
-            raise SystemExit(f"--mesh {text!r}: unknown field {key!r}; use {fields}")
-        kw[key] = value if key in ("checkpoint", "schedule") else int(value)
+            raise ValueError(f"--mesh {text!r}: unknown field {key!r}; use {fields}")
+        if key in MESH_CHOICES:
+            if value not in MESH_CHOICES[key]:
+                choices = ", ".join(MESH_CHOICES[key])
+                raise ValueError(f"--mesh {text!r}: {key}={value!r}; use one of {choices}")
+            kw[key] = value
+            continue
+        low = MESH_LOW.get(key, 1)
+        try:
+            kw[key] = int(value)
+        except ValueError:
+            raise ValueError(f"--mesh {text!r}: {key}={value!r} is not an integer; use {key}=N with "
+                             f"N >= {low}") from None
+        if kw[key] < low or (key == "zero" and kw[key] > 3):
+            rule = "0, 1, 2 or 3 (a ZeRO stage)" if key == "zero" else f"an integer >= {low}"
+            raise ValueError(f"--mesh {text!r}: {key}={kw[key]} must be {rule}")
     if "dp" not in kw:
         kw["dp"] = chips // (kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1))
+        if kw["dp"] < 1:
+            raise ValueError(f"--mesh {text!r} needs more than the {chips} chips of --chips")
     cand = Candidate(**kw)
     if cand.chips != chips:
-        raise SystemExit(f"--mesh {text!r} uses {cand.chips} chips, but --chips is {chips}")
+        raise ValueError(f"--mesh {text!r} uses {cand.chips} chips, but --chips is {chips}")
     return cand
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m minidist.plan", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama3-70b", choices=(*MODELS, "custom"),
-                    help="a preset, or 'custom' (with --layers, --d-model, --heads, ...)")
-    for flag in ("--layers", "--d-model", "--heads", "--vocab", "--seq"):
-        ap.add_argument(flag, type=int, help="model shape (overrides the preset's)")
-    ap.add_argument("--engine", choices=("megatron", "minidist"), default=None,
-                    help="what a rank stores: Megatron-style bf16 + fp32 master (default), or minidist's GPT")
-    ap.add_argument("--batch", type=int, default=512, help="global batch in sequences")
-    ap.add_argument("--chips", type=int, default=64, help="accelerators (ranks) in all")
-    ap.add_argument("--hardware", default="h100", help=f"{', '.join(hardware.PRESETS)} or 'here'")
-    ap.add_argument("--transport", choices=("threads", "mpi"), default="threads",
-                    help="with --hardware here: the ranks as threads of one process, or mpirun processes")
-    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    ap.add_argument("--top", type=int, default=8, help="how many ranked meshes to print")
-    ap.add_argument("--plot", metavar="FILE.png", help="draw memory by kind and the step's time breakdown")
-    ap.add_argument("--mesh", action="append", default=[], metavar="dp=..,tp=..,pp=..,...",
-                    help="evaluate this mesh (fields of minidist.plan.Candidate) instead of searching")
-    args = ap.parse_args(argv)
+def _int_from(low: int, high: int | None = None, why: str = ""):
+    """An argparse type: an integer in [low, high], else an error stating the range (and ``why``)."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            top = f" and <= {high:,}{why}" if high is not None else ""
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}{top}, got {value}")
+        return value
+    return parse
+
+
+def check_plot(path: str | None) -> str:
+    """--plot's folder must exist and be writable: checked before the search, not after it."""
+    if path:
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            return f"argument --plot: {path!r} is a folder; give a file name inside it"
+        if not os.path.isdir(folder):
+            return f"argument --plot: folder {folder} of {path!r} does not exist"
+        if not os.access(folder, os.W_OK):
+            return f"argument --plot: folder {folder} of {path!r} is not writable"
+    return ""
+
+
+def build_model(args) -> ModelSpec:
+    """The ModelSpec the flags name: a preset with any shape flags over it, or ``custom`` with all of
+    them (a ValueError names what is missing or inconsistent)."""
     if args.model == "custom":
+        missing = [f for f in CUSTOM if getattr(args, f[2:].replace("-", "_")) is None]
+        if missing:
+            raise ValueError(f"argument --model custom: needs the model's shape; add {' '.join(missing)} "
+                             "(e.g. --layers 32 --d-model 4096 --heads 32 --vocab 32000 --seq 4096)")
         model = ModelSpec("custom", n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
                           vocab=args.vocab, seq=args.seq, engine=args.engine or "megatron",
                           dtype_bytes=4 if args.engine == "minidist" else 2)
@@ -167,12 +205,45 @@ def main(argv=None) -> None:
         changes = {k: v for k, v in dict(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
                                          vocab=args.vocab, seq=args.seq).items() if v}
         model = model.replace(**changes) if changes else model
+    return model
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m minidist.plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama3-70b", choices=(*MODELS, "custom"),
+                    help="a preset, or 'custom' (with --layers, --d-model, --heads, ...)")
+    for flag in CUSTOM:
+        ap.add_argument(flag, type=_int_from(1), help="model shape (overrides the preset's)")
+    ap.add_argument("--engine", choices=("megatron", "minidist"), default=None,
+                    help="what a rank stores: Megatron-style bf16 + fp32 master (default), or minidist's GPT")
+    ap.add_argument("--batch", type=_int_from(1), default=512, help="global batch in sequences")
+    ap.add_argument("--chips", type=_int_from(1, MAX_CHIPS, f" ({MAX_CHIPS_WHY})"), default=64,
+                    help=f"accelerators (ranks) in all, at most {MAX_CHIPS:,}")
+    ap.add_argument("--hardware", default="h100", help=f"{', '.join(hardware.PRESETS)} or 'here'")
+    ap.add_argument("--transport", choices=("threads", "mpi"), default="threads",
+                    help="with --hardware here: the ranks as threads of one process, or mpirun processes")
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument("--top", type=_int_from(1), default=8, help="how many ranked meshes to print")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw memory by kind and the step's time breakdown")
+    ap.add_argument("--mesh", action="append", default=[], metavar="dp=..,tp=..,pp=..,...",
+                    help="evaluate this mesh (fields of minidist.plan.Candidate) instead of searching")
+    args = ap.parse_args(argv)
+    if check_plot(args.plot):
+        ap.error(check_plot(args.plot))
+    try:
+        model = build_model(args)
+    except ValueError as e:
+        ap.error(str(e))
     try:
         here = args.hardware == "here"
         hw = hardware.here(transport=args.transport) if here else hardware.get(args.hardware)
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
-    cands = [parse_mesh(s, args.chips) for s in args.mesh] or None
+    try:
+        cands = [parse_mesh(s, args.chips) for s in args.mesh] or None
+    except ValueError as e:
+        ap.error(str(e))
     for cand in cands or []:
         problem = check(model, cand, args.batch)
         if problem:

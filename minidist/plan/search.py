@@ -16,6 +16,18 @@ from minidist.plan.mesh import DEFAULT, Candidate, Settings
 from minidist.plan.model import ModelSpec
 from minidist.plan.steptime import Prediction, predict
 
+MAX_CHIPS = 1 << 20  # the search walks every divisor of the chips: a million is seconds, not hours
+MAX_CHIPS_WHY = "larger than any cluster built; the search would not finish"
+
+
+def check_request(chips, batch, top) -> None:
+    """The planner's inputs, before any search: a ValueError naming the argument and its range."""
+    for name, value, high in (("chips", chips, MAX_CHIPS), ("batch", batch, None), ("top", top, None)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"plan: {name} must be an integer >= 1, got {value!r}")
+        if high is not None and value > high:
+            raise ValueError(f"plan: {name}={value:,} is more than {high:,} ({MAX_CHIPS_WHY})")
+
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -80,6 +92,7 @@ def plan(model: ModelSpec, chips: int, batch: int, hw: Hardware, settings: Setti
     """Predictions for every candidate, fitting ones first, fastest first (each with `.reason`).
     All are ranked with the bubble formula first; the first `simulate` (default max(2·top, 10)) are
     then predicted again with their schedule simulated, and re-ranked."""
+    check_request(chips, batch, top)
     cands = cands if cands is not None else candidates(model, chips, batch, hw)
     quick = [predict(model, c, batch, hw, settings, simulate_schedule=False) for c in cands]
     quick.sort(key=order)

@@ -7,7 +7,10 @@ The job runs under ``mpirun -n N`` (or, with ``--threads``, as one process given
 The supervisor watches two things: the exit status, and a heartbeat per rank -- a file in
 ``$MINIDIST_HEARTBEAT_DIR`` that the training loop rewrites every step (``heartbeat(rank, step)``),
 so a rank that hangs without dying is noticed after ``--heartbeat-timeout`` seconds and the job is
-killed. On a failure it says what failed and when, reads which checkpoint under ``--ckpt`` is the
+killed (``minidist.comm.run`` beats once as each rank starts, so that covers the time before the
+first step too). SIGTERM or SIGINT (Ctrl-C) to the supervisor stops the whole job -- it runs in its
+own session, so the supervisor kills its process group -- and exits with status 128 + the signal.
+On a failure it says what failed and when, reads which checkpoint under ``--ckpt`` is the
 newest intact one (that is where the job resumes), starts the job again with ``MINIDIST_RESTART``
 one higher, and at the end prints each attempt and the work lost: the steps done after the
 checkpoint that was resumed from, which had to be computed again. A job that died because a save
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -35,6 +39,8 @@ from dataclasses import dataclass, field
 
 from minidist.resilience.checkpoint import files
 from minidist.resilience.faults import parse
+
+STARTED = -1  # the step of the beat ``minidist.comm.run`` writes as a rank starts: alive, no step yet
 
 
 def heartbeat(rank: int, step: int) -> None:
@@ -172,21 +178,24 @@ class Supervisor:
             env["MINIDIST_SUPERVISOR_LOG"] = self.log_path
         proc = subprocess.Popen(self.command(a.ranks), env=env, start_new_session=True)
         hung = None
-        while (code := proc.poll()) is None:
-            time.sleep(self.poll)
-            beats = read_heartbeats(hb)
-            now = time.time()
-            stale = {r: now - t for r, (_, t) in beats.items() if now - t > self.timeout}
-            if stale:
-                hung = max(stale, key=stale.get)
-                silent = ", ".join(f"rank {r}: {s:.1f} s" for r, s in sorted(stale.items()))
-                self.say(f"no heartbeat for more than {self.timeout} s ({silent}): hung; killing the job")
-                _stop(proc)
-                code = -signal.SIGKILL
-                break
+        try:
+            while (code := proc.poll()) is None:
+                time.sleep(self.poll)
+                stale = stale_ranks(read_heartbeats(hb), a.ranks, time.time(), self.timeout)
+                if stale:
+                    hung = blame(read_heartbeats(hb), stale)
+                    silent = ", ".join(f"rank {r}: {s:.1f} s" for r, s in sorted(stale.items()))
+                    self.say(f"no heartbeat for more than {self.timeout} s ({silent}): hung; killing the job")
+                    _stop(proc)
+                    code = -signal.SIGKILL
+                    break
+        except Stopped:  # SIGTERM / SIGINT to the supervisor: the job goes with it
+            _stop(proc)
+            a.end, a.status = time.time(), "stopped"
+            raise
         a.end = time.time()
         beats = read_heartbeats(hb)
-        a.last_step = max((s for s, _ in beats.values()), default=None)
+        a.last_step = max((s for s, _ in beats.values() if s != STARTED), default=None)
         if code == 0:
             return 0
         notes = {int(f[len("fault-rank-"):]): open(os.path.join(hb, f)).read().strip()
@@ -199,7 +208,8 @@ class Supervisor:
             a.disk_full = full[0]
         if hung is not None:  # every rank waiting on the hung one goes silent too: a fault note knows better
             a.failed_rank = min(notes) if notes else hung
-            why = f"hung at step {beats[hung][0]}"
+            step = beats.get(hung, (STARTED, 0))[0]
+            why = "hung before its first step" if step == STARTED else f"hung at step {step}"
         elif notes:
             a.failed_rank = min(notes)
             why = notes[a.failed_rank]
@@ -245,6 +255,26 @@ class Supervisor:
         return code
 
 
+def stale_ranks(beats: dict, n: int, now: float, timeout: float) -> dict[int, float]:
+    """{rank: seconds silent} for the ranks silent for more than ``timeout``. Once the job is up (a
+    rank has beaten: ``minidist.comm.run`` beats as each rank starts), a rank that never beat is
+    counted from the job's first beat, so a hang before a rank's first step is caught too."""
+    if not beats:
+        return {}  # not started yet (or a command that never beats): nothing to judge
+    first = min(t for _, t in beats.values())
+    last = {r: beats[r][1] if r in beats else first for r in range(n)}
+    return {r: now - t for r, t in last.items() if now - t > timeout}
+
+
+def blame(beats: dict, stale: dict) -> int:
+    """The rank that stopped, of the ``stale`` ones: the one that got least far (never beat, then the
+    lowest step), then the one silent longest -- its peers went on until they waited for it."""
+    def progress(r):
+        step = beats[r][0] if r in beats else STARTED - 1
+        return (step, -stale[r])
+    return min(stale, key=progress)
+
+
 def elastic_size(n: int, left: int) -> int:
     """The ranks an elastic restart uses when ``left`` of the job's original ``n`` survive: the largest
     divisor of n that is at most ``left``, so a data-parallel split of the original batch still divides."""
@@ -276,6 +306,18 @@ def _stop(proc, grace: float = 2.0) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+class Stopped(Exception):
+    """The supervisor got SIGTERM or SIGINT: it stops the job (its whole process group) and exits."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signum)
 
 
 def _dash(v) -> str:
@@ -310,6 +352,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"minidist.launch: need -n >= 1, --max-restarts >= 0 and 1 <= --min-ranks <= -n; "
                          f"got -n {args.ranks}, --max-restarts {args.max_restarts}, "
                          f"--min-ranks {args.min_ranks}")
+    if not (math.isfinite(args.heartbeat_timeout) and args.heartbeat_timeout > 0):
+        raise SystemExit(f"minidist.launch: --heartbeat-timeout must be a finite number of seconds > 0 "
+                         f"(e.g. 60; the first step may compile), got {args.heartbeat_timeout}")
     if cmd[0] == "python":
         cmd[0] = sys.executable
     if args.fault is not None:
@@ -320,7 +365,16 @@ def main(argv=None) -> int:
         os.environ["MINIDIST_FAULT"] = args.fault
     sup = Supervisor(cmd, args.ranks, args.max_restarts, args.min_ranks, args.threads, args.ckpt,
                      args.heartbeat_timeout, args.log)
-    return sup.run()
+    previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return sup.run()
+    except Stopped as e:
+        sup.say(f"{e}: stopped the job (every rank) and exiting")
+        sup.summary(128 + e.signum)
+        return 128 + e.signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":

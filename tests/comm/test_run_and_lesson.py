@@ -77,3 +77,63 @@ def test_lesson_runs_and_passes(capsys, tmp_path):
     assert len(rows) == 5 and all(r[-3] == "0" for r in rows)  # one rank: no steps, for every algorithm
     events = json.loads(trace_file.read_text())["traceEvents"]
     assert {e.get("tid") for e in events if e.get("ph") == "X"} == {0, 1, 2}
+
+
+# a rank that ends itself instead of returning: the run must not pass for a success
+EARLY_EXIT = """
+import os, sys
+from minidist.comm import run
+
+def body(comm):
+    if comm.rank == 1:
+        {exit}
+    comm.barrier()
+    return comm.rank
+
+print("results", run(body, ranks=3))
+"""
+
+
+def _run_script(exit_call):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return subprocess.run([sys.executable, "-c", EARLY_EXIT.format(exit=exit_call)], capture_output=True,
+                          text=True, timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": root})
+
+
+def test_a_thread_rank_calling_os_exit_0_fails_the_run_naming_it():
+    out = _run_script("os._exit(0)")
+    assert out.returncode == 1, (out.returncode, out.stdout, out.stderr)
+    assert "results" not in out.stdout
+    assert "RankExitedEarly: rank 1 of 3 called os._exit(0) before its function returned" in out.stderr
+
+
+def test_sys_exit_0_in_a_rank_fails_and_a_nonzero_exit_keeps_its_status():
+    out = _run_script("sys.exit(0)")
+    assert out.returncode == 1 and "rank 1 of 3 called sys.exit(0)" in out.stderr, out.stderr
+    out = _run_script("sys.exit(3)")
+    assert out.returncode == 3 and "results" not in out.stdout, out.stderr
+
+
+def test_early_exit_in_process_raises_and_leaves_os_exit_as_it_was():
+    import os
+
+    import pytest
+
+    from minidist.comm.runner import RankExitedEarly
+
+    real = os._exit
+
+    def body(comm):
+        if comm.rank == 0:
+            os._exit(7)
+        comm.barrier()
+
+    for ranks in (1, 2):
+        with pytest.raises(RankExitedEarly, match=f"rank 0 of {ranks} called os._exit\\(7\\)"):
+            run(body, ranks=ranks)
+    assert os._exit is real
+    assert run(lambda comm: comm.rank, ranks=2) == [0, 1]  # ordinary runs are untouched

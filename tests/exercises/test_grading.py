@@ -1,6 +1,7 @@
 """The grader itself: the rendezvous transport catches a blocking ring, a failure teaches, --list lists."""
 
 import ast
+import os
 import time
 from pathlib import Path
 
@@ -150,3 +151,43 @@ def test_the_import_scan_finds_a_planted_tests_import(tmp_path):
     (pkg / "grading" / "moe.py").write_text("import numpy\ndef f():\n    from tests.exercises import x\n")
     (pkg / "ok.py").write_text("import testsuite\nfrom . import tests\n")
     assert imports_named(pkg, "tests") == ["minidist/grading/moe.py:3: tests.exercises"]
+
+
+# student files the grader cannot grade (exit status 2, one line saying why) or whose task ends the
+# process or never returns; each run as `python -m minidist.grade allreduce --file X --timeout 2`
+UNGRADABLE = [
+    ("exit_at_import.py", "import sys\nsys.exit(0)\n", 2, ["called sys.exit(0) while being imported"]),
+    ("os_exit_at_import.py", "import os\nos._exit(0)\n", 2, ["called os._exit(0) while being imported"]),
+    ("picture.py", b"\x89PNG\r\n\x1a\n\x00\x01", 2, ["is not Python", "null bytes"]),
+    ("typo.py", "def ring_all_reduce(comm, x)\n    return x\n", 2,
+     ["is not Python", "SyntaxError at line 1"]),
+    ("loop_at_import.py", "while True:\n    pass\n", 2, ["did not finish importing within --timeout 2 s"]),
+    ("loop_in_task.py", "def ring_all_reduce(comm, x):\n    while True:\n        pass\n", 2,
+     ["task ring_all_reduce", "longer than --timeout 2 s", "score so far: 0 of 3"]),
+    ("exit_in_task.py", "import sys\ndef ring_all_reduce(comm, x):\n    sys.exit(0)\n", 1,
+     ["score: 0/3"]),
+    ("os_exit_in_task.py", "import os\ndef ring_all_reduce(comm, x):\n    os._exit(0)\n", 1, ["score: 0/3"]),
+    ("missing.py", None, 2, ["no such file"]),
+]
+
+
+@pytest.mark.parametrize("fname,text,code,words", UNGRADABLE, ids=[u[0] for u in UNGRADABLE])
+def test_the_grader_exit_status_tells_the_truth_about_a_broken_student_file(tmp_path, fname, text, code,
+                                                                            words):
+    import subprocess
+    import sys
+
+    f = tmp_path / fname
+    if isinstance(text, bytes):
+        f.write_bytes(text)
+    elif text is not None:
+        f.write_text(text)
+    out = subprocess.run([sys.executable, "-m", "minidist.grade", "allreduce", "--file", str(f), "--timeout",
+                          "2"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == code, (out.returncode, out.stdout, out.stderr)
+    shown = out.stdout + out.stderr
+    for w in words:
+        assert w in shown, (w, shown)
+    if code == 2:
+        assert out.stderr.strip().splitlines()[-1].startswith("minidist.grade: ")

@@ -246,6 +246,57 @@ def test_cli_refuses_an_impossible_mesh_and_says_what_would_do(capsys):
     assert "--model: invalid choice: 'tiny'" in err and "llama3-70b" in err
 
 
+# (argv, words the one error line must hold): impossible planner input, refused before any search
+CLI_BAD = [
+    (["--chips", "0"], ["--chips", ">= 1"]),
+    (["--chips", "-8"], ["--chips", ">= 1"]),
+    (["--chips", "10000000"], ["--chips", "<= 1,048,576", "10000000"]),
+    (["--batch", "0"], ["--batch", ">= 1"]),
+    (["--top", "0"], ["--top", ">= 1"]),
+    (["--mesh", "dp=x"], ["--mesh", "dp='x' is not an integer"]),
+    (["--mesh", "dp=-1,tp=-64"], ["--mesh", "dp=-1 must be an integer >= 1"]),
+    (["--mesh", "tp=8,checkpoint=banana"], ["checkpoint='banana'", "none, selective, full"]),
+    (["--mesh", "tp=8,schedule=zigzag"], ["schedule='zigzag'", "1f1b"]),
+    (["--mesh", "tp=8,zero=4"], ["zero=4", "0, 1, 2 or 3"]),
+    (["--mesh", "tp=128"], ["--mesh", "more than the 64 chips"]),
+    (["--model", "custom"], ["--model custom", "--layers --d-model --heads --vocab --seq"]),
+    (["--model", "custom", "--layers", "2", "--d-model", "64"], ["--heads --vocab --seq"]),
+    (["--model", "custom", "--layers", "2", "--d-model", "10", "--heads", "3", "--vocab", "9", "--seq", "8"],
+     ["d_model 10 not divisible by n_head 3"]),
+    (["--layers", "0"], ["--layers", ">= 1"]),
+    (["--plot", "/nonexistent-minidist/plan.png"], ["--plot", "does not exist"]),
+]
+
+
+@pytest.mark.parametrize("argv,words", CLI_BAD, ids=[" ".join(a) for a, _ in CLI_BAD])
+def test_cli_refuses_impossible_input_with_one_line(capsys, monkeypatch, argv, words):
+    from minidist.plan import __main__ as cli
+
+    def no_search(*a, **k):  # every refusal happens before the search
+        raise AssertionError("searched")
+
+    monkeypatch.setattr(cli, "plan", no_search)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--hardware", "h100", *argv])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("python -m minidist.plan: error: "), lines
+    for w in words:
+        assert w in lines[-1], f"{w!r} not in {lines[-1]!r}"
+
+
+def test_plan_refuses_an_impossible_request_by_name():
+    from minidist.plan import hardware
+    from minidist.plan.presets import MODELS
+    from minidist.plan.search import plan
+
+    for kw, words in ((dict(chips=0), "chips must be"), (dict(batch=-1), "batch must be"),
+                      (dict(chips=1 << 21), "more than 1,048,576"), (dict(top=0), "top must be")):
+        args = dict(chips=8, batch=8, top=1) | kw
+        with pytest.raises(ValueError, match=words):
+            plan(MODELS["llama3-8b"], args["chips"], args["batch"], hardware.get("h100"), top=args["top"])
+
+
 def test_here_reads_the_calibration_as_written(tmp_path):
     import json
 

@@ -18,7 +18,10 @@ shape (empty slots are zeros) is what makes this a formula: the price of capacit
 
 ``ExpertParallelMoE`` equals the serial ``MoE`` applied to each rank's tokens separately (same
 routing, same drops, same outputs and gradients); the router's gradient is a partial sum over the
-ep group's tokens, summed like any data-parallel gradient.
+ep group's tokens, summed like any data-parallel gradient. Ranks may hold different numbers of
+tokens: each then has its own capacity C_r, sends blocks of (E/ep)·C_r rows, and the experts run
+on each sender's block with that sender's C (the all-to-all carries each block's shape, so no
+capacities are exchanged first; the bytes formula then holds per rank with its own C).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import math
 import numpy as np
 
 from minidist.accel.backend import to_host
+from minidist.autograd import ops
 from minidist.autograd.tensor import Function
 from minidist.comm import all_to_all
 from minidist.comm.call import result_backend
@@ -40,31 +44,48 @@ from minidist.testing import host_state, train_steps
 
 
 class AllToAll(Function):
-    """x (p·m, ...) -> y (p·m, ...): block j (m rows) of y is rank j's block [my rank] of x;
-    backward: the same exchange."""
+    """x (p·m, ...) -> y: block j (m rows) of y is rank j's block [my rank] of x; backward: the same
+    exchange. Ranks whose capacities differ (uneven tokens) send blocks of their own sizes: ``sizes``
+    cuts x into blocks of those rows (None: p equal blocks), and ``received`` (a list) is filled
+    with the rows each rank sent, when they were not all equal."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _exchange(comm, x)
+    def forward(ctx, x, comm, sizes=None, received=None):
+        got = []
+        ctx.comm, ctx.got = comm, got
+        y = _exchange(comm, x, sizes, got)
+        if received is not None:
+            received[:] = got
+        return y
 
     @staticmethod
-    def backward(ctx, g):
-        return _exchange(ctx.comm, g), None
+    def backward(ctx, g):  # what came in goes back out, in the blocks it came in
+        return _exchange(ctx.comm, g, ctx.got or None), None
 
 
-def _exchange(comm, x):
-    """Block j of x's rows (its first axis cut in comm.size equal blocks) to rank j, and rank j's
-    block for me in its place. ``all_to_all`` stages its chunks through the host anyway, so a device
-    array is copied out once, sent as host views of its blocks, and copied back once (on JAX: no
-    eager slice per block and no reshape or stack programs); a NumPy array's copies are no-ops."""
+def _exchange(comm, x, sizes=None, received=None):
+    """Block j of x's rows (its first axis cut in comm.size equal blocks, or in blocks of ``sizes``
+    rows) to rank j, and rank j's block for me in its place. ``all_to_all`` stages its chunks
+    through the host anyway, so a device array is copied out once, sent as host views of its
+    blocks, and copied back once (on JAX: no eager slice per block and no reshape or stack
+    programs); a NumPy array's copies are no-ops. Blocks that came in with different row counts
+    are concatenated and their counts appended to ``received``."""
     host = to_host(x)
-    if host.shape[0] % comm.size:
+    if sizes is not None:
+        blocks = np.split(host, np.cumsum(sizes)[:-1])
+    elif host.shape[0] % comm.size:
         raise ValueError(f"rank {comm.rank}: the expert exchange cuts its {host.shape[0]} rows into "
                          f"{comm.size} equal blocks, one per rank: need a multiple of {comm.size} rows")
-    blocks = host.reshape(comm.size, host.shape[0] // comm.size, *host.shape[1:])
-    got = np.stack(all_to_all(comm, list(blocks))).reshape(host.shape)
-    return result_backend(comm, x).from_host(got)
+    else:
+        blocks = list(host.reshape(comm.size, host.shape[0] // comm.size, *host.shape[1:]))
+    got = all_to_all(comm, blocks)
+    if all(b.shape == got[0].shape for b in got):
+        out = np.stack(got).reshape(-1, *host.shape[1:])
+    else:  # uneven tokens: each rank's capacity, so its blocks, its own
+        out = np.concatenate(got)
+        if received is not None:
+            received.extend(len(b) for b in got)
+    return result_backend(comm, x).from_host(out)
 
 
 class ExpertParallelMoE(MoE):
@@ -87,9 +108,15 @@ class ExpertParallelMoE(MoE):
     def run_experts(self, buf, cap):
         """Buffer (E·C, d) -> its outputs (E·C, d): rank j's rows to rank j, my E/ep experts on every
         sender's rows (ep blocks of (E/ep)·C rows), the outputs back to where they came from."""
-        sent = AllToAll.apply(buf, comm=self.ep)                     # block j: rank j's rows for me
-        out = run_local_experts(self.experts, sent, self.ep.size, cap)
-        return AllToAll.apply(out, comm=self.ep)                     # to where they came from
+        rows = []  # filled when the ranks' capacities differ (uneven tokens): rows each rank sent
+        sent = AllToAll.apply(buf, comm=self.ep, received=rows)      # block j: rank j's rows for me
+        if not rows:  # every rank's capacity is mine: one call on all the blocks
+            out = run_local_experts(self.experts, sent, self.ep.size, cap)
+            return AllToAll.apply(out, comm=self.ep)                 # to where they came from
+        starts = np.cumsum([0, *rows])
+        out = ops.concat([run_local_experts(self.experts, sent[a:b], 1, (b - a) // self.local_experts)
+                          for a, b in zip(starts[:-1], starts[1:])])  # sender j's block: its capacity C_j
+        return AllToAll.apply(out, comm=self.ep, sizes=rows)
 
     def global_name(self, name: str) -> str:
         """A local parameter name -> the serial MoE's (``experts.0.`` -> ``experts.{first}.``)."""

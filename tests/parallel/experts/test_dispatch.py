@@ -76,6 +76,46 @@ def test_expert_parallel_equals_serial_moe_on_each_ranks_tokens(dp, ep, per, k, 
         np.testing.assert_allclose(grads[name], want_g[name], rtol=0, atol=1e-12, err_msg=name)
 
 
+def _check_uneven(ns, ep, e, k, cf, seed):
+    """Each rank r holds ns[r] tokens; the expert-parallel run equals the serial MoE on each
+    rank's tokens (its own capacity C_r), outputs and every gradient."""
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal((n, D)) for n in ns]
+    gs = [rng.standard_normal((n, D)) for n in ns]
+    want_y, want_g, want_stats = _serial(xs, gs, e, k, cf, seed)
+    out = run(_ep_rank, ranks=len(ns), xs=xs, gs=gs, e=e, k=k, cf=cf, seed=seed, ep=ep)
+    grads = {}
+    for r, (y, g, stats, fwd, bwd, _) in enumerate(out):
+        assert y.shape == (ns[r], D)
+        np.testing.assert_allclose(y, want_y[r], rtol=0, atol=1e-12)
+        assert stats.capacity == want_stats[r].capacity == max(1, int(np.ceil(cf * k * ns[r] / e)))
+        assert stats.kept_per_expert.tolist() == want_stats[r].kept_per_expert.tolist()
+        # this rank sends ep-1 blocks of (E/ep)·C_r rows out and ep-1 blocks of its peers' C back
+        group = [q for q in range(len(ns)) if q // ep == r // ep]  # ep groups: consecutive ranks
+        caps = {q: max(1, int(np.ceil(cf * k * ns[q] / e))) for q in group}
+        back = sum(caps[q] for q in group if q != r)
+        assert fwd == (e // ep) * D * 8 * ((ep - 1) * caps[r] + back) == bwd
+        grads.update(g)
+    assert grads.keys() == want_g.keys()
+    for name in want_g:
+        np.testing.assert_allclose(grads[name], want_g[name], rtol=0, atol=1e-12, err_msg=name)
+
+
+def test_expert_parallel_with_uneven_tokens_per_rank_equals_serial():
+    """The case that died in np.stack: dp = ep = 2, E = 4, top-2, capacity factor 1.0, 12 and 8
+    tokens (capacities 6 and 4)."""
+    _check_uneven([12, 8], ep=2, e=4, k=2, cf=1.0, seed=0)
+
+
+@given(ns=st.lists(st.integers(1, 9), min_size=2, max_size=4).filter(lambda v: len(v) != 3),
+       ep=st.sampled_from([2, 4]), per=st.integers(1, 2), k=st.integers(1, 2),
+       cf=st.sampled_from([0.5, 1.0, 1.5]), seed=st.integers(0, 50))
+@budget(10)
+def test_expert_parallel_with_any_tokens_per_rank_equals_serial(ns, ep, per, k, cf, seed):
+    ep = min(ep, len(ns))
+    _check_uneven(ns, ep=ep, e=ep * per, k=min(k, ep * per), cf=cf, seed=seed)
+
+
 def test_experts_must_divide_over_ep():
     with pytest.raises(ValueError, match=r"n_experts=3 is not divisible by the expert-parallel size ep=2; "
                                          r"use ep in \[1, 3\]"):
@@ -91,7 +131,8 @@ def test_lesson_passes_and_exits_1_when_the_exchange_is_wrong(monkeypatch, capsy
     out = capsys.readouterr().out
     assert out.count("PASS") == 3 and "FAIL" not in out
     good = experts._exchange
-    monkeypatch.setattr(experts, "_exchange", lambda comm, x: good(comm, x)[::-1].copy())  # blocks misrouted
+    monkeypatch.setattr(experts, "_exchange",  # blocks misrouted
+                        lambda comm, x, *a: good(comm, x, *a)[::-1].copy())
     with pytest.raises(SystemExit) as e:
         lesson.main(argv)
     assert e.value.code == 1 and "FAIL" in capsys.readouterr().out
