@@ -19,8 +19,9 @@ the JAX scaling book; torchtitan's async TP) cuts both along the sequence into p
 Each pattern's backward is the other one: the all-gather matmul's dX is a matmul + reduce-scatter
 of ``g @ W_rᵀ``, the reduce-scatter matmul's dX an all-gather + matmul of the gradient shards; dW is
 one GEMM over the whole sequence, as in the plain layer. So forward and backward equal the
-non-overlapped layers' arithmetic (the same products and the same reduction order; bit-exact where
-BLAS gives a block of rows the same results as the whole matrix, which the tests check).
+non-overlapped layers' arithmetic: the same products and the same reduction order, so bit-exact
+wherever BLAS gives a block of rows the same results as the whole matrix (where it picks another
+kernel -- a single row is a matrix-vector product -- a dot product's rounding apart).
 
 The hops are minidist point-to-point (``isend``/``irecv`` on a private channel, sizes known: no
 headers), started before the step's compute. The emulated link (``MINIDIST_LINK``) makes the sender
