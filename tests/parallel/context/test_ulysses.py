@@ -1,0 +1,123 @@
+"""Ulysses attention and the Ulysses context-parallel GPT equal serial attention and the serial GPT
+(float64; the softmax sums its keys in another order, so within 1e-12); its ledger equals the
+all-to-all formula, beside the ring's; cp that does not divide the heads is refused clearly."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minidist.autograd import ops
+from minidist.autograd.tensor import Tensor
+from minidist.comm import Mesh, all_reduce, measure, run
+from minidist.nn import GPT, GPTConfig
+from minidist.parallel.context.layout import shard_sequence, unshard_sequence
+from minidist.parallel.context.model import context_parallel
+from minidist.parallel.context.ring import packed_ring_attention
+from minidist.parallel.context.ulysses import check_heads, packed_ulysses_attention, ulysses_bytes
+from tests.conftest import budget
+
+TOL = 1e-12
+
+
+def _attend(comm, qkv, g, heads, layout, causal, mode="ulysses"):
+    cp = comm.size
+    x = Tensor(shard_sequence(qkv, comm.rank, cp, layout), requires_grad=True)
+    with measure(comm) as fwd:
+        if mode == "ulysses":
+            out = packed_ulysses_attention(x, heads, comm, layout, causal)
+        else:
+            out = packed_ring_attention(x, heads, comm, layout, causal)
+    with measure(comm) as bwd:
+        out.backward(shard_sequence(g, comm.rank, cp, layout))
+    return out.data, x.grad, fwd.bytes_sent, bwd.bytes_sent
+
+
+@given(cp=st.integers(1, 4), b=st.integers(1, 2), heads_per_rank=st.integers(1, 2), c=st.integers(1, 2),
+       d=st.integers(1, 4), layout=st.sampled_from(["zigzag", "contiguous"]), causal=st.booleans(),
+       seed=st.integers(0, 9))
+@budget(15)
+def test_ulysses_attention_equals_serial_attention_forward_and_gradients(cp, b, heads_per_rank, c, d, layout,
+                                                                         causal, seed):
+    heads, t = cp * heads_per_rank, 2 * cp * c
+    rng = np.random.default_rng(seed)
+    qkv, g = rng.standard_normal((b, t, 3 * heads * d)), rng.standard_normal((b, t, heads * d))
+    x = Tensor(qkv.copy(), requires_grad=True)
+    want = ops.packed_attention(x, heads, causal=causal)
+    want.backward(g)
+    res = run(_attend, ranks=cp, qkv=qkv, g=g, heads=heads, layout=layout, causal=causal)
+    np.testing.assert_allclose(unshard_sequence([r[0] for r in res], layout), want.data, rtol=0, atol=TOL)
+    np.testing.assert_allclose(unshard_sequence([r[1] for r in res], layout), x.grad, rtol=0, atol=TOL)
+    n = b * (t // cp) * heads * d  # this rank's q elements; each all-to-all sends (cp-1)/cp of its array
+    for r in res:
+        assert r[2] == (cp - 1) * (3 * n + n) // cp * 8  # q|k|v out, the output back
+        assert r[3] == (cp - 1) * (n + 3 * n) // cp * 8  # the output gradient out, dq|dk|dv back
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("t", [8, 16, 32])
+def test_ring_and_ulysses_bytes_per_rank_ledger_equals_formula(cp, t):
+    """The table of the chapter: bytes per rank, measured, against both formulas; Ulysses sends less
+    at every cp >= 2 (ring: 2(cp-1)·N forward, (4cp-2)·N backward; Ulysses: 4(cp-1)/cp·N each way)."""
+    b, heads, d = 1, 4, 2
+    rng = np.random.default_rng(0)
+    qkv, g = rng.standard_normal((b, t, 3 * heads * d)), rng.standard_normal((b, t, heads * d))
+    n = b * heads * (t // cp) * d
+    ring = run(_attend, ranks=cp, qkv=qkv, g=g, heads=heads, layout="zigzag", causal=True, mode="ring")
+    uly = run(_attend, ranks=cp, qkv=qkv, g=g, heads=heads, layout="zigzag", causal=True)
+    for r, u in zip(ring, uly):
+        assert (r[2], r[3]) == (2 * (cp - 1) * n * 8, (4 * cp - 2) * n * 8)
+        assert (u[2], u[3]) == (4 * (cp - 1) * n // cp * 8,) * 2
+        assert ulysses_bytes(n, 8, cp) == {"forward": u[2], "backward": u[3]}
+        assert u[2] + u[3] < r[2] + r[3]
+
+
+CFG = GPTConfig(vocab_size=16, block_size=16, n_layer=2, n_head=4, d_model=16, dtype="float64")
+
+
+def _cp_gpt(comm, x, y, cp, tp, layout):
+    from minidist.parallel.tensor.sharding import sharding_table, unshard
+    from minidist.parallel.three_d import build_model
+
+    mesh = Mesh(comm, cp=cp, tp=tp)
+    model, loss_fn = build_model(CFG, mesh.tp)
+    context_parallel(model, mesh.cp, layout, mode="ulysses")
+    xs, ys = (shard_sequence(a, mesh.cp_rank, cp, layout) for a in (x, y))
+    n_all, n_mine = int((y != -1).sum()), int((ys != -1).sum())
+    loss = (loss_fn or ops.cross_entropy)(model(xs), ys) * (n_mine / n_all)  # my tokens' share of the mean
+    loss.backward()
+    total = float(all_reduce(mesh.cp, np.array([float(loss.data)]))[0])
+    grads = {k: all_reduce(mesh.cp, p.grad) for k, p in model.named_parameters()}  # token partial sums
+    if tp > 1:
+        grads = unshard(mesh.tp.allgather_obj(grads), sharding_table(model))
+    return total, grads
+
+
+@pytest.mark.parametrize("cp,tp,layout", [(2, 1, "zigzag"), (4, 1, "contiguous"), (2, 2, "zigzag")])
+def test_ulysses_context_parallel_gpt_equals_serial_gpt(cp, tp, layout):
+    """Heads split over tp x cp in the (2, 2) case: 4 heads, one per rank during attention."""
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 16, (2, 16))
+    y = np.where(rng.random((2, 16)) < 0.2, -1, rng.integers(0, 16, (2, 16)))
+    serial = GPT(CFG)
+    want_loss = serial.loss(x, y)
+    want_loss.backward()
+    want = {k: p.grad for k, p in serial.named_parameters()}
+    for loss, grads in run(_cp_gpt, ranks=cp * tp, x=x, y=y, cp=cp, tp=tp, layout=layout):
+        assert abs(loss - float(want_loss.data)) <= TOL
+        assert grads.keys() == want.keys()
+        for k in want:
+            np.testing.assert_allclose(grads[k], want[k], rtol=0, atol=TOL, err_msg=k)
+
+
+def test_cp_that_does_not_divide_the_heads_is_refused_before_any_collective():
+    assert check_heads(4, 2) == 2
+    with pytest.raises(ValueError, match=r"splits the 2 attention heads .* over cp = 4 .*cp in \[1, 2\]"):
+        check_heads(2, 4)
+    with pytest.raises(ValueError, match=r"rank 0: Ulysses .* 6 attention heads .* cp = 4 .*\[1, 2, 3, 6\]"):
+        check_heads(6, 4)
+    cfg = CFG.replace(n_head=2, d_model=8)
+    with pytest.raises(ValueError, match=r"splits the 2 attention heads of a rank over cp = 4"):
+        run(lambda comm: context_parallel(GPT(cfg), comm, mode="ulysses"), ranks=4)
+    with pytest.raises(ValueError, match=r"mode='hybird'; use one of \('ring', 'ulysses'\)"):
+        run(lambda comm: context_parallel(GPT(cfg), comm, mode="hybird"), ranks=1)
