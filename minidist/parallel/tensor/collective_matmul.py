@@ -49,10 +49,13 @@ CHANNEL = "collective_matmul"  # the private channel of the main-thread hops
 # -- one hop round the ring ---------------------------------------------------------------------------
 
 def _hop_on_worker(ch, host, clock):
-    """On the async worker: pass ``host`` to rank r+1, receive rank r-1's; (array, t0, t1)."""
+    """On the async worker: pass ``host`` to rank r+1, receive rank r-1's. Returns (what arrived, and
+    the start and end of the send: the time the link was busy)."""
+    recv = ch.irecv_buffer(np.empty_like(host), (ch.rank - 1) % ch.size)
     t0 = clock() if clock is not None else 0.0
-    got = ch.sendrecv_buffer(host, (ch.rank + 1) % ch.size, np.empty_like(host), (ch.rank - 1) % ch.size)
-    return got, t0, clock() if clock is not None else 0.0
+    ch.isend_buffer(host, (ch.rank + 1) % ch.size).wait()  # the emulated link sleeps in here
+    t1 = clock() if clock is not None else 0.0
+    return recv.wait(), t0, t1
 
 
 class Hop:
@@ -220,3 +223,27 @@ def use_collective_matmul(model, on: bool = True) -> int:
     for m in layers:
         m.collective_matmul = on
     return len(layers)
+
+
+# -- what the timeline shows ----------------------------------------------------------------------------
+
+def hidden_share(events) -> float:
+    """Of one rank's traced events: the share of its hop ("send") time that ran while it computed."""
+    comp = [(e["t0"], e["t1"]) for e in events if e["cat"] == "compute"]
+    sends = [(e["t0"], e["t1"]) for e in events if e["cat"] == "send"]
+    total = sum(t1 - t0 for t0, t1 in sends)
+    hidden = sum(max(0.0, min(t1, c1) - max(t0, c0)) for t0, t1 in sends for c0, c1 in comp)
+    return hidden / total if total > 0 else 0.0
+
+
+def lanes(events, width: int = 96) -> str:
+    """One rank's timeline in two rows: 'M' where it multiplies, '~' where a hop is on the link."""
+    t0 = min(e["t0"] for e in events)
+    span = max(e["t1"] for e in events) - t0 or 1.0
+    rows = {"compute": [" "] * width, "send": [" "] * width}
+    for e in events:
+        if e["cat"] in rows:
+            a, b = int((e["t0"] - t0) / span * width), int((e["t1"] - t0) / span * width)
+            for i in range(a, max(a + 1, b)):
+                rows[e["cat"]][min(i, width - 1)] = "M" if e["cat"] == "compute" else "~"
+    return f"  compute |{''.join(rows['compute'])}|\n  link    |{''.join(rows['send'])}|"
