@@ -121,3 +121,16 @@ def test_cp_that_does_not_divide_the_heads_is_refused_before_any_collective():
         run(lambda comm: context_parallel(GPT(cfg), comm, mode="ulysses"), ranks=4)
     with pytest.raises(ValueError, match=r"mode='hybird'; use one of \('ring', 'ulysses'\)"):
         run(lambda comm: context_parallel(GPT(cfg), comm, mode="hybird"), ranks=1)
+
+
+def test_lesson_cp_mode_ulysses_passes_and_is_refused_when_cp_does_not_divide_its_heads(capsys):
+    from minidist.lessons import long_context
+
+    with pytest.raises(SystemExit) as e:
+        long_context.main(["--ranks", "3", "--seq", "12", "--cp-mode", "ulysses"])
+    assert e.value.code == 2
+    assert "error: argument --cp-mode: ulysses splits the GPT's 4 attention heads over cp = 3" in \
+        capsys.readouterr().err
+    long_context.main(["--ranks", "2", "--seq", "8", "--cp-mode", "ulysses"])
+    out = capsys.readouterr().out
+    assert "5b. Ulysses" in out and "FAIL" not in out

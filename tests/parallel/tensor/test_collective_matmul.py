@@ -179,3 +179,16 @@ def test_overlapped_layers_equal_plain_under_mpirun():
 
 if __name__ == "__main__":
     run(check_under_mpi)
+
+
+def test_lesson_overlap_flag_passes_and_bad_link_is_refused_before_ranks_start(capsys):
+    from minidist.lessons import tensor_parallel
+
+    with pytest.raises(SystemExit) as e:
+        tensor_parallel.main(["--ranks", "2", "--overlap", "--link", "bogus"])
+    assert e.value.code == 2
+    assert "error: argument --link: link spec 'bogus'" in capsys.readouterr().err
+    tensor_parallel.main(["--ranks", "2", "--overlap", "--steps", "2", "--seq", "8", "--d-model", "16",
+                          "--layers", "1", "--batch", "2"])
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and out.count("PASS") >= 4 and "CM: 8 rings of collective matmul hops" in out
