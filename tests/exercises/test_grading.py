@@ -110,7 +110,7 @@ def test_a_failure_prints_the_example_rank_and_first_differing_elements(tmp_path
 def test_list_shows_every_exercise_with_topic_time_and_score():
     rows = {name: (topic, time, score) for name, topic, time, score in listing()}
     stubs = {p.stem for p in (ROOT / "exercises").glob("*.py") if not p.stem.startswith("_")}
-    assert len(stubs) == 16 and set(rows) == set(exercises()) == stubs, "every exercise needs a grader"
+    assert len(stubs) == 17 and set(rows) == set(exercises()) == stubs, "every exercise needs a grader"
     assert all(topic for topic, _, _ in rows.values())
     assert rows["allreduce"][2] == "0/3"
 
