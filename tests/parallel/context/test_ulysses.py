@@ -134,3 +134,26 @@ def test_lesson_cp_mode_ulysses_passes_and_is_refused_when_cp_does_not_divide_it
     long_context.main(["--ranks", "2", "--seq", "8", "--cp-mode", "ulysses"])
     out = capsys.readouterr().out
     assert "5b. Ulysses" in out and "FAIL" not in out
+
+
+def _attention_traffic(comm, x, mode):
+    """One forward + backward of the cp GPT: this rank's bytes sent (attention is its only traffic)."""
+    model = context_parallel(GPT(CFG), comm, mode=mode)
+    xs = shard_sequence(x, comm.rank, comm.size)
+    with measure(comm) as m:
+        ops.cross_entropy(model(xs), xs).backward()
+    return m.bytes_sent
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_planner_prices_ring_and_ulysses_as_the_ledger_counts(mode, cp):
+    from minidist.plan.mesh import Candidate
+    from minidist.plan.model import ModelSpec
+    from minidist.plan.traffic import bytes_by_axis, collectives
+
+    x = np.random.default_rng(0).integers(0, 16, (2, 16))
+    spec = ModelSpec.of_gpt("cfg", CFG).replace(dtype_bytes=8)  # float64, as CFG
+    planned = bytes_by_axis(collectives(spec, Candidate(cp=cp, microbatch=2), batch=2, cp_mode=mode))["cp"]
+    for sent in run(_attention_traffic, ranks=cp, x=x, mode=mode):
+        assert sent == planned
