@@ -1,6 +1,7 @@
-"""Ulysses attention and the Ulysses context-parallel GPT equal serial attention and the serial GPT
-(float64; the softmax sums its keys in another order, so within 1e-12); its ledger equals the
-all-to-all formula, beside the ring's; cp that does not divide the heads is refused clearly."""
+"""Ulysses attention, the hybrid (Ulysses inside groups, a ring across them) and their context-parallel
+GPTs equal serial attention and the serial GPT (float64; the softmax sums its keys in another order,
+so within 1e-12); the ledger equals each formula, beside the ring's, and the planner's; cp that does
+not divide the heads is refused clearly."""
 
 import numpy as np
 import pytest
@@ -14,18 +15,28 @@ from minidist.nn import GPT, GPTConfig
 from minidist.parallel.context.layout import shard_sequence, unshard_sequence
 from minidist.parallel.context.model import context_parallel
 from minidist.parallel.context.ring import packed_ring_attention
-from minidist.parallel.context.ulysses import check_heads, packed_ulysses_attention, ulysses_bytes
+from minidist.parallel.context.ulysses import (
+    check_heads,
+    packed_ulysses_attention,
+    packed_usp_attention,
+    ulysses_bytes,
+    usp_bytes,
+    usp_groups,
+)
 from tests.conftest import budget
 
 TOL = 1e-12
 
 
-def _attend(comm, qkv, g, heads, layout, causal, mode="ulysses"):
+def _attend(comm, qkv, g, heads, layout, causal, mode="ulysses", u=None):
     cp = comm.size
     x = Tensor(shard_sequence(qkv, comm.rank, cp, layout), requires_grad=True)
+    groups = usp_groups(comm, u) if mode == "hybrid" else None
     with measure(comm) as fwd:
         if mode == "ulysses":
             out = packed_ulysses_attention(x, heads, comm, layout, causal)
+        elif mode == "hybrid":
+            out = packed_usp_attention(x, heads, groups, layout, causal)
         else:
             out = packed_ring_attention(x, heads, comm, layout, causal)
     with measure(comm) as bwd:
@@ -54,6 +65,29 @@ def test_ulysses_attention_equals_serial_attention_forward_and_gradients(cp, b, 
         assert r[3] == (cp - 1) * (n + 3 * n) // cp * 8  # the output gradient out, dq|dk|dv back
 
 
+@given(u_rings=st.sampled_from([(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (1, 3), (3, 1)]),
+       b=st.integers(1, 2), heads_per_rank=st.integers(1, 2), c=st.integers(1, 2), d=st.integers(1, 3),
+       layout=st.sampled_from(["zigzag", "contiguous"]), causal=st.booleans(), seed=st.integers(0, 9))
+@budget(12)
+def test_hybrid_attention_equals_serial_attention_bytes_formula(u_rings, b, heads_per_rank, c, d, layout,
+                                                                causal, seed):
+    """USP: Ulysses inside groups of u ranks, the ring across R groups (u = cp: Ulysses; u = 1: a ring)."""
+    u, rings = u_rings
+    cp, heads = u * rings, u * heads_per_rank
+    t = 2 * cp * c
+    rng = np.random.default_rng(seed)
+    qkv, g = rng.standard_normal((b, t, 3 * heads * d)), rng.standard_normal((b, t, heads * d))
+    x = Tensor(qkv.copy(), requires_grad=True)
+    want = ops.packed_attention(x, heads, causal=causal)
+    want.backward(g)
+    res = run(_attend, ranks=cp, qkv=qkv, g=g, heads=heads, layout=layout, causal=causal, mode="hybrid", u=u)
+    np.testing.assert_allclose(unshard_sequence([r[0] for r in res], layout), want.data, rtol=0, atol=TOL)
+    np.testing.assert_allclose(unshard_sequence([r[1] for r in res], layout), x.grad, rtol=0, atol=TOL)
+    n = b * (t // cp) * heads * d
+    for r in res:
+        assert {"forward": r[2], "backward": r[3]} == usp_bytes(n, 8, u, rings)
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("t", [8, 16, 32])
 def test_ring_and_ulysses_bytes_per_rank_ledger_equals_formula(cp, t):
@@ -75,13 +109,13 @@ def test_ring_and_ulysses_bytes_per_rank_ledger_equals_formula(cp, t):
 CFG = GPTConfig(vocab_size=16, block_size=16, n_layer=2, n_head=4, d_model=16, dtype="float64")
 
 
-def _cp_gpt(comm, x, y, cp, tp, layout):
+def _cp_gpt(comm, x, y, cp, tp, layout, mode="ulysses", u=None):
     from minidist.parallel.tensor.sharding import sharding_table, unshard
     from minidist.parallel.three_d import build_model
 
     mesh = Mesh(comm, cp=cp, tp=tp)
     model, loss_fn = build_model(CFG, mesh.tp)
-    context_parallel(model, mesh.cp, layout, mode="ulysses")
+    context_parallel(model, mesh.cp, layout, mode=mode, ulysses_size=u)
     xs, ys = (shard_sequence(a, mesh.cp_rank, cp, layout) for a in (x, y))
     n_all, n_mine = int((y != -1).sum()), int((ys != -1).sum())
     loss = (loss_fn or ops.cross_entropy)(model(xs), ys) * (n_mine / n_all)  # my tokens' share of the mean
@@ -93,9 +127,14 @@ def _cp_gpt(comm, x, y, cp, tp, layout):
     return total, grads
 
 
-@pytest.mark.parametrize("cp,tp,layout", [(2, 1, "zigzag"), (4, 1, "contiguous"), (2, 2, "zigzag")])
-def test_ulysses_context_parallel_gpt_equals_serial_gpt(cp, tp, layout):
-    """Heads split over tp x cp in the (2, 2) case: 4 heads, one per rank during attention."""
+@pytest.mark.parametrize("cp,tp,layout,mode,u", [(2, 1, "zigzag", "ulysses", None),
+                                                 (4, 1, "contiguous", "ulysses", None),
+                                                 (2, 2, "zigzag", "ulysses", None),
+                                                 (4, 1, "zigzag", "hybrid", 2),
+                                                 (2, 2, "contiguous", "hybrid", 1)])
+def test_ulysses_context_parallel_gpt_equals_serial_gpt(cp, tp, layout, mode, u):
+    """Heads split over tp x cp in the (2, 2) case: 4 heads, one per rank during attention; hybrid:
+    Ulysses over u ranks, a ring across cp/u groups."""
     rng = np.random.default_rng(1)
     x = rng.integers(0, 16, (2, 16))
     y = np.where(rng.random((2, 16)) < 0.2, -1, rng.integers(0, 16, (2, 16)))
@@ -103,7 +142,7 @@ def test_ulysses_context_parallel_gpt_equals_serial_gpt(cp, tp, layout):
     want_loss = serial.loss(x, y)
     want_loss.backward()
     want = {k: p.grad for k, p in serial.named_parameters()}
-    for loss, grads in run(_cp_gpt, ranks=cp * tp, x=x, y=y, cp=cp, tp=tp, layout=layout):
+    for loss, grads in run(_cp_gpt, ranks=cp * tp, x=x, y=y, cp=cp, tp=tp, layout=layout, mode=mode, u=u):
         assert abs(loss - float(want_loss.data)) <= TOL
         assert grads.keys() == want.keys()
         for k in want:
@@ -119,8 +158,13 @@ def test_cp_that_does_not_divide_the_heads_is_refused_before_any_collective():
     cfg = CFG.replace(n_head=2, d_model=8)
     with pytest.raises(ValueError, match=r"splits the 2 attention heads of a rank over cp = 4"):
         run(lambda comm: context_parallel(GPT(cfg), comm, mode="ulysses"), ranks=4)
-    with pytest.raises(ValueError, match=r"mode='hybird'; use one of \('ring', 'ulysses'\)"):
+    with pytest.raises(ValueError, match=r"mode='hybird'; use one of \('ring', 'ulysses', 'hybrid'\)"):
         run(lambda comm: context_parallel(GPT(cfg), comm, mode="hybird"), ranks=1)
+    with pytest.raises(ValueError, match=r"cp = 4 ranks by ulysses_size = 3; it must divide cp \(one of"):
+        run(lambda comm: context_parallel(GPT(CFG.replace(n_head=3, d_model=12)), comm, mode="hybrid",
+                                          ulysses_size=3), ranks=4)
+    with pytest.raises(ValueError, match=r"mode='hybrid' needs ulysses_size="):
+        run(lambda comm: context_parallel(GPT(cfg), comm, mode="hybrid"), ranks=2)
 
 
 def test_lesson_cp_mode_ulysses_passes_and_is_refused_when_cp_does_not_divide_its_heads(capsys):
