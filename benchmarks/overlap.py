@@ -12,7 +12,7 @@
 2. **Ring vs Ulysses.** Context-parallel attention (forward + backward) at cp = 2, 4 and several
    sequence lengths: bytes per rank from the ledger beside each formula, the score matrix a rank
    holds (ring: one chunk pair, (T/2cp)^2 per head; Ulysses: the whole sequence, T^2 for H/cp
-   heads), and ms per step (no link).
+   heads), and ms per step (no link); at cp = 4 the hybrid too (Ulysses in pairs, a ring of pairs).
 
 Prints the CPU, BLAS and load (bench_env.py): the ranks are threads sharing this machine's cores, so a
 busy machine stretches compute and the hidden share with it. Exits nonzero on a miss only with --strict.
@@ -38,7 +38,13 @@ from minidist.comm import measure, run  # noqa: E402
 from minidist.comm.transports.link import parse_link, set_link  # noqa: E402
 from minidist.parallel.context.layout import shard_sequence  # noqa: E402
 from minidist.parallel.context.ring import packed_ring_attention, ring_bytes  # noqa: E402
-from minidist.parallel.context.ulysses import packed_ulysses_attention, ulysses_bytes  # noqa: E402
+from minidist.parallel.context.ulysses import (  # noqa: E402
+    packed_ulysses_attention,
+    packed_usp_attention,
+    ulysses_bytes,
+    usp_bytes,
+    usp_groups,
+)
 from minidist.parallel.tensor.collective_matmul import hidden_share, lanes  # noqa: E402
 from minidist.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 
@@ -108,7 +114,13 @@ def collective_matmul_table(args, targets) -> list:
 def attention_step(comm, qkv, g, heads, mode, steps):
     x0 = shard_sequence(qkv, comm.rank, comm.size)
     gs = shard_sequence(g, comm.rank, comm.size)
-    attend = packed_ulysses_attention if mode == "ulysses" else packed_ring_attention
+    if mode == "hybrid":  # Ulysses in pairs, the ring across them
+        groups = usp_groups(comm, 2)
+
+        def attend(x, heads, comm):
+            return packed_usp_attention(x, heads, groups)
+    else:
+        attend = packed_ulysses_attention if mode == "ulysses" else packed_ring_attention
     times = []
     for _ in range(steps + 1):
         x = Tensor(x0, requires_grad=True)
@@ -124,24 +136,29 @@ def ring_vs_ulysses_table(args, targets) -> None:
     b, heads, d = 1, 8, 16
     print(f"\n2. ring vs Ulysses attention, forward + backward: b={b} H={heads} D={d} float64, no link")
     print(f"  {'cp':>3} {'T':>5} {'ring bytes':>11} {'formula':>9} {'Ulysses':>11} {'formula':>9} "
-          f"{'ring scores':>12} {'Uly scores':>11} {'ring ms':>8} {'Uly ms':>8}")
+          f"{'ring scores':>12} {'Uly scores':>11} {'ring ms':>8} {'Uly ms':>8} {'USP u=2':>9} {'USP ms':>7}")
     ok = True
     for cp in (2, 4):
         for t in args.lengths:
             rng = np.random.default_rng(0)
             qkv, g = rng.standard_normal((b, t, 3 * heads * d)), rng.standard_normal((b, t, heads * d))
+            modes = ("ring", "ulysses") + (("hybrid",) if cp > 2 else ())
             res = {m: run(attention_step, ranks=cp, qkv=qkv, g=g, heads=heads, mode=m, steps=args.steps)
-                   for m in ("ring", "ulysses")}
+                   for m in modes}
             n = b * heads * (t // cp) * d
             f_ring, f_uly = (sum(f(n, 8, cp).values()) for f in (ring_bytes, ulysses_bytes))
             got_ring, got_uly = res["ring"][0][1], res["ulysses"][0][1]
             ok &= got_ring == f_ring and got_uly == f_uly
+            usp = "-", "-"
+            if "hybrid" in res:
+                ok &= res["hybrid"][0][1] == sum(usp_bytes(n, 8, 2, cp // 2).values())
+                usp = res["hybrid"][0][1], f"{res['hybrid'][0][0]:.1f}"
             ring_scores = b * heads * (t // (2 * cp)) ** 2 * 8  # one chunk pair at a time
             uly_scores = b * (heads // cp) * t * t * 8          # the whole sequence, H/cp heads
             print(f"  {cp:>3} {t:>5} {got_ring:>11} {f_ring == got_ring!s:>9} {got_uly:>11} "
                   f"{f_uly == got_uly!s:>9} {ring_scores / 1024:>10.0f}KB {uly_scores / 1024:>9.0f}KB "
-                  f"{res['ring'][0][0]:>8.1f} {res['ulysses'][0][0]:>8.1f}")
-    targets.check("ring and Ulysses bytes per rank == formula", float(ok), ">=", 1.0)
+                  f"{res['ring'][0][0]:>8.1f} {res['ulysses'][0][0]:>8.1f} {usp[0]:>9} {usp[1]:>7}")
+    targets.check("ring, Ulysses and USP bytes per rank == formula", float(ok), ">=", 1.0)
 
 
 def main(argv=None) -> int:

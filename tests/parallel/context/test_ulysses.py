@@ -167,7 +167,7 @@ def test_cp_that_does_not_divide_the_heads_is_refused_before_any_collective():
         run(lambda comm: context_parallel(GPT(cfg), comm, mode="hybrid"), ranks=2)
 
 
-def test_lesson_cp_mode_ulysses_passes_and_is_refused_when_cp_does_not_divide_its_heads(capsys):
+def test_lesson_cp_mode_passes_and_is_refused_when_cp_does_not_fit_its_heads(capsys):
     from minidist.lessons import long_context
 
     with pytest.raises(SystemExit) as e:
@@ -175,9 +175,12 @@ def test_lesson_cp_mode_ulysses_passes_and_is_refused_when_cp_does_not_divide_it
     assert e.value.code == 2
     assert "error: argument --cp-mode: ulysses splits the GPT's 4 attention heads over cp = 3" in \
         capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        long_context.main(["--ranks", "3", "--seq", "12", "--cp-mode", "hybrid"])
+    assert e.value.code == 2 and "hybrid groups the ranks in pairs" in capsys.readouterr().err
     long_context.main(["--ranks", "2", "--seq", "8", "--cp-mode", "ulysses"])
     out = capsys.readouterr().out
-    assert "5b. Ulysses" in out and "FAIL" not in out
+    assert "5b. ulysses" in out and "FAIL" not in out
 
 
 def _attention_traffic(comm, x, mode):
