@@ -201,6 +201,14 @@ class MatmulReduceScatter(Function):
         return dx, dw
 
 
+def check_overlap(comm, collective_matmul: bool, sequence_parallel: bool) -> bool:
+    """A layer's ``collective_matmul`` flag, refused without sequence parallelism (nothing to overlap)."""
+    if collective_matmul and not sequence_parallel:
+        raise ValueError(f"rank {comm.rank}: collective_matmul=True overlaps the sequence-parallel "
+                         "all-gather and reduce-scatter; build the layer with sequence_parallel=True")
+    return bool(collective_matmul)
+
+
 def all_gather_matmul(x, w, b, comm):
     """The column-parallel layer's ``linear(gather_from_seq(x), w, b)``, overlapped."""
     return AllGatherMatmul.apply(x, w, comm=comm) if b is None else AllGatherMatmul.apply(x, w, b, comm=comm)

@@ -36,7 +36,7 @@ from minidist.autograd.tensor import Function, Tensor
 from minidist.nn.attention import self_attention
 from minidist.nn.layers import Dropout
 from minidist.nn.module import Module, Parameter
-from minidist.parallel.tensor.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from minidist.parallel.tensor.collective_matmul import all_gather_matmul, check_overlap, matmul_reduce_scatter
 from minidist.parallel.tensor.comm import (
     SEQ_AXIS,
     all_reduce_grad_hook,
@@ -58,13 +58,6 @@ def sharded_normal(shape, std, dtype, comm, shard: Shard, rng=None, backend=None
     full = get_backend("numpy").random_normal(rng, shape, dtype, scale=std)  # as Backend.random_normal
     be = get_backend(backend) if backend is not None else default_backend()
     return Parameter(be.from_host(np.array(shard.split(full, comm.rank, comm.size), order="C")))
-
-
-def _check_overlap(comm, collective_matmul: bool, sequence_parallel: bool) -> bool:
-    if collective_matmul and not sequence_parallel:
-        raise ValueError(f"rank {comm.rank}: collective_matmul=True overlaps the sequence-parallel "
-                         "all-gather and reduce-scatter; build the layer with sequence_parallel=True")
-    return bool(collective_matmul)
 
 
 def _zeros(n, dtype, backend) -> Parameter:
@@ -90,7 +83,7 @@ class ColumnParallelLinear(Module):
                  collective_matmul=False):
         super().__init__()
         local = check_divisible(comm, "out_features", out_features)
-        self.collective_matmul = _check_overlap(comm, collective_matmul, sequence_parallel)
+        self.collective_matmul = check_overlap(comm, collective_matmul, sequence_parallel)
         std = (1.0 / np.sqrt(in_features)) if std is None else std
         self.comm, self.gather_output, self.sequence_parallel = comm, gather_output, sequence_parallel
         self.in_features, self.out_features, self.local_out = in_features, out_features, local
@@ -124,7 +117,7 @@ class RowParallelLinear(Module):
                  collective_matmul=False):
         super().__init__()
         self.local_in = check_divisible(comm, "in_features", in_features)
-        self.collective_matmul = _check_overlap(comm, collective_matmul, sequence_parallel)
+        self.collective_matmul = check_overlap(comm, collective_matmul, sequence_parallel)
         std = (1.0 / np.sqrt(in_features)) if std is None else std
         self.comm, self.input_is_parallel, self.sequence_parallel = comm, input_is_parallel, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
