@@ -18,7 +18,8 @@ the JAX scaling book; torchtitan's async TP) cuts both along the sequence into p
 
 Each pattern's backward is the other one: the all-gather matmul's dX is a matmul + reduce-scatter
 of ``g @ W_rᵀ``, the reduce-scatter matmul's dX an all-gather + matmul of the gradient shards; dW is
-one GEMM over the whole sequence, as in the plain layer. So forward and backward equal the
+one GEMM over the whole sequence, as in the plain layer (the column layer's runs while its first dX
+hop travels). So forward and backward equal the
 non-overlapped layers' arithmetic: the same products and the same reduction order, so bit-exact
 wherever BLAS gives a block of rows the same results as the whole matrix (where it picks another
 kernel -- a single row is a matrix-vector product -- a dot product's rounding apart).
@@ -101,17 +102,23 @@ def gather_ring(comm, shard, compute, what: str = "x") -> None:
             shard = hop.wait()
 
 
-def reduce_scatter_ring(comm, partial, what: str = "partial sum"):
+def reduce_scatter_ring(comm, partial, what: str = "partial sum", beside=None):
     """Σ over ranks of ``partial(d)`` for d = this rank: at step s compute ``partial(r-s-1)``, add the
-    running sum that arrived from rank r-1, send it on (the ring reduce-scatter's order)."""
+    running sum that arrived from rank r-1, send it on (the ring reduce-scatter's order).
+    ``beside()``: other work that needs no communication, done while the first hop travels."""
     r, p = comm.rank, comm.size
     hop = None
     for s in range(p):
+        if s == 1 and beside is not None:
+            with trace.span("mm dW", "compute"):
+                beside()
         with trace.span(f"mm{(r - s - 1) % p}", "compute"):
             part = partial((r - s - 1) % p)
         if hop is not None:
             part = part + hop.wait()
         if s == p - 1:
+            if p == 1 and beside is not None:
+                beside()
             return part
         hop = Hop(comm, part, what)
 
@@ -167,10 +174,19 @@ class AllGatherMatmul(Function):
     def backward(ctx, g):
         x_full, w = ctx.saved
         need = ctx.needs_grad
-        dx = reduce_scatter_ring(ctx.comm, lambda d: _product(_chunk(g, d, ctx.t), w.T), "dx partial") \
-            if need[0] else None
-        dw = _weight_grad(x_full, g) if need[1] else None
-        return (dx, dw) + ((_sum_rows(g),) if len(need) > 2 else ())
+        dw = [None]
+
+        def weight_grad():  # one GEMM over the whole sequence, while the first dx hop travels
+            if need[1]:
+                dw[0] = _weight_grad(x_full, g)
+
+        if need[0]:
+            dx = reduce_scatter_ring(ctx.comm, lambda d: _product(_chunk(g, d, ctx.t), w.T), "dx partial",
+                                     beside=weight_grad)
+        else:
+            dx = None
+            weight_grad()
+        return (dx, dw[0]) + ((_sum_rows(g),) if len(need) > 2 else ())
 
 
 class MatmulReduceScatter(Function):
