@@ -40,6 +40,7 @@ import numpy as np
 
 from minidist import trace
 from minidist.accel.backend import backend_of
+from minidist.autograd.ops import low_precision
 from minidist.autograd.tensor import Function
 from minidist.comm.handles import start_async
 from minidist.parallel.tensor.comm import SEQ_AXIS, check_divisible
@@ -144,6 +145,9 @@ def _weight_grad(x, g):
 
 
 def _check(x, w, comm, what: str, sharded: bool):
+    if low_precision(w.dtype):  # ops.linear's fp32 accumulation is not rebuilt here
+        raise ValueError(f"rank {comm.rank}: {what} with {w.dtype} weights is not built (mixed precision "
+                         "accumulates in float32 inside ops.linear); use collective_matmul=False")
     if x.ndim != 3 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"rank {comm.rank}: {what} needs x of shape (batch, sequence, {w.shape[0]}), got "
                          f"{tuple(x.shape)}")

@@ -150,6 +150,13 @@ def test_bad_input_is_refused_clearly():
     with pytest.raises(ValueError, match=r"x of shape \(batch, sequence, 3\)"):
         run(bad_shape, ranks=2)
 
+    def half(comm):
+        x, w = np.ones((1, 2, 3), np.float16), np.ones((3, 4), np.float16)
+        all_gather_matmul(Tensor(x), Tensor(w), None, comm)
+
+    with pytest.raises(ValueError, match=r"with float16 weights is not built"):
+        run(half, ranks=2)
+
 
 # -- under real mpirun ---------------------------------------------------------------------------------
 
