@@ -1,7 +1,7 @@
 """Lesson 14: long context -- ring attention, zig-zag load balance, memory that falls as T/cp.
 
     mpirun -n 4 python -m minidist.lessons.long_context
-    python -m minidist.lessons.long_context --ranks 4 [--seq 64] [--trace FILE.json] [--plot FILE.png]
+    python -m minidist.lessons.long_context --ranks 4 [--seq 64] [--cp-mode ring|ulysses|hybrid] [--trace F]
 
 The sequence is split over the cp ranks (all of them here). Rank 0 prints:
 
@@ -13,6 +13,10 @@ The sequence is split over the cp ranks (all of them here). Rank 0 prints:
    only per-token arrays, so each rank holds ~T/cp tokens' worth;
 6. a timeline of one ring-attention forward and backward: F<j> / B<j> = attention on rank j's K/V
    block, while the next block is in flight (``--plot`` draws the transfers under the compute).
+
+``--cp-mode ulysses`` adds Ulysses attention (two all-to-alls swap the split to the heads): a
+4-head GPT with it against the serial GPT, and its bytes per rank beside the ring's and both formulas.
+``--cp-mode hybrid``: the same with Ulysses inside pairs of ranks and the ring across the pairs.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from minidist.nn import GPT, GPTConfig
 from minidist.parallel.context.layout import shard_sequence, unshard_sequence
 from minidist.parallel.context.model import context_parallel
 from minidist.parallel.context.ring import AttentionStats, ring_attention, ring_bytes
+from minidist.parallel.context.ulysses import ulysses_bytes, usp_bytes
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_mesh, train_serial
 
 TOL = 1e-10  # float64: only the summation order differs from the serial twin
@@ -105,6 +110,38 @@ def gpt_check(comm, args, cfg):
             diff = max(max_state_diff(state, want), float(np.abs(np.subtract(res.losses, want_losses)).max()))
             rows.append((mesh, diff, res.mesh.draw()))
     return rows
+
+
+ULYSSES_HEADS = 4  # the Ulysses section's GPT: cp (hybrid: the pair) must divide its heads
+HYBRID_GROUP = 2   # --cp-mode hybrid: Ulysses inside pairs of ranks, the ring across the pairs
+
+
+def ulysses_check(comm, args, cfg):
+    """One forward + backward of a GPT with Ulysses (or hybrid) attention over all ranks vs the serial
+    GPT: (max |diff| of loss and gradients, bytes sent by one attention layer's forward + backward) on
+    rank 0; the attention layer's N = b·(T/cp)·H·D elements of q."""
+    cfg = cfg.replace(n_head=ULYSSES_HEADS, n_layer=1)
+    rng = np.random.default_rng(args.seed)
+    x, y = rng.integers(0, cfg.vocab_size, (2, args.seq)), rng.integers(0, cfg.vocab_size, (2, args.seq))
+    model = context_parallel(GPT(cfg), comm, mode=args.cp_mode,
+                             ulysses_size=HYBRID_GROUP if args.cp_mode == "hybrid" else None)
+    xs, ys = shard_sequence(x, comm.rank, comm.size), shard_sequence(y, comm.rank, comm.size)
+    with measure(comm) as m:
+        (ops.cross_entropy(model(xs), ys) * (1 / comm.size)).backward()  # equal shares of the mean
+    loss = float(to_host(ops.cross_entropy(model(xs), ys).data)) / comm.size
+    grads = {k: to_host(p.grad) for k, p in model.named_parameters()}
+    parts = comm.gather_obj((loss, grads, m.bytes_sent), root=0)
+    if comm.rank != 0:
+        return None
+    with on_numpy():
+        serial = GPT(cfg)
+        want = serial.loss(x, y)
+        want.backward()
+    diff = abs(sum(p[0] for p in parts) - float(want.data))
+    for k, w in serial.named_parameters():
+        diff = max(diff, float(np.abs(sum(p[1][k] for p in parts) - w.grad).max()))
+    n = 2 * (args.seq // comm.size) * cfg.d_model
+    return diff, [p[2] for p in parts], n
 
 
 def peak_activations(model, t, cp=None):
@@ -201,6 +238,25 @@ def rank_main(comm, args):
             print(f"   {t:>5}  {serial:>11}  {max(ring):>14}  {serial / max(ring):>13.1f}")
     rprint(comm, "   the serial column grows like T² (softmax kept per head), the ring column like T/cp")
 
+    if args.cp_mode != "ring":
+        checked = ulysses_check(comm, args, cfg)
+        if comm.rank == 0:
+            diff, sent, n = checked
+            hybrid = args.cp_mode == "hybrid"
+            want = sum((usp_bytes(n, 8, HYBRID_GROUP, p // HYBRID_GROUP) if hybrid
+                        else ulysses_bytes(n, 8, p)).values())
+            good = diff <= TOL and all(s == want for s in sent)
+            ok &= good
+            how = (f"all-to-all in pairs, K/V round a ring of {p // HYBRID_GROUP} pairs" if hybrid
+                   else "all-to-all q|k|v and the output")
+            formula = "usp_bytes" if hybrid else "8(cp-1)/cp·N·8"
+            print(f"\n5b. {args.cp_mode}: a {ULYSSES_HEADS}-head, 1-layer GPT over cp = {p} ({how}, forward "
+                  f"and backward) vs the serial GPT: max |diff| = {diff:.2e}")
+            ring = sum(ring_bytes(n, 8, p).values())
+            print(f"   bytes per rank (N = b·(T/cp)·H·D = {n}): {formula} = {want} measured "
+                  f"{sorted(set(sent))}; the ring would send (6cp-4)·N·8 = {ring}  "
+                  f"{'PASS' if good else 'FAIL'}")
+
     events = timeline(comm, args)
     if comm.rank == 0:
         print("\n6. timeline of one ring-attention forward (F<j>: on rank j's K/V) and backward (B<j>)")
@@ -218,10 +274,18 @@ def main(argv=None):
     parser = lesson_parser(__doc__.split("\n")[0], ranks=4)
     parser.add_argument("--seq", type=positive_int, default=32,
                         help="sequence length (a multiple of 2·ranks)")
+    parser.add_argument("--cp-mode", choices=["ring", "ulysses", "hybrid"], default="ring",
+                        help="also check Ulysses attention (all-to-all to the heads and back), or the "
+                             "hybrid: Ulysses in pairs of ranks, the ring across the pairs")
     args = parser.parse_args(argv)
     p = world_size(args)
     if args.seq % (2 * p):
         parser.error(f"--seq {args.seq} must be a multiple of 2 x ranks = {2 * p} (zig-zag chunks)")
+    if args.cp_mode == "ulysses" and ULYSSES_HEADS % p:
+        parser.error(f"argument --cp-mode: ulysses splits the GPT's {ULYSSES_HEADS} attention heads over "
+                     f"cp = {p} ranks; use --ranks 1, 2 or 4, or --cp-mode ring")
+    if args.cp_mode == "hybrid" and p % HYBRID_GROUP:
+        parser.error(f"argument --cp-mode: hybrid groups the ranks in pairs; use an even --ranks, got {p}")
     launch(rank_main, args)
 
 

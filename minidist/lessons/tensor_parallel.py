@@ -8,6 +8,11 @@ checked against its serial twin, step by step (tolerances derived below: ``round
 ``adamw_tolerance``; float32 sums the ranks' partial products in another order). Then one
 transformer layer's communication (forward + backward) is measured by the ledger beside Megatron's
 formula, and each rank's parameter and activation bytes beside 1/tp of the serial model's.
+
+``--overlap``: the sequence-parallel runs use collective matmul (``use_collective_matmul``: each
+all-gather / reduce-scatter decomposed into ring hops hidden behind the GEMM chunks); the ledger
+shows the same bytes, and one layer under an emulated ``--link`` shows the share of its hops that
+ran during its GEMMs, with a two-lane timeline.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ import time
 
 import numpy as np
 
+from minidist import trace
 from minidist.accel.backend import default_backend, to_host
 from minidist.autograd import random as mrandom
 from minidist.autograd.tensor import Tensor
 from minidist.comm import measure, under_mpi
 from minidist.comm.cost import all_reduce_bytes_sent
+from minidist.comm.transports.link import parse_link
 from minidist.lessons.cli import (
     finish,
     launch,
@@ -34,6 +41,7 @@ from minidist.lessons.cli import (
 from minidist.memory import MemoryAccountant
 from minidist.nn import GPT, GPTConfig, optim
 from minidist.nn.data import BatchLoader, TextDataset
+from minidist.parallel.tensor.collective_matmul import CHANNEL, hidden_share, lanes, use_collective_matmul
 from minidist.parallel.tensor.gpt import TPGPT, ParallelBlock
 from minidist.parallel.tensor.sharding import sharding_table, unshard
 from minidist.plan import estimates
@@ -58,15 +66,37 @@ def activation_bytes(model, idx, tgt) -> int:
     return acct.peak_activation_bytes
 
 
-def layer_traffic(group, cfg, b, s, sp):
-    """One ParallelBlock forward + backward: this rank's ledger (bytes sent, calls in order)."""
+def layer_traffic(group, cfg, b, s, sp, overlap=False, tracer=None):
+    """One ParallelBlock forward + backward: this rank's ledger (bytes sent, calls in order).
+    ``overlap``: with collective matmul (its hops are point-to-point, no collective calls)."""
     block = ParallelBlock(cfg, group, np.random.default_rng(0), sequence_parallel=sp)
+    if overlap and sp:
+        use_collective_matmul(block)
     t = s // group.size if sp else s
     x = Tensor(np.random.default_rng(1).standard_normal((b, t, cfg.d_model)).astype(cfg.dtype),
                requires_grad=True, backend=default_backend())  # beside the block's weights (CuPy mixes none)
-    with measure(group) as m:
+    with measure(group) as m, trace.tracing(tracer):
         block(x).sum().backward()
     return m
+
+
+def overlap_timeline(comm, cfg, args):
+    """One sequence-parallel layer with collective matmul, every hop on the emulated ``--link``
+    (the group and its channels get it): rank 0's hidden share and two-lane timeline."""
+    tp = 2 if comm.size >= 2 else 1
+    group = comm.split(0 if comm.rank < tp else None, comm.rank)
+    if group is None or tp == 1:
+        return
+    link = parse_link(args.link)
+    for ch in (group, group.twin("async"), group.twin(CHANNEL)):
+        ch.link = link
+    big = cfg.replace(d_model=512)  # GEMM chunks long enough to hide a hop behind
+    tracer = trace.Tracer(group.rank)
+    layer_traffic(group, big, args.batch, 256, True, overlap=True, tracer=tracer)
+    if group.rank == 0:
+        print(f"\ncollective matmul, one layer (h=512, s=256) on tp=2 over link {link}: "
+              f"{hidden_share(tracer.events):.0%} of the hops' link time ran during a GEMM chunk")
+        print(lanes(tracer.events))
 
 
 def predicted_ms(args, tp: int) -> str:
@@ -152,6 +182,8 @@ def rank_main(comm, args):
             if group is None:
                 continue
             model = TPGPT(cfg, group, sequence_parallel=sp, dropout_rng=args.dropout_rng)
+            if sp and args.overlap:
+                use_collective_matmul(model)
             loss0, grads = first_gradients(model, batches[0], args.seed)
             grads = unshard(group.allgather_obj(grads), sharding_table(model))
             mrandom.manual_seed(args.seed)
@@ -166,7 +198,8 @@ def rank_main(comm, args):
                                          rel, param_tol)
                 passed &= ok
                 rows.append((tp, sp, ok, pbytes, act, serial_param_bytes, serial_act))
-                rprint(comm, f"{tp:>3} {'on' if sp else 'off':>7} {losses[-1]:>10.4f} {dl:>11.2e} "
+                rprint(comm, f"{tp:>3} {('cm' if args.overlap else 'on') if sp else 'off':>7} "
+                             f"{losses[-1]:>10.4f} {dl:>11.2e} "
                              f"{dg:>11.2e} {dp:>12.2e} {'PASS' if ok else 'FAIL':>5} {pbytes:>12,} "
                              f"{serial_param_bytes // tp:>10,} "
                              f"{act:>12,} {serial_act // tp:>10,} {step_ms:>8.1f} "
@@ -192,21 +225,26 @@ def rank_main(comm, args):
         for sp in (False, True):
             if group is None:
                 continue
-            m = layer_traffic(group, cfg, b, s, sp)
+            m = layer_traffic(group, cfg, b, s, sp, overlap=args.overlap)
             big = [c for c in m.calls if not (sp and c.name == "ring_all_reduce")]  # activations
             sent = sum(c.bytes_sent for c in big)
+            if sp and args.overlap:  # collective matmul: hops, not calls; the rest is LayerNorm/bias
+                sent = m.bytes_sent - sum(c.bytes_sent for c in m.calls)
             want = 4 * all_reduce_bytes_sent("ring", N, tp, group.rank)  # 4 all-reduces (or RS + AG)
             names = " ".join({"ring_all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}[c.name]
-                             for c in big)
-            small = sum(c.bytes_sent for c in m.calls) - sent
+                             for c in big) or "CM: 8 rings of collective matmul hops"
+            small = m.bytes_sent - sent
             passed &= sent == want  # rank 0's verdict is the lesson's (finish)
-            rprint(comm, f"{tp:>3} {'on' if sp else 'off':>7} {sent:>10,} {want:>21,} "
+            mode = ("cm" if args.overlap else "on") if sp else "off"
+            rprint(comm, f"{tp:>3} {mode:>7} {sent:>10,} {want:>21,} "
                          f"{'PASS' if sent == want else 'FAIL':>5}  {names}"
                          + (f"  (+{small:,} B: LayerNorm/bias grads)" if small else ""))
     rprint(comm, "AR = all-reduce (2(p-1)/p·N), AG = all-gather and RS = reduce-scatter ((p-1)/p·N each):\n"
                  "forward: attention g, MLP g; backward: MLP f, attention f. Sequence parallelism turns\n"
                  "each all-reduce into RS + AG -- the same bytes, with LayerNorm/dropout on 1/tp of the\n"
                  "tokens.")
+    if args.overlap:
+        overlap_timeline(comm, cfg, args)
     if args.plot and comm.rank == 0:
         plot(args.plot, rows)
     return finish(comm, passed)
@@ -247,7 +285,15 @@ def main(argv=None):
     parser.add_argument("--tol", type=positive_float, default=None,
                         help="relative tolerance of gradients and losses (default: rounding_bound, "
                              "2.2e-05 for float32 at the default sizes)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="sequence parallelism with collective matmul (hops hidden behind the GEMMs)")
+    parser.add_argument("--link", default="alpha_us=50,gbps=2",
+                        help="the emulated link of --overlap's timeline (minidist.comm.transports.link)")
     args = parser.parse_args(argv)
+    try:
+        parse_link(args.link)
+    except ValueError as e:
+        parser.error(f"argument --link: {e}")
     if args.d_model % 4:
         parser.error(f"argument --d-model: must be a multiple of the 4 attention heads, got {args.d_model}")
     if args.seq % 4:

@@ -300,11 +300,11 @@ class _Stage:
         return sum(self.comm.get(ax, {}).get(ph, 0.0) for ph in phases)
 
 
-def _stages(model, cand, batch, hw, settings, m) -> list[_Stage]:
+def _stages(model, cand, batch, hw, settings, m, cp_mode="allgather") -> list[_Stage]:
     out = []
     for s in distinct_stages(model, cand, m):
         fwd, bwd, _ = _stage_math(model, cand, hw, s, settings)
-        calls = collectives(model, cand, batch, s, settings, where=placement(hw, cand.chips))
+        calls = collectives(model, cand, batch, s, settings, where=placement(hw, cand.chips), cp_mode=cp_mode)
         comm: dict = {}
         for c in calls:
             comm.setdefault(c.axis, {"forward": 0.0, "backward": 0.0, "step": 0.0})
@@ -329,11 +329,12 @@ def _optimizer_time(model, cand, hw, settings, mem) -> float:
 
 
 def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, settings: Settings = DEFAULT,
-            simulate_schedule: bool = True) -> Prediction:
-    """Memory, fit, step time and its breakdown for one candidate (see the module docstring)."""
+            simulate_schedule: bool = True, cp_mode: str = "allgather") -> Prediction:
+    """Memory, fit, step time and its breakdown for one candidate (see the module docstring);
+    ``cp_mode``: context-parallel attention's traffic ("allgather", "ring", "ulysses": traffic.py)."""
     m, v = cand.microbatches(batch), cand.chunks
     mem = memory(model, cand, batch, settings)
-    stages = _stages(model, cand, batch, hw, settings, m)
+    stages = _stages(model, cand, batch, hw, settings, m, cp_mode)
     # the busiest stage sets the pace of every stage in the schedule
     fwd = max(st.per_microbatch("forward", m) for st in stages)
     bwd = max(st.per_microbatch("backward", m) for st in stages)

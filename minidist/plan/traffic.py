@@ -198,19 +198,46 @@ def _pp_calls(model: ModelSpec, cand: Candidate, stage: int, m: int) -> list[Col
     return calls
 
 
-def _cp_ep_calls(model: ModelSpec, cand: Candidate, stage: int, m: int) -> list[Collective]:
-    """Context parallel: each layer all-gathers k and v over cp in forward (and reduce-scatters their
-    gradients in backward). Expert parallel: each MoE layer's tokens go to their experts and back by
-    all-to-all, in forward and backward (Lepikhin et al. 2020, GShard)."""
+CP_MODES = ("allgather", "ring", "ulysses")
+
+
+def cp_attention_calls(model: ModelSpec, cand: Candidate, count: int, mode: str = "allgather") -> list:
+    """One rank's context-parallel attention traffic, ``count`` layer-microbatches, by ``mode``:
+    "allgather" (Megatron: all-gather K, V forward, reduce-scatter their gradients backward); "ring"
+    (minidist's ring, ``parallel/context/ring.py``: K, V hop cp-1 times forward; backward again, and
+    dK, dV cp times); "ulysses" (``parallel/context/ulysses.py``: all-to-all of q|k|v and of the
+    output forward, of the output gradient and dq|dk|dv backward, each sending (cp-1)/cp of it).
+    Heads are this rank's (over tp)."""
+    if mode not in CP_MODES:
+        raise ValueError(f"cp_mode={mode!r}; use one of {CP_MODES}")
+    p, b, s, d = cand.cp, cand.microbatch, model.seq // cand.cp, model.dtype_bytes
+    if mode == "allgather":
+        kv = 2 * b * s * model.kv * model.head_dim * d * p
+        sent = kv * (p - 1) / p
+        return [Collective("cp", "all_gather", kv, sent, count, "forward"),
+                Collective("cp", "reduce_scatter", kv, sent, count, "backward")]
+    q = b * s * model.n_head // cand.tp * model.head_dim * d   # bytes of this rank's q (and output)
+    kv = 2 * b * s * model.kv // cand.tp * model.head_dim * d  # of its K and V
+    if mode == "ring":
+        return [Collective("cp", "ring_attention", kv, (p - 1) * kv, count, "forward"),
+                Collective("cp", "ring_attention", kv, (2 * p - 1) * kv, count, "backward")]
+    calls = []
+    for phase, first, second in (("forward", q + kv, q), ("backward", q, q + kv)):
+        calls += [Collective("cp", "all_to_all", x, x * (p - 1) / p, count, phase) for x in (first, second)]
+    return calls
+
+
+def _cp_ep_calls(model: ModelSpec, cand: Candidate, stage: int, m: int,
+                 cp_mode: str = "allgather") -> list[Collective]:
+    """Context parallel: each layer's attention traffic by ``cp_mode`` (:func:`cp_attention_calls`).
+    Expert parallel: each MoE layer's tokens go to their experts and back by all-to-all, in forward
+    and backward (Lepikhin et al. 2020, GShard)."""
     calls = []
     b, s, d = cand.microbatch, model.seq // cand.cp, model.dtype_bytes
     kinds = [layer_kinds(model)[i] for i in stage_layers(model, cand)[stage]]
     blocks = kinds.count("block")
     if cand.cp > 1:
-        kv = 2 * b * s * model.kv * model.head_dim * d * cand.cp
-        sent = kv * (cand.cp - 1) / cand.cp
-        calls += [Collective("cp", "all_gather", kv, sent, m * blocks, "forward"),
-                  Collective("cp", "reduce_scatter", kv, sent, m * blocks, "backward")]
+        calls += cp_attention_calls(model, cand, m * blocks, cp_mode)
     if cand.ep > 1 and model.experts > 1:
         moe = round(blocks * model.moe_layers / model.n_layer)
         tokens = b * s * model.d_model * d * model.top_k
@@ -222,14 +249,15 @@ def _cp_ep_calls(model: ModelSpec, cand: Candidate, stage: int, m: int) -> list[
 
 def collectives(model: ModelSpec, cand: Candidate, batch: int, stage: int = 0,
                 settings: Settings = DEFAULT, dp_rank: int = 0, tp_rank: int = 0,
-                where: Placement = THREADS) -> list[Collective]:
+                where: Placement = THREADS, cp_mode: str = "allgather") -> list[Collective]:
     """Every collective the rank at (stage, dp_rank, tp_rank) runs in one step (module docstring);
-    `where`: the transport and crowding that the comm layer's "auto" all-reduce choice depends on."""
+    `where`: the transport and crowding that the comm layer's "auto" all-reduce choice depends on;
+    `cp_mode`: how context-parallel attention communicates (:func:`cp_attention_calls`)."""
     m = cand.microbatches(batch)
     out = _tp_calls(model, cand, stage, m, tp_rank, where) if cand.tp > 1 else []
     out += _dp_calls(model, cand, stage, settings, batch, dp_rank, where) if cand.dp > 1 else []
     out += _pp_calls(model, cand, stage, m)
-    out += _cp_ep_calls(model, cand, stage, m)
+    out += _cp_ep_calls(model, cand, stage, m, cp_mode)
     return out
 
 

@@ -36,6 +36,7 @@ from minidist.autograd.tensor import Function, Tensor
 from minidist.nn.attention import self_attention
 from minidist.nn.layers import Dropout
 from minidist.nn.module import Module, Parameter
+from minidist.parallel.tensor.collective_matmul import all_gather_matmul, check_overlap, matmul_reduce_scatter
 from minidist.parallel.tensor.comm import (
     SEQ_AXIS,
     all_reduce_grad_hook,
@@ -71,14 +72,18 @@ class ColumnParallelLinear(Module):
 
     ``gather_output=True`` all-gathers y along the last axis (the full output on every rank);
     otherwise y stays split, ready for a ``RowParallelLinear``. ``sequence_parallel=True``: x is
-    a sequence shard, all-gathered first (f becomes ``gather_from_seq``). ``blocks=3``: the output
-    is q|k|v side by side, and this rank keeps its columns of each (the attention's heads).
+    a sequence shard, all-gathered first (f becomes ``gather_from_seq``); with ``collective_matmul``
+    the gather is decomposed into ring steps hidden behind the GEMM (``collective_matmul.py``).
+    ``blocks=3``: the output is q|k|v side by side, and this rank keeps its columns of each (the
+    attention's heads).
     """
 
     def __init__(self, in_features, out_features, comm, bias=True, gather_output=False,
-                 sequence_parallel=False, *, blocks=1, dtype=np.float32, std=None, rng=None, backend=None):
+                 sequence_parallel=False, *, blocks=1, dtype=np.float32, std=None, rng=None, backend=None,
+                 collective_matmul=False):
         super().__init__()
         local = check_divisible(comm, "out_features", out_features)
+        self.collective_matmul = check_overlap(comm, collective_matmul, sequence_parallel)
         std = (1.0 / np.sqrt(in_features)) if std is None else std
         self.comm, self.gather_output, self.sequence_parallel = comm, gather_output, sequence_parallel
         self.in_features, self.out_features, self.local_out = in_features, out_features, local
@@ -90,8 +95,11 @@ class ColumnParallelLinear(Module):
             self.param_shards["bias"] = Shard(axis=0, blocks=blocks)
 
     def forward(self, x):
-        x = gather_from_seq(x, self.comm) if self.sequence_parallel else copy_to_tp(x, self.comm)
-        y = ops.linear(x, self.weight, self.bias)  # this rank's block of output features
+        if self.collective_matmul:
+            y = all_gather_matmul(x, self.weight, self.bias, self.comm)
+        else:
+            x = gather_from_seq(x, self.comm) if self.sequence_parallel else copy_to_tp(x, self.comm)
+            y = ops.linear(x, self.weight, self.bias)  # this rank's block of output features
         return gather_last_dim(y, self.comm) if self.gather_output else y
 
 
@@ -100,13 +108,16 @@ class RowParallelLinear(Module):
     partial products are summed by an all-reduce (or reduce-scattered along the sequence).
 
     ``input_is_parallel=False``: x is full and this rank first keeps its slice. The bias is
-    replicated and added once, after the reduction.
+    replicated and added once, after the reduction. ``collective_matmul``: the reduce-scatter is
+    decomposed into ring steps hidden behind the GEMM (sequence parallel only).
     """
 
     def __init__(self, in_features, out_features, comm, bias=True, input_is_parallel=True,
-                 sequence_parallel=False, *, dtype=np.float32, std=None, rng=None, backend=None):
+                 sequence_parallel=False, *, dtype=np.float32, std=None, rng=None, backend=None,
+                 collective_matmul=False):
         super().__init__()
         self.local_in = check_divisible(comm, "in_features", in_features)
+        self.collective_matmul = check_overlap(comm, collective_matmul, sequence_parallel)
         std = (1.0 / np.sqrt(in_features)) if std is None else std
         self.comm, self.input_is_parallel, self.sequence_parallel = comm, input_is_parallel, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
@@ -120,8 +131,12 @@ class RowParallelLinear(Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_last_dim(x, self.comm)
-        y = ops.linear(x, self.weight)  # this rank's partial product, before the reduction
-        y = reduce_scatter_to_seq(y, self.comm) if self.sequence_parallel else reduce_from_tp(y, self.comm)
+        if self.collective_matmul:
+            y = matmul_reduce_scatter(x, self.weight, self.comm)
+        else:
+            y = ops.linear(x, self.weight)  # this rank's partial product, before the reduction
+            reduce = reduce_scatter_to_seq if self.sequence_parallel else reduce_from_tp
+            y = reduce(y, self.comm)
         return y if self.bias is None else y + self.bias
 
 
@@ -190,10 +205,10 @@ class ParallelMLP(Module):
     row-parallel -> dropout. Forward: one all-reduce (in proj); backward: one (in fc's f)."""
 
     def __init__(self, dim, comm, hidden=None, dropout=0.0, sequence_parallel=False, *, dtype=np.float32,
-                 std=0.02, proj_std=None, rng=None, backend=None, sharded_rng=None):
+                 std=0.02, proj_std=None, rng=None, backend=None, sharded_rng=None, collective_matmul=False):
         super().__init__()
         hidden = hidden or 4 * dim
-        kw = dict(dtype=dtype, rng=rng, backend=backend)
+        kw = dict(dtype=dtype, rng=rng, backend=backend, collective_matmul=collective_matmul)
         self.fc = ColumnParallelLinear(dim, hidden, comm, sequence_parallel=sequence_parallel, std=std, **kw)
         self.proj = RowParallelLinear(hidden, dim, comm, sequence_parallel=sequence_parallel,
                                       std=proj_std or std, **kw)
@@ -207,13 +222,14 @@ class ParallelAttention(Module):
     """Causal self-attention with the heads split across the group: n_head/tp heads per rank."""
 
     def __init__(self, dim, n_head, comm, dropout=0.0, sequence_parallel=False, *, dtype=np.float32,
-                 std=0.02, proj_std=None, rng=None, backend=None, sharded_rng=None):
+                 std=0.02, proj_std=None, rng=None, backend=None, sharded_rng=None, collective_matmul=False):
         super().__init__()
         if dim % n_head:
             raise ValueError(f"rank {comm.rank}: d_model {dim} is not divisible by n_head {n_head}")
         self.n_head = n_head
         self.local_heads = check_divisible(comm, "n_head", n_head)
-        kw = dict(dtype=dtype, rng=rng, backend=backend, sequence_parallel=sequence_parallel)
+        kw = dict(dtype=dtype, rng=rng, backend=backend, sequence_parallel=sequence_parallel,
+                  collective_matmul=collective_matmul)
         self.qkv = ColumnParallelLinear(dim, 3 * dim, comm, blocks=3, std=std, **kw)
         self.proj = RowParallelLinear(dim, dim, comm, std=proj_std or std, **kw)
         self.drop = make_dropout(dropout, comm, sequence_parallel, sharded_rng)

@@ -1,0 +1,9 @@
+"""CI for the grader minidist/grading/collective_matmul.py: minidist's own answer gets full marks, each
+broken version in its BROKEN fails its task with a message, the untouched exercises/collective_matmul.py
+scores 0 ("not written yet")."""
+
+from minidist.grading import collective_matmul as G
+from minidist.grading import grader_tests
+
+test_reference_passes, test_broken_implementation_fails, test_grade_reports_the_stub_as_not_written = \
+    grader_tests("collective_matmul", G.CHECKS, G.reference, G.BROKEN)
