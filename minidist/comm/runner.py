@@ -101,6 +101,7 @@ def install_abort_hook() -> None:
 def _beat_started(rank: int) -> None:
     """Under ``python -m minidist.launch``: tell the supervisor this rank is up (before any step)."""
     if os.environ.get("MINIDIST_HEARTBEAT_DIR"):
+        # cycle: comm.runner -> resilience.supervisor -> resilience.checkpoint -> comm.runner
         from minidist.resilience.supervisor import STARTED, heartbeat
 
         heartbeat(rank, STARTED)
