@@ -29,12 +29,21 @@ from minidist.resilience.checkpoint.files import CheckpointError
 
 
 def _shard(spec):
-    return None if spec is None else Shard(spec["axis"], spec.get("group", "tp"), spec.get("blocks", 1))
+    if spec is None:
+        return None
+    return Shard(spec["axis"], spec.get("group", "tp"), spec.get("blocks", 1), tuple(spec.get("widths", ())),
+                 tuple(spec.get("whole", ())))
 
 
 def shard_spec(shard) -> dict | None:
-    """A ``Shard`` as JSON (None: replicated)."""
-    return None if shard is None else {"axis": shard.axis, "group": shard.group, "blocks": shard.blocks}
+    """A ``Shard`` as JSON (None: replicated); unequal blocks (grouped-query q|k|v) keep their widths
+    and the blocks every rank holds whole."""
+    if shard is None:
+        return None
+    spec = {"axis": shard.axis, "group": shard.group, "blocks": shard.blocks}
+    if shard.widths:
+        spec.update(widths=[int(w) for w in shard.widths], whole=[int(i) for i in shard.whole])
+    return spec
 
 
 def global_indices(shape, shard: dict | None, part: int, parts: int, flat=None) -> np.ndarray:
@@ -55,7 +64,7 @@ def local_shape(shape, shard: dict | None, part: int, parts: int, flat=None) -> 
 def _global_shape(local, shard: dict | None, parts: int) -> tuple:
     s = list(local)
     if shard is not None:
-        s[shard["axis"]] *= parts
+        s[shard["axis"]] = sum(shard["widths"]) if shard.get("widths") else s[shard["axis"]] * parts
     return tuple(s)
 
 

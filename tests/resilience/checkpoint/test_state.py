@@ -445,3 +445,27 @@ def test_a_file_intact_in_several_roots_is_read_from_the_first_and_a_damaged_one
     damaged, name = run(_save_and_choose, ranks=2, roots=roots, order=order, damage=(first, 1))[0]
     assert damaged[name] == second, damaged
     assert all(d == first for n, d in damaged.items() if n != name)
+
+
+def _gqa_job(comm, root, steps, n_kv_head, save_at=(), resume=False, **kw):
+    """``_job`` on a grouped-query GPT (n_head 4, ``n_kv_head`` K/V heads): its q|k|v weight is blocks
+    of unequal widths, split or (tp not dividing n_kv_head) replicated over tp."""
+    t = Trainer(comm, small_config("float64", 0.0).replace(n_kv_head=n_kv_head), **kw)
+    if resume:
+        load(comm, root, t.state(), required=True)
+    while t.step_count < steps:
+        t.step()
+        if t.step_count in save_at:
+            save(comm, root, t.step_count, t.state(), keep=3)
+    return t.full_parameters()
+
+
+@pytest.mark.parametrize("n_kv_head", [2, 1])  # tp = 2 splits 2 K/V heads, replicates 1
+def test_a_grouped_query_tp_checkpoint_reshards_to_one_process_and_back(tmp_path, n_kv_head):
+    """Saved by tp = 2, loaded by one process and by tp = 2 again: the full parameters are the saved ones
+    (the manifest keeps q|k|v's block widths, and which blocks every rank holds whole)."""
+    root = str(tmp_path)
+    saved = run(_gqa_job, ranks=2, root=root, steps=2, n_kv_head=n_kv_head, save_at=(2,), tp=2)[0]
+    alone = run(_gqa_job, ranks=1, root=root, steps=2, n_kv_head=n_kv_head, resume=True)[0]
+    again = run(_gqa_job, ranks=2, root=root, steps=2, n_kv_head=n_kv_head, resume=True, tp=2)[0]
+    assert _equal(alone, saved) and _equal(again, saved)
