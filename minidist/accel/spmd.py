@@ -223,6 +223,9 @@ class SPMDTwin:
         jax = _jax()
         if cfg.dropout:
             raise ValueError(f"the SPMD twin has no dropout (got dropout={cfg.dropout})")
+        if cfg.kv_heads != cfg.n_head:
+            raise ValueError(f"the compiled SPMD program has multi-head attention only (n_kv_head="
+                             f"{cfg.kv_heads} < n_head={cfg.n_head}); use n_kv_head=n_head")
         if cfg.n_head % tp:
             raise ValueError(f"n_head={cfg.n_head} is not divisible by tp={tp}")
         if dp_reduce not in ("ring", "psum"):

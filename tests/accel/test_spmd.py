@@ -92,6 +92,8 @@ def test_errors_say_what_would_be_right():
         make_mesh(4, 4)
     with pytest.raises(ValueError, match="dp_reduce='tree'"):
         SPMDTwin(CFG, dp=2, tp=1, dp_reduce="tree")
+    with pytest.raises(ValueError, match=r"multi-head attention only \(n_kv_head=1 < n_head=2\)"):
+        SPMDTwin(CFG.replace(n_kv_head=1), dp=2, tp=1)
 
 
 

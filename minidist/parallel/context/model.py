@@ -95,6 +95,10 @@ def context_parallel(model, cp, layout: str = "zigzag", mode: str = "ring", ulys
     if getattr(model, "sequence_parallel", False):
         raise ValueError(f"rank {cp.rank}: context parallelism over a sequence-parallel TPGPT is not built; "
                          "build the TPGPT with sequence_parallel=False")
+    if cfg is not None and cfg.kv_heads != cfg.n_head:
+        raise ValueError(f"rank {cp.rank}: context parallelism with grouped-query attention (n_kv_head="
+                         f"{cfg.kv_heads} < n_head={cfg.n_head}) is not built: the ring and Ulysses attend "
+                         "packed q|k|v of n_head heads each; use n_kv_head=n_head")
     blocks = list(model)[1:-1]
     u = cp.size if mode == "ulysses" else ulysses_size
     if mode == "hybrid" and ulysses_size is None:

@@ -175,6 +175,11 @@ def apply_checkpointing(model, policy: str = "full", k: int | None = None):
                          "would be checkpointed; pass a GPT, a TPGPT or a Sequential of their blocks")
     owner = f"activation checkpointing ({policy})"
     if policy == "selective":
+        grouped = [b for _, b in blocks if getattr(b.attn, "n_kv_head", b.attn.n_head) != b.attn.n_head]
+        if grouped:
+            raise ValueError("checkpoint='selective' recomputes multi-head attention's core; with "
+                             f"grouped-query attention (n_kv_head={grouped[0].attn.n_kv_head} < n_head="
+                             f"{grouped[0].attn.n_head}) it is not built: use 'full'")
         for _, blk in blocks:
             blk.attn.register_forward_wrapper(_selective_wrapper, "checkpoint", owner)
         return model

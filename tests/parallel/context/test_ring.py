@@ -271,3 +271,16 @@ def test_compiled_ring_steps_equal_the_eager_steps(monkeypatch):
         np.testing.assert_allclose(f[0], e[0], rtol=0, atol=1e-14)
         for fg, eg in zip(f[1], e[1]):
             np.testing.assert_allclose(fg, eg, rtol=0, atol=1e-14)
+
+
+def test_context_parallel_refuses_grouped_query_attention_by_name():
+    from minidist.comm import run as run_ranks
+    from minidist.nn import GPT, GPTConfig
+    from minidist.parallel.context.model import context_parallel as cp_model
+
+    def body(comm):
+        gqa = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=4, n_kv_head=2, d_model=8))
+        with pytest.raises(ValueError, match=r"grouped-query.*n_kv_head=2 < n_head=4"):
+            cp_model(gqa, comm)
+        return True
+    assert all(run_ranks(body, ranks=2))

@@ -280,3 +280,14 @@ def test_lesson_under_mpirun():
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=root)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("PASS") == 4 and "FAIL" not in res.stdout and "(mpi)" in res.stdout
+
+
+def test_selective_checkpointing_of_grouped_query_attention_is_refused_by_name():
+    """Selective recomputation re-runs a multi-head core; a grouped-query model is refused (not a
+    silently wrong split of its q|k|v)."""
+    from minidist.nn import GPT, GPTConfig
+
+    gqa = GPT(GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=4, n_kv_head=1, d_model=8))
+    with pytest.raises(ValueError, match=r"selective.*grouped-query.*n_kv_head=1 < n_head=4.*'full'"):
+        apply_checkpointing(gqa, "selective")
+    apply_checkpointing(gqa, "full")  # the whole block recomputes: fine
