@@ -36,6 +36,21 @@ class Backward:
 
 
 @dataclass(frozen=True)
+class BackwardInput:
+    """B of a split backward: only the gradient w.r.t. the input of (mb, chunk), on the critical path;
+    what the weight gradients need is kept for the matching BackwardWeight."""
+    mb: int
+    chunk: int = 0
+
+
+@dataclass(frozen=True)
+class BackwardWeight:
+    """W of a split backward: the weight gradients of (mb, chunk); frees what its forward and B kept."""
+    mb: int
+    chunk: int = 0
+
+
+@dataclass(frozen=True)
 class SendAct:
     """Send the output activation of (mb, chunk) to the next virtual stage."""
     mb: int
@@ -74,8 +89,9 @@ class OptimizerStep:
     """Update this stage's parameters with the accumulated gradients (end of the step)."""
 
 
-Instr = Forward | Backward | SendAct | RecvAct | SendGrad | RecvGrad | SendRecv | OptimizerStep
-COMPUTE = (Forward, Backward)
+Instr = (Forward | Backward | BackwardInput | BackwardWeight | SendAct | RecvAct | SendGrad | RecvGrad
+         | SendRecv | OptimizerStep)
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
 P2P = (SendAct, RecvAct, SendGrad, RecvGrad)
 
 
