@@ -236,7 +236,7 @@ def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0,
     )
 
 
-def _drawn(events) -> list:
+def timeline_events(events) -> list:
     """BackwardWeight drawn as 'W3ww' (the timeline letters an op by its name's first letter)."""
     return [dict(e, name="Weight") if e["name"] == "BackwardWeight" else e for e in events]
 
@@ -245,5 +245,5 @@ def ascii_timeline(result, width: int = 100) -> str:
     """One row per stage: 'F3ff' forward of mb 3, 'B3bbbb' backward (or B of a split one), 'W3ww' the
     weight gradients of a split one, '.' idle. Takes a SimResult or events."""
     if isinstance(result, SimResult):
-        return ascii_timeline_from_events(_drawn(result.events), width=width, label="stage")
-    return ascii_timeline_from_events(_drawn(result), width=width)
+        return ascii_timeline_from_events(timeline_events(result.events), width=width, label="stage")
+    return ascii_timeline_from_events(timeline_events(result), width=width)

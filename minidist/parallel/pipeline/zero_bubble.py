@@ -37,6 +37,12 @@ def zb_h1_min_microbatches(num_stages: int) -> int:
     return num_stages
 
 
+def zb_h1_bubble_formula(num_stages: int, num_microbatches: int) -> float:
+    """ZB-H1's ideal bubble with F = B = W: only the B chain waits, (p-1) of 3m + p - 1 steps."""
+    p, m = num_stages, num_microbatches
+    return (p - 1) / (3 * m + p - 1)
+
+
 def _check_min(name: str, p: int, m: int, least: int) -> None:
     if m < least:
         raise ScheduleError(f"{name} needs num_microbatches >= {least} for num_stages={p}, got {m}: its "
