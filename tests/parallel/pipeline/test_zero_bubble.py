@@ -1,5 +1,12 @@
 """ZB-H1: valid, deadlock-free, a third of 1F1B's bubble; on threads equal to 1F1B and the serial model."""
 
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,6 +24,9 @@ from minidist.parallel.pipeline.runtime import (
 from minidist.parallel.pipeline.schedule import BackwardInput, BackwardWeight, ScheduleError, one_f_one_b
 from minidist.parallel.pipeline.simulate import ascii_timeline, simulate
 from minidist.parallel.pipeline.zero_bubble import zb_h1
+from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d, train_serial
+
+ROOT = Path(__file__).resolve().parents[3]
 
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=3, n_head=2, d_model=8, dtype="float64")
 
@@ -108,3 +118,38 @@ def test_zb_h1_equals_1f1b_bit_for_bit_and_the_serial_model(p, extra, layers, se
     for s, (stats, _) in enumerate(zb):
         assert stats.peak_weight_queue_bytes > 0  # B kept (X, G) for W, and it was counted
         assert sum(isinstance(i, BackwardInput) for i in sched[s]) == m
+
+
+# -- composed with DDP (and TP) on a mesh; under mpirun ---------------------------------------------
+
+def _train_rank(comm, batches, **kw):
+    result = train_3d(comm, CFG.replace(n_layer=2), batches, lr=0.1, optimizer="adamw", **kw)
+    return gather_full_state(comm, result), result.losses
+
+
+@pytest.mark.parametrize("dp,pp,tp,m", [(2, 2, 1, 2), (2, 2, 2, 3), (1, 4, 1, 4)])
+def test_zb_h1_composes_with_ddp_and_tp(dp, pp, tp, m):
+    """DDP syncs on each chunk's last W (its gradients are complete only then): the trained
+    parameters equal the serial model's over two AdamW steps."""
+    rng = np.random.default_rng(dp + pp + tp + m)
+    batches = [(rng.integers(0, 16, (dp * m * 2, 4)), rng.integers(0, 16, (dp * m * 2, 4))) for _ in range(2)]
+    want, want_losses = train_serial(CFG.replace(n_layer=2), batches, lr=0.1, optimizer="adamw")
+    results = run(_train_rank, ranks=dp * pp * tp, batches=batches, dp=dp, pp=pp, tp=tp, microbatches=m,
+                  schedule="zb-h1")
+    state, losses = results[0]
+    assert max_state_diff(state, want) <= 1e-9
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-9)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (pip install mpich)")
+@pytest.mark.timeout(60)
+def test_lesson_zb_h1_under_mpirun_passes_its_check():
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MINIDIST_TRANSPORT", None)
+    cmd = ["mpirun", "-n", "4", sys.executable, "-m", "minidist.lessons.pipeline", "--steps", "3",
+           "--dp", "1", "--schedule", "zb-h1", "--width", "64", "--seq", "32"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=50, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert re.search(r"serial twin .* PASS", res.stdout), res.stdout
+    assert "(p-1)/(3m+p-1) = 3/27" in res.stdout and "ZB-H1 bytes" in res.stdout
