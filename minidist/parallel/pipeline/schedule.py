@@ -14,6 +14,10 @@ gradients to virtual stage - 1 (`peer_of`, `message_key`).
 MPI_Sendrecv or Megatron's batched `send_forward_recv_backward`. GPipe and 1F1B do not need it (a
 careful order of plain sends and receives is deadlock-free); interleaved 1F1B, whose last stage
 sends back to stage 0, uses it after every forward, or forward-and-backward pair.
+
+A backward may also run split in two (zero-bubble schedules, `minidist.parallel.pipeline.zero_bubble`):
+`BackwardInput` (B: the input's gradient, which `SendGrad` sends) and later `BackwardWeight` (W: the
+weight gradients). A stage runs each (mb, chunk) either as one `Backward` or as B then W.
 """
 
 from __future__ import annotations
