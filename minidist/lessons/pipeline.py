@@ -4,13 +4,16 @@
     python -m minidist.lessons.pipeline --ranks 8                    # ranks as threads
     python -m minidist.lessons.pipeline --ranks 8 --pp 8 --dp 1 --schedule gpipe --microbatches 16
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule interleaved --chunks 2
+    python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule zb-h1      # backward split in B and W
 
 Trains a small byte-level GPT on dp x pp x tp ranks with a pipeline schedule (GPipe, 1F1B, or
 interleaved 1F1B with ``--chunks v`` model chunks per stage: the bubble shrinks to (p-1)/(v·m+p-1)),
 checks the trained parameters against the serial twin (same batches, one process), prints the
 MEASURED timeline of the last step (one row per pipeline stage), the measured bubble beside
 (p-1)/(v·m+p-1), and the activation memory each stage held at its peak under GPipe and under 1F1B
-(under the interleaved schedule: its own, per stage).
+(under the interleaved schedule: its own, per stage). ``--schedule zb-h1`` splits each backward into B
+(input gradients, sent on at once) and W (weight gradients, put off into the bubble): its bubble is
+compared with (p-1)/(3m+p-1), its memory with 1F1B's.
 """
 
 from __future__ import annotations
@@ -37,10 +40,13 @@ from minidist.nn import GPT, GPTConfig
 from minidist.nn.data import BatchLoader, TextDataset
 from minidist.parallel.pipeline.runtime import format_partition, layer_costs, make_schedule, run_schedule
 from minidist.parallel.pipeline.schedule import ScheduleError
-from minidist.parallel.pipeline.simulate import bubble_formula, peak_activations
+from minidist.parallel.pipeline.simulate import bubble_formula, peak_activations, timeline_events
+from minidist.parallel.pipeline.zero_bubble import zb_h1_bubble_formula
 from minidist.parallel.three_d import check_3d, gather_full_state, train_3d
 from minidist.plan import estimates
 from minidist.testing import adamw_tolerance, max_state_diff, train_serial
+
+BUSY = ("Forward", "Backward", "BackwardInput", "BackwardWeight")  # what counts as a stage's work
 
 
 def tolerance(args) -> float:
@@ -218,10 +224,10 @@ def report(everyone, args, pp: int, m: int) -> float:
     events = [dict(e, t0=max(e["t0"], start)) for e in events if e["t1"] > start]
     print(f"\nmeasured timeline of step {last}, pipeline dp 0 / tp 0 (F3 = forward of microbatch 3, "
           f"B = backward, . = waiting,\nO = optimizer step, with the data-parallel all-reduce of gradients):")
-    print(trace.ascii_timeline_from_events(events, width=args.width_chars, label="stage"))
+    print(trace.ascii_timeline_from_events(timeline_events(events), width=args.width_chars, label="stage"))
 
     steps = range(1, last + 1) if last >= 1 else range(1)
-    measured = trace.median_bubble([r["events"] for r in everyone], skip=1)
+    measured = trace.median_bubble([r["events"] for r in everyone], skip=1, names=BUSY)
     step_s = float(np.median([max(r["times"][s] for r in everyone) for s in steps]))
     print(f"\nbubble (idle share of ranks x step time, forward/backward count as busy): "
           f"measured {measured:.3f} "
@@ -231,6 +237,9 @@ def report(everyone, args, pp: int, m: int) -> float:
           + (f" (v = {args.chunks} chunks: 1F1B's would be {bubble_formula(pp, m):.3f})"
              if args.chunks > 1 else "")
           + f"; step time {step_s * 1e3:.0f} ms")
+    if args.schedule == "zb-h1":
+        print(f"ZB-H1's formula with F = B = W: (p-1)/(3m+p-1) = {pp - 1}/{3 * m + pp - 1} = "
+              f"{zb_h1_bubble_formula(pp, m):.3f} (W = 'W' on the timeline fills what 1F1B leaves idle)")
     print(estimates.predicted_vs_measured(
         "step time on this machine's calibrated constants (the planner, chapter 11)",
         estimates.step_prediction(args.layers, args.width, 4, 256, args.seq, args.batch, dp=args.dp, pp=pp,
@@ -247,6 +256,15 @@ def report(everyone, args, pp: int, m: int) -> float:
         for r in sorted(pipe0, key=lambda r: r["coords"][0]):
             b, held = r["peak"]["interleaved"]
             print(f"{r['coords'][0]:>5} {b:>12,} {held:>23}")
+        return measured
+    if args.schedule == "zb-h1":
+        print(f"{'stage':>5} {'1F1B bytes':>12} {'mbs held':>8}   {'ZB-H1 bytes':>12} {'mbs F..B':>8} "
+              f"{'simulated':>9}")
+        sim = [peak_activations(ops) for ops in make_schedule("zb-h1", pp, m)]
+        for r in sorted(pipe0, key=lambda r: r["coords"][0]):
+            s = r["coords"][0]
+            (ob, om), (zb, zm) = r["peak"]["1f1b"], r["peak"]["zb-h1"]
+            print(f"{s:>5} {ob:>12,} {om:>8}   {zb:>12,} {zm:>8} {sim[s]:>9}")
         return measured
     print(f"{'stage':>5} {'GPipe bytes':>12} {'mbs held':>8} {'formula m':>9}   {'1F1B bytes':>11} "
           f"{'mbs held':>8} {'formula min(m,p-s)':>18}")
@@ -266,7 +284,7 @@ def main(argv=None):
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel shards per layer")
     parser.add_argument("--microbatches", type=positive_int, default=8,
                         help="microbatches per replica per step (m)")
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], default="1f1b")
     parser.add_argument("--chunks", type=positive_int, default=None,
                         help="model chunks per stage, interleaved only (default 2 there, 1 otherwise)")
     parser.add_argument("--partition", choices=["uniform", "time", "params"], default="uniform",

@@ -41,6 +41,8 @@ from minidist.parallel.compose import check_compatible
 from minidist.parallel.memory import recompute
 from minidist.parallel.pipeline.schedule import (
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     OptimizerStep,
     RecvAct,
@@ -55,6 +57,8 @@ from minidist.parallel.pipeline.schedule import (
     peer_of,
     virtual_stage,
 )
+from minidist.parallel.pipeline.split_backward import backward_input
+from minidist.parallel.pipeline.zero_bubble import zb_h1
 
 # -- partitioning ------------------------------------------------------------------------------------
 
@@ -205,14 +209,16 @@ class PipelineStage:
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> list[list]:
-    """The instruction lists of schedule `name` ("gpipe", "1f1b" or "interleaved")."""
+    """The instruction lists of schedule `name` ("gpipe", "1f1b", "interleaved" or "zb-h1")."""
+    if name in ("zb-h1", "zb_h1"):
+        return zb_h1(num_stages, num_microbatches)
     if name == "gpipe":
         return gpipe(num_stages, num_microbatches)
     if name == "1f1b":
         return one_f_one_b(num_stages, num_microbatches)
     if name == "interleaved":
         return interleaved_1f1b(num_stages, num_microbatches, chunks)
-    raise ScheduleError(f"unknown schedule {name!r}: use 'gpipe', '1f1b' or 'interleaved'")
+    raise ScheduleError(f"unknown schedule {name!r}: use 'gpipe', '1f1b', 'interleaved' or 'zb-h1'")
 
 
 def split_microbatches(batch, num_microbatches: int, rank: int = 0) -> list:
@@ -233,6 +239,7 @@ class StepStats:
     activation_bytes: dict = field(default_factory=dict)  # (mb, chunk) -> bytes its forward saved
     peak_activation_bytes: int = 0             # most activation bytes held at once (MemoryAccountant)
     peak_microbatches: int = 0                 # most (mb, chunk) activations held at once
+    peak_weight_queue_bytes: int = 0           # most bytes kept from B to W (split backward only)
     seconds: float = 0.0
 
 
@@ -259,6 +266,7 @@ class _Runtime:
         # buffer once, the stage's parameters left out, released when backward frees them
         self.acct = MemoryAccountant()
         self.sends = []  # requests of sends still in flight
+        self.wq = {}  # (mb, chunk) -> the WeightGradQueue its BackwardInput left for BackwardWeight
 
     def _span(self, name: str, cat: str, **args):
         return nullcontext() if self.tracer is None else self.tracer.span(name, cat, **args)
@@ -298,6 +306,25 @@ class _Runtime:
                 out.backward(self.received.pop(("grad",) + key))
         if not st.is_first(chunk):
             self.to_send[("grad",) + key] = x.grad
+
+    def backward_input(self, mb: int, chunk: int) -> None:
+        """B: the input's gradient (sent on at once); the weights' part waits in a queue for W."""
+        st, key = self.stage, (mb, chunk)
+        x, out = self.x.pop(key), self.out.pop(key)
+        seed = None if st.is_last(chunk) else self.received.pop(("grad",) + key)
+        with self._span("BackwardInput", "compute", mb=mb, chunk=chunk):
+            self.wq[key] = backward_input(out, seed, inputs=[x] if isinstance(x, Tensor) else [])
+        held = sum(q.nbytes() for q in self.wq.values())
+        self.stats.peak_weight_queue_bytes = max(self.stats.peak_weight_queue_bytes, held)
+        if not st.is_first(chunk):
+            self.to_send[("grad",) + key] = x.grad
+
+    def backward_weight(self, mb: int, chunk: int) -> None:
+        """W: the weight gradients B put off; data parallelism syncs on each chunk's last one."""
+        sync = self.ddp is None or self.last_backward.get(chunk) == mb
+        with self._span("BackwardWeight", "compute", mb=mb, chunk=chunk), \
+                (nullcontext() if sync else self.ddp.no_sync()):
+            self.wq.pop((mb, chunk)).run()
 
     def post(self, instr):
         """Start one send or receive; returns (request, where to store a received array or None)."""
@@ -339,6 +366,10 @@ class _Runtime:
             self.forward(instr.mb, instr.chunk)
         elif isinstance(instr, Backward):
             self.backward(instr.mb, instr.chunk)
+        elif isinstance(instr, BackwardInput):
+            self.backward_input(instr.mb, instr.chunk)
+        elif isinstance(instr, BackwardWeight):
+            self.backward_weight(instr.mb, instr.chunk)
         elif isinstance(instr, SendRecv):
             self.communicate(instr.ops)
         elif isinstance(instr, OptimizerStep):
@@ -376,7 +407,7 @@ def run_schedule(stage: PipelineStage, comm, instructions, inputs=None, targets=
                          "microbatches; give one weight per microbatch")
     last_backward = {}
     for instr in instructions:
-        if isinstance(instr, Backward):
+        if isinstance(instr, (Backward, BackwardWeight)):  # what completes a microbatch's gradients
             last_backward[instr.chunk] = instr.mb
     rt = _Runtime(stage, comm, inputs, targets, optimizer_step, trace.current(), ddp, last_backward,
                   loss_weights)

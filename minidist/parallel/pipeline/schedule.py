@@ -14,6 +14,10 @@ gradients to virtual stage - 1 (`peer_of`, `message_key`).
 MPI_Sendrecv or Megatron's batched `send_forward_recv_backward`. GPipe and 1F1B do not need it (a
 careful order of plain sends and receives is deadlock-free); interleaved 1F1B, whose last stage
 sends back to stage 0, uses it after every forward, or forward-and-backward pair.
+
+A backward may also run split in two (zero-bubble schedules, `minidist.parallel.pipeline.zero_bubble`):
+`BackwardInput` (B: the input's gradient, which `SendGrad` sends) and later `BackwardWeight` (W: the
+weight gradients). A stage runs each (mb, chunk) either as one `Backward` or as B then W.
 """
 
 from __future__ import annotations
@@ -31,6 +35,21 @@ class Forward:
 @dataclass(frozen=True)
 class Backward:
     """Run the backward of microbatch `mb` through `chunk`; frees its activations, accumulates grads."""
+    mb: int
+    chunk: int = 0
+
+
+@dataclass(frozen=True)
+class BackwardInput:
+    """B of a split backward: only the gradient w.r.t. the input of (mb, chunk), on the critical path;
+    what the weight gradients need is kept for the matching BackwardWeight."""
+    mb: int
+    chunk: int = 0
+
+
+@dataclass(frozen=True)
+class BackwardWeight:
+    """W of a split backward: the weight gradients of (mb, chunk); frees what its forward and B kept."""
     mb: int
     chunk: int = 0
 
@@ -74,8 +93,9 @@ class OptimizerStep:
     """Update this stage's parameters with the accumulated gradients (end of the step)."""
 
 
-Instr = Forward | Backward | SendAct | RecvAct | SendGrad | RecvGrad | SendRecv | OptimizerStep
-COMPUTE = (Forward, Backward)
+Instr = (Forward | Backward | BackwardInput | BackwardWeight | SendAct | RecvAct | SendGrad | RecvGrad
+         | SendRecv | OptimizerStep)
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
 P2P = (SendAct, RecvAct, SendGrad, RecvGrad)
 
 

@@ -12,7 +12,9 @@ Bubble definition used throughout (`minidist.trace.bubble_fraction`): the idle s
 rectangle p stages x [0, makespan], where only forward and backward count as busy. With
 comm_time = 0, GPipe and 1F1B give exactly (p-1)/(m+p-1) for any fwd_time and bwd_time (every
 stage is busy m*(f+b) out of a makespan of (m+p-1)*(f+b)); interleaved 1F1B with v chunks gives
-(p-1)/(v*m+p-1) when fwd_time == bwd_time.
+(p-1)/(v*m+p-1) when fwd_time == bwd_time. A split backward's B and W count as busy too: ZB-H1 with
+F = B = W gives about (p-1)/(3m+p-1) (see `zero_bubble`). With `buffered_sends` a send does not wait
+for its receiver, as the runtime's background sends do not.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from collections import Counter
 from dataclasses import dataclass
 
 from minidist.parallel.pipeline.schedule import (
+    COMPUTE,
     P2P,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     OptimizerStep,
     ScheduleError,
@@ -52,6 +57,7 @@ class SimResult:
     makespan: float
     bubble: float
     peak_activations: list
+    peak_pending_weights: list
 
 
 def bubble_formula(num_stages: int, num_microbatches: int, chunks: int = 1) -> float:
@@ -74,7 +80,7 @@ def validate(schedule: list[list]) -> int:
     p = len(schedule)
     if p < 1:
         raise ScheduleError("a schedule needs at least one stage")
-    computes = [(s, i) for s, ops in enumerate(schedule) for i in ops if isinstance(i, (Forward, Backward))]
+    computes = [(s, i) for s, ops in enumerate(schedule) for i in ops if isinstance(i, COMPUTE)]
     if not computes:
         raise ScheduleError("schedule has no Forward or Backward at all")
     v = 1 + max(i.chunk for _, i in computes)
@@ -84,18 +90,8 @@ def validate(schedule: list[list]) -> int:
         done = Counter()  # (kind, mb, chunk) -> count so far
         for pos, instr in enumerate(ops):
             where = f"stage {s}, instruction {pos} {instr!r}"
-            if isinstance(instr, (Forward, Backward)):
-                kind, mb, c = type(instr).__name__, instr.mb, instr.chunk
-                if done[(kind, mb, c)]:
-                    raise ScheduleError(f"{where}: runs twice; each (mb, chunk) runs once each way")
-                if kind == "Backward" and not done[("Forward", mb, c)]:
-                    raise ScheduleError(f"{where}: backward before the forward of mb {mb} chunk {c}")
-                vs = virtual_stage(s, c, p)
-                need = "RecvAct" if kind == "Forward" else "RecvGrad"
-                boundary = vs == 0 if kind == "Forward" else vs == p * v - 1
-                if not boundary and not done[(need, mb, c)]:
-                    raise ScheduleError(f"{where}: needs an earlier {need}(mb={mb}, chunk={c})")
-                done[(kind, mb, c)] += 1
+            if isinstance(instr, COMPUTE):
+                _check_compute(instr, done, where, virtual_stage(s, instr.chunk, p), p * v)
             elif isinstance(instr, OptimizerStep):
                 continue
             else:
@@ -106,17 +102,43 @@ def validate(schedule: list[list]) -> int:
                     outside = [x for x in (src, dst) if not 0 <= x < p * v]
                     if outside:
                         raise ScheduleError(f"{where}: no virtual stage {outside[0]} (there are {p * v})")
-                    source_op = {SendAct: "Forward", SendGrad: "Backward"}.get(type(part))
                     c = part.chunk
-                    if source_op and not done[(source_op, mb, c)]:
-                        raise ScheduleError(f"{where}: sends before its {source_op}(mb={mb}, chunk={c})")
+                    if isinstance(part, SendAct) and not done[("Forward", mb, c)]:
+                        raise ScheduleError(f"{where}: sends before its Forward(mb={mb}, chunk={c})")
+                    if isinstance(part, SendGrad) and not (done[("Backward", mb, c)]
+                                                           or done[("BackwardInput", mb, c)]):
+                        raise ScheduleError(f"{where}: sends before its Backward or BackwardInput"
+                                            f"(mb={mb}, chunk={c})")
                     done[(type(part).__name__, mb, part.chunk)] += 1
-        for kind in ("Forward", "Backward"):
-            have = {(mb, c) for (k, mb, c) in done if k == kind}
-            if have != expected:
-                missing = sorted(expected - have)
-                raise ScheduleError(f"stage {s} has no {kind} for (mb, chunk) in {missing}")
+        have = {(mb, c) for (k, mb, c) in done if k == "Forward"}
+        if have != expected:
+            raise ScheduleError(f"stage {s} has no Forward for (mb, chunk) in {sorted(expected - have)}")
+        whole = {(mb, c) for (k, mb, c) in done if k == "Backward"}
+        split = {(mb, c) for (k, mb, c) in done if k == "BackwardWeight"}
+        if whole | split != expected:
+            raise ScheduleError(f"stage {s} has no Backward (or BackwardInput + BackwardWeight) for "
+                                f"(mb, chunk) in {sorted(expected - whole - split)}")
     return v
+
+
+def _check_compute(instr, done: Counter, where: str, vs: int, num_virtual: int) -> None:
+    """One compute instruction's order rules: forward first, B before W, a backward's gradient received."""
+    kind, mb, c = type(instr).__name__, instr.mb, instr.chunk
+    if done[(kind, mb, c)]:
+        raise ScheduleError(f"{where}: runs twice; each (mb, chunk) runs once each way")
+    if kind != "Forward" and not done[("Forward", mb, c)]:
+        what = "backward" if kind == "Backward" else kind
+        raise ScheduleError(f"{where}: {what} before the forward of mb {mb} chunk {c}")
+    if kind == "BackwardWeight" and not done[("BackwardInput", mb, c)]:
+        raise ScheduleError(f"{where}: BackwardWeight before the BackwardInput of mb {mb} chunk {c}")
+    if kind in ("Backward", "BackwardInput") and done[("Backward", mb, c)] + done[("BackwardInput", mb, c)]:
+        raise ScheduleError(f"{where}: mb {mb} chunk {c} already ran its backward")
+    if kind != "BackwardWeight":
+        need = "RecvAct" if kind == "Forward" else "RecvGrad"
+        boundary = vs == 0 if kind == "Forward" else vs == num_virtual - 1
+        if not boundary and not done[(need, mb, c)]:
+            raise ScheduleError(f"{where}: needs an earlier {need}(mb={mb}, chunk={c})")
+    done[(kind, mb, c)] += 1
 
 
 def _cat(instr) -> str:
@@ -130,29 +152,47 @@ def _event(stage, instr, t0, t1) -> dict:
         name, args = "OptimizerStep", {}
     else:
         name, args = type(instr).__name__, {"mb": instr.mb, "chunk": instr.chunk}
-    cat = "compute" if isinstance(instr, (Forward, Backward, OptimizerStep)) else _cat(instr)
+    cat = "compute" if isinstance(instr, COMPUTE + (OptimizerStep,)) else _cat(instr)
     return {"name": name, "cat": cat, "rank": stage, "t0": t0, "t1": t1, "args": args}
 
 
 def peak_activations(ops: list) -> int:
-    """Most (mb, chunk) activations held at once by one stage: +1 at each Forward, -1 at each Backward."""
+    """Most (mb, chunk) activations held at once by one stage: +1 at each Forward, -1 at each Backward
+    or BackwardInput (B frees most of them; what W still needs is `peak_pending_weights`)."""
     held = peak = 0
     for instr in ops:
-        held += isinstance(instr, Forward) - isinstance(instr, Backward)
+        held += isinstance(instr, Forward) - isinstance(instr, (Backward, BackwardInput))
+        peak = max(peak, held)
+    return peak
+
+
+def peak_pending_weights(ops: list) -> int:
+    """Most microbatches whose B has run and whose W has not, at once: what a W-queue holds."""
+    held = peak = 0
+    for instr in ops:
+        held += isinstance(instr, BackwardInput) - isinstance(instr, BackwardWeight)
         peak = max(peak, held)
     return peak
 
 
 def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0, comm_time: float = 0.0,
-             opt_time: float = 0.0) -> SimResult:
-    """Execute all stages in lock step (see module docstring); raise DeadlockError if they get stuck."""
+             opt_time: float = 0.0, input_time: float | None = None, weight_time: float | None = None,
+             buffered_sends: bool = False) -> SimResult:
+    """Execute all stages in lock step (see module docstring); raise DeadlockError if they get stuck.
+
+    A split backward's parts take `input_time` (B) and `weight_time` (W), by default half of
+    `bwd_time` each. `buffered_sends`: a send completes when posted and its receive at max(posted,
+    sent) + comm_time, as the runtime's background sends (`isend`) do; the default is rendezvous."""
     validate(schedule)
     p = len(schedule)
-    cost = {Forward: fwd_time, Backward: bwd_time, OptimizerStep: opt_time}
+    cost = {Forward: fwd_time, Backward: bwd_time, OptimizerStep: opt_time,
+            BackwardInput: bwd_time / 2 if input_time is None else input_time,
+            BackwardWeight: bwd_time / 2 if weight_time is None else weight_time}
     pc = [0] * p
     clock = [0.0] * p
     matched: list[dict] = [{} for _ in range(p)]  # part index -> completion time, for the current instr
     events = []
+    mailbox: dict = {}  # buffered sends: message key -> time it was sent
     while True:
         progressed = False
         for s in range(p):  # compute never blocks
@@ -167,8 +207,17 @@ def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0,
             if pc[s] < len(schedule[s]):
                 for k, part in enumerate(_parts(schedule[s][pc[s]])):
                     if k not in matched[s]:
-                        side = sends if isinstance(part, (SendAct, SendGrad)) else recvs
+                        is_send = isinstance(part, (SendAct, SendGrad))
+                        if is_send and buffered_sends:
+                            mailbox[message_key(part, s, p)] = matched[s][k] = clock[s]
+                            progressed = True
+                            continue
+                        side = sends if is_send else recvs
                         side[message_key(part, s, p)] = (s, k)
+        for key in mailbox.keys() & recvs.keys():
+            b, kb = recvs.pop(key)
+            matched[b][kb] = max(mailbox.pop(key), clock[b]) + comm_time
+            progressed = True
         for key in sends.keys() & recvs.keys():
             (a, ka), (b, kb) = sends[key], recvs[key]
             matched[a][ka] = matched[b][kb] = max(clock[a], clock[b]) + comm_time
@@ -185,11 +234,18 @@ def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0,
     return SimResult(
         num_stages=p, events=events, makespan=max(clock), bubble=bubble_fraction(events),
         peak_activations=[peak_activations(ops) for ops in schedule],
+        peak_pending_weights=[peak_pending_weights(ops) for ops in schedule],
     )
 
 
+def timeline_events(events) -> list:
+    """BackwardWeight drawn as 'W3ww' (the timeline letters an op by its name's first letter)."""
+    return [dict(e, name="Weight") if e["name"] == "BackwardWeight" else e for e in events]
+
+
 def ascii_timeline(result, width: int = 100) -> str:
-    """One row per stage: 'F3ff' forward of mb 3, 'B3bbbb' backward, '.' idle. Takes a SimResult or events."""
+    """One row per stage: 'F3ff' forward of mb 3, 'B3bbbb' backward (or B of a split one), 'W3ww' the
+    weight gradients of a split one, '.' idle. Takes a SimResult or events."""
     if isinstance(result, SimResult):
-        return ascii_timeline_from_events(result.events, width=width, label="stage")
-    return ascii_timeline_from_events(list(result), width=width)
+        return ascii_timeline_from_events(timeline_events(result.events), width=width, label="stage")
+    return ascii_timeline_from_events(timeline_events(result), width=width)

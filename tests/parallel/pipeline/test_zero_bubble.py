@@ -1,0 +1,155 @@
+"""ZB-H1: valid, deadlock-free, a third of 1F1B's bubble; on threads equal to 1F1B and the serial model."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minidist.comm import run
+from minidist.nn import GPT, GPTConfig
+from minidist.parallel.pipeline.runtime import (
+    PipelineStage,
+    make_schedule,
+    partition_uniform,
+    run_schedule,
+    split_microbatches,
+)
+from minidist.parallel.pipeline.schedule import BackwardInput, BackwardWeight, ScheduleError, one_f_one_b
+from minidist.parallel.pipeline.simulate import ascii_timeline, simulate
+from minidist.parallel.pipeline.zero_bubble import zb_h1
+from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d, train_serial
+
+ROOT = Path(__file__).resolve().parents[3]
+
+CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=3, n_head=2, d_model=8, dtype="float64")
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_deadlock_free_for_p_2_to_8(p):
+    """Both with rendezvous sends (the strict model) and with background sends (the runtime's)."""
+    for m in range(p, 2 * p + 3):
+        for buffered in (False, True):
+            r = simulate(zb_h1(p, m), 1.0, 2.0, buffered_sends=buffered)
+            assert r.makespan > 0
+
+
+def test_fewer_microbatches_than_the_minimum_is_refused():
+    with pytest.raises(ScheduleError, match="zb_h1 needs num_microbatches >= 4 for num_stages=4, got 3"):
+        zb_h1(4, 3)
+    with pytest.raises(ScheduleError, match="num_stages must be an int >= 1"):
+        zb_h1(0, 3)
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_bubble_against_formula(p):
+    """F = B = W = 1. 1F1B (its backward B + W = 2): every stage busy 3m of (m + p - 1)·3, bubble
+    (p-1)/(m+p-1). ZB-H1: only the B chain waits, makespan 3m + p - 1 ideally, bubble (p-1)/(3m+p-1);
+    the memory bound (at most p microbatches from F to W) may add up to 4 steps."""
+    for m in (p, 2 * p, 16):
+        ob = simulate(one_f_one_b(p, m), fwd_time=1, bwd_time=2)
+        zb = simulate(zb_h1(p, m), fwd_time=1, bwd_time=2, input_time=1, weight_time=1, buffered_sends=True)
+        assert ob.bubble == pytest.approx((p - 1) / (m + p - 1))
+        ideal = 3 * m + p - 1
+        assert ideal <= zb.makespan <= ideal + 4
+        assert zb.bubble == pytest.approx(1 - 3 * m / zb.makespan)
+        assert zb.bubble < ob.bubble
+        if m >= 2 * p:
+            assert zb.bubble <= 0.7 * ob.bubble
+        if m == 16 and p <= 4:
+            assert zb.bubble <= (p - 1 + 4) / (3 * m + p - 1 + 4)
+
+
+def test_memory_bound_and_timeline_letters():
+    """No stage holds more than p microbatches between F and W (1F1B's stage 0 peak); W is drawn 'W'."""
+    for p in range(2, 9):
+        for m in (p, 2 * p):
+            for ops in zb_h1(p, m):
+                held = peak = 0
+                for i in ops:
+                    held += type(i).__name__ == "Forward"
+                    held -= isinstance(i, BackwardWeight)
+                    peak = max(peak, held)
+                assert peak <= p
+    art = ascii_timeline(simulate(zb_h1(2, 2), 1, 2, input_time=1, weight_time=1), width=28)
+    assert "W" in art and "B" in art and "F" in art
+
+
+# -- the runtime on threads ---------------------------------------------------------------------------
+
+def _rank(comm, schedule, m, x, y, cfg):
+    model = GPT(cfg)
+    p = comm.size
+    stage = PipelineStage(model, partition_uniform(len(model), p), comm.rank, p)
+    stats = run_schedule(stage, comm, make_schedule(schedule, p, m)[comm.rank],
+                         split_microbatches(x, m), split_microbatches(y, m))
+    return stats, {n: q.grad for n, q in stage.named_parameters()}
+
+
+@given(p=st.integers(2, 4), extra=st.integers(0, 3), layers=st.integers(2, 4), seed=st.integers(0, 99))
+@settings(max_examples=8, deadline=None)
+def test_zb_h1_equals_1f1b_bit_for_bit_and_the_serial_model(p, extra, layers, seed):
+    """Same microbatches, W's in microbatch order as 1F1B's backwards: the gradients are 1F1B's exactly
+    and the serial model's to rounding."""
+    m = p + extra
+    cfg = CFG.replace(n_layer=layers)
+    rng = np.random.default_rng(seed)
+    x, y = rng.integers(0, 16, (2 * m, 4)), rng.integers(0, 16, (2 * m, 4))
+    model = GPT(cfg)
+    loss = model.loss(x, y)
+    loss.backward()
+    want = {n: q.grad for n, q in model.named_parameters()}
+    zb = run(_rank, ranks=p, schedule="zb-h1", m=m, x=x, y=y, cfg=cfg)
+    ob = run(_rank, ranks=p, schedule="1f1b", m=m, x=x, y=y, cfg=cfg)
+    got = {n: g for _, grads in zb for n, g in grads.items()}
+    ref = {n: g for _, grads in ob for n, g in grads.items()}
+    assert got.keys() == want.keys()
+    for name in want:
+        assert np.array_equal(got[name], ref[name]), name
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-12, err_msg=name)
+    assert zb[-1][0].loss == pytest.approx(float(loss.item()), abs=1e-12)
+    sched = zb_h1(p, m)
+    for s, (stats, _) in enumerate(zb):
+        assert stats.peak_weight_queue_bytes > 0  # B kept (X, G) for W, and it was counted
+        assert sum(isinstance(i, BackwardInput) for i in sched[s]) == m
+
+
+# -- composed with DDP (and TP) on a mesh; under mpirun ---------------------------------------------
+
+def _train_rank(comm, batches, **kw):
+    result = train_3d(comm, CFG.replace(n_layer=2), batches, lr=0.1, optimizer="adamw", **kw)
+    return gather_full_state(comm, result), result.losses
+
+
+@pytest.mark.parametrize("dp,pp,tp,m", [(2, 2, 1, 2), (2, 2, 2, 3), (1, 4, 1, 4)])
+def test_zb_h1_composes_with_ddp_and_tp(dp, pp, tp, m):
+    """DDP syncs on each chunk's last W (its gradients are complete only then): the trained
+    parameters equal the serial model's over two AdamW steps."""
+    rng = np.random.default_rng(dp + pp + tp + m)
+    batches = [(rng.integers(0, 16, (dp * m * 2, 4)), rng.integers(0, 16, (dp * m * 2, 4))) for _ in range(2)]
+    want, want_losses = train_serial(CFG.replace(n_layer=2), batches, lr=0.1, optimizer="adamw")
+    results = run(_train_rank, ranks=dp * pp * tp, batches=batches, dp=dp, pp=pp, tp=tp, microbatches=m,
+                  schedule="zb-h1")
+    state, losses = results[0]
+    assert max_state_diff(state, want) <= 1e-9
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-9)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (pip install mpich)")
+@pytest.mark.timeout(60)
+def test_lesson_zb_h1_under_mpirun_passes_its_check():
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MINIDIST_TRANSPORT", None)
+    cmd = ["mpirun", "-n", "4", sys.executable, "-m", "minidist.lessons.pipeline", "--steps", "3",
+           "--dp", "1", "--schedule", "zb-h1", "--width", "64", "--seq", "32"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=50, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert re.search(r"serial twin .* PASS", res.stdout), res.stdout
+    assert "(p-1)/(3m+p-1) = 3/27" in res.stdout and "ZB-H1 bytes" in res.stdout
