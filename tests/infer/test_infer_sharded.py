@@ -63,6 +63,24 @@ def test_sharded_serving_runs_trainings_parallel_blocks_on_their_shards():
         np.testing.assert_array_equal(bias, serial.attn.proj.bias.numpy())
 
 
+@pytest.mark.parametrize("n_kv_head, tp, heads", [(None, 2, 2), (2, 1, 2), (2, 2, 1), (1, 2, 1), (1, 1, 1)])
+def test_cache_dims_are_the_kv_heads_a_rank_caches(n_kv_head, tp, heads):
+    """The cache per slot and position holds K/V heads, not query heads: n_head = 4 over tp ranks,
+    K = n_kv_head split when tp divides it (2 over 2: one each), replicated when not (MQA: 1 each);
+    the cache built for the decoder has that many heads."""
+    from minidist.infer import KVCache
+
+    m = GPT(GPTConfig(vocab_size=V, block_size=40, n_layer=2, n_head=4, d_model=32, seed=3,
+                      n_kv_head=n_kv_head))
+
+    def rank(comm):
+        dec = shard_for(Mesh(comm, dp=1, pp=1, tp=tp), m)
+        return dec.cache_dims, KVCache.for_decoder(dec, 1).k[0].shape[1]
+
+    for dims, cached in run(rank, ranks=tp):
+        assert dims == (2, heads, 8) and cached == heads
+
+
 def test_a_sequence_parallel_block_refuses_a_cache():
     from minidist.autograd.tensor import Tensor, no_grad
     from minidist.infer import CacheStep, Decoder, KVCache
