@@ -22,7 +22,7 @@ shared blocks: on admission ``hit = cache.match(slot, tokens)`` attaches the cac
 request's longest cached prefix and only ``tokens[hit:]`` are prefilled; after each forward pass
 ``cache.commit`` indexes the blocks that just filled up, so later requests find them. The tokens
 are the same with and without (the tests' property); ``stats`` counts the prompt tokens looked
-up and found cached, and each request's ``ttft_s`` is the time from the start of ``run`` to its
+up and found cached, and each request's ``ttft_s`` is the time from joining the queue to its
 first token.
 """
 
@@ -56,7 +56,8 @@ class Request:
     admitted: int | None = None
     finished: int | None = None
     preemptions: int = 0
-    ttft_s: float | None = None  # seconds from the start of ``run`` to its first token
+    arrived_s: float | None = None  # perf_counter() when it joined the queue
+    ttft_s: float | None = None  # seconds from joining the queue to its first token
 
     @property
     def done(self) -> bool:
@@ -92,7 +93,6 @@ class Scheduler:
         self.history = []  # per step: {slot: request id} of the rows that ran (for timelines)
         self.stats = {"steps": 0, "tokens": 0, "preemptions": 0, "forward_rows": 0,
                       "peak_reserved": 0, "peak_used": 0, "looked_up_tokens": 0, "hit_tokens": 0}
-        self.t0 = time.perf_counter()
 
     def _make_cache(self, cache, prefix_cache, num_blocks, block_len):
         if cache is None:
@@ -134,6 +134,9 @@ class Scheduler:
     def _arrivals(self):
         now = [r for r in self.pending if r.arrival <= self.t]
         self.pending = [r for r in self.pending if r.arrival > self.t]
+        clock = time.perf_counter()
+        for r in now:
+            r.arrived_s = clock
         self.waiting.extend(sorted(now, key=lambda r: (r.arrival, r.id)))
 
     def _admit(self) -> list:
@@ -247,8 +250,8 @@ class Scheduler:
                 self._commit(slots, reqs)
             for row, (slot, req) in enumerate(zip(slots, reqs)):
                 req.out.append(sample(logits[row][None], req.sampling, [self.rngs[req.id]])[0])
-                if req.ttft_s is None:
-                    req.ttft_s = time.perf_counter() - self.t0
+                if req.ttft_s is None and req.arrived_s is not None:
+                    req.ttft_s = time.perf_counter() - req.arrived_s
                 if req.done:
                     req.finished = self.t
                     finished.append(self.running.pop(slot))
@@ -273,10 +276,10 @@ class Scheduler:
             self.pending.remove(r)
             r.finished = r.arrival
             self.done.append(r)
-        self.t0 = time.perf_counter()
+        t0 = time.perf_counter()
         while self.has_work():
             self.step()
-        self.stats["seconds"] = time.perf_counter() - self.t0
+        self.stats["seconds"] = time.perf_counter() - t0
         if self.sharing:
             looked = self.stats["looked_up_tokens"]
             self.stats["hit_rate"] = self.stats["hit_tokens"] / looked if looked else 0.0
