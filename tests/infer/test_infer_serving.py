@@ -203,3 +203,28 @@ def test_scheduler_prefix_cache_errors():
         serve(model(), r, cache="radix")
     out, _, _ = serve(model(), r, max_batch=1, cache=small)  # a cache object is served over
     assert out == {0: generate(model(), [[1]], 1)[0]}
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--heads", "4", "--kv-heads", "3"], ["--kv-heads", "divide --heads 4"]),
+    (["--kv-dtype", "int4"], ["--kv-dtype", "int8"])])
+def test_the_inference_lessons_kv_flags_are_checked_before_ranks_start(argv, words, monkeypatch, capsys):
+    from minidist.lessons import inference
+
+    monkeypatch.setattr(inference, "launch", lambda *a: pytest.fail("launched with a bad flag"))
+    with pytest.raises(SystemExit) as info:
+        inference.main(argv)
+    assert info.value.code == 2
+    line = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()][-1]
+    assert "error:" in line and all(w in line for w in words), line
+
+
+def test_the_inference_lesson_fails_when_int8_bytes_miss_the_formula(monkeypatch, capsys):
+    """The lesson's int8 check is real: a formula off by one byte per token exits 1 with FAIL."""
+    from minidist.lessons import inference
+
+    monkeypatch.setattr(inference, "int8_bytes_per_token", lambda *a: 1)
+    with pytest.raises(SystemExit) as info:
+        inference.main("--ranks 1 --steps 1 --speculative 0 --kv-dtype int8 --kv-heads 2".split())
+    out = capsys.readouterr().out
+    assert info.value.code == 1 and "FAIL" in out and "3b. prefix caching" in out
