@@ -73,7 +73,7 @@ def enc(text) -> list:
 def build_model(comm, args) -> GPT:
     """Rank 0 trains for a few seconds; every rank receives the same weights."""
     cfg = GPTConfig(vocab_size=TOK.vocab_size, block_size=args.block, n_layer=args.layers, n_head=args.heads,
-                    d_model=args.d_model, seed=args.seed, n_kv_head=args.kv_heads)
+                    d_model=args.d_model, seed=args.seed, n_kv_head=getattr(args, "kv_heads", None))
     model = GPT(cfg)
     state = None
     if comm.rank == 0:
