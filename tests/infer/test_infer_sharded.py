@@ -150,6 +150,7 @@ def test_lesson_runs_on_threads(capsys):
     assert "mesh tp=4 x pp=2" in out and "FAIL" not in out and "all checks: PASS" in out
     assert "4. speculative decoding: a 1-layer early-exit draft proposes k=4" in out
     assert "disaggregated (4 : 4)" in out  # the default: half the ranks prefill
+    assert "3b. prefix caching" in out and "3c. KV cache bytes per token" in out
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -175,8 +176,9 @@ def test_lesson_under_mpirun():
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("MINIDIST_TRANSPORT", None)
     cmd = ["mpirun", "-n", "2", sys.executable, "-m", "minidist.lessons.inference", "--steps", "5",
-           "--d-model", "32"]
+           "--d-model", "32", "--kv-heads", "2", "--kv-dtype", "int8"]  # GQA: 2 K/V heads, one per tp rank
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all checks: PASS" in res.stdout and "mesh tp=2 x pp=1" in res.stdout
     assert "disaggregated (1 : 1)" in res.stdout
+    assert "K = 2 K/V heads" in res.stdout and "int8 (--kv-dtype int8)" in res.stdout
