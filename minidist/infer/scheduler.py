@@ -242,8 +242,8 @@ class Scheduler:
         finished = []
         if slots:
             reqs = [self.running[s] for s in slots]
-            feed = [(r.prompt + r.out)[self.hits[s]:] if s in new else [r.out[-1]]
-                    for s, r in zip(slots, reqs)]
+            feed = [[r.out[-1]] if s not in new else (r.prompt + r.out)[self.hits[s]:] if self.hits[s]
+                    else r.prompt + r.out for s, r in zip(slots, reqs)]
             mem = self.cache.memory(slots)
             logits = self._forward(slots, feed, new)
             if self.sharing:
