@@ -32,13 +32,14 @@ from minidist.autograd.tensor import Tensor, no_grad
 from minidist.infer.buckets import bucket
 from minidist.infer.kv_cache import CacheStep
 from minidist.nn.module import Module
+from minidist.parallel.tensor.sharding import local_kv_heads
 
 
 @dataclass
 class Decoder:
     """The layers one rank serves with: ``blocks`` (training's modules), the ``embed`` layer on the
     first pipeline stage, the ``head`` on the last; ``tp``: the attention heads are split over that
-    many ranks (the KV cache holds this rank's n_head / tp heads)."""
+    many ranks (the KV cache holds this rank's K/V heads: ``cache_dims``)."""
 
     config: object  # the GPTConfig
     blocks: list
@@ -64,9 +65,12 @@ class Decoder:
 
     @property
     def cache_dims(self) -> tuple:
-        """(layers here, heads here, head_dim): the KV cache's shape per slot and position."""
+        """(layers here, K/V heads here, head_dim): the KV cache's shape per slot and position.
+        Grouped-query attention caches n_kv_head heads, split over tp or replicated
+        (``local_kv_heads``); multi-head attention n_head / tp."""
         cfg = self.config
-        return len(self.blocks), cfg.n_head // self.tp, cfg.d_model // cfg.n_head
+        kv = local_kv_heads(cfg.n_head, getattr(cfg, "kv_heads", cfg.n_head), self.tp)
+        return len(self.blocks), kv, cfg.d_model // cfg.n_head
 
     @property
     def whole(self) -> bool:

@@ -16,6 +16,14 @@ Continuous batching (Orca, vLLM) decides at every step:
 
 ``Scheduler(model, policy="static")`` runs the static policy with the same code, so the two can
 be compared token for token (they must agree) and in throughput (they must not).
+
+``prefix_cache=True`` (or ``cache=`` a ``PrefixCachingKVCache``, ``prefix_cache.py``) serves over
+shared blocks: on admission ``hit = cache.match(slot, tokens)`` attaches the cached blocks of the
+request's longest cached prefix and only ``tokens[hit:]`` are prefilled; after each forward pass
+``cache.commit`` indexes the blocks that just filled up, so later requests find them. The tokens
+are the same with and without (the tests' property); ``stats`` counts the prompt tokens looked
+up and found cached, and each request's ``ttft_s`` is the time from joining the queue to its
+first token.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
 from minidist.infer.generate import check_prompt, host, is_done
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.paged import OutOfBlocks, PagedKVCache
+from minidist.infer.prefix_cache import PrefixCachingKVCache
 from minidist.infer.sampling import GREEDY, SamplingParams, sample
 
 
@@ -47,6 +56,8 @@ class Request:
     admitted: int | None = None
     finished: int | None = None
     preemptions: int = 0
+    arrived_s: float | None = None  # perf_counter() when it joined the queue
+    ttft_s: float | None = None  # seconds from joining the queue to its first token
 
     @property
     def done(self) -> bool:
@@ -54,32 +65,59 @@ class Request:
 
 
 class Scheduler:
-    """Serve requests with ``max_batch`` slots on a contiguous or paged KV cache."""
+    """Serve requests with ``max_batch`` slots on a contiguous or paged KV cache.
 
-    def __init__(self, model, max_batch=8, policy="continuous", cache="contiguous", num_blocks=None,
-                 block_len=16):
+    ``cache``: "contiguous" (the default), "paged", or a cache object with at least ``max_batch``
+    slots (any of ``KVCache``, ``PagedKVCache``, their int8 forms, a ``PrefixCachingKVCache``);
+    ``prefix_cache=True``: a paged ``PrefixCachingKVCache`` of ``num_blocks`` blocks."""
+
+    def __init__(self, model, max_batch=8, policy="continuous", cache=None, num_blocks=None,
+                 block_len=16, prefix_cache=False):
         for name, v in (("max_batch", max_batch), ("block_len", block_len), ("num_blocks", num_blocks)):
             if not (v is None and name == "num_blocks") and (
                     isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
                 raise ValueError(f"Scheduler: {name} must be an integer >= 1, got {v!r}")
         if policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {policy!r}")
+        if not isinstance(prefix_cache, bool):
+            raise ValueError(f"Scheduler: prefix_cache must be True or False, got {prefix_cache!r}")
         self.w = as_decoder(model)
         self.policy, self.max_batch = policy, max_batch
-        if cache == "paged":
-            num_blocks = num_blocks or max_batch * -(-self.w.block_size // block_len)
-            self.cache = PagedKVCache.for_decoder(self.w, max_batch, num_blocks, block_len)
-        elif cache == "contiguous":
-            self.cache = KVCache.for_decoder(self.w, max_batch)
-        else:
-            raise ValueError(f"cache must be 'contiguous' or 'paged', got {cache!r}")
+        self.cache = self._make_cache(cache, prefix_cache, num_blocks, block_len)
+        self.sharing = isinstance(self.cache, PrefixCachingKVCache)
+        self.hits = {}  # slot -> prompt tokens its admission found cached (not fed)
         self.pending, self.waiting = [], deque()
         self.running = {}  # slot -> Request, in admission order
         self.rngs, self.done = {}, []
         self.t = 0
         self.history = []  # per step: {slot: request id} of the rows that ran (for timelines)
         self.stats = {"steps": 0, "tokens": 0, "preemptions": 0, "forward_rows": 0,
-                      "peak_reserved": 0, "peak_used": 0}
+                      "peak_reserved": 0, "peak_used": 0, "looked_up_tokens": 0, "hit_tokens": 0}
+
+    def _make_cache(self, cache, prefix_cache, num_blocks, block_len):
+        if cache is None:
+            cache = "paged" if prefix_cache else "contiguous"
+        if isinstance(cache, str):
+            if cache == "contiguous" and prefix_cache:
+                raise ValueError("Scheduler: prefix_cache=True shares paged blocks; pass cache='paged' "
+                                 "(or leave cache unset), not 'contiguous'")
+            if cache == "contiguous":
+                return KVCache.for_decoder(self.w, self.max_batch)
+            if cache != "paged":
+                raise ValueError(f"cache must be 'contiguous', 'paged' or a cache object, got {cache!r}")
+            num_blocks = num_blocks or self.max_batch * -(-self.w.block_size // block_len)
+            kind = PrefixCachingKVCache if prefix_cache else PagedKVCache
+            return kind.for_decoder(self.w, self.max_batch, num_blocks, block_len)
+        if not all(hasattr(cache, a) for a in ("reserve", "release", "locate", "lengths", "n_slots")):
+            raise ValueError(f"Scheduler: cache must be 'contiguous', 'paged' or a KV cache object, "
+                             f"got {type(cache).__name__}")
+        if cache.n_slots < self.max_batch:
+            raise ValueError(f"Scheduler: the cache has {cache.n_slots} slots for max_batch "
+                             f"{self.max_batch}; pass one with >= {self.max_batch} slots")
+        if prefix_cache and not isinstance(cache, PrefixCachingKVCache):
+            raise ValueError(f"Scheduler: prefix_cache=True with a {type(cache).__name__}; pass a "
+                             "PrefixCachingKVCache (or leave cache unset)")
+        return cache
 
     # -- the queue --------------------------------------------------------------------------------
     def submit(self, req: Request):
@@ -96,6 +134,9 @@ class Scheduler:
     def _arrivals(self):
         now = [r for r in self.pending if r.arrival <= self.t]
         self.pending = [r for r in self.pending if r.arrival > self.t]
+        clock = time.perf_counter()
+        for r in now:
+            r.arrived_s = clock
         self.waiting.extend(sorted(now, key=lambda r: (r.arrival, r.id)))
 
     def _admit(self) -> list:
@@ -105,13 +146,21 @@ class Scheduler:
         free = [s for s in range(self.max_batch) if s not in self.running]
         new = []
         while free and self.waiting:
-            req = self.waiting[0]
+            req, slot = self.waiting[0], free[0]
+            tokens = req.prompt + req.out
+            hit = self.cache.match(slot, tokens) if self.sharing else 0
             try:
-                self.cache.reserve(free[0], len(req.prompt) + len(req.out))
+                self.cache.reserve(slot, len(tokens))
             except OutOfBlocks:
+                if hit:
+                    self.cache.release(slot)  # its shared blocks go back, still cached
                 break
             self.waiting.popleft()
-            slot = free.pop(0)
+            free.pop(0)
+            self.hits[slot] = hit
+            if self.sharing:
+                self.stats["looked_up_tokens"] += len(tokens)
+                self.stats["hit_tokens"] += hit
             req.admitted = self.t if req.admitted is None else req.admitted
             self.running[slot] = req
             new.append(slot)
@@ -174,6 +223,13 @@ class Scheduler:
                         logits[i] = out[r]
         return logits
 
+    def _commit(self, slots, reqs):
+        """Index the blocks this pass filled (only slots that crossed a block boundary build the list)."""
+        c = self.cache
+        for slot, req in zip(slots, reqs):
+            if int(c.lengths[slot]) // c.block_len > int(c.committed[slot]):
+                c.commit(slot, req.prompt + req.out)
+
     def step(self) -> list:
         """Admit, decode one token for every running request, retire; returns requests finished now."""
         self._arrivals()
@@ -186,11 +242,16 @@ class Scheduler:
         finished = []
         if slots:
             reqs = [self.running[s] for s in slots]
-            feed = [r.prompt + r.out if s in new else [r.out[-1]] for s, r in zip(slots, reqs)]
+            feed = [[r.out[-1]] if s not in new else (r.prompt + r.out)[self.hits[s]:] if self.hits[s]
+                    else r.prompt + r.out for s, r in zip(slots, reqs)]
             mem = self.cache.memory(slots)
             logits = self._forward(slots, feed, new)
+            if self.sharing:
+                self._commit(slots, reqs)
             for row, (slot, req) in enumerate(zip(slots, reqs)):
                 req.out.append(sample(logits[row][None], req.sampling, [self.rngs[req.id]])[0])
+                if req.ttft_s is None and req.arrived_s is not None:
+                    req.ttft_s = time.perf_counter() - req.arrived_s
                 if req.done:
                     req.finished = self.t
                     finished.append(self.running.pop(slot))
@@ -219,6 +280,10 @@ class Scheduler:
         while self.has_work():
             self.step()
         self.stats["seconds"] = time.perf_counter() - t0
+        if self.sharing:
+            looked = self.stats["looked_up_tokens"]
+            self.stats["hit_rate"] = self.stats["hit_tokens"] / looked if looked else 0.0
+            self.stats["prefill_tokens_saved"] = self.stats["hit_tokens"]
         return {r.id: list(r.out) for r in sorted(self.done, key=lambda r: r.id)}
 
 

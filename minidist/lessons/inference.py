@@ -7,8 +7,11 @@ Rank 0 trains a small byte-level GPT on minidist's own text for a few seconds an
 weights to every rank. Then, on rank 0: tokens/s with and without the KV cache (same tokens);
 static vs continuous batching of a mixed-length workload (same tokens, fewer steps, lower
 latency) with a slot timeline; paged vs contiguous KV memory, and preemption with recompute
-when the block pool is too small; speculative decoding with a smaller draft model, the target's
-first layers (its acceptance rate and speed-up beside the formula). Then all ranks generate
+when the block pool is too small; prefix caching of a shared system prompt (hit rate, prefill
+tokens saved, time to first token with and without); the KV cache's bytes per token beside the
+formula, grouped-query attention (``--kv-heads``) and int8 (``--kv-dtype int8``) shrinking it;
+speculative decoding with a smaller draft model, the target's first layers (its acceptance rate
+and speed-up beside the formula). Then all ranks generate
 together, the model split by tensor parallelism (heads and MLP) and pipeline stages, checked
 against one process; and serve a mixed workload with prefill and decode on separate ranks, beside
 every rank doing both.
@@ -28,14 +31,17 @@ from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.infer import (
     GREEDY,
     Decoder,
+    Int8KVCache,
     KVCache,
     Request,
     SamplingParams,
     SpecStats,
     early_exit_draft,
     expected_speedup,
+    forward_tokens,
     generate,
     generate_recompute,
+    int8_bytes_per_token,
     serve,
     sharded_generate,
     speculative_generate,
@@ -67,14 +73,15 @@ def enc(text) -> list:
 def build_model(comm, args) -> GPT:
     """Rank 0 trains for a few seconds; every rank receives the same weights."""
     cfg = GPTConfig(vocab_size=TOK.vocab_size, block_size=args.block, n_layer=args.layers, n_head=args.heads,
-                    d_model=args.d_model, seed=args.seed)
+                    d_model=args.d_model, seed=args.seed, n_kv_head=getattr(args, "kv_heads", None))
     model = GPT(cfg)
     state = None
     if comm.rank == 0:
         data = TextDataset.from_file(None, block_size=args.block)
         t0 = time.perf_counter()
         losses = train(model, BatchLoader(data, 16, seed=args.seed), args.steps, 3e-3, log=False)
-        print(f"trained a {cfg.n_layer}-layer GPT (d_model {cfg.d_model}, {cfg.n_head} heads, context "
+        print(f"trained a {cfg.n_layer}-layer GPT (d_model {cfg.d_model}, {cfg.n_head} heads, "
+              f"{cfg.kv_heads} K/V heads, context "
               f"{cfg.block_size}, {model.num_parameters():,} parameters) for {args.steps} steps in "
               f"{time.perf_counter() - t0:.1f}s: loss {np.mean(losses[:5]):.2f} -> "
               f"{np.mean(losses[-5:]):.2f}", flush=True)
@@ -103,8 +110,8 @@ def cache_vs_recompute(model, args):
     print(f"   with cache {n / t_cache:7.0f} tokens/s   tokens through the model: p + n = {p + n}")
     print(f"   recompute  {n / t_full:7.0f} tokens/s   tokens through the model: sum_t (p + t) = "
           f"{sum(p + t for t in range(n))}")
-    print(f"   speed-up {t_full / t_cache:.1f}x; cache memory 2·L·T·d·4 bytes = "
-          f"{2 * args.layers * (p + n) * args.d_model * 4:,} bytes")
+    print(f"   speed-up {t_full / t_cache:.1f}x; cache memory 2·L·T·K·(d/H)·4 bytes = "
+          f"{2 * args.layers * (p + n) * kv_width(args) * 4:,} bytes")
     print(textwrap.fill(why_not_38x(p, n, t_cache, t_full), 104, initial_indent="   ",
                         subsequent_indent="   "))
     ok = fast == slow and diff < 1e-4
@@ -177,7 +184,7 @@ def paging(model, args, reqs, contiguous_out):
     bl = 16
     cache = KVCache.for_decoder(Decoder.from_model(model), args.batch)
     per_tok = cache.bytes_per_token()
-    print(f"\n3. paged KV cache: blocks of {bl} tokens; {per_tok:,} bytes per token (2·L·d·4)")
+    print(f"\n3. paged KV cache: blocks of {bl} tokens; {per_tok:,} bytes per token (2·L·K·(d/H)·4)")
     out_c, st_c, _ = serve(model, reqs, max_batch=args.batch)
     out_p, st_p, _ = serve(model, reqs, max_batch=args.batch, cache="paged", block_len=bl)
     need = max(math.ceil((len(r.prompt) + r.max_new_tokens) / bl) for r in reqs)
@@ -193,6 +200,72 @@ def paging(model, args, reqs, contiguous_out):
           f"{st_t['steps']} steps instead of {st_p['steps']}")
     ok = out_p == out_c == out_t == contiguous_out
     print(f"   serial twin: paged == contiguous, with and without preemption: {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+SYSTEM = "You are minidist's tutor: answer briefly. "
+
+
+def kv_width(args) -> int:
+    """K/V numbers per token per layer: K heads of d/H each (d when K = H)."""
+    return args.kv_heads * (args.d_model // args.heads)
+
+
+def prefix_caching(model, args):
+    """A shared system prompt, a request arriving every 2 steps: later requests find its blocks."""
+    bl, new = 8, 8
+    head = enc(SYSTEM)[:max(0, args.block - max(len(enc(q)) for q in PROMPTS) - new)]
+    reqs = [Request(i, head + enc(PROMPTS[i % len(PROMPTS)]), new, GREEDY, arrival=2 * i) for i in range(12)]
+    res, ttft = {}, {}
+    for _ in range(3):  # best of 3 medians, taken in turn
+        for name, kw in (("without", {"cache": "paged"}), ("with", {"prefix_cache": True})):
+            res[name] = serve(model, reqs, max_batch=args.batch, block_len=bl, **kw)
+            med = float(np.median([r.ttft_s for r in res[name][2]]))
+            ttft[name] = min(ttft.get(name, math.inf), med)
+    st = res["with"][1]
+    print(f"\n3b. prefix caching: {len(reqs)} requests share a {len(head)}-token system prompt "
+          f"(one arrives every 2 steps, blocks of {bl}, {args.batch} slots)")
+    print(f"   hit rate {st['hit_rate']:.0%} of {st['looked_up_tokens']} prompt tokens; prefill tokens saved "
+          f"{st['prefill_tokens_saved']} (>= (n-1)·{len(head) // bl}·{bl}: the system prompt's whole "
+          f"blocks; a repeated question shares more)")
+    print(f"   tokens through the model: {res['without'][1]['forward_rows']} without, "
+          f"{st['forward_rows']} with")
+    print(f"   time to first token (median, best of 3): {1e3 * ttft['without']:.2f} ms without, "
+          f"{1e3 * ttft['with']:.2f} ms with")
+    saved = st["prefill_tokens_saved"] >= (len(reqs) - 1) * (len(head) // bl) * bl
+    ok = res["with"][0] == res["without"][0] and saved
+    print(f"   serial twin: the same tokens with and without sharing, saved >= formula {saved}: "
+          f"{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def kv_memory(model, args, reqs, contiguous_out):
+    """Bytes per cached token from the arrays beside the formulas; int8: tokens and logit error."""
+    dec, L, H, K = Decoder.from_model(model), args.layers, args.heads, args.kv_heads
+    hd = args.d_model // H
+    measured = KVCache.for_decoder(dec, 1).bytes_per_token()
+    mha = KVCache(L, 1, H, hd, 1).bytes_per_token()
+    print(f"\n3c. KV cache bytes per token: {H} query heads, K = {K} K/V heads (--kv-heads), head_dim {hd}")
+    print(f"   multi-head 2·L·H·(d/H)·4 = {2 * L * H * hd * 4:,} (measured {mha:,}); this model "
+          f"2·L·K·(d/H)·4 = {2 * L * K * hd * 4:,} (measured {measured:,}): H/K = {H // K}x smaller")
+    ok = measured == 2 * L * K * hd * 4 and mha == 2 * L * H * hd * 4
+    if args.kv_dtype == "int8":
+        q = Int8KVCache.for_decoder(dec, args.batch)
+        want = int8_bytes_per_token(L, K, hd)
+        out, _, _ = serve(model, reqs, max_batch=args.batch, cache=q)
+        same = sum(out[i] == contiguous_out[i] for i in out)
+        seq = enc(PROMPTS[0]) + contiguous_out[0]
+        a, b = (to_host(forward_tokens(dec, c, [0], [seq]))[0]
+                for c in (KVCache.for_decoder(dec, 1), Int8KVCache.for_decoder(dec, 1)))
+        err, bound = float(np.abs(a - b).max()), 0.01 * float(np.abs(a).max())
+        print(f"   int8 (--kv-dtype int8): 2·L·K·(d/H + 4) = {want:,} bytes (measured "
+              f"{q.bytes_per_token():,}): {measured / want:.2f}x smaller than float32")
+        print(f"   greedy tokens: {same} of {len(out)} requests identical to the float32 cache"
+              + ("" if same == len(out) else " (int8 rounding changed a close argmax: reported, not hidden)"))
+        print(f"   max |logits diff| over a {len(seq)}-token sequence {err:.1e} (bound 1% of max |logit| = "
+              f"{bound:.1e})")
+        ok &= q.bytes_per_token() == want and err <= bound
+    print(f"   measured == formula: {'PASS' if ok else 'FAIL'}")
     return ok
 
 
@@ -256,10 +329,11 @@ def disaggregation(comm, model, args):
         ms = {key: 1e3 * v for key, v in sv.summary().items()}
         print(f"   {name:28s}{ms['ttft_p50']:10.1f}{ms['ttft_p90']:9.1f}{ms['tpot_p50']:10.2f}"
               f"{ms['tpot_p90']:9.2f}")
-    want = [sum(kv_message_bytes(model.config, len(r.prompt)) for i, r in enumerate(reqs) if i % p == rank)
-            if rank < p else 0 for rank in range(comm.size)]
+    want = [sum(kv_message_bytes(model.config, len(r.prompt)) * args.kv_heads // args.heads
+                for i, r in enumerate(reqs) if i % p == rank) if rank < p else 0 for rank in range(comm.size)]
     print(f"   KV caches sent per rank: {', '.join(f'{b:,}' for b in sent)}")
-    print(f"   formula sum 2·L·T·d·4 over each prefill rank's prompts: {', '.join(f'{b:,}' for b in want)}")
+    print(f"   formula sum 2·L·T·K·(d/H)·4 over each prefill rank's prompts: "
+          f"{', '.join(f'{b:,}' for b in want)}")
     ok = dis.outputs == colo.outputs and sent == want
     print(f"   serial twin: disaggregated == colocated token for token, bytes == formula: "
           f"{'PASS' if ok else 'FAIL'}")
@@ -371,6 +445,8 @@ def rank_main(comm, args):
         good, reqs, res = batching(model, args)
         ok &= good
         ok &= paging(model, args, reqs, res["continuous"][0])
+        ok &= prefix_caching(model, args)
+        ok &= kv_memory(model, args, reqs, res["continuous"][0])
         if args.speculative:
             ok &= speculative(model, early_exit_draft(model, args.draft_layers), args)
         if args.plot:
@@ -405,6 +481,10 @@ def main(argv=None):
     p.add_argument("--heads", type=positive_int, default=4)
     p.add_argument("--d-model", type=positive_int, default=96, help="a multiple of --heads")
     p.add_argument("--batch", type=positive_int, default=4, help="slots for batched serving")
+    p.add_argument("--kv-heads", type=positive_int, default=None, metavar="K",
+                   help="key/value heads (grouped-query attention; a divisor of --heads; default --heads)")
+    p.add_argument("--kv-dtype", choices=("float32", "int8"), default="float32",
+                   help="int8: also serve over an int8 KV cache (bytes, tokens and logit error vs float32)")
     p.add_argument("--speculative", type=nonnegative_int, default=4, metavar="K",
                    help="tokens the draft proposes per round (0: skip speculative decoding)")
     p.add_argument("--draft-layers", type=positive_int, default=1,
@@ -418,6 +498,10 @@ def main(argv=None):
     args.disaggregate = split_ranks(p, args.disaggregate, world_size(args))
     if args.d_model % args.heads:
         p.error(f"argument --d-model: must be a multiple of --heads {args.heads}, got {args.d_model}")
+    args.kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    if args.heads % args.kv_heads:
+        p.error(f"argument --kv-heads: must divide --heads {args.heads} (each K/V head serves a whole group "
+                f"of query heads), got {args.kv_heads}")
     need = max(len(enc(q)) for q in PROMPTS) + 16 + 1  # the longest prompt, a 16-token answer, one more
     if args.block < need:
         p.error(f"argument --block: the lesson's prompts and answers need a context of >= {need} tokens, "

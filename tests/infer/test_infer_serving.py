@@ -21,6 +21,7 @@ from minidist.infer import (
     serve,
 )
 from minidist.nn import GPT, GPTConfig
+from tests.conftest import budget
 
 V, BLOCK = 32, 48
 
@@ -133,3 +134,97 @@ def test_preemption_and_recompute_happen_and_agree():
     paged, stats, done = serve(model(), rs, max_batch=4, cache="paged", num_blocks=9, block_len=4)
     assert stats["preemptions"] > 0 and any(r.preemptions for r in done)
     assert paged == contiguous
+
+
+@cache
+def model64(n_kv_head=None):
+    """float64: a prefill that starts after a cached prefix sums in another order; 64 bits keep
+    greedy ties and sampling boundaries out of reach of that rounding."""
+    return GPT(GPTConfig(vocab_size=V, block_size=BLOCK, n_layer=2, n_head=4, d_model=16, dtype="float64",
+                         seed=5, n_kv_head=n_kv_head))
+
+
+shared_requests = st.lists(st.tuples(st.integers(0, 12), st.lists(st.integers(0, V - 1), max_size=5),
+                                     st.integers(1, 8), st.integers(0, 6)), min_size=1, max_size=7)
+
+
+@budget(30)
+@given(system=st.lists(st.integers(0, V - 1), max_size=12), reqs=shared_requests, max_batch=st.integers(1, 3),
+       block_len=st.sampled_from([2, 3, 4]), spare=st.integers(0, 8), temperature=st.sampled_from([0.0, 1.0]),
+       kv=st.sampled_from([None, 2, 1]))
+def test_prefix_caching_serves_the_same_tokens(system, reqs, max_batch, block_len, spare, temperature, kv):
+    """Requests whose prompts are a cut of one system prompt (all of it shared, part of it, none)
+    plus their own tokens, arriving over time: the scheduler over a prefix-caching pool (small
+    enough to evict and preempt) gives the tokens of the contiguous cache and of a paged one
+    without sharing; its counts agree with the cache's and the hits are whole blocks."""
+    sp = SamplingParams(temperature=temperature, top_k=8, seed=1)
+    rs = [Request(i, system[:cut] + own or [0], n, sp, arrival=a) for i, (cut, own, n, a) in enumerate(reqs)]
+    need = max(-(-(len(r.prompt) + r.max_new_tokens) // block_len) for r in rs)
+    kw = dict(max_batch=max_batch, cache="paged", num_blocks=need + spare, block_len=block_len)
+    contiguous, _, _ = serve(model64(kv), rs, max_batch=max_batch)
+    paged, _, _ = serve(model64(kv), rs, **kw)
+    shared, stats, done = serve(model64(kv), rs, prefix_cache=True, **kw)
+    assert shared == paged == contiguous
+    assert stats["hit_tokens"] % block_len == 0 and 0 <= stats["hit_tokens"] <= stats["looked_up_tokens"]
+    assert stats["looked_up_tokens"] >= sum(len(r.prompt) for r in rs)  # re-admissions look up again
+    assert all(r.ttft_s is not None for r in done)
+
+
+def test_prefix_caching_hits_a_shared_system_prompt():
+    """Eight requests, one at a time, with a 20-token system prompt and blocks of 4: the first
+    computes it, each later one finds its 5 full blocks (20 tokens; its own 3 and its first new
+    token fill a block of its own) -- 7 * 20 of 8 * 23 prompt tokens."""
+    system = list(range(1, 21))
+    rs = [Request(i, system + [i, i + 1, i + 2], 4) for i in range(8)]
+    plain, _, _ = serve(model64(), rs, max_batch=1, cache="paged", block_len=4)
+    shared, stats, _ = serve(model64(), rs, max_batch=1, prefix_cache=True, block_len=4)
+    assert shared == plain
+    assert stats["hit_tokens"] == stats["prefill_tokens_saved"] == 7 * 20
+    assert stats["looked_up_tokens"] == 8 * 23
+    assert stats["hit_rate"] == pytest.approx(7 * 20 / (8 * 23))
+    assert stats["forward_rows"] == 8 * 23 - 7 * 20 + 8 * 3  # prefills without the hits + decodes
+
+
+def test_scheduler_prefix_cache_errors():
+    from minidist.infer.prefix_cache import PrefixCachingKVCache
+
+    r = [Request(0, [1], 1)]
+    with pytest.raises(ValueError, match="prefix_cache=True shares paged blocks"):
+        serve(model(), r, cache="contiguous", prefix_cache=True)
+    with pytest.raises(ValueError, match="prefix_cache must be True or False"):
+        serve(model(), r, prefix_cache="yes")
+    small = PrefixCachingKVCache.for_decoder(Decoder.from_model(model()), 1, 8, 4)
+    with pytest.raises(ValueError, match="1 slots for max_batch 2"):
+        serve(model(), r, max_batch=2, cache=small)
+    with pytest.raises(ValueError, match="pass a PrefixCachingKVCache"):
+        serve(model(), r, max_batch=1, prefix_cache=True,
+              cache=PagedKVCache.for_decoder(Decoder.from_model(model()), 1, 8, 4))
+    with pytest.raises(ValueError, match="cache must be"):
+        serve(model(), r, cache="radix")
+    out, _, _ = serve(model(), r, max_batch=1, cache=small)  # a cache object is served over
+    assert out == {0: generate(model(), [[1]], 1)[0]}
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--heads", "4", "--kv-heads", "3"], ["--kv-heads", "divide --heads 4"]),
+    (["--kv-dtype", "int4"], ["--kv-dtype", "int8"])])
+def test_the_inference_lessons_kv_flags_are_checked_before_ranks_start(argv, words, monkeypatch, capsys):
+    from minidist.lessons import inference
+
+    monkeypatch.setattr(inference, "launch", lambda *a: pytest.fail("launched with a bad flag"))
+    with pytest.raises(SystemExit) as info:
+        inference.main(argv)
+    assert info.value.code == 2
+    line = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()][-1]
+    assert "error:" in line and all(w in line for w in words), line
+
+
+def test_the_inference_lesson_fails_when_int8_bytes_miss_the_formula(monkeypatch, capsys):
+    """The lesson's int8 check is real: a formula off by one byte per token exits 1 with FAIL."""
+    from minidist.lessons import inference
+
+    monkeypatch.setattr(inference, "int8_bytes_per_token", lambda *a: 1)
+    with pytest.raises(SystemExit) as info:
+        inference.main("--ranks 1 --steps 1 --speculative 0 --kv-dtype int8 --kv-heads 2".split())
+    out = capsys.readouterr().out
+    assert info.value.code == 1 and "FAIL" in out and "3b. prefix caching" in out

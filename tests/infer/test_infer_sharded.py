@@ -63,6 +63,24 @@ def test_sharded_serving_runs_trainings_parallel_blocks_on_their_shards():
         np.testing.assert_array_equal(bias, serial.attn.proj.bias.numpy())
 
 
+@pytest.mark.parametrize("n_kv_head, tp, heads", [(None, 2, 2), (2, 1, 2), (2, 2, 1), (1, 2, 1), (1, 1, 1)])
+def test_cache_dims_are_the_kv_heads_a_rank_caches(n_kv_head, tp, heads):
+    """The cache per slot and position holds K/V heads, not query heads: n_head = 4 over tp ranks,
+    K = n_kv_head split when tp divides it (2 over 2: one each), replicated when not (MQA: 1 each);
+    the cache built for the decoder has that many heads."""
+    from minidist.infer import KVCache
+
+    m = GPT(GPTConfig(vocab_size=V, block_size=40, n_layer=2, n_head=4, d_model=32, seed=3,
+                      n_kv_head=n_kv_head))
+
+    def rank(comm):
+        dec = shard_for(Mesh(comm, dp=1, pp=1, tp=tp), m)
+        return dec.cache_dims, KVCache.for_decoder(dec, 1).k[0].shape[1]
+
+    for dims, cached in run(rank, ranks=tp):
+        assert dims == (2, heads, 8) and cached == heads
+
+
 def test_a_sequence_parallel_block_refuses_a_cache():
     from minidist.autograd.tensor import Tensor, no_grad
     from minidist.infer import CacheStep, Decoder, KVCache
@@ -132,6 +150,7 @@ def test_lesson_runs_on_threads(capsys):
     assert "mesh tp=4 x pp=2" in out and "FAIL" not in out and "all checks: PASS" in out
     assert "4. speculative decoding: a 1-layer early-exit draft proposes k=4" in out
     assert "disaggregated (4 : 4)" in out  # the default: half the ranks prefill
+    assert "3b. prefix caching" in out and "3c. KV cache bytes per token" in out
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -157,8 +176,9 @@ def test_lesson_under_mpirun():
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("MINIDIST_TRANSPORT", None)
     cmd = ["mpirun", "-n", "2", sys.executable, "-m", "minidist.lessons.inference", "--steps", "5",
-           "--d-model", "32"]
+           "--d-model", "32", "--kv-heads", "2", "--kv-dtype", "int8"]  # GQA: 2 K/V heads, one per tp rank
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all checks: PASS" in res.stdout and "mesh tp=2 x pp=1" in res.stdout
     assert "disaggregated (1 : 1)" in res.stdout
+    assert "K = 2 K/V heads" in res.stdout and "int8 (--kv-dtype int8)" in res.stdout
