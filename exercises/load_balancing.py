@@ -10,7 +10,7 @@ Grade it:  python -m minidist.grade load_balancing
 The grader compares your partition with a brute-force search over every contiguous cut, your
 shares with a brute-force search over every whole-row split, and trains a linear model on your
 rows to check that the global gradient stays exact.
-Lesson: lessons/13-load-balancing.md; minidist's answers are in minidist/parallel/pipeline/runtime.py
+Lesson: lessons/13-load-balancing.md; minidist's answers are in minidist/parallel/pipeline/partition.py
 (partition_balanced) and minidist/parallel/balance/shares.py, so try before you look.
 """
 

@@ -2,10 +2,8 @@
 
 Three pieces, in the order a reader meets them:
 
-* **Partitioning** -- `partition_uniform` (by layer count) or `partition_balanced` (contiguous
-  groups minimising the most expensive stage, for per-layer costs from `layer_costs`: measured
-  forward+backward time, or parameter bytes). `format_partition` prints the cut and the predicted
-  cost of every stage.
+* **Partitioning** -- `minidist/parallel/pipeline/partition.py`: `partition_uniform` (by layer count)
+  or `partition_balanced` (the min-max contiguous cut of per-layer costs from `layer_costs`).
 * **`PipelineStage`** -- the layers one rank holds (one slice per model chunk; interleaved 1F1B
   gives a rank several chunks, virtual stage c*p + s). Parameter names stay the full model's
   ("3.attn.qkv.weight"), so a stage's parameters compare directly with the serial model's.
@@ -35,10 +33,15 @@ from minidist import trace
 from minidist.accel.backend import to_host
 from minidist.autograd import ops
 from minidist.autograd.tensor import Tensor
-from minidist.comm.collectives import split_sizes
 from minidist.memory import MemoryAccountant
 from minidist.parallel.compose import check_compatible
 from minidist.parallel.memory import recompute
+from minidist.parallel.pipeline.partition import (  # noqa: F401 - the runtime's callers cut stages too
+    format_partition,
+    layer_costs,
+    partition_balanced,
+    partition_uniform,
+)
 from minidist.parallel.pipeline.schedule import (
     Backward,
     BackwardInput,
@@ -59,93 +62,6 @@ from minidist.parallel.pipeline.schedule import (
 )
 from minidist.parallel.pipeline.split_backward import backward_input
 from minidist.parallel.pipeline.zero_bubble import zb_h1
-
-# -- partitioning ------------------------------------------------------------------------------------
-
-
-def _check_parts(num_layers: int, num_parts: int) -> None:
-    if not isinstance(num_parts, int) or num_parts < 1:
-        raise ValueError(f"number of stages must be an int >= 1, got {num_parts!r}")
-    if num_parts > num_layers:
-        raise ValueError(f"cannot cut {num_layers} layers into {num_parts} pipeline stages: every stage "
-                         f"needs at least one layer; use at most {num_layers} stages (or a deeper model)")
-
-
-def partition_uniform(num_layers: int, num_parts: int) -> list[tuple[int, int]]:
-    """Contiguous (start, end) layer ranges of near-equal length (the first ones one longer)."""
-    _check_parts(num_layers, num_parts)
-    ends = np.cumsum(split_sizes(num_layers, num_parts)).tolist()
-    return list(zip([0] + ends[:-1], ends))
-
-
-def partition_balanced(costs, num_parts: int, memory=None, cap: float | None = None) -> list[tuple[int, int]]:
-    """Contiguous ranges minimising the largest per-stage cost sum (dynamic programming, O(n^2 p)).
-
-    The pipeline runs at the pace of its slowest stage, so that is the number to minimise.
-    With ``memory`` (one number per layer) and ``cap``, no stage may hold more than ``cap`` of it.
-    """
-    costs = [float(c) for c in costs]
-    n = len(costs)
-    _check_parts(n, num_parts)
-    prefix = np.concatenate([[0.0], np.cumsum(costs)])
-    mem = np.concatenate([[0.0], np.cumsum(memory)]) if memory is not None and cap is not None else None
-    inf = float("inf")
-    # best[k][i]: smallest max-stage cost putting the first i layers in k stages; cut[k][i]: last start
-    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_parts + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                if mem is not None and mem[i] - mem[j] > cap:
-                    continue  # layers j..i-1 would not fit one stage's memory
-                c = max(best[k - 1][j], prefix[i] - prefix[j])
-                if c < best[k][i]:
-                    best[k][i], cut[k][i] = c, j
-    if best[num_parts][n] == inf:
-        raise ValueError(f"no cut of {n} layers into {num_parts} stages keeps every stage within the memory "
-                         f"cap {cap:g} (largest layer: {max(memory):g}); raise the cap or add stages")
-    bounds, end = [], n
-    for k in range(num_parts, 0, -1):
-        start = cut[k][end]
-        bounds.append((start, end))
-        end = start
-    return bounds[::-1]
-
-
-def layer_costs(model, sample_input, by: str = "time", repeats: int = 3) -> list[float]:
-    """Per-layer cost of a Sequential: "time" = median forward+backward seconds on `sample_input`,
-    "params" = parameter bytes."""
-    layers = list(model)
-    if by == "params":
-        return [float(sum(p.data.nbytes for p in layer.parameters())) for layer in layers]
-    if by != "time":
-        raise ValueError(f"layer_costs(by={by!r}): use 'time' or 'params'")
-    times = np.zeros((repeats, len(layers)))
-    for r in range(repeats):
-        x = sample_input
-        for i, layer in enumerate(layers):
-            inp = Tensor(x.data, requires_grad=True) if isinstance(x, Tensor) else x
-            t0 = time.perf_counter()
-            out = layer(inp)
-            out.backward(out.backend.xp.ones(out.shape, dtype=out.dtype))
-            times[r, i] = time.perf_counter() - t0
-            x = out.detach()
-    return [float(t) for t in np.median(times, axis=0)]
-
-
-def format_partition(bounds, costs=None, unit: str = "") -> str:
-    """One line per stage: its layers and (if costs are given) predicted cost and share of the total."""
-    total = sum(costs) if costs is not None else None
-    lines = []
-    for s, (a, b) in enumerate(bounds):
-        line = f"stage {s}: layers {a}..{b - 1} ({b - a} layer{'s' if b - a != 1 else ''})"
-        if costs is not None:
-            c = sum(costs[a:b])
-            line += f"  predicted cost {c:.4g}{unit} ({100 * c / total:.0f}%)" if total else ""
-        lines.append(line)
-    return "\n".join(lines)
-
 
 # -- stages ------------------------------------------------------------------------------------------
 

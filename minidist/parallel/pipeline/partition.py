@@ -1,0 +1,102 @@
+"""Cutting a model into pipeline stages: which contiguous layers each stage holds.
+
+* ``partition_uniform`` -- by layer count (near-equal lengths).
+* ``partition_balanced`` -- contiguous groups minimising the most expensive stage, by dynamic programming
+  over per-layer costs (optionally within a memory cap per stage): the pipeline runs at the pace of its
+  slowest stage.
+* ``layer_costs`` -- those costs: measured forward+backward seconds, or parameter bytes.
+* ``format_partition`` -- the cut and each stage's predicted cost, one line per stage.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from minidist.autograd.tensor import Tensor
+from minidist.comm.collectives import split_sizes
+
+
+def _check_parts(num_layers: int, num_parts: int) -> None:
+    if not isinstance(num_parts, int) or num_parts < 1:
+        raise ValueError(f"number of stages must be an int >= 1, got {num_parts!r}")
+    if num_parts > num_layers:
+        raise ValueError(f"cannot cut {num_layers} layers into {num_parts} pipeline stages: every stage "
+                         f"needs at least one layer; use at most {num_layers} stages (or a deeper model)")
+
+
+def partition_uniform(num_layers: int, num_parts: int) -> list[tuple[int, int]]:
+    """Contiguous (start, end) layer ranges of near-equal length (the first ones one longer)."""
+    _check_parts(num_layers, num_parts)
+    ends = np.cumsum(split_sizes(num_layers, num_parts)).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def partition_balanced(costs, num_parts: int, memory=None, cap: float | None = None) -> list[tuple[int, int]]:
+    """Contiguous ranges minimising the largest per-stage cost sum (dynamic programming, O(n^2 p)).
+
+    The pipeline runs at the pace of its slowest stage, so that is the number to minimise.
+    With ``memory`` (one number per layer) and ``cap``, no stage may hold more than ``cap`` of it.
+    """
+    costs = [float(c) for c in costs]
+    n = len(costs)
+    _check_parts(n, num_parts)
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    mem = np.concatenate([[0.0], np.cumsum(memory)]) if memory is not None and cap is not None else None
+    inf = float("inf")
+    # best[k][i]: smallest max-stage cost putting the first i layers in k stages; cut[k][i]: last start
+    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                if mem is not None and mem[i] - mem[j] > cap:
+                    continue  # layers j..i-1 would not fit one stage's memory
+                c = max(best[k - 1][j], prefix[i] - prefix[j])
+                if c < best[k][i]:
+                    best[k][i], cut[k][i] = c, j
+    if best[num_parts][n] == inf:
+        raise ValueError(f"no cut of {n} layers into {num_parts} stages keeps every stage within the memory "
+                         f"cap {cap:g} (largest layer: {max(memory):g}); raise the cap or add stages")
+    bounds, end = [], n
+    for k in range(num_parts, 0, -1):
+        start = cut[k][end]
+        bounds.append((start, end))
+        end = start
+    return bounds[::-1]
+
+
+def layer_costs(model, sample_input, by: str = "time", repeats: int = 3) -> list[float]:
+    """Per-layer cost of a Sequential: "time" = median forward+backward seconds on `sample_input`,
+    "params" = parameter bytes."""
+    layers = list(model)
+    if by == "params":
+        return [float(sum(p.data.nbytes for p in layer.parameters())) for layer in layers]
+    if by != "time":
+        raise ValueError(f"layer_costs(by={by!r}): use 'time' or 'params'")
+    times = np.zeros((repeats, len(layers)))
+    for r in range(repeats):
+        x = sample_input
+        for i, layer in enumerate(layers):
+            inp = Tensor(x.data, requires_grad=True) if isinstance(x, Tensor) else x
+            t0 = time.perf_counter()
+            out = layer(inp)
+            out.backward(out.backend.xp.ones(out.shape, dtype=out.dtype))
+            times[r, i] = time.perf_counter() - t0
+            x = out.detach()
+    return [float(t) for t in np.median(times, axis=0)]
+
+
+def format_partition(bounds, costs=None, unit: str = "") -> str:
+    """One line per stage: its layers and (if costs are given) predicted cost and share of the total."""
+    total = sum(costs) if costs is not None else None
+    lines = []
+    for s, (a, b) in enumerate(bounds):
+        line = f"stage {s}: layers {a}..{b - 1} ({b - a} layer{'s' if b - a != 1 else ''})"
+        if costs is not None:
+            c = sum(costs[a:b])
+            line += f"  predicted cost {c:.4g}{unit} ({100 * c / total:.0f}%)" if total else ""
+        lines.append(line)
+    return "\n".join(lines)
