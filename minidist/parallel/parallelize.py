@@ -232,9 +232,6 @@ def _check_new_options(rank, cfg, fp8, collective_matmul, sequence_parallel, tp)
     """FP8's recipe and fp32 model; collective matmul's sequence-parallel TP."""
     if fp8 is not None and not isinstance(fp8, Fp8Recipe):
         raise ValueError(f"rank {rank}: fp8={fp8!r}; use None or an Fp8Recipe (e.g. Fp8Recipe('block'))")
-    if fp8 is not None and np.dtype(cfg.dtype) != np.float32:
-        raise ValueError(f"rank {rank}: fp8 needs an fp32 model (its weights are the master weights), got "
-                         f"dtype={cfg.dtype!r}; use dtype='float32'")
     if collective_matmul and not (sequence_parallel and tp > 1):
         raise ValueError(f"rank {rank}: collective_matmul=True overlaps sequence parallelism's collectives; "
                          f"it needs sequence_parallel=True and tp > 1 (got sequence_parallel="
@@ -242,6 +239,9 @@ def _check_new_options(rank, cfg, fp8, collective_matmul, sequence_parallel, tp)
     if collective_matmul and fp8 is not None:
         raise ValueError(f"rank {rank}: collective_matmul=True with fp8: the FP8 wrappers run the "
                          "sequence-parallel collectives unfused; use one of them")
+    if fp8 is not None and np.dtype(cfg.dtype) != np.float32:
+        raise ValueError(f"rank {rank}: fp8 needs an fp32 model (its weights are the master weights), got "
+                         f"dtype={cfg.dtype!r}; use dtype='float32'")
 
 
 def _scaled(loss_fn, mp):
