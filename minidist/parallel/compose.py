@@ -117,9 +117,9 @@ def _rules() -> dict:
 def _fp8_rules(put) -> None:
     """FP8 training (``fp8_linear``): a wrapper on every Linear, applied after the model transforms and
     before the pipeline cut. Equal to the serial FP8 twin under block scaling, whose tiles are row-local
-    (1 x block of a token's activation or gradient) and whose weight tiles every rank has whole (with
-    tp, block must divide each shard); TP, sequence parallel, cp, experts and offload need no rule
-    (``BUILT_IN``): test_compose trains each with FP8 to its serial FP8 twin."""
+    (1 x block of a token's activation or gradient) and whose weight tiles every rank has whole; TP,
+    sequence parallel, cp, experts and offload need no rule (``BUILT_IN``): test_compose trains each
+    with FP8 to its serial FP8 twin."""
     for dtype in ("bf16", "fp16"):
         put("fp8", dtype, Rule(False, "one compute format per Linear: autocast casts the weights to 2 bytes, "
                                       "FP8 rounds the fp32 ones; use one of them"))
