@@ -43,6 +43,7 @@ from minidist.nn import GPT
 from minidist.nn.module import Module, ModuleList
 from minidist.nn.optim import make_optimizer
 from minidist.parallel import compose
+from minidist.parallel.context.model import MODES as CP_MODES
 from minidist.parallel.context.model import context_parallel
 from minidist.parallel.context.ring import shard_sequence
 from minidist.parallel.data.ddp import DistributedDataParallel
@@ -228,8 +229,10 @@ class Parallelized:
                 o.close()
 
 
-def _check_new_options(rank, cfg, fp8, collective_matmul, sequence_parallel, tp) -> None:
-    """FP8's recipe and fp32 model; collective matmul's sequence-parallel TP."""
+def _check_fp8_overlap_cp(rank, cfg, fp8, collective_matmul, sequence_parallel, tp, cp_mode) -> None:
+    """FP8's recipe and fp32 model; collective matmul's sequence-parallel TP; the context-parallel mode."""
+    if cp_mode not in CP_MODES:
+        raise ValueError(f"rank {rank}: cp_mode={cp_mode!r}; use one of {', '.join(CP_MODES)}")
     if fp8 is not None and not isinstance(fp8, Fp8Recipe):
         raise ValueError(f"rank {rank}: fp8={fp8!r}; use None or an Fp8Recipe (e.g. Fp8Recipe('block'))")
     if collective_matmul and not (sequence_parallel and tp > 1):
@@ -290,7 +293,7 @@ def parallelize(cfg_or_model, mesh, *, microbatches: int = 1, schedule: str = "1
         raise ValueError(f"rank {rank}: comm_hook is a hook on DDP's all-reduced buckets; ZeRO "
                          f"(zero={zero}) reduce-scatters them: pass comm_hook=None or use DDP")
     compose.check_pairs(techniques(mesh, sequence_parallel, checkpoint, precision, zero, offload, moe, fp8))
-    _check_new_options(rank, cfg, fp8, collective_matmul, sequence_parallel, mesh.tp_size)
+    _check_fp8_overlap_cp(rank, cfg, fp8, collective_matmul, sequence_parallel, mesh.tp_size, cp_mode)
     make_opt = _optimizer(optimizer, lr, offload)
     # 1. model transforms: TP / SP (overlapped: collective matmul), experts, context parallelism, FP8
     model, loss_fn = (cfg_or_model, None) if built else build_model(cfg, mesh.tp, sequence_parallel)
@@ -301,7 +304,7 @@ def parallelize(cfg_or_model, mesh, *, microbatches: int = 1, schedule: str = "1
         moe_gpt(model, ep=mesh.ep if mesh.ep_size > 1 else None, **moe)
     if cp > 1:
         context_parallel(model, mesh.cp, layout, mode=cp_mode, ulysses_size=ulysses_size)
-    if fp8:
+    if fp8 is not None:
         fp8_linear(model, fp8)
     replicas = mesh.dp if cp == 1 else mesh.dp_cp  # the ranks whose gradients are averaged
     par = Parallelized(mesh, model, None, None, None, None, loss_fn, microbatches, layout=layout,

@@ -142,7 +142,7 @@ def _refusal(comm, sizes, **kw):
      ("collective_matmul=True with fp8", "use one of them")),
     (dict(dp=2), dict(fp8=Fp8Recipe()), ("fp8 needs an fp32 model", "dtype='float32'")),
     (dict(dp=2), dict(fp8="block"), ("fp8='block'", "an Fp8Recipe")),
-    (dict(cp=2), dict(cp_mode="zigzag"), ("mode='zigzag'", "ring")),
+    (dict(dp=2), dict(cp_mode="zigzag"), ("cp_mode='zigzag'", "ring, ulysses, hybrid")),
 ])
 def test_refusals_name_what_is_wrong(sizes, kw, words):
     msgs = run(_refusal, ranks=int(np.prod(list(sizes.values()))), sizes=sizes, **kw)
