@@ -1,5 +1,6 @@
 """``parallelize`` over random small meshes with random techniques equals the serial twin; its
-refusals name both techniques; experts stay out of DDP by its ``ignore=`` rule.
+refusals name both techniques; experts stay out of DDP by its ``ignore=`` rule; collective matmul,
+the context-parallel mode and FP8 reach the model and train as without them (or as the FP8 twin).
 
 The twin (``_serial``): one GPT, the whole global batch, the same optimizer, in the same precision
 (``MixedPrecision`` over the whole model). Tolerances as ``test_compose``: float64 1e-9 (only the
@@ -242,3 +243,23 @@ def test_cp_mode_and_collective_matmul_reach_the_layers(kw, want):
     sequence-parallel Linear (qkv, proj, fc, mlp proj per block, the LM head) overlapped."""
     ranks = int(np.prod(list(kw["sizes"].values())))
     assert run(_switched, ranks=ranks, **kw) == [want] * ranks
+
+
+def test_fp8_over_data_and_pipeline_parallelism_equals_the_serial_fp8_twin():
+    """train_3d(fp8=) on dp = 2 x pp = 2 (2 microbatches): block scaling's tiles are row-local, so the
+    parallel run quantizes what the serial FP8 GPT does; fp32, only the summation order differs."""
+    from minidist.parallel.memory.fp8 import fp8_linear
+
+    recipe, cfg, batches = Fp8Recipe("block", block=4), CFG.replace(dtype="float32"), _batches(4, seed=6)
+    model = fp8_linear(GPT(cfg), recipe)
+    opt = make_optimizer("sgd", model.parameters(), 0.5)
+    for x, y in batches:
+        model.loss(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {n: np.asarray(p.data, np.float64) for n, p in model.named_parameters()}
+
+    def body(comm):
+        return gather_full_state(comm, train_3d(comm, cfg, batches, dp=2, pp=2, microbatches=2, lr=0.5,
+                                                fp8=recipe))
+    assert max_state_diff(run(body, ranks=4)[0], want) <= 1e-6
