@@ -10,11 +10,11 @@ mixed precision, data parallelism, the optimizer.
 
 How a technique is recognised on a model (``techniques_of``), so the check needs no bookkeeping
 that could go stale: DDP and ZeRO record themselves (``claim``) on the module they wrap;
-checkpointing, ZeRO-3 and autocast are read off ``Module``'s forward-wrapper stack; tensor and
-sequence parallelism off the layers (a ``comm`` and a ``sequence_parallel`` flag), context
-parallelism off its ring attention (a ``cp`` group and a ``layout``), experts off an MoE (a
-``router`` and ``experts``); bf16 / fp16 off
-the parameters' dtype; a pipeline stage is a ``PipelineStage``. Host offload is an optimizer
+checkpointing, ZeRO-3, autocast and FP8 (``fp8_linear``'s "autocast" wrappers, owner ``FP8_OWNER``)
+are read off ``Module``'s forward-wrapper stack; tensor and sequence parallelism off the layers (a
+``comm`` and a ``sequence_parallel`` flag), context parallelism off its ring attention (a ``cp``
+group and a ``layout``), experts off an MoE (a ``router`` and ``experts``); bf16 / fp16 off the
+parameters' dtype; a pipeline stage is a ``PipelineStage``. Host offload is an optimizer
 (``OffloadedAdamW(where="host")``): built last, on whatever parameters the others leave, it
 combines with everything.
 
@@ -32,9 +32,10 @@ TECHNIQUES = {
     "sp": "sequence parallel", "cp": "context parallel", "ep": "experts (MoE)",
     "pp": "PP 1F1B", "ckpt-full": "checkpointing (full)",
     "ckpt-selective": "checkpointing (selective)", "bf16": "bf16 mixed precision",
-    "fp16": "fp16 mixed precision", "offload": "host offload",
+    "fp16": "fp16 mixed precision", "fp8": "FP8 training", "offload": "host offload",
 }
 ZERO = ("zero1", "zero2", "zero3")
+FP8_OWNER = "fp8_linear"  # the owner of fp8_linear's forward wrappers: how FP8 is recognised
 #: techniques that are a kind of model or optimizer rather than something applied to one
 _MODEL = ("TP and sequence parallelism are the model itself (TPGPT): built first, then the other technique "
           "is applied to it")
@@ -90,6 +91,7 @@ def _rules() -> dict:
         put("ep", z, Rule(False, "ZeRO averages (and shards) every gradient over the data-parallel group, "
                                  "but expert parameters differ across an ep group; use DDP, which ignores "
                                  "them (they are averaged over the ranks holding the same experts)"))
+    _fp8_rules(put)
     put("tp", "sp", Rule(True, "sequence parallelism is a mode of TP: the pair is the sequence-parallel "
                                "model"))
     put("ddp", "pp", Rule(True, "PipelineStage first: DDP wraps the stage over its data-parallel group "
@@ -110,6 +112,31 @@ def _rules() -> dict:
             if other != t and key not in rules:
                 rules[key] = Rule(True, why, first=other if t == "offload" else t)
     return rules
+
+
+def _fp8_rules(put) -> None:
+    """FP8 training (``fp8_linear``): a wrapper on every Linear, applied after the model transforms and
+    before the pipeline cut. Equal to the serial FP8 twin under block scaling, whose tiles are row-local
+    (1 x block of a token's activation or gradient) and whose weight tiles every rank has whole; TP,
+    sequence parallel, cp, experts and offload need no rule (``BUILT_IN``): test_compose trains each
+    with FP8 to its serial FP8 twin."""
+    for dtype in ("bf16", "fp16"):
+        put("fp8", dtype, Rule(False, "one compute format per Linear: autocast casts the weights to 2 bytes, "
+                                      "FP8 rounds the fp32 ones; use one of them"))
+    for z in ZERO:
+        put("fp8", z, Rule(False, "ZeRO with FP8 Linears is not built (nor tested against the serial "
+                                  "FP8 twin); use DDP"))
+    for c in ("ckpt-full", "ckpt-selective"):
+        put("fp8", c, Rule(False, "a recomputed forward would record the delayed-scaling amaxes twice; "
+                                  "use FP8 without activation checkpointing"))
+    put("fp8", "ddp", Rule(True, "fp8_linear first (parallelize's order), then DDP wraps the FP8 model; "
+                                 "block scaling's tiles are row-local, so each replica quantizes its rows as "
+                                 "the serial run does (per-tensor recipes use one replica's amax)",
+                           first="fp8"))
+    put("fp8", "pp", Rule(True, "fp8_linear first, on the Module (a PipelineStage is not one), then the cut; "
+                                "block scaling's tiles are row-local, so each microbatch quantizes its rows "
+                                "as the whole batch would (per-tensor recipes use one microbatch's amax)",
+                          first="fp8"))
 
 
 RULES = _rules()
@@ -138,7 +165,7 @@ def claim(obj, technique: str, comm=None) -> None:
 
 def claimed(obj) -> dict:
     """technique -> communicator, of what recorded itself on ``obj``."""
-    return dict(obj.__dict__.get("_techniques", {}))
+    return dict(getattr(obj, "__dict__", {}).get("_techniques", {}))
 
 
 def _modules(obj):
@@ -159,6 +186,8 @@ def techniques_of(obj) -> set[str]:
                 found.add("ckpt-selective" if "selective" in handle.owner else "ckpt-full")
             elif handle.position == "zero3":
                 found.add("zero3")
+            elif handle.position == "autocast" and handle.owner == FP8_OWNER:
+                found.add("fp8")
         if hasattr(m, "cp") and hasattr(m, "layout"):  # a ring attention or its embedding
             found.add("cp")
         if hasattr(m, "router") and hasattr(m, "experts"):  # a mixture of experts

@@ -9,7 +9,10 @@ The order (torchtitan's ``parallelize_llama`` has the same shape), each step a f
 
 1. **model transforms** -- the model is replaced or rewired: tensor / sequence parallelism (``TPGPT``,
    its init draws the serial GPT's numbers and keeps this rank's slices), experts (``moe_gpt``, ep
-   carved from dp), context parallelism (``context_parallel``: attention becomes a ring);
+   carved from dp), context parallelism (``context_parallel``: attention becomes a ring, Ulysses'
+   all-to-all or both), collective matmul (``use_collective_matmul``: the sequence-parallel
+   collectives overlapped with the GEMMs), then FP8 training (``fp8_linear``: every Linear's products
+   in FP8, a wrapper at the "autocast" position);
 2. **the pipeline cut** -- ``PipelineStage`` keeps this rank's layers (pp = 1: all of them);
    without ZeRO every run is a stage, so one runtime (``run_schedule``) drives every mesh;
 3. **activation checkpointing** -- per stage chunk (no segment crosses a stage boundary);
@@ -40,11 +43,14 @@ from minidist.nn import GPT
 from minidist.nn.module import Module, ModuleList
 from minidist.nn.optim import make_optimizer
 from minidist.parallel import compose
-from minidist.parallel.context.ring import context_parallel, shard_sequence
+from minidist.parallel.context.model import MODES as CP_MODES
+from minidist.parallel.context.model import context_parallel
+from minidist.parallel.context.ring import shard_sequence
 from minidist.parallel.data.ddp import DistributedDataParallel
 from minidist.parallel.data.sharded import ShardedDataParallel
 from minidist.parallel.data.zero import ZeRO
 from minidist.parallel.experts.dispatch import expert_names, moe_gpt
+from minidist.parallel.memory.fp8 import Fp8Recipe, fp8_linear
 from minidist.parallel.memory.offload import OffloadedAdamW
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
 from minidist.parallel.memory.recompute import apply_checkpointing
@@ -57,6 +63,7 @@ from minidist.parallel.pipeline.runtime import (
     run_schedule,
     split_microbatches,
 )
+from minidist.parallel.tensor.collective_matmul import use_collective_matmul
 from minidist.parallel.tensor.gpt import TPGPT
 
 
@@ -115,12 +122,13 @@ def build_model(cfg, tp_comm=None, sequence_parallel: bool = False):
 
 
 def techniques(mesh, sequence_parallel=False, checkpoint=None, precision=None, zero=None,
-               offload=False, moe=None) -> list[str]:
+               offload=False, moe=None, fp8=None) -> list[str]:
     """The composition-matrix techniques a ``parallelize`` call applies, in its order."""
     out = ["tp"] if mesh.tp_size > 1 else []
     out += ["sp"] if sequence_parallel else []
     out += [] if moe is None else ["ep"]
     out += ["cp"] if mesh.cp_size > 1 else []
+    out += [] if fp8 is None else ["fp8"]
     out += ["pp"] if mesh.pp_size > 1 else []
     out += [] if checkpoint is None else ["ckpt-selective" if checkpoint == "selective" else "ckpt-full"]
     out += [] if precision in (None, "fp32") else [precision]
@@ -221,6 +229,24 @@ class Parallelized:
                 o.close()
 
 
+def _check_fp8_overlap_cp(rank, cfg, fp8, collective_matmul, sequence_parallel, tp, cp_mode) -> None:
+    """FP8's recipe and fp32 model; collective matmul's sequence-parallel TP; the context-parallel mode."""
+    if cp_mode not in CP_MODES:
+        raise ValueError(f"rank {rank}: cp_mode={cp_mode!r}; use one of {', '.join(CP_MODES)}")
+    if fp8 is not None and not isinstance(fp8, Fp8Recipe):
+        raise ValueError(f"rank {rank}: fp8={fp8!r}; use None or an Fp8Recipe (e.g. Fp8Recipe('block'))")
+    if collective_matmul and not (sequence_parallel and tp > 1):
+        raise ValueError(f"rank {rank}: collective_matmul=True overlaps sequence parallelism's collectives; "
+                         f"it needs sequence_parallel=True and tp > 1 (got sequence_parallel="
+                         f"{sequence_parallel}, tp={tp})")
+    if collective_matmul and fp8 is not None:
+        raise ValueError(f"rank {rank}: collective_matmul=True with fp8: the FP8 wrappers run the "
+                         "sequence-parallel collectives unfused; use one of them")
+    if fp8 is not None and np.dtype(cfg.dtype) != np.float32:
+        raise ValueError(f"rank {rank}: fp8 needs an fp32 model (its weights are the master weights), got "
+                         f"dtype={cfg.dtype!r}; use dtype='float32'")
+
+
 def _scaled(loss_fn, mp):
     """The last stage's loss under mixed precision: of fp32 logits, times the loss scale (what
     ``mp.loss`` and ``mp.backward`` do outside a pipeline)."""
@@ -240,12 +266,17 @@ def parallelize(cfg_or_model, mesh, *, microbatches: int = 1, schedule: str = "1
                 layer_costs=None, sequence_parallel: bool = False, layout: str = "zigzag",
                 moe: dict | None = None, checkpoint: str | None = None, precision: str | None = None,
                 zero: int | None = None, optimizer: str = "sgd", lr: float = 0.1, offload: bool = False,
-                comm_hook=None, loss_scale: float | None = None) -> Parallelized:
+                comm_hook=None, loss_scale: float | None = None, fp8: Fp8Recipe | None = None,
+                collective_matmul: bool = False, cp_mode: str = "ring",
+                ulysses_size: int | None = None) -> Parallelized:
     """Apply every technique to a GPT (a ``GPTConfig``, or a built serial ``GPT`` when tp = 1) on
     ``mesh`` in the module docstring's order; see ``train_3d`` for the options' meaning. ``zero``:
     1, 2 or 3 (ZeRO instead of DDP); ``precision``: "bf16" / "fp16" (None, "fp32": none);
     ``offload``: AdamW's state in host memory; ``comm_hook``: (state, hook) for DDP's buckets;
-    ``loss_scale``: fp16's initial dynamic loss scale (None: ``DynamicLossScaler``'s default)."""
+    ``loss_scale``: fp16's initial dynamic loss scale (None: ``DynamicLossScaler``'s default);
+    ``fp8``: an ``Fp8Recipe`` for FP8 Linears (fp32 model; None: none); ``collective_matmul``: overlap
+    the sequence-parallel collectives with the GEMMs (needs ``sequence_parallel``); ``cp_mode``:
+    "ring" | "ulysses" | "hybrid" context parallelism, ``ulysses_size`` the hybrid's Ulysses groups."""
     built = isinstance(cfg_or_model, Module)
     cfg = cfg_or_model.config if built else cfg_or_model
     rank, dp, cp = mesh.world.rank, mesh.dp_size, mesh.cp_size
@@ -261,15 +292,20 @@ def parallelize(cfg_or_model, mesh, *, microbatches: int = 1, schedule: str = "1
     if zero and comm_hook is not None:
         raise ValueError(f"rank {rank}: comm_hook is a hook on DDP's all-reduced buckets; ZeRO "
                          f"(zero={zero}) reduce-scatters them: pass comm_hook=None or use DDP")
-    compose.check_pairs(techniques(mesh, sequence_parallel, checkpoint, precision, zero, offload, moe))
+    compose.check_pairs(techniques(mesh, sequence_parallel, checkpoint, precision, zero, offload, moe, fp8))
+    _check_fp8_overlap_cp(rank, cfg, fp8, collective_matmul, sequence_parallel, mesh.tp_size, cp_mode)
     make_opt = _optimizer(optimizer, lr, offload)
-    # 1. model transforms: TP / SP, experts, context parallelism
+    # 1. model transforms: TP / SP (overlapped: collective matmul), experts, context parallelism, FP8
     model, loss_fn = (cfg_or_model, None) if built else build_model(cfg, mesh.tp, sequence_parallel)
     loss_fn = loss_fn or ops.cross_entropy
+    if collective_matmul:
+        use_collective_matmul(model)
     if moe is not None:
         moe_gpt(model, ep=mesh.ep if mesh.ep_size > 1 else None, **moe)
     if cp > 1:
-        context_parallel(model, mesh.cp, layout)
+        context_parallel(model, mesh.cp, layout, mode=cp_mode, ulysses_size=ulysses_size)
+    if fp8 is not None:
+        fp8_linear(model, fp8)
     replicas = mesh.dp if cp == 1 else mesh.dp_cp  # the ranks whose gradients are averaged
     par = Parallelized(mesh, model, None, None, None, None, loss_fn, microbatches, layout=layout,
                        replicas=replicas)

@@ -72,7 +72,9 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
              layer_costs=None, on_step=None, checkpoint: str | None = None, comm_hook=None,
              cp: int = 1, layout: str = "zigzag", ep: int = 1, moe: dict | None = None,
              zero: int | None = None, precision: str | None = None, offload: bool = False,
-             sequence_parallel: bool = False, loss_scale: float | None = None) -> Result3D:
+             sequence_parallel: bool = False, loss_scale: float | None = None, fp8=None,
+             collective_matmul: bool = False, cp_mode: str = "ring",
+             ulysses_size: int | None = None) -> Result3D:
     """Train `GPT(cfg)` on `batches` (list of global (x, y) batches, the same on every rank) with
     dp x pp x cp x tp = comm.size ranks (`layout`: the cp chunk assignment, zig-zag or contiguous).
     `layer_costs` (one per layer) selects the balanced partition.
@@ -83,7 +85,9 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
     arguments, e.g. dict(n_experts=4, k=2)), split over ep groups carved from dp (`ep`); the expert-parallel
     parameters average over the ranks holding the same experts (mesh.edp_cp), not over dp_cp.
     `zero` (1, 2, 3: ZeRO instead of DDP), `precision` ("bf16", "fp16"), `offload` (AdamW's state in
-    host memory), `sequence_parallel` and `loss_scale` (fp16's initial) are applied as `parallelize`
+    host memory), `sequence_parallel`, `loss_scale` (fp16's initial), `fp8` (an Fp8Recipe: FP8 Linears),
+    `collective_matmul` (overlapped sequence parallelism) and `cp_mode` / `ulysses_size` (ring, Ulysses
+    or hybrid context parallelism) are applied as `parallelize`
     does, where the composition matrix (`minidist.parallel.compose`) allows them: a refused pair
     raises before anything is built."""
     batch_size = batches[0][0].shape[0]
@@ -93,7 +97,8 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
     par = parallelize(cfg, mesh, microbatches=microbatches, schedule=schedule, chunks=chunks,
                       layer_costs=layer_costs, sequence_parallel=sequence_parallel, layout=layout, moe=moe,
                       checkpoint=checkpoint, precision=precision, zero=zero, optimizer=optimizer, lr=lr,
-                      offload=offload, comm_hook=comm_hook, loss_scale=loss_scale)
+                      offload=offload, comm_hook=comm_hook, loss_scale=loss_scale, fp8=fp8,
+                      collective_matmul=collective_matmul, cp_mode=cp_mode, ulysses_size=ulysses_size)
     losses, all_stats = [], []
     try:
         for step, (x, y) in enumerate(batches):

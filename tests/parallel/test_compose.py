@@ -33,6 +33,7 @@ from minidist.parallel.context.ring import context_parallel
 from minidist.parallel.data.ddp import DDP
 from minidist.parallel.data.zero import ZeRO
 from minidist.parallel.experts.dispatch import moe_gpt
+from minidist.parallel.memory.fp8 import Fp8Recipe, fp8_linear
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
 from minidist.parallel.memory.recompute import apply_checkpointing
 from minidist.parallel.parallelize import parallelize
@@ -46,6 +47,8 @@ LR_SGD, LR_ADAM = 0.5, 1e-2
 LOSS_SCALE = 2.0 ** 8
 EXACT_TOL = 1e-10
 LOW_TOL = {"bf16": 5e-3, "fp16": 5e-4}  # measured: 1.1e-3 and 1.7e-4 at most
+FP8 = Fp8Recipe("block", block=4)  # 4 divides every Linear's tp = 2 shard (8, 24, 32 columns / rows)
+FP8_TOL = 1e-6  # fp32 only the summation order differs (measured 3e-8 at most); the tiles are row-local
 DP = {"ddp", "zero1", "zero2", "zero3"}
 PRECISIONS = ("bf16", "fp16")
 MOE = dict(n_experts=2, k=1)
@@ -63,7 +66,7 @@ def _cfg(pair):
     serial twin's masks (TP's "twin" dropout RNG): so a recomputation must replay the RNG. Data,
     pipeline, context and expert parallelism split the batch or the tokens, so their ranks draw
     other masks: no dropout there."""
-    cfg = CFG if _precision(pair) is None else CFG.replace(dtype="float32")
+    cfg = CFG if _precision(pair) is None and "fp8" not in pair else CFG.replace(dtype="float32")
     return cfg if set(pair) & (DP | {"pp", "cp", "ep"}) else cfg.replace(dropout=0.1)
 
 
@@ -92,6 +95,8 @@ def _options(pair) -> dict:
         opts["precision"] = _precision(pair)
     if "ep" in t:
         opts["moe"] = MOE
+    if "fp8" in t:
+        opts["fp8"] = FP8
     return dict(opts, sequence_parallel="sp" in t, offload="offload" in t,
                 optimizer="adamw" if "offload" in t else "sgd", lr=LR_ADAM if "offload" in t else LR_SGD,
                 microbatches=2 if "pp" in t else 1, loss_scale=LOSS_SCALE)
@@ -104,6 +109,8 @@ def _serial(pair):
     model = GPT(_cfg(pair))
     if "ep" in pair:
         moe_gpt(model, **MOE)
+    if "fp8" in pair:
+        fp8_linear(model, FP8)
     scaler = DynamicLossScaler(init_scale=LOSS_SCALE) if precision == "fp16" else None
     mp = MixedPrecision(model, precision, scaler=scaler) if precision else None
     params = mp.master_params if mp else model.parameters()
@@ -145,7 +152,7 @@ def _max_diff(a, b):
 def test_supported_pair_through_parallelize_equals_serial_twin(pair):
     want = _serial(pair)
     precision = _precision(pair)
-    tol = EXACT_TOL if precision is None else LOW_TOL[precision]
+    tol = LOW_TOL[precision] if precision else FP8_TOL if "fp8" in pair else EXACT_TOL
     got = run(_train, ranks=_ranks(pair), pair=pair)[0]
     assert _max_diff(got, want) < tol, f"{' with '.join(pair)} (parallelize) differs from the serial twin"
 
@@ -195,6 +202,8 @@ def _apply(comm, name, model, state):
         apply_checkpointing(model, "full" if name == "ckpt-full" else "selective")
     elif name in PRECISIONS:
         MixedPrecision(model, name)
+    elif name == "fp8":
+        fp8_linear(state.get("stage", model), FP8)
     elif name == "pp":
         state["stage"] = PipelineStage(model, partition_uniform(len(model), 1), 0, 1)
     elif name == "ddp":
@@ -230,7 +239,8 @@ def test_refused_pair_raises_at_construction_naming_both(pair):
         assert compose.TECHNIQUES[a] in msg and compose.TECHNIQUES[b] in msg and reason in msg, msg
 
 
-@pytest.mark.parametrize("first,second", [("ddp", "pp"), ("ddp", "bf16"), ("ddp", "fp16"), ("bf16", "pp")])
+@pytest.mark.parametrize("first,second", [("ddp", "pp"), ("ddp", "bf16"), ("ddp", "fp16"), ("bf16", "pp"),
+                                          ("ddp", "fp8"), ("pp", "fp8")])
 def test_the_wrong_order_is_refused(first, second):
     msg = run(_refused, ranks=1, first=first, second=second)[0]
     assert msg is not None and "must be applied before" in msg

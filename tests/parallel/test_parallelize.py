@@ -1,5 +1,6 @@
 """``parallelize`` over random small meshes with random techniques equals the serial twin; its
-refusals name both techniques; experts stay out of DDP by its ``ignore=`` rule.
+refusals name both techniques; experts stay out of DDP by its ``ignore=`` rule; collective matmul,
+the context-parallel mode and FP8 reach the model and train as without them (or as the FP8 twin).
 
 The twin (``_serial``): one GPT, the whole global batch, the same optimizer, in the same precision
 (``MixedPrecision`` over the whole model). Tolerances as ``test_compose``: float64 1e-9 (only the
@@ -19,6 +20,7 @@ from minidist.comm import Mesh, run
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.optim import make_optimizer
 from minidist.parallel.experts.dispatch import moe_gpt, train_serial_moe
+from minidist.parallel.memory.fp8 import Fp8Recipe
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
 from minidist.parallel.parallelize import parallelize, techniques
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d
@@ -79,20 +81,25 @@ def _rank(comm, batches, precision, **kw):
        cp=st.sampled_from([1, 2]), m=st.integers(1, 2), zero=st.sampled_from([None, 1, 2, 3]),
        precision=st.sampled_from([None, "bf16", "fp16"]), offload=st.booleans(),
        checkpoint=st.sampled_from([None, "full", "selective"]), sp=st.booleans(), experts=st.booleans(),
-       seed=st.integers(0, 9))
+       cp_mode=st.sampled_from(["ring", "ulysses"]), seed=st.integers(0, 9))
 @budget(10)
 @example(dp=2, pp=2, tp=2, cp=1, m=2, zero=None, precision="bf16", offload=True, checkpoint="full", sp=True,
-         experts=False, seed=0)
+         experts=False, cp_mode="ring", seed=0)
 @example(dp=2, pp=1, tp=2, cp=2, m=2, zero=3, precision=None, offload=True, checkpoint="full", sp=False,
-         experts=False, seed=1)
+         experts=False, cp_mode="ring", seed=1)
 @example(dp=2, pp=2, tp=1, cp=2, m=1, zero=None, precision="fp16", offload=False, checkpoint=None, sp=False,
-         experts=True, seed=2)
+         experts=True, cp_mode="ring", seed=2)
+@example(dp=2, pp=2, tp=1, cp=2, m=2, zero=None, precision=None, offload=False, checkpoint="full", sp=False,
+         experts=False, cp_mode="ulysses", seed=3)
 def test_random_meshes_and_techniques_equal_serial(dp, pp, tp, cp, m, zero, precision, offload, checkpoint,
-                                                   sp, experts, seed):
+                                                   sp, experts, cp_mode, seed):
     """dp x pp x tp x cp <= 8 thread ranks; the draws the matrix refuses are made legal instead
     (experts, ep = dp of them, need DDP and no sequence parallelism; ZeRO
-    no pipeline and full precision; selective checkpointing and sequence parallelism no ring attention)."""
+    no pipeline and full precision; selective checkpointing and sequence parallelism no ring attention;
+    Ulysses needs cp to divide each tp rank's heads, else the ring)."""
     moe = dict(n_experts=2, k=1, seed=seed) if experts else None
+    if (CFG.n_head // tp) % cp:
+        cp_mode = "ring"
     if experts:
         zero, sp = None, False
     if zero is not None:
@@ -105,7 +112,7 @@ def test_random_meshes_and_techniques_equal_serial(dp, pp, tp, cp, m, zero, prec
     results = run(_rank, ranks=dp * pp * tp * cp, batches=batches, precision=precision, dp=dp, pp=pp, tp=tp,
                   cp=cp, ep=dp if experts else 1, moe=moe, microbatches=m, zero=zero, offload=offload,
                   checkpoint=checkpoint, sequence_parallel=sp and tp > 1 and cp == 1, optimizer=optimizer,
-                  lr=lr)
+                  lr=lr, cp_mode=cp_mode)
     state, losses = results[0]
     tol = TOL if precision is None else max(LOW_TOL[precision], ADAM_STEPS * lr if offload else 0)
     assert max_state_diff(state, want) <= tol
@@ -131,6 +138,12 @@ def _refusal(comm, sizes, **kw):
     (dict(dp=2), dict(zero=1, comm_hook=(None, None)), ("comm_hook", "zero=1", "use DDP")),
     (dict(dp=2), dict(zero=2, moe=dict(n_experts=2)), ("experts (MoE)", "ZeRO-2", "use DDP")),
     (dict(tp=2), dict(sequence_parallel=True, moe=dict(n_experts=2)), ("experts (MoE)", "sequence parallel")),
+    (dict(tp=2), dict(collective_matmul=True), ("collective_matmul=True", "sequence_parallel=True")),
+    (dict(tp=2), dict(collective_matmul=True, sequence_parallel=True, fp8=Fp8Recipe()),
+     ("collective_matmul=True with fp8", "use one of them")),
+    (dict(dp=2), dict(fp8=Fp8Recipe()), ("fp8 needs an fp32 model", "dtype='float32'")),
+    (dict(dp=2), dict(fp8="block"), ("fp8='block'", "an Fp8Recipe")),
+    (dict(dp=2), dict(cp_mode="zigzag"), ("cp_mode='zigzag'", "ring, ulysses, hybrid")),
 ])
 def test_refusals_name_what_is_wrong(sizes, kw, words):
     msgs = run(_refusal, ranks=int(np.prod(list(sizes.values()))), sizes=sizes, **kw)
@@ -192,3 +205,61 @@ def test_expert_parallel_training_through_parallelize_equals_serial():
         return gather_full_state(comm, train_3d(comm, CFG, batches, dp=2, pp=2, ep=2, microbatches=2, moe=moe,
                                                 lr=0.1))
     assert max_state_diff(run(body, ranks=4)[0], want) <= TOL
+
+
+# -- collective matmul: the same training, the sequence-parallel collectives overlapped ------------
+
+def _sp_training(comm, batches, overlap):
+    res = train_3d(comm, CFG, batches, dp=2, tp=2, sequence_parallel=True, collective_matmul=overlap, lr=0.5)
+    return gather_full_state(comm, res), res.losses
+
+
+def test_collective_matmul_through_parallelize_equals_it_without():
+    """The overlapped layers do the plain layers' products in the same ring order, so the runs agree up
+    to a length-k dot product's rounding in two orders (test_collective_matmul's bound, 2 k u of the
+    scale, k the longest contraction on a path: here 4 d_model x T), over 2 steps."""
+    batches = _batches(2, seed=5)
+    (want, want_losses), (got, losses) = (run(_sp_training, ranks=4, batches=batches, overlap=o)[0]
+                                          for o in (False, True))
+    bound = 2 * (4 * CFG.d_model * 8) * np.finfo(np.float64).eps / 2
+    assert max_state_diff(got, want) <= bound * max(1.0, max(float(np.abs(v).max()) for v in want.values()))
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=bound)
+
+
+def _switched(comm, **kw):
+    par = parallelize(CFG.replace(n_head=4), Mesh(comm, **kw.pop("sizes")), **kw)
+    modes = {m.mode for _, m in par.model.named_modules() if type(m).__name__ == "ContextParallelAttention"}
+    overlapped = sum(bool(getattr(m, "collective_matmul", False)) for _, m in par.model.named_modules())
+    return modes, overlapped
+
+
+@pytest.mark.parametrize("kw,want", [
+    (dict(sizes=dict(cp=4), cp_mode="ulysses"), ({"ulysses"}, 0)),
+    (dict(sizes=dict(cp=4), cp_mode="hybrid", ulysses_size=2), ({"hybrid"}, 0)),
+    (dict(sizes=dict(tp=2), sequence_parallel=True, collective_matmul=True), (set(), 2 * 4 + 1)),
+])
+def test_cp_mode_and_collective_matmul_reach_the_layers(kw, want):
+    """What parallelize was asked for is what the model runs: every attention in the mode, every
+    sequence-parallel Linear (qkv, proj, fc, mlp proj per block, the LM head) overlapped."""
+    ranks = int(np.prod(list(kw["sizes"].values())))
+    assert run(_switched, ranks=ranks, **kw) == [want] * ranks
+
+
+def test_fp8_over_data_and_pipeline_parallelism_equals_the_serial_fp8_twin():
+    """train_3d(fp8=) on dp = 2 x pp = 2 (2 microbatches): block scaling's tiles are row-local, so the
+    parallel run quantizes what the serial FP8 GPT does; fp32, only the summation order differs."""
+    from minidist.parallel.memory.fp8 import fp8_linear
+
+    recipe, cfg, batches = Fp8Recipe("block", block=4), CFG.replace(dtype="float32"), _batches(4, seed=6)
+    model = fp8_linear(GPT(cfg), recipe)
+    opt = make_optimizer("sgd", model.parameters(), 0.5)
+    for x, y in batches:
+        model.loss(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {n: np.asarray(p.data, np.float64) for n, p in model.named_parameters()}
+
+    def body(comm):
+        return gather_full_state(comm, train_3d(comm, cfg, batches, dp=2, pp=2, microbatches=2, lr=0.5,
+                                                fp8=recipe))
+    assert max_state_diff(run(body, ranks=4)[0], want) <= 1e-6

@@ -25,9 +25,11 @@ numbers are the same). Per Linear ``y = x W + b``:
 per-tensor amaxes are max-reduced over the layer's group (Transformer Engine's amax reduction), so
 every shard uses the scale the whole tensor would: the sharded model equals the serial FP8 model.
 DDP wraps an FP8 model as any other. The LM head stays fp32 unless ``include_head`` (Transformer
-Engine's recipes keep the last layer in higher precision). Refused, with both names: bf16/fp16
-autocast (one compute format per Linear), ZeRO, activation checkpointing (a recomputed forward
-would record the delayed-scaling amaxes twice) and pipeline stages -- none is built with FP8.
+Engine's recipes keep the last layer in higher precision). What FP8 joins is ``compose``'s table
+(technique "fp8"; ``parallelize(fp8=...)`` applies it after the model transforms, before the pipeline
+cut): refused, with both names, in either order, bf16/fp16 autocast (one compute format per Linear),
+ZeRO and activation checkpointing (a recomputed forward would record the delayed-scaling amaxes
+twice); DDP and a pipeline stage come after it.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import numpy as np
 from minidist.autograd.tensor import Function
 from minidist.comm import all_reduce
 from minidist.nn.layers import Linear
-from minidist.parallel.compose import TECHNIQUES, techniques_of
+from minidist.parallel.compose import FP8_OWNER, TECHNIQUES, check_compatible, rule
 from minidist.parallel.memory.fp8_formats import E4M3, E5M2, round_mantissa
 from minidist.parallel.memory.fp8_scaling import (
     AmaxHistory,
@@ -59,16 +61,9 @@ from minidist.parallel.tensor.comm import (
 from minidist.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
 SCALINGS = ("current", "delayed", "block")
-OWNER = "fp8_linear"
-REFUSED = {"bf16": "one compute format per Linear: autocast casts the weights to 2 bytes, FP8 rounds the "
-                   "fp32 ones; use one of them",
-           "fp16": "one compute format per Linear: autocast casts the weights to 2 bytes, FP8 rounds the "
-                   "fp32 ones; use one of them",
-           "zero1": "ZeRO with FP8 Linears is not built", "zero2": "ZeRO with FP8 Linears is not built",
-           "zero3": "ZeRO with FP8 Linears is not built",
-           "ckpt-full": "a recomputed forward would record the delayed-scaling amaxes twice",
-           "ckpt-selective": "a recomputed forward would record the delayed-scaling amaxes twice",
-           "pp": "FP8 Linears in pipeline stages are not built"}
+OWNER = FP8_OWNER
+#: technique -> why FP8 refuses it: compose's table (its matrix is the one place the verdicts live)
+REFUSED = {t: rule("fp8", t).reason for t in TECHNIQUES if t != "fp8" and not rule("fp8", t).supported}
 
 
 @dataclass(frozen=True)
@@ -232,16 +227,11 @@ def _head_members(model) -> set:
 
 
 def check_fp8(model) -> None:
-    """Raise a ValueError naming FP8 and the technique it cannot join (``REFUSED``)."""
+    """Raise a ValueError naming FP8 and the technique it cannot join, or must come before
+    (``compose.check_compatible``: bf16/fp16, ZeRO, checkpointing refused; DDP, a pipeline stage after)."""
+    check_compatible(model, "fp8")
     if not hasattr(model, "named_modules"):
-        found = techniques_of(model)
-        what = TECHNIQUES["pp"] if "pp" in found else type(model).__name__
-        raise ValueError(f"fp8_linear cannot be combined with {what}: {REFUSED['pp']}; apply fp8_linear "
-                         "to a Module (a GPT, a TPGPT), then DDP")
-    for t in sorted(techniques_of(model)):
-        if t in REFUSED:
-            raise ValueError(f"fp8_linear cannot be combined with {TECHNIQUES[t]} (already applied): "
-                             f"{REFUSED[t]}")
+        raise ValueError(f"fp8_linear needs a Module (a GPT, a TPGPT), not a {type(model).__name__}")
 
 
 def fp8_linear(model, recipe="block", include_head: bool = False):
