@@ -21,7 +21,7 @@ def ring_all_reduce(comm, x):
     """Sum of every rank's ``x``, on every rank, by the ring algorithm.
 
     Split x into p chunks with ``np.array_split`` (lengths need not divide by p). Then, with the
-    same convention as minidist's own ring (minidist/comm/collectives.py) and chapter 2:
+    same convention as minidist's own ring (minidist/comm/ring.py) and chapter 2:
     * reduce-scatter, p-1 steps: at step s send chunk (rank - s - 1) % p to the right neighbour
       (rank + 1) % p, receive chunk (rank - s - 2) % p from the left neighbour and add it to
       yours. Afterwards you hold the complete sum of chunk ``rank``.
