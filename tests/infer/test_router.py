@@ -96,3 +96,20 @@ def test_least_loaded_weighs_outstanding_tokens_by_each_replicas_pace():
     assert choose("least_loaded", [a, b], 0, [0.5, 1.0]) == 0
     assert choose("least_loaded", [a, b], 0, [1.0, 1.5]) == 0  # 8 x 1.0 < 6 x 1.5
     assert choose("least_loaded", [a, b], 0, [1.0, 1.0]) == 1
+
+
+def test_a_request_arriving_exactly_when_a_replica_steps_is_routed_before_that_step():
+    """With a pace of 1 s per row (the real compute, microseconds, is negligible) the clocks are whole
+    seconds: request 0's prefill (2 rows) ends at t = 2.0, where its next step starts. Request 1 arriving
+    at exactly 2.0 joins that step, as one arriving a hair earlier does -- the same finish times; one
+    arriving a hair later waits for the step in flight, and request 0 (no longer sharing steps with it
+    from then on) finishes sooner."""
+    hair = 2 ** -10
+
+    def finish(at):
+        reqs = [Request(0, [1, 2], 3), Request(1, [3], 2)]
+        lat = route(model(), reqs, [0.0, at], replicas=1, slow=Slowdown("", pace=1.0)).latency
+        return lat[0], lat[1] + at
+
+    assert finish(2.0) == pytest.approx(finish(2.0 - hair), abs=1e-6)
+    assert finish(2.0)[0] > finish(2.0 + hair)[0] + 0.5
