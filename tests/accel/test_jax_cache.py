@@ -517,3 +517,19 @@ def test_calls_that_differ_in_anything_key_relevant_never_share_a_program(cache)
             np.testing.assert_array_equal(np.asarray(got), want, err_msg=str((shape, dtype, k)))
     assert jax_cache.STATS["rejected"] == before
     assert len(_files(cache)) == len(_VARIANTS)
+
+
+def _by_factor_nested(x):
+    def inner(y):
+        return y * _FACTOR
+    return inner(x)
+
+
+def test_a_global_read_only_inside_a_nested_function_is_in_the_key(monkeypatch):
+    """The inner function's globals are baked into the same program: rebinding ``_FACTOR`` must change
+    the outer function's identity, as it does for a function that reads it directly."""
+    module = sys.modules[_by_factor_nested.__module__]
+    before, direct = jax_cache.identity(_by_factor_nested), jax_cache.identity(_by_factor)
+    monkeypatch.setattr(module, "_FACTOR", 5.0)
+    assert jax_cache.identity(_by_factor) != direct
+    assert jax_cache.identity(_by_factor_nested) not in (None, before)
