@@ -226,3 +226,17 @@ def test_an_elastic_restart_is_allowed_down_to_exactly_min_ranks(monkeypatch, mi
     code = sup.run()
     assert seen == ([4] if restarted_on is None else [4, restarted_on])
     assert code == (1 if restarted_on is None else 0)
+
+
+def test_an_attempt_got_as_far_as_its_furthest_rank_and_the_one_behind_is_blamed(tmp_path, monkeypatch):
+    """A job whose rank 0 beat at step 5 and rank 1 at step 3, then exited 1 (no fault note): the attempt
+    reached step 5 (what the next one recomputes from), and rank 1, the one behind, is the failed rank."""
+    from minidist.resilience.supervisor import Attempt, Supervisor
+
+    job = ("import sys; from minidist.resilience.supervisor import heartbeat; "
+           "heartbeat(0, 5); heartbeat(1, 3); sys.exit(1)")
+    sup = Supervisor([sys.executable, "-c", job], 2, 0, None, True, None, 30.0, str(tmp_path / "log"))
+    a = Attempt(0, 2, 0.0)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    assert sup.watch(a) == 1
+    assert (a.last_step, a.failed_rank, a.status) == (5, 1, "failed (exit status 1)")
