@@ -467,3 +467,69 @@ def test_a_jax_without_the_private_settings_compiles_stores_nothing_and_says_so(
     assert len([w for w in seen if "stores no" in str(w.message)]) == 1
     assert jax_cache.STATS["compiled"] - before.get("compiled", 0) == 2
     assert jax_cache.STATS["stored"] == before.get("stored", 0) and _files(cache) == []
+
+
+def test_numpy_arguments_of_two_dtypes_are_two_programs(cache):
+    """Host (NumPy) arguments are keyed by their dtype, not its kind: float32 and float64 are two
+    programs, neither loaded for the other (nothing rejected), each result of its own dtype."""
+    before = jax_cache.STATS["rejected"]
+    for dtype in (np.float32, np.float64, np.float32):
+        y = _fresh(_twice)(np.ones(3, dtype))
+        assert y.dtype == dtype
+    assert jax_cache.STATS["rejected"] == before
+    assert len(_files(cache)) == 2
+
+
+def test_value_ids_tell_types_and_containers_apart():
+    v = jax_cache.value_id
+    ids = [v(1), v(1.0), v(True), v((1, 2)), v([1, 2]), v((1.0, 2)), v({"a": 1}), v({"a": 1.0}),
+           v(slice(0, 4)), v(slice(0, 4, 2)), v(np.float32), v(np.float64)]
+    assert None not in ids and len(set(ids)) == len(ids)
+    assert v((1, 2)) == v((1, 2)) and v(object()) is None and v([1, object()]) is None
+
+
+def _static_mix(x, k):
+    """A result that depends on every key-relevant trait of the baked-in ``k``: its type, container and
+    values."""
+    if isinstance(k, (tuple, list)):
+        return x * len(k) + (k[0] if type(k) is tuple else -k[0])
+    return x * k
+
+
+_VARIANTS = [((3,), "float64", 2), ((3,), "float64", 2.0), ((3,), "int64", 2), ((3,), "int64", 2.0),
+             ((3,), "int64", True), ((4,), "float64", 2), ((3,), "float32", 2), ((2, 3), "float64", 2),
+             ((3,), "float64", (1, 2)), ((3,), "float64", [1, 2]), ((3,), "float64", (2, 2)),
+             ((3,), "float64", 3)]
+
+
+def test_calls_that_differ_in_anything_key_relevant_never_share_a_program(cache):
+    """Every variant (shape, dtype, a baked-in value's value, type and container) through
+    ``jax_engine.pure`` twice, in a fresh wrapper each time (a new process's view: the persistent cache
+    answers): every result equals eager NumPy in value and dtype, no loaded executable is rejected, and
+    each variant stored a program of its own."""
+    before = jax_cache.STATS["rejected"]
+    for _ in range(2):
+        for shape, dtype, k in _VARIANTS:
+            x = np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape)
+            want = _static_mix(x, k)
+            got = jax_engine.pure(_static_mix)(jax.device_put(x), k)
+            assert np.asarray(got).dtype == want.dtype, (shape, dtype, k)
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=str((shape, dtype, k)))
+    assert jax_cache.STATS["rejected"] == before
+    assert len(_files(cache)) == len(_VARIANTS)
+
+
+def _by_factor_nested(x):
+    def inner(y):
+        return y * _FACTOR
+    return inner(x)
+
+
+def test_a_global_read_only_inside_a_nested_function_is_in_the_key(monkeypatch):
+    """The inner function's globals are baked into the same program: rebinding ``_FACTOR`` must change
+    the outer function's identity, as it does for a function that reads it directly."""
+    module = sys.modules[_by_factor_nested.__module__]
+    before, direct = jax_cache.identity(_by_factor_nested), jax_cache.identity(_by_factor)
+    monkeypatch.setattr(module, "_FACTOR", 5.0)
+    assert jax_cache.identity(_by_factor) != direct
+    assert jax_cache.identity(_by_factor_nested) not in (None, before)

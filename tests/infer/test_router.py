@@ -75,3 +75,41 @@ def test_route_errors_name_the_argument():
         route(model(), reqs, [])
     with pytest.raises(ValueError, match="slows rank 3, but there are only 2"):
         route(model(), reqs, [0.0], replicas=2, slow="rank=3,factor=2")
+
+
+def test_measured_pace_is_busy_over_rows_and_a_replica_not_run_yet_gets_the_mean():
+    from minidist.infer.router import measured_pace
+
+    # replicas 0 and 2 ran: 2.0/4 = 0.5 and 6.0/4 = 1.5 s per token; replica 1 none yet: their mean, 1.0
+    assert measured_pace([4, 0, 4], [2.0, 0.0, 6.0]) == [0.5, 1.0, 1.5]
+    assert measured_pace([0, 0], [0.0, 0.0]) == [1.0, 1.0]
+
+
+def test_least_loaded_weighs_outstanding_tokens_by_each_replicas_pace():
+    """Replica 0 has 8 tokens queued, replica 1 has 6: by tokens alone 1 is chosen; at paces 0.5 and 1.0
+    s/token replica 0 finishes its queue in 4 s, replica 1 in 6 s, so 0 is."""
+    a, b = Scheduler(model(), max_batch=2), Scheduler(model(), max_batch=2)
+    a.submit(Request(0, [1, 2, 3], 5))
+    b.submit(Request(1, [1], 2))
+    b.submit(Request(2, [1, 2], 1))
+    assert choose("least_loaded", [a, b], 0) == 1
+    assert choose("least_loaded", [a, b], 0, [0.5, 1.0]) == 0
+    assert choose("least_loaded", [a, b], 0, [1.0, 1.5]) == 0  # 8 x 1.0 < 6 x 1.5
+    assert choose("least_loaded", [a, b], 0, [1.0, 1.0]) == 1
+
+
+def test_a_request_arriving_exactly_when_a_replica_steps_is_routed_before_that_step():
+    """With a pace of 1 s per row (the real compute, microseconds, is negligible) the clocks are whole
+    seconds: request 0's prefill (2 rows) ends at t = 2.0, where its next step starts. Request 1 arriving
+    at exactly 2.0 joins that step, as one arriving a hair earlier does -- the same finish times; one
+    arriving a hair later waits for the step in flight, and request 0 (no longer sharing steps with it
+    from then on) finishes sooner."""
+    hair = 2 ** -10
+
+    def finish(at):
+        reqs = [Request(0, [1, 2], 3), Request(1, [3], 2)]
+        lat = route(model(), reqs, [0.0, at], replicas=1, slow=Slowdown("", pace=1.0)).latency
+        return lat[0], lat[1] + at
+
+    assert finish(2.0) == pytest.approx(finish(2.0 - hair), abs=1e-6)
+    assert finish(2.0)[0] > finish(2.0 + hair)[0] + 0.5

@@ -300,3 +300,14 @@ def test_low_precision_experts_compute_like_their_modules(low):
         runs.append([y.data, xt.grad, *grads])
     for got, want in zip(*runs, strict=True):
         np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_routed_fraction_counts_all_n_times_k_choices_and_ties_go_to_the_lower_expert():
+    """f_e over the N·k choices, by hand: 3 tokens, top-2 over 4 experts -- choices (0, 1), (0, 2),
+    (3, 0): expert 0 has 3 of the 6, 1, 2, 3 one each. Equal probabilities pick the lower expert."""
+    from minidist.nn.moe import routed_fraction
+
+    experts = np.array([[0, 1], [0, 2], [3, 0]])
+    np.testing.assert_array_equal(routed_fraction(experts, 4), [0.5, 1 / 6, 1 / 6, 1 / 6])
+    tied, _ = top_k_route(np.array([[0.25, 0.25, 0.25, 0.25], [0.1, 0.45, 0.45, 0.0]]), k=2, cap=2)
+    assert tied.tolist() == [[0, 1], [1, 2]]

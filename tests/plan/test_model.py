@@ -70,3 +70,19 @@ def test_pipeline_sends_are_one_tp_slice_of_the_activation(tp, cp, pp, chunks):
         if recvs:
             assert (calls["send_gradient"].sent, calls["send_gradient"].count) == (act, m * recvs)
         assert ("send_activation" in calls) == bool(sends) and ("send_gradient" in calls) == bool(recvs)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_allgather_traffic_is_k_and_v_gathered_and_their_gradients_reduce_scattered(cp):
+    """Megatron's context parallelism (tp = 1), per layer-microbatch: the all-gather of K and V builds
+    the whole sequence's 2·b·s·h bytes (bf16: x2), of which each rank sends (cp-1)/cp; the
+    reduce-scatter of their gradients sends as much. Written out for h = 1024, s = 512, b = 2."""
+    from minidist.plan.traffic import cp_attention_calls
+
+    cand = Candidate(cp=cp, microbatch=B)
+    whole = 2 * B * S * H * 2
+    calls = cp_attention_calls(SPEC, cand, 3, "allgather")
+    assert [(c.name, c.phase, c.count) for c in calls] == [("all_gather", "forward", 3),
+                                                           ("reduce_scatter", "backward", 3)]
+    for c in calls:
+        assert c.payload == whole and c.sent == whole * (cp - 1) / cp

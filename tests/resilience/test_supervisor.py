@@ -179,3 +179,64 @@ def test_a_job_stopped_by_a_full_or_read_only_disk_is_not_restarted_into_the_sam
     assert res.returncode == 1, res.stdout + res.stderr
     assert f"{why} {ckpt}/step-00000001.tmp" in res.stdout and "not restarting" in res.stdout, res.stdout
     assert "restarts: 0;" in res.stdout and res.stdout.count("FAILED") == 1, res.stdout
+
+
+def test_a_rank_is_stale_only_past_the_timeout_and_one_that_never_beat_counts_from_the_first_beat():
+    """Written out: rank 0 beat at t=10, rank 1 at t=12, rank 2 never (counted from 10). At now=15 with a
+    5 s timeout rank 0 has been silent exactly 5 s -- not more -- so nothing is stale; at 15.5 ranks 0 and
+    2 are (5.5 s), rank 1 is not (3.5 s)."""
+    from minidist.resilience.supervisor import stale_ranks
+
+    beats = {0: (3, 10.0), 1: (4, 12.0)}
+    assert stale_ranks(beats, 3, 15.0, 5.0) == {}
+    assert stale_ranks(beats, 3, 15.5, 5.0) == {0: 5.5, 2: 5.5}
+    assert stale_ranks({}, 3, 100.0, 5.0) == {}
+
+
+def test_blame_names_the_rank_that_got_least_far_then_the_one_silent_longest():
+    from minidist.resilience.supervisor import STARTED, blame
+
+    # rank 2 never beat: it is behind every rank that did
+    assert blame({0: (5, 1.0), 1: (5, 2.0)}, {0: 9.0, 1: 8.0, 2: 9.0}) == 2
+    # all at step 5: the one silent longest (rank 1, 9 s) stopped first
+    assert blame({0: (5, 2.0), 1: (5, 1.0), 2: (5, 2.0)}, {0: 8.0, 1: 9.0, 2: 8.0}) == 1
+    # a lower step wins over a longer silence
+    assert blame({0: (4, 3.0), 1: (5, 1.0)}, {0: 7.0, 1: 9.0}) == 0
+    assert blame({0: (STARTED, 1.0), 1: (0, 1.0)}, {0: 1.0, 1: 9.0}) == 0
+
+
+@pytest.mark.parametrize("min_ranks,restarted_on", [(2, 2), (3, None), (1, 2)])
+def test_an_elastic_restart_is_allowed_down_to_exactly_min_ranks(monkeypatch, min_ranks, restarted_on):
+    """4 ranks, 2 lost: 2 left, the largest divisor of 4 that fits is 2. --min-ranks 2 (the boundary)
+    and 1 restart on 2 ranks; --min-ranks 3 gives up. The job itself is stubbed (``watch``)."""
+    from minidist.resilience.supervisor import Supervisor
+
+    sup = Supervisor(["true"], 4, 1, min_ranks, True, None, 1.0, None)
+    seen = []
+
+    def watch(a):
+        seen.append(a.ranks)
+        if a.number == 0:
+            a.lost, a.last_step, a.status = [1, 3], 2, "failed"
+            return 1
+        a.last_step = 5
+        return 0
+
+    monkeypatch.setattr(sup, "watch", watch)
+    code = sup.run()
+    assert seen == ([4] if restarted_on is None else [4, restarted_on])
+    assert code == (1 if restarted_on is None else 0)
+
+
+def test_an_attempt_got_as_far_as_its_furthest_rank_and_the_one_behind_is_blamed(tmp_path, monkeypatch):
+    """A job whose rank 0 beat at step 5 and rank 1 at step 3, then exited 1 (no fault note): the attempt
+    reached step 5 (what the next one recomputes from), and rank 1, the one behind, is the failed rank."""
+    from minidist.resilience.supervisor import Attempt, Supervisor
+
+    job = ("import sys; from minidist.resilience.supervisor import heartbeat; "
+           "heartbeat(0, 5); heartbeat(1, 3); sys.exit(1)")
+    sup = Supervisor([sys.executable, "-c", job], 2, 0, None, True, None, 30.0, str(tmp_path / "log"))
+    a = Attempt(0, 2, 0.0)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    assert sup.watch(a) == 1
+    assert (a.last_step, a.failed_rank, a.status) == (5, 1, "failed (exit status 1)")

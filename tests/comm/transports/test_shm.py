@@ -159,3 +159,36 @@ def test_shm_protocol_stages_other_backends_like_every_collective():
 
     want = (np.arange(6.0).reshape(2, 3) * 3 / 2).tolist()
     assert run(body, ranks=2, backend="jax") == [(True, want, 48, 1)] * 2
+
+
+@pytest.mark.parametrize("extra,want", [(0, 1 << 20), (-1, 1 << 19)])
+def test_window_is_halved_only_while_p_ranks_windows_exceed_half_the_free_space(monkeypatch, extra, want):
+    """4 ranks of 1 MiB parity buffers take 4 x 2 lanes x (64 + 2 MiB); that must be at most half of
+    what /dev/shm has free. Exactly twice that free: kept; one byte less: halved to 512 KiB."""
+    from types import SimpleNamespace
+
+    from minidist.comm.transports import shm
+
+    need = 4 * 2 * (64 + 2 * (1 << 20))
+    monkeypatch.setenv("MINIDIST_SHM_BYTES", str(1 << 20))
+    monkeypatch.setattr(shm.os, "statvfs", lambda _: SimpleNamespace(f_bavail=2 * need + extra, f_frsize=1))
+    assert shm.window_bytes(4) == want
+
+
+@pytest.mark.parametrize("offset,steps", [(0, 2), (1, 1)])
+def test_a_piece_of_exactly_the_two_shot_size_goes_two_shot(offset, steps):
+    """Two-shot from 256 bytes: a 256-byte piece (64 float32) takes two waits, one byte above its size
+    as the threshold keeps it one-shot; the result is the rank-order sum either way."""
+    lanes = thread_lanes(3, 4096, 256 + offset)
+    xs = [np.arange(64, dtype=np.float32) * (r + 1) for r in range(3)]
+
+    def body(comm):
+        comm.shm = lanes[comm.rank]
+        comm.timeout = 2
+        with measure(comm) as m:
+            y = all_reduce(comm, xs[comm.rank], algorithm="shm")
+        return y, m.steps
+
+    for y, got in run(body, ranks=3):
+        np.testing.assert_array_equal(y, rank_order(xs, "sum"))
+        assert got == steps

@@ -155,3 +155,19 @@ def test_dp_straggler_on_a_virtual_clock_gets_the_best_whole_split(monkeypatch):
         assert shares == [[8, 8, 8]] * 4 + [[11, 11, 2]] * 4
         assert stragglers == [[], [], [], [2], [2], [2], [2], [2]]
         np.testing.assert_allclose(history[-1][:, 0], [0.033, 0.033, 0.024])  # compute: rows x 3 ms x factor
+
+
+def test_dp_first_decision_is_the_first_step_whose_window_no_longer_holds_step_0(monkeypatch):
+    """window=1, every=1, rank 2 four times slower from step 0, on the virtual clock: step 0's window
+    is step 0 itself (its time includes warm-up: no decision); after step 1 the window is step 1 alone,
+    so the shares move there -- to the best split [11, 11, 2] of 24 rows at speeds (1, 1, 1/4)."""
+    from minidist.parallel.balance import dp
+
+    virtual_clock(monkeypatch, dp)
+    batches = make_batches(24, 4, seed=1)
+    slow = Slowdown("rank=2,factor=4,from_step=0", pace=0.003)
+
+    def body(comm):
+        return train_dp_balanced(comm, CFG, batches, slow=slow, every=1, window=1, margin=0.1).shares
+    for shares in run(body, ranks=3):
+        assert shares == [[8, 8, 8]] * 2 + [[11, 11, 2]] * 2

@@ -72,3 +72,33 @@ def test_straggler_is_named_after_patience_steps_and_not_for_noise():
     assert det.update(2, [1.0, 1.0, 3.0, 1.0]) == []
     assert det.update(3, [1.0, 1.0, 3.0, 1.0]) == [2]
     assert det.events == [(3, 2, 3.0)]
+
+
+def test_straggler_threshold_is_strict_and_each_episode_is_one_event():
+    """Slow means more than (1 + threshold) x the median: with threshold 0.5 and a median of 2.0 a rank at
+    exactly 3.0 is not slow (binary-exact numbers), one at 3.5 is. A rank slow for 4 updates in a row is
+    named from the 2nd (patience 2) and recorded once; once it recovers, a new episode is a new event."""
+    det = StragglerDetector(threshold=0.5, patience=2)
+    for step in range(3):
+        assert det.update(step, [2.0, 2.0, 3.0]) == []
+    assert det.count[2] == 0
+    named = [det.update(step, [2.0, 2.0, 3.5]) for step in range(3, 7)]
+    assert named == [[], [2], [2], [2]]
+    assert det.events == [(4, 2, 1.75)]
+    assert det.update(7, [2.0, 2.0, 2.0]) == []
+    assert [det.update(s, [2.0, 2.0, 4.0]) for s in (8, 9, 10)] == [[], [2], [2]]
+    assert det.events == [(4, 2, 1.75), (9, 2, 2.0)]
+
+
+def test_seconds_per_row_is_the_median_over_exactly_the_last_window_steps():
+    """window=2 over steps whose per-row times are 10, 1, 3 (rank 0) and 4, 2, 6 (rank 1): the median of
+    the last two, (1+3)/2 = 2 and (2+6)/2 = 4; the step before the window does not count."""
+    def body(comm):
+        mon = StepMonitor(comm, window=2)
+        per_row = [[10.0, 4.0], [1.0, 2.0], [3.0, 6.0]]
+        for t in per_row:
+            mon.record(t[comm.rank] * 4, 0.0, 4)
+        return mon.seconds_per_row(), mon.smoothed("compute")
+    for spr, smooth in run(body, ranks=2):
+        np.testing.assert_array_equal(spr, [2.0, 4.0])
+        np.testing.assert_array_equal(smooth, [8.0, 16.0])

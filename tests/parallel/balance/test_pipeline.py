@@ -211,3 +211,20 @@ def test_a_layers_memory_is_its_parameters_their_optimizer_state_and_the_activat
 
     want = 15 * itemsize * (1 + state_arrays) + 100 * 2
     assert layer_memory_bytes(Linear(4, 3, dtype=dtype), optimizer, 100, 2) == want
+
+
+def test_moving_pays_off_only_when_the_saving_exceeds_the_move_not_when_it_equals_it():
+    # (1.0 - 0.5) x 4 = 2.0 exactly: a move costing 2.0 s saves nothing, so it is not made
+    assert not pays_off(t_now=1.0, t_new=0.5, steps_left=4, move_seconds=2.0)
+    assert pays_off(t_now=1.0, t_new=0.5, steps_left=4, move_seconds=1.999)
+    assert not pays_off(t_now=1.0, t_new=1.0, steps_left=100, move_seconds=0.0)
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (4, 4), (4, 8), (3, 5)])
+def test_bubble_of_equal_stages_is_the_textbook_fraction(p, m):
+    """Equal stages: the idle share of p stages x the step is (p-1)/(m+p-1) (GPipe / 1F1B's bubble)."""
+    from minidist.parallel.balance.pipeline import bubble
+
+    assert bubble([2.0] * p, m) == pytest.approx((p - 1) / (m + p - 1))
+    # one stage twice as slow (p=2, m=2): T = (1+2)/2 + 1·2/2 = 2.5; busy 3 of 2 x 2.5 = 5: bubble 0.4
+    assert bubble([1.0, 2.0], 2) == pytest.approx(0.4)

@@ -50,3 +50,13 @@ def test_balancer_moves_only_every_k_steps_and_past_the_margin():
     assert b.shares == [12, 12, 12, 12]
     assert b.decide(3, [1.0, 1.0, 3.0, 1.0]) and max(np.multiply(b.shares, [1, 1, 3, 1])) == 15  # see above
     assert not b.decide(5, [1.0, 1.0, 3.0, 1.0])              # already balanced: no move
+
+
+def test_balancer_does_not_move_when_the_saving_is_exactly_the_margin():
+    """4 rows on 2 ranks at 1 and 3 s/row: equal shares take max(2·1, 2·3) = 6 s, the best split [3, 1]
+    takes max(3·1, 1·3) = 3 s -- exactly half. A margin of 0.5 asks for more than half: no move; 0.4
+    moves."""
+    b = ShareBalancer(4, 2, every=1, margin=0.5)
+    assert not b.decide(0, [1.0, 3.0]) and b.shares == [2, 2] and b.decisions == []
+    b = ShareBalancer(4, 2, every=1, margin=0.4)
+    assert b.decide(0, [1.0, 3.0]) and b.shares == [3, 1] and b.decisions == [(0, [3, 1])]

@@ -284,3 +284,14 @@ def test_context_parallel_refuses_grouped_query_attention_by_name():
             cp_model(gqa, comm)
         return True
     assert all(run_ranks(body, ranks=2))
+
+
+def test_attention_stats_count_the_matmul_flops_of_each_chunk_pair():
+    """Queries (B, H, 2c, D) = (2, 3, 8, 5): a chunk pair is c = 4 queries x 4 keys; forward QKᵀ and PV
+    are 2·c·c·D FLOPs each per (batch, head), backward twice the forward. Three pairs, by hand."""
+    stats = AttentionStats()
+    stats.count(False, 3, (2, 3, 8, 5))
+    per_pair = 2 * 3 * (2 * 4 * 4 * 5 + 2 * 4 * 4 * 5)
+    assert (stats.pairs, stats.forward_flops, stats.backward_flops) == (3, 3 * per_pair, 0)
+    stats.count(True, 3, (2, 3, 8, 5))
+    assert (stats.pairs, stats.backward_flops) == (3, 2 * 3 * per_pair)

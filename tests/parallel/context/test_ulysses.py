@@ -204,3 +204,10 @@ def test_planner_prices_ring_and_ulysses_as_the_ledger_counts(mode, cp):
     planned = bytes_by_axis(collectives(spec, Candidate(cp=cp, microbatch=2), batch=2, cp_mode=mode))["cp"]
     for sent in run(_attention_traffic, ranks=cp, x=x, mode=mode):
         assert sent == planned
+
+
+def test_ulysses_takes_as_many_ranks_as_heads_one_head_each():
+    """cp = heads is the largest Ulysses split (one head per rank), not an error; one rank more is."""
+    assert check_heads(4, 4) == 1 and check_heads(1, 1) == 1
+    with pytest.raises(ValueError, match="cp must divide them"):
+        check_heads(4, 8)

@@ -464,3 +464,38 @@ def backend_of_name(x) -> str:
     from minidist.accel.backend import backend_of
 
     return backend_of(x).name
+
+
+def test_random_k_draws_differ_across_ranks_and_repeat_per_seed_and_rank():
+    """Random-k's indices come from a generator per (seed, rank): two ranks pick different entries (with
+    k = 8 of 4096 a collision of all 8 is impossible in practice), the same rank with the same seed picks
+    the same ones again, and another seed picks others."""
+    m = np.arange(4096, dtype=np.float64)
+
+    def pick(rank, seed=3, steps=2):
+        state = SparseState("randk", ratio=8 / 4096, seed=seed)
+        return [state.selector(rank)(m, state.k(m.size)).tolist() for _ in range(steps)]
+
+    r0, r1 = pick(0), pick(1)
+    assert r0 != r1 and r0[0] != r1[0] and r0[1] != r1[1]
+    assert pick(0) == r0 and pick(1) == r1
+    assert pick(0, seed=4) != r0
+    assert r0[0] != r0[1]  # a fresh draw every step, not the same indices forever
+    assert all(len(set(ix)) == 8 and ix == sorted(ix) for ix in r0 + r1)
+
+
+def test_powersgd_fresh_q_is_drawn_per_matrix_and_the_same_on_every_rank():
+    """Q's random start comes from a generator per (seed, bucket, matrix): two matrices of one bucket (or
+    one matrix in two buckets) start from different Q, and two ranks' states with the same seed draw the
+    same Q (no rank in the seed: the two all-reduces need every rank's P and Q built on the same Q)."""
+    def q(state, bucket, j):
+        return state.fresh_q(bucket, j, np.zeros((6, 2))).copy()
+
+    a, b = PowerSGDState(rank=2, seed=5), PowerSGDState(rank=2, seed=5)
+    q00, q01, q10 = q(a, 0, 0), q(a, 0, 1), q(a, 1, 0)
+    assert not np.array_equal(q00, q01) and not np.array_equal(q00, q10) and not np.array_equal(q01, q10)
+    np.testing.assert_array_equal(q(b, 0, 0), q00)
+    np.testing.assert_array_equal(q(b, 0, 1), q01)
+    assert not np.array_equal(q(PowerSGDState(rank=2, seed=6), 0, 0), q00)
+    kept = np.ones((6, 2))
+    np.testing.assert_array_equal(a.fresh_q(0, 0, kept.copy()), kept)  # live columns are not redrawn

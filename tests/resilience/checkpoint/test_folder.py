@@ -211,3 +211,42 @@ def test_two_jobs_on_one_folder_never_resume_each_others_state(tmp_path):
     (step, problems), _, a_again = run(_job, ranks=2, root=root, job="a", steps=2, data_seed=0,
                                        resume=True)[0]
     assert step == 2 and problems == [] and _equal(a_again, a_final)  # a's checkpoints are untouched
+
+
+def test_candidates_are_newest_first_and_the_supervisor_reports_the_newest_intact_one(tmp_path):
+    """Three finished steps 2, 10, 7 (not in name order on purpose): candidates list 10, 7, 2. The
+    supervisor's report is the newest that verifies: 10 while it is intact, 7 once 10 is damaged."""
+    from minidist.resilience.checkpoint import save
+    from minidist.resilience.checkpoint.files import candidates
+    from minidist.resilience.checkpoint.trainer import Trainer, small_config
+    from minidist.resilience.supervisor import newest_good_checkpoint
+
+    root = tmp_path / "ckpt"
+
+    def body(comm):
+        t = Trainer(comm, small_config())
+        for step in (2, 10, 7):
+            save(comm, str(root), step, t.state(), keep=5)
+    run(body, ranks=1)
+    dirs, problems = candidates(str(root))
+    assert [os.path.basename(d) for d in dirs] == ["step-00000010", "step-00000007", "step-00000002"]
+    assert newest_good_checkpoint(str(root))[0] == 10
+    with open(root / "step-00000010" / "rank-00000.bin", "r+b") as f:
+        f.write(b"\xff\xff\xff\xff")
+    step, problems = newest_good_checkpoint(str(root))
+    assert step == 7 and any("step-00000010" in p for p in problems)
+
+
+def test_prune_removes_leftover_temporary_folders_up_to_and_including_the_newest_step(tmp_path):
+    """Finished steps 3 and 5; leftovers step-3.tmp, step-5.tmp (a crashed re-save of the newest step)
+    and step-7.tmp (a later save perhaps still being written). prune keeps the last 2 steps, removes the
+    .tmp folders of steps <= 5 and leaves step 7's."""
+    from minidist.resilience.checkpoint.files import prune
+
+    for name in ("step-00000003", "step-00000005", "step-00000003.tmp", "step-00000005.tmp",
+                 "step-00000007.tmp"):
+        os.makedirs(tmp_path / name)
+    prune(str(tmp_path), keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000005", "step-00000007.tmp"]
+    prune(str(tmp_path), keep=1)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000005", "step-00000007.tmp"]

@@ -469,3 +469,14 @@ def test_a_grouped_query_tp_checkpoint_reshards_to_one_process_and_back(tmp_path
     alone = run(_gqa_job, ranks=1, root=root, steps=2, n_kv_head=n_kv_head, resume=True)[0]
     again = run(_gqa_job, ranks=2, root=root, steps=2, n_kv_head=n_kv_head, resume=True, tp=2)[0]
     assert _equal(alone, saved) and _equal(again, saved)
+
+
+def test_a_checkpointers_fault_hits_the_disk_tier_only_and_the_memory_tier_still_saves(tmp_path):
+    """The Checkpointer's fault acts on the last tier (the disk): a read-only disk at step 3 fails the
+    disk save of step 3 alone, reported as such, while the memory tier saves step 3 as usual."""
+    from minidist.resilience.checkpoint.files import list_steps
+
+    _, _, _, errors = run(_tiered, ranks=2, root=str(tmp_path), steps=3, fault="readonly:rank=0,step=3")[0]
+    assert errors and all(e.startswith("disk step 3") for e in errors), errors
+    assert list_steps(str(tmp_path / "mem")) == [2, 3]
+    assert list_steps(str(tmp_path / "disk")) == []
