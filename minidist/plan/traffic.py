@@ -211,13 +211,14 @@ def cp_attention_calls(model: ModelSpec, cand: Candidate, count: int, mode: str 
     if mode not in CP_MODES:
         raise ValueError(f"cp_mode={mode!r}; use one of {CP_MODES}")
     p, b, s, d = cand.cp, cand.microbatch, model.seq // cand.cp, model.dtype_bytes
+    kv_heads = max(model.kv // cand.tp, 1)  # this rank's K/V heads (replicated when tp exceeds them)
     if mode == "allgather":
-        kv = 2 * b * s * model.kv * model.head_dim * d * p
+        kv = 2 * b * s * kv_heads * model.head_dim * d * p
         sent = kv * (p - 1) / p
         return [Collective("cp", "all_gather", kv, sent, count, "forward"),
                 Collective("cp", "reduce_scatter", kv, sent, count, "backward")]
     q = b * s * model.n_head // cand.tp * model.head_dim * d   # bytes of this rank's q (and output)
-    kv = 2 * b * s * model.kv // cand.tp * model.head_dim * d  # of its K and V
+    kv = 2 * b * s * kv_heads * model.head_dim * d             # of its K and V
     if mode == "ring":
         return [Collective("cp", "ring_attention", kv, (p - 1) * kv, count, "forward"),
                 Collective("cp", "ring_attention", kv, (2 * p - 1) * kv, count, "backward")]

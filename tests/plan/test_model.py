@@ -86,3 +86,20 @@ def test_cp_allgather_traffic_is_k_and_v_gathered_and_their_gradients_reduce_sca
                                                            ("reduce_scatter", "backward", 3)]
     for c in calls:
         assert c.payload == whole and c.sent == whole * (cp - 1) / cp
+
+
+@pytest.mark.parametrize("mode", ["allgather", "ring"])
+@pytest.mark.parametrize("tp,kv_heads,local", [(2, 16, 8), (4, 16, 4), (4, 4, 1), (8, 4, 1), (1, 4, 4)])
+def test_cp_traffic_moves_only_this_tp_ranks_k_and_v_heads(mode, tp, kv_heads, local):
+    """Under tensor parallelism a rank holds kv_heads / tp K/V heads (one, replicated, when tp exceeds
+    them), and context parallelism moves only those: bytes = 2·b·s/cp·local·head_dim·2, by hand."""
+    from minidist.plan.traffic import cp_attention_calls
+
+    cp, hd = 2, H // A
+    spec = SPEC.replace(kv_heads=kv_heads)
+    own = 2 * B * (S // cp) * local * hd * 2  # this rank's K and V of its own tokens, bf16
+    calls = cp_attention_calls(spec, Candidate(cp=cp, tp=tp, microbatch=B), 1, mode)
+    if mode == "allgather":
+        assert all(c.payload == own * cp and c.sent == own * (cp - 1) for c in calls)
+    else:
+        assert [c.sent for c in calls] == [(cp - 1) * own, (2 * cp - 1) * own]
