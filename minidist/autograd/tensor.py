@@ -404,14 +404,9 @@ def _add(a, b):
     return a + b
 
 
-def run_backward(root: Tensor, grad, retain_graph: bool = False) -> None:
-    """Reverse-mode differentiation from ``root`` with seed gradient ``grad``.
-
-    1. Count, by an iterative depth-first walk, how many graph edges point at each node or leaf.
-    2. Process those whose consumers have all delivered their gradient (a stack: depth first, so
-       a layer's parameters become ready as soon as that layer's backward has run).
-    """
-    start = root if root._node is None else root._node
+def count_consumers(start) -> dict[int, int]:
+    """id(node or leaf) -> how many graph edges point at it, below ``start`` (an iterative
+    depth-first walk): a node runs its backward once all of them have delivered."""
     pending: dict[int, int] = {}
     stack = [start]
     while stack:
@@ -426,7 +421,18 @@ def run_backward(root: Tensor, grad, retain_graph: bool = False) -> None:
                 pending[id(parent)] = pending.get(id(parent), 0) + 1
                 if pending[id(parent)] == 1:
                     stack.append(parent)
+    return pending
 
+
+def run_backward(root: Tensor, grad, retain_graph: bool = False) -> None:
+    """Reverse-mode differentiation from ``root`` with seed gradient ``grad``.
+
+    1. Count, by an iterative depth-first walk, how many graph edges point at each node or leaf.
+    2. Process those whose consumers have all delivered their gradient (a stack: depth first, so
+       a layer's parameters become ready as soon as that layer's backward has run).
+    """
+    start = root if root._node is None else root._node
+    pending = count_consumers(start)
     grads = {id(start): grad}
     ready = [start]
     while ready:

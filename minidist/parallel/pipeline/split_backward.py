@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.autograd.tensor import Tensor, _accumulate
+from minidist.autograd.tensor import Tensor, _accumulate, count_consumers
 from minidist.memory import storage_bytes
 
 
@@ -134,19 +134,7 @@ def backward_input(root: Tensor, grad=None, inputs=()) -> WeightGradQueue:
     grad = _seed(root, grad)
     keep = {id(t) for t in inputs}
     start = root._node
-    pending: dict[int, int] = {}
-    stack = [start]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, Tensor):
-            continue
-        if item.ctx is None:
-            raise RuntimeError("backward_input() through a graph whose saved arrays were freed")
-        for parent in item.parents:
-            if parent is not None:
-                pending[id(parent)] = pending.get(id(parent), 0) + 1
-                if pending[id(parent)] == 1:
-                    stack.append(parent)
+    pending = count_consumers(start)
 
     queue = WeightGradQueue()
     grads = {id(start): grad}
