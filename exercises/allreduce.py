@@ -11,7 +11,10 @@ Grade it:  python -m minidist.grade allreduce
 The grader runs your functions on 1..8 thread ranks where a send completes only when the
 matching receive is posted (as MPI does with large messages: a ring of blocking send-then-recv
 is reported as a deadlock, with the cycle of waiting ranks), compares with ``np.sum`` of every rank's x,
-and reads the ledger: how many messages and bytes each rank sent. Lesson: lessons/02-allreduce.md.
+reads the ledger (how many messages and bytes each rank sent), counts communication rounds (in
+one round a rank sends at most one message and receives at most one; ``sendrecv`` is one round;
+see minidist/grading/rounds.py) and checks that your function left the caller's ``x`` as it was.
+A crash shows the line of this file it came from. Lesson: lessons/02-allreduce.md.
 """
 
 import numpy as np  # noqa: F401  (you will need it)
@@ -27,10 +30,14 @@ def ring_all_reduce(comm, x):
       yours. Afterwards you hold the complete sum of chunk ``rank``.
     * all-gather, p-1 steps: at step s send chunk (rank - s) % p (you start with your own) and
       receive chunk (rank - s - 1) % p, replacing (not adding) what you had.
-    Each rank sends exactly 2(p-1) messages: every chunk but its own in the reduce-scatter, every
-    chunk but (rank + 1) % p in the all-gather -- 2·x.nbytes - |chunk rank| - |chunk rank+1| bytes,
-    about 2(p-1)/p · x.nbytes; the grader checks these numbers exactly.
-    Use ``comm.sendrecv`` for each step (a plain send-then-recv in a ring can deadlock).
+    Other conventions are just as right and pass too (ending the reduce-scatter owning chunk
+    rank + 1, or running the ring leftwards). Whichever you choose, each rank sends exactly 2(p-1)
+    messages -- every chunk but one in each phase, 2·x.nbytes - |chunk a| - |chunk b| bytes for the
+    two chunks a != b it never sends, about 2(p-1)/p · x.nbytes -- all ranks together exactly
+    2(p-1) · x.nbytes, in 2(p-1) rounds. Use ``comm.sendrecv`` for each step: a plain
+    send-then-recv in a ring deadlocks, and even ranks sending first while odd ones receive costs
+    two rounds a step. Do not change ``x``: ``np.array_split`` returns views into it, so add into
+    copies.
     """
     raise NotImplementedError
 
@@ -42,7 +49,8 @@ def recursive_doubling_all_reduce(comm, x):
     ``rank ^ d`` and add. For other p, let q be the largest power of two <= p and rem = p - q:
     first each even rank r < 2*rem sends x to r+1 and waits; the other q ranks run the power-of-two
     algorithm (renumbered 0..q-1); finally each odd rank r < 2*rem sends the result back to r-1.
-    Each rank sends at most log2(q) + 1 messages.
+    Each rank sends at most log2(q) + 1 messages, in log2(q) rounds (plus 2, the fold in and the
+    result out, when p is not a power of two).
     """
     raise NotImplementedError
 
@@ -52,7 +60,9 @@ def tree_broadcast(comm, x, root=0):
 
     Number ranks relative to the root: v = (rank - root) % p. A non-root receives once, from
     v minus its lowest set bit; then every rank sends to v + 2**k for each 2**k below its lowest
-    set bit (the root: every 2**k < p), if v + 2**k < p. Every rank sends at most ceil(log2 p)
-    messages; the whole broadcast takes ceil(log2 p) rounds instead of the p-1 of a loop at the root.
+    set bit (the root: every 2**k < p), if v + 2**k < p, the largest 2**k first (the farthest
+    child heads the biggest subtree: sending to it last would start that subtree late, 6 rounds
+    at p = 8 instead of 3). Every rank sends at most ceil(log2 p) messages; the whole broadcast
+    takes ceil(log2 p) rounds instead of the p-1 of a loop at the root.
     """
     raise NotImplementedError

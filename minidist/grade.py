@@ -147,6 +147,18 @@ def _explain(e: BaseException, verbose: bool) -> str:
     return "\n".join(shown)
 
 
+def _student_lines(e: BaseException, path: Path) -> list[str]:
+    """Where in the student's file ``e`` came from: ``exercises/NAME.py:LINE in FUNC: source`` for
+    each of its traceback's frames in that file (outermost first; a comprehension's frame on the same
+    line once); [] when none is there."""
+    target = os.path.realpath(path)
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.realpath(f.filename) == target]
+    frames = [f for k, f in enumerate(frames) if not k or f.lineno != frames[k - 1].lineno]
+    shown = Path(os.path.relpath(target))
+    shown = shown if not shown.parts or shown.parts[0] != ".." else path
+    return [f"{shown}:{f.lineno} in {f.name}: {(f.line or '').strip()}" for f in frames]
+
+
 TIMEOUT = 600.0  # seconds a task (or the import) may run before it is called a hang
 
 
@@ -159,8 +171,8 @@ def grade(name: str, student_file: str | None = None, verbose: bool = False,
     if not grader_path(name).exists():
         raise SystemExit(f"no grader for exercise {name!r}: expected {grader_path(name)}")
     grader = importlib.import_module(f"minidist.grading.{name}")
-    student = load_module(Path(student_file) if student_file else ROOT / "exercises" / f"{name}.py",
-                          f"student_{name}", timeout)
+    path = Path(student_file) if student_file else ROOT / "exercises" / f"{name}.py"
+    student = load_module(path, f"student_{name}", timeout)
     points = getattr(grader, "POINTS", {})
     passed = got = 0
     worth = sum(points.get(t, 1) for t in grader.CHECKS)
@@ -177,12 +189,15 @@ def grade(name: str, student_file: str | None = None, verbose: bool = False,
             verdict, detail = "FAIL", f"the code called {call} instead of returning"
         except NotImplementedError:
             verdict = "not written yet"
-        except AssertionError as e:
-            verdict, detail = "FAIL", _explain(e, verbose)
+        except AssertionError as e:  # the grader's check (or an assert in the student's code: say where)
+            where = _student_lines(e, path)[-1:]
+            verdict, detail = "FAIL", "\n".join(([f"AssertionError at {where[0]}"] if where else [])
+                                                + [_explain(e, verbose)])
             if verbose:
                 traceback.print_exc()
         except Exception as e:  # a crash in the student's code is a failed task, not a crashed grader
-            verdict, detail = "FAIL", f"{type(e).__name__}: {_explain(e, verbose)}"
+            verdict, detail = "FAIL", "\n".join([f"{type(e).__name__}: {_explain(e, verbose)}"]
+                                                + [f"  at {w}" for w in _student_lines(e, path)])
             if verbose:
                 traceback.print_exc()
         else:

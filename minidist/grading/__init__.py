@@ -18,6 +18,7 @@ import numpy as np
 from minidist.comm import CollectiveMismatch, CommTimeout, RankExited, run
 from minidist.grade import grade
 from minidist.grading.rendezvous import Deadlock, run_rendezvous
+from minidist.grading.rounds import RoundsComm
 
 
 class RanksHung(BaseException):
@@ -29,12 +30,15 @@ def run_guarded(body, ranks: int, wait_s: float = 10, rendezvous: bool = False):
     """``minidist.comm.run(body, ranks)`` with every wait bounded by ``wait_s`` seconds: a student's
     collective that leaves a rank waiting fails the task in seconds, not after the 300 s default.
     ``rendezvous=True``: sends complete only when the receive is posted (MPI's large messages), and
-    a cycle of waiting ranks fails at once, naming the cycle."""
+    a cycle of waiting ranks fails at once, naming the cycle; ``comm.rounds()`` then counts the
+    communication rounds this rank has taken part in (rounds.py)."""
     def guarded(comm):
         comm.timeout = wait_s
         return body(comm)
     try:
-        return run_rendezvous(guarded, ranks) if rendezvous else run(guarded, ranks=ranks)
+        if rendezvous:
+            return run_rendezvous(guarded, ranks, comm_class=RoundsComm)
+        return run(guarded, ranks=ranks)
     except Deadlock as e:
         raise RanksHung(str(e)) from None
     except (CommTimeout, RankExited, CollectiveMismatch) as e:  # would wait forever, caught early or not

@@ -180,13 +180,13 @@ class RendezvousComm(ThreadComm):
         self.world.wake_all()  # a sender waiting for this receive to be posted
         return recv
 
-
     def make_twin(self, name: str) -> RendezvousComm:  # collectives' private channels rendezvous too
         return RendezvousComm(self.world, (*self.ctx, "twin", name), self.members, self.rank, self.backend,
                               self.ledger)
 
 
-def run_rendezvous(fn, ranks: int, **kwargs) -> list:
+def run_rendezvous(fn, ranks: int, *, comm_class=RendezvousComm, **kwargs) -> list:
     """``minidist.comm.run(fn, ranks)`` on rendezvous threads: results by rank; a deadlock raises
-    :class:`Deadlock` naming the cycle of waiting ranks."""
-    return _run_threads(fn, ranks, None, kwargs, comm_class=RendezvousComm)
+    :class:`Deadlock` naming the cycle of waiting ranks. ``comm_class``: a subclass of
+    RendezvousComm (rounds.py's counts rounds too)."""
+    return _run_threads(fn, ranks, None, kwargs, comm_class=comm_class)
