@@ -9,7 +9,7 @@ dest)`` / ``comm.irecv(source)`` (each returns a request; ``.wait()`` finishes i
 returns the array), or ``comm.sendrecv(x, dest, source)`` -- not minidist's collectives (the grader
 reads the ledger and fails a task that calls one, or sends more than the ring's messages).
 
-Estimated time: 45 minutes
+Estimated time: 45 min
 
 Grade it:  python -m minidist.grade collective_matmul
 The grader runs your functions on 1..4 thread ranks with random shapes, compares them with the

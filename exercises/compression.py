@@ -7,6 +7,7 @@ A data-parallel step all-reduces every gradient entry. Two ways to send far less
 * **PowerSGD**: approximate the summed gradient matrix by rank r, with one step of power iteration
   whose two all-reduces carry (n + m)·r numbers instead of n·m.
 
+Estimated time: 45 min (top-k with error feedback 15 min, PowerSGD step 30 min)
 Grade it:  python -m minidist.grade compression
 The grader checks top-k against the spec on random gradients (exact sums, no entry lost), and your
 PowerSGD step on 1..3 thread ranks against a QR-based computation of the same projection.

@@ -4,6 +4,7 @@ A crash can happen at any instant -- in the middle of writing a file, between tw
 checkpoint is only useful if, whatever instant that was, the job restarts from a checkpoint that
 is whole. And a job restarted on another number of ranks must rebuild its shards from the old ones.
 
+Estimated time: 1 h (atomic save 35 min, resharded load 25 min)
 Grade it:  python -m minidist.grade fault_tolerance
 The grader crashes your save at every file operation in turn (open, write, fsync, rename, ...) and
 checks that what ``latest`` points to is always a whole checkpoint, old or new; and it reshards

@@ -4,7 +4,7 @@ A pipeline runs at the pace of its slowest stage; a data-parallel step waits for
 Given what was measured (seconds per layer, seconds per row on each rank), decide where the work
 goes. Both are small exact algorithms: get them right and the balancer is right.
 
-Estimated time: 45 minutes
+Estimated time: 45 min
 
 Grade it:  python -m minidist.grade load_balancing
 The grader compares your partition with a brute-force search over every contiguous cut, your

@@ -9,7 +9,7 @@ one. Two functions make that work, both on NumPy arrays (no autograd, no communi
 * ``merge_attention``: two such partial results (same queries, disjoint key sets) -> the result
   over the union of the keys, exactly as if they had been attended to together.
 
-Estimated time: 45 minutes
+Estimated time: 45 min
 
 Grade it:  python -m minidist.grade long_context
 The grader draws shapes, positions (so some queries see no key of a block) and splits of the keys,

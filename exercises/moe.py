@@ -4,7 +4,7 @@ A mixture-of-experts layer (lessons/15-moe.md) sends each token to k of E expert
 room for only C tokens (its capacity), so some assignments are dropped; and a loss term keeps the
 router from sending everything to a few experts. Both functions work on NumPy arrays.
 
-Estimated time: 40 minutes
+Estimated time: 40 min
 
 Grade it:  python -m minidist.grade moe
 The grader draws router probabilities, k and capacities (ties included) and checks your routing

@@ -5,7 +5,7 @@ model scores them all in one pass, giving its distributions p_1..p_{k+1}. Reject
 (Leviathan et al. 2023; Chen et al. 2023) decides which proposals survive so that every emitted
 token is distributed exactly as if the target had sampled it alone -- whatever the draft.
 
-Estimated time: 45 minutes (residual 10 min, verify 25 min, speed-up 10 min)
+Estimated time: 45 min (residual 10 min, verify 25 min, speed-up 10 min)
 Points: residual 2, verify 4, expected_speedup 1.
 Grade it:  python -m minidist.grade speculative
 The grader checks your rule round by round against the paper's, and draws thousands of rounds

@@ -2,6 +2,7 @@
 
 import ast
 import os
+import re
 import time
 from pathlib import Path
 
@@ -191,3 +192,29 @@ def test_the_grader_exit_status_tells_the_truth_about_a_broken_student_file(tmp_
         assert w in shown, (w, shown)
     if code == 2:
         assert out.stderr.strip().splitlines()[-1].startswith("minidist.grade: ")
+
+
+TIME = re.compile(r"\d+(\.\d+)?(-\d+)? h( \d+ min)?|\d+ min")  # "1.5 h", "2-3 h", "1 h 15 min", "45 min"
+
+
+def test_list_gives_every_exercise_a_time_in_one_unit_style(capsys):
+    from minidist.grade import main
+
+    times = {name: time for name, _, time, _ in listing()}
+    bad = {n: t for n, t in times.items() if not TIME.fullmatch(t)}
+    assert not bad, f"estimated times not in the style '45 min' / '1.5 h' / '1 h 15 min': {bad}"
+    main(["--list"])
+    out = capsys.readouterr().out
+    assert "minutes" not in out and "hours" not in out and " ? " not in out, out
+
+
+def test_readme_course_table_gives_each_exercise_its_files_time():
+    """The README's time column lists, in order, the estimate from each named exercise's docstring."""
+    from minidist.grade import header
+
+    rows = [line.split("|") for line in (ROOT / "README.md").read_text().splitlines()
+            if line.startswith("|") and "minidist.grade " in line]
+    assert rows
+    for cells in rows:
+        names = re.findall(r"minidist\.grade (\w+)", cells[4])
+        assert cells[5].strip() == ", ".join(header(n)[1] for n in names), cells
