@@ -13,7 +13,8 @@ the deliberately broken ones in ``BROKEN`` (must fail).
 
 A failed task prints what failed -- the example (world size, sizes, dtype, rank) and the first
 elements that differ, as the grader's message and hypothesis's falsifying example give them;
-``-v`` adds the traceback.
+a crash in the student's code (or a failed ``assert`` of their own) adds where in their file it
+happened, ``exercises/NAME.py:LINE in FUNC: source``, only their frames; ``-v`` adds the traceback.
 
 Exit status: 0 every task passed, 1 some failed, 2 the file could not be graded (missing, not
 Python, ends the process or hangs while imported, or a task still running after ``--timeout``
