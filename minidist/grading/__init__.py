@@ -3,12 +3,15 @@
 One module per exercise, ``minidist/grading/NAME.py``, holds ``CHECKS`` (task -> ``check(impl)``:
 property tests that raise AssertionError when ``impl.<task>`` is wrong), optionally ``POINTS``
 (task -> points), ``reference()`` (minidist's own answer: must get full marks) and ``BROKEN``
-(task -> realistic wrong versions: each must fail). CI proves both in tests/exercises/.
+(task -> realistic wrong versions: each must fail), optionally ``ACCEPTED`` (task -> other correct
+answers the spec allows: each must pass). CI proves them in tests/exercises/. Where a crash in
+the student's code happened (their file and line) is shown by the runner, minidist/grade.py.
 
 This file holds what every grader shares: running ranks with a bound on every wait
-(``run_guarded``; ``rendezvous=True`` for point-to-point exercises, see rendezvous.py), turning
-hung ranks into a failed check (``no_hang``), a comparison that teaches (``assert_close``: which
-rank, sizes, dtype, and the first elements that differ) and the CI tests (``grader_tests``).
+(``run_guarded``; ``rendezvous=True`` for point-to-point exercises, see rendezvous.py, with
+communication rounds counted, rounds.py), turning hung ranks into a failed check (``no_hang``),
+a comparison that teaches (``assert_close``: which rank, sizes, dtype, and the first elements
+that differ) and the CI tests (``grader_tests``).
 """
 
 from __future__ import annotations

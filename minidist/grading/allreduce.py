@@ -5,7 +5,11 @@ minidist's own algorithms (they must pass) and deliberately broken ones (they mu
 grader can't be silently toothless. ``python -m minidist.grade allreduce`` runs the same checks
 against a student's file. Every check runs on the rendezvous transport (a send completes only when
 the receive is posted, like MPI with large messages): a ring of blocking send-then-receive fails
-with the cycle of waiting ranks.
+with the cycle of waiting ranks. Each check also counts communication rounds (rounds.py: the ring
+2(p-1), the tree broadcast ceil(log2 p)) and fails a task that changes the caller's input. The
+ring's byte check holds for every convention (``ACCEPTED``: owning chunk r or r+1 after the
+reduce-scatter, running left or right): each rank sends 2N - |c_a| - |c_b| for the two chunks it
+never sends, all ranks together 2(p-1)N.
 """
 
 import types
