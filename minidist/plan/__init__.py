@@ -2,7 +2,7 @@
 
 * model.py    -- `ModelSpec`: shape, parameters, FLOPs, activation bytes (minidist's exact, Megatron's)
 * presets.py  -- GPT-3 175B, a 1T GPT, Llama-3 8B/70B/405B, PaLM 540B, a Gemini-like MoE; published runs
-* mesh.py     -- `Candidate` (dp, tp, pp, cp, ep, ZeRO, checkpointing, microbatch, schedule), `memory`
+* mesh.py     -- `Candidate` (dp, tp, pp, cp, ep, ZeRO, checkpointing, microbatch_size, schedule), `memory`
 * traffic.py  -- the collectives of one step per axis, bytes per rank (exact for minidist)
 * steptime.py -- compute, exposed communication per axis on its link, simulated bubble, MFU
 * search.py   -- enumerate, rank, explain

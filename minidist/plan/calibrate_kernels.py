@@ -120,7 +120,7 @@ def cold_factor(k: dict) -> float:
     spec = ModelSpec.of_gpt("whole", WHOLE_GPT)
     free = Link(1e30, 0.0)
     hw = Hardware("parts", 1e12, 1e12, 1e12, intra=free, inter=free, chips_per_domain=1, kernels=k)
-    return measured / predict(spec, Candidate(microbatch=WHOLE_ROWS), WHOLE_ROWS, hw).step
+    return measured / predict(spec, Candidate(microbatch_size=WHOLE_ROWS), WHOLE_ROWS, hw).step
 
 
 def python_costs() -> dict:

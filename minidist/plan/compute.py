@@ -21,7 +21,7 @@ OPS_HEAD = 5          # Head + cross-entropy
 def _stage_math(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int, settings: Settings) -> tuple:
     """(forward, backward) seconds of math for one microbatch through one stage (all its chunks)."""
     kinds = layer_kinds(model)
-    tokens = cand.microbatch * model.seq // cand.cp
+    tokens = cand.microbatch_size * model.seq // cand.cp
     flops = 0.0
     ops = 0
     for i in stage_layers(model, cand)[stage]:
@@ -58,7 +58,7 @@ def kernel_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int) -> 
     measured one at a time, in cache). One rank alone on a core; sharing the cores is `predict`'s
     business, but MPI processes' Python x `python_crowding` is this function's."""
     k = hw.kernels
-    h, s, b = model.d_model, model.seq // cand.cp, cand.microbatch
+    h, s, b = model.d_model, model.seq // cand.cp, cand.microbatch_size
     tokens, tp, d = b * s, cand.tp, model.head_dim
     lin_rate = k["linear_flops"]  # one BLAS thread per rank, as minidist runs its ranks
     kinds = layer_kinds(model)
@@ -99,6 +99,6 @@ def memory_bound_bytes(model: ModelSpec, cand: Candidate, stage: int, settings: 
     """Bytes the memory-bound ops move for one microbatch: each saved activation ~3 times."""
     kinds = layer_kinds(model)
     plain = cand.replace(checkpoint="none")
-    return 3.0 * sum(layer_activation(model, plain, kinds[i], i - 1, cand.microbatch, settings)
+    return 3.0 * sum(layer_activation(model, plain, kinds[i], i - 1, cand.microbatch_size, settings)
                      for i in stage_layers(model, cand)[stage])
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minidist.parallel.pipeline.runtime import make_schedule
 from minidist.parallel.pipeline.simulate import simulate
+from minidist.plan import schedules
 from minidist.plan.compute import (  # noqa: F401 - re-exported: the step's parts, where they were
     OPS_HEAD,
     OPS_PER_BLOCK,
@@ -77,6 +77,8 @@ class Prediction:
     tokens_per_s: float
     tflops_per_chip: float      # hardware FLOPs (recomputation counted) per chip per second / 1e12
     reason: str = ""            # set by the search: why it ranks below the first
+    microbatches: int = 0       # m: microbatches per replica per step (the lessons' --microbatches)
+    bubble_why: str = ""        # why the bubble is not the textbook (p-1)/(m+p-1) ("" when it is)
 
 
 
@@ -130,7 +132,8 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
             simulate_schedule: bool = True, cp_mode: str = "allgather") -> Prediction:
     """Memory, fit, step time and its breakdown for one candidate (see the module docstring);
     ``cp_mode``: context-parallel attention's traffic ("allgather", "ring", "ulysses": traffic.py)."""
-    m, v = cand.microbatches(batch), cand.chunks
+    m, sched = cand.microbatches(batch), schedules.get(cand.schedule)
+    v = sched.chunks or cand.chunks
     mem = memory(model, cand, batch, settings)
     stages = _stages(model, cand, batch, hw, settings, m, cp_mode)
     # the busiest stage sets the pace of every stage in the schedule
@@ -138,12 +141,21 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
     bwd = max(st.per_microbatch("backward", m) for st in stages)
     p2p = [c for c in stages[0].calls if c.axis == "pp"]
     p2p_time = collective_time(hw, cand, p2p[0]) if p2p else 0.0
-    if cand.pp > 1 and simulate_schedule:
-        sim = simulate(make_schedule(cand.schedule, cand.pp, m, v), fwd / v, bwd / v, p2p_time)
+    # a split backward: B (the input's gradient) and W (the weights'), the same matmul FLOPs each
+    b_in, b_w = (bwd / 2, bwd / 2) if sched.split else (bwd, 0.0)
+    lists = schedules.build(cand.schedule, cand.pp, m, v) if cand.pp > 1 and simulate_schedule else None
+    if lists is not None:
+        sim = simulate(lists, fwd / v, bwd / v, p2p_time, input_time=b_in / v, weight_time=b_w / v,
+                       buffered_sends=sched.split)
         makespan, bubble = sim.makespan, sim.bubble
-    else:  # the textbook bubble (p-1)/(v·m+p-1): a quick estimate while searching
-        makespan = (m + (cand.pp - 1) / v) * (fwd + bwd)
-        bubble = (cand.pp - 1) / (v * m + cand.pp - 1)
+    else:  # the schedule's formula (`minidist.plan.schedules`): a quick estimate while searching
+        idle = sched.bubble(cand.pp, m, fwd, b_in, b_w, v) if cand.pp > 1 else 0.0
+        makespan = m * (fwd + bwd) + idle
+        bubble = idle / makespan
+    why = [_why_formula(sched, cand.pp, m, v, fwd, b_in, b_w)] if cand.pp > 1 else []
+    if lists is not None and abs(bubble - sched.bubble_fraction(cand.pp, m, fwd, b_in, b_w, v)) > 0.005:
+        why.append(f"the simulated schedule gives {bubble:.1%} (point-to-point sends of "
+                   f"{p2p_time * 1e3:.3g} ms, warm-up and cool-down as the lists run them)")
     busy = m * (fwd + bwd)
     slow, comm_slow = rank_slowdown(hw, cand.chips), comm_slowdown(hw, cand.chips)
     if slow > 1:  # every rank's work (its math, Python and messages) runs slower; idle time (bubble,
@@ -152,6 +164,8 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
                        for ph in ("forward", "backward"))
         bubble *= makespan / (busy + idle)
         makespan = busy + idle
+        why.append(f"{cand.chips} ranks share this machine's cores: each rank's work runs {slow:.2g}x "
+                   f"slower and its waits do not (a waiting rank's core runs the others' work): {bubble:.1%}")
     if hw.gil and hw.kernels is not None and model.engine == "minidist":
         # thread ranks: one GIL, so all ranks' Python runs one after another, however many cores
         ranks_per_stage = cand.dp * cand.tp * cand.cp
@@ -160,6 +174,8 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
         if gil > makespan:
             bubble *= makespan / gil
             makespan = gil
+            why.append(f"thread ranks share one GIL: all {cand.chips} ranks' Python runs one after another "
+                       f"and fills the waits: {bubble:.1%}")
     dp = comm_slow * max(st.axis("dp") for st in stages)
     # DP traffic starts in the last microbatch's backward; ZeRO-3's gathers hide under all of compute.
     # Not when the ranks share too few cores: copying and reducing is work that takes its turn with the rest
@@ -179,4 +195,27 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
     compute = slow * m * max(st.fwd + st.bwd for st in stages)
     return Prediction(cand, mem, mem["total"] <= hw.hbm_bytes, step, compute, comm, bubble * makespan, bubble,
                       model_flops / (cand.chips * hw.peak_flops * step), tokens / step,
-                      model_flops * recompute / cand.chips / step / 1e12)
+                      model_flops * recompute / cand.chips / step / 1e12, microbatches=m,
+                      bubble_why=explain_bubble(cand.pp, m, v if sched.name == "interleaved" else 1, bubble,
+                                                why))
+
+
+def _why_formula(sched, p: int, m: int, v: int, F: float, B: float, W: float) -> str:
+    """The schedule's own formula when it is not the textbook's, with the costs it was given."""
+    got = sched.bubble_fraction(p, m, F, B, W, v)
+    if sched.name in ("gpipe", "1f1b", "interleaved"):
+        return ""
+    costs = f"F {F * 1e3:.3g} ms, B {B * 1e3:.3g} ms, W {W * 1e3:.3g} ms per microbatch and stage"
+    note = f", {sched.approximate}" if sched.approximate else ""
+    return f"{sched.title} idles only {got:.1%} by its formula ({costs}{note})"
+
+
+def explain_bubble(p: int, m: int, v: int, bubble: float, why: list) -> str:
+    """'' when the predicted bubble is the textbook (p-1)/(v·m+p-1) (within half a point), else one line:
+    the two values and each reason, in the order the model applies them."""
+    book = schedules.textbook(p, m, v)
+    if p == 1 or abs(bubble - book) <= 0.005:
+        return ""
+    formula = f"(p-1)/({'v·' if v > 1 else ''}m+p-1) = {p - 1}/{v * m + p - 1} = {book:.1%}"
+    reasons = "; ".join(w for w in why if w) or "rounding"
+    return f"bubble {bubble:.1%}, not the textbook {formula}, because {reasons}"
