@@ -47,6 +47,14 @@ class ScheduleModel:
     split: bool = False        # runs each backward as B then W
     chunks: int | None = None  # model chunks per stage it always uses (None: the candidate's)
     approximate: str = ""      # what its formula leaves out, if it is not the paper's exact one
+    per_stage: Callable | None = None  # (p, m, v, s) -> stage s's peak, where the paper gives one
+
+    def stage_peak(self, p: int, m: int, v: int, s: int) -> float | None:
+        """Stage s's peak activations (M_B): the per-stage formula, or for stage 0 (the fullest) the
+        schedule's peak; None where the formula says nothing about that stage."""
+        if self.per_stage is not None:
+            return self.per_stage(p, m, v, s)
+        return self.peak(p, m, v) if s == 0 else None
 
     def bubble_fraction(self, p: int, m: int, F: float = 1.0, B: float = 1.0, W: float = 1.0,
                         v: int = 1) -> float:
@@ -55,12 +63,17 @@ class ScheduleModel:
         return idle / (idle + m * (F + B + W))
 
 
-def interleaved_peak(p: int, m: int, v: int) -> float:
-    """Megatron-LM's interleaved 1F1B on stage 0: 2(p-1) + (v-1)p warm-up forwards of one chunk each
-    (all m·v when m = p), plus the steady state's first forward; a chunk holds 1/v of M_B."""
+def interleaved_peak(p: int, m: int, v: int, s: int = 0) -> float:
+    """Megatron-LM's interleaved 1F1B on stage s: 2(p-s-1) + (v-1)p warm-up forwards of one chunk
+    each (all m·v when m = p), plus the steady state's first forward; a chunk holds 1/v of M_B."""
     if m == p:
         return m
-    return min(m * v, 2 * (p - 1) + (v - 1) * p + 1) / v
+    return min(m * v, 2 * (p - s - 1) + (v - 1) * p + 1) / v
+
+
+def _one_f_one_b_stage(p, m, v, s):
+    """1F1B (and ZB-H1, which keeps its in-flight limit): stage s holds min(m, p - s)."""
+    return min(m, p - s)
 
 
 def _dualpipe(p, m, F, B, W, v):
@@ -69,13 +82,14 @@ def _dualpipe(p, m, F, B, W, v):
 
 
 SCHEDULES = {s.name: s for s in (
-    ScheduleModel("gpipe", "GPipe", lambda p, m, F, B, W, v: (p - 1) * (F + B + W), lambda p, m, v: m),
+    ScheduleModel("gpipe", "GPipe", lambda p, m, F, B, W, v: (p - 1) * (F + B + W), lambda p, m, v: m,
+                  per_stage=lambda p, m, v, s: m),
     ScheduleModel("1f1b", "1F1B", lambda p, m, F, B, W, v: (p - 1) * (F + B + W),
-                  lambda p, m, v: min(m, p)),
+                  lambda p, m, v: min(m, p), per_stage=_one_f_one_b_stage),
     ScheduleModel("interleaved", "interleaved 1F1B", lambda p, m, F, B, W, v: (p - 1) * (F + B + W) / v,
-                  interleaved_peak),
+                  interleaved_peak, per_stage=interleaved_peak),
     ScheduleModel("zb_h1", "ZB-H1", lambda p, m, F, B, W, v: max(0.0, (p - 1) * (F + B - W)),
-                  lambda p, m, v: min(m, p), split=True),
+                  lambda p, m, v: min(m, p), split=True),  # stage 0 only: later stages keep more W's
     ScheduleModel("zb_h2", "ZB-H2", lambda p, m, F, B, W, v: max(0.0, (p - 1) * (F + B - 2 * W)),
                   lambda p, m, v: min(m, 2 * p - 1), split=True),
     ScheduleModel("zb_v", "ZB-V", lambda p, m, F, B, W, v: max(0.0, (p - 1) * (F + B - 2 * W)),
