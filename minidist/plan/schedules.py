@@ -146,3 +146,16 @@ def on_shared_cores(model: ScheduleModel, p: int, m: int, slowdown: float, F: fl
     (p-1) / (slowdown·m + p-1)."""
     idle = model.bubble(p, m, F, B, W, v) if p > 1 else 0.0
     return idle / (idle + max(1.0, slowdown) * m * (F + B + W))
+
+
+def this_machine(name: str, p: int, m: int, ranks: int, cores: int, v: int = 1) -> tuple[float, str]:
+    """(bubble, one line) the planner predicts for schedule `name` when `ranks` ranks share `cores`
+    cores (`on_shared_cores` with slowdown ranks / cores, F = B = W): what a lesson prints beside the
+    textbook formula, so the two can be compared honestly on a crowded machine."""
+    sched = get(name)
+    s = max(1.0, ranks / max(cores, 1))
+    idle, work = sched.bubble(p, m, 1.0, 1.0, 1.0, v) if p > 1 else 0.0, 3.0 * m
+    value = on_shared_cores(sched, p, m, s, v=v)
+    return value, (f"planner's bubble for this machine: {value:.3f} = idle / (idle + s·m(F+B+W)) = "
+                   f"{idle:g}/({idle:g} + {s:g}·{work:g}) with F = B = W and s = ranks/cores = "
+                   f"{ranks}/{cores} (each rank's work runs s times slower, its waits do not)")
