@@ -53,6 +53,17 @@ class Candidate:
     schedule: str = "1f1b"        # a name in `minidist.plan.schedules.SCHEDULES`: "1f1b", "zb_h1", ...
     chunks: int = 1               # model chunks per stage (interleaved; the V schedules always use 2)
 
+    def __post_init__(self):
+        """The schedule by its registry name ('zb-h1' -> 'zb_h1'; an unknown one is a ValueError listing
+        the known); a V schedule's two chunks per stage filled in, any other count refused."""
+        model = schedules.get(self.schedule)
+        object.__setattr__(self, "schedule", model.name)
+        if model.chunks and self.chunks != model.chunks:
+            if self.chunks != 1:
+                raise ValueError(f"Candidate: {model.name} runs {model.chunks} chunks per stage, got "
+                                 f"chunks={self.chunks}; leave chunks out or use chunks={model.chunks}")
+            object.__setattr__(self, "chunks", model.chunks)
+
     @property
     def chips(self) -> int:
         return self.dp * self.tp * self.pp * self.cp

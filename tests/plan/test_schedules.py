@@ -100,3 +100,12 @@ def test_dualpipe_holds_two_copies_of_the_parameters():
     two = memory(GPT, Candidate(pp=4, schedule="dualpipe"), 8)
     n, _ = stage_param_counts(GPT, Candidate(pp=4), two["stage"])
     assert (two["params"], two["optimizer"]) == (2 * 2 * n, 2 * 12 * n)
+
+
+def test_a_candidate_names_its_schedule_as_the_registry_does():
+    assert Candidate(pp=2, schedule="zb-h1").schedule == "zb_h1"
+    assert Candidate(pp=2, schedule="zb_v").chunks == 2  # the V runs two chunks per stage
+    with pytest.raises(ValueError, match="zb_v runs 2 chunks per stage, got chunks=4"):
+        Candidate(pp=2, schedule="zb_v", chunks=4)
+    with pytest.raises(ValueError, match="unknown pipeline schedule '2f2b'"):
+        Candidate(pp=2, schedule="2f2b")
