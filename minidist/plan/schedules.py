@@ -36,6 +36,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from minidist.parallel.pipeline.runtime import make_schedule
+from minidist.parallel.pipeline.schedule import ScheduleError
+
 
 @dataclass(frozen=True)
 class ScheduleModel:
@@ -125,9 +128,6 @@ def build(name: str, p: int, m: int, v: int = 1):
     """Schedule `name`'s instruction lists from the runtime (`make_schedule`), or None while the
     runtime has no builder for it (the planner then uses the formulas). A schedule that exists but
     cannot run these p, m (too few microbatches) raises its ScheduleError."""
-    from minidist.parallel.pipeline.runtime import make_schedule
-    from minidist.parallel.pipeline.schedule import ScheduleError
-
     key = canonical(name)
     for spelling in dict.fromkeys((key, key.replace("_", "-"))):
         try:
