@@ -49,10 +49,11 @@ def test_time_fbw_runs_the_weight_gradients_in_w():
     ("1f1b", Costs(1, 2, 0), 0.5, 3 * 3 + 0.5),   # (m+p-1)(F+B+W), p = 2, m = 2, + the update
     ("gpipe", Costs(1, 2, 0), 0.0, 5 * 3),        # p = 2, m = 4: (4+1) x 3
     ("zb_h1", Costs(1, 1, 1), 0.0, 3 * 4 + 1),    # p = 2, m = 4, F = B = W: 3m + p - 1
+    ("1f1b", Costs(1, 1.5, 0.5), 0.0, 11 * 3),    # p = 4, m = 8: (8+3)(1+2), B + W as one backward
 ])
 def test_predicted_step_is_the_hand_makespan(name, costs, opt, want):
-    m = 2 if name == "1f1b" else 4
-    assert predict_step(make_schedule(name, 2, m), costs, opt_time=opt).makespan == pytest.approx(want)
+    p, m = (4, 8) if costs.B == 1.5 else (2, 2 if name == "1f1b" else 4)
+    assert predict_step(make_schedule(name, p, m), costs, opt_time=opt).makespan == pytest.approx(want)
 
 
 def test_the_busiest_stage_is_the_one_with_most_work():
