@@ -129,7 +129,7 @@ def measure(comm, cfg, ids, tgt, m: int, args) -> dict:
         step = float(np.median([max(g[0][s] for g in gathered) for s in range(1, args.steps)]))
         sim = predict_step(lists, costs if sched.split else Costs(costs.F, costs.backward, 0.0), v,
                            opt_time=opt)
-        ran = busiest([in_run_costs(g[1]) for g in gathered])
+        ran = busiest([in_run_costs(g[1], v) for g in gathered])
         again = predict_step(lists, ran, v, opt_time=opt).makespan
         out["rows"].append({"sched": sched, "v": v, "step": step, "pred": sim.makespan, "pred_run": again,
                             "bubble": trace.median_bubble([g[1] for g in gathered], skip=1, names=BUSY),
@@ -137,9 +137,10 @@ def measure(comm, cfg, ids, tgt, m: int, args) -> dict:
     return out
 
 
-def in_run_costs(steps: list) -> Costs:
-    """One stage's F, B, W as its own run timed them (mean span of each, steps after the first; a
-    whole Backward counts as B): what the costs timed before the run became under the run's load."""
+def in_run_costs(steps: list, v: int = 1) -> Costs:
+    """One stage's F, B, W as its own run timed them (mean span of each, steps after the first, x v
+    chunks a span of one chunk; a whole Backward counts as B): what the costs timed before the run
+    became under the run's load."""
     spans = {}
     for events in steps[1:]:
         for e in events:
@@ -147,7 +148,8 @@ def in_run_costs(steps: list) -> Costs:
 
     def mean(name):
         return float(np.mean(spans[name])) if name in spans else 0.0
-    return Costs(mean("Forward"), mean("BackwardInput") or mean("Backward"), mean("BackwardWeight"))
+    B = mean("BackwardInput") or mean("Backward")
+    return Costs(v * mean("Forward"), v * B, v * mean("BackwardWeight"))
 
 
 def formula_bubble(sched, p, m, v, c: Costs) -> float:
