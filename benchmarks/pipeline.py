@@ -1,21 +1,30 @@
-"""Pipeline bubble, measured: 2 MPI ranks (pp=2, one per core), m = 1, 2, 4, 8, 16 microbatches.
+"""Pipeline schedules measured against their formulas and against the simulator's prediction.
 
-    mpirun -n 2 python benchmarks/pipeline.py            # (or plain `python benchmarks/pipeline.py`:
-                                                         #  it relaunches itself under mpirun -n 2)
+    python benchmarks/pipeline.py                 # p = 2 and 4 under mpirun (one process a stage),
+                                                  # p = 8 simulated; m = 4, 8, 16; ~2-3 min
+    python benchmarks/pipeline.py --quick         # p = 2, m = 4, a tiny GPT on thread ranks (seconds)
+    python benchmarks/pipeline.py --transport threads --stages 2 4
 
-For each m: the measured bubble (idle share of 2 ranks x step time, forward/backward busy; median over
-steps after a warm-up) beside (p-1)/(m+p-1), and the pipelined step time beside the single-process step
-(rank 0 alone: forward + backward + update of the whole GPT on the same global batch). The model is
-cut by per-layer time measured at each microbatch size (`partition_balanced`): the formula assumes
-equal stages. The machine's load average is printed: other processes on the cores inflate waits.
-Targets (issue 14), MET / MISSED for each m in 4..16: measured bubble within 0.05 of the formula, and
-the speed-up over one process within 15% of the ideal m/(m+p-1) x p. Prints the CPU, the BLAS kernel
-and the load average; exits nonzero on a miss only with --strict.
+For each p and m, every schedule the runtime can build (`minidist.plan.schedules.SCHEDULES`:
+1F1B, GPipe, interleaved with 2 chunks, ZB-H1, and ZB-H2 / ZB-V / DualPipe(V) once they have
+builders) trains the same GPT for a few steps (AdamW, one model copy a stage, uniform cut). Before
+the runs each stage times its own F, B and W (`minidist.plan.pipeline_costs.time_fbw`: forward,
+`backward_input`, the weight-gradient queue) and its optimizer step, all stages at once (the cores
+shared as in the run). Each row prints:
 
-Zero bubble (issue 31): the simulator's bubble for 1F1B and ZB-H1 with F = B = W at p = 2, 4 and
-m = 4, 8 beside their formulas (p-1)/(m+p-1) and (p-1)/(3m+p-1) (MET within 0.05), then ZB-H1 run
-on the same 2 ranks at m = 4, 8: measured bubble beside its formula and the step time over 1F1B's
-(MET when ZB-H1 is not slower than 1F1B by more than 5%).
+* bubble: measured (idle share of stages x step, F/B/W busy; median over steps after the first)
+  beside the schedule's formula at the measured F, B, W (`ScheduleModel.bubble_fraction`) and the
+  simulator's at the same costs -- MET when the measurement is within 0.05 of the formula;
+* peak activations per stage, in microbatches (`StepStats.peak_activation_bytes` over the bytes one
+  microbatch saves there) beside the formula (`ScheduleModel.stage_peak`) -- MET within 10%
+  (the zero-bubble ones: at most 10% over: their formula is a bound, W keeps less than B frees);
+* step time: measured (median over steps, the slowest stage) beside `predict_step` (the simulator on
+  the busiest stage's F, B, W plus the optimizer step) -- MET within 15% -- and the speed-up over
+  1F1B, measured and predicted; `pred(run)`: the simulator again on the F, B, W the run's own trace
+  timed (each span's mean), telling a cost that changed under load from a schedule model that is off.
+
+p = 8 is simulated only: the p = largest-run stage costs scaled to 8 stages' share of the layers.
+Prints the CPU, BLAS and load average (bench_env); exits nonzero on a miss only with --strict.
 """
 
 from __future__ import annotations
@@ -32,134 +41,228 @@ from minidist import trace
 from minidist.comm import run, under_mpi
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.optim import AdamW
-from minidist.parallel.pipeline.runtime import format_partition, layer_costs
-from minidist.parallel.pipeline.schedule import one_f_one_b
-from minidist.parallel.pipeline.simulate import bubble_formula, simulate
-from minidist.parallel.pipeline.zero_bubble import zb_h1, zb_h1_bubble_formula
-from minidist.parallel.three_d import train_3d
+from minidist.parallel.pipeline.runtime import PipelineStage, partition_uniform, run_schedule
+from minidist.parallel.pipeline.simulate import peak_activations
+from minidist.plan import schedules
+from minidist.plan.pipeline_costs import Costs, busiest, predict_step, stage_input, time_fbw
 
-BUBBLE_SLACK, SPEEDUP_SLACK, ZB_SLOWER = 0.05, 0.15, 0.05
+BUBBLE_SLACK, MEMORY_SLACK, STEP_SLACK = 0.05, 0.10, 0.15
 BUSY = ("Forward", "Backward", "BackwardInput", "BackwardWeight")
 
 
-def simulated_zero_bubble(targets) -> None:
-    """1F1B and ZB-H1 simulated with F = B = W = 1 (1F1B's backward is B + W = 2) beside their formulas."""
-    print(f"\n{'p':>2} {'m':>3} {'1F1B sim':>8} {'formula':>8}   {'ZB-H1 sim':>9} {'(p-1)/(3m+p-1)':>14}")
-    for p in (2, 4):
-        for m in (4, 8):
-            ob = simulate(one_f_one_b(p, m), fwd_time=1, bwd_time=2).bubble
-            zb = simulate(zb_h1(p, m), fwd_time=1, input_time=1, weight_time=1, buffered_sends=True).bubble
-            print(f"{p:>2} {m:>3} {ob:>8.3f} {bubble_formula(p, m):>8.3f}   {zb:>9.3f} "
-                  f"{zb_h1_bubble_formula(p, m):>14.3f}")
-            targets.check(f"p = {p}, m = {m}: |1F1B sim - formula|", abs(ob - bubble_formula(p, m)), "<=",
-                          BUBBLE_SLACK)
-            targets.check(f"p = {p}, m = {m}: |ZB-H1 sim - formula|", abs(zb - zb_h1_bubble_formula(p, m)),
-                          "<=", BUBBLE_SLACK)
+def runnable(p: int, m: int, n_layers: int) -> list[tuple]:
+    """(model, chunks, instruction lists) of each schedule the runtime builds for p stages, m microbatches."""
+    out = []
+    for sched in schedules.SCHEDULES.values():
+        v = sched.chunks or (2 if sched.name == "interleaved" else 1)
+        if v * p > n_layers:
+            continue
+        try:
+            lists = schedules.build(sched.name, p, m, v)
+        except ValueError:  # ScheduleError: too few microbatches for it
+            continue
+        if lists is not None:
+            out.append((sched, v, lists))
+    return out
 
 
-def timed_run(comm, cfg, batches, m, schedule, costs, args):
-    """One run under `schedule`: (on rank 0 (bubble, median step seconds), else None; the result)."""
-    tracer = trace.Tracer(comm.rank)
-    marks, clock = [0], [time.perf_counter()]
+def timed_steps(comm, stage, instructions, xs, ys, steps: int):
+    """Per step: this rank's seconds, its events; and the last step's StepStats."""
+    opt = AdamW(stage.parameters(), lr=1e-4)
 
-    def mark(step, stats):
-        marks.append(len(tracer.events))
-        clock.append(time.perf_counter())
-    comm.barrier()
-    with trace.tracing(tracer):
-        result = train_3d(comm, cfg, batches, pp=2, microbatches=m, schedule=schedule, lr=1e-3,
-                          optimizer="adamw", layer_costs=costs, on_step=mark)
-    steps = [tracer.events[marks[s]:marks[s + 1]] for s in range(args.steps)]  # warm-up included
-    everyone = comm.gather_obj(steps, root=0)
-    times = np.diff(clock)[1:]  # this rank's step-to-step time: the pipeline's throughput
-    if comm.rank != 0:
-        return None, result
-    return (trace.median_bubble(everyone, skip=1, names=BUSY), float(np.median(times))), result
-
-
-def serial_step_time(cfg, batches) -> float:
-    model = GPT(cfg)
-    opt = AdamW(model.parameters(), lr=1e-3)
-    times = []
-    for x, y in batches:
-        t = time.perf_counter()
-        model.loss(x, y).backward()
+    def update():
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times[1:]))
+    tracer, times, events, stats = trace.Tracer(comm.rank), [], [], None
+    for _ in range(steps):
+        comm.barrier()  # every step starts together, as the simulated one does
+        start, t0 = len(tracer.events), time.perf_counter()
+        with trace.tracing(tracer):
+            stats = run_schedule(stage, comm, instructions, xs, ys, optimizer_step=update)
+        times.append(time.perf_counter() - t0)
+        events.append(tracer.events[start:])
+    return times, events, stats
+
+
+def optimizer_seconds(stage, repeats: int = 3) -> float:
+    opt = AdamW(stage.parameters(), lr=1e-4)
+    ts = []
+    for _ in range(repeats):
+        for p in stage.parameters():
+            p.grad = np.zeros_like(p.data)
+        t0 = time.perf_counter()
+        opt.step()
+        ts.append(time.perf_counter() - t0)
+    for p in stage.parameters():
+        p.grad = None
+    return float(np.median(ts))
+
+
+def measure(comm, cfg, ids, tgt, m: int, args) -> dict:
+    """One m on these p ranks: each stage's F, B, W and update, then every runnable schedule timed."""
+    p, rank = comm.size, comm.rank
+    rows = len(ids) // m
+    model = GPT(cfg)
+    n = len(list(model))
+    bounds = partition_uniform(n, p)
+    stage = PipelineStage(model, bounds, rank, p)
+    x = stage_input(model, bounds[rank][0], ids[:rows])
+    comm.barrier()
+    mine = (time_fbw(stage, x, tgt[:rows], repeats=args.repeats), optimizer_seconds(stage))
+    everyone = comm.allgather_obj(mine)
+    costs, opt = busiest([c for c, _ in everyone]), max(o for _, o in everyone)
+    xs, ys = np.split(ids, m), np.split(tgt, m)
+    out = {"costs": [c for c, _ in everyone], "opt": opt, "rows": []}
+    for sched, v, lists in runnable(p, m, n):
+        st = PipelineStage(GPT(cfg), partition_uniform(n, p * v), rank, p)
+        first = any(st.is_first(c) for c in range(v))
+        last = any(st.is_last(c) for c in range(v))
+        times, events, stats = timed_steps(comm, st, lists[rank], xs if first else None, ys if last else None,
+                                           args.steps)
+        one_mb = sum(b for (mb, _), b in stats.activation_bytes.items() if mb == 0)
+        # microbatches held at the peak: bytes over one microbatch's; v chunks saving unequal bytes
+        # (the embedding's chunk beside a block's): the (mb, chunk) pairs held, v to a microbatch
+        held = stats.peak_activation_bytes / max(one_mb, 1) if v == 1 else stats.peak_microbatches / v
+        gathered = comm.gather_obj((times, events, held), root=0)
+        if rank != 0:
+            continue
+        step = float(np.median([max(g[0][s] for g in gathered) for s in range(1, args.steps)]))
+        sim = predict_step(lists, costs if sched.split else Costs(costs.F, costs.backward, 0.0), v,
+                           opt_time=opt)
+        ran = busiest([in_run_costs(g[1], v) for g in gathered])
+        again = predict_step(lists, ran, v, opt_time=opt).makespan
+        out["rows"].append({"sched": sched, "v": v, "step": step, "pred": sim.makespan, "pred_run": again,
+                            "bubble": trace.median_bubble([g[1] for g in gathered], skip=1, names=BUSY),
+                            "sim_bubble": sim.bubble, "held": [g[2] for g in gathered]})
+    return out
+
+
+def in_run_costs(steps: list, v: int = 1) -> Costs:
+    """One stage's F, B, W as its own run timed them (mean span of each, steps after the first, x v
+    chunks a span of one chunk; a whole Backward counts as B): what the costs timed before the run
+    became under the run's load."""
+    spans = {}
+    for events in steps[1:]:
+        for e in events:
+            spans.setdefault(e["name"], []).append(e["t1"] - e["t0"])
+
+    def mean(name):
+        return float(np.mean(spans[name])) if name in spans else 0.0
+    B = mean("BackwardInput") or mean("Backward")
+    return Costs(v * mean("Forward"), v * B, v * mean("BackwardWeight"))
+
+
+def formula_bubble(sched, p, m, v, c: Costs) -> float:
+    return sched.bubble_fraction(p, m, c.F, c.B, c.W, v) if sched.split else \
+        sched.bubble_fraction(p, m, c.F, c.backward, 0.0, v)
+
+
+def report(p: int, m: int, res: dict, targets) -> None:
+    c = busiest(res["costs"])
+    per = " ".join(f"{k.F * 1e3:.1f}/{k.B * 1e3:.1f}/{k.W * 1e3:.1f}" for k in res["costs"])
+    print(f"\np = {p}, m = {m}: F/B/W ms per stage {per}; optimizer {res['opt'] * 1e3:.1f} ms")
+    print(f"{'schedule':<12} {'bubble':>6} {'formula':>7} {'sim':>5}      {'held per stage / formula':<34}"
+          f"      {'step ms':>7} {'pred':>6} {'ratio':>5}      {'vs 1F1B':>7} {'pred':>5}  {'pred(run)':>9}")
+    base = next((r for r in res["rows"] if r["sched"].name == "1f1b"), None)
+    for r in res["rows"]:
+        s, v = r["sched"], r["v"]
+        f = formula_bubble(s, p, m, v, c)
+        held = []
+        ok_mem = True
+        for stage, got in enumerate(r["held"]):
+            want = s.stage_peak(p, m, v, stage)
+            held.append(f"{got:.1f}/{'?' if want is None else f'{want:g}'}")
+            if want is not None:  # a split schedule's formula is a bound: W keeps less than B frees
+                bound = got <= want * (1 + MEMORY_SLACK)
+                ok_mem &= bound if s.split else abs(got - want) <= MEMORY_SLACK * want
+        ok_b = abs(r["bubble"] - f) <= BUBBLE_SLACK
+        ratio = r["step"] / r["pred"]
+        ok_t = abs(ratio - 1) <= STEP_SLACK
+        speed = f"{base['step'] / r['step']:>6.2f}x {base['pred'] / r['pred']:>5.2f}x" if base else ""
+        name = s.name + (f"x{v}" if s.name == "interleaved" else "")
+        print(f"{name:<12} {r['bubble']:>6.3f} {f:>7.3f} {r['sim_bubble']:>5.3f} {_mark(ok_b)}  "
+              f"{' '.join(held):<34} {_mark(ok_mem)}  {r['step'] * 1e3:>7.1f} {r['pred'] * 1e3:>6.1f} "
+              f"{ratio:>5.2f} {_mark(ok_t)}  {speed}  {r['pred_run'] * 1e3:>9.1f}")
+        for ok, what in ((ok_b, "bubble"), (ok_mem, "memory"), (ok_t, "step time")):
+            if not ok:
+                targets.missed.append(f"p={p} m={m} {name} {what}")
+
+
+def _mark(ok: bool) -> str:
+    return "MET   " if ok else "MISSED"
+
+
+def simulated(p_run: int, res_by_m: dict, p: int = 8) -> None:
+    """p = 8 from the run's stage costs: each of 8 stages holds p_run/8 of the layers a run's stage held."""
+    print(f"\np = {p}, simulated (stage costs of the p = {p_run} run x {p_run}/{p}):")
+    print(f"{'m':>3} {'schedule':<12} {'sim bubble':>10} {'formula':>7}  {'held stage 0':>12} "
+          f"{'formula':>7}  {'pred ms':>8} {'vs 1F1B':>7}")
+    for m, res in res_by_m.items():
+        c = busiest(res["costs"])
+        c = Costs(c.F * p_run / p, c.B * p_run / p, c.W * p_run / p)
+        base = None
+        for sched, v, lists in runnable(p, m, p * 2):
+            sim = predict_step(lists, c if sched.split else Costs(c.F, c.backward, 0.0), v,
+                               opt_time=res["opt"])
+            base = sim.makespan if sched.name == "1f1b" else base
+            held = peak_activations(lists[0]) / v
+            name = sched.name + (f"x{v}" if sched.name == "interleaved" else "")
+            print(f"{m:>3} {name:<12} {sim.bubble:>10.3f} {formula_bubble(sched, p, m, v, c):>7.3f}  "
+                  f"{held:>12g} {sched.peak(p, m, v):>7g}  {sim.makespan * 1e3:>8.1f} "
+                  f"{(base or sim.makespan) / sim.makespan:>6.2f}x")
 
 
 def bench(comm, args):
-    if comm.size != 2:
-        raise SystemExit("run on 2 ranks: mpirun -n 2 python benchmarks/pipeline.py")
     cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=4, d_model=args.width)
     rng = np.random.default_rng(0)
-    batches = [(rng.integers(0, 256, (args.batch, args.seq)), rng.integers(0, 256, (args.batch, args.seq)))
-               for _ in range(args.steps)]
+    ids, tgt = (rng.integers(0, 256, (args.batch, args.seq)) for _ in range(2))
     if comm.rank == 0:
         from bench_env import print_machine
 
         print_machine()
-        print(f"GPT {cfg.n_layer} blocks, d_model {cfg.d_model}, seq {cfg.block_size}, "
-              f"global batch {args.batch}; 2 MPI ranks, pp=2, 1F1B; "
-              f"median of {args.steps - 1} steps after a warm-up "
-              f"(load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
-    rows, zb_rows = [], []
-    for m in args.microbatches:  # the serial step is re-measured beside each m: the machine's load drifts
-        serial = serial_step_time(cfg, batches) if comm.rank == 0 else None
-        mb = batches[0][0][: args.batch // m]  # layer times at this microbatch size, shared by rank 0
-        costs = comm.bcast_obj(layer_costs(GPT(cfg), mb, by="time") if comm.rank == 0 else None)
-        measured, result = timed_run(comm, cfg, batches, m, "1f1b", costs, args)
-        if comm.rank == 0 and args.verbose:
-            print(f"m={m} partition:\n" + format_partition(result.bounds, costs, " s"))
-        if m in (4, 8):
-            zb, _ = timed_run(comm, cfg, batches, m, "zb-h1", costs, args)
-            if comm.rank == 0:
-                zb_rows.append((m, zb[0], zb_h1_bubble_formula(2, m), zb[1], measured[1]))
-        if comm.rank == 0:
-            rows.append((m, measured[0], bubble_formula(2, m), measured[1], serial))
-    if comm.rank == 0:
-        print(f"{'m':>3} {'bubble measured':>15} {'(p-1)/(m+p-1)':>13} {'diff':>6}   {'step ms':>8} "
-              f"{'serial ms':>9} {'speedup':>7}")
-        for m, b, f, t, serial in rows:
-            print(f"{m:>3} {b:>15.3f} {f:>13.3f} {b - f:>+6.3f}   {t * 1e3:>8.1f} {serial * 1e3:>9.1f} "
-                  f"{serial / t:>7.2f}x")
-        from bench_env import Targets
+        print(f"GPT {cfg.n_layer} blocks (+ embedding, head), d_model {cfg.d_model}, seq {cfg.block_size}, "
+              f"batch {args.batch}; p = {comm.size} ranks ({comm.transport}) on {os.cpu_count()} cores; "
+              f"median of {args.steps - 1} steps after a warm-up")
+    results = {m: measure(comm, cfg, ids, tgt, m, args) for m in args.microbatches}
+    if comm.rank != 0:
+        return 0
+    from bench_env import Targets
 
-        targets = Targets()
-        for m, b, f, t, serial in rows:
-            if 4 <= m <= 16:
-                targets.check(f"m = {m}: |bubble - formula|", abs(b - f), "<=", BUBBLE_SLACK)
-                ideal = m / (m + 1) * 2  # m / (m + p - 1) x p at p = 2
-                targets.check(f"m = {m}: speed-up / ideal {ideal:.2f}x", serial / t / ideal, ">=",
-                              1 - SPEEDUP_SLACK)
-        simulated_zero_bubble(targets)
-        print(f"\nZB-H1 on these 2 ranks:\n{'m':>3} {'bubble measured':>15} {'(p-1)/(3m+p-1)':>14}   "
-              f"{'ZB-H1 ms':>8} {'1F1B ms':>8} {'1F1B/ZB-H1':>10}")
-        for m, b, f, t, t_ob in zb_rows:
-            print(f"{m:>3} {b:>15.3f} {f:>14.3f}   {t * 1e3:>8.1f} {t_ob * 1e3:>8.1f} {t_ob / t:>9.2f}x")
-            targets.check(f"m = {m}: ZB-H1 step / 1F1B step", t / t_ob, "<=", 1 + ZB_SLOWER)
-        return targets.exit_code(args.strict)
-    return 0
+    targets = Targets()
+    for m, res in results.items():
+        report(comm.size, m, res, targets)
+    if comm.size == max(args.stages) and args.simulate:
+        simulated(comm.size, results)
+    return targets.exit_code(args.strict)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--verbose", action="store_true", help="print each partition")
-    p.add_argument("--strict", action="store_true", help="exit nonzero when a target is missed")
-    args = p.parse_args(argv)
-    if not under_mpi():
-        env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-        cmd = ["mpirun", "-n", "2", sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])]
-        raise SystemExit(subprocess.call(cmd, env=env))
-    return max(run(bench, args=args))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="p values to run")
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--transport", choices=("mpi", "threads"), default="mpi")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=5, help="microbatches timed for each of F, B, W")
+    ap.add_argument("--no-simulate", dest="simulate", action="store_false", help="skip the p = 8 table")
+    ap.add_argument("--quick", action="store_true", help="p = 2, m = 4, a tiny GPT on thread ranks")
+    ap.add_argument("--strict", action="store_true", help="exit nonzero when a target is missed")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.stages, args.microbatches, args.transport = [2], [4], "threads"
+        args.batch, args.seq, args.layers, args.width, args.steps, args.repeats = 8, 8, 2, 16, 3, 2
+    if under_mpi():
+        return max(run(bench, args=args))
+    if args.transport == "threads":
+        return max(max(run(bench, ranks=p, transport="threads", args=args)) for p in args.stages)
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    rest = argv if argv is not None else sys.argv[1:]
+    codes = [subprocess.call(["mpirun", "-n", str(p), sys.executable, os.path.abspath(__file__), *rest,
+                              "--stages", *map(str, args.stages)], env=env) for p in args.stages]
+    return max(codes)
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def here_rows(args):
         if args.calibrate == "each" and i:  # the first row's is the one above
             calibrate()
             hw = hardware.here(transport=transport)
-        cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=BATCH // (dp * m))
+        cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch_size=BATCH // (dp * m))
         pred = predict(SPEC, cand, BATCH, hw).step
         load = os.getloadavg()[0]
         meas = measure_mpi(dp, tp, pp, m) if args.mpi else measure_here(CFG, BATCH, dp, tp, pp, m)
@@ -109,7 +109,7 @@ def published_rows():
     ok = True
     for name, r in RUNS.items():
         mesh = dict(r.mesh)
-        cand = Candidate(microbatch=mesh.pop("microbatch"), **mesh)
+        cand = Candidate(microbatch_size=mesh.pop("microbatch_size"), **mesh)
         p = predict(r.model, cand, r.global_batch, r.hardware)
         if r.metric == "tflops_per_chip":
             got = p.tflops_per_chip

@@ -43,7 +43,7 @@ from minidist.parallel.pipeline.schedule import ScheduleError
 from minidist.parallel.pipeline.simulate import bubble_formula, peak_activations, timeline_events
 from minidist.parallel.pipeline.zero_bubble import zb_h1_bubble_formula
 from minidist.parallel.three_d import check_3d, gather_full_state, train_3d
-from minidist.plan import estimates
+from minidist.plan import estimates, schedules
 from minidist.testing import adamw_tolerance, max_state_diff, train_serial
 
 BUSY = ("Forward", "Backward", "BackwardInput", "BackwardWeight")  # what counts as a stage's work
@@ -240,6 +240,7 @@ def report(everyone, args, pp: int, m: int) -> float:
     if args.schedule == "zb-h1":
         print(f"ZB-H1's formula with F = B = W: (p-1)/(3m+p-1) = {pp - 1}/{3 * m + pp - 1} = "
               f"{zb_h1_bubble_formula(pp, m):.3f} (W = 'W' on the timeline fills what 1F1B leaves idle)")
+    print(schedules.this_machine(args.schedule, pp, m, len(everyone), os.cpu_count() or 1, args.chunks)[1])
     print(estimates.predicted_vs_measured(
         "step time on this machine's calibrated constants (the planner, chapter 11)",
         estimates.step_prediction(args.layers, args.width, 4, 256, args.seq, args.batch, dp=args.dp, pp=pp,

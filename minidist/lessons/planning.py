@@ -55,7 +55,7 @@ def rank_main(comm, args):
     cfg, model = config(args), spec(args)
     hw = hardware.here(transport="mpi" if under_mpi() else "threads")
     cands = [c for c in candidates(model, comm.size, args.batch, hw, zero=(0,), checkpoints=("none", "full"),
-                                   microbatches=(1, 2, 4)) if c.schedule == "1f1b"]
+                                   microbatch_sizes=(1, 2, 4)) if c.schedule == "1f1b"]
     preds = plan(model, comm.size, args.batch, hw, Settings("adamw"), top=6, cands=cands)
     rprint(comm, f"{model.name}: {model.params():,} parameters, batch {args.batch} x {args.seq} tokens, "
                  f"{comm.size} ranks on {hw.name}, {cores_for(hw, comm.size):.1f} cores' worth free to them")

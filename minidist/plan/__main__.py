@@ -1,7 +1,10 @@
 """`python -m minidist.plan --model llama3-70b --chips 64 --batch 512 --hardware h100 [--plot FILE.png]`
 
 Searches every candidate mesh and prints the best few, ranked, with why each loses to the first.
-`--mesh dp=8,tp=8,pp=1,zero=1,checkpoint=full,microbatch=1` (repeatable) evaluates just those.
+`--mesh dp=8,tp=8,pp=1,zero=1,checkpoint=full,microbatch_size=1` (repeatable) evaluates just those;
+`microbatches=8` there is the lessons' count (microbatches per replica per step) instead of a size.
+`--schedule zb_h1` (or zb_h2, zb_v, dualpipe, dualpipe_v, gpipe, ...) searches with that pipeline
+schedule (`minidist.plan.schedules`: its bubble and memory formulas), or sets it for every --mesh.
 """
 
 from __future__ import annotations
@@ -9,102 +12,15 @@ from __future__ import annotations
 import argparse
 import os
 
-from minidist.plan import hardware
-from minidist.plan.mesh import KINDS, Candidate, Settings
+from minidist.parallel.pipeline.schedule import ScheduleError
+from minidist.plan import hardware, schedules
+from minidist.plan.mesh import Candidate, Settings
 from minidist.plan.model import ModelSpec
 from minidist.plan.presets import MODELS
-from minidist.plan.search import MAX_CHIPS, MAX_CHIPS_WHY, plan
-from minidist.plan.steptime import axis_link
+from minidist.plan.report import human, links, plot, table  # noqa: F401 - re-exported (lessons.planning)
+from minidist.plan.search import MAX_CHIPS, MAX_CHIPS_WHY, candidates, plan
 
 CUSTOM = ("--layers", "--d-model", "--heads", "--vocab", "--seq")  # the shape of --model custom
-
-
-def human(nbytes: float) -> str:
-    """Bytes in the unit that suits them: 1.5 GB, 840 kB."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= size:
-            return f"{nbytes / size:.3g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def links(cand, hw) -> str:
-    """Which link each of the candidate's axes runs on (minidist.plan.steptime.axis_link)."""
-    parts = []
-    for ax in ("tp", "cp", "ep", "dp", "pp"):
-        size = getattr(cand, ax)
-        if size > 1:
-            inner, _, outer, q = axis_link(hw, cand, ax)
-            across = f" then {outer.name} ({q} groups)" if outer and q > 1 else ""
-            parts.append(f"{ax} on {inner.name}{across}")
-    return ", ".join(parts) or "one chip: no links"
-
-
-def table(preds, top: int, batch: int | None = None, hw=None) -> str:
-    head = (f"{'#':>2} {'mesh':<44} {'memory':>8} fit {'step s':>8} {'compute':>8} {'tp':>7} {'dp':>7} "
-            f"{'pp':>7} {'cp+ep':>7} {'bubble':>7} {'MFU':>5} {'tok/s':>9}  why not first")
-    lines = [head]
-    for i, p in enumerate(preds[:top]):
-        c = p.comm
-        fit = "yes" if p.fits else "NO "
-        lines.append(f"{i + 1:>2} {p.cand.label():<44} {human(p.memory['total']):>8} {fit:>3} "
-                     f"{p.step:>8.3g} {p.compute:>8.3g} {c.get('tp', 0):>7.2g} {c.get('dp', 0):>7.2g} "
-                     f"{c.get('pp', 0):>7.2g} {c.get('cp', 0) + c.get('ep', 0):>7.2g} "
-                     f"{p.bubble_fraction:>6.1%} {p.mfu:>5.1%} "
-                     f"{p.tokens_per_s:>9.3g}  "
-                     f"{p.reason}")
-    best = preds[0]
-    if batch is not None:
-        m = best.cand.microbatches(batch)
-        lines.append(f"#1 runs {m} microbatches of {best.cand.microbatch} per replica; "
-                     f"{links(best.cand, hw)}")
-    lines.append("memory per device by kind (the fullest pipeline stage):")
-    lines.append(f"{'#':>2} {'':<44} " + " ".join(f"{k:>11}" for k in KINDS))
-    for i, p in enumerate(preds[:top]):
-        kinds = " ".join(f"{human(p.memory[k]):>11}" for k in KINDS)
-        lines.append(f"{i + 1:>2} {p.cand.label():<44} {kinds}")
-    return "\n".join(lines)
-
-
-def _stacked(ax, labels, parts, preds, unit: float):
-    """Horizontal stacked bars, one series per (name, value-of-prediction); all-zero series left out."""
-    left = [0.0] * len(preds)
-    for name, f in parts:
-        vals = [f(p) / unit for p in preds]
-        if any(vals):
-            ax.barh(labels, vals, left=left, label=name)
-            left = [x + y for x, y in zip(left, vals)]
-    ax.legend(loc="lower right", fontsize=8, framealpha=0.8)
-    ax.invert_yaxis()
-
-
-def plot(preds, path: str, top: int, capacity: float | None = None) -> None:
-    """Memory per device by kind (left, with the device's `capacity` as a line) and the step's time by
-    part (right), for the `top` best."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    preds = preds[:top]
-    labels = [p.cand.label().replace(" ckpt", "\nckpt") for p in preds]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 1 + 0.8 * len(preds)))
-    biggest = max(p.memory["total"] for p in preds)
-    name, unit = next((n, u) for n, u in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1))
-                      if biggest >= u or u == 1)
-    _stacked(a, labels, [(k, lambda p, k=k: p.memory[k]) for k in KINDS], preds, unit)
-    a.set_xlabel(f"{name} per device")
-    if capacity is not None and capacity < 4 * biggest:
-        a.axvline(capacity / unit, color="black", linestyle="--", linewidth=1)
-        a.text(capacity / unit, -0.6, " device memory", fontsize=8, va="bottom")
-    axes = ("tp", "cp", "ep", "pp", "dp")
-    parts = [("compute", lambda p: p.compute), ("bubble", lambda p: p.bubble)]
-    parts += [(f"{ax} comm", lambda p, ax=ax: p.comm.get(ax, 0.0)) for ax in axes]
-    parts.append(("update, other", lambda p: max(0.0, p.step - p.compute - p.bubble
-                                                  - sum(p.comm.get(ax, 0.0) for ax in axes))))
-    _stacked(b, labels, parts, preds, 1.0)
-    b.set_xlabel("seconds per step")
-    b.set_yticks([])
-    fig.tight_layout()
-    fig.savefig(path)
 
 
 def check(model: ModelSpec, cand: Candidate, batch: int) -> str:
@@ -115,26 +31,44 @@ def check(model: ModelSpec, cand: Candidate, batch: int) -> str:
     most = model.n_layer + 2 if model.engine == "minidist" else model.n_layer
     if stages > most:
         return f"{stages} pipeline stages (pp x chunks) but only {most} layers to cut; use at most {most}"
-    if batch % (cand.dp * cand.microbatch):
+    if batch % (cand.dp * cand.microbatch_size):
         return (f"batch {batch} does not split into dp={cand.dp} replicas x microbatches of "
-                f"{cand.microbatch}; use a batch that is a multiple of {cand.dp * cand.microbatch}")
+                f"{cand.microbatch_size}; use a batch that is a multiple of {cand.dp * cand.microbatch_size}")
     m = cand.microbatches(batch)
-    if cand.schedule == "interleaved" and m % cand.pp:
-        return f"the interleaved schedule needs the microbatches ({m}) to be a multiple of pp={cand.pp}"
+    if m < 1:
+        return (f"batch {batch} gives no microbatch of {cand.microbatch_size} per replica on dp={cand.dp}; "
+                f"use a batch of at least {cand.dp * cand.microbatch_size}")
+    if cand.schedule == "dualpipe" and cand.pp % 2:
+        return f"DualPipe feeds microbatches from both ends and needs an even pp, got pp={cand.pp}"
+    try:
+        if cand.pp > 1:
+            schedules.build(cand.schedule, cand.pp, m, cand.chunks)
+    except ScheduleError as e:
+        return f"{cand.schedule} with m = {m} microbatches on pp={cand.pp}: {e}"
     return ""
 
 
-MESH_CHOICES = {"checkpoint": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved")}
+SCHEDULE_NAMES = tuple(schedules.SCHEDULES) + tuple(n.replace("_", "-") for n in schedules.SCHEDULES
+                                                     if "_" in n)  # zb-h1 as the lesson spells it
+MESH_CHOICES = {"checkpoint": ("none", "selective", "full"), "schedule": SCHEDULE_NAMES}
 MESH_LOW = {"zero": 0}  # every other integer field is a size >= 1
 
 
-def parse_mesh(text: str, chips: int) -> Candidate:
+def parse_mesh(text: str, chips: int, batch: int | None = None, schedule: str | None = None) -> Candidate:
     """"dp=8,tp=8,zero=1,checkpoint=full" -> Candidate (dp defaults to chips / (tp·pp·cp)); a bad field
-    or value is a ValueError naming it and what is allowed."""
+    or value is a ValueError naming it and what is allowed. `microbatches=m` (the lessons' count, with
+    `batch`) stands for microbatch_size = batch / (dp·m); `schedule` is the --schedule flag's (a
+    field in the text wins); a V schedule runs two chunks per stage."""
     kw = {}
     for part in filter(None, text.split(",")):
         key, _, value = part.partition("=")
-        if key not in Candidate.__dataclass_fields__:
+        if key == "microbatch":
+            raise ValueError(f"--mesh {text!r}: say microbatch_size={value} (sequences in each microbatch) "
+                             f"or microbatches=N (how many per replica per step, as the lessons' "
+                             f"--microbatches)")
+        if key == "microbatches" and batch is not None:
+            key = "_count"
+        elif key not in Candidate.__dataclass_fields__:
             fields = ", ".join(Candidate.__dataclass_fields__)
             raise ValueError(f"--mesh {text!r}: unknown field {key!r}; use {fields}")
         if key in MESH_CHOICES:
@@ -156,6 +90,20 @@ def parse_mesh(text: str, chips: int) -> Candidate:
         kw["dp"] = chips // (kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1))
         if kw["dp"] < 1:
             raise ValueError(f"--mesh {text!r} needs more than the {chips} chips of --chips")
+    if "_count" in kw:
+        count = kw.pop("_count")
+        if batch % (kw["dp"] * count):
+            raise ValueError(f"--mesh {text!r}: batch {batch} does not split into dp={kw['dp']} replicas x "
+                             f"{count} microbatches; use a count that divides {batch // kw['dp']}")
+        kw["microbatch_size"] = batch // (kw["dp"] * count)
+    if schedule is not None and "schedule" not in kw:
+        kw["schedule"] = schedule
+    if "schedule" in kw:
+        kw["schedule"] = schedules.canonical(kw["schedule"])
+        fixed = schedules.get(kw["schedule"]).chunks
+        if fixed and kw.setdefault("chunks", fixed) != fixed:
+            raise ValueError(f"--mesh {text!r}: {kw['schedule']} runs {fixed} chunks per stage; "
+                             f"drop chunks= or use chunks={fixed}")
     cand = Candidate(**kw)
     if cand.chips != chips:
         raise ValueError(f"--mesh {text!r} uses {cand.chips} chips, but --chips is {chips}")
@@ -226,6 +174,9 @@ def main(argv=None) -> None:
     ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     ap.add_argument("--top", type=_int_from(1), default=8, help="how many ranked meshes to print")
     ap.add_argument("--plot", metavar="FILE.png", help="draw memory by kind and the step's time breakdown")
+    ap.add_argument("--schedule", choices=SCHEDULE_NAMES, default=None,
+                    help="pipeline schedule to search with (or for every --mesh); default: 1f1b and "
+                         "interleaved")
     ap.add_argument("--mesh", action="append", default=[], metavar="dp=..,tp=..,pp=..,...",
                     help="evaluate this mesh (fields of minidist.plan.Candidate) instead of searching")
     args = ap.parse_args(argv)
@@ -241,13 +192,18 @@ def main(argv=None) -> None:
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
     try:
-        cands = [parse_mesh(s, args.chips) for s in args.mesh] or None
+        cands = [parse_mesh(s, args.chips, args.batch, args.schedule) for s in args.mesh] or None
     except ValueError as e:
         ap.error(str(e))
     for cand in cands or []:
         problem = check(model, cand, args.batch)
         if problem:
             ap.error(f"--mesh {cand.label()}: {problem}")
+    if cands is None and args.schedule is not None:
+        cands = candidates(model, args.chips, args.batch, hw, schedule_names=(args.schedule,))
+        if not cands:
+            ap.error(f"argument --schedule: {args.schedule} runs on no mesh of {args.chips} chips with batch "
+                     f"{args.batch} (too few microbatches per replica, or pp odd for dualpipe); try 1f1b")
     preds = plan(model, args.chips, args.batch, hw, Settings(args.optimizer), top=args.top, cands=cands)
     print(f"{model.name}: {model.params() / 1e9:.3g}B parameters, batch {args.batch} x {model.seq} tokens, "
           f"{args.chips} x {hw.name} ({hw.hbm_bytes / 1e9:.0f} GB each)")

@@ -167,8 +167,8 @@ def step_prediction(n_layer: int, d_model: int, n_head: int, vocab: int, seq: in
         return None
     model = ModelSpec("lesson", n_layer=n_layer, d_model=d_model, n_head=n_head, vocab=vocab, seq=seq,
                       engine="minidist", dtype_bytes=dtype_bytes)
-    cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=max(batch // (dp * microbatches), 1), schedule=schedule,
-                     chunks=chunks, checkpoint=checkpoint)
+    cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch_size=max(batch // (dp * microbatches), 1),
+                     schedule=schedule, chunks=chunks, checkpoint=checkpoint)
     return predict(model, cand, batch, hw, Settings(optimizer)).step
 
 

@@ -1,6 +1,6 @@
 """A candidate mesh, and what each of its ranks holds: memory by kind, per pipeline stage.
 
-`Candidate(dp, tp, pp, cp, ep, zero, checkpoint, microbatch, schedule, chunks)` is one way to run a
+`Candidate(dp, tp, pp, cp, ep, zero, checkpoint, microbatch_size, schedule, chunks)` is one way to run a
 model on dp·tp·pp·cp chips (ep experts-parallel ranks live inside dp, as in Megatron/DeepSpeed-MoE).
 Rank order is minidist's (`minidist.comm.Mesh`): tensor fastest, then data, pipeline outermost.
 
@@ -24,9 +24,16 @@ import numpy as np
 
 from minidist.comm.collectives import split_sizes
 from minidist.parallel.data.ddp import DistributedDataParallel, build_buckets
-from minidist.parallel.pipeline.runtime import make_schedule, partition_uniform
-from minidist.parallel.pipeline.schedule import Backward, Forward
+from minidist.parallel.pipeline.schedule import Backward, BackwardInput, Forward
 from minidist.parallel.pipeline.simulate import peak_activations
+from minidist.plan import schedules
+from minidist.plan.layout import (  # noqa: F401 - re-exported: mesh's callers cut layers too
+    _chunk_layers,
+    _stage_layers,
+    chunk_layers,
+    layer_kinds,
+    stage_layers,
+)
 from minidist.plan.model import (
     ModelSpec,
     minidist_block_elements,
@@ -48,16 +55,28 @@ class Candidate:
     ep: int = 1
     zero: int = 0                 # 0 = plain data parallel; 1, 2, 3 = ZeRO stages
     checkpoint: str = "none"      # "none", "selective", "full"
-    microbatch: int = 1           # sequences per microbatch on one replica
-    schedule: str = "1f1b"        # "gpipe", "1f1b", "interleaved"
-    chunks: int = 1               # model chunks per stage (interleaved)
+    microbatch_size: int = 1      # sequences per microbatch on one replica (the count is `microbatches`)
+    schedule: str = "1f1b"        # a name in `minidist.plan.schedules.SCHEDULES`: "1f1b", "zb_h1", ...
+    chunks: int = 1               # model chunks per stage (interleaved; the V schedules always use 2)
+
+    def __post_init__(self):
+        """The schedule by its registry name ('zb-h1' -> 'zb_h1'; an unknown one is a ValueError listing
+        the known); a V schedule's two chunks per stage filled in, any other count refused."""
+        model = schedules.get(self.schedule)
+        object.__setattr__(self, "schedule", model.name)
+        if model.chunks and self.chunks != model.chunks:
+            if self.chunks != 1:
+                raise ValueError(f"Candidate: {model.name} runs {model.chunks} chunks per stage, got "
+                                 f"chunks={self.chunks}; leave chunks out or use chunks={model.chunks}")
+            object.__setattr__(self, "chunks", model.chunks)
 
     @property
     def chips(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
     def microbatches(self, batch: int) -> int:
-        return batch // (self.dp * self.microbatch)
+        """m, the lessons' --microbatches: microbatches per replica per step of a global `batch`."""
+        return batch // (self.dp * self.microbatch_size)
 
     def replace(self, **kw) -> Candidate:
         return replace(self, **kw)
@@ -67,7 +86,7 @@ class Candidate:
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         sched = self.schedule + (f"x{self.chunks}" if self.schedule == "interleaved" else "")
-        return " ".join(parts) + f" z{self.zero} ckpt={self.checkpoint} mb={self.microbatch} {sched}"
+        return " ".join(parts) + f" z{self.zero} ckpt={self.checkpoint} mbsize={self.microbatch_size} {sched}"
 
 
 @dataclass(frozen=True)
@@ -106,40 +125,6 @@ def minidist_param_sizes(model: ModelSpec, kind: str, tp: int) -> list[int]:
         return [h, h, h * v // tp]
     return [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h, h, h, 4 * h * h // tp, 4 * h // tp,
             4 * h * h // tp, h]
-
-
-def layer_kinds(model: ModelSpec) -> list[str]:
-    return ["embed"] + ["block"] * model.n_layer + ["head"]
-
-
-def stage_layers(model: ModelSpec, cand: Candidate) -> list[list[int]]:
-    """For each pipeline stage, the indices (into `layer_kinds`) of the layers it holds (all chunks).
-
-    minidist: `partition_uniform` of its whole layer list (embedding and head count as layers), what
-    `train_3d` does. Megatron-LM: the blocks split evenly over the virtual stages, the embedding
-    joining the first and the head the last (a 1T GPT's 128 blocks on 64 stages: 2 each)."""
-    return _stage_layers(model.n_layer, cand.pp, cand.chunks, model.engine == "minidist")
-
-
-def chunk_layers(model: ModelSpec, cand: Candidate) -> list[list[list[int]]]:
-    """[stage][chunk] -> layer indices: chunk c of stage s is virtual stage c·pp + s."""
-    return _chunk_layers(model.n_layer, cand.pp, cand.chunks, model.engine == "minidist")
-
-
-@functools.lru_cache(maxsize=256)
-def _stage_layers(n_layer: int, pp: int, chunks: int, whole_list: bool) -> list[list[int]]:
-    return [[i for chunk in stage for i in chunk] for stage in _chunk_layers(n_layer, pp, chunks, whole_list)]
-
-
-@functools.lru_cache(maxsize=256)
-def _chunk_layers(n_layer: int, pp: int, chunks: int, whole_list: bool) -> list[list[list[int]]]:
-    if whole_list:
-        bounds = partition_uniform(n_layer + 2, pp * chunks)
-    else:
-        blocks = [(a + 1, b + 1) for a, b in partition_uniform(n_layer, pp * chunks)]  # layer 0 = embed
-        bounds = [(0 if v == 0 else a, n_layer + 2 if v == len(blocks) - 1 else b)
-                  for v, (a, b) in enumerate(blocks)]
-    return [[list(range(*bounds[c * pp + s])) for c in range(chunks)] for s in range(pp)]
 
 
 def stage_param_counts(model: ModelSpec, cand: Candidate, stage: int) -> tuple[int, list[int]]:
@@ -205,9 +190,14 @@ def in_flight(cand: Candidate, m: int) -> list[int]:
 
 @functools.lru_cache(maxsize=256)
 def _in_flight(schedule: str, pp: int, m: int, chunks: int) -> list[int]:
+    """Per stage, from the runtime's instruction lists; a schedule the runtime cannot build yet gets
+    its formula's peak (`minidist.plan.schedules`, in microbatch-chunks) on every stage."""
     if pp == 1:
         return [1 if schedule != "gpipe" else m]
-    return [peak_activations(ops) for ops in make_schedule(schedule, pp, m, chunks)]
+    lists = schedules.build(schedule, pp, m, chunks)
+    if lists is None:
+        return [round(schedules.get(schedule).peak(pp, m, chunks) * chunks)] * pp
+    return [peak_activations(ops) for ops in lists]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -215,11 +205,14 @@ def _held_peak(schedule: str, pp: int, m: int, chunks: int, stage: int, chunk_by
     """Most bytes one stage holds at once when its chunks save different amounts: walk its
     instruction list, + a chunk's bytes at each Forward, - at its Backward (`peak_activations`,
     weighted)."""
+    lists = schedules.build(schedule, pp, m, chunks)
+    if lists is None:  # no builder yet: the formula's peak of whole microbatches
+        return schedules.get(schedule).peak(pp, m, chunks) * sum(chunk_bytes)
     held = peak = 0.0
-    for instr in make_schedule(schedule, pp, m, chunks)[stage]:
+    for instr in lists[stage]:
         if isinstance(instr, Forward):
             held += chunk_bytes[instr.chunk]
-        elif isinstance(instr, Backward):
+        elif isinstance(instr, (Backward, BackwardInput)):  # B frees the activations; W keeps less
             held -= chunk_bytes[instr.chunk]
         peak = max(peak, held)
     return peak
@@ -255,7 +248,7 @@ def stage_activation_peak(model: ModelSpec, cand: Candidate, batch: int, stage: 
     held = in_flight(cand, m)[stage]
     kinds = layer_kinds(model)
     layers = stage_layers(model, cand)[stage]
-    b = cand.microbatch
+    b = cand.microbatch_size
     per_chunk = tuple(sum(layer_activation(model, cand, kinds[i], i - 1, b, settings) for i in chunk)
                       for chunk in chunk_layers(model, cand)[stage])
     per_mb = sum(per_chunk) / cand.chunks
@@ -286,6 +279,9 @@ def memory(model: ModelSpec, cand: Candidate, batch: int, settings: Settings = D
             "activations": stage_activation_peak(model, cand, batch, stage, settings),
             "buffers": 0.0,
         }
+        copies = schedules.get(cand.schedule).params  # DualPipe: each device holds two stages' weights
+        for kind in ("params", "grads", "optimizer"):  # (and their gradients and optimizer state)
+            mem[kind] *= copies
         if model.engine != "minidist" and cand.zero >= 3 and cand.pp == 1:
             mem["buffers"] = 2.0 * pb * max(sizes)  # two layers gathered at once (current + prefetch)
         mem["total"] = sum(mem[k] for k in KINDS)

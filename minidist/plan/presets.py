@@ -53,7 +53,7 @@ class PublishedRun:
     hardware: hardware.Hardware
     chips: int
     global_batch: int                 # sequences per step
-    mesh: dict                        # dp, tp, pp, zero, checkpoint, microbatch, schedule, chunks
+    mesh: dict                        # dp, tp, pp, zero, checkpoint, microbatch_size, schedule, chunks
     metric: str                       # "tflops_per_chip" (paper's formula, recompute counted) or "mfu"
     reported: float                   # TFLOP/s per chip, or MFU as a fraction
     reported_range: tuple = ()        # (low, high) when the paper gives a range
@@ -64,7 +64,7 @@ class PublishedRun:
 RUNS = {
     "megatron-1t": PublishedRun(
         "megatron-1t", GPT_1T, hardware.A100, 3072, 3072,
-        dict(dp=6, tp=8, pp=64, zero=0, checkpoint="full", microbatch=1, schedule="1f1b"),
+        dict(dp=6, tp=8, pp=64, zero=0, checkpoint="full", microbatch_size=1, schedule="1f1b"),
         "tflops_per_chip", 163.0, source=MEG21,
         notes=("t=8, p=64, d=6, batch 3072, 163 TFLOP/s per GPU (52% of peak): " + MEG21,
                "microbatch 1 and full activation recomputation: Sec. 5 ('we use activation recomputation')",
@@ -72,13 +72,13 @@ RUNS = {
                "throughput counts recomputation: 96·B·s·l·h²(1 + s/6h + V/16lh) FLOPs per step (eq. 3)")),
     "gpt3-175b": PublishedRun(
         "gpt3-175b", GPT3_175B, hardware.A100, 1536, 1536,
-        dict(dp=12, tp=8, pp=16, zero=0, checkpoint="full", microbatch=1, schedule="1f1b"),
+        dict(dp=12, tp=8, pp=16, zero=0, checkpoint="full", microbatch_size=1, schedule="1f1b"),
         "tflops_per_chip", 153.0, source=MEG21,
         notes=("t=8, p=16, d=12, batch 1536, 153 TFLOP/s per GPU: " + MEG21,
                "ASSUMED: microbatch 1, full recomputation, plain 1F1B, as for the 1T row")),
     "palm-540b": PublishedRun(
         "palm-540b", PALM_540B, hardware.TPU_V4.with_(chips_per_domain=3072), 6144, 2048,
-        dict(dp=512, tp=12, pp=1, zero=3, checkpoint="full", microbatch=4, schedule="1f1b"),
+        dict(dp=512, tp=12, pp=1, zero=3, checkpoint="full", microbatch_size=4, schedule="1f1b"),
         "mfu", 0.462, source="Chowdhery et al. 2022, PaLM, Sec. 4 and Table 3 (46.2% MFU)",
         notes=("2 pods x 3072 TPU v4 chips; 12-way model parallel x 256-way fully sharded data parallel "
                "inside a pod, 2-way data parallel across pods over DCN; no pipeline (Sec. 4)",
@@ -87,7 +87,8 @@ RUNS = {
                "ASSUMED: 4 sequences per chip per forward (2048 / 512 data-parallel replicas)")),
     "llama3-405b": PublishedRun(
         "llama3-405b", LLAMA3_405B, hardware.H100, 16384, 2048,
-        dict(dp=128, tp=8, pp=16, zero=1, checkpoint="full", microbatch=1, schedule="interleaved", chunks=4),
+        dict(dp=128, tp=8, pp=16, zero=1, checkpoint="full", microbatch_size=1, schedule="interleaved",
+             chunks=4),
         "mfu", 0.41, reported_range=(0.38, 0.43),
         source="Llama Team 2024, The Llama 3 Herd of Models, Table 4 "
                "(16,384 GPUs: 41% BF16 MFU; 38-43% overall)",

@@ -2,7 +2,8 @@
 
 Candidates: tp a divisor of the chips in one fast domain (and of the heads), pp a divisor of the
 layers' count that leaves every stage a layer, dp the rest; ZeRO 0/1/3; checkpointing none /
-selective / full; microbatch sizes 1, 2, 4; 1F1B (and interleaved with 2 or 4 chunks when pp > 1);
+selective / full; microbatch sizes 1, 2, 4; 1F1B (and interleaved with 2 or 4 chunks when pp > 1),
+or the schedules asked for (`pipeline_schedules`: ZB-H1, ZB-V, DualPipe, ... by their formulas);
 for a mixture of experts, expert parallelism ep (a power of two dividing dp and the experts).
 Ranking: those that fit first, then the shortest predicted step (a tie: less memory). A loser's
 reason: it does not fit (by how much), or the largest of its differences in time from the first --
@@ -11,6 +12,8 @@ bubble, exposed communication on one axis, or compute (recomputation, a fuller p
 
 from __future__ import annotations
 
+from minidist.parallel.pipeline.schedule import ScheduleError
+from minidist.plan import schedules
 from minidist.plan.hardware import Hardware
 from minidist.plan.mesh import DEFAULT, Candidate, Settings
 from minidist.plan.model import ModelSpec
@@ -33,8 +36,35 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def pipeline_schedules(names, pp: int, m: int, stages_max: int) -> list[tuple[str, int]]:
+    """(schedule, chunks) pairs to try for pp stages and m microbatches: 1F1B (plain and interleaved
+    with 2 or 4 chunks) by default, else the `names` asked for (`minidist.plan.schedules`), each where
+    it can run -- a V schedule has two chunks per stage, DualPipe needs pp even, the runtime's own
+    rule (too few microbatches) where it has a builder."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    if names is None:
+        return [("1f1b", 1)] + [("interleaved", v) for v in (2, 4) if m % pp == 0 and v * pp <= stages_max]
+    out = []
+    for name in names:
+        sched = schedules.get(name)
+        chunk_options = [sched.chunks] if sched.chunks else [2, 4] if sched.name == "interleaved" else [1]
+        for v in chunk_options:
+            if v * pp > stages_max or (sched.name == "dualpipe" and pp % 2):
+                continue
+            try:
+                schedules.build(sched.name, pp, m, v)
+            except ScheduleError:
+                continue
+            out.append((sched.name, v))
+    return out
+
+
 def candidates(model: ModelSpec, chips: int, batch: int, hw: Hardware, zero=(0, 1, 3),
-               checkpoints=("none", "selective", "full"), microbatches=(1, 2, 4)) -> list[Candidate]:
+               checkpoints=("none", "selective", "full"), microbatch_sizes=(1, 2, 4),
+               schedule_names=None) -> list[Candidate]:
+    """Every mesh to try (see the module docstring); `schedule_names`: the pipeline schedules to try
+    (default 1F1B and interleaved 1F1B)."""
     out = []
     for tp in divisors(chips):
         if tp > hw.chips_per_domain or model.n_head % tp or (model.engine == "minidist" and model.vocab % tp):
@@ -44,12 +74,11 @@ def candidates(model: ModelSpec, chips: int, batch: int, hw: Hardware, zero=(0, 
             if pp > stages_max:
                 continue
             dp = chips // (tp * pp)
-            for mb in microbatches:
+            for mb in microbatch_sizes:
                 if batch % (dp * mb):
                     continue
                 m = batch // (dp * mb)
-                scheds = [("1f1b", 1)] + [("interleaved", v) for v in (2, 4)
-                                          if pp > 1 and m % pp == 0 and v * pp <= stages_max]
+                scheds = pipeline_schedules(schedule_names, pp, m, stages_max)
                 eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if model.experts > 1 and e <= dp
                        and dp % e == 0 and model.experts % e == 0] or [1]
                 for sched, v in scheds:
@@ -58,7 +87,7 @@ def candidates(model: ModelSpec, chips: int, batch: int, hw: Hardware, zero=(0, 
                             if model.engine == "minidist" and ck == "selective":
                                 continue
                             out += [Candidate(dp=dp, tp=tp, pp=pp, ep=ep, zero=z, checkpoint=ck,
-                                              microbatch=mb, schedule=sched, chunks=v) for ep in eps]
+                                              microbatch_size=mb, schedule=sched, chunks=v) for ep in eps]
     return out
 
 
@@ -112,12 +141,12 @@ def compare_published(run, top: int = 5, cands=None, simulate: int | None = None
 
     Returns {"rank" (1-based, of the published mesh), "best", "published" (Predictions), "agrees"
     (rank <= top), "explanation", "same_shape_rank"}: when the planner disagrees it says what its best
-    changes (mesh shape, ZeRO, checkpointing, microbatch, schedule), the largest part of the time gap,
+    changes (mesh shape, ZeRO, checkpointing, microbatch size, schedule), the largest part of the time gap,
     and where the published *shape* (dp, tp, pp) ranks with the best's other settings -- telling a
     different shape apart from a technique the paper did not have or did not use.
     """
     mesh = dict(run.mesh)
-    pub = Candidate(microbatch=mesh.pop("microbatch"), **mesh)
+    pub = Candidate(microbatch_size=mesh.pop("microbatch_size"), **mesh)
     if cands is None:
         cands = candidates(run.model, run.chips, run.global_batch, run.hardware)
     cands = list(cands)
@@ -130,7 +159,7 @@ def compare_published(run, top: int = 5, cands=None, simulate: int | None = None
     best, published = ranked[0], ranked[rank - 1]
     if rank > n:  # ranked by the bubble formula only: simulate its schedule too
         published = predict(run.model, pub, run.global_batch, run.hardware)
-    fields = ("dp", "tp", "pp", "zero", "checkpoint", "microbatch", "schedule", "chunks")
+    fields = ("dp", "tp", "pp", "zero", "checkpoint", "microbatch_size", "schedule", "chunks")
     changes = [f"{f} {getattr(pub, f)} -> {getattr(best.cand, f)}" for f in fields
                if getattr(pub, f) != getattr(best.cand, f)]
     shape = best.cand.replace(dp=pub.dp, tp=pub.tp, pp=pub.pp)

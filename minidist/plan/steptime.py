@@ -21,32 +21,46 @@ backward (as minidist's 3D training and Megatron-LM's overlap do): only what doe
 that backward is exposed. Each axis runs on the link it maps to: tp (fastest, innermost ranks)
 inside a node / ICI; dp inside the node while tp·dp fits there, else hierarchically (inside, then
 across); pp across nodes once tp·dp fills one.
+
+The parts live one idea to a file: `minidist.plan.compute` (math per microbatch and stage),
+`minidist.plan.links` (an axis' link, one collective's time), `minidist.plan.sharing` (ranks sharing
+this machine's cores), `minidist.plan.schedules` (each pipeline schedule's bubble and memory).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
-from minidist.parallel.pipeline.runtime import make_schedule
 from minidist.parallel.pipeline.simulate import simulate
-from minidist.plan.hardware import Hardware, Link
+from minidist.plan import schedules
+from minidist.plan.compute import (  # noqa: F401 - re-exported: the step's parts, where they were
+    OPS_HEAD,
+    OPS_PER_BLOCK,
+    _stage_math,
+    kernel_time,
+    memory_bound_bytes,
+    python_time,
+)
+from minidist.plan.hardware import Hardware
+from minidist.plan.links import algorithm, axis_link, axis_size, collective_time, rounds  # noqa: F401
 from minidist.plan.mesh import (
     DEFAULT,
     Candidate,
     Settings,
     distinct_stages,
-    layer_activation,
     layer_kinds,
     memory,
     stage_layers,
 )
 from minidist.plan.model import ModelSpec
-from minidist.plan.traffic import Placement, all_reduce_rounds, collectives
-
-OPS_PER_BLOCK = 19    # minidist Block: functions run in forward (ln, linear, reshape, ...); backward as many
-OPS_HEAD = 5          # Head + cross-entropy
-LINK_RANKS = 2        # thread ranks calibrate measures the threads link with (`allreduce_alpha_beta`)
+from minidist.plan.sharing import (  # noqa: F401 - re-exported
+    LINK_RANKS,
+    comm_slowdown,
+    placement,
+    python_crowding,
+    rank_slowdown,
+)
+from minidist.plan.traffic import collectives
 
 
 @dataclass
@@ -63,223 +77,9 @@ class Prediction:
     tokens_per_s: float
     tflops_per_chip: float      # hardware FLOPs (recomputation counted) per chip per second / 1e12
     reason: str = ""            # set by the search: why it ranks below the first
+    microbatches: int = 0       # m: microbatches per replica per step (the lessons' --microbatches)
+    bubble_why: str = ""        # why the bubble is not the textbook (p-1)/(m+p-1) ("" when it is)
 
-
-@functools.lru_cache(maxsize=1024)
-def _largest_divisor(n: int, cap: int) -> int:
-    """The largest divisor of n that is at most cap (how many of an axis' ranks share a domain)."""
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
-
-
-def axis_link(hw: Hardware, cand: Candidate, axis: str) -> tuple[Link, int, Link | None, int]:
-    """(inner link, ranks on it, outer link or None, ranks across) for a mesh axis."""
-    dom = hw.chips_per_domain
-    if axis == "tp":
-        return (hw.intra, cand.tp, None, 1) if cand.tp <= dom else (hw.inter, cand.tp, None, 1)
-    if axis in ("cp", "ep"):
-        inner = cand.tp * (cand.cp if axis == "cp" else cand.ep)
-        return (hw.intra if inner <= dom else hw.inter), (cand.cp if axis == "cp" else cand.ep), None, 1
-    if axis == "dp":
-        fits = dom // max(1, cand.tp)  # dp ranks of one tp coordinate inside a domain
-        inside = _largest_divisor(cand.dp, max(1, fits))
-        if inside >= cand.dp:
-            return hw.intra, cand.dp, None, 1
-        return hw.intra, inside, hw.inter, cand.dp // inside
-    # pp: the outermost axis
-    return (hw.intra if cand.tp * cand.dp * cand.pp <= dom else hw.inter), cand.pp, None, 1
-
-
-def collective_time(hw: Hardware, cand: Candidate, c) -> float:
-    """Seconds for one call of collective `c`: its algorithm's rounds x latency + bytes / bandwidth; a
-    data-parallel axis split over two links reduces inside first, then sends 1/inside of the bytes
-    across.
-
-    MPI processes on this machine (`hw.crowd`). DDP's buckets (dp) go through the communication
-    thread at the end of the backward, when every process is all-reducing: the link calibrate's probe
-    measured with all the mesh's processes all-reducing at once (`background`), wall time, crowding
-    included, not stretched again. Every other collective (tp, cp, ep, pp) is called between
-    computations by its own group while the other processes compute: the link the probe measured
-    for a group of that size alone, its rounds' work then taking turns with the rest of the mesh --
-    stretched by rank_slowdown(mesh) / rank_slowdown(group). (A round all-reduced by a crowd of 8
-    that does nothing else is far slower than a pair's alone: pricing a tp pair's rounds inside
-    8 computing processes at the crowd's rate makes a 3D mesh too slow; chapter 11 has the numbers.)"""
-    crowd = hw.crowd(cand.chips)
-    stretch = 1.0
-    if crowd is not None:
-        p, outer, q = axis_size(cand, c.axis), None, 1
-        if c.axis == "dp":
-            link = crowd.link(algorithm(c) or "ring", background=True)
-        else:
-            group = hw.crowd(p) or crowd
-            link = group.link(algorithm(c) or "ring", background=False)
-            stretch = rank_slowdown(hw, cand.chips) / rank_slowdown(hw, group.ranks)
-    else:
-        link, p, outer, q = axis_link(hw, cand, c.axis)
-    if c.axis == "pp":
-        return stretch * (link.latency + c.sent / link.bandwidth)
-    if outer is None or q == 1:
-        return stretch * (rounds(c, p) * link.latency + c.sent / link.bandwidth)
-    passes = 2 if algorithm(c) else 1  # reduce-scatter + all-gather, or one of them
-    inside = passes * (p - 1) * link.latency + passes * (p - 1) / p * c.payload / link.bandwidth
-    across = passes * (q - 1) * outer.latency + passes * (q - 1) / q * c.payload / p / outer.bandwidth
-    return inside + across
-
-
-def algorithm(c) -> str:
-    """The all-reduce algorithm of collective `c` ("ring" for "ring_all_reduce"), or "" if it is not one."""
-    return c.name[:-len("_all_reduce")] if c.name.endswith("_all_reduce") else ""
-
-
-def rounds(c, p: int) -> int:
-    """Message rounds of one call on p ranks: an all-reduce's per its algorithm
-    (`minidist.plan.traffic.all_reduce_rounds`), one ring pass (p-1) for the others."""
-    return all_reduce_rounds(algorithm(c), c.payload, p) if algorithm(c) else p - 1
-
-
-def axis_size(cand: Candidate, axis: str) -> int:
-    return {"tp": cand.tp, "dp": cand.dp, "pp": cand.pp, "cp": cand.cp, "ep": cand.ep}[axis]
-
-
-def _stage_math(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int, settings: Settings) -> tuple:
-    """(forward, backward) seconds of math for one microbatch through one stage (all its chunks)."""
-    kinds = layer_kinds(model)
-    tokens = cand.microbatch * model.seq // cand.cp
-    flops = 0.0
-    ops = 0
-    for i in stage_layers(model, cand)[stage]:
-        if kinds[i] == "block":
-            flops += model.layer_forward_flops(i - 1, tokens) / cand.tp
-            ops += OPS_PER_BLOCK
-        elif kinds[i] == "head":
-            flops += model.head_forward_flops(tokens) / cand.tp
-            ops += OPS_HEAD
-    if hw.kernels is not None and model.engine == "minidist":
-        fwd, bwd = kernel_time(model, cand, hw, stage)
-        return fwd, bwd, flops
-    act = memory_bound_bytes(model, cand, stage, settings)
-    fwd = flops / (hw.peak_flops * hw.gemm_efficiency) + act / hw.hbm_bandwidth
-    overhead = ops * hw.op_overhead
-    bwd = 2 * fwd
-    if cand.checkpoint == "full":
-        bwd += fwd
-    elif cand.checkpoint == "selective":  # recompute the attention core: 4·s·h FLOPs per token per layer
-        core = sum(4.0 * tokens * model.seq * model.n_head * model.head_dim / cand.tp
-                   for i in stage_layers(model, cand)[stage] if kinds[i] == "block")
-        bwd += core / (hw.peak_flops * hw.gemm_efficiency)
-    return fwd + overhead / 2, bwd + overhead / 2, flops
-
-
-def kernel_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int) -> tuple[float, float]:
-    """(forward, backward) seconds of one microbatch through one stage of a minidist GPT on this
-    machine: a sum over the ops of the work each does at the rate `minidist.plan.calibrate` measured for
-    it (forward + backward together, split 1 : 2). Per block: the four linears (3 x 2·T·12h²/tp
-    FLOPs), GELU on 4·T·h/tp elements, two layer norms on T·h, the attention's b·(H/tp)·s² scores
-    (and its q·kᵀ, p·v matmuls at the linear rate), ~6 plain elementwise passes over T·h (residual
-    adds, bias adds, head split/merge copies); the head's linear and cross-entropy on T·V/tp logits;
-    every op's fixed cost; all of it x calibrate's `cold` (a whole step over the sum of its ops
-    measured one at a time, in cache). One rank alone on a core; sharing the cores is `predict`'s
-    business, but MPI processes' Python x `python_crowding` is this function's."""
-    k = hw.kernels
-    h, s, b = model.d_model, model.seq // cand.cp, cand.microbatch
-    tokens, tp, d = b * s, cand.tp, model.head_dim
-    lin_rate = k["linear_flops"]  # one BLAS thread per rank, as minidist runs its ranks
-    kinds = layer_kinds(model)
-    t, ops = 0.0, 0
-    for i in stage_layers(model, cand)[stage]:
-        if kinds[i] == "block":
-            scores = b * (model.n_head // tp) * s * s
-            t += 3 * 2 * tokens * 12 * h * h / tp / lin_rate + 3 * 2 * 2 * scores * d / lin_rate
-            t += 4 * tokens * h / tp * k["gelu"] + 2 * tokens * h * k["layer_norm"]
-            t += scores * k["attention_score"] + 6 * tokens * h * k["elementwise"]
-            ops += OPS_PER_BLOCK
-        elif kinds[i] == "head":
-            t += 3 * 2 * tokens * h * model.vocab / tp / lin_rate + tokens * h * k["layer_norm"]
-            t += tokens * model.vocab / tp * k["cross_entropy"]
-            ops += OPS_HEAD
-        else:
-            t += 3 * tokens * h * k["elementwise"]
-            ops += 3
-    t += python_time(model, cand, hw, stage, ops) * python_crowding(hw, cand.chips)
-    t *= k.get("cold", 1.0)  # ops in a step find cold caches (calibrate's whole step over its parts)
-    fwd, bwd = t / 3, 2 * t / 3
-    return fwd, bwd + (fwd if cand.checkpoint == "full" else 0.0)  # recomputation: one more forward
-
-
-def python_time(model: ModelSpec, cand: Candidate, hw: Hardware, stage: int, ops: int) -> float:
-    """Seconds of Python in one microbatch's forward + backward through one stage: calibrate's measured
-    Python per block and for the embedding + head (half each), or, from an older calibration, `ops` x
-    the fixed cost of one tiny op."""
-    k = hw.kernels or {}
-    if "python_block" not in k:
-        return ops * hw.op_overhead
-    kinds = [layer_kinds(model)[i] for i in stage_layers(model, cand)[stage]]
-    blocks = kinds.count("block")
-    return blocks * k["python_block"] + (len(kinds) - blocks) * k["python_ends"] / 2
-
-
-def python_crowding(hw: Hardware, ranks: int) -> float:
-    """How many times longer a rank's Python takes when `ranks` MPI processes outnumber this machine's
-    CPUs, before the sharing itself (`rank_slowdown`): 1 + the probe's `python`. Processes that
-    outnumber the cores take turns: one switched back in finds its caches holding another's arrays
-    and interpreter state, and every wait for a partner is a switch -- costs that come per op, so a
-    step of many thin ops loses more than one of few fat ones. 1 while each process has a CPU (no
-    turns to take), for thread ranks (one process: `rank_slowdown` measures their sharing whole)
-    and for presets."""
-    crowd = hw.crowd(ranks)
-    return 1.0 + crowd.python if crowd is not None and hw.cpus and ranks > hw.cpus else 1.0
-
-
-def placement(hw: Hardware, ranks: int) -> Placement:
-    """The transport `ranks` ranks run on here, whether they outnumber the CPUs, and (MPI here: one
-    machine) that they share its memory: what the comm layer's "auto" all-reduce looks at. Presets:
-    never crowded."""
-    return Placement(hw.transport or "threads", bool(hw.cpus) and ranks > hw.cpus, hw.transport == "mpi")
-
-
-def rank_slowdown(hw: Hardware, ranks: int) -> float:
-    """How many times slower each of `ranks` ranks runs when they share this machine's cores: ranks /
-    the cores' worth of work they get together (1 where every rank has its own chip).
-
-    One rank alone: the share of a core calibrate found one rank gets (`hw.cores_one`: 1 on a quiet
-    machine, less when other programs take turns on its core).
-    MPI processes: the cores' worth calibrate's mpirun probe measured for that many processes doing
-    minidist work at once (`hw.crowd`: once they outnumber the CPUs they take turns, and every switch
-    costs cache), else the cores calibrate found free. Thread ranks share one GIL: only one runs
-    Python at a time, and every time one releases it for a NumPy kernel another must be woken to
-    take it. While the ranks fit on the cores that hand-off is quick; once they outnumber the cores,
-    the rank woken for the GIL has to wait for a core that other ranks' kernels hold, so Python,
-    kernels and messages end up taking turns, the more so the more ranks and the thinner their
-    kernels: `hw.thread_cores(ranks)`, measured by calibrate for as many thread ranks as the CPUs,
-    2 x and 4 x as many, a fixed batch split over them (8 ranks on a 2-vCPU machine: ~0.6-0.8 of a
-    core, the hand-offs cost more than they save; 4 ranks more than that)."""
-    crowd = hw.crowd(ranks)
-    if crowd is not None:
-        return max(1.0, ranks / crowd.cores)
-    if ranks == 1 and hw.cores_one:  # one rank, thread or process: the share of a core it gets alone
-        return max(1.0, 1.0 / hw.cores_one)
-    if not hw.cores:
-        return 1.0
-    return max(1.0, ranks / (hw.thread_cores(ranks) if hw.gil else hw.cores))
-
-
-def comm_slowdown(hw: Hardware, ranks: int) -> float:
-    """How many times slower messages run than `collective_time` says. Thread ranks' messages (and
-    MPI processes' without calibrate's probe) are priced at the threads link, which calibrate
-    measured with `LINK_RANKS` ranks sharing the machine -- their sharing is in it already; with
-    more ranks, the messages' Python takes its turn with the rest: rank_slowdown(ranks) /
-    rank_slowdown(LINK_RANKS) (the same rule as a crowded MPI group's link, `collective_time`). MPI
-    processes' probed links are priced in `collective_time` (1 here)."""
-    if hw.crowd(ranks) is not None:
-        return 1.0
-    return max(1.0, rank_slowdown(hw, ranks) / rank_slowdown(hw, min(ranks, LINK_RANKS)))
-
-
-def memory_bound_bytes(model: ModelSpec, cand: Candidate, stage: int, settings: Settings) -> float:
-    """Bytes the memory-bound ops move for one microbatch: each saved activation ~3 times."""
-    kinds = layer_kinds(model)
-    plain = cand.replace(checkpoint="none")
-    return 3.0 * sum(layer_activation(model, plain, kinds[i], i - 1, cand.microbatch, settings)
-                     for i in stage_layers(model, cand)[stage])
 
 
 @dataclass
@@ -332,7 +132,8 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
             simulate_schedule: bool = True, cp_mode: str = "allgather") -> Prediction:
     """Memory, fit, step time and its breakdown for one candidate (see the module docstring);
     ``cp_mode``: context-parallel attention's traffic ("allgather", "ring", "ulysses": traffic.py)."""
-    m, v = cand.microbatches(batch), cand.chunks
+    m, sched = cand.microbatches(batch), schedules.get(cand.schedule)
+    v = sched.chunks or cand.chunks
     mem = memory(model, cand, batch, settings)
     stages = _stages(model, cand, batch, hw, settings, m, cp_mode)
     # the busiest stage sets the pace of every stage in the schedule
@@ -340,12 +141,21 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
     bwd = max(st.per_microbatch("backward", m) for st in stages)
     p2p = [c for c in stages[0].calls if c.axis == "pp"]
     p2p_time = collective_time(hw, cand, p2p[0]) if p2p else 0.0
-    if cand.pp > 1 and simulate_schedule:
-        sim = simulate(make_schedule(cand.schedule, cand.pp, m, v), fwd / v, bwd / v, p2p_time)
+    # a split backward: B (the input's gradient) and W (the weights'), the same matmul FLOPs each
+    b_in, b_w = (bwd / 2, bwd / 2) if sched.split else (bwd, 0.0)
+    lists = schedules.build(cand.schedule, cand.pp, m, v) if cand.pp > 1 and simulate_schedule else None
+    if lists is not None:
+        sim = simulate(lists, fwd / v, bwd / v, p2p_time, input_time=b_in / v, weight_time=b_w / v,
+                       buffered_sends=sched.split)
         makespan, bubble = sim.makespan, sim.bubble
-    else:  # the textbook bubble (p-1)/(v·m+p-1): a quick estimate while searching
-        makespan = (m + (cand.pp - 1) / v) * (fwd + bwd)
-        bubble = (cand.pp - 1) / (v * m + cand.pp - 1)
+    else:  # the schedule's formula (`minidist.plan.schedules`): a quick estimate while searching
+        idle = sched.bubble(cand.pp, m, fwd, b_in, b_w, v) if cand.pp > 1 else 0.0
+        makespan = m * (fwd + bwd) + idle
+        bubble = idle / makespan
+    why = [_why_formula(sched, cand.pp, m, v, fwd, b_in, b_w)] if cand.pp > 1 else []
+    if lists is not None and abs(bubble - sched.bubble_fraction(cand.pp, m, fwd, b_in, b_w, v)) > 0.005:
+        why.append(f"the simulated schedule gives {bubble:.1%} (point-to-point sends of "
+                   f"{p2p_time * 1e3:.3g} ms, warm-up and cool-down as the lists run them)")
     busy = m * (fwd + bwd)
     slow, comm_slow = rank_slowdown(hw, cand.chips), comm_slowdown(hw, cand.chips)
     if slow > 1:  # every rank's work (its math, Python and messages) runs slower; idle time (bubble,
@@ -354,6 +164,8 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
                        for ph in ("forward", "backward"))
         bubble *= makespan / (busy + idle)
         makespan = busy + idle
+        why.append(f"{cand.chips} ranks share this machine's cores: each rank's work runs {slow:.2g}x "
+                   f"slower and its waits do not (a waiting rank's core runs the others' work): {bubble:.1%}")
     if hw.gil and hw.kernels is not None and model.engine == "minidist":
         # thread ranks: one GIL, so all ranks' Python runs one after another, however many cores
         ranks_per_stage = cand.dp * cand.tp * cand.cp
@@ -362,6 +174,8 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
         if gil > makespan:
             bubble *= makespan / gil
             makespan = gil
+            why.append(f"thread ranks share one GIL: all {cand.chips} ranks' Python runs one after another "
+                       f"and fills the waits: {bubble:.1%}")
     dp = comm_slow * max(st.axis("dp") for st in stages)
     # DP traffic starts in the last microbatch's backward; ZeRO-3's gathers hide under all of compute.
     # Not when the ranks share too few cores: copying and reducing is work that takes its turn with the rest
@@ -381,4 +195,27 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
     compute = slow * m * max(st.fwd + st.bwd for st in stages)
     return Prediction(cand, mem, mem["total"] <= hw.hbm_bytes, step, compute, comm, bubble * makespan, bubble,
                       model_flops / (cand.chips * hw.peak_flops * step), tokens / step,
-                      model_flops * recompute / cand.chips / step / 1e12)
+                      model_flops * recompute / cand.chips / step / 1e12, microbatches=m,
+                      bubble_why=explain_bubble(cand.pp, m, v if sched.name == "interleaved" else 1, bubble,
+                                                why))
+
+
+def _why_formula(sched, p: int, m: int, v: int, F: float, B: float, W: float) -> str:
+    """The schedule's own formula when it is not the textbook's, with the costs it was given."""
+    got = sched.bubble_fraction(p, m, F, B, W, v)
+    if sched.name in ("gpipe", "1f1b", "interleaved"):
+        return ""
+    costs = f"F {F * 1e3:.3g} ms, B {B * 1e3:.3g} ms, W {W * 1e3:.3g} ms per microbatch and stage"
+    note = f", {sched.approximate}" if sched.approximate else ""
+    return f"{sched.title} idles only {got:.1%} by its formula ({costs}{note})"
+
+
+def explain_bubble(p: int, m: int, v: int, bubble: float, why: list) -> str:
+    """'' when the predicted bubble is the textbook (p-1)/(v·m+p-1) (within half a point), else one line:
+    the two values and each reason, in the order the model applies them."""
+    book = schedules.textbook(p, m, v)
+    if p == 1 or abs(bubble - book) <= 0.005:
+        return ""
+    formula = f"(p-1)/({'v·' if v > 1 else ''}m+p-1) = {p - 1}/{v * m + p - 1} = {book:.1%}"
+    reasons = "; ".join(w for w in why if w) or "rounding"
+    return f"bubble {bubble:.1%}, not the textbook {formula}, because {reasons}"

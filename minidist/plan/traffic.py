@@ -140,7 +140,7 @@ def gather_sent(nbytes: float, p: int, itemsize: int = 1, rank: int = 0) -> floa
 
 def _tp_calls(model: ModelSpec, cand: Candidate, stage: int, m: int, r: int,
               where: Placement) -> list[Collective]:
-    tp, b, s, h = cand.tp, cand.microbatch, model.seq // cand.cp, model.d_model
+    tp, b, s, h = cand.tp, cand.microbatch_size, model.seq // cand.cp, model.d_model
     d = model.dtype_bytes
     act = b * s * h * d
     kinds = [layer_kinds(model)[i] for i in stage_layers(model, cand)[stage]]
@@ -185,7 +185,7 @@ def _dp_calls(model: ModelSpec, cand: Candidate, stage: int, settings: Settings,
 def _pp_calls(model: ModelSpec, cand: Candidate, stage: int, m: int) -> list[Collective]:
     if cand.pp == 1:
         return []
-    act = cand.microbatch * model.seq // cand.cp * model.d_model * model.dtype_bytes
+    act = cand.microbatch_size * model.seq // cand.cp * model.d_model * model.dtype_bytes
     if model.engine == "megatron":  # scatter/gather: each tp rank sends 1/tp (Narayanan 2021, 4.1)
         act /= cand.tp
     calls = []
@@ -210,7 +210,7 @@ def cp_attention_calls(model: ModelSpec, cand: Candidate, count: int, mode: str 
     Heads are this rank's (over tp)."""
     if mode not in CP_MODES:
         raise ValueError(f"cp_mode={mode!r}; use one of {CP_MODES}")
-    p, b, s, d = cand.cp, cand.microbatch, model.seq // cand.cp, model.dtype_bytes
+    p, b, s, d = cand.cp, cand.microbatch_size, model.seq // cand.cp, model.dtype_bytes
     kv_heads = max(model.kv // cand.tp, 1)  # this rank's K/V heads (replicated when tp exceeds them)
     if mode == "allgather":
         kv = 2 * b * s * kv_heads * model.head_dim * d * p
@@ -234,7 +234,7 @@ def _cp_ep_calls(model: ModelSpec, cand: Candidate, stage: int, m: int,
     Expert parallel: each MoE layer's tokens go to their experts and back by all-to-all, in forward
     and backward (Lepikhin et al. 2020, GShard)."""
     calls = []
-    b, s, d = cand.microbatch, model.seq // cand.cp, model.dtype_bytes
+    b, s, d = cand.microbatch_size, model.seq // cand.cp, model.dtype_bytes
     kinds = [layer_kinds(model)[i] for i in stage_layers(model, cand)[stage]]
     blocks = kinds.count("block")
     if cand.cp > 1:

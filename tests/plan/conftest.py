@@ -73,7 +73,7 @@ def measured_3d(dp, tp, pp, m, checkpoint=None, cfg=CFG, chunks=1, schedule=None
 def check_mesh(dp, tp, pp, m, checkpoint, cfg, spec, chunks=1, schedule="1f1b", where=THREADS):
     """Every rank's ledger calls, bytes, state and activation peak == the planner's prediction
     (`where`: the transport the ranks run on; under mpirun each process checks its own rank)."""
-    cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch=B // (dp * m), checkpoint=checkpoint or "none",
+    cand = Candidate(dp=dp, tp=tp, pp=pp, microbatch_size=B // (dp * m), checkpoint=checkpoint or "none",
                      schedule=schedule, chunks=chunks)
     for (stage, dpr, tpr), calls, sent, peak, rep in measured_3d(dp, tp, pp, m, checkpoint, cfg, chunks,
                                                                  schedule):

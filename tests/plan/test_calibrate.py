@@ -1,48 +1,16 @@
-"""calibrate's own arithmetic, on work and clocks the test controls (the machine's speed never enters)."""
+"""`python -m minidist.calibrate` stays one command after calibrate's split into files of one idea."""
 
-import time
-
-import numpy as np
-import pytest
-
-from minidist.comm import run
-from minidist.nn import GPTConfig
-from minidist.plan import calibrate
+from minidist import calibrate as command
+from minidist.plan import calibrate, calibrate_cores, calibrate_kernels, clock
 
 
-@pytest.mark.parametrize("threads, cores", [(1, 0.5), (2, 1.0)])
-def test_effective_cores_is_cpu_seconds_alone_over_wall_seconds_together(monkeypatch, threads, cores):
-    """The work is a 20 ms sleep (threads sleep side by side), and the CPU clock runs at half the wall
-    clock: each thread needs 10 ms of CPU and gets it in 20 ms, half a core each -- one rank alone
-    on a machine where another program takes turns with it gets 0.5 (a first version floored the
-    answer at 1/threads: 1 for one thread, and a single rank under load looked like a whole core)."""
-    monkeypatch.setattr(calibrate, "cpu", lambda: time.perf_counter() / 2)
-    monkeypatch.setattr(calibrate, "_work", lambda *a: lambda: time.sleep(0.02))
-    got = calibrate.effective_cores(threads, minidist_ops=True, batch=1)
-    assert got == pytest.approx(cores, rel=0.2)
-
-
-def test_alpha_and_beta_come_back_from_exact_times_and_alpha_survives_noise_on_big_messages():
-    """Times of a 2-rank ring (2 rounds, each rank sends the whole message: 2·(p-1)/p·N bytes) made
-    from alpha = 50 us a round, beta = 1 ns a byte: the fit returns them. Then 20% noise on the 4 MB
-    message alone (8.1 ms -> 9.7 ms): alpha still within 10% -- it comes from the small messages it
-    dominates (plain least squares put it at 17 us, a third)."""
-    sizes = [4096, 65536, 1 << 20, 1 << 22]
-    times = [2 * 50e-6 + n * 1e-9 for n in sizes]
-    alpha, beta = calibrate.fit_link("ring", 2, sizes, times)
-    assert (alpha, beta) == (pytest.approx(50e-6), pytest.approx(1e-9))
-    noisy = times[:3] + [times[3] * 1.2]
-    alpha, _ = calibrate.fit_link("ring", 2, sizes, noisy)
-    assert alpha == pytest.approx(50e-6, rel=0.1)
-
-
-def test_step_seconds_times_each_step_after_the_warm_up():
-    """One value per step after the first (from one step's end to the next), less the dropped ones;
-    each positive, together no more than the call took."""
-    cfg = GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=2, d_model=8)
-    ids = np.zeros((2, 4), dtype=np.int64)
-    t0 = time.perf_counter()
-    got = run(lambda comm: calibrate.step_seconds(comm, cfg, [(ids, ids)] * 5, drop=2, dp=2), ranks=2)
-    wall = time.perf_counter() - t0
-    assert [len(g) for g in got] == [5 - 1 - 2] * 2
-    assert all(s > 0 for g in got for s in g) and max(sum(g) for g in got) < wall
+def test_the_command_and_every_name_its_callers_import_are_where_they_were():
+    """calibrate_mpi, bench_env and the command import these from `minidist.plan.calibrate`; each is
+    the one object defined in its own file."""
+    assert command.main is calibrate.main
+    assert calibrate._median_time is clock._median_time and calibrate.cpu is clock.cpu
+    for name in ("fit_link", "effective_cores", "thread_counts", "allreduce_alpha_beta"):
+        assert getattr(calibrate, name) is getattr(calibrate_cores, name)
+    for name in ("step_seconds", "kernels", "cold_factor", "WHOLE_GPT"):
+        assert getattr(calibrate, name) is getattr(calibrate_kernels, name)
+    assert calibrate.cpu_name()

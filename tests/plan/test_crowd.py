@@ -49,7 +49,7 @@ def test_processes_outnumbering_the_cores_run_at_the_probed_cores_and_links():
     ring all-reduce (one bucket, 2(p-1) = 14 rounds) at the probe's background latency, 2 ms a round,
     which is already wall time: not stretched again, and not hidden under a backward that is itself
     waiting for the cores."""
-    step = predict(SPEC, Candidate(dp=8, microbatch=1), B, PROBED).step
+    step = predict(SPEC, Candidate(dp=8, microbatch_size=1), B, PROBED).step
     assert step == pytest.approx(8 / 0.5 * 4e-3 + 14 * 2e-3)
 
 
@@ -57,7 +57,7 @@ def test_tensor_parallel_all_reduces_use_the_foreground_link():
     """dp1 tp2, one microbatch of 8: 2 processes get 1.6 cores' worth -> 2 / 1.6 x 4 ms of work.
     TP all-reduces per step: forward 2 per block + the embedding's + 3 small ones of the loss = 8,
     backward 2 per block + the head's = 5; each 2(p-1) = 2 rounds of the probe's foreground 0.5 ms."""
-    step = predict(SPEC, Candidate(tp=2, microbatch=8), B, PROBED).step
+    step = predict(SPEC, Candidate(tp=2, microbatch_size=8), B, PROBED).step
     assert step == pytest.approx(2 / 1.6 * 4e-3 + (8 + 5) * 2 * 0.5e-3)
 
 
@@ -67,16 +67,16 @@ def test_tensor_parallel_pairs_inside_a_crowd_use_the_pairs_link_stretched_by_th
     processes (0.5 ms a round), its work taking turns with the rest, x (8 / 0.5) / (2 / 1.6) = 12.8
     -- not the 8-process crowd's 5 ms, measured with everyone all-reducing at once. DDP's ring
     over dp4 (6 rounds) at the end of the backward: the 8-process background link, 2 ms a round."""
-    step = predict(SPEC, Candidate(dp=4, tp=2, microbatch=2), B, PROBED).step
+    step = predict(SPEC, Candidate(dp=4, tp=2, microbatch_size=2), B, PROBED).step
     assert step == pytest.approx(8 / 0.5 * 4e-3 + (8 + 5) * 2 * 0.5e-3 * (8 / 0.5) / (2 / 1.6) + 6 * 2e-3)
 
 
 def test_between_and_beyond_the_probes():
     """4 processes: the next larger probe (8: 0.5 cores, 2 ms per background round), dp4's ring has
     6 rounds. 16 processes: the largest probe's cores, every round 16 / 8 times as long."""
-    dp4 = predict(SPEC, Candidate(dp=4, microbatch=2), B, PROBED).step
+    dp4 = predict(SPEC, Candidate(dp=4, microbatch_size=2), B, PROBED).step
     assert dp4 == pytest.approx(4 / 0.5 * 4e-3 + 6 * 2e-3)
-    dp16 = predict(SPEC, Candidate(dp=16, microbatch=1), 16, PROBED).step
+    dp16 = predict(SPEC, Candidate(dp=16, microbatch_size=1), 16, PROBED).step
     assert dp16 == pytest.approx(16 / 0.5 * 4e-3 + 30 * 2 * 2e-3)
 
 
@@ -84,7 +84,7 @@ def test_without_a_probe_processes_get_the_free_cores_and_the_threads_link():
     """An old calibration (no "processes"): 8 processes on 1.9 free cores, the work stretched 8 / 1.9
     times; the all-reduce's 14 rounds at the threads link's 1 ms, a link measured with 2 ranks
     sharing the cores: stretched by (8 / 1.9) / (2 / 1.9) = 4."""
-    step = predict(SPEC, Candidate(dp=8, microbatch=1), B, machine()).step
+    step = predict(SPEC, Candidate(dp=8, microbatch_size=1), B, machine()).step
     assert step == pytest.approx(8 / 1.9 * 4e-3 + 4 * 14 * 1e-3)
 
 
@@ -96,9 +96,9 @@ def test_crowded_processes_lose_the_probes_share_of_their_python():
     hw = PROBED.with_(kernels=k, crowds=(crowd(2, 1.6, 0.5e-3, 0.25e-3, python=0.5),
                                          crowd(8, 0.5, 5e-3, 2e-3, python=0.5)))
     update = 29e-4 + 1e-3
-    dp8 = predict(SPEC, Candidate(dp=8, microbatch=1), B, hw).step
+    dp8 = predict(SPEC, Candidate(dp=8, microbatch_size=1), B, hw).step
     assert dp8 == pytest.approx(8 / 0.5 * 1.5 * (4e-3 + update) + 14 * 2e-3)
-    dp2 = predict(SPEC, Candidate(dp=2, microbatch=4), B, hw).step
+    dp2 = predict(SPEC, Candidate(dp=2, microbatch_size=4), B, hw).step
     assert dp2 == pytest.approx(2 / 1.6 * (4e-3 + update) + 2 * 0.25e-3)
 
 
@@ -106,11 +106,11 @@ def test_a_whole_step_is_its_parts_times_cold():
     """calibrate's `cold` (a whole step over its parts one at a time) multiplies a rank's work:
     4 ms of Python x 1.25 for one rank alone."""
     hw = PROBED.with_(kernels={**PROBED.kernels, "cold": 1.25}, cores=0, crowds=())
-    assert predict(SPEC, Candidate(microbatch=8), B, hw).step == pytest.approx(1.25 * 4e-3)
+    assert predict(SPEC, Candidate(microbatch_size=8), B, hw).step == pytest.approx(1.25 * 4e-3)
     # 2 thread ranks: their Python takes turns on one GIL, 2 x 4 ms x 1.25 one after the other; the
     # all-reduce's 2 rounds of 1 ms as measured (with 2 ranks)
     threads = hw.with_(cores=1.5, cpus=2, gil=True, transport="threads")
-    assert predict(SPEC, Candidate(dp=2, microbatch=4), B, threads).step == pytest.approx(
+    assert predict(SPEC, Candidate(dp=2, microbatch_size=4), B, threads).step == pytest.approx(
         2 * 1.25 * 4e-3 + 2e-3)
 
 

@@ -56,7 +56,7 @@ def test_pipeline_sends_are_one_tp_slice_of_the_activation(tp, cp, pp, chunks):
     """Megatron scatters the b·(s/cp)·h activation over tp before the send and gathers it after: each tp
     rank sends 1/tp of it, m times per chunk boundary it has (Narayanan et al. 2021, 4.1)."""
     m, mb = 4, 1
-    cand = Candidate(tp=tp, cp=cp, pp=pp, microbatch=mb, chunks=chunks,
+    cand = Candidate(tp=tp, cp=cp, pp=pp, microbatch_size=mb, chunks=chunks,
                      schedule="interleaved" if chunks > 1 else "1f1b")
     act = mb * (S // cp) * H * 2 / tp
     for stage in range(pp):
@@ -79,7 +79,7 @@ def test_cp_allgather_traffic_is_k_and_v_gathered_and_their_gradients_reduce_sca
     reduce-scatter of their gradients sends as much. Written out for h = 1024, s = 512, b = 2."""
     from minidist.plan.traffic import cp_attention_calls
 
-    cand = Candidate(cp=cp, microbatch=B)
+    cand = Candidate(cp=cp, microbatch_size=B)
     whole = 2 * B * S * H * 2
     calls = cp_attention_calls(SPEC, cand, 3, "allgather")
     assert [(c.name, c.phase, c.count) for c in calls] == [("all_gather", "forward", 3),
@@ -98,7 +98,7 @@ def test_cp_traffic_moves_only_this_tp_ranks_k_and_v_heads(mode, tp, kv_heads, l
     cp, hd = 2, H // A
     spec = SPEC.replace(kv_heads=kv_heads)
     own = 2 * B * (S // cp) * local * hd * 2  # this rank's K and V of its own tokens, bf16
-    calls = cp_attention_calls(spec, Candidate(cp=cp, tp=tp, microbatch=B), 1, mode)
+    calls = cp_attention_calls(spec, Candidate(cp=cp, tp=tp, microbatch_size=B), 1, mode)
     if mode == "allgather":
         assert all(c.payload == own * cp and c.sent == own * (cp - 1) for c in calls)
     else:

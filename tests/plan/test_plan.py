@@ -49,7 +49,7 @@ def test_uneven_ring_chunks_equal_the_ledger():
     """DDP's bucket of 2070 elements over 4 ranks: np.array_split chunks of 518, 518, 517, 517, so
     ranks send different bytes (2N - |chunk r| - |chunk r+1|), not the textbook 2(p-1)/p·N."""
     cfg, spec = CFG.replace(n_layer=1, d_model=10, n_head=2), SPEC.replace(n_layer=1, d_model=10, n_head=2)
-    assert stage_param_counts(spec, Candidate(dp=4, microbatch=2), 0)[0] % 4  # really uneven
+    assert stage_param_counts(spec, Candidate(dp=4, microbatch_size=2), 0)[0] % 4  # really uneven
     check_mesh(4, 1, 1, 1, None, cfg, spec)
 
 
@@ -68,7 +68,7 @@ def test_zero_bytes_and_memory_equal_ledger_and_accountant(stage, dp, layers):
 
     cfg = CFG.replace(n_layer=layers, d_model=10, n_head=2, vocab_size=29)  # buckets of 1330, 370, 310
     spec = SPEC.replace(n_layer=layers, d_model=10, n_head=2, vocab=29)     # elements: uneven shards
-    cand = Candidate(dp=dp, zero=stage, microbatch=B // dp)
+    cand = Candidate(dp=dp, zero=stage, microbatch_size=B // dp)
     x = np.arange(B * 8).reshape(B, 8) % cfg.vocab_size
 
     def body(comm):
@@ -104,7 +104,7 @@ def _predict_run(name):
 
     r = RUNS[name]
     mesh = dict(r.mesh)
-    cand = Candidate(microbatch=mesh.pop("microbatch"), **mesh)
+    cand = Candidate(microbatch_size=mesh.pop("microbatch_size"), **mesh)
     return r, predict(r.model, cand, r.global_batch, r.hardware)
 
 
@@ -172,7 +172,7 @@ def test_activation_peak_with_recomputation_equals_accountant(policy):
     x, y = batches(1)[0]
     with acct.track_activations(model):
         model.loss(x, y).backward()
-    cand = Candidate(microbatch=B, checkpoint=policy)
+    cand = Candidate(microbatch_size=B, checkpoint=policy)
     assert acct.peak_activation_bytes == memory(SPEC.replace(n_layer=3), cand, B)["activations"]
 
 
@@ -183,7 +183,7 @@ def test_planner_compares_its_best_mesh_with_the_published_one():
     from minidist.plan.search import compare_published
 
     run = RUNS["gpt3-175b"]
-    cands = [Candidate(dp=1536 // (8 * pp), tp=8, pp=pp, checkpoint=ck, microbatch=1)
+    cands = [Candidate(dp=1536 // (8 * pp), tp=8, pp=pp, checkpoint=ck, microbatch_size=1)
              for pp in (8, 16) for ck in ("full", "selective")]
     out = compare_published(run, top=2, cands=cands, simulate=4)
     best, pub = out["best"], out["published"]
@@ -265,6 +265,9 @@ CLI_BAD = [
      ["d_model 10 not divisible by n_head 3"]),
     (["--layers", "0"], ["--layers", ">= 1"]),
     (["--plot", "/nonexistent-minidist/plan.png"], ["--plot", "does not exist"]),
+    (["--mesh", "tp=8,pp=2,microbatch=4"], ["microbatch_size=4", "microbatches=N"]),
+    (["--chips", "8", "--mesh", "pp=8,microbatches=4,schedule=zb_h1"], ["zb_h1 with m = 4", "pp=8"]),
+    (["--chips", "6", "--batch", "6", "--mesh", "pp=3,schedule=dualpipe"], ["even pp"]),
 ]
 
 
@@ -338,8 +341,8 @@ def test_step_time_here_when_ranks_share_the_cores_adds_up_by_hand():
     alone = _hand_machine()
     threads = _hand_machine(cores=1.5, cores_crowded=0.5, cpus=2, gil=True)
     mpi = _hand_machine(cores=1.6, cores_crowded=0.5, cpus=2, gil=False)
-    one = Candidate(microbatch=8)
-    dp8, dp2 = Candidate(dp=8, microbatch=1), Candidate(dp=2, microbatch=4)
+    one = Candidate(microbatch_size=8)
+    dp8, dp2 = Candidate(dp=8, microbatch_size=1), Candidate(dp=2, microbatch_size=4)
     assert predict(SPEC, one, B, alone).step == pytest.approx(4e-3)
     # the step's own Python: 2 blocks x 12 + 2 + 3 = 29 parameter tensors at 0.1 ms, and 1 ms once
     stepping = alone.with_(kernels={**alone.kernels, "python_tensor": 1e-4, "python_step": 1e-3})
@@ -363,9 +366,45 @@ def test_pipeline_bubble_is_not_stretched_when_ranks_share_the_cores():
     other) does not."""
     from minidist.plan.steptime import predict
 
-    cand = Candidate(pp=2, microbatch=2)  # 4 microbatches
+    cand = Candidate(pp=2, microbatch_size=2)  # 4 microbatches
     alone = predict(SPEC, cand, B, _hand_machine())
     shared = predict(SPEC, cand, B, _hand_machine(cores=1.5, cpus=2, gil=True))
     busy = 4 * 2e-3
     assert alone.step > busy  # a bubble and point-to-point waits exist to leave unstretched
     assert shared.step == pytest.approx(2 / 1.5 * busy + (alone.step - busy))
+
+
+def test_cli_names_the_microbatch_count_as_the_lessons_do_and_searches_a_schedule(capsys):
+    """`microbatches=8` is the lessons' count: batch 64 over dp=2 replicas x 8 = microbatch size 4;
+    the table shows m and the size apart; --schedule zb_h1 puts ZB-H1 in every pipelined row."""
+    from minidist.plan.__main__ import main
+
+    main(["--model", "llama3-8b", "--chips", "16", "--batch", "64", "--hardware", "h100", "--top", "2",
+          "--mesh", "tp=4,pp=2,microbatches=8"])
+    out = capsys.readouterr().out
+    assert "mbsize=4" in out and "#1 runs m = 8 microbatches of 4 sequences per replica" in out
+    main(["--model", "llama3-8b", "--chips", "16", "--batch", "64", "--hardware", "h100", "--top", "20",
+          "--schedule", "zb-h1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if " pp" in line and "z" in line]
+    piped = [r for r in rows if " pp1 " not in r]
+    assert piped and all(r.split()[7] == "zb_h1" for r in piped), piped
+
+
+def test_a_bubble_far_from_the_textbook_says_why():
+    """pp=2 with ONE microbatch: the textbook (p-1)/(m+p-1) is 50%. On the hand machine with 2 ranks
+    sharing 1.5 cores' worth (GIL), the planner predicts less, and its line says the ranks share the
+    cores; alone on chips of their own, the bubble is the textbook's and no line is printed."""
+    from minidist.plan.steptime import predict
+
+    cand = Candidate(pp=2, microbatch_size=B)  # one microbatch
+    alone = predict(SPEC, cand, B, _hand_machine())
+    shared = predict(SPEC, cand, B, _hand_machine(cores=0.5, cpus=2, gil=True))
+    assert shared.microbatches == 1 and shared.bubble_fraction < 0.45
+    why = shared.bubble_why
+    book = "not the textbook (p-1)/(m+p-1) = 1/2 = 50.0%"
+    assert why.startswith(f"bubble {shared.bubble_fraction:.1%}, {book}")
+    assert "share this machine's cores" in why
+    if abs(alone.bubble_fraction - 0.5) <= 0.005:
+        assert alone.bubble_why == ""
+    else:  # the hand machine's 1 ms point-to-point sends
+        assert "simulated schedule" in alone.bubble_why

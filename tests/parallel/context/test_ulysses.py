@@ -201,7 +201,8 @@ def test_planner_prices_ring_and_ulysses_as_the_ledger_counts(mode, cp):
 
     x = np.random.default_rng(0).integers(0, 16, (2, 16))
     spec = ModelSpec.of_gpt("cfg", CFG).replace(dtype_bytes=8)  # float64, as CFG
-    planned = bytes_by_axis(collectives(spec, Candidate(cp=cp, microbatch=2), batch=2, cp_mode=mode))["cp"]
+    planned = bytes_by_axis(collectives(spec, Candidate(cp=cp, microbatch_size=2), batch=2,
+                                        cp_mode=mode))["cp"]
     for sent in run(_attention_traffic, ranks=cp, x=x, mode=mode):
         assert sent == planned
 
