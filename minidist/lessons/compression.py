@@ -11,7 +11,8 @@ DiLoCo (H local AdamW steps, then one all-reduce of the parameter delta) and its
 1 Gb/s link with 50 us latency: ``minidist.comm.transports.link``). For each method rank 0 prints the bytes it
 sent per step (ledger) beside the method's formula, the compression ratio, the final loss on held-out
 windows beside dense's, and the wall time per step. Checks: bytes == formula, replicas identical.
-``--plot`` draws loss vs steps and loss vs bytes sent.
+It prints, and ``--plot`` shows, the bytes each method needed to reach dense's loss:
+loss vs steps, and loss vs cumulative bytes on a log axis with a band at dense's final loss.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def train(comm, args, name, batches, held_out):
         per_step = sum(step_formula(hook, kw, [q.shape for q in b.params], comm.size)
                        for b in wrapper.buckets)
     rows = slice(args.batch * comm.rank, args.batch * (comm.rank + 1))
-    losses, sent, times = [], [], []
+    losses, sent, times, evals = [], [], [], []
     with measure(comm) as total:  # all of it: an async sync's bytes may fall between two steps' windows
         for x, y in batches:
             comm.barrier()
@@ -141,6 +142,9 @@ def train(comm, args, name, batches, held_out):
             times.append(time.perf_counter() - t0)
             sent.append(m.bytes_sent)
             losses.append(loss.item())
+            if comm.rank == 0 and (len(sent) % args.eval_every == 0 or len(sent) == len(batches)):
+                with no_grad():  # rank 0 alone, held-out windows: no message, ledger untouched
+                    evals.append((len(sent), sum(sent), model.loss(*held_out).item()))
         if hook == "diloco":
             wrapper.finish_pending()  # a streaming sync still in flight
     losses = list(all_reduce(comm, np.array(losses), op="mean"))  # the global batch's mean, per step
@@ -156,7 +160,7 @@ def train(comm, args, name, batches, held_out):
         final = float(all_reduce(comm, np.array([model.loss(*held_out).item()]), op="mean")[0])
     return {"name": name, "losses": losses, "sent": sent, "total": total.bytes_sent, "formula": formula,
             "identical": len(set(same)) == 1, "final": final, "step_s": float(np.median(times[1:] or times)),
-            "first_s": times[0], "n_params": sum(q.size for q in model.parameters())}
+            "first_s": times[0], "evals": evals, "n_params": sum(q.size for q in model.parameters())}
 
 
 def table(comm, results: list, p: int) -> bool:
@@ -177,22 +181,79 @@ def table(comm, results: list, p: int) -> bool:
     return ok
 
 
+# -- reading the bytes off the curves ----------------------------------------------------------------
+
+BAND = 0.02   # "at dense loss": within 2% of dense's final held-out loss
+
+
+def curve(r):
+    """(steps, cumulative MB sent by rank 0, held-out loss of rank 0's replica) at each evaluation,
+    only where something has been sent: DiLoCo sends nothing for its first H-1 steps, and a log axis
+    has no place for 0 bytes."""
+    steps, sent, loss = (np.array(c, dtype=float) for c in zip(*r["evals"]))
+    keep = sent > 0
+    return steps[keep], sent[keep] / 1e6, loss[keep]
+
+
+def mb_to_reach(r, level: float):
+    """MB rank 0 had sent when its held-out loss first came down to ``level`` (None: never)."""
+    _, mb, loss = curve(r)
+    hit = np.nonzero(loss <= level)[0]
+    return float(mb[hit[0]]) if len(hit) else None
+
+
+def bytes_at_dense_loss(results: list) -> tuple[float, list]:
+    """The loss level (dense's final held-out loss + BAND) and per method (name, MB to reach it,
+    dense's MB / that): the byte ratio at equal loss, where the plot's band meets each curve."""
+    level = float(curve(results[0])[2][-1]) * (1 + BAND)
+    base = mb_to_reach(results[0], level)
+    rows = []
+    for r in results:
+        mb = mb_to_reach(r, level)
+        rows.append((r["name"], mb, None if mb is None or base is None else base / mb))
+    return level, rows
+
+
+def print_bytes_at_dense_loss(comm, results: list) -> None:
+    """Rank 0 (which holds the evaluations): the MB each method sent to reach dense's loss."""
+    if comm.rank != 0:
+        return
+    level, rows = bytes_at_dense_loss(results)
+    print(f"\nMB rank 0 sent until its held-out loss reached dense's final + {BAND:.0%} ({level:.4f}; "
+          "--plot's right panel, where each curve enters the band):", flush=True)
+    for name, mb, ratio in rows:
+        got = "not reached in these steps" if mb is None else f"{mb:8.3f} MB = 1/{ratio:.1f} of dense's bytes"
+        print(f"  {name:<18} {got}", flush=True)
+
+
+STYLES = ["-", "--", "-.", ":"]
+
+
 def plot(path, results):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_s, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in results:  # each step's batch differs: a running mean of 5 steps shows the trend
-        smooth = np.convolve(r["losses"], np.ones(5) / 5, mode="valid")
-        steps = np.arange(5, len(r["losses"]) + 1)
-        ax_s.plot(steps, smooth, label=r["name"])
-        ax_b.plot(np.cumsum(r["sent"])[4:] / 1e6, smooth, label=r["name"])
-    ax_s.set(xlabel="step", ylabel="training loss (mean of 5 steps)", title="loss vs steps")
-    ax_b.set(xlabel="MB sent by rank 0", ylabel="training loss (mean of 5 steps)", title="loss vs bytes sent",
-             xscale="symlog")
-    ax_s.legend(fontsize=7)
+    level, _ = bytes_at_dense_loss(results)
+    fig, (ax_s, ax_b) = plt.subplots(1, 2, figsize=(13, 5))
+    for i, r in enumerate(results):
+        style = dict(color=f"C{i % 10}", ls=STYLES[i // 3 % len(STYLES)] if i else "-",
+                     lw=2.5 if i == 0 else 1.5, marker="o", markersize=3)
+        steps, mb, loss = curve(r)
+        ax_s.plot(steps, loss, label=r["name"], **style)
+        ax_b.plot(mb, loss, label=r["name"], **style)
+    for ax in (ax_s, ax_b):
+        ax.axhspan(level / (1 + BAND) * (1 - BAND), level, color="0.85", zorder=0,
+                   label=f"dense's final loss ± {BAND:.0%}")
+        ax.set_ylabel("held-out loss, nats/token (rank 0's replica)")
+        ax.grid(alpha=0.3)
+    ax_s.set(xlabel="training step", title="loss vs step: the same batches for every method")
+    ax_b.set(xlabel="cumulative MB sent by rank 0 (log scale; 1 MB = 1e6 bytes)", xscale="log",
+             title="loss vs bytes: where each curve enters the band, vs dense")
+    ax_b.legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"Gradient compression: {len(results)} methods, the same GPT and batches "
+                 "(bytes: rank 0's ledger)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -214,13 +275,14 @@ def rank_main(comm, args):
                      f"{1e3 * r['step_s']:.1f} ms per step)")
     rprint(comm, f"parameters: {results[0]['n_params']} (fp32); bytes are rank 0's, sent per step\n")
     ok = table(comm, results, p)
+    print_bytes_at_dense_loss(comm, results)
     if comm.link is not None:
         n = results[0]["n_params"] * 4
         rprint(comm, f"\nthe link's alpha-beta time of one dense ring all-reduce: "
                      f"{1e3 * comm.link.predict_all_reduce('ring', n, p):.1f} ms per step")
     if args.plot and comm.rank == 0:
         plot(args.plot, results)
-        print(f"wrote {args.plot}: loss vs steps and loss vs bytes sent", flush=True)
+        print(f"wrote {args.plot}: loss vs steps and loss vs cumulative bytes sent", flush=True)
     return finish(comm, ok)
 
 
@@ -244,6 +306,8 @@ def parser():
     ap.add_argument("--batch", type=positive_int, default=2, help="windows per rank per step")
     ap.add_argument("--lr", type=positive_float, default=3e-3)
     ap.add_argument("--outer-lr", type=positive_float, default=0.7)
+    ap.add_argument("--eval-every", type=positive_int, default=4,
+                    help="steps between held-out evaluations of rank 0's replica (the plot's points)")
     ap.add_argument("--bucket-kb", type=positive_int, default=4096)
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=LESSON, metavar="METHOD",
                     help="which methods (default: all but PowerSGD r=4): "
