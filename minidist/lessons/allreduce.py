@@ -183,7 +183,7 @@ def plot(path: str, rows: list[tuple], p: int, nbytes: int) -> None:
     ax_t.bar(range(len(rows)), [r[3] * 1e3 for r in rows], color="tab:orange")
     ax_t.set_xticks(range(len(rows)), [r[0] for r in rows], rotation=30)
     ax_t.set_ylabel("median time (ms)")
-    ax_t.set_title("time per all-reduce")
+    ax_t.set_title(f"median time per all-reduce of {nbytes:,} bytes")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -233,9 +233,9 @@ def plot(path, events):
             ax.plot([e["t"] - t0], [a], "rx", markersize=12)
         elif e["event"] == "restore" and e.get("step") is not None:
             ax.plot([e["t"] - t0], [a], "g>", markersize=9)
-    ax.set_xlabel("seconds")
+    ax.set_xlabel("wall time since the first event (s)")
     ax.set_yticks(sorted({e.get("attempt", 0) for e in events}))
-    ax.set_ylabel("attempt")
+    ax.set_ylabel("attempt (restart)")
     ax.invert_yaxis()
     ax.set_title("steps (blue), saves (|), failure (x), restore from checkpoint (>)", loc="right", fontsize=9)
     fig.tight_layout()
