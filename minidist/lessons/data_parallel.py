@@ -35,12 +35,12 @@ from minidist.lessons.cli import (
     world_size,
     worst,
 )
+from minidist.lessons.this_machine import compare_line, this_machine
 from minidist.memory import MemoryAccountant, zero_formula
 from minidist.nn import GPT, GPTConfig, optim
 from minidist.nn.data import split_batch
 from minidist.parallel.data.ddp import DDP
 from minidist.parallel.data.zero import ZeRO, param_count
-from minidist.plan import estimates
 from minidist.testing import adamw_tolerance, max_state_diff, train_serial
 from minidist.trace import hidden_fraction, plot_timeline
 
@@ -229,12 +229,10 @@ def rank_main(comm, args):
         ok = worst(diff, ldiff) < tol
         print(f"   max |param diff| = {diff:.2e}, max |loss diff| = {ldiff:.2e} (tolerance {tol:g}: "
               f"same sums, different order)  {'PASS' if ok else 'FAIL'}", flush=True)
-        print("   " + estimates.predicted_vs_measured(
-            "DDP step (median), the planner on this machine's calibration",
-            estimates.step_prediction(args.layers, args.d_model, 4, 64, args.seq, args.batch, dp=p,
-                                      dtype_bytes=np.dtype(args.dtype).itemsize,
-                                      transport="mpi" if comm.transport == "mpi" else "threads"),
-            ddp.step_seconds), flush=True)
+        print("   " + compare_line(
+            "DDP step (median, slowest rank)", ddp.step_seconds, p, this_machine(comm.transport),
+            n_layer=args.layers, d_model=args.d_model, n_head=4, vocab=64, seq=args.seq, batch=args.batch,
+            dp=p, microbatches=args.accum, dtype_bytes=np.dtype(args.dtype).itemsize), flush=True)
     for stage in (1, 2, 3):  # the same training, sharded: each stage must equal the serial twin too
         zstate, zlosses = run_zero(comm, args, batches, stage)
         if comm.rank == 0:

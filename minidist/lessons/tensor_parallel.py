@@ -26,7 +26,7 @@ from minidist import trace
 from minidist.accel.backend import default_backend, to_host
 from minidist.autograd import random as mrandom
 from minidist.autograd.tensor import Tensor
-from minidist.comm import measure, under_mpi
+from minidist.comm import measure
 from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.comm.transports.link import parse_link
 from minidist.lessons.cli import (
@@ -38,13 +38,13 @@ from minidist.lessons.cli import (
     probability,
     rprint,
 )
+from minidist.lessons.this_machine import compare_line, this_machine
 from minidist.memory import MemoryAccountant
 from minidist.nn import GPT, GPTConfig, optim
 from minidist.nn.data import BatchLoader, TextDataset
 from minidist.parallel.tensor.collective_matmul import CHANNEL, hidden_share, lanes, use_collective_matmul
 from minidist.parallel.tensor.gpt import TPGPT, ParallelBlock
 from minidist.parallel.tensor.sharding import sharding_table, unshard
-from minidist.plan import estimates
 from minidist.testing import adamw_tolerance, max_state_diff, train_steps
 
 
@@ -97,13 +97,6 @@ def overlap_timeline(comm, cfg, args):
         print(f"\ncollective matmul, one layer (h=512, s=256) on tp=2 over link {link}: "
               f"{hidden_share(tracer.events):.0%} of the hops' link time ran during a GEMM chunk")
         print(lanes(tracer.events))
-
-
-def predicted_ms(args, tp: int) -> str:
-    """The planner's step time for this tp on this machine's calibration (chapter 0), as text."""
-    t = estimates.step_prediction(args.layers, args.d_model, 4, 256, args.seq, args.batch, tp=tp,
-                                  transport="mpi" if under_mpi() else "threads")
-    return "-" if t is None else f"{t * 1e3:.1f}"
 
 
 # -- how far may the two runs be apart? ----------------------------------------------------------------
@@ -174,7 +167,7 @@ def rank_main(comm, args):
         rprint(comm, f"serial twin: loss {losses[0]:.4f} -> {losses[-1]:.4f}\n")
     rprint(comm, f"{'tp':>3} {'seq-par':>7} {'final loss':>10} {'max|dloss|':>11} {'max|dgrad|':>11} "
                  f"{'max|dparam|':>12} {'check':>5} {'params/rank':>12} {'serial/tp':>10} "
-                 f"{'activ./rank':>12} {'serial/tp':>10} {'step ms':>8} {'predicted':>9}")
+                 f"{'activ./rank':>12} {'serial/tp':>10} {'step ms':>8}")
     rows, passed = [], True
     for tp in tps:
         group = comm.split(0 if comm.rank < tp else None, comm.rank)
@@ -197,20 +190,24 @@ def rank_main(comm, args):
                 ok, dl, dg, dp = compare(twin, dict(loss0=loss0, grads=grads, losses=losses, params=full),
                                          rel, param_tol)
                 passed &= ok
-                rows.append((tp, sp, ok, pbytes, act, serial_param_bytes, serial_act))
+                rows.append((tp, sp, ok, pbytes, act, serial_param_bytes, serial_act, step_ms / 1e3))
                 rprint(comm, f"{tp:>3} {('cm' if args.overlap else 'on') if sp else 'off':>7} "
                              f"{losses[-1]:>10.4f} {dl:>11.2e} "
                              f"{dg:>11.2e} {dp:>12.2e} {'PASS' if ok else 'FAIL':>5} {pbytes:>12,} "
                              f"{serial_param_bytes // tp:>10,} "
-                             f"{act:>12,} {serial_act // tp:>10,} {step_ms:>8.1f} "
-                             f"{predicted_ms(args, tp):>9}")
+                             f"{act:>12,} {serial_act // tp:>10,} {step_ms:>8.1f}")
     rprint(comm, f"(the ranks sum partial products in another order than the twin, {cfg.dtype}: the first\n"
                  f" gradients (max|dgrad|, relative to each tensor's max|g|) and every step's loss within\n"
                  f" {rel:.1e} of their size -- 2u·sqrt(b·s·max(4h, vocab)), rounding_bound; the parameters\n"
                  f" after {args.steps} AdamW steps within 0.1·lr·steps = {param_tol:.1e}, adamw_tolerance;\n"
-                 " step ms: measured per AdamW step; predicted: the planner on this machine's calibration,\n"
-                 " chapter 0 -- a tiny model split tp ways is slower, not faster: the all-reduces and\n"
-                 " per-op overheads do not shrink with tp)\n")
+                 " step ms: measured per AdamW step, the slowest rank's)\n")
+    hw = this_machine(comm.transport)
+    for tp, sp, *_, step_s in rows:  # the planner's two models beside each measured step (chapter 11)
+        if not sp:
+            rprint(comm, compare_line(f"TP step, tp={tp}", step_s, tp, hw, n_layer=args.layers, d_model=h,
+                                      n_head=4, vocab=cfg.vocab_size, seq=s, batch=b, tp=tp))
+    rprint(comm, "(a tiny model split tp ways is slower, not faster: the all-reduces and per-op overheads\n"
+                 " do not shrink with tp, and where the ranks share the cores their work takes turns)\n")
     rprint(comm, "Parameters shrink ~1/tp (LayerNorms and position table stay replicated). Without sequence\n"
                  "parallelism LayerNorm, dropout and residual activations are replicated on every rank, so\n"
                  "activations do not shrink 1/tp; with it they are sequence shards.\n")
