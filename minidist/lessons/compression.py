@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import sys
 import time
 
 import numpy as np
@@ -29,6 +30,7 @@ from minidist.autograd.tensor import no_grad
 from minidist.comm import all_reduce, measure
 from minidist.comm.transports.link import parse_link, set_link
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, positive_int, rprint
+from minidist.lessons.progress import progress
 from minidist.nn import GPT, GPTConfig, optim
 from minidist.nn.data import BatchLoader, ByteTokenizer, TextDataset, default_text
 from minidist.parallel.data.compress import make_hook
@@ -108,8 +110,9 @@ def fingerprint(model) -> str:
     return h.hexdigest()
 
 
-def train(comm, args, name, batches, held_out):
-    """Train with method ``name``; returns a dict of what the table and the plot show (every rank)."""
+def train(comm, args, name, batches, held_out, bar=None):
+    """Train with method ``name``; returns a dict of what the table and the plot show (every rank).
+    ``bar``: a progress bar (``minidist.lessons.progress``) advanced once per step."""
     hook, kw = METHODS[name]
     model = GPT(config(args))
     inner = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -142,6 +145,8 @@ def train(comm, args, name, batches, held_out):
             times.append(time.perf_counter() - t0)
             sent.append(m.bytes_sent)
             losses.append(loss.item())
+            if bar is not None:
+                bar.update(1)
             if comm.rank == 0 and (len(sent) % args.eval_every == 0 or len(sent) == len(batches)):
                 with no_grad():  # rank 0 alone, held-out windows: no message, ledger untouched
                     evals.append((len(sent), sum(sent), model.loss(*held_out).item()))
@@ -266,13 +271,17 @@ def rank_main(comm, args):
                  f"on the course text, {args.batch} windows of {args.seq} bytes per rank per step; link: "
                  f"{comm.link or 'none (memory)'}")
     results = []
+    bar = progress(total=len(args.methods) * args.steps, desc="training", rank=comm.rank)
     for i, name in enumerate(args.methods):  # a line per method as it ends: a long run shows its progress
         t0 = time.perf_counter()
-        results.append(train(comm, args, name, batches, held_out))
+        bar.set_postfix(method=name)
+        results.append(train(comm, args, name, batches, held_out, bar))
         r = results[-1]
-        rprint(comm, f"  [{i + 1}/{len(args.methods)}] {name:<18} {len(r['losses'])} steps in "
-                     f"{time.perf_counter() - t0:6.1f} s (first step {r['first_s']:.2f} s, then "
-                     f"{1e3 * r['step_s']:.1f} ms per step)")
+        if comm.rank == 0:  # above the bar (tqdm.write), or a plain line where no bar is drawn
+            bar.write(f"  [{i + 1}/{len(args.methods)}] {name:<18} {len(r['losses'])} steps in "
+                      f"{time.perf_counter() - t0:6.1f} s (first step {r['first_s']:.2f} s, then "
+                      f"{1e3 * r['step_s']:.1f} ms per step)", file=sys.stdout)
+    bar.close()
     rprint(comm, f"parameters: {results[0]['n_params']} (fp32); bytes are rank 0's, sent per step\n")
     ok = table(comm, results, p)
     print_bytes_at_dense_loss(comm, results)
