@@ -1,8 +1,8 @@
-"""Lesson 12's reading of the bytes at dense's loss: where each held-out loss curve enters the band."""
+"""Lesson 12's bytes at dense's loss (compression_curves): where each held-out curve enters the band."""
 
 import pytest
 
-from minidist.lessons import compression
+from minidist.lessons import compression, compression_curves
 
 
 def result(name, evals):
@@ -17,21 +17,21 @@ DILOCO = result("DiLoCo", [(4, 0, 4.5), (8, 0, 4.0), (12, 10e6, 3.5)])
 
 
 def test_the_ratio_is_dense_bytes_over_the_methods_where_the_band_is_reached():
-    level, rows = compression.bytes_at_dense_loss([DENSE, POWER, DILOCO])
-    assert level == pytest.approx(3.0 * (1 + compression.BAND))
+    level, rows = compression_curves.bytes_at_dense_loss([DENSE, POWER, DILOCO])
+    assert level == pytest.approx(3.0 * (1 + compression_curves.BAND))
     assert rows[0] == ("dense", pytest.approx(120.0), pytest.approx(1.0))
     assert rows[1] == ("PowerSGD", pytest.approx(4.0), pytest.approx(120 / 4))
     assert rows[2] == ("DiLoCo", None, None)  # 3.5 never comes down to 3.06
 
 
 def test_curves_start_at_the_first_message_not_at_zero_bytes():
-    steps, mb, loss = compression.curve(DILOCO)
+    steps, mb, loss = compression_curves.curve(DILOCO)
     assert list(steps) == [12] and list(mb) == [10.0] and list(loss) == [3.5]
 
 
 def test_the_plot_is_written(tmp_path):
     path = tmp_path / "comp.png"
-    compression.plot(str(path), [DENSE, POWER, DILOCO])
+    compression_curves.plot(str(path), [DENSE, POWER, DILOCO])
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
