@@ -201,7 +201,7 @@ def plot(path, dp_run, pp_run) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 7))
+    fig = Figure(figsize=(8, 7), layout="constrained")  # the three titles clear of the axes above
     FigureCanvasAgg(fig)
     ax, ax2, ax3 = fig.subplots(3, 1)
     ax.plot(np.array(dp_run.step_seconds) * 1e3, "o-", label="DP step time")
