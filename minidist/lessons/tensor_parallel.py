@@ -4,8 +4,8 @@
     mpirun -n 4 python -m minidist.lessons.tensor_parallel    # ranks as MPI processes
 
 A small GPT is trained for a few steps with tp = 1, 2, 4 (sequence parallelism off and on) and
-checked against its serial twin, step by step (tolerances derived below: ``rounding_bound``,
-``adamw_tolerance``; float32 sums the ranks' partial products in another order). Then one
+checked against its serial twin, step by step (tolerances derived in ``tensor_parallel_tolerance``:
+``rounding_bound``, ``adamw_tolerance``; float32 sums the ranks' partial products in another order). Then one
 transformer layer's communication (forward + backward) is measured by the ledger beside Megatron's
 formula, and each rank's parameter and activation bytes beside 1/tp of the serial model's.
 
@@ -17,7 +17,6 @@ ran during its GEMMs, with a two-lane timeline.
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -38,6 +37,7 @@ from minidist.lessons.cli import (
     probability,
     rprint,
 )
+from minidist.lessons.tensor_parallel_tolerance import compare, first_gradients, rounding_bound
 from minidist.lessons.this_machine import compare_line, this_machine
 from minidist.memory import MemoryAccountant
 from minidist.nn import GPT, GPTConfig, optim
@@ -45,7 +45,7 @@ from minidist.nn.data import BatchLoader, TextDataset
 from minidist.parallel.tensor.collective_matmul import CHANNEL, hidden_share, lanes, use_collective_matmul
 from minidist.parallel.tensor.gpt import TPGPT, ParallelBlock
 from minidist.parallel.tensor.sharding import sharding_table, unshard
-from minidist.testing import adamw_tolerance, max_state_diff, train_steps
+from minidist.testing import adamw_tolerance, train_steps
 
 
 def make_batches(args, block_size):
@@ -97,49 +97,6 @@ def overlap_timeline(comm, cfg, args):
         print(f"\ncollective matmul, one layer (h=512, s=256) on tp=2 over link {link}: "
               f"{hidden_share(tracer.events):.0%} of the hops' link time ran during a GEMM chunk")
         print(lanes(tracer.events))
-
-
-# -- how far may the two runs be apart? ----------------------------------------------------------------
-
-def rounding_bound(b: int, s: int, h: int, vocab: int, dtype) -> float:
-    """Relative bound on how far two summation orders of one forward + backward may differ.
-
-    One rounding errs by at most u·|x| (u = eps/2: 2^-24 in float32). A weight's gradient sums the
-    b·s tokens' contributions, each a product of vectors that are themselves sums of up to
-    max(4h, vocab) terms (MLP, head): K = b·s·max(4h, vocab) multiply-adds feed one number. Errors of
-    random sign grow like √K·u (the probabilistic bound of Higham & Mary, 2019), and both runs are
-    rounded: 2·u·√K, relative to the quantity's scale (the largest |g| of each gradient tensor, |loss|).
-    For b=4, s=32, h=64, vocab=256 in float32: 2.2e-05 (measured: ~10 u = 6e-07).
-    """
-    u = float(np.finfo(dtype).eps) / 2
-    return 2 * u * math.sqrt(b * s * max(4 * h, vocab))
-
-
-def first_gradients(model, batch, seed: int, names=None):
-    """Loss and host float64 gradients of one forward + backward (dropout seeded like training),
-    before any step: where the two runs differ by summation order only, so ``rounding_bound`` holds."""
-    mrandom.manual_seed(seed)
-    loss = model.loss(*batch)
-    loss.backward()
-    grads = {n: np.asarray(p.backend.to_host(p.grad), np.float64) for n, p in model.named_parameters()}
-    model.zero_grad()
-    return float(loss.item()), grads
-
-
-def compare(twin, got, rel: float, param_tol: float):
-    """Rank 0's verdict on one run against the serial twin.
-
-    ``twin`` and ``got``: dicts with ``loss0``, ``grads`` (first_gradients), ``losses`` (per step) and
-    ``params`` (after training, serial names). Returns (ok, max|dloss|, worst relative gradient
-    difference, max|dparam|): gradients within ``rel``·max|g| of each tensor, every step's loss within
-    ``rel``·|loss|, parameters within ``param_tol``."""
-    dgrad = max(float(np.max(np.abs(got["grads"][k] - g))) / max(float(np.max(np.abs(g))), 1e-30)
-                for k, g in twin["grads"].items())
-    pairs = list(zip([got["loss0"]] + got["losses"], [twin["loss0"]] + twin["losses"]))
-    dloss = max(abs(a - c) for a, c in pairs)
-    loss_ok = all(abs(a - c) <= rel * abs(c) for a, c in pairs)
-    dparam = max_state_diff(got["params"], twin["params"])
-    return dgrad <= rel and loss_ok and dparam <= param_tol, dloss, dgrad, dparam
 
 
 def rank_main(comm, args):
