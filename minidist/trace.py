@@ -346,16 +346,19 @@ def plot_timeline(path, events: list[dict], losses=None, title: str = "timeline"
     ax.set_yticks(ranks)
     ax.set_yticklabels([(labels or {}).get(r, f"rank {r}") for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("time (ms)" if ms else "time")
+    ax.set_xlabel("time since the first event (ms)" if ms else "time since the first event (s)")
     ax.set_title(title, loc="right", pad=16)  # above the legend
-    handles = [Patch(color=c, label=k) for k, c in _COLORS.items() if k != "step"]
-    handles.insert(1, Patch(color="#1f3b63", label="compute (backward)"))
-    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=7, ncol=len(handles),
-              frameon=False)
+    kinds = {"compute (backward)" if e["cat"] == "compute" and e["name"].startswith("B") else e["cat"]
+             for e in events if e["cat"] != "step"}
+    colors = dict(_COLORS, **{"compute (backward)": "#1f3b63"})
+    order = ["compute", "compute (backward)", "send", "recv", "wait", "collective"]
+    handles = [Patch(color=colors[k], label=k) for k in order if k in kinds]  # only what is drawn
+    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=7,
+              ncol=max(len(handles), 1), frameon=False)
     if losses is not None:
         lax = axes[1][0]
         lax.plot(range(len(losses)), list(losses), marker=".")
-        lax.set_xlabel("step")
-        lax.set_ylabel("loss")
+        lax.set_xlabel("training step")
+        lax.set_ylabel("loss, nats/token")
     fig.tight_layout()
     fig.savefig(path)

@@ -172,18 +172,20 @@ def plot(path: str, rows: list[tuple], p: int, nbytes: int) -> None:
     width = 0.8 / p
     for i, (_, sent, f, _) in enumerate(rows):
         xs = [i - 0.4 + width * (r + 0.5) for r in range(p)]
-        ax_b.bar(xs, sent, width, color=[plt.cm.viridis(r / max(p - 1, 1)) for r in range(p)])
+        ax_b.bar(xs, [b / 1e6 for b in sent], width,
+                 color=[plt.cm.viridis(r / max(p - 1, 1)) for r in range(p)])
         if not np.isnan(f):
-            ax_b.hlines(f, i - 0.45, i + 0.45, colors="black",
+            ax_b.hlines(f / 1e6, i - 0.45, i + 0.45, colors="black",
                         label="formula (busiest rank)" if i == 0 else None)
     ax_b.set_xticks(range(len(rows)), [r[0] for r in rows])
-    ax_b.set_ylabel("bytes sent (a bar per rank, 0..p-1)")
-    ax_b.set_title(f"measured (ledger) vs formula: p = {p}, N = {nbytes:,} bytes per rank")
-    ax_b.legend(loc="upper right")
+    ax_b.set_ylabel("MB sent (1e6 bytes; a bar per rank, 0..p-1)")
+    ax_b.set_title(f"bytes sent per rank, ledger vs formula\n(p = {p} ranks, N = {nbytes:,} bytes each)",
+                   fontsize=10)
+    ax_b.legend(loc="lower right")
     ax_t.bar(range(len(rows)), [r[3] * 1e3 for r in rows], color="tab:orange")
     ax_t.set_xticks(range(len(rows)), [r[0] for r in rows], rotation=30)
     ax_t.set_ylabel("median time (ms)")
-    ax_t.set_title("time per all-reduce")
+    ax_t.set_title(f"median time per all-reduce\n(N = {nbytes:,} bytes, p = {p})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

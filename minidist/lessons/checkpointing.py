@@ -186,11 +186,13 @@ def plot(path, rows, curves):
     a1.bar(x + 0.2, [r[2] / 2**20 for r in rows], 0.4, label="formula")
     a1.set_xticks(x, names)
     a1.set_ylabel("peak saved activations (MiB)")
+    a1.set_title("peak activation memory per policy")
     a1.legend()
     for name, v in curves.items():
         a2.plot(np.array(v) / 2**20, label=name)
     a2.set_xlabel("backward progress (parameter grads ready)")
     a2.set_ylabel("live activations (MiB)")
+    a2.set_title("activations alive as backward runs")
     a2.legend()
     fig.tight_layout()
     fig.savefig(path)

@@ -11,7 +11,9 @@ DiLoCo (H local AdamW steps, then one all-reduce of the parameter delta) and its
 1 Gb/s link with 50 us latency: ``minidist.comm.transports.link``). For each method rank 0 prints the bytes it
 sent per step (ledger) beside the method's formula, the compression ratio, the final loss on held-out
 windows beside dense's, and the wall time per step. Checks: bytes == formula, replicas identical.
-``--plot`` draws loss vs steps and loss vs bytes sent.
+It prints, and ``--plot`` shows, the bytes each method needed to reach dense's loss:
+loss vs steps, and loss vs cumulative bytes on a log axis with a band at dense's final loss
+(``minidist.lessons.compression_curves``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import sys
 import time
 
 import numpy as np
@@ -28,6 +31,8 @@ from minidist.autograd.tensor import no_grad
 from minidist.comm import all_reduce, measure
 from minidist.comm.transports.link import parse_link, set_link
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, positive_int, rprint
+from minidist.lessons.compression_curves import plot, print_bytes_at_dense_loss
+from minidist.lessons.progress import progress
 from minidist.nn import GPT, GPTConfig, optim
 from minidist.nn.data import BatchLoader, ByteTokenizer, TextDataset, default_text
 from minidist.parallel.data.compress import make_hook
@@ -107,8 +112,9 @@ def fingerprint(model) -> str:
     return h.hexdigest()
 
 
-def train(comm, args, name, batches, held_out):
-    """Train with method ``name``; returns a dict of what the table and the plot show (every rank)."""
+def train(comm, args, name, batches, held_out, bar=None):
+    """Train with method ``name``; returns a dict of what the table and the plot show (every rank).
+    ``bar``: a progress bar (``minidist.lessons.progress``) advanced once per step."""
     hook, kw = METHODS[name]
     model = GPT(config(args))
     inner = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -122,7 +128,7 @@ def train(comm, args, name, batches, held_out):
         per_step = sum(step_formula(hook, kw, [q.shape for q in b.params], comm.size)
                        for b in wrapper.buckets)
     rows = slice(args.batch * comm.rank, args.batch * (comm.rank + 1))
-    losses, sent, times = [], [], []
+    losses, sent, times, evals = [], [], [], []
     with measure(comm) as total:  # all of it: an async sync's bytes may fall between two steps' windows
         for x, y in batches:
             comm.barrier()
@@ -141,6 +147,11 @@ def train(comm, args, name, batches, held_out):
             times.append(time.perf_counter() - t0)
             sent.append(m.bytes_sent)
             losses.append(loss.item())
+            if bar is not None:
+                bar.update(1)
+            if comm.rank == 0 and (len(sent) % args.eval_every == 0 or len(sent) == len(batches)):
+                with no_grad():  # rank 0 alone, held-out windows: no message, ledger untouched
+                    evals.append((len(sent), sum(sent), model.loss(*held_out).item()))
         if hook == "diloco":
             wrapper.finish_pending()  # a streaming sync still in flight
     losses = list(all_reduce(comm, np.array(losses), op="mean"))  # the global batch's mean, per step
@@ -156,7 +167,7 @@ def train(comm, args, name, batches, held_out):
         final = float(all_reduce(comm, np.array([model.loss(*held_out).item()]), op="mean")[0])
     return {"name": name, "losses": losses, "sent": sent, "total": total.bytes_sent, "formula": formula,
             "identical": len(set(same)) == 1, "final": final, "step_s": float(np.median(times[1:] or times)),
-            "first_s": times[0], "n_params": sum(q.size for q in model.parameters())}
+            "first_s": times[0], "evals": evals, "n_params": sum(q.size for q in model.parameters())}
 
 
 def table(comm, results: list, p: int) -> bool:
@@ -177,27 +188,6 @@ def table(comm, results: list, p: int) -> bool:
     return ok
 
 
-def plot(path, results):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_s, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in results:  # each step's batch differs: a running mean of 5 steps shows the trend
-        smooth = np.convolve(r["losses"], np.ones(5) / 5, mode="valid")
-        steps = np.arange(5, len(r["losses"]) + 1)
-        ax_s.plot(steps, smooth, label=r["name"])
-        ax_b.plot(np.cumsum(r["sent"])[4:] / 1e6, smooth, label=r["name"])
-    ax_s.set(xlabel="step", ylabel="training loss (mean of 5 steps)", title="loss vs steps")
-    ax_b.set(xlabel="MB sent by rank 0", ylabel="training loss (mean of 5 steps)", title="loss vs bytes sent",
-             xscale="symlog")
-    ax_s.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def rank_main(comm, args):
     p = comm.size
     batches, held_out = data(args, p)
@@ -205,22 +195,27 @@ def rank_main(comm, args):
                  f"on the course text, {args.batch} windows of {args.seq} bytes per rank per step; link: "
                  f"{comm.link or 'none (memory)'}")
     results = []
+    bar = progress(total=len(args.methods) * args.steps, desc="training", rank=comm.rank)
     for i, name in enumerate(args.methods):  # a line per method as it ends: a long run shows its progress
         t0 = time.perf_counter()
-        results.append(train(comm, args, name, batches, held_out))
+        bar.set_postfix(method=name)
+        results.append(train(comm, args, name, batches, held_out, bar))
         r = results[-1]
-        rprint(comm, f"  [{i + 1}/{len(args.methods)}] {name:<18} {len(r['losses'])} steps in "
-                     f"{time.perf_counter() - t0:6.1f} s (first step {r['first_s']:.2f} s, then "
-                     f"{1e3 * r['step_s']:.1f} ms per step)")
+        if comm.rank == 0:  # above the bar (tqdm.write), or a plain line where no bar is drawn
+            bar.write(f"  [{i + 1}/{len(args.methods)}] {name:<18} {len(r['losses'])} steps in "
+                      f"{time.perf_counter() - t0:6.1f} s (first step {r['first_s']:.2f} s, then "
+                      f"{1e3 * r['step_s']:.1f} ms per step)", file=sys.stdout)
+    bar.close()
     rprint(comm, f"parameters: {results[0]['n_params']} (fp32); bytes are rank 0's, sent per step\n")
     ok = table(comm, results, p)
+    print_bytes_at_dense_loss(comm, results)
     if comm.link is not None:
         n = results[0]["n_params"] * 4
         rprint(comm, f"\nthe link's alpha-beta time of one dense ring all-reduce: "
                      f"{1e3 * comm.link.predict_all_reduce('ring', n, p):.1f} ms per step")
     if args.plot and comm.rank == 0:
         plot(args.plot, results)
-        print(f"wrote {args.plot}: loss vs steps and loss vs bytes sent", flush=True)
+        print(f"wrote {args.plot}: loss vs steps and loss vs cumulative bytes sent", flush=True)
     return finish(comm, ok)
 
 
@@ -244,6 +239,8 @@ def parser():
     ap.add_argument("--batch", type=positive_int, default=2, help="windows per rank per step")
     ap.add_argument("--lr", type=positive_float, default=3e-3)
     ap.add_argument("--outer-lr", type=positive_float, default=0.7)
+    ap.add_argument("--eval-every", type=positive_int, default=4,
+                    help="steps between held-out evaluations of rank 0's replica (the plot's points)")
     ap.add_argument("--bucket-kb", type=positive_int, default=4096)
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=LESSON, metavar="METHOD",
                     help="which methods (default: all but PowerSGD r=4): "

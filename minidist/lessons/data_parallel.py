@@ -10,19 +10,19 @@
    equal slices): backward on each rank, and the bucket all-reduces running beside it.
 3. One step of plain DP and of ZeRO-1/2/3: per-rank bytes of parameters, gradients and AdamW state
    (memory accountant) beside the formulas, and bytes sent (ledger) beside 2Ψ and 3Ψ.
+
+Section 1 is this file; section 2 is ``data_parallel_overlap``, section 3 ``data_parallel_memory``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import string
 import time
 
 import numpy as np
 
 from minidist.accel.backend import to_host
-from minidist.comm import all_reduce, measure
-from minidist.comm.cost import all_reduce_bytes_sent
+from minidist.comm import all_reduce
 from minidist.lessons.cli import (
     finish,
     first_accepted,
@@ -35,14 +35,14 @@ from minidist.lessons.cli import (
     world_size,
     worst,
 )
-from minidist.memory import MemoryAccountant, zero_formula
+from minidist.lessons.data_parallel_memory import show_memory
+from minidist.lessons.data_parallel_overlap import plot, show_overlap
+from minidist.lessons.this_machine import compare_line, this_machine
 from minidist.nn import GPT, GPTConfig, optim
 from minidist.nn.data import split_batch
 from minidist.parallel.data.ddp import DDP
-from minidist.parallel.data.zero import ZeRO, param_count
-from minidist.plan import estimates
+from minidist.parallel.data.zero import ZeRO
 from minidist.testing import adamw_tolerance, max_state_diff, train_serial
-from minidist.trace import hidden_fraction, plot_timeline
 
 
 def config(args) -> GPTConfig:
@@ -135,76 +135,6 @@ def run_zero(comm, args, batches, stage):
     return {k: to_host(v) for k, v in z.full_parameters().items()}, losses
 
 
-def stage_numbers(comm, args, batches, stage):
-    """One step of DP (stage 0) or ZeRO-``stage``: (memory report, bytes sent by collectives, Ψ)."""
-    m = GPT(config(args))
-    acct = MemoryAccountant()
-    x, y = batches[0]
-    if stage == 0:
-        wrapper = DDP(m, comm, bucket_bytes=args.bucket_kb * 1024)
-        opt = optim.AdamW(m.parameters(), lr=args.lr)
-    else:
-        wrapper = ZeRO(m, comm, lambda ps: optim.AdamW(ps, lr=args.lr), stage=stage,
-                       bucket_bytes=args.bucket_kb * 1024)
-        opt = wrapper
-    for _ in range(2):  # the second step: the optimizer state exists
-        with measure(comm) as meas:
-            with acct.track_activations(m):
-                loss = m.loss(x, y)
-            wrapper.backward(loss)
-            wrapper.wait_gradients()
-            rep = acct.report(m, opt)
-            if stage == 0:
-                opt.step()
-                opt.zero_grad()
-            else:
-                wrapper.update()
-    names = ("ring_all_reduce", "reduce_scatter", "all_gather")  # not the tiny loss all-reduce
-    sent = sum(c.bytes_sent for c in meas.calls if c.name in names)
-    return rep, sent, param_count(m)
-
-
-def overlap_step(comm, args):
-    """One timed DDP step (after a warm-up step) of a GPT big enough for overlap to show: section 1's
-    model has a backward of a few ms, no longer than the all-reduces it should hide. Equal slices and
-    no accumulation, so every rank's backward is the same work."""
-    cfg = config(args).replace(d_model=args.overlap_d_model, n_layer=args.overlap_layers, dtype="float32")
-    m = GPT(cfg)
-    ddp = DDP(m, comm, bucket_bytes=args.overlap_bucket_kb * 1024)
-    rng = np.random.default_rng(args.seed + comm.rank)
-    for _ in range(2):
-        x = rng.integers(0, 64, (args.overlap_rows, args.seq))
-        ddp.backward(m.loss(x, x), n_samples=len(x))
-        ddp.wait_gradients()
-        m.zero_grad()
-    return ddp, param_count(m)
-
-
-SYMBOLS = string.ascii_letters  # bucket i is drawn as SYMBOLS[i % 52]
-
-
-def timeline(events_by_rank, width=64) -> str:
-    """Two rows per rank: backward ('B') and the bucket collectives (bucket i as letter ``SYMBOLS[i]``:
-    a, b, c, ... then A, B, C, ...; digits would be ambiguous past 10 buckets)."""
-    allev = [e for evs in events_by_rank for e in evs]
-    t0 = min(e[2] for e in allev)
-    span = max(e[3] for e in allev) - t0 or 1.0
-    rows = []
-    for r, evs in enumerate(events_by_rank):
-        for kind, label in (("backward", "backward"), ("comm", "buckets ")):
-            row = ["."] * width
-            for name, k, a, b in evs:
-                if k != kind:
-                    continue
-                c0 = int((a - t0) / span * width)
-                c1 = max(int((b - t0) / span * width), c0 + 1)
-                ch = "B" if kind == "backward" else SYMBOLS[int(name.split(" b")[-1]) % len(SYMBOLS)]
-                for c in range(c0, min(c1, width)):
-                    row[c] = ch
-            rows.append(f"rank {r} {label} |{''.join(row)}|")
-    return "\n".join(rows)
-
-
 def rank_main(comm, args):
     p = comm.size
     ok = True
@@ -229,12 +159,10 @@ def rank_main(comm, args):
         ok = worst(diff, ldiff) < tol
         print(f"   max |param diff| = {diff:.2e}, max |loss diff| = {ldiff:.2e} (tolerance {tol:g}: "
               f"same sums, different order)  {'PASS' if ok else 'FAIL'}", flush=True)
-        print("   " + estimates.predicted_vs_measured(
-            "DDP step (median), the planner on this machine's calibration",
-            estimates.step_prediction(args.layers, args.d_model, 4, 64, args.seq, args.batch, dp=p,
-                                      dtype_bytes=np.dtype(args.dtype).itemsize,
-                                      transport="mpi" if comm.transport == "mpi" else "threads"),
-            ddp.step_seconds), flush=True)
+        print("   " + compare_line(
+            "DDP step (median, slowest rank)", ddp.step_seconds, p, this_machine(comm.transport),
+            n_layer=args.layers, d_model=args.d_model, n_head=4, vocab=64, seq=args.seq, batch=args.batch,
+            dp=p, microbatches=args.accum, dtype_bytes=np.dtype(args.dtype).itemsize), flush=True)
     for stage in (1, 2, 3):  # the same training, sharded: each stage must equal the serial twin too
         zstate, zlosses = run_zero(comm, args, batches, stage)
         if comm.rank == 0:
@@ -245,52 +173,10 @@ def rank_main(comm, args):
             print(f"   ZeRO-{stage} vs the serial twin: max |param diff| = {zdiff:.2e}, max |loss diff| = "
                   f"{zl:.2e}  {'PASS' if zok else 'FAIL'}", flush=True)
     rprint(comm, "")
-    ddp, psi = overlap_step(comm, args)
-    events = comm.gather_obj(ddp.events)
-    if comm.rank == 0:
-        hidden = [hidden_fraction(e) for e in events]
-        nb = len(ddp.buckets)
-        last = SYMBOLS[(nb - 1) % len(SYMBOLS)]
-        legend = f"{SYMBOLS[0]}..{last}" + (" (letters repeat)" if nb > len(SYMBOLS) else "")
-        print(f"2. Overlap: one DDP step of a bigger GPT (d_model={args.overlap_d_model}, "
-              f"{args.overlap_layers} layers, Ψ = {psi:,} float32, {args.overlap_rows} rows per rank): "
-              f"{nb} buckets of <= {args.overlap_bucket_kb} KiB, {ddp.started_in_backward} started from "
-              "backward hooks")
-        print("   share of all-reduce time hidden behind backward, per rank: "
-              + ", ".join(f"{h:.0%}" for h in hidden))
-        print(f"   {legend} = buckets 0, 1, ... in the order backward completes them "
-              f"({SYMBOLS[0]}: the head and last layer)")
-        print(timeline(events))
-        print()
-    rows = []
-    for stage in (0, 1, 2, 3):
-        rows.append(stage_numbers(comm, args, batches, stage))
-    if comm.rank == 0:
-        psi = rows[0][2]
-        item = np.dtype(args.dtype).itemsize
-        print(f"3. Per-rank memory and traffic, Ψ = {psi:,} parameters, N = {p}, {args.dtype} params and "
-              f"grads, AdamW m+v in {args.dtype}  (MB = 1e6 bytes, rank 0)")
-        print("   stage   params  (formula)   grads  (formula)  opt state (formula)   sent/rank  (formula)")
-        names = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
-        for stage, (rep, sent, _) in enumerate(rows):
-            f = zero_formula(stage, psi, p, item, item, 2 * item)
-            k = 3 if stage == 3 else 2
-            fs = k / 2 * all_reduce_bytes_sent("ring", psi * item, p, comm.rank)  # ZeRO-3: 1.5x DP
-            print(f"   {names[stage]:7s} {rep['params'] / 1e6:6.3f} ({f['params'] / 1e6:6.3f})  "
-                  f"{rep['grads'] / 1e6:6.3f} ({f['grads'] / 1e6:6.3f})  {rep['optimizer_state'] / 1e6:7.3f} "
-                  f"({f['optimizer_state'] / 1e6:6.3f})   {sent / 1e6:7.3f}  "
-                  f"({fs / 1e6:6.3f} = {k}(N-1)/N·Ψ·{item}B)")
-        print("   formulas (B = bytes/element): DP (P+G+K)Ψ; ZeRO-1 (P+G)Ψ+KΨ/N; ZeRO-2 PΨ+(G+K)Ψ/N; "
-              "ZeRO-3 (P+G+K)Ψ/N;\n   paper, fp16 + fp32 Adam: 16Ψ; 4Ψ+12Ψ/N; 2Ψ+14Ψ/N; 16Ψ/N. "
-              "ZeRO-3 sends 3Ψ less one gather of the embeddings: their backward needs no weights.")
-        peak = rows[1][0]["activations_peak"]
-        print(f"   activations saved for backward (peak, rank 0): {peak / 1e6:.3f} MB")
+    events = show_overlap(comm, args, config(args))
+    show_memory(comm, args, config(args), batches)
     if args.plot and comm.rank == 0:
-        back = {"name": "Backward", "cat": "compute"}  # plot_timeline shades names starting with B
-        evs = [{"name": n, "cat": "collective", "rank": r, "t0": a, "t1": b}
-               | (back if k == "backward" else {}) for r, e in enumerate(events) for n, k, a, b in e]
-        plot_timeline(args.plot, evs, title="DDP: backward and bucket all-reduces", ms=True)
-        print(f"wrote {args.plot}")
+        plot(args.plot, events)
     return finish(comm, ok)
 
 

@@ -233,9 +233,13 @@ def plot(path, events):
             ax.plot([e["t"] - t0], [a], "rx", markersize=12)
         elif e["event"] == "restore" and e.get("step") is not None:
             ax.plot([e["t"] - t0], [a], "g>", markersize=9)
-    ax.set_xlabel("seconds")
+    if not events:  # no supervisor, so no attempts were recorded: say so instead of an empty frame
+        ax.text(0.5, 0.5, "no supervised attempts to draw: run under\npython -m minidist.launch -n 4 -- "
+                "python -m minidist.lessons.fault_tolerance --plot FILE.png", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.set_xlabel("wall time since the first event (s)")
     ax.set_yticks(sorted({e.get("attempt", 0) for e in events}))
-    ax.set_ylabel("attempt")
+    ax.set_ylabel("attempt (restart)")
     ax.invert_yaxis()
     ax.set_title("steps (blue), saves (|), failure (x), restore from checkpoint (>)", loc="right", fontsize=9)
     fig.tight_layout()

@@ -201,23 +201,26 @@ def plot(path, dp_run, pp_run) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 7))
+    fig = Figure(figsize=(8, 7), layout="constrained")  # the three titles clear of the axes above
     FigureCanvasAgg(fig)
     ax, ax2, ax3 = fig.subplots(3, 1)
     ax.plot(np.array(dp_run.step_seconds) * 1e3, "o-", label="DP step time")
     ax.plot(np.array(dp_run.ideal_seconds) * 1e3, "--", label="balanced B / sum(s_i)")
-    ax.set_ylabel("ms")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title("data parallel: measured step vs the balanced optimum", fontsize=9)
     ax.legend()
     shares = np.array(dp_run.shares)
     for r in range(shares.shape[1]):
         ax2.plot(shares[:, r], "o-", label=f"rank {r}")
-    ax2.set_ylabel("rows")
+    ax2.set_ylabel("rows per rank")
+    ax2.set_title("each rank's share of the batch", fontsize=9)
     ax2.legend(ncol=shares.shape[1])
     ax3.plot(np.array(pp_run.step_seconds) * 1e3, "o-", label="pipeline step time")
     for step, *_ in pp_run.moves:
         ax3.axvline(step + 0.5, color="gray", ls=":")
-    ax3.set_ylabel("ms")
-    ax3.set_xlabel("step")
+    ax3.set_ylabel("step time (ms)")
+    ax3.set_title("pipeline: step time (dotted: a stage boundary moved)", fontsize=9)
+    ax3.set_xlabel("training step")
     ax3.legend()
     fig.suptitle("a straggler appears, the shares follow throughput; a pipeline is re-cut")
     fig.savefig(path)

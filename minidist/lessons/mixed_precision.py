@@ -153,25 +153,46 @@ def rank_main(comm, args):
     return finish(comm, ok)
 
 
+STYLES = {"fp32": ("C0", "-", "o"), "bf16": ("C1", "--", "s"), "fp16": ("C2", ":", "^")}
+
+
 def plot(path, twin, runs, log):
+    """Three panels: the losses (they overlap: that is the point), each run's loss minus the fp32 twin's
+    (where the formats differ), and the fp16 loss scale of the injected-overflow run."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 4))
+    fig = Figure(figsize=(14, 4.2))
     FigureCanvasAgg(fig)
-    a1, a2 = fig.subplots(1, 2)
-    a1.plot(twin, "k--", label="serial fp32")
+    a1, a2, a3 = fig.subplots(1, 3)
+    steps = np.arange(len(twin))
+    a1.plot(steps, twin, "k-", lw=4, alpha=0.25, label="serial fp32 (the twin)")
     for d, r in runs.items():
-        a1.plot([x[0] for x in r[0]], label=d)
-    a1.set_xlabel("step")
-    a1.set_ylabel("loss")
-    a1.legend()
-    a2.step(range(len(log)), [x[1] for x in log], where="post")
-    a2.set_yscale("log", base=2)
-    a2.set_xlabel("step")
-    a2.set_ylabel("fp16 loss scale")
+        color, ls, marker = STYLES[d]
+        loss = np.array([x[0] for x in r[0]])
+        a1.plot(steps, loss, color=color, ls=ls, marker=marker, markersize=4, label=f"{d}, data parallel")
+        a2.plot(steps, loss - np.asarray(twin), color=color, ls=ls, marker=marker, markersize=4, label=d)
+    a1.set(xlabel="training step", ylabel="training loss, nats/token",
+           title="loss per step, fp32 / bf16 / fp16\n(they lie on top of each other)")
+    a1.legend(fontsize=8)
+    a2.axhline(0, color="k", lw=0.8)
+    a2.set(xlabel="training step", ylabel="loss − serial fp32 loss, nats/token",
+           title="difference from the serial fp32 twin\n(what each format's rounding changes)")
+    a2.legend(fontsize=8)
+    scale = [x[1] for x in log]
+    a3.step(range(len(log)), scale, where="post", color="C2")
+    skipped = [s for s, x in enumerate(log) if not all(x[2])]
+    a3.plot(skipped, [scale[s] for s in skipped], "rx", markersize=10,
+            label="inf injected: step skipped, S halves")
+    a3.set_yscale("log", base=2)
+    a3.set(xlabel="training step (S doubles after 2 clean steps)",
+           ylabel="loss scale S (log2 axis)",
+           title="loss scale (fp16 dynamic scaling;\ndrops mark overflow steps)")
+    a3.legend(fontsize=8)
+    for ax in (a1, a2, a3):
+        ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None):

@@ -177,14 +177,23 @@ def plot(path, runs):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4))
+    fig = Figure(figsize=(12, 4))
     FigureCanvasAgg(fig)
-    ax = fig.subplots()
+    ax, dax = fig.subplots(1, 2)
+    ref = np.asarray(runs["fp64"][0]) if "fp64" in runs else None
     for r, (losses, _, _) in runs.items():
         ax.plot(losses, "k--" if r == "fp64" else "-", label=r)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+        if ref is not None and r != "fp64":  # the curves overlap: their distance from fp64 shows each format
+            dax.plot(np.asarray(losses) - ref, label=r)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("training loss, nats/token")
+    ax.set_title("the same training in each number format\n(dashed: fp64 reference)", fontsize=10)
     ax.legend()
+    dax.axhline(0, color="k", lw=0.8)
+    dax.set_xlabel("training step")
+    dax.set_ylabel("loss − fp64 loss, nats/token")
+    dax.set_title("difference from the fp64 reference", fontsize=10)
+    dax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
 

@@ -127,7 +127,8 @@ def rank_main(comm, args):
             text = text.replace(f"thread {r}", n)
         print(text, flush=True)
         if args.plot:
-            plot_timeline(args.plot, events, title="disk offload: step thread (0) and helper thread (1)")
+            plot_timeline(args.plot, events, title="disk offload: the step thread and the helper thread",
+                          labels={0: "step thread", 1: "helper thread"}, ms=True)
             print(f"wrote {args.plot}", flush=True)
     return finish(comm, ok)
 

@@ -4,8 +4,8 @@
     mpirun -n 4 python -m minidist.lessons.tensor_parallel    # ranks as MPI processes
 
 A small GPT is trained for a few steps with tp = 1, 2, 4 (sequence parallelism off and on) and
-checked against its serial twin, step by step (tolerances derived below: ``rounding_bound``,
-``adamw_tolerance``; float32 sums the ranks' partial products in another order). Then one
+checked against its serial twin, step by step (tolerances derived in ``tensor_parallel_tolerance``:
+``rounding_bound``, ``adamw_tolerance``; float32 sums the ranks' partial products in another order). Then one
 transformer layer's communication (forward + backward) is measured by the ledger beside Megatron's
 formula, and each rank's parameter and activation bytes beside 1/tp of the serial model's.
 
@@ -17,7 +17,6 @@ ran during its GEMMs, with a two-lane timeline.
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -26,7 +25,7 @@ from minidist import trace
 from minidist.accel.backend import default_backend, to_host
 from minidist.autograd import random as mrandom
 from minidist.autograd.tensor import Tensor
-from minidist.comm import measure, under_mpi
+from minidist.comm import measure
 from minidist.comm.cost import all_reduce_bytes_sent
 from minidist.comm.transports.link import parse_link
 from minidist.lessons.cli import (
@@ -38,14 +37,15 @@ from minidist.lessons.cli import (
     probability,
     rprint,
 )
+from minidist.lessons.tensor_parallel_tolerance import compare, first_gradients, rounding_bound
+from minidist.lessons.this_machine import compare_line, this_machine
 from minidist.memory import MemoryAccountant
 from minidist.nn import GPT, GPTConfig, optim
 from minidist.nn.data import BatchLoader, TextDataset
 from minidist.parallel.tensor.collective_matmul import CHANNEL, hidden_share, lanes, use_collective_matmul
 from minidist.parallel.tensor.gpt import TPGPT, ParallelBlock
 from minidist.parallel.tensor.sharding import sharding_table, unshard
-from minidist.plan import estimates
-from minidist.testing import adamw_tolerance, max_state_diff, train_steps
+from minidist.testing import adamw_tolerance, train_steps
 
 
 def make_batches(args, block_size):
@@ -99,56 +99,6 @@ def overlap_timeline(comm, cfg, args):
         print(lanes(tracer.events))
 
 
-def predicted_ms(args, tp: int) -> str:
-    """The planner's step time for this tp on this machine's calibration (chapter 0), as text."""
-    t = estimates.step_prediction(args.layers, args.d_model, 4, 256, args.seq, args.batch, tp=tp,
-                                  transport="mpi" if under_mpi() else "threads")
-    return "-" if t is None else f"{t * 1e3:.1f}"
-
-
-# -- how far may the two runs be apart? ----------------------------------------------------------------
-
-def rounding_bound(b: int, s: int, h: int, vocab: int, dtype) -> float:
-    """Relative bound on how far two summation orders of one forward + backward may differ.
-
-    One rounding errs by at most u·|x| (u = eps/2: 2^-24 in float32). A weight's gradient sums the
-    b·s tokens' contributions, each a product of vectors that are themselves sums of up to
-    max(4h, vocab) terms (MLP, head): K = b·s·max(4h, vocab) multiply-adds feed one number. Errors of
-    random sign grow like √K·u (the probabilistic bound of Higham & Mary, 2019), and both runs are
-    rounded: 2·u·√K, relative to the quantity's scale (the largest |g| of each gradient tensor, |loss|).
-    For b=4, s=32, h=64, vocab=256 in float32: 2.2e-05 (measured: ~10 u = 6e-07).
-    """
-    u = float(np.finfo(dtype).eps) / 2
-    return 2 * u * math.sqrt(b * s * max(4 * h, vocab))
-
-
-def first_gradients(model, batch, seed: int, names=None):
-    """Loss and host float64 gradients of one forward + backward (dropout seeded like training),
-    before any step: where the two runs differ by summation order only, so ``rounding_bound`` holds."""
-    mrandom.manual_seed(seed)
-    loss = model.loss(*batch)
-    loss.backward()
-    grads = {n: np.asarray(p.backend.to_host(p.grad), np.float64) for n, p in model.named_parameters()}
-    model.zero_grad()
-    return float(loss.item()), grads
-
-
-def compare(twin, got, rel: float, param_tol: float):
-    """Rank 0's verdict on one run against the serial twin.
-
-    ``twin`` and ``got``: dicts with ``loss0``, ``grads`` (first_gradients), ``losses`` (per step) and
-    ``params`` (after training, serial names). Returns (ok, max|dloss|, worst relative gradient
-    difference, max|dparam|): gradients within ``rel``·max|g| of each tensor, every step's loss within
-    ``rel``·|loss|, parameters within ``param_tol``."""
-    dgrad = max(float(np.max(np.abs(got["grads"][k] - g))) / max(float(np.max(np.abs(g))), 1e-30)
-                for k, g in twin["grads"].items())
-    pairs = list(zip([got["loss0"]] + got["losses"], [twin["loss0"]] + twin["losses"]))
-    dloss = max(abs(a - c) for a, c in pairs)
-    loss_ok = all(abs(a - c) <= rel * abs(c) for a, c in pairs)
-    dparam = max_state_diff(got["params"], twin["params"])
-    return dgrad <= rel and loss_ok and dparam <= param_tol, dloss, dgrad, dparam
-
-
 def rank_main(comm, args):
     cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=4, d_model=args.d_model,
                     dropout=args.dropout, seed=args.seed)
@@ -174,7 +124,7 @@ def rank_main(comm, args):
         rprint(comm, f"serial twin: loss {losses[0]:.4f} -> {losses[-1]:.4f}\n")
     rprint(comm, f"{'tp':>3} {'seq-par':>7} {'final loss':>10} {'max|dloss|':>11} {'max|dgrad|':>11} "
                  f"{'max|dparam|':>12} {'check':>5} {'params/rank':>12} {'serial/tp':>10} "
-                 f"{'activ./rank':>12} {'serial/tp':>10} {'step ms':>8} {'predicted':>9}")
+                 f"{'activ./rank':>12} {'serial/tp':>10} {'step ms':>8}")
     rows, passed = [], True
     for tp in tps:
         group = comm.split(0 if comm.rank < tp else None, comm.rank)
@@ -197,20 +147,24 @@ def rank_main(comm, args):
                 ok, dl, dg, dp = compare(twin, dict(loss0=loss0, grads=grads, losses=losses, params=full),
                                          rel, param_tol)
                 passed &= ok
-                rows.append((tp, sp, ok, pbytes, act, serial_param_bytes, serial_act))
+                rows.append((tp, sp, ok, pbytes, act, serial_param_bytes, serial_act, step_ms / 1e3))
                 rprint(comm, f"{tp:>3} {('cm' if args.overlap else 'on') if sp else 'off':>7} "
                              f"{losses[-1]:>10.4f} {dl:>11.2e} "
                              f"{dg:>11.2e} {dp:>12.2e} {'PASS' if ok else 'FAIL':>5} {pbytes:>12,} "
                              f"{serial_param_bytes // tp:>10,} "
-                             f"{act:>12,} {serial_act // tp:>10,} {step_ms:>8.1f} "
-                             f"{predicted_ms(args, tp):>9}")
+                             f"{act:>12,} {serial_act // tp:>10,} {step_ms:>8.1f}")
     rprint(comm, f"(the ranks sum partial products in another order than the twin, {cfg.dtype}: the first\n"
                  f" gradients (max|dgrad|, relative to each tensor's max|g|) and every step's loss within\n"
                  f" {rel:.1e} of their size -- 2u·sqrt(b·s·max(4h, vocab)), rounding_bound; the parameters\n"
                  f" after {args.steps} AdamW steps within 0.1·lr·steps = {param_tol:.1e}, adamw_tolerance;\n"
-                 " step ms: measured per AdamW step; predicted: the planner on this machine's calibration,\n"
-                 " chapter 0 -- a tiny model split tp ways is slower, not faster: the all-reduces and\n"
-                 " per-op overheads do not shrink with tp)\n")
+                 " step ms: measured per AdamW step, the slowest rank's)\n")
+    hw = this_machine(comm.transport)
+    for tp, sp, *_, step_s in rows:  # the planner's two models beside each measured step (chapter 11)
+        if not sp:
+            rprint(comm, compare_line(f"TP step, tp={tp}", step_s, tp, hw, n_layer=args.layers, d_model=h,
+                                      n_head=4, vocab=cfg.vocab_size, seq=s, batch=b, tp=tp))
+    rprint(comm, "(a tiny model split tp ways is slower, not faster: the all-reduces and per-op overheads\n"
+                 " do not shrink with tp, and where the ranks share the cores their work takes turns)\n")
     rprint(comm, "Parameters shrink ~1/tp (LayerNorms and position table stay replicated). Without sequence\n"
                  "parallelism LayerNorm, dropout and residual activations are replicated on every rank, so\n"
                  "activations do not shrink 1/tp; with it they are sequence shards.\n")
@@ -261,10 +215,13 @@ def plot(path, rows):
     x = np.arange(len(rows))
     ax.bar(x - 0.2, [r[3] / 1e6 for r in rows], 0.4, label="parameters / rank")
     ax.bar(x + 0.2, [r[4] / 1e6 for r in rows], 0.4, label="activations / rank")
-    ax.plot(x - 0.2, [r[5] / r[0] / 1e6 for r in rows], "k_", markersize=20, label="serial / tp")
+    ax.plot(x - 0.2, [r[5] / r[0] / 1e6 for r in rows], "k_", markersize=20,
+            label="serial / tp (an even split)")
     ax.plot(x + 0.2, [r[6] / r[0] / 1e6 for r in rows], "k_", markersize=20)
     ax.set_xticks(x, labels)
-    ax.set_ylabel("MB")
+    ax.set_xlabel("tensor-parallel degree (sp: with sequence parallelism)")
+    ax.set_ylabel("bytes per rank (MB = 1e6 bytes)")
+    ax.set_title("memory per rank under tensor parallelism: measured vs an even split", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)

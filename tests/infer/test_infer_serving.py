@@ -221,9 +221,9 @@ def test_the_inference_lessons_kv_flags_are_checked_before_ranks_start(argv, wor
 
 def test_the_inference_lesson_fails_when_int8_bytes_miss_the_formula(monkeypatch, capsys):
     """The lesson's int8 check is real: a formula off by one byte per token exits 1 with FAIL."""
-    from minidist.lessons import inference
+    from minidist.lessons import inference, inference_prefix
 
-    monkeypatch.setattr(inference, "int8_bytes_per_token", lambda *a: 1)
+    monkeypatch.setattr(inference_prefix, "int8_bytes_per_token", lambda *a: 1)
     with pytest.raises(SystemExit) as info:
         inference.main("--ranks 1 --steps 1 --speculative 0 --kv-dtype int8 --kv-heads 2".split())
     out = capsys.readouterr().out

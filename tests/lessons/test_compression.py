@@ -1,0 +1,44 @@
+"""Lesson 12's bytes at dense's loss (compression_curves): where each held-out curve enters the band."""
+
+import pytest
+
+from minidist.lessons import compression, compression_curves
+
+
+def result(name, evals):
+    return {"name": name, "evals": evals}
+
+
+DENSE = result("dense", [(4, 40e6, 4.0), (8, 80e6, 3.2), (12, 120e6, 3.0)])
+# reaches 3.0·1.02 = 3.06 at its second evaluation, after 4 MB: dense needed 120 MB -> 1/30
+POWER = result("PowerSGD", [(4, 2e6, 4.2), (8, 4e6, 3.05), (12, 6e6, 3.01)])
+# DiLoCo sends nothing before its first sync: no point at 0 bytes (a log axis has no place for it)
+DILOCO = result("DiLoCo", [(4, 0, 4.5), (8, 0, 4.0), (12, 10e6, 3.5)])
+
+
+def test_the_ratio_is_dense_bytes_over_the_methods_where_the_band_is_reached():
+    level, rows = compression_curves.bytes_at_dense_loss([DENSE, POWER, DILOCO])
+    assert level == pytest.approx(3.0 * (1 + compression_curves.BAND))
+    assert rows[0] == ("dense", pytest.approx(120.0), pytest.approx(1.0))
+    assert rows[1] == ("PowerSGD", pytest.approx(4.0), pytest.approx(120 / 4))
+    assert rows[2] == ("DiLoCo", None, None)  # 3.5 never comes down to 3.06
+
+
+def test_curves_start_at_the_first_message_not_at_zero_bytes():
+    steps, mb, loss = compression_curves.curve(DILOCO)
+    assert list(steps) == [12] and list(mb) == [10.0] and list(loss) == [3.5]
+
+
+def test_the_plot_is_written(tmp_path):
+    path = tmp_path / "comp.png"
+    compression_curves.plot(str(path), [DENSE, POWER, DILOCO])
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_evaluations_cost_no_bytes_and_the_lesson_prints_the_ratio(capsys):
+    compression.main("--ranks 2 --steps 4 --eval-every 2 --layers 1 --d-model 16 --seq 8 --batch 1 "
+                     "--link off --methods dense".split() + ["PowerSGD r=2"])
+    out = capsys.readouterr().out
+    assert "bytes == formula" in out and "FAIL" not in out  # held-out evaluation sent nothing
+    assert "MB rank 0 sent until its held-out loss reached dense's final" in out
+    assert "of dense's bytes" in out
