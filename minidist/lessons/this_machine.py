@@ -36,7 +36,7 @@ def step_times(hw, n_layer: int, d_model: int, n_head: int, vocab: int, seq: int
     and on ``hw``. ``batch``: the global batch in sequences, run as ``microbatches`` per replica."""
     model = ModelSpec("lesson", n_layer=n_layer, d_model=d_model, n_head=n_head, vocab=vocab, seq=seq,
                       engine="minidist", dtype_bytes=dtype_bytes)
-    cand = Candidate(dp=dp, tp=tp, microbatch=max(batch // (dp * microbatches), 1))
+    cand = Candidate(dp=dp, tp=tp, microbatch_size=max(batch // (dp * microbatches), 1))
     return (predict(model, cand, batch, textbook(hw), Settings("adamw")).step,
             predict(model, cand, batch, hw, Settings("adamw")).step)
 

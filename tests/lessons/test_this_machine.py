@@ -19,7 +19,7 @@ def planner(hw, n_layer, d_model, vocab, seq, batch, dp=1, tp=1, microbatches=1,
     """The planner's step time, called as chapter 11 does: a minidist GPT on a dp x tp mesh."""
     model = ModelSpec("t", n_layer=n_layer, d_model=d_model, n_head=4, vocab=vocab, seq=seq,
                       engine="minidist", dtype_bytes=dtype_bytes)
-    return predict(model, Candidate(dp=dp, tp=tp, microbatch=batch // (dp * microbatches)), batch, hw,
+    return predict(model, Candidate(dp=dp, tp=tp, microbatch_size=batch // (dp * microbatches)), batch, hw,
                    Settings("adamw")).step
 
 
