@@ -5,13 +5,15 @@ Three pieces, in the order a reader meets them:
 * **Partitioning** -- `minidist/parallel/pipeline/partition.py`: `partition_uniform` (by layer count)
   or `partition_balanced` (the min-max contiguous cut of per-layer costs from `layer_costs`).
 * **`PipelineStage`** -- the layers one rank holds (one slice per model chunk; interleaved 1F1B
-  gives a rank several chunks, virtual stage c*p + s). Parameter names stay the full model's
+  gives a rank several chunks, virtual stage c*p + s; ZB-V and DualPipeV two, s and 2p-1-s: the
+  schedule's `placement`, `minidist.parallel.pipeline.placement`). Parameter names stay the full model's
   ("3.attn.qkv.weight"), so a stage's parameters compare directly with the serial model's.
 * **`run_schedule`** -- the stage runtime. It walks this stage's instruction list from
   `minidist.parallel.pipeline.schedule` and does exactly what each says: Forward / Backward (traced as
   "Forward" / "Backward", category "compute", with mb and chunk), blocking point-to-point sends of
   activations and their gradients (the receiver learns shape and dtype from the transport's header;
-  sends complete in the background, receives block), `SendRecv` (all parts posted at once) and
+  sends complete in the background, receives block; a message between two chunks of this rank,
+  the turn of a V, is handed over locally), `SendRecv` (all parts posted at once) and
   `OptimizerStep` (a callback: DP all-reduce + update).
 
 Loss and gradients: the last virtual stage computes `loss_fn(output, target)` per microbatch and
@@ -36,12 +38,19 @@ from minidist.autograd.tensor import Tensor
 from minidist.memory import MemoryAccountant
 from minidist.parallel.compose import check_compatible
 from minidist.parallel.memory import recompute
+from minidist.parallel.pipeline.catalog import (  # noqa: F401 - callers build schedules from here too
+    SCHEDULES,
+    V_SCHEDULES,
+    make_schedule,
+    schedule_chunks,
+)
 from minidist.parallel.pipeline.partition import (  # noqa: F401 - the runtime's callers cut stages too
     format_partition,
     layer_costs,
     partition_balanced,
     partition_uniform,
 )
+from minidist.parallel.pipeline.placement import Placement, looped
 from minidist.parallel.pipeline.schedule import (
     Backward,
     BackwardInput,
@@ -49,19 +58,13 @@ from minidist.parallel.pipeline.schedule import (
     Forward,
     OptimizerStep,
     RecvAct,
-    ScheduleError,
     SendAct,
     SendGrad,
     SendRecv,
-    gpipe,
-    interleaved_1f1b,
     message_key,
-    one_f_one_b,
     peer_of,
-    virtual_stage,
 )
 from minidist.parallel.pipeline.split_backward import backward_input
-from minidist.parallel.pipeline.zero_bubble import zb_h1
 
 # -- stages ------------------------------------------------------------------------------------------
 
@@ -70,25 +73,28 @@ class PipelineStage:
     """The layers of `model` (a Sequential) that pipeline stage `stage` of `num_stages` runs.
 
     `bounds` has one (start, end) range per virtual stage: num_stages of them, or num_stages * v for
-    v chunks per stage (chunk c of this stage is virtual stage c * num_stages + stage).
+    v chunks per stage; `placement` (default looped: chunk c of this stage is virtual stage
+    c * num_stages + stage) must be the schedule's (`make_schedule(...).placement`).
     `checkpoint` (a `minidist.parallel.memory.recompute` policy, `checkpoint_k` for "every_k") checkpoints
     each chunk's own blocks, so no segment crosses a stage boundary; a model checkpointed as a whole
     whose segment is cut by `bounds` is refused with a clear error.
     """
 
     def __init__(self, model, bounds, stage: int, num_stages: int, loss_fn=None, checkpoint=None,
-                 checkpoint_k=None):
+                 checkpoint_k=None, placement: Placement | None = None):
         if len(bounds) % num_stages:
             raise ValueError(f"{len(bounds)} layer ranges do not split over {num_stages} stages")
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} is not in 0..{num_stages - 1}")
+        placement = placement or looped(num_stages, len(bounds) // num_stages)
+        if placement.num_stages != num_stages:
+            raise ValueError(f"placement {placement} is for {placement.num_stages} stages, not {num_stages}")
         check_compatible(model, "pp")  # refused pairs (ZeRO) and orders (DDP first) fail here
         layers = list(model)
-        self.stage, self.num_stages = stage, num_stages
-        self.num_chunks = len(bounds) // num_stages
-        self.num_virtual = len(bounds)
-        self.layer_ids = [list(range(*bounds[virtual_stage(stage, c, num_stages)]))
-                          for c in range(self.num_chunks)]
+        self.stage, self.num_stages, self.placement = stage, num_stages, placement
+        self.num_chunks = placement.chunks
+        self.num_virtual = placement.num_virtual
+        self.layer_ids = [list(range(*b)) for b in placement.stage_bounds(bounds, stage)]
         self.chunks = [[layers[i] for i in ids] for ids in self.layer_ids]
         self.loss_fn = loss_fn or ops.cross_entropy
         for ids, chunk in zip(self.layer_ids, self.chunks):
@@ -97,10 +103,10 @@ class PipelineStage:
                 recompute.checkpoint_stage(chunk, checkpoint, checkpoint_k)
 
     def is_first(self, chunk: int) -> bool:
-        return virtual_stage(self.stage, chunk, self.num_stages) == 0
+        return self.placement.virtual_stage(self.stage, chunk) == 0
 
     def is_last(self, chunk: int) -> bool:
-        return virtual_stage(self.stage, chunk, self.num_stages) == self.num_virtual - 1
+        return self.placement.virtual_stage(self.stage, chunk) == self.num_virtual - 1
 
     def forward(self, x, chunk: int = 0):
         for layer in self.chunks[chunk]:
@@ -122,19 +128,6 @@ class PipelineStage:
 
 
 # -- the runtime -------------------------------------------------------------------------------------
-
-
-def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> list[list]:
-    """The instruction lists of schedule `name` ("gpipe", "1f1b", "interleaved" or "zb-h1")."""
-    if name in ("zb-h1", "zb_h1"):
-        return zb_h1(num_stages, num_microbatches)
-    if name == "gpipe":
-        return gpipe(num_stages, num_microbatches)
-    if name == "1f1b":
-        return one_f_one_b(num_stages, num_microbatches)
-    if name == "interleaved":
-        return interleaved_1f1b(num_stages, num_microbatches, chunks)
-    raise ScheduleError(f"unknown schedule {name!r}: use 'gpipe', '1f1b', 'interleaved' or 'zb-h1'")
 
 
 def split_microbatches(batch, num_microbatches: int, rank: int = 0) -> list:
@@ -159,10 +152,23 @@ class StepStats:
     seconds: float = 0.0
 
 
-def _tag(instr, stage: int, num_stages: int, num_virtual: int) -> int:
+def _tag(instr, stage: int, placement, num_virtual: int) -> int:
     """A tag both ends compute alike: unique per (kind, mb, receiving virtual stage)."""
-    kind, mb, _, dst = message_key(instr, stage, num_stages)
+    kind, mb, _, dst = message_key(instr, stage, placement)
     return 2 * (mb * num_virtual + dst) + (kind == "grad")
+
+
+class _Done:
+    """A request that is already complete: a local hand-off between two chunks of one rank."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self):
+        return self.value
 
 
 class _Runtime:
@@ -182,6 +188,7 @@ class _Runtime:
         # buffer once, the stage's parameters left out, released when backward frees them
         self.acct = MemoryAccountant()
         self.sends = []  # requests of sends still in flight
+        self.local = {}  # message key -> array handed from one chunk of this rank to another
         self.wq = {}  # (mb, chunk) -> the WeightGradQueue its BackwardInput left for BackwardWeight
 
     def _span(self, name: str, cat: str, **args):
@@ -243,14 +250,22 @@ class _Runtime:
             self.wq.pop((mb, chunk)).run()
 
     def post(self, instr):
-        """Start one send or receive; returns (request, where to store a received array or None)."""
+        """Start one send or receive; returns (request, where to store a received array or None).
+        A message to this rank itself (a V's turn) is handed over in `self.local`, no transport."""
         st = self.stage
-        peer = peer_of(instr, st.stage, st.num_stages)
-        tag = _tag(instr, st.stage, st.num_stages, st.num_virtual)
+        peer = peer_of(instr, st.stage, st.placement)
+        tag = _tag(instr, st.stage, st.placement, st.num_virtual)
         if isinstance(instr, (SendAct, SendGrad)):
             kind = "act" if isinstance(instr, SendAct) else "grad"
-            return self.comm.isend(self.to_send.pop((kind, instr.mb, instr.chunk)), peer, tag), None
+            data = self.to_send.pop((kind, instr.mb, instr.chunk))
+            if peer == st.stage:
+                self.local[message_key(instr, st.stage, st.placement)] = data
+                return _Done(None), None
+            return self.comm.isend(data, peer, tag), None
         kind = "act" if isinstance(instr, RecvAct) else "grad"
+        if peer == st.stage:
+            data = self.local.pop(message_key(instr, st.stage, st.placement))
+            return _Done(data), (kind, instr.mb, instr.chunk)
         return self.comm.irecv(peer, tag), (kind, instr.mb, instr.chunk)
 
     def communicate(self, parts) -> None:
@@ -262,7 +277,8 @@ class _Runtime:
         """
         names = "+".join(type(p).__name__ for p in parts)
         cat = "send" if all(isinstance(p, (SendAct, SendGrad)) for p in parts) else "recv"
-        posted = [self.post(p) for p in parts]
+        sends_first = sorted(parts, key=lambda p: not isinstance(p, (SendAct, SendGrad)))  # local hand-offs
+        posted = [self.post(p) for p in sends_first]
         self.sends = [r for r in self.sends if not r.test()] + [req for req, where in posted if where is None]
         with self._span(names, cat, mb=min(p.mb for p in parts)):
             for req, where in posted:
