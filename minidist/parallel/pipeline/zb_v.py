@@ -16,7 +16,8 @@ the first piece and the loss. Two things follow:
 
 The order is `zero_bubble.greedy_order` on the V placement (B first, the later piece first; then F,
 the later piece first, within the memory cap; then the oldest W). Simulated with F = B = W, it is
-within one half-stage step of the bound at p = 2..4 and within 4 at p = 8 (`test_zb_v`).
+exactly at the bound for m = p and at p = 2, and otherwise at most max(1, p - 3) half-stage steps
+above it (0.5 stage-forwards at p = 4, 2.5 at p = 8), below ZB-H1's bubble everywhere.
 Communication as ZB-H1's: one SendRecv between compute ops; the turn at rank p-1 (piece p-1 to
 piece p) is a local hand-off. Needs m >= p.
 """
