@@ -26,6 +26,9 @@ overlap (two streams on one GPU) is absent: F&B costs F + B here, and the bubble
 (p-1)(F + 2B - 3W), which with F = W = B/2 per piece is (p-1) stage-forwards, ZB-H1's ideal
 (`dualpipe_v_bubble_formula`).
 
+Deadlock-free with the runtime's background sends, as DualPipe's own batched isend/irecv are (the
+schedule declares `buffered_sends`); strict rendezvous sends would cross on a link used both ways.
+
 Full DualPipe is not here: its two copies of every stage need a second parameter set per rank and
 an all-reduce of each piece's gradients between the ranks holding its two copies -- a second
 placement of the same virtual stages, which `Placement` (each piece on one rank) does not express.
@@ -128,4 +131,4 @@ def dualpipe_v(num_stages: int, num_microbatches: int) -> list[list]:
     check_min("dualpipe_v", p, m, dualpipe_v_min_microbatches(p))
     placement = v_shape(p)
     return Schedule([with_messages(_rank_slots(s, p, m), s, placement) + [OptimizerStep()]
-                     for s in range(p)], placement)
+                     for s in range(p)], placement, buffered_sends=True)

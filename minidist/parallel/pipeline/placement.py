@@ -83,10 +83,13 @@ def v_shape(num_stages: int) -> Placement:
 
 
 class Schedule(list):
-    """A schedule (`schedule[stage]` = that stage's instruction list) that knows its `placement`."""
+    """A schedule (`schedule[stage]` = that stage's instruction list) that knows its `placement`, and
+    whether it is deadlock-free only when sends complete in the background (`buffered_sends`, as the
+    runtime's isends do) rather than under strict rendezvous."""
 
-    def __init__(self, lists, placement: Placement):
+    def __init__(self, lists, placement: Placement, buffered_sends: bool = False):
         super().__init__(lists)
+        self.buffered_sends = buffered_sends
         if len(self) != placement.num_stages:
             raise ValueError(f"{len(self)} instruction lists for a placement of {placement.num_stages} ranks")
         self.placement = placement

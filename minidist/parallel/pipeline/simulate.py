@@ -183,12 +183,16 @@ def peak_pending_weights(ops: list) -> int:
 
 def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0, comm_time: float = 0.0,
              opt_time: float = 0.0, input_time: float | None = None, weight_time: float | None = None,
-             buffered_sends: bool = False) -> SimResult:
+             buffered_sends: bool | None = None) -> SimResult:
     """Execute all stages in lock step (see module docstring); raise DeadlockError if they get stuck.
 
     A split backward's parts take `input_time` (B) and `weight_time` (W), by default half of
     `bwd_time` each. `buffered_sends`: a send completes when posted and its receive at max(posted,
-    sent) + comm_time, as the runtime's background sends (`isend`) do; the default is rendezvous."""
+    sent) + comm_time, as the runtime's background sends (`isend`) do; None (the default): what the
+    schedule declares it needs (`Schedule.buffered_sends`: True for the V schedules, whose two
+    directions on one link cross under rendezvous), else rendezvous."""
+    if buffered_sends is None:
+        buffered_sends = getattr(schedule, "buffered_sends", False)
     validate(schedule)
     p, placement = len(schedule), placement_of(schedule)
     cost = {Forward: fwd_time, Backward: bwd_time, OptimizerStep: opt_time,

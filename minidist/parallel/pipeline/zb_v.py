@@ -19,7 +19,9 @@ the later piece first, within the memory cap; then the oldest W). Simulated with
 exactly at the bound for m = p and at p = 2, and otherwise at most max(1, p - 3) half-stage steps
 above it (0.5 stage-forwards at p = 4, 2.5 at p = 8), below ZB-H1's bubble everywhere.
 Communication as ZB-H1's: one SendRecv between compute ops; the turn at rank p-1 (piece p-1 to
-piece p) is a local hand-off. Needs m >= p.
+piece p) is a local hand-off. Deadlock-free with the runtime's background sends (the schedule
+declares `buffered_sends`); under strict rendezvous the two directions on one link cross (rank s
+sends piece s's activation down while rank s+1 sends piece 2p-2-s's up). Needs m >= p.
 """
 
 from __future__ import annotations
@@ -46,4 +48,5 @@ def zb_v(num_stages: int, num_microbatches: int) -> list[list]:
     check_min("zb_v", p, m, zb_v_min_microbatches(p))
     placement = v_shape(p)
     unlimited = 2 * m  # only the memory cap limits forwards
-    return as_schedule(greedy_order(placement, m, lambda r, c: unlimited, held=2 * p), placement)
+    order = greedy_order(placement, m, lambda r, c: unlimited, held=2 * p)
+    return as_schedule(order, placement, buffered_sends=True)

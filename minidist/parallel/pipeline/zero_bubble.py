@@ -129,11 +129,11 @@ def greedy_order(placement: Placement, m: int, in_flight, held: int) -> list:
     return order
 
 
-def as_schedule(order: list, placement: Placement) -> Schedule:
+def as_schedule(order: list, placement: Placement, buffered_sends: bool = False) -> Schedule:
     """Compute orders -> a Schedule: between consecutive compute ops one SendRecv with the send of the
     op just done and the receive of the next (`with_messages`, one op a slot), then the step."""
     return Schedule([with_messages([[op] for op in ops], r, placement) + [OptimizerStep()]
-                     for r, ops in enumerate(order)], placement)
+                     for r, ops in enumerate(order)], placement, buffered_sends)
 
 
 def zb_h1(num_stages: int, num_microbatches: int) -> list[list]:

@@ -1,5 +1,12 @@
 """ZB-V: two chunks per rank in a V, deadlock-free, near its bound at 1F1B's memory, equal to serial."""
 
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -22,6 +29,7 @@ from minidist.parallel.pipeline.zero_bubble import zb_h1
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d, train_serial
 from tests.conftest import budget
 
+ROOT = Path(__file__).resolve().parents[3]
 HALF = dict(fwd_time=0.5, bwd_time=1.0, input_time=0.5, weight_time=0.5)  # per piece; a stage forward is 1
 
 
@@ -105,3 +113,19 @@ def test_v_schedules_compose_with_ddp(schedule, m):
     state, losses = results[0]
     assert max_state_diff(state, want) <= 1e-9
     np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-9)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (pip install mpich)")
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe-v"])
+def test_lesson_v_schedules_under_mpirun_pass_their_check(schedule):
+    """4 MPI processes, 2 pieces each in a V (the turn on rank 3 is local, the loss on rank 0)."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MINIDIST_TRANSPORT", None)
+    cmd = ["mpirun", "-n", "4", sys.executable, "-m", "minidist.lessons.pipeline", "--steps", "2",
+           "--dp", "1", "--schedule", schedule, "--width", "32", "--seq", "16"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=80, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert re.search(r"serial twin .* PASS", res.stdout), res.stdout
+    assert "microbatch-chunks held" in res.stdout
