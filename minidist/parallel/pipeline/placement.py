@@ -84,8 +84,9 @@ def v_shape(num_stages: int) -> Placement:
 
 class Schedule(list):
     """A schedule (`schedule[stage]` = that stage's instruction list) that knows its `placement`, and
-    whether it is deadlock-free only when sends complete in the background (`buffered_sends`, as the
-    runtime's isends do) rather than under strict rendezvous."""
+    whether it is designed for sends that complete in the background (`buffered_sends`, as the
+    runtime's isends do) rather than strict rendezvous: the V schedules deadlock under rendezvous,
+    ZB-H2 runs but waits (51 steps instead of 27 at p = 4, m = 8). The simulator uses it by default."""
 
     def __init__(self, lists, placement: Placement, buffered_sends: bool = False):
         super().__init__(lists)

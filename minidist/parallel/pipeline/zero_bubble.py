@@ -33,7 +33,9 @@ start before p-1, and then has 3m of work. So the rectangle bubble is at least (
   Peak memory: 2p - 1 microbatches on stage 0, about 2x 1F1B's p. Needs m >= 2p - 1.
 
 Communication: between consecutive compute ops one SendRecv (the send of the op just done, the
-receive of the next); W's are pure compute and never block.
+receive of the next); W's are pure compute and never block. Both are deadlock-free under strict
+rendezvous too, but are made for the runtime's background sends (`Schedule.buffered_sends`):
+under rendezvous ZB-H2 waits for its neighbours (51 steps instead of 27 at p = 4, m = 8).
 """
 
 from __future__ import annotations
@@ -129,9 +131,10 @@ def greedy_order(placement: Placement, m: int, in_flight, held: int) -> list:
     return order
 
 
-def as_schedule(order: list, placement: Placement, buffered_sends: bool = False) -> Schedule:
+def as_schedule(order: list, placement: Placement, buffered_sends: bool = True) -> Schedule:
     """Compute orders -> a Schedule: between consecutive compute ops one SendRecv with the send of the
-    op just done and the receive of the next (`with_messages`, one op a slot), then the step."""
+    op just done and the receive of the next (`with_messages`, one op a slot), then the step. The
+    orders were made for messages that arrive the next step whoever waits: background sends."""
     return Schedule([with_messages([[op] for op in ops], r, placement) + [OptimizerStep()]
                      for r, ops in enumerate(order)], placement, buffered_sends)
 
