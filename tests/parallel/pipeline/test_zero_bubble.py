@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from minidist.comm import run
 from minidist.nn import GPT, GPTConfig
+from minidist.parallel.pipeline.dualpipe import dualpipe_v
+from minidist.parallel.pipeline.placement import looped
 from minidist.parallel.pipeline.runtime import (
     PipelineStage,
     make_schedule,
@@ -22,8 +24,15 @@ from minidist.parallel.pipeline.runtime import (
     split_microbatches,
 )
 from minidist.parallel.pipeline.schedule import BackwardInput, BackwardWeight, ScheduleError, one_f_one_b
-from minidist.parallel.pipeline.simulate import ascii_timeline, simulate
-from minidist.parallel.pipeline.zero_bubble import zb_h1, zb_h2, zb_h2_bubble_formula
+from minidist.parallel.pipeline.simulate import DeadlockError, ascii_timeline, simulate
+from minidist.parallel.pipeline.zb_v import zb_v
+from minidist.parallel.pipeline.zero_bubble import (
+    as_schedule,
+    greedy_order,
+    zb_h1,
+    zb_h2,
+    zb_h2_bubble_formula,
+)
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d, train_serial
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -201,3 +210,26 @@ def test_lesson_zb_h1_under_mpirun_passes_its_check():
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.search(r"serial twin .* PASS", res.stdout), res.stdout
     assert "(p-1)/(3m+p-1) = 3/27" in res.stdout and "ZB-H1 bytes" in res.stdout
+
+
+def test_zb_h1_gap_is_the_memory_cap():
+    """p = 4, m = 8: within 1F1B's cap (p held from F to W) the greedy takes 29 steps; one more held
+    and it reaches the floor 3m + p - 1 = 27."""
+    unit = dict(fwd_time=1, bwd_time=2, input_time=1, weight_time=1)
+    capped = as_schedule(greedy_order(looped(4), 8, lambda s, c: 4 - s, held=4), looped(4))
+    roomier = as_schedule(greedy_order(looped(4), 8, lambda s, c: 4 - s, held=5), looped(4))
+    assert simulate(capped, **unit).makespan == 29 == simulate(zb_h1(4, 8), **unit).makespan
+    assert simulate(roomier, **unit).makespan == 27
+
+
+def test_simulator_times_a_schedule_with_the_sends_it_declares():
+    """Zero-bubble schedules declare background sends (the runtime's): the default simulation uses them;
+    under strict rendezvous ZB-H2 waits (51 steps, not 27) and the V schedules cross and deadlock."""
+    unit = dict(fwd_time=1, bwd_time=2, input_time=1, weight_time=1)
+    assert zb_h2(4, 8).buffered_sends and not one_f_one_b(4, 8).buffered_sends
+    assert simulate(zb_h2(4, 8), **unit).makespan == 27
+    assert simulate(zb_h2(4, 8), buffered_sends=False, **unit).makespan == 51
+    for sched in (zb_v(4, 8), dualpipe_v(4, 8)):
+        simulate(sched)
+        with pytest.raises(DeadlockError, match="stage 0 blocked at"):
+            simulate(sched, buffered_sends=False)
