@@ -7,13 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minidist.comm import run
-from minidist.nn import GPTConfig
 from minidist.parallel.pipeline.schedule import (
     BackwardWeight,
     Forward,
@@ -26,7 +23,6 @@ from minidist.parallel.pipeline.schedule import (
 from minidist.parallel.pipeline.simulate import ascii_timeline, simulate
 from minidist.parallel.pipeline.zb_v import zb_v, zb_v_bubble_formula
 from minidist.parallel.pipeline.zero_bubble import zb_h1
-from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d, train_serial
 from tests.conftest import budget
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -92,27 +88,6 @@ def test_on_threads_equals_the_serial_model(step_vs_serial, p, extra, more, seed
     stats, diff, dloss = step_vs_serial("zb-v", p, p + extra, 2 * p - 2 + more, seed)
     assert diff <= 1e-12 and dloss <= 1e-12
     assert stats[0].loss is not None and all(s.peak_weight_queue_bytes > 0 for s in stats)
-
-
-CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, d_model=8, dtype="float64")
-
-
-def _train_rank(comm, batches, **kw):
-    result = train_3d(comm, CFG, batches, lr=0.1, optimizer="adamw", **kw)
-    return gather_full_state(comm, result), result.losses
-
-
-@pytest.mark.parametrize("schedule,m", [("zb-v", 2), ("dualpipe-v", 4)])
-def test_v_schedules_compose_with_ddp(schedule, m):
-    """dp = 2 x pp = 2 (4 pieces of 4 layers): DDP syncs on each chunk's last W; the loss comes from pp
-    rank 0. Parameters and losses equal the serial model's over two AdamW steps."""
-    rng = np.random.default_rng(m)
-    batches = [(rng.integers(0, 16, (4 * m, 4)), rng.integers(0, 16, (4 * m, 4))) for _ in range(2)]
-    want, want_losses = train_serial(CFG, batches, lr=0.1, optimizer="adamw")
-    results = run(_train_rank, ranks=4, batches=batches, dp=2, pp=2, tp=1, microbatches=m, schedule=schedule)
-    state, losses = results[0]
-    assert max_state_diff(state, want) <= 1e-9
-    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-9)
 
 
 @pytest.mark.mpi
