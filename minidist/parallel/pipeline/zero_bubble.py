@@ -15,16 +15,19 @@ start before p-1, and then has 3m of work. So the rectangle bubble is at least (
 * `zb_h1(p, m)`: 1F1B's limits (p - s microbatches between F and B on stage s, no stage holding
   more than p from F to W: 1F1B's peak, stage 0's). Ideal (p-1)/(3m+p-1), a third of 1F1B's
   (p-1)/(m+p-1) when m >> p; the paper's formula for its bubble time is (p-1)(F + B - W), which
-  its handcrafted ZB-H1 reaches. The greedy order is 2 steps longer at p = 4..8, m >= 2p (0.172
-  instead of 0.111 at p=4, m=8; exact at m = p and at p = 2). Why: the memory cap binds. W needs
-  the inputs its B kept, so a microbatch counts from F to W; stage 0's round trip (F down the
-  pipeline, B back up) is 2p - 1 steps, so with p held it can put off hardly any W while it waits
-  in the steady state and meets the cool-down with too few W's to fill it. Allow one more
-  (held = p + 1) and the same greedy reaches 3m + p - 1 at p = 4 (p = 8 needs 2p). Holding W's
-  back for the cool-down within the cap (tried: a reserve of k W's per stage, k = 1..p) idles the
-  stages earlier and costs more than it saves. The paper's handcrafted ZB-H1 (bubble
-  (p-1)(F + B - W)) counts a microbatch's memory as freed partly at B; here it is all kept to W,
-  the stricter count. Needs m >= p.
+  its handcrafted ZB-H1 reaches. The plain greedy rule is 2 steps longer at p = 4..8, m >= 2p
+  (29 steps, 0.172, at p = 4, m = 8, against the floor's 27, 0.111). Why: the memory cap binds. W
+  needs the inputs its B kept, so a microbatch counts from F to W; stage 0's round trip (F down
+  the pipeline, B back up) is 2p - 1 steps, so with p held a stage can put off hardly any W while
+  it waits, and meets the cool-down with too few W's to fill it. Allow one more (held = p + 1)
+  and the same greedy reaches the floor at p = 4 (p = 8 needs 2p). Within the cap, one change
+  helps: a stage at the cap runs a W before its B, which frees room for the next F sooner.
+  `zb_h1` tries it on the last k stages, k = 0..p-1, and keeps the shortest (simulated with
+  F = B = W): at most ONE step above the floor for every p = 2..8, m >= p (28 steps, 0.143, at
+  p = 4, m = 8; exact at m = p). Reserving W's for the cool-down instead (tried: k W's per stage,
+  k = 1..p) idles the stages earlier and costs more than it saves. Whether an order holding every
+  microbatch whole until its W reaches the floor we have not found; the paper counts what W keeps
+  (its M_W) apart from a microbatch's activations. Needs m >= p.
 * `zb_h2(p, m)`: more warm-up forwards (2(p - s) - 1 between F and B on stage s, up to 2p - 1 in
   flight on stage 0), W's fill the rest: the cool-down has W's to fill every gap, and the greedy
   reaches the rectangle's bound 3m + p - 1 exactly, bubble (p-1)/(3m+p-1). The paper's ZB-H2
@@ -40,6 +43,8 @@ under rendezvous ZB-H2 waits for its neighbours (51 steps instead of 27 at p = 4
 
 from __future__ import annotations
 
+import functools
+
 from minidist.parallel.pipeline.placement import Placement, Schedule, looped
 from minidist.parallel.pipeline.schedule import (
     BackwardInput,
@@ -50,6 +55,7 @@ from minidist.parallel.pipeline.schedule import (
     _check,
     with_messages,
 )
+from minidist.parallel.pipeline.simulate import simulate
 
 
 def zb_h1_min_microbatches(num_stages: int) -> int:
@@ -79,12 +85,13 @@ def check_min(name: str, p: int, m: int, least: int) -> None:
                             f"{least} or more microbatches, or '1f1b'")
 
 
-def greedy_order(placement: Placement, m: int, in_flight, held: int) -> list:
+def greedy_order(placement: Placement, m: int, in_flight, held: int, w_first_at_cap=()) -> list:
     """Each rank's compute order when, in unit time steps (F = B = W = 1, results usable the next
     step), every idle rank takes the first of: a B whose gradient is here (the latest virtual stage
     first: it has the longest chain still to run); an F whose input is here, the latest virtual
     stage first, if fewer than `in_flight(rank, chunk)` of that chunk are between F and B and fewer
-    than `held` of the rank's microbatch-chunks between F and W; else the oldest put-off W.
+    than `held` of the rank's microbatch-chunks between F and W; else the oldest put-off W. A rank
+    in `w_first_at_cap` that holds `held` runs a put-off W before any B (freeing room for an F).
 
     Microbatches enter each chunk in order 0..m-1. Raises ScheduleError if the limits starve it."""
     p, v, last = placement.num_stages, placement.chunks, placement.num_virtual - 1
@@ -99,7 +106,11 @@ def greedy_order(placement: Placement, m: int, in_flight, held: int) -> list:
         moved = False
         for r in range(p):
             op = None
-            for c in by_lateness[r]:
+            if r in w_first_at_cap and holding[r] >= held and put_off[r]:
+                b = put_off[r].pop(0)
+                op = BackwardWeight(b.mb, b.chunk)
+                holding[r] -= 1
+            for c in by_lateness[r] if op is None else ():
                 vs, j = vs_of[r][c], nb[r][c]
                 if j < nf[r][c] and ready.get(("B", vs, j), never) <= t:
                     op = BackwardInput(j, c)
@@ -144,7 +155,21 @@ def zb_h1(num_stages: int, num_microbatches: int) -> list[list]:
     _check(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     check_min("zb_h1", p, m, zb_h1_min_microbatches(p))
-    return as_schedule(greedy_order(looped(p), m, lambda s, c: p - s, held=p), looped(p))
+    return as_schedule(_zb_h1_order(p, m, _zb_h1_best_k(p, m)), looped(p))
+
+
+def _zb_h1_order(p: int, m: int, k: int) -> list:
+    return greedy_order(looped(p), m, lambda s, c: p - s, held=p, w_first_at_cap=range(p - k, p))
+
+
+@functools.cache
+def _zb_h1_best_k(p: int, m: int) -> int:
+    """The k for which "W first at the cap" on the last k stages (k = 0: the plain rule) gives the
+    shortest simulated step with F = B = W: a ZB-H1 at most one step above the floor for p = 2..8."""
+    unit = dict(fwd_time=1, bwd_time=2, input_time=1, weight_time=1)
+    def makespan(k):
+        return simulate(as_schedule(_zb_h1_order(p, m, k), looped(p)), **unit).makespan
+    return min(range(p), key=makespan)
 
 
 def zb_h2(num_stages: int, num_microbatches: int) -> list[list]:
