@@ -274,6 +274,11 @@ def run_schedule(stage: PipelineStage, comm, instructions, inputs=None, targets=
     if loss_weights is not None and targets is not None and len(loss_weights) != len(targets):
         raise ValueError(f"rank {comm.rank}: {len(loss_weights)} loss_weights for {len(targets)} "
                          "microbatches; give one weight per microbatch")
+    chunks = {getattr(i, "chunk", 0) for instr in instructions for i in getattr(instr, "ops", (instr,))}
+    if max(chunks, default=0) >= stage.num_chunks:
+        raise ValueError(f"rank {comm.rank}: the instructions use chunk {max(chunks)} but this stage holds "
+                         f"{stage.num_chunks} ({stage.placement}); build it with the schedule's placement: "
+                         "PipelineStage(..., placement=make_schedule(...).placement)")
     last_backward = {}
     for instr in instructions:
         if isinstance(instr, (Backward, BackwardWeight)):  # what completes a microbatch's gradients

@@ -4,7 +4,7 @@ import pytest
 
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel.pipeline.placement import Placement, Schedule, looped, placement_of, v_shape
-from minidist.parallel.pipeline.runtime import PipelineStage, partition_uniform
+from minidist.parallel.pipeline.runtime import PipelineStage, make_schedule, partition_uniform, run_schedule
 from minidist.parallel.pipeline.schedule import Forward, RecvAct, RecvGrad, SendAct, SendGrad, peer_of
 
 
@@ -63,3 +63,14 @@ def test_bad_placements_are_refused_clearly():
 def test_a_plain_list_is_looped_with_its_chunks():
     assert placement_of([[Forward(0, 1)], [Forward(0, 0)]]) == looped(2, 2)
     assert placement_of(Schedule([[], []], v_shape(2))) == v_shape(2)
+
+
+def test_a_v_schedule_on_a_one_chunk_stage_is_refused():
+    """The schedule's chunks must be the stage's: a ZB-V list on a stage cut without its placement."""
+    model = GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, d_model=8))
+    stage = PipelineStage(model, partition_uniform(len(model), 2), 0, 2)
+
+    class Two:
+        rank, size = 0, 2
+    with pytest.raises(ValueError, match="use chunk 1 but this stage holds 1 .*placement=make_schedule"):
+        run_schedule(stage, Two(), make_schedule("zb-v", 2, 2)[0], [None] * 2, [None] * 2)
