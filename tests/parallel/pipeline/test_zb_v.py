@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from minidist.lessons import pipeline as lesson
 from minidist.parallel.pipeline.schedule import (
     BackwardWeight,
     Forward,
@@ -104,3 +105,17 @@ def test_lesson_v_schedules_under_mpirun_pass_their_check(schedule):
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.search(r"serial twin .* PASS", res.stdout), res.stdout
     assert "microbatch-chunks held" in res.stdout
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--schedule", "zb-v", "--microbatches", "2"], "zb_v needs num_microbatches >= 4 for num_stages=4"),
+    (["--schedule", "dualpipe-v", "--microbatches", "4"], "dualpipe_v needs num_microbatches >= 8"),
+    (["--schedule", "zb-v", "--layers", "4"], r"8 pipeline stages \(pp=4 x chunks=2\)"),
+    (["--schedule", "zb-v", "--chunks", "2"], "--chunks 2 needs --schedule interleaved"),
+])
+def test_lesson_refuses_v_flag_combos_before_ranks_start(capsys, flags, says):
+    with pytest.raises(SystemExit) as e:
+        lesson.main(["--ranks", "4", "--dp", "1", *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(says, err), err
