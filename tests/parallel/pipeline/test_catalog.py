@@ -2,13 +2,24 @@
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from minidist.comm import run
 from minidist.nn import GPTConfig
 from minidist.parallel.pipeline.catalog import SCHEDULES, make_schedule, schedule_chunks
 from minidist.parallel.pipeline.placement import looped, v_shape
-from minidist.parallel.pipeline.schedule import ScheduleError
+from minidist.parallel.pipeline.schedule import (
+    COMPUTE,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    ScheduleError,
+)
+from minidist.parallel.pipeline.simulate import simulate
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d, train_serial
+from tests.conftest import budget
 
 
 def test_names_placements_and_chunks():
@@ -21,6 +32,32 @@ def test_names_placements_and_chunks():
     assert schedule_chunks("interleaved", 3) == 3
     with pytest.raises(ScheduleError, match="unknown schedule 'dualpipe': use one of 'interleaved', 'gpipe'"):
         make_schedule("dualpipe", 2, 4)
+
+
+MINIMUM = {"gpipe": lambda p: 1, "1f1b": lambda p: 1, "zb-h1": lambda p: p, "zb-h2": lambda p: 2 * p - 1,
+           "zb-v": lambda p: p, "dualpipe-v": lambda p: 2 * p}  # the fewest microbatches each stated
+
+
+@given(name=st.sampled_from(sorted(SCHEDULES)), p=st.integers(2, 8), extra=st.integers(0, 8))
+@budget(40, deadline=None)
+def test_every_schedule_is_deadlock_free_and_complete(name, p, extra):
+    """Simulated as it declares its sends: no deadlock; on every rank each (mb, chunk) it holds runs
+    one forward and either one whole backward or one B and one W; one below the minimum is refused."""
+    least = MINIMUM[name](p)
+    sched = make_schedule(name, p, least + extra)
+    assert simulate(sched).makespan > 0
+    v = sched.placement.chunks
+    for ops in sched:
+        done = sorted((type(i).__name__, i.mb, i.chunk) for i in ops if isinstance(i, COMPUTE))
+        fwd = [(mb, c) for k, mb, c in done if k == Forward.__name__]
+        assert sorted(fwd) == [(mb, c) for mb in range(least + extra) for c in range(v)]
+        whole = {(mb, c) for k, mb, c in done if k == Backward.__name__}
+        split = {(mb, c) for k, mb, c in done if k == BackwardInput.__name__}
+        assert split == {(mb, c) for k, mb, c in done if k == BackwardWeight.__name__}
+        assert not whole & split and whole | split == set(fwd)
+    if least > 1:
+        with pytest.raises(ScheduleError, match=f"needs num_microbatches >= {least}"):
+            make_schedule(name, p, least - 1)
 
 
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, d_model=8, dtype="float64")
