@@ -188,10 +188,10 @@ def rank_main(comm, args):
             trace.set_current(None)
     mesh = result.mesh
     uniform = [1.0] * (cfg.n_layer + 2)
-    rprint(comm, f"partition ({args.partition}):\n" + format_partition(result.bounds, costs or uniform,
-                                                                       " s" if args.partition == "time" else
-                                                                       " B" if args.partition == "params"
-                                                                       else " layers"))
+    unit = " s" if args.partition == "time" else " B" if args.partition == "params" else " layers"
+    placement = getattr(result.stage, "placement", None)  # a V's pieces: which rank holds each
+    rprint(comm, f"partition ({args.partition}):\n"
+           + format_partition(result.bounds, costs or uniform, unit, placement))
     for step, loss in enumerate(result.losses):
         rprint(comm, f"step {step}: loss {loss:.4f}")
 

@@ -10,7 +10,7 @@ the forward of one microbatch and the backward of another as one unit, whose com
 DualPipeV folds the two copies into one V (`placement.v_shape`: rank s holds pieces s and 2p-1-s of
 2p): the same slots, p ranks instead of 2p, ONE copy of the parameters. With PP = 2p pieces its
 bubble is the same (PP/2 - 1)(F&B + B - 3W) = (p-1)(F&B + B - 3W), F, B, W per piece (B = a whole
-backward of a piece, W its weight part), activations 2p + 1 pieces on rank 0 (1F1B's p stages,
+backward of a piece, W its weight part), activations 2p + 1 pieces on every rank (1F1B's p stages,
 plus half of one).
 
 `dualpipe_v(p, m)` is dualpipev.py's `step` order, step for step (m >= 2p microbatches): each

@@ -4,7 +4,13 @@ import pytest
 
 from minidist.nn import GPT, GPTConfig
 from minidist.parallel.pipeline.placement import Placement, Schedule, looped, placement_of, v_shape
-from minidist.parallel.pipeline.runtime import PipelineStage, make_schedule, partition_uniform, run_schedule
+from minidist.parallel.pipeline.runtime import (
+    PipelineStage,
+    format_partition,
+    make_schedule,
+    partition_uniform,
+    run_schedule,
+)
 from minidist.parallel.pipeline.schedule import Forward, RecvAct, RecvGrad, SendAct, SendGrad, peer_of
 
 
@@ -74,3 +80,12 @@ def test_a_v_schedule_on_a_one_chunk_stage_is_refused():
         rank, size = 0, 2
     with pytest.raises(ValueError, match="use chunk 1 but this stage holds 1 .*placement=make_schedule"):
         run_schedule(stage, Two(), make_schedule("zb-v", 2, 2)[0], [None] * 2, [None] * 2)
+
+
+def test_format_partition_names_pieces_and_their_ranks():
+    text = format_partition([(0, 2), (2, 4), (4, 5), (5, 6)], placement=v_shape(2))
+    assert text.splitlines() == ["piece 0 (rank 0 chunk 0): layers 0..1 (2 layers)",
+                                 "piece 1 (rank 1 chunk 0): layers 2..3 (2 layers)",
+                                 "piece 2 (rank 1 chunk 1): layers 4..4 (1 layer)",
+                                 "piece 3 (rank 0 chunk 1): layers 5..5 (1 layer)"]
+    assert format_partition([(0, 3)], placement=looped(1)) == "stage 0: layers 0..2 (3 layers)"
