@@ -84,3 +84,21 @@ def test_new_schedules_compose_with_ddp_and_tp(schedule, dp, pp, tp, m, n_layer)
     state, losses = results[0]
     assert max_state_diff(state, want) <= 1e-9
     np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-9)
+
+
+@given(name=st.sampled_from(["zb-h1", "zb-h2", "zb-v", "dualpipe-v"]), dp=st.integers(1, 2),
+       pp=st.integers(2, 3), extra=st.integers(0, 2), more=st.integers(0, 1), seed=st.integers(0, 99))
+@budget(5, deadline=None)
+def test_drawn_meshes_train_like_the_serial_model(name, dp, pp, extra, more, seed):
+    """Drawn schedule, dp x pp mesh (DDP over dp), microbatches from the schedule's minimum, depth
+    enough for its pieces: two AdamW steps equal the serial model's."""
+    m = MINIMUM[name](pp) + extra
+    n_layer = max(1, schedule_chunks(name) * pp - 2) + more
+    rng = np.random.default_rng(seed)
+    batches = [(rng.integers(0, 16, (dp * m, 4)), rng.integers(0, 16, (dp * m, 4))) for _ in range(2)]
+    want, want_losses = train_serial(CFG.replace(n_layer=n_layer), batches, lr=0.1, optimizer="adamw")
+    results = run(_train_rank, ranks=dp * pp, batches=batches, n_layer=n_layer, dp=dp, pp=pp, tp=1,
+                  microbatches=m, schedule=name)
+    state, losses = results[0]
+    assert max_state_diff(state, want) <= 1e-9
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-9)
