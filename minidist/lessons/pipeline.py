@@ -5,6 +5,7 @@
     python -m minidist.lessons.pipeline --ranks 8 --pp 8 --dp 1 --schedule gpipe --microbatches 16
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule interleaved --chunks 2
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule zb-h1      # backward split in B and W
+    python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule zb-v     # two chunks per rank in a V
 
 Trains a small byte-level GPT on dp x pp x tp ranks with a pipeline schedule (GPipe, 1F1B, or
 interleaved 1F1B with ``--chunks v`` model chunks per stage: the bubble shrinks to (p-1)/(v·m+p-1)),
@@ -13,7 +14,10 @@ MEASURED timeline of the last step (one row per pipeline stage), the measured bu
 (p-1)/(v·m+p-1), and the activation memory each stage held at its peak under GPipe and under 1F1B
 (under the interleaved schedule: its own, per stage). ``--schedule zb-h1`` splits each backward into B
 (input gradients, sent on at once) and W (weight gradients, put off into the bubble): its bubble is
-compared with (p-1)/(3m+p-1), its memory with 1F1B's.
+compared with (p-1)/(3m+p-1), its memory with 1F1B's; ``zb-h2`` warms up with more forwards
+(2p-1 microbatches held on stage 0); ``zb-v`` and ``dualpipe-v`` cut the model into 2p pieces and
+place them in a V (rank s holds pieces s and 2p-1-s, the loss is on rank 0), ZB-V's bound
+(p-1)/(6m+p-1), DualPipeV's formula (p-1)(F&B + B - 3W) per rank.
 """
 
 from __future__ import annotations
@@ -38,9 +42,12 @@ from minidist.lessons.cli import (
 )
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.data import BatchLoader, TextDataset
+from minidist.parallel.pipeline.catalog import SCHEDULES, schedule_chunks
+from minidist.parallel.pipeline.dualpipe import dualpipe_v_bubble_formula
 from minidist.parallel.pipeline.runtime import format_partition, layer_costs, make_schedule, run_schedule
 from minidist.parallel.pipeline.schedule import ScheduleError
 from minidist.parallel.pipeline.simulate import bubble_formula, peak_activations, timeline_events
+from minidist.parallel.pipeline.zb_v import zb_v_bubble_formula
 from minidist.parallel.pipeline.zero_bubble import zb_h1_bubble_formula
 from minidist.parallel.three_d import check_3d, gather_full_state, train_3d
 from minidist.plan import estimates, schedules
@@ -93,7 +100,8 @@ def check_schedule(world: int, args) -> None:
         rule = str(e)
     def runs(microbatches, batch=args.batch):
         builds(microbatches)
-        check_3d(world, config(args), batch, dp, pp, tp, microbatches, args.chunks)
+        check_3d(world, config(args), batch, dp, pp, tp, microbatches,
+                 schedule_chunks(args.schedule, args.chunks))
 
     near = sorted(set(range(1, 2 * (m + pp) + 1)) - {m}, key=lambda k: (abs(k - m), -k))
     fix = first_accepted(runs, near)  # the nearest count that runs with this --batch, else with another
@@ -141,7 +149,8 @@ def rank_main(comm, args):
     cfg = config(args)
     dp, pp, tp = mesh_sizes(comm.size, args)
     batches = make_batches(args)
-    check_3d(comm.size, cfg, args.batch, dp, pp, tp, args.microbatches, args.chunks, rank=comm.rank)
+    check_3d(comm.size, cfg, args.batch, dp, pp, tp, args.microbatches,
+             schedule_chunks(args.schedule, args.chunks), rank=comm.rank)
     m = args.microbatches
     rprint(comm, f"Pipeline parallelism: a GPT of {cfg.n_layer + 2} layers (embedding, {cfg.n_layer} blocks, "
                  f"head; d_model {cfg.d_model}, seq {cfg.block_size})\n"
@@ -169,18 +178,20 @@ def rank_main(comm, args):
         result = train_3d(comm, cfg, batches, dp=dp, pp=pp, tp=tp, microbatches=m, schedule=args.schedule,
                           lr=args.lr, optimizer="adamw", layer_costs=costs, on_step=on_step,
                           chunks=args.chunks)
-        # the other one-chunk schedule, for the memory table (an interleaved stage has v chunks: no other)
-        other = None if args.schedule == "interleaved" else "gpipe" if args.schedule == "1f1b" else "1f1b"
+        # the other one-chunk schedule, for the memory table (an interleaved or V stage has its own
+        # chunks: no other schedule runs on it)
+        other = (None if schedule_chunks(args.schedule, args.chunks) > 1
+                 else "gpipe" if args.schedule == "1f1b" else "1f1b")
         other_stats = memory_step(result, other, batches[-1], args) if other else None
     finally:
         if own_tracer:
             trace.set_current(None)
     mesh = result.mesh
     uniform = [1.0] * (cfg.n_layer + 2)
-    rprint(comm, f"partition ({args.partition}):\n" + format_partition(result.bounds, costs or uniform,
-                                                                       " s" if args.partition == "time" else
-                                                                       " B" if args.partition == "params"
-                                                                       else " layers"))
+    unit = " s" if args.partition == "time" else " B" if args.partition == "params" else " layers"
+    placement = getattr(result.stage, "placement", None)  # a V's pieces: which rank holds each
+    rprint(comm, f"partition ({args.partition}):\n"
+           + format_partition(result.bounds, costs or uniform, unit, placement))
     for step, loss in enumerate(result.losses):
         rprint(comm, f"step {step}: loss {loss:.4f}")
 
@@ -237,14 +248,22 @@ def report(everyone, args, pp: int, m: int) -> float:
           + (f" (v = {args.chunks} chunks: 1F1B's would be {bubble_formula(pp, m):.3f})"
              if args.chunks > 1 else "")
           + f"; step time {step_s * 1e3:.0f} ms")
-    if args.schedule == "zb-h1":
-        print(f"ZB-H1's formula with F = B = W: (p-1)/(3m+p-1) = {pp - 1}/{3 * m + pp - 1} = "
+    if args.schedule in ("zb-h1", "zb-h2"):
+        name = args.schedule.upper()
+        print(f"{name}'s formula with F = B = W: (p-1)/(3m+p-1) = {pp - 1}/{3 * m + pp - 1} = "
               f"{zb_h1_bubble_formula(pp, m):.3f} (W = 'W' on the timeline fills what 1F1B leaves idle)")
-    print(schedules.this_machine(args.schedule, pp, m, len(everyone), os.cpu_count() or 1, args.chunks)[1])
+    if args.schedule == "zb-v":
+        print(f"ZB-V's bound with F = B = W (2p pieces, half-stage fill): (p-1)/(6m+p-1) = {pp - 1}/"
+              f"{6 * m + pp - 1} = {zb_v_bubble_formula(pp, m):.3f}")
+    if args.schedule == "dualpipe-v":
+        print(f"DualPipeV's (p-1)(F&B + B - 3W), F&B = F + B on CPU ranks (the overlap here is the order "
+              f"of messages): {dualpipe_v_bubble_formula(pp, m):.3f}")
+    print(schedules.this_machine(args.schedule, pp, m, len(everyone), os.cpu_count() or 1, schedule_chunks(args.schedule, args.chunks))[1])
     print(estimates.predicted_vs_measured(
         "step time on this machine's calibrated constants (the planner, chapter 11)",
         estimates.step_prediction(args.layers, args.width, 4, 256, args.seq, args.batch, dp=args.dp, pp=pp,
-                                  tp=args.tp, microbatches=m, schedule=args.schedule, chunks=args.chunks,
+                                  tp=args.tp, microbatches=m, schedule=args.schedule,
+                                  chunks=schedule_chunks(args.schedule, args.chunks),
                                   dtype_bytes=np.dtype(args.dtype).itemsize,
                                   transport="mpi" if under_mpi() else "threads"), step_s))
     cores = os.cpu_count() or 1
@@ -252,19 +271,21 @@ def report(everyone, args, pp: int, m: int) -> float:
         print(f"(here {len(everyone)} ranks share {cores} cores, so a rank also waits for a free core; "
               f"benchmarks/pipeline.py measures 2 ranks on 2 cores)")
     print("\npeak activation memory per stage (bytes saved for backward, measured; dp 0 / tp 0):")
-    if args.schedule == "interleaved":
-        print(f"{'stage':>5} {'bytes':>12} {'microbatch-chunks held':>23}")
+    if schedule_chunks(args.schedule, args.chunks) > 1:  # interleaved, zb-v, dualpipe-v
+        print(f"{'stage':>5} {'bytes':>12} {'microbatch-chunks held':>23} {'simulated':>9}")
+        sim = [peak_activations(ops) for ops in make_schedule(args.schedule, pp, m, args.chunks)]
         for r in sorted(pipe0, key=lambda r: r["coords"][0]):
-            b, held = r["peak"]["interleaved"]
-            print(f"{r['coords'][0]:>5} {b:>12,} {held:>23}")
+            b, held = r["peak"][args.schedule]
+            print(f"{r['coords'][0]:>5} {b:>12,} {held:>23} {sim[r['coords'][0]]:>9}")
         return measured
-    if args.schedule == "zb-h1":
-        print(f"{'stage':>5} {'1F1B bytes':>12} {'mbs held':>8}   {'ZB-H1 bytes':>12} {'mbs F..B':>8} "
+    if args.schedule in ("zb-h1", "zb-h2"):
+        name = args.schedule.upper()
+        print(f"{'stage':>5} {'1F1B bytes':>12} {'mbs held':>8}   {name + ' bytes':>12} {'mbs F..B':>8} "
               f"{'simulated':>9}")
-        sim = [peak_activations(ops) for ops in make_schedule("zb-h1", pp, m)]
+        sim = [peak_activations(ops) for ops in make_schedule(args.schedule, pp, m)]
         for r in sorted(pipe0, key=lambda r: r["coords"][0]):
             s = r["coords"][0]
-            (ob, om), (zb, zm) = r["peak"]["1f1b"], r["peak"]["zb-h1"]
+            (ob, om), (zb, zm) = r["peak"]["1f1b"], r["peak"][args.schedule]
             print(f"{s:>5} {ob:>12,} {om:>8}   {zb:>12,} {zm:>8} {sim[s]:>9}")
         return measured
     print(f"{'stage':>5} {'GPipe bytes':>12} {'mbs held':>8} {'formula m':>9}   {'1F1B bytes':>11} "
@@ -285,7 +306,7 @@ def main(argv=None):
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel shards per layer")
     parser.add_argument("--microbatches", type=positive_int, default=8,
                         help="microbatches per replica per step (m)")
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], default="1f1b")
+    parser.add_argument("--schedule", choices=["interleaved", *SCHEDULES], default="1f1b")
     parser.add_argument("--chunks", type=positive_int, default=None,
                         help="model chunks per stage, interleaved only (default 2 there, 1 otherwise)")
     parser.add_argument("--partition", choices=["uniform", "time", "params"], default="uniform",
@@ -302,12 +323,12 @@ def main(argv=None):
     if args.chunks is None:
         args.chunks = 2 if args.schedule == "interleaved" else 1
     if args.chunks > 1 and args.schedule != "interleaved":
-        parser.error(f"--chunks {args.chunks} needs --schedule interleaved (GPipe and 1F1B run one chunk "
-                     "per stage)")
+        parser.error(f"--chunks {args.chunks} needs --schedule interleaved (the other schedules fix their "
+                     "chunks: one per stage, two in a V for zb-v and dualpipe-v)")
     world = world_size(args)
     # every mesh, batch, microbatch and schedule error rank_main would raise, before any rank starts
     reject_early(parser, lambda: check_3d(world, config(args), args.batch, *mesh_sizes(world, args),
-                                          args.microbatches, args.chunks))
+                                          args.microbatches, schedule_chunks(args.schedule, args.chunks)))
     reject_early(parser, lambda: check_schedule(world, args))
     return launch(rank_main, args)
 

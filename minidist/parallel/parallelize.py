@@ -317,11 +317,13 @@ def parallelize(cfg_or_model, mesh, *, microbatches: int = 1, schedule: str = "1
         return par
     # 2. the pipeline cut and 3. activation checkpointing (per chunk)
     pp, n = mesh.pp_size, len(model)
-    par.bounds = (partition_uniform(n, pp * chunks) if layer_costs is None
-                  else partition_balanced(layer_costs, pp * chunks))
+    sched = make_schedule(schedule, pp, microbatches, chunks)  # its placement: which pieces a rank holds
+    pieces = sched.placement.num_virtual
+    par.bounds = (partition_uniform(n, pieces) if layer_costs is None
+                  else partition_balanced(layer_costs, pieces))
     stage = par.stage = PipelineStage(model, par.bounds, mesh.pp_rank, pp, loss_fn=loss_fn,
-                                      checkpoint=checkpoint)
-    par.instructions = make_schedule(schedule, pp, microbatches, chunks)[mesh.pp_rank]
+                                      checkpoint=checkpoint, placement=sched.placement)
+    par.instructions = sched[mesh.pp_rank]
     # 4. mixed precision over this stage's layers: its masters only, every rank agrees on a skip
     params = stage.parameters()
     if precision not in (None, "fp32"):

@@ -109,8 +109,9 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
             losses.append(stats.loss)
     finally:
         par.close()
-    last = mesh.rank_of(pp - 1, 0, 0)
-    if mesh.pp_rank == pp - 1 and mesh.tp_rank == 0 and dp * cp > 1:  # each is dp*cp x its token share
+    loss_pp = pp - 1 if par.stage is None else par.stage.placement.rank_of(par.stage.num_virtual - 1)
+    last = mesh.rank_of(loss_pp, 0, 0)  # the pipeline rank computing the loss (rank 0 in a V)
+    if mesh.pp_rank == loss_pp and mesh.tp_rank == 0 and dp * cp > 1:  # each is dp*cp x its token share
         losses = list(all_reduce(par.replicas, np.array(losses, np.float64), op="mean"))
     losses = [float(v) for v in comm.bcast_obj(losses, root=last)]
     return Result3D(mesh=mesh, stage=par.stage, losses=losses, stats=all_stats, bounds=par.bounds,

@@ -89,12 +89,15 @@ def layer_costs(model, sample_input, by: str = "time", repeats: int = 3) -> list
     return [float(t) for t in np.median(times, axis=0)]
 
 
-def format_partition(bounds, costs=None, unit: str = "") -> str:
-    """One line per stage: its layers and (if costs are given) predicted cost and share of the total."""
+def format_partition(bounds, costs=None, unit: str = "", placement=None) -> str:
+    """One line per stage: its layers and (if costs are given) predicted cost and share of the total.
+    With a `placement` of several chunks per rank, one line per piece (virtual stage) and its rank."""
     total = sum(costs) if costs is not None else None
     lines = []
     for s, (a, b) in enumerate(bounds):
-        line = f"stage {s}: layers {a}..{b - 1} ({b - a} layer{'s' if b - a != 1 else ''})"
+        where = f"stage {s}" if placement is None or placement.chunks == 1 else \
+            f"piece {s} (rank {placement.owner(s)[0]} chunk {placement.owner(s)[1]})"
+        line = f"{where}: layers {a}..{b - 1} ({b - a} layer{'s' if b - a != 1 else ''})"
         if costs is not None:
             c = sum(costs[a:b])
             line += f"  predicted cost {c:.4g}{unit} ({100 * c / total:.0f}%)" if total else ""

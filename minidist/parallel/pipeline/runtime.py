@@ -4,14 +4,17 @@ Three pieces, in the order a reader meets them:
 
 * **Partitioning** -- `minidist/parallel/pipeline/partition.py`: `partition_uniform` (by layer count)
   or `partition_balanced` (the min-max contiguous cut of per-layer costs from `layer_costs`).
-* **`PipelineStage`** -- the layers one rank holds (one slice per model chunk; interleaved 1F1B
-  gives a rank several chunks, virtual stage c*p + s). Parameter names stay the full model's
+* **`PipelineStage`** (`minidist/parallel/pipeline/stage.py`, imported here) -- the layers one
+  rank holds (one slice per model chunk; interleaved 1F1B gives a rank several chunks, virtual
+  stage c*p + s; ZB-V and DualPipeV two, s and 2p-1-s: the schedule's `placement`,
+  `minidist.parallel.pipeline.placement`). Parameter names stay the full model's
   ("3.attn.qkv.weight"), so a stage's parameters compare directly with the serial model's.
 * **`run_schedule`** -- the stage runtime. It walks this stage's instruction list from
   `minidist.parallel.pipeline.schedule` and does exactly what each says: Forward / Backward (traced as
   "Forward" / "Backward", category "compute", with mb and chunk), blocking point-to-point sends of
   activations and their gradients (the receiver learns shape and dtype from the transport's header;
-  sends complete in the background, receives block), `SendRecv` (all parts posted at once) and
+  sends complete in the background, receives block; a message between two chunks of this rank,
+  the turn of a V, is handed over locally), `SendRecv` (all parts posted at once) and
   `OptimizerStep` (a callback: DP all-reduce + update).
 
 Loss and gradients: the last virtual stage computes `loss_fn(output, target)` per microbatch and
@@ -31,11 +34,14 @@ import numpy as np
 
 from minidist import trace
 from minidist.accel.backend import to_host
-from minidist.autograd import ops
 from minidist.autograd.tensor import Tensor
 from minidist.memory import MemoryAccountant
-from minidist.parallel.compose import check_compatible
-from minidist.parallel.memory import recompute
+from minidist.parallel.pipeline.catalog import (  # noqa: F401 - callers build schedules from here too
+    SCHEDULES,
+    V_SCHEDULES,
+    make_schedule,
+    schedule_chunks,
+)
 from minidist.parallel.pipeline.partition import (  # noqa: F401 - the runtime's callers cut stages too
     format_partition,
     layer_costs,
@@ -49,92 +55,16 @@ from minidist.parallel.pipeline.schedule import (
     Forward,
     OptimizerStep,
     RecvAct,
-    ScheduleError,
     SendAct,
     SendGrad,
     SendRecv,
-    gpipe,
-    interleaved_1f1b,
     message_key,
-    one_f_one_b,
     peer_of,
-    virtual_stage,
 )
 from minidist.parallel.pipeline.split_backward import backward_input
-from minidist.parallel.pipeline.zero_bubble import zb_h1
-
-# -- stages ------------------------------------------------------------------------------------------
-
-
-class PipelineStage:
-    """The layers of `model` (a Sequential) that pipeline stage `stage` of `num_stages` runs.
-
-    `bounds` has one (start, end) range per virtual stage: num_stages of them, or num_stages * v for
-    v chunks per stage (chunk c of this stage is virtual stage c * num_stages + stage).
-    `checkpoint` (a `minidist.parallel.memory.recompute` policy, `checkpoint_k` for "every_k") checkpoints
-    each chunk's own blocks, so no segment crosses a stage boundary; a model checkpointed as a whole
-    whose segment is cut by `bounds` is refused with a clear error.
-    """
-
-    def __init__(self, model, bounds, stage: int, num_stages: int, loss_fn=None, checkpoint=None,
-                 checkpoint_k=None):
-        if len(bounds) % num_stages:
-            raise ValueError(f"{len(bounds)} layer ranges do not split over {num_stages} stages")
-        if not 0 <= stage < num_stages:
-            raise ValueError(f"stage {stage} is not in 0..{num_stages - 1}")
-        check_compatible(model, "pp")  # refused pairs (ZeRO) and orders (DDP first) fail here
-        layers = list(model)
-        self.stage, self.num_stages = stage, num_stages
-        self.num_chunks = len(bounds) // num_stages
-        self.num_virtual = len(bounds)
-        self.layer_ids = [list(range(*bounds[virtual_stage(stage, c, num_stages)]))
-                          for c in range(self.num_chunks)]
-        self.chunks = [[layers[i] for i in ids] for ids in self.layer_ids]
-        self.loss_fn = loss_fn or ops.cross_entropy
-        for ids, chunk in zip(self.layer_ids, self.chunks):
-            recompute.check_segments_within(chunk, ids, stage)
-            if checkpoint is not None:
-                recompute.checkpoint_stage(chunk, checkpoint, checkpoint_k)
-
-    def is_first(self, chunk: int) -> bool:
-        return virtual_stage(self.stage, chunk, self.num_stages) == 0
-
-    def is_last(self, chunk: int) -> bool:
-        return virtual_stage(self.stage, chunk, self.num_stages) == self.num_virtual - 1
-
-    def forward(self, x, chunk: int = 0):
-        for layer in self.chunks[chunk]:
-            x = layer(x)
-        return x
-
-    def named_parameters(self):
-        """(name in the full model, parameter), e.g. ("3.attn.qkv.weight", p)."""
-        for ids, layers in zip(self.layer_ids, self.chunks):
-            for i, layer in zip(ids, layers):
-                for name, p in layer.named_parameters():
-                    yield f"{i}.{name}", p
-
-    def parameters(self) -> list:
-        return [p for _, p in self.named_parameters()]
-
-    def state_dict(self) -> dict:
-        return {name: p.data for name, p in self.named_parameters()}
-
+from minidist.parallel.pipeline.stage import PipelineStage  # noqa: F401 - callers build stages from here
 
 # -- the runtime -------------------------------------------------------------------------------------
-
-
-def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> list[list]:
-    """The instruction lists of schedule `name` ("gpipe", "1f1b", "interleaved" or "zb-h1")."""
-    if name in ("zb-h1", "zb_h1"):
-        return zb_h1(num_stages, num_microbatches)
-    if name == "gpipe":
-        return gpipe(num_stages, num_microbatches)
-    if name == "1f1b":
-        return one_f_one_b(num_stages, num_microbatches)
-    if name == "interleaved":
-        return interleaved_1f1b(num_stages, num_microbatches, chunks)
-    raise ScheduleError(f"unknown schedule {name!r}: use 'gpipe', '1f1b', 'interleaved' or 'zb-h1'")
 
 
 def split_microbatches(batch, num_microbatches: int, rank: int = 0) -> list:
@@ -159,10 +89,23 @@ class StepStats:
     seconds: float = 0.0
 
 
-def _tag(instr, stage: int, num_stages: int, num_virtual: int) -> int:
+def _tag(instr, stage: int, placement, num_virtual: int) -> int:
     """A tag both ends compute alike: unique per (kind, mb, receiving virtual stage)."""
-    kind, mb, _, dst = message_key(instr, stage, num_stages)
+    kind, mb, _, dst = message_key(instr, stage, placement)
     return 2 * (mb * num_virtual + dst) + (kind == "grad")
+
+
+class _Done:
+    """A request that is already complete: a local hand-off between two chunks of one rank."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self):
+        return self.value
 
 
 class _Runtime:
@@ -182,6 +125,7 @@ class _Runtime:
         # buffer once, the stage's parameters left out, released when backward frees them
         self.acct = MemoryAccountant()
         self.sends = []  # requests of sends still in flight
+        self.local = {}  # message key -> array handed from one chunk of this rank to another
         self.wq = {}  # (mb, chunk) -> the WeightGradQueue its BackwardInput left for BackwardWeight
 
     def _span(self, name: str, cat: str, **args):
@@ -243,14 +187,22 @@ class _Runtime:
             self.wq.pop((mb, chunk)).run()
 
     def post(self, instr):
-        """Start one send or receive; returns (request, where to store a received array or None)."""
+        """Start one send or receive; returns (request, where to store a received array or None).
+        A message to this rank itself (a V's turn) is handed over in `self.local`, no transport."""
         st = self.stage
-        peer = peer_of(instr, st.stage, st.num_stages)
-        tag = _tag(instr, st.stage, st.num_stages, st.num_virtual)
+        peer = peer_of(instr, st.stage, st.placement)
+        tag = _tag(instr, st.stage, st.placement, st.num_virtual)
         if isinstance(instr, (SendAct, SendGrad)):
             kind = "act" if isinstance(instr, SendAct) else "grad"
-            return self.comm.isend(self.to_send.pop((kind, instr.mb, instr.chunk)), peer, tag), None
+            data = self.to_send.pop((kind, instr.mb, instr.chunk))
+            if peer == st.stage:
+                self.local[message_key(instr, st.stage, st.placement)] = data
+                return _Done(None), None
+            return self.comm.isend(data, peer, tag), None
         kind = "act" if isinstance(instr, RecvAct) else "grad"
+        if peer == st.stage:
+            data = self.local.pop(message_key(instr, st.stage, st.placement))
+            return _Done(data), (kind, instr.mb, instr.chunk)
         return self.comm.irecv(peer, tag), (kind, instr.mb, instr.chunk)
 
     def communicate(self, parts) -> None:
@@ -262,7 +214,8 @@ class _Runtime:
         """
         names = "+".join(type(p).__name__ for p in parts)
         cat = "send" if all(isinstance(p, (SendAct, SendGrad)) for p in parts) else "recv"
-        posted = [self.post(p) for p in parts]
+        sends_first = sorted(parts, key=lambda p: not isinstance(p, (SendAct, SendGrad)))  # local hand-offs
+        posted = [self.post(p) for p in sends_first]
         self.sends = [r for r in self.sends if not r.test()] + [req for req, where in posted if where is None]
         with self._span(names, cat, mb=min(p.mb for p in parts)):
             for req, where in posted:
@@ -321,6 +274,11 @@ def run_schedule(stage: PipelineStage, comm, instructions, inputs=None, targets=
     if loss_weights is not None and targets is not None and len(loss_weights) != len(targets):
         raise ValueError(f"rank {comm.rank}: {len(loss_weights)} loss_weights for {len(targets)} "
                          "microbatches; give one weight per microbatch")
+    chunks = {getattr(i, "chunk", 0) for instr in instructions for i in getattr(instr, "ops", (instr,))}
+    if max(chunks, default=0) >= stage.num_chunks:
+        raise ValueError(f"rank {comm.rank}: the instructions use chunk {max(chunks)} but this stage holds "
+                         f"{stage.num_chunks} ({stage.placement}); build it with the schedule's placement: "
+                         "PipelineStage(..., placement=make_schedule(...).placement)")
     last_backward = {}
     for instr in instructions:
         if isinstance(instr, (Backward, BackwardWeight)):  # what completes a microbatch's gradients

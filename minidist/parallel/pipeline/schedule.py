@@ -4,11 +4,13 @@ A schedule is `list[list[Instr]]`: `schedule[stage]` is what that stage does, on
 a time. The same lists are executed by the stage runtime, simulated without communication
 (`minidist.parallel.pipeline.simulate`), checked for deadlock freedom and drawn as timelines.
 
-Instructions name a microbatch `mb` and a model `chunk` (always 0 except in interleaved 1F1B,
-where stage s holds chunks c = 0..v-1, i.e. virtual stages c*p + s). Sends and receives are
-BLOCKING with rendezvous semantics: a send completes only when the matching receive is posted.
-The peer of a send/receive is implied by the position: activations flow to virtual stage + 1,
-gradients to virtual stage - 1 (`peer_of`, `message_key`).
+Instructions name a microbatch `mb` and a model `chunk` (always 0 except where a stage holds
+several: interleaved 1F1B's chunk c of stage s is virtual stage c*p + s, ZB-V's chunks are virtual
+stages s and 2p-1-s; `minidist.parallel.pipeline.placement` declares which, and a `Schedule` carries
+its placement). Sends and receives are BLOCKING with rendezvous semantics: a send completes only
+when the matching receive is posted. The peer of a send/receive is implied by the position:
+activations flow to virtual stage + 1, gradients to virtual stage - 1 (`peer_of`, `message_key`);
+where both virtual stages are on one rank (the turn of a V) the message is a local hand-off.
 
 `SendRecv(ops)` posts several sends/receives at once and completes when all have matched, like
 MPI_Sendrecv or Megatron's batched `send_forward_recv_backward`. GPipe and 1F1B do not need it (a
@@ -23,6 +25,8 @@ weight gradients). A stage runs each (mb, chunk) either as one `Backward` or as 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from minidist.parallel.pipeline.placement import Placement, Schedule, looped
 
 
 @dataclass(frozen=True)
@@ -110,14 +114,19 @@ def _check(num_stages: int, num_microbatches: int) -> None:
         raise ScheduleError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
 
 
-def virtual_stage(stage: int, chunk: int, num_stages: int) -> int:
-    """Position of (stage, chunk) in the model: chunk c of stage s holds layers of virtual stage c*p + s."""
-    return chunk * num_stages + stage
+def _placement(where) -> Placement:
+    return where if isinstance(where, Placement) else looped(where)
 
 
-def message_key(instr, stage: int, num_stages: int) -> tuple:
+def virtual_stage(stage: int, chunk: int, where) -> int:
+    """Position of (stage, chunk) in the model, by `where`: a `Placement`, or a number of stages
+    (looped: chunk c of stage s holds virtual stage c*p + s)."""
+    return _placement(where).virtual_stage(stage, chunk)
+
+
+def message_key(instr, stage: int, where) -> tuple:
     """What a send/receive carries: (kind, mb, from virtual stage, to virtual stage). Equal keys match."""
-    vs = virtual_stage(stage, instr.chunk, num_stages)
+    vs = virtual_stage(stage, instr.chunk, where)
     if isinstance(instr, SendAct):
         return ("act", instr.mb, vs, vs + 1)
     if isinstance(instr, RecvAct):
@@ -129,11 +138,12 @@ def message_key(instr, stage: int, num_stages: int) -> tuple:
     raise TypeError(f"{instr!r} is not a point-to-point instruction")
 
 
-def peer_of(instr, stage: int, num_stages: int) -> int:
-    """The stage on the other end of a send/receive (the runtime's `dest` or `source`)."""
-    _, _, src, dst = message_key(instr, stage, num_stages)
+def peer_of(instr, stage: int, where) -> int:
+    """The stage on the other end of a send/receive (the runtime's `dest` or `source`; itself at the
+    turn of a V)."""
+    _, _, src, dst = message_key(instr, stage, where)
     other = dst if isinstance(instr, (SendAct, SendGrad)) else src
-    return other % num_stages
+    return _placement(where).rank_of(other)
 
 
 def _forward(stage: int, p: int, mb: int) -> list:
@@ -157,7 +167,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> list[list]:
         ops = [op for i in range(m) for op in _forward(s, p, i)]
         ops += [op for i in range(m) for op in _backward(s, p, i)]
         schedule.append(ops + [OptimizerStep()])
-    return schedule
+    return Schedule(schedule, looped(p))
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list]:
@@ -192,7 +202,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list]:
                 ops.append(SendGrad(j))
         ops += [op for j in range(steady, m) for op in _backward(s, p, j)]
         schedule.append(ops + [OptimizerStep()])
-    return schedule
+    return Schedule(schedule, looped(p))
 
 
 def interleaved_warmup(num_stages: int, num_microbatches: int, chunks: int, stage: int) -> int:
@@ -211,22 +221,28 @@ def _interleaved_op(k: int, p: int, v: int, forward: bool):
     return Forward(mb, chunk) if forward else Backward(mb, v - 1 - chunk)
 
 
-def _with_sendrecv(slots: list, stage: int, p: int, v: int) -> list:
+def with_messages(slots: list, stage: int, placement: Placement) -> list:
     """Insert communication around groups ("slots") of compute ops, as Megatron-LM does: after each
-    slot, one SendRecv posts every output send of this slot and every input receive of the next."""
-    last_vs = p * v - 1
+    slot, one SendRecv posts every output send of this slot and every input receive of the next.
+    Forward receives an activation and sends one on; Backward and BackwardInput (B) receive and send
+    gradients; BackwardWeight (W) talks to nobody. Nothing leaves the first or last virtual stage."""
+    last_vs = placement.num_virtual - 1
 
     def recv_for(op):
-        vs = virtual_stage(stage, op.chunk, p)
+        vs = placement.virtual_stage(stage, op.chunk)
         if isinstance(op, Forward):
             return RecvAct(op.mb, op.chunk) if vs > 0 else None
-        return RecvGrad(op.mb, op.chunk) if vs < last_vs else None
+        if isinstance(op, (Backward, BackwardInput)):
+            return RecvGrad(op.mb, op.chunk) if vs < last_vs else None
+        return None
 
     def send_for(op):
-        vs = virtual_stage(stage, op.chunk, p)
+        vs = placement.virtual_stage(stage, op.chunk)
         if isinstance(op, Forward):
             return SendAct(op.mb, op.chunk) if vs < last_vs else None
-        return SendGrad(op.mb, op.chunk) if vs > 0 else None
+        if isinstance(op, (Backward, BackwardInput)):
+            return SendGrad(op.mb, op.chunk) if vs > 0 else None
+        return None
 
     def exchange(parts):
         parts = tuple(x for x in parts if x is not None)
@@ -258,13 +274,13 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int) -> lis
             + (f"use {lower} or {lower + p} microbatches" if lower >= p else
                f"use {p} microbatches (or another multiple of {p})"))
     total = m * v
-    schedule = []
+    schedule, placement = [], looped(p, v)
     for s in range(p):
         warmup = interleaved_warmup(p, m, v, s)
         slots = [[_interleaved_op(k, p, v, True)] for k in range(warmup)]
         for k in range(total - warmup):  # steady state: one forward and one backward per slot
             slots.append([_interleaved_op(warmup + k, p, v, True), _interleaved_op(k, p, v, False)])
         slots += [[_interleaved_op(k, p, v, False)] for k in range(total - warmup, total)]
-        schedule.append(_with_sendrecv(slots, s, p, v) + [OptimizerStep()])
-    return schedule
+        schedule.append(with_messages(slots, s, placement) + [OptimizerStep()])
+    return Schedule(schedule, placement)
 

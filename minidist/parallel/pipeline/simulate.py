@@ -4,9 +4,11 @@
 `fwd_time` / `bwd_time` (per model chunk) and `opt_time`. Sends and receives are blocking with
 rendezvous semantics: a send and its matching receive (same `message_key`) both complete at
 max(the times the two stages posted them) + `comm_time`; a `SendRecv` completes when all its parts
-have. If no stage can move, the schedule deadlocks under blocking point-to-point: `DeadlockError`
-names every stage's blocked instruction. The result is deterministic: each match depends only on
-the two stages' own histories, not on the order the simulator finds it.
+have. A message between two chunks of one stage (the turn of a V placement) is a local hand-off:
+it never waits for its receive. If no stage can move, the schedule deadlocks under blocking
+point-to-point: `DeadlockError` names every stage's blocked instruction. The result is
+deterministic: each match depends only on the two stages' own histories, not on the order the
+simulator finds it.
 
 Bubble definition used throughout (`minidist.trace.bubble_fraction`): the idle share of the
 rectangle p stages x [0, makespan], where only forward and backward count as busy. With
@@ -22,6 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from minidist.parallel.pipeline.placement import placement_of
 from minidist.parallel.pipeline.schedule import (
     COMPUTE,
     P2P,
@@ -35,7 +38,6 @@ from minidist.parallel.pipeline.schedule import (
     SendGrad,
     SendRecv,
     message_key,
-    virtual_stage,
 )
 from minidist.trace import ascii_timeline_from_events, bubble_fraction
 
@@ -75,7 +77,7 @@ def validate(schedule: list[list]) -> int:
 
     Each stage runs every (mb, chunk) exactly once forward and once backward, forward first; receives
     an input before computing on it and sends only what it has computed; and no message leaves the
-    model's virtual stages 0 .. p*v-1.
+    model's virtual stages 0 .. p*v-1 (as the schedule's `placement` numbers them).
     """
     p = len(schedule)
     if p < 1:
@@ -83,7 +85,11 @@ def validate(schedule: list[list]) -> int:
     computes = [(s, i) for s, ops in enumerate(schedule) for i in ops if isinstance(i, COMPUTE)]
     if not computes:
         raise ScheduleError("schedule has no Forward or Backward at all")
-    v = 1 + max(i.chunk for _, i in computes)
+    placement = placement_of(schedule)
+    v = placement.chunks
+    if placement.num_stages != p or 1 + max(i.chunk for _, i in computes) > v:
+        raise ScheduleError(f"schedule has {p} stages and chunks up to {max(i.chunk for _, i in computes)}, "
+                            f"but its placement is {placement}")
     mbs = {i.mb for _, i in computes}
     expected = {(mb, c) for mb in mbs for c in range(v)}
     for s, ops in enumerate(schedule):
@@ -91,14 +97,14 @@ def validate(schedule: list[list]) -> int:
         for pos, instr in enumerate(ops):
             where = f"stage {s}, instruction {pos} {instr!r}"
             if isinstance(instr, COMPUTE):
-                _check_compute(instr, done, where, virtual_stage(s, instr.chunk, p), p * v)
+                _check_compute(instr, done, where, placement.virtual_stage(s, instr.chunk), p * v)
             elif isinstance(instr, OptimizerStep):
                 continue
             else:
                 for part in _parts(instr):
                     if not isinstance(part, P2P):
                         raise ScheduleError(f"{where}: {part!r} is not an instruction a stage can run")
-                    _, mb, src, dst = message_key(part, s, p)
+                    _, mb, src, dst = message_key(part, s, placement)
                     outside = [x for x in (src, dst) if not 0 <= x < p * v]
                     if outside:
                         raise ScheduleError(f"{where}: no virtual stage {outside[0]} (there are {p * v})")
@@ -177,14 +183,18 @@ def peak_pending_weights(ops: list) -> int:
 
 def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0, comm_time: float = 0.0,
              opt_time: float = 0.0, input_time: float | None = None, weight_time: float | None = None,
-             buffered_sends: bool = False) -> SimResult:
+             buffered_sends: bool | None = None) -> SimResult:
     """Execute all stages in lock step (see module docstring); raise DeadlockError if they get stuck.
 
     A split backward's parts take `input_time` (B) and `weight_time` (W), by default half of
     `bwd_time` each. `buffered_sends`: a send completes when posted and its receive at max(posted,
-    sent) + comm_time, as the runtime's background sends (`isend`) do; the default is rendezvous."""
+    sent) + comm_time, as the runtime's background sends (`isend`) do; None (the default): what the
+    schedule declares it needs (`Schedule.buffered_sends`: True for the V schedules, whose two
+    directions on one link cross under rendezvous), else rendezvous."""
+    if buffered_sends is None:
+        buffered_sends = getattr(schedule, "buffered_sends", False)
     validate(schedule)
-    p = len(schedule)
+    p, placement = len(schedule), placement_of(schedule)
     cost = {Forward: fwd_time, Backward: bwd_time, OptimizerStep: opt_time,
             BackwardInput: bwd_time / 2 if input_time is None else input_time,
             BackwardWeight: bwd_time / 2 if weight_time is None else weight_time}
@@ -208,12 +218,13 @@ def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0,
                 for k, part in enumerate(_parts(schedule[s][pc[s]])):
                     if k not in matched[s]:
                         is_send = isinstance(part, (SendAct, SendGrad))
-                        if is_send and buffered_sends:
-                            mailbox[message_key(part, s, p)] = matched[s][k] = clock[s]
+                        key = message_key(part, s, placement)
+                        if is_send and (buffered_sends or placement.rank_of(key[3]) == s):
+                            mailbox[key] = matched[s][k] = clock[s]
                             progressed = True
                             continue
                         side = sends if is_send else recvs
-                        side[message_key(part, s, p)] = (s, k)
+                        side[key] = (s, k)
         for key in mailbox.keys() & recvs.keys():
             b, kb = recvs.pop(key)
             matched[b][kb] = max(mailbox.pop(key), clock[b]) + comm_time

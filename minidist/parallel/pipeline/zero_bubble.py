@@ -6,35 +6,64 @@ stage waits for gradients to come back down the pipeline, (p-1)(F + B + W) per s
 once and do W later, and the wait shrinks to the B chain alone: the W's a stage has put off fill
 the gaps where it would have waited.
 
-* `zb_h1(p, m)`: the order a greedy list scheduler picks in unit steps (`_greedy_order`): B as
-  soon as its gradient is here, else F within 1F1B's limits (p - s microbatches between F and B on
-  stage s, and no stage holding more than p from F to W: 1F1B's peak, on stage 0), else the oldest
-  put-off W. With F = B = W the ideal is a makespan of 3m + p - 1, bubble (p-1)/(3m + p-1): a third
-  of 1F1B's (p-1)/(m+p-1) when m >> p; the memory bound costs at most 2 steps more. Needs m >= p.
+Both schedules here are the order a greedy list scheduler picks in unit steps (`greedy_order`,
+also used by ZB-V): B as soon as its gradient is here, else F within the in-flight limits, else the
+oldest put-off W. In the rectangle p stages x [0, makespan] (one step, the optimizer synchronised
+across stages) no schedule beats a makespan of 3m + p - 1 with F = B = W: the last stage cannot
+start before p-1, and then has 3m of work. So the rectangle bubble is at least (p-1)/(3m+p-1).
 
-Communication follows 1F1B's deadlock-free order (each stage mirrors its neighbour's
-send/receive order); W's are pure compute and never block.
+* `zb_h1(p, m)`: 1F1B's limits (p - s microbatches between F and B on stage s, no stage holding
+  more than p from F to W: 1F1B's peak, stage 0's). Ideal (p-1)/(3m+p-1), a third of 1F1B's
+  (p-1)/(m+p-1) when m >> p; the paper's formula for its bubble time is (p-1)(F + B - W), which
+  its handcrafted ZB-H1 reaches. The plain greedy rule is 2 steps longer at p = 4..8, m >= 2p
+  (29 steps, 0.172, at p = 4, m = 8, against the floor's 27, 0.111). Why: the memory cap binds. W
+  needs the inputs its B kept, so a microbatch counts from F to W; stage 0's round trip (F down
+  the pipeline, B back up) is 2p - 1 steps, so with p held a stage can put off hardly any W while
+  it waits, and meets the cool-down with too few W's to fill it. Allow one more (held = p + 1)
+  and the same greedy reaches the floor at p = 4 (p = 8 needs 2p). Within the cap, one change
+  helps: a stage at the cap runs a W before its B, which frees room for the next F sooner.
+  `zb_h1` tries it on the last k stages, k = 0..p-1, and keeps the shortest (simulated with
+  F = B = W): at most ONE step above the floor for every p = 2..8, m >= p (28 steps, 0.143, at
+  p = 4, m = 8; exact at m = p). Reserving W's for the cool-down instead (tried: k W's per stage,
+  k = 1..p) idles the stages earlier and costs more than it saves. Whether an order holding every
+  microbatch whole until its W reaches the floor we have not found; the paper counts what W keeps
+  (its M_W) apart from a microbatch's activations. Needs m >= p.
+* `zb_h2(p, m)`: more warm-up forwards (2(p - s) - 1 between F and B on stage s, up to 2p - 1 in
+  flight on stage 0), W's fill the rest: the cool-down has W's to fill every gap, and the greedy
+  reaches the rectangle's bound 3m + p - 1 exactly, bubble (p-1)/(3m+p-1). The paper's ZB-H2
+  formula, (p-1)(F + B - 2W) = 0 for F = B = W, counts each stage over its own interval (the
+  parallelogram, with the optimizer's synchronisation bypassed); here the step ends together.
+  Peak memory: 2p - 1 microbatches on stage 0, about 2x 1F1B's p. Needs m >= 2p - 1.
+
+Communication: between consecutive compute ops one SendRecv (the send of the op just done, the
+receive of the next); W's are pure compute and never block. Both are deadlock-free under strict
+rendezvous too, but are made for the runtime's background sends (`Schedule.buffered_sends`):
+under rendezvous ZB-H2 waits for its neighbours (51 steps instead of 27 at p = 4, m = 8).
 """
 
 from __future__ import annotations
 
+import functools
+
+from minidist.parallel.pipeline.placement import Placement, Schedule, looped
 from minidist.parallel.pipeline.schedule import (
     BackwardInput,
     BackwardWeight,
     Forward,
     OptimizerStep,
-    RecvAct,
-    RecvGrad,
     ScheduleError,
-    SendAct,
-    SendGrad,
-    SendRecv,
     _check,
+    with_messages,
 )
+from minidist.parallel.pipeline.simulate import simulate
 
 
 def zb_h1_min_microbatches(num_stages: int) -> int:
     return num_stages
+
+
+def zb_h2_min_microbatches(num_stages: int) -> int:
+    return 2 * num_stages - 1
 
 
 def zb_h1_bubble_formula(num_stages: int, num_microbatches: int) -> float:
@@ -43,77 +72,109 @@ def zb_h1_bubble_formula(num_stages: int, num_microbatches: int) -> float:
     return (p - 1) / (3 * m + p - 1)
 
 
-def _check_min(name: str, p: int, m: int, least: int) -> None:
+def zb_h2_bubble_formula(num_stages: int, num_microbatches: int) -> float:
+    """ZB-H2's bubble with F = B = W in the rectangle (one synchronised step): the bound (p-1)/(3m+p-1);
+    over each stage's own interval (the paper's parallelogram) it is (p-1)(F + B - 2W) = 0."""
+    return zb_h1_bubble_formula(num_stages, num_microbatches)
+
+
+def check_min(name: str, p: int, m: int, least: int) -> None:
     if m < least:
         raise ScheduleError(f"{name} needs num_microbatches >= {least} for num_stages={p}, got {m}: its "
                             f"put-off W's fill the cool-down only with that many in flight; use "
                             f"{least} or more microbatches, or '1f1b'")
 
 
-def _greedy_order(p: int, m: int, limit: list, held: int) -> list:
-    """Each stage's compute order when, in unit time steps (F = B = W = 1, messages arrive the next
-    step), every idle stage takes the first of: B of its oldest microbatch whose gradient is here;
-    F of its next microbatch if the input is here, fewer than `limit[s]` are between F and B and
-    fewer than `held` between F and W; the oldest put-off W. Stops when every W has run."""
-    act = [dict.fromkeys(range(m), 0)] + [{} for _ in range(p - 1)]  # mb -> step its input is here
-    grad = [{} for _ in range(p)]
-    nf, nb, nw, put_off = [0] * p, [0] * p, [0] * p, [[] for _ in range(p)]
+def greedy_order(placement: Placement, m: int, in_flight, held: int, w_first_at_cap=()) -> list:
+    """Each rank's compute order when, in unit time steps (F = B = W = 1, results usable the next
+    step), every idle rank takes the first of: a B whose gradient is here (the latest virtual stage
+    first: it has the longest chain still to run); an F whose input is here, the latest virtual
+    stage first, if fewer than `in_flight(rank, chunk)` of that chunk are between F and B and fewer
+    than `held` of the rank's microbatch-chunks between F and W; else the oldest put-off W. A rank
+    in `w_first_at_cap` that holds `held` runs a put-off W before any B (freeing room for an F).
+
+    Microbatches enter each chunk in order 0..m-1. Raises ScheduleError if the limits starve it."""
+    p, v, last = placement.num_stages, placement.chunks, placement.num_virtual - 1
+    vs_of = [[placement.virtual_stage(r, c) for c in range(v)] for r in range(p)]
+    by_lateness = [sorted(range(v), key=lambda c, r=r: -vs_of[r][c]) for r in range(p)]
+    ready = {("F", 0, mb): 0 for mb in range(m)}  # (kind, virtual stage, mb) -> step its input is here
+    nf, nb = [[0] * v for _ in range(p)], [[0] * v for _ in range(p)]
+    put_off, holding = [[] for _ in range(p)], [0] * p
     order = [[] for _ in range(p)]
-    t, never = 0, float("inf")
-    while any(nb[s] < m or put_off[s] for s in range(p)):
-        for s in range(p):
-            if nb[s] < nf[s] and grad[s].get(nb[s], never) <= t:
-                j = nb[s]
-                nb[s] += 1
-                order[s].append(BackwardInput(j))
-                put_off[s].append(j)
-                if s > 0:
-                    grad[s - 1][j] = t + 1
-            elif nf[s] < m and act[s].get(nf[s], never) <= t and nf[s] - nb[s] < limit[s] \
-                    and nf[s] - nw[s] < held:
-                i = nf[s]
-                nf[s] += 1
-                order[s].append(Forward(i))
-                (act[s + 1] if s < p - 1 else grad[s])[i] = t + 1
-            elif put_off[s]:
-                order[s].append(BackwardWeight(put_off[s].pop(0)))
-                nw[s] += 1
+    t, never, idle = 0, float("inf"), 0
+    while any(put_off[r] or any(nb[r][c] < m for c in range(v)) for r in range(p)):
+        moved = False
+        for r in range(p):
+            op = None
+            if r in w_first_at_cap and holding[r] >= held and put_off[r]:
+                b = put_off[r].pop(0)
+                op = BackwardWeight(b.mb, b.chunk)
+                holding[r] -= 1
+            for c in by_lateness[r] if op is None else ():
+                vs, j = vs_of[r][c], nb[r][c]
+                if j < nf[r][c] and ready.get(("B", vs, j), never) <= t:
+                    op = BackwardInput(j, c)
+                    nb[r][c] += 1
+                    put_off[r].append(op)
+                    ready[("B", vs - 1, j)] = t + 1
+                    break
+            for c in by_lateness[r] if op is None else ():
+                vs, i = vs_of[r][c], nf[r][c]
+                if i < m and ready.get(("F", vs, i), never) <= t and i - nb[r][c] < in_flight(r, c) \
+                        and holding[r] < held:
+                    op = Forward(i, c)
+                    nf[r][c] += 1
+                    holding[r] += 1
+                    ready[("B", vs, i) if vs == last else ("F", vs + 1, i)] = t + 1
+                    break
+            if op is None and put_off[r]:
+                b = put_off[r].pop(0)
+                op = BackwardWeight(b.mb, b.chunk)
+                holding[r] -= 1
+            if op is not None:
+                order[r].append(op)
+                moved = True
+        idle = 0 if moved else idle + 1
+        if idle > 2:
+            raise ScheduleError(f"the greedy order starves with these in-flight limits and held={held} "
+                                f"(p={p}, m={m}); raise the limits")
         t += 1
     return order
 
 
-def _with_messages(order: list, s: int, p: int) -> list:
-    """Between consecutive compute ops, one SendRecv: the send of the op just done and the receive of
-    the next one (as interleaved 1F1B does): a stage never blocks its neighbour while it waits."""
-    def recv_for(op):
-        if isinstance(op, Forward) and s > 0:
-            return RecvAct(op.mb)
-        if isinstance(op, BackwardInput) and s < p - 1:
-            return RecvGrad(op.mb)
-        return None
-
-    def send_for(op):
-        if isinstance(op, Forward) and s < p - 1:
-            return SendAct(op.mb)
-        if isinstance(op, BackwardInput) and s > 0:
-            return SendGrad(op.mb)
-        return None
-
-    def exchange(parts):
-        parts = tuple(x for x in parts if x is not None)
-        return [] if not parts else [parts[0]] if len(parts) == 1 else [SendRecv(parts)]
-
-    ops = exchange([recv_for(order[0])])
-    for k, op in enumerate(order):
-        ops.append(op)
-        ops += exchange([send_for(op), recv_for(order[k + 1]) if k + 1 < len(order) else None])
-    return ops
+def as_schedule(order: list, placement: Placement, buffered_sends: bool = True) -> Schedule:
+    """Compute orders -> a Schedule: between consecutive compute ops one SendRecv with the send of the
+    op just done and the receive of the next (`with_messages`, one op a slot), then the step. The
+    orders were made for messages that arrive the next step whoever waits: background sends."""
+    return Schedule([with_messages([[op] for op in ops], r, placement) + [OptimizerStep()]
+                     for r, ops in enumerate(order)], placement, buffered_sends)
 
 
 def zb_h1(num_stages: int, num_microbatches: int) -> list[list]:
     """ZB-H1 (see the module docstring): 1F1B's in-flight limit p - s, a third of its bubble."""
     _check(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
-    _check_min("zb_h1", p, m, zb_h1_min_microbatches(p))
-    order = _greedy_order(p, m, [p - s for s in range(p)], held=p)
-    return [_with_messages(order[s], s, p) + [OptimizerStep()] for s in range(p)]
+    check_min("zb_h1", p, m, zb_h1_min_microbatches(p))
+    return as_schedule(_zb_h1_order(p, m, _zb_h1_best_k(p, m)), looped(p))
+
+
+def _zb_h1_order(p: int, m: int, k: int) -> list:
+    return greedy_order(looped(p), m, lambda s, c: p - s, held=p, w_first_at_cap=range(p - k, p))
+
+
+@functools.cache
+def _zb_h1_best_k(p: int, m: int) -> int:
+    """The k for which "W first at the cap" on the last k stages (k = 0: the plain rule) gives the
+    shortest simulated step with F = B = W: a ZB-H1 at most one step above the floor for p = 2..8."""
+    unit = dict(fwd_time=1, bwd_time=2, input_time=1, weight_time=1)
+    def makespan(k):
+        return simulate(as_schedule(_zb_h1_order(p, m, k), looped(p)), **unit).makespan
+    return min(range(p), key=makespan)
+
+
+def zb_h2(num_stages: int, num_microbatches: int) -> list[list]:
+    """ZB-H2 (see the module docstring): 2(p - s) - 1 in flight on stage s, bubble at its bound."""
+    _check(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    check_min("zb_h2", p, m, zb_h2_min_microbatches(p))
+    return as_schedule(greedy_order(looped(p), m, lambda s, c: 2 * (p - s) - 1, held=2 * p - 1), looped(p))

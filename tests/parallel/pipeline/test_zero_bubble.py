@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from minidist.comm import run
 from minidist.nn import GPT, GPTConfig
+from minidist.parallel.pipeline.dualpipe import dualpipe_v
+from minidist.parallel.pipeline.placement import looped
 from minidist.parallel.pipeline.runtime import (
     PipelineStage,
     make_schedule,
@@ -22,8 +24,15 @@ from minidist.parallel.pipeline.runtime import (
     split_microbatches,
 )
 from minidist.parallel.pipeline.schedule import BackwardInput, BackwardWeight, ScheduleError, one_f_one_b
-from minidist.parallel.pipeline.simulate import ascii_timeline, simulate
-from minidist.parallel.pipeline.zero_bubble import zb_h1
+from minidist.parallel.pipeline.simulate import DeadlockError, ascii_timeline, simulate
+from minidist.parallel.pipeline.zb_v import zb_v
+from minidist.parallel.pipeline.zero_bubble import (
+    as_schedule,
+    greedy_order,
+    zb_h1,
+    zb_h2,
+    zb_h2_bubble_formula,
+)
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d, train_serial
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -79,6 +88,54 @@ def test_memory_bound_and_timeline_letters():
                 assert peak <= p
     art = ascii_timeline(simulate(zb_h1(2, 2), 1, 2, input_time=1, weight_time=1), width=28)
     assert "W" in art and "B" in art and "F" in art
+
+
+# -- ZB-H2 -------------------------------------------------------------------------------------------
+
+def _held_to_w(ops) -> int:
+    """Most microbatches between their Forward and their BackwardWeight at once (what W keeps alive)."""
+    held = peak = 0
+    for i in ops:
+        held += type(i).__name__ == "Forward"
+        held -= isinstance(i, BackwardWeight)
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_zb_h2_deadlock_free_and_at_the_rectangle_bound(p):
+    """F = B = W = 1: the last stage starts at p-1 and then has 3m of work, so no order beats a
+    makespan of 3m + p - 1 (bubble (p-1)/(3m+p-1)); ZB-H2's extra warm-up reaches it exactly. Peak:
+    2p - 1 microbatches from F to W on stage 0 (1F1B's: p), 2(p-s) - 1 from F to B on stage s."""
+    for m in range(2 * p - 1, 2 * p + 3):
+        r = simulate(zb_h2(p, m), 1, 2, input_time=1, weight_time=1, buffered_sends=True)
+        assert r.makespan == 3 * m + p - 1
+        assert r.bubble == pytest.approx((p - 1) / (3 * m + p - 1))
+        assert r.bubble == pytest.approx(zb_h2_bubble_formula(p, m))
+        sched = zb_h2(p, m)
+        assert _held_to_w(sched[0]) == 2 * p - 1
+        assert max(_held_to_w(ops) for ops in sched) == 2 * p - 1
+        assert r.peak_activations == [2 * (p - s) - 1 for s in range(p)]
+        assert simulate(sched, 1, 2, input_time=1, weight_time=1).makespan > 0  # rendezvous sends too
+
+
+def test_zb_h2_beats_zb_h1_at_twice_the_memory():
+    for p, m in ((4, 8), (8, 16)):
+        h1 = simulate(zb_h1(p, m), 1, 2, input_time=1, weight_time=1, buffered_sends=True)
+        h2 = simulate(zb_h2(p, m), 1, 2, input_time=1, weight_time=1, buffered_sends=True)
+        assert h2.bubble < h1.bubble
+        assert max(map(_held_to_w, zb_h2(p, m))) == 2 * p - 1 > max(map(_held_to_w, zb_h1(p, m))) == p
+
+
+def test_zb_h2_needs_2p_minus_1_microbatches():
+    with pytest.raises(ScheduleError, match="zb_h2 needs num_microbatches >= 7 for num_stages=4, got 6"):
+        zb_h2(4, 6)
+
+
+@pytest.mark.parametrize("p,extra,layers", [(2, 0, 2), (3, 1, 3), (4, 0, 2)])
+def test_zb_h2_on_threads_equals_the_serial_model(step_vs_serial, p, extra, layers):
+    _, diff, dloss = step_vs_serial("zb-h2", p, 2 * p - 1 + extra, layers, seed=p + extra)
+    assert diff <= 1e-12 and dloss <= 1e-12
 
 
 # -- the runtime on threads ---------------------------------------------------------------------------
@@ -153,3 +210,37 @@ def test_lesson_zb_h1_under_mpirun_passes_its_check():
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.search(r"serial twin .* PASS", res.stdout), res.stdout
     assert "(p-1)/(3m+p-1) = 3/27" in res.stdout and "ZB-H1 bytes" in res.stdout
+
+
+def test_zb_h1_gap_is_the_memory_cap():
+    """p = 4, m = 8: within 1F1B's cap (p held from F to W) the plain greedy takes 29 steps; one more
+    held and it reaches the floor 3m + p - 1 = 27; zb_h1 (W first at the cap on some last stages)
+    takes 28 within the cap."""
+    unit = dict(fwd_time=1, bwd_time=2, input_time=1, weight_time=1)
+    capped = as_schedule(greedy_order(looped(4), 8, lambda s, c: 4 - s, held=4), looped(4))
+    roomier = as_schedule(greedy_order(looped(4), 8, lambda s, c: 4 - s, held=5), looped(4))
+    assert simulate(capped, **unit).makespan == 29
+    assert simulate(roomier, **unit).makespan == 27
+    assert simulate(zb_h1(4, 8), **unit).makespan == 28
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_zb_h1_is_at_most_one_step_above_the_floor_within_the_cap(p):
+    unit = dict(fwd_time=1, bwd_time=2, input_time=1, weight_time=1)
+    for m in list(range(p, 2 * p + 3)) + [16]:
+        sched = zb_h1(p, m)
+        assert 3 * m + p - 1 <= simulate(sched, **unit).makespan <= 3 * m + p
+        assert max(map(_held_to_w, sched)) <= p
+
+
+def test_simulator_times_a_schedule_with_the_sends_it_declares():
+    """Zero-bubble schedules declare background sends (the runtime's): the default simulation uses them;
+    under strict rendezvous ZB-H2 waits (51 steps, not 27) and the V schedules cross and deadlock."""
+    unit = dict(fwd_time=1, bwd_time=2, input_time=1, weight_time=1)
+    assert zb_h2(4, 8).buffered_sends and not one_f_one_b(4, 8).buffered_sends
+    assert simulate(zb_h2(4, 8), **unit).makespan == 27
+    assert simulate(zb_h2(4, 8), buffered_sends=False, **unit).makespan == 51
+    for sched in (zb_v(4, 8), dualpipe_v(4, 8)):
+        simulate(sched)
+        with pytest.raises(DeadlockError, match="stage 0 blocked at"):
+            simulate(sched, buffered_sends=False)

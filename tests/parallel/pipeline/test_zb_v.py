@@ -1,0 +1,121 @@
+"""ZB-V: two chunks per rank in a V, deadlock-free, near its bound at 1F1B's memory, equal to serial."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minidist.lessons import pipeline as lesson
+from minidist.parallel.pipeline.schedule import (
+    BackwardWeight,
+    Forward,
+    RecvAct,
+    RecvGrad,
+    ScheduleError,
+    SendAct,
+    one_f_one_b,
+)
+from minidist.parallel.pipeline.simulate import ascii_timeline, simulate
+from minidist.parallel.pipeline.zb_v import zb_v, zb_v_bubble_formula
+from minidist.parallel.pipeline.zero_bubble import zb_h1
+from tests.conftest import budget
+
+ROOT = Path(__file__).resolve().parents[3]
+HALF = dict(fwd_time=0.5, bwd_time=1.0, input_time=0.5, weight_time=0.5)  # per piece; a stage forward is 1
+
+
+def _held_to_w(ops) -> int:
+    held = peak = 0
+    for i in ops:
+        held += isinstance(i, Forward)
+        held -= isinstance(i, BackwardWeight)
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_deadlock_free_near_the_bound_at_1f1b_memory(p):
+    """Rectangle bound with F = B = W: the last rank's first piece starts after p-1 half-stage forwards,
+    then it has 3m of work: makespan >= 3m + (p-1)/2, bubble >= (p-1)/(6m+p-1). Memory: every rank
+    holds at most 2p pieces from F to W, p whole stages: 1F1B's stage-0 peak."""
+    for m in list(range(p, 2 * p + 3)) + [16]:
+        sched = zb_v(p, m)
+        r = simulate(sched, buffered_sends=True, **HALF)
+        bound = 3 * m + (p - 1) / 2
+        assert bound <= r.makespan <= bound + max(0.5, (p - 3) / 2)
+        if m == p or p == 2:
+            assert r.makespan == bound
+        assert r.bubble == pytest.approx(1 - 3 * m / r.makespan)
+        assert zb_v_bubble_formula(p, m) == pytest.approx(1 - 3 * m / bound)
+        assert max(_held_to_w(ops) for ops in sched) <= 2 * p
+        assert 2 * p == 2 * max(simulate(one_f_one_b(p, m)).peak_activations)
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (8, 16)])
+def test_zb_v_beats_zb_h1_and_1f1b(p, m):
+    v = simulate(zb_v(p, m), buffered_sends=True, **HALF).bubble
+    h1 = simulate(zb_h1(p, m), 1, 2, input_time=1, weight_time=1, buffered_sends=True).bubble
+    assert v < h1 < simulate(one_f_one_b(p, m), 1, 2).bubble
+
+
+def test_the_loss_is_on_rank_0_and_the_turn_is_local():
+    """Rank 0 runs piece 0 (chunk 0) and the last piece (chunk 1); rank p-1 hands piece p-1's output to
+    piece p in its own instruction list."""
+    sched = zb_v(3, 3)
+    art = ascii_timeline(simulate(sched, buffered_sends=True, **HALF), width=40)
+    assert art.count("\n") == 2 and "W" in art
+    def parts(ops):
+        return [x for i in ops for x in getattr(i, "ops", (i,))]
+    assert SendAct(0, 0) in parts(sched[2]) and RecvAct(0, 1) in parts(sched[2])
+    assert not any(isinstance(x, RecvGrad) and x.chunk == 1 for x in parts(sched[0]))  # it computes the loss
+    assert any(isinstance(x, RecvAct) and x.chunk == 1 for x in parts(sched[0]))
+
+
+def test_fewer_microbatches_than_the_minimum_is_refused():
+    with pytest.raises(ScheduleError, match="zb_v needs num_microbatches >= 4 for num_stages=4, got 3"):
+        zb_v(4, 3)
+
+
+@given(p=st.integers(2, 3), extra=st.integers(0, 3), more=st.integers(0, 2), seed=st.integers(0, 99))
+@budget(6, deadline=None)
+def test_on_threads_equals_the_serial_model(step_vs_serial, p, extra, more, seed):
+    """2p pieces of a GPT with n_layer + 2 layers: n_layer >= 2p - 2."""
+    stats, diff, dloss = step_vs_serial("zb-v", p, p + extra, 2 * p - 2 + more, seed)
+    assert diff <= 1e-12 and dloss <= 1e-12
+    assert stats[0].loss is not None and all(s.peak_weight_queue_bytes > 0 for s in stats)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (pip install mpich)")
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe-v"])
+def test_lesson_v_schedules_under_mpirun_pass_their_check(schedule):
+    """4 MPI processes, 2 pieces each in a V (the turn on rank 3 is local, the loss on rank 0)."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MINIDIST_TRANSPORT", None)
+    cmd = ["mpirun", "-n", "4", sys.executable, "-m", "minidist.lessons.pipeline", "--steps", "2",
+           "--dp", "1", "--schedule", schedule, "--width", "32", "--seq", "16"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=80, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert re.search(r"serial twin .* PASS", res.stdout), res.stdout
+    assert "microbatch-chunks held" in res.stdout
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--schedule", "zb-v", "--microbatches", "2"], "zb_v needs num_microbatches >= 4 for num_stages=4"),
+    (["--schedule", "dualpipe-v", "--microbatches", "4"], "dualpipe_v needs num_microbatches >= 8"),
+    (["--schedule", "zb-v", "--layers", "4"], r"8 pipeline stages \(pp=4 x chunks=2\)"),
+    (["--schedule", "zb-v", "--chunks", "2"], "--chunks 2 needs --schedule interleaved"),
+])
+def test_lesson_refuses_v_flag_combos_before_ranks_start(capsys, flags, says):
+    with pytest.raises(SystemExit) as e:
+        lesson.main(["--ranks", "4", "--dp", "1", *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(says, err), err
