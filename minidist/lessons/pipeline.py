@@ -258,7 +258,8 @@ def report(everyone, args, pp: int, m: int) -> float:
     if args.schedule == "dualpipe-v":
         print(f"DualPipeV's (p-1)(F&B + B - 3W), F&B = F + B on CPU ranks (the overlap here is the order "
               f"of messages): {dualpipe_v_bubble_formula(pp, m):.3f}")
-    print(schedules.this_machine(args.schedule, pp, m, len(everyone), os.cpu_count() or 1, schedule_chunks(args.schedule, args.chunks))[1])
+    print(schedules.this_machine(args.schedule, pp, m, len(everyone), os.cpu_count() or 1,
+                                 schedule_chunks(args.schedule, args.chunks))[1])
     print(estimates.predicted_vs_measured(
         "step time on this machine's calibrated constants (the planner, chapter 11)",
         estimates.step_prediction(args.layers, args.width, 4, 256, args.seq, args.batch, dp=args.dp, pp=pp,

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from minidist.parallel.pipeline.runtime import make_schedule
 from minidist.parallel.pipeline.schedule import ScheduleError
+from minidist.parallel.pipeline.simulate import simulate
 
 
 @dataclass(frozen=True)
@@ -150,12 +151,22 @@ def on_shared_cores(model: ScheduleModel, p: int, m: int, slowdown: float, F: fl
 
 def this_machine(name: str, p: int, m: int, ranks: int, cores: int, v: int = 1) -> tuple[float, str]:
     """(bubble, one line) the planner predicts for schedule `name` when `ranks` ranks share `cores`
-    cores (`on_shared_cores` with slowdown ranks / cores, F = B = W): what a lesson prints beside the
-    textbook formula, so the two can be compared honestly on a crowded machine."""
+    cores (slowdown s = ranks / cores, F = B = W): what a lesson prints beside the textbook formula,
+    so the two can be compared honestly on a crowded machine. A stage's idle time comes from the
+    simulator where the runtime builds the schedule (as `steptime.predict` does: one synchronised
+    step, so the optimizer waits for the last W), else from the schedule's formula; then
+    idle / (idle + s·m(F+B+W)), each rank's work running s times slower and its waits not."""
     sched = get(name)
     s = max(1.0, ranks / max(cores, 1))
-    idle, work = sched.bubble(p, m, 1.0, 1.0, 1.0, v) if p > 1 else 0.0, 3.0 * m
-    value = on_shared_cores(sched, p, m, s, v=v)
+    work = 3.0 * m
+    lists = build(name, p, m, sched.chunks or v) if p > 1 else None
+    if lists is not None:
+        chunks = sched.chunks or v
+        sim = simulate(lists, 1.0 / chunks, 2.0 / chunks)
+        idle, how = sim.bubble * sim.makespan, "simulated"
+    else:
+        idle, how = (sched.bubble(p, m, 1.0, 1.0, 1.0, v) if p > 1 else 0.0), "formula"
+    value = idle / (idle + s * work) if idle + s * work > 0 else 0.0
     return value, (f"planner's bubble for this machine: {value:.3f} = idle / (idle + s·m(F+B+W)) = "
-                   f"{idle:g}/({idle:g} + {s:g}·{work:g}) with F = B = W and s = ranks/cores = "
-                   f"{ranks}/{cores} (each rank's work runs s times slower, its waits do not)")
+                   f"{idle:g}/({idle:g} + {s:g}·{work:g}) with F = B = W, idle {how}, and s = "
+                   f"ranks/cores = {ranks}/{cores} (each rank's work runs s times slower, its waits do not)")
