@@ -41,6 +41,7 @@ from minidist import trace
 from minidist.comm import run, under_mpi
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.optim import AdamW
+from minidist.parallel.pipeline.placement import placement_of
 from minidist.parallel.pipeline.runtime import PipelineStage, partition_uniform, run_schedule
 from minidist.parallel.pipeline.simulate import peak_activations
 from minidist.plan import schedules
@@ -114,7 +115,7 @@ def measure(comm, cfg, ids, tgt, m: int, args) -> dict:
     xs, ys = np.split(ids, m), np.split(tgt, m)
     out = {"costs": [c for c, _ in everyone], "opt": opt, "rows": []}
     for sched, v, lists in runnable(p, m, n):
-        st = PipelineStage(GPT(cfg), partition_uniform(n, p * v), rank, p)
+        st = PipelineStage(GPT(cfg), partition_uniform(n, p * v), rank, p, placement=placement_of(lists))
         first = any(st.is_first(c) for c in range(v))
         last = any(st.is_last(c) for c in range(v))
         times, events, stats = timed_steps(comm, st, lists[rank], xs if first else None, ys if last else None,

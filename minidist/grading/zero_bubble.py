@@ -22,6 +22,7 @@ import types
 
 from minidist.parallel.pipeline import schedule as S
 from minidist.parallel.pipeline import zero_bubble as Z
+from minidist.parallel.pipeline.placement import looped
 from minidist.parallel.pipeline.simulate import DeadlockError, simulate
 
 SIZES = [(p, m) for p in range(1, 7) for m in (p, 2 * p, 3 * p)]
@@ -144,9 +145,9 @@ def _one_f_one_b_split_in_place(p, m):  # 1F1B with W right after its B: nothing
 
 
 def _no_memory_cap(p, m):  # the greedy order without the p-in-flight cap: ideal makespan, m held
-    Z._check_min("zb_h1", p, m, p)
-    order = Z._greedy_order(p, m, [p - s for s in range(p)], held=m)
-    return [Z._with_messages(order[s], s, p) + [S.OptimizerStep()] for s in range(p)]
+    Z.check_min("zb_h1", p, m, p)
+    order = Z.greedy_order(looped(p), m, lambda r, c: p - r, held=m)
+    return Z.as_schedule(order, looped(p))
 
 
 def _whole_backward(p, m):  # plain 1F1B: the backward never split
