@@ -343,12 +343,26 @@ def _backward(cls, ctx, grad):
         return cls.backward(ctx, grad)
 
 
+PURE_OPS = "minidist.autograd.ops"  # the package of the plain ops: each Function in it is pure array code
+
+
+def _compilable(cls) -> bool:
+    """Whether op ``cls`` may run as a compiled program: it is defined in the ``PURE_OPS`` package
+    (any of its modules), or says it is pure array code with ``compilable = True``."""
+    mod = cls.__module__
+    return mod == PURE_OPS or mod.startswith(_PURE_OPS_DOT) or getattr(cls, "compilable", False)
+
+
+_PURE_OPS_DOT = PURE_OPS + "."
+
+
 def kernel(cls):
     """The compiled twin of op ``cls`` (a ``minidist.autograd.tensor.Function`` subclass). Only the pure
-    array ops of ``minidist.autograd.ops`` are compiled, and Functions elsewhere that say they are pure with
-    ``compilable = True`` (MoE's fused steps): a Function elsewhere may communicate (the tensor-
+    array ops of the ``minidist.autograd.ops`` package are compiled, and Functions elsewhere that say
+    they are pure with ``compilable = True`` (the fast forms of ``minidist.autograd.fused``, MoE's fused
+    steps): a Function elsewhere -- a subclass of an op included -- may communicate (the tensor-
     parallel f and g of ``minidist.parallel.tensor.comm``) and must run eagerly, message by message."""
-    if cls.__module__ != "minidist.autograd.ops" and not getattr(cls, "compilable", False):
+    if not _compilable(cls):
         return cls
     k = _KERNELS.get(cls)
     if k is None:

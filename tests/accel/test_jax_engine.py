@@ -63,6 +63,39 @@ def test_ops_outside_minidist_ops_are_never_compiled():
     assert jax_engine.kernel(ops.Gelu) is not ops.Gelu
 
 
+# the 29 ops of minidist.autograd.ops (lessons/01-train.md lists them by kind), whichever file holds each
+PLAIN_OPS = {"Add", "Sub", "Mul", "Div", "Neg", "Pow", "Exp", "Log", "Tanh", "Relu", "Gelu", "Cast",
+             "Matmul", "Linear", "Sum", "Mean", "Max", "Reshape", "Transpose", "GetItem", "Concat",
+             "Embedding", "Softmax", "LogSoftmax", "LayerNorm", "Dropout", "ScaledDotProductAttention",
+             "PackedAttention", "CrossEntropy"}
+
+
+def test_every_op_of_the_ops_package_compiles_and_nothing_outside_it_by_its_name():
+    """The rule is the package, not one file: an op in any module of minidist/autograd/ops/ compiles;
+    a subclass of one defined elsewhere (it may add communication) and a module whose name merely
+    starts like the package's do not, unless they say ``compilable = True``."""
+    import importlib
+    import pkgutil
+
+    from minidist.autograd.tensor import Function
+
+    found = {}
+    for info in pkgutil.iter_modules(ops.__path__):
+        mod = importlib.import_module(f"{ops.__name__}.{info.name}")
+        found |= {v.__name__: v for v in vars(mod).values()
+                  if isinstance(v, type) and issubclass(v, Function) and v.__module__ == mod.__name__}
+    assert set(found) == PLAIN_OPS
+    assert all(jax_engine.kernel(c) is not c and issubclass(jax_engine.kernel(c), c) for c in found.values())
+
+    class Elsewhere(ops.Dropout):
+        pass
+
+    lookalike = type("Lookalike", (Function,), {"__module__": "minidist.autograd.ops_extra"})
+    declared = type("Declared", (Function,), {"__module__": "minidist.nn.moe_steps", "compilable": True})
+    assert jax_engine.kernel(Elsewhere) is Elsewhere and jax_engine.kernel(lookalike) is lookalike
+    assert jax_engine.kernel(declared) is not declared
+
+
 def test_dropout_draws_a_new_mask_every_call():
     """A host random generator is not baked into a compiled op: two calls, two masks (as NumPy)."""
     from minidist.autograd.tensor import Tensor
