@@ -86,7 +86,6 @@ def debug_enabled() -> bool:
     return os.environ.get("MINIDIST_DEBUG", "0") not in ("", "0", "false", "False")
 
 
-
 class Communicator:
     """Abstract base: a group of ``size`` ranks; this object is rank ``rank``'s end of it."""
 

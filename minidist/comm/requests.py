@@ -29,7 +29,6 @@ class MessageMismatch(CommError, ValueError):
     """A message arrived with another size or dtype than the receiver's buffer."""
 
 
-
 class Request:
     """A pending send or receive. ``wait()`` returns the received array (None for a send).
     ``problem()``: why it may never complete (a failed, departed or mismatched peer), or None --

@@ -257,6 +257,4 @@ def cross_entropy(logits, targets, ignore_index=-1):
     return fused.fast(CrossEntropy, logits).apply(logits, targets, ignore_index=ignore_index)
 
 
-
-
 from minidist.autograd import fused  # noqa: E402 - the fast forms subclass the ops above

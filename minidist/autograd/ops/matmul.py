@@ -96,7 +96,6 @@ class Linear(Function):
         return (gx, gw, gb) if dtypes is None else _back_to(dtypes, (gx, gw, gb))
 
 
-
 def low_precision(dtype) -> bool:
     """A 2-byte float (bf16, fp16): what ``linear`` multiplies in fp32. (Not ``kind == "f"``:
     ml_dtypes' bfloat16 is kind "V".)"""

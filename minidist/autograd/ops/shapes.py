@@ -159,7 +159,6 @@ class Embedding(Function):
         return out.reshape(ctx.shape), None
 
 
-
 def _check_ids(ids, n: int, what: str, ignore=None):
     """Integer ``ids`` in [0, n) (or equal to ``ignore``), else a ValueError naming the first bad one:
     NumPy would index from the end for -1 and fail deep inside for n."""
