@@ -3,7 +3,7 @@
 Each function gets NumPy float64 arrays: the op's inputs and ``g``, the gradient of the loss with
 respect to the op's output, and returns the gradients with respect to the inputs. No autograd:
 derive each formula on paper first. Lesson: lessons/01-train.md; the answers are in
-minidist/autograd/ops.py, so try before you look.
+minidist/autograd/ops/, so try before you look.
 
 Estimated time: 2-3 h (linear 20 min, layer norm 45 min, cross-entropy 30 min, attention 1 h)
 Grade it:  python -m minidist.grade autograd

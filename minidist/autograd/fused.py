@@ -1,7 +1,8 @@
 """The fast forms of the ops, and the one place that chooses them.
 
-``ops.py`` writes each op once, as its textbook formula. This file rewrites the few that dominate a
-training step so that NumPy does less work, with the same contract (inputs, outputs, gradients):
+The ``ops/`` package writes each op once, as its textbook formula. This file rewrites the few that
+dominate a training step so that NumPy does less work, with the same contract (inputs, outputs,
+gradients):
 
 * ``Gelu``: the formula as a chain of in-place updates of one fresh temporary (``_inplace``), not a
   new array per operator -- the same operations in the same order, so the same bits as ``ops.Gelu``.
@@ -31,7 +32,9 @@ import numpy as np
 
 from minidist.accel.backend import backend_of
 from minidist.autograd import ops
-from minidist.autograd.ops import _back_to, _heads, _rows, _xp
+from minidist.autograd.ops.arrays import _back_to, _rows, _xp
+from minidist.autograd.ops.attention import _heads
+from minidist.autograd.ops.matmul import _check_matmul
 
 
 def _inplace(fn, a):
@@ -125,7 +128,7 @@ class Linear(ops.Linear):
 
     @staticmethod
     def forward(ctx, x, w, b=None, compute=None):
-        ops._check_matmul(x, w)
+        _check_matmul(x, w)
         ctx.save(x if ctx.needs_grad[1] else None, w if ctx.needs_grad[0] else None)
         if compute is not None:
             ctx.compute, ctx.dtypes = compute, (x.dtype, w.dtype) + (() if b is None else (b.dtype,))

@@ -1,21 +1,15 @@
-"""Tensor and the autograd graph.
+"""Tensor: an array, its gradient, and the operation that produced it.
 
 A ``Tensor`` wraps one backend array (``.data``) and, if it was produced by a differentiable
-operation while gradients were enabled, a ``Node`` that remembers the operation (a ``Function``
-subclass from ``minidist.autograd.ops``), its context (what the forward saved) and its input tensors.
+operation while gradients were enabled, a ``Node`` (``minidist.autograd.graph``) that remembers the
+operation (a ``Function`` subclass from ``minidist.autograd.ops``), its context (what the forward
+saved) and its input tensors. ``Function.apply`` is where an op meets the graph: it unwraps the
+inputs, runs ``forward``, and records the node when some input wants a gradient.
 
-``loss.backward()`` walks that graph *iteratively* (no recursion limit on deep graphs). It counts,
-for every tensor, how many consumers must send it a gradient; a tensor is processed only when all
-of them have, so each gradient is complete before it is propagated. A leaf's gradient is
-accumulated into ``leaf.grad`` (never in place: ``grad`` arrays are never mutated, only replaced)
-and its post-accumulate hooks fire at once -- data parallelism launches its all-reduces from them
-while the rest of the backward pass is still running.
-
-Saved tensors go through ``Context.save``; ``saved_tensors_hooks(pack, unpack)`` intercepts them
-(activation checkpointing and offload use it, as does the memory accountant).
-
-All switches (``no_grad``, the saved-tensor hooks) are thread-local: the threads transport runs
-several ranks as threads of one process.
+``loss.backward()`` checks the seed gradient and hands it to ``graph.run_backward``, the iterative
+walk that fills every leaf's ``.grad``. The switches an op reads (``no_grad``, ``enable_grad``,
+``saved_tensors_hooks``) and ``Context`` are in ``minidist.autograd.modes``; this module re-exports
+them, and the graph's names, so ``from minidist.autograd.tensor import ...`` finds them all.
 
 ``register_kernel_selector(fn)`` is the one hook by which an array library changes how an op runs:
 ``Function.apply`` calls ``fn(op_class)`` for inputs that are not NumPy arrays and runs the class it
@@ -24,15 +18,20 @@ returns (``minidist.accel.jax_engine.install`` registers ``kernel``: each op as 
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import numpy as np
 
-from minidist.accel import jax_engine
 from minidist.accel.backend import Backend, backend_of, default_backend, get_backend
+from minidist.autograd.graph import Node, _accumulate, _add, count_consumers, run_backward  # noqa: F401
+from minidist.autograd.modes import (  # noqa: F401
+    Context,
+    _state,
+    current_saved_tensors_hooks,
+    enable_grad,
+    grad_enabled,
+    no_grad,
+    saved_tensors_hooks,
+)
 
-_state = threading.local()
 _KERNEL = None  # the registered kernel selector: op class -> the class to run, for non-NumPy inputs
 
 
@@ -45,107 +44,6 @@ def register_kernel_selector(fn) -> None:
         raise TypeError(f"register_kernel_selector: fn must be callable (op class -> op class) or None, "
                         f"got {type(fn).__name__}")
     _KERNEL = fn
-
-
-def grad_enabled() -> bool:
-    return getattr(_state, "grad_enabled", True)
-
-
-@contextlib.contextmanager
-def no_grad():
-    """Run without recording the graph (evaluation, optimizer steps, inference)."""
-    prev = grad_enabled()
-    _state.grad_enabled = False
-    try:
-        yield
-    finally:
-        _state.grad_enabled = prev
-
-
-@contextlib.contextmanager
-def enable_grad():
-    prev = grad_enabled()
-    _state.grad_enabled = True
-    try:
-        yield
-    finally:
-        _state.grad_enabled = prev
-
-
-def _hook_stack() -> list:
-    stack = getattr(_state, "hooks", None)
-    if stack is None:
-        stack = _state.hooks = []
-    return stack
-
-
-@contextlib.contextmanager
-def saved_tensors_hooks(pack, unpack):
-    """Every array an op saves for backward goes through ``pack`` now and ``unpack`` in backward.
-
-    ``pack(array) -> anything``; ``unpack(anything) -> array``. Nested hooks: the innermost wins.
-    """
-    stack = _hook_stack()
-    stack.append((pack, unpack))
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
-def current_saved_tensors_hooks():
-    """The innermost active ``(pack, unpack)`` pair, or None: a hook may hand arrays on to it."""
-    stack = _hook_stack()
-    return stack[-1] if stack else None
-
-
-class Context:
-    """What a Function's forward leaves for its backward: ``save(...)`` arrays, plain attributes."""
-
-    __slots__ = ("_saved", "_unpack", "needs_grad", "record", "__dict__")
-
-    def __init__(self, needs_grad, record=True):
-        self.needs_grad = needs_grad  # per input: does it want a gradient?
-        self.record = record  # will a backward ever read what is saved?
-        self._saved = ()
-        self._unpack = None
-
-    def save(self, *arrays):
-        if not self.record:  # no graph is being built: keep nothing, tell no hook
-            return
-        stack = getattr(_state, "hooks", None)
-        if stack:
-            pack, self._unpack = stack[-1]
-            self._saved = tuple(None if a is None else pack(a) for a in arrays)
-        else:
-            self._saved = arrays
-
-    @property
-    def saved(self) -> tuple:
-        if self._unpack is None:
-            return self._saved
-        return tuple(None if a is None else self._unpack(a) for a in self._saved)
-
-    def release(self):
-        self._saved = ()
-        self.__dict__.clear()
-
-
-class Node:
-    """One recorded operation: the Function, its context, and where each input's gradient goes.
-
-    ``parents[i]`` is the Node that produced input i, the input itself if it is a leaf that wants a
-    gradient, or None. The graph holds Nodes, not the tensors flowing between them, so an
-    activation's memory is freed as soon as nothing but the graph refers to it -- unless an op
-    saved it for backward (see ``Context.save``).
-    """
-
-    __slots__ = ("fn", "ctx", "parents", "shapes", "hooks")
-
-    def __init__(self, fn, ctx, inputs):
-        self.fn, self.ctx, self.hooks = fn, ctx, None
-        self.parents = tuple(_parent(t) for t in inputs)
-        self.shapes = tuple(t.shape if isinstance(t, Tensor) else None for t in inputs)
 
 
 def _parent(t):
@@ -185,7 +83,8 @@ class Function:
         out = cls.forward(ctx, *arrays, **kwargs)
         result = Tensor(out, requires_grad=record)
         if record:
-            result._node = Node(cls, ctx, inputs)
+            result._node = Node(cls, ctx, tuple(_parent(t) for t in inputs),
+                                tuple(t.shape if isinstance(t, Tensor) else None for t in inputs))
         else:
             ctx.release()
         return result
@@ -390,87 +289,3 @@ def tensor(data, dtype, requires_grad: bool = False, backend=None) -> Tensor:
     """Make a Tensor; the dtype is required (NumPy and JAX disagree on defaults)."""
     be = get_backend(backend) if backend is not None else default_backend()
     return Tensor(be.asarray(data, dtype=dtype), requires_grad=requires_grad, backend=be)
-
-
-def _accumulate(a, b):
-    if a is None:
-        return b
-    return a + b if type(a) is np.ndarray else _add(a, b)
-
-
-@jax_engine.pure
-def _add(a, b):
-    """A gradient sum off NumPy: on JAX one stored program per shape, not an eager ``+``."""
-    return a + b
-
-
-def count_consumers(start) -> dict[int, int]:
-    """id(node or leaf) -> how many graph edges point at it, below ``start`` (an iterative
-    depth-first walk): a node runs its backward once all of them have delivered."""
-    pending: dict[int, int] = {}
-    stack = [start]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, Tensor):
-            continue
-        if item.ctx is None:
-            raise RuntimeError("backward through a graph a second time: its saved arrays were freed; "
-                               "pass retain_graph=True to the first backward()")
-        for parent in item.parents:
-            if parent is not None:
-                pending[id(parent)] = pending.get(id(parent), 0) + 1
-                if pending[id(parent)] == 1:
-                    stack.append(parent)
-    return pending
-
-
-def run_backward(root: Tensor, grad, retain_graph: bool = False) -> None:
-    """Reverse-mode differentiation from ``root`` with seed gradient ``grad``.
-
-    1. Count, by an iterative depth-first walk, how many graph edges point at each node or leaf.
-    2. Process those whose consumers have all delivered their gradient (a stack: depth first, so
-       a layer's parameters become ready as soon as that layer's backward has run).
-    """
-    start = root if root._node is None else root._node
-    pending = count_consumers(start)
-    grads = {id(start): grad}
-    ready = [start]
-    while ready:
-        item = ready.pop()
-        g = grads.pop(id(item), None)
-        if g is None:  # every consumer returned None: nothing flows, but parents must hear so
-            if not isinstance(item, Tensor):
-                for parent in item.parents:
-                    if parent is not None:
-                        pending[id(parent)] -= 1
-                        if pending[id(parent)] == 0:
-                            ready.append(parent)
-            continue
-        if isinstance(item, Tensor):  # a leaf: run its hooks, accumulate, tell whoever waits for it
-            for hook in item._hooks or ():
-                out = hook(g)
-                g = g if out is None else out
-            item.grad = _accumulate(item.grad, g)
-            for hook in item._post_hooks or ():
-                hook(item)
-            continue
-        for hook in item.hooks or ():
-            out = hook(g)
-            g = g if out is None else out
-        in_grads = item.fn.backward(item.ctx, g)
-        if not isinstance(in_grads, tuple):
-            in_grads = (in_grads,)
-        for parent, shape, ig in zip(item.parents, item.shapes, in_grads):
-            if parent is None:
-                continue
-            if ig is not None:
-                if tuple(ig.shape) != shape:
-                    raise RuntimeError(f"{item.fn.__name__}.backward returned a gradient of shape "
-                                       f"{tuple(ig.shape)} for an input of shape {shape}")
-                grads[id(parent)] = _accumulate(grads.get(id(parent)), ig)
-            pending[id(parent)] -= 1
-            if pending[id(parent)] == 0:
-                ready.append(parent)
-        if not retain_graph:
-            item.ctx.release()
-            item.ctx = None

@@ -12,7 +12,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from minidist.accel import jax_cache, jax_engine  # noqa: E402
+from minidist.accel import jax_cache, jax_compile, jax_engine, jax_ops  # noqa: E402
 from minidist.accel.backend import get_backend  # noqa: E402
 
 get_backend("jax")  # x64 on, as minidist runs JAX
@@ -198,8 +198,8 @@ def test_an_executable_that_rejects_its_arguments_is_recompiled(cache, monkeypat
 
 def _new_process(monkeypatch):
     """Forget every op program this process made, as a new process starts (the cache stays)."""
-    monkeypatch.setattr(jax_engine, "_FORWARD", {})
-    monkeypatch.setattr(jax_engine, "_BACKWARD", {})
+    monkeypatch.setattr(jax_ops, "_FORWARD", {})
+    monkeypatch.setattr(jax_ops, "_BACKWARD", {})
 
 
 def test_an_ops_baked_number_is_in_its_key_and_its_trace_comes_back_from_the_file(cache, monkeypatch):
@@ -456,9 +456,9 @@ def test_a_cache_from_before_the_cap_does_not_break_jax_writes(tmp_path):
 def test_a_jax_without_the_private_settings_compiles_stores_nothing_and_says_so(cache, monkeypatch):
     """If a JAX release drops the private settings the cache relies on, programs still compile (they
     used to fall back to eager dispatch without a word), nothing is stored, and one warning says why."""
-    monkeypatch.setattr(jax_cache, "_PRIVATE_SETTINGS", ("a_setting_this_jax_lacks",
-                                                          *jax_cache._PRIVATE_SETTINGS[1:]))
-    monkeypatch.setattr(jax_cache, "_WARNED", set())
+    monkeypatch.setattr(jax_compile, "_PRIVATE_SETTINGS", ("a_setting_this_jax_lacks",
+                                                          *jax_compile._PRIVATE_SETTINGS[1:]))
+    monkeypatch.setattr(jax_compile, "_WARNED", set())
     x = jax.device_put(np.arange(3.0))
     before = dict(jax_cache.STATS)
     with pytest.warns(RuntimeWarning, match="stores no JAX executables") as seen:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 jax = pytest.importorskip("jax")
 
-from minidist.accel import jax_engine  # noqa: E402
+from minidist.accel import jax_engine, jax_ops, jax_values  # noqa: E402
 from minidist.accel.backend import get_backend  # noqa: E402
 from minidist.autograd import ops  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
@@ -37,7 +37,7 @@ def test_compiled_ops_give_the_numpy_engines_loss_and_gradients():
     assert abs(loss - want_loss) <= 1e-12
     for k in want:
         np.testing.assert_allclose(grads[k], want[k], rtol=0, atol=1e-12, err_msg=k)
-    compiled = {key[0].__name__ for key, entry in jax_engine._FORWARD.items() if entry}
+    compiled = {key[0].__name__ for key, entry in jax_ops._FORWARD.items() if entry}
     assert {"Linear", "LayerNorm", "Gelu", "PackedAttention"} <= compiled
 
 
@@ -61,6 +61,39 @@ def test_ops_outside_minidist_ops_are_never_compiled():
     comm_ops = [v for v in vars(tp_comm).values() if isinstance(v, type) and issubclass(v, Function)]
     assert comm_ops and all(jax_engine.kernel(c) is c for c in comm_ops)
     assert jax_engine.kernel(ops.Gelu) is not ops.Gelu
+
+
+# the 29 ops of minidist.autograd.ops (lessons/01-train.md lists them by kind), whichever file holds each
+PLAIN_OPS = {"Add", "Sub", "Mul", "Div", "Neg", "Pow", "Exp", "Log", "Tanh", "Relu", "Gelu", "Cast",
+             "Matmul", "Linear", "Sum", "Mean", "Max", "Reshape", "Transpose", "GetItem", "Concat",
+             "Embedding", "Softmax", "LogSoftmax", "LayerNorm", "Dropout", "ScaledDotProductAttention",
+             "PackedAttention", "CrossEntropy"}
+
+
+def test_every_op_of_the_ops_package_compiles_and_nothing_outside_it_by_its_name():
+    """The rule is the package, not one file: an op in any module of minidist/autograd/ops/ compiles;
+    a subclass of one defined elsewhere (it may add communication) and a module whose name merely
+    starts like the package's do not, unless they say ``compilable = True``."""
+    import importlib
+    import pkgutil
+
+    from minidist.autograd.tensor import Function
+
+    found = {}
+    for info in pkgutil.iter_modules(ops.__path__):
+        mod = importlib.import_module(f"{ops.__name__}.{info.name}")
+        found |= {v.__name__: v for v in vars(mod).values()
+                  if isinstance(v, type) and issubclass(v, Function) and v.__module__ == mod.__name__}
+    assert set(found) == PLAIN_OPS
+    assert all(jax_engine.kernel(c) is not c and issubclass(jax_engine.kernel(c), c) for c in found.values())
+
+    class Elsewhere(ops.Dropout):
+        pass
+
+    lookalike = type("Lookalike", (Function,), {"__module__": "minidist.autograd.ops_extra"})
+    declared = type("Declared", (Function,), {"__module__": "minidist.nn.moe_steps", "compilable": True})
+    assert jax_engine.kernel(Elsewhere) is Elsewhere and jax_engine.kernel(lookalike) is lookalike
+    assert jax_engine.kernel(declared) is not declared
 
 
 def test_dropout_draws_a_new_mask_every_call():
@@ -195,8 +228,8 @@ def test_a_second_training_step_compiles_nothing():
         opt.step()
         counts.append(jax_engine.compilations() - before)
     assert counts[0] > 0 and counts[1:] == [0, 0], f"programs compiled per step: {counts}"
-    assert any(k[0] is ops.CrossEntropy for k, fn in jax_engine._BACKWARD.items() if fn)
-    assert any(k[0] is ops.CrossEntropy for k, fn in jax_engine._FORWARD.items() if fn)
+    assert any(k[0] is ops.CrossEntropy for k, fn in jax_ops._BACKWARD.items() if fn)
+    assert any(k[0] is ops.CrossEntropy for k, fn in jax_ops._FORWARD.items() if fn)
 
 
 @needs_engine
@@ -290,8 +323,8 @@ def test_an_index_array_is_an_argument_not_a_constant():
             idx = make()
             before = jax_engine.compilations()
             got, gx = grads(idx, "jax")
-            key = next((k for k in jax_engine._FORWARD if k[0] is ops.GetItem and k[3]), None)
-            assert key and jax_engine._FORWARD[key], "GetItem with an index array (by keyword) ran eagerly"
+            key = next((k for k in jax_ops._FORWARD if k[0] is ops.GetItem and k[3]), None)
+            assert key and jax_ops._FORWARD[key], "GetItem with an index array (by keyword) ran eagerly"
             counts.append(jax_engine.compilations() - before)
             want, wx = grads(idx, "numpy")
             np.testing.assert_array_equal(got, want)
@@ -316,7 +349,7 @@ def test_a_slice_index_compiles_and_equals_numpy():
         return np.asarray(x.grad)
 
     got = run("jax")
-    assert any(k[0] is ops.GetItem and v for k, v in jax_engine._FORWARD.items()), "x[:, 1:6] ran eagerly"
+    assert any(k[0] is ops.GetItem and v for k, v in jax_ops._FORWARD.items()), "x[:, 1:6] ran eagerly"
     np.testing.assert_array_equal(got, run("numpy"))
 
 
@@ -465,7 +498,7 @@ def test_an_ops_key_holds_each_arrays_dtype_and_each_numbers_type():
             x.grad = None
             ops.cast(x, np.float64).sum().backward()  # a keyword, and NumPy's scalar type
             assert x.grad.dtype == dt, f"the gradient of a {np.dtype(dt)} input came back {x.grad.dtype}"
-    compiled = [k for k, entry in jax_engine._FORWARD.items() if k[0] is ops.Cast and entry]
+    compiled = [k for k, entry in jax_ops._FORWARD.items() if k[0] is ops.Cast and entry]
     assert len(compiled) >= 6, "Cast ran eagerly"
     n = be.from_host(np.arange(4, dtype=np.int32))
     for v in (2, 2.0, True, 2, 2.0):
@@ -475,7 +508,7 @@ def test_an_ops_key_holds_each_arrays_dtype_and_each_numbers_type():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     # keywords and tuples are keyed the same way: equal values of other types stay apart
     values = (2, 2.0, True, (2,), (2.0,), [2], slice(0, 2), slice(0.0, 2.0))
-    assert len({jax_engine._value_key(v) for v in values}) == len(values)
+    assert len({jax_values._value_key(v) for v in values}) == len(values)
 
 
 @needs_engine
@@ -495,6 +528,6 @@ def test_a_forward_without_a_graph_returns_nothing_for_a_backward():
     want = 0.5 * h * (1 + np.tanh(c * (h + 0.044715 * h ** 3)))
     for t in (y, z):
         np.testing.assert_allclose(np.asarray(t.data), want, rtol=1e-12)
-    saved = {k[5]: len(e[1]["inputs"]) for k, e in jax_engine._FORWARD.items()
+    saved = {k[5]: len(e[1]["inputs"]) for k, e in jax_ops._FORWARD.items()
              if k[0] is ops.Gelu and k[1] == (((3, 5), np.dtype(np.float64)),) and e}
     assert saved[False] == 0 and saved[True] >= 1, saved

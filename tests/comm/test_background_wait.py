@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from minidist.comm import communicator, run
+from minidist.comm import communicator, run, waiting
 from minidist.comm.communicator import mark_background_thread, poll
 from minidist.comm.handles import start_async
 
@@ -97,7 +97,7 @@ def test_a_foreground_wait_tests_a_few_times_before_yielding_the_core(monkeypatc
 
 def test_a_crowded_host_yields_at_once_instead_of_testing_in_a_row(monkeypatch):
     # more ranks than cores: the peer that must send may need this very core, so no quick tests
-    monkeypatch.setattr(communicator, "_POLICY", [communicator.WaitPolicy(1e-3, 5e-3, 1e-3, quick=0)])
+    monkeypatch.setattr(waiting, "_POLICY", [communicator.WaitPolicy(1e-3, 5e-3, 1e-3, quick=0)])
     yields = []
     monkeypatch.setattr(communicator.os, "sched_yield", lambda: yields.append(1))
     calls = []
