@@ -31,15 +31,21 @@ def main(argv: list[str]) -> int:
         print(f"unknown chapter {unknown[0]!r}: choose from {', '.join(SMALL)}", file=sys.stderr)
         return 2
     (ROOT / "lessons" / "img").mkdir(exist_ok=True)
+    failed = 0
     for chapter in argv or list(SMALL):
         for i, command in enumerate(commands(chapter)):
             if not takes_plot(command):
                 print(f"lessons/{chapter}: {module(command)} has no --plot; skipped")
                 continue
             out = ROOT / "lessons" / plot_name(chapter, i, command)
-            run(f"{command} --plot {out}")
+            try:
+                run(f"{command} --plot {out}")
+            except RuntimeError as e:  # one lesson's broken plot must not stop the others
+                print(f"lessons/{chapter}: FAILED {e}", file=sys.stderr)
+                failed += 1
+                continue
             print(f"wrote {out.relative_to(ROOT)} ({out.stat().st_size // 1024} KiB)")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
