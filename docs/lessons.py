@@ -55,3 +55,12 @@ def plot_name(chapter: str, index: int, command: str) -> str:
     for the first, ``img/NN-name-MODULE.png`` for the others."""
     stem = chapter.removesuffix(".md")
     return f"img/{stem}.png" if index == 0 else f"img/{stem}-{module(command).rsplit('.', 1)[-1]}.png"
+
+
+# chapter -> lines whose number and order follow the measured times (regexes on the raw output):
+# their shapes are compared as a set -- each kind of line still there -- not line for line
+VOLATILE = {
+    "11-planning.md": [r"^\s*\d+ dp\d+ tp\d+ pp\d+"],  # candidate meshes, ranked by measured step time
+    "13-load-balancing.md": [r"^\s*\d+\s+[\d.]+\s+[\d.]+\s+\[",  # a DP step: when shares move is timing
+                             r"^shares moved after step"],
+}
