@@ -112,12 +112,12 @@ def shape(output: str) -> list[str]:
 
 
 def split_volatile(output: str, volatile=()) -> tuple[str, set[str]]:
-    """(the lines of ``output`` that no ``volatile`` regex matches, the set of shapes of those that do)."""
+    """(the lines of ``output`` that no ``volatile`` regex matches, the set of regexes that match a line)."""
     keep, varying = [], set()
     for line in output.splitlines():
-        if any(re.search(v, line) for v in volatile):
-            varying.update(shape(line))
-        else:
+        matched = {v for v in volatile if re.search(v, line)}
+        varying |= matched
+        if not matched:
             keep.append(line)
     return "\n".join(keep), varying
 
@@ -127,10 +127,12 @@ def shape_diff(documented_output: str, fresh_output: str, volatile=()) -> str:
 
     The lines are compared as a multiset, not in order: some lessons sort a table by measured time,
     so the same rows come in another order on another run. Lines that a ``volatile`` regex matches
-    (``docs/lessons.py``'s ``VOLATILE``: rows whose count follows the timing) count as a set."""
+    (``docs/lessons.py``'s ``VOLATILE``: rows whose count and wording follow the timing, like a ranking's
+    reasons) only count as present or absent."""
     before, varying_before = split_volatile(documented_output, volatile)
     now, varying_now = split_volatile(fresh_output, volatile)
-    a, b = shape(before) + sorted(varying_before), shape(now) + sorted(varying_now)
+    a = shape(before) + [f"(lines like {v})" for v in sorted(varying_before)]
+    b = shape(now) + [f"(lines like {v})" for v in sorted(varying_now)]
     if sorted(a) == sorted(b):
         return ""
     return "\n".join(difflib.unified_diff(a, b, "chapter's block", "fresh run", lineterm="", n=1))

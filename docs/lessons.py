@@ -58,7 +58,7 @@ def plot_name(chapter: str, index: int, command: str) -> str:
 
 
 # chapter -> lines whose number and order follow the measured times (regexes on the raw output):
-# their shapes are compared as a set -- each kind of line still there -- not line for line
+# each only counts as there or not (docs/expected_output.py's shape_diff), not line for line
 VOLATILE = {
     "11-planning.md": [r"^\s*\d+ dp\d+ tp\d+ pp\d+"],  # candidate meshes, ranked by measured step time
     "13-load-balancing.md": [r"^\s*\d+\s+[\d.]+\s+[\d.]+\s+\[",  # a DP step: when shares move is timing
