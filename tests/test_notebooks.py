@@ -24,15 +24,15 @@ pytest.importorskip("ipykernel", reason='needs ipykernel: pip install -e ".[docs
 def execute(path: Path, timeout: int = 120):
     """Run every cell of the notebook at ``path`` in a fresh python3 kernel, from the repository root."""
     nb = nbformat.read(path, as_version=4)
-    env_before = os.environ.get("MINIDIST_TRANSPORT")
+    saved = dict(os.environ)
     os.environ.pop("MINIDIST_TRANSPORT", None)  # threads, whatever the test run was started with
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    try:
+    try:  # the kernel is a child process: it inherits this environment
         nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
                                 resources={"metadata": {"path": str(ROOT)}}).execute()
     finally:
-        if env_before is not None:
-            os.environ["MINIDIST_TRANSPORT"] = env_before
+        os.environ.clear()
+        os.environ.update(saved)
     return nb
 
 
