@@ -1,56 +1,85 @@
 """Lesson 1: train a small GPT on one process, then let it write.
 
-    python -m minidist.lessons.train                 # the text that ships with minidist
-    python -m minidist.lessons.train --text FILE     # any UTF-8 text file
-    python -m minidist.lessons.train --task reverse  # a synthetic task (copy/reverse/sort/addition)
+    python -m minidist.lessons.train                          # the text that ships with minidist
+    python -m minidist.lessons.train --prompt "The ring "     # continue your own prompt
+    python -m minidist.lessons.train --text FILE              # any UTF-8 text file
+    python -m minidist.lessons.train --task reverse           # a synthetic task (copy/reverse/sort/addition)
+    python -m minidist.lessons.train --save ckpt --plot loss.png
+    python -m minidist.lessons.train --load ckpt --steps 300  # train the saved model further ...
+    python -m minidist.lessons.train --load ckpt --steps 0    # ... or only sample from it
+    python -m minidist.lessons.train --backend jax            # the same loop on JAX
 
 Everything here is the serial twin that every later lesson splits across ranks: one model,
-one optimizer, one loop of forward, backward, step.
+one optimizer, one loop of forward, backward, step. ``--save`` writes the whole training state
+(parameters, AdamW moments, schedule, loader position, RNG streams) in the checkpoint format of
+the fault-tolerance lesson (``minidist.resilience.checkpoint``), so ``--load`` continues exactly
+where the saved run stopped: 2 steps, saved, then 2 more are the same bits as 4 steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-import sys
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
-from minidist.accel.backend import bucket, compiles_per_shape, default_backend
+from minidist.accel.backend import BACKENDS, bucket, compiles_per_shape, get_backend, set_default_backend
 from minidist.autograd.tensor import no_grad
+from minidist.comm import world
 from minidist.comm.transports.devices import describe_binding
-from minidist.lessons.cli import nonnegative_int, positive_float, positive_int
+from minidist.lessons.cli import LessonParser, nonnegative_int, positive_float, positive_int
+from minidist.lessons.progress import progress
 from minidist.nn import GPT, GPTConfig, optim
 from minidist.nn.data import BatchLoader, ByteTokenizer, SyntheticTask, TextDataset, default_text
 from minidist.plan import estimates
-from minidist.testing import train_steps
+from minidist.resilience import checkpoint
+from minidist.resilience.checkpoint import files as ckpt_files
+from minidist.resilience.checkpoint import folder as ckpt_folder
+
+# the model and the run a bare `python -m minidist.lessons.train` trains (chapter 1 has the numbers)
+DEFAULTS = {"layers": 2, "d_model": 128, "heads": 4, "block": 64, "batch": 16, "lr": 4e-3}
+# the flags a --load checkpoint decides: the model's (GPTConfig field) and the run's (saved as they are)
+MODEL_FLAGS = {"layers": "n_layer", "d_model": "d_model", "heads": "n_head", "block": "block_size"}
+RUN_FLAGS = ("batch", "lr")
 
 
-def progress(step, total, loss, t0, width=30):
-    """One line, redrawn in place: [#####.....] step/total loss, steps/s."""
-    done = int(width * step / total)
-    rate = step / max(time.perf_counter() - t0, 1e-9)
-    sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{total} loss {loss:.3f} "
-                     f"({rate:.1f} steps/s)")
-    sys.stdout.flush()
+def optimizer_for(model, lr, warmup=20):
+    """AdamW and its schedule: a linear warmup over ``warmup`` steps, then the constant ``lr``.
 
-
-def train(model, loader, steps, lr, warmup=20, clip=1.0, log=True):
-    """The training loop (``minidist.testing.train_steps``, with a warmup + cosine schedule and
-    gradient clipping), drawing a progress bar; returns the list of losses."""
+    Constant, not decaying to the end of a run: a run has no end here (``--load`` trains further),
+    and a schedule that does not depend on the step count makes 2 steps + 2 more the same as 4."""
     opt = optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = optim.WarmupCosine(opt, warmup=warmup, total=steps)
-    t0 = time.perf_counter()
+    return opt, optim.WarmupCosine(opt, warmup=warmup, total=max(warmup, 1), min_ratio=1.0)
 
-    def show(i, losses):
-        step = i + 1
-        if log and (step % 5 == 0 or step == steps):
-            progress(step, steps, float(np.mean(losses[-5:])), t0)
-    batches = (loader.next_batch() for _ in range(steps))
-    losses = train_steps(model, batches, opt, clip=clip, schedule=sched, on_step=show)
-    if log:
-        print()
+
+def train(model, loader, steps, lr=None, warmup=20, clip=1.0, log=True, opt=None, schedule=None):
+    """The training loop: per step a batch, forward, backward, gradient clipping, AdamW, the schedule.
+
+    Without ``opt`` it makes AdamW with a warmup + cosine decay over ``steps`` (a run of known
+    length); the lesson passes its own (``optimizer_for``). ``log``: a progress bar with the running
+    loss (tqdm, drawn only on a terminal). Returns the list of losses."""
+    if opt is None:
+        opt = optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        schedule = optim.WarmupCosine(opt, warmup=warmup, total=steps)
+    params = model.parameters()
+    losses = []
+    with progress(total=steps, desc="train", rank=0 if log else -1) as bar:  # rank != 0: no bar
+        for _ in range(steps):
+            x, y = loader.next_batch()
+            loss = model.loss(x, y)
+            loss.backward()
+            if clip is not None:
+                optim.clip_grad_norm(params, clip)
+            opt.step()
+            if schedule is not None:
+                schedule.step()
+            opt.zero_grad()
+            losses.append(float(loss.item()))
+            bar.update(1)
+            bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}", refresh=False)
     return losses
 
 
@@ -73,18 +102,57 @@ def sample(model, prompt_ids, new_tokens, temperature=0.8, seed=0):
     return ids
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def prompts_from(text: str, count: int = 3, seed: int = 0, words: int = 3) -> list[str]:
+    """``count`` prompts drawn from the training text itself: the first ``words`` words of lines
+    picked at random (seeded), each ending in a space for the model to continue. A text without
+    such lines gives words after random spaces; one without spaces, its first characters."""
+    starts = [i for i in range(len(text)) if (i == 0 or text[i - 1] == "\n") and text[i].isalpha()]
+    if not starts:
+        starts = [i + 1 for i, c in enumerate(text[:-1]) if c == " "] or [0]
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(len(starts), size=count, replace=len(starts) < count)
+    prompts = []
+    for i in picks:
+        line = text[starts[i]:starts[i] + 200].split("\n")[0]
+        head = line.split()[:words]
+        prompts.append(" ".join(head) + " " if head else text[:16])
+    return prompts
+
+
+# -- flags: every one checked before any work --------------------------------------------------------
+
+def steps_flag(text: str) -> int:
+    """``--steps``: an integer >= 1, or 0 (with ``--load``: sample from the saved model only)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (or 0 with --load: sample only), "
+                                         f"got {text!r}")
+    return value
+
+
+def parser() -> LessonParser:
+    ap = LessonParser(description=__doc__.splitlines()[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      epilog="\n".join(__doc__.splitlines()[2:11]))
     ap.add_argument("--text", help="a UTF-8 text file (default: the text shipped with minidist)")
     ap.add_argument("--task", choices=SyntheticTask.KINDS, help="train on a synthetic task instead")
-    ap.add_argument("--steps", type=positive_int, default=400)
-    ap.add_argument("--batch", type=positive_int, default=32)
-    ap.add_argument("--block", type=positive_int, default=64)
-    ap.add_argument("--layers", type=positive_int, default=2)
-    ap.add_argument("--d-model", type=positive_int, default=128, help="a multiple of --heads")
-    ap.add_argument("--heads", type=positive_int, default=4)
-    ap.add_argument("--lr", type=positive_float, default=3e-3)
+    ap.add_argument("--steps", type=steps_flag, default=300, help="training steps of this run (default 300)")
+    for flag, default in DEFAULTS.items():  # None: the default, or the --load checkpoint's
+        note = ", a multiple of --heads" if flag == "d_model" else ""
+        ap.add_argument("--" + flag.replace("_", "-"), type=positive_float if flag == "lr" else positive_int,
+                        default=None, help=f"default {default}{note}")
     ap.add_argument("--seed", type=nonnegative_int, default=0)
+    ap.add_argument("--prompt", help="sample continuing this text (default: 3 prompts drawn from the "
+                                     "training text)")
+    ap.add_argument("--save", metavar="DIR", help="save the training state at the end (a checkpoint folder)")
+    ap.add_argument("--load", metavar="DIR", help="start from the newest checkpoint in DIR (its model "
+                                                  "and run: --steps more steps, or 0 to only sample)")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw the loss curve")
+    ap.add_argument("--backend", choices=BACKENDS, default=None,
+                    help="array library (default $MINIDIST_BACKEND or numpy)")
     return ap
 
 
@@ -103,6 +171,7 @@ def load_data(args):
     except UnicodeDecodeError as e:
         raise ValueError(f"argument --text: {args.text!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
                          "give a text file") from None
+    args.text_content = text
     tokens = ByteTokenizer().encode(text)
     try:
         return TextDataset(tokens, block_size=args.block)
@@ -111,45 +180,209 @@ def load_data(args):
         raise ValueError(f"argument --block: {args.block}: {e}; {fix}") from None
 
 
+def saved_config(root) -> dict:
+    """The model configuration of the newest intact checkpoint in ``root`` (ValueError naming
+    ``--load`` if there is none): ``--load`` builds that model, whatever the size flags say."""
+    if not os.path.isdir(root):
+        raise ValueError(f"argument --load: no such folder: {root!r}; give a folder an earlier --save wrote")
+    where, manifest, problems = ckpt_files.choose(world(), root, job=os.environ.get("MINIDIST_JOB_ID"),
+                                                  any_job=False)
+    if where is None:
+        why = f" ({'; '.join(problems)})" if problems else ""
+        raise ValueError(f"argument --load: no intact checkpoint in {root!r}{why}; give a folder an earlier "
+                         f"--save wrote")
+    if not isinstance(manifest.get("config"), dict) or "model" not in manifest["config"]:
+        raise ValueError(f"argument --load: {root!r} holds a checkpoint of another program (no lesson-1 "
+                         f"model configuration in it); give a folder `--save` of this lesson wrote")
+    return manifest["config"]
+
+
+def check_save(root) -> None:
+    """``--save DIR``: a new folder inside an existing one, or a checkpoint folder minidist made."""
+    parent = os.path.dirname(os.path.abspath(root))
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ValueError(f"argument --save: {root!r} is a file; give a folder for the checkpoints")
+    if not os.path.isdir(parent):
+        raise ValueError(f"argument --save: folder {parent} of {root!r} does not exist")
+    if os.path.isdir(root) and ckpt_folder.owner(root) is None:
+        foreign = [e for e in os.listdir(root) if not e.startswith(("step-", "latest"))]
+        if foreign:
+            raise ValueError(f"argument --save: {root!r} holds files minidist did not write "
+                             f"({', '.join(sorted(foreign)[:3])}); give a new or empty folder")
+    if not os.access(root if os.path.isdir(root) else parent, os.W_OK):
+        raise ValueError(f"argument --save: {root!r} is not writable")
+
+
 def prepare(argv=None):
     """Parse and check every flag before any training: (args, data), or exit status 2 and one line."""
     ap = parser()
     args = ap.parse_args(argv)
-    if args.d_model % args.heads:
-        ap.error(f"argument --d-model: must be a multiple of --heads {args.heads}, got {args.d_model}")
     try:
+        if args.backend is not None:
+            try:
+                get_backend(args.backend)
+            except RuntimeError as e:
+                raise ValueError(f"argument --backend: {e}") from None
+        args.saved = saved_config(args.load) if args.load else None
+        if args.saved is not None:
+            resolve_from_checkpoint(args)
+        small = args.batch is None  # the default batch: at most the text's windows (a short --text)
+        for flag, default in DEFAULTS.items():
+            if getattr(args, flag) is None:
+                setattr(args, flag, default)
+        if args.steps == 0 and not args.load:
+            raise ValueError("argument --steps: must be an integer >= 1 (0 only with --load DIR: sample "
+                             "from the saved model)")
+        if args.d_model % args.heads:
+            raise ValueError(f"argument --d-model: must be a multiple of --heads {args.heads}, "
+                             f"got {args.d_model}")
+        if args.prompt is not None and args.task:
+            raise ValueError(f"argument --prompt: --task {args.task} is scored by its answers, not sampled; "
+                             "drop --prompt or --task")
+        if args.prompt is not None and not args.prompt:
+            raise ValueError("argument --prompt: give at least one character to continue")
+        if args.save:
+            check_save(args.save)
         data = load_data(args)
+        if small:
+            args.batch = min(args.batch, len(data))
+        if args.batch > len(data):
+            raise ValueError(f"argument --batch: {args.batch} is more than the {len(data)} training windows; "
+                             f"use --batch <= {len(data)}")
     except ValueError as e:
         ap.error(str(e))
     return args, data
 
 
+def resolve_from_checkpoint(args) -> None:
+    """Take the model, the batch, the learning rate and the data (``--task``) from the ``--load``
+    checkpoint; one of those flags given with another value is a ValueError naming both."""
+    model, run = args.saved["model"], args.saved.get("run", {})
+    for flag in DEFAULTS:
+        given, saved = getattr(args, flag), model[MODEL_FLAGS[flag]] if flag in MODEL_FLAGS else run.get(flag)
+        if flag == "block" and run.get("task"):
+            saved = None  # a task's context is the task's own
+        if given is not None and saved is not None and given != saved:
+            raise ValueError(f"argument --{flag.replace('_', '-')}: {given}, but the checkpoint in "
+                             f"{args.load!r} "
+                             f"has {saved}; drop the flag (--load continues the saved run)")
+        setattr(args, flag, saved if saved is not None else DEFAULTS[flag])
+    if args.task is None and args.text is None:
+        args.task, args.text = run.get("task"), run.get("text")
+        if args.text is not None and not os.path.isfile(args.text):
+            raise ValueError(f"argument --load: {args.load!r} was trained on {args.text!r}, which is "
+                             "no longer there; pass --text FILE")
+    if (args.task or None) != (run.get("task") or None):
+        raise ValueError(f"argument --task: {args.task}, but the checkpoint in {args.load!r} was trained on "
+                         f"{run.get('task') or 'text'}; use the same data")
+
+
+# -- the lesson ---------------------------------------------------------------------------------------
+
+class History:
+    """The losses of every step so far, saved with the checkpoint so a resumed run's plot is whole."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def state_dict(self) -> dict:
+        return {"losses": self.losses}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.losses = [float(v) for v in sd["losses"]]
+
+
+def plot_losses(path, losses, uniform, title) -> None:
+    """The loss curve: every step's loss, its 20-step running mean, and the uniform guess."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    steps = np.arange(1, len(losses) + 1)
+    ax.plot(steps, losses, color="tab:blue", alpha=0.35, lw=0.8, label="loss of each step's batch")
+    k = min(20, len(losses))
+    smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
+    ax.plot(steps[k - 1:], smooth, color="tab:blue", lw=2, label=f"mean of the last {k} steps")
+    ax.axhline(uniform, color="gray", ls="--", lw=1, label=f"uniform guess ln(vocab) = {uniform:.3f}")
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     args, data = prepare(argv)
-    if args.task:
-        vocab, block = data.vocab_size, data.block_size
-    else:
-        vocab, block = ByteTokenizer.vocab_size, args.block
+    if args.backend is not None:
+        set_default_backend(args.backend)
+    with threadpool_limits(1):  # small matrices: one BLAS thread is faster than several (chapter 1)
+        return lesson(args, data)
+
+
+def lesson(args, data):
+    """Build (or load), train, report, sample; returns this run's losses."""
+    vocab, block = (data.vocab_size, data.block_size) if args.task else (ByteTokenizer.vocab_size, args.block)
     cfg = GPTConfig(vocab_size=vocab, block_size=block, n_layer=args.layers, n_head=args.heads,
                     d_model=args.d_model, seed=args.seed)
     model = GPT(cfg)
-    print(describe_binding(default_backend(), 1, "one process"))
+    be = next(iter(model.parameters())).backend
+    print(describe_binding(be, 1, "one process"))
+    if be.name == "jax":
+        print("JAX compiles each new program once; a first run, or one after minidist changed, is several "
+              "times slower than later ones, which read the compiled programs from the cache (chapter 1)")
+    loader = BatchLoader(data, args.batch, seed=args.seed)
+    opt, sched = optimizer_for(model, args.lr)
+    history = History()
+    run = {"task": args.task, "text": args.text and os.path.abspath(args.text),
+           **{f: getattr(args, f) for f in RUN_FLAGS}}
+    objects = {"loader": loader, "schedule": sched, "history": history}
+    state = checkpoint.TrainState(model, opt, objects=objects,
+                                  config={"model": dataclasses.asdict(cfg), "run": run})
+    comm, start = world(), 0
+    if args.load:
+        start = checkpoint.load(comm, args.load, state, required=True).step
+        print(f"loaded step {start} from {args.load}: loss {np.mean(history.losses[-10:]):.3f} over its "
+              f"last {min(10, len(history.losses))} steps")
     print(f"GPT: {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, context {block}, "
           f"{model.num_parameters():,} parameters; {len(data)} training windows")
-    loader = BatchLoader(data, args.batch, seed=args.seed)
     t0 = time.perf_counter()
-    losses = train(model, loader, args.steps, args.lr)
+    losses = train(model, loader, args.steps, opt=opt, schedule=sched)
     elapsed = time.perf_counter() - t0
-    print(f"trained {args.steps} steps in {elapsed:.1f}s: loss {np.mean(losses[:5]):.3f} "
-          f"-> {np.mean(losses[-5:]):.3f} (uniform guess: {np.log(vocab):.3f})")
-    tokens = args.batch * block
+    history.losses += losses
+    if losses:
+        report(args, cfg, model, losses, elapsed, start, vocab)
+    if args.save:
+        path = checkpoint.save(comm, args.save, start + args.steps, state)
+        print(f"saved step {start + args.steps} to {path} (continue: --load {args.save})")
+    if args.plot:
+        plot_losses(args.plot, history.losses, np.log(vocab),
+                    f"lesson 1: {model.num_parameters():,}-parameter GPT, "
+                    f"batch {args.batch} x {block} tokens")
+        print(f"wrote {args.plot}: the loss of {len(history.losses)} steps")
+    show(args, model, data)
+    return losses
+
+
+def report(args, cfg, model, losses, elapsed, start, vocab) -> None:
+    """The loss before and after, and the step time beside chapter 0's cost model and the planner's."""
+    print(f"trained steps {start + 1}-{start + len(losses)} in {elapsed:.1f}s "
+          f"({1e3 * elapsed / len(losses):.0f} ms/step): "
+          f"loss {np.mean(losses[:5]):.3f} -> {np.mean(losses[-10:]):.3f} "
+          f"(uniform guess: {np.log(vocab):.3f})")
+    tokens = args.batch * cfg.block_size
     print(f"cost model (chapter 0): 6·N·D = 6 x {model.num_parameters():,} x {tokens:,} tokens = "
           f"{estimates.training_flops(model.num_parameters(), tokens) / 1e9:.2f} GFLOP per step")
     print(estimates.predicted_vs_measured(
         "one step on this machine's calibrated constants (the planner, chapter 11)",
-        estimates.step_prediction(cfg.n_layer, cfg.d_model, cfg.n_head, vocab, block, args.batch),
-        elapsed / args.steps))
+        estimates.step_prediction(cfg.n_layer, cfg.d_model, cfg.n_head, vocab, cfg.block_size, args.batch),
+        elapsed / len(losses)))
 
+
+def show(args, model, data) -> None:
+    """What the model learned: a task's answer accuracy, or text continuing each prompt."""
     model.eval()
     if args.task:
         x, y = data.get(np.arange(8))
@@ -157,12 +390,12 @@ def main(argv=None):
             pred = model(x).numpy().argmax(-1)
         mask = y != -1
         print(f"{args.task}: answer-token accuracy on 8 examples {np.mean(pred[mask] == y[mask]):.2%}")
-    else:
-        tok = ByteTokenizer()
-        for i, prompt in enumerate(["Data parallelism ", "The pipeline ", "A neural network "]):
-            out = sample(model, tok.encode(prompt), 80, seed=args.seed + i)
-            print(f"  > {tok.decode(out)!r}")
-    return losses
+        return
+    tok = ByteTokenizer()
+    prompts = [args.prompt] if args.prompt is not None else prompts_from(args.text_content, seed=args.seed)
+    for i, prompt in enumerate(prompts):
+        out = sample(model, tok.encode(prompt), 80, seed=args.seed + i)
+        print(f"  > {tok.decode(out)!r}")
 
 
 if __name__ == "__main__":
