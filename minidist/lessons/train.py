@@ -104,17 +104,22 @@ def sample(model, prompt_ids, new_tokens, temperature=0.8, seed=0):
 
 def prompts_from(text: str, count: int = 3, seed: int = 0, words: int = 3) -> list[str]:
     """``count`` prompts drawn from the training text itself: the first ``words`` words of lines
-    picked at random (seeded), each ending in a space for the model to continue. A text without
-    such lines gives words after random spaces; one without spaces, its first characters."""
-    starts = [i for i in range(len(text)) if (i == 0 or text[i - 1] == "\n") and text[i].isalpha()]
+    picked at random (seeded; lines that start with ``words`` plain words, where there are any),
+    each ending in a space for the model to continue. A text without lines starting with a letter
+    gives words after random spaces; one without spaces, its first line."""
+    def words_at(i):
+        return text[i:i + 200].split("\n")[0].split()[:words]
+
+    lines = [i for i in range(len(text)) if (i == 0 or text[i - 1] == "\n") and text[i].isalpha()]
+    starts = [i for i in lines if len(words_at(i)) == words  # lines of prose first, not of code or tables
+              and all(w.strip(",.;:!?'\"()").isalpha() for w in words_at(i))] or lines
     if not starts:
         starts = [i + 1 for i, c in enumerate(text[:-1]) if c == " "] or [0]
     rng = np.random.default_rng(seed)
     picks = rng.choice(len(starts), size=count, replace=len(starts) < count)
     prompts = []
     for i in picks:
-        line = text[starts[i]:starts[i] + 200].split("\n")[0]
-        head = line.split()[:words]
+        head = words_at(starts[i])
         prompts.append(" ".join(head) + " " if head else text[:16])
     return prompts
 
@@ -139,7 +144,7 @@ def parser() -> LessonParser:
                       epilog="\n".join(__doc__.splitlines()[2:11]))
     ap.add_argument("--text", help="a UTF-8 text file (default: the text shipped with minidist)")
     ap.add_argument("--task", choices=SyntheticTask.KINDS, help="train on a synthetic task instead")
-    ap.add_argument("--steps", type=steps_flag, default=300, help="training steps of this run (default 300)")
+    ap.add_argument("--steps", type=steps_flag, default=600, help="training steps of this run (default 600)")
     for flag, default in DEFAULTS.items():  # None: the default, or the --load checkpoint's
         note = ", a multiple of --heads" if flag == "d_model" else ""
         ap.add_argument("--" + flag.replace("_", "-"), type=positive_float if flag == "lr" else positive_int,
