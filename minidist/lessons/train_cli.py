@@ -18,7 +18,7 @@ from minidist.resilience.checkpoint import files as ckpt_files
 from minidist.resilience.checkpoint import folder as ckpt_folder
 
 # the model and the run a bare `python -m minidist.lessons.train` trains (chapter 1 has the numbers)
-DEFAULTS = {"layers": 2, "d_model": 128, "heads": 4, "block": 64, "batch": 16, "lr": 4e-3}
+DEFAULTS = {"layers": 2, "d_model": 128, "heads": 4, "block": 64, "batch": 16, "lr": 3e-3}
 # the flags a --load checkpoint decides: the model's (GPTConfig field) and the run's (saved as they are)
 MODEL_FLAGS = {"layers": "n_layer", "d_model": "d_model", "heads": "n_head", "block": "block_size"}
 RUN_FLAGS = ("batch", "lr")
