@@ -157,8 +157,12 @@ def main(argv=None):
     args, data = prepare(argv)
     if args.backend is not None:
         set_default_backend(args.backend)
-    with threadpool_limits(1):  # small matrices: one BLAS thread is faster than several (chapter 1)
-        return lesson(args, data)
+    try:
+        with threadpool_limits(1):  # small matrices: one BLAS thread is faster than several (chapter 1)
+            return lesson(args, data)
+    finally:
+        if args.backend is not None:  # called in-process (a test, a notebook): the caller's default again
+            set_default_backend(None)
 
 
 def lesson(args, data):

@@ -118,3 +118,16 @@ def test_progress_bar_only_on_a_terminal(monkeypatch, capsys):
     lesson.main([*TINY, "--steps", "3"])
     shown = term.getvalue()
     assert "\r" in shown and "train:" in shown and "3/3" in shown and "loss=" in shown
+
+
+@pytest.mark.slow
+def test_the_jax_backend_trains_to_numpys_losses():
+    """The same loop on JAX: float32 on both, the same batches and initial weights, so the losses
+    agree to float32 rounding (JAX's XLA fuses and orders sums its own way)."""
+    pytest.importorskip("jax")
+    from minidist.accel.backend import default_backend
+
+    on_numpy = lesson.main([*TINY, "--steps", "3", "--backend", "numpy"])
+    on_jax = lesson.main([*TINY, "--steps", "3", "--backend", "jax"])
+    np.testing.assert_allclose(on_jax, on_numpy, rtol=1e-5)
+    assert default_backend().name == "numpy"  # main left the caller's default as it was
