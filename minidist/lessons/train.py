@@ -174,8 +174,8 @@ def lesson(args, data):
     be = next(iter(model.parameters())).backend
     print(describe_binding(be, 1, "one process"))
     if be.name == "jax":
-        print("JAX compiles each new program once; a first run, or one after minidist changed, is several "
-              "times slower than later ones, which read the compiled programs from the cache (chapter 1)")
+        print("JAX compiles each new program once: a first run, or the first after minidist changed, is "
+              "slower than later ones, which load the programs from minidist's cache (chapter 1 measures it)")
     loader = BatchLoader(data, args.batch, seed=args.seed)
     opt, sched = optimizer_for(model, args.lr)
     history = History()
