@@ -47,6 +47,7 @@ from minidist.lessons.cli import (
     rprint,
     world_size,
 )
+from minidist.lessons.progress import progress
 from minidist.plan import estimates
 
 # what one element costs a rank: x and the result (float32), the twin's float64 sum and the float32 /
@@ -99,7 +100,7 @@ def alpha_beta_section(comm, repeats: int) -> list[str]:
     """Fit t = rounds·alpha + bytes_sent·beta on this machine (the slowest rank's median of each
     algorithm at each size); lines comparing prediction and measurement, and where auto switches."""
     p, runs = comm.size, []
-    for nbytes in MODEL_SIZES:
+    for nbytes in progress(MODEL_SIZES, desc="alpha-beta fit", unit="size", rank=comm.rank):
         x = np.ones(nbytes // 4, np.float32)
         for a in MODEL_ALGOS:
             def run(c, v, a=a):

@@ -32,6 +32,7 @@ from minidist.lessons.cli import (
     world_size,
     worst,
 )
+from minidist.lessons.progress import progress
 from minidist.nn import optim
 from minidist.nn.moe import MoE
 from minidist.parallel.experts.dispatch import ExpertParallelMoE, all_to_all_bytes
@@ -116,7 +117,7 @@ def train(comm, args, aux_weight):
     opt = optim.make_optimizer("adamw", moe.parameters(), args.lr)
     target = np.random.default_rng(99).standard_normal((D, D)) / np.sqrt(D)
     history = []
-    for step in range(args.steps):
+    for step in progress(range(args.steps), desc="train", rank=comm.rank):
         x = tokens(args, comm.rank + 100 * step)
         y = moe(on_backend(x))
         err = y - on_backend(np.tanh(x @ target))

@@ -20,6 +20,7 @@ import numpy as np
 from minidist.accel.backend import to_host
 from minidist.comm import all_reduce
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, positive_int, rprint
+from minidist.lessons.progress import progress
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.nn.optim import AdamW
 from minidist.parallel.memory.fp8 import Fp8Quantizer, Fp8Recipe, fp8_linear
@@ -61,7 +62,7 @@ def train(comm, cfg, run, data, b, lr, block):
         mp = MixedPrecision(model, run, groups=[comm])
     opt = AdamW(mp.master_params if mp else model.parameters(), lr=lr)
     losses, first = [], None
-    for step, batch in enumerate(data):
+    for step, batch in enumerate(progress(data, desc=run, rank=comm.rank)):
         idx = batch[comm.rank * b:(comm.rank + 1) * b]
         if mp:
             loss = mp.loss(idx, idx)

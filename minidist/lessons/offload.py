@@ -29,6 +29,7 @@ from minidist.lessons.cli import (
     rprint,
     worst,
 )
+from minidist.lessons.progress import progress
 from minidist.memory import MemoryAccountant
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.nn.optim import AdamW
@@ -41,7 +42,7 @@ def run_training(cfg, opt_factory, data, comm, tracer=None, name=""):
     model = GPT(cfg)
     opt = opt_factory(model.parameters())
     steps, opt_steps = [], []
-    for s, idx in enumerate(data):
+    for s, idx in enumerate(progress(data, desc=name or "train", rank=comm.rank)):
         comm.barrier()
         t0 = time.perf_counter()
         loss = model.loss(idx, idx)

@@ -23,6 +23,7 @@ import numpy as np
 
 from minidist.comm import measure, under_mpi
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint, world_size
+from minidist.lessons.progress import progress
 from minidist.memory import MemoryAccountant
 from minidist.nn import GPTConfig
 from minidist.parallel.three_d import gather_full_state, train_3d
@@ -70,9 +71,10 @@ def rank_main(comm, args):
     rprint(comm, f"\ntraining the planner's {which}: {c.label()} ({m} microbatches per replica)")
     data = make_batches(args)
     marks = []
-    with measure(comm) as meas:
+    with measure(comm) as meas, progress(total=len(data), desc="train", rank=comm.rank) as bar:
         def on_step(step, stats):
             marks.append((time.perf_counter(), comm.ledger.bytes_sent, len(meas.calls)))
+            bar.update(1)
         res = train_3d(comm, cfg, data, dp=c.dp, pp=c.pp, tp=c.tp, microbatches=m, optimizer="adamw",
                        lr=1e-3, on_step=on_step, checkpoint=None if c.checkpoint == "none" else c.checkpoint)
         calls = meas.calls[marks[0][2]:marks[1][2]]

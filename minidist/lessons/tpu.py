@@ -57,6 +57,7 @@ from minidist.comm import measure, run, under_mpi, world  # noqa: E402
 from minidist.comm.runner import install_abort_hook  # noqa: E402
 from minidist.comm.transports.devices import jax_distributed_init  # noqa: E402
 from minidist.lessons.cli import positive_float, positive_int  # noqa: E402
+from minidist.lessons.progress import progress  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.nn.data import BatchLoader, TextDataset  # noqa: E402
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d  # noqa: E402
@@ -73,10 +74,10 @@ def eager(cfg, batches, args):
     """minidist on the device transport: (full state, losses, step seconds, ledger calls, devices)."""
     def body(comm):
         times = [time.perf_counter()]
-        with measure(comm) as m:
+        with measure(comm) as m, progress(total=len(batches), desc="eager", rank=comm.rank) as bar:
             res = train_3d(comm, cfg, batches, dp=args.dp, pp=1, tp=args.tp, lr=args.lr, optimizer="sgd",
                            on_step=lambda step, stats: (comm.backend.synchronize(),
-                                                        times.append(time.perf_counter())))
+                                                        times.append(time.perf_counter()), bar.update(1)))
         calls = Counter(c.name for c in m.calls)
         return gather_full_state(comm, res), res.losses, np.diff(times), calls, m.bytes_sent, str(comm.device)
 
@@ -89,7 +90,7 @@ def compiled(cfg, batches, args):
     """The SPMD twin: (twin, losses, step seconds, HLO collective counts)."""
     twin = SPMDTwin(cfg, args.dp, args.tp, lr=args.lr, dp_reduce=args.dp_reduce)
     losses, times = [], []
-    for x, y in batches:
+    for x, y in progress(batches, desc="compiled"):
         t = time.perf_counter()
         losses.append(twin.step(x, y))  # float(): waits for the device
         times.append(time.perf_counter() - t)

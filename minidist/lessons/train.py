@@ -1,56 +1,77 @@
 """Lesson 1: train a small GPT on one process, then let it write.
 
-    python -m minidist.lessons.train                 # the text that ships with minidist
-    python -m minidist.lessons.train --text FILE     # any UTF-8 text file
-    python -m minidist.lessons.train --task reverse  # a synthetic task (copy/reverse/sort/addition)
+    python -m minidist.lessons.train                          # the text that ships with minidist
+    python -m minidist.lessons.train --prompt "The ring "     # continue your own prompt
+    python -m minidist.lessons.train --text FILE              # any UTF-8 text file
+    python -m minidist.lessons.train --task reverse           # a synthetic task (copy/reverse/sort/addition)
+    python -m minidist.lessons.train --save ckpt --plot loss.png
+    python -m minidist.lessons.train --load ckpt --steps 300  # train the saved model further ...
+    python -m minidist.lessons.train --load ckpt --steps 0    # ... or only sample from it
+    python -m minidist.lessons.train --backend jax            # the same loop on JAX
 
 Everything here is the serial twin that every later lesson splits across ranks: one model,
-one optimizer, one loop of forward, backward, step.
+one optimizer, one loop of forward, backward, step. ``--save`` writes the whole training state
+(parameters, AdamW moments, schedule, loader position, RNG streams) in the checkpoint format of
+the fault-tolerance lesson (``minidist.resilience.checkpoint``), so ``--load`` continues exactly
+where the saved run stopped: 2 steps, saved, then 2 more are the same bits as 4 steps.
+The flags are parsed and checked, before any work, in ``minidist.lessons.train_cli``.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
-import sys
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
-from minidist.accel.backend import bucket, compiles_per_shape, default_backend
+from minidist.accel.backend import bucket, compiles_per_shape, set_default_backend
 from minidist.autograd.tensor import no_grad
+from minidist.comm import world
 from minidist.comm.transports.devices import describe_binding
-from minidist.lessons.cli import nonnegative_int, positive_float, positive_int
+from minidist.lessons.progress import progress
+from minidist.lessons.train_cli import RUN_FLAGS, prepare
 from minidist.nn import GPT, GPTConfig, optim
-from minidist.nn.data import BatchLoader, ByteTokenizer, SyntheticTask, TextDataset, default_text
+from minidist.nn.data import BatchLoader, ByteTokenizer
 from minidist.plan import estimates
-from minidist.testing import train_steps
+from minidist.resilience import checkpoint
 
 
-def progress(step, total, loss, t0, width=30):
-    """One line, redrawn in place: [#####.....] step/total loss, steps/s."""
-    done = int(width * step / total)
-    rate = step / max(time.perf_counter() - t0, 1e-9)
-    sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{total} loss {loss:.3f} "
-                     f"({rate:.1f} steps/s)")
-    sys.stdout.flush()
+def optimizer_for(model, lr, warmup=20):
+    """AdamW and its schedule: a linear warmup over ``warmup`` steps, then the constant ``lr``.
 
-
-def train(model, loader, steps, lr, warmup=20, clip=1.0, log=True):
-    """The training loop (``minidist.testing.train_steps``, with a warmup + cosine schedule and
-    gradient clipping), drawing a progress bar; returns the list of losses."""
+    Constant, not decaying to the end of a run: a run has no end here (``--load`` trains further),
+    and a schedule that does not depend on the step count makes 2 steps + 2 more the same as 4."""
     opt = optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = optim.WarmupCosine(opt, warmup=warmup, total=steps)
-    t0 = time.perf_counter()
+    return opt, optim.WarmupCosine(opt, warmup=warmup, total=max(warmup, 1), min_ratio=1.0)
 
-    def show(i, losses):
-        step = i + 1
-        if log and (step % 5 == 0 or step == steps):
-            progress(step, steps, float(np.mean(losses[-5:])), t0)
-    batches = (loader.next_batch() for _ in range(steps))
-    losses = train_steps(model, batches, opt, clip=clip, schedule=sched, on_step=show)
-    if log:
-        print()
+
+def train(model, loader, steps, lr=None, warmup=20, clip=1.0, log=True, opt=None, schedule=None):
+    """The training loop: per step a batch, forward, backward, gradient clipping, AdamW, the schedule.
+
+    Without ``opt`` it makes AdamW with a warmup + cosine decay over ``steps`` (a run of known
+    length); the lesson passes its own (``optimizer_for``). ``log``: a progress bar with the running
+    loss (tqdm, drawn only on a terminal). Returns the list of losses."""
+    if opt is None:
+        opt = optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        schedule = optim.WarmupCosine(opt, warmup=warmup, total=steps)
+    params = model.parameters()
+    losses = []
+    with progress(total=steps, desc="train", rank=0 if log else -1) as bar:  # rank != 0: no bar
+        for _ in range(steps):
+            x, y = loader.next_batch()
+            loss = model.loss(x, y)
+            loss.backward()
+            if clip is not None:
+                optim.clip_grad_norm(params, clip)
+            opt.step()
+            if schedule is not None:
+                schedule.step()
+            opt.zero_grad()
+            losses.append(float(loss.item()))
+            bar.update(1)
+            bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}", refresh=False)
     return losses
 
 
@@ -73,83 +94,138 @@ def sample(model, prompt_ids, new_tokens, temperature=0.8, seed=0):
     return ids
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--text", help="a UTF-8 text file (default: the text shipped with minidist)")
-    ap.add_argument("--task", choices=SyntheticTask.KINDS, help="train on a synthetic task instead")
-    ap.add_argument("--steps", type=positive_int, default=400)
-    ap.add_argument("--batch", type=positive_int, default=32)
-    ap.add_argument("--block", type=positive_int, default=64)
-    ap.add_argument("--layers", type=positive_int, default=2)
-    ap.add_argument("--d-model", type=positive_int, default=128, help="a multiple of --heads")
-    ap.add_argument("--heads", type=positive_int, default=4)
-    ap.add_argument("--lr", type=positive_float, default=3e-3)
-    ap.add_argument("--seed", type=nonnegative_int, default=0)
-    return ap
+def prompts_from(text: str, count: int = 3, seed: int = 0, words: int = 3) -> list[str]:
+    """``count`` prompts drawn from the training text itself: the first ``words`` words of lines
+    picked at random (seeded; lines that start with ``words`` plain words, where there are any),
+    each ending in a space for the model to continue. A text without lines starting with a letter
+    gives words after random spaces; one without spaces, its first line."""
+    def words_at(i):
+        return text[i:i + 200].split("\n")[0].split()[:words]
+
+    lines = [i for i in range(len(text)) if (i == 0 or text[i - 1] == "\n") and text[i].isalpha()]
+    starts = [i for i in lines if len(words_at(i)) == words  # lines of prose first, not of code or tables
+              and all(w.strip(",.;:!?'\"()").isalpha() for w in words_at(i))] or lines
+    if not starts:
+        starts = [i + 1 for i, c in enumerate(text[:-1]) if c == " "] or [0]
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(len(starts), size=count, replace=len(starts) < count)
+    prompts = []
+    for i in picks:
+        head = words_at(starts[i])
+        prompts.append(" ".join(head) + " " if head else text[:16])
+    return prompts
 
 
-def load_data(args):
-    """The training windows the flags ask for, or a ValueError naming the flag: a ``--text`` that is
-    missing, a folder, not UTF-8, or shorter than one ``--block`` window (TextDataset's own rule)."""
-    if args.task:
-        return SyntheticTask(args.task, length=6, size=2048, seed=args.seed)
-    if args.text is not None:
-        if os.path.isdir(args.text):
-            raise ValueError(f"argument --text: {args.text!r} is a folder; give a UTF-8 text file")
-        if not os.path.isfile(args.text):
-            raise ValueError(f"argument --text: no such file: {args.text!r}")
-    try:
-        text = default_text() if args.text is None else open(args.text, encoding="utf-8").read()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"argument --text: {args.text!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
-                         "give a text file") from None
-    tokens = ByteTokenizer().encode(text)
-    try:
-        return TextDataset(tokens, block_size=args.block)
-    except ValueError as e:
-        fix = f"use --block <= {len(tokens) - 1}" if len(tokens) > 1 else "give a longer --text"
-        raise ValueError(f"argument --block: {args.block}: {e}; {fix}") from None
+# -- the lesson ---------------------------------------------------------------------------------------
+
+class History:
+    """The losses of every step so far, saved with the checkpoint so a resumed run's plot is whole."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def state_dict(self) -> dict:
+        return {"losses": self.losses}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.losses = [float(v) for v in sd["losses"]]
 
 
-def prepare(argv=None):
-    """Parse and check every flag before any training: (args, data), or exit status 2 and one line."""
-    ap = parser()
-    args = ap.parse_args(argv)
-    if args.d_model % args.heads:
-        ap.error(f"argument --d-model: must be a multiple of --heads {args.heads}, got {args.d_model}")
-    try:
-        data = load_data(args)
-    except ValueError as e:
-        ap.error(str(e))
-    return args, data
+def plot_losses(path, losses, uniform, title) -> None:
+    """The loss curve: every step's loss, its 20-step running mean, and the uniform guess."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    steps = np.arange(1, len(losses) + 1)
+    ax.plot(steps, losses, color="tab:blue", alpha=0.35, lw=0.8, label="loss of each step's batch")
+    k = min(20, len(losses))
+    smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
+    ax.plot(steps[k - 1:], smooth, color="tab:blue", lw=2, label=f"mean of the last {k} steps")
+    ax.axhline(uniform, color="gray", ls="--", lw=1, label=f"uniform guess ln(vocab) = {uniform:.3f}")
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None):
     args, data = prepare(argv)
-    if args.task:
-        vocab, block = data.vocab_size, data.block_size
-    else:
-        vocab, block = ByteTokenizer.vocab_size, args.block
+    if args.backend is not None:
+        set_default_backend(args.backend)
+    try:
+        with threadpool_limits(1):  # small matrices: one BLAS thread is faster than several (chapter 1)
+            return lesson(args, data)
+    finally:
+        if args.backend is not None:  # called in-process (a test, a notebook): the caller's default again
+            set_default_backend(None)
+
+
+def lesson(args, data):
+    """Build (or load), train, report, sample; returns this run's losses."""
+    vocab, block = (data.vocab_size, data.block_size) if args.task else (ByteTokenizer.vocab_size, args.block)
     cfg = GPTConfig(vocab_size=vocab, block_size=block, n_layer=args.layers, n_head=args.heads,
                     d_model=args.d_model, seed=args.seed)
     model = GPT(cfg)
-    print(describe_binding(default_backend(), 1, "one process"))
+    be = next(iter(model.parameters())).backend
+    print(describe_binding(be, 1, "one process"))
+    if be.name == "jax":
+        print("JAX compiles each new program once: a first run, or the first after minidist changed, is "
+              "slower than later ones, which load the programs from minidist's cache (chapter 1 measures it)")
+    loader = BatchLoader(data, args.batch, seed=args.seed)
+    opt, sched = optimizer_for(model, args.lr)
+    history = History()
+    run = {"task": args.task, "text": args.text and os.path.abspath(args.text),
+           **{f: getattr(args, f) for f in RUN_FLAGS}}
+    objects = {"loader": loader, "schedule": sched, "history": history}
+    state = checkpoint.TrainState(model, opt, objects=objects,
+                                  config={"model": dataclasses.asdict(cfg), "run": run})
+    comm, start = world(), 0
+    if args.load:
+        start = checkpoint.load(comm, args.load, state, required=True).step
+        print(f"loaded step {start} from {args.load}: loss {np.mean(history.losses[-10:]):.3f} over its "
+              f"last {min(10, len(history.losses))} steps")
     print(f"GPT: {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, context {block}, "
           f"{model.num_parameters():,} parameters; {len(data)} training windows")
-    loader = BatchLoader(data, args.batch, seed=args.seed)
     t0 = time.perf_counter()
-    losses = train(model, loader, args.steps, args.lr)
+    losses = train(model, loader, args.steps, opt=opt, schedule=sched)
     elapsed = time.perf_counter() - t0
-    print(f"trained {args.steps} steps in {elapsed:.1f}s: loss {np.mean(losses[:5]):.3f} "
-          f"-> {np.mean(losses[-5:]):.3f} (uniform guess: {np.log(vocab):.3f})")
-    tokens = args.batch * block
+    history.losses += losses
+    if losses:
+        report(args, cfg, model, losses, elapsed, start, vocab)
+    if args.save:
+        path = checkpoint.save(comm, args.save, start + args.steps, state)
+        print(f"saved step {start + args.steps} to {path} (continue: --load {args.save})")
+    if args.plot:
+        plot_losses(args.plot, history.losses, np.log(vocab),
+                    f"lesson 1: {model.num_parameters():,}-parameter GPT, "
+                    f"batch {args.batch} x {block} tokens")
+        print(f"wrote {args.plot}: the loss of {len(history.losses)} steps")
+    show(args, model, data)
+    return losses
+
+
+def report(args, cfg, model, losses, elapsed, start, vocab) -> None:
+    """The loss before and after, and the step time beside chapter 0's cost model and the planner's."""
+    print(f"trained steps {start + 1}-{start + len(losses)} in {elapsed:.1f}s "
+          f"({1e3 * elapsed / len(losses):.0f} ms/step): "
+          f"loss {np.mean(losses[:5]):.3f} -> {np.mean(losses[-10:]):.3f} "
+          f"(uniform guess: {np.log(vocab):.3f})")
+    tokens = args.batch * cfg.block_size
     print(f"cost model (chapter 0): 6·N·D = 6 x {model.num_parameters():,} x {tokens:,} tokens = "
           f"{estimates.training_flops(model.num_parameters(), tokens) / 1e9:.2f} GFLOP per step")
     print(estimates.predicted_vs_measured(
         "one step on this machine's calibrated constants (the planner, chapter 11)",
-        estimates.step_prediction(cfg.n_layer, cfg.d_model, cfg.n_head, vocab, block, args.batch),
-        elapsed / args.steps))
+        estimates.step_prediction(cfg.n_layer, cfg.d_model, cfg.n_head, vocab, cfg.block_size, args.batch),
+        elapsed / len(losses)))
 
+
+def show(args, model, data) -> None:
+    """What the model learned: a task's answer accuracy, or text continuing each prompt."""
     model.eval()
     if args.task:
         x, y = data.get(np.arange(8))
@@ -157,12 +233,12 @@ def main(argv=None):
             pred = model(x).numpy().argmax(-1)
         mask = y != -1
         print(f"{args.task}: answer-token accuracy on 8 examples {np.mean(pred[mask] == y[mask]):.2%}")
-    else:
-        tok = ByteTokenizer()
-        for i, prompt in enumerate(["Data parallelism ", "The pipeline ", "A neural network "]):
-            out = sample(model, tok.encode(prompt), 80, seed=args.seed + i)
-            print(f"  > {tok.decode(out)!r}")
-    return losses
+        return
+    tok = ByteTokenizer()
+    prompts = [args.prompt] if args.prompt is not None else prompts_from(args.text_content, seed=args.seed)
+    for i, prompt in enumerate(prompts):
+        out = sample(model, tok.encode(prompt), 80, seed=args.seed + i)
+        print(f"  > {tok.decode(out)!r}")
 
 
 if __name__ == "__main__":
