@@ -62,6 +62,7 @@ SLOW = {
     "tests/resilience/test_supervisor.py::test_elastic_restart_on_fewer_ranks": "a job restarted",
     "tests/resilience/test_supervisor.py::test_a_hung_rank_is_detected": "waits for a heartbeat timeout",
     "tests/resilience/test_supervisor.py::test_giving_up_after_max_restarts": "jobs restarted",
+    "tests/test_conftest.py::test_the_default_command_leaves_out": "two child pytests",
 }
 TIMING = {
     "tests/comm/transports/test_link.py::test_one_message_takes": "a ceiling on a round trip's wall time",
