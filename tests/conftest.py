@@ -80,6 +80,16 @@ def _listed(item, table) -> bool:
     return any(item.nodeid.startswith(key) or key == f"{path}[{backend}]" for key in table)
 
 
+def pytest_configure(config):
+    """Naming a test file or node (``pytest tests/comm/test_mpirun.py``) runs all of it, its slow
+    tests too, unless ``-m`` is given as well: the slow set is left out of whole folders only."""
+    args = config.invocation_params.args
+    if any(a.startswith(("-m", "--markexpr")) for a in args):
+        return
+    if any(a.split("::")[0].endswith(".py") for a in args if not a.startswith("-")):
+        config.option.markexpr = ""
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:

@@ -58,18 +58,21 @@ def test_quick():
 '''
 
 
-def _child(tmp_path, *args):
+def _child(path, *args):
     env = {k: v for k, v in os.environ.items() if k != "MINIDIST_REQUIRE_MPI"}
     env["PYTHONPATH"] = str(ROOT)
     # the repository's pyproject (its addopts) applies: rootdir is ROOT, the probe a path inside tmp
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
-           "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), *args, str(tmp_path)]
+           "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), *args, str(path)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT).stdout
 
 
 def test_the_default_command_leaves_out_mpi_and_timing_tests_and_m_slow_runs_just_them(tmp_path):
+    """A folder: the slow set left out, or alone with ``-m slow``; a file named: all of it."""
     (tmp_path / "test_probe.py").write_text(PROBE)
     out = _child(tmp_path)
     assert "1 passed, 2 deselected" in out, out
     out = _child(tmp_path, "-m", "slow")  # test_quick alone is left out (the mpi one skips without mpirun)
     assert "2 passed, 1 deselected" in out or "1 passed, 1 skipped, 1 deselected" in out, out
+    out = _child(tmp_path / "test_probe.py")  # a file named: all of it
+    assert "3 passed" in out or "2 passed, 1 skipped" in out, out
