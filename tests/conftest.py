@@ -63,6 +63,18 @@ SLOW = {
     "tests/resilience/test_supervisor.py::test_a_hung_rank_is_detected": "waits for a heartbeat timeout",
     "tests/resilience/test_supervisor.py::test_giving_up_after_max_restarts": "jobs restarted",
     "tests/test_conftest.py::test_the_default_command_leaves_out": "two child pytests",
+    # JAX compiling a model's every op (seconds each with empty caches): the default set keeps
+    # tests/accel/test_jax_engine.py's model checks, these repeat them for other techniques
+    "tests/parallel/context/test_ring.py::test_compiled_ring_steps_equal_the_eager_steps": "JAX",
+    "tests/parallel/context/test_ring.py::test_packed_ring_attention_equals_packed_attention[jax]": "JAX",
+    "tests/parallel/balance/test_dp.py::test_dp_on_jax_pads_shares": "JAX",
+    "tests/accel/test_jax_engine.py::test_slices_differing_in_start_stop_or_step": "JAX, 6 examples",
+    "tests/accel/test_jax_engine.py::test_three_adamw_steps_of_a_gpt_on_jax": "JAX",
+    "tests/parallel/memory/test_fp8.py::test_the_fp8_layer_on_jax_arrays_equals_numpy": "JAX",
+    "tests/infer/test_quant_kv.py::test_int8_and_prefix_caches_on_jax": "JAX",
+    "tests/infer/test_infer.py::test_cache_works_on_jax_too": "JAX",
+    "tests/infer/test_buckets.py::test_bucketed_jax_decoding_equals_numpys": "JAX",
+    "tests/parallel/data/test_zero.py::test_ddp_and_zero3_on_jax": "JAX",
 }
 TIMING = {
     "tests/comm/transports/test_link.py::test_one_message_takes": "a ceiling on a round trip's wall time",
