@@ -1,5 +1,6 @@
-"""Test set-up: one BLAS thread per process, hypothesis profiles, the gpu and mpi markers' skip
-rules, and a short watchdog: a hung collective fails a test in seconds, never shrunk by hypothesis."""
+"""Test set-up: one BLAS thread per process, hypothesis profiles, the slow set, the gpu and mpi
+markers' skip rules, and a short watchdog: a hung collective fails a test in seconds, never shrunk
+by hypothesis."""
 
 import functools
 import os
@@ -46,7 +47,68 @@ def _has_gpu() -> bool:
         return False
 
 
+# The slow set: `python -m pytest -q -m slow` (the default command leaves it out: pyproject's addopts;
+# `.ci/run` runs both). Each entry is a node-id prefix and why it is slow; every `mpi` test (a real
+# `mpirun` launch, seconds each) is in it too, and the `timing` tests: a wall-clock ceiling or a
+# process-wide counter that another program's load can push past, so CI runs them, a busy laptop need not.
+SLOW = {
+    "tests/autograd/test_ops.py[jax]": "a JAX compile of forward and backward for every shape drawn",
+    "tests/autograd/test_fused.py[jax]": "a JAX compile of forward and backward for every shape drawn",
+    "tests/accel/test_spmd.py::test_twin_equals_the_eager_run_on_the_device_transport": "compiles both",
+    "tests/accel/test_spmd.py::test_the_compiled_twin_multiplies_float32_in_full_precision": "a new process",
+    "tests/accel/test_jax_cache.py::test_two_writers_at_once": "three processes compiling a GPT",
+    "tests/accel/test_jax_cache.py::test_cache_off_writes_nothing": "a new process compiling a GPT",
+    "tests/resilience/test_supervisor.py::test_supervised_job_recovers": "jobs killed and restarted",
+    "tests/resilience/test_supervisor.py::test_elastic_restart_on_fewer_ranks": "a job restarted",
+    "tests/resilience/test_supervisor.py::test_a_hung_rank_is_detected": "waits for a heartbeat timeout",
+    "tests/resilience/test_supervisor.py::test_giving_up_after_max_restarts": "jobs restarted",
+    "tests/test_conftest.py::test_the_default_command_leaves_out": "two child pytests",
+    # JAX compiling a model's every op (seconds each with empty caches): the default set keeps
+    # tests/accel/test_jax_engine.py's model checks, these repeat them for other techniques
+    "tests/parallel/context/test_ring.py::test_compiled_ring_steps_equal_the_eager_steps": "JAX",
+    "tests/parallel/context/test_ring.py::test_packed_ring_attention_equals_packed_attention[jax]": "JAX",
+    "tests/parallel/balance/test_dp.py::test_dp_on_jax_pads_shares": "JAX",
+    "tests/accel/test_jax_engine.py::test_slices_differing_in_start_stop_or_step": "JAX, 6 examples",
+    "tests/accel/test_jax_engine.py::test_three_adamw_steps_of_a_gpt_on_jax": "JAX",
+    "tests/parallel/memory/test_fp8.py::test_the_fp8_layer_on_jax_arrays_equals_numpy": "JAX",
+    "tests/infer/test_quant_kv.py::test_int8_and_prefix_caches_on_jax": "JAX",
+    "tests/infer/test_infer.py::test_cache_works_on_jax_too": "JAX",
+    "tests/infer/test_buckets.py::test_bucketed_jax_decoding_equals_numpys": "JAX",
+    "tests/parallel/data/test_zero.py::test_ddp_and_zero3_on_jax": "JAX",
+}
+TIMING = {
+    "tests/comm/transports/test_link.py::test_one_message_takes": "a ceiling on a round trip's wall time",
+    "tests/comm/transports/test_link.py::test_a_ring_all_reduce_takes": "a ceiling on an all-reduce's time",
+    "tests/plan/test_calibrate.py::test_effective_cores": "a ratio of sleeps' wall times, within 20%",
+    "tests/parallel/tensor/test_tensor_parallel.py::test_vocab_parallel_loss_compiles_once":
+        "counts every compile in the process (1 extra seen once under load)",
+}
+
+
+def _listed(item, table) -> bool:
+    """``item`` matches a prefix of ``table``; ``path[jax]`` is every item of path whose backend is jax."""
+    backend = getattr(getattr(item, "callspec", None), "params", {}).get("backend")
+    path = item.nodeid.split("::")[0]
+    return any(item.nodeid.startswith(key) or key == f"{path}[{backend}]" for key in table)
+
+
+def pytest_configure(config):
+    """Naming a test file or node (``pytest tests/comm/test_mpirun.py``) runs all of it, its slow
+    tests too, unless ``-m`` is given as well: the slow set is left out of whole folders only."""
+    args = config.invocation_params.args
+    if any(a.startswith(("-m", "--markexpr")) for a in args):
+        return
+    if any(a.split("::")[0].endswith(".py") for a in args if not a.startswith("-")):
+        config.option.markexpr = ""
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _listed(item, TIMING):
+            item.add_marker(pytest.mark.timing)
+        if "mpi" in item.keywords or "timing" in item.keywords or _listed(item, SLOW):
+            item.add_marker(pytest.mark.slow)
     if shutil.which("mpirun") is None and os.environ.get("MINIDIST_REQUIRE_MPI") != "1":
         for item in items:  # mpi tests: skipped with the reason (or failed in setup when CI requires them)
             if "mpi" in item.keywords:

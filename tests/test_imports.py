@@ -17,6 +17,7 @@ the TP GPT, and the pipeline does not reach into checkpointing internals.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -58,6 +59,12 @@ def _walk_imports(node: ast.AST, local: bool):
             yield from _walk_imports(child, inner)
 
 
+@functools.cache
+def _imports_of(path: Path, text: str) -> tuple:
+    """``_walk_imports`` of one file's text, parsed once per text: four tests walk the whole package."""
+    return tuple(_walk_imports(ast.parse(text, str(path)), local=False))
+
+
 def _package_of(module: str, path: Path) -> str:
     return module if path.name == "__init__.py" else module.rpartition(".")[0]
 
@@ -93,8 +100,7 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     modules = module_files(root)
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
-        tree = ast.parse(path.read_text(), str(path))
-        for node, local in _walk_imports(tree, local=False):
+        for node, local in _imports_of(path, path.read_text()):
             if local:
                 continue
             for t in targets(node, module, path, modules):
@@ -142,9 +148,9 @@ def local_imports(root: Path = ROOT):
     each function-local minidist import."""
     modules = module_files(root)
     for module, path in modules.items():
-        lines = path.read_text().splitlines()
-        tree = ast.parse("\n".join(lines), str(path))
-        for node, local in _walk_imports(tree, local=False):
+        text = path.read_text()
+        lines = text.splitlines()
+        for node, local in _imports_of(path, text):
             if not local or not targets(node, module, path, modules):
                 continue
             same = lines[node.lineno - 1]

@@ -40,7 +40,7 @@ def child_pytest(path, **env):
     e = {k: v for k, v in os.environ.items() if k != "MINIDIST_REQUIRE_MPI"}  # CI sets it; each case says
     e.update(PYTHONPATH=str(ROOT), **env)
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "tests.conftest", "-p", "no:cacheprovider",
-           str(path)]
+           "-m", "", str(path)]  # -m "": the slow set too (pyproject's addopts leave mpi tests out)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=e, cwd=ROOT)
 
 

@@ -186,7 +186,7 @@ def test_the_grader_exit_status_tells_the_truth_about_a_broken_student_file(tmp_
         f.write_bytes(text)
     elif text is not None:
         f.write_text(text)
-    limit = "2" if fname.startswith("loop") else "60"
+    limit = "2" if fname.startswith("loop") else "60"  # only a loop waits for it (load slows the rest)
     out = subprocess.run([sys.executable, "-m", "minidist.grade", "allreduce", "--file", str(f), "--timeout",
                           limit], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
