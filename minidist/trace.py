@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 
+from minidist import trace_spans
 from minidist.trace_overlap import OverlapRecorder, hidden_fraction
 from minidist.trace_spans import CATEGORIES, Tracer, current, set_current, span, trace_layers, tracing
 from minidist.trace_timeline import (
@@ -113,3 +114,11 @@ def read_parts(paths) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return sorted(events, key=lambda e: (e["t0"], e.get("attempt", 0), e["rank"]))
+
+
+def __getattr__(name):
+    """``trace.ever_set`` and ``trace._local`` read the live state of `minidist.trace_spans` (a copy
+    imported here would go stale when the first tracer is set)."""
+    if name in ("ever_set", "_local"):
+        return getattr(trace_spans, name)
+    raise AttributeError(f"module 'minidist.trace' has no attribute {name!r}")

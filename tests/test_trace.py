@@ -194,3 +194,35 @@ def test_plot_timeline_draws_one_bar_per_event(tmp_path, monkeypatch):
     colors = {b[4] for b in bars if b[1] == "compute"}
     assert len(colors) == 2  # forward and backward told apart
     np.testing.assert_array_equal(loss_axes.lines[0].get_ydata(), [3.0, 2.5, 2.1])
+
+
+def test_parts_of_two_attempts_merge_into_one_trace_one_process_each(tmp_path):
+    """Each attempt's spans, appended to its part file, come back in start order; a last line cut short
+    (a process killed while writing it) is dropped; in the Chrome trace each attempt is a process."""
+    a0 = trace.Tracer(0)
+    a0.add("step 1", "step", 10.0, 11.0, step=1)
+    a0.add("step 2", "step", 11.0, 12.0, step=2)
+    a1 = trace.Tracer(1)
+    a1.add("step 2", "step", 20.0, 21.5, step=2)
+    p0, p1 = tmp_path / "attempt-0-rank-0.jsonl", tmp_path / "attempt-1-rank-1.jsonl"
+    trace.append_part(p0, a0.events[:1], attempt=0)
+    trace.append_part(p0, a0.events[1:], attempt=0)
+    trace.append_part(p1, a1.events, attempt=1)
+    with open(p0, "a") as f:
+        f.write('{"name": "step 3", "cat": "st')  # killed mid-line
+    events = trace.read_parts([p1, p0, tmp_path / "missing.jsonl"])
+    assert [(e["attempt"], e["rank"], e["name"]) for e in events] == [(0, 0, "step 1"), (0, 0, "step 2"),
+                                                                        (1, 1, "step 2")]
+    out = trace.chrome_trace(events)["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in out if e["name"] == "process_name"}
+    assert procs == {0: "attempt 0", 1: "attempt 1"}
+    spans = [(e["pid"], e["tid"], e["ts"], e["dur"]) for e in out if e["ph"] == "X"]
+    assert spans == [(0, 0, 0.0, 1e6), (0, 0, 1e6, 1e6), (1, 1, 10e6, 1.5e6)]  # microseconds from t=10 s
+
+
+def test_chrome_trace_without_attempts_is_one_process():
+    t = trace.Tracer(2)
+    t.add("F", "compute", 1.0, 2.0)
+    out = trace.chrome_trace(t.events)["traceEvents"]
+    assert [e["args"]["name"] for e in out if e["name"] == "process_name"] == ["minidist"]
+    assert {e["pid"] for e in out} == {0}

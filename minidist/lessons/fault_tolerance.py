@@ -13,20 +13,30 @@ checks the final parameters against a run that never failed: bit for bit (PASS),
 elastic restart on fewer ranks, against the serial twin within a tolerance. ``--plot FILE.png``
 draws the timeline of all attempts; the Young/Daly checkpoint interval is computed from the
 measured save time. Run alone (no supervisor) it trains without a fault and says how to add one.
+
+Under mpirun the killed rank makes MPICH print a "BAD TERMINATION" banner; the rank about to die
+says first that the banner is this injected kill, and expected. After a restart rank 0 says which
+attempt resumed from which step. ``--trace FILE.json`` holds every attempt: a killed attempt never
+reaches the end, so each rank appends its spans to a part file after every step
+(``minidist.trace.append_part``), and the last attempt merges all parts into FILE.json, one Chrome
+trace process per attempt.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import inspect
 import json
 import math
 import os
+import shutil
 import tempfile
 import time
 
 import numpy as np
 
+from minidist import trace
 from minidist.accel.backend import default_backend
 from minidist.comm.transports.threads import ThreadComm, ThreadWorld
 from minidist.lessons.cli import (
@@ -41,6 +51,7 @@ from minidist.lessons.cli import (
     rprint,
     world_size,
 )
+from minidist.lessons.progress import progress
 from minidist.parallel.parallelize import check_3d
 from minidist.resilience.checkpoint import CheckpointError, folder
 from minidist.resilience.checkpoint.tiers import Checkpointer, Tier, shm_root
@@ -87,6 +98,8 @@ def train(comm, args, fault: str):
                 folder.remove(d)  # only a folder minidist created; anything else is refused
         except CheckpointError as e:
             err = f"--ckpt / --mem-dir: {e}"
+        if args.attempt_trace:  # and so do the trace parts of an earlier run
+            shutil.rmtree(_parts_dir(args.attempt_trace), ignore_errors=True)
     err = comm.bcast_obj(err, root=0)
     if err:
         raise SystemExit(f"rank {comm.rank}: {err}")
@@ -100,17 +113,66 @@ def train(comm, args, fault: str):
     info, tier = ckpt.restore(trainer.state())
     _log(comm, event="restore", attempt=attempt, step=info.step, tier=tier, seconds=info.seconds,
          problems=info.problems)
+    if attempt:
+        where = (f"its tier {tier} checkpoint of step {info.step}" if info.step is not None
+                 else "scratch (no checkpoint was committed)")
+        rprint(comm, f"attempt {attempt} resumed from {where}: its first step is step "
+                     f"{trainer.step_count + 1}")
+    tracer, part = _attempt_tracer(comm, args, attempt)
     heartbeat(comm.rank, trainer.step_count)
+    bar = progress(total=args.steps, initial=trainer.step_count, desc=f"attempt {attempt}", rank=comm.rank)
     while trainer.step_count < args.steps:
+        _announce_kill(comm, inj, trainer.step_count)
         inj.on_step(trainer.step_count)
         t0 = time.time()
-        trainer.step()
+        with trace.span(f"step {trainer.step_count + 1}", "step", step=trainer.step_count + 1):
+            trainer.step()
         heartbeat(comm.rank, trainer.step_count)
         _log(comm, event="step", attempt=attempt, step=trainer.step_count, t0=t0, t1=time.time())
         if ckpt.maybe_save(trainer.step_count, trainer.state()):
             _log(comm, event="save", attempt=attempt, step=trainer.step_count, stall=ckpt.stalls[-1])
+        if tracer is not None:  # flushed every step: a rank killed later keeps what it did so far
+            trace.append_part(part, tracer.events, attempt=attempt)
+            tracer.events.clear()
+        bar.update(1)
+    bar.close()
     ckpt.wait()
+    trace.set_current(None)
     return trainer, ckpt, info, tier
+
+
+def _parts_dir(path: str) -> str:
+    return path + ".parts"
+
+
+def _attempt_tracer(comm, args, attempt: int):
+    """With ``--trace``: (this rank's active Tracer, its part file for this attempt); else (None, None)."""
+    if not args.attempt_trace:
+        return None, None
+    os.makedirs(_parts_dir(args.attempt_trace), exist_ok=True)
+    tracer = trace.Tracer(comm.rank)
+    trace.set_current(tracer)
+    return tracer, os.path.join(_parts_dir(args.attempt_trace), f"attempt-{attempt}-rank-{comm.rank}.jsonl")
+
+
+def _announce_kill(comm, inj, step: int) -> None:
+    """The rank a kill fault is about to end says so first: MPICH's banner that follows is expected."""
+    for f in inj.faults:
+        if f.kind in ("kill", "lose") and f.step == step:
+            print(f"rank {comm.rank}: injecting {f} now. Under mpirun, the 'BAD TERMINATION' banner MPICH "
+                  "prints next is this injected kill, and expected: the supervisor restarts the job.",
+                  flush=True)
+
+
+def _merge_trace(path: str) -> None:
+    """Rank 0, at the end of the last attempt: every attempt's parts into one Chrome trace at ``path``."""
+    parts = sorted(glob.glob(os.path.join(_parts_dir(path), "attempt-*-rank-*.jsonl")))
+    events = trace.read_parts(parts)
+    trace.write_chrome_trace(path, events)
+    attempts = sorted({e["attempt"] for e in events})
+    print(f"wrote {path}: {len(events)} spans of attempts {attempts} (one process per attempt; "
+          "open it in https://ui.perfetto.dev)")
+    shutil.rmtree(_parts_dir(path), ignore_errors=True)
 
 
 def rank_main(comm, args):
@@ -183,6 +245,8 @@ def rank_main(comm, args):
         if args.plot:
             plot(args.plot, _events())
             print(f"wrote {args.plot}")
+        if args.attempt_trace:
+            _merge_trace(args.attempt_trace)
     return finish(comm, ok)
 
 
@@ -265,6 +329,7 @@ def main(argv=None):
     p.output_paths = (*p.output_paths, "out")  # --out's folder must exist and be writable
     args = p.parse_args(argv)
     check_flags(p, args, world_size(args))
+    args.attempt_trace, args.trace = args.trace, None  # traced here, per attempt (see the docstring)
     launch(rank_main, args)
 
 
