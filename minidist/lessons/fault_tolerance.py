@@ -58,7 +58,7 @@ from minidist.resilience.checkpoint.tiers import Checkpointer, Tier, shm_root
 from minidist.resilience.checkpoint.trainer import Trainer, small_config
 from minidist.resilience.faults import Injector
 from minidist.resilience.faults import parse as parse_faults
-from minidist.resilience.supervisor import heartbeat
+from minidist.resilience.heartbeat import heartbeat
 from minidist.testing import adamw_tolerance
 
 LR = 3e-3  # AdamW's learning rate of every trainer here (the failing run, its reference, the serial twin)

@@ -51,7 +51,10 @@ def check_run(tmp_path, res):
     for rank in range(RANKS):  # every rank of each attempt is in the trace, with its steps
         steps = {pid: sorted({e["args"]["step"] for e in chrome if e["name"].startswith("step ")
                               and e["pid"] == pid and e["tid"] == rank}) for pid in (0, 1)}
-        assert steps[0] == list(range(1, KILL + 1)), (rank, steps)
+        # the killed rank flushed step KILL before it died; a peer may be killed with it between
+        # finishing step KILL and writing it down
+        done = (KILL,) if rank == 1 else (KILL - 1, KILL)
+        assert steps[0] in [list(range(1, k + 1)) for k in done], (rank, steps)
         assert steps[1] == list(range(checkpointed + 1, STEPS + 1)), (rank, steps)
     # attempt 1 starts after attempt 0 ended, on the one time axis of the merged trace
     end0 = max(e["ts"] + e["dur"] for e in chrome if e.get("ph") == "X" and e["pid"] == 0)
