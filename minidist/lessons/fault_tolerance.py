@@ -18,19 +18,17 @@ Under mpirun the killed rank makes MPICH print a "BAD TERMINATION" banner; the r
 says first that the banner is this injected kill, and expected. After a restart rank 0 says which
 attempt resumed from which step. ``--trace FILE.json`` holds every attempt: a killed attempt never
 reaches the end, so each rank appends its spans to a part file after every step
-(``minidist.trace.append_part``), and the last attempt merges all parts into FILE.json, one Chrome
-trace process per attempt.
+(``minidist.resilience.timeline.AttemptTrace``), and the last attempt merges all parts into
+FILE.json, one Chrome trace process per attempt.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import inspect
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 
@@ -59,6 +57,7 @@ from minidist.resilience.checkpoint.trainer import Trainer, small_config
 from minidist.resilience.faults import Injector
 from minidist.resilience.faults import parse as parse_faults
 from minidist.resilience.heartbeat import heartbeat
+from minidist.resilience.timeline import AttemptTrace, merge_attempts, plot_attempts
 from minidist.testing import adamw_tolerance
 
 LR = 3e-3  # AdamW's learning rate of every trainer here (the failing run, its reference, the serial twin)
@@ -99,7 +98,7 @@ def train(comm, args, fault: str):
         except CheckpointError as e:
             err = f"--ckpt / --mem-dir: {e}"
         if args.attempt_trace:  # and so do the trace parts of an earlier run
-            shutil.rmtree(_parts_dir(args.attempt_trace), ignore_errors=True)
+            AttemptTrace.clear(args.attempt_trace)
     err = comm.bcast_obj(err, root=0)
     if err:
         raise SystemExit(f"rank {comm.rank}: {err}")
@@ -118,7 +117,7 @@ def train(comm, args, fault: str):
                  else "scratch (no checkpoint was committed)")
         rprint(comm, f"attempt {attempt} resumed from {where}: its first step is step "
                      f"{trainer.step_count + 1}")
-    tracer, part = _attempt_tracer(comm, args, attempt)
+    tracing = AttemptTrace(args.attempt_trace, comm.rank, attempt) if args.attempt_trace else None
     heartbeat(comm.rank, trainer.step_count)
     bar = progress(total=args.steps, initial=trainer.step_count, desc=f"attempt {attempt}", rank=comm.rank)
     while trainer.step_count < args.steps:
@@ -131,28 +130,14 @@ def train(comm, args, fault: str):
         _log(comm, event="step", attempt=attempt, step=trainer.step_count, t0=t0, t1=time.time())
         if ckpt.maybe_save(trainer.step_count, trainer.state()):
             _log(comm, event="save", attempt=attempt, step=trainer.step_count, stall=ckpt.stalls[-1])
-        if tracer is not None:  # flushed every step: a rank killed later keeps what it did so far
-            trace.append_part(part, tracer.events, attempt=attempt)
-            tracer.events.clear()
+        if tracing is not None:  # flushed every step: a rank killed later keeps what it did so far
+            tracing.flush()
         bar.update(1)
     bar.close()
     ckpt.wait()
-    trace.set_current(None)
+    if tracing is not None:
+        tracing.stop()
     return trainer, ckpt, info, tier
-
-
-def _parts_dir(path: str) -> str:
-    return path + ".parts"
-
-
-def _attempt_tracer(comm, args, attempt: int):
-    """With ``--trace``: (this rank's active Tracer, its part file for this attempt); else (None, None)."""
-    if not args.attempt_trace:
-        return None, None
-    os.makedirs(_parts_dir(args.attempt_trace), exist_ok=True)
-    tracer = trace.Tracer(comm.rank)
-    trace.set_current(tracer)
-    return tracer, os.path.join(_parts_dir(args.attempt_trace), f"attempt-{attempt}-rank-{comm.rank}.jsonl")
 
 
 def _announce_kill(comm, inj, step: int) -> None:
@@ -162,17 +147,6 @@ def _announce_kill(comm, inj, step: int) -> None:
             print(f"rank {comm.rank}: injecting {f} now. Under mpirun, the 'BAD TERMINATION' banner MPICH "
                   "prints next is this injected kill, and expected: the supervisor restarts the job.",
                   flush=True)
-
-
-def _merge_trace(path: str) -> None:
-    """Rank 0, at the end of the last attempt: every attempt's parts into one Chrome trace at ``path``."""
-    parts = sorted(glob.glob(os.path.join(_parts_dir(path), "attempt-*-rank-*.jsonl")))
-    events = trace.read_parts(parts)
-    trace.write_chrome_trace(path, events)
-    attempts = sorted({e["attempt"] for e in events})
-    print(f"wrote {path}: {len(events)} spans of attempts {attempts} (one process per attempt; "
-          "open it in https://ui.perfetto.dev)")
-    shutil.rmtree(_parts_dir(path), ignore_errors=True)
 
 
 def rank_main(comm, args):
@@ -243,10 +217,13 @@ def rank_main(comm, args):
         if args.out:
             np.savez(args.out, **full)
         if args.plot:
-            plot(args.plot, _events())
+            plot_attempts(args.plot, _events())
             print(f"wrote {args.plot}")
         if args.attempt_trace:
-            _merge_trace(args.attempt_trace)
+            events = merge_attempts(args.attempt_trace)
+            print(f"wrote {args.attempt_trace}: {len(events)} spans of attempts "
+                  f"{sorted({e['attempt'] for e in events})} (one process per attempt; open it in "
+                  "https://ui.perfetto.dev)")
     return finish(comm, ok)
 
 
@@ -276,34 +253,6 @@ def _report_costs(ckpt):
               f"{young_daly(sync_cost, mtbf):.1f} s with C = the disk write ({1e3 * sync_cost:.2f} ms, a "
               f"synchronous save), {young_daly(async_cost, mtbf):.1f} s with C = the stall of an "
               f"asynchronous one ({1e3 * async_cost:.2f} ms)")
-
-
-def plot(path, events):
-    """Attempts as rows: step bars, saves as ticks, the failure as a red cross, restores in green."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    t0 = min(e["t"] for e in events) if events else 0.0
-    fig = Figure(figsize=(10, 2.5))
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    for e in events:
-        a = e.get("attempt", 0)
-        if e["event"] == "step":
-            ax.broken_barh([(e["t0"] - t0, e["t1"] - e["t0"])], (a - 0.3, 0.6), facecolors="#4c72b0")
-        elif e["event"] == "save":
-            ax.plot([e["t"] - t0], [a + 0.4], "k|")
-        elif e["event"] == "failure":
-            ax.plot([e["t"] - t0], [a], "rx", markersize=12)
-        elif e["event"] == "restore" and e.get("step") is not None:
-            ax.plot([e["t"] - t0], [a], "g>", markersize=9)
-    ax.set_xlabel("seconds")
-    ax.set_yticks(sorted({e.get("attempt", 0) for e in events}))
-    ax.set_ylabel("attempt")
-    ax.invert_yaxis()
-    ax.set_title("steps (blue), saves (|), failure (x), restore from checkpoint (>)", loc="right", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main(argv=None):
