@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist import trace
+from minidist import trace_spans as trace  # the thread-local state: ever_set
 from minidist.accel.backend import backend_of, get_backend
 from minidist.comm import debug, tracing
 from minidist.comm.debug import check_same_call, stamp

@@ -13,6 +13,13 @@ checks the final parameters against a run that never failed: bit for bit (PASS),
 elastic restart on fewer ranks, against the serial twin within a tolerance. ``--plot FILE.png``
 draws the timeline of all attempts; the Young/Daly checkpoint interval is computed from the
 measured save time. Run alone (no supervisor) it trains without a fault and says how to add one.
+
+Under mpirun the killed rank makes MPICH print a "BAD TERMINATION" banner; the rank about to die
+says first that the banner is this injected kill, and expected. After a restart rank 0 says which
+attempt resumed from which step. ``--trace FILE.json`` holds every attempt: a killed attempt never
+reaches the end, so each rank appends its spans to a part file after every step
+(``minidist.resilience.timeline.AttemptTrace``), and the last attempt merges all parts into
+FILE.json, one Chrome trace process per attempt.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import time
 
 import numpy as np
 
+from minidist import trace
 from minidist.accel.backend import default_backend
 from minidist.comm.transports.threads import ThreadComm, ThreadWorld
 from minidist.lessons.cli import (
@@ -41,13 +49,15 @@ from minidist.lessons.cli import (
     rprint,
     world_size,
 )
+from minidist.lessons.progress import progress
 from minidist.parallel.parallelize import check_3d
 from minidist.resilience.checkpoint import CheckpointError, folder
 from minidist.resilience.checkpoint.tiers import Checkpointer, Tier, shm_root
 from minidist.resilience.checkpoint.trainer import Trainer, small_config
 from minidist.resilience.faults import Injector
 from minidist.resilience.faults import parse as parse_faults
-from minidist.resilience.supervisor import heartbeat
+from minidist.resilience.heartbeat import heartbeat
+from minidist.resilience.timeline import AttemptTrace, merge_attempts, plot_attempts
 from minidist.testing import adamw_tolerance
 
 LR = 3e-3  # AdamW's learning rate of every trainer here (the failing run, its reference, the serial twin)
@@ -87,6 +97,8 @@ def train(comm, args, fault: str):
                 folder.remove(d)  # only a folder minidist created; anything else is refused
         except CheckpointError as e:
             err = f"--ckpt / --mem-dir: {e}"
+        if args.attempt_trace:  # and so do the trace parts of an earlier run
+            AttemptTrace.clear(args.attempt_trace)
     err = comm.bcast_obj(err, root=0)
     if err:
         raise SystemExit(f"rank {comm.rank}: {err}")
@@ -100,17 +112,41 @@ def train(comm, args, fault: str):
     info, tier = ckpt.restore(trainer.state())
     _log(comm, event="restore", attempt=attempt, step=info.step, tier=tier, seconds=info.seconds,
          problems=info.problems)
+    if attempt:
+        where = (f"its tier {tier} checkpoint of step {info.step}" if info.step is not None
+                 else "scratch (no checkpoint was committed)")
+        rprint(comm, f"attempt {attempt} resumed from {where}: its first step is step "
+                     f"{trainer.step_count + 1}")
+    tracing = AttemptTrace(args.attempt_trace, comm.rank, attempt) if args.attempt_trace else None
     heartbeat(comm.rank, trainer.step_count)
+    bar = progress(total=args.steps, initial=trainer.step_count, desc=f"attempt {attempt}", rank=comm.rank)
     while trainer.step_count < args.steps:
+        _announce_kill(comm, inj, trainer.step_count)
         inj.on_step(trainer.step_count)
         t0 = time.time()
-        trainer.step()
+        with trace.span(f"step {trainer.step_count + 1}", "step", step=trainer.step_count + 1):
+            trainer.step()
         heartbeat(comm.rank, trainer.step_count)
         _log(comm, event="step", attempt=attempt, step=trainer.step_count, t0=t0, t1=time.time())
         if ckpt.maybe_save(trainer.step_count, trainer.state()):
             _log(comm, event="save", attempt=attempt, step=trainer.step_count, stall=ckpt.stalls[-1])
+        if tracing is not None:  # flushed every step: a rank killed later keeps what it did so far
+            tracing.flush()
+        bar.update(1)
+    bar.close()
     ckpt.wait()
+    if tracing is not None:
+        tracing.stop()
     return trainer, ckpt, info, tier
+
+
+def _announce_kill(comm, inj, step: int) -> None:
+    """The rank a kill fault is about to end says so first: MPICH's banner that follows is expected."""
+    for f in inj.faults:
+        if f.kind in ("kill", "lose") and f.step == step:
+            print(f"rank {comm.rank}: injecting {f} now. Under mpirun, the 'BAD TERMINATION' banner MPICH "
+                  "prints next is this injected kill, and expected: the supervisor restarts the job.",
+                  flush=True)
 
 
 def rank_main(comm, args):
@@ -181,8 +217,13 @@ def rank_main(comm, args):
         if args.out:
             np.savez(args.out, **full)
         if args.plot:
-            plot(args.plot, _events())
+            plot_attempts(args.plot, _events())
             print(f"wrote {args.plot}")
+        if args.attempt_trace:
+            events = merge_attempts(args.attempt_trace)
+            print(f"wrote {args.attempt_trace}: {len(events)} spans of attempts "
+                  f"{sorted({e['attempt'] for e in events})} (one process per attempt; open it in "
+                  "https://ui.perfetto.dev)")
     return finish(comm, ok)
 
 
@@ -214,38 +255,6 @@ def _report_costs(ckpt):
               f"asynchronous one ({1e3 * async_cost:.2f} ms)")
 
 
-def plot(path, events):
-    """Attempts as rows: step bars, saves as ticks, the failure as a red cross, restores in green."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    t0 = min(e["t"] for e in events) if events else 0.0
-    fig = Figure(figsize=(10, 2.5))
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    for e in events:
-        a = e.get("attempt", 0)
-        if e["event"] == "step":
-            ax.broken_barh([(e["t0"] - t0, e["t1"] - e["t0"])], (a - 0.3, 0.6), facecolors="#4c72b0")
-        elif e["event"] == "save":
-            ax.plot([e["t"] - t0], [a + 0.4], "k|")
-        elif e["event"] == "failure":
-            ax.plot([e["t"] - t0], [a], "rx", markersize=12)
-        elif e["event"] == "restore" and e.get("step") is not None:
-            ax.plot([e["t"] - t0], [a], "g>", markersize=9)
-    if not events:  # no supervisor, so no attempts were recorded: say so instead of an empty frame
-        ax.text(0.5, 0.5, "no supervised attempts to draw: run under\npython -m minidist.launch -n 4 -- "
-                "python -m minidist.lessons.fault_tolerance --plot FILE.png", ha="center", va="center",
-                transform=ax.transAxes)
-    ax.set_xlabel("wall time since the first event (s)")
-    ax.set_yticks(sorted({e.get("attempt", 0) for e in events}))
-    ax.set_ylabel("attempt (restart)")
-    ax.invert_yaxis()
-    ax.set_title("steps (blue), saves (|), failure (x), restore from checkpoint (>)", loc="right", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main(argv=None):
     p = lesson_parser("A rank dies; the supervisor restarts the job from its checkpoints.", ranks=4)
     p.add_argument("--steps", type=positive_int, default=12)
@@ -269,6 +278,7 @@ def main(argv=None):
     p.output_paths = (*p.output_paths, "out")  # --out's folder must exist and be writable
     args = p.parse_args(argv)
     check_flags(p, args, world_size(args))
+    args.attempt_trace, args.trace = args.trace, None  # traced here, per attempt (see the docstring)
     launch(rank_main, args)
 
 

@@ -21,6 +21,10 @@ Elastic restart: a fault of kind ``lose`` (``minidist.resilience.faults``) stand
 manager took away. With ``--min-ranks M`` the supervisor restarts on the ranks that are left (at
 least M), and the job reshards its checkpoint onto the smaller data-parallel mesh.
 Events go, one JSON object per line, to ``$MINIDIST_SUPERVISOR_LOG`` (``--log``), for timelines.
+
+This file is the supervisor's loop and its command line; the heartbeats it reads are
+``minidist/resilience/heartbeat.py``, its record of attempts and lost work
+``minidist/resilience/attempts.py`` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -35,68 +39,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 
-from minidist.resilience.checkpoint import files
+from minidist.resilience.attempts import Attempt, _dash, elastic_size, newest_good_checkpoint, recomputed
 from minidist.resilience.faults import parse
+from minidist.resilience.heartbeat import STARTED, blame, heartbeat, read_heartbeats, stale_ranks
 
-STARTED = -1  # the step of the beat ``minidist.comm.run`` writes as a rank starts: alive, no step yet
-
-
-def heartbeat(rank: int, step: int) -> None:
-    """Tell the supervisor this rank is alive and at ``step`` (no-op without a supervisor)."""
-    d = os.environ.get("MINIDIST_HEARTBEAT_DIR")
-    if not d:
-        return
-    path = os.path.join(d, f"rank-{rank}")
-    with open(path + ".tmp", "w") as f:
-        f.write(f"{step} {time.time()}\n")
-    os.replace(path + ".tmp", path)
-
-
-def read_heartbeats(d) -> dict[int, tuple[int, float]]:
-    """{rank: (last step, wall time of the beat)} from a heartbeat directory."""
-    beats = {}
-    for name in os.listdir(d) if os.path.isdir(d) else []:
-        if name.startswith("rank-") and not name.endswith(".tmp"):
-            try:
-                step, t = open(os.path.join(d, name)).read().split()
-                beats[int(name[5:])] = (int(step), float(t))
-            except (OSError, ValueError):
-                continue  # being replaced right now
-    return beats
-
-
-def newest_good_checkpoint(root) -> tuple[int | None, list[str]]:
-    """(step, problems) of the checkpoint a restart will resume from, checked as ``load`` does."""
-    if not root:
-        return None, []
-    dirs, problems = files.candidates(root)
-    for d in dirs:
-        try:
-            m = files.read_manifest(d)
-            bad = [e for n, meta in m["files"].items() if (e := files.check_file(d, n, meta))]
-        except files.CheckpointError as e:
-            bad = [str(e)]
-        if not bad:
-            return m["step"], problems
-        problems.append(f"{os.path.basename(d)}: {'; '.join(bad)}")
-    return None, problems
-
-
-@dataclass
-class Attempt:
-    number: int
-    ranks: int
-    start: float
-    end: float = 0.0
-    status: str = "running"
-    resumed_from: int | None = None
-    last_step: int | None = None
-    failed_rank: int | None = None
-    lost: list = field(default_factory=list)
-    tier: str | None = None
-    disk_full: str | None = None  # the job's note when a save found no room (or a read-only folder)
+__all__ = ["STARTED", "Attempt", "Stopped", "Supervisor", "blame", "elastic_size", "heartbeat", "main",
+           "newest_good_checkpoint", "read_heartbeats", "recomputed", "stale_ranks"]
 
 
 class Supervisor:
@@ -255,42 +204,6 @@ class Supervisor:
         return code
 
 
-def stale_ranks(beats: dict, n: int, now: float, timeout: float) -> dict[int, float]:
-    """{rank: seconds silent} for the ranks silent for more than ``timeout``. Once the job is up (a
-    rank has beaten: ``minidist.comm.run`` beats as each rank starts), a rank that never beat is
-    counted from the job's first beat, so a hang before a rank's first step is caught too."""
-    if not beats:
-        return {}  # not started yet (or a command that never beats): nothing to judge
-    first = min(t for _, t in beats.values())
-    last = {r: beats[r][1] if r in beats else first for r in range(n)}
-    return {r: now - t for r, t in last.items() if now - t > timeout}
-
-
-def blame(beats: dict, stale: dict) -> int:
-    """The rank that stopped, of the ``stale`` ones: the one that got least far (never beat, then the
-    lowest step), then the one silent longest -- its peers went on until they waited for it."""
-    def progress(r):
-        step = beats[r][0] if r in beats else STARTED - 1
-        return (step, -stale[r])
-    return min(stale, key=progress)
-
-
-def elastic_size(n: int, left: int) -> int:
-    """The ranks an elastic restart uses when ``left`` of the job's original ``n`` survive: the largest
-    divisor of n that is at most ``left``, so a data-parallel split of the original batch still divides."""
-    return max(d for d in range(1, left + 1) if n % d == 0)
-
-
-def recomputed(attempts) -> list:
-    """Per attempt, the steps the next attempt had to redo: how far this one got minus where the next
-    resumed (None for the last attempt, or one that never reported a step)."""
-    out = []
-    for a, nxt in zip(attempts, list(attempts[1:]) + [None]):
-        ok = nxt is not None and a.last_step is not None
-        out.append(a.last_step - (nxt.resumed_from or 0) if ok else None)
-    return out
-
-
 def _stop(proc, grace: float = 2.0) -> None:
     """End the job's process group: SIGTERM first (mpirun then stops its ranks and frees their shared
     memory), SIGKILL whatever is left after ``grace`` seconds."""
@@ -318,10 +231,6 @@ class Stopped(Exception):
 
 def _raise_stopped(signum, frame):
     raise Stopped(signum)
-
-
-def _dash(v) -> str:
-    return "-" if v is None else str(v)
 
 
 def main(argv=None) -> int:

@@ -121,33 +121,6 @@ def test_bad_fault_specs_are_clear_errors():
         ("kill", 1, 5), ("hang", 0, 2)]
 
 
-# the original size, the ranks that survive -> the ranks an elastic restart uses (the largest divisor
-# of the original size that fits), by hand
-ELASTIC = [(8, 7, 4), (8, 6, 4), (8, 4, 4), (8, 3, 2), (8, 1, 1), (6, 5, 3), (6, 2, 2), (12, 11, 6),
-           (12, 9, 6), (12, 5, 4), (7, 6, 1), (4, 4, 4), (9, 8, 3)]
-
-
-@pytest.mark.parametrize("n,left,want", ELASTIC)
-def test_elastic_restart_takes_the_largest_divisor_that_fits(n, left, want):
-    from minidist.resilience.supervisor import elastic_size
-
-    assert elastic_size(n, left) == want
-
-
-def test_steps_recomputed_count_each_attempt_against_where_the_next_resumed():
-    """Attempt 0 reached step 7 and attempt 1 resumed from 4: 3 steps redone; attempt 1 reached 9, attempt 2
-    resumed from 8: 1; attempt 2 finished (nothing after it). An attempt that died before its first step
-    (None) redid nothing; one resumed from no checkpoint (None) redid everything."""
-    from minidist.resilience.supervisor import Attempt, recomputed
-
-    a = [Attempt(0, 4, 0.0, last_step=7), Attempt(1, 4, 0.0, resumed_from=4, last_step=9),
-         Attempt(2, 4, 0.0, resumed_from=8, last_step=12)]
-    assert recomputed(a) == [3, 1, None]
-    b = [Attempt(0, 4, 0.0, last_step=None), Attempt(1, 4, 0.0, resumed_from=None, last_step=5),
-         Attempt(2, 2, 0.0, resumed_from=None, last_step=6)]
-    assert recomputed(b) == [None, 5, None]
-
-
 SAVING_JOB = """
 import sys
 from minidist.comm import run
@@ -179,30 +152,6 @@ def test_a_job_stopped_by_a_full_or_read_only_disk_is_not_restarted_into_the_sam
     assert res.returncode == 1, res.stdout + res.stderr
     assert f"{why} {ckpt}/step-00000001.tmp" in res.stdout and "not restarting" in res.stdout, res.stdout
     assert "restarts: 0;" in res.stdout and res.stdout.count("FAILED") == 1, res.stdout
-
-
-def test_a_rank_is_stale_only_past_the_timeout_and_one_that_never_beat_counts_from_the_first_beat():
-    """Written out: rank 0 beat at t=10, rank 1 at t=12, rank 2 never (counted from 10). At now=15 with a
-    5 s timeout rank 0 has been silent exactly 5 s -- not more -- so nothing is stale; at 15.5 ranks 0 and
-    2 are (5.5 s), rank 1 is not (3.5 s)."""
-    from minidist.resilience.supervisor import stale_ranks
-
-    beats = {0: (3, 10.0), 1: (4, 12.0)}
-    assert stale_ranks(beats, 3, 15.0, 5.0) == {}
-    assert stale_ranks(beats, 3, 15.5, 5.0) == {0: 5.5, 2: 5.5}
-    assert stale_ranks({}, 3, 100.0, 5.0) == {}
-
-
-def test_blame_names_the_rank_that_got_least_far_then_the_one_silent_longest():
-    from minidist.resilience.supervisor import STARTED, blame
-
-    # rank 2 never beat: it is behind every rank that did
-    assert blame({0: (5, 1.0), 1: (5, 2.0)}, {0: 9.0, 1: 8.0, 2: 9.0}) == 2
-    # all at step 5: the one silent longest (rank 1, 9 s) stopped first
-    assert blame({0: (5, 2.0), 1: (5, 1.0), 2: (5, 2.0)}, {0: 8.0, 1: 9.0, 2: 8.0}) == 1
-    # a lower step wins over a longer silence
-    assert blame({0: (4, 3.0), 1: (5, 1.0)}, {0: 7.0, 1: 9.0}) == 0
-    assert blame({0: (STARTED, 1.0), 1: (0, 1.0)}, {0: 1.0, 1: 9.0}) == 0
 
 
 @pytest.mark.parametrize("min_ranks,restarted_on", [(2, 2), (3, None), (1, 2)])

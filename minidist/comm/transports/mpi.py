@@ -13,176 +13,40 @@ also checks its peer: a peer that has returned from ``run()`` (it sent ``DONE_TA
 COMM_WORLD, see launch.py) raises :class:`RankExited`; on a strict private channel, a peer whose next message
 carries another collective's stamp raises :class:`CollectiveMismatch` (see debug.py). Every
 receive checks the size of what arrived (MPI's status), so a mismatch is an error, not garbage.
+
+This file is the communicator (``MPIComm``) and the end-of-run handshake; the wire format is
+``minidist/comm/transports/mpi_wire.py`` and the pending requests
+``minidist/comm/transports/mpi_requests.py``, both re-exported here.
 """
 
 from __future__ import annotations
 
-import collections
 import time
 
 import numpy as np
 
-from minidist.comm.communicator import Communicator, MessageMismatch, RankExited, Request, format_op, poll
+from minidist.comm.communicator import Communicator, RankExited, Request, format_op, poll
 from minidist.comm.debug import stamp_mismatch
 from minidist.comm.ledger import Ledger
+from minidist.comm.transports.mpi_requests import _drain, _MPIHeaderRecv, _MPIRequest
+from minidist.comm.transports.mpi_wire import (
+    HEADER_LEN,
+    MAX_NDIM,
+    _bytes,
+    _check_count,
+    _mpi,
+    _truncated,
+    decode_header,
+    encode_header,
+    mpi_knows,
+)
 from minidist.comm.transports.shm import free_windows
 
-MAX_NDIM = 32
+__all__ = ["HEADER_LEN", "MAX_NDIM", "NAMESPACE", "TWINS", "MPIComm", "decode_header", "done_tag",
+           "encode_header", "finish_handshake", "mpi_knows"]
+
 NAMESPACE = 1 << 21            # tags per private channel: user tags < 2**20, then minidist's object tags
 TWINS = {"coll": 1, "debug": 2, "async": 3}
-HEADER_LEN = 4 + MAX_NDIM      # ndim, 3 words of dtype name (24 chars), shape
-
-
-_MPI = None
-
-
-def _mpi():
-    global _MPI
-    if _MPI is None:
-        from mpi4py import MPI
-
-        _MPI = MPI
-    return _MPI
-
-
-def encode_header(buf: np.ndarray) -> np.ndarray:
-    name = buf.dtype.name.encode()
-    if buf.ndim > MAX_NDIM or len(name) > 24:
-        raise ValueError(f"cannot send {buf.dtype}{list(buf.shape)}: at most {MAX_NDIM} dims")
-    h = np.zeros(HEADER_LEN, np.int64)
-    h[0] = buf.ndim
-    h[1:4] = np.frombuffer(name.ljust(24, b"\0"), np.int64)
-    h[4:4 + buf.ndim] = buf.shape
-    return h
-
-
-def decode_header(h: np.ndarray):
-    name = h[1:4].tobytes().rstrip(b"\0").decode()
-    try:
-        dtype = np.dtype(name)
-    except TypeError:
-        import ml_dtypes
-
-        dtype = np.dtype(getattr(ml_dtypes, name))
-    return tuple(int(s) for s in h[4:4 + int(h[0])]), dtype
-
-
-_NATIVE = set("?bBhHiIlLqQefdgFDG")  # dtypes mpi4py maps to MPI types itself
-
-
-_KNOWN: dict = {}  # dtype -> mpi_knows(dtype): asked for every message, answered once per dtype
-
-
-def mpi_knows(dtype) -> bool:
-    """Does mpi4py map this dtype to an MPI type (so MPI itself can reduce it)?"""
-    known = _KNOWN.get(dtype)
-    if known is None:
-        d = np.dtype(dtype)
-        known = _KNOWN[dtype] = d.char in _NATIVE and d.isnative
-    return known
-
-
-def _bytes(buf: np.ndarray):
-    """The buffer as MPI sees it: the array itself for standard dtypes, else its bytes (bfloat16)."""
-    if mpi_knows(buf.dtype):
-        return buf
-    return buf.reshape(-1).view(np.uint8)
-
-
-def _truncated(comm, source, tag, nbytes, error) -> Exception:
-    """MPI's truncation error (a message larger than the buffer), in words; other errors as they are."""
-    MPI = _mpi()
-    if error.Get_error_class() not in (MPI.ERR_TRUNCATE, MPI.ERR_IN_STATUS):
-        return error
-    return MessageMismatch(f"rank {comm.rank}: a message from rank {source} (tag {tag}) is larger than the "
-                           f"{nbytes}-byte buffer posted for it: the ranks disagree on the size ({error})")
-
-
-def _check_count(comm, status, source, tag, nbytes) -> None:
-    got = status.Get_count(_mpi().BYTE)
-    if got != nbytes:
-        raise MessageMismatch(f"rank {comm.rank}: received {got} bytes from rank {source} (tag {tag}) into "
-                              f"a buffer of {nbytes} bytes: the ranks disagree on the size")
-
-
-class _MPIRequest(Request):
-    """A raw send, or a raw receive (``out`` given: its size is checked when it completes)."""
-
-    def __init__(self, comm, reqs, keep, what, peer, tag, out=None):
-        self.comm, self.reqs, self.keep, self.what = comm, reqs, keep, what
-        self.peer, self.tag, self.out = peer, tag, out
-        self.status = _mpi().Status() if out is not None else None
-        self.done = False
-
-    def test(self) -> bool:
-        if self.done:
-            return True
-        if self.out is None:
-            self.done = _mpi().Request.Testall(self.reqs)
-            return self.done
-        try:
-            self.done = self.reqs[0].Test(self.status)
-        except _mpi().Exception as e:
-            raise _truncated(self.comm, self.peer, self.tag, self.out.nbytes, e) from None
-        if self.done:
-            _check_count(self.comm, self.status, self.peer, self.tag, _bytes(self.out).nbytes)
-        return self.done
-
-    def problem(self):
-        return self.comm.peer_problem(self.peer, self.tag, self.out is not None)
-
-    def wait(self):
-        poll(self.test, self.comm, self.what, self.problem)
-        return self.out
-
-
-def _drain(pending: dict, key) -> None:
-    """Post the payload receives of this (source, tag)'s pending receives whose header arrived, in
-    the order they were posted; forget the (source, tag) once none is pending (every collective
-    call has its own tag: the table must not grow with the calls)."""
-    queue = pending.get(key)
-    while queue and queue[0].hreq.Test():
-        queue.popleft()._post_payload()
-    if queue is not None and not queue:
-        del pending[key]
-
-
-class _MPIHeaderRecv(Request):
-    """Receive a header, then post the payload receive (in posted order per (source, tag))."""
-
-    def __init__(self, comm: MPIComm, source, tag, out, count):
-        self.comm, self.source, self.tag, self.out, self.count = comm, source, tag, out, count
-        self.h = np.empty(HEADER_LEN, np.int64)
-        self.hreq = comm.mpi.Irecv(self.h, source, comm.base + 2 * tag)
-        self.preq = None
-        comm._pending.setdefault((source, tag), collections.deque()).append(self)
-
-    def _post_payload(self):
-        shape, dtype = decode_header(self.h)
-        c = self.comm
-        if self.out is None:
-            self.out = np.empty(shape, dtype)
-        elif self.out.shape != shape or self.out.dtype != dtype:
-            raise MessageMismatch(f"rank {c.rank}: received {dtype}{list(shape)} from rank {self.source} "
-                                  f"into a buffer of {self.out.dtype}{list(self.out.shape)}")
-        self.preq = c.mpi.Irecv(_bytes(self.out), self.source, c.base + 2 * self.tag + 1)
-
-    def test(self) -> bool:
-        if self.preq is None:
-            _drain(self.comm._pending, (self.source, self.tag))
-            if self.preq is None:
-                return False
-        return self.preq.Test()
-
-    def problem(self):
-        return self.comm.peer_problem(self.source, self.tag)
-
-    def wait(self):
-        poll(self.test, self.comm, f"a message from rank {self.source} (tag {self.tag})", self.problem)
-        if self.count:
-            self.comm.ledger.count_recv(self.out.nbytes)
-            self.count = False
-        return self.out
 
 
 class MPIComm(Communicator):
@@ -197,7 +61,7 @@ class MPIComm(Communicator):
         self.base = 2 * namespace * NAMESPACE  # MPI tag of (tag, header) = base + 2*tag; payload +1
         self._pending: dict = {}  # (source, tag) -> header receives waiting for their payload, in order
         self._statuses = [_mpi().Status(), _mpi().Status()]  # the hot path's: reused, looked up once
-        self._testall, self._BYTE = _MPI.Request.Testall, _MPI.BYTE
+        self._testall, self._BYTE = _mpi().Request.Testall, _mpi().BYTE
         self._world_ranks: list | None = None
         self.shm = None         # this communicator's lane of a shared window: None = not asked yet (shm.py)
         self.shm_window = None  # the origin's shm.Window, or None where shared memory can't serve it
@@ -274,7 +138,7 @@ class MPIComm(Communicator):
             if not testall(reqs, statuses):  # (already done: no closures to build)
                 poll(lambda: testall(reqs, statuses), self, lambda: f"sendrecv: to {dest}, from {source}",
                      lambda: self.peer_problem(source, tag))
-        except _MPI.Exception as e:
+        except _mpi().Exception as e:
             raise _truncated(self, source, tag, recvbuf.nbytes, e) from None
         if statuses[0].Get_count(self._BYTE) != recvbuf.nbytes:
             _check_count(self, statuses[0], source, tag, recvbuf.nbytes)
