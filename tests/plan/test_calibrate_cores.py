@@ -1,7 +1,5 @@
 """calibrate_cores' arithmetic, on work and clocks the test controls (the machine's speed never enters)."""
 
-import time
-
 import pytest
 
 from minidist.plan import calibrate_cores
@@ -9,14 +7,22 @@ from minidist.plan import calibrate_cores
 
 @pytest.mark.parametrize("threads, cores", [(1, 0.5), (2, 1.0)])
 def test_effective_cores_is_cpu_seconds_alone_over_wall_seconds_together(monkeypatch, threads, cores):
-    """The work is a 20 ms sleep (threads sleep side by side), and the CPU clock runs at half the wall
-    clock: each thread needs 10 ms of CPU and gets it in 20 ms, half a core each -- one rank alone
-    on a machine where another program takes turns with it gets 0.5 (a first version floored the
-    answer at 1/threads: 1 for one thread, and a single rank under load looked like a whole core)."""
-    monkeypatch.setattr(calibrate_cores, "cpu", lambda: time.perf_counter() / 2)
-    monkeypatch.setattr(calibrate_cores, "_work", lambda *a: lambda: time.sleep(0.02))
+    """Clocks the test controls: the work needs 10 ms of CPU alone (the `cpu` clock), and the threads
+    together take 20 ms of wall time -- each thread gets half a core, so `threads` threads get
+    threads/2 cores' worth: one rank alone on a machine where another program takes turns with it
+    gets 0.5 (a first version floored the answer at 1/threads: 1 for one thread, and a single rank
+    under load looked like a whole core). No real clock is read, so load cannot move the answer."""
+    calls = []
+
+    def timed(fn, repeats=7, min_time=0.02, clock=None):
+        fn()  # the work (a no-op here) and the threads that run it together really run
+        calls.append(clock)
+        return 0.010 if clock is calibrate_cores.cpu else 0.020
+    monkeypatch.setattr(calibrate_cores, "_median_time", timed)
+    monkeypatch.setattr(calibrate_cores, "_work", lambda *a: lambda: None)
     got = calibrate_cores.effective_cores(threads, minidist_ops=True, batch=1)
-    assert got == pytest.approx(cores, rel=0.2)
+    assert got == pytest.approx(cores)
+    assert calls.count(calibrate_cores.cpu) == 3 and len(calls) == 6  # three turns of alone, together
 
 
 def test_alpha_and_beta_come_back_from_exact_times_and_alpha_survives_noise_on_big_messages():
