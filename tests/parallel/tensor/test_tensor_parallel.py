@@ -442,16 +442,21 @@ def _two_token_counts(comm, logits, batches):
 
 
 def test_vocab_parallel_loss_compiles_once_for_every_count_of_ignored_targets():
-    """The mean's token count is an argument of the compiled loss and gradient, not a constant: a
-    batch with other ignored targets (another n) runs the same programs, with the serial numbers."""
+    """The mean's token count is an argument of the compiled loss and gradient, not a constant: once a
+    batch with ignored targets has run (n = 4), batches with other counts (n = 5, n = 3) run the same
+    programs, with the serial numbers. The first batch with ignored targets may add one program (two
+    thread ranks share the process's counter, and one eager op of the mask path compiled there in
+    about half the runs), so the claim is checked on the batches after it."""
     pytest.importorskip("jax")
     from minidist.accel import jax_engine
 
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((2, 3, 6))
-    batches = [rng.integers(0, 6, (2, 3)) for _ in range(3)]
+    batches = [rng.integers(0, 6, (2, 3)) for _ in range(4)]
     batches[1][0, :2] = -1  # n = 4
     batches[2][1, 1] = -1   # n = 5
+    batches[3][:, 1] = -1   # n = 4 again, other positions
+    batches[3][0, 2] = -1   # n = 3
     out = run(_two_token_counts, ranks=2, backend="jax", logits=logits, batches=batches)
     for r, (counts, losses) in enumerate(out):
         for targets, (loss, grad) in zip(batches, losses):
@@ -461,4 +466,4 @@ def test_vocab_parallel_loss_compiles_once_for_every_count_of_ignored_targets():
             assert abs(loss - want.item()) <= TOL["float64"]
             np.testing.assert_allclose(grad, full.grad[..., r * 3:(r + 1) * 3], rtol=0, atol=TOL["float64"])
         if jax_engine.enabled():
-            assert counts[1:] == [0, 0], counts
+            assert counts[1] <= 1 and counts[2:] == [0, 0], counts
