@@ -26,6 +26,8 @@ file runs them in order.
 from __future__ import annotations
 
 from minidist.infer import early_exit_draft
+from minidist.lessons import inference_sharded as shard
+from minidist.lessons import inference_speculative as spec
 from minidist.lessons.cli import (
     finish,
     launch,
@@ -39,7 +41,7 @@ from minidist.lessons.inference_batching import batching, paging, plot
 from minidist.lessons.inference_disaggregated import disaggregation
 from minidist.lessons.inference_kv import PROMPTS, build_model, cache_vs_recompute, enc
 from minidist.lessons.inference_prefix import kv_memory, prefix_caching
-from minidist.lessons.inference_sharded import sharded
+from minidist.lessons.inference_sharded import mesh_for, sharded
 from minidist.lessons.inference_speculative import speculative
 
 
@@ -63,6 +65,22 @@ def rank_main(comm, args):
     ok &= disaggregation(comm, model, args)
     rprint(comm, f"\nall checks: {'PASS' if ok else 'FAIL'}")
     return finish(comm, ok)
+
+
+def context_needed(args, n: int) -> tuple:
+    """The least ``--block`` every section fits in, and which section sets it: each section's
+    longest prompt plus the tokens it generates after it (``check_prompt``'s rule, checked here
+    before any rank starts instead of inside one)."""
+    longest = lambda prompts: max(len(enc(q)) for q in prompts)  # noqa: E731
+    needs = [(longest(PROMPTS) + 16 + 1, "the batched workload's prompts with 16-token answers (+1 spare)")]
+    if args.speculative:
+        needs.append((longest(PROMPTS[:spec.PROMPT_COUNT]) + spec.NEW_TOKENS,
+                      f"speculative decoding's prompts with {spec.NEW_TOKENS}-token answers "
+                      "(or --speculative 0)"))
+    if mesh_for(n, args) is not None:
+        needs.append((longest(PROMPTS[:shard.PROMPT_COUNT]) + shard.NEW_TOKENS,
+                      f"sharded generation's prompts with {shard.NEW_TOKENS}-token answers"))
+    return max(needs)
 
 
 def split_ranks(p, text: str, n: int):
@@ -108,10 +126,10 @@ def main(argv=None):
     if args.heads % args.kv_heads:
         p.error(f"argument --kv-heads: must divide --heads {args.heads} (each K/V head serves a whole group "
                 f"of query heads), got {args.kv_heads}")
-    need = max(len(enc(q)) for q in PROMPTS) + 16 + 1  # the longest prompt, a 16-token answer, one more
+    need, why = context_needed(args, world_size(args))
     if args.block < need:
-        p.error(f"argument --block: the lesson's prompts and answers need a context of >= {need} tokens, "
-                f"got {args.block}")
+        p.error(f"argument --block: {why} need a context of >= {need} tokens, got {args.block}; "
+                f"use --block {need} or more")
     return launch(rank_main, args)
 
 

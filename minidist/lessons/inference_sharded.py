@@ -37,6 +37,9 @@ def all_reduce_bytes(name: str, nbytes: int, p: int, r: int) -> int | None:
         return None
     return all_reduce_bytes_sent(algorithm, nbytes, p, r)
 
+NEW_TOKENS = 24  # each prompt's answer: ``main`` checks --block holds the longest prompt plus these
+PROMPT_COUNT = 3  # the first PROMPTS
+
 
 def sharded(comm, model, args):
     shape = mesh_for(comm.size, args)
@@ -46,8 +49,8 @@ def sharded(comm, model, args):
                "tp x pp; try 1, 2, 4 or 8 ranks)")
         return True
     tp, pp = shape
-    prompts = [enc(p) for p in PROMPTS[:3]]
-    n = 24
+    prompts = [enc(p) for p in PROMPTS[:PROMPT_COUNT]]
+    n = NEW_TOKENS
     with measure(comm) as m:
         t0 = time.perf_counter()
         toks, logits = sharded_generate(comm, model, prompts, n, GREEDY, tp=tp, pp=pp, return_logits=True)

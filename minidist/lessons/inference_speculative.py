@@ -18,11 +18,14 @@ from minidist.infer import (
 )
 from minidist.lessons.inference_kv import PROMPTS, enc
 
+NEW_TOKENS = 32  # each prompt's answer: ``main`` checks --block holds the longest prompt plus these
+PROMPT_COUNT = 3  # the first PROMPTS
+
 
 def speculative(model, draft, args):
     """Greedy: the same tokens as the target alone, in fewer target passes; a, c and the formula."""
-    k, n = args.speculative, 32
-    prompts = [enc(p) for p in PROMPTS[:3]]
+    k, n = args.speculative, NEW_TOKENS
+    prompts = [enc(p) for p in PROMPTS[:PROMPT_COUNT]]
     runs = {"target": lambda: generate(model, prompts, n), "draft": lambda: generate(draft, prompts, n),
             "speculative": lambda: speculative_generate(model, draft, prompts, n, k=k, stats=st)}
     best, outs = {name: math.inf for name in runs}, {}

@@ -1,6 +1,9 @@
 """Lesson 9's own arithmetic and pictures, section by section (each section is its own file)."""
 
-from minidist.lessons import inference_batching, inference_kv
+import pytest
+
+from minidist.infer.generate import check_prompts
+from minidist.lessons import inference, inference_batching, inference_kv
 
 
 def test_why_not_38x_recovers_the_fixed_and_per_token_costs_it_was_built_from():
@@ -18,3 +21,26 @@ def test_the_slot_timeline_writes_each_requests_letter_and_idle_dots():
     history = [{0: 0, 1: 1}, {0: 0}, {1: 27}]  # step -> {slot: request id}
     rows = inference_batching.slot_timeline(history, slots=2)
     assert rows == ["   slot 0 |aa.|", "   slot 1 |b.b|"]  # request 27 is letter 27 % 26 = b
+
+
+def test_block_too_short_for_speculative_answers_is_refused_before_ranks_start(monkeypatch, capsys):
+    # "A neural network " is 17 bytes (byte tokenizer); section 4 generates 32 tokens after it,
+    # so check_prompt needs 17 + 32 = 49 positions. Section 5 (24 tokens) needs 41.
+    started = []
+    monkeypatch.setattr(inference, "launch", lambda fn, args: started.append(args))
+    small = ["--ranks", "2", "--steps", "1", "--d-model", "16"]
+    with pytest.raises(SystemExit) as e:
+        inference.main(small + ["--block", "40"])
+    assert e.value.code == 2 and not started
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--block" in err and ">= 49" in err and "--speculative 0" in err
+    with pytest.raises(SystemExit):
+        inference.main(small + ["--block", "40", "--speculative", "0"])
+    assert ">= 41" in capsys.readouterr().err and not started
+    inference.main(small + ["--block", "49"])
+    assert started and started[0].block == 49
+    # the bound is check_prompt's own: 49 fits, 48 does not
+    prompts = [inference_kv.enc(q) for q in inference_kv.PROMPTS[:3]]
+    check_prompts(prompts, 49, 256, 32)
+    with pytest.raises(ValueError):
+        check_prompts(prompts, 48, 256, 32)
