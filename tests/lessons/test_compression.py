@@ -35,6 +35,15 @@ def test_the_plot_is_written(tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_plot_is_written_when_a_method_sent_nothing_in_the_steps(tmp_path):
+    # issue 28: --steps 4 with DiLoCo H=20 -- one evaluation each, DiLoCo's at 0 bytes
+    path = tmp_path / "few.png"
+    silent = result("DiLoCo H=20", [(4, 0, 4.5)])
+    compression_curves.plot(str(path), [result("dense", [(4, 40e6, 4.0)]), silent])
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert [len(a) for a in compression_curves.curve(silent)] == [0, 0, 0]
+
+
 def test_evaluations_cost_no_bytes_and_the_lesson_prints_the_ratio(capsys):
     compression.main("--ranks 2 --steps 4 --eval-every 2 --layers 1 --d-model 16 --seq 8 --batch 1 "
                      "--link off --methods dense".split() + ["PowerSGD r=2"])
