@@ -64,6 +64,11 @@ def _max_diff(a, b) -> float:
     return float(np.abs(to_host(a) - to_host(b)).max())
 
 
+SKEW = 0.6  # added to the router's expert-0 column at the start of training: most tokens go there
+# The least --steps for section 2's check: at the lesson's defaults the CV with the aux loss first
+# falls to half the CV without it at step 24 (chapter 15), and no other size tried halves it sooner
+# (fewer tokens per expert take longer): fewer steps are refused rather than made to print FAIL.
+MIN_STEPS = 25
 MIN_PER_EXPERT = 16  # routed tokens per expert per step (on average) for a CV that is not noise
 
 
@@ -112,7 +117,7 @@ def train(comm, args, aux_weight):
     moe = build(comm, args)
     w = moe.router.weight  # a skewed start: the router favours expert 0
     skewed = np.array(to_host(w.data))  # made on the host (on JAX: no eager slice-and-add programs)
-    skewed[:, 0] += 0.6
+    skewed[:, 0] += SKEW
     w.data = w.backend.update(w.data, skewed)  # in place on NumPy, a new array on JAX (immutable)
     opt = optim.make_optimizer("adamw", moe.parameters(), args.lr)
     target = np.random.default_rng(99).standard_normal((D, D)) / np.sqrt(D)
@@ -231,15 +236,24 @@ def main(argv=None):
     parser.add_argument("--k", type=positive_int, default=2, choices=[1, 2], help="experts per token")
     parser.add_argument("--tokens", type=positive_int, default=64, help="tokens per rank per step")
     parser.add_argument("--capacity", type=positive_float, default=1.25, help="capacity factor")
-    parser.add_argument("--steps", type=positive_int, default=40)
+    parser.add_argument("--steps", type=positive_int, default=40,
+                        help=f"training steps of section 2 (at least {MIN_STEPS})")
     parser.add_argument("--lr", type=positive_float, default=0.02)
     parser.add_argument("--aux", type=positive_float, default=0.1, help="weight of the load-balancing loss")
     args = parser.parse_args(argv)
     p = world_size(args)
     if args.experts % p:
         parser.error(f"--experts {args.experts} must be a multiple of the {p} ranks (experts per rank)")
-    if args.k > args.experts:
-        parser.error(f"--k {args.k} is more than --experts {args.experts}")
+    if args.k >= args.experts:
+        more = (args.k // p + 1) * p
+        parser.error(f"argument --k: top-{args.k} of --experts {args.experts} sends every token to every "
+                     f"expert, so tokens per expert are equal with or without the aux loss (section 2 has "
+                     f"nothing to balance); use --k < --experts, e.g. --experts {more}")
+    if args.steps < MIN_STEPS:
+        parser.error(f"argument --steps: section 2 checks that the aux loss halves the CV of tokens per "
+                     f"expert, and the router needs {MIN_STEPS} steps to unlearn its skewed start (at the "
+                     f"lesson's sizes and --lr; fewer tokens per expert need more); got {args.steps}, "
+                     f"use --steps {MIN_STEPS} or more")
     reject_early(parser, lambda: check_counts(p, args.experts, args.k, args.tokens))
     launch(rank_main, args)
 
