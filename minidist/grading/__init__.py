@@ -11,7 +11,8 @@ This file holds what every grader shares: running ranks with a bound on every wa
 (``run_guarded``; ``rendezvous=True`` for point-to-point exercises, see rendezvous.py, with
 communication rounds counted, rounds.py), turning hung ranks into a failed check (``no_hang``),
 a comparison that teaches (``assert_close``: which rank, sizes, dtype, and the first elements
-that differ) and the CI tests (``grader_tests``).
+that differ), the check that a student's function leaves the caller's arrays alone (``untouched``)
+and the CI tests (``grader_tests``).
 """
 
 from __future__ import annotations
@@ -89,6 +90,87 @@ def assert_close(got, want, where: str, *, rtol: float = 0.0, atol: float = 0.0,
     tol = f"rtol={rtol:g}, atol={atol:g}" if (rtol or atol) else "exact"
     raise AssertionError(head + f"{n} of {bad.size} elements differ ({tol}; shape {want_a.shape}, "
                                 f"dtype {got_a.dtype}); first: {shown}; max abs error {err:.3g}")
+
+
+def _snapshot(v):
+    """A copy of every array inside v (an ndarray, a Tensor's ``.data``, lists/tuples/dicts of them),
+    or None when v holds none."""
+    if isinstance(v, np.ndarray):
+        return v.copy()
+    if isinstance(getattr(v, "data", None), np.ndarray):
+        return ("tensor", v.data.copy())
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float, np.number)) for x in v):
+        return ("vals", list(v))
+    if isinstance(v, (list, tuple)):
+        snaps = [_snapshot(x) for x in v]
+        return None if all(x is None for x in snaps) else ("seq", snaps)
+    if isinstance(v, dict):
+        snaps = {k: _snapshot(x) for k, x in v.items()}
+        return None if all(x is None for x in snaps.values()) else ("dict", snaps)
+    return None
+
+
+def _first_change(now, was, path: str):
+    """(path, index, was, now) of the first element of ``now`` that differs from snapshot ``was``."""
+    if was is None:
+        return None
+    if isinstance(was, np.ndarray):
+        now = np.asarray(now)
+        if now.shape != was.shape:
+            return path, None, f"shape {was.shape}", f"shape {now.shape}"
+        diff = ~((now == was) | (np.isnan(now) & np.isnan(was))) if now.dtype.kind in "fc" else now != was
+        if diff.any():
+            ix = tuple(int(i) for i in np.argwhere(diff)[0])
+            return path, ix, _fmt(was[ix]), _fmt(now[ix])
+        return None
+    kind, inner = was
+    if kind == "vals":
+        if list(now) != inner:
+            return path, None, repr(inner), repr(list(now))
+        return None
+    if kind == "tensor":
+        return _first_change(now.data, inner, path + ".data")
+    items = inner.items() if kind == "dict" else enumerate(inner)
+    for k, w in items:
+        found = _first_change(now[k], w, f"{path}[{k!r}]")
+        if found:
+            return found
+    return None
+
+
+def untouched(fn, names=None, writes=()):
+    """``fn`` wrapped so that a call which changes any array it was given (an ndarray, a Tensor's
+    data, or one inside a list/tuple/dict argument) raises an AssertionError naming the argument and
+    its first changed element: the caller still owns its inputs, and a function that writes into
+    them (``x += ...``, ``np.array_split`` views, ``out=x``) corrupts the caller's next use. ``names``:
+    the spec's argument names by position (default: ``fn``'s own parameter names); ``writes``: the
+    names of those the spec says the function updates in place (a cache, a free list): not checked."""
+    import functools
+    import inspect
+
+    if names is None:
+        try:
+            names = [q.name for q in inspect.signature(fn).parameters.values()]
+        except (TypeError, ValueError):
+            names = []
+    task = getattr(fn, "__name__", "the function")
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        labelled = [(names[i] if i < len(names) else f"argument {i + 1}", a) for i, a in enumerate(args)]
+        labelled += list(kwargs.items())
+        before = [(n, a, _snapshot(a)) for n, a in labelled if n not in writes]
+        out = fn(*args, **kwargs)
+        for n, a, was in before:
+            found = _first_change(a, was, n)
+            if found:
+                path, ix, old, new = found
+                at = "" if ix is None else f"[{', '.join(map(str, ix))}]"
+                raise AssertionError(f"{task} changed its input {path}: {path}{at} was {old}, is now {new}; "
+                                     f"the caller still owns its arguments: work on a copy "
+                                     f"(x.copy(), or x = x + ... instead of x += ...)")
+        return out
+    return wrapped
 
 
 def grader_tests(name: str, checks: dict, reference, broken: dict):

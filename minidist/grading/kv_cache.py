@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minidist.grading import assert_close
+from minidist.grading import assert_close, untouched
 
 GRADE = settings(max_examples=15, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -25,6 +25,10 @@ def _causal_attention(q, k, v):
     return (w / w.sum(axis=-1, keepdims=True)) @ v
 
 
+CACHED_ARGS = ["q", "k_new", "v_new", "cache_k", "cache_v", "pos"]
+APPEND_ARGS = ["pool", "block_table", "free_blocks", "length", "kv", "block_size"]
+
+
 def check_cached_attention_step(impl):
     @GRADE
     @given(h=st.integers(1, 3), t=st.integers(1, 6), d=st.integers(1, 4), extra=st.integers(0, 3),
@@ -35,8 +39,9 @@ def check_cached_attention_step(impl):
         q, k, v = (rng.standard_normal((h, t, d)) for _ in range(3))
         want = _causal_attention(q, k, v)
         ck, cv = np.zeros((h, t + extra, d)), np.zeros((h, t + extra, d))
+        step = untouched(impl.cached_attention_step, CACHED_ARGS, writes=("cache_k", "cache_v"))
         for pos in range(t):
-            got = impl.cached_attention_step(q[:, pos], k[:, pos], v[:, pos], ck, cv, pos)
+            got = step(q[:, pos], k[:, pos], v[:, pos], ck, cv, pos)
             assert_close(got, want[:, pos], f"{h} heads, D={d}, cache of {t + extra} slots, step pos={pos} "
                                             f"(attend to positions 0..{pos}, scaled by 1/sqrt(D))", **TOL)
         assert_close(ck[:, :t], k, f"{h} heads, D={d}: cache_k after {t} steps (write k_new at pos)")
@@ -54,7 +59,8 @@ def check_paged_gather(impl):
         pool = rng.standard_normal((n_blocks + 3, bs, d))
         table = [int(b) for b in rng.permutation(n_blocks + 3)[:n_blocks]]
         want = np.concatenate([pool[b] for b in table])[:length] if table else np.zeros((0, d))
-        got = impl.paged_gather(pool, table, length, bs)
+        got = untouched(impl.paged_gather, ["pool", "block_table", "length", "block_size"])(
+            pool, table, length, bs)
         assert_close(got, want, f"block_size {bs}, length {length}, block_table {table}")
     prop()
 
@@ -69,11 +75,12 @@ def check_paged_append(impl):
         n_blocks = len(order) + 1
         pool = np.full((n_blocks, bs, d), np.nan)
         free = list(range(n_blocks))
+        append = untouched(impl.paged_append, APPEND_ARGS, writes=("pool", "block_table", "free_blocks"))
         tables, lengths, history = [[] for _ in range(n_seq)], [0] * n_seq, [[] for _ in range(n_seq)]
         for i, s in enumerate(o % n_seq for o in order):
             kv = rng.standard_normal(d)
             want_pop = free[-1] if lengths[s] % bs == 0 else None
-            lengths[s] = impl.paged_append(pool, tables[s], free, lengths[s], kv, bs)
+            lengths[s] = append(pool, tables[s], free, lengths[s], kv, bs)
             history[s].append(kv)
             what = f"block_size {bs}, append #{i} to sequence {s} (now {len(history[s])} long)"
             assert lengths[s] == len(history[s]), f"{what}: returned length {lengths[s]}"
@@ -161,6 +168,12 @@ def _append_first_free(pool, block_table, free_blocks, length, kv, block_size): 
     return _place(pool, block_table, length, kv, block_size)
 
 
-BROKEN = {"cached_attention_step": [_step_without_new_token, _step_unscaled, _step_whole_cache],
+def _step_scales_q_in_place(q, k_new, v_new, cache_k, cache_v, pos):  # right output, but `q /= sqrt(D)`
+    q /= np.sqrt(q.shape[-1])                                            # writes into the caller's q
+    return _step(q * np.sqrt(q.shape[-1]), k_new, v_new, cache_k, cache_v, pos)
+
+
+BROKEN = {"cached_attention_step": [_step_without_new_token, _step_unscaled, _step_whole_cache,
+                                    _step_scales_q_in_place],
           "paged_gather": [_gather_logical, _gather_whole_blocks],
           "paged_append": [_append_off_by_one, _append_first_free]}

@@ -13,6 +13,7 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from minidist.grading import untouched
 from minidist.nn.moe import routed_fraction, top_k_route
 
 GRADE = settings(max_examples=30, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
@@ -49,7 +50,8 @@ def check_top_k_route(impl):
         probs, k, cap = problem
         k = min(k, probs.shape[1])
         want_e, want_s = _route(probs, k, cap)
-        got_e, got_s = (np.asarray(a) for a in impl.top_k_route(probs.copy(), k, cap))
+        route = untouched(impl.top_k_route, ["probs", "k", "capacity"])
+        got_e, got_s = (np.asarray(a) for a in route(probs.copy(), k, cap))
         what = f"top_k_route(N={probs.shape[0]}, E={probs.shape[1]}, k={k}, capacity={cap})"
         assert got_e.shape == want_e.shape and got_s.shape == want_s.shape, (
             f"{what}: shapes {got_e.shape}, {got_s.shape}; expected {want_e.shape} twice")
@@ -72,7 +74,7 @@ def check_load_balancing_loss(impl):
         experts = _route(probs, k, n)[0]
         f = np.array([(experts == x).sum() for x in range(e)]) / (n * k)
         want = e * float(sum(f[x] * probs[:, x].mean() for x in range(e)))
-        got = float(impl.load_balancing_loss(probs.copy(), experts.copy()))
+        got = float(untouched(impl.load_balancing_loss, ["probs", "experts"])(probs.copy(), experts.copy()))
         assert abs(got - want) <= 1e-12, f"load_balancing_loss(N={n}, E={e}, k={k}) = {got}, expected {want}"
     prop()
 
@@ -132,5 +134,13 @@ def _first_choice_only(probs, experts):  # f from the first choices alone
     return e * float((routed_fraction(experts[:, :1], e) * probs.mean(axis=0)).sum())
 
 
-BROKEN = {"top_k_route": [_token_major, _no_capacity, _unstable_ties],
+def _route_masking_probs(probs, k, capacity):  # right routing, but masks each pick in the caller's probs
+    out = top_k_route(probs.copy(), k, capacity)  # (probs[t, best] = -inf) to find the next choice
+    rows = np.arange(probs.shape[0])
+    for _ in range(k):
+        probs[rows, probs.argmax(axis=1)] = -np.inf
+    return out
+
+
+BROKEN = {"top_k_route": [_token_major, _no_capacity, _unstable_ties, _route_masking_probs],
           "load_balancing_loss": [_no_factor_e, _first_choice_only]}

@@ -7,3 +7,11 @@ from minidist.grading import grader_tests
 
 test_reference_passes, test_broken_implementation_fails, test_grade_reports_the_stub_as_not_written = \
     grader_tests("collective_matmul", G.CHECKS, G.reference, G.BROKEN)
+
+
+def test_writing_into_the_callers_x_fails_naming_x():
+    import types
+
+    import pytest
+    with pytest.raises(AssertionError, match=r"changed its input x: x\["):
+        G.CHECKS["all_gather_matmul"](types.SimpleNamespace(all_gather_matmul=G._recv_into_x))

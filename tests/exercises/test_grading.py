@@ -225,3 +225,37 @@ def test_readme_course_table_gives_each_exercise_its_files_time():
     for cells in rows:
         names = re.findall(r"minidist\.grade (\w+)", cells[4])
         assert cells[5].strip() == ", ".join(header(n)[1] for n in names), cells
+
+
+def test_untouched_names_the_argument_and_first_changed_element():
+    from minidist.grading import untouched
+
+    def bump(x, ws, table):
+        ws[1][0, 2] += 1.0
+    with pytest.raises(AssertionError, match=r"bump changed its input ws\[1\]: ws\[1\]\[0, 2\] was 0, "
+                                             r"is now 1"):
+        untouched(bump)(np.zeros(3), [np.zeros((1, 3)), np.zeros((1, 3))], [4, 5])
+
+    def pop(x, ws, table):
+        table.pop()
+    with pytest.raises(AssertionError, match=r"changed its input block_table: block_table was \[4, 5\]"):
+        untouched(pop, ["x", "ws", "block_table"])(np.zeros(3), [], [4, 5])
+
+
+def test_untouched_passes_pure_functions_nan_inputs_and_declared_in_place_writes():
+    from minidist.autograd.tensor import Tensor
+    from minidist.grading import untouched
+
+    x = np.array([np.nan, 1.0])
+    np.testing.assert_array_equal(untouched(lambda x, t: x * 2)(x, Tensor(np.ones(2))), [np.nan, 2.0])
+
+    def fill(cache, kv):
+        cache[0] = kv
+    cache = np.zeros((2, 2))
+    untouched(fill, writes=("cache",))(cache, np.ones(2))  # the spec says cache is written: allowed
+    np.testing.assert_array_equal(cache[0], [1.0, 1.0])
+
+    def scale(t):
+        t.data *= 2
+    with pytest.raises(AssertionError, match=r"changed its input t.data: t.data\[0\] was 1, is now 2"):
+        untouched(scale)(Tensor(np.ones(2)))

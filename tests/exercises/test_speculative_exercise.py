@@ -6,3 +6,11 @@ from minidist.grading import speculative as G
 
 test_reference_passes, test_broken_implementation_fails, test_grade_reports_the_stub_as_not_written = \
     grader_tests("speculative", G.CHECKS, G.reference, G.BROKEN)
+
+
+def test_writing_into_the_callers_p_fails_naming_p():
+    import types
+
+    import pytest
+    with pytest.raises(AssertionError, match=r"changed its input p: p\["):
+        G.CHECKS["residual"](types.SimpleNamespace(residual=G._residual_in_place))
