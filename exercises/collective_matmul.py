@@ -29,6 +29,7 @@ def all_gather_matmul(comm, x, w):
     s = 0); start sending it to rank (rank + 1) % p and receiving the next from (rank - 1) % p, then
     multiply the chunk in hand into its place of the output (rows (rank - s) % p), then wait for
     the transfer. p-1 messages of x.nbytes per rank, none on the last step.
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
@@ -41,5 +42,6 @@ def matmul_reduce_scatter(comm, x, w):
     their ``x @ w``. Ring: at step s compute your part of chunk (rank - s - 1) % p, add the running
     sum received from rank (rank - 1) % p (none at s = 0) and, except at the last step (where the
     chunk is your own and complete), send the sum on to (rank + 1) % p. p-1 messages of one chunk.
+    Does not modify its inputs.
     """
     raise NotImplementedError

@@ -47,5 +47,6 @@ def powersgd_step(comm, M, Q):
        Q_new (next step's warm start).
 
     Use ``all_reduce(comm, x)`` (the sum over ranks) for the two all-reduces.
+    Does not modify its inputs.
     """
     raise NotImplementedError

@@ -30,7 +30,8 @@ def block_quantize(x, block_rows, block_cols):
     Tiles of block_rows x block_cols from the top-left corner; the last tiles along each axis may
     be smaller (ragged edges). Each tile gets ``s = pow2_scale(max |tile|)``, and its entries become
     ``float32(e4m3(clip(x / s, -448, 448))) * s``. ``q`` has x's shape (float32); ``scales`` has shape
-    (ceil(rows / block_rows), ceil(cols / block_cols)), scales[i, j] for tile (i, j)."""
+    (ceil(rows / block_rows), ceil(cols / block_cols)), scales[i, j] for tile (i, j).
+    Does not modify its inputs."""
     raise NotImplementedError
 
 
@@ -40,5 +41,5 @@ def delayed_scales(amaxes, history):
     At step t the amax is not known before the cast: the scale comes from the max of the amaxes of
     the previous ``history`` steps (steps t-history .. t-1, as many as exist); step 0, with an empty
     window, uses its own amax. Each step's amax is recorded after its cast. Returns a list of
-    ``pow2_scale`` values, one per step."""
+    ``pow2_scale`` values, one per step. Does not modify its inputs."""
     raise NotImplementedError

@@ -23,6 +23,7 @@ def cached_attention_step(q, k_new, v_new, cache_k, cache_v, pos):
     (H, T_max, D) hold the keys and values of positions 0..pos-1; write k_new, v_new at ``pos`` (in
     place), then for each head: softmax over positions 0..pos (the new token included, nothing
     beyond) of q·k / sqrt(D), weighted sum of the values.
+    Does not modify q, k_new or v_new (only the caches).
     """
     raise NotImplementedError
 
@@ -32,6 +33,7 @@ def paged_gather(pool, block_table, length, block_size):
 
     pool (n_blocks, block_size, D) is shared by all sequences; ``block_table[i]`` is the pool block
     holding the sequence's positions i*block_size .. (i+1)*block_size - 1.
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
@@ -42,5 +44,6 @@ def paged_append(pool, block_table, free_blocks, length, kv, block_size):
     When the sequence's blocks are full (length is a multiple of block_size) take a block from the
     END of the list ``free_blocks`` (``free_blocks.pop()``) and append it to ``block_table``; then
     write kv at its position. Both lists are modified in place; never take a block otherwise.
+    Does not modify kv (only pool and the two lists).
     """
     raise NotImplementedError

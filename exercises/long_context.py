@@ -28,6 +28,7 @@ def block_attention(q, k, v, q_pos, k_pos):
     ``out`` (..., Tq, D) = softmax over the visible keys of the scores, times v; ``lse`` (..., Tq)
     = log Σ_visible exp(score). A query that sees no key of this block gets out = 0 and
     lse = -inf (and no warning or NaN anywhere). Subtract the row maximum before exp.
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
@@ -39,5 +40,6 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     Then lse = log(e^lse_a + e^lse_b) and out = (e^lse_a · out_a + e^lse_b · out_b) / e^lse --
     compute it without overflow (never exponentiate an lse itself, only differences such as
     lse_a - lse) and without NaN where an lse is -inf; if both are -inf, out = 0 and lse = -inf.
+    Does not modify its inputs.
     """
     raise NotImplementedError

@@ -27,6 +27,7 @@ def top_k_route(probs, k, capacity):
       if the expert was already full (the assignment is dropped). Slots are handed out in this
       priority: every token's FIRST choice, in token order 0..N-1; then every token's second choice,
       in token order; and so on. An expert's slots are 0..(taken - 1), never more than ``capacity``.
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
@@ -37,5 +38,6 @@ def load_balancing_loss(probs, experts):
     ``probs`` (N, E) as above; ``experts`` (N, k) the choices of ``top_k_route`` (dropped or not).
     f_e = the fraction of the N·k choices that name expert e; P_e = the mean of probs[:, e] over
     the N tokens. It is 1 when routing is perfectly uniform and up to E when it all goes one way.
+    Does not modify its inputs.
     """
     raise NotImplementedError

@@ -18,7 +18,8 @@ import numpy as np  # noqa: F401  (you will need it)
 
 def residual(p, q):
     """The distribution a rejected proposal's replacement is drawn from: max(0, p - q) normalised
-    to sum to 1, as a float64 array (V,). If p - q is nowhere positive (p == q), return p."""
+    to sum to 1, as a float64 array (V,). If p - q is nowhere positive (p == q), return p.
+    Does not modify its inputs."""
     raise NotImplementedError
 
 
@@ -34,6 +35,7 @@ def verify(p, q, drafts, u, v):
     ``pick(p_{k+1}, v)`` (p[k], the target's distribution after the last proposal).
 
     ``pick(dist, v)`` draws by inverse CDF: the first index j with cumsum(dist)[j] > v * sum(dist).
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
