@@ -93,45 +93,45 @@ def assert_close(got, want, where: str, *, rtol: float = 0.0, atol: float = 0.0,
 
 
 def _snapshot(v):
-    """A copy of every array inside v (an ndarray, a Tensor's ``.data``, lists/tuples/dicts of them),
-    or None when v holds none."""
+    """A copy of what v holds: arrays (an ndarray, a Tensor's ``.data``) and plain values, also
+    inside lists/tuples/dicts; None for anything else (a comm, a store, a function)."""
     if isinstance(v, np.ndarray):
         return v.copy()
     if isinstance(getattr(v, "data", None), np.ndarray):
         return ("tensor", v.data.copy())
-    if isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float, np.number)) for x in v):
-        return ("vals", list(v))
+    if isinstance(v, (int, float, complex, str, bytes, np.generic)) or v is None:
+        return ("val", v)
     if isinstance(v, (list, tuple)):
-        snaps = [_snapshot(x) for x in v]
-        return None if all(x is None for x in snaps) else ("seq", snaps)
+        return ("seq", list(v), [_snapshot(x) for x in v])
     if isinstance(v, dict):
-        snaps = {k: _snapshot(x) for k, x in v.items()}
-        return None if all(x is None for x in snaps.values()) else ("dict", snaps)
+        return ("dict", dict(v), {k: _snapshot(x) for k, x in v.items()})
     return None
 
 
 def _first_change(now, was, path: str):
-    """(path, index, was, now) of the first element of ``now`` that differs from snapshot ``was``."""
+    """(path, index, was, now) of the first part of ``now`` that differs from snapshot ``was``."""
     if was is None:
         return None
     if isinstance(was, np.ndarray):
         now = np.asarray(now)
-        if now.shape != was.shape:
-            return path, None, f"shape {was.shape}", f"shape {now.shape}"
+        if now.shape != was.shape or now.dtype != was.dtype:
+            return path, None, f"{was.shape} {was.dtype}", f"{now.shape} {now.dtype}"
         diff = ~((now == was) | (np.isnan(now) & np.isnan(was))) if now.dtype.kind in "fc" else now != was
         if diff.any():
             ix = tuple(int(i) for i in np.argwhere(diff)[0])
             return path, ix, _fmt(was[ix]), _fmt(now[ix])
         return None
-    kind, inner = was
-    if kind == "vals":
-        if list(now) != inner:
-            return path, None, repr(inner), repr(list(now))
-        return None
+    kind, old, inner = (*was, None) if len(was) == 2 else was
+    if kind == "val":
+        same = now is old or (type(now) is type(old) and (now == old or (now != now and old != old)))
+        return None if same else (path, None, repr(old), repr(now))
     if kind == "tensor":
-        return _first_change(now.data, inner, path + ".data")
-    items = inner.items() if kind == "dict" else enumerate(inner)
-    for k, w in items:
+        return _first_change(now.data, old, path + ".data")
+    if kind == "seq" and len(now) != len(old) or kind == "dict" and now.keys() != old.keys():
+        return path, None, repr(old), repr(now)
+    for k, w in (inner.items() if kind == "dict" else enumerate(inner)):
+        if w is None and now[k] is not old[k]:
+            return f"{path}[{k!r}]", None, repr(old[k]), repr(now[k])
         found = _first_change(now[k], w, f"{path}[{k!r}]")
         if found:
             return found

@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minidist.comm.collectives import all_reduce
-from minidist.grading import assert_close, no_hang, run_guarded
+from minidist.grading import assert_close, no_hang, run_guarded, untouched
 from minidist.parallel.memory import precision as P
 
 GRADE = settings(max_examples=15, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
@@ -41,7 +41,7 @@ def check_scaler_update(impl):
         state = {"scale": 2.0 ** 4, "clean_steps": 0, "skipped": 0}
         for i, (f, want) in enumerate(zip(flags, _expected_states(flags, interval))):
             before, given_state = dict(state), state
-            state = impl.scaler_update(given_state, f, growth_interval=interval)
+            state = untouched(impl.scaler_update)(given_state, f, growth_interval=interval)
             assert given_state == before, f"scaler_update modified its input state {before} -> {given_state}"
             got = {k: state.get(k) for k in want} if isinstance(state, dict) else state
             assert got == want, (f"growth_interval={interval}, found_inf sequence {flags[:i + 1]}: after "
@@ -65,7 +65,7 @@ def check_found_inf_across(impl):
     def prop(p, kind, seed, data):
         bad = None if kind is None else (data.draw(st.integers(0, p - 1)) if data else p - 1)
         grads = _planted(p, bad, kind, seed)
-        out = run_guarded(lambda c: impl.found_inf_across(c, grads[c.rank]), p, WAIT_S)
+        out = run_guarded(lambda c: untouched(impl.found_inf_across)(c, grads[c.rank]), p, WAIT_S)
         for r, got in enumerate(out):
             assert bool(got) == (bad is not None), (
                 f"rank {r} of {p}: found_inf_across returned {got!r}, but "
@@ -89,8 +89,9 @@ def check_scaled_sgd_step(impl):
         lr = 0.1
 
         def body(c):
-            return impl.scaled_sgd_step(c, [q.copy() for q in params], grads[c.rank], dict(state), lr,
-                                        growth_interval=interval)
+            step = untouched(impl.scaled_sgd_step)
+            return step(c, [q.copy() for q in params], grads[c.rank], dict(state), lr,
+                        growth_interval=interval)
         out = run_guarded(body, p, WAIT_S)
         want_state = _expected_states([bad is not None], interval, init=8.0)[0]
         for r, (new, st_) in enumerate(out):
