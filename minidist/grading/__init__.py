@@ -168,7 +168,7 @@ def untouched(fn, names=None, writes=()):
                 at = "" if ix is None else f"[{', '.join(map(str, ix))}]"
                 raise AssertionError(f"{task} changed its input {path}: {path}{at} was {old}, is now {new}; "
                                      f"the caller still owns its arguments: work on a copy "
-                                     f"(x.copy(), or x = x + ... instead of x += ...)")
+                                     f"(x.copy(), list(xs), dict(d)), or write x = x + ... not x += ...")
         return out
     return wrapped
 

@@ -175,7 +175,14 @@ def _rows_overlap(shares, rank):  # every rank starts at rank * shares[rank]: wr
     return rank * shares[rank], (rank + 1) * shares[rank]
 
 
-BROKEN = {"min_max_partition": [_uniform_cut, _greedy_fill],
+def _prefix_sums_in_place(costs, num_stages):  # turns the caller's list into its prefix sums
+    prefix = costs
+    for i in range(1, len(prefix)):
+        prefix[i] += prefix[i - 1]
+    return partition_balanced([b - a for a, b in zip([0] + prefix[:-1], prefix)], num_stages)
+
+
+BROKEN = {"min_max_partition": [_uniform_cut, _greedy_fill, _prefix_sums_in_place],
           "balanced_shares": [_rounded_proportions, _equal_shares, _may_starve],
           "my_rows": [_rows_overlap]}
 

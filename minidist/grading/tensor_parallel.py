@@ -271,9 +271,15 @@ def _ce_grad_not_mean(comm, logits_shard, targets):  # gradient of the sum, not 
     return _ce_parts(comm, logits_shard, targets, divide=False)
 
 
+def _ce_shifts_logits_in_place(comm, logits_shard, targets):  # right loss and gradient, but subtracts
+    m = all_reduce(comm, logits_shard.max(axis=1), op="max")     # the row max from the caller's logits
+    logits_shard -= m[:, None]
+    return reference().vocab_parallel_cross_entropy(comm, logits_shard, targets)
+
+
 BROKEN = {"shard_columns": [_interleaved_columns, _rows_for_columns], "shard_rows": [_columns_for_rows],
           "column_parallel_forward": [_column_all_reduces_input],
           "row_parallel_forward": [_row_bias_before_reduce, _row_without_reduce],
           "vocab_parallel_cross_entropy": [_ce_no_max, _ce_unmasked_target, _ce_grad_not_mean,
-                                           _ce_gathers_logits]}
+                                           _ce_gathers_logits, _ce_shifts_logits_in_place]}
 HANGS = {"row_parallel_forward": _row_reduce_on_rank_0_only}

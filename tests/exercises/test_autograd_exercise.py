@@ -6,3 +6,11 @@ from minidist.grading import grader_tests
 
 test_reference_passes, test_broken_implementation_fails, test_grade_reports_the_stub_as_not_written = \
     grader_tests("autograd", G.CHECKS, G.reference, G.BROKEN)
+
+
+def test_writing_into_the_callers_x_fails_naming_x():
+    import types
+
+    import pytest
+    with pytest.raises(AssertionError, match=r"changed its input x"):
+        G.CHECKS["layer_norm_backward"](types.SimpleNamespace(layer_norm_backward=G._ln_centres_x_in_place))

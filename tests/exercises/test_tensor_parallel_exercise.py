@@ -18,3 +18,11 @@ def test_ranks_that_hang_fail_in_seconds(task, monkeypatch):
     monkeypatch.setattr(G, "WAIT_S", 1)
     with pytest.raises(AssertionError, match="hung"):
         G.CHECKS[task](types.SimpleNamespace(**{task: G.HANGS[task]}))
+
+
+def test_writing_into_the_callers_logits_shard_fails_naming_logits_shard():
+    import types
+
+    import pytest
+    with pytest.raises(AssertionError, match=r"changed its input logits_shard"):
+        G.CHECKS["vocab_parallel_cross_entropy"](types.SimpleNamespace(vocab_parallel_cross_entropy=G._ce_shifts_logits_in_place))
