@@ -16,6 +16,7 @@ def linear_backward(x, w, g):
     """y = x @ w + b with x (..., n), w (n, m), b (m,); g has y's shape (..., m).
 
     Return (gx, gw, gb) shaped like x, w and b. The batch axes of x are summed out of gw and gb.
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
@@ -25,6 +26,7 @@ def layer_norm_backward(x, w, g, eps=1e-5):
 
     Return (gx, gw, gb). Hint: with xhat = (x - mean) * rstd,
     gx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) where dxhat = g * w.
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
@@ -33,6 +35,7 @@ def cross_entropy_backward(logits, targets):
     """loss = mean over rows of -log softmax(logits)[row, targets[row]]; logits (N, V), targets (N,).
 
     Return d loss / d logits, shape (N, V).
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
@@ -41,5 +44,6 @@ def attention_backward(q, k, v, g):
     """y = softmax(q kᵀ / sqrt(d) + causal mask) v over (B, H, T, d) arrays; g has y's shape.
 
     Return (gq, gk, gv). Position i attends to positions <= i.
+    Does not modify its inputs.
     """
     raise NotImplementedError

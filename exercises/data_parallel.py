@@ -27,6 +27,7 @@ def build_buckets(param_sizes_bytes, bucket_bytes):
     that would take it over ``bucket_bytes``; then close the bucket and start a new one. A bucket
     exactly ``bucket_bytes`` big is fine; a parameter larger than ``bucket_bytes`` gets a bucket of
     its own. Example: sizes [4, 4, 4, 8], bucket_bytes 8 -> [[3], [2, 1], [0]].
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
@@ -39,5 +40,6 @@ def average_gradients(comm, grads, n_local):
     0 on some: then its grads are zeros). Return a list of arrays of the same shapes, equal on every
     rank to the gradient the serial program gets from the mean over all N = sum of n_local samples.
     Hint: the mean over N is not the mean of the ranks' means. Use ``all_reduce(comm, x)`` (the sum).
+    Does not modify its inputs.
     """
     raise NotImplementedError

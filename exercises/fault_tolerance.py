@@ -37,6 +37,7 @@ def atomic_save(root, step, arrays):
     ``latest`` itself for writing. If ``step-{step:08d}`` already exists, the new one replaces it.
     Use ``open``, ``np.save`` (to an open file), ``os.fsync``, ``os.replace``/``os.rename``,
     ``os.makedirs`` and ``shutil.rmtree``.
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
@@ -51,5 +52,6 @@ def load_shard(read_piece, shape, dtype, axis, old_size, new_rank, new_size):
     that overlap the new one, each at most once -- a rank of a 1000-rank job must not read the
     whole model. Example: shape (12,), old_size 3 (blocks [0,4) [4,8) [8,12)), new_size 2,
     new_rank 1 wants [6,12): read blocks 1 and 2, keep elements 2..3 of block 1 and all of block 2.
+    Does not modify its inputs.
     """
     raise NotImplementedError

@@ -24,6 +24,7 @@ def min_max_partition(costs, num_stages):
     the smallest possible maximum is accepted. Example: costs [1, 1, 4, 1, 1], 3 stages ->
     [(0, 2), (2, 3), (3, 5)] (stage sums 2, 4, 2). Raise ValueError if num_stages < 1 or
     num_stages > n. Hint: dynamic programming over (stages used, layers placed), O(n^2 p).
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
@@ -37,6 +38,7 @@ def balanced_shares(total, seconds_per_row):
     The real-valued answer is n_i = total * s_i / sum(s) with speeds s_i = 1 / seconds_per_row[i];
     rounding it can cost a whole slow row -- find the best whole split. Raise ValueError if
     total < len(seconds_per_row). Hint: hand out rows one at a time.
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
@@ -45,5 +47,6 @@ def my_rows(shares, rank):
     """The rows ``rank`` trains on when rank i takes ``shares[i]`` rows of the global batch, in rank
     order: ``(start, end)`` with rank 0 starting at row 0 and each rank starting where the previous
     ended. Example: shares [3, 1, 2] -> rank 0: (0, 3), rank 1: (3, 4), rank 2: (4, 6).
+    Does not modify its inputs.
     """
     raise NotImplementedError

@@ -34,6 +34,7 @@ def found_inf_across(comm, grads):
 
     One all-reduce of a 0/1 flag (``all_reduce(comm, flag, op="max")``): every rank must return
     the same answer, or one replica steps while another skips.
+    Does not modify its inputs.
     """
     raise NotImplementedError
 

@@ -20,7 +20,7 @@ def make_shards(nbytes, shard_bytes):
     """Parameter indices 0..len(nbytes)-1 grouped into consecutive shards, in order: start a new shard
     when adding the next parameter would make the current one exceed ``shard_bytes``; a parameter
     larger than shard_bytes is a shard alone. E.g. nbytes [4, 4, 4, 10, 1], shard_bytes 8 ->
-    [[0, 1], [2], [3], [4]]."""
+    [[0, 1], [2], [3], [4]]. Does not modify its inputs."""
     raise NotImplementedError
 
 
@@ -35,5 +35,6 @@ def offloaded_momentum_step(store, params, grads, lr, beta):
     Rules the grader checks: each shard loaded and saved exactly once; shard s+1's load starts
     BEFORE shard s is saved (prefetch: the disk works while you compute); never more than two shards
     in memory (start loading s+2 only after saving s).
+    Does not modify grads (only params).
     """
     raise NotImplementedError

@@ -48,6 +48,7 @@ def column_parallel_forward(comm, x, w_shard, b_shard):
     x (..., in) is the full input, the same on every rank; ``w_shard = shard_columns(w, rank, tp)``
     (in, out/tp) and ``b_shard = shard_columns(b, rank, tp)`` (out/tp,). Returns (..., out/tp).
     Sends nothing: every rank already has all it needs.
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
@@ -58,6 +59,7 @@ def row_parallel_forward(comm, x_shard, w_shard, b):
     x_shard (..., in/tp) is this rank's block of x's last axis (what a column-parallel layer just
     produced), ``w_shard = shard_rows(w, rank, tp)`` (in/tp, out) and b (out,) is the full bias, the
     same on every rank. Returns (..., out). One all-reduce of the output; mind where the bias goes.
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
@@ -76,5 +78,6 @@ def vocab_parallel_cross_entropy(comm, logits_shard, targets):
     * the target logit: only the rank whose slice holds ``targets[i]`` knows it; the others put 0.
     Return the loss (a float, the same on every rank) and ``grad_shard`` (N, V/tp): the gradient of
     the mean loss, ``(softmax(logits) - onehot(targets)) / N`` restricted to your columns.
+    Does not modify its inputs.
     """
     raise NotImplementedError

@@ -49,7 +49,7 @@ def loss_weights(ys, n_total, dp):
     after DDP averages the dp replicas' gradients, is the serial loss: the mean over the global
     batch's ``n_total`` valid targets (targets of -1 are ignored). ``ys`` are this replica's
     microbatch targets; microbatch j holds n_j valid targets. Returns a list of floats:
-    dp * n_j / n_total (all 0.0 when n_total is 0)."""
+    dp * n_j / n_total (all 0.0 when n_total is 0). Does not modify its inputs."""
     raise NotImplementedError
 
 
