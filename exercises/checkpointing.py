@@ -32,6 +32,7 @@ def checkpoint(fn, x):
     re-run fn on a fresh leaf Tensor(x, requires_grad=True) with gradients on, back-propagate the
     incoming gradient through it, return the leaf's gradient; then put the random state back to
     what it was before the recomputation (backward must not consume random numbers).
+    Does not modify x.
     """
     raise NotImplementedError
 

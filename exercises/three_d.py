@@ -61,5 +61,6 @@ def train_3d(comm, cfg, batches, dp, pp, tp, microbatches, lr):
     microbatches, weights their losses by ``loss_weights``, runs the schedule; the optimizer step
     (inside the schedule) waits for DDP's gradients, steps, zeroes the gradients.
     Returns (mesh, stage): the grader gathers the full model from them.
+    Does not modify its inputs.
     """
     raise NotImplementedError

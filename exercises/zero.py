@@ -34,6 +34,7 @@ def zero2_sgd_step(comm, params, grad, lr):
     (``shard_bounds``) is updated here: ``reduce_scatter(comm, grad)`` returns the sum of your slice
     only; then ``all_gather(comm, new_slice, sizes=[...])`` (the slice lengths of every rank) puts
     the full array back together. No all-reduce: together these send the bytes of one all-reduce.
+    Does not modify its inputs.
     """
     raise NotImplementedError
 
@@ -50,5 +51,6 @@ def zero3_forward(units, x):
     Rules the grader checks on every rank: each unit is gathered exactly once; unit u+1's gather
     starts BEFORE ``layer(u)`` runs (prefetch); each unit is released right after its layer; never more
     than two units are gathered at once (start unit u+2 only after releasing u).
+    Does not modify x.
     """
     raise NotImplementedError
