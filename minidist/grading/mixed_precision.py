@@ -10,6 +10,7 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from minidist.comm import measure
 from minidist.comm.collectives import all_reduce
 from minidist.grading import assert_close, no_hang, run_guarded, untouched
 from minidist.parallel.memory import precision as P
@@ -63,8 +64,15 @@ def check_found_inf_across(impl):
     def prop(p, kind, seed, data):
         bad = None if kind is None else (data.draw(st.integers(0, p - 1)) if data else p - 1)
         grads = _planted(p, bad, kind, seed)
-        out = run_guarded(lambda c: untouched(impl.found_inf_across)(c, grads[c.rank]), p, WAIT_S)
-        for r, got in enumerate(out):
+        def body(c):
+            with measure(c) as m:
+                got = untouched(impl.found_inf_across)(c, grads[c.rank])
+            return got, [call.name for call in m.calls]
+        out = run_guarded(body, p, WAIT_S)
+        for r, (got, calls) in enumerate(out):
+            assert p == 1 or len(calls) == 1 and calls[0].endswith("all_reduce"), (
+                f"rank {r} of {p}: collectives {calls}; the spec's one all-reduce of a 0/1 flag does it "
+                f"(a flag for all of this rank's {len(grads[r])} gradients together)")
             assert bool(got) == (bad is not None), (
                 f"rank {r} of {p}: found_inf_across returned {got!r}, but "
                 + (f"rank {bad} has a{'n' if kind == 'inf' else ''} {kind} in its gradients (every rank must "
@@ -171,6 +179,11 @@ def _isinf_only(comm, grads):  # NaN is not inf: a NaN gradient goes unnoticed
     return bool(all_reduce(comm, flag, op="max")[0] > 0)
 
 
+def _flag_per_gradient(comm, grads):  # right answer, but one all-reduce per gradient: len(grads) waits
+    return any([bool(all_reduce(comm, np.array([float(not np.isfinite(g).all())]), op="max")[0] > 0)
+                for g in grads])
+
+
 def _sum_flag_per_rank(comm, grads):  # averages the flags: true only if every rank overflowed
     flag = np.array([float(any(not np.isfinite(g).all() for g in grads))])
     return bool(all_reduce(comm, flag, op="sum")[0] >= comm.size)
@@ -200,5 +213,5 @@ def _update_in_place(state, found_inf, growth_interval=2000, growth_factor=2.0, 
 
 
 BROKEN = {"scaler_update": [_grow_one_late, _no_reset_on_inf, _no_floor, _update_in_place],
-          "found_inf_across": [_local_flag, _isinf_only, _sum_flag_per_rank],
+          "found_inf_across": [_local_flag, _isinf_only, _sum_flag_per_rank, _flag_per_gradient],
           "scaled_sgd_step": [_step_with(_local_flag), _step_with(P_found, unscale=False)]}
