@@ -194,5 +194,19 @@ def _step_momentum_not_saved(store, params, grads, lr, beta):  # updates params,
         store.save(s, ms)
 
 
+def _step_momentum_in_grads(store, params, grads, lr, beta):  # right params and momentum, but builds
+    n = len(store.shards)                                       # m in the caller's grads (g += beta·m)
+    pending = {0: store.load_async(0)} if n else {}
+    for s in range(n):
+        if s + 1 < n:
+            pending[s + 1] = store.load_async(s + 1)
+        for i, m in zip(store.shards[s], pending[s].wait()):
+            grads[i] += beta * m
+            params[i] -= lr * grads[i]
+        store.save(s, [grads[i] for i in store.shards[s]])
+        del pending[s]
+
+
 BROKEN = {"make_shards": [_shards_inclusive, _one_per_parameter],
-          "offloaded_momentum_step": [_step_no_prefetch, _step_load_all_first, _step_momentum_not_saved]}
+          "offloaded_momentum_step": [_step_no_prefetch, _step_load_all_first, _step_momentum_not_saved,
+                                      _step_momentum_in_grads]}
