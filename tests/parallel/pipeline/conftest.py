@@ -26,6 +26,20 @@ def _rank(comm, schedule, m, x, y, cfg):
     return stats, {n: q.grad for n, q in stage.named_parameters()}
 
 
+def pipeline_step(schedule, p, m, cfg, x, y):
+    """One step of `schedule` on p thread ranks: (per-rank StepStats, {name: grad} over all ranks)."""
+    results = run(_rank, ranks=p, schedule=schedule, m=m, x=x, y=y, cfg=cfg)
+    return [s for s, _ in results], {n: g for _, grads in results for n, g in grads.items()}
+
+
+def serial_step(cfg, x, y):
+    """The serial model's (loss, {name: grad}) on the same batch."""
+    model = GPT(cfg)
+    loss = model.loss(x, y)
+    loss.backward()
+    return float(loss.item()), {n: q.grad for n, q in model.named_parameters()}
+
+
 @pytest.fixture(scope="session")  # hypothesis tests may use it: no per-example state
 def step_vs_serial():
     """step_vs_serial(schedule, p, m, n_layer, seed) -> (per-rank StepStats, max |grad - serial grad|,
@@ -34,15 +48,11 @@ def step_vs_serial():
         cfg = TINY.replace(n_layer=n_layer)
         rng = np.random.default_rng(seed)
         x, y = rng.integers(0, 16, (2 * m, 4)), rng.integers(0, 16, (2 * m, 4))
-        model = GPT(cfg)
-        loss = model.loss(x, y)
-        loss.backward()
-        want = {n: q.grad for n, q in model.named_parameters()}
-        results = run(_rank, ranks=p, schedule=schedule, m=m, x=x, y=y, cfg=cfg)
-        got = {n: g for _, grads in results for n, g in grads.items()}
+        loss, want = serial_step(cfg, x, y)
+        stats, got = pipeline_step(schedule, p, m, cfg, x, y)
         assert got.keys() == want.keys()
-        losses = [s.loss for s, _ in results if s.loss is not None]
+        losses = [s.loss for s in stats if s.loss is not None]
         assert len(losses) == 1  # exactly one rank computes the loss
         diff = max(float(np.abs(got[n] - want[n]).max()) for n in want)
-        return [s for s, _ in results], diff, abs(losses[0] - float(loss.item()))
+        return stats, diff, abs(losses[0] - loss)
     return go

@@ -13,16 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minidist.comm import run
-from minidist.nn import GPT, GPTConfig
+from minidist.nn import GPTConfig
 from minidist.parallel.pipeline.dualpipe import dualpipe_v
 from minidist.parallel.pipeline.placement import looped
-from minidist.parallel.pipeline.runtime import (
-    PipelineStage,
-    make_schedule,
-    partition_uniform,
-    run_schedule,
-    split_microbatches,
-)
 from minidist.parallel.pipeline.schedule import BackwardInput, BackwardWeight, ScheduleError, one_f_one_b
 from minidist.parallel.pipeline.simulate import DeadlockError, ascii_timeline, simulate
 from minidist.parallel.pipeline.zb_v import zb_v
@@ -34,6 +27,7 @@ from minidist.parallel.pipeline.zero_bubble import (
     zb_h2_bubble_formula,
 )
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d, train_serial
+from tests.parallel.pipeline.conftest import pipeline_step, serial_step
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -140,15 +134,6 @@ def test_zb_h2_on_threads_equals_the_serial_model(step_vs_serial, p, extra, laye
 
 # -- the runtime on threads ---------------------------------------------------------------------------
 
-def _rank(comm, schedule, m, x, y, cfg):
-    model = GPT(cfg)
-    p = comm.size
-    stage = PipelineStage(model, partition_uniform(len(model), p), comm.rank, p)
-    stats = run_schedule(stage, comm, make_schedule(schedule, p, m)[comm.rank],
-                         split_microbatches(x, m), split_microbatches(y, m))
-    return stats, {n: q.grad for n, q in stage.named_parameters()}
-
-
 @given(p=st.integers(2, 4), extra=st.integers(0, 3), layers=st.integers(2, 4), seed=st.integers(0, 99))
 @settings(max_examples=8, deadline=None)
 def test_zb_h1_equals_1f1b_bit_for_bit_and_the_serial_model(p, extra, layers, seed):
@@ -158,21 +143,16 @@ def test_zb_h1_equals_1f1b_bit_for_bit_and_the_serial_model(p, extra, layers, se
     cfg = CFG.replace(n_layer=layers)
     rng = np.random.default_rng(seed)
     x, y = rng.integers(0, 16, (2 * m, 4)), rng.integers(0, 16, (2 * m, 4))
-    model = GPT(cfg)
-    loss = model.loss(x, y)
-    loss.backward()
-    want = {n: q.grad for n, q in model.named_parameters()}
-    zb = run(_rank, ranks=p, schedule="zb-h1", m=m, x=x, y=y, cfg=cfg)
-    ob = run(_rank, ranks=p, schedule="1f1b", m=m, x=x, y=y, cfg=cfg)
-    got = {n: g for _, grads in zb for n, g in grads.items()}
-    ref = {n: g for _, grads in ob for n, g in grads.items()}
+    loss, want = serial_step(cfg, x, y)
+    zb_stats, got = pipeline_step("zb-h1", p, m, cfg, x, y)
+    _, ref = pipeline_step("1f1b", p, m, cfg, x, y)
     assert got.keys() == want.keys()
     for name in want:
         assert np.array_equal(got[name], ref[name]), name
         np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-12, err_msg=name)
-    assert zb[-1][0].loss == pytest.approx(float(loss.item()), abs=1e-12)
+    assert zb_stats[-1].loss == pytest.approx(loss, abs=1e-12)
     sched = zb_h1(p, m)
-    for s, (stats, _) in enumerate(zb):
+    for s, stats in enumerate(zb_stats):
         assert stats.peak_weight_queue_bytes > 0  # B kept (X, G) for W, and it was counted
         assert sum(isinstance(i, BackwardInput) for i in sched[s]) == m
 
