@@ -91,14 +91,33 @@ def _listed(item, table) -> bool:
     return any(item.nodeid.startswith(key) or key == f"{path}[{backend}]" for key in table)
 
 
-def pytest_configure(config):
-    """Naming a test file or node (``pytest tests/comm/test_mpirun.py``) runs all of it, its slow
-    tests too, unless ``-m`` is given as well: the slow set is left out of whole folders only."""
+def _names_a_file(config) -> bool:
+    """Naming a test file or node (``pytest tests/comm/test_mpirun.py``) without ``-m``: the run is
+    all of that file, its slow tests too (the slow set is left out of whole folders only)."""
     args = config.invocation_params.args
     if any(a.startswith(("-m", "--markexpr")) for a in args):
-        return
-    if any(a.split("::")[0].endswith(".py") for a in args if not a.startswith("-")):
+        return False
+    return any(a.split("::")[0].endswith(".py") for a in args if not a.startswith("-"))
+
+
+def pytest_configure(config):
+    if _names_a_file(config):
         config.option.markexpr = ""
+
+
+MOST_WORKERS = 4  # each worker imports minidist and JAX and compiles its own programs
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own (one per core), also when loaded with -p
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): the default set runs in one worker per core (at most
+    MOST_WORKERS) -- its tests hold no wall-clock ceiling, so sharing the cores changes no outcome.
+    Anything that may hold slow tests (``-m slow``, ``-m ""``, a file named) runs in this process
+    alone: real mpirun jobs oversubscribe the cores by themselves and the timing tests measure
+    wall time."""
+    if _names_a_file(config) or config.option.markexpr != "not slow":
+        return 0
+    return max(1, min(MOST_WORKERS, len(os.sched_getaffinity(0))))
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker

@@ -68,12 +68,23 @@ def _child(path, *args):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT).stdout
 
 
+def _passed(out):
+    """The probe's tests that passed (``-rA``'s summary lines), by name: a run in xdist workers
+    does not count what it deselected."""
+    return sorted(line.split("::")[-1].split()[0] for line in out.splitlines()
+                  if line.startswith("PASSED ") and "::" in line)
+
+
 def test_the_default_command_leaves_out_mpi_and_timing_tests_and_m_slow_runs_just_them(tmp_path):
-    """A folder: the slow set left out, or alone with ``-m slow``; a file named: all of it."""
+    """A folder: the slow set left out (in xdist workers), or alone with ``-m slow`` (in this process,
+    no workers); a file named: all of it, in this process."""
     (tmp_path / "test_probe.py").write_text(PROBE)
-    out = _child(tmp_path)
-    assert "1 passed, 2 deselected" in out, out
+    out = _child(tmp_path, "-rA")
+    assert _passed(out) == ["test_quick"], out
+    assert "bringing up nodes" in out or "workers" in out, out  # the default set is distributed
     out = _child(tmp_path, "-m", "slow")  # test_quick alone is left out (the mpi one skips without mpirun)
     assert "2 passed, 1 deselected" in out or "1 passed, 1 skipped, 1 deselected" in out, out
+    assert "bringing up nodes" not in out, out
     out = _child(tmp_path / "test_probe.py")  # a file named: all of it
     assert "3 passed" in out or "2 passed, 1 skipped" in out, out
+    assert "bringing up nodes" not in out, out
