@@ -39,7 +39,7 @@ SMALL = {
     "13-load-balancing.md": "python -m minidist.lessons.load_balancing --ranks 4 --batch 16 --pp-steps 4 "
                             "--pace 0.002",
     "14-long-context.md": "python -m minidist.lessons.long_context --ranks 2 --seq 16",
-    "15-moe.md": "python -m minidist.lessons.moe --ranks 2 --tokens 32",
+    "15-moe.md": "python -m minidist.lessons.moe --ranks 2 --tokens 64",
     "16-tpu.md": "python -m minidist.lessons.tpu --steps 2",
 }
 

@@ -56,7 +56,7 @@ BAD = [
     ("fault_tolerance", ["--ranks", "4", "--out", "/nonexistent/x.npz"], ["--out", "does not exist"]),
     ("fault_tolerance", ["--ranks", "4", "--fault", "bogus"], ["--fault", "unknown fault", "kill:rank=3"]),
     ("fault_tolerance", ["--ranks", "4", "--fault", "kill:rank=4,step=2"], ["--fault", "ranks 0..3"]),
-    ("moe", ["--ranks", "4", "--tokens", "2"], ["--tokens", "--tokens >= 16"]),
+    ("moe", ["--ranks", "4", "--tokens", "2"], ["--tokens", "--tokens >= 32"]),
     ("moe", ["--ranks", "3", "--experts", "4"], ["--experts", "multiple of the 3 ranks"]),
     ("mixed_precision", ["--dim", "10"], ["--dim", "multiple of the 4"]),
     ("mixed_precision", ["--lr", "nan"], ["--lr", "finite"]),
@@ -81,7 +81,7 @@ GOOD = [
     ("data_parallel", ["--ranks", "2", "--accum", "4", "--batch", "12"]),
     ("fault_tolerance", ["--ranks", "4", "--pp", "2", "--tp", "2"]),
     ("fault_tolerance", ["--ranks", "2", "--zero", "2", "--fault", "kill:rank=1,step=3"]),
-    ("moe", ["--ranks", "4", "--tokens", "16"]),
+    ("moe", ["--ranks", "4", "--tokens", "32"]),
     ("moe", ["--ranks", "3", "--experts", "3"]),
     ("mixed_precision", ["--ranks", "2"]),
 ]

@@ -126,7 +126,7 @@ def test_lesson_passes_and_exits_1_when_the_exchange_is_wrong(monkeypatch, capsy
     from minidist.lessons import moe as lesson
     from minidist.parallel.experts import dispatch as experts
 
-    argv = ["--ranks", "2", "--tokens", "32"]
+    argv = ["--ranks", "2", "--tokens", "64"]
     lesson.main(argv)
     out = capsys.readouterr().out
     assert out.count("PASS") == 3 and "FAIL" not in out
