@@ -225,6 +225,19 @@ def rank_main(comm, args):
     return finish(comm, passed)
 
 
+def idle_split(everyone, step: int) -> str:
+    """Where step `step`'s rank time went, measured: the share of ranks x step time each rank spent
+    in forward/backward, waiting to receive, and in the rest (all-reduce, optimizer, send waits) --
+    what to hold against the planner's bubble, which counts a stage's receives alone as idle."""
+    evs = [e for r in everyone for e in r["events"][step]]
+    span = max(e["t1"] for e in evs) - min(e["t0"] for e in evs)
+    total = len(everyone) * span
+    busy = sum(e["t1"] - e["t0"] for e in evs if e["name"] in BUSY) / total
+    recv = sum(e["t1"] - e["t0"] for e in evs if e["cat"] == "recv" and e["name"] not in BUSY) / total
+    return (f"measured split of step {step}'s ranks x time: forward/backward {busy:.3f}, waiting to receive "
+            f"{recv:.3f}, all-reduce/optimizer/sends {max(0.0, 1 - busy - recv):.3f}")
+
+
 def report(everyone, args, pp: int, m: int) -> float:
     """Timeline, bubble and memory tables from every rank's records (rank 0 only); the measured bubble."""
     last = len(everyone[0]["events"]) - 1
@@ -260,6 +273,7 @@ def report(everyone, args, pp: int, m: int) -> float:
               f"of messages): {dualpipe_v_bubble_formula(pp, m):.3f}")
     print(schedules.this_machine(args.schedule, pp, m, len(everyone), os.cpu_count() or 1,
                                  schedule_chunks(args.schedule, args.chunks))[1])
+    print(idle_split(everyone, last))
     print(estimates.predicted_vs_measured(
         "step time on this machine's calibrated constants (the planner, chapter 11)",
         estimates.step_prediction(args.layers, args.width, 4, 256, args.seq, args.batch, dp=args.dp, pp=pp,

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 from minidist.parallel.pipeline.runtime import make_schedule
 from minidist.parallel.pipeline.schedule import ScheduleError
-from minidist.parallel.pipeline.simulate import simulate
 
 
 @dataclass(frozen=True)
@@ -150,23 +149,24 @@ def on_shared_cores(model: ScheduleModel, p: int, m: int, slowdown: float, F: fl
 
 
 def this_machine(name: str, p: int, m: int, ranks: int, cores: int, v: int = 1) -> tuple[float, str]:
-    """(bubble, one line) the planner predicts for schedule `name` when `ranks` ranks share `cores`
-    cores (slowdown s = ranks / cores, F = B = W): what a lesson prints beside the textbook formula,
-    so the two can be compared honestly on a crowded machine. A stage's idle time comes from the
-    simulator where the runtime builds the schedule (as `steptime.predict` does: one synchronised
-    step, so the optimizer waits for the last W), else from the schedule's formula; then
-    idle / (idle + s·m(F+B+W)), each rank's work running s times slower and its waits not."""
+    """(bubble, one line) the planner predicts for schedule `name` when `ranks` ranks (ranks / p
+    pipelines side by side) share `cores` cores, F = B = W: what a lesson prints beside the textbook
+    formula, so the two can be compared honestly on a crowded machine. Where the runtime builds the
+    schedule it is run on the shared cores (`shared_cores.run_on_cores`: each rank that has work
+    gets min(1, cores / ranks with work) of a core, a waiting rank none); else the formula with
+    every rank's work s = ranks / cores times slower and its waits not (`on_shared_cores`)."""
+    from minidist.plan.shared_cores import run_on_cores
+
     sched = get(name)
-    s = max(1.0, ranks / max(cores, 1))
-    work = 3.0 * m
     lists = build(name, p, m, sched.chunks or v) if p > 1 else None
-    if lists is not None:
-        chunks = sched.chunks or v
-        sim = simulate(lists, 1.0 / chunks, 2.0 / chunks)
-        idle, how = sim.bubble * sim.makespan, "simulated"
-    else:
-        idle, how = (sched.bubble(p, m, 1.0, 1.0, 1.0, v) if p > 1 else 0.0), "formula"
-    value = idle / (idle + s * work) if idle + s * work > 0 else 0.0
-    return value, (f"planner's bubble for this machine: {value:.3f} = idle / (idle + s·m(F+B+W)) = "
-                   f"{idle:g}/({idle:g} + {s:g}·{work:g}) with F = B = W, idle {how}, and s = "
-                   f"ranks/cores = {ranks}/{cores} (each rank's work runs s times slower, its waits do not)")
+    if lists is None:
+        s = max(1.0, ranks / max(cores, 1))
+        value = on_shared_cores(sched, p, m, s, v=v)
+        return value, (f"planner's bubble for this machine: {value:.3f} (the formula with every rank's work "
+                       f"{s:g} = ranks/cores = {ranks}/{cores} times slower and its waits not)")
+    chunks = sched.chunks or v
+    run = run_on_cores(lists, cores, 1.0 / chunks, 2.0 / chunks, replicas=max(1, ranks // p))
+    value = run["bubble"]
+    return value, (f"planner's bubble for this machine: {value:.3f} ({ranks} ranks on {cores} cores, "
+                   f"F = B = W: a rank with work gets min(1, {cores}/ranks with work) of a core, a waiting "
+                   f"rank none; it leaves out the cores waiting ranks spin on and their wake-ups)")
