@@ -140,6 +140,31 @@ def multihost(cfg, batches, args, tol) -> int:
     return 0 if ok else 1
 
 
+def plot_runs(path, losses, twin_losses, times, twin_times, mesh: str) -> None:
+    """Two panels, step by step: the loss of the eager ranks and of the compiled twin (one curve on
+    the other when they agree), and each step's wall time in ms on a log axis (step 0 compiles)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 3.8))
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    steps = np.arange(len(losses))
+    left.plot(steps, losses, "o-", lw=2.5, color="tab:blue", label="eager minidist ranks")
+    left.plot(steps, twin_losses, "x--", color="tab:orange", label="compiled SPMD twin")
+    left.set(title=f"loss per step ({mesh})", xlabel="step", ylabel="loss (nats/token)")
+    left.legend()
+    right.plot(steps, np.array(times) * 1e3, "o-", color="tab:blue", label="eager minidist ranks")
+    right.plot(steps, np.array(twin_times) * 1e3, "x--", color="tab:orange", label="compiled SPMD twin")
+    right.set_yscale("log")
+    for ax in (left, right):
+        ax.set_xticks(steps)
+    right.set(title="wall time per step (step 0 compiles)", xlabel="step", ylabel="ms (log)")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -161,6 +186,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tol", type=positive_float, default=None,
                         help="largest parameter difference (default 1e-5 in float32, 1e-9 in float64)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", metavar="FILE.png", help="draw both runs' loss and step time per step")
     args = parser.parse_args(argv)
     tol = args.tol or (1e-5 if args.dtype == "float32" else 1e-9)
 
@@ -227,6 +253,10 @@ def main(argv=None) -> int:
     for hw in (TPU_V4, TPU_V5E, TPU_V5P):
         print(f"   {hw.name:<9} {hw.hbm_bandwidth / 1e9:>7.0f} {hw.intra.bandwidth / 1e9:>9.0f} "
               f"{hw.inter.bandwidth / 1e9:>6.1f}")
+
+    if args.plot:
+        plot_runs(args.plot, losses, twin_losses, times, twin_times, f"dp {args.dp} x tp {args.tp}")
+        print(f"\nplot drawn to {args.plot}")
 
     diff = max_state_diff(twin.state(), state)
     ldiff = float(np.max(np.abs(np.array(losses) - np.array(twin_losses))))

@@ -198,7 +198,13 @@ def hardware_table() -> list[str]:
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m minidist.plan.estimates",
+                                     description="The tables of chapter 0, and this machine's constants.")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the roofline of every preset (chapter 0)")
+    args = parser.parse_args(argv)
     print("hardware (minidist/plan/hardware.py; per chip, bf16 dense, links each way; sources in its "
           "docstring;")
     print("ridge = FLOP/s / HBM bytes/s: FLOPs per byte above which an op is compute-bound):")
@@ -232,6 +238,11 @@ def main() -> None:
     print(f"  roofline on an H100 (ridge {ridge_point(989e12, 3.35e12):.0f}): a 4096^3 bf16 matmul does "
           f"{matmul_intensity(4096, 4096, 4096):.0f} FLOP/byte (compute-bound);\n  a decode step "
           f"{decode_intensity(1):.0f} at batch 1 and {decode_intensity(256):.0f} at batch 256 (memory-bound)")
+    if args.plot:
+        from minidist.plan.roofline_plot import plot_roofline
+
+        plot_roofline(args.plot, PRESETS, mine)
+        print(f"\nroofline drawn to {args.plot}")
 
 
 if __name__ == "__main__":

@@ -115,6 +115,20 @@ def test_tpu_lesson_checks_the_two_runs_and_exits_nonzero_on_fail(monkeypatch, c
     assert "rank 1 -> cpu:1" in out and "collective-permute" in out and "10.0x" in out  # 100 ms / 10 ms
 
 
+def test_tpu_lesson_plots_both_runs(monkeypatch, capsys, tmp_path):
+    """--plot draws the stand-in runs' losses and step times into a PNG and says where."""
+    from minidist.lessons import tpu
+
+    state = {"w": np.ones((2, 2))}
+    monkeypatch.setattr(tpu, "eager", lambda cfg, batches, args: (
+        state, [3.0, 2.0], [1.0, 0.1], {}, 0, ["cpu:0", "cpu:1"]))
+    twin = SimpleNamespace(state=lambda: state, mesh=make_mesh(2, 1))
+    monkeypatch.setattr(tpu, "compiled", lambda cfg, batches, args: (twin, [3.0, 2.0], [2.0, 0.01], {}))
+    out = tmp_path / "tpu.png"
+    assert tpu.main(["--dp", "2", "--tp", "1", "--steps", "2", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot drawn to {out}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("cache", ["/tmp/somewhere", "0"])
 def test_tpu_lesson_says_why_the_first_eager_step_is_slow_before_it_starts(monkeypatch, capsys, cache):
     """The first eager step on 8 CPU devices is a silent minute of compiles: a line, printed (and

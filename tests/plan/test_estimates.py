@@ -71,6 +71,13 @@ def test_the_chapter_zero_tables_print(capsys):
 
     rows = E.hardware_table()
     assert len(rows) == len(PRESETS) + 1 and "H100" in "".join(rows) and "TPU v5p" in "".join(rows)
-    E.main()
+    E.main([])
     out = capsys.readouterr().out
     assert "6·N·D = 8.40e+22" in out and "ZeRO-3 over 64 ranks" in out
+
+
+def test_the_chapter_zero_roofline_is_drawn(capsys, tmp_path):
+    out = tmp_path / "roofline.png"
+    E.main(["--plot", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"roofline drawn to {out}" in capsys.readouterr().out
