@@ -25,6 +25,7 @@ import numpy as np
 from minidist.plan.hardware import PRESETS, here
 from minidist.plan.mesh import Candidate, Settings
 from minidist.plan.model import ModelSpec
+from minidist.plan.roofline_plot import plot_roofline
 from minidist.plan.steptime import predict
 
 # -- compute ---------------------------------------------------------------------------------------
@@ -239,9 +240,9 @@ def main(argv=None) -> None:
           f"{matmul_intensity(4096, 4096, 4096):.0f} FLOP/byte (compute-bound);\n  a decode step "
           f"{decode_intensity(1):.0f} at batch 1 and {decode_intensity(256):.0f} at batch 256 (memory-bound)")
     if args.plot:
-        from minidist.plan.roofline_plot import plot_roofline
-
-        plot_roofline(args.plot, PRESETS, mine)
+        examples = [("4096³ matmul", matmul_intensity(4096, 4096, 4096)),
+                    ("decode, batch 1", decode_intensity(1)), ("decode, batch 256", decode_intensity(256))]
+        plot_roofline(args.plot, PRESETS, examples, mine)
         print(f"\nroofline drawn to {args.plot}")
 
 

@@ -2,9 +2,9 @@
 
 Attainable FLOP/s at arithmetic intensity I (FLOPs per byte moved to and from memory) is
 min(peak FLOP/s, I x memory bytes/s): a slope where an op is memory-bound, a flat roof where it is
-compute-bound, meeting at the ridge point. The dots are the chapter's worked examples on an H100:
-a 4096^3 bf16 matmul and a decode step at batch 1 and 256 (`estimates.matmul_intensity`,
-`estimates.decode_intensity`).
+compute-bound, meeting at the ridge point (a dot). The crosses are the ops the caller marks on the
+H100's roofline: chapter 0 (`python -m minidist.plan.estimates --plot`) marks a 4096^3 bf16 matmul
+and a decode step at batch 1 and 256.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 
-def plot_roofline(path, presets: dict, mine=None) -> None:
+def plot_roofline(path, presets: dict, examples: list, mine=None) -> None:
     """Draw the rooflines of `presets` (name -> Hardware) and of `mine` (a calibrated Hardware or
-    None) into `path`, FLOP/s in TFLOP/s on log-log axes, the ridge of each marked."""
+    None) into `path`, FLOP/s in TFLOP/s on log-log axes, the ridge (peak / bandwidth) of each
+    marked; `examples`: (label, FLOPs per byte) of ops to mark on the H100's roofline."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    from minidist.plan.estimates import decode_intensity, matmul_intensity, ridge_point
 
     fig = Figure(figsize=(7.5, 4.6))
     FigureCanvasAgg(fig)
@@ -27,15 +26,14 @@ def plot_roofline(path, presets: dict, mine=None) -> None:
     machines = list(presets.values()) + ([mine] if mine is not None else [])
     for hw in machines:
         attainable = np.minimum(hw.peak_flops, intensity * hw.hbm_bandwidth) / 1e12
-        ridge = ridge_point(hw.peak_flops, hw.hbm_bandwidth)
+        ridge = hw.peak_flops / hw.hbm_bandwidth
         style = {"ls": "--", "color": "black"} if hw is mine else {}
         line, = ax.plot(intensity, attainable, lw=1.6, **style,
                         label=f"{hw.name}{', calibrated matmul' if hw is mine else ''}: ridge {ridge:.0f}")
         ax.plot([ridge], [hw.peak_flops / 1e12], "o", ms=4, color=line.get_color())
     h100 = presets["h100"]
-    for label, i, offset in (("4096³ matmul", matmul_intensity(4096, 4096, 4096), (-30, 10)),
-                             ("decode, batch 1", decode_intensity(1), (6, -12)),
-                             ("decode, batch 256", decode_intensity(256), (-40, -16))):
+    offsets = [(-30, 10), (6, -12), (-40, -16)]
+    for (label, i), offset in zip(examples, offsets + [(6, -12)] * len(examples)):
         y = min(h100.peak_flops, i * h100.hbm_bandwidth) / 1e12
         ax.plot([i], [y], "kx", ms=7)
         ax.annotate(f"{label} (H100)", (i, y), textcoords="offset points", xytext=offset, fontsize=8)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from minidist.parallel.pipeline.runtime import make_schedule
 from minidist.parallel.pipeline.schedule import ScheduleError
+from minidist.plan.shared_cores import run_on_cores
 
 
 @dataclass(frozen=True)
@@ -155,8 +156,6 @@ def this_machine(name: str, p: int, m: int, ranks: int, cores: int, v: int = 1) 
     schedule it is run on the shared cores (`shared_cores.run_on_cores`: each rank that has work
     gets min(1, cores / ranks with work) of a core, a waiting rank none); else the formula with
     every rank's work s = ranks / cores times slower and its waits not (`on_shared_cores`)."""
-    from minidist.plan.shared_cores import run_on_cores
-
     sched = get(name)
     lists = build(name, p, m, sched.chunks or v) if p > 1 else None
     if lists is None:
