@@ -253,10 +253,13 @@ def run_lesson(main) -> None:
     With JAX loaded the process ends without tearing JAX down: freeing every loaded executable and
     the XLA client takes a large part of a short lesson (chapter 16 has the measurement).
     The exit handlers still run and the output is flushed. The ordinary exit is kept where it does
-    more than free memory: under MPI (mpi4py finalizes MPI from the interpreter's own last hook, and
-    a rank leaving without it ends the other ranks' work and hides their failures), and while a
-    thread that is not a daemon runs (a checkpoint writer, a thread pool's worker: the interpreter
-    tells the pool to stop, then waits for them)."""
+    more than free memory: while a thread that is not a daemon runs (a checkpoint writer, a thread
+    pool's worker: the interpreter tells the pool to stop, then waits for them). Under MPI the rank
+    finalizes MPI itself first (mpi4py would do it in the interpreter's last hook, and a rank leaving
+    without it ends the other ranks' work and hides their failures). Tearing JAX down is worse than
+    slow there: a multi-controller run's XLA client joins its thread pool while the interpreter
+    frees it, and a thread still waiting on the other process (already gone) hangs that process
+    after its PASS."""
     try:
         result = main()
         code = result if isinstance(result, int) and not isinstance(result, bool) else 0
@@ -268,12 +271,22 @@ def run_lesson(main) -> None:
         print(code, file=sys.stderr)
         code = 1
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    if "jax" not in sys.modules or "mpi4py.MPI" in sys.modules or others:
+    if "jax" not in sys.modules or others:
         sys.exit(code)
-    atexit._run_exitfuncs()
+    atexit._run_exitfuncs()  # jax.distributed's shutdown among them
+    if "mpi4py.MPI" in sys.modules:
+        _finalize_mpi()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         stream.flush()
     os._exit(code)
+
+
+def _finalize_mpi() -> None:
+    """MPI_Finalize now (once), as mpi4py's exit hook would: every rank of the job arrives."""
+    from mpi4py import MPI  # defers mpi4py: only ranks that already loaded it get here
+
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 def rprint(comm, *a, **k) -> None:
