@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import ctypes
 import math
 import os
 import sys
@@ -256,10 +257,12 @@ def run_lesson(main) -> None:
     more than free memory: while a thread that is not a daemon runs (a checkpoint writer, a thread
     pool's worker: the interpreter tells the pool to stop, then waits for them). Under MPI the rank
     finalizes MPI itself first (mpi4py would do it in the interpreter's last hook, and a rank leaving
-    without it ends the other ranks' work and hides their failures). Tearing JAX down is worse than
-    slow there: a multi-controller run's XLA client joins its thread pool while the interpreter
-    frees it, and a thread still waiting on the other process (already gone) hangs that process
-    after its PASS."""
+    without it ends the other ranks' work and hides their failures), then ends through C's ``exit``
+    (which frees no Python object) rather than ``_exit``: MPICH's launcher can miss the status of a
+    rank that leaves with ``_exit`` after finalizing, and report 0 for a failed job. Tearing JAX down
+    is worse than slow there: a multi-controller run's XLA client joins its thread pool while the
+    interpreter frees it, and a thread still waiting on the other process (already gone) hangs that
+    process after its PASS."""
     try:
         result = main()
         code = result if isinstance(result, int) and not isinstance(result, bool) else 0
@@ -274,19 +277,22 @@ def run_lesson(main) -> None:
     if "jax" not in sys.modules or others:
         sys.exit(code)
     atexit._run_exitfuncs()  # jax.distributed's shutdown among them
-    if "mpi4py.MPI" in sys.modules:
-        _finalize_mpi()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         stream.flush()
+    if "mpi4py.MPI" in sys.modules and _finalize_mpi():
+        ctypes.CDLL(None).exit(code)  # C's exit: MPICH's launcher then reports this rank's status
     os._exit(code)
 
 
-def _finalize_mpi() -> None:
-    """MPI_Finalize now (once), as mpi4py's exit hook would: every rank of the job arrives."""
+def _finalize_mpi() -> bool:
+    """MPI_Finalize now (once), as mpi4py's exit hook would: every rank of the job arrives.
+    True when this process had MPI running."""
     from mpi4py import MPI  # defers mpi4py: only ranks that already loaded it get here
 
-    if MPI.Is_initialized() and not MPI.Is_finalized():
-        MPI.Finalize()
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return False
+    MPI.Finalize()
+    return True
 
 
 def rprint(comm, *a, **k) -> None:

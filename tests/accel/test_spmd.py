@@ -253,10 +253,10 @@ def test_tpu_lesson_under_mpirun_spans_both_processes(per, dp, tp, mesh):
 
     Measured cold (MINIDIST_JAX_CACHE=0, or a fresh HOME), both meshes: 3.8-9.0 s, median ~6.2 s,
     over ~20 runs at load 2-5 on 2 cores (imports, gloo, step 0's ~4 s compile). The limit is 120 s,
-    13x the worst: one run of 155 s (at load ~2 with the CPUs idle: a stall, not slowness) was seen
-    once and not again in ~20 tries; a run past the limit fails with what the processes printed by
-    then (unbuffered), so the next one shows where it stalled, and mpirun's whole process group is
-    killed (no orphans left to load the rest of the suite)."""
+    13x the worst. A run that stalled after its PASS was the XLA client's teardown at interpreter
+    exit (``run_lesson`` now ends the process without it); a run past the limit fails with what the
+    processes printed by then (unbuffered), so the next one shows where it stalled, and mpirun's
+    whole process group is killed (no orphans left to load the rest of the suite)."""
     import os
     import signal
     import subprocess
