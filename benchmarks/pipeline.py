@@ -7,7 +7,10 @@
 
 For each p and m, every schedule the runtime can build (`minidist.plan.schedules.SCHEDULES`:
 1F1B, GPipe, interleaved with 2 chunks, ZB-H1, and ZB-H2 / ZB-V / DualPipe(V) once they have
-builders) trains the same GPT for a few steps (AdamW, one model copy a stage, uniform cut). Before
+builders) trains the same GPT for a few steps (AdamW, one model copy a stage). The model is cut
+for each schedule where the simulator, at the layers' measured costs, runs that schedule fastest
+(`cut_for_schedule`; a V's rank 0 holds both ends, so a uniform cut overloads rank 1), or by
+the ranks' loads alone (`--cut time`: `partition_for`), or by layer count (`--cut uniform`). Before
 the runs each stage times its own F, B and W (`minidist.plan.pipeline_costs.time_fbw`: forward,
 `backward_input`, the weight-gradient queue) and its optimizer step, all stages at once (the cores
 shared as in the run). Each row prints:
@@ -43,11 +46,17 @@ from minidist import trace
 from minidist.comm import run, under_mpi
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.optim import AdamW
-from minidist.parallel.pipeline.placement import placement_of
-from minidist.parallel.pipeline.runtime import PipelineStage, partition_uniform, run_schedule
+from minidist.parallel.pipeline.placement import looped, placement_of
+from minidist.parallel.pipeline.runtime import (
+    PipelineStage,
+    layer_costs,
+    partition_for,
+    partition_uniform,
+    run_schedule,
+)
 from minidist.parallel.pipeline.simulate import peak_activations
 from minidist.plan import schedules
-from minidist.plan.pipeline_costs import Costs, busiest, predict_step, stage_input, time_fbw
+from minidist.plan.pipeline_costs import Costs, busiest, cut_for_schedule, predict_step, stage_input, time_fbw
 
 BUBBLE_SLACK, MEMORY_SLACK, STEP_SLACK = 0.05, 0.10, 0.15
 BUSY = ("Forward", "Backward", "BackwardInput", "BackwardWeight")
@@ -107,7 +116,16 @@ def measure(comm, cfg, ids, tgt, m: int, args) -> dict:
     rows = len(ids) // m
     model = GPT(cfg)
     n = len(list(model))
-    bounds = partition_uniform(n, p)
+    timed = rank == 0 and args.cut != "uniform"  # one rank times the layers; all cut alike
+    per_layer = comm.bcast_obj(layer_costs(GPT(cfg), ids[:rows]) if timed else None)
+
+    def cut(placement, lists=None):
+        if per_layer is None:
+            return partition_uniform(n, placement.num_virtual)
+        if args.cut == "sim" and lists is not None:
+            return cut_for_schedule(per_layer, lists, costs)
+        return partition_for(per_layer, placement)
+    bounds = cut(looped(p))
     stage = PipelineStage(model, bounds, rank, p)
     x = stage_input(model, bounds[rank][0], ids[:rows])
     comm.barrier()
@@ -115,9 +133,11 @@ def measure(comm, cfg, ids, tgt, m: int, args) -> dict:
     everyone = comm.allgather_obj(mine)
     costs, opt = busiest([c for c, _ in everyone]), max(o for _, o in everyone)
     xs, ys = np.split(ids, m), np.split(tgt, m)
-    out = {"costs": [c for c, _ in everyone], "opt": opt, "rows": []}
+    out = {"costs": [c for c, _ in everyone], "opt": opt, "rows": [], "layers": per_layer, "cuts": {}}
     for sched, v, lists in runnable(p, m, n):
-        st = PipelineStage(GPT(cfg), partition_uniform(n, p * v), rank, p, placement=placement_of(lists))
+        where = placement_of(lists)
+        out["cuts"][sched.name] = bounds = cut(where, lists)
+        st = PipelineStage(GPT(cfg), bounds, rank, p, placement=where)
         first = any(st.is_first(c) for c in range(v))
         last = any(st.is_last(c) for c in range(v))
         times, events, stats = timed_steps(comm, st, lists[rank], xs if first else None, ys if last else None,
@@ -130,15 +150,27 @@ def measure(comm, cfg, ids, tgt, m: int, args) -> dict:
         if rank != 0:
             continue
         step = float(np.median([max(g[0][s] for g in gathered) for s in range(1, args.steps)]))
+        scale = piece_scale(per_layer, bounds, where)
         sim = predict_step(lists, costs if sched.split else Costs(costs.F, costs.backward, 0.0), v,
-                           opt_time=opt)
+                           opt_time=opt, piece_scale=scale)
         ran = busiest([in_run_costs(g[1], v) for g in gathered])
-        again = predict_step(lists, ran, v, opt_time=opt).makespan
+        again = predict_step(lists, ran, v, opt_time=opt, piece_scale=scale).makespan
         out["rows"].append({"sched": sched, "v": v, "step": step, "pred": sim.makespan, "pred_run": again,
                             "ran": ran,
                             "bubble": trace.median_bubble([g[1] for g in gathered], skip=1, names=BUSY),
                             "sim_bubble": sim.bubble, "held": [g[2] for g in gathered]})
     return out
+
+
+def piece_scale(per_layer, bounds, where):
+    """Each piece's share of the busiest rank's costs (its pieces summing to `chunks`), for the
+    simulator: the stage costs are the busiest rank's, and the pieces of a cut by cost are unequal."""
+    if per_layer is None:
+        return None
+    pieces = [sum(per_layer[a:b]) for a, b in bounds]
+    loads = [sum(pieces[where.virtual_stage(s, c)] for c in range(where.chunks))
+             for s in range(where.num_stages)]
+    return [c * where.chunks / max(loads) for c in pieces]
 
 
 def in_run_costs(steps: list, v: int = 1) -> Costs:
@@ -172,6 +204,10 @@ def report(p: int, m: int, res: dict, targets) -> None:
     print(f"\np = {p}, m = {m}: F/B/W ms per stage timed before the runs {per}; "
           f"optimizer {res['opt'] * 1e3:.1f} ms"
           + ("" if judged else f"\n({p} stages on {cores} cores: bubble and step time shown, not judged)"))
+    layers = res["layers"]
+    print(("cut by measured layer costs (ms) " + " ".join(f"{c * 1e3:.1f}" for c in layers) if layers
+           else "cut by layer count") + ": " + "; ".join(
+        f"{where} {' '.join(f'{a}-{b - 1}' for a, b in bounds)}" for where, bounds in res["cuts"].items()))
     print(f"{'schedule':<12} {'bubble':>6} {'formula':>7} {'sim':>5}      {'held per stage / formula':<34}"
           f"      {'step ms':>7} {'pred':>6} {'ratio':>5}      {'vs 1F1B':>7} {'pred':>5}  {'pred(pre)':>9}")
     base = next((r for r in res["rows"] if r["sched"].name == "1f1b"), None)
@@ -260,6 +296,9 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--cut", choices=("sim", "time", "uniform"), default="sim",
+                    help="the model's cut: the one each schedule's simulation at the measured layer costs "
+                         "runs fastest; the ranks' loads balanced (partition_for); or by layer count")
     ap.add_argument("--repeats", type=int, default=5, help="microbatches timed for each of F, B, W")
     ap.add_argument("--no-simulate", dest="simulate", action="store_false", help="skip the p = 8 table")
     ap.add_argument("--quick", action="store_true", help="p = 2, m = 4, a tiny GPT on thread ranks")

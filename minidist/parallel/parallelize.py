@@ -52,7 +52,7 @@ from minidist.parallel.parallelized import Parallelized, token_loss_weights
 from minidist.parallel.pipeline.runtime import (
     PipelineStage,
     make_schedule,
-    partition_balanced,
+    partition_for,
     partition_uniform,
 )
 from minidist.parallel.tensor.collective_matmul import use_collective_matmul
@@ -109,7 +109,7 @@ def parallelize(cfg_or_model, mesh, *, microbatches: int = 1, schedule: str = "1
     sched = make_schedule(schedule, pp, microbatches, chunks)  # its placement: which pieces a rank holds
     pieces = sched.placement.num_virtual
     par.bounds = (partition_uniform(n, pieces) if layer_costs is None
-                  else partition_balanced(layer_costs, pieces))
+                  else partition_for(layer_costs, sched.placement))  # balances ranks, not pieces
     stage = par.stage = PipelineStage(model, par.bounds, mesh.pp_rank, pp, loss_fn=loss_fn,
                                       checkpoint=checkpoint, placement=sched.placement)
     par.instructions = sched[mesh.pp_rank]

@@ -6,17 +6,22 @@ and W (its weight-gradient half). `time_fbw` measures them on the stage itself, 
 runs them: `PipelineStage.forward`, then `split_backward.backward_input` (B), then the queue it
 returns (`WeightGradQueue.run`, W), a few microbatches each, the median kept. `predict_step` runs a
 schedule's instruction lists through `simulate` with those costs (the busiest stage's: it sets
-every stage's pace), so a student can compare the prediction with a timed run.
+every stage's pace), so a student can compare the prediction with a timed run; `cut_for_schedule`
+asks the same simulator which cut of the model a schedule runs fastest on.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from minidist.autograd.tensor import Tensor
+from minidist.parallel.pipeline.partition import partition_for
+from minidist.parallel.pipeline.placement import placement_of
 from minidist.parallel.pipeline.simulate import simulate
 from minidist.parallel.pipeline.split_backward import backward_input
 
@@ -77,10 +82,35 @@ def busiest(costs: list[Costs]) -> Costs:
     return max(costs, key=lambda c: c.F + c.B + c.W)
 
 
-def predict_step(lists, costs: Costs, chunks: int = 1, comm_time: float = 0.0, opt_time: float = 0.0):
+def predict_step(lists, costs: Costs, chunks: int = 1, comm_time: float = 0.0, opt_time: float = 0.0,
+                 piece_scale=None):
     """`simulate` of a schedule's instruction lists at these per-stage costs (each chunk 1/chunks of
-    them), sends completing in the background as the runtime's do; returns the SimResult, whose
-    makespan (including the optimizer step, `opt_time`) is the predicted step time."""
+    them; `piece_scale`: each piece's share of that, for unequal pieces), sends completing in the
+    background as the runtime's do; returns the SimResult, whose makespan (including the optimizer
+    step, `opt_time`) is the predicted step time."""
     v = chunks
     return simulate(lists, costs.F / v, costs.backward / v, comm_time, opt_time=opt_time,
-                    input_time=costs.B / v, weight_time=costs.W / v, buffered_sends=True)
+                    input_time=costs.B / v, weight_time=costs.W / v, buffered_sends=True,
+                    piece_scale=piece_scale)
+
+
+def cut_for_schedule(per_layer, lists, split: Costs = Costs(1.0, 1.0, 1.0), max_cuts: int = 20_000):
+    """The cut of the model (one cost per layer, forward + backward) whose simulated step under this
+    schedule is shortest: every contiguous cut into the placement's pieces, each piece's F, B, W its
+    cost shared as `split` shares a stage's. Balancing the ranks' loads (`partition_for`) fixes the
+    steady state only; a V whose rank holds a tiny piece and a huge one waits in its fill and drain,
+    which the simulator sees. Past `max_cuts` cuts (long models), `partition_for`'s cut."""
+    placement = placement_of(lists)
+    n, k = len(per_layer), placement.num_virtual
+    if math.comb(n - 1, k - 1) > max_cuts:
+        return partition_for(per_layer, placement)
+    prefix = np.concatenate([[0.0], np.cumsum(per_layer)])
+    share = Costs(*(x / (split.F + split.B + split.W) for x in (split.F, split.B, split.W)))
+    best = None
+    for inner in itertools.combinations(range(1, n), k - 1):
+        ends = (0, *inner, n)
+        pieces = [prefix[b] - prefix[a] for a, b in zip(ends[:-1], ends[1:])]
+        step = predict_step(lists, share, piece_scale=pieces).makespan
+        if best is None or step < best[0]:
+            best = (step, list(zip(ends[:-1], ends[1:])))
+    return best[1]

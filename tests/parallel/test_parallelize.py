@@ -48,9 +48,9 @@ def _cfg(precision):
     return CFG if precision is None else CFG.replace(dtype="float32")
 
 
-def _serial(batches, precision, optimizer, lr, moe=None):
+def _serial(batches, precision, optimizer, lr, moe=None, cfg=None):
     """The serial twin: {name: fp64 array} of the trained (master) parameters, and the losses."""
-    model = GPT(_cfg(precision))
+    model = GPT(cfg or _cfg(precision))
     if moe is not None:
         moe_gpt(model, **moe)
     scaler = DynamicLossScaler(init_scale=LOSS_SCALE) if precision == "fp16" else None
@@ -117,6 +117,30 @@ def test_random_meshes_and_techniques_equal_serial(dp, pp, tp, cp, m, zero, prec
     tol = TOL if precision is None else max(LOW_TOL[precision], ADAM_STEPS * lr if offload else 0)
     assert max_state_diff(state, want) <= tol
     np.testing.assert_allclose(losses, want_losses, rtol=0, atol=tol)
+
+
+def _cut(comm, batches, cfg, **kw):
+    res = train_3d(comm, cfg, batches, **kw)
+    return gather_full_state(comm, res), res.losses, res.bounds
+
+
+@pytest.mark.parametrize("schedule, bounds", [
+    ("1f1b", [(0, 4), (4, 8)]),  # 0.1 + 3 blocks | 3 blocks + 0.3
+    ("zb_v", [(0, 3), (3, 4), (4, 6), (6, 8)]),  # rank 0: pieces 0 and 3 (3.4), rank 1: 1 and 2 (3.0)
+])
+def test_layer_costs_cut_the_ranks_of_the_schedules_placement_and_training_equals_serial(schedule, bounds):
+    """Embedding 0.1, six blocks of 1, head 0.3: the cut balances each rank's pieces together (a V's
+    rank 0 holds both ends), not each piece, and the unevenly cut pipeline trains as the twin."""
+    cfg = CFG.replace(n_layer=6)
+    costs = [0.1] + [1.0] * 6 + [0.3]
+    batches = _batches(4)
+    want, want_losses = _serial(batches, None, "sgd", 0.5, cfg=cfg)
+    results = run(_cut, ranks=2, batches=batches, cfg=cfg, pp=2, microbatches=4, schedule=schedule,
+                  layer_costs=costs, optimizer="sgd", lr=0.5)
+    state, losses, got = results[0]
+    assert got == bounds
+    assert max_state_diff(state, want) <= TOL
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
 
 
 # -- refusals, before anything is built --------------------------------------------------------

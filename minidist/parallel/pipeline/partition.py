@@ -4,6 +4,8 @@
 * ``partition_balanced`` -- contiguous groups minimising the most expensive stage, by dynamic programming
   over per-layer costs (optionally within a memory cap per stage): the pipeline runs at the pace of its
   slowest stage.
+* ``partition_for`` -- the same aim for a placement of several pieces a rank: what must be balanced is
+  each *rank's* pieces together, not each piece. A V (``partition_v``) is cut from both ends at once.
 * ``layer_costs`` -- those costs: measured forward+backward seconds, or parameter bytes.
 * ``format_partition`` -- the cut and each stage's predicted cost, one line per stage.
 """
@@ -66,6 +68,84 @@ def partition_balanced(costs, num_parts: int, memory=None, cap: float | None = N
         bounds.append((start, end))
         end = start
     return bounds[::-1]
+
+
+def partition_for(costs, placement, memory=None, cap: float | None = None) -> list[tuple[int, int]]:
+    """The balanced cut into ``placement.num_virtual`` pieces, judged by the busiest rank.
+
+    One piece a rank: ``partition_balanced``. A V: ``partition_v`` (exact). Looped chunks
+    (interleaved): ``partition_balanced`` over the pieces, which bounds each rank by ``chunks`` times
+    the largest piece (rank s's pieces s, s+p, ... are spread over the model, so no cut of both
+    ends at once applies)."""
+    if placement.shape == "v":
+        return partition_v(costs, placement.num_stages, memory, cap)
+    return partition_balanced(costs, placement.num_virtual, memory, cap)
+
+
+def partition_v(costs, num_stages: int, memory=None, cap: float | None = None) -> list[tuple[int, int]]:
+    """The cut of a V placement (rank s holds piece s and piece 2p-1-s) minimising the busiest rank.
+
+    Rank s's two pieces are the s-th from the front and the s-th from the back of the model, so the
+    cut is made from both ends at once: after s ranks the front ``[0, i)`` and the back ``[j, n)`` are
+    taken, and ``best[(i, j)]`` is the smallest load of the busiest of those ranks (dynamic
+    programming, O(p n^4)). The last rank takes the middle ``[i, j)`` (its two pieces meet at the V's
+    turn). Among the cuts as good for the ranks, the one whose largest piece is smallest: a piece is
+    one hop of the V, and a long one holds up the ranks after it. A uniform cut of a GPT gives rank 0
+    the embedding, the head and two blocks' worth of pieces, and rank p-1 the deepest blocks only.
+    With ``memory`` and ``cap``: no rank's two pieces together above ``cap``."""
+    costs = [float(c) for c in costs]
+    n = len(costs)
+    if isinstance(num_stages, int) and num_stages >= 1 and n < 2 * num_stages:
+        raise ValueError(f"a V over {num_stages} ranks holds {2 * num_stages} pieces of at least one layer: "
+                         f"{n} layers are too few; use at most {n // 2} ranks (or a deeper model)")
+    _check_parts(n, 2 * num_stages)
+    pre = np.concatenate([[0.0], np.cumsum(costs)]).tolist()
+    capped = memory is not None and cap is not None
+    mem = np.concatenate([[0.0], np.cumsum(memory)]).tolist() if capped else None
+
+    def load(a, b, c, d):  # a rank holding [a, b) and [c, d)
+        return pre[b] - pre[a] + pre[d] - pre[c]
+
+    def fits(a, b, c, d):
+        return mem is None or (mem[b] - mem[a]) + (mem[d] - mem[c]) <= cap
+    worst, _ = _cut_v(n, num_stages, load, fits)
+    if worst is None:
+        raise ValueError(f"no V cut of {n} layers over {num_stages} ranks keeps every rank within the "
+                         f"memory cap {cap:g}; raise the cap or add stages")
+    limit = worst * (1 + 1e-12) + 1e-300
+    _, bounds = _cut_v(n, num_stages, lambda a, b, c, d: max(pre[b] - pre[a], pre[d] - pre[c]),
+                       lambda a, b, c, d: fits(a, b, c, d) and load(a, b, c, d) <= limit)
+    return bounds
+
+
+def _cut_v(n: int, p: int, score, allowed):
+    """``partition_v``'s dynamic programme: the V cut minimising the largest ``score`` of a rank's two
+    pieces, among those ``allowed``; (that score, the bounds), or (None, None) if none is allowed."""
+    best, back = {(0, n): 0.0}, [{}]
+    for s in range(p - 1):  # rank s takes [i, i2) from the front and [j2, j) from the back
+        nxt, came = {}, {}
+        left = 2 * (p - 1 - s)  # layers the ranks after s still need, two each
+        for (i, j), worst in best.items():
+            for i2 in range(i + 1, j):
+                for j2 in range(i2 + left, j):
+                    if allowed(i, i2, j2, j):
+                        c = max(worst, score(i, i2, j2, j))
+                        if c < nxt.get((i2, j2), float("inf")):
+                            nxt[(i2, j2)], came[(i2, j2)] = c, (i, j)
+        best = nxt
+        back.append(came)
+    ends = [(max(w, score(i, k, k, j)), (i, k, j)) for (i, j), w in best.items()
+            for k in range(i + 1, j) if allowed(i, k, k, j)]  # the last rank: [i, k) and [k, j)
+    if not ends:
+        return None, None
+    worst, (i, k, j) = min(ends)
+    front, rear = [(i, k)], [(k, j)]  # pieces p-1 and p
+    for s in range(p - 1, 0, -1):
+        i0, j0 = back[s][(i, j)]
+        front.append((i0, i))
+        rear.append((j, j0))
+        i, j = i0, j0
+    return worst, front[::-1] + rear
 
 
 def layer_costs(model, sample_input, by: str = "time", repeats: int = 3) -> list[float]:

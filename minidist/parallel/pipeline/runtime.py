@@ -3,7 +3,9 @@
 Three pieces, in the order a reader meets them:
 
 * **Partitioning** -- `minidist/parallel/pipeline/partition.py`: `partition_uniform` (by layer count)
-  or `partition_balanced` (the min-max contiguous cut of per-layer costs from `layer_costs`).
+  or `partition_balanced` (the min-max contiguous cut of per-layer costs from `layer_costs`);
+  `partition_for` balances the ranks of a placement of several pieces each (a V's rank 0 holds
+  both ends of the model).
 * **`PipelineStage`** (`minidist/parallel/pipeline/stage.py`, imported here) -- the layers one
   rank holds (one slice per model chunk; interleaved 1F1B gives a rank several chunks, virtual
   stage c*p + s; ZB-V and DualPipeV two, s and 2p-1-s: the schedule's `placement`,
@@ -46,6 +48,7 @@ from minidist.parallel.pipeline.partition import (  # noqa: F401 - the runtime's
     format_partition,
     layer_costs,
     partition_balanced,
+    partition_for,
     partition_uniform,
 )
 from minidist.parallel.pipeline.schedule import (

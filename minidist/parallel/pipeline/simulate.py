@@ -183,14 +183,16 @@ def peak_pending_weights(ops: list) -> int:
 
 def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0, comm_time: float = 0.0,
              opt_time: float = 0.0, input_time: float | None = None, weight_time: float | None = None,
-             buffered_sends: bool | None = None) -> SimResult:
+             buffered_sends: bool | None = None, piece_scale=None) -> SimResult:
     """Execute all stages in lock step (see module docstring); raise DeadlockError if they get stuck.
 
     A split backward's parts take `input_time` (B) and `weight_time` (W), by default half of
     `bwd_time` each. `buffered_sends`: a send completes when posted and its receive at max(posted,
     sent) + comm_time, as the runtime's background sends (`isend`) do; None (the default): what the
     schedule declares it needs (`Schedule.buffered_sends`: True for the V schedules, whose two
-    directions on one link cross under rendezvous), else rendezvous."""
+    directions on one link cross under rendezvous), else rendezvous. `piece_scale` (one number per
+    virtual stage, default all 1): a piece's F, B and W are its number times the costs above -- a cut
+    of unequal pieces."""
     if buffered_sends is None:
         buffered_sends = getattr(schedule, "buffered_sends", False)
     validate(schedule)
@@ -198,6 +200,14 @@ def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0,
     cost = {Forward: fwd_time, Backward: bwd_time, OptimizerStep: opt_time,
             BackwardInput: bwd_time / 2 if input_time is None else input_time,
             BackwardWeight: bwd_time / 2 if weight_time is None else weight_time}
+    scale = [1.0] * placement.num_virtual if piece_scale is None else [float(x) for x in piece_scale]
+    if len(scale) != placement.num_virtual:
+        raise ValueError(f"piece_scale has {len(scale)} numbers; the schedule's placement has "
+                         f"{placement.num_virtual} pieces (one number each)")
+
+    def duration(s, instr):
+        t = cost[type(instr)]
+        return t if isinstance(instr, OptimizerStep) else t * scale[placement.virtual_stage(s, instr.chunk)]
     pc = [0] * p
     clock = [0.0] * p
     matched: list[dict] = [{} for _ in range(p)]  # part index -> completion time, for the current instr
@@ -208,8 +218,8 @@ def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0,
         for s in range(p):  # compute never blocks
             while pc[s] < len(schedule[s]) and type(schedule[s][pc[s]]) in cost:
                 instr = schedule[s][pc[s]]
-                events.append(_event(s, instr, clock[s], clock[s] + cost[type(instr)]))
-                clock[s] += cost[type(instr)]
+                events.append(_event(s, instr, clock[s], clock[s] + duration(s, instr)))
+                clock[s] += duration(s, instr)
                 pc[s] += 1
                 progressed = True
         sends, recvs = {}, {}

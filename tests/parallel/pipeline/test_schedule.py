@@ -221,3 +221,34 @@ def test_ascii_timeline_shows_microbatch_digits_and_the_bubble():
     rows = ascii_timeline(simulate(gpipe(2, 2), fwd_time=1, bwd_time=2), width=27).splitlines()
     assert rows[0] == "stage 0 |F0fF1f.........B0bbbbB1bbbb|"
     assert rows[1] == "stage 1 |...F0fF1fB0bbbbB1bbbb......|"
+
+
+def test_piece_scale_stretches_one_piece_as_worked_by_hand():
+    """GPipe, 2 stages, 1 microbatch, F 1, B 2, piece 1 three times as heavy: F0 0..1, F1 1..4,
+    B1 4..10, B0 10..12."""
+    assert simulate(gpipe(2, 1)).makespan == 1 + 1 + 2 + 2  # F0, F1, B1, B0
+    assert simulate(gpipe(2, 1), piece_scale=[1, 3]).makespan == 12
+
+
+def test_piece_scale_reaches_the_v_pieces_by_placement():
+    """A V's rank 0 holds pieces 0 and 3 and rank 1 pieces 1 and 2 (placement written out here):
+    each compute span lasts its piece's number times its kind's cost."""
+    from minidist.parallel.pipeline.runtime import make_schedule
+
+    sched = make_schedule("zb_v", 2, 4)
+    piece = {(0, 0): 0, (1, 0): 1, (1, 1): 2, (0, 1): 3}
+    scale = [1.0, 2.0, 3.0, 5.0]
+    kind = {"Forward": 1.0, "BackwardInput": 0.5, "BackwardWeight": 0.25}
+    res = simulate(sched, fwd_time=1.0, input_time=0.5, weight_time=0.25, piece_scale=scale)
+    spans = [e for e in res.events if e["name"] in kind]
+    assert len(spans) == 3 * 4 * 4  # F, B, W of 4 microbatches through 4 pieces
+    for e in spans:
+        want = kind[e["name"]] * scale[piece[e["rank"], e["args"]["chunk"]]]
+        assert e["t1"] - e["t0"] == pytest.approx(want)
+    assert simulate(sched, 1.0, input_time=0.5, weight_time=0.25, piece_scale=[1] * 4).makespan == \
+        simulate(sched, 1.0, input_time=0.5, weight_time=0.25).makespan
+
+
+def test_piece_scale_needs_one_number_a_piece():
+    with pytest.raises(ValueError, match="4 pieces"):
+        simulate(interleaved_1f1b(2, 4, 2), piece_scale=[1, 1])
