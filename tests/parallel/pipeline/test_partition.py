@@ -30,13 +30,17 @@ def every_cut(n, pieces):
 
 
 def best_by_enumeration(costs, placement, memory=None, cap=None):
-    """(busiest rank, then largest piece) over every contiguous cut that fits the cap."""
+    """(busiest rank, then largest piece) over every contiguous cut that fits the cap; busiest ranks
+    a rounding apart count as equal (sums of the same costs in another order)."""
     scores = []
     for bounds in every_cut(len(costs), placement.num_virtual):
         if cap is not None and max(rank_loads(bounds, memory, placement)) > cap:
             continue
         scores.append((max(rank_loads(bounds, costs, placement)), max(sum(costs[a:b]) for a, b in bounds)))
-    return min(scores) if scores else None
+    if not scores:
+        return None
+    busiest = min(s[0] for s in scores)
+    return busiest, min(s[1] for s in scores if s[0] <= busiest * (1 + 1e-9))
 
 
 def covers(bounds, n, pieces):
