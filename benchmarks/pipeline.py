@@ -116,11 +116,11 @@ def measure(comm, cfg, ids, tgt, m: int, args) -> dict:
     rows = len(ids) // m
     model = GPT(cfg)
     n = len(list(model))
-    timed = rank == 0 and args.cut != "uniform"  # one rank times the layers; all cut alike
-    per_layer = comm.bcast_obj(layer_costs(GPT(cfg), ids[:rows]) if timed else None)
+    # one rank times the layers (all cut alike); the simulator prices each cut's pieces by them
+    per_layer = comm.bcast_obj(layer_costs(GPT(cfg), ids[:rows]) if rank == 0 else None)
 
     def cut(placement, lists=None):
-        if per_layer is None:
+        if args.cut == "uniform":
             return partition_uniform(n, placement.num_virtual)
         if args.cut == "sim" and lists is not None:
             return cut_for_schedule(per_layer, lists, costs)
@@ -133,7 +133,8 @@ def measure(comm, cfg, ids, tgt, m: int, args) -> dict:
     everyone = comm.allgather_obj(mine)
     costs, opt = busiest([c for c, _ in everyone]), max(o for _, o in everyone)
     xs, ys = np.split(ids, m), np.split(tgt, m)
-    out = {"costs": [c for c, _ in everyone], "opt": opt, "rows": [], "layers": per_layer, "cuts": {}}
+    out = {"costs": [c for c, _ in everyone], "opt": opt, "rows": [], "layers": per_layer, "cuts": {},
+           "cut": args.cut}
     for sched, v, lists in runnable(p, m, n):
         where = placement_of(lists)
         out["cuts"][sched.name] = bounds = cut(where, lists)
@@ -164,9 +165,8 @@ def measure(comm, cfg, ids, tgt, m: int, args) -> dict:
 
 def piece_scale(per_layer, bounds, where):
     """Each piece's share of the busiest rank's costs (its pieces summing to `chunks`), for the
-    simulator: the stage costs are the busiest rank's, and the pieces of a cut by cost are unequal."""
-    if per_layer is None:
-        return None
+    simulator: the stage costs are the busiest rank's, and a cut's pieces are unequal (a uniform
+    one's too: the embedding and the head are not blocks)."""
     pieces = [sum(per_layer[a:b]) for a, b in bounds]
     loads = [sum(pieces[where.virtual_stage(s, c)] for c in range(where.chunks))
              for s in range(where.num_stages)]
@@ -204,9 +204,8 @@ def report(p: int, m: int, res: dict, targets) -> None:
     print(f"\np = {p}, m = {m}: F/B/W ms per stage timed before the runs {per}; "
           f"optimizer {res['opt'] * 1e3:.1f} ms"
           + ("" if judged else f"\n({p} stages on {cores} cores: bubble and step time shown, not judged)"))
-    layers = res["layers"]
-    print(("cut by measured layer costs (ms) " + " ".join(f"{c * 1e3:.1f}" for c in layers) if layers
-           else "cut by layer count") + ": " + "; ".join(
+    print(f"cut by {'layer count' if res['cut'] == 'uniform' else 'measured layer costs'} (layers, ms: "
+          + " ".join(f"{c * 1e3:.1f}" for c in res["layers"]) + "): " + "; ".join(
         f"{where} {' '.join(f'{a}-{b - 1}' for a, b in bounds)}" for where, bounds in res["cuts"].items()))
     print(f"{'schedule':<12} {'bubble':>6} {'formula':>7} {'sim':>5}      {'held per stage / formula':<34}"
           f"      {'step ms':>7} {'pred':>6} {'ratio':>5}      {'vs 1F1B':>7} {'pred':>5}  {'pred(pre)':>9}")

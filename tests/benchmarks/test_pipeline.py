@@ -16,7 +16,7 @@ def test_quick_run_prints_every_runnable_schedule_against_its_formula():
                          capture_output=True, text=True, env=env, timeout=120, check=True).stdout
     assert "cpu: " in out and "load average" in out
     assert "p = 2, m = 4: F/B/W ms per stage" in out
-    cut = next(line for line in out.splitlines() if line.startswith("cut by measured layer costs (ms) "))
+    cut = next(line for line in out.splitlines() if line.startswith("cut by measured layer costs"))
     assert "1f1b 0-1 2-3" in cut and "zb_v 0-0 1-1 2-2 3-3" in cut  # 4 layers: one cut a placement
     for name in ("1f1b", "gpipe", "zb_h1"):
         rows = [line for line in out.splitlines() if line.startswith(name + " ")]
