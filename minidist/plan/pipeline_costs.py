@@ -94,21 +94,34 @@ def predict_step(lists, costs: Costs, chunks: int = 1, comm_time: float = 0.0, o
                     piece_scale=piece_scale)
 
 
-def cut_for_schedule(per_layer, lists, split: Costs = Costs(1.0, 1.0, 1.0), max_cuts: int = 20_000):
+def cut_for_schedule(per_layer, lists, split: Costs = Costs(1.0, 1.0, 1.0), memory=None,
+                     cap: float | None = None, max_cuts: int = 20_000):
     """The cut of the model (one cost per layer, forward + backward) whose simulated step under this
     schedule is shortest: every contiguous cut into the placement's pieces, each piece's F, B, W its
     cost shared as `split` shares a stage's. Balancing the ranks' loads (`partition_for`) fixes the
     steady state only; a V whose rank holds a tiny piece and a huge one waits in its fill and drain,
-    which the simulator sees. Past `max_cuts` cuts (long models), `partition_for`'s cut."""
+    which the simulator sees. With `memory` (per layer) and `cap`: no rank's pieces above `cap`.
+    Past `max_cuts` cuts (long models), `partition_for`'s cut."""
     placement = placement_of(lists)
     n, k = len(per_layer), placement.num_virtual
+    fallback = partition_for(per_layer, placement, memory, cap)  # also: bad sizes and caps refused here
+    total = split.F + split.B + split.W
+    if not total > 0:
+        raise ValueError(f"cut_for_schedule: split {split} must share a positive cost among F, B and W")
     if math.comb(n - 1, k - 1) > max_cuts:
-        return partition_for(per_layer, placement)
+        return fallback
     prefix = np.concatenate([[0.0], np.cumsum(per_layer)])
-    share = Costs(*(x / (split.F + split.B + split.W) for x in (split.F, split.B, split.W)))
+    held = np.concatenate([[0.0], np.cumsum(memory)]) if memory is not None and cap is not None else None
+    share = Costs(split.F / total, split.B / total, split.W / total)
     best = None
     for inner in itertools.combinations(range(1, n), k - 1):
         ends = (0, *inner, n)
+        if held is not None:
+            loads = [0.0] * placement.num_stages
+            for vs, (a, b) in enumerate(zip(ends[:-1], ends[1:])):
+                loads[placement.owner(vs)[0]] += held[b] - held[a]
+            if max(loads) > cap:
+                continue
         pieces = [prefix[b] - prefix[a] for a, b in zip(ends[:-1], ends[1:])]
         step = predict_step(lists, share, piece_scale=pieces).makespan
         if best is None or step < best[0]:

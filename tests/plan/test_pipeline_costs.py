@@ -85,3 +85,17 @@ def test_the_simulated_cut_of_a_v_beats_the_uniform_one_and_balancing_the_ranks_
     assert step(chosen) <= step(partition_v(costs, 2)) + 1e-12
     assert step(chosen) < step(partition_uniform(8, 4)) * 0.9
     assert cut_for_schedule(costs, lists, split, max_cuts=1) == partition_for(costs, lists.placement)
+
+
+def test_the_simulated_cut_keeps_each_rank_within_the_memory_cap_and_refuses_what_cannot_be_cut():
+    lists = make_schedule("zb_v", 2, 4)
+    memory = [1, 1, 1, 1, 1, 5]  # the head's layer is heavy: rank 0 (pieces 0 and 3) holds it
+    bounds = cut_for_schedule([1.0] * 6, lists, memory=memory, cap=6)
+    rank0 = sum(sum(memory[a:b]) for a, b in (bounds[0], bounds[3]))
+    assert rank0 <= 6 and sum(memory) - rank0 <= 6
+    with pytest.raises(ValueError, match="memory cap 3"):
+        cut_for_schedule([1.0] * 6, lists, memory=[5, 1, 1, 1, 1, 5], cap=3)
+    with pytest.raises(ValueError, match="3 layers are too few"):
+        cut_for_schedule([1.0] * 3, lists)
+    with pytest.raises(ValueError, match="positive cost"):
+        cut_for_schedule([1.0] * 4, lists, Costs(0, 0, 0))

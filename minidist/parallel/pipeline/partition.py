@@ -4,8 +4,9 @@
 * ``partition_balanced`` -- contiguous groups minimising the most expensive stage, by dynamic programming
   over per-layer costs (optionally within a memory cap per stage): the pipeline runs at the pace of its
   slowest stage.
-* ``partition_for`` -- the same aim for a placement of several pieces a rank: what must be balanced is
-  each *rank's* pieces together, not each piece. A V (``partition_v``) is cut from both ends at once.
+* ``partition_for`` -- the cut for a schedule's placement. With several pieces a rank, what must be
+  balanced is each *rank's* pieces together: a V (``partition_v``, exact) is cut from both ends at
+  once; looped chunks keep the min-max over pieces (each rank at most ``chunks`` x the largest).
 * ``layer_costs`` -- those costs: measured forward+backward seconds, or parameter bytes.
 * ``format_partition`` -- the cut and each stage's predicted cost, one line per stage.
 """
@@ -91,14 +92,17 @@ def partition_v(costs, num_stages: int, memory=None, cap: float | None = None) -
     programming, O(p n^4)). The last rank takes the middle ``[i, j)`` (its two pieces meet at the V's
     turn). Among the cuts as good for the ranks, the one whose largest piece is smallest: a piece is
     one hop of the V, and a long one holds up the ranks after it. A uniform cut of a GPT gives rank 0
-    the embedding, the head and two blocks' worth of pieces, and rank p-1 the deepest blocks only.
+    the embedding, the head and two blocks' worth of pieces, and rank p-1 the middle of the model,
+    blocks only.
     With ``memory`` and ``cap``: no rank's two pieces together above ``cap``."""
     costs = [float(c) for c in costs]
     n = len(costs)
-    if isinstance(num_stages, int) and num_stages >= 1 and n < 2 * num_stages:
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"number of stages must be an int >= 1, got {num_stages!r}")
+    if n < 2 * num_stages:
+        fix = f"use at most {n // 2} ranks (or a deeper model)" if n >= 2 else "a V needs 2 layers or more"
         raise ValueError(f"a V over {num_stages} ranks holds {2 * num_stages} pieces of at least one layer: "
-                         f"{n} layers are too few; use at most {n // 2} ranks (or a deeper model)")
-    _check_parts(n, 2 * num_stages)
+                         f"{n} layers are too few; {fix}")
     pre = np.concatenate([[0.0], np.cumsum(costs)]).tolist()
     capped = memory is not None and cap is not None
     mem = np.concatenate([[0.0], np.cumsum(memory)]).tolist() if capped else None

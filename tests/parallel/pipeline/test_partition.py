@@ -104,3 +104,10 @@ def test_partition_for_asks_the_placement():
 def test_a_v_needs_two_layers_a_rank():
     with pytest.raises(ValueError, match="5 layers are too few; use at most 2 ranks"):
         partition_v([1.0] * 5, 3)
+
+
+def test_a_v_refuses_a_stage_count_that_is_not_a_positive_int():
+    with pytest.raises(ValueError, match="got 2.0"):
+        partition_v([1.0] * 4, 2.0)
+    with pytest.raises(ValueError, match="a V needs 2 layers or more"):
+        partition_v([1.0], 1)
