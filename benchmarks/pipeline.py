@@ -52,6 +52,7 @@ from minidist.parallel.pipeline.runtime import (
     layer_costs,
     partition_for,
     partition_uniform,
+    rank_loads,
     run_schedule,
 )
 from minidist.parallel.pipeline.simulate import peak_activations
@@ -167,10 +168,8 @@ def piece_scale(per_layer, bounds, where):
     """Each piece's share of the busiest rank's costs (its pieces summing to `chunks`), for the
     simulator: the stage costs are the busiest rank's, and a cut's pieces are unequal (a uniform
     one's too: the embedding and the head are not blocks)."""
-    pieces = [sum(per_layer[a:b]) for a, b in bounds]
-    loads = [sum(pieces[where.virtual_stage(s, c)] for c in range(where.chunks))
-             for s in range(where.num_stages)]
-    return [c * where.chunks / max(loads) for c in pieces]
+    busiest_load = max(rank_loads(bounds, per_layer, where))
+    return [sum(per_layer[a:b]) * where.chunks / busiest_load for a, b in bounds]
 
 
 def in_run_costs(steps: list, v: int = 1) -> Costs:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist.autograd.tensor import Tensor
-from minidist.parallel.pipeline.partition import partition_for
+from minidist.parallel.pipeline.partition import partition_for, rank_loads
 from minidist.parallel.pipeline.placement import placement_of
 from minidist.parallel.pipeline.simulate import simulate
 from minidist.parallel.pipeline.split_backward import backward_input
@@ -110,20 +110,15 @@ def cut_for_schedule(per_layer, lists, split: Costs = Costs(1.0, 1.0, 1.0), memo
         raise ValueError(f"cut_for_schedule: split {split} must share a positive cost among F, B and W")
     if math.comb(n - 1, k - 1) > max_cuts:
         return fallback
-    prefix = np.concatenate([[0.0], np.cumsum(per_layer)])
-    held = np.concatenate([[0.0], np.cumsum(memory)]) if memory is not None and cap is not None else None
+    capped = memory is not None and cap is not None
     share = Costs(split.F / total, split.B / total, split.W / total)
     best = None
     for inner in itertools.combinations(range(1, n), k - 1):
         ends = (0, *inner, n)
-        if held is not None:
-            loads = [0.0] * placement.num_stages
-            for vs, (a, b) in enumerate(zip(ends[:-1], ends[1:])):
-                loads[placement.owner(vs)[0]] += held[b] - held[a]
-            if max(loads) > cap:
-                continue
-        pieces = [prefix[b] - prefix[a] for a, b in zip(ends[:-1], ends[1:])]
-        step = predict_step(lists, share, piece_scale=pieces).makespan
+        bounds = list(zip(ends[:-1], ends[1:]))
+        if capped and max(rank_loads(bounds, memory, placement)) > cap:
+            continue
+        step = predict_step(lists, share, piece_scale=[sum(per_layer[a:b]) for a, b in bounds]).makespan
         if best is None or step < best[0]:
-            best = (step, list(zip(ends[:-1], ends[1:])))
+            best = (step, bounds)
     return best[1]

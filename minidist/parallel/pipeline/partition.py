@@ -7,6 +7,7 @@
 * ``partition_for`` -- the cut for a schedule's placement. With several pieces a rank, what must be
   balanced is each *rank's* pieces together: a V (``partition_v``, exact) is cut from both ends at
   once; looped chunks keep the min-max over pieces (each rank at most ``chunks`` x the largest).
+* ``rank_loads`` -- what a cut gives each rank of a placement.
 * ``layer_costs`` -- those costs: measured forward+backward seconds, or parameter bytes.
 * ``format_partition`` -- the cut and each stage's predicted cost, one line per stage.
 """
@@ -81,6 +82,14 @@ def partition_for(costs, placement, memory=None, cap: float | None = None) -> li
     if placement.shape == "v":
         return partition_v(costs, placement.num_stages, memory, cap)
     return partition_balanced(costs, placement.num_virtual, memory, cap)
+
+
+def rank_loads(bounds, costs, placement) -> list[float]:
+    """Each rank's summed cost (or memory) over the pieces ``placement`` gives it."""
+    loads = [0.0] * placement.num_stages
+    for vs, (a, b) in enumerate(bounds):
+        loads[placement.owner(vs)[0]] += float(sum(costs[a:b]))
+    return loads
 
 
 def partition_v(costs, num_stages: int, memory=None, cap: float | None = None) -> list[tuple[int, int]]:

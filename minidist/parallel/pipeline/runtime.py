@@ -50,6 +50,7 @@ from minidist.parallel.pipeline.partition import (  # noqa: F401 - the runtime's
     partition_balanced,
     partition_for,
     partition_uniform,
+    rank_loads,
 )
 from minidist.parallel.pipeline.schedule import (
     Backward,

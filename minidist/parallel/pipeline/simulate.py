@@ -218,8 +218,9 @@ def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0,
         for s in range(p):  # compute never blocks
             while pc[s] < len(schedule[s]) and type(schedule[s][pc[s]]) in cost:
                 instr = schedule[s][pc[s]]
-                events.append(_event(s, instr, clock[s], clock[s] + duration(s, instr)))
-                clock[s] += duration(s, instr)
+                end = clock[s] + duration(s, instr)
+                events.append(_event(s, instr, clock[s], end))
+                clock[s] = end
                 pc[s] += 1
                 progressed = True
         sends, recvs = {}, {}

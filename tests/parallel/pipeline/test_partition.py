@@ -12,6 +12,7 @@ from minidist.parallel.pipeline.partition import (
     partition_uniform,
     partition_v,
 )
+from minidist.parallel.pipeline.partition import rank_loads as library_rank_loads
 from minidist.parallel.pipeline.placement import looped, v_shape
 
 
@@ -92,6 +93,8 @@ def test_a_gpt_cut_for_the_v_balances_the_ranks_where_balancing_the_pieces_does_
     bounds = partition_v(costs, 2)
     assert bounds == [(0, 3), (3, 4), (4, 6), (6, 8)]
     assert rank_loads(bounds, costs, v) == pytest.approx([3.4, 3.0])
+    assert library_rank_loads(partition_uniform(8, 4), costs, v) == pytest.approx([2.4, 4.0])
+    assert library_rank_loads(bounds, costs, v) == pytest.approx([3.4, 3.0])
 
 
 def test_partition_for_asks_the_placement():
