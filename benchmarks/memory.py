@@ -4,7 +4,7 @@
 
 Model: the core benchmark's GPT (vocab 256, d_model 256, 4 heads, sequence 128, batch 8, float32,
 one BLAS thread) with 8 layers. For none / full (every block) / sqrt(n) / selective checkpointing:
-the measured peak bytes of activations saved for backward (``minidist.memory.MemoryAccountant``)
+the measured peak bytes of activations saved for backward (``minidist.nn.footprint.MemoryAccountant``)
 beside the formula, and the median step time (forward + backward), wall clock and this thread's
 CPU time (steadier on a shared machine; the target is judged on it). Then one training step
 (forward, backward, AdamW) with AdamW's m and v in memmap files vs in memory. Variants are timed
@@ -28,8 +28,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 from bench_env import Targets, print_machine  # noqa: E402
 
-from minidist.memory import MemoryAccountant  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
+from minidist.nn.footprint import MemoryAccountant  # noqa: E402
 from minidist.nn.optim import AdamW  # noqa: E402
 from minidist.parallel.memory import recompute  # noqa: E402
 from minidist.parallel.memory.offload import OffloadedAdamW  # noqa: E402

@@ -318,7 +318,7 @@ def test_offload_shard_bytes(n):
 
 @given(st.sampled_from([("psi", -1), ("n", 0), ("n", 2.0), ("k_bytes", -8)]))
 def test_zero_formula_sizes(kw):
-    from minidist.memory import zero_formula
+    from minidist.nn.footprint import zero_formula
 
     args = {"stage": 1, "psi": 100, "n": 4} | dict([kw])
     raises_clearly(lambda: zero_formula(**args), f"zero_formula: {kw[0]}")

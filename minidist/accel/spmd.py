@@ -32,7 +32,7 @@ import numpy as np
 
 from minidist.accel.backend import configure_jax
 from minidist.nn import GPT
-from minidist.testing import host_state
+from minidist.nn.serial import host_state
 
 
 def _jax():

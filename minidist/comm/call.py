@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist import trace_spans as trace  # the thread-local state: ever_set
 from minidist.accel.backend import backend_of, get_backend
 from minidist.comm import debug, tracing
 from minidist.comm.debug import check_same_call, stamp
 from minidist.comm.ledger import CallRecord, active
+from minidist.trace import spans as trace  # the thread-local state: ever_set
 
 OPS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 _NUMPY = get_backend("numpy")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
-from minidist import trace_spans as _trace
+from minidist.trace import spans as _trace
 
 NULL = contextlib.nullcontext()  # what span() returns when tracing is off
 

@@ -15,6 +15,7 @@ from minidist.comm import Mesh
 from minidist.grading import RanksHung, run_guarded, untouched
 from minidist.nn import GPTConfig
 from minidist.nn.optim import make_optimizer
+from minidist.nn.serial import max_state_diff, train_serial
 from minidist.parallel import three_d as T
 from minidist.parallel.data.ddp import DistributedDataParallel
 from minidist.parallel.pipeline.runtime import (
@@ -24,7 +25,6 @@ from minidist.parallel.pipeline.runtime import (
     run_schedule,
     split_microbatches,
 )
-from minidist.testing import max_state_diff, train_serial
 
 GRADE = settings(max_examples=15, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, d_model=8, dtype="float64")

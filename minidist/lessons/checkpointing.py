@@ -29,7 +29,7 @@ from minidist.lessons.cli import (
     rprint,
     worst,
 )
-from minidist.memory import MemoryAccountant
+from minidist.nn.footprint import MemoryAccountant
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.parallel.memory import recompute
 from minidist.parallel.memory.recompute import (

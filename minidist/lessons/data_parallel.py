@@ -40,9 +40,9 @@ from minidist.lessons.data_parallel_overlap import plot, show_overlap
 from minidist.lessons.this_machine import compare_line, this_machine
 from minidist.nn import GPT, GPTConfig, optim
 from minidist.nn.data import split_batch
+from minidist.nn.serial import adamw_tolerance, max_state_diff, train_serial
 from minidist.parallel.data.ddp import DDP
 from minidist.parallel.data.zero import ZeRO
-from minidist.testing import adamw_tolerance, max_state_diff, train_serial
 
 
 def config(args) -> GPTConfig:

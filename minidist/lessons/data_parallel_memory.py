@@ -11,8 +11,8 @@ import numpy as np
 
 from minidist.comm import measure
 from minidist.comm.cost import all_reduce_bytes_sent
-from minidist.memory import MemoryAccountant, zero_formula
 from minidist.nn import GPT, optim
+from minidist.nn.footprint import MemoryAccountant, zero_formula
 from minidist.parallel.data.ddp import DDP
 from minidist.parallel.data.zero import ZeRO, param_count
 

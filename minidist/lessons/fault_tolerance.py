@@ -50,6 +50,7 @@ from minidist.lessons.cli import (
     world_size,
 )
 from minidist.lessons.progress import progress
+from minidist.nn.serial import adamw_tolerance
 from minidist.parallel.parallelize import check_3d
 from minidist.resilience.checkpoint import CheckpointError, folder
 from minidist.resilience.checkpoint.tiers import Checkpointer, Tier, shm_root
@@ -58,7 +59,6 @@ from minidist.resilience.faults import Injector
 from minidist.resilience.faults import parse as parse_faults
 from minidist.resilience.heartbeat import heartbeat
 from minidist.resilience.timeline import AttemptTrace, merge_attempts, plot_attempts
-from minidist.testing import adamw_tolerance
 
 LR = 3e-3  # AdamW's learning rate of every trainer here (the failing run, its reference, the serial twin)
 DEFAULT_CKPT = os.path.join(tempfile.gettempdir(), f"minidist-{os.getuid()}-fault-tolerance")

@@ -38,6 +38,7 @@ from minidist.lessons.cli import (
     worst,
 )
 from minidist.nn import GPTConfig
+from minidist.nn.serial import host_state, max_state_diff, train_serial
 from minidist.parallel.balance.dp import train_dp_balanced
 from minidist.parallel.balance.pipeline import (
     bubble,
@@ -48,7 +49,6 @@ from minidist.parallel.balance.pipeline import (
 )
 from minidist.parallel.pipeline.runtime import partition_uniform
 from minidist.resilience.stragglers import Slowdown, parse
-from minidist.testing import host_state, max_state_diff, train_serial
 
 TOL = 1e-9  # float64: only the summation order differs from the serial twin
 TARGET = 0.15  # step time after rebalancing within 15% of the balanced time

@@ -31,8 +31,8 @@ from minidist.autograd import ops
 from minidist.autograd.tensor import Tensor
 from minidist.comm import measure
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint, world_size
-from minidist.memory import MemoryAccountant
 from minidist.nn import GPT, GPTConfig
+from minidist.nn.footprint import MemoryAccountant
 from minidist.parallel.context.layout import shard_sequence, unshard_sequence
 from minidist.parallel.context.model import context_parallel
 from minidist.parallel.context.ring import AttentionStats, ring_attention, ring_bytes

@@ -29,9 +29,9 @@ from minidist.lessons.cli import (
 )
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.nn.optim import AdamW
+from minidist.nn.serial import train_serial
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision, round_to_bf16
 from minidist.plan import estimates
-from minidist.testing import train_serial
 
 TOL = 1e-2  # stated: losses within 1% (relative) of fp32 over the run
 

@@ -23,11 +23,11 @@ from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, 
 from minidist.lessons.progress import progress
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.nn.optim import AdamW
+from minidist.nn.serial import train_serial
 from minidist.parallel.memory.fp8 import Fp8Quantizer, Fp8Recipe, fp8_linear
 from minidist.parallel.memory.fp8_formats import E4M3
 from minidist.parallel.memory.fp8_scaling import amax_of
 from minidist.parallel.memory.precision import MixedPrecision
-from minidist.testing import train_serial
 
 TARGET = 0.02  # block-wise FP8's final loss within 2% of bf16's
 TWIN_TOL = 1e-9  # fp64 data-parallel vs its serial twin: only the summation order differs

@@ -30,7 +30,7 @@ from minidist.lessons.cli import (
     worst,
 )
 from minidist.lessons.progress import progress
-from minidist.memory import MemoryAccountant
+from minidist.nn.footprint import MemoryAccountant
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.nn.optim import AdamW
 from minidist.parallel.memory.offload import OffloadedAdamW

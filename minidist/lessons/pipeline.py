@@ -42,6 +42,7 @@ from minidist.lessons.cli import (
 )
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.data import BatchLoader, TextDataset
+from minidist.nn.serial import adamw_tolerance, max_state_diff, train_serial
 from minidist.parallel.pipeline.catalog import SCHEDULES, schedule_chunks
 from minidist.parallel.pipeline.dualpipe import dualpipe_v_bubble_formula
 from minidist.parallel.pipeline.runtime import format_partition, layer_costs, make_schedule, run_schedule
@@ -51,7 +52,6 @@ from minidist.parallel.pipeline.zb_v import zb_v_bubble_formula
 from minidist.parallel.pipeline.zero_bubble import zb_h1_bubble_formula
 from minidist.parallel.three_d import check_3d, gather_full_state, train_3d
 from minidist.plan import estimates, schedules
-from minidist.testing import adamw_tolerance, max_state_diff, train_serial
 
 BUSY = ("Forward", "Backward", "BackwardInput", "BackwardWeight")  # what counts as a stage's work
 
@@ -60,7 +60,7 @@ def tolerance(args) -> float:
     """How far the parallel parameters may be from the serial twin's.
 
     The two differ only in summation order (microbatch and replica partial sums): float32 gets
-    ``testing.adamw_tolerance`` (10% of AdamW's largest travel, 0.1 * lr * steps), float64 1e-9.
+    ``serial.adamw_tolerance`` (10% of AdamW's largest travel, 0.1 * lr * steps), float64 1e-9.
     """
     return 1e-9 if args.dtype == "float64" else adamw_tolerance(args.lr, args.steps)
 

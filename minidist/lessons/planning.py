@@ -24,8 +24,9 @@ import numpy as np
 from minidist.comm import measure, under_mpi
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_int, rprint, world_size
 from minidist.lessons.progress import progress
-from minidist.memory import MemoryAccountant
 from minidist.nn import GPTConfig
+from minidist.nn.footprint import MemoryAccountant
+from minidist.nn.serial import adamw_tolerance, max_state_diff, train_serial
 from minidist.parallel.three_d import gather_full_state, train_3d
 from minidist.plan import ModelSpec, Settings, collectives, hardware, memory, plan
 from minidist.plan.__main__ import plot, table
@@ -33,7 +34,6 @@ from minidist.plan.calibrate import calibrate
 from minidist.plan.mesh import stage_activation_peak, stage_param_counts
 from minidist.plan.search import candidates
 from minidist.plan.steptime import rank_slowdown
-from minidist.testing import adamw_tolerance, max_state_diff, train_serial
 
 
 def config(args) -> GPTConfig:

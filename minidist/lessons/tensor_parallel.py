@@ -39,13 +39,13 @@ from minidist.lessons.cli import (
 )
 from minidist.lessons.tensor_parallel_tolerance import compare, first_gradients, rounding_bound
 from minidist.lessons.this_machine import compare_line, this_machine
-from minidist.memory import MemoryAccountant
 from minidist.nn import GPT, GPTConfig, optim
 from minidist.nn.data import BatchLoader, TextDataset
+from minidist.nn.footprint import MemoryAccountant
+from minidist.nn.serial import adamw_tolerance, train_steps
 from minidist.parallel.tensor.collective_matmul import CHANNEL, hidden_share, lanes, use_collective_matmul
 from minidist.parallel.tensor.gpt import TPGPT, ParallelBlock
 from minidist.parallel.tensor.sharding import sharding_table, unshard
-from minidist.testing import adamw_tolerance, train_steps
 
 
 def make_batches(args, block_size):

@@ -4,7 +4,7 @@ The ranks add partial products in another order than one process does, so the tw
 rounding: ``rounding_bound`` derives the bound (2u·sqrt(K), K the multiply-adds feeding one number);
 ``first_gradients`` takes the first step's loss and gradients, where only summation order differs;
 ``compare`` holds gradients and every step's loss to the bound and the parameters after AdamW to
-``minidist.testing.adamw_tolerance``.
+``minidist.nn.serial.adamw_tolerance``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from minidist.autograd import random as mrandom
-from minidist.testing import max_state_diff
+from minidist.nn.serial import max_state_diff
 
 
 def rounding_bound(b: int, s: int, h: int, vocab: int, dtype) -> float:

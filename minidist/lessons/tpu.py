@@ -60,9 +60,9 @@ from minidist.lessons.cli import positive_float, positive_int  # noqa: E402
 from minidist.lessons.progress import progress  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.nn.data import BatchLoader, TextDataset  # noqa: E402
+from minidist.nn.serial import train_serial  # noqa: E402
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d  # noqa: E402
 from minidist.plan.hardware import TPU_V4, TPU_V5E, TPU_V5P  # noqa: E402
-from minidist.testing import train_serial  # noqa: E402
 
 
 def make_batches(args):

@@ -6,7 +6,7 @@ Rank order is minidist's (`minidist.comm.Mesh`): tensor fastest, then data, pipe
 
 `memory(model, cand, batch, settings)` returns per-device bytes of the fullest stage by kind:
 params, grads, optimizer, activations, buffers. For the "minidist" engine every number is what
-`minidist.memory.MemoryAccountant` reports for that rank (tests/plan/test_plan.py runs it and compares):
+`minidist.nn.footprint.MemoryAccountant` reports for that rank (tests/plan/test_plan.py runs it and compares):
 the layer list is minidist's (Embed, blocks, Head) cut by `partition_uniform`, tensor-parallel
 shards are `TPGPT`'s, ZeRO shards follow DDP's gradient buckets (`build_buckets`, `Bucket.shard`),
 and activations are those the ops save, times the microbatches a stage holds at its peak

@@ -10,7 +10,7 @@ Two *engines* say what a rank actually stores, because the planner must be exact
 * ``"minidist"`` -- this library's `minidist.nn.GPT` trained by `minidist.parallel`: learned
   position embedding, biases, no fused kernels, every array in `dtype_bytes` (float32). Its saved
   activations per block are counted op by op (`minidist_block_elements`), which is what
-  `minidist.memory.MemoryAccountant` measures.
+  `minidist.nn.footprint.MemoryAccountant` measures.
 * ``"megatron"`` -- large-scale mixed precision as in Megatron-LM / MaxText: bf16 weights and
   activations, fp32 master weights and Adam moments, fused kernels; activations per layer from
   Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),

@@ -11,7 +11,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from minidist.autograd import fused, ops
-from minidist.testing import gradcheck
+from minidist.autograd.gradcheck import gradcheck
 from tests.conftest import backends
 
 BACKENDS = backends()

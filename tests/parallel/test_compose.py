@@ -309,7 +309,7 @@ def test_activation_offload_zero3_and_checkpointing_stack_in_order_and_equal_ser
 
 
 def test_activation_offload_moves_saved_activations_off_the_device():
-    from minidist.memory import MemoryAccountant
+    from minidist.nn.footprint import MemoryAccountant
     from minidist.parallel.memory.offload import offload_activations
 
     x = DATA[0]

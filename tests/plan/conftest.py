@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 
 from minidist.comm import measure, run
-from minidist.memory import MemoryAccountant
+from minidist.nn.footprint import MemoryAccountant
 from minidist.nn.gpt import GPTConfig
 from minidist.parallel.data.ddp import DistributedDataParallel
 from minidist.parallel.pipeline.runtime import PipelineStage, make_schedule, run_schedule, split_microbatches

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minidist.comm import measure, run
-from minidist.memory import MemoryAccountant
+from minidist.nn.footprint import MemoryAccountant
 from minidist.plan.mesh import Candidate, memory, stage_param_counts
 from minidist.plan.traffic import collectives
 from tests.conftest import budget

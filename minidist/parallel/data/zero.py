@@ -22,8 +22,8 @@ state is 1/N of DP's):
   unit whose backward needs no weights and so is not gathered again (a GPT's Embed: a lookup's
   gradient needs the ids).
 
-Per-rank memory (``memory_arrays``, read by ``minidist.memory.MemoryAccountant.report``) follows
-``minidist.memory.zero_formula``. Loss weighting, ``backward(loss, n_samples)`` and ``no_sync`` are
+Per-rank memory (``memory_arrays``, read by ``minidist.nn.footprint.MemoryAccountant.report``) follows
+``minidist.nn.footprint.zero_formula``. Loss weighting, ``backward(loss, n_samples)`` and ``no_sync`` are
 DDP's (with ``no_sync`` full gradients are accumulated locally and reduced on the last micro-step).
 """
 

@@ -39,8 +39,8 @@ from minidist.nn import GPT
 from minidist.nn.module import ModuleList
 from minidist.nn.moe import MoE, run_local_experts
 from minidist.nn.optim import make_optimizer
+from minidist.nn.serial import host_state, train_steps
 from minidist.parallel.context.ring import replace_child
-from minidist.testing import host_state, train_steps
 
 
 class AllToAll(Function):

@@ -205,7 +205,7 @@ class OffloadedAdamW(AdamW):
         return sum(len(self.keys) * p.data.nbytes for p in self.params)
 
     def memory_arrays(self) -> dict:
-        """What stays in compute memory between steps, for ``minidist.memory.MemoryAccountant.report``:
+        """What stays in compute memory between steps, for ``minidist.nn.footprint.MemoryAccountant.report``:
         parameters and gradients; no optimizer state (during a step: ``resident_peak``)."""
         return {"params": [] if self.offload_params else [p.data for p in self.params],
                 "grads": [p.grad for p in self.params], "optimizer_state": []}

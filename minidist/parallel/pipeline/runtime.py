@@ -37,7 +37,7 @@ import numpy as np
 from minidist import trace
 from minidist.accel.backend import to_host
 from minidist.autograd.tensor import Tensor
-from minidist.memory import MemoryAccountant
+from minidist.nn.footprint import MemoryAccountant
 from minidist.parallel.pipeline.catalog import (  # noqa: F401 - callers build schedules from here too
     SCHEDULES,
     V_SCHEDULES,
@@ -125,7 +125,7 @@ class _Runtime:
         self.loss_weights = loss_weights
         self.x, self.out, self.received, self.to_send = {}, {}, {}, {}
         self.stats, self.losses = StepStats(), []
-        # activations are counted as `minidist.memory` counts them: arrays saved for backward, each
+        # activations are counted as `minidist.nn.footprint` counts them: arrays saved for backward, each
         # buffer once, the stage's parameters left out, released when backward frees them
         self.acct = MemoryAccountant()
         self.sends = []  # requests of sends still in flight

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.autograd.tensor import Tensor, _accumulate, count_consumers
-from minidist.memory import storage_bytes
+from minidist.nn.footprint import storage_bytes
 
 
 def _as_tuple(grads) -> tuple:

@@ -8,9 +8,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from minidist.comm import run
+from minidist.nn.serial import host_state, max_state_diff, train_serial
 from minidist.parallel.balance.dp import train_dp_balanced
 from minidist.resilience.stragglers import Slowdown
-from minidist.testing import host_state, max_state_diff, train_serial
 from tests.conftest import budget
 from tests.parallel.balance.helpers import CFG, TOL, best_split_time, make_batches, virtual_clock
 

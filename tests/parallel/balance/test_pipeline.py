@@ -10,6 +10,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from minidist.comm import run
+from minidist.nn.serial import max_state_diff, train_serial
 from minidist.parallel.balance.pipeline import (
     gather_stage_states,
     pays_off,
@@ -18,7 +19,6 @@ from minidist.parallel.balance.pipeline import (
 )
 from minidist.parallel.pipeline.runtime import partition_balanced
 from minidist.resilience.stragglers import Slowdown
-from minidist.testing import max_state_diff, train_serial
 from tests.conftest import budget
 from tests.parallel.balance.helpers import PCFG, TOL, best_cut, make_batches, virtual_clock
 

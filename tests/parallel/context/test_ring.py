@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from minidist.autograd import ops
 from minidist.autograd.tensor import Tensor
 from minidist.comm import measure, run
-from minidist.memory import MemoryAccountant
 from minidist.nn import GPT, GPTConfig
+from minidist.nn.footprint import MemoryAccountant
 from minidist.parallel.context.ring import (
     AttentionStats,
     chunk_positions,

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from minidist.autograd.tensor import saved_tensors_hooks
 from minidist.comm import measure, run
-from minidist.memory import MemoryAccountant, zero_formula
 from minidist.nn import GPT, optim
+from minidist.nn.footprint import MemoryAccountant, zero_formula
 from minidist.parallel.data.zero import ZeRO, param_count
 from minidist.parallel.three_d import max_state_diff
 from tests.conftest import budget

@@ -82,7 +82,7 @@ def test_resident_bytes_are_at_most_three_shards_state(tmp_path):
 
 
 def test_offloaded_master_weights_leave_compute_memory(tmp_path):
-    from minidist.memory import MemoryAccountant
+    from minidist.nn.footprint import MemoryAccountant
     from minidist.nn.gpt import GPT, GPTConfig
     from minidist.parallel.memory.precision import MixedPrecision
 

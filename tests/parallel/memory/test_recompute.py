@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from minidist.autograd import random as mrandom
 from minidist.autograd.tensor import Tensor
 from minidist.comm import measure, run
-from minidist.memory import MemoryAccountant
 from minidist.nn import Linear, Sequential
+from minidist.nn.footprint import MemoryAccountant
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.parallel.data.ddp import DistributedDataParallel
 from minidist.parallel.memory.recompute import (

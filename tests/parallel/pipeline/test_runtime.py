@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from minidist import trace
 from minidist.comm import run
-from minidist.memory import MemoryAccountant
 from minidist.nn import GPT, GPTConfig
+from minidist.nn.footprint import MemoryAccountant
 from minidist.parallel.pipeline.runtime import (
     PipelineStage,
     format_partition,

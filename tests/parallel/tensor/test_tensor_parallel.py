@@ -20,6 +20,7 @@ from minidist.comm import measure, run
 from minidist.lessons import tensor_parallel
 from minidist.lessons.tensor_parallel import compare, rounding_bound
 from minidist.nn import GPT, GPTConfig, Linear
+from minidist.nn.serial import adamw_tolerance
 from minidist.parallel.tensor import comm as tp_comm
 from minidist.parallel.tensor import gpt as tp_gpt
 from minidist.parallel.tensor.gpt import TPGPT, ParallelBlock
@@ -29,7 +30,6 @@ from minidist.parallel.tensor.layers import (
     vocab_parallel_cross_entropy,
 )
 from minidist.parallel.tensor.sharding import Shard, reshard, shard_state_dict, sharding_table, unshard
-from minidist.testing import adamw_tolerance
 
 ROOT = Path(__file__).resolve().parents[3]
 TOL = {"float64": 1e-10}  # summation order differs across ranks, nothing else (float32: rounding_bound)

@@ -1,26 +1,8 @@
-"""Per-rank tracing: what each rank did and when, as a Chrome trace, an ASCII timeline or a picture.
-
-Each rank owns a `Tracer` that records intervals ("spans") as plain dicts::
-
-    {"name": "F", "cat": "compute", "rank": 3, "t0": 1732900000.12, "t1": 1732900000.15, "args": {"mb": 2}}
-
-Times are seconds since the Unix epoch: `time.time()` taken once when the tracer is created, plus
-`time.perf_counter()` deltas after that, so spans are precise within a rank and comparable across
-ranks in different processes on one host. The simulator in `minidist.parallel.pipeline.simulate` produces the
-same dicts (in model time units), so every drawing function here serves both measured and simulated runs.
-
-The active tracer is thread-local (`current()` / `set_current()`), because the threads transport
-runs its ranks as threads of one process. Code that may trace checks `current() is None` first,
-so tracing costs nothing when it is off.
-
-This module is the one to import; it gathers the spans of every rank and writes the Chrome trace.
-The rest lives beside it, one idea a file, and is re-exported here: recording
-(`minidist/trace_spans.py`), data parallelism's overlap window (`minidist/trace_overlap.py`), and
-reading a run -- bubble fraction, ASCII and drawn timelines (`minidist/trace_timeline.py`).
+"""Every rank's spans in one file: gathered on rank 0, written as a Chrome trace (open it in Perfetto).
 
 A job restarted after a failure runs as several attempts, and a killed attempt never reaches the end
 where traces are gathered. So each rank can append its spans to a part file as it goes
-(`append_part`, one JSON object a line), and the last attempt merges every part (`read_parts`)
+(``append_part``, one JSON object a line), and the last attempt merges every part (``read_parts``)
 into one trace: an event that carries an ``"attempt"`` is drawn in that attempt's process.
 """
 
@@ -29,24 +11,10 @@ from __future__ import annotations
 import json
 import os
 
-from minidist import trace_spans
-from minidist.trace_overlap import OverlapRecorder, hidden_fraction
-from minidist.trace_spans import CATEGORIES, Tracer, current, set_current, span, trace_layers, tracing
-from minidist.trace_timeline import (
-    _t_origin,
-    ascii_timeline_from_events,
-    bubble_fraction,
-    median_bubble,
-    plot_timeline,
-)
-
-__all__ = ["CATEGORIES", "OverlapRecorder", "Tracer", "append_part", "ascii_timeline_from_events",
-           "bubble_fraction", "chrome_trace", "current", "gather_events", "hidden_fraction",
-           "median_bubble", "plot_timeline", "read_parts", "set_current", "span", "trace_layers",
-           "tracing", "write_chrome_trace"]
+from minidist.trace.timeline import _t_origin
 
 
-def gather_events(comm, tracer: Tracer | None) -> list[dict] | None:
+def gather_events(comm, tracer) -> list[dict] | None:
     """Collect every rank's events on rank 0 (sorted by start time); other ranks get None.
 
     Collective: every rank of `comm` must call it. A rank without a tracer contributes nothing.
@@ -114,11 +82,3 @@ def read_parts(paths) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return sorted(events, key=lambda e: (e["t0"], e.get("attempt", 0), e["rank"]))
-
-
-def __getattr__(name):
-    """``trace.ever_set`` and ``trace._local`` read the live state of `minidist.trace_spans` (a copy
-    imported here would go stale when the first tracer is set)."""
-    if name in ("ever_set", "_local"):
-        return getattr(trace_spans, name)
-    raise AttributeError(f"module 'minidist.trace' has no attribute {name!r}")

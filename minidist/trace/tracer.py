@@ -1,58 +1,17 @@
-"""Recording spans: each rank's `Tracer`, the thread-local active tracer, and per-layer forward spans.
+"""A rank's ``Tracer``: the spans it recorded, as plain dicts, and per-layer forward spans.
 
-A span is a plain dict ``{"name", "cat", "rank", "t0", "t1", "args"}`` (times in seconds since the
-Unix epoch, with ``perf_counter`` precision inside a rank). The active tracer is thread-local
-because the threads transport runs its ranks as threads of one process; `span()` costs nothing
-while no thread has ever had a tracer. `minidist.trace` re-exports all of this.
+A span is ``{"name", "cat", "rank", "t0", "t1", "args"}``: times in seconds since the Unix epoch,
+with ``perf_counter`` precision inside a rank, so spans of ranks in different processes on one host
+line up. The pipeline simulator produces the same dicts in model time, so every drawing function
+serves measured and simulated runs alike.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from contextlib import contextmanager
 
-CATEGORIES = ("compute", "send", "recv", "wait", "collective", "step")
-
-_local = threading.local()
-
-
-def current() -> Tracer | None:
-    """This thread's active tracer, or None when tracing is off."""
-    return getattr(_local, "tracer", None)
-
-
-ever_set = False  # has any thread had a tracer? Until then a collective skips the thread-local lookup
-
-
-def set_current(tracer: Tracer | None) -> None:
-    """Make `tracer` the active tracer of this thread (None turns tracing off)."""
-    global ever_set
-    if tracer is not None:
-        ever_set = True
-    _local.tracer = tracer
-
-
-@contextmanager
-def tracing(tracer: Tracer | None):
-    """Activate `tracer` for this thread inside a `with` block, restoring the previous one after."""
-    previous = current()
-    set_current(tracer)
-    try:
-        yield tracer
-    finally:
-        set_current(previous)
-
-
-_OFF = contextlib.nullcontext()
-
-
-def span(name: str, cat: str = "compute", **args):
-    """``current().span(name, cat, **args)`` when this thread traces, else a context that does
-    nothing: the one line code needs to show up on the timeline, free when tracing is off."""
-    tracer = getattr(_local, "tracer", None) if ever_set else None
-    return _OFF if tracer is None else tracer.span(name, cat, **args)
+from minidist.trace.spans import CATEGORIES, current
 
 
 def _check_cat(cat: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from minidist.trace_spans import current
+from minidist.trace.spans import current
 
 
 class OverlapRecorder:

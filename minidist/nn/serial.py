@@ -1,22 +1,20 @@
-"""Helpers for tests, lessons and exercises: the serial twin, state comparison, gradient checks.
+"""The serial twin: the one training loop every parallel result is checked against.
 
-* ``train_steps(model, batches, opt)``: the one training loop of every serial twin (and of lesson 1):
-  loss, backward, step, zero_grad for each batch; returns the losses.
+* ``train_steps(model, batches, opt)``: loss, backward, step, zero_grad for each batch (lesson 1's
+  loop too); returns the losses.
 * ``train_serial(cfg, batches, lr, optimizer)``: a fresh GPT trained by ``train_steps`` on the whole
   global batches -- what every parallel run must equal. Returns (host state dict, losses).
 * ``max_state_diff(a, b)``: the largest absolute difference of two state dicts.
 * ``adamw_tolerance(lr, steps)``: how far float32 parameters may drift from the serial twin's after
   AdamW steps that differ only in summation order.
-* ``gradcheck`` / ``numerical_grads``: autograd against central differences.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from minidist.accel.backend import backend_of, get_backend
-from minidist.autograd.tensor import Tensor
-from minidist.nn import GPT
+from minidist.accel.backend import backend_of
+from minidist.nn.gpt import GPT
 from minidist.nn.optim import clip_grad_norm, make_optimizer
 
 
@@ -78,51 +76,3 @@ def max_state_diff(a: dict, b: dict) -> float:
         raise KeyError(f"state dicts differ in names: {sorted(a.keys() ^ b.keys())[:5]}")
     host = [(backend_of(a[k]).to_host(a[k]), backend_of(b[k]).to_host(b[k])) for k in a]
     return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) for x, y in host)
-
-
-def numerical_grads(fn, arrays, weights, eps=1e-6, backend="numpy"):
-    """Central differences of sum(fn(*arrays) * weights) w.r.t. each float array (host float64)."""
-    be = get_backend(backend)
-    grads = []
-    for a in arrays:
-        if not np.issubdtype(a.dtype, np.floating):
-            grads.append(None)
-            continue
-        g = np.zeros_like(a)
-        flat = a.reshape(-1)
-        for j in range(flat.size):
-            old = flat[j]
-            vals = []
-            for step in (eps, -eps):
-                flat[j] = old + step
-                args = [Tensor(be.from_host(x.copy())) for x in arrays]
-                vals.append(float((be.to_host(fn(*args).data) * weights).sum()))
-            flat[j] = old
-            g.reshape(-1)[j] = (vals[0] - vals[1]) / (2 * eps)
-        grads.append(g)
-    return grads
-
-
-def gradcheck(fn, arrays, backend="numpy", eps=1e-6, atol=1e-6, rtol=1e-5, seed=0):
-    """Compare autograd gradients of ``fn`` (Tensors -> Tensor) with central differences.
-
-    ``arrays`` are float64 NumPy arrays (non-float ones, e.g. indices, get no gradient). Raises
-    AssertionError naming the input and the largest difference; returns the analytic gradients.
-    """
-    be = get_backend(backend)
-    arrays = [np.array(a) for a in arrays]
-    inputs = [Tensor(be.from_host(a), requires_grad=np.issubdtype(a.dtype, np.floating)) for a in arrays]
-    out = fn(*inputs)
-    weights = np.random.default_rng(seed).standard_normal(out.shape)
-    (out * Tensor(be.from_host(weights.astype(out.dtype)))).sum().backward()
-    numeric = numerical_grads(fn, arrays, weights, eps, backend)
-    analytic = []
-    for k, (t, num) in enumerate(zip(inputs, numeric)):
-        if num is None:
-            analytic.append(None)
-            continue
-        ana = np.zeros_like(num) if t.grad is None else backend_of(t.grad).to_host(t.grad)
-        np.testing.assert_allclose(ana, num, atol=atol, rtol=rtol,
-                                   err_msg=f"gradient of input {k} (shape {num.shape}) is wrong")
-        analytic.append(ana)
-    return analytic

@@ -1,4 +1,4 @@
-"""Recording spans (``minidist.trace_spans``, used through ``minidist.trace``): intervals, args,
+"""Recording spans (``minidist.trace.tracer``, used through ``minidist.trace``): intervals, args,
 categories, and the tracer that is current per thread."""
 
 import threading

@@ -1,4 +1,4 @@
-"""Reading spans (``minidist.trace_timeline``, used through ``minidist.trace``): the bubble fraction
+"""Reading spans (``minidist.trace.timeline``, used through ``minidist.trace``): the bubble fraction
 against the pipeline formula, its median over steps, and the ASCII and drawn timelines."""
 
 import numpy as np

@@ -1,6 +1,6 @@
 """Reading spans: the bubble fraction of a run, and its timeline as ASCII rows or a picture.
 
-The functions take the span dicts of `minidist.trace_spans` -- measured by a `Tracer`, or produced
+The functions take the span dicts of `minidist.trace.tracer` -- measured by a `Tracer`, or produced
 by the pipeline simulator in model time units -- so measured and simulated runs are drawn the same
 way. `minidist.trace` re-exports all of them.
 """
