@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from minidist.accel import jax_engine
+from minidist.accel import compiled, jax_engine
 from minidist.accel.segment_add import cupy_scatter_add
 
 BACKENDS = ("numpy", "cupy", "jax")
@@ -183,12 +183,12 @@ class JaxBackend(Backend):
 
 # One compiled program per shape, the index an argument (eager JAX's ``.at[].add`` compiles 3-5
 # programs for each new shape: an MoE lesson's routing makes new shapes every step).
-@jax_engine.pure
+@compiled.pure
 def _jax_scatter_add(target, indices, values):
     return target.at[indices].add(values)
 
 
-@jax_engine.pure
+@compiled.pure
 def _jax_set_at(target, index, values):
     return target.at[index].set(values)
 

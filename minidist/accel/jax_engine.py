@@ -11,7 +11,8 @@ first; or, cheapest, from minidist's own cache, ``jax_cache``, which does neithe
   ``kernel`` only for non-NumPy arrays.
 * **Optimizer steps**: ``fused`` runs one parameter's update formula over every parameter as ONE
   compiled call, the step's scalars as arguments (a schedule never recompiles), state donated.
-* **Array functions** outside the ops (DDP's buckets, one ring-attention step): ``pure``.
+* **Array functions** outside the ops (DDP's buckets, one ring-attention step): ``pure_call``.
+* ``install`` registers all three with the compilation seam (``compiled.py``) that algorithms call.
 * Each of these units is a ``jax_cache.Program``: compiled once per argument signature, not once
   per rank (JAX does not merge concurrent compiles), and stored on disk under a key minidist
   computes before tracing, so a later run loads the executable without tracing or lowering.
@@ -25,11 +26,10 @@ from __future__ import annotations
 
 import collections
 import os
-import sys
 
 import numpy as np
 
-from minidist.accel import jax_cache
+from minidist.accel import compiled, jax_cache
 from minidist.accel.jax_ops import _LOCKS_LOCK, PURE_OPS, kernel  # noqa: F401 - kernel, PURE_OPS: importable here
 from minidist.accel.jax_values import _is_array, _is_jax, _value_key
 
@@ -72,51 +72,41 @@ def _holds_jax(v) -> bool:
     return _is_jax(v) or isinstance(v, (list, tuple)) and any(map(_holds_jax, v))
 
 
-def pure(fn):
-    """Decorator: on JAX arrays, run ``fn`` -- a pure function of arrays (in lists and tuples too)
-    and plain values -- as one compiled call per signature, the plain values baked in; on anything
-    else (NumPy, CuPy, the engine off), run it as written. For the array code outside the ops that
-    would otherwise compile one program per primitive and shape (a bucket's views: a slice and a
-    reshape per parameter, each a program of its own on eager JAX)."""
-    import functools
+def pure_call(fn, made: dict, args, kwargs):
+    """``compiled.pure``'s call on the engine: on JAX arrays ``fn`` -- a pure function of arrays (in
+    lists and tuples too) and plain values -- as one compiled call per signature (kept in ``made``),
+    the plain values baked in; on anything else (NumPy, CuPy, the engine off), ``fn`` as written.
+    For the array code outside the ops that would otherwise compile one program per primitive and
+    shape (a bucket's views: a slice and a reshape per parameter, each a program of its own on eager JAX)."""
+    if not any(map(_holds_jax, (*args, *kwargs.values()))) or not enabled():
+        return fn(*args, **kwargs)  # NumPy, CuPy, the engine off
+    import jax
 
-    made: dict = {}
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return fn(*args, **kwargs)  # called while a compiled op is traced: part of that program
+    at = tuple(i for i, x in enumerate(leaves) if _is_array(x))
+    fixed = tuple(None if i in at else x for i, x in enumerate(leaves))
+    key = (tree, tuple(map(_value_key, fixed)), at)  # typed: x * 2 and x * 2.0 are two programs
+    try:
+        prog = made.get(key)
+    except TypeError:  # a value that cannot be part of a key (not plain): as written
+        return fn(*args, **kwargs)
+    if prog is None:
+        def run(*dyn):
+            full = list(fixed)
+            for i, d in zip(at, dyn):
+                full[i] = d
+            a, kw = jax.tree_util.tree_unflatten(tree, full)
+            return fn(*a, **kw)
 
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        if "jax" not in sys.modules:    # no JAX array can exist: the NumPy path pays one dict lookup
-            return fn(*args, **kwargs)
-        if not any(map(_holds_jax, (*args, *kwargs.values()))) or not enabled():
-            return fn(*args, **kwargs)  # NumPy (JAX is not even imported), CuPy, the engine off
-        import jax
-
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        if any(isinstance(x, jax.core.Tracer) for x in leaves):
-            return fn(*args, **kwargs)  # called while a compiled op is traced: part of that program
-        at = tuple(i for i, x in enumerate(leaves) if _is_array(x))
-        fixed = tuple(None if i in at else x for i, x in enumerate(leaves))
-        key = (tree, tuple(map(_value_key, fixed)), at)  # typed: x * 2 and x * 2.0 are two programs
-        try:
-            prog = made.get(key)
-        except TypeError:  # a value that cannot be part of a key (not plain): as written
-            return fn(*args, **kwargs)
-        if prog is None:
-            def run(*dyn):
-                full = list(fixed)
-                for i, d in zip(at, dyn):
-                    full[i] = d
-                a, kw = jax.tree_util.tree_unflatten(tree, full)
-                return fn(*a, **kw)
-
-            op, baked = jax_cache.identity(fn), jax_cache.value_id(list(fixed))
-            ident = None if op is None or baked is None else ("pure", op, str(tree), baked, repr(at))
-            prog = made.setdefault(key, jax_cache.Program(f"pure:{fn.__qualname__}", run, ident))
-        try:
-            return prog(*(leaves[i] for i in at))
-        except Exception:  # cannot be traced (a boolean mask index): as written, for this signature
-            return fn(*args, **kwargs)
-
-    return call
+        op, baked = jax_cache.identity(fn), jax_cache.value_id(list(fixed))
+        ident = None if op is None or baked is None else ("pure", op, str(tree), baked, repr(at))
+        prog = made.setdefault(key, jax_cache.Program(f"pure:{fn.__qualname__}", run, ident))
+    try:
+        return prog(*(leaves[i] for i in at))
+    except Exception:  # cannot be traced (a boolean mask index): as written, for this signature
+        return fn(*args, **kwargs)
 
 
 def compiles(array) -> bool:
@@ -199,9 +189,24 @@ def install() -> None:
             _LISTENING.append(True)
             monitoring.register_event_duration_secs_listener(_count_compile)
 
-    if enabled():  # (``minidist.autograd.tensor`` the attribute is the tensor() function: take the module)
-        sys.modules["minidist.autograd.tensor"].register_kernel_selector(kernel)
+    compiled.register(Engine if enabled() else Uncompiled)
 
 
-__all__ = ["STATS", "compilations", "compiles", "enabled", "fused", "install",
-           "kernel", "pure", "zeros_like"]
+class Engine:
+    """What ``install`` registers with the compilation seam (``compiled.py``)."""
+
+    pure_call, fused, compiles = staticmethod(pure_call), staticmethod(fused), staticmethod(compiles)
+    kernel, zeros_like = staticmethod(kernel), staticmethod(zeros_like)
+
+
+class Uncompiled:
+    """The engine under ``MINIDIST_JAX_JIT=0``: every op and function eager, as written."""
+
+    pure_call = staticmethod(lambda fn, made, args, kwargs: fn(*args, **kwargs))
+    compiles = staticmethod(lambda array: False)
+    kernel = staticmethod(lambda cls: cls)
+    zeros_like = staticmethod(zeros_like)
+
+
+__all__ = ["STATS", "Engine", "Uncompiled", "compilations", "compiles", "enabled", "fused", "install",
+           "kernel", "pure_call", "zeros_like"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.accel import jax_engine
+from minidist.accel import compiled
 
 
 class Node:
@@ -42,7 +42,7 @@ def _accumulate(a, b):
     return a + b if type(a) is np.ndarray else _add(a, b)
 
 
-@jax_engine.pure
+@compiled.pure
 def _add(a, b):
     """A gradient sum off NumPy: on JAX one stored program per shape, not an eager ``+``."""
     return a + b

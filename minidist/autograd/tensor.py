@@ -11,15 +11,16 @@ walk that fills every leaf's ``.grad``. The switches an op reads (``no_grad``, `
 ``saved_tensors_hooks``) and ``Context`` are in ``minidist.autograd.modes``; this module re-exports
 them, and the graph's names, so ``from minidist.autograd.tensor import ...`` finds them all.
 
-``register_kernel_selector(fn)`` is the one hook by which an array library changes how an op runs:
-``Function.apply`` calls ``fn(op_class)`` for inputs that are not NumPy arrays and runs the class it
-returns (``minidist.accel.jax_engine.install`` registers ``kernel``: each op as one compiled call).
+An array engine changes how an op runs through one seam, ``minidist.accel.compiled``: for inputs
+that are not NumPy arrays ``Function.apply`` runs the class the engine's ``kernel`` returns (JAX:
+each op as one compiled call).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from minidist.accel import compiled
 from minidist.accel.backend import Backend, backend_of, default_backend, get_backend
 from minidist.autograd.graph import Node, _accumulate, _add, count_consumers, run_backward  # noqa: F401
 from minidist.autograd.modes import (  # noqa: F401
@@ -31,19 +32,6 @@ from minidist.autograd.modes import (  # noqa: F401
     no_grad,
     saved_tensors_hooks,
 )
-
-_KERNEL = None  # the registered kernel selector: op class -> the class to run, for non-NumPy inputs
-
-
-def register_kernel_selector(fn) -> None:
-    """``fn(op_class) -> op_class`` runs every op whose first input is not a NumPy array; it may return
-    the class itself (run as written) or a subclass (JAX: the op compiled). One selector at a time; None
-    removes it. NumPy inputs never reach it: their hot path stays one type check."""
-    global _KERNEL
-    if fn is not None and not callable(fn):
-        raise TypeError(f"register_kernel_selector: fn must be callable (op class -> op class) or None, "
-                        f"got {type(fn).__name__}")
-    _KERNEL = fn
 
 
 def _parent(t):
@@ -70,8 +58,8 @@ class Function:
 
     @classmethod
     def apply(cls, *inputs, **kwargs) -> Tensor:
-        if _KERNEL is not None and type(getattr(inputs[0], "data", inputs[0])) is not np.ndarray:
-            cls = _KERNEL(cls)  # JAX: the op as one compiled function (``register_kernel_selector``)
+        if compiled.ENGINE is not None and type(getattr(inputs[0], "data", inputs[0])) is not np.ndarray:
+            cls = compiled.ENGINE.kernel(cls)  # JAX: the op as one compiled function (the seam)
         if not getattr(_state, "grad_enabled", True):  # no graph (evaluation, decoding): the least work
             ctx = Context((False,) * len(inputs), record=False)
             return Tensor._result(cls.forward(ctx, *[t.data if isinstance(t, Tensor) else t for t in inputs],

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.accel import jax_engine
+from minidist.accel import compiled
 from minidist.accel.backend import default_backend, get_backend
 from minidist.infer.buckets import array_where, bucket, compiles_per_shape
 from minidist.parallel.tensor.sharding import local_kv_heads
@@ -135,7 +135,7 @@ class KVCache(CacheStorage):
         return {"reserved": reserved, "used": used, "waste": reserved - used}
 
 
-@jax_engine.pure
+@compiled.pure
 def store(k_all, v_all, where, k, v):
     """``write`` as one compiled call on JAX: rows, positions and ``take`` are arguments."""
     (rows, positions), take = where
@@ -143,7 +143,7 @@ def store(k_all, v_all, where, k, v):
             v_all.at[rows, :, positions].set(new_tokens(v, take)))
 
 
-@jax_engine.pure
+@compiled.pure
 def prefix(k, v, rows, tk: int):
     """Positions 0..tk-1 of ``rows`` (an index array) of k and v: one compiled read per (rows, tk)
     shape on JAX, the rows an argument."""

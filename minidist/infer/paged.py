@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.accel import jax_engine
+from minidist.accel import compiled
 from minidist.infer.buckets import array_where
 from minidist.infer.kv_cache import CacheStorage, valid_tokens
 
@@ -120,7 +120,7 @@ class PagedKVCache(CacheStorage):
                 "pool": self.num_blocks * self.block_len * per_tok, "free_blocks": len(self.free)}
 
 
-@jax_engine.pure  # on JAX one compiled call per (rows, blocks) shape, the block ids an argument
+@compiled.pure  # on JAX one compiled call per (rows, blocks) shape, the block ids an argument
 def gather_blocks(k_pool, v_pool, ids, tk: int):
     """Each row's blocks ``ids`` (B, nb) of both pools, laid end to end: (B, H, tk, D) each."""
     out = []

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.accel import jax_engine
+from minidist.accel import compiled
 from minidist.accel.backend import backend_of
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.paged import PagedKVCache
@@ -34,7 +34,7 @@ from minidist.infer.prefix_cache import PrefixCachingKVCache
 SCALE_DTYPE = np.float32
 
 
-@jax_engine.pure
+@compiled.pure
 def quantize(x):
     """x (..., D) -> (int8 q (..., D), float32 scale (..., 1)) with x ≈ q · scale, per vector."""
     xp = backend_of(x).xp
@@ -44,7 +44,7 @@ def quantize(x):
     return q, scale
 
 
-@jax_engine.pure
+@compiled.pure
 def dequantize(q, scale, dtype):
     """q · scale in ``dtype``."""
     return q.astype(dtype) * scale.astype(dtype)

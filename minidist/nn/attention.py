@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from minidist.accel import jax_engine
+from minidist.accel import compiled
 from minidist.accel.backend import backend_of
 from minidist.autograd import ops
 from minidist.autograd.tensor import Context, Function, Tensor, grad_enabled
@@ -139,7 +139,7 @@ def self_attention(qkv, n_head: int, cache=None, n_kv_head: int | None = None, k
     return Tensor(merge_heads(grouped_masked_attention(q, keys, values, cache.hidden, kv_of)))
 
 
-@jax_engine.pure  # on JAX one compiled call per shape, not ~8 (the KV cache's bucketed reads)
+@compiled.pure  # on JAX one compiled call per shape, not ~8 (the KV cache's bucketed reads)
 def masked_attention(q, k, v, hidden=None):
     """softmax(q·kᵀ/√D, hidden keys at -inf)·v on arrays (no graph): q (B, H, Tq, D), k and v
     (B, H, Tk, D), ``hidden`` broadcastable to (B, H, Tq, Tk) or None (every key visible)."""
@@ -150,7 +150,7 @@ def masked_attention(q, k, v, hidden=None):
     return ops.Softmax.forward(Context((False,), record=False), s, -1) @ v
 
 
-@jax_engine.pure
+@compiled.pure
 def grouped_masked_attention(q, k, v, hidden=None, kv_of=None):
     """``masked_attention`` of H query heads (B, H, Tq, D) over K K/V heads (B, K, Tk, D)."""
     qg, kg, vg = group(q, k, v, kv_of)

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from minidist.accel import jax_engine
+from minidist.accel import compiled
 from minidist.accel.backend import backend_of
 
 
@@ -51,7 +51,7 @@ class Optimizer:
     def apply_updates(self, live):
         """This step's update of the (parameter, state) pairs ``live``: on JAX one compiled call
         (``update_all``), elsewhere one parameter at a time (``update``)."""
-        if live and jax_engine.compiles(live[0][0].data):
+        if live and compiled.compiles(live[0][0].data):
             self.update_all(live)  # JAX: the whole update as one compiled call
         else:
             for p, st in live:
@@ -98,19 +98,19 @@ class SGD(Optimizer):
         p.data = _sub_scaled(p.data, g, self.lr)
 
     def update_all(self, live):
-        """JAX: every parameter's SGD step in one compiled call (``jax_engine.fused``)."""
+        """JAX: every parameter's SGD step in one compiled call (``compiled.fused``)."""
         ps = [p for p, _ in live]
         if self.momentum:
             for p, st in live:  # mu·0 + g = g: the first step is the formula's too
-                st.setdefault("momentum", jax_engine.zeros_like(p.data))
+                st.setdefault("momentum", compiled.zeros_like(p.data))
             bufs = [st["momentum"] for _, st in live]
-            new = jax_engine.fused("sgd", _sgd_momentum_arrays,
+            new = compiled.fused("sgd", _sgd_momentum_arrays,
                                    [[p.data for p in ps], [p.grad for p in ps], bufs],
                                    (self.lr, self.momentum, self.weight_decay), donate=(2,))
             for (p, st), (data, buf) in zip(live, new):
                 p.data, st["momentum"] = data, buf
         else:
-            new = jax_engine.fused("sgd", _sgd_arrays, [[p.data for p in ps], [p.grad for p in ps]],
+            new = compiled.fused("sgd", _sgd_arrays, [[p.data for p in ps], [p.grad for p in ps]],
                                    (self.lr, self.weight_decay))
             for p, data in zip(ps, new):
                 p.data = data
@@ -153,9 +153,9 @@ class AdamW(Optimizer):
         buffers donated to their new values."""
         for p, st in live:
             if "m" not in st:
-                st["m"], st["v"] = jax_engine.zeros_like(p.data), jax_engine.zeros_like(p.data)
+                st["m"], st["v"] = compiled.zeros_like(p.data), compiled.zeros_like(p.data)
         ps = [p for p, _ in live]
-        new = jax_engine.fused("adamw", adamw_arrays,
+        new = compiled.fused("adamw", adamw_arrays,
                                [[p.data for p in ps], [p.grad for p in ps], [st["m"] for _, st in live],
                                 [st["v"] for _, st in live]],
                                (self.lr, *_adamw_scalars(self.lr, self.betas, self.eps, self.step_count),
@@ -190,8 +190,8 @@ def adamw_update(p, st, lr, betas, eps, weight_decay, t):
             data *= 1 - lr * weight_decay
         tmp *= step_size
         data -= tmp
-    elif jax_engine.compiles(p.data):  # compiled, as AdamW.update_all is: the same program's rounding
-        [(p.data, st["m"], st["v"])] = jax_engine.fused(
+    elif compiled.compiles(p.data):  # compiled, as AdamW.update_all is: the same program's rounding
+        [(p.data, st["m"], st["v"])] = compiled.fused(
             "adamw", adamw_arrays, [[p.data], [g], [st["m"]], [st["v"]]],
             (lr, step_size, eps_hat, b1, b2, weight_decay))
     else:
@@ -207,7 +207,7 @@ def _adamw_scalars(lr, betas, eps, t):
 
 
 def adamw_arrays(p, g, m, v, lr, step_size, eps_hat, b1, b2, wd):
-    """One AdamW step on immutable arrays (JAX, eager or traced by ``jax_engine.fused``): the new
+    """One AdamW step on immutable arrays (JAX, eager or traced by ``compiled.fused``): the new
     (p, m, v). The same operations in the same order as ``adamw_update``'s in-place NumPy branch."""
     xp = backend_of(p).xp
     m = m * b1 + g * (1 - b1)
@@ -275,7 +275,7 @@ def global_grad_norm(params) -> float:
     return math.sqrt(float(_sum_of_squares(grads))) if grads else 0.0
 
 
-@jax_engine.pure  # on JAX one compiled call for every gradient, not two programs per shape
+@compiled.pure  # on JAX one compiled call for every gradient, not two programs per shape
 def _sum_of_squares(grads):
     return sum((g * g).sum(dtype="float64") for g in grads)
 
@@ -291,8 +291,8 @@ def clip_grad_norm(params, max_norm: float, norm: float | None = None) -> float:
     if norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         live = [p for p in params if p.grad is not None]
-        if live and jax_engine.compiles(live[0].grad):  # JAX: one compiled call, the scale an argument
-            for p, g in zip(live, jax_engine.fused("clip", _scaled, [[p.grad for p in live]], (scale,))):
+        if live and compiled.compiles(live[0].grad):  # JAX: one compiled call, the scale an argument
+            for p, g in zip(live, compiled.fused("clip", _scaled, [[p.grad for p in live]], (scale,))):
                 p.grad = g
         else:
             for p in live:

@@ -12,7 +12,8 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from minidist.accel import jax_cache, jax_compile, jax_engine, jax_ops  # noqa: E402
+from minidist.accel import compiled as seam  # noqa: E402
+from minidist.accel import jax_cache, jax_compile, jax_ops  # noqa: E402
 from minidist.accel.backend import get_backend  # noqa: E402
 
 get_backend("jax")  # x64 on, as minidist runs JAX
@@ -55,12 +56,12 @@ def test_a_changed_closure_value_is_a_different_program(cache):
 
 
 def test_a_changed_baked_in_argument_is_a_different_program(cache):
-    """``jax_engine.pure`` bakes plain arguments in (here ``k``): each value is its own program."""
+    """``seam.pure`` bakes plain arguments in (here ``k``): each value is its own program."""
     def times(x, k):
         return x * k
 
     x = jax.device_put(np.arange(3.0))
-    got = [np.asarray(jax_engine.pure(times)(x, k)) for k in (2.0, 5.0, 2.0)]  # a new `made` each
+    got = [np.asarray(seam.pure(times)(x, k)) for k in (2.0, 5.0, 2.0)]  # a new `made` each
     np.testing.assert_array_equal(got[0], [0, 2, 4])
     np.testing.assert_array_equal(got[1], [0, 5, 10])
     np.testing.assert_array_equal(got[2], [0, 2, 4])
@@ -504,7 +505,7 @@ _VARIANTS = [((3,), "float64", 2), ((3,), "float64", 2.0), ((3,), "int64", 2), (
 
 def test_calls_that_differ_in_anything_key_relevant_never_share_a_program(cache):
     """Every variant (shape, dtype, a baked-in value's value, type and container) through
-    ``jax_engine.pure`` twice, in a fresh wrapper each time (a new process's view: the persistent cache
+    ``seam.pure`` twice, in a fresh wrapper each time (a new process's view: the persistent cache
     answers): every result equals eager NumPy in value and dtype, no loaded executable is rejected, and
     each variant stored a program of its own."""
     before = jax_cache.STATS["rejected"]
@@ -512,7 +513,7 @@ def test_calls_that_differ_in_anything_key_relevant_never_share_a_program(cache)
         for shape, dtype, k in _VARIANTS:
             x = np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape)
             want = _static_mix(x, k)
-            got = jax_engine.pure(_static_mix)(jax.device_put(x), k)
+            got = seam.pure(_static_mix)(jax.device_put(x), k)
             assert np.asarray(got).dtype == want.dtype, (shape, dtype, k)
             np.testing.assert_array_equal(np.asarray(got), want, err_msg=str((shape, dtype, k)))
     assert jax_cache.STATS["rejected"] == before

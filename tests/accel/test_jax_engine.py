@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 jax = pytest.importorskip("jax")
 
+from minidist.accel import compiled as seam  # noqa: E402
 from minidist.accel import jax_engine, jax_ops, jax_values  # noqa: E402
 from minidist.accel.backend import get_backend  # noqa: E402
 from minidist.autograd import ops  # noqa: E402
@@ -280,9 +281,9 @@ def test_a_saved_python_number_stays_a_number_and_float32_stays_float32():
 
 @needs_engine
 def test_a_pure_helper_is_one_compiled_call_on_jax_and_itself_on_numpy():
-    """``jax_engine.pure``: a bucket's per-parameter views of a flat array, as DDP takes them."""
+    """``seam.pure``: a bucket's per-parameter views of a flat array, as DDP takes them."""
 
-    @jax_engine.pure
+    @seam.pure
     def views(flat, offsets, shapes):
         return [flat[o:o + int(np.prod(s))].reshape(s) for o, s in zip(offsets, shapes)]
 
@@ -396,13 +397,13 @@ def test_pure_keys_baked_numbers_by_type_and_finds_arrays_in_nested_lists():
     be = get_backend("jax")
     x = be.from_host(np.arange(3, dtype=np.int32))
 
-    @jax_engine.pure
+    @seam.pure
     def times(a, c):
         return a * c
 
     assert str(times(x, 2.0).dtype) == "float64" and str(times(x, 2).dtype) == "int32"
 
-    @jax_engine.pure
+    @seam.pure
     def pack(nested):
         return be.xp.concatenate([be.xp.concatenate(inner) for inner in nested])
 

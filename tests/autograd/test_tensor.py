@@ -1,6 +1,5 @@
 """The Tensor (minidist/autograd/tensor.py): seeds, errors, dtypes, backends, the kernel selector."""
 
-import sys
 
 import numpy as np
 import pytest
@@ -48,28 +47,31 @@ def test_jax_backend_keeps_float64():
     np.testing.assert_allclose(np.asarray(x.grad), [2.0, 4.0])
 
 
-def test_a_registered_kernel_selector_runs_ops_on_other_arrays_and_never_on_numpy():
-    """``register_kernel_selector`` is the one hook an array library has (the JAX engine's): it picks
-    the class for inputs that are not NumPy arrays (here an ndarray subclass stands in for one)."""
-    tensor_module = sys.modules["minidist.autograd.tensor"]
+def test_a_registered_engine_runs_ops_on_other_arrays_and_never_on_numpy():
+    """The compilation seam (``minidist.accel.compiled``) is the one hook an array engine has (the JAX
+    engine's): its ``kernel`` picks the class for inputs that are not NumPy arrays (here an ndarray
+    subclass stands in for one)."""
+    from minidist.accel import compiled
 
     class Other(np.ndarray):
         pass
 
-    class Doubled(ops.Mul):  # what the selector hands back: a subclass that runs instead
+    class Doubled(ops.Mul):  # what the engine hands back: a subclass that runs instead
         @staticmethod
         def forward(ctx, a, b):
             return 2 * ops.Mul.forward(ctx, a, b)
 
     asked = []
-    before = tensor_module._KERNEL
-    tensor_module.register_kernel_selector(lambda c: asked.append(c) or (Doubled if c is ops.Mul else c))
+
+    class Engine:
+        kernel = staticmethod(lambda c: asked.append(c) or (Doubled if c is ops.Mul else c))
+
+    before = compiled.ENGINE
+    compiled.register(Engine)
     try:
         other = Tensor(np.full(3, 3.0).view(Other), requires_grad=True)
         np.testing.assert_array_equal(np.asarray((other * 2.0).data), [12.0, 12.0, 12.0])
-        np.testing.assert_array_equal((t([3.0]) * 2.0).data, [6.0])  # NumPy: the selector is not asked
+        np.testing.assert_array_equal((t([3.0]) * 2.0).data, [6.0])  # NumPy: the engine is not asked
         assert asked == [ops.Mul]
-        with pytest.raises(TypeError, match="register_kernel_selector: fn must be callable"):
-            tensor_module.register_kernel_selector("kernel")
     finally:
-        tensor_module.register_kernel_selector(before)
+        compiled.register(before)

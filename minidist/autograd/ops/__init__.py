@@ -15,7 +15,7 @@ live by kind, one file each:
 * ``arrays``: the helpers they share (the array namespace, unbroadcasting, rows of a matrix).
 
 Every Function defined in this package is pure array code -- no communication, no host state --
-which is what lets the JAX engine compile each one (``minidist.accel.jax_engine.kernel``).
+which is what lets the JAX engine compile each one (``minidist.accel.compiled.kernel``).
 
 The ops a model spends its time in (``linear``, ``gelu``, ``layer_norm``, the two attentions,
 ``cross_entropy``) are fused -- one op, saving only what their backward needs -- and have a second,

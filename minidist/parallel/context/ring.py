@@ -16,7 +16,7 @@ every rank adds its queries' share; after cp hops each block's dK, dV is back at
 :func:`ring_forward` and :func:`ring_backward` are those loops; :func:`attend_block` and
 :func:`attend_block_backward` one step's compute. On JAX every function here that does array
 work and no communication -- a step's compute, an op's layout in and out -- is one compiled call
-(``jax_engine.pure``): a program per shape and chunk-pair pattern, not one per primitive.
+(``compiled.pure``): a program per shape and chunk-pair pattern, not one per primitive.
 
 Bytes per rank (ledger; N = b·h·(T/cp)·d elements of each of K, V, dK, dV): forward 2(cp-1)·N,
 backward 2(cp-1)·N (K, V) + 2·cp·N (dK, dV; none when cp = 1): :func:`ring_bytes`.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist import trace
-from minidist.accel import jax_engine
+from minidist.accel import compiled
 from minidist.accel.backend import backend_of
 from minidist.autograd import ops
 from minidist.autograd.tensor import Function
@@ -78,7 +78,7 @@ def _plus(total, part):
     return part if total is None else total + part
 
 
-@jax_engine.pure
+@compiled.pure
 def attend_block(q, kv, out, lse, pairs, scale):
     """One forward step: queries ``q`` (B, H, T/cp, D) over the K/V block in hand ``kv``
     (2, B, H, T/cp, D), or the pair (k, v). Each visible chunk pair (i, j, diagonal) is one block
@@ -93,7 +93,7 @@ def attend_block(q, kv, out, lse, pairs, scale):
     return out, lse
 
 
-@jax_engine.pure
+@compiled.pure
 def attend_block_backward(q, kv, g, lse, delta, dq, dkv, pairs, scale):
     """One backward step: each visible chunk pair's share of dQ (``dq``: the two query chunks', None
     before any) and of the block's dK, dV (``dkv`` (2, B, H, T/cp, D): what the ranks before added,
@@ -182,7 +182,7 @@ def ring_backward(comm, q, kv, g, lse, delta, pairs_with, stats=None):
 
 # -- the ops' layouts in and out of the ring's chunks ------------------------------------------------
 
-@jax_engine.pure
+@compiled.pure
 def _unpack(qkv, heads):
     """The fused projections (B, T, 3·H·D) -> q (B, H, T, D) and the K/V block (2, B, H, T, D)
     (views on NumPy)."""
@@ -191,7 +191,7 @@ def _unpack(qkv, heads):
     return x[0], x[1:]
 
 
-@jax_engine.pure
+@compiled.pure
 def _results(out, lse, packed):
     """The query chunks' results -> out (B, H, T, D) and lse (B, H, T), and ``packed``: out as
     (B, T, H·D) too."""
@@ -200,7 +200,7 @@ def _results(out, lse, packed):
     return (o, lse, merge_heads(o)) if packed else (o, lse)
 
 
-@jax_engine.pure
+@compiled.pure
 def _backward_inputs(g, o, heads):
     """The output gradient as (B, H, T, D) (split from (B, T, H·D) when ``heads``), and delta."""
     if heads:
@@ -209,7 +209,7 @@ def _backward_inputs(g, o, heads):
     return g, softmax_correction(g, o)
 
 
-@jax_engine.pure
+@compiled.pure
 def _gradients(dq, dkv, packed):
     """dQ's chunks and dK/dV (2, B, H, T, D) -> dq, dk, dv, or ``packed``: qkv's (B, T, 3·H·D)."""
     xp = backend_of(dkv).xp

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.accel import jax_engine
+from minidist.accel import compiled
 from minidist.accel.backend import host_scalar
 from minidist.comm.collectives import split_sizes
 
 
-@jax_engine.pure  # on JAX one compiled call, not a zeros/reshape program per parameter and a concat
+@compiled.pure  # on JAX one compiled call, not a zeros/reshape program per parameter and a concat
 def _flatten(xp, arrays, sizes, dtype):
     return xp.concatenate([xp.zeros(n, dtype) if a is None else a.reshape(-1) for a, n in zip(arrays, sizes)])
 
 
-@jax_engine.pure  # on JAX one compiled call, not a slice and a reshape program per parameter
+@compiled.pure  # on JAX one compiled call, not a slice and a reshape program per parameter
 def _views(flat, offsets, sizes, shapes, divisor=None) -> list:
     if divisor is not None:  # the average of a summed gradient (in the same call: no divide program on JAX)
         flat = flat / divisor

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from minidist.accel import jax_engine
+from minidist.accel import compiled
 from minidist.autograd import ops
 from minidist.nn.layers import LayerNorm
 from minidist.nn.module import Module
@@ -72,7 +72,7 @@ def _fp32_output_wrapper(module, inner, x):
     return _to_fp32(inner(x))
 
 
-@jax_engine.pure  # on JAX one compiled call for the whole model, not one cast program per shape
+@compiled.pure  # on JAX one compiled call for the whole model, not one cast program per shape
 def _cast_all(arrays, dtype) -> list:
     """Every array of ``arrays`` cast to ``dtype``: a new array each (on NumPy and CuPy a copy even
     when the dtype is already ``dtype``: the fp32 masters must not share memory with the model)."""

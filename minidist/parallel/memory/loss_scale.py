@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.accel import jax_engine
+from minidist.accel import compiled
 from minidist.accel.backend import backend_of
 from minidist.comm import all_reduce
 
@@ -55,13 +55,13 @@ def has_inf_or_nan(arrays) -> bool:
     return bool(arrays) and bool(_nonfinite(backend_of(arrays[0]).xp, arrays))
 
 
-@jax_engine.pure
+@compiled.pure
 def _nonfinite(xp, arrays):
     """A 0-d boolean array: does any of ``arrays`` hold an inf or NaN?"""
     return ~xp.stack([xp.isfinite(a).all() for a in arrays]).all()
 
 
-@jax_engine.pure  # on JAX one compiled call per step: the casts, the multiplies and the check
+@compiled.pure  # on JAX one compiled call per step: the casts, the multiplies and the check
 def _unscale(xp, grads, inv):
     """(fp32 gradients g·inv of the low-precision ``grads``, None kept; does any hold inf/NaN?)"""
     out = [None if g is None else g.astype(np.float32) * inv for g in grads]

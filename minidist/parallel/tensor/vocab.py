@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.accel import jax_engine
+from minidist.accel import compiled
 from minidist.accel.backend import backend_of, host_scalar
 from minidist.autograd import ops
 from minidist.autograd.tensor import Function, Tensor
@@ -102,14 +102,14 @@ class VocabParallelCrossEntropy(Function):
 
 
 # The loss's array steps between its all-reduces, as pure functions: on NumPy as written, on JAX one
-# compiled call each (``jax_engine.pure``) instead of an eager primitive -- and its program -- apiece.
+# compiled call each (``compiled.pure``) instead of an eager primitive -- and its program -- apiece.
 
-@jax_engine.pure
+@compiled.pure
 def _row_max(x):
     return x.max(axis=-1)
 
 
-@jax_engine.pure
+@compiled.pure
 def _shifted_target_sum_exp(x, m, safe_t, mine):
     """x - max, my part of each token's target logit (0 where the target is not in my slice), and
     my part of Σ exp."""
@@ -119,17 +119,17 @@ def _shifted_target_sum_exp(x, m, safe_t, mine):
         xp.exp(shifted).sum(axis=-1)
 
 
-@jax_engine.pure
+@compiled.pure
 def _log(x):
     return backend_of(x).xp.log(x)
 
 
-@jax_engine.pure
+@compiled.pure
 def _mean_loss(lse, target, valid, n, dtype):
     return (((lse - target) * valid).sum() / n).astype(dtype)
 
 
-@jax_engine.pure
+@compiled.pure
 def _cross_entropy_grad(shifted, lse, t, mine, valid, g, n, shape):
     """My slice of softmax(z) - onehot(t), times g / n (ignored tokens: 0)."""
     be = backend_of(shifted)

@@ -83,7 +83,7 @@ def _ring_on_device(comm, q, k, v, g, layout):
 
 @pytest.mark.parametrize("cp", [2, 3])
 def test_ring_attention_on_jax_equals_serial_and_compiles_a_few_programs(cp):
-    """On JAX each ring step's compute is one compiled call (``jax_engine.pure``) whose program
+    """On JAX each ring step's compute is one compiled call (``compiled.pure``) whose program
     depends only on the shapes and the step's chunk pairs -- under zig-zag the rank's own block, an
     earlier rank's or a later rank's -- not on the rank or the step. So one forward and backward need
     at most 9 programs per device whatever cp is: the (at most) three step patterns each way, the
@@ -256,7 +256,7 @@ def _ring_steps_on_jax(comm, q, k, v, g, layout):
 
 
 def test_compiled_ring_steps_equal_the_eager_steps(monkeypatch):
-    """Each ring step's compute is one compiled call on JAX (``jax_engine.pure`` on attend_block and
+    """Each ring step's compute is one compiled call on JAX (``compiled.pure`` on attend_block and
     attend_block_backward); with the engine off the same steps run op by op. XLA fuses a compiled
     step's elementwise work (and may contract a multiply-add), so the two agree to a few ulps of
     float64, not bit for bit: within 1e-14 here, where values are O(1)."""

@@ -8,7 +8,7 @@ gradients that are already bf16/fp16: the bytes are the same as before it moved 
 
 from __future__ import annotations
 
-from minidist.accel import jax_engine
+from minidist.accel import compiled
 from minidist.comm import all_reduce
 
 
@@ -17,7 +17,7 @@ def cast_all_reduce(comm, flat, dtype, algorithm: str = "auto"):
     return all_reduce(comm, _cast_scaled(flat, dtype, 1.0 / comm.size), op="sum", algorithm=algorithm)
 
 
-@jax_engine.pure  # on JAX one compiled call per step, not an eager cast and multiply
+@compiled.pure  # on JAX one compiled call per step, not an eager cast and multiply
 def _cast_scaled(flat, dtype, factor):
     low = flat.astype(dtype, copy=False)
     return low * low.dtype.type(factor)
