@@ -193,11 +193,11 @@ def _hangs_do_not_shrink(request, monkeypatch):
     the first hung example instead of shrinking it at MINIDIST_TIMEOUT seconds a try."""
     if not getattr(request.function, "is_hypothesis_test", False):
         return
-    from minidist.comm.communicator import Communicator
+    from minidist.comm.watchdog import Watched
     from minidist.grading import RanksHung
 
-    timeout_error = Communicator.timeout_error
-    monkeypatch.setattr(Communicator, "timeout_error",
+    timeout_error = Watched.timeout_error
+    monkeypatch.setattr(Watched, "timeout_error",
                         lambda comm, what, waited: RanksHung(str(timeout_error(comm, what, waited))))
 
 
