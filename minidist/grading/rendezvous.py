@@ -181,7 +181,7 @@ class RendezvousComm(ThreadComm):
         return recv
 
     def make_channel(self, name: str) -> RendezvousComm:  # collectives' private channels rendezvous too
-        return RendezvousComm(self.world, (*self.ctx, "twin", name), self.members, self.rank, self.backend,
+        return RendezvousComm(self.world, (*self.ctx, "channel", name), self.members, self.rank, self.backend,
                               self.ledger)
 
 

@@ -92,5 +92,5 @@ class RoundsComm(RendezvousComm):
         return _CountedRecv(req, self, req.key, req.seq) if count else req
 
     def make_channel(self, name: str) -> RoundsComm:
-        return RoundsComm(self.world, (*self.ctx, "twin", name), self.members, self.rank, self.backend,
+        return RoundsComm(self.world, (*self.ctx, "channel", name), self.members, self.rank, self.backend,
                           self.ledger)
