@@ -9,7 +9,7 @@
 * mesh.py -- ``Mesh(comm, dp, pp, tp)``; runner.py -- ``run(fn, ranks)`` on the right transport.
 """
 
-from minidist.comm.collectives import all_gather_async, all_reduce, all_reduce_async, reduce_scatter_async
+from minidist.comm.collectives import all_reduce
 from minidist.comm.communicator import Communicator
 from minidist.comm.debug import CollectiveMismatch
 from minidist.comm.doubling import (
@@ -18,7 +18,7 @@ from minidist.comm.doubling import (
     two_shot_all_reduce,
 )
 from minidist.comm.exchange import all_to_all, gather, scatter
-from minidist.comm.handles import Handle
+from minidist.comm.handles import Handle, all_gather_async, all_reduce_async, reduce_scatter_async
 from minidist.comm.ledger import CallRecord, Ledger, measure
 from minidist.comm.mesh import Mesh
 from minidist.comm.requests import CommError, CommTimeout, MessageMismatch, RankAborted, RankExited, Request

@@ -1,4 +1,4 @@
-"""``all_reduce`` by name, and the asynchronous collectives: what the techniques call.
+"""``all_reduce`` by name: every all-reduce algorithm, chosen per call or by the communicator.
 
 =====================================  =============================  ====================
 all-reduce algorithm                   bytes sent per rank (N bytes)  steps (rounds)
@@ -25,8 +25,7 @@ from minidist.comm.doubling import (
     recursive_doubling_all_reduce,
     two_shot_all_reduce,
 )
-from minidist.comm.handles import start_async
-from minidist.comm.ring import all_gather, reduce_scatter, ring_all_reduce
+from minidist.comm.ring import ring_all_reduce
 from minidist.comm.tree import naive_all_reduce, tree_all_reduce
 
 ALGORITHMS = {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce,
@@ -43,17 +42,3 @@ def all_reduce(comm, x, op: str = "sum", algorithm: str = "auto"):
         raise ValueError(f"rank {comm.rank}: unknown algorithm {algorithm!r}; use one of "
                          f"{('auto', *ALGORITHMS)}")
     return fn(comm, x, op)
-
-
-def all_reduce_async(comm, x, op: str = "sum", algorithm: str = "auto"):
-    """Start ``all_reduce`` in the background; ``.wait()`` on the returned Handle gives the result.
-    Don't modify x before waiting (NumPy arrays are read by the worker thread)."""
-    return start_async(comm, all_reduce, x, op=op, algorithm=algorithm)
-
-
-def all_gather_async(comm, x, axis: int = 0, sizes=None):
-    return start_async(comm, all_gather, x, axis=axis, sizes=sizes)
-
-
-def reduce_scatter_async(comm, x, op: str = "sum", axis: int = 0):
-    return start_async(comm, reduce_scatter, x, op=op, axis=axis)

@@ -1,5 +1,8 @@
 """Asynchronous collectives: start now, ``wait()`` later (data parallelism overlaps them with backward).
 
+``all_reduce_async``, ``all_gather_async`` and ``reduce_scatter_async`` queue the blocking
+collective on a worker; ``start_async`` queues any function of the communicator.
+
 Each communicator gets one worker thread (per rank) that runs queued collectives in the order they
 were started, on a private channel of the communicator (``comm.channel("async")``) so its messages
 never mix with the main thread's. Every rank must start the same async collectives in the same
@@ -13,6 +16,8 @@ import threading
 import time
 
 from minidist.accel.backend import set_default_backend
+from minidist.comm.collectives import all_reduce
+from minidist.comm.ring import all_gather, reduce_scatter
 
 
 class Handle:
@@ -81,3 +86,17 @@ def start_async(comm, fn, *args, **kwargs) -> Handle:
     if comm.async_worker is None:
         comm.async_worker = AsyncWorker(comm)
     return comm.async_worker.submit(Handle(comm, fn.__name__), fn, args, kwargs)
+
+
+def all_reduce_async(comm, x, op: str = "sum", algorithm: str = "auto") -> Handle:
+    """Start ``all_reduce`` in the background; ``.wait()`` on the returned Handle gives the result.
+    Don't modify x before waiting (NumPy arrays are read by the worker thread)."""
+    return start_async(comm, all_reduce, x, op=op, algorithm=algorithm)
+
+
+def all_gather_async(comm, x, axis: int = 0, sizes=None) -> Handle:
+    return start_async(comm, all_gather, x, axis=axis, sizes=sizes)
+
+
+def reduce_scatter_async(comm, x, op: str = "sum", axis: int = 0) -> Handle:
+    return start_async(comm, reduce_scatter, x, op=op, axis=axis)
