@@ -298,5 +298,5 @@ def test_the_old_checkpointing_names_are_the_recompute_api():
     """"checkpoint" now means saved state only; the names from before stay importable as aliases."""
     from minidist.parallel.memory import recompute as R
 
-    assert (R.apply_checkpointing, R.remove_checkpointing, R.checkpoint_stage, R.checkpoint, R.Checkpoint) == \
-        (R.apply_recompute, R.remove_recompute, R.recompute_stage, R.recompute, R.Recompute)
+    old = (R.apply_checkpointing, R.remove_checkpointing, R.checkpoint_stage, R.checkpoint, R.Checkpoint)
+    assert old == (R.apply_recompute, R.remove_recompute, R.recompute_stage, R.recompute, R.Recompute)
