@@ -448,3 +448,21 @@ def test_the_fp8_layer_on_jax_arrays_equals_numpy(scaling):
         out.append([to_host(a) for a in got])
     for a, b in zip(*out):
         np.testing.assert_array_equal(a, b)
+
+
+def test_fp8_imports_no_tensor_parallelism_and_finds_its_layers_by_their_forward():
+    """FP8 recognises a Linear-like layer by ``forward(x, product=None)``, so it imports none of the
+    tensor-parallel layers (nor any technique, nor the composition layer)."""
+    import ast
+    from pathlib import Path
+
+    from minidist.parallel.tensor.layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear
+
+    tree = ast.parse(Path(fp8mod.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in imported if m and m.startswith("minidist.parallel")
+                and not m.startswith("minidist.parallel.memory.fp8")}, imported
+    assert fp8mod.is_linear_like(Linear(2, 2))
+    assert fp8mod.is_linear_like(ColumnParallelLinear.__new__(ColumnParallelLinear))
+    assert fp8mod.is_linear_like(RowParallelLinear.__new__(RowParallelLinear))
+    assert not fp8mod.is_linear_like(ParallelMLP.__new__(ParallelMLP))

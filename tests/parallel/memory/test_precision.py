@@ -351,3 +351,18 @@ def test_inf_on_one_rank_of_dp_x_tp_is_agreed_by_default(inject_rank):
     # narrowed explicitly to no agreement, the bad rank alone skips and its replica diverges
     narrowed = run(_dp_tp_inf, ranks=4, inject_rank=inject_rank, groups="none")
     assert [r[1] for r in narrowed] == [r != inject_rank for r in range(4)]
+
+
+def test_mixed_precision_imports_no_other_technique():
+    """Precision imports comm, nn, autograd, accel and its own files: no data parallelism (a DDP's
+    group is found through its gradient hooks), no compression, no composition layer."""
+    import ast
+
+    from minidist.parallel.memory import autocast, loss_scale, precision
+
+    for mod in (precision, autocast, loss_scale):
+        tree = ast.parse(Path(mod.__file__).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        other = {m for m in imported if m and m.startswith("minidist.parallel")
+                 and not m.startswith("minidist.parallel.memory")}
+        assert not other, f"{mod.__name__} imports {other}"

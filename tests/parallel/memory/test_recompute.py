@@ -300,3 +300,16 @@ def test_the_old_checkpointing_names_are_the_recompute_api():
 
     old = (R.apply_checkpointing, R.remove_checkpointing, R.checkpoint_stage, R.checkpoint, R.Checkpoint)
     assert old == (R.apply_recompute, R.remove_recompute, R.recompute_stage, R.recompute, R.Recompute)
+
+
+def test_recompute_imports_no_other_technique():
+    """Recomputation knows blocks by their shape: it imports nn and autograd, no technique and no
+    composition layer (which pairs it joins is parallelize's table)."""
+    import ast
+
+    from minidist.parallel.memory import recompute as R
+
+    tree = ast.parse(Path(R.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert {m for m in imported if m and m.startswith("minidist.parallel")} == \
+        {"minidist.parallel.memory.recompute_policy"}
