@@ -46,6 +46,7 @@ class Communicator:
     transport = "abstract"
     debug = False                   # debug mode: collectives compare every rank's call first (debug.py)
     timeout = float("inf")          # seconds a wait may take (a transport's watchdog sets it)
+    clock = None                    # the rank's virtual clock (clock.py), when one runs
 
     def __init__(self, rank: int, size: int, backend=None, ledger=None):
         self.rank, self.size = rank, size

@@ -18,6 +18,7 @@ import time
 from minidist.accel.backend import set_default_backend
 from minidist.comm.collectives import all_reduce
 from minidist.comm.ring import all_gather, reduce_scatter
+from minidist.trace import clock as trace_clock
 
 
 class Handle:
@@ -27,15 +28,20 @@ class Handle:
         self.comm, self.name = comm, name
         self._done = threading.Event()
         self._result = self._error = None
+        self.ready = self.done_at = 0.0  # virtual clock: when it was submitted, when it finished
 
     def test(self) -> bool:
         return self._done.is_set()
 
     def wait(self):
-        start = time.monotonic()
+        start, clock = time.monotonic(), self.comm.clock
+        if clock is not None:
+            clock.pause()
         while not self._done.wait(0.25):
             if time.monotonic() - start > self.comm.timeout + 1:
                 raise self.comm.timeout_error(f"async {self.name} to finish", time.monotonic() - start)
+        if clock is not None:
+            clock.resume(self.done_at)  # the job ran beside this thread: its end joins it
         if self._error is not None:
             raise self._error
         return self._result
@@ -61,13 +67,20 @@ class AsyncWorker:
     def _loop(self):
         set_default_backend(self.comm.backend)
         self.comm.mark_background_thread()
+        clock = self.comm.clock
+        if clock is not None:
+            trace_clock.use(clock.now)  # this thread acts for the rank: its own lane of the rank's clock
         while (job := self.jobs.get()) is not None:
             handle, fn, args, kwargs = job
             t0 = time.perf_counter()
+            if clock is not None:
+                clock.start_job(handle.ready)
             try:
                 handle._result = fn(self.comm, *args, **kwargs)
             except BaseException as e:  # handed to whoever waits
                 handle._error = e
+            if clock is not None:
+                handle.done_at = clock.now()
             self.busy_seconds += time.perf_counter() - t0
             self.cpu_seconds = time.thread_time()
             handle._done.set()
@@ -85,7 +98,10 @@ def start_async(comm, fn, *args, **kwargs) -> Handle:
     """Queue ``fn(channel, *args, **kwargs)`` on ``comm``'s worker; return its Handle."""
     if comm.async_worker is None:
         comm.async_worker = AsyncWorker(comm)
-    return comm.async_worker.submit(Handle(comm, fn.__name__), fn, args, kwargs)
+    handle = Handle(comm, fn.__name__)
+    if comm.clock is not None:
+        handle.ready = comm.clock.now()
+    return comm.async_worker.submit(handle, fn, args, kwargs)
 
 
 def all_reduce_async(comm, x, op: str = "sum", algorithm: str = "auto") -> Handle:

@@ -31,6 +31,7 @@ from minidist.comm.transports.devices import bind_backend
 from minidist.comm.transports.jaxdev import CupyDeviceComm, JaxDeviceComm
 from minidist.comm.transports.mpi import MPIComm, finish_handshake
 from minidist.comm.transports.threads import ThreadComm, ThreadWorld
+from minidist.trace import clock as trace_clock
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 
@@ -116,6 +117,8 @@ def _run_mpi(fn, backend, kwargs):
                            "MINIDIST_TRANSPORT to run --ranks N threads")
     install_abort_hook()
     comm = MPIComm(MPI.COMM_WORLD)
+    if comm.clock is not None:
+        trace_clock.use(comm.clock.now)  # timelines and step times read this rank's virtual clock
     _beat_started(comm.rank)
     comm.backend = bind_backend(backend, comm.rank)
     set_default_backend(comm.backend)
@@ -203,6 +206,8 @@ def _run_threads(fn, ranks, backend, kwargs, comm_class=ThreadComm):
                 _beat_started(r)
             be = bind_backend(backend, r)
             set_default_backend(be)
+            if world.clocks is not None:
+                trace_clock.use(world.clocks[r].now)  # timelines and step times read the rank's clock
             comm = comm_class(world, (), list(range(ranks)), r, be)  # the graders' rendezvous variant
             results[r] = fn(comm, **kwargs)
             comm.close()
@@ -214,6 +219,8 @@ def _run_threads(fn, ranks, backend, kwargs, comm_class=ThreadComm):
             world.abort(r)
         finally:
             _rank_of_thread.rank = outer
+            if world.clocks is not None:
+                trace_clock.use(None)
             if comm is not None:
                 comm.close()
 

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from minidist.comm import cost
+from minidist.comm import clock, cost
 from minidist.comm.call import collective
 from minidist.comm.collectives import ALGORITHMS
 from minidist.comm.communicator import format_op
@@ -72,6 +72,7 @@ class MPIComm(Watched):
         self._world_ranks: list | None = None
         self.shm = None         # this communicator's lane of a shared window: None = not asked yet (shm.py)
         self.shm_window = None  # the origin's shm.Window, or None where shared memory can't serve it
+        self.clock = process_clock()
 
     def progress(self) -> None:
         """Post the payload receive of every pending receive whose header has arrived.
@@ -109,32 +110,48 @@ class MPIComm(Watched):
 
     # -- the transport interface ---------------------------------------------------------------
     def isend_buffer(self, buf, dest, tag=0, *, header=False, count=True) -> Request:
-        if self.link is not None:
+        done = arrival = 0.0
+        if self.clock is not None:
+            done, arrival = self.clock.send(buf.nbytes)  # charged in virtual time, not slept
+        elif self.link is not None:
             self.link.pause(buf.nbytes)  # the emulated link is busy for alpha + bytes / bandwidth
         reqs, keep = [], [buf]
         if header:
             h = encode_header(buf)
+            self.ledger.count_header(h.nbytes)
+            if self.clock is not None:  # the arrival rides in the header's last word
+                h = np.concatenate([h, np.array([arrival]).view(np.int64)])
             keep.append(h)
             reqs.append(self.mpi.Isend(h, dest, self.base + 2 * tag))
-            self.ledger.count_header(h.nbytes)
+        elif self.clock is not None:  # no header: the arrival goes alone on the header's tag
+            h = np.array([arrival])
+            keep.append(h)
+            reqs.append(self.mpi.Isend(h, dest, self.base + 2 * tag))
         reqs.append(self.mpi.Isend(_bytes(buf), dest, self.base + 2 * tag + 1))
         if count:
             self.ledger.count_send(buf.nbytes)
-        return _MPIRequest(self, reqs, keep, f"a send to rank {dest} (tag {tag}) to complete", dest, tag)
+        if self.clock is not None:
+            self.clock.resume()  # posting the message is the transport's work, not compute
+        return _MPIRequest(self, reqs, keep, f"a send to rank {dest} (tag {tag}) to complete", dest, tag,
+                           at=done)
 
     def irecv_buffer(self, out, source, tag=0, *, header=False, count=True) -> Request:
         if header:
             return _MPIHeaderRecv(self, source, tag, out, count)
         if count:
             self.ledger.count_recv(out.nbytes)
-        req = self.mpi.Irecv(_bytes(out), source, self.base + 2 * tag + 1)
-        return _MPIRequest(self, [req], [out], f"a message from rank {source} (tag {tag})", source, tag, out)
+        reqs, stamp = [self.mpi.Irecv(_bytes(out), source, self.base + 2 * tag + 1)], None
+        if self.clock is not None:
+            stamp = np.empty(1)
+            reqs.append(self.mpi.Irecv(stamp, source, self.base + 2 * tag))
+        return _MPIRequest(self, reqs, [out], f"a message from rank {source} (tag {tag})", source, tag, out,
+                           stamp=stamp)
 
     def sendrecv_buffer(self, sendbuf, dest, recvbuf, source, tag=0, *, header=False):
         """The hot path of every ring and butterfly: one Irecv, one Isend, one wait on both; the
         size of what arrived is checked from MPI's status."""
-        if header:
-            return super().sendrecv_buffer(sendbuf, dest, recvbuf, source, tag, header=True)
+        if header or self.clock is not None:
+            return super().sendrecv_buffer(sendbuf, dest, recvbuf, source, tag, header=header)
         if self.link is not None:
             self.link.pause(sendbuf.nbytes)
         t = self.base + 2 * tag + 1
@@ -183,6 +200,16 @@ class MPIComm(Watched):
         return MPIComm(new, self.backend, Ledger(parent=self.ledger))
 
 
+_CLOCK: list = []  # [RankClock or None]: this process's rank's virtual clock
+
+
+def process_clock():
+    """This process's virtual clock (one rank: every communicator of it shares one), or None."""
+    if not _CLOCK:
+        _CLOCK.append(clock.RankClock() if clock.enabled() else None)
+    return _CLOCK[0]
+
+
 # -- the completion handshake (launch.py): every rank tells every other that it has finished --------
 
 _DONE_TAG: list = []
@@ -219,7 +246,7 @@ def mpi_all_reduce(comm, x, op: str = "sum"):
     Blocking inside MPI (no watchdog, no stamps: only debug mode compares the ranks' calls): it is
     the yardstick, not part of minidist's algorithms, so it runs with nothing added.
     """
-    if comm.transport != "mpi":
+    if comm.transport != "mpi" or comm.clock is not None:  # (the clock can't see inside MPI's own)
         return ring_all_reduce(comm, x, op)
     MPI = _mpi()
     with collective(comm, "mpi_all_reduce", x, op=op) as k:

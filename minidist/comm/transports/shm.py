@@ -228,7 +228,7 @@ def attach(comm):
     comm.channel("debug").barrier()  # watchdog-protected: every rank is here, so MPI's calls below can't hang
     node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     cap = comm.mpi.allreduce(window_bytes(comm.size), op=MPI.MIN)
-    usable = (node.Get_size() == comm.size and comm.link is None and cap > 0
+    usable = (node.Get_size() == comm.size and comm.link is None and comm.clock is None and cap > 0
               and os.environ.get("MINIDIST_SHM", "1") not in ("0", "false", "False"))
     if not comm.mpi.allreduce(usable, op=MPI.LAND):
         node.Free()
