@@ -38,9 +38,10 @@ from minidist.comm.communicator import (
     Request,
 )
 from minidist.comm.debug import CollectiveMismatch
-from minidist.comm.handles import Handle
+from minidist.comm.handles import Handle, start_async
 from minidist.comm.ledger import CallRecord, Ledger, measure
 from minidist.comm.mesh import Mesh
+from minidist.comm.ring import split_sizes
 from minidist.comm.runner import run, under_mpi, world
 from minidist.comm.transports.mpi import MPIComm
 from minidist.comm.transports.threads import ThreadComm
@@ -51,5 +52,6 @@ __all__ = [
     "all_gather_async", "all_reduce", "all_reduce_async", "all_to_all", "broadcast", "gather", "measure",
     "mpi_all_reduce",
     "naive_all_reduce", "recursive_doubling_all_reduce", "reduce", "reduce_scatter",
-    "reduce_scatter_async", "ring_all_reduce", "run", "scatter", "tree_all_reduce", "under_mpi", "world",
+    "reduce_scatter_async", "ring_all_reduce", "run", "scatter", "split_sizes", "start_async",
+    "tree_all_reduce", "under_mpi", "world",
 ]

@@ -23,12 +23,11 @@ The policies by number -- segment sizes, and the activation memory each predicts
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from minidist.autograd import ops
 from minidist.autograd import random as mrandom
+from minidist.autograd.modes import recomputing, recomputing_depth
 from minidist.autograd.tensor import Function, Tensor, enable_grad, grad_enabled, no_grad, run_backward
 from minidist.nn.attention import merge_heads, split_heads
 from minidist.nn.module import Module, Sequential
@@ -43,16 +42,6 @@ from minidist.parallel.memory.recompute_policy import (
 __all__ = ["POLICIES", "Checkpoint", "apply_checkpointing", "block_activation_elements", "block_generators",
            "check_segments_within", "checkpoint", "checkpoint_stage", "is_block",
            "predicted_peak_activation_bytes", "recomputing_depth", "remove_checkpointing", "segment_size"]
-
-
-_state = threading.local()
-
-
-def recomputing_depth() -> int:
-    """How many checkpoint recomputations are running on this thread (0: an ordinary forward).
-    A wrapper may keep what backward needs at once: ZeRO-3 does not release a unit gathered for a
-    recomputation, since the backward that follows needs it again."""
-    return getattr(_state, "depth", 0)
 
 
 class Checkpoint(Function):
@@ -78,12 +67,10 @@ class Checkpoint(Function):
         mrandom.set_state(ctx.rng_state)
         for g, st in zip(ctx.generators, ctx.gen_states):
             g.bit_generator.state = st
-        _state.depth = recomputing_depth() + 1
         try:
-            with enable_grad():
+            with recomputing(), enable_grad():
                 out = ctx.fn(*leaves)
         finally:
-            _state.depth -= 1
             mrandom.set_state(now)
             for g, st in zip(ctx.generators, now_gens):
                 g.bit_generator.state = st

@@ -13,7 +13,8 @@ the same order: the result is bit-identical on every rank (replicas never drift 
 
 One file per idea:
 
-* bucket.py   -- ``GradBucket`` (what a hook receives) and ``allreduce_hook`` (the default)
+* bucket.py   -- ``GradBucket``: what a hook receives
+* dense.py    -- ``allreduce_hook`` (the default, a plain all-reduce); ``reduce_with_hook`` outside DDP
 * cast.py     -- fp16 / bf16: half the bytes (``cast_all_reduce``; mixed precision uses it too)
 * sparse.py   -- top-k / random-k with error feedback, (index, value) pairs by all-gather
 * qsgd.py     -- QSGD: s levels, stochastic rounding (unbiased), bit-packed, norm alongside
@@ -24,8 +25,9 @@ One file per idea:
 ``make_hook("topk", ratio=0.01)`` builds a (state, hook) pair by name (lessons, benchmarks).
 """
 
-from minidist.parallel.data.compress.bucket import GradBucket, allreduce_hook, reduce_with_hook
+from minidist.parallel.data.compress.bucket import GradBucket
 from minidist.parallel.data.compress.cast import CastState, cast_all_reduce, cast_hook
+from minidist.parallel.data.compress.dense import allreduce_hook, reduce_with_hook
 from minidist.parallel.data.compress.fp8 import Fp8State, fp8_hook
 from minidist.parallel.data.compress.powersgd import PowerSGDState, orthogonalize, powersgd_hook
 from minidist.parallel.data.compress.qsgd import QSGDState, qsgd_decode, qsgd_encode, qsgd_hook

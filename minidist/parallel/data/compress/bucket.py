@@ -1,12 +1,11 @@
-"""What a communication hook receives (``GradBucket``) and the default hook (a plain all-reduce)."""
+"""What a communication hook receives: ``GradBucket`` (DDP builds one per bucket; hooks are ``compress/``)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from minidist.accel.backend import backend_of
-from minidist.comm import all_reduce
-from minidist.comm.handles import start_async
+from minidist.comm import start_async
 
 
 class GradBucket:
@@ -17,7 +16,7 @@ class GradBucket:
     ``index``: which bucket (hooks keep per-bucket state: residuals, warm-start Q).
     ``is_last``: the last bucket of this step (a hook counts steps there).
     ``start(fn, x, label)``: run ``fn(comm, x)`` on the async worker and return its Handle --
-    ``comm`` is the worker's private twin of the data-parallel communicator. Hooks are NumPy code:
+    ``comm`` is the worker's private channel of the data-parallel communicator. Hooks are NumPy code:
     on another backend (CuPy, JAX) ``x`` arrives as a host copy and the result goes back.
     """
 
@@ -47,16 +46,3 @@ class GradBucket:
             out.append(flat[o:o + n].reshape(s))
             o += n
         return out
-
-
-def allreduce_hook(state, bucket: GradBucket):
-    """The default: the bucket's all-reduce (sum), what DDP does without a hook."""
-    return bucket.start(lambda c, x: all_reduce(c, x, op="sum", algorithm=bucket.algorithm), bucket.flat,
-                        f"all-reduce b{bucket.index}")
-
-
-def reduce_with_hook(comm, state, hook, flat, shapes=None, index: int = 0, algorithm: str = "ring"):
-    """Run ``hook`` on one bucket outside DDP and wait: the summed (decoded) gradient. For tests,
-    lessons and the exercise; ``shapes`` defaults to one 1-D tensor."""
-    bucket = GradBucket(index, flat, shapes or [flat.shape], comm, algorithm=algorithm)
-    return hook(state, bucket).wait()

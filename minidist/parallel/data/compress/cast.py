@@ -8,6 +8,9 @@ gradients that are already bf16/fp16: the bytes are the same as before it moved 
 
 from __future__ import annotations
 
+import ml_dtypes
+import numpy as np
+
 from minidist.accel import compiled
 from minidist.comm import all_reduce
 
@@ -23,14 +26,18 @@ def _cast_scaled(flat, dtype, factor):
     return low * low.dtype.type(factor)
 
 
+DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+          "fp16": np.dtype(np.float16), "float16": np.dtype(np.float16)}
+
+
 class CastState:
-    """Which 2-byte float the gradients travel in: "bf16" or "fp16"."""
+    """Which 2-byte float the gradients travel in: "bf16" or "fp16" (or that dtype)."""
 
     def __init__(self, dtype="bf16"):
-        # cycle: parallel.memory.precision imports this module
-        from minidist.parallel.memory.precision import low_dtype
-
-        self.dtype = low_dtype(dtype)
+        dt = DTYPES.get(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+        if dt not in DTYPES.values():
+            raise ValueError(f"cast compression sends bf16 or fp16, not {dtype!r}")
+        self.dtype = dt
 
 
 def cast_hook(state: CastState, bucket):
