@@ -217,9 +217,7 @@ class DistributedDataParallel:
             if n <= 0:
                 raise ValueError(f"rank {self.comm.rank}: the global batch is empty (Σ n_samples = 0)")
             return n
-        if w.micro == 0:  # plain loss.backward() (not ddp.backward): PyTorch's mean over ranks
-            return float(self.comm.size)
-        return float(self.comm.size * w.micro)
+        return float(self.comm.size * max(w.micro, 1))  # plain loss.backward(): PyTorch's mean over ranks
 
     def _drop_unused(self, w: SyncWindow):
         used = np.array([w.used.get(id(p), False) for p in self.params], np.int64)

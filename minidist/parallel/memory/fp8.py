@@ -25,11 +25,8 @@ numbers are the same). Per Linear ``y = x W + b``:
 per-tensor amaxes are max-reduced over the layer's group (Transformer Engine's amax reduction), so
 every shard uses the scale the whole tensor would: the sharded model equals the serial FP8 model.
 DDP wraps an FP8 model as any other. The LM head stays fp32 unless ``include_head`` (Transformer
-Engine's recipes keep the last layer in higher precision). What FP8 joins is ``compose``'s table
-(technique "fp8"; ``parallelize(fp8=...)`` applies it after the model transforms, before the pipeline
-cut): refused, with both names, in either order, bf16/fp16 autocast (one compute format per Linear),
-ZeRO and activation checkpointing (a recomputed forward would record the delayed-scaling amaxes
-twice); DDP and a pipeline stage come after it.
+Engine's recipes keep the last layer in higher precision). What FP8 joins is ``parallelize``'s
+refusal table (technique "fp8", applied after the model transforms, before the pipeline cut).
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ import numpy as np
 from minidist.autograd.tensor import Function
 from minidist.comm import all_reduce
 from minidist.nn.layers import Linear
-from minidist.parallel.compose import FP8_OWNER, TECHNIQUES, check_compatible, rule
 from minidist.parallel.memory.fp8_formats import E4M3, E5M2, round_mantissa
 from minidist.parallel.memory.fp8_scaling import (
     AmaxHistory,
@@ -61,9 +57,7 @@ from minidist.parallel.tensor.comm import (
 from minidist.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
 SCALINGS = ("current", "delayed", "block")
-OWNER = FP8_OWNER
-#: technique -> why FP8 refuses it: compose's table (its matrix is the one place the verdicts live)
-REFUSED = {t: rule("fp8", t).reason for t in TECHNIQUES if t != "fp8" and not rule("fp8", t).supported}
+OWNER = "fp8_linear"  # the owner of fp8_linear's forward wrappers
 
 
 @dataclass(frozen=True)
@@ -227,9 +221,7 @@ def _head_members(model) -> set:
 
 
 def check_fp8(model) -> None:
-    """Raise a ValueError naming FP8 and the technique it cannot join, or must come before
-    (``compose.check_compatible``: bf16/fp16, ZeRO, checkpointing refused; DDP, a pipeline stage after)."""
-    check_compatible(model, "fp8")
+    """Raise a ValueError unless ``model`` is a Module (what ``fp8_linear`` wraps)."""
     if not hasattr(model, "named_modules"):
         raise ValueError(f"fp8_linear needs a Module (a GPT, a TPGPT), not a {type(model).__name__}")
 

@@ -14,8 +14,8 @@ The recipe (Micikevicius et al. 2018, "Mixed Precision Training"):
 3. With several ranks the skip must be unanimous: ``found_inf_across(flag, groups)`` takes the max
    of the flag over every group before any rank steps; a rank that stepped while another skipped
    would silently diverge. By default ``MixedPrecision`` agrees over every group that shares the
-   parameters it can see (``agreement_groups``): the data-parallel group of a DDP wrapping the
-   model, the tensor-parallel group of its layers, every group given to ``all_reduce_grads``.
+   parameters it can see (``agreement_groups``): the tensor-parallel group of its layers, every
+   group given to ``all_reduce_grads`` (a DDP's averaged gradients are equal on every replica).
    Only an explicit ``groups=[...]`` narrows (or widens, e.g. with the pipeline group) that set.
 
 bf16 is ``ml_dtypes.bfloat16``; ``round_to_bf16`` writes its round-to-nearest-even out by hand.
@@ -32,7 +32,6 @@ import numpy as np
 from minidist.accel.backend import backend_of
 from minidist.autograd import ops
 from minidist.autograd.tensor import Tensor, no_grad
-from minidist.parallel.compose import claimed
 from minidist.parallel.data.compress.cast import cast_all_reduce
 from minidist.parallel.data.ddp import build_buckets
 from minidist.parallel.memory.autocast import (
@@ -90,15 +89,12 @@ class MixedPrecision:
 
     def agreement_groups(self) -> list:
         """The groups the inf/NaN flag is agreed over: ``groups`` if given, else every group that
-        shares the parameters -- the data-parallel group a DDP recorded on the model, the
-        tensor-parallel groups of its layers, and the groups ``all_reduce_grads`` used (the same
+        shares the parameters -- the tensor-parallel groups of its layers and the groups
+        ``all_reduce_grads`` used (the same
         list on every rank: found in the same model order)."""
         if self.groups is not None:
             return self.groups
         found = {}
-        for comm in claimed(self.model).values():
-            if comm is not None:
-                found.setdefault(id(comm), comm)
         for _, m in self.model.named_modules():
             comm = getattr(m, "comm", None)
             if comm is not None and hasattr(m, "sequence_parallel"):  # a tensor-parallel layer

@@ -31,7 +31,6 @@ from minidist.autograd.modes import recomputing, recomputing_depth
 from minidist.autograd.tensor import Function, Tensor, enable_grad, grad_enabled, no_grad, run_backward
 from minidist.nn.attention import merge_heads, split_heads
 from minidist.nn.module import Module, Sequential
-from minidist.parallel.compose import check_compatible
 from minidist.parallel.memory.recompute_policy import (
     POLICIES,
     block_activation_elements,
@@ -147,8 +146,6 @@ def apply_checkpointing(model, policy: str = "full", k: int | None = None):
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    if policy != "none":
-        check_compatible(model, "ckpt-selective" if policy == "selective" else "ckpt-full")
     remove_checkpointing(model)
     blocks = _blocks(model)
     if policy == "none":

@@ -336,21 +336,10 @@ def test_tensor_parallel_fp8_reduces_amaxes_and_matches_serial_fp8():
         assert scales == serial_scales
 
 
-def test_fp8_refuses_what_it_does_not_compose_with_naming_both():
-    from minidist.parallel.memory.precision import autocast
-
-    class Stage:  # what compose recognises as a pipeline stage
-        chunks, num_stages = [], 2
-
-    with pytest.raises(ValueError, match=r"FP8 training cannot be combined with bf16 mixed precision "
-                                         r"\(already applied\): one compute format per Linear"):
-        fp8_linear(autocast(GPT(CFG), "bf16"))
-    with pytest.raises(ValueError, match="FP8 training must be applied before PP 1F1B, not after"):
-        fp8_linear(Stage())
+def test_fp8_refuses_bad_arguments():
+    """What FP8 cannot combine with is refused by parallelize's table (tests/parallel/test_compose.py)."""
     with pytest.raises(ValueError, match="fp8_linear needs a Module .*not a list"):
         fp8_linear([])
-    with pytest.raises(ValueError, match="bf16 mixed precision cannot be combined with FP8 training"):
-        autocast(fp8_linear(GPT(CFG)), "bf16")  # the other order: compose recognises FP8 on the model
     with pytest.raises(ValueError, match="scaling='e4m3'.*current, delayed, block"):
         Fp8Recipe("e4m3")
     with pytest.raises(ValueError, match="accumulate"):

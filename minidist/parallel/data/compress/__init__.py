@@ -1,17 +1,11 @@
 """DDP communication hooks: send fewer bytes per gradient, keep every replica identical.
 
-A hook is PyTorch's ``register_comm_hook`` contract in minidist's terms:
-
-    ddp.register_comm_hook(state, hook)     # hook(state, bucket: GradBucket) -> Handle
-    ...                                     # handle.wait() -> the bucket's gradient summed over ranks
-
-DDP calls the hook when a bucket's gradients are complete (during backward) and later divides
-what the handle returns by the global batch size, exactly as it does for the default all-reduce
-(``allreduce_hook``). A hook runs its encode -> communicate -> decode on the async worker
-(``bucket.start``), so it overlaps backward like the default. Every rank decodes the same bytes in
-the same order: the result is bit-identical on every rank (replicas never drift apart).
-
-One file per idea:
+``ddp.register_comm_hook(state, hook)``, PyTorch's contract: ``hook(state, bucket: GradBucket)``
+returns a Handle whose ``wait()`` is the bucket's gradient summed over ranks. DDP calls the hook
+when a bucket is complete and divides what the handle returns by the global batch, as for its
+all-reduce. A hook encodes, communicates and decodes on the async worker (``bucket.start``),
+overlapping backward; every rank decodes the same bytes in the same order, so the result is
+bit-identical on every rank. One file per idea:
 
 * bucket.py   -- ``GradBucket``: what a hook receives
 * dense.py    -- ``allreduce_hook`` (the default, a plain all-reduce); ``reduce_with_hook`` outside DDP
