@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist.comm import all_reduce, all_reduce_async, start_async
-from minidist.parallel.data.buckets import Bucket, build_buckets
-from minidist.parallel.data.compress.bucket import GradBucket
+from minidist.parallel.data.buckets import Bucket, GradBucket, build_buckets
 from minidist.parallel.data.replicas import broadcast_parameters, check_same_model, model_signature
 from minidist.trace.spans import current, span
 

@@ -20,8 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.comm import all_reduce, start_async
-from minidist.parallel.data.buckets import build_buckets
-from minidist.parallel.data.compress.bucket import GradBucket
+from minidist.parallel.data.buckets import GradBucket, build_buckets
 from minidist.parallel.data.replicas import broadcast_parameters, check_same_model
 
 

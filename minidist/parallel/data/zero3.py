@@ -1,12 +1,11 @@
 """ZeRO-3 (FSDP): the parameters sharded too, each unit gathered just before it is used and freed after.
 
-Gradients and optimizer state are sharded as in stage 2 (``sharded.py``: every bucket's
-reduce-scatter starts from the backward hook, a rank keeps its slice). A forward wrapper on each
+Gradients and optimizer state are sharded as in stage 2 (``sharded.py``). A forward wrapper on each
 unit (default: the model's top-level layers), at the ``"zero3"`` position of ``Module``'s stack,
 all-gathers the unit before its forward and frees it after; a ``saved_tensors_hooks`` pack saves
-references instead of parameters, and backward gathers the unit again. Bytes: Ψ (forward) + Ψ
-(backward) + Ψ (reduce-scatter) = 3Ψ, 1.5x DP, less a unit whose backward needs no weights (an Embed).
-A recomputation (``recomputing_depth``) keeps its unit gathered for the backward right after it.
+references instead of parameters, and backward gathers the unit again. Bytes: 3Ψ, 1.5x DP (less a
+unit whose backward needs no weights: an Embed). A recomputation (``recomputing_depth``) keeps its
+unit gathered for the backward right after it.
 """
 
 from __future__ import annotations
@@ -25,10 +24,8 @@ class _ParamRef(NamedTuple):
 
 
 class ZeRO3(ShardedDataParallel):
-    """Stage 3: parameters sharded too. A unit is gathered before its forward and released after;
-    backward gathers it again and releases it once all its gradients are done.
-    Buckets: one per unit (and dtype), in backward order. ``prefetch=True``: unit u's forward starts
-    unit u+1's all-gather on the async worker (FSDP's forward prefetch): same bytes, overlapped."""
+    """Stage 3. Buckets: one per unit (and dtype), in backward order. ``prefetch=True``: unit u's
+    forward starts unit u+1's all-gather on the async worker (FSDP's forward prefetch)."""
 
     stage = 3
 

@@ -1,13 +1,12 @@
 """DDP communication hooks: send fewer bytes per gradient, keep every replica identical.
 
-``ddp.register_comm_hook(state, hook)``, PyTorch's contract: ``hook(state, bucket: GradBucket)``
+``ddp.register_comm_hook(state, hook)``, PyTorch's contract: ``hook(state, bucket)`` (a ``GradBucket``)
 returns a Handle whose ``wait()`` is the bucket's gradient summed over ranks. DDP calls the hook
 when a bucket is complete and divides what the handle returns by the global batch, as for its
 all-reduce. A hook encodes, communicates and decodes on the async worker (``bucket.start``),
 overlapping backward; every rank decodes the same bytes in the same order, so the result is
 bit-identical on every rank. One file per idea:
 
-* bucket.py   -- ``GradBucket``: what a hook receives
 * dense.py    -- ``allreduce_hook`` (the default, a plain all-reduce); ``reduce_with_hook`` outside DDP
 * cast.py     -- fp16 / bf16: half the bytes (``cast_all_reduce``; mixed precision uses it too)
 * sparse.py   -- top-k / random-k with error feedback, (index, value) pairs by all-gather
@@ -19,7 +18,7 @@ bit-identical on every rank. One file per idea:
 ``make_hook("topk", ratio=0.01)`` builds a (state, hook) pair by name (lessons, benchmarks).
 """
 
-from minidist.parallel.data.compress.bucket import GradBucket
+from minidist.parallel.data.buckets import GradBucket
 from minidist.parallel.data.compress.cast import CastState, cast_all_reduce, cast_hook
 from minidist.parallel.data.compress.dense import allreduce_hook, reduce_with_hook
 from minidist.parallel.data.compress.fp8 import Fp8State, fp8_hook

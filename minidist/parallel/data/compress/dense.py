@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from minidist.comm import all_reduce
-from minidist.parallel.data.compress.bucket import GradBucket
+from minidist.parallel.data.buckets import GradBucket
 
 
 def allreduce_hook(state, bucket: GradBucket):
