@@ -18,7 +18,13 @@ from minidist.comm.doubling import (
     two_shot_all_reduce,
 )
 from minidist.comm.exchange import all_to_all, gather, scatter
-from minidist.comm.handles import Handle, all_gather_async, all_reduce_async, reduce_scatter_async
+from minidist.comm.handles import (
+    Handle,
+    all_gather_async,
+    all_reduce_async,
+    reduce_scatter_async,
+    start_async,
+)
 from minidist.comm.ledger import CallRecord, Ledger, measure
 from minidist.comm.mesh import Mesh
 from minidist.comm.requests import CommError, CommTimeout, MessageMismatch, RankAborted, RankExited, Request
@@ -35,6 +41,7 @@ __all__ = [
     "all_gather_async", "all_reduce", "all_reduce_async", "all_to_all", "broadcast", "gather",
     "halving_doubling_all_reduce", "measure", "mpi_all_reduce", "naive_all_reduce",
     "recursive_doubling_all_reduce", "reduce", "reduce_scatter", "reduce_scatter_async", "ring_all_reduce",
-    "run", "scatter", "shm_all_reduce", "split_sizes", "tree_all_reduce", "two_shot_all_reduce",
+    "run", "scatter", "shm_all_reduce", "split_sizes", "start_async", "tree_all_reduce",
+    "two_shot_all_reduce",
     "under_mpi", "world",
 ]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -50,7 +51,7 @@ from minidist.parallel.pipeline.schedule import ScheduleError
 from minidist.parallel.pipeline.simulate import bubble_formula, peak_activations, timeline_events
 from minidist.parallel.pipeline.zb_v import zb_v_bubble_formula
 from minidist.parallel.pipeline.zero_bubble import zb_h1_bubble_formula
-from minidist.parallel.three_d import check_3d, gather_full_state, train_3d
+from minidist.parallel.three_d import Options, check, gather_full_state, train_mesh
 from minidist.plan import estimates, schedules
 
 BUSY = ("Forward", "Backward", "BackwardInput", "BackwardWeight")  # what counts as a stage's work
@@ -83,25 +84,31 @@ def mesh_sizes(world: int, args) -> tuple[int, int, int]:
     return dp, pp, tp
 
 
-def check_schedule(world: int, args) -> None:
-    """The schedule the flags ask for can be built (``make_schedule``'s own rule, a ScheduleError
-    otherwise), or a ValueError naming the flag and values that work, found by asking the same rules
-    (the schedule's and ``check_3d``'s) about nearby values."""
+def run_options(world: int, args, microbatches: int | None = None, batch: int | None = None) -> Options:
+    """The run's flags as ``parallelize``'s ``Options``, checked (``check``: the mesh, the batch, the
+    schedule; a ValueError, or a ScheduleError, names what is wrong)."""
+    dp, pp, tp = mesh_sizes(world, args)
+    opts = Options(dp=dp, pp=pp, tp=tp, microbatches=microbatches or args.microbatches,
+                   schedule=args.schedule, chunks=args.chunks, optimizer="adamw", lr=args.lr)
+    return check(opts, config(args), world, batch or args.batch, args.seq)
+
+
+def checked_options(world: int, args) -> Options:
+    """The run's flags, checked once before any rank starts; a schedule that cannot be built is a
+    ValueError naming the flag and values that work, found by asking the same rules about nearby
+    values (``run_options``: the schedule's and ``check_3d``'s)."""
+    try:
+        return run_options(world, args)
+    except ScheduleError as e:
+        rule = str(e)
     dp, pp, tp = mesh_sizes(world, args)
     m = args.microbatches
 
     def builds(microbatches, schedule=args.schedule):
         make_schedule(schedule, pp, microbatches, args.chunks if schedule == "interleaved" else 1)
 
-    try:
-        builds(m)
-        return
-    except ScheduleError as e:
-        rule = str(e)
     def runs(microbatches, batch=args.batch):
-        builds(microbatches)
-        check_3d(world, config(args), batch, dp, pp, tp, microbatches,
-                 schedule_chunks(args.schedule, args.chunks))
+        run_options(world, args, microbatches, batch)
 
     near = sorted(set(range(1, 2 * (m + pp) + 1)) - {m}, key=lambda k: (abs(k - m), -k))
     fix = first_accepted(runs, near)  # the nearest count that runs with this --batch, else with another
@@ -149,8 +156,6 @@ def rank_main(comm, args):
     cfg = config(args)
     dp, pp, tp = mesh_sizes(comm.size, args)
     batches = make_batches(args)
-    check_3d(comm.size, cfg, args.batch, dp, pp, tp, args.microbatches,
-             schedule_chunks(args.schedule, args.chunks), rank=comm.rank)
     m = args.microbatches
     rprint(comm, f"Pipeline parallelism: a GPT of {cfg.n_layer + 2} layers (embedding, {cfg.n_layer} blocks, "
                  f"head; d_model {cfg.d_model}, seq {cfg.block_size})\n"
@@ -175,9 +180,7 @@ def rank_main(comm, args):
         t_step[0] = now
 
     try:
-        result = train_3d(comm, cfg, batches, dp=dp, pp=pp, tp=tp, microbatches=m, schedule=args.schedule,
-                          lr=args.lr, optimizer="adamw", layer_costs=costs, on_step=on_step,
-                          chunks=args.chunks)
+        result = train_mesh(comm, cfg, batches, replace(args.options, layer_costs=costs), on_step=on_step)
         # the other one-chunk schedule, for the memory table (an interleaved or V stage has its own
         # chunks: no other schedule runs on it)
         other = (None if schedule_chunks(args.schedule, args.chunks) > 1
@@ -341,10 +344,8 @@ def main(argv=None):
         parser.error(f"--chunks {args.chunks} needs --schedule interleaved (the other schedules fix their "
                      "chunks: one per stage, two in a V for zb-v and dualpipe-v)")
     world = world_size(args)
-    # every mesh, batch, microbatch and schedule error rank_main would raise, before any rank starts
-    reject_early(parser, lambda: check_3d(world, config(args), args.batch, *mesh_sizes(world, args),
-                                          args.microbatches, schedule_chunks(args.schedule, args.chunks)))
-    reject_early(parser, lambda: check_schedule(world, args))
+    # every mesh, batch, microbatch and schedule error, checked once before any rank starts
+    reject_early(parser, lambda: setattr(args, "options", checked_options(world, args)))
     return launch(rank_main, args)
 
 

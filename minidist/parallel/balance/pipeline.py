@@ -36,6 +36,7 @@ from minidist.autograd.tensor import Tensor
 from minidist.comm import all_reduce
 from minidist.nn import GPT
 from minidist.nn.optim import make_optimizer
+from minidist.parallel.data.weights import token_loss_weights
 from minidist.parallel.pipeline.runtime import (
     PipelineStage,
     make_schedule,
@@ -44,7 +45,6 @@ from minidist.parallel.pipeline.runtime import (
     run_schedule,
     split_microbatches,
 )
-from minidist.parallel.three_d import token_loss_weights
 from minidist.resilience.stragglers import Slowdown, sleep_until
 
 MOVE_TAG = 7

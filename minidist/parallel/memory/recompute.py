@@ -16,12 +16,11 @@ Chapter 6 (lessons/06-checkpointing.md) derives the memory each policy keeps.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from minidist.autograd import ops
 from minidist.autograd import random as mrandom
+from minidist.autograd.modes import recomputing, recomputing_depth
 from minidist.autograd.tensor import Function, Tensor, enable_grad, grad_enabled, no_grad, run_backward
 from minidist.nn.attention import merge_heads, split_heads
 from minidist.nn.module import Module, Sequential
@@ -39,16 +38,6 @@ __all__ = ["POLICIES", "POSITION", "Recompute", "apply_recompute", "block_activa
 #: where the policies' forward wrappers sit in ``Module``'s stack (``nn.module.WRAPPER_ORDER``: outside
 #: ZeRO-3's gather and autocast, so a recomputation gathers and casts again)
 POSITION = "checkpoint"
-
-_state = threading.local()
-
-
-def recomputing_depth() -> int:
-    """How many recomputations are running on this thread (0: an ordinary forward).
-    A wrapper may keep what backward needs at once: ZeRO-3 does not release a unit gathered for a
-    recomputation, since the backward that follows needs it again."""
-    return getattr(_state, "depth", 0)
-
 
 class Recompute(Function):
     """The node: forward without a graph, backward = restore RNG, recompute, backprop."""
@@ -73,12 +62,10 @@ class Recompute(Function):
         mrandom.set_state(ctx.rng_state)
         for g, st in zip(ctx.generators, ctx.gen_states):
             g.bit_generator.state = st
-        _state.depth = recomputing_depth() + 1
         try:
-            with enable_grad():
+            with recomputing(), enable_grad():
                 out = ctx.fn(*leaves)
         finally:
-            _state.depth -= 1
             mrandom.set_state(now)
             for g, st in zip(ctx.generators, now_gens):
                 g.bit_generator.state = st

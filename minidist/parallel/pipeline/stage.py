@@ -7,7 +7,6 @@ schedule's placement (`minidist.parallel.pipeline.placement`) says which of them
 from __future__ import annotations
 
 from minidist.autograd import ops
-from minidist.parallel.compose import check_compatible
 from minidist.parallel.memory import recompute
 from minidist.parallel.pipeline.placement import Placement, looped
 
@@ -32,7 +31,6 @@ class PipelineStage:
         placement = placement or looped(num_stages, len(bounds) // num_stages)
         if placement.num_stages != num_stages:
             raise ValueError(f"placement {placement} is for {placement.num_stages} stages, not {num_stages}")
-        check_compatible(model, "pp")  # refused pairs (ZeRO) and orders (DDP first) fail here
         layers = list(model)
         self.stage, self.num_stages, self.placement = stage, num_stages, placement
         self.num_chunks = placement.chunks
