@@ -45,16 +45,13 @@ from minidist.parallel.data.zero import ZeRO
 from minidist.parallel.experts.dispatch import expert_names, moe_gpt
 from minidist.parallel.memory.fp8 import Fp8Recipe, fp8_linear
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
-from minidist.parallel.memory.recompute import apply_checkpointing
+from minidist.parallel.memory.recompute import apply_checkpointing, check_segments_within, checkpoint_stage
 from minidist.parallel.parallelize_checks import check_3d, check_options, techniques
 from minidist.parallel.parallelize_parts import build_model, optimizer_factory, scaled_loss
 from minidist.parallel.parallelized import Parallelized, token_loss_weights
-from minidist.parallel.pipeline.runtime import (
-    PipelineStage,
-    make_schedule,
-    partition_for,
-    partition_uniform,
-)
+from minidist.parallel.pipeline.catalog import make_schedule
+from minidist.parallel.pipeline.partition import partition_for, partition_uniform
+from minidist.parallel.pipeline.stage import PipelineStage
 from minidist.parallel.tensor.collective_matmul import use_collective_matmul
 
 __all__ = ["Parallelized", "build_model", "check_3d", "check_options", "optimizer_factory", "parallelize",
@@ -111,7 +108,11 @@ def parallelize(cfg_or_model, mesh, *, microbatches: int = 1, schedule: str = "1
     par.bounds = (partition_uniform(n, pieces) if layer_costs is None
                   else partition_for(layer_costs, sched.placement))  # balances ranks, not pieces
     stage = par.stage = PipelineStage(model, par.bounds, mesh.pp_rank, pp, loss_fn=loss_fn,
-                                      checkpoint=checkpoint, placement=sched.placement)
+                                      placement=sched.placement)
+    for ids, chunk in zip(stage.layer_ids, stage.chunks):  # each chunk's own segments
+        check_segments_within(chunk, ids, mesh.pp_rank)
+        if checkpoint is not None:
+            checkpoint_stage(chunk, checkpoint)
     par.instructions = sched[mesh.pp_rank]
     # 4. mixed precision over this stage's layers: its masters only, every rank agrees on a skip
     params = stage.parameters()

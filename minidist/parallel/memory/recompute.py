@@ -14,8 +14,8 @@ block), "every_k" (segments of k blocks: only segment inputs kept), "sqrt" (k = 
 "selective" (only the attention core softmax(qk^T)v, whose (B, H, T, T) probabilities are the
 largest activation; Korthikanti et al. 2022). Blocks are the serial GPT's or a tensor-parallel
 ``TPGPT``'s (their per-rank dropout generators are replayed too). In a pipeline, checkpoint each
-stage's own layers (``checkpoint_stage``, ``PipelineStage(..., checkpoint=policy)``): a segment
-never crosses a stage boundary, and ``check_segments_within`` refuses one that would.
+stage's own layers (``checkpoint_stage`` on each chunk, as ``parallelize(..., checkpoint=policy)`` does): a
+segment never crosses a stage boundary, and ``check_segments_within`` refuses one that would.
 
 The policies by number -- segment sizes, and the activation memory each predicts -- are
 ``minidist/parallel/memory/recompute_policy.py`` (re-exported here).
@@ -151,9 +151,9 @@ def apply_checkpointing(model, policy: str = "full", k: int | None = None):
     (see ``POLICIES``); returns the model.
 
     Works on any Sequential whose layers include blocks; segments never cross a non-block layer.
-    For a pipeline, checkpoint each stage's own layers (``PipelineStage(..., checkpoint=policy)``,
-    ``checkpoint_stage``): a segment of the whole model may span a stage boundary, and
-    ``PipelineStage`` refuses such a model. Each block (for "selective": each block's attention) gets
+    For a pipeline, checkpoint each stage's own layers (``checkpoint_stage`` on each chunk, as
+    ``parallelize`` does): a segment of the whole model may span a stage boundary, and
+    ``check_segments_within`` refuses such a model. Each block (for "selective": each block's attention) gets
     a forward wrapper at the ``"checkpoint"`` position of ``Module``'s wrapper stack, outside ZeRO-3's
     gather and autocast, so a recomputation gathers and casts again; ``remove_checkpointing`` (or
     applying another policy) removes exactly those wrappers. A model with no block raises.
@@ -194,7 +194,7 @@ def apply_checkpointing(model, policy: str = "full", k: int | None = None):
         layers[0].register_forward_wrapper(_segment_wrapper(layers, gens), "checkpoint", owner)
         for b in layers[1:]:  # computed inside the first member's segment
             b.register_forward_wrapper(_skip, "checkpoint", owner)
-        for b in layers:  # every member knows its segment: PipelineStage checks none is cut
+        for b in layers:  # every member knows its segment: check_segments_within checks none is cut
             object.__setattr__(b, "_checkpoint_segment", layers)
     return model
 
@@ -254,8 +254,8 @@ def check_segments_within(layers, layer_ids, stage: int) -> None:
             raise ValueError(
                 f"pipeline stage {stage}: layer {i} is in a checkpoint segment of {len(seg)} blocks that "
                 f"crosses this stage's boundary (layers {layer_ids[0]}..{layer_ids[-1]}); apply "
-                "checkpointing per stage instead: PipelineStage(model, bounds, stage, n, checkpoint=policy) "
-                "on an un-checkpointed model (or checkpoint_stage(stage_layers, policy)), or the 'full' / "
+                "checkpointing per stage instead: parallelize(..., checkpoint=policy) on an un-checkpointed "
+                "model (or checkpoint_stage(chunk, policy) on each of the stage's chunks), or the 'full' / "
                 "'selective' policy, whose segments are single blocks")
 
 
