@@ -26,7 +26,7 @@ import time
 import traceback
 
 from minidist.accel.backend import default_backend, set_default_backend
-from minidist.comm.communicator import RankAborted
+from minidist.comm.requests import RankAborted
 from minidist.comm.transports.devices import bind_backend
 from minidist.comm.transports.jaxdev import CupyDeviceComm, JaxDeviceComm
 from minidist.comm.transports.mpi import MPIComm, finish_handshake
@@ -98,13 +98,13 @@ def install_abort_hook() -> None:
     sys.excepthook = hook
 
 
-def _beat_started(rank: int) -> None:
-    """Under ``python -m minidist.launch``: tell the supervisor this rank is up (before any step)."""
-    if os.environ.get("MINIDIST_HEARTBEAT_DIR"):
-        # cycle: comm.runner -> resilience.supervisor -> resilience.checkpoint -> comm.runner
-        from minidist.resilience.supervisor import STARTED, heartbeat
+ON_RANK_START: list = []  # fn(rank) for each MPI rank as it starts (resilience/heartbeat.py: "alive")
 
-        heartbeat(rank, STARTED)
+
+def _beat_started(rank: int) -> None:
+    """Tell whoever registered (a supervisor's heartbeat) that this rank is up, before any step."""
+    for hook in ON_RANK_START:
+        hook(rank)
 
 
 def _run_mpi(fn, backend, kwargs):

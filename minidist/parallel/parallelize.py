@@ -45,7 +45,7 @@ from minidist.parallel.data.zero import ZeRO
 from minidist.parallel.experts.dispatch import expert_names, moe_gpt
 from minidist.parallel.memory.fp8 import Fp8Recipe, fp8_linear
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
-from minidist.parallel.memory.recompute import apply_checkpointing, check_segments_within, checkpoint_stage
+from minidist.parallel.memory.recompute import apply_checkpointing, check_segments_within, recompute_stage
 from minidist.parallel.parallelize_checks import check_3d, check_options, techniques
 from minidist.parallel.parallelize_parts import build_model, optimizer_factory, scaled_loss
 from minidist.parallel.parallelized import Parallelized, token_loss_weights
@@ -112,7 +112,7 @@ def parallelize(cfg_or_model, mesh, *, microbatches: int = 1, schedule: str = "1
     for ids, chunk in zip(stage.layer_ids, stage.chunks):  # each chunk's own segments
         check_segments_within(chunk, ids, mesh.pp_rank)
         if checkpoint is not None:
-            checkpoint_stage(chunk, checkpoint)
+            recompute_stage(chunk, checkpoint)
     par.instructions = sched[mesh.pp_rank]
     # 4. mixed precision over this stage's layers: its masters only, every rank agrees on a skip
     params = stage.parameters()

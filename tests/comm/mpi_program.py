@@ -76,7 +76,7 @@ def check(comm):
 
     bf = comm.sendrecv(np.arange(3).astype(ml_dtypes.bfloat16), (r + 1) % p, (r - 1) % p)
     assert bf.dtype == ml_dtypes.bfloat16 and bf.astype(float).tolist() == [0, 1, 2]
-    assert not comm.twin("coll")._pending  # every call has its own tags: no table of them may grow
+    assert not comm.channel("coll")._pending  # every call has its own tags: no table of them may grow
     comm.barrier()
     print(f"OK rank {r}", flush=True)
 

@@ -9,7 +9,7 @@ from minidist.comm import measure, run
 from minidist.nn.footprint import MemoryAccountant
 from minidist.nn.gpt import GPTConfig
 from minidist.parallel.data.ddp import DistributedDataParallel
-from minidist.parallel.memory.recompute import checkpoint_stage
+from minidist.parallel.memory.recompute import recompute_stage
 from minidist.parallel.pipeline.catalog import make_schedule
 from minidist.parallel.pipeline.runtime import run_schedule, split_microbatches
 from minidist.parallel.pipeline.stage import PipelineStage
@@ -53,7 +53,7 @@ def measured_3d(dp, tp, pp, m, checkpoint=None, cfg=CFG, chunks=1, schedule=None
         model, loss_fn = build_model(cfg, mesh.tp)
         stage = PipelineStage(model, res.bounds, mesh.pp_rank, pp, loss_fn=loss_fn)
         for chunk in stage.chunks if checkpoint is not None else ():  # as parallelize recomputes a stage
-            checkpoint_stage(chunk, checkpoint)
+            recompute_stage(chunk, checkpoint)
         ddp = DistributedDataParallel(stage, mesh.dp, broadcast_from=None) if dp > 1 else None
         opt = make_optimizer("adamw", stage.parameters(), 1e-3)
         reports = []

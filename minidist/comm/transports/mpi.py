@@ -25,9 +25,14 @@ import time
 
 import numpy as np
 
-from minidist.comm.communicator import Communicator, RankExited, Request, format_op, poll
+from minidist.comm import cost
+from minidist.comm.call import collective
+from minidist.comm.collectives import ALGORITHMS
+from minidist.comm.communicator import format_op
 from minidist.comm.debug import stamp_mismatch
 from minidist.comm.ledger import Ledger
+from minidist.comm.requests import RankExited, Request
+from minidist.comm.ring import ring_all_reduce
 from minidist.comm.transports.mpi_requests import _drain, _MPIHeaderRecv, _MPIRequest
 from minidist.comm.transports.mpi_wire import (
     HEADER_LEN,
@@ -40,16 +45,18 @@ from minidist.comm.transports.mpi_wire import (
     encode_header,
     mpi_knows,
 )
-from minidist.comm.transports.shm import free_windows
+from minidist.comm.transports.shm import free_windows, shm_lane
+from minidist.comm.waiting import poll
+from minidist.comm.watchdog import Watched
 
-__all__ = ["HEADER_LEN", "MAX_NDIM", "NAMESPACE", "TWINS", "MPIComm", "decode_header", "done_tag",
-           "encode_header", "finish_handshake", "mpi_knows"]
+__all__ = ["HEADER_LEN", "MAX_NDIM", "NAMESPACE", "CHANNELS", "MPIComm", "decode_header", "done_tag",
+           "encode_header", "finish_handshake", "mpi_all_reduce", "mpi_knows"]
 
 NAMESPACE = 1 << 21            # tags per private channel: user tags < 2**20, then minidist's object tags
-TWINS = {"coll": 1, "debug": 2, "async": 3}
+CHANNELS = {"coll": 1, "debug": 2, "async": 3}
 
 
-class MPIComm(Communicator):
+class MPIComm(Watched):
     """One MPI process's end of an ``mpi4py`` communicator (``MPI.COMM_WORLD`` by default)."""
 
     transport = "mpi"
@@ -144,10 +151,22 @@ class MPIComm(Communicator):
             _check_count(self, statuses[0], source, tag, recvbuf.nbytes)
         return recvbuf
 
-    def make_twin(self, name: str) -> MPIComm:
+    def all_reduce_algorithm(self, x, op: str) -> str:
+        """``auto``: shared memory where every rank is on one node (``cost.shm_wins``), else the
+        cost model's choice; every rank agrees (the window and crowding are agreed once)."""
+        lane = self.shm
+        if lane and (x.nbytes <= lane.cap or lane.crowded):  # the common case, decided
+            return "shm"
+        if lane is None or self.agreed_crowded is None:
+            cost.check_before_handshake(self, x, op, "auto")
+        if lane is None and shm_lane(self) and cost.shm_wins(x.nbytes, self.shm.cap, self.shm.crowded):
+            return "shm"
+        return cost.choose_algorithm(x.nbytes, self.size, cost.agreed_crowded(self))
+
+    def make_channel(self, name: str) -> MPIComm:
         """A private channel on the same MPI communicator with its own range of tags (no MPI call, so it can't
         hang); MPI's ``Dup`` only if the tag range would pass the MPI library's TAG_UB."""
-        ns = self.namespace * 4 + TWINS.get(name, 3)
+        ns = self.namespace * 4 + CHANNELS.get(name, 3)
         if 2 * (ns + 1) * NAMESPACE <= self.mpi.Get_attr(_mpi().TAG_UB):
             return MPIComm(self.mpi, self.backend, self.ledger, ns)
         self.note(f"creating the private communicator {name!r}")
@@ -170,7 +189,7 @@ _DONE_TAG: list = []
 
 
 def done_tag() -> int:
-    """A tag no namespace uses: TAG_UB itself (namespaces end below it, see ``make_twin``)."""
+    """A tag no namespace uses: TAG_UB itself (namespaces end below it, see ``make_channel``)."""
     if not _DONE_TAG:
         _DONE_TAG.append(_mpi().COMM_WORLD.Get_attr(_mpi().TAG_UB))
     return _DONE_TAG[0]
@@ -192,3 +211,25 @@ def finish_handshake(comm: MPIComm) -> None:
         time.sleep(delay)
         delay = min(2 * delay, 0.05)
     free_windows()  # collective, and every rank has finished: nobody uses a window any more
+
+
+def mpi_all_reduce(comm, x, op: str = "sum"):
+    """MPI's own ``Allreduce`` (buffer API) under MPI; on other transports the ring all-reduce.
+
+    Blocking inside MPI (no watchdog, no stamps: only debug mode compares the ranks' calls): it is
+    the yardstick, not part of minidist's algorithms, so it runs with nothing added.
+    """
+    if comm.transport != "mpi":
+        return ring_all_reduce(comm, x, op)
+    MPI = _mpi()
+    with collective(comm, "mpi_all_reduce", x, op=op) as k:
+        if not mpi_knows(k.host.dtype):
+            raise TypeError(f"rank {comm.rank}: MPI's Allreduce can't reduce {k.host.dtype} (it doesn't know "
+                            f"the type); use one of minidist's algorithms, e.g. algorithm='ring'")
+        buf = k.host.copy()
+        mop = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+        k.comm.mpi.Allreduce(MPI.IN_PLACE, buf, op=mop)
+        return k.be.from_host(k.finish(buf))
+
+
+ALGORITHMS["mpi"] = mpi_all_reduce

@@ -13,7 +13,7 @@ import collections
 
 import numpy as np
 
-from minidist.comm.communicator import MessageMismatch, Request, poll
+from minidist.comm.requests import MessageMismatch, Request
 from minidist.comm.transports.mpi_wire import (
     HEADER_LEN,
     _bytes,
@@ -22,6 +22,7 @@ from minidist.comm.transports.mpi_wire import (
     _truncated,
     decode_header,
 )
+from minidist.comm.waiting import poll
 
 
 class _MPIRequest(Request):

@@ -17,17 +17,12 @@ import time
 
 import numpy as np
 
-from minidist.comm.communicator import (
-    Communicator,
-    MessageMismatch,
-    RankAborted,
-    RankExited,
-    Request,
-    format_op,
-)
+from minidist.comm.communicator import format_op
 from minidist.comm.debug import stamp_mismatch
 from minidist.comm.ledger import Ledger
-from minidist.comm.transports.mpi import HEADER_LEN
+from minidist.comm.requests import MessageMismatch, RankAborted, RankExited, Request
+from minidist.comm.transports.mpi_wire import HEADER_LEN
+from minidist.comm.watchdog import Watched
 
 
 class ThreadWorld:
@@ -140,7 +135,7 @@ class _ThreadRecv(Request):
             c.ledger.count_recv(arr.nbytes)
 
 
-class ThreadComm(Communicator):
+class ThreadComm(Watched):
     """One rank's end of a group of threads. ``members`` are the world ranks of the group."""
 
     transport = "threads"
@@ -201,8 +196,8 @@ class ThreadComm(Communicator):
             self.world.posted[key] = seq + 1
         return _ThreadRecv(self, source, key, seq, out, header, count)
 
-    def make_twin(self, name: str) -> ThreadComm:
-        return ThreadComm(self.world, (*self.ctx, "twin", name), self.members, self.rank,
+    def make_channel(self, name: str) -> ThreadComm:
+        return ThreadComm(self.world, (*self.ctx, "channel", name), self.members, self.rank,
                           self.backend, self.ledger)
 
     def split(self, color, key=0):
