@@ -29,7 +29,7 @@ from minidist.infer.decoder import Decoder, forward_tokens, last_logits
 from minidist.infer.generate import check_prompts, decode_loop, host
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import GREEDY
-from minidist.parallel.pipeline.runtime import partition_uniform
+from minidist.parallel.pipeline.partition import partition_uniform
 from minidist.parallel.tensor.gpt import ParallelBlock
 from minidist.parallel.tensor.sharding import load_shard
 

@@ -32,12 +32,13 @@ from minidist.parallel.data.zero import ZeRO
 from minidist.parallel.experts.dispatch import expert_names, moe_gpt
 from minidist.parallel.memory.fp8 import fp8_linear
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
-from minidist.parallel.memory.recompute import apply_checkpointing
+from minidist.parallel.memory.recompute import apply_recompute, check_segments_within, recompute_stage
 from minidist.parallel.options import Options, check_3d, check_values
 from minidist.parallel.parallelize_parts import build_model, optimizer_factory, scaled_loss
 from minidist.parallel.parallelized import Parallelized, token_loss_weights
 from minidist.parallel.pipeline.catalog import make_schedule, schedule_chunks
-from minidist.parallel.pipeline.runtime import PipelineStage, partition_for, partition_uniform
+from minidist.parallel.pipeline.partition import partition_for, partition_uniform
+from minidist.parallel.pipeline.stage import PipelineStage
 from minidist.parallel.tensor.collective_matmul import use_collective_matmul
 
 __all__ = ["ORDER", "Options", "Parallelized", "REFUSED", "TECHNIQUES", "build_model", "check", "check_3d",
@@ -149,7 +150,7 @@ def parallelize(cfg_or_model, mesh, opts: Options | None = None, **flags) -> Par
                        replicas=replicas)
     if o.zero:  # ZeRO shards a Module (its units): no pipeline cut, recomputation on the model
         if o.recompute is not None:
-            apply_checkpointing(model, o.recompute)
+            apply_recompute(model, o.recompute)
         par.dp = ZeRO(model, replicas, make_opt, stage=o.zero, broadcast_from=None)
         par.optimizer = par.dp.optimizer
         return par
@@ -158,7 +159,11 @@ def parallelize(cfg_or_model, mesh, opts: Options | None = None, **flags) -> Par
     par.bounds = (partition_uniform(len(model), sched.placement.num_virtual) if o.layer_costs is None
                   else partition_for(o.layer_costs, sched.placement))  # balances ranks, not pieces
     stage = par.stage = PipelineStage(model, par.bounds, mesh.pp_rank, o.pp, loss_fn=loss_fn,
-                                      checkpoint=o.recompute, placement=sched.placement)
+                                      placement=sched.placement)
+    for ids, chunk in zip(stage.layer_ids, stage.chunks):  # each chunk recomputes its own segments
+        check_segments_within(chunk, ids, mesh.pp_rank)
+        if o.recompute is not None:
+            recompute_stage(chunk, o.recompute)
     par.instructions = sched[mesh.pp_rank]
     # 4. mixed precision over this stage's layers: its masters only, every rank agrees on a skip
     params = stage.parameters()

@@ -133,12 +133,12 @@ def apply_recompute(model, policy: str = "full", k: int | None = None):
     (see ``POLICIES``); returns the model.
 
     Works on any Sequential whose layers include blocks; segments never cross a non-block layer.
-    For a pipeline, recompute each stage's own layers (``PipelineStage(..., checkpoint=policy)``,
-    ``recompute_stage``): a segment of the whole model may span a stage boundary, and
-    ``PipelineStage`` refuses such a model. Each block (for "selective": each block's attention) gets
-    a forward wrapper at the ``POSITION`` of ``Module``'s wrapper stack, outside ZeRO-3's gather and
-    autocast, so a recomputation gathers and casts again; ``remove_recompute`` (or applying another
-    policy) removes exactly those wrappers. A model with no block raises.
+    For a pipeline, recompute each stage's own layers (``recompute_stage`` on each chunk, as
+    ``parallelize`` does): a segment of the whole model may span a stage boundary, and
+    ``check_segments_within`` refuses such a model. Each block (for "selective": each block's
+    attention) gets a forward wrapper at the ``POSITION`` of ``Module``'s wrapper stack, outside
+    ZeRO-3's gather and autocast, so a recomputation gathers and casts again; ``remove_recompute``
+    (or applying another policy) removes exactly those wrappers. A model with no block raises.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown recompute policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -174,7 +174,7 @@ def apply_recompute(model, policy: str = "full", k: int | None = None):
         layers[0].register_forward_wrapper(_segment_wrapper(layers, gens), POSITION, owner)
         for b in layers[1:]:  # computed inside the first member's segment
             b.register_forward_wrapper(_skip, POSITION, owner)
-        for b in layers:  # every member knows its segment: PipelineStage checks none is cut
+        for b in layers:  # every member knows its segment: check_segments_within checks none is cut
             object.__setattr__(b, "_recompute_segment", layers)
     return model
 
@@ -234,8 +234,8 @@ def check_segments_within(layers, layer_ids, stage: int) -> None:
             raise ValueError(
                 f"pipeline stage {stage}: layer {i} is in a recomputed segment of {len(seg)} blocks that "
                 f"crosses this stage's boundary (layers {layer_ids[0]}..{layer_ids[-1]}); apply "
-                "recomputation per stage instead: PipelineStage(model, bounds, stage, n, checkpoint=policy) "
-                "on a model without it (or recompute_stage(stage_layers, policy)), or the 'full' / "
+                "recomputation per stage instead: parallelize(..., checkpoint=policy) on a model without it "
+                "(or recompute_stage(chunk, policy) on each of the stage's chunks), or the 'full' / "
                 "'selective' policy, whose segments are single blocks")
 
 

@@ -23,13 +23,10 @@ from minidist.nn.data import BatchLoader, SyntheticTask
 from minidist.nn.optim import AdamW, WarmupCosine
 from minidist.parallel.data.ddp import DistributedDataParallel
 from minidist.parallel.data.zero import ZeRO, all_gather_flat
-from minidist.parallel.pipeline.runtime import (
-    PipelineStage,
-    make_schedule,
-    partition_uniform,
-    run_schedule,
-    split_microbatches,
-)
+from minidist.parallel.pipeline.catalog import make_schedule
+from minidist.parallel.pipeline.partition import partition_uniform
+from minidist.parallel.pipeline.runtime import run_schedule, split_microbatches
+from minidist.parallel.pipeline.stage import PipelineStage
 from minidist.parallel.tensor.sharding import unshard
 from minidist.parallel.three_d import build_model, check_3d, gather_full_state, token_loss_weights
 from minidist.resilience.checkpoint.state import TrainState
