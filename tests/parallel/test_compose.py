@@ -37,8 +37,6 @@ from minidist.parallel.memory.fp8 import Fp8Recipe, fp8_linear
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
 from minidist.parallel.memory.recompute import apply_checkpointing
 from minidist.parallel.parallelize import NAMES, ORDER, REFUSED, TECHNIQUES, matrix_markdown, parallelize
-from minidist.parallel.pipeline.partition import partition_uniform
-from minidist.parallel.pipeline.stage import PipelineStage
 from minidist.parallel.three_d import gather_full_state
 
 ROOT = Path(__file__).resolve().parents[2]
