@@ -36,6 +36,8 @@ from minidist.comm.communicator import (
     RankAborted,
     RankExited,
     Request,
+    default_timeout,
+    poll,
 )
 from minidist.comm.debug import CollectiveMismatch
 from minidist.comm.handles import Handle
@@ -52,4 +54,5 @@ __all__ = [
     "mpi_all_reduce",
     "naive_all_reduce", "recursive_doubling_all_reduce", "reduce", "reduce_scatter",
     "reduce_scatter_async", "ring_all_reduce", "run", "scatter", "tree_all_reduce", "under_mpi", "world",
+    "default_timeout", "poll",
 ]
