@@ -22,7 +22,8 @@ from minidist.nn import GPTConfig
 from minidist.nn.data import BatchLoader, SyntheticTask
 from minidist.nn.optim import WarmupCosine
 from minidist.parallel.parallelize import parallelize
-from minidist.parallel.tensor.sharding import global_slices, sharding_table, unshard
+from minidist.parallel.tensor.sharding import sharding_table, unshard
+from minidist.parallel.tensor.slices import global_slices
 from minidist.resilience.checkpoint import TrainState
 from minidist.resilience.trainer import Trainer
 

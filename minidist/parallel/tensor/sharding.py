@@ -189,24 +189,6 @@ def reshard(shards: list, table: dict, new_size: int, group: str = "tp") -> list
     return [shard_state_dict(full, table, r, new_size, group) for r in range(new_size)]
 
 
-def global_slices(named_params, table: dict, rank: int, size: int) -> dict:
-    """{name: (full shape, axis, [(lo, hi), ...])} of the sharded parameters: the full array's shape
-    and the ranges of ``axis`` that rank ``rank``'s part holds, side by side -- how a checkpoint
-    records which piece of a tensor a rank saves (``TrainState(slices=...)``) without knowing Shard."""
-    out = {}
-    for name, p in named_params:
-        shard = table.get(name)
-        if shard is None or size == 1:
-            continue
-        axis, full = shard.axis % len(p.shape), list(p.shape)
-        full[axis] = sum(shard.widths) if shard.widths else full[axis] * size
-        line = np.arange(full[axis]).reshape([-1 if i == axis else 1 for i in range(len(full))])
-        held = shard.split(line, rank, size, name).reshape(-1)
-        runs = np.split(held, np.flatnonzero(np.diff(held) != 1) + 1)
-        out[name] = (tuple(full), axis, [(int(r[0]), int(r[-1]) + 1) for r in runs])
-    return out
-
-
 # -- grouped-query attention's K/V heads over tp ------------------------------------------------------
 
 def kv_heads_split(n_head: int, n_kv_head: int, tp: int) -> bool:

@@ -8,11 +8,10 @@
       step-00000050/
       latest                    "step-00000050": replaced last, atomically
 
-Writing (``write_step``): every rank writes its file into ``step-N.tmp/`` and fsyncs it; rank 0 adds
-``manifest.json`` (each file's sha256 and size, each piece's file, offset, dtype and shape), fsyncs
-the directory, renames it to ``step-N`` (a rename is atomic: a reader sees the whole checkpoint or
-none of it), then replaces ``latest`` the same way, and deletes all but the newest ``keep``. A crash
-at any moment leaves either the old ``latest`` or the new one, never half of one.
+Writing: every rank writes its file into ``step-N.tmp/`` and fsyncs it; rank 0 adds ``manifest.json``
+(each file's sha256 and size, each piece's file, offset, dtype and shape), renames the directory to
+``step-N`` (atomic: a reader sees the whole checkpoint or none of it), then replaces ``latest`` the
+same way (``commit_step``). A crash at any moment leaves the old ``latest`` or the new one.
 
 Reading (``choose``): the newest step is used if its manifest parses and every file has the recorded
 size and sha256 (the ranks hash the files between them). A bad one is reported -- which file, what

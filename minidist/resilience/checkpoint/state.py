@@ -45,7 +45,7 @@ class TrainState:
     names). ``optimizer``: a ``minidist.nn.optim`` optimizer over the model's parameters (None with
     ``zero``). ``zero``: a ``ZeRO`` wrapper, whose owned slices and optimizer are saved instead.
     ``slices``: {parameter name: (global shape, axis, [(lo, hi), ...])} for each parameter that is a
-    piece of a larger tensor -- a tensor-parallel shard, as ``minidist.parallel.tensor.sharding.
+    piece of a larger tensor -- a tensor-parallel shard, as ``minidist.parallel.tensor.slices.
     global_slices`` describes it; the others are whole. ``objects``: name -> object
     with ``state_dict``/``load_state_dict``. ``rngs``: name -> numpy Generator (restored in place).
     ``mesh``: recorded in the manifest, e.g. {"dp": 2, "pp": 2, "tp": 1, "zero": 0}. ``on_load``:

@@ -253,7 +253,8 @@ def test_async_write_failure_is_reported_and_training_goes_on(tmp_path):
 def test_assemble_copies_exactly_the_overlap_of_any_pieces(cuts, lo, width, target, part):
     """Pieces that are flat ranges of a (4, 12) tensor, cut anywhere, give any target piece: expected
     values are sliced out of the full array with plain NumPy."""
-    from minidist.parallel.tensor.sharding import Shard, global_slices
+    from minidist.parallel.tensor.sharding import Shard
+    from minidist.parallel.tensor.slices import global_slices
     from minidist.resilience.checkpoint.layout import Slot, assemble
 
     full = np.arange(48.0).reshape(4, 12) * 1.5
@@ -347,7 +348,8 @@ def _megatron_rng_job(comm, root, steps, save_at=(), resume=False, keep_rng=True
     from minidist.autograd import random as mrandom
     from minidist.nn.optim import AdamW
     from minidist.parallel.tensor.gpt import TPGPT
-    from minidist.parallel.tensor.sharding import global_slices, sharding_table
+    from minidist.parallel.tensor.sharding import sharding_table
+    from minidist.parallel.tensor.slices import global_slices
     from minidist.resilience.checkpoint import TrainState
 
     mrandom.manual_seed(11)
