@@ -11,7 +11,9 @@
 * **a receive** completes at the later of the receiver's clock and the message's arrival;
 * each thread acting for a rank has its own lane of the clock (the async worker's collectives run
   beside the compute, as a NIC does); a job starts no earlier than its submission and ``wait()``
-  joins its end.
+  joins its end;
+* ``MINIDIST_DEVICE`` (a lesson's ``--device NAME``): compute costs a device model's time instead,
+  each op its FLOPs and bytes under the roofline (``work``), and the CPU time is not charged.
 
 The transports call ``send``, ``pause`` and ``resume``; ``trace.clock.now()`` reads ``now``.
 """
@@ -37,6 +39,34 @@ def enabled() -> bool:
     return mode == "virtual"
 
 
+class Device:
+    """A device model: ``flops`` FLOP/s, ``bandwidth`` bytes/s of memory, ``overhead`` s per op."""
+
+    def __init__(self, flops: float, bandwidth: float, overhead: float = 0.0, name: str = ""):
+        self.flops, self.bandwidth, self.overhead, self.name = flops, bandwidth, overhead, name
+
+    def op_time(self, flops: float, nbytes: float) -> float:
+        """The roofline: an op takes the longer of its math and its memory traffic, plus the overhead."""
+        return self.overhead + max(flops / self.flops, nbytes / self.bandwidth)
+
+    def __str__(self):
+        return (f"{self.name or 'device'}: {self.flops / 1e12:g} TFLOP/s, {self.bandwidth / 1e9:g} GB/s, "
+                f"{self.overhead * 1e6:g} us per op")
+
+
+def parse_device(spec: str | None) -> Device | None:
+    """ "tflops=989,gBps=3350,overhead_us=5,name=H100" -> Device; "" or None -> None (CPU time)."""
+    if not spec:
+        return None
+    fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+    try:
+        return Device(float(fields["tflops"]) * 1e12, float(fields["gBps"]) * 1e9,
+                      float(fields.get("overhead_us", 0)) * 1e-6, fields.get("name", ""))
+    except (KeyError, ValueError):
+        raise ValueError(f"MINIDIST_DEVICE={spec!r}: expected e.g. 'tflops=989,gBps=3350,overhead_us=5' "
+                         f"(a lesson's --device NAME writes it)") from None
+
+
 def default_link() -> Link:
     """The link messages are charged on: ``MINIDIST_LINK``, else this machine's shared memory as
     the cost model prices it (alpha for a core per rank, 1/beta bytes per second)."""
@@ -53,8 +83,9 @@ class _Lane:
 class RankClock:
     """One rank's virtual time: a lane per thread acting for the rank, one outgoing link."""
 
-    def __init__(self, link: Link | None = None):
+    def __init__(self, link: Link | None = None, device: Device | None = None):
         self.link = link or default_link()
+        self.device = device if device is not None else parse_device(os.environ.get("MINIDIST_DEVICE"))
         self.link_free = 0.0        # when this rank's outgoing link has pushed its last byte
         self.lanes: dict = {}       # thread id -> _Lane
         self._lock = threading.Lock()
@@ -70,12 +101,19 @@ class RankClock:
         return lane
 
     def now(self) -> float:
-        """This thread's virtual seconds, with the compute since the last look charged."""
+        """This thread's virtual seconds, with the compute since the last look charged (CPU time;
+        under a device model its ops were charged as they ran, by ``work``)."""
         lane = self.lane()
         mark = _thread_time()
-        lane.t += mark - lane.mark
+        if self.device is None:
+            lane.t += mark - lane.mark
         lane.mark = mark
         return lane.t
+
+    def work(self, flops: float, nbytes: float) -> None:
+        """An op of ``flops`` and ``nbytes`` ran: under a device model it costs the roofline's time."""
+        if self.device is not None:
+            self.lane().t += self.device.op_time(flops, nbytes)
 
     def pause(self) -> float:
         """Charge the compute so far and stop charging: communication starts (returns the time)."""
