@@ -2,14 +2,11 @@
 
 A ``Tensor`` wraps one backend array (``.data``) and, when a differentiable op made it while
 gradients were on, the graph ``Node`` (``graph.py``) that remembers the op, what its forward saved
-(``Context``, ``modes.py``) and its inputs. ``Function.apply`` is where an op meets the graph: it
-unwraps the inputs, runs ``forward``, and records the node when some input wants a gradient.
-``loss.backward()`` checks the seed and hands it to ``graph.run_backward``.
-
-The ops themselves, and Tensor's operators and methods (``+``, ``@``, ``.sum()``, ``.reshape()``),
-are in ``minidist.autograd.ops``, which attaches them to this class. An array engine changes how
-an op runs through one seam, ``minidist.accel.compiled``: off NumPy, ``Function.apply`` runs the
-class the engine's ``kernel`` returns (JAX: each op one compiled call).
+(``Context``, ``modes.py``) and its inputs. ``Function.apply`` is where an op meets the graph;
+``loss.backward()`` hands the seed to ``graph.run_backward``. The ops, and Tensor's operators and
+methods (``+``, ``@``, ``.sum()``), are in ``minidist.autograd.ops``, which attaches them to this
+class. Off NumPy, ``Function.apply`` runs the class an engine's ``kernel`` returns (the seam
+``minidist.accel.compiled``; JAX: each op one compiled call).
 """
 
 from __future__ import annotations
@@ -98,8 +95,7 @@ class Tensor:
 
     @classmethod
     def _result(cls, data) -> Tensor:
-        """An op's output without gradient: a NumPy array is taken as is (the common case, no
-        checks); anything else (a scalar, another library's array) goes through ``__init__``."""
+        """An op's output without gradient: a NumPy array as is, anything else through ``__init__``."""
         if type(data) is not np.ndarray:
             return cls(data)
         t = object.__new__(cls)

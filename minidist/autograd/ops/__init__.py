@@ -5,16 +5,13 @@ backward the textbook formula, one file per kind: ``elementwise``, ``matmul``, `
 reshapes, indexing, embedding), ``norms`` (softmax, LayerNorm, dropout), ``attention``, ``loss``;
 ``arrays`` holds their helpers. Pure array code, so the JAX engine can compile each one.
 
-Here: the lower-case functions on Tensors, Tensor's operators and methods (attached to the class;
-``tensor.py`` imports no op), and the registry of fast forms. ``FAST`` maps a plain op to a faster
-one with the same contract (``minidist.autograd.fused`` registers its forms when ``minidist`` is
-imported); ``fast(Op, x)`` picks it on NumPy and CuPy, unless ``MINIDIST_FUSED=0`` or
-``with disabled():`` asks for the plain forms (a reference, a gradient check).
+Here: the registry of fast forms (``FAST``: a plain op -> a faster one with the same contract, which
+``minidist.autograd.fused`` registers when ``minidist`` is imported; ``fast(Op, x)`` picks it), the
+lower-case functions on Tensors, and Tensor's operators and methods (``tensor.py`` imports no op).
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import os
 import threading
@@ -22,43 +19,6 @@ import threading
 import numpy as np
 
 from minidist.accel.backend import backend_of
-from minidist.autograd.ops.arrays import unbroadcast  # noqa: F401
-from minidist.autograd.ops.attention import (  # noqa: F401
-    PackedAttention,
-    ScaledDotProductAttention,
-    attention_grads,
-    attention_probs,
-    check_packed,
-)
-from minidist.autograd.ops.elementwise import (  # noqa: F401
-    Add,
-    Cast,
-    Div,
-    Exp,
-    Gelu,
-    Log,
-    Mul,
-    Neg,
-    Pow,
-    Relu,
-    Sub,
-    Tanh,
-)
-from minidist.autograd.ops.loss import CrossEntropy  # noqa: F401
-from minidist.autograd.ops.matmul import Linear, Matmul, low_precision  # noqa: F401
-from minidist.autograd.ops.norms import Dropout, LayerNorm, LogSoftmax, Softmax, dropout_mask  # noqa: F401
-from minidist.autograd.ops.shapes import (  # noqa: F401
-    Concat,
-    Embedding,
-    GetItem,
-    Max,
-    Mean,
-    Reshape,
-    Sum,
-    Transpose,
-    _check_ids,
-)
-from minidist.autograd.tensor import Tensor
 
 # -- the fast forms: which class runs an op -----------------------------------------------------
 FAST: dict = {}  # plain op -> its fast form; minidist.autograd.fused fills it when minidist is imported
@@ -93,11 +53,55 @@ def disabled():
         _state.on = prev
 
 
+# -- the ops (one file per kind) ------------------------------------------------------------------
+from minidist.autograd.ops.arrays import unbroadcast  # noqa: E402, F401
+from minidist.autograd.ops.attention import (  # noqa: E402, F401
+    PackedAttention,
+    ScaledDotProductAttention,
+    attention_grads,
+    attention_probs,
+    check_packed,
+)
+from minidist.autograd.ops.elementwise import (  # noqa: E402, F401
+    Add,
+    Cast,
+    Div,
+    Exp,
+    Gelu,
+    Log,
+    Mul,
+    Neg,
+    Pow,
+    Relu,
+    Sub,
+    Tanh,
+)
+from minidist.autograd.ops.loss import CrossEntropy  # noqa: E402, F401
+from minidist.autograd.ops.matmul import Linear, Matmul, low_precision  # noqa: E402, F401
+from minidist.autograd.ops.norms import (  # noqa: E402, F401
+    Dropout,
+    LayerNorm,
+    LogSoftmax,
+    Softmax,
+    dropout_mask,
+    layer_norm_compute,
+)
+from minidist.autograd.ops.shapes import (  # noqa: E402, F401
+    Concat,
+    Embedding,
+    GetItem,
+    Max,
+    Mean,
+    Reshape,
+    Sum,
+    Transpose,
+    _check_ids,
+    split,
+)
+from minidist.autograd.tensor import Tensor  # noqa: E402
+
+
 # -- the Tensor-level API --------------------------------------------------------------------------
-def _data(x):
-    return x.data if isinstance(x, Tensor) else x
-
-
 def add(a, b):
     return Add.apply(a, b)
 
@@ -192,27 +196,8 @@ def concat(tensors, axis=0):
     return Concat.apply(*tensors, axis=axis)
 
 
-def split(a, sections, axis=0):
-    """Split ``a`` along ``axis`` into ``sections`` equal parts (an int) or at the given sizes."""
-    n = a.shape[axis]
-    if isinstance(sections, int):
-        if n % sections:
-            raise ValueError(f"split: axis {axis} of length {n} doesn't divide into {sections} parts")
-        sizes = [n // sections] * sections
-    else:
-        sizes = list(sections)
-        if builtins.sum(sizes) != n:
-            raise ValueError(f"split: sizes {sizes} don't add up to axis {axis} length {n}")
-    out, start = [], 0
-    for s in sizes:
-        idx = (slice(None),) * (axis % a.ndim) + (slice(start, start + s),)
-        out.append(getitem(a, idx))
-        start += s
-    return out
-
-
 def embedding(weight, idx):
-    idx = _data(idx)
+    idx = idx.data if isinstance(idx, Tensor) else idx
     _check_ids(idx, weight.shape[0], "embedding: token id array")
     return Embedding.apply(weight, idx)
 
@@ -227,22 +212,10 @@ def log_softmax(x, axis=-1):
 
 def layer_norm(x, w, b, eps=1e-5, compute=None):
     """LayerNorm over the last axis; ``compute`` (e.g. float32 under bf16 parameters): the dtype its
-    statistics run in, the output rounded to ``w``'s dtype (see ``LayerNorm``). Everything already in
-    ``compute``: the op without casts (the same numbers, one compiled program fewer on JAX)."""
-    if compute is None:
-        return fast(LayerNorm, x).apply(x, w, b, eps=eps)
-    try:
-        dt = np.dtype(compute)
-    except TypeError:
-        dt = np.dtype(object)  # (refused below)
-    if x.dtype == w.dtype == b.dtype == dt:
-        return fast(LayerNorm, x).apply(x, w, b, eps=eps)
-    if dt.kind != "f" or not all(np.can_cast(a.dtype, dt, "safe") for a in (x, w, b)):
-        # (safe casts only: float16 is as wide as bfloat16 in bytes, not in range -- 1e5 became inf)
-        widest = np.result_type(np.float32, x.dtype, w.dtype, b.dtype)
-        raise ValueError(f"layer_norm: compute={compute!r} must be a float dtype x, w and b ({x.dtype}, "
-                         f"{w.dtype}, {b.dtype}) cast to without loss, e.g. {widest}")
-    return fast(LayerNorm, x).apply(x, w, b, eps=eps, compute=dt)
+    statistics run in, the output rounded to ``w``'s dtype (see ``LayerNorm``)."""
+    dt = None if compute is None else layer_norm_compute(compute, x, w, b)
+    op = fast(LayerNorm, x)
+    return op.apply(x, w, b, eps=eps) if dt is None else op.apply(x, w, b, eps=eps, compute=dt)
 
 
 def dropout(x, p, rng, training=True):
@@ -265,7 +238,7 @@ def packed_attention(qkv, n_head, causal=True):
 
 
 def cross_entropy(logits, targets, ignore_index=-1):
-    targets = _data(targets)
+    targets = targets.data if isinstance(targets, Tensor) else targets
     _check_ids(targets, logits.shape[-1], "cross_entropy: targets", ignore=ignore_index)
     return fast(CrossEntropy, logits).apply(logits, targets, ignore_index=ignore_index)
 
