@@ -44,16 +44,15 @@ def _inplace(fn, a):
 
 def _dot_last(a, v):
     """Σ_i a[..., i]·v[i] over the last axis, keepdims: one matrix-vector product (float32/64: a
-    BLAS pass with no temporary, ~6x ``(a * v).sum(-1)``); 2-byte floats as a mean does,
-    accumulated in float32."""
+    BLAS pass with no temporary); 2-byte floats as a mean does, accumulated in float32."""
     if a.dtype.itemsize < 4:
         return _mean_last(a * v) * a.shape[-1]
     return (_rows(a) @ v).reshape(a.shape[:-1] + (1,))
 
 
 def _sum_last(a):
-    """``a.sum(axis=-1, keepdims=True)``; float32/64 as a matrix-vector product with ones: NumPy's
-    ``sum`` along a short last axis costs 3.5-4x the BLAS pass (rows of 128-256)."""
+    """``a.sum(axis=-1, keepdims=True)``; float32/64 as a matrix-vector product with ones (NumPy's
+    ``sum`` along a short last axis costs several times the BLAS pass)."""
     if a.dtype.itemsize < 4:
         return a.sum(axis=-1, keepdims=True)
     return _dot_last(a, _xp(a).ones(a.shape[-1], dtype=a.dtype))
@@ -69,7 +68,7 @@ def _mean_last(a):
 
 def _vdot_last(a, b):
     """Σ_i a[..., i]·b[..., i] over the last axis, keepdims; float32/64 by ``einsum``, one pass with
-    no a·b temporary (~3x ``(a * b).sum(-1)``)."""
+    no a·b temporary."""
     if a.dtype.itemsize < 4:
         return (a * b).sum(axis=-1, keepdims=True)
     return _xp(a).einsum("...i,...i->...", a, b)[..., None]
@@ -119,7 +118,7 @@ class Gelu(ops.Gelu):
 class Linear(ops.Linear):
     """``ops.Linear`` with the bias added into the product's buffer, and no reshape of a single
     matrix; a (B, T, in) input is folded into one GEMM as there (NumPy's batched matmul runs B
-    smaller ones, ~25% slower)."""
+    smaller ones, slower)."""
 
     compilable = True
 
