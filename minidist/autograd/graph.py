@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.accel import compiled
+from minidist.autograd import meter
 
 
 class Node:
@@ -95,6 +96,8 @@ def run_backward(root, grad, retain_graph: bool = False) -> None:
             in_grads = item.fn.backward(item.ctx, g)
             if not isinstance(in_grads, tuple):
                 in_grads = (in_grads,)
+            if meter.METER is not None:
+                meter.METER(item.fn, (g,), in_grads, True)
         for parent, shape, ig in zip(item.parents, item.shapes, in_grads):
             if parent is None:
                 continue

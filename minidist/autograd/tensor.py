@@ -15,6 +15,7 @@ import numpy as np
 
 from minidist.accel import compiled
 from minidist.accel.backend import Backend, backend_of, default_backend, get_backend
+from minidist.autograd import meter
 from minidist.autograd.graph import Node, _accumulate, _add, count_consumers, run_backward  # noqa: F401
 from minidist.autograd.modes import (  # noqa: F401
     Context,
@@ -54,13 +55,18 @@ class Function:
             cls = compiled.ENGINE.kernel(cls)  # JAX: the op as one compiled function (the seam)
         if not getattr(_state, "grad_enabled", True):  # no graph (evaluation, decoding): the least work
             ctx = Context((False,) * len(inputs), record=False)
-            return Tensor._result(cls.forward(ctx, *[t.data if isinstance(t, Tensor) else t for t in inputs],
-                                              **kwargs))
+            arrays = [t.data if isinstance(t, Tensor) else t for t in inputs]
+            out = cls.forward(ctx, *arrays, **kwargs)
+            if meter.METER is not None:
+                meter.METER(cls, arrays, out, False)
+            return Tensor._result(out)
         arrays = [t.data if isinstance(t, Tensor) else t for t in inputs]
         needs = tuple(isinstance(t, Tensor) and t.requires_grad for t in inputs)
         record = any(needs)  # gradients are enabled: the no-graph case returned above
         ctx = Context(needs, record)
         out = cls.forward(ctx, *arrays, **kwargs)
+        if meter.METER is not None:
+            meter.METER(cls, arrays, out, False)
         result = Tensor(out, requires_grad=record)
         if record:
             result._node = Node(cls, ctx, tuple(_parent(t) for t in inputs),

@@ -24,11 +24,14 @@ import os
 import threading
 import time
 
+from minidist.autograd import meter
+from minidist.autograd.ops import Linear, Matmul, PackedAttention, ScaledDotProductAttention
 from minidist.comm import cost
 from minidist.comm.transports.link import Link, current_link
 from minidist.trace import clock as trace_clock
 
 _thread_time = time.thread_time
+_local = threading.local()  # .clock: the RankClock this thread acts for (adopt_thread)
 
 
 def enabled() -> bool:
@@ -91,8 +94,18 @@ class RankClock:
         self._lock = threading.Lock()
 
     def adopt_thread(self) -> None:
-        """This thread acts for the rank from now on: ``trace.clock.now()`` reads its lane."""
+        """This thread acts for the rank from now on: ``trace.clock.now()`` reads its lane (and,
+        under a device model, its ops are charged to it)."""
         trace_clock.use(self.now)
+        _local.clock = self
+        if self.device is not None:
+            meter.install(charge_op)
+
+    @staticmethod
+    def release_thread() -> None:
+        """This thread no longer acts for a rank: wall time again, its ops charged to nobody."""
+        trace_clock.use(None)
+        _local.clock = None
 
     def lane(self) -> _Lane:
         lane = self.lanes.get(threading.get_ident())
@@ -142,3 +155,34 @@ class RankClock:
     def start_job(self, ready: float) -> None:
         """A background job submitted at ``ready`` starts on this thread's lane."""
         self.resume(ready)
+
+
+def op_work(op, ins, outs, backward: bool) -> tuple[float, float]:
+    """(FLOPs, bytes) of one op from its arrays' shapes. Forward: a product's 2·M·K·N (attention's
+    two, 4·B·H·Tq·Tk·D), one FLOP per output element for the rest. Backward (``ins`` = the output's
+    gradient g, ``outs`` = the inputs' gradients): each input gradient of a product is a product of
+    g's size times K. Bytes: every array read or written."""
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    done = [a for a in outs if a is not None]
+    nbytes = float(sum(a.nbytes for a in (*ins, *done) if hasattr(a, "nbytes")))
+    if not done or not hasattr(ins[0], "shape"):
+        return 0.0, nbytes
+    x, y = ins[0], done[0]
+    if issubclass(op, (Linear, Matmul)):
+        if not backward:
+            return 2.0 * y.size * x.shape[-1], nbytes
+        da, db = outs[0], outs[1] if len(outs) > 1 else None  # g (..., N); da (..., K); db (.., K, N)
+        k = da.shape[-1] if da is not None else db.shape[-2]
+        return 2.0 * x.size * k * ((da is not None) + (db is not None)), nbytes
+    if issubclass(op, ScaledDotProductAttention):  # q (B, H, Tq, D), k (B, H, Tk, D)
+        return (8.0 * x.size * outs[1].shape[-2] if backward else 4.0 * y.size * ins[1].shape[-2]), nbytes
+    if issubclass(op, PackedAttention):  # qkv (B, T, 3C) -> (B, T, C)
+        return (8.0 * x.size * x.shape[-2] if backward else 4.0 * y.size * y.shape[-2]), nbytes
+    return float(sum(a.size for a in done)), nbytes
+
+
+def charge_op(op, ins, outs, backward: bool) -> None:
+    """The meter a device model installs: each op costs its roofline time on the thread's rank."""
+    clock = getattr(_local, "clock", None)
+    if clock is not None:
+        clock.work(*op_work(op, ins, outs, backward))
