@@ -32,6 +32,7 @@ from minidist.lessons.cli import (
     finish,
     launch,
     lesson_parser,
+    link_spec,
     positive_float,
     positive_int,
     probability,
@@ -87,7 +88,7 @@ def overlap_timeline(comm, cfg, args):
     group = comm.split(0 if comm.rank < tp else None, comm.rank)
     if group is None or tp == 1:
         return
-    link = parse_link(args.link)
+    link = parse_link(args.overlap_link)
     for ch in (group, group.channel("async"), group.channel(CHANNEL)):
         ch.link = link
     big = cfg.replace(d_model=512)  # GEMM chunks long enough to hide a hop behind
@@ -244,13 +245,9 @@ def main(argv=None):
                              "2.2e-05 for float32 at the default sizes)")
     parser.add_argument("--overlap", action="store_true",
                         help="sequence parallelism with collective matmul (hops hidden behind the GEMMs)")
-    parser.add_argument("--link", default="alpha_us=50,gbps=2",
-                        help="the emulated link of --overlap's timeline (minidist.comm.transports.link)")
     args = parser.parse_args(argv)
-    try:
-        parse_link(args.link)
-    except ValueError as e:
-        parser.error(f"argument --link: {e}")
+    # --link (the shared flag, checked by the parser) is the emulated link of --overlap's timeline only
+    args.overlap_link, args.link = link_spec(args.link or "alpha_us=50,gbps=2"), None
     if args.d_model % 4:
         parser.error(f"argument --d-model: must be a multiple of the 4 attention heads, got {args.d_model}")
     if args.seq % 4:
