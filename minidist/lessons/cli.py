@@ -153,12 +153,12 @@ DEVICES = ("a100", "h100", "b200", "tpu-v4", "tpu-v5e", "tpu-v5p")
 def link_spec(name: str) -> str:
     """A ``--link`` as ``MINIDIST_LINK`` spells it: a named link, "here" (this machine as calibrated,
     ``python -m minidist.calibrate``), or a spec."""
-    from minidist.comm.transports.link import parse_link
+    from minidist.comm.transports.link import parse_link  # defers the link module to a lesson with --link
 
     if name.lower() in LINKS:
         return LINKS[name.lower()]
     if name.lower() == "here":
-        from minidist.plan.hardware import here
+        from minidist.plan.hardware import here  # defers the planner to --link here
 
         link = here().intra
         return f"alpha_us={link.latency * 1e6:g},gBps={link.bandwidth / 1e9:g}"
@@ -168,7 +168,7 @@ def link_spec(name: str) -> str:
 
 def device_spec(name: str) -> str:
     """A ``--device`` as ``MINIDIST_DEVICE`` spells it, from plan/hardware.py's presets or "here"."""
-    from minidist.plan.hardware import get
+    from minidist.plan.hardware import get  # defers the planner to --device
 
     hw = get(name)  # a ValueError lists the presets
     return (f"tflops={hw.peak_flops * hw.gemm_efficiency / 1e12:g},gBps={hw.hbm_bandwidth / 1e9:g},"
@@ -177,7 +177,7 @@ def device_spec(name: str) -> str:
 
 def use_clock(args) -> None:
     """Put the lesson's ``--clock``, ``--link`` and ``--device`` into effect for the ranks it starts."""
-    from minidist.comm.transports.link import set_link
+    from minidist.comm.transports.link import set_link  # defers the link module to launch
 
     if getattr(args, "clock", None):
         os.environ["MINIDIST_CLOCK"] = args.clock
