@@ -38,7 +38,7 @@ from minidist.comm.communicator import (
     Request,
 )
 from minidist.comm.debug import CollectiveMismatch
-from minidist.comm.handles import Handle
+from minidist.comm.handles import Handle, start_async
 from minidist.comm.ledger import CallRecord, Ledger, measure
 from minidist.comm.mesh import Mesh
 from minidist.comm.runner import run, under_mpi, world
@@ -49,7 +49,7 @@ __all__ = [
     "CallRecord", "CollectiveMismatch", "CommError", "CommTimeout", "Communicator", "Handle", "Ledger",
     "MPIComm", "Mesh", "MessageMismatch", "RankAborted", "RankExited", "Request", "ThreadComm", "all_gather",
     "all_gather_async", "all_reduce", "all_reduce_async", "all_to_all", "broadcast", "gather", "measure",
-    "mpi_all_reduce",
+    "mpi_all_reduce", "start_async",
     "naive_all_reduce", "recursive_doubling_all_reduce", "reduce", "reduce_scatter",
     "reduce_scatter_async", "ring_all_reduce", "run", "scatter", "tree_all_reduce", "under_mpi", "world",
 ]

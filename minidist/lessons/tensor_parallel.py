@@ -45,7 +45,7 @@ from minidist.nn.footprint import MemoryAccountant
 from minidist.nn.serial import adamw_tolerance, train_steps
 from minidist.parallel.tensor.collective_matmul import CHANNEL, hidden_share, lanes, use_collective_matmul
 from minidist.parallel.tensor.gpt import TPGPT, ParallelBlock
-from minidist.parallel.tensor.sharding import sharding_table, unshard
+from minidist.parallel.tensor.sharding import serial_state_dict, sharding_table, unshard
 
 
 def make_batches(args, block_size):
@@ -140,7 +140,7 @@ def rank_main(comm, args):
             t0 = time.perf_counter()
             losses = train(model, batches, args.lr)
             step_ms = max(group.allgather_obj(time.perf_counter() - t0)) / len(batches) * 1e3
-            full = model.serial_state_dict()
+            full = serial_state_dict(model)
             act = activation_bytes(model, *batches[0])
             pbytes = sum(p.data.nbytes for p in model.parameters())
             if comm.rank == 0:

@@ -24,12 +24,17 @@ from minidist.nn.serial import adamw_tolerance
 from minidist.parallel.tensor import comm as tp_comm
 from minidist.parallel.tensor import gpt as tp_gpt
 from minidist.parallel.tensor.gpt import TPGPT, ParallelBlock
-from minidist.parallel.tensor.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    vocab_parallel_cross_entropy,
+from minidist.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from minidist.parallel.tensor.sharding import (
+    Shard,
+    load_serial_state_dict,
+    reshard,
+    serial_state_dict,
+    shard_state_dict,
+    sharding_table,
+    unshard,
 )
-from minidist.parallel.tensor.sharding import Shard, reshard, shard_state_dict, sharding_table, unshard
+from minidist.parallel.tensor.vocab import vocab_parallel_cross_entropy
 
 ROOT = Path(__file__).resolve().parents[3]
 TOL = {"float64": 1e-10}  # summation order differs across ranks, nothing else (float32: rounding_bound)
@@ -271,10 +276,10 @@ def test_state_dict_round_trip_and_loading():
 
     def rank(comm):
         model = TPGPT(cfg.replace(seed=99), comm)   # different init, then load the serial weights
-        model.load_serial_state_dict(serial)
+        load_serial_state_dict(model, serial)
         fresh = TPGPT(cfg, comm).state_dict()       # sharded init == sharded serial state_dict
         same = all(np.array_equal(fresh[k], v) for k, v in model.state_dict().items())
-        return same, model.serial_state_dict()
+        return same, serial_state_dict(model)
 
     for same, sd in run(rank, ranks=2):
         assert same and all(np.array_equal(sd[k], serial[k]) for k in serial)
@@ -386,7 +391,7 @@ def test_sequence_parallel_gradients_equal_serial_under_mpirun():
 def _vocab_parallel_on_device(comm, logits, targets, ids, table):
     """The vocabulary-parallel loss (and its logits gradient) and embedding on the rank's backend."""
     from minidist.accel import jax_engine
-    from minidist.parallel.tensor.layers import VocabParallelEmbedding
+    from minidist.parallel.tensor.vocab import VocabParallelEmbedding
 
     be, v = comm.backend, logits.shape[-1] // comm.size
     mine = Tensor(be.from_host(logits[..., comm.rank * v:(comm.rank + 1) * v]), requires_grad=True)

@@ -343,6 +343,7 @@ def _megatron_rng_job(comm, root, steps, save_at=(), resume=False, keep_rng=True
     from minidist.autograd import random as mrandom
     from minidist.nn.optim import AdamW
     from minidist.parallel.tensor.gpt import TPGPT
+    from minidist.parallel.tensor.sharding import serial_state_dict
     from minidist.resilience.checkpoint import TrainState
 
     mrandom.manual_seed(11)
@@ -359,7 +360,7 @@ def _megatron_rng_job(comm, root, steps, save_at=(), resume=False, keep_rng=True
         opt.zero_grad()
         if opt.step_count in save_at:
             save(comm, root, opt.step_count, state)
-    return model.serial_state_dict()
+    return serial_state_dict(model)
 
 
 @pytest.mark.parametrize("keep_rng", [True, False])
