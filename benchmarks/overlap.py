@@ -38,13 +38,8 @@ from minidist.comm import measure, run  # noqa: E402
 from minidist.comm.transports.link import parse_link, set_link  # noqa: E402
 from minidist.parallel.context.layout import shard_sequence  # noqa: E402
 from minidist.parallel.context.ring import packed_ring_attention, ring_bytes  # noqa: E402
-from minidist.parallel.context.ulysses import (  # noqa: E402
-    packed_ulysses_attention,
-    packed_usp_attention,
-    ulysses_bytes,
-    usp_bytes,
-    usp_groups,
-)
+from minidist.parallel.context.ulysses import packed_ulysses_attention, ulysses_bytes  # noqa: E402
+from minidist.parallel.context.usp import packed_usp_attention, usp_bytes, usp_groups  # noqa: E402
 from minidist.parallel.tensor.collective_matmul import hidden_share, lanes, use_collective_matmul  # noqa: E402
 from minidist.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 

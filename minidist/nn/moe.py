@@ -2,31 +2,19 @@
 
 For N tokens x (N, d) and E experts:
 
-1. **route** -- logits = x·W_r (N, E), probs = softmax(logits). Each token picks its top-k experts
-   (k = 1 Switch, k = 2 GShard); its gates are those probs (top-2: renormalised to sum to 1).
-2. **capacity** -- each expert takes at most C = ceil(capacity_factor · k · N / E) tokens, in
-   priority order: every token's first choice (in token order), then every second choice. An
-   assignment past C is **dropped**: that token gets nothing from that expert, and a token whose
-   every choice was dropped passes through the block's residual connection unchanged.
+1. **route** -- probs = softmax(x·W_r) (N, E); each token picks its top-k experts, its gates are
+   those probs (top-2: renormalised to sum to 1).
+2. **capacity** -- each expert takes at most C = ceil(capacity_factor · k · N / E) tokens, first
+   choices first (in token order), then second choices; an assignment past C is **dropped** (a
+   token dropped by every expert passes through the block's residual unchanged).
 3. **dispatch** -- kept tokens are copied into a buffer of E x C rows (expert e's slot s at row
-   e·C + s; empty slots are zeros): a fixed shape, whatever the routing, so expert parallelism
-   (``minidist.parallel.experts.dispatch``) exchanges it with ``all_to_all`` of known size.
+   e·C + s, empty slots zeros): a fixed shape, which expert parallelism exchanges by all-to-all.
 4. **experts** -- expert e runs on its C rows (``run_experts``: the one step EP replaces).
 5. **combine** -- each kept assignment's output row, times its gate, is added to its token.
 
-Steps 3-5 and the losses below are ops of their own (``minidist.nn.moe_steps``: ``Dispatch``,
-``ExpertMLPs``, ``Combine``), each one op forward and one backward -- the block is 7 ops, not ~55.
-
-On JAX, where every new shape is a new compiled program, the kept assignments (a different number
-every step) are padded to all N·k: a padded one moves token 0 to buffer row 0 times a gate of 0,
-adding exact zeros, so every step has the same shapes and compiles nothing new
-(``pad_assignments``); NumPy moves only the kept ones.
-
-Auxiliary losses (Switch Transformer): the **load-balancing loss** E · Σ_e f_e · P_e, where f_e is
-the fraction of the N·k assignments routed to e (before drops; no gradient) and P_e the mean
-router probability of e -- smallest (1) when both are uniform; and the **router z-loss**
-mean_tokens(logsumexp(logits)²), which keeps the logits small. Both are left on ``moe.stats``
-after each forward, with the tokens routed to each expert and the dropped fraction.
+Steps 3-5 and the auxiliary losses (Switch's load-balancing loss E · Σ_e f_e · P_e and the router
+z-loss, left on ``moe.stats``) are one op each (``moe_steps.py``). On JAX the kept assignments are
+padded to all N·k (``pad_assignments``), so every step has the same shapes (chapter 15).
 """
 
 from __future__ import annotations
@@ -98,9 +86,8 @@ def routed_fraction(experts: np.ndarray, n_experts: int) -> np.ndarray:
 @dataclass
 class MoEStats:
     """What one forward routed: tokens per expert (before drops), kept per expert, dropped fraction
-    of the N·k assignments, and the two auxiliary losses (Tensors: add them to the loss). Under
-    activation checkpointing the block's forward builds no graph, so the losses carry no gradient
-    there (chapter 15)."""
+    of the N·k assignments, and the two auxiliary losses (Tensors: add them to the loss; under
+    activation recompute they carry no gradient, chapter 15)."""
     tokens_per_expert: np.ndarray
     kept_per_expert: np.ndarray
     dropped_fraction: float
@@ -118,9 +105,8 @@ class MoEStats:
 # -- the block ------------------------------------------------------------------------------------
 
 class MoE(Module):
-    """``MoE(dim, n_experts, k, capacity_factor)``: x (..., d) -> (..., d), the experts' gated sum.
-
-    Use it in place of a block's MLP: x + moe(ln(x)) (dropped tokens keep x)."""
+    """``MoE(dim, n_experts, k, capacity_factor)``: x (..., d) -> (..., d), the experts' gated sum;
+    in place of a block's MLP: x + moe(ln(x)) (dropped tokens keep x)."""
 
     def __init__(self, dim, n_experts, k=1, capacity_factor=1.25, hidden=None, *, dtype=np.float32,
                  std=0.02, proj_std=None, rng=None, backend=None):

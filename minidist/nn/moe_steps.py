@@ -1,7 +1,7 @@
 """The MoE block's steps as differentiable ops, each ONE op forward and one backward.
 
-``minidist.nn.moe`` routes on the host; these move and compute the arrays (N tokens, E experts,
-C slots each, M = the kept assignments, each (token ``tok``, choice ``choice``, buffer row ``rows``)):
+``moe.py`` routes on the host; these move and compute the arrays (N tokens, E experts, C slots
+each; the kept assignments, each a token ``tok``, its choice ``choice`` and buffer row ``rows``):
 
 * ``Dispatch`` -- the kept tokens copied into the (E·C, d) expert buffer;
 * ``ExpertMLPs`` -- every local expert's MLP on its rows of the buffer;
@@ -9,13 +9,10 @@ C slots each, M = the kept assignments, each (token ``tok``, choice ``choice``, 
   output row times its gate added to its token;
 * ``LoadBalancingLoss`` and ``RouterZLoss`` -- the Switch Transformer's two auxiliary losses.
 
-Written as ops of their own, not as chains of ``x[idx]``, ``*``, ``reshape``, ``concat`` (~55 ops
-forward and as many backward per block), because on JAX each op is one compiled call (a dispatch
-whatever its size; chapter 16 measures it) and on NumPy each is a Python-level graph node. Each
-backward is the chain rule of the ops it replaces, in the same order, so NumPy's results are those
-of the chain bit for bit (tests/nn/test_moe.py checks it against the chain written with
-``minidist.autograd.ops``).
-Every op here is pure array code: on JAX one compiled program per shape (``compilable``).
+As chains of ``x[idx]``, ``*``, ``reshape``, ``concat`` they would be ~55 ops per block each way (on
+JAX, a compiled call each). Each backward is the chain rule of the ops it replaces, in the same
+order, so NumPy's results are the chain's bit for bit (``tests/nn/test_moe.py``). Every op here is
+pure array code: on JAX one compiled program per shape (``compilable``).
 """
 
 from __future__ import annotations
@@ -23,7 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.accel.backend import backend_of
-from minidist.autograd.ops import Gelu, Linear, unbroadcast
+from minidist.autograd.ops.arrays import unbroadcast
+from minidist.autograd.ops.elementwise import Gelu
+from minidist.autograd.ops.matmul import Linear
 from minidist.autograd.tensor import Function
 
 

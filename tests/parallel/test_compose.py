@@ -29,10 +29,10 @@ from minidist.comm import Mesh, run
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.optim import SGD, AdamW
 from minidist.parallel import compose
-from minidist.parallel.context.ring import context_parallel
+from minidist.parallel.context.model import context_parallel
 from minidist.parallel.data.ddp import DDP
 from minidist.parallel.data.zero import ZeRO
-from minidist.parallel.experts.dispatch import moe_gpt
+from minidist.parallel.experts.model import moe_gpt
 from minidist.parallel.memory.fp8 import Fp8Recipe, fp8_linear
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
 from minidist.parallel.memory.recompute import apply_checkpointing

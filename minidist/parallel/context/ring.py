@@ -1,25 +1,19 @@
 """Ring attention: the sequence split over a ``cp`` group, attention by passing K/V round a ring.
 
-A long sequence of T tokens does not fit one rank's activations, so each of the cp ranks holds
-T/cp of them (``layout``: two of 2·cp chunks, zig-zag for causal load balance). Every layer but
-attention works token by token; attention needs every earlier key, so **ring attention** (Liu et
-al. 2023) passes them round. At step s rank r holds the K/V block of rank (r - s) mod cp, and:
+Each of the cp ranks holds T/cp tokens (``layout``: two of 2·cp chunks, zig-zag for causal load
+balance). Every layer but attention works token by token; attention needs every earlier key, so
+**ring attention** (Liu et al. 2023) passes them round. At step s rank r holds the K/V block of
+rank (r - s) mod cp, and:
 
 1. starts sending that block on to r + 1 (and receiving the next from r - 1): ``_Hop``;
 2. computes its queries' attention over the block, chunk pair by chunk pair (``block_attention``),
    merged into the running (out, lse) by the online-softmax rule (``merge_attention``);
 3. waits for the transfer, which hid behind the compute, and swaps blocks.
 
-Backward rings again: the blocks travel the same way, and with each its dK, dV so far, to which
-every rank adds its queries' share; after cp hops each block's dK, dV is back at its owner.
-
-:func:`ring_forward` and :func:`ring_backward` are those loops; :func:`attend_block` and
-:func:`attend_block_backward` one step's compute. On JAX every function here that does array
-work and no communication -- a step's compute, an op's layout in and out -- is one compiled call
-(``compiled.pure``): a program per shape and chunk-pair pattern, not one per primitive.
-
-Bytes per rank (ledger; N = b·h·(T/cp)·d elements of each of K, V, dK, dV): forward 2(cp-1)·N,
-backward 2(cp-1)·N (K, V) + 2·cp·N (dK, dV; none when cp = 1): :func:`ring_bytes`.
+Backward rings again: each block travels with its dK, dV so far, to which every rank adds its
+queries' share; after cp hops they are home. :func:`ring_forward` and :func:`ring_backward` are the
+loops, :func:`attend_block` and :func:`attend_block_backward` one step's compute (on JAX, like every
+array-only function here, one compiled call: ``compiled.pure``). Bytes: :func:`ring_bytes`.
 """
 
 from __future__ import annotations
@@ -29,7 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minidist import trace
 from minidist.accel import compiled
 from minidist.accel.backend import backend_of
 from minidist.autograd import ops
@@ -51,6 +44,7 @@ from minidist.parallel.context.layout import (  # noqa: F401  (also importable f
     shard_sequence,
     unshard_sequence,
 )
+from minidist.trace.spans import current, span
 
 
 @dataclass
@@ -121,7 +115,7 @@ class _Hop:
     def __init__(self, ring, x, tag: int, what: str):
         if isinstance(x, tuple):  # this rank's own (k, v): one message, stacked on the host
             x = np.stack([backend_of(a).to_host(a) for a in x])
-        self.tracer, self.what = trace.current(), what
+        self.tracer, self.what = current(), what
         self.t0 = self.tracer.now() if self.tracer is not None else 0.0
         self.recv = ring.irecv((ring.rank - 1) % ring.size, tag=tag)
         self.send = ring.isend(x, (ring.rank + 1) % ring.size, tag=tag)
@@ -140,7 +134,7 @@ def _computing(letter: str, src: int, pairs: tuple, q, stats):
     not tracing), and its chunk pairs and FLOPs counted into ``stats``."""
     if stats is not None:
         stats.count(letter == "B", len(pairs), q.shape)
-    return trace.span(letter, "compute", mb=src)
+    return span(letter, "compute", mb=src)
 
 
 def ring_forward(comm, q, kv, pairs_with, stats=None):
@@ -289,16 +283,3 @@ def ring_bytes(n_elements: int, itemsize: int, cp: int) -> dict:
     """Bytes one rank sends: K and V (n_elements each) forward; K, V and dK, dV backward."""
     kv = 2 * n_elements * itemsize
     return {"forward": (cp - 1) * kv, "backward": (cp - 1) * kv + (cp * kv if cp > 1 else 0)}
-
-
-_MODEL_NAMES = ("ContextParallelAttention", "ContextParallelEmbed", "attention_stats", "context_parallel",
-                "replace_child")
-
-
-def __getattr__(name):
-    """The context-parallel GPT's names (``model.py``, which builds on this file) from here too."""
-    if name in _MODEL_NAMES:
-        from minidist.parallel.context import model  # cycle: context.model imports this module
-
-        return getattr(model, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

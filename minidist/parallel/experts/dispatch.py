@@ -1,32 +1,21 @@
 """Expert parallelism: the E experts of an MoE block split over an ``ep`` group, tokens moved by all-to-all.
 
 Each of the ep ranks holds E/ep experts (rank r: experts r·E/ep .. (r+1)·E/ep - 1) and its own
-tokens (its data-parallel share: ep is carved from dp, ``minidist.comm.Mesh``). It routes them
-itself (router replicated, capacity C from its own N tokens), fills its E x C dispatch buffer
-(``minidist.nn.moe``), and then:
+tokens (ep is carved from dp, ``minidist.comm.Mesh``). It routes them itself (router replicated,
+capacity C from its own N tokens), fills its E x C dispatch buffer (``minidist.nn.moe``), and then:
 
 1. **dispatch all-to-all** -- the buffer's rows for rank j's experts (E/ep · C rows) go to rank j;
-   each rank receives ep blocks, one per sender, for its own experts;
 2. its experts run on ep·C rows each (every rank's tokens for that expert);
-3. **combine all-to-all** -- the reverse: each block goes back to the rank it came from, which
-   gates and adds the rows to its tokens exactly as the serial block does.
+3. **combine all-to-all** -- each block goes back to the rank it came from, which gates and adds
+   the rows to its tokens exactly as the serial block does.
 
-Backward is the same two all-to-alls in reverse order (an all-to-all is its own transpose). Bytes
-one rank sends per MoE layer, forward: 2 · (ep-1) · (E/ep) · C · d · itemsize (two all-to-alls
-of ep-1 blocks); forward + backward twice that -- :func:`all_to_all_bytes`. The buffer's fixed
-shape (empty slots are zeros) is what makes this a formula: the price of capacity padding.
-
-``ExpertParallelMoE`` equals the serial ``MoE`` applied to each rank's tokens separately (same
-routing, same drops, same outputs and gradients); the router's gradient is a partial sum over the
-ep group's tokens, summed like any data-parallel gradient. Ranks may hold different numbers of
-tokens: each then has its own capacity C_r, sends blocks of (E/ep)·C_r rows, and the experts run
-on each sender's block with that sender's C (the all-to-all carries each block's shape, so no
-capacities are exchanged first; the bytes formula then holds per rank with its own C).
+Backward is the same two all-to-alls in reverse (an all-to-all is its own transpose); bytes per
+layer: :func:`all_to_all_bytes`. ``ExpertParallelMoE`` equals the serial ``MoE`` applied to each
+rank's tokens separately; ranks may hold different numbers of tokens (each its own capacity: the
+all-to-all carries each block's shape). ``model.py`` makes every block of a GPT such a block.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -35,12 +24,8 @@ from minidist.autograd import ops
 from minidist.autograd.tensor import Function
 from minidist.comm import all_to_all
 from minidist.comm.call import result_backend
-from minidist.nn import GPT
 from minidist.nn.module import ModuleList
 from minidist.nn.moe import MoE, run_local_experts
-from minidist.nn.optim import make_optimizer
-from minidist.nn.serial import host_state, train_steps
-from minidist.parallel.context.ring import replace_child
 
 
 class AllToAll(Function):
@@ -130,49 +115,3 @@ def all_to_all_bytes(n_experts: int, ep: int, cap: int, dim: int, itemsize: int)
     """Bytes one rank sends per MoE layer: each all-to-all sends ep-1 blocks of (E/ep)·C·d elements."""
     one = (ep - 1) * (n_experts // ep) * cap * dim * itemsize
     return {"forward": 2 * one, "backward": 2 * one}
-
-
-# -- an MoE GPT: every block's MLP a mixture of experts ---------------------------------------------
-
-def moe_gpt(model, n_experts: int, k: int = 1, capacity_factor: float | None = None, seed: int = 0,
-            ep=None):
-    """Replace the MLP of every block of ``model`` (GPT or TPGPT) by an MoE of ``n_experts``, in place.
-
-    Every layout draws the same weights (``seed``; experts std 0.02, output projection scaled by
-    1/sqrt(2·n_layer) as the GPT's). ``ep``: the expert-parallel group (None: all experts here).
-    ``capacity_factor`` None is E/k: every expert has room for every token, nothing is dropped, and
-    the routing does not depend on how tokens are grouped -- what lets a run over any mesh equal its
-    serial twin. (With drops, routing groups are each rank's microbatches: see ``ExpertParallelMoE``.)
-    """
-    rng = np.random.default_rng(seed)
-    blocks = [m for m in model if hasattr(m, "mlp") and hasattr(m, "ln2")]
-    cf = capacity_factor or n_experts / k
-    for block in blocks:
-        dim, dtype = block.ln2.weight.shape[0], block.ln2.weight.data.dtype
-        kw = dict(dtype=dtype, std=0.02, proj_std=0.02 / math.sqrt(2 * len(blocks)), rng=rng,
-                  backend=block.ln2.weight.backend)
-        if ep is None:
-            replace_child(block, "mlp", MoE(dim, n_experts, k, cf, **kw))
-        else:
-            replace_child(block, "mlp", ExpertParallelMoE(dim, n_experts, ep, k, cf, **kw))
-    return model
-
-
-def expert_names(layers) -> dict:
-    """{local parameter name: the serial model's name} of every expert-parallel parameter in
-    ``layers`` ((prefix, module) pairs, e.g. a pipeline stage's ("3.", layer))."""
-    names = {}
-    for prefix, layer in layers:
-        for mprefix, mod in layer.named_modules(prefix):
-            if isinstance(mod, ExpertParallelMoE):
-                for pname, _ in mod.experts.named_parameters("experts."):
-                    names[mprefix + pname] = mprefix + mod.global_name(pname)
-    return names
-
-
-def train_serial_moe(cfg, batches, moe: dict, lr: float = 0.1, optimizer: str = "sgd"):
-    """The serial twin of ``train_mesh(..., moe=moe)``: one process, every expert, the whole batch.
-    Returns (host state dict, losses)."""
-    model = moe_gpt(GPT(cfg), **moe)
-    losses = train_steps(model, batches, make_optimizer(optimizer, model.parameters(), lr))
-    return host_state(model), losses
