@@ -236,7 +236,7 @@ def main(argv=None):
     parser.add_argument("--d-model", type=positive_int, default=64, help="a multiple of the 4 heads")
     parser.add_argument("--layers", type=positive_int, default=2)
     parser.add_argument("--dropout", type=probability, default=0.1)
-    parser.add_argument("--dropout-rng", choices=["twin", "megatron"], default="twin",
+    parser.add_argument("--dropout-rng", choices=["serial", "megatron"], default="serial",
                         help="sharded-region dropout masks: slices of the serial mask, or per-rank streams")
     parser.add_argument("--lr", type=positive_float, default=3e-3)
     parser.add_argument("--tol", type=positive_float, default=None,

@@ -1,19 +1,16 @@
 """Ring attention: the sequence split over a ``cp`` group, attention by passing K/V round a ring.
 
 Each of the cp ranks holds T/cp tokens (``layout``: two of 2·cp chunks, zig-zag for causal load
-balance). Every layer but attention works token by token; attention needs every earlier key, so
-**ring attention** (Liu et al. 2023) passes them round. At step s rank r holds the K/V block of
-rank (r - s) mod cp, and:
+balance); attention needs every earlier key, so **ring attention** (Liu et al. 2023) passes them
+round. At step s rank r holds the K/V block of rank (r - s) mod cp, and:
 
 1. starts sending that block on to r + 1 (and receiving the next from r - 1): ``_Hop``;
-2. computes its queries' attention over the block, chunk pair by chunk pair (``block_attention``),
-   merged into the running (out, lse) by the online-softmax rule (``merge_attention``);
+2. computes its queries' attention over the block, chunk pair by chunk pair, merged into the
+   running (out, lse) by the online softmax (``attend_block``, from ``blocks.py``);
 3. waits for the transfer, which hid behind the compute, and swaps blocks.
 
-Backward rings again: each block travels with its dK, dV so far, to which every rank adds its
-queries' share; after cp hops they are home. :func:`ring_forward` and :func:`ring_backward` are the
-loops, :func:`attend_block` and :func:`attend_block_backward` one step's compute (on JAX, like every
-array-only function here, one compiled call: ``compiled.pure``). Bytes: :func:`ring_bytes`.
+Backward rings again, each block travelling with its dK, dV so far; after cp hops they are home.
+On JAX every array-only function here is one compiled call (``compiled.pure``).
 """
 
 from __future__ import annotations
@@ -45,66 +42,6 @@ from minidist.parallel.context.layout import (  # noqa: F401  (also importable f
     unshard_sequence,
 )
 from minidist.trace.spans import current, span
-
-
-@dataclass
-class AttentionStats:
-    """What one rank computed: chunk pairs and matmul FLOPs (2·c·c·D each for QKᵀ and PV forward,
-    twice that backward), counted as they run."""
-    pairs: int = 0
-    forward_flops: int = 0
-    backward_flops: int = 0
-
-    def count(self, backward: bool, pairs: int, q_shape) -> None:
-        """Add one step's ``pairs`` chunk pairs of queries shaped (B, H, 2c, D)."""
-        b, h, t, d = q_shape
-        flops = pairs * 4 * b * h * (t // 2) ** 2 * d
-        if backward:
-            self.backward_flops += 2 * flops
-        else:
-            self.pairs += pairs
-            self.forward_flops += flops
-
-
-# -- one ring step's compute ------------------------------------------------------------------------
-
-def _plus(total, part):
-    return part if total is None else total + part
-
-
-@compiled.pure
-def attend_block(q, kv, out, lse, pairs, scale):
-    """One forward step: queries ``q`` (B, H, T/cp, D) over the K/V block in hand ``kv``
-    (2, B, H, T/cp, D), or the pair (k, v). Each visible chunk pair (i, j, diagonal) is one block
-    attention, merged into query chunk i's running result; ``out``, ``lse``: the two query chunks'
-    (None: no key yet)."""
-    qs, ks, vs = halves(q), halves(kv[0]), halves(kv[1])
-    out, lse = list(out), list(lse)
-    for i, j, diagonal in pairs:
-        pos = backend_of(q).xp.arange(qs[i].shape[-2])  # positions within a chunk; chunks are whole
-        o, l_ = block_attention(qs[i], ks[j], vs[j], pos, pos, scale, diagonal)
-        out[i], lse[i] = (o, l_) if out[i] is None else merge_attention(out[i], lse[i], o, l_)
-    return out, lse
-
-
-@compiled.pure
-def attend_block_backward(q, kv, g, lse, delta, dq, dkv, pairs, scale):
-    """One backward step: each visible chunk pair's share of dQ (``dq``: the two query chunks', None
-    before any) and of the block's dK, dV (``dkv`` (2, B, H, T/cp, D): what the ranks before added,
-    None on its owner). Returns (dq, dkv): dkv is the message on to the next rank."""
-    xp = backend_of(q).xp
-    qs, ks, vs, gs = halves(q), halves(kv[0]), halves(kv[1]), halves(g)
-    lses, deltas = halves(lse, -1), halves(delta, -1)
-    dq = list(dq)
-    dk, dv = ([None, None], [None, None]) if dkv is None else (halves(dkv[0]), halves(dkv[1]))
-    for i, j, diagonal in pairs:
-        pos = xp.arange(qs[i].shape[-2])
-        a, b, c = block_attention_grads(qs[i], ks[j], vs[j], gs[i], lses[i], deltas[i], pos, pos, scale,
-                                        diagonal)
-        dq[i], dk[j], dv[j] = _plus(dq[i], a), _plus(dk[j], b), _plus(dv[j], c)
-    dk, dv = ([xp.zeros_like(x) if d is None else d for x, d in zip(ks, ds)] for ds in (dk, dv))
-    return dq, xp.stack([xp.concatenate(dk, axis=-2), xp.concatenate(dv, axis=-2)])
-
 
 # -- the rings --------------------------------------------------------------------------------------
 
@@ -174,6 +111,46 @@ def ring_backward(comm, q, kv, g, lse, delta, pairs_with, stats=None):
     return dq, dkv
 
 
+# -- one ring step's compute ------------------------------------------------------------------------
+
+def _plus(total, part):
+    return part if total is None else total + part
+
+
+@compiled.pure
+def attend_block(q, kv, out, lse, pairs, scale):
+    """One forward step: queries ``q`` (B, H, T/cp, D) over the K/V block in hand ``kv``
+    (2, B, H, T/cp, D), or the pair (k, v). Each visible chunk pair (i, j, diagonal) is one block
+    attention, merged into query chunk i's running result; ``out``, ``lse``: the two query chunks'
+    (None: no key yet)."""
+    qs, ks, vs = halves(q), halves(kv[0]), halves(kv[1])
+    out, lse = list(out), list(lse)
+    for i, j, diagonal in pairs:
+        pos = backend_of(q).xp.arange(qs[i].shape[-2])  # positions within a chunk; chunks are whole
+        o, l_ = block_attention(qs[i], ks[j], vs[j], pos, pos, scale, diagonal)
+        out[i], lse[i] = (o, l_) if out[i] is None else merge_attention(out[i], lse[i], o, l_)
+    return out, lse
+
+
+@compiled.pure
+def attend_block_backward(q, kv, g, lse, delta, dq, dkv, pairs, scale):
+    """One backward step: each visible chunk pair's share of dQ (``dq``: the two query chunks', None
+    before any) and of the block's dK, dV (``dkv`` (2, B, H, T/cp, D): what the ranks before added,
+    None on its owner). Returns (dq, dkv): dkv is the message on to the next rank."""
+    xp = backend_of(q).xp
+    qs, ks, vs, gs = halves(q), halves(kv[0]), halves(kv[1]), halves(g)
+    lses, deltas = halves(lse, -1), halves(delta, -1)
+    dq = list(dq)
+    dk, dv = ([None, None], [None, None]) if dkv is None else (halves(dkv[0]), halves(dkv[1]))
+    for i, j, diagonal in pairs:
+        pos = xp.arange(qs[i].shape[-2])
+        a, b, c = block_attention_grads(qs[i], ks[j], vs[j], gs[i], lses[i], deltas[i], pos, pos, scale,
+                                        diagonal)
+        dq[i], dk[j], dv[j] = _plus(dq[i], a), _plus(dk[j], b), _plus(dv[j], c)
+    dk, dv = ([xp.zeros_like(x) if d is None else d for x, d in zip(ks, ds)] for ds in (dk, dv))
+    return dq, xp.stack([xp.concatenate(dk, axis=-2), xp.concatenate(dv, axis=-2)])
+
+
 # -- the ops' layouts in and out of the ring's chunks ------------------------------------------------
 
 @compiled.pure
@@ -212,6 +189,25 @@ def _gradients(dq, dkv, packed):
         return dq, dkv[0], dkv[1]
     _, b, h, t, d = dkv.shape
     return xp.stack([dq, dkv[0], dkv[1]]).transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * d)
+
+
+@dataclass
+class AttentionStats:
+    """What one rank computed: chunk pairs and matmul FLOPs (2·c·c·D each for QKᵀ and PV forward,
+    twice that backward), counted as they run."""
+    pairs: int = 0
+    forward_flops: int = 0
+    backward_flops: int = 0
+
+    def count(self, backward: bool, pairs: int, q_shape) -> None:
+        """Add one step's ``pairs`` chunk pairs of queries shaped (B, H, 2c, D)."""
+        b, h, t, d = q_shape
+        flops = pairs * 4 * b * h * (t // 2) ** 2 * d
+        if backward:
+            self.backward_flops += 2 * flops
+        else:
+            self.pairs += pairs
+            self.forward_flops += flops
 
 
 # -- the autograd ops --------------------------------------------------------------------------------
