@@ -26,7 +26,7 @@ import numpy as np
 from minidist.accel import compiled
 from minidist.accel.backend import default_backend, get_backend
 from minidist.infer.buckets import array_where, bucket, compiles_per_shape
-from minidist.parallel.tensor.sharding import local_kv_heads
+from minidist.parallel.tensor.shard import local_kv_heads
 
 
 class CacheStorage:
