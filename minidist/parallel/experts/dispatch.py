@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.accel.backend import to_host
+from minidist.accel.backend import backend_of, to_host
 from minidist.autograd import ops
 from minidist.autograd.tensor import Function
 from minidist.comm import all_to_all
-from minidist.comm.call import result_backend
 from minidist.nn.module import ModuleList
 from minidist.nn.moe import MoE, run_local_experts
 
@@ -70,7 +69,8 @@ def _exchange(comm, x, sizes=None, received=None):
         out = np.concatenate(got)
         if received is not None:
             received.extend(len(b) for b in got)
-    return result_backend(comm, x).from_host(out)
+    be = backend_of(x)  # back in x's library, on this rank's own device if the rank has one
+    return (comm.backend if comm.backend.name == be.name else be).from_host(out)
 
 
 class ExpertParallelMoE(MoE):
