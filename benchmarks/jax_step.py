@@ -3,7 +3,7 @@
 1. minidist on NumPy (the reference engine);
 2. minidist on JAX: eager per op, each op's forward/backward jitted once (minidist/accel/jax_engine.py);
    ``MINIDIST_JAX_JIT=0`` shows plain eager dispatch;
-3. pure ``jax.jit`` of the whole step (minidist/accel/spmd.py's twin on one device): the ceiling.
+3. pure ``jax.jit`` of the whole step (minidist/parallel/spmd.py's twin on one device): the ceiling.
 
 All three take SGD steps from the same weights on the same batch (the twin has SGD only); the
 first-step losses must agree. Targets (issue 19): minidist-on-JAX within 2x of minidist-on-NumPy.
@@ -33,8 +33,8 @@ def run(cfg, batch: int, steps: int) -> int:
 
     from minidist.accel import jax_engine
     from minidist.accel.backend import get_backend, set_default_backend
-    from minidist.accel.spmd import SPMDTwin
     from minidist.nn import GPT, optim
+    from minidist.parallel.spmd import SPMDProgram
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, cfg.vocab_size, (batch, cfg.block_size))
@@ -62,7 +62,7 @@ def run(cfg, batch: int, steps: int) -> int:
             step()
             compiled = (first, jax_engine.compilations() - before - first)
     set_default_backend(None)
-    twin = SPMDTwin(cfg, 1, 1, lr=1e-3, devices=jax.devices()[:1])
+    twin = SPMDProgram(cfg, 1, 1, lr=1e-3, devices=jax.devices()[:1])
     rows["pure jax.jit whole step"] = _median_ms(lambda: losses.setdefault("jit", twin.step(x, y)), steps)
     print(f"GPT step on JAX {jax.__version__} ({jax.devices()[0].platform}), SGD, median of {steps} "
           f"after the first (compiling) step:")

@@ -1,9 +1,9 @@
-"""Exercise 6: activation checkpointing -- keep a function's input, recompute its insides in backward.
+"""Exercise 6: activation recomputation -- keep a function's input, recompute its insides in backward.
 
-Estimated time: 1 h (checkpoint 45 min, the segment size 15 min)
-Points: checkpoint 4, best_segment_size 2.
+Estimated time: 1 h (recompute 45 min, the segment size 15 min)
+Points: recompute 4, best_segment_size 2.
 Grade it:  python -m minidist.grade checkpointing
-The grader runs a small MLP block with dropout plainly and through your ``checkpoint``: the output,
+The grader runs a small MLP block with dropout plainly and through your ``recompute``: the output,
 every gradient and the random state afterwards must be bit-for-bit the same, and your forward may
 keep only the block's input for backward. Lesson: lessons/06-checkpointing.md; minidist's answer
 is minidist/parallel/memory/recompute.py, so try before you look.
@@ -23,7 +23,7 @@ from minidist.autograd import random as mrandom  # noqa: F401  (you will need it
 from minidist.autograd.tensor import Function, Tensor, enable_grad, no_grad, run_backward  # noqa: F401
 
 
-def checkpoint(fn, x):
+def recompute(fn, x):
     """``fn(x)`` for a Tensor ``x`` (requires_grad=True) and a function of one Tensor returning one
     Tensor, such that only ``x`` (and the random state) is kept for backward.
 
@@ -38,7 +38,7 @@ def checkpoint(fn, x):
 
 
 def best_segment_size(n_layers, segment_input, block_saved):
-    """The k in 1..n_layers that keeps the fewest activation elements when checkpointing segments of
+    """The k in 1..n_layers that keeps the fewest activation elements when recomputing segments of
     k blocks: ceil(n_layers / k) segment inputs of ``segment_input`` elements each are kept through
     the whole step, plus one segment's ``k * block_saved`` while it is recomputed in backward.
 

@@ -4,16 +4,23 @@ Sequence-parallel tensor parallelism (lessons/04-tensor-parallel.md) all-gathers
 column-parallel matmul and reduce-scatters it after a row-parallel one, and waits for each. Cut both
 along the sequence into p chunks and pass them round a ring: every step multiplies the chunk in hand
 while the next one travels. Both functions are SPMD code for ONE rank of ``comm`` (p ranks), on
-NumPy arrays. Use only ``comm.rank``, ``comm.size`` and point-to-point messages -- ``comm.isend(x,
-dest)`` / ``comm.irecv(source)`` (each returns a request; ``.wait()`` finishes it, and the irecv's
-returns the array), or ``comm.sendrecv(x, dest, source)`` -- not minidist's collectives (the grader
-reads the ledger and fails a task that calls one, or sends more than the ring's messages).
+NumPy arrays. Use only ``comm.rank``, ``comm.size`` and the non-blocking point-to-point messages
+``comm.isend(x, dest)`` / ``comm.irecv(source)`` (each returns a request; ``.wait()`` finishes it,
+and the irecv's returns the array) -- not minidist's collectives (the grader reads the ledger and
+fails a task that calls one, or sends more than the ring's messages).
+
+The point is the overlap: start each hop, multiply the chunk in hand, THEN wait for the hop. The
+grader logs, per rank, when each transfer starts and finishes and when each matrix product runs,
+and fails a solution whose transfers finish before the multiply beside them (a blocking
+``sendrecv``, or waiting first). Its sends complete only when the receiver has posted its receive,
+as MPI's large messages do, so a ring of blocking ``send`` then ``recv`` deadlocks there.
 
 Estimated time: 45 min
 
 Grade it:  python -m minidist.grade collective_matmul
-The grader runs your functions on 1..4 thread ranks with random shapes, compares them with the
-all-gather / reduce-scatter written out, and counts each rank's messages and bytes.
+The grader runs your functions on 1..4 ranks with random shapes, compares them with the
+all-gather / reduce-scatter written out, counts each rank's messages and bytes, and checks the
+order of its transfers and multiplies.
 minidist's answer is minidist/parallel/tensor/collective_matmul.py (gather_ring, reduce_scatter_ring):
 try first.
 """

@@ -17,7 +17,7 @@ Lesson: lessons/12-compression.md; minidist's answer is minidist/parallel/data/c
 
 import numpy as np  # noqa: F401  (you will need it)
 
-from minidist.comm.collectives import all_reduce  # noqa: F401  (you will need it)
+from minidist.comm import all_reduce  # noqa: F401  (you will need it)
 
 
 def topk_with_error_feedback(grad, residual, k):

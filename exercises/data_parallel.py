@@ -15,7 +15,7 @@ you look.
 
 import numpy as np  # noqa: F401  (you will need it)
 
-from minidist.comm.collectives import all_reduce  # noqa: F401  (you will need it)
+from minidist.comm import all_reduce  # noqa: F401  (you will need it)
 
 
 def build_buckets(param_sizes_bytes, bucket_bytes):

@@ -14,7 +14,7 @@ minidist's answer is DynamicLossScaler and found_inf_across in minidist/parallel
 
 import numpy as np  # noqa: F401  (you will need it)
 
-from minidist.comm.collectives import all_reduce  # noqa: F401  (you will need it)
+from minidist.comm import all_reduce  # noqa: F401  (you will need it)
 
 
 def scaler_update(state, found_inf, growth_interval=2000, growth_factor=2.0, backoff_factor=0.5,

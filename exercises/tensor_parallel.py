@@ -26,7 +26,7 @@ in minidist/parallel/tensor/layers.py, so try before you look.
 
 import numpy as np  # noqa: F401  (you will need it)
 
-from minidist.comm.collectives import all_reduce  # noqa: F401  (you will need it)
+from minidist.comm import all_reduce  # noqa: F401  (you will need it)
 
 
 def shard_columns(w, rank, tp):

@@ -7,6 +7,11 @@ Start with ``minidist.autograd.tensor`` (autograd), ``minidist.nn`` (models), ``
 from minidist.accel.backend import get_backend
 from minidist.autograd.tensor import Tensor, no_grad, tensor
 from minidist.comm import run as _run
+from minidist.comm import runner as _runner
+from minidist.resilience import heartbeat as _heartbeat
+
+# machinery attached when minidist is imported: a supervised rank tells the supervisor it is up
+_runner.ON_RANK_START.append(lambda rank: _heartbeat.heartbeat(rank, _heartbeat.STARTED))
 
 __all__ = ["Tensor", "get_backend", "no_grad", "tensor", "run"]
 __version__ = "0.1.0"

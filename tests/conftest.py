@@ -54,8 +54,8 @@ def _has_gpu() -> bool:
 SLOW = {
     "tests/autograd/test_ops.py[jax]": "a JAX compile of forward and backward for every shape drawn",
     "tests/autograd/test_fused.py[jax]": "a JAX compile of forward and backward for every shape drawn",
-    "tests/accel/test_spmd.py::test_twin_equals_the_eager_run_on_the_device_transport": "compiles both",
-    "tests/accel/test_spmd.py::test_the_compiled_twin_multiplies_float32_in_full_precision": "a new process",
+    "tests/parallel/test_spmd.py::test_twin_equals_the_eager_run_on_the_device_transport": "compiles both",
+    "tests/parallel/test_spmd.py::test_the_compiled_twin_multiplies_float32_in_full_precision": "a new process",
     "tests/accel/test_jax_cache.py::test_two_writers_at_once": "three processes compiling a GPT",
     "tests/accel/test_jax_cache.py::test_cache_off_writes_nothing": "a new process compiling a GPT",
     "tests/resilience/test_supervisor.py::test_supervised_job_recovers": "jobs killed and restarted",
@@ -193,11 +193,11 @@ def _hangs_do_not_shrink(request, monkeypatch):
     the first hung example instead of shrinking it at MINIDIST_TIMEOUT seconds a try."""
     if not getattr(request.function, "is_hypothesis_test", False):
         return
-    from minidist.comm.communicator import Communicator
+    from minidist.comm.watchdog import Watched
     from minidist.grading import RanksHung
 
-    timeout_error = Communicator.timeout_error
-    monkeypatch.setattr(Communicator, "timeout_error",
+    timeout_error = Watched.timeout_error
+    monkeypatch.setattr(Watched, "timeout_error",
                         lambda comm, what, waited: RanksHung(str(timeout_error(comm, what, waited))))
 
 

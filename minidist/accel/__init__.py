@@ -1,2 +1,2 @@
 """Accelerator plumbing: the array backends (NumPy, CuPy, JAX), the JAX engine and its executable
-cache, the compiled SPMD twin, deterministic GPU scatter-add."""
+cache, the compiled SPMD program, deterministic GPU scatter-add."""

@@ -222,6 +222,9 @@ class Program:
         path = self._path(key)
         try:
             with open(path, "rb") as fh:
+                if os.fstat(fh.fileno()).st_uid != os.getuid():  # planted by someone else: never run it
+                    _count("corrupt")
+                    return None
                 blob = fh.read()
             os.utime(path)  # used now: ``evict`` removes the least recently used first
         except OSError:

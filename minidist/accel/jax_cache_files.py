@@ -1,26 +1,57 @@
-"""Where minidist's executable cache lives on disk, and how it is kept under its size cap.
+"""Where minidist's executable cache lives on disk, who may write it, and how it is kept under its cap.
 
 ``<MINIDIST_JAX_CACHE>/exe`` holds one file per executable (``cache_dir``); ``evict`` removes the
 least recently used until the folder fits ``MINIDIST_JAX_CACHE_MB``; ``stamp_unstamped`` gives
-JAX's own cache entries the stamp its capped cache needs.
+JAX's own cache entries the stamp its capped cache needs. A cache entry is code that the job runs
+(a pickle and a compiled executable), so a folder that another user owns or can write is refused
+(``private``): the cache is then off, with one warning saying why.
 """
 
 from __future__ import annotations
 
 import os
+import stat
+import sys
+
+_REFUSED: set = set()  # folders already warned about (one warning a process)
+
+
+def private(folder: str) -> bool:
+    """Is ``folder`` this user's alone: owned by us, not writable by group or others? A missing
+    folder is made so (0700). A refused one is said once on stderr."""
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        st = os.stat(folder)
+    except OSError:
+        return False  # can't be made or read: nothing to trust, nothing to keep
+    why = ("owned by uid {st.st_uid}, not by this user (uid {uid})" if st.st_uid != os.getuid() else
+           "writable by other users (mode {mode:o})" if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) else None)
+    if why is None:
+        return True
+    if folder not in _REFUSED:
+        _REFUSED.add(folder)
+        sys.stderr.write(f"[minidist] the JAX compile cache folder {folder} is "
+                         + why.format(st=st, uid=os.getuid(), mode=stat.S_IMODE(st.st_mode))
+                         + "; its entries are code this job would run, so the cache is off. Use a "
+                         "folder only you can write (chmod go-w, or MINIDIST_JAX_CACHE=<your folder>).\n")
+    return False
 
 
 def cache_root() -> str | None:
-    """``MINIDIST_JAX_CACHE`` (default ~/.cache/minidist/jax), or None when it is ``0``: off."""
+    """``MINIDIST_JAX_CACHE`` (default ~/.cache/minidist/jax), or None when it is ``0`` (off) or
+    not ``private`` (refused)."""
     default = os.path.join(os.path.expanduser("~"), ".cache", "minidist", "jax")
     root = os.environ.get("MINIDIST_JAX_CACHE", default)
-    return None if root in ("0", "") else root
+    return None if root in ("0", "") or not private(root) else root
 
 
 def cache_dir() -> str | None:
     """Where executables are kept (``<MINIDIST_JAX_CACHE>/exe``), or None when the cache is off."""
     root = cache_root()
-    return None if root is None else os.path.join(root, "exe")
+    if root is None:
+        return None
+    exe = os.path.join(root, "exe")
+    return exe if private(exe) else None
 
 
 def limit_bytes() -> float:

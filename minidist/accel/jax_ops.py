@@ -263,7 +263,7 @@ _PURE_OPS_DOT = PURE_OPS + "."
 
 
 def kernel(cls):
-    """The compiled twin of op ``cls`` (a ``minidist.autograd.tensor.Function`` subclass). Only the pure
+    """The compiled form of op ``cls`` (a ``minidist.autograd.tensor.Function`` subclass). Only the pure
     array ops of the ``minidist.autograd.ops`` package are compiled, and Functions elsewhere that say
     they are pure with ``compilable = True`` (the fast forms of ``minidist.autograd.fused``, MoE's fused
     steps): a Function elsewhere -- a subclass of an op included -- may communicate (the tensor-

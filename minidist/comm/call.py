@@ -1,39 +1,43 @@
-"""One collective call: what every algorithm in collectives.py does before and after its messages.
+"""One collective call: what every algorithm does before and after its messages, so its body is
+only the messages.
 
-``with collective(comm, "ring_all_reduce", x, op=op) as k:`` opens the call and hands the algorithm
-everything it needs, so the algorithm's body is only its messages:
+``with collective(comm, "ring_all_reduce", x, op=op) as k:`` hands the algorithm:
 
-* ``k.comm`` -- the communicator's strict private channel (``comm.twin("coll")``): collectives never
-  match a user's point-to-point messages;
-* ``k.tag`` -- this call's stamp (debug.py): kind, call number, dtype, op/root. Send and receive
-  with it; a peer in another call is caught while waiting;
+* ``k.comm`` -- the communicator's strict private channel (``comm.channel("coll")``): collectives
+  never match a user's point-to-point messages;
+* ``k.tag`` -- this call's stamp: kind, call number, dtype, op/root packed into a tag. Every
+  message of the call travels under it, so a peer in another call is caught while waiting;
 * ``k.host`` / ``k.flat`` -- x staged to a contiguous NumPy host array (flat: 1-D view), any backend;
-* ``k.rec`` -- the ledger record: the algorithm calls ``k.rec.step()`` once per round;
-* ``k.result(buf)`` -- back to the caller: divide by p for ``op="mean"``, x's shape, x's backend.
+* ``k.step()`` -- once per communication round (the ledger counts rounds);
+* ``k.result(buf)`` -- back to the caller: divided by p for ``op="mean"``, x's shape and backend.
 
-Opening counts the call (``comm.seq``), checks ``op``, in debug mode compares every rank's full
-signature before any message, notes the call for the watchdog and records a trace span.
-A collective called inside another joins the outer call. (A class, not a generator: it runs on
-every call and must stay cheap.)
+Machinery attaches here and nowhere in the algorithms: the communicator's ledger records the call
+(ledger.py), a tracer gets a span (``trace.spans``), debug mode compares every rank's call first
+(``comm.check_same_call``). A collective called inside another joins the outer call.
 """
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from minidist.accel.backend import backend_of, get_backend
-from minidist.comm import debug, tracing
-from minidist.comm.debug import check_same_call, stamp
-from minidist.comm.ledger import CallRecord, active
-from minidist.trace import spans as trace  # the thread-local state: ever_set
+from minidist.trace import spans
 
 OPS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 _NUMPY = get_backend("numpy")
+_active = threading.local()  # .call: the collective open on this thread (rank)
+
+
+def current():
+    """The collective call open on this thread (rank), or None."""
+    return _active.__dict__.get("call")  # (not getattr: a miss would raise and catch inside)
 
 
 def is_floating(dtype) -> bool:
-    """True for NumPy's float/complex dtypes and for ml_dtypes' (bfloat16, float8_*): those are
-    NumPy 'V' kinds, so ``np.issubdtype(bfloat16, np.floating)`` is False."""
+    """True for NumPy's float/complex dtypes and for ml_dtypes' (bfloat16, float8_*), which NumPy
+    sees as 'V' kinds."""
     dtype = np.dtype(dtype)
     if np.issubdtype(dtype, np.inexact):
         return True
@@ -56,11 +60,9 @@ def check_op(comm, op, dtype) -> None:
 
 
 def unwatched(comm) -> bool:
-    """Nothing watches a collective call on ``comm`` beyond the ledger's totals: no debug mode, no
-    tracing, no outer collective that it would join. A lean path may then skip ``collective``."""
-    # (active.__dict__, not getattr: a getattr that misses raises and catches AttributeError inside,
-    # in every thread that never set active.rec)
-    return not comm.debug and not trace.ever_set and active.__dict__.get("rec") is None
+    """Nothing watches a call on ``comm`` beyond the ledger's totals (no debug mode, no tracing, no
+    outer call to join): a lean path (shm.py) may skip ``collective``."""
+    return not comm.debug and not spans.ever_set and current() is None
 
 
 def result_backend(comm, x):
@@ -77,6 +79,32 @@ def scratch(c, n: int, dtype) -> np.ndarray:
     if buf is None or buf.size < n:
         buf = c.scratch[dtype] = np.empty(n, dtype)
     return buf[:n]
+
+
+# -- the stamp: bits 12-19 call number (mod 256), 7-11 kind, 3-6 dtype, 1-2 op or root mod 4, 0 phase
+KINDS = ("?", "ring_all_reduce", "recursive_doubling_all_reduce", "halving_doubling_all_reduce",
+         "two_shot_all_reduce", "tree_all_reduce", "naive_all_reduce", "mpi_all_reduce", "reduce_scatter",
+         "all_gather", "broadcast", "reduce", "all_to_all", "gather", "scatter", "shm_all_reduce")
+DTYPES = ("any", "bool", "int8", "uint8", "int16", "int32", "int64", "uint32", "uint64", "float16",
+          "bfloat16", "float32", "float64", "complex64", "complex128", "other")
+_KIND = {k: i for i, k in enumerate(KINDS)}
+_DTYPE: dict = {}
+_last: tuple = (None, None, None, None, 0)  # the last kind of call stamped: a repeat costs 4 checks
+
+
+def stamp(name: str, seq: int, dtype=None, op: str | None = None, root: int | None = None) -> int:
+    """The tag of collective call number ``seq`` (below the user tags' limit, phase bit clear)."""
+    global _last
+    n, d, o, r, rest = _last
+    if not (n is name and d is dtype and o is op and r == root):
+        code = _DTYPE.get(dtype)
+        if code is None and dtype is not None:
+            name_ = np.dtype(dtype).name
+            code = _DTYPE[dtype] = DTYPES.index(name_) if name_ in DTYPES else len(DTYPES) - 1
+        extra = list(OPS).index(op) if op in OPS else (root & 3 if root is not None else 0)
+        rest = (_KIND.get(name, 0) << 7) | ((code or 0) << 3) | (extra << 1)
+        _last = (name, dtype, op, root, rest)
+    return ((seq & 0xFF) << 12) | rest
 
 
 class collective:
@@ -107,13 +135,13 @@ class collective:
         return sig | self.extra
 
     def __enter__(self):
-        outer = getattr(active, "rec", None)  # (ledger.current_call, inlined: this runs every call)
+        outer = _active.__dict__.get("call")
         if outer is not None:
-            self.outer = outer.call
-            return self.outer
+            self.outer = outer
+            return outer
         self.outer = None
         user = self.user
-        self.comm = user.twins.get("coll") or user.twin("coll")
+        self.comm = user.channels.get("coll") or user.channel("coll")
         x = self.x
         if x is not None:
             self.be = result_backend(user, x)
@@ -124,20 +152,16 @@ class collective:
                 check_op(user, self.op, self.host.dtype)
         user.seq = seq = user.seq + 1
         dtype = x.dtype if self.typed and x is not None else None
-        n, d, o, r, rest = debug._last  # stamp()'s fast path, inlined: the same kind of call as the last
-        if n is self.name and d is dtype and o is self.op and r == self.root:
-            self.tag = ((seq & 0xFF) << 12) | rest
-        else:
-            self.tag = stamp(self.name, seq, dtype, self.op, self.root)
-        self.rec = CallRecord(self.name, 0, 0, 0, 0, self)
-        self.span = span = tracing.span(self.name, "collective")
-        if span is not tracing.NULL:  # tracing off (the usual case): nothing to enter
-            span.__enter__()
-        active.rec = self.rec
+        self.tag = stamp(self.name, seq, dtype, self.op, self.root)
+        self.rec = None if user.ledger is None else user.ledger.open_call(self.name)
+        self.span = spans.span(self.name, "collective") if spans.ever_set else None
+        if self.span is not None:
+            self.span.__enter__()
+        _active.call = self
         user.note((self.name, seq))
         if user.debug and user.size > 1:
             try:
-                check_same_call(user, self.signature())
+                user.check_same_call(self.signature())
             except BaseException:
                 self.__exit__(None, None, None)
                 raise
@@ -145,11 +169,17 @@ class collective:
 
     def __exit__(self, *exc):
         if self.outer is None:
-            active.rec = None
-            self.user.ledger.finish_call(self.rec)
-            if self.span is not tracing.NULL:
+            _active.call = None
+            if self.rec is not None:
+                self.user.ledger.finish_call(self.rec)
+            if self.span is not None:
                 self.span.__exit__(*exc)
         return False
+
+    def step(self, n: int = 1) -> None:
+        """Count ``n`` communication rounds of this call (the ledger's ``steps``)."""
+        if self.rec is not None:
+            self.rec.steps += n
 
     def finish(self, buf: np.ndarray) -> np.ndarray:
         """``op="mean"``: divide the sum by p, in place."""
@@ -158,8 +188,7 @@ class collective:
         return buf
 
     def result(self, buf: np.ndarray):
-        """``buf`` (this rank's all-reduced x on the host) back to the caller: finished (as
-        ``finish``), in x's shape and x's backend."""
+        """This rank's all-reduced x on the host, back to the caller: finished, x's shape and backend."""
         if self.op == "mean":
             buf /= self.user.size
         return self.be.from_host(buf.reshape(self.host.shape))

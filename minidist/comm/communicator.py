@@ -1,112 +1,65 @@
-"""The Communicator: one rank's view of a group of ranks.
+"""The Communicator: one rank's view of a group of ranks, the interface every algorithm uses.
 
-Every algorithm is SPMD code for one rank with its communicator passed in (``ring_all_reduce(comm,
-x)``); this class is that ``comm``. It is written once, on top of a small **transport interface**
-that each transport implements in one file (threads.py: ranks as threads; mpi.py: ranks as MPI
-processes). To add a transport, subclass ``Communicator`` and write these four methods:
+An algorithm is SPMD code for one rank with its communicator passed in (``ring_all_reduce(comm,
+x)``). A transport subclasses ``Communicator`` in one file and writes four methods:
 
 * ``isend_buffer(buf, dest, tag=0, *, header=False, count=True) -> Request`` -- start sending the
-  contiguous NumPy host buffer ``buf``. ``header=True``: the shape and dtype travel with it.
+  contiguous NumPy buffer ``buf``; ``header=True``: its shape and dtype travel with it.
 * ``irecv_buffer(out, source, tag=0, *, header=False, count=True) -> Request`` -- start receiving
-  into ``out`` (``None`` allowed when ``header=True``: allocated from the header). A message of
-  another size or dtype raises :class:`MessageMismatch`; ``wait()`` returns the array.
+  into ``out`` (``None`` with ``header=True``: allocated); ``wait()`` returns the array.
 * ``split(color, key=0)`` -- like ``MPI_Comm_split``: new communicators for groups of ranks.
-* ``make_twin(name)`` -- a communicator over the same ranks whose messages never match ours.
+* ``make_channel(name)`` -- a communicator over the same ranks whose messages never match ours.
 
-``count=False`` keeps a message out of the ledger's payload counts (objects, barriers). Waiting is
-shared: a transport's ``Request`` (requests.py, with the errors) waits in ``poll`` (waiting.py), or,
-like threads.py, in its own loop that raises the same errors. A *strict* communicator (the
-private channel that collectives talk on) also checks, while it waits, that the peer's next message
-belongs to the same collective call (see debug.py): a mismatch raises at once instead of hanging.
-
-On these, this class builds the interface every algorithm uses, the same on every transport:
-
-* ``send / recv / isend / irecv / sendrecv``: arrays of any backend. The receiver learns shape and
-  dtype from a small header message (not counted as payload in the ledger) unless ``out`` is given.
-* ``send_buffer / recv_buffer / sendrecv_buffer``: NumPy host buffers. Collectives use these; with
-  ``header=False`` (both sides know the size) no header travels and nothing is allocated.
-* ``send_obj / recv_obj / bcast_obj / gather_obj / allgather_obj``: pickled Python objects, for
-  small metadata only (counted as header bytes, not payload).
-* ``twin(name)``: a private channel (same ranks, own messages), e.g. ``twin("coll")`` for collectives.
-
-Every wait is bounded by ``comm.timeout`` (``MINIDIST_TIMEOUT`` seconds, default 300): after
-10 s it prints a "still waiting" line naming the operation and the peer; at the timeout it raises
-:class:`CommTimeout` naming the waiting rank, its peer and each rank's current operation.
+On these this class builds the rest: arrays of any backend (``send``, ``recv``, ``isend``,
+``irecv``, ``sendrecv``), host buffers (what collectives use), small pickled objects, a barrier and
+private channels. Machinery attaches to a communicator, never to the algorithms: the transport
+counts bytes in ``comm.ledger`` (``count=False``: headers and objects), waits under the watchdog
+(watchdog.py) and pays an emulated link; ``trace.spans`` records sends and receives.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import pickle
-import sys
 
 import numpy as np
 
 from minidist.accel.backend import backend_of, default_backend
-from minidist.comm import tracing
-from minidist.comm.ledger import Ledger
-from minidist.comm.requests import (  # noqa: F401 - the errors and Request, importable from here as before
-    CommError,
-    CommTimeout,
-    MessageMismatch,
-    RankAborted,
-    RankExited,
-    Request,
-    _Converted,
-)
-from minidist.comm.transports import link
-from minidist.comm.waiting import (  # noqa: F401 - the wait every transport's Request.wait runs
-    BACKGROUND_LONGEST,
-    QUICK_TESTS,
-    WaitPolicy,
-    _fine_sleeps,
-    _thread,
-    mark_background_thread,
-    poll,
-    wait_policy,
-)
+from minidist.comm.requests import CommError, CommTimeout, MessageMismatch, RankAborted, RankExited, Request
+from minidist.comm.requests import Converted as _Converted
+from minidist.trace.spans import span
+
+__all__ = ["CommError", "CommTimeout", "Communicator", "MessageMismatch", "RankAborted", "RankExited",
+           "Request", "format_op"]
 
 MAX_USER_TAG = 1 << 20          # user tags are 0 .. MAX_USER_TAG-1; larger ones are minidist's own
 OBJ_TAG = MAX_USER_TAG + 1      # pickled-object messages: OBJ_TAG + 2*tag, tag < MAX_OBJ_TAG
 MAX_OBJ_TAG = 1 << 18
-DEFAULT_TIMEOUT = 300.0         # seconds; MINIDIST_TIMEOUT overrides
-NOTICE_AFTER = 10.0             # seconds of waiting before the "still waiting" line
 
 
 def format_op(op) -> str:
     return op if isinstance(op, str) else f"{op[0]} #{op[1]}"
 
 
-def default_timeout() -> float:
-    return float(os.environ.get("MINIDIST_TIMEOUT", DEFAULT_TIMEOUT))
-
-
-def debug_enabled() -> bool:
-    return os.environ.get("MINIDIST_DEBUG", "0") not in ("", "0", "false", "False")
-
-
 class Communicator:
     """Abstract base: a group of ``size`` ranks; this object is rank ``rank``'s end of it."""
 
     transport = "abstract"
+    debug = False                   # debug mode: collectives compare every rank's call first (debug.py)
+    timeout = float("inf")          # seconds a wait may take (a transport's watchdog sets it)
+    clock = None                    # the rank's virtual clock (clock.py), when one runs
 
-    def __init__(self, rank: int, size: int, backend=None, ledger: Ledger | None = None):
+    def __init__(self, rank: int, size: int, backend=None, ledger=None):
         self.rank, self.size = rank, size
         self.backend = backend if backend is not None else default_backend()
-        self.ledger = ledger if ledger is not None else Ledger()
-        self.twins: dict = {}           # name -> private channel (same group, own messages), see twin()
-        self.origin = self              # the communicator this one is a private channel of (itself if none)
-        self.strict = False             # every message belongs to a stamped collective call
-        self.timeout = default_timeout()
-        self.debug = debug_enabled()
+        self.ledger = ledger            # what this rank sent (ledger.py), counted by the transport
+        self.channels: dict = {}        # name -> private channel (same group, own messages)
+        self.origin = self              # the communicator this one is a private channel of
+        self.strict = False             # every message belongs to a stamped collective call (call.py)
         self.seq = 0                    # collectives called on this communicator so far
-        self.last_op = "start"          # this rank's current operation (of the origin: see note())
+        self.last_op = "start"          # this rank's current operation, for the watchdog (see note)
         self.async_worker = None        # the thread that runs this communicator's async collectives
-        self.agreed_crowded = None      # cost.agreed_crowded's answer, once the ranks agreed on it
         self.scratch: dict = {}         # dtype -> reusable work buffer of the collectives
-        self.expected_wait = None       # why a long wait is expected now (no "still waiting" line): patient()
-        self.link = link.current_link()  # an emulated slow link (MINIDIST_LINK) each send pays, or None
+        self.link = None                # an emulated slow link each send pays (transports/link.py)
 
     # -- the transport interface (see the module docstring) ------------------------------------
     def isend_buffer(self, buf: np.ndarray, dest: int, tag: int = 0, *, header: bool = False,
@@ -118,82 +71,39 @@ class Communicator:
         raise NotImplementedError
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
-        """Like ``MPI_Comm_split``: ranks with equal ``color`` form a group ordered by (key, rank).
-
-        Collective over this communicator. ``color=None`` (or negative) joins no group: returns None.
-        """
+        """Ranks with equal ``color`` form a group ordered by (key, rank); collective over this
+        communicator. ``color=None`` (or negative) joins no group: returns None."""
         raise NotImplementedError
 
-    def make_twin(self, name: str) -> Communicator:
+    def make_channel(self, name: str) -> Communicator:
         raise NotImplementedError
 
-    # -- private channels, notes, the watchdog --------------------------------------------------------------
-    def twin(self, name: str) -> Communicator:
-        """This communicator's private channel ``name`` (same ranks, separate messages): collective the
-        first time. ``"coll"`` is strict: collectives talk on it with stamped tags."""
-        t = self.twins.get(name)
-        if t is None:
-            t = self.twins[name] = self.make_twin(name)
-            t.origin, t.strict, t.timeout = self.origin, name == "coll", self.timeout
-        return t
-
-    @property
-    def timeout(self) -> float:
-        """Seconds any wait on this communicator (or its private channels) may take: the watchdog."""
-        return self._timeout
-
-    @timeout.setter
-    def timeout(self, seconds: float) -> None:
-        self._timeout = seconds
-        for twin in self.twins.values():
-            twin.timeout = seconds
+    # -- private channels and notes ------------------------------------------------------------
+    def channel(self, name: str) -> Communicator:
+        """This communicator's private channel ``name`` (same ranks, separate messages): collective
+        the first time. ``"coll"`` is strict: collectives talk on it with stamped tags."""
+        ch = self.channels.get(name)
+        if ch is None:
+            ch = self.channels[name] = self.make_channel(name)
+            ch.origin, ch.strict, ch.timeout = self.origin, name == "coll", self.timeout
+        return ch
 
     def note(self, op) -> None:
-        """Record this rank's current operation (shown by the watchdog): a string, or a tuple
-        (collective name, sequence number) formatted only when shown -- notes must be cheap.
-        A private channel notes on its origin, so the watchdog shows the collective, not the
-        channel's start."""
+        """Record this rank's current operation (what the watchdog shows): a string, or a tuple
+        (collective, call number) formatted only when shown. A channel notes on its origin."""
         self.origin.last_op = op
 
-    def ranks_status(self) -> str:
-        """Each rank's current operation, as far as this rank can know (threads: all; MPI: its own)."""
-        return f"rank {self.rank}: {format_op(self.origin.last_op)}"
+    def wait_all(self, requests: list, what: str) -> None:
+        """Wait for every request (a transport's watchdog tests them together, see watchdog.py)."""
+        for q in requests:
+            q.wait()
 
-    def not_arrived(self) -> list[int] | None:
-        """Ranks not in this rank's current operation, if this rank can know (threads); else None."""
-        return None
+    def all_reduce_algorithm(self, x, op: str) -> str:
+        """What ``all_reduce(algorithm="auto")`` runs here (a transport asks its cost model)."""
+        return "ring"
 
-    def timeout_error(self, what: str, waited: float) -> CommTimeout:
-        return CommTimeout(
-            f"watchdog: rank {self.rank} of {self.size} ({self.transport}) waited {waited:.1f} s "
-            f"(timeout {self.timeout:g} s, MINIDIST_TIMEOUT) for {what}.\nCurrent operation of each rank:\n  "
-            + self.ranks_status().replace("\n", "\n  "))
-
-    def still_waiting(self, what: str, waited: float) -> None:
-        """The watchdog's early warning, printed once per wait after ``NOTICE_AFTER`` seconds."""
-        late = self.not_arrived()
-        sys.stderr.write(
-            f"[minidist] rank {self.rank} of {self.size} ({self.transport}): still waiting after "
-            f"{waited:.0f} s in {format_op(self.origin.last_op)} for {what}"
-            + (f"; ranks not there yet: {late}" if late else "")
-            + f"; raises at {self.timeout:g} s (MINIDIST_TIMEOUT)\n")
-        sys.stderr.flush()
-
-    def notice_after(self) -> float:
-        if self.origin.expected_wait is not None:
-            return float("inf")  # the program said this wait is long on purpose; the timeout still holds
-        return min(NOTICE_AFTER, self.timeout / 2)
-
-    @contextlib.contextmanager
-    def patient(self, why: str):
-        """Waits inside are expected to be long (``why``: e.g. "rank 0 trains the model"), so no
-        "still waiting" line is printed; the watchdog's timeout still applies."""
-        origin = self.origin
-        before, origin.expected_wait = origin.expected_wait, why
-        try:
-            yield self
-        finally:
-            origin.expected_wait = before
+    def mark_background_thread(self) -> None:
+        """This thread only communicates (an async worker): a transport's waits may sleep at once."""
 
     def check_peer(self, peer: int, what: str) -> int:
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
@@ -206,7 +116,7 @@ class Communicator:
             raise ValueError(f"rank {self.rank}: tag={tag} must be in 0..{MAX_USER_TAG - 1}")
         return tag
 
-    # -- arrays -------------------------------------------------------------------------------
+    # -- arrays of any backend: the receiver learns shape and dtype from a small header ----------
     def isend(self, x, dest: int, tag: int = 0) -> Request:
         dest, tag = self.check_peer(dest, "dest"), self._check_tag(tag)
         host = np.ascontiguousarray(backend_of(x).to_host(x))
@@ -214,7 +124,7 @@ class Communicator:
         return self.isend_buffer(host, dest, tag, header=True)
 
     def send(self, x, dest: int, tag: int = 0) -> None:
-        with tracing.span(f"send->{dest}", "send"):
+        with span(f"send->{dest}", "send"):
             self.isend(x, dest, tag).wait()
 
     def irecv(self, source: int, tag: int = 0, out=None) -> Request:
@@ -231,13 +141,13 @@ class Communicator:
                           lambda a: be.update(out, be.from_host(a)))
 
     def recv(self, source: int, tag: int = 0, out=None):
-        with tracing.span(f"recv<-{source}", "recv"):
+        with span(f"recv<-{source}", "recv"):
             return self.irecv(source, tag, out).wait()
 
     def sendrecv(self, x, dest: int, source: int, sendtag: int = 0, recvtag: int = 0, out=None):
         r = self.irecv(source, recvtag, out)
         s = self.isend(x, dest, sendtag)
-        with tracing.span(f"sendrecv->{dest}<-{source}", "wait"):
+        with span(f"sendrecv->{dest}<-{source}", "wait"):
             s.wait()
             return r.wait()
 
@@ -251,8 +161,8 @@ class Communicator:
 
     def sendrecv_buffer(self, sendbuf: np.ndarray, dest: int, recvbuf: np.ndarray | None, source: int,
                         tag: int = 0, *, header: bool = False) -> np.ndarray:
-        """The one exchange: send ``sendbuf`` to ``dest`` while receiving from ``source`` into
-        ``recvbuf`` (None with ``header=True``: allocated); returns what arrived. No deadlock."""
+        """Send ``sendbuf`` to ``dest`` while receiving from ``source`` into ``recvbuf`` (None with
+        ``header=True``: allocated); returns what arrived. Never deadlocks."""
         r = self.irecv_buffer(recvbuf, source, tag, header=header)
         self.isend_buffer(sendbuf, dest, tag, header=header).wait()
         return r.wait()
@@ -277,7 +187,8 @@ class Communicator:
         dest = self.check_peer(dest, "dest")
         self._check_obj_tag(tag)
         data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-        self.ledger.count_header(data.nbytes)
+        if self.ledger is not None:
+            self.ledger.count_header(data.nbytes)
         self.isend_buffer(data, dest, OBJ_TAG + 2 * tag, header=True, count=False).wait()
 
     def recv_obj(self, source: int, tag: int = 0):
@@ -307,7 +218,7 @@ class Communicator:
 
     def close(self) -> None:
         """Stop the async worker of this communicator and of its private channels (if any)."""
-        for c in [self, *self.twins.values()]:
+        for c in [self, *self.channels.values()]:
             if c.async_worker is not None:
                 c.async_worker.stop()
                 c.async_worker = None

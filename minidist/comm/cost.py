@@ -1,42 +1,29 @@
-"""The alpha-beta cost model that ``all_reduce(..., algorithm="auto")`` uses to pick an algorithm.
+"""The alpha-beta cost model behind ``all_reduce(algorithm="auto")``: the seam a transport asks.
 
-A round costs ``alpha`` (latency: a message round trip, or -- when ranks outnumber cores -- waiting
-for the partners to get a core), every message ``delta`` (software overhead), every byte sent
-``beta`` and every byte reduced ``gamma``:
+A round costs ``alpha`` (a message round trip, or -- when ranks outnumber cores -- waiting for the
+partners to get a core), every message ``delta``, every byte sent ``beta``, every byte reduced ``gamma``:
 
     time = rounds·alpha + messages·delta + bytes_sent·beta + bytes_reduced·gamma   (per rank)
 
-                        rounds      messages   bytes sent (N = message)   bytes reduced
-    ring                2(p-1)      2(p-1)     2(p-1)/p·N                 (p-1)/p·N
-    halving-doubling    2·log2 p    2·log2 p   2(p-1)/p·N                 (p-1)/p·N
-    two-shot            2           2(p-1)     2(p-1)/p·N                 (p-1)/p·N
-    recursive doubling  log2 p      log2 p     log2 p·N                   log2 p·N
-    shm one-shot        1           1          N (into shared memory)     (p-1)·N
-    shm two-shot        2           1          N + N/p                    (p-1)/p·N
-
-(for p not a power of two, q = the largest power of two below p: the p - q extra ranks fold in
-first and get the result last, two more steps of N bytes). The shared-memory all-reduce (shm.py)
-sends no message: a rank "sends" what it writes into its part of the node's shared window, and
-waits once per phase (a round) for the others' posts; the ledger counts one message per call.
-It runs where every rank is on one node (``auto`` then picks it on the MPI transport, ahead of
-this model), in pieces of ``shm.window_bytes()`` (the counts above are per piece), one-shot below
-``SHM_TWO_SHOT_BYTES`` and two-shot from there up.
-
-Small messages favour recursive doubling (fewest steps), large ones the bandwidth-optimal ring or
-halving-doubling; the crossover moves up by orders of magnitude when ranks share cores, because alpha does.
-The constants are rough measurements of shared-memory MPI on a small machine; what matters is
-their ratio, and `benchmarks/allreduce.py` shows the choice against the alternatives.
+``all_reduce_counts`` holds each algorithm's rounds, messages and bytes (the table in chapter 2 and
+in collectives.py; the shm one writes into shared memory instead of sending). Small messages
+favour recursive doubling (fewest steps), large ones the ring or halving-doubling; the crossover
+moves up by orders of magnitude when ranks share cores, because alpha does. The constants are
+rough measurements of shared-memory MPI on a small machine: what matters is their ratio.
 
 Every rank of a group must choose the same algorithm, or they wait for each other's messages
-forever. ``crowded()`` looks at this host only (its MPI_LOCALNRANKS, this process's cores), and on
-several hosts with uneven slots or cores it can differ between ranks; so ``all_reduce`` asks
-``agreed_crowded(comm)``: crowded anywhere in the group, agreed once per communicator.
+forever: ``crowded()`` looks at this host only, so a transport's choice (``choose_for``) asks
+``agreed_crowded(comm)``, agreed once per communicator.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+
+import numpy as np
+
+from minidist.comm.call import check_op
 
 BETA = 1 / 2e9    # s per byte sent (~2 GB/s through shared memory)
 GAMMA = 1 / 4e9   # s per byte reduced (~4 GB/s for a NumPy add of float32)
@@ -77,7 +64,7 @@ def agreed_crowded(comm) -> bool:
     if flag is None:
         mine = bool(crowded())
         comm.note("all_reduce(auto): agreeing on crowded()")  # what the watchdog shows if a rank is missing
-        flag = mine if comm.size == 1 else any(comm.twin("coll").allgather_obj(mine))
+        flag = mine if comm.size == 1 else any(comm.channel("coll").allgather_obj(mine))
         comm.agreed_crowded = flag
     return flag
 
@@ -165,3 +152,20 @@ def choose_algorithm(nbytes: int, p: int, is_crowded: bool | None = None) -> str
     alpha, delta = LATENCY[crowded() if is_crowded is None else is_crowded]
     candidates = ("recursive_doubling", "ring", "halving_doubling", "two_shot")
     return min(candidates, key=lambda a: all_reduce_cost(a, nbytes, p, alpha, delta))
+
+
+def check_before_handshake(comm, x, op, algorithm) -> None:
+    """Debug mode: compare the ranks' calls before a handshake that a mismatch would hang."""
+    if comm.debug and comm.size > 1:
+        check_op(comm, op, x.dtype)
+        comm.check_same_call({"collective": "all_reduce", "seq": comm.seq + 1, "size": comm.size,
+                              "shape": tuple(np.shape(x)), "dtype": str(x.dtype), "op": op,
+                              "algorithm": algorithm})
+
+
+def choose_for(comm, x, op: str) -> str:
+    """``all_reduce(algorithm="auto")`` on a message-passing transport: the model's fastest for x's
+    size and this group, agreed by every rank (``agreed_crowded``; debug mode compares first)."""
+    if comm.agreed_crowded is None:
+        check_before_handshake(comm, x, op, "auto")
+    return choose_algorithm(x.nbytes, comm.size, agreed_crowded(comm))

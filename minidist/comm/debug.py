@@ -1,16 +1,11 @@
-"""Checks that every rank makes the same collective call: always-on stamps, and debug mode.
+"""Checks that every rank makes the same collective call: stamps read back, and debug mode.
 
-**Always on, free.** Each collective call gets a *stamp*: the MPI tag (or thread-mailbox tag) its
-messages travel under, on the communicator's strict private channel, packs what the call is::
-
-    bits 12-19: call number on this communicator (mod 256)   bits 7-11: the collective (KINDS)
-    bits 3-6:   dtype (DTYPES; 0 = not stamped)               bits 1-2: op, or root mod 4
-    bit 0:      phase (a second round of messages)
-
-A message of another call never matches a receive of this one. While a receive waits, the
+**Always on, free.** Each collective call's messages travel under its *stamp* (call.py: call
+number, kind, dtype, op or root packed into the tag), on the communicator's strict private channel,
+so a message of another call never matches a receive of this one. While a receive waits, the
 transport looks at the peer's next message: stamped differently, it raises
-:class:`CollectiveMismatch` naming both calls -- a different collective, dtype, op or root, or a
-rank that skipped a call (the numbers differ). Sizes are checked by every receive.
+:class:`CollectiveMismatch` naming both calls (``describe`` reads a stamp back in words) -- a
+different collective, dtype, op or root, or a rank that skipped a call. Every receive checks sizes.
 
 **Debug mode** (``MINIDIST_DEBUG=1``). Before a collective sends anything -- before any handshake
 such as ``all_reduce(algorithm="auto")``'s agreement on the cost model -- the ranks exchange the
@@ -21,46 +16,17 @@ small tuple per collective.
 
 from __future__ import annotations
 
-import numpy as np
-
-from minidist.comm.communicator import MAX_USER_TAG, CommError, format_op
+from minidist.comm import call
+from minidist.comm.call import DTYPES, KINDS, stamp  # noqa: F401 - the stamp, importable here
+from minidist.comm.communicator import MAX_USER_TAG, format_op
+from minidist.comm.requests import CommError
 
 
 class CollectiveMismatch(CommError):
     """Ranks of one group called different collectives (or with different shapes/dtypes/ops/roots)."""
 
 
-KINDS = ("?", "ring_all_reduce", "recursive_doubling_all_reduce", "halving_doubling_all_reduce",
-         "two_shot_all_reduce", "tree_all_reduce", "naive_all_reduce", "mpi_all_reduce", "reduce_scatter",
-         "all_gather", "broadcast", "reduce", "all_to_all", "gather", "scatter", "shm_all_reduce")
-DTYPES = ("any", "bool", "int8", "uint8", "int16", "int32", "int64", "uint32", "uint64", "float16",
-          "bfloat16", "float32", "float64", "complex64", "complex128", "other")
-OPS = ("sum", "mean", "max", "min")
-_KIND = {k: i for i, k in enumerate(KINDS)}
-_DTYPE: dict = {}
-
-
-def dtype_code(dtype) -> int:
-    code = _DTYPE.get(dtype)
-    if code is None:
-        name = np.dtype(dtype).name
-        code = _DTYPE[dtype] = DTYPES.index(name) if name in DTYPES else len(DTYPES) - 1
-    return code
-
-
-def stamp(name: str, seq: int, dtype=None, op: str | None = None, root: int | None = None) -> int:
-    """The tag of collective call number ``seq`` (a user tag < MAX_USER_TAG, phase bit clear).
-    Runs on every collective call: a repeat of the last kind of call costs four identity checks."""
-    global _last
-    n, d, o, r, rest = _last
-    if not (n is name and d is dtype and o is op and r == root):
-        extra = OPS.index(op) if op in OPS else (root & 3 if root is not None else 0)
-        rest = (_KIND.get(name, 0) << 7) | ((0 if dtype is None else dtype_code(dtype)) << 3) | (extra << 1)
-        _last = (name, dtype, op, root, rest)
-    return ((seq & 0xFF) << 12) | rest
-
-
-_last: tuple = (None, None, None, None, 0)
+OPS = tuple(call.OPS)
 
 
 def describe(tag: int) -> str:
@@ -85,7 +51,7 @@ def stamp_mismatch(comm, source: int, expected: int, got: int) -> CollectiveMism
 
 def check_same_call(comm, signature: dict) -> None:
     """Raise on every rank unless every rank of ``comm`` passes an equal ``signature``."""
-    sigs = comm.twin("debug").allgather_obj(signature)
+    sigs = comm.channel("debug").allgather_obj(signature)
     if all(s == sigs[0] for s in sigs):
         return
     lines = "\n".join(f"  rank {r}: " + ", ".join(f"{k}={v}" for k, v in s.items())

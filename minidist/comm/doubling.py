@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.comm.call import OPS, collective, scratch
-from minidist.comm.communicator import poll
 from minidist.comm.ring import split_sizes
 
 # -- recursive doubling (latency optimal: log2 p steps, any p) ------------------------------------
@@ -34,21 +33,11 @@ def recursive_doubling_all_reduce(comm, x, op: str = "sum"):
                 fn(tmp, buf, out=buf) if peer < r else fn(buf, tmp, out=buf)  # lower rank first
                 mask <<= 1
         _fold_out(k, buf, rem)
-        k.rec.step(rounds + (2 if rem else 0))  # rounds of the algorithm (idle ones included)
+        k.step(rounds + (2 if rem else 0))  # rounds of the algorithm (idle ones included)
         return k.result(buf)
 
 
 # -- two-shot: the ring's bytes in 2 rounds ------------------------------------------------------
-
-def wait_all(c, requests: list, what: str) -> None:
-    """Wait for every request together (testing all of them each time, so all make progress);
-    while waiting, a request's ``problem()`` (a failed, departed or mismatched peer) is raised."""
-    def problem():
-        return next((e for q in requests if not q.test() and (e := q.problem()) is not None), None)
-    poll(lambda: all([q.test() for q in requests]), c, what, problem)
-    for q in requests:
-        q.wait()
-
 
 def two_shot_all_reduce(comm, x, op: str = "sum"):
     """Reduce-scatter, then all-gather, each in ONE round of p-1 messages in flight at once.
@@ -70,7 +59,7 @@ def two_shot_all_reduce(comm, x, op: str = "sum"):
         peers = [j for j in range(p) if j != r]
         reqs = [c.irecv_buffer(incoming[j], j, k.tag) for j in peers]
         reqs += [c.isend_buffer(src[part[j]], j, k.tag) for j in peers]
-        wait_all(c, reqs, "two-shot reduce-scatter")
+        c.wait_all(reqs, "two-shot reduce-scatter")
         incoming[r] = src[part[r]]
         out[part[r]] = incoming[0]
         for j in range(1, p):                    # in rank order: every rank's chunk adds up alike
@@ -78,8 +67,8 @@ def two_shot_all_reduce(comm, x, op: str = "sum"):
         k.finish(out[part[r]])
         reqs = [c.irecv_buffer(out[part[j]], j, k.tag + 1) for j in peers]   # round 2: phase bit
         reqs += [c.isend_buffer(out[part[r]], j, k.tag + 1) for j in peers]
-        wait_all(c, reqs, "two-shot all-gather")
-        k.rec.step(2 if p > 1 else 0)           # p = 1: nothing to exchange, no rounds
+        c.wait_all(reqs, "two-shot all-gather")
+        k.step(2 if p > 1 else 0)           # p = 1: nothing to exchange, no rounds
         return k.be.from_host(out.reshape(np.shape(x)))
 
 
@@ -123,7 +112,7 @@ def halving_doubling_all_reduce(comm, x, op: str = "sum"):
                 c.sendrecv_buffer(buf[bounds[lo]:bounds[hi]], peer, buf[bounds[plo]:bounds[phi]], peer, k.tag)
                 lo, hi, mask = min(lo, plo), max(hi, phi), mask << 1
         _fold_out(k, buf, rem)
-        k.rec.step(2 * logq + (2 if rem else 0))
+        k.step(2 * logq + (2 if rem else 0))
         return k.result(buf)
 
 

@@ -2,8 +2,8 @@
 
 Every transport calls :meth:`Ledger.count_send` / :meth:`Ledger.count_recv` for each payload
 message (array bytes only; the small shape/dtype headers are counted apart, in ``header_bytes``).
-Every collective opens a :class:`CallRecord` (name, bytes, steps) (``minidist.comm.collectives.collective``);
-its algorithm calls ``rec.step()`` once per communication round.
+Every collective call opens a :class:`CallRecord` (name, bytes, steps) through ``open_call``
+(call.py's ``collective``); its algorithm counts rounds with ``k.step()``.
 
 Read it with ``with measure(comm) as m: ...`` then ``m.bytes_sent``, ``m.steps``, ``m.calls``.
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-active = threading.local()  # .rec: the CallRecord of the collective running on this thread (rank)
+from minidist.comm import call
 
 
 @dataclass
@@ -29,7 +29,6 @@ class CallRecord:
     bytes_received: int = 0
     messages: int = 0
     steps: int = 0
-    call: object = field(default=None, repr=False, compare=False)  # the open ``collective`` (call.py)
 
     @property
     def bytes(self) -> int:
@@ -88,7 +87,7 @@ class Ledger:
                 led.bytes_received += received
                 led.messages_received += 1
             led = led.parent
-        rec = getattr(active, "rec", None)
+        rec = current_call()
         if rec is not None:
             rec.bytes_sent += sent
             rec.messages += 1
@@ -115,6 +114,10 @@ class Ledger:
             with led._lock:
                 led.header_bytes += nbytes
 
+    def open_call(self, name: str) -> CallRecord:
+        """The record of a collective call starting on this rank (call.py's ``collective``)."""
+        return CallRecord(name)
+
     def finish_call(self, rec: CallRecord) -> None:
         led = self  # (a loop, not _chain(): this runs on every collective call)
         while led is not None:
@@ -134,11 +137,9 @@ class Ledger:
 
 
 def current_call() -> CallRecord | None:
-    return getattr(active, "rec", None)
-
-
-def set_current_call(rec: CallRecord | None) -> None:
-    active.rec = rec
+    """The record of the collective call open on this thread (rank), if a ledger counts it."""
+    k = call.current()
+    return None if k is None else k.rec
 
 
 class Measurement:

@@ -5,25 +5,16 @@ Rank order (tensor fastest, then context, then data, pipeline outermost, as in M
     rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 so the tp ranks of one layer shard are neighbours (on one host: the fastest links), then the cp
-ranks that pass K/V round their ring, and each pipeline stage is a contiguous block of dp*cp*tp
-ranks. With cp = 1 this is the 3D order ``(pp_rank * dp + dp_rank) * tp + tp_rank``.
-
-**Expert parallelism** is carved from data parallelism: ``ep`` divides ``dp``, and the dp group is
-cut into dp/ep ep groups of consecutive dp ranks (ep_rank = dp_rank % ep). The experts of a
-mixture-of-experts layer are split over an ep group; ranks holding the same experts (same ep_rank)
-form the expert-data-parallel group ``edp`` (size dp/ep; with the cp ranks, ``edp_cp``) that
-averages those experts' gradients.
-Dense parameters average over ``dp_cp`` (dp x cp: the cp ranks see different tokens of the same
-sequences, so their gradients are partial sums too).
-
-Example, 8 ranks as dp=2, pp=2, tp=2 (cp=1) -- ``mesh.draw()``::
+ranks that pass K/V round their ring, and each pipeline stage is a contiguous block of ranks.
+**Expert parallelism** is carved from data parallelism: ``ep`` divides ``dp`` and each dp group is
+cut into ep groups of consecutive dp ranks; ranks holding the same experts form ``edp`` (with the
+cp ranks ``edp_cp``), which averages those experts' gradients; dense ones average over ``dp_cp``.
+Example, 8 ranks as dp=2, pp=2, tp=2 -- ``mesh.draw()``::
 
     pp 0 | dp 0: 0 1 || dp 1: 2 3       tp groups {0,1} {2,3} {4,5} {6,7}
     pp 1 | dp 0: 4 5 || dp 1: 6 7       dp groups {0,2} {1,3} {4,6} {5,7}; pp groups {0,4} {1,5} ...
 
-and 8 ranks as dp=4, cp=2, ep=2: ``pp 0 | dp 0 (ep 0): 0 | 1 || dp 1 (ep 1): 2 | 3 || dp 2 (ep 0): 4 | 5
-|| dp 3 (ep 1): 6 | 7`` -- cp groups {0,1} {2,3} ..., ep groups {0,2} {1,3} {4,6} {5,7} (dp ranks
-0-1 and 2-3 of each cp coordinate), edp groups {0,4} {1,5} {2,6} {3,7}, dp_cp the whole world.
+Chapter 14 walks through the 5D mesh (dp x pp x cp x tp, ep carved from dp).
 """
 
 from __future__ import annotations

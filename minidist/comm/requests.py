@@ -44,7 +44,7 @@ class Request:
         return None
 
 
-class _Converted(Request):
+class Converted(Request):
     """Wraps a host-buffer request so ``wait()`` returns an array of the caller's backend."""
 
     def __init__(self, req: Request, convert):

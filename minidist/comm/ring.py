@@ -48,7 +48,7 @@ def ring_reduce_scatter_chunks(k, chunks: list[np.ndarray], op: str, src=None) -
         incoming = tmp[:chunks[recv_i].size]
         c.sendrecv_buffer((src if s == 0 else chunks)[send_i], right, incoming, left, k.tag)
         OPS[op](src[recv_i], incoming, out=chunks[recv_i])
-        k.rec.step()
+        k.step()
 
 
 def ring_all_gather_chunks(k, chunks: list[np.ndarray]) -> None:
@@ -59,7 +59,7 @@ def ring_all_gather_chunks(k, chunks: list[np.ndarray]) -> None:
     for s in range(p - 1):
         send_i, recv_i = ring_chunks(r, p, s, "all-gather")
         c.sendrecv_buffer(chunks[send_i], right, chunks[recv_i], left, k.tag)
-        k.rec.step()
+        k.step()
 
 
 def ring_all_reduce(comm, x, op: str = "sum"):
@@ -109,7 +109,7 @@ def all_gather(comm, x, axis: int = 0, sizes=None):
             send_i, recv_i = ring_chunks(r, p, s, "all-gather")
             parts[recv_i] = c.sendrecv_buffer(parts[send_i], (r + 1) % p, None, (r - 1) % p, k.tag,
                                               header=True)
-            k.rec.step()
+            k.step()
         return k.be.from_host(np.concatenate(parts, axis=axis))
 
 

@@ -26,11 +26,12 @@ import time
 import traceback
 
 from minidist.accel.backend import default_backend, set_default_backend
-from minidist.comm.communicator import RankAborted
+from minidist.comm.requests import RankAborted
 from minidist.comm.transports.devices import bind_backend
 from minidist.comm.transports.jaxdev import CupyDeviceComm, JaxDeviceComm
 from minidist.comm.transports.mpi import MPIComm, finish_handshake
 from minidist.comm.transports.threads import ThreadComm, ThreadWorld
+from minidist.trace import clock as trace_clock
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 
@@ -98,13 +99,13 @@ def install_abort_hook() -> None:
     sys.excepthook = hook
 
 
-def _beat_started(rank: int) -> None:
-    """Under ``python -m minidist.launch``: tell the supervisor this rank is up (before any step)."""
-    if os.environ.get("MINIDIST_HEARTBEAT_DIR"):
-        # cycle: comm.runner -> resilience.supervisor -> resilience.checkpoint -> comm.runner
-        from minidist.resilience.supervisor import STARTED, heartbeat
+ON_RANK_START: list = []  # fn(rank) for each MPI rank as it starts (resilience/heartbeat.py: "alive")
 
-        heartbeat(rank, STARTED)
+
+def _beat_started(rank: int) -> None:
+    """Tell whoever registered (a supervisor's heartbeat) that this rank is up, before any step."""
+    for hook in ON_RANK_START:
+        hook(rank)
 
 
 def _run_mpi(fn, backend, kwargs):
@@ -116,6 +117,8 @@ def _run_mpi(fn, backend, kwargs):
                            "MINIDIST_TRANSPORT to run --ranks N threads")
     install_abort_hook()
     comm = MPIComm(MPI.COMM_WORLD)
+    if comm.clock is not None:
+        trace_clock.use(comm.clock.now)  # timelines and step times read this rank's virtual clock
     _beat_started(comm.rank)
     comm.backend = bind_backend(backend, comm.rank)
     set_default_backend(comm.backend)
@@ -203,6 +206,8 @@ def _run_threads(fn, ranks, backend, kwargs, comm_class=ThreadComm):
                 _beat_started(r)
             be = bind_backend(backend, r)
             set_default_backend(be)
+            if world.clocks is not None:
+                trace_clock.use(world.clocks[r].now)  # timelines and step times read the rank's clock
             comm = comm_class(world, (), list(range(ranks)), r, be)  # the graders' rendezvous variant
             results[r] = fn(comm, **kwargs)
             comm.close()
@@ -214,6 +219,8 @@ def _run_threads(fn, ranks, backend, kwargs, comm_class=ThreadComm):
             world.abort(r)
         finally:
             _rank_of_thread.rank = outer
+            if world.clocks is not None:
+                trace_clock.use(None)
             if comm is not None:
                 comm.close()
 

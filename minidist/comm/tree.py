@@ -30,7 +30,7 @@ def tree_reduce_host(k, buf: np.ndarray, op: str, root: int) -> None:
             c.recv_buffer(tmp, (vr + mask + root) % p, k.tag)
             fn(buf, tmp, out=buf)
         mask <<= 1
-    k.rec.step(_rounds(p))
+    k.step(_rounds(p))
 
 
 def tree_broadcast_host(k, buf: np.ndarray | None, root: int, header: bool) -> np.ndarray:
@@ -48,7 +48,7 @@ def tree_broadcast_host(k, buf: np.ndarray | None, root: int, header: bool) -> n
         if vr + mask < p:
             c.send_buffer(buf, (vr + mask + root) % p, k.tag, header=header)
         mask >>= 1
-    k.rec.step(_rounds(p))
+    k.step(_rounds(p))
     return buf
 
 
@@ -99,7 +99,7 @@ def naive_all_reduce(comm, x, op: str = "sum"):
         elif c.size > 1:
             c.send_buffer(buf, 0, k.tag)
             c.recv_buffer(buf, 0, k.tag)
-        k.rec.step(2 * (c.size - 1))
+        k.step(2 * (c.size - 1))
         return k.result(buf)
 
 

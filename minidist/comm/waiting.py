@@ -15,7 +15,7 @@ import threading
 import time
 
 from minidist.comm import cost
-from minidist.comm.ledger import current_call
+from minidist.comm.call import current as current_call
 
 CHECK_GRACE = 0.2               # seconds a peer problem seen while waiting must persist (see poll)
 

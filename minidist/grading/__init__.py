@@ -30,18 +30,19 @@ class RanksHung(BaseException):
     shrinking an example that takes ``wait_s`` seconds per try."""
 
 
-def run_guarded(body, ranks: int, wait_s: float = 10, rendezvous: bool = False):
+def run_guarded(body, ranks: int, wait_s: float = 10, rendezvous: bool = False, comm_class=None):
     """``minidist.comm.run(body, ranks)`` with every wait bounded by ``wait_s`` seconds: a student's
     collective that leaves a rank waiting fails the task in seconds, not after the 300 s default.
     ``rendezvous=True``: sends complete only when the receive is posted (MPI's large messages), and
     a cycle of waiting ranks fails at once, naming the cycle; ``comm.rounds()`` then counts the
-    communication rounds this rank has taken part in (rounds.py)."""
+    communication rounds this rank has taken part in (rounds.py). ``comm_class``: a RoundsComm
+    subclass to run on instead (overlap.py's logs each transfer)."""
     def guarded(comm):
         comm.timeout = wait_s
         return body(comm)
     try:
-        if rendezvous:
-            return run_rendezvous(guarded, ranks, comm_class=RoundsComm)
+        if rendezvous or comm_class is not None:
+            return run_rendezvous(guarded, ranks, comm_class=comm_class or RoundsComm)
         return run(guarded, ranks=ranks)
     except Deadlock as e:
         raise RanksHung(str(e)) from None

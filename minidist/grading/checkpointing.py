@@ -1,8 +1,8 @@
-"""Grader for exercises/checkpointing.py: a checkpoint that replays the random state, and the best k.
+"""Grader for exercises/checkpointing.py: a recomputation that replays the random state, and the best k.
 
-``checkpoint`` is run on a two-layer MLP block with dropout (p=0.5), against the same block run
+``recompute`` is run on a two-layer MLP block with dropout (p=0.5), against the same block run
 plainly from the same seed: output, input and parameter gradients, and the random state after
-backward must match bit for bit; a saved-tensor hook counts what the checkpointed forward keeps.
+backward must match bit for bit; a saved-tensor hook counts what the recomputed forward keeps.
 ``best_segment_size`` is compared with a brute-force search over the cost written out here.
 """
 
@@ -17,7 +17,7 @@ from minidist.autograd import random as mrandom
 from minidist.autograd.tensor import Function, Tensor, enable_grad, no_grad, run_backward, saved_tensors_hooks
 from minidist.grading import assert_close, untouched
 from minidist.nn import Linear
-from minidist.parallel.memory.recompute import checkpoint as library_checkpoint
+from minidist.parallel.memory.recompute import recompute as library_recompute
 
 GRADE = settings(max_examples=10, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 
@@ -53,18 +53,18 @@ def _run(call, b, d, seed, count_saved=False):
     return np.array(y.data), grads, after_forward, mrandom.get_state()["state"]["state"], sum(saved)
 
 
-def check_checkpoint(impl):
+def check_recompute(impl):
     @GRADE
     @given(b=st.integers(1, 4), d=st.integers(2, 5), seed=st.integers(0, 99))
     @example(b=2, d=3, seed=0)
     def prop(b, d, seed):
         what = f"MLP block with dropout 0.5, x ({b}, {d}) float64, seed {seed}"
         y0, g0, fwd0, end0, _ = _run(lambda fn, x: fn(x), b, d, seed)
-        y, grads, fwd, end, kept = _run(untouched(impl.checkpoint), b, d, seed, count_saved=True)
-        assert isinstance(y, np.ndarray), f"{what}: checkpoint must return a Tensor"
+        y, grads, fwd, end, kept = _run(untouched(impl.recompute), b, d, seed, count_saved=True)
+        assert isinstance(y, np.ndarray), f"{what}: recompute must return a Tensor"
         assert_close(y, y0, f"{what}: output")
         assert fwd == fwd0, f"{what}: forward drew a different number of random numbers than fn(x)"
-        assert kept <= b * d, (f"{what}: the checkpointed forward kept {kept} elements for backward; only "
+        assert kept <= b * d, (f"{what}: the recomputed forward kept {kept} elements for backward; only "
                                f"its input ({b * d}) should be kept (run fn under no_grad)")
         names = ["x.grad", "l1.weight.grad", "l1.bias.grad", "l2.weight.grad", "l2.bias.grad"]
         for name, got, want in zip(names, grads, g0):
@@ -95,8 +95,8 @@ def check_best_segment_size(impl):
     prop()
 
 
-CHECKS = {"checkpoint": check_checkpoint, "best_segment_size": check_best_segment_size}
-POINTS = {"checkpoint": 4, "best_segment_size": 2}
+CHECKS = {"recompute": check_recompute, "best_segment_size": check_best_segment_size}
+POINTS = {"recompute": 4, "best_segment_size": 2}
 
 
 # -- minidist's own implementation (must pass) ---------------------------------------------------
@@ -105,13 +105,13 @@ def reference():
     def best_segment_size(n_layers, segment_input, block_saved):
         return _expected_k(n_layers, segment_input, block_saved)
 
-    return types.SimpleNamespace(checkpoint=library_checkpoint, best_segment_size=best_segment_size)
+    return types.SimpleNamespace(recompute=library_recompute, best_segment_size=best_segment_size)
 
 
 # -- deliberately broken implementations (must fail) ---------------------------------------------
 
 def _make(replay=True, restore=True, grad_on=True):
-    class _Ckpt(Function):
+    class _Recompute(Function):
         @staticmethod
         def forward(ctx, x, fn):
             ctx.fn, ctx.state = fn, mrandom.get_state()
@@ -136,10 +136,10 @@ def _make(replay=True, restore=True, grad_on=True):
                 mrandom.set_state(now)
             return (leaf.grad,)
 
-    def checkpoint(fn, x):
-        return _Ckpt.apply(x, fn=fn)
-    checkpoint.__name__ = f"checkpoint_replay{replay}_restore{restore}_grad{grad_on}"
-    return checkpoint
+    def recompute(fn, x):
+        return _Recompute.apply(x, fn=fn)
+    recompute.__name__ = f"recompute_replay{replay}_restore{restore}_grad{grad_on}"
+    return recompute
 
 
 def _keeps_the_graph(fn, x):  # right numbers, no memory saved
@@ -154,5 +154,5 @@ def _k_star_unclamped(n_layers, segment_input, block_saved):  # may return 0, or
     return round(np.sqrt(n_layers * segment_input / block_saved))
 
 
-BROKEN = {"checkpoint": [_make(replay=False), _make(restore=False), _make(grad_on=False), _keeps_the_graph],
+BROKEN = {"recompute": [_make(replay=False), _make(restore=False), _make(grad_on=False), _keeps_the_graph],
           "best_segment_size": [_sqrt_l, _k_star_unclamped]}

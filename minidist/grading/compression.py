@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minidist.comm.collectives import all_reduce
+from minidist.comm import all_reduce
 from minidist.grading import no_hang, run_guarded, untouched
 from minidist.parallel.data.compress import PowerSGDState, ef_sparsify, powersgd_hook, reduce_with_hook
 

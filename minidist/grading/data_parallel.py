@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minidist.comm.collectives import all_reduce
+from minidist.comm import all_reduce
 from minidist.grading import assert_close, no_hang, run_guarded, untouched
 from minidist.nn import Module
 from minidist.nn.module import Parameter

@@ -10,8 +10,7 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minidist.comm import measure
-from minidist.comm.collectives import all_reduce
+from minidist.comm import all_reduce, measure
 from minidist.grading import assert_close, no_hang, run_guarded, untouched
 from minidist.parallel.memory import precision as P
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from minidist.comm.communicator import CommError, RankAborted, RankExited, Request
+from minidist.comm.requests import CommError, RankAborted, RankExited, Request
 from minidist.comm.runner import _run_threads
 from minidist.comm.transports.threads import ThreadComm, _ThreadRecv
 
@@ -180,8 +180,8 @@ class RendezvousComm(ThreadComm):
         self.world.wake_all()  # a sender waiting for this receive to be posted
         return recv
 
-    def make_twin(self, name: str) -> RendezvousComm:  # collectives' private channels rendezvous too
-        return RendezvousComm(self.world, (*self.ctx, "twin", name), self.members, self.rank, self.backend,
+    def make_channel(self, name: str) -> RendezvousComm:  # collectives' private channels rendezvous too
+        return RendezvousComm(self.world, (*self.ctx, "channel", name), self.members, self.rank, self.backend,
                               self.ledger)
 
 

@@ -21,7 +21,7 @@ takes twice that, which is what it costs when sends wait for their receives.
 
 from __future__ import annotations
 
-from minidist.comm.communicator import Request
+from minidist.comm.requests import Request
 from minidist.grading.rendezvous import RendezvousComm
 
 
@@ -91,6 +91,6 @@ class RoundsComm(RendezvousComm):
         req = super().irecv_buffer(out, source, tag, header=header, count=count)
         return _CountedRecv(req, self, req.key, req.seq) if count else req
 
-    def make_twin(self, name: str) -> RoundsComm:
-        return RoundsComm(self.world, (*self.ctx, "twin", name), self.members, self.rank, self.backend,
+    def make_channel(self, name: str) -> RoundsComm:
+        return RoundsComm(self.world, (*self.ctx, "channel", name), self.members, self.rank, self.backend,
                           self.ledger)

@@ -13,8 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minidist.autograd.tensor import Tensor
-from minidist.comm import all_gather, measure
-from minidist.comm.collectives import all_reduce
+from minidist.comm import all_gather, all_reduce, measure
 from minidist.grading import assert_close, no_hang, run_guarded, untouched
 from minidist.parallel.tensor import layers as T
 from minidist.parallel.tensor import sharding as S

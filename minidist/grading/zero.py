@@ -12,8 +12,7 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minidist.comm import all_gather, all_reduce, measure, reduce_scatter
-from minidist.comm.collectives import all_gather_async, split_sizes
+from minidist.comm import all_gather, all_gather_async, all_reduce, measure, reduce_scatter, split_sizes
 from minidist.grading import assert_close, no_hang, run_guarded, untouched
 
 GRADE = settings(max_examples=12, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist.autograd.tensor import no_grad
-from minidist.comm.communicator import poll
+from minidist.comm.waiting import poll
 from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
 from minidist.infer.generate import check_prompt, host
 from minidist.infer.kv_cache import KVCache

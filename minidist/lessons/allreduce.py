@@ -21,20 +21,18 @@ import numpy as np
 
 from minidist.comm import (
     all_reduce,
+    halving_doubling_all_reduce,
     measure,
     mpi_all_reduce,
     naive_all_reduce,
     ring_all_reduce,
-    tree_all_reduce,
-)
-from minidist.comm.collectives import (
-    halving_doubling_all_reduce,
-    ring_chunks,
     shm_all_reduce,
     split_sizes,
+    tree_all_reduce,
     two_shot_all_reduce,
 )
 from minidist.comm.cost import agreed_crowded, all_reduce_counts, choose_algorithm, shm_two_shot
+from minidist.comm.ring import ring_chunks
 from minidist.comm.transports.shm import window_bytes
 from minidist.lessons.cli import (
     check_fits,

@@ -1,4 +1,4 @@
-"""Lesson 6: activation checkpointing -- trade one extra forward for most of the activation memory.
+"""Lesson 6: activation recomputation -- trade one extra forward for most of the activation memory.
 
     python -m minidist.lessons.checkpointing --ranks 2
     mpirun -n 2 python -m minidist.lessons.checkpointing
@@ -8,7 +8,7 @@ launched from each parameter's post-accumulate hook, as DDP does -- they still f
 the recomputation). For each policy -- none, full (every block), sqrt(n) segments (Chen et al.),
 selective (attention core only) -- it prints the measured peak bytes of saved activations beside
 the formula, the compute time of a step, and checks the gradients against the serial twin (the whole batch on
-one rank, no checkpointing). Then the live activation bytes during one backward, as a sparkline.
+one rank, no recomputation). Then the live activation bytes during one backward, as a sparkline.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from minidist.nn.footprint import MemoryAccountant
 from minidist.nn.gpt import GPT, GPTConfig
 from minidist.parallel.memory import recompute
 from minidist.parallel.memory.recompute import (
-    apply_checkpointing,
+    apply_recompute,
     block_activation_elements,
     predicted_peak_activation_bytes,
     segment_size,
@@ -102,7 +102,7 @@ def rank_main(comm, args):
     rprint(comm, f"one block saves A = 22·BTC + 2·BT + B·H·T² = {a:,} elements "
                  f"(with dropout); a segment input is BTC = {b*t*c:,}\n")
 
-    # the serial twin: the whole batch on one model, no checkpointing, same dropout stream per shard
+    # the serial twin: the whole batch on one model, no recomputation, same dropout stream per shard
     twin = None
     if comm.rank == 0:
         grads = []
@@ -121,7 +121,7 @@ def rank_main(comm, args):
     curves, rows = {}, []
     tracer = trace.current()
     for policy in POLICIES:
-        model = apply_checkpointing(GPT(cfg), policy)
+        model = apply_recompute(GPT(cfg), policy)
         for q in model.parameters():
             q.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", all_reduce(comm, q.grad) / p))
         acct = MemoryAccountant()
@@ -131,7 +131,7 @@ def rank_main(comm, args):
         mrandom.manual_seed(args.seed + comm.rank)
         step(model, acct, shard, samples)
         got = [q.backend.to_host(q.grad) for q in model.parameters()]  # compared on the host
-        sec = time_step(apply_checkpointing(GPT(cfg), policy), comm, shard, args.repeats, tracer, policy)
+        sec = time_step(apply_recompute(GPT(cfg), policy), comm, shard, args.repeats, tracer, policy)
         peak = max(comm.allgather_obj(max(samples)))  # the largest window peak is the peak
         formula = predicted_peak_activation_bytes(cfg, args.batch, args.seq, policy)
         diff = worst(np.abs(a - w).max() for a, w in zip(got, twin)) if twin is not None else 0.0
@@ -154,7 +154,7 @@ def rank_main(comm, args):
     best = min(range(1, cfg.n_layer + 1), key=lambda j: -(-cfg.n_layer // j) * b * t * c + j * a)
     rprint(comm, f"\nthe best segment: (L/k)·BTC + k·A is least at k* = sqrt(L·BTC/A) = sqrt({cfg.n_layer}·"
                  f"{b * t * c:,}/{a:,}) = {k_star:.2f}, not sqrt(L) = {math.sqrt(cfg.n_layer):.2f}: "
-                 f"the best whole k is {best}" + (" -- full checkpointing, which is why it beats sqrt here"
+                 f"the best whole k is {best}" + (" -- full recomputation, which is why it beats sqrt here"
                                                   if best == 1 else ""))
     rprint(comm, f"\nformulas: none E + L·A + Head; full max(E + L·BTC + Head, E + L·BTC + A); "
                  f"sqrt: segments of k = round(√{cfg.n_layer}) = {k} blocks,\n  E + (L/k)·BTC + k·A; "

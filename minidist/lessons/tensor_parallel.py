@@ -88,7 +88,7 @@ def overlap_timeline(comm, cfg, args):
     if group is None or tp == 1:
         return
     link = parse_link(args.link)
-    for ch in (group, group.twin("async"), group.twin(CHANNEL)):
+    for ch in (group, group.channel("async"), group.channel(CHANNEL)):
         ch.link = link
     big = cfg.replace(d_model=512)  # GEMM chunks long enough to hide a hop behind
     tracer = trace.Tracer(group.rank)

@@ -5,14 +5,14 @@
     mpirun -n 2 python -m minidist.lessons.tpu           # multi-controller: 2 processes, 4 devices each
 
 Runs on whatever devices JAX sees: without --dp/--tp the mesh takes all n of them
-(``minidist.accel.spmd.default_shape``: tp = 2 when n is even and >= 4, else 1; dp = n // tp; so 1 -> 1x1,
+(``minidist.parallel.spmd.default_shape``: tp = 2 when n is even and >= 4, else 1; dp = n // tp; so 1 -> 1x1,
 2 -> 2x1, 4 -> 2x2, 8 -> 4x2). Prints the device kind and the dp x tp mesh, then trains the
 same GPT twice from the same weights on the same batches:
 
 1. **eager minidist** on the JAX device transport: one rank per device, each rank a thread that
    dispatches one op at a time; tensor-parallel and data-parallel all-reduces are minidist's own
    algorithms on point-to-point messages, counted by the ledger;
-2. **the compiled SPMD twin** (``minidist.accel.spmd``): the step written once with ``shard_map`` and
+2. **the compiled SPMD program** (``minidist.parallel.spmd``): the step written once with ``shard_map`` and
    compiled by ``jax.jit`` for every device at once; its collectives are counted in the HLO.
 
 It checks that both reach the same loss and parameters (PASS, exit 1 on FAIL) and prints the step
@@ -52,7 +52,6 @@ import numpy as np  # noqa: E402
 
 from minidist.accel import jax_cache  # noqa: E402
 from minidist.accel.backend import configure_jax  # noqa: E402
-from minidist.accel.spmd import SPMDTwin, collective_counts, default_shape  # noqa: E402
 from minidist.comm import measure, run, under_mpi, world  # noqa: E402
 from minidist.comm.runner import install_abort_hook  # noqa: E402
 from minidist.comm.transports.devices import jax_distributed_init  # noqa: E402
@@ -61,6 +60,7 @@ from minidist.lessons.progress import progress  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.nn.data import BatchLoader, TextDataset  # noqa: E402
 from minidist.nn.serial import train_serial  # noqa: E402
+from minidist.parallel.spmd import SPMDProgram, collective_counts, default_shape  # noqa: E402
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d  # noqa: E402
 from minidist.plan.hardware import TPU_V4, TPU_V5E, TPU_V5P  # noqa: E402
 
@@ -87,14 +87,14 @@ def eager(cfg, batches, args):
 
 
 def compiled(cfg, batches, args):
-    """The SPMD twin: (twin, losses, step seconds, HLO collective counts)."""
-    twin = SPMDTwin(cfg, args.dp, args.tp, lr=args.lr, dp_reduce=args.dp_reduce)
+    """The SPMD program: (spmd, losses, step seconds, HLO collective counts)."""
+    spmd = SPMDProgram(cfg, args.dp, args.tp, lr=args.lr, dp_reduce=args.dp_reduce)
     losses, times = [], []
     for x, y in progress(batches, desc="compiled"):
         t = time.perf_counter()
-        losses.append(twin.step(x, y))  # float(): waits for the device
+        losses.append(spmd.step(x, y))  # float(): waits for the device
         times.append(time.perf_counter() - t)
-    return twin, losses, times, collective_counts(twin.compiled_text(*batches[0]))
+    return spmd, losses, times, collective_counts(spmd.compiled_text(*batches[0]))
 
 
 def first_run_note(devices: int) -> str:
@@ -117,31 +117,31 @@ def print_mesh(mesh, processes: int) -> None:
 
 def multihost(cfg, batches, args, tol) -> int:
     """Several processes (``mpirun``, after ``jax_distributed_init``), JAX's multi-controller mode:
-    every process runs this same program, and the compiled twin's mesh spans every process's
-    devices. The eager device transport is one process's threads, so here the twin is checked
+    every process runs this same program, and the compiled program's mesh spans every process's
+    devices. The eager device transport is one process's threads, so here the program is checked
     against the serial twin (NumPy, computed in every process): the losses (replicated, every
     process reads them) and, in each process, the parameter shards on its own devices; the worst
     difference of any process decides. Process 0 prints; every process returns the same code."""
     import jax
     from jax.experimental import multihost_utils
 
-    twin, losses, times, hlo = compiled(cfg, batches, args)
+    spmd, losses, times, hlo = compiled(cfg, batches, args)
     want_state, want = train_serial(cfg, batches, lr=args.lr)
-    mine = [float(np.max(np.abs(np.array(losses) - np.array(want)))), twin.shard_diff(want_state)]
+    mine = [float(np.max(np.abs(np.array(losses) - np.array(want)))), spmd.shard_diff(want_state)]
     ldiff, diff = np.max(multihost_utils.process_allgather(np.array(mine)), axis=0)
     ok = diff <= tol and ldiff <= tol * 10
-    print_mesh(twin.mesh, jax.process_count())  # (process 0 prints: main silenced the others)
-    print(f"compiled twin over {twin.mesh.devices.size} devices in {jax.process_count()} processes: "
+    print_mesh(spmd.mesh, jax.process_count())  # (process 0 prints: main silenced the others)
+    print(f"compiled program over {spmd.mesh.devices.size} devices in {jax.process_count()} processes: "
           f"step ms {[round(t * 1e3, 1) for t in times]}, HLO collectives "
           f"{ {k: n for k, n in hlo.items() if n} }")
-    print(f"{'PASS' if ok else 'FAIL'}: compiled twin == serial twin after {args.steps} steps: "
+    print(f"{'PASS' if ok else 'FAIL'}: compiled program == serial twin after {args.steps} steps: "
           f"max parameter difference {diff:.2e} (each process its own shards), "
           f"max loss difference {ldiff:.2e} (tolerance {tol:g})")
     return 0 if ok else 1
 
 
-def plot_runs(path, losses, twin_losses, times, twin_times, mesh: str) -> None:
-    """Two panels, step by step: the loss of the eager ranks and of the compiled twin (one curve on
+def plot_runs(path, losses, spmd_losses, times, spmd_times, mesh: str) -> None:
+    """Two panels, step by step: the loss of the eager ranks and of the compiled program (one curve on
     the other when they agree), and each step's wall time in ms on a log axis (step 0 compiles)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -151,11 +151,11 @@ def plot_runs(path, losses, twin_losses, times, twin_times, mesh: str) -> None:
     left, right = fig.subplots(1, 2)
     steps = np.arange(len(losses))
     left.plot(steps, losses, "o-", lw=2.5, color="tab:blue", label="eager minidist ranks")
-    left.plot(steps, twin_losses, "x--", color="tab:orange", label="compiled SPMD twin")
+    left.plot(steps, spmd_losses, "x--", color="tab:orange", label="compiled SPMD program")
     left.set(title=f"loss per step ({mesh})", xlabel="step", ylabel="loss (nats/token)")
     left.legend()
     right.plot(steps, np.array(times) * 1e3, "o-", color="tab:blue", label="eager minidist ranks")
-    right.plot(steps, np.array(twin_times) * 1e3, "x--", color="tab:orange", label="compiled SPMD twin")
+    right.plot(steps, np.array(spmd_times) * 1e3, "x--", color="tab:orange", label="compiled SPMD program")
     right.set_yscale("log")
     for ax in (left, right):
         ax.set_xticks(steps)
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--lr", type=positive_float, default=0.1)
     parser.add_argument("--dp-reduce", choices=["ring", "psum"], default="ring",
-                        help="the twin's gradient all-reduce: minidist's ring (ppermute) or XLA's psum")
+                        help="the program's gradient all-reduce: minidist's ring (ppermute) or XLA's psum")
     parser.add_argument("--tol", type=positive_float, default=None,
                         help="largest parameter difference (default 1e-5 in float32, 1e-9 in float64)")
     parser.add_argument("--seed", type=int, default=0)
@@ -222,18 +222,18 @@ def main(argv=None) -> int:
 
     if jax.process_count() > 1:
         return multihost(cfg, batches, args, tol)
-    twin, twin_losses, twin_times, hlo = compiled(cfg, batches, args)
-    print_mesh(twin.mesh, 1)
+    spmd, spmd_losses, spmd_times, hlo = compiled(cfg, batches, args)
+    print_mesh(spmd.mesh, 1)
     print(first_run_note(args.dp * args.tp), flush=True)  # step 0 may be a silent minute: say why first
     state, losses, times, calls, sent, bound = eager(cfg, batches, args)
     print("eager ranks bound to: " + ", ".join(f"rank {r} -> {d}" for r, d in enumerate(bound)) + "\n")
 
-    print(f"{'step':>4}  {'eager loss':>12}  {'twin loss':>12}  {'eager ms':>10}  {'twin ms':>10}")
+    print(f"{'step':>4}  {'eager loss':>12}  {'spmd loss':>12}  {'eager ms':>10}  {'spmd ms':>10}")
     for i in range(args.steps):
-        print(f"{i:>4}  {losses[i]:>12.6f}  {twin_losses[i]:>12.6f}  {times[i] * 1e3:>10.1f}  "
-              f"{twin_times[i] * 1e3:>10.1f}")
+        print(f"{i:>4}  {losses[i]:>12.6f}  {spmd_losses[i]:>12.6f}  {times[i] * 1e3:>10.1f}  "
+              f"{spmd_times[i] * 1e3:>10.1f}")
     if args.steps > 1:
-        e, t = statistics.median(times[1:]), statistics.median(twin_times[1:])
+        e, t = statistics.median(times[1:]), statistics.median(spmd_times[1:])
         print(f"median after the first (compiling) step: eager {e * 1e3:.1f} ms, compiled {t * 1e3:.1f} ms "
               f"({e / t:.1f}x)")
 
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
         print(f"   {name:<28} {n:>4} calls ({n / args.steps:g} per step)")
     if not calls:
         print("   none: one rank has no one to talk to")
-    print("compiled twin, one step's HLO (what XLA emitted):")
+    print("compiled program, one step's HLO (what XLA emitted):")
     for name, n in hlo.items():
         if n:
             print(f"   {name:<28} {n:>4}")
@@ -255,13 +255,13 @@ def main(argv=None) -> int:
               f"{hw.inter.bandwidth / 1e9:>6.1f}")
 
     if args.plot:
-        plot_runs(args.plot, losses, twin_losses, times, twin_times, f"dp {args.dp} x tp {args.tp}")
+        plot_runs(args.plot, losses, spmd_losses, times, spmd_times, f"dp {args.dp} x tp {args.tp}")
         print(f"\nplot drawn to {args.plot}")
 
-    diff = max_state_diff(twin.state(), state)
-    ldiff = float(np.max(np.abs(np.array(losses) - np.array(twin_losses))))
+    diff = max_state_diff(spmd.state(), state)
+    ldiff = float(np.max(np.abs(np.array(losses) - np.array(spmd_losses))))
     ok = diff <= tol and ldiff <= tol * 10
-    print(f"\n{'PASS' if ok else 'FAIL'}: eager minidist == compiled twin after {args.steps} steps: "
+    print(f"\n{'PASS' if ok else 'FAIL'}: eager minidist == compiled program after {args.steps} steps: "
           f"max parameter difference {diff:.2e}, max loss difference {ldiff:.2e} (tolerance {tol:g})")
     return 0 if ok else 1
 

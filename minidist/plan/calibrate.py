@@ -72,7 +72,7 @@ def processes() -> list:
     """The mpirun probe (`minidist.plan.calibrate_mpi`): per process count, the cores' worth and all-reduce
     links n MPI processes get. [] without mpiexec or if the probe fails (said on stderr): the planner
     then prices MPI ranks with the free cores and the threads transport's link."""
-    from minidist.plan.calibrate_mpi import probe_processes  # cycle: the probe times with _median_time, _work
+    from minidist.plan.calibrate_mpi import probe_processes  # defers mpi4py and the probe's GPT
 
     try:
         return probe_processes()

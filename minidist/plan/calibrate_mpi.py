@@ -42,7 +42,9 @@ from threadpoolctl import threadpool_limits
 
 from minidist.comm import all_reduce, all_reduce_async, run
 from minidist.nn import GPT, GPTConfig
-from minidist.plan.calibrate import _median_time, cpu, fit_link, step_seconds
+from minidist.plan.calibrate_cores import fit_link
+from minidist.plan.calibrate_kernels import step_seconds
+from minidist.plan.clock import _median_time, cpu
 from minidist.plan.traffic import DP_ALGORITHM as DDP_ALGORITHM
 from minidist.plan.traffic import all_reduce_rounds, all_reduce_sent
 

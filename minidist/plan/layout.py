@@ -8,20 +8,15 @@ embedding joining the first and the head the last. Chunk c of stage s is virtual
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 from minidist.parallel.pipeline.partition import partition_uniform
 
-if TYPE_CHECKING:
-    from minidist.plan.mesh import Candidate
-    from minidist.plan.model import ModelSpec
 
-
-def layer_kinds(model: ModelSpec) -> list[str]:
+def layer_kinds(model) -> list[str]:
     return ["embed"] + ["block"] * model.n_layer + ["head"]
 
 
-def stage_layers(model: ModelSpec, cand: Candidate) -> list[list[int]]:
+def stage_layers(model, cand) -> list[list[int]]:
     """For each pipeline stage, the indices (into `layer_kinds`) of the layers it holds (all chunks).
 
     minidist: `partition_uniform` of its whole layer list (embedding and head count as layers), what
@@ -30,7 +25,7 @@ def stage_layers(model: ModelSpec, cand: Candidate) -> list[list[int]]:
     return _stage_layers(model.n_layer, cand.pp, cand.chunks, model.engine == "minidist")
 
 
-def chunk_layers(model: ModelSpec, cand: Candidate) -> list[list[list[int]]]:
+def chunk_layers(model, cand) -> list[list[list[int]]]:
     """[stage][chunk] -> layer indices: chunk c of stage s is virtual stage c·pp + s."""
     return _chunk_layers(model.n_layer, cand.pp, cand.chunks, model.engine == "minidist")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from minidist.comm.collectives import split_sizes
+from minidist.comm import split_sizes
 from minidist.parallel.data.ddp import DistributedDataParallel, build_buckets
 from minidist.parallel.pipeline.schedule import Backward, BackwardInput, Forward
 from minidist.parallel.pipeline.simulate import peak_activations

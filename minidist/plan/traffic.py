@@ -22,8 +22,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from minidist.comm import cost
-from minidist.comm.collectives import split_sizes
+from minidist.comm import cost, split_sizes
 from minidist.comm.transports import shm
 from minidist.parallel.data.ddp import DistributedDataParallel
 from minidist.parallel.tensor import comm as tp_comm

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+from minidist.trace import clock
 from minidist.trace.spans import CATEGORIES, current
 
 
@@ -31,7 +32,10 @@ class Tracer:
         self._perf0 = time.perf_counter()
 
     def now(self) -> float:
-        """Seconds since the Unix epoch, with perf_counter precision."""
+        """Seconds since the Unix epoch, with perf_counter precision; under the virtual clock, the
+        rank's virtual seconds (``trace.clock``)."""
+        if clock.is_virtual():
+            return clock.now()
         return self._wall0 + (time.perf_counter() - self._perf0)
 
     def add(self, name: str, cat: str, t0: float, t1: float, **args) -> dict:

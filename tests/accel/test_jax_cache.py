@@ -181,6 +181,72 @@ def test_a_corrupted_file_is_recompiled_and_overwritten(cache):
     assert jax_cache.STATS["loaded"] == before.get("loaded", 0) + 1
 
 
+def _planted_entry(path, marker):
+    """A cache file with a valid checksum whose pickle, once loaded, creates ``marker``: what someone
+    who can write the folder could plant (issue 40)."""
+    import hashlib
+    import pickle
+
+    class Boom:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    body = pickle.dumps({"key": "x", "exe": Boom()})
+    path.write_bytes(jax_cache.FORMAT + hashlib.sha256(body).digest() + body)
+
+
+@pytest.mark.parametrize("how", ["world-writable", "group-writable", "another owner"])
+def test_a_cache_folder_others_can_write_is_refused_and_nothing_runs(tmp_path, monkeypatch, capsys, how):
+    """A cache entry is code the job runs; a folder another user can write (or owns) turns the cache
+    off, with one warning naming the folder and why -- a planted entry there never loads."""
+    folder = tmp_path / "shared"
+    marker = tmp_path / "ran"
+    x = jax.device_put(np.arange(3.0))
+    monkeypatch.setenv("MINIDIST_JAX_CACHE", str(folder))
+    _fresh(_scaler(4.0))(x)  # private still: the real entry is written
+    [name] = _files(folder / "exe")
+    _planted_entry(folder / "exe" / name, marker)  # ... and replaced with one that runs code
+    if how == "another owner":
+        os.chown(folder, 65534, 65534)
+    else:
+        os.chmod(folder, 0o777 if how == "world-writable" else 0o770)
+    jax_cache_files = sys.modules["minidist.accel.jax_cache_files"]
+    jax_cache_files._REFUSED.discard(str(folder))
+    assert jax_cache.cache_root() is None and jax_cache.cache_dir() is None
+    np.testing.assert_array_equal(_fresh(_scaler(4.0))(x), np.arange(3.0) * 4)
+    assert not marker.exists()
+    err = capsys.readouterr().err
+    assert str(folder) in err and "the cache is off" in err and err.count("[minidist]") == 1
+    assert ("owned by uid 65534" if how == "another owner" else "writable by other users") in err
+
+
+def test_a_planted_entry_in_our_own_folder_would_run(cache):
+    """Why the two tests around this one matter: the cache trusts its own private folder, so what is
+    in it is unpickled -- the planted entry creates its marker (then fails its key check)."""
+    x = jax.device_put(np.arange(3.0))
+    _fresh(_scaler(6.0))(x)
+    [name] = _files(cache)
+    marker = cache.parent / "ran"
+    _planted_entry(cache / name, marker)
+    np.testing.assert_array_equal(_fresh(_scaler(6.0))(x), np.arange(3.0) * 6)
+    assert marker.exists()
+
+
+def test_an_entry_another_user_wrote_is_never_loaded(cache):
+    """In a private folder, a file owned by someone else (planted before the folder was tightened)
+    is treated as corrupt: compiled afresh, never unpickled."""
+    x = jax.device_put(np.arange(3.0))
+    _fresh(_scaler(5.0))(x)
+    [name] = _files(cache)
+    marker = cache.parent / "ran"
+    _planted_entry(cache / name, marker)
+    os.chown(cache / name, 65534, 65534)
+    before = dict(jax_cache.STATS)
+    np.testing.assert_array_equal(_fresh(_scaler(5.0))(x), np.arange(3.0) * 5)
+    assert not marker.exists()
+    assert jax_cache.STATS["corrupt"] == before.get("corrupt", 0) + 1
+
+
 def test_an_executable_that_rejects_its_arguments_is_recompiled(cache, monkeypatch):
     """A file written under the wrong key (a float32 program where float64 belongs, as a key that
     forgot the dtype would do): the call rejects it, the program is compiled again and stored."""

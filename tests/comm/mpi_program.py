@@ -76,7 +76,7 @@ def check(comm):
 
     bf = comm.sendrecv(np.arange(3).astype(ml_dtypes.bfloat16), (r + 1) % p, (r - 1) % p)
     assert bf.dtype == ml_dtypes.bfloat16 and bf.astype(float).tolist() == [0, 1, 2]
-    assert not comm.twin("coll")._pending  # every call has its own tags: no table of them may grow
+    assert not comm.channel("coll")._pending  # every call has its own tags: no table of them may grow
     comm.barrier()
     print(f"OK rank {r}", flush=True)
 
@@ -119,10 +119,37 @@ def exit0(comm):
     all_reduce(comm, np.ones(3), algorithm="ring")
 
 
+def clock(comm):
+    """Virtual clock (MINIDIST_CLOCK=virtual, a 1 ms, 1 MB/s link): a header message, a raw one, a
+    background one, a ring all-reduce; each rank prints its virtual times."""
+    from minidist.comm import ring_all_reduce
+    from minidist.trace.clock import now
+
+    times = []
+    if comm.rank == 0:
+        comm.clock.advance(0.1)
+        comm.send(np.zeros(2000, np.uint8), 1)                  # done 0.102; arrives 0.103
+        times.append(now())
+        req = comm.isend(np.zeros(100_000, np.uint8), 1)       # busy 0.1 s from 0.102
+        comm.clock.advance(0.3)
+        req.wait()
+        times.append(now())                                     # 0.402: hidden
+    elif comm.rank == 1:
+        comm.recv(0)
+        times.append(now())                                     # 0.103
+        comm.recv(0, out=np.empty(100_000, np.uint8))
+        times.append(now())                                     # 0.102 + 0.001 + 0.1 = 0.203
+    base = max(comm.allgather_obj(now()))  # (objects cost their own messages: measure from here)
+    comm.clock.resume(base)
+    ring_all_reduce(comm, np.ones(6000 * comm.size))            # 2(p-1) steps of 48000 bytes
+    times.append(now() - base)
+    print(f"CLOCK rank {comm.rank} " + " ".join(f"{t:.6f}" for t in times), flush=True)
+
+
 if __name__ == "__main__":
     modes = {"check": check, "fail": fail, "stuck": stuck, "stuck_in_collective": stuck_in_collective,
              "dtype_mismatch": dtype_mismatch, "early_return": early_return, "exit0": exit0,
-             "after_abort": fail}
+             "after_abort": fail, "clock": clock}
     run(modes[sys.argv[1]])
     print(f"AFTER RUN {sys.argv[1]}", flush=True)
     if len(sys.argv) > 2:  # a file, written at once: a rank that carries on after aborting leaves it

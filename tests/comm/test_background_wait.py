@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 import time
 
-from minidist.comm import communicator, run, waiting
-from minidist.comm.communicator import mark_background_thread, poll
+from minidist.comm import run, waiting
 from minidist.comm.handles import start_async
+from minidist.comm.waiting import mark_background_thread, poll
 
 WAITS, WAIT_S = 20, 0.005
 
@@ -30,7 +30,7 @@ class _Peerless:
 def _background_wait_counts(monkeypatch):
     """(tests, sched_yields) of a background thread that waits WAITS times for WAIT_S each."""
     yields, tests = [], []
-    monkeypatch.setattr(communicator.os, "sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(waiting.os, "sched_yield", lambda: yields.append(1))
 
     def waiter():
         mark_background_thread()
@@ -49,22 +49,22 @@ def test_a_background_wait_does_not_spin(monkeypatch):
     # never yields (no spin phase) and sleeps with backoff. Each sleep lasts at least its length, on any
     # load: 20 + 40 + 80 + 160 us, then 200 us (BACKGROUND_LONGEST) -- 4 + ceil(4700 / 200) = 28 sleeps
     # cover a 5 ms wait, so it tests at most 1 + 28 + 1 times. Spinning tests thousands of times.
-    assert communicator.BACKGROUND_LONGEST == 2e-4 and WAIT_S == 0.005  # the numbers worked out above
+    assert waiting.BACKGROUND_LONGEST == 2e-4 and WAIT_S == 0.005  # the numbers worked out above
     tests, yields = _background_wait_counts(monkeypatch)
     assert yields == 0
     assert WAITS <= tests <= WAITS * 30, tests
 
 
 def test_the_spin_policy_is_left_to_foreground_threads():
-    policy = communicator.wait_policy()
+    policy = waiting.wait_policy()
     assert policy.spin >= 1e-3  # the foreground keeps its spin (latency) phase
-    assert communicator.BACKGROUND_LONGEST <= 1e-3  # a background wait oversleeps at most this much
+    assert waiting.BACKGROUND_LONGEST <= 1e-3  # a background wait oversleeps at most this much
 
 
 def test_async_worker_marks_itself_background_and_counts_its_time():
     def job(c):
         time.sleep(0.05)
-        return getattr(communicator._thread, "background", False), threading.current_thread().name
+        return getattr(waiting._thread, "background", False), threading.current_thread().name
 
     def rank(comm):
         h = start_async(comm, job)
@@ -80,7 +80,7 @@ def test_async_worker_marks_itself_background_and_counts_its_time():
 
 def test_a_foreground_wait_tests_a_few_times_before_yielding_the_core(monkeypatch):
     yields = []
-    monkeypatch.setattr(communicator.os, "sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(waiting.os, "sched_yield", lambda: yields.append(1))
     calls = []
 
     def arrives_on_third_test():
@@ -91,15 +91,15 @@ def test_a_foreground_wait_tests_a_few_times_before_yielding_the_core(monkeypatc
     assert len(calls) == 3 and not yields  # caught by testing again, no sched_yield (a lost time slice)
 
     calls.clear()
-    poll(lambda: calls.append(1) or len(calls) > communicator.QUICK_TESTS + 5, _Peerless(), "a slow one")
+    poll(lambda: calls.append(1) or len(calls) > waiting.QUICK_TESTS + 5, _Peerless(), "a slow one")
     assert yields  # a longer wait does yield: the spin phase leaves the core to runnable ranks
 
 
 def test_a_crowded_host_yields_at_once_instead_of_testing_in_a_row(monkeypatch):
     # more ranks than cores: the peer that must send may need this very core, so no quick tests
-    monkeypatch.setattr(waiting, "_POLICY", [communicator.WaitPolicy(1e-3, 5e-3, 1e-3, quick=0)])
+    monkeypatch.setattr(waiting, "_POLICY", [waiting.WaitPolicy(1e-3, 5e-3, 1e-3, quick=0)])
     yields = []
-    monkeypatch.setattr(communicator.os, "sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(waiting.os, "sched_yield", lambda: yields.append(1))
     calls = []
     poll(lambda: calls.append(1) or len(calls) >= 3, _Peerless(), "a message already on its way")
     assert len(calls) == 3 and len(yields) == 1  # tested, yielded, tested: the third test found it

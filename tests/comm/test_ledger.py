@@ -75,7 +75,7 @@ def test_reduce_scatter_and_all_gather_send_p_minus_1_over_p_N(p, k):
 @given(p=st.integers(2, 8), n=st.integers(0, 40))
 def test_all_gather_known_uneven_sizes_formula(p, n):
     """Rank r sends every part but r+1's (the last one it receives): N - |part r+1| bytes."""
-    from minidist.comm.collectives import split_sizes
+    from minidist.comm import split_sizes
 
     sizes = split_sizes(n, p)
     assert sizes == [len(a) for a in np.array_split(np.empty(n), p)]
@@ -101,7 +101,7 @@ def test_latency_algorithms_take_log_p_steps(p):
 @FAST
 @given(p=st.integers(2, 8), k=st.integers(1, 20))
 def test_halving_doubling_moves_ring_bytes_in_2_log_p_steps(p, k):
-    from minidist.comm.collectives import halving_doubling_all_reduce
+    from minidist.comm import halving_doubling_all_reduce
 
     q = 1 << (p.bit_length() - 1)
     x = np.ones(q * k, np.float64)
@@ -117,7 +117,7 @@ def test_halving_doubling_moves_ring_bytes_in_2_log_p_steps(p, k):
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
 def test_two_shot_sends_the_rings_bytes_in_two_rounds(p):
-    from minidist.comm.collectives import two_shot_all_reduce
+    from minidist.comm import two_shot_all_reduce
 
     x = np.ones(p * 1000, np.float32)
     for m in measured(p, lambda comm: two_shot_all_reduce(comm, x)):

@@ -62,3 +62,20 @@ def test_mpi_jobs_fail_fast_and_truthfully(mode, expected, tmp_path):  # ids: th
     assert re.search(expected, res.stderr), res.stderr
     assert "got [" not in res.stdout  # no garbage result printed
     assert "AFTER RUN" not in res.stdout and not list(tmp_path.glob("after_run.*"))  # nobody carried on
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_virtual_clock_under_mpirun_keeps_the_hand_worked_times(n):
+    """The same hand-worked timeline as on threads (tests/comm/test_clock.py), through MPI's messages:
+    the arrival rides in the header, a stamp beside a raw message."""
+    res = mpirun(n, "clock", 60, MINIDIST_CLOCK="virtual", MINIDIST_LINK="alpha_us=1000,mbps=8")
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = re.findall(r"CLOCK rank (\d+) (.*)", res.stdout)
+    got = {int(r): [float(x) for x in rest.split()] for r, rest in lines}
+    slop, ring = 5e-3, 2 * (n - 1) * 1e-3 + 2 * (n - 1) / n * 48000 * n / 1e6  # N = 8 * 6000n bytes
+    for want, t in zip([0.102, 0.402], got[0]):
+        assert want <= t <= want + slop, got
+    for want, t in zip([0.103, 0.203], got[1]):
+        assert want <= t <= want + slop, got
+    for r in range(n):
+        assert ring <= got[r][-1] <= ring + 0.02, (ring, got)

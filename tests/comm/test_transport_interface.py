@@ -8,11 +8,12 @@ import threading
 import numpy as np
 import pytest
 
-from minidist.comm import CollectiveMismatch, Communicator, Request, all_gather, all_reduce, broadcast
-from minidist.comm.communicator import poll
+from minidist.comm import CollectiveMismatch, Request, all_gather, all_reduce, broadcast
+from minidist.comm.waiting import poll
+from minidist.comm.watchdog import Watched
 
 
-class QueueComm(Communicator):
+class QueueComm(Watched):
     transport = "queues"
 
     def __init__(self, box, ctx, members, rank):
@@ -29,7 +30,7 @@ class QueueComm(Communicator):
     def irecv_buffer(self, out, source, tag=0, *, header=False, count=True):
         return Recv(self, (self.ctx, self.members[source], self.members[self.rank], tag), out, count)
 
-    def make_twin(self, name):
+    def make_channel(self, name):
         return QueueComm(self.box, (*self.ctx, name), self.members, self.rank)
 
     def split(self, color, key=0):

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minidist.comm import collectives as C
+import minidist.comm as C
 from minidist.grade import ROOT, exercises, grade, listing
 from minidist.grading.rendezvous import Deadlock, run_rendezvous
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from minidist.comm import collectives as C
+import minidist.comm as C
 from minidist.grading import allreduce as G
 from minidist.grading.rendezvous import run_rendezvous
 from minidist.grading.rounds import RoundsComm

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm.communicator import _Converted
+from minidist.comm.requests import Converted as _Converted
 from minidist.comm.transports.threads import ThreadComm
 
 
@@ -91,8 +91,8 @@ class JaxDeviceComm(ThreadComm):
         be = self.backend
         return _Converted(req, lambda a: be.update(out, self._arrived(a)))
 
-    def make_twin(self, name: str) -> JaxDeviceComm:
-        return type(self)(self.world, (*self.ctx, "twin", name), self.members, self.rank,
+    def make_channel(self, name: str) -> JaxDeviceComm:
+        return type(self)(self.world, (*self.ctx, "channel", name), self.members, self.rank,
                           self.backend, self.ledger)
 
     def split(self, color, key=0):

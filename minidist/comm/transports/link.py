@@ -22,6 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from minidist.comm import waiting
 from minidist.comm.cost import all_reduce_counts
 
 
@@ -41,10 +42,8 @@ class Link:
         return rounds * self.alpha + sent / self.bandwidth
 
     def pause(self, nbytes: int) -> None:
-        from minidist.comm import communicator  # cycle: comm.communicator imports comm.link
-
-        if not getattr(communicator._thread, "fine", False):
-            communicator._fine_sleeps()  # 1 us timer slack: a 50 us sleep is not rounded up by 50 us
+        if not getattr(waiting._thread, "fine", False):
+            waiting._fine_sleeps()  # 1 us timer slack: a 50 us sleep is not rounded up by 50 us
         time.sleep(self.delay(nbytes))
 
     def __str__(self):

@@ -25,9 +25,14 @@ import time
 
 import numpy as np
 
-from minidist.comm.communicator import Communicator, RankExited, Request, format_op, poll
+from minidist.comm import clock, cost
+from minidist.comm.call import collective
+from minidist.comm.collectives import ALGORITHMS
+from minidist.comm.communicator import format_op
 from minidist.comm.debug import stamp_mismatch
 from minidist.comm.ledger import Ledger
+from minidist.comm.requests import RankExited, Request
+from minidist.comm.ring import ring_all_reduce
 from minidist.comm.transports.mpi_requests import _drain, _MPIHeaderRecv, _MPIRequest
 from minidist.comm.transports.mpi_wire import (
     HEADER_LEN,
@@ -40,16 +45,18 @@ from minidist.comm.transports.mpi_wire import (
     encode_header,
     mpi_knows,
 )
-from minidist.comm.transports.shm import free_windows
+from minidist.comm.transports.shm import free_windows, shm_lane
+from minidist.comm.waiting import poll
+from minidist.comm.watchdog import Watched
 
-__all__ = ["HEADER_LEN", "MAX_NDIM", "NAMESPACE", "TWINS", "MPIComm", "decode_header", "done_tag",
-           "encode_header", "finish_handshake", "mpi_knows"]
+__all__ = ["HEADER_LEN", "MAX_NDIM", "NAMESPACE", "CHANNELS", "MPIComm", "decode_header", "done_tag",
+           "encode_header", "finish_handshake", "mpi_all_reduce", "mpi_knows"]
 
 NAMESPACE = 1 << 21            # tags per private channel: user tags < 2**20, then minidist's object tags
-TWINS = {"coll": 1, "debug": 2, "async": 3}
+CHANNELS = {"coll": 1, "debug": 2, "async": 3}
 
 
-class MPIComm(Communicator):
+class MPIComm(Watched):
     """One MPI process's end of an ``mpi4py`` communicator (``MPI.COMM_WORLD`` by default)."""
 
     transport = "mpi"
@@ -65,6 +72,7 @@ class MPIComm(Communicator):
         self._world_ranks: list | None = None
         self.shm = None         # this communicator's lane of a shared window: None = not asked yet (shm.py)
         self.shm_window = None  # the origin's shm.Window, or None where shared memory can't serve it
+        self.clock = process_clock()
 
     def progress(self) -> None:
         """Post the payload receive of every pending receive whose header has arrived.
@@ -102,32 +110,48 @@ class MPIComm(Communicator):
 
     # -- the transport interface ---------------------------------------------------------------
     def isend_buffer(self, buf, dest, tag=0, *, header=False, count=True) -> Request:
-        if self.link is not None:
+        done = arrival = 0.0
+        if self.clock is not None:
+            done, arrival = self.clock.send(buf.nbytes)  # charged in virtual time, not slept
+        elif self.link is not None:
             self.link.pause(buf.nbytes)  # the emulated link is busy for alpha + bytes / bandwidth
         reqs, keep = [], [buf]
         if header:
             h = encode_header(buf)
+            self.ledger.count_header(h.nbytes)
+            if self.clock is not None:  # the arrival rides in the header's last word
+                h = np.concatenate([h, np.array([arrival]).view(np.int64)])
             keep.append(h)
             reqs.append(self.mpi.Isend(h, dest, self.base + 2 * tag))
-            self.ledger.count_header(h.nbytes)
+        elif self.clock is not None:  # no header: the arrival goes alone on the header's tag
+            h = np.array([arrival])
+            keep.append(h)
+            reqs.append(self.mpi.Isend(h, dest, self.base + 2 * tag))
         reqs.append(self.mpi.Isend(_bytes(buf), dest, self.base + 2 * tag + 1))
         if count:
             self.ledger.count_send(buf.nbytes)
-        return _MPIRequest(self, reqs, keep, f"a send to rank {dest} (tag {tag}) to complete", dest, tag)
+        if self.clock is not None:
+            self.clock.resume()  # posting the message is the transport's work, not compute
+        return _MPIRequest(self, reqs, keep, f"a send to rank {dest} (tag {tag}) to complete", dest, tag,
+                           at=done)
 
     def irecv_buffer(self, out, source, tag=0, *, header=False, count=True) -> Request:
         if header:
             return _MPIHeaderRecv(self, source, tag, out, count)
         if count:
             self.ledger.count_recv(out.nbytes)
-        req = self.mpi.Irecv(_bytes(out), source, self.base + 2 * tag + 1)
-        return _MPIRequest(self, [req], [out], f"a message from rank {source} (tag {tag})", source, tag, out)
+        reqs, stamp = [self.mpi.Irecv(_bytes(out), source, self.base + 2 * tag + 1)], None
+        if self.clock is not None:
+            stamp = np.empty(1)
+            reqs.append(self.mpi.Irecv(stamp, source, self.base + 2 * tag))
+        return _MPIRequest(self, reqs, [out], f"a message from rank {source} (tag {tag})", source, tag, out,
+                           stamp=stamp)
 
     def sendrecv_buffer(self, sendbuf, dest, recvbuf, source, tag=0, *, header=False):
         """The hot path of every ring and butterfly: one Irecv, one Isend, one wait on both; the
         size of what arrived is checked from MPI's status."""
-        if header:
-            return super().sendrecv_buffer(sendbuf, dest, recvbuf, source, tag, header=True)
+        if header or self.clock is not None:
+            return super().sendrecv_buffer(sendbuf, dest, recvbuf, source, tag, header=header)
         if self.link is not None:
             self.link.pause(sendbuf.nbytes)
         t = self.base + 2 * tag + 1
@@ -144,10 +168,22 @@ class MPIComm(Communicator):
             _check_count(self, statuses[0], source, tag, recvbuf.nbytes)
         return recvbuf
 
-    def make_twin(self, name: str) -> MPIComm:
+    def all_reduce_algorithm(self, x, op: str) -> str:
+        """``auto``: shared memory where every rank is on one node (``cost.shm_wins``), else the
+        cost model's choice; every rank agrees (the window and crowding are agreed once)."""
+        lane = self.shm
+        if lane and (x.nbytes <= lane.cap or lane.crowded):  # the common case, decided
+            return "shm"
+        if lane is None or self.agreed_crowded is None:
+            cost.check_before_handshake(self, x, op, "auto")
+        if lane is None and shm_lane(self) and cost.shm_wins(x.nbytes, self.shm.cap, self.shm.crowded):
+            return "shm"
+        return cost.choose_algorithm(x.nbytes, self.size, cost.agreed_crowded(self))
+
+    def make_channel(self, name: str) -> MPIComm:
         """A private channel on the same MPI communicator with its own range of tags (no MPI call, so it can't
         hang); MPI's ``Dup`` only if the tag range would pass the MPI library's TAG_UB."""
-        ns = self.namespace * 4 + TWINS.get(name, 3)
+        ns = self.namespace * 4 + CHANNELS.get(name, 3)
         if 2 * (ns + 1) * NAMESPACE <= self.mpi.Get_attr(_mpi().TAG_UB):
             return MPIComm(self.mpi, self.backend, self.ledger, ns)
         self.note(f"creating the private communicator {name!r}")
@@ -164,13 +200,23 @@ class MPIComm(Communicator):
         return MPIComm(new, self.backend, Ledger(parent=self.ledger))
 
 
+_CLOCK: list = []  # [RankClock or None]: this process's rank's virtual clock
+
+
+def process_clock():
+    """This process's virtual clock (one rank: every communicator of it shares one), or None."""
+    if not _CLOCK:
+        _CLOCK.append(clock.RankClock() if clock.enabled() else None)
+    return _CLOCK[0]
+
+
 # -- the completion handshake (launch.py): every rank tells every other that it has finished --------
 
 _DONE_TAG: list = []
 
 
 def done_tag() -> int:
-    """A tag no namespace uses: TAG_UB itself (namespaces end below it, see ``make_twin``)."""
+    """A tag no namespace uses: TAG_UB itself (namespaces end below it, see ``make_channel``)."""
     if not _DONE_TAG:
         _DONE_TAG.append(_mpi().COMM_WORLD.Get_attr(_mpi().TAG_UB))
     return _DONE_TAG[0]
@@ -192,3 +238,25 @@ def finish_handshake(comm: MPIComm) -> None:
         time.sleep(delay)
         delay = min(2 * delay, 0.05)
     free_windows()  # collective, and every rank has finished: nobody uses a window any more
+
+
+def mpi_all_reduce(comm, x, op: str = "sum"):
+    """MPI's own ``Allreduce`` (buffer API) under MPI; on other transports the ring all-reduce.
+
+    Blocking inside MPI (no watchdog, no stamps: only debug mode compares the ranks' calls): it is
+    the yardstick, not part of minidist's algorithms, so it runs with nothing added.
+    """
+    if comm.transport != "mpi" or comm.clock is not None:  # (the clock can't see inside MPI's own)
+        return ring_all_reduce(comm, x, op)
+    MPI = _mpi()
+    with collective(comm, "mpi_all_reduce", x, op=op) as k:
+        if not mpi_knows(k.host.dtype):
+            raise TypeError(f"rank {comm.rank}: MPI's Allreduce can't reduce {k.host.dtype} (it doesn't know "
+                            f"the type); use one of minidist's algorithms, e.g. algorithm='ring'")
+        buf = k.host.copy()
+        mop = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+        k.comm.mpi.Allreduce(MPI.IN_PLACE, buf, op=mop)
+        return k.be.from_host(k.finish(buf))
+
+
+ALGORITHMS["mpi"] = mpi_all_reduce

@@ -13,7 +13,7 @@ import collections
 
 import numpy as np
 
-from minidist.comm.communicator import MessageMismatch, Request, poll
+from minidist.comm.requests import MessageMismatch, Request
 from minidist.comm.transports.mpi_wire import (
     HEADER_LEN,
     _bytes,
@@ -22,14 +22,18 @@ from minidist.comm.transports.mpi_wire import (
     _truncated,
     decode_header,
 )
+from minidist.comm.waiting import poll
 
 
 class _MPIRequest(Request):
-    """A raw send, or a raw receive (``out`` given: its size is checked when it completes)."""
+    """A raw send, or a raw receive (``out`` given: its size is checked when it completes).
 
-    def __init__(self, comm, reqs, keep, what, peer, tag, out=None):
+    Virtual clock: ``at`` is when a send's link is done with it; a receive's stamp (its arrival)
+    comes in ``stamp``, an MPI message of its own on the header's tag (``reqs[1]``)."""
+
+    def __init__(self, comm, reqs, keep, what, peer, tag, out=None, at=0.0, stamp=None):
         self.comm, self.reqs, self.keep, self.what = comm, reqs, keep, what
-        self.peer, self.tag, self.out = peer, tag, out
+        self.peer, self.tag, self.out, self.at, self.stamp = peer, tag, out, at, stamp
         self.status = _mpi().Status() if out is not None else None
         self.done = False
 
@@ -45,13 +49,21 @@ class _MPIRequest(Request):
             raise _truncated(self.comm, self.peer, self.tag, self.out.nbytes, e) from None
         if self.done:
             _check_count(self.comm, self.status, self.peer, self.tag, _bytes(self.out).nbytes)
+            if self.stamp is not None:
+                self.reqs[1].Wait()  # sent before the payload: here already
         return self.done
 
     def problem(self):
         return self.comm.peer_problem(self.peer, self.tag, self.out is not None)
 
     def wait(self):
+        clock = self.comm.clock
+        if clock is None:
+            poll(self.test, self.comm, self.what, self.problem)
+            return self.out
+        clock.pause()
         poll(self.test, self.comm, self.what, self.problem)
+        clock.resume(self.at if self.stamp is None else float(self.stamp[0]))
         return self.out
 
 
@@ -71,7 +83,7 @@ class _MPIHeaderRecv(Request):
 
     def __init__(self, comm, source, tag, out, count):
         self.comm, self.source, self.tag, self.out, self.count = comm, source, tag, out, count
-        self.h = np.empty(HEADER_LEN, np.int64)
+        self.h = np.empty(HEADER_LEN + (comm.clock is not None), np.int64)  # + the arrival: a virtual clock
         self.hreq = comm.mpi.Irecv(self.h, source, comm.base + 2 * tag)
         self.preq = None
         comm._pending.setdefault((source, tag), collections.deque()).append(self)
@@ -97,7 +109,12 @@ class _MPIHeaderRecv(Request):
         return self.comm.peer_problem(self.source, self.tag)
 
     def wait(self):
+        clock = self.comm.clock
+        if clock is not None:
+            clock.pause()
         poll(self.test, self.comm, f"a message from rank {self.source} (tag {self.tag})", self.problem)
+        if clock is not None:
+            clock.resume(float(self.h[HEADER_LEN:].view(np.float64)[0]))
         if self.count:
             self.comm.ledger.count_recv(self.out.nbytes)
             self.count = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm.communicator import MessageMismatch
+from minidist.comm.requests import MessageMismatch
 
 MAX_NDIM = 32
 HEADER_LEN = 4 + MAX_NDIM      # ndim, 3 words of dtype name (24 chars), shape

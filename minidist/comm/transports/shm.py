@@ -1,40 +1,17 @@
 """All-reduce through shared memory: the ranks of one node add up each other's arrays where they lie.
 
-Message passing on one node copies every byte twice (sender -> MPI's shared buffer -> receiver) and
-pays a protocol per message (tags, matching, eager or rendezvous). Here each rank instead has its
-own part of an MPI-3 shared window (``MPI.Win.Allocate_shared`` on the node's communicator) that
-every other rank can read as a NumPy array. Call k of an all-reduce:
+Each rank has its part of an MPI-3 shared window (``MPI.Win.Allocate_shared`` on the node's
+communicator) that every other rank reads as a NumPy array: a header and two parity buffers.
+Call k: copy x into my buffer of parity ``k % 2`` and post k in my header (with the call's stamp
+and size); wait until every peer posted k; then **one-shot** add up all p buffers in rank order, or
+**two-shot** add up my chunk of them, post again, and copy the others' chunks. Every rank sums in
+the same order, so the bits agree. Two buffers alternating by parity make one wait per call safe:
+a peer posts k-1 only after it finished reading call k-2. Larger messages go in pieces.
 
-1. copy x into my buffer of parity ``k % 2``, then post ``seq = k`` in my header (with the call's
-   stamp and size beside it);
-2. wait until every peer's ``seq >= k`` (their data is there), checking their stamps;
-3. **one-shot**: out = buffer_0 + buffer_1 + ... + buffer_{p-1}, in rank order, on every rank.
-   Each rank reads p·N bytes, but there is a single wait: best for small messages.
-   **two-shot**: rank r adds up only chunk r of every buffer and writes that reduced chunk back
-   into its own buffer (nobody else reads chunk r there), posts ``seq2 = k``, waits for every
-   peer's ``seq2``, then copies chunk j from rank j. Each rank reads about 2N bytes: best once
-   p·N no longer fits the caches. (NCCL and TensorRT-LLM call these one-shot and two-shot too.)
-
-Every rank sums in the same order, so results are the same bits on every rank.
-
-**Why one wait per call is enough (double buffering by parity).** Before call k writes buffer
-``k % 2``, it must be sure nobody still reads that buffer from call k-2. A rank in call k has
-seen every peer post k-1, and a peer posts k-1 only after it finished reading call k-2. So the
-two parities alternate safely, without a second "I have finished reading" wait.
-
-Messages larger than the window go in pieces; each piece is one call of the protocol. Waits go
-through ``communicator.poll`` (spin with ``sched_yield``, which releases the GIL, then sleep; the
-"still waiting" line and the watchdog); while it waits, a peer that returned from ``run()`` or
-whose next message belongs to another collective raises at once, and a peer that posted another
-call's stamp or size raises :class:`CollectiveMismatch` / :class:`MessageMismatch`.
-
-Ledger: a rank *sends* what it writes into the window (N; two-shot also its reduced chunk) and
-*receives* what it reads from its peers' buffers; one "message" and one step per posting (one-shot
-1 per piece, two-shot 2). ``cost.all_reduce_counts("shm", ...)`` holds the same numbers.
-
-Each communicator gets its own window the first time it needs one (collectively: every rank is in
-the same all-reduce then), with two lanes: one for the communicator and one for its async channel
-(``all_reduce_async`` runs on a worker thread). Windows are freed after ``run()``'s end handshake.
+Waits go through ``waiting.poll`` (the watchdog, "still waiting", a departed peer); a peer that
+posted another call's stamp or size raises ``CollectiveMismatch`` / ``MessageMismatch``. Ledger: a
+rank sends what it writes into the window and receives what it reads, one message and one step
+per posting (``cost.all_reduce_counts("shm", ...)``). Chapter 2 walks through the protocol.
 """
 
 from __future__ import annotations
@@ -46,10 +23,12 @@ import threading
 import numpy as np
 
 from minidist.comm import cost
-from minidist.comm.call import OPS, check_op
-from minidist.comm.communicator import MessageMismatch, poll
+from minidist.comm.call import OPS, check_op, collective, stamp, unwatched
+from minidist.comm.collectives import ALGORITHMS
 from minidist.comm.cost import shm_two_shot_from
-from minidist.comm.debug import stamp, stamp_mismatch
+from minidist.comm.debug import stamp_mismatch
+from minidist.comm.requests import MessageMismatch
+from minidist.comm.waiting import poll
 
 HEADER = 64                          # bytes per lane and rank: one cache line of int64 words
 SEQ, SEQ2, CALL = 0, 1, 2            # header words: call posted, two-shot's 2nd phase, what[parity]:
@@ -193,7 +172,7 @@ class Lane:
         from run() or whose next message belongs to another collective raises at once."""
         h = self.heads[j]
         phase = " (two-shot's second phase)" if word == SEQ2 else ""
-        problem = getattr(comm.twin("coll"), "peer_problem", None)  # (MPI's; tests run lanes on threads)
+        problem = getattr(comm.channel("coll"), "peer_problem", None)  # (MPI's; tests run lanes on threads)
         poll(lambda: h[word] >= call, comm, lambda: f"rank {j} to post its part of {NAME} (piece "
              f"#{call} on this communicator{phase})", problem and (lambda: problem(j, tag)))
 
@@ -246,10 +225,10 @@ def attach(comm):
     from mpi4py import MPI
 
     comm.note("all_reduce(shm): allocating the shared window")   # what the watchdog shows meanwhile
-    comm.twin("debug").barrier()  # watchdog-protected: every rank is here, so MPI's calls below can't hang
+    comm.channel("debug").barrier()  # watchdog-protected: every rank is here, so MPI's calls below can't hang
     node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     cap = comm.mpi.allreduce(window_bytes(comm.size), op=MPI.MIN)
-    usable = (node.Get_size() == comm.size and comm.link is None and cap > 0
+    usable = (node.Get_size() == comm.size and comm.link is None and comm.clock is None and cap > 0
               and os.environ.get("MINIDIST_SHM", "1") not in ("0", "false", "False"))
     if not comm.mpi.allreduce(usable, op=MPI.LAND):
         node.Free()
@@ -274,7 +253,7 @@ def shm_lane(comm):
             origin.shm_window = window
     window = origin.shm_window
     if comm is not origin:
-        comm.shm = window.lanes[1] if window and comm is origin.twins.get("async") else False
+        comm.shm = window.lanes[1] if window and comm is origin.channels.get("async") else False
     return comm.shm
 
 
@@ -284,3 +263,31 @@ def free_windows() -> None:
     shared memory before that."""
     while _windows:
         _windows.pop(0).free()
+
+
+def shm_all_reduce(comm, x, op: str = "sum"):
+    """Through the node's shared memory, no messages (MPI transport, every rank on one node).
+
+    Each rank copies x into its part of a shared window and posts the call; once every rank has
+    posted, each adds up all ranks' buffers in rank order (one-shot), or, for large messages, its
+    own chunk of them, which the others then copy (two-shot). Elsewhere (threads, JAX devices,
+    ranks on several nodes, an emulated slow link) the algorithm the cost model picks for ``auto``.
+    """
+    lane = getattr(comm, "shm", False)
+    if lane is None:                             # MPI, first time: the window's handshake
+        cost.check_before_handshake(comm, x, op, "shm")
+        lane = shm_lane(comm)
+    if not lane and comm.size > 1:
+        return ALGORITHMS[cost.choose_algorithm(x.nbytes, comm.size, cost.agreed_crowded(comm))](comm, x, op)
+    if lane and type(x) is np.ndarray and unwatched(comm):  # (NumPy in, NumPy out, on any backend)
+        return lane.call(comm, x, op)            # the same, with collective()'s work done leanly
+    with collective(comm, "shm_all_reduce", x, op=op) as k:
+        if not lane:
+            return k.result(k.flat.copy())       # one rank: nothing to add
+        out, sent, received, steps = lane.reduce(comm, k.tag, k.flat, op)
+        comm.ledger.count_sendrecv(sent, received)
+        k.step(steps)
+        return k.result(out)
+
+
+ALGORITHMS["shm"] = shm_all_reduce

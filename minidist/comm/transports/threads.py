@@ -17,17 +17,13 @@ import time
 
 import numpy as np
 
-from minidist.comm.communicator import (
-    Communicator,
-    MessageMismatch,
-    RankAborted,
-    RankExited,
-    Request,
-    format_op,
-)
+from minidist.comm import clock
+from minidist.comm.communicator import format_op
 from minidist.comm.debug import stamp_mismatch
 from minidist.comm.ledger import Ledger
-from minidist.comm.transports.mpi import HEADER_LEN
+from minidist.comm.requests import MessageMismatch, RankAborted, RankExited, Request
+from minidist.comm.transports.mpi_wire import HEADER_LEN
+from minidist.comm.watchdog import Watched
 
 
 class ThreadWorld:
@@ -43,6 +39,7 @@ class ThreadWorld:
         self.last_ops = ["start"] * size
         self.failed: int | None = None  # the first rank that raised
         self.finished: set = set()   # ranks whose function returned
+        self.clocks = [clock.RankClock() for _ in range(size)] if clock.enabled() else None
 
     def abort(self, rank: int) -> None:
         if self.failed is None:
@@ -67,12 +64,23 @@ class _Done(Request):
         return None
 
 
+class _Sent(_Done):
+    """A buffered send on the virtual clock: its wait ends when the sender's link has pushed it."""
+
+    def __init__(self, clock, done: float):
+        self.clock, self.done = clock, done
+
+    def wait(self):
+        self.clock.pause()
+        self.clock.resume(self.done)
+
+
 class _ThreadRecv(Request):
     def __init__(self, comm: ThreadComm, source: int, key, seq, out, header, count):
         self.comm, self.source, self.key, self.seq = comm, source, key, seq
         self.out, self.header, self.count = out, header, count
         self.cond = comm.world.conds[comm.world_rank]
-        self.result = None
+        self.result, self.arrival = None, 0.0
 
     def test(self) -> bool:
         if self.result is None:
@@ -107,6 +115,8 @@ class _ThreadRecv(Request):
 
     def wait(self):
         c, world, start = self.comm, self.comm.world, time.monotonic()
+        if c.clock is not None:
+            c.clock.pause()
         notice_at = c.notice_after()
         while not self.test():
             with self.cond:
@@ -122,10 +132,13 @@ class _ThreadRecv(Request):
                     if waited > c.timeout:
                         raise c.timeout_error(what, waited)
                     self.cond.wait(min(0.25, c.timeout - waited + 1e-3, max(notice_at - waited, 1e-3)))
+        if c.clock is not None:
+            c.clock.resume(self.arrival)
         return self.result
 
-    def _deliver(self, arr: np.ndarray, had_header: bool):
+    def _deliver(self, arr: np.ndarray, had_header: bool, arrival: float = 0.0):
         c = self.comm
+        self.arrival = arrival
         if self.out is None:
             self.result = arr
         else:
@@ -140,7 +153,7 @@ class _ThreadRecv(Request):
             c.ledger.count_recv(arr.nbytes)
 
 
-class ThreadComm(Communicator):
+class ThreadComm(Watched):
     """One rank's end of a group of threads. ``members`` are the world ranks of the group."""
 
     transport = "threads"
@@ -151,6 +164,7 @@ class ThreadComm(Communicator):
         self.world, self.ctx, self.members = world, ctx, members
         self.world_rank = members[rank]
         self._nsplit = 0
+        self.clock = world.clocks[self.world_rank] if world.clocks is not None else None
 
     def note(self, op) -> None:
         self.origin.last_op = op
@@ -169,12 +183,15 @@ class ThreadComm(Communicator):
         return (self.ctx, self.members[src], self.members[dst], tag)
 
     def isend_buffer(self, buf, dest, tag=0, *, header=False, count=True) -> Request:
-        if self.link is not None:
+        done = arrival = 0.0
+        if self.clock is not None:
+            done, arrival = self.clock.send(buf.nbytes)  # charged in virtual time, not slept
+        elif self.link is not None:
             self.link.pause(buf.nbytes)  # the emulated link is busy for alpha + bytes / bandwidth
         if self.world.failed is not None:
             raise RankAborted(f"rank {self.rank}: rank {self.world.failed} failed; not sending to {dest}")
         key = self._key(self.rank, dest, tag)
-        msg = (self.copy_message(buf, dest), header)  # buffered: the sender may reuse its buffer at once
+        msg = (self.copy_message(buf, dest), header, arrival)  # buffered: the sender may reuse its buffer
         cond = self.world.conds[self.members[dest]]
         with cond:
             seq = self.world.sent.get(key, 0)
@@ -187,6 +204,9 @@ class ThreadComm(Communicator):
             self.ledger.count_send(buf.nbytes)
         if header:
             self.ledger.count_header(8 * HEADER_LEN)  # what the MPI transport's header costs
+        if self.clock is not None:
+            self.clock.resume()  # copying the message is the transport's work, not compute
+            return _Sent(self.clock, done)
         return _Done()
 
     def copy_message(self, buf, dest: int):
@@ -201,8 +221,8 @@ class ThreadComm(Communicator):
             self.world.posted[key] = seq + 1
         return _ThreadRecv(self, source, key, seq, out, header, count)
 
-    def make_twin(self, name: str) -> ThreadComm:
-        return ThreadComm(self.world, (*self.ctx, "twin", name), self.members, self.rank,
+    def make_channel(self, name: str) -> ThreadComm:
+        return ThreadComm(self.world, (*self.ctx, "channel", name), self.members, self.rank,
                           self.backend, self.ledger)
 
     def split(self, color, key=0):

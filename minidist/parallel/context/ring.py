@@ -78,7 +78,7 @@ def ring_forward(comm, q, kv, pairs_with, stats=None):
     """This rank's queries ``q`` over every rank's K/V block, its own ``kv`` first.
     ``pairs_with(src)``: the chunk pairs to compute with rank src's block. Returns (out, lse) of
     the two query chunks."""
-    ring, r, p = comm.twin("ring_attention"), comm.rank, comm.size
+    ring, r, p = comm.channel("ring_attention"), comm.rank, comm.size
     scale = 1.0 / math.sqrt(q.shape[-1])
     out = lse = (None, None)
     for s in range(p):
@@ -95,7 +95,7 @@ def ring_forward(comm, q, kv, pairs_with, stats=None):
 def ring_backward(comm, q, kv, g, lse, delta, pairs_with, stats=None):
     """The backward ring: K/V travel round again, each block's dK, dV with it. Returns (dQ of the
     two query chunks, the dK/dV (2, B, H, T/cp, D) of this rank's own block)."""
-    ring, r, p = comm.twin("ring_attention"), comm.rank, comm.size
+    ring, r, p = comm.channel("ring_attention"), comm.rank, comm.size
     scale = 1.0 / math.sqrt(q.shape[-1])
     dq, dkv = (None, None), None
     for s in range(p):

@@ -13,7 +13,7 @@ import numpy as np
 
 from minidist.accel import compiled
 from minidist.accel.backend import host_scalar
-from minidist.comm.collectives import split_sizes
+from minidist.comm import split_sizes
 
 
 @compiled.pure  # on JAX one compiled call, not a zeros/reshape program per parameter and a concat

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm import all_gather, all_reduce, reduce_scatter
-from minidist.comm.collectives import split_sizes
+from minidist.comm import all_gather, all_reduce, reduce_scatter, split_sizes
 from minidist.nn.module import Parameter
 from minidist.parallel.compose import check_compatible
 from minidist.parallel.data.buckets import Bucket

@@ -17,7 +17,6 @@ from minidist.accel import compiled
 from minidist.autograd import ops
 from minidist.nn.layers import LayerNorm
 from minidist.nn.module import Module
-from minidist.parallel.compose import check_compatible
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"bf16": bfloat16, "bfloat16": bfloat16, "fp16": np.dtype(np.float16),
@@ -90,7 +89,6 @@ def autocast(model, dtype="bf16"):
     position of ``Module``'s stack) do the rest: LayerNorm computes its statistics in fp32, and an
     attention's qkv projection hands its output on in fp32. ``remove_autocast`` takes them away."""
     dt = low_dtype(dtype)
-    check_compatible(model, dtype_technique(dt))
     params = model.parameters()
     for p, low in zip(params, _cast_all([p.data for p in params], dt)):
         p.data = low
@@ -111,8 +109,3 @@ def remove_autocast(model):
         if handle is not None:
             handle.remove()
     return model
-
-
-def dtype_technique(dt) -> str:
-    """The composition-matrix name of a compute dtype: "bf16", "fp16" (fp32 is no technique)."""
-    return {bfloat16: "bf16", np.dtype(np.float16): "fp16"}.get(np.dtype(dt), "fp32")

@@ -4,44 +4,30 @@
     opt = AdamW(model.parameters(), lr=...)    # the fp32 parameters are the master weights
 
 The recipe of Transformer Engine and DeepSeek-V3, emulated (a CPU has no FP8 tensor core, but the
-numbers are the same). Per Linear ``y = x W + b``:
+numbers are the same). Per Linear ``y = x W + b``: forward ``y = Q4(x) Q4(W) + b``, backward
+``dx = Q5(dy) Q4(W)^T`` and ``dW = Q4(x)^T Q5(dy)``, where Q4 rounds to e4m3 and Q5 to e5m2 under
+a scale from the recipe (``fp8_scaling``: current, delayed or block). Products of two FP8 numbers
+are exact in fp32, so the only roundings are the casts and the accumulation. The parameters stay
+fp32: FP8 is a property of the products, not of what is stored.
 
-* forward ``y = Q4(x) Q4(W) + b``; backward ``dx = Q5(dy) Q4(W)^T`` and ``dW = Q4(x)^T Q5(dy)``, where
-  Q4 rounds to e4m3 (precision, for activations and weights) and Q5 to e5m2 (range, for the output
-  gradient ``dy``), each under a scale from the recipe (``fp8_scaling``: current, delayed or block).
-  ``db`` sums the unrounded ``dy``. Products of two FP8 numbers are exact in fp32 (at most 8 significant
-  bits), so the only roundings are the casts and the **fp32 accumulation** -- or, with
-  ``accumulate=(N, bits)``, a limited-precision accumulator whose partial sum over every N products
-  is rounded to ``bits`` mantissa bits and then promoted into fp32 (DeepSeek-V3: N = 128, because
-  the H800's FP8 GEMM keeps about 14 bits).
-* The parameters stay fp32 (the master weights), and so do the optimizer and the gradients it sees:
-  FP8 is a property of the products, not of what is stored (a real kernel would also keep Q4(x) as
-  1 byte for backward; here it is kept as the fp32 value of that byte).
-
-``fp8_linear`` swaps the products of a model's ``Linear``, ``ColumnParallelLinear`` and
-``RowParallelLinear`` layers in place through ``Module``'s forward-wrapper stack, at the innermost
-("autocast") position: each wrapper is that layer's forward with ``ops.linear`` replaced by
-``Fp8Linear``; the tensor-parallel layers keep their communication. With tensor parallelism the
-per-tensor amaxes are max-reduced over the layer's group (Transformer Engine's amax reduction), so
-every shard uses the scale the whole tensor would: the sharded model equals the serial FP8 model.
-DDP wraps an FP8 model as any other. The LM head stays fp32 unless ``include_head`` (Transformer
-Engine's recipes keep the last layer in higher precision). What FP8 joins is ``compose``'s table
-(technique "fp8"; ``parallelize(fp8=...)`` applies it after the model transforms, before the pipeline
-cut): refused, with both names, in either order, bf16/fp16 autocast (one compute format per Linear),
-ZeRO and activation checkpointing (a recomputed forward would record the delayed-scaling amaxes
-twice); DDP and a pipeline stage come after it.
+``fp8_linear`` wraps every Linear-like layer -- a Module whose ``forward(x, product=None)`` takes
+its GEMM as an argument (``nn.Linear`` and the tensor-parallel Column/RowParallelLinear) -- at the
+innermost ("autocast") position of ``Module``'s wrapper stack and hands it ``Fp8Linear`` as the
+product; a layer with a group (``comm``) max-reduces its amaxes over it, so a sharded model equals
+the serial FP8 model. The LM head stays fp32 unless ``include_head``. Chapter 7
+(lessons/07-mixed-precision.md) has the formats, the recipes and the error bound.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import numpy as np
 
 from minidist.autograd.tensor import Function
 from minidist.comm import all_reduce
-from minidist.nn.layers import Linear
-from minidist.parallel.compose import FP8_OWNER, TECHNIQUES, check_compatible, rule
+from minidist.nn.module import Module
 from minidist.parallel.memory.fp8_formats import E4M3, E5M2, round_mantissa
 from minidist.parallel.memory.fp8_scaling import (
     AmaxHistory,
@@ -50,20 +36,9 @@ from minidist.parallel.memory.fp8_scaling import (
     pow2_scale,
     quantize_scaled,
 )
-from minidist.parallel.tensor.comm import (
-    copy_to_tp,
-    gather_from_seq,
-    gather_last_dim,
-    reduce_from_tp,
-    reduce_scatter_to_seq,
-    scatter_last_dim,
-)
-from minidist.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
 SCALINGS = ("current", "delayed", "block")
-OWNER = FP8_OWNER
-#: technique -> why FP8 refuses it: compose's table (its matrix is the one place the verdicts live)
-REFUSED = {t: rule("fp8", t).reason for t in TECHNIQUES if t != "fp8" and not rule("fp8", t).supported}
+OWNER = "fp8_linear"  # the owner of fp8_linear's forward wrappers: how they are found again
 
 
 @dataclass(frozen=True)
@@ -188,33 +163,25 @@ class Fp8Linear(Function):
 
 
 class Fp8Forward:
-    """The forward wrapper ``fp8_linear`` registers on one layer: that layer's forward with its
-    product in FP8 (``quant`` holds the layer's scaling state)."""
+    """The forward wrapper ``fp8_linear`` registers on one layer: the layer's own forward (and its
+    communication, if any) with ``Fp8Linear`` as its product; ``quant`` holds its scaling state."""
 
     def __init__(self, recipe):
         self.quant = Fp8Quantizer(recipe)
 
-    def product(self, module, x, bias, group):
-        args = (x, module.weight) if bias is None else (x, module.weight, bias)
-        return Fp8Linear.apply(*args, quant=self.quant, group=group, update=module.training)
-
     def __call__(self, module, inner, x):
-        if isinstance(module, ColumnParallelLinear):  # ColumnParallelLinear.forward, the product swapped
-            c = module.comm
-            x = gather_from_seq(x, c) if module.sequence_parallel else copy_to_tp(x, c)
-            y = self.product(module, x, module.bias, c)
-            return gather_last_dim(y, c) if module.gather_output else y
-        if isinstance(module, RowParallelLinear):  # RowParallelLinear.forward, the product swapped
-            c = module.comm
-            if not module.input_is_parallel:
-                x = scatter_last_dim(x, c)
-            y = self.product(module, x, None, c)
-            y = reduce_scatter_to_seq(y, c) if module.sequence_parallel else reduce_from_tp(y, c)
-            return y if module.bias is None else y + module.bias
-        return self.product(module, x, module.bias, None)
+        group = getattr(module, "comm", None)  # a tensor-parallel layer's group: amaxes max-reduced there
+
+        def product(x, w, b=None):
+            args = (x, w) if b is None else (x, w, b)
+            return Fp8Linear.apply(*args, quant=self.quant, group=group, update=module.training)
+        return inner(x, product=product)
 
 
-LAYERS = (Linear, ColumnParallelLinear, RowParallelLinear)
+def is_linear_like(module) -> bool:
+    """Does ``module`` take its GEMM as an argument, ``forward(x, product=None)``? (``nn.Linear``,
+    ``ColumnParallelLinear``, ``RowParallelLinear``: recognised by that, so FP8 imports none of them.)"""
+    return isinstance(module, Module) and "product" in inspect.signature(type(module).forward).parameters
 
 
 def _head_members(model) -> set:
@@ -227,9 +194,8 @@ def _head_members(model) -> set:
 
 
 def check_fp8(model) -> None:
-    """Raise a ValueError naming FP8 and the technique it cannot join, or must come before
-    (``compose.check_compatible``: bf16/fp16, ZeRO, checkpointing refused; DDP, a pipeline stage after)."""
-    check_compatible(model, "fp8")
+    """Raise a ValueError unless ``model`` is a Module. (Which techniques FP8 joins, and in which
+    order, is ``parallelize``'s table.)"""
     if not hasattr(model, "named_modules"):
         raise ValueError(f"fp8_linear needs a Module (a GPT, a TPGPT), not a {type(model).__name__}")
 
@@ -242,7 +208,7 @@ def fp8_linear(model, recipe="block", include_head: bool = False):
     check_fp8(model)
     head = set() if include_head else _head_members(model)
     for _, m in model.named_modules():
-        if isinstance(m, LAYERS) and id(m) not in head:
+        if is_linear_like(m) and id(m) not in head:
             m.register_forward_wrapper(Fp8Forward(rec), "autocast", OWNER)
     return model
 

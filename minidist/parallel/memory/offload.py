@@ -5,29 +5,14 @@ ZeRO-Infinity; ``where="disk"``) or in host NumPy arrays (``where="host"``: what
 parameters live on a GPU). The parameters are grouped into shards (``make_shards``: about
 ``shard_bytes`` of state each). The step walks the shards in order with a **background thread**
 that prefetches shard n+1's state while shard n is updated, and writes shard n's state back while
-n+1 is updated -- so at most three shards' state are resident at a time, and the step waits on
-the disk only when the disk is slower than the arithmetic.
+n+1 is updated -- so at most three shards' state are resident at a time (``resident_peak``,
+computed from the shard sizes), and the step waits on the disk only when the disk is slower than
+the arithmetic. The update is ``minidist.nn.optim.adamw_update``, the one ``AdamW`` calls:
+offloaded and in-memory AdamW give bit-identical parameters.
 
-The update itself is ``minidist.nn.optim.adamw_update``, the same function ``AdamW`` calls: offloaded
-and in-memory AdamW give bit-identical parameters.
-
-The files go to a fresh private folder inside ``offload_dir`` (which must exist and be writable:
-checked first, with a clear error; ``offload_dir=None`` means the system temporary directory,
-``tempfile.gettempdir()``); ``close()`` -- or leaving a ``with`` block -- deletes the private
-folder, and a failure while creating the files deletes whatever was made: nothing half-written is
-left behind.
-
-**Crash safety** (``minidist.parallel.memory.offload_files``: folders and files on disk). The files' space is
-reserved when they are created (``os.posix_fallocate``), so a disk too small for the state is a
-clear ``OSError`` at construction instead of a SIGBUS in the middle of a step (memmaps are sparse).
-The folder's name carries its owner (``minidist-adamw-<host>-<pid>-...``): SIGTERM and interpreter
-exit remove the live folders, and a folder whose owner process is gone (``kill -9``, a peer killed
-by ``MPI_Abort``) is swept by the next ``OffloadedAdamW`` created in the same directory.
-
-``resident_peak`` (the most optimizer-state bytes in compute memory during a step) is *computed*
-from the shard sizes -- the shard being updated, the one being prefetched and the one being written
-back -- not measured from the process's memory: it is what this design holds, the number the
-accountant and the lesson print beside the formula.
+The files go to a fresh private folder inside ``offload_dir`` (checked first; None: the system
+temporary directory) that ``close()`` deletes; ``offload_files.py`` makes it crash-safe. Chapter 8
+(lessons/08-offload.md) has the timeline and the bytes.
 """
 
 from __future__ import annotations

@@ -1,60 +1,45 @@
 """Mixed precision: fp32 master weights, compute in bf16 or fp16, a dynamic loss scaler for fp16.
 
-The recipe (Micikevicius et al. 2018, "Mixed Precision Training"):
+The recipe of Micikevicius et al. 2018, "Mixed Precision Training": the optimizer owns fp32 master
+weights while the model computes with a low-precision copy (``autocast``: products accumulate in
+fp32; LayerNorm statistics, the softmax and the loss run in fp32). fp16's 5 exponent bits let small
+gradients underflow, so the loss is multiplied by a scale S before backward and the gradients are
+divided by S in fp32 (``DynamicLossScaler``); bf16 needs no scale. With several ranks a skipped step
+must be unanimous: the inf/NaN flag is agreed over every group that shares the parameters before
+any rank steps, or the replicas silently diverge.
 
-1. The optimizer owns **fp32 master weights**; the model computes with a **low-precision copy**
-   (``autocast``): parameters and activations stored (and gradients communicated) in bf16 or fp16.
-   Matmuls take low-precision inputs and **accumulate in fp32**, then round their output -- what a
-   tensor core does, emulated here by casting the inputs up, multiplying in fp32 and casting down.
-   LayerNorm statistics, the attention softmax and the loss run in fp32.
-2. fp16 has 5 exponent bits: small gradients underflow to zero. So the loss is multiplied by a
-   **scale** S before backward and the gradients divided by S in fp32. ``DynamicLossScaler``
-   starts at S = 2^16, halves S and skips the step when a gradient is inf/NaN, and doubles S after
-   ``growth_interval`` clean steps. bf16 has fp32's 8 exponent bits and needs no scaling.
-3. With several ranks the skip must be unanimous: ``found_inf_across(flag, groups)`` takes the max
-   of the flag over every group before any rank steps; a rank that stepped while another skipped
-   would silently diverge. By default ``MixedPrecision`` agrees over every group that shares the
-   parameters it can see (``agreement_groups``): the data-parallel group of a DDP wrapping the
-   model, the tensor-parallel group of its layers, every group given to ``all_reduce_grads``.
-   Only an explicit ``groups=[...]`` narrows (or widens, e.g. with the pipeline group) that set.
-
-bf16 is ``ml_dtypes.bfloat16``; ``round_to_bf16`` writes its round-to-nearest-even out by hand.
-
-This file is ``MixedPrecision``, the training step; the compute copy (``autocast``) is
-``minidist/parallel/memory/autocast.py`` and the loss scaler with the agreed flag
-``minidist/parallel/memory/loss_scale.py``, both re-exported here.
+This file is ``MixedPrecision``, the training step; the compute copy is ``autocast.py`` and the
+scaler with the agreed flag ``loss_scale.py``, both re-exported here. Chapter 7
+(lessons/07-mixed-precision.md) has the numbers: bits, bytes, and why each piece is needed.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
+from minidist.accel import compiled
 from minidist.accel.backend import backend_of
 from minidist.autograd import ops
 from minidist.autograd.tensor import Tensor, no_grad
-from minidist.parallel.compose import claimed
-from minidist.parallel.data.compress.cast import cast_all_reduce
-from minidist.parallel.data.ddp import build_buckets
+from minidist.comm import all_reduce
 from minidist.parallel.memory.autocast import (
     DTYPES,
     _cast_all,
     _to_fp32,
     autocast,
     bfloat16,
-    dtype_technique,
     low_dtype,
     remove_autocast,
     round_to_bf16,
 )
 from minidist.parallel.memory.loss_scale import DynamicLossScaler, _unscale, found_inf_across, has_inf_or_nan
 
-__all__ = ["DTYPES", "DynamicLossScaler", "MixedPrecision", "autocast", "bfloat16", "dtype_technique",
-           "found_inf_across", "has_inf_or_nan", "low_dtype", "remove_autocast", "round_to_bf16"]
+__all__ = ["DTYPES", "DynamicLossScaler", "MixedPrecision", "autocast", "bfloat16", "found_inf_across",
+           "has_inf_or_nan", "low_dtype", "remove_autocast", "round_to_bf16"]
 
 
-# ---------------------------------------------------------------------------------------------
-# the training step
-# ---------------------------------------------------------------------------------------------
 class MixedPrecision:
     """fp32 master weights for ``model`` (which is cast to ``dtype`` and autocast) and the step.
 
@@ -88,25 +73,6 @@ class MixedPrecision:
         self.loss_fn = loss_fn or getattr(model, "loss_fn", None) or ops.cross_entropy
         self._reduced_over: list = []  # groups all_reduce_grads averaged over: they share the parameters
 
-    def agreement_groups(self) -> list:
-        """The groups the inf/NaN flag is agreed over: ``groups`` if given, else every group that
-        shares the parameters -- the data-parallel group a DDP recorded on the model, the
-        tensor-parallel groups of its layers, and the groups ``all_reduce_grads`` used (the same
-        list on every rank: found in the same model order)."""
-        if self.groups is not None:
-            return self.groups
-        found = {}
-        for comm in claimed(self.model).values():
-            if comm is not None:
-                found.setdefault(id(comm), comm)
-        for _, m in self.model.named_modules():
-            comm = getattr(m, "comm", None)
-            if comm is not None and hasattr(m, "sequence_parallel"):  # a tensor-parallel layer
-                found.setdefault(id(comm), comm)
-        for comm in self._reduced_over:
-            found.setdefault(id(comm), comm)
-        return list(found.values())
-
     @property
     def scale(self) -> float:
         return 1.0 if self.scaler is None else self.scaler.scale
@@ -123,17 +89,18 @@ class MixedPrecision:
         """Average the low-precision gradients over ``comm``: half the bytes of fp32 on the wire.
 
         Each rank divides by p *before* the sum (DDP's gradient pre-division): a loss-scaled fp16
-        gradient summed over p ranks would otherwise overflow p times sooner. (The comm layer's
-        op="mean" is for fp32/fp64 only, so it is a multiply then a sum, in the low dtype.)
-        The gradients go as one flat buffer per dtype (``Bucket``, as DDP's): one collective, which
-        ``auto`` can make bandwidth-optimal, instead of one small all-reduce per tensor."""
+        gradient summed over p ranks would otherwise overflow p times sooner. The gradients of one
+        dtype go as one flat buffer: one collective, which ``auto`` can make bandwidth-optimal,
+        instead of one small all-reduce per tensor."""
         if all(c is not comm for c in self._reduced_over):
             self._reduced_over.append(comm)
-        for b in build_buckets([p for p in self.params if p.grad is not None], float("inf")):
-            flat = b.flatten([p.grad for p in b.params])
-            flat = cast_all_reduce(comm, flat, flat.dtype)  # the cast-compression hook's arithmetic
-            for p, v in zip(b.params, b.views(flat)):
-                p.grad = v
+        with_grad = [p for p in self.params if p.grad is not None]
+        for _, run in itertools.groupby(with_grad, key=lambda p: p.dtype):
+            run = list(run)
+            flat = _flat_over_p(backend_of(run[0].grad).xp, [p.grad for p in run], 1.0 / comm.size)
+            flat = all_reduce(comm, flat, op="sum")  # in the low dtype (op="mean" is for fp32/fp64)
+            for p, g in zip(run, _views(flat, tuple(p.shape for p in run))):
+                p.grad = g
 
     def step(self, optimizer) -> bool:
         """Unscale into the fp32 masters, agree on inf/NaN (``agreement_groups``), step or skip; True if
@@ -158,3 +125,41 @@ class MixedPrecision:
         for m in self.master_params:
             m.grad = None
         return not found
+
+    def agreement_groups(self) -> list:
+        """The groups the inf/NaN flag is agreed over: ``groups`` if given, else every group that
+        shares the parameters, found in model order (the same list on every rank):
+
+        * a gradient sync hooked on the parameters (a post-accumulate hook that is a method of an
+          object with a ``comm``: DDP's ``grad_ready``) -- its data-parallel group;
+        * a layer with a ``comm`` and a ``sequence_parallel`` flag -- its tensor-parallel group;
+        * every group ``all_reduce_grads`` averaged over."""
+        if self.groups is not None:
+            return self.groups
+        found = {}
+        for p in self.params:
+            for hook in p._post_hooks or ():
+                comm = getattr(getattr(hook, "__self__", None), "comm", None)
+                if comm is not None:
+                    found.setdefault(id(comm), comm)
+        for _, m in self.model.named_modules():
+            comm = getattr(m, "comm", None)
+            if comm is not None and hasattr(m, "sequence_parallel"):  # a tensor-parallel layer
+                found.setdefault(id(comm), comm)
+        for comm in self._reduced_over:
+            found.setdefault(id(comm), comm)
+        return list(found.values())
+
+
+@compiled.pure  # on JAX one compiled call: the concatenation and the division by p
+def _flat_over_p(xp, grads, factor):
+    """The gradients as one flat array, each element times ``factor`` (1/p), in their own dtype."""
+    flat = xp.concatenate([g.reshape(-1) for g in grads])
+    return flat * flat.dtype.type(factor)
+
+
+@compiled.pure  # on JAX one compiled call, not a slice and a reshape program per parameter
+def _views(flat, shapes) -> list:
+    """The inverse of the concatenation: ``flat`` cut into arrays of ``shapes``."""
+    ends = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
+    return [flat[a:b].reshape(s) for a, b, s in zip(ends[:-1], ends[1:], shapes)]

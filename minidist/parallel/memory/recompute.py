@@ -1,24 +1,17 @@
-"""Activation checkpointing: keep a function's inputs, recompute its insides during backward.
+"""Activation recomputation: keep a function's inputs, recompute its insides during backward.
 
-``checkpoint(fn, *inputs)`` is one node in the autograd graph (a ``Function``, ``Checkpoint``).
-Its forward runs ``fn`` under ``no_grad`` -- nothing inside is saved -- and keeps only the inputs
-and the random state (``minidist.autograd.random.get_state()``). Its backward sets that random state again
-(so dropout draws the same masks), re-runs ``fn`` with gradients on, and back-propagates the
-incoming gradient through the recomputed graph. Parameters used inside ``fn`` are leaves of that
-inner graph: they get their ``.grad`` and their post-accumulate hooks fire during the inner
-backward, so data parallelism's all-reduces still start layer by layer (Chen et al. 2016,
-"Training Deep Nets with Sublinear Memory Cost"; PyTorch's reentrant ``torch.utils.checkpoint``).
+``recompute(fn, *inputs)`` is one node in the autograd graph (the ``Function`` ``Recompute``). Its
+forward runs ``fn`` under ``no_grad`` -- nothing inside is saved -- and keeps only the inputs and the
+random state; its backward sets that random state again (dropout draws the same masks), re-runs
+``fn`` with gradients on and back-propagates through the recomputed graph. Parameters inside ``fn``
+are leaves of that inner graph, so their post-accumulate hooks (DDP's all-reduces) still fire layer
+by layer (Chen et al. 2016; PyTorch's reentrant ``torch.utils.checkpoint``).
 
-``apply_checkpointing(model, policy)`` wraps a GPT's blocks by a policy: "none", "full" (every
-block), "every_k" (segments of k blocks: only segment inputs kept), "sqrt" (k = round(sqrt(n))),
-"selective" (only the attention core softmax(qk^T)v, whose (B, H, T, T) probabilities are the
-largest activation; Korthikanti et al. 2022). Blocks are the serial GPT's or a tensor-parallel
-``TPGPT``'s (their per-rank dropout generators are replayed too). In a pipeline, checkpoint each
-stage's own layers (``checkpoint_stage``, ``PipelineStage(..., checkpoint=policy)``): a segment
-never crosses a stage boundary, and ``check_segments_within`` refuses one that would.
-
-The policies by number -- segment sizes, and the activation memory each predicts -- are
-``minidist/parallel/memory/recompute_policy.py`` (re-exported here).
+``apply_recompute(model, policy)`` wraps a GPT's blocks (serial or tensor-parallel) by a policy:
+"none", "full", "every_k", "sqrt" or "selective" (only the attention core). In a pipeline each
+stage recomputes its own layers (``recompute_stage``); ``check_segments_within`` refuses a segment
+that crosses a stage boundary. The policies by number are ``recompute_policy.py`` (re-exported).
+Chapter 6 (lessons/06-checkpointing.md) derives the memory each policy keeps.
 """
 
 from __future__ import annotations
@@ -32,7 +25,6 @@ from minidist.autograd import random as mrandom
 from minidist.autograd.tensor import Function, Tensor, enable_grad, grad_enabled, no_grad, run_backward
 from minidist.nn.attention import merge_heads, split_heads
 from minidist.nn.module import Module, Sequential
-from minidist.parallel.compose import check_compatible
 from minidist.parallel.memory.recompute_policy import (
     POLICIES,
     block_activation_elements,
@@ -40,22 +32,25 @@ from minidist.parallel.memory.recompute_policy import (
     segment_size,
 )
 
-__all__ = ["POLICIES", "Checkpoint", "apply_checkpointing", "block_activation_elements", "block_generators",
-           "check_segments_within", "checkpoint", "checkpoint_stage", "is_block",
-           "predicted_peak_activation_bytes", "recomputing_depth", "remove_checkpointing", "segment_size"]
+__all__ = ["POLICIES", "POSITION", "Recompute", "apply_recompute", "block_activation_elements",
+           "block_generators", "check_segments_within", "is_block", "predicted_peak_activation_bytes",
+           "recompute", "recompute_stage", "recomputing_depth", "remove_recompute", "segment_size"]
 
+#: where the policies' forward wrappers sit in ``Module``'s stack (``nn.module.WRAPPER_ORDER``: outside
+#: ZeRO-3's gather and autocast, so a recomputation gathers and casts again)
+POSITION = "checkpoint"
 
 _state = threading.local()
 
 
 def recomputing_depth() -> int:
-    """How many checkpoint recomputations are running on this thread (0: an ordinary forward).
+    """How many recomputations are running on this thread (0: an ordinary forward).
     A wrapper may keep what backward needs at once: ZeRO-3 does not release a unit gathered for a
     recomputation, since the backward that follows needs it again."""
     return getattr(_state, "depth", 0)
 
 
-class Checkpoint(Function):
+class Recompute(Function):
     """The node: forward without a graph, backward = restore RNG, recompute, backprop."""
 
     @staticmethod
@@ -67,7 +62,7 @@ class Checkpoint(Function):
         with no_grad():
             out = fn(*[Tensor(a) for a in arrays])
         if not isinstance(out, Tensor):
-            raise TypeError(f"checkpoint: fn must return one Tensor, got {type(out).__name__}")
+            raise TypeError(f"recompute: fn must return one Tensor, got {type(out).__name__}")
         return out.data
 
     @staticmethod
@@ -92,7 +87,7 @@ class Checkpoint(Function):
         return tuple(leaf.grad if need else None for leaf, need in zip(leaves, ctx.needs_grad))
 
 
-def checkpoint(fn, *inputs, generators=()):
+def recompute(fn, *inputs, generators=()):
     """``fn(*inputs)`` with only ``inputs`` kept for backward; ``fn`` is recomputed in backward.
 
     ``inputs`` are Tensors (or arrays); ``fn`` returns one Tensor. Random draws inside ``fn`` come
@@ -107,17 +102,17 @@ def checkpoint(fn, *inputs, generators=()):
         # does (an empty array) so it is recorded and its backward runs.
         anchor = Tensor(tensors[0].backend.xp.zeros(0, dtype=np.float32) if tensors
                         else np.zeros(0, dtype=np.float32), requires_grad=True)
-        return Checkpoint.apply(*tensors, anchor, fn=lambda *ts: fn(*ts[:-1]), generators=tuple(generators))
-    return Checkpoint.apply(*tensors, fn=fn, generators=tuple(generators))
+        return Recompute.apply(*tensors, anchor, fn=lambda *ts: fn(*ts[:-1]), generators=tuple(generators))
+    return Recompute.apply(*tensors, fn=fn, generators=tuple(generators))
 
 
 # ---------------------------------------------------------------------------------------------
 # policies for a GPT (Embed, Block x n, Head) -- serial or tensor-parallel
 # ---------------------------------------------------------------------------------------------
 def is_block(module) -> bool:
-    """A transformer block, what policies checkpoint: a Module with an attention (``attn``) and an
-    MLP (``mlp``) -- ``nn.gpt.Block`` or ``parallel.tp_gpt.ParallelBlock``, recognised by shape so
-    checkpointing depends on neither."""
+    """A transformer block, what policies recompute: a Module with an attention (``attn``) and an
+    MLP (``mlp``) -- ``nn.gpt.Block`` or the tensor-parallel ``ParallelBlock``, recognised by shape so
+    recomputation depends on neither."""
     parts = (getattr(module, "attn", None), getattr(module, "mlp", None))
     return isinstance(module, Module) and all(isinstance(p, Module) for p in parts)
 
@@ -129,7 +124,7 @@ def _blocks(model):
 def block_generators(module) -> tuple:
     """Random generators a (tensor-parallel) block draws from besides the default one: the
     ``ShardedRNG`` generators of its sequence-parallel dropouts (``dropout_rng="megatron"``).
-    Checkpoint saves and replays their states too, so recomputed masks are the same."""
+    ``Recompute`` saves and replays their states too, so recomputed masks are the same."""
     gens = {}
     for _, m in module.named_modules():
         rng = getattr(m, "sharded_rng", None)
@@ -140,45 +135,43 @@ def block_generators(module) -> tuple:
 
 def _selective_attention_forward(attn, x):
     """The attention forward (serial ``CausalSelfAttention`` or ``ParallelAttention``, whose rank holds
-    ``local_heads``) with the attention core checkpointed (its T x T probabilities)."""
+    ``local_heads``) with the attention core recomputed (its T x T probabilities)."""
     q, k, v = split_heads(attn.qkv(x), getattr(attn, "local_heads", attn.n_head))
-    y = checkpoint(ops.scaled_dot_product_attention, q, k, v)
+    y = recompute(ops.scaled_dot_product_attention, q, k, v)
     return attn.drop(attn.proj(merge_heads(y)))
 
 
-def apply_checkpointing(model, policy: str = "full", k: int | None = None):
-    """Checkpoint a GPT's blocks (serial ``Block`` or tensor-parallel ``ParallelBlock``) by ``policy``
+def apply_recompute(model, policy: str = "full", k: int | None = None):
+    """Recompute a GPT's blocks (serial ``Block`` or tensor-parallel ``ParallelBlock``) by ``policy``
     (see ``POLICIES``); returns the model.
 
     Works on any Sequential whose layers include blocks; segments never cross a non-block layer.
-    For a pipeline, checkpoint each stage's own layers (``PipelineStage(..., checkpoint=policy)``,
-    ``checkpoint_stage``): a segment of the whole model may span a stage boundary, and
+    For a pipeline, recompute each stage's own layers (``PipelineStage(..., checkpoint=policy)``,
+    ``recompute_stage``): a segment of the whole model may span a stage boundary, and
     ``PipelineStage`` refuses such a model. Each block (for "selective": each block's attention) gets
-    a forward wrapper at the ``"checkpoint"`` position of ``Module``'s wrapper stack, outside ZeRO-3's
-    gather and autocast, so a recomputation gathers and casts again; ``remove_checkpointing`` (or
-    applying another policy) removes exactly those wrappers. A model with no block raises.
+    a forward wrapper at the ``POSITION`` of ``Module``'s wrapper stack, outside ZeRO-3's gather and
+    autocast, so a recomputation gathers and casts again; ``remove_recompute`` (or applying another
+    policy) removes exactly those wrappers. A model with no block raises.
     """
     if policy not in POLICIES:
-        raise ValueError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    if policy != "none":
-        check_compatible(model, "ckpt-selective" if policy == "selective" else "ckpt-full")
-    remove_checkpointing(model)
+        raise ValueError(f"unknown recompute policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    remove_recompute(model)
     blocks = _blocks(model)
     if policy == "none":
         return model
     if not blocks:
-        raise ValueError(f"apply_checkpointing({policy!r}): {type(model).__name__} has no transformer block "
-                         "(nn.gpt.Block or parallel.tp_gpt.ParallelBlock) among its layers, so nothing "
-                         "would be checkpointed; pass a GPT, a TPGPT or a Sequential of their blocks")
-    owner = f"activation checkpointing ({policy})"
+        raise ValueError(f"apply_recompute({policy!r}): {type(model).__name__} has no transformer block "
+                         "(nn.gpt.Block or the tensor-parallel ParallelBlock) among its layers, so nothing "
+                         "would be recomputed; pass a GPT, a TPGPT or a Sequential of their blocks")
+    owner = f"activation recomputation ({policy})"
     if policy == "selective":
         grouped = [b for _, b in blocks if getattr(b.attn, "n_kv_head", b.attn.n_head) != b.attn.n_head]
         if grouped:
-            raise ValueError("checkpoint='selective' recomputes multi-head attention's core; with "
+            raise ValueError("recompute policy 'selective' recomputes multi-head attention's core; with "
                              f"grouped-query attention (n_kv_head={grouped[0].attn.n_kv_head} < n_head="
                              f"{grouped[0].attn.n_head}) it is not built: use 'full'")
         for _, blk in blocks:
-            blk.attn.register_forward_wrapper(_selective_wrapper, "checkpoint", owner)
+            blk.attn.register_forward_wrapper(_selective_wrapper, POSITION, owner)
         return model
     size = segment_size(policy, len(blocks), k)
     runs, cur = [], []  # runs of consecutive blocks, cut into segments of `size`
@@ -191,38 +184,38 @@ def apply_checkpointing(model, policy: str = "full", k: int | None = None):
     for seg in runs:
         layers = tuple(b for _, b in seg)
         gens = tuple({id(g): g for b in layers for g in block_generators(b)}.values())
-        layers[0].register_forward_wrapper(_segment_wrapper(layers, gens), "checkpoint", owner)
+        layers[0].register_forward_wrapper(_segment_wrapper(layers, gens), POSITION, owner)
         for b in layers[1:]:  # computed inside the first member's segment
-            b.register_forward_wrapper(_skip, "checkpoint", owner)
+            b.register_forward_wrapper(_skip, POSITION, owner)
         for b in layers:  # every member knows its segment: PipelineStage checks none is cut
-            object.__setattr__(b, "_checkpoint_segment", layers)
+            object.__setattr__(b, "_recompute_segment", layers)
     return model
 
 
 def _segment_wrapper(layers, generators):
-    """The first member's wrapper: one ``checkpoint`` node running every member's inner stack
+    """The first member's wrapper: one ``recompute`` node running every member's inner stack
     (ZeRO-3 gather, autocast, the block), recomputed as a whole in backward."""
     def run(x):
         for b in layers:
-            x = b.call_inside("checkpoint", x)
+            x = b.call_inside(POSITION, x)
         return x
 
     def wrapper(module, inner, x, **kwargs):
         if _inference(kwargs):
             return inner(x, **kwargs)
-        return checkpoint(run, x, generators=generators)
+        return recompute(run, x, generators=generators)
     return wrapper
 
 
 def _skip(module, inner, x, **kwargs):
-    """A later segment member: already computed by the first member's checkpoint."""
+    """A later segment member: already computed by the first member's recomputed segment."""
     if _inference(kwargs):
         return inner(x, **kwargs)
     return x
 
 
 def _selective_wrapper(attn, inner, x, **kwargs):
-    """The attention with only its core checkpointed. It computes the attention itself (the core is
+    """The attention with only its core recomputed. It computes the attention itself (the core is
     inside its forward), so it does not call ``inner``: nothing else wraps an attention module."""
     if _inference(kwargs):
         return inner(x, **kwargs)
@@ -234,41 +227,47 @@ def _inference(kwargs) -> bool:
     return not grad_enabled() or any(v is not None for v in kwargs.values())
 
 
-def checkpoint_stage(layers, policy: str, k: int | None = None):
-    """Checkpoint the blocks among one pipeline stage's ``layers`` (a list), so segments stay inside
+def recompute_stage(layers, policy: str, k: int | None = None):
+    """Recompute the blocks among one pipeline stage's ``layers`` (a list), so segments stay inside
     the stage ("sqrt" is then sqrt of the stage's block count). A stage without blocks (embedding
     or head only) is left as it is. Returns a ``Sequential`` of the layers (for
-    ``remove_checkpointing``)."""
+    ``remove_recompute``)."""
     seq = Sequential(layers)
-    return apply_checkpointing(seq, policy, k) if _blocks(seq) else seq
+    return apply_recompute(seq, policy, k) if _blocks(seq) else seq
 
 
 def check_segments_within(layers, layer_ids, stage: int) -> None:
-    """Raise if a checkpoint segment among ``layers`` (one stage's, full-model indices ``layer_ids``)
+    """Raise if a recomputed segment among ``layers`` (one stage's, full-model indices ``layer_ids``)
     also holds blocks outside them: its recomputation would run another stage's blocks on this
     stage's copies, and their owning stage would get no gradient."""
     mine = {id(m) for m in layers}
     for i, m in zip(layer_ids, layers):
-        seg = m.__dict__.get("_checkpoint_segment", ())
+        seg = m.__dict__.get("_recompute_segment", ())
         if any(id(b) not in mine for b in seg):
             raise ValueError(
-                f"pipeline stage {stage}: layer {i} is in a checkpoint segment of {len(seg)} blocks that "
+                f"pipeline stage {stage}: layer {i} is in a recomputed segment of {len(seg)} blocks that "
                 f"crosses this stage's boundary (layers {layer_ids[0]}..{layer_ids[-1]}); apply "
-                "checkpointing per stage instead: PipelineStage(model, bounds, stage, n, checkpoint=policy) "
-                "on an un-checkpointed model (or checkpoint_stage(stage_layers, policy)), or the 'full' / "
+                "recomputation per stage instead: PipelineStage(model, bounds, stage, n, checkpoint=policy) "
+                "on a model without it (or recompute_stage(stage_layers, policy)), or the 'full' / "
                 "'selective' policy, whose segments are single blocks")
 
 
-def remove_checkpointing(model):
-    """Undo ``apply_checkpointing``: the ``"checkpoint"`` wrappers of every block of ``model`` (and of
+def remove_recompute(model):
+    """Undo ``apply_recompute``: the ``POSITION`` wrappers of every block of ``model`` (and of
     its attention) are removed and the blocks forget their segment. Other wrappers (ZeRO-3's,
     autocast's) stay."""
     for _, blk in _blocks(model):
         for m in (blk, blk.attn):
-            handle = m.forward_wrapper("checkpoint")
+            handle = m.forward_wrapper(POSITION)
             if handle is not None:
                 handle.remove()
-        blk.__dict__.pop("_checkpoint_segment", None)
+        blk.__dict__.pop("_recompute_segment", None)
     return model
 
 
+# the names before the word "checkpoint" was kept for saved state (issue 39): still importable
+Checkpoint = Recompute
+checkpoint = recompute
+apply_checkpointing = apply_recompute
+remove_checkpointing = remove_recompute
+checkpoint_stage = recompute_stage

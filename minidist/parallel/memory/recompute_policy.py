@@ -1,9 +1,9 @@
-"""Checkpointing policies by number: which blocks a policy keeps, and the activation memory it predicts.
+"""Recompute policies by number: which blocks a policy keeps, and the activation memory it predicts.
 
-``segment_size`` is the blocks per checkpointed segment of a policy ("full": 1, "every_k": k, "sqrt":
+``segment_size`` is the blocks per recomputed segment of a policy ("full": 1, "every_k": k, "sqrt":
 round(sqrt(n))). ``block_activation_elements`` is what one GPT Block saves for backward in this
 engine, op by op, and ``predicted_peak_activation_bytes`` the peak of saved activations a policy
-leaves: the formula the checkpointing lesson prints beside its measurement. Re-exported by
+leaves: the formula chapter 6 (recomputation) prints beside its measurement. Re-exported by
 ``minidist.parallel.memory.recompute``.
 """
 
@@ -17,7 +17,7 @@ POLICIES = ("none", "full", "every_k", "sqrt", "selective")
 
 
 def segment_size(policy: str, n_layer: int, k: int | None = None) -> int:
-    """Blocks per checkpointed segment: 1 for "full", k for "every_k", round(sqrt(n)) for "sqrt"."""
+    """Blocks per recomputed segment: 1 for "full", k for "every_k", round(sqrt(n)) for "sqrt"."""
     if policy == "full":
         return 1
     if policy == "sqrt":
@@ -51,7 +51,7 @@ def predicted_peak_activation_bytes(cfg, batch: int, seq: int, policy: str, k: i
     selective: max(E + L·(A - BHT²) + Head,  E + L·(A - BHT²) - after_core + BHT²)
     """
     if policy not in POLICIES:
-        raise ValueError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        raise ValueError(f"unknown recompute policy {policy!r}; choose one of {', '.join(POLICIES)}")
     b, t, c, h, n = batch, seq, cfg.d_model, cfg.n_head, cfg.n_layer
     parts = block_activation_elements(b, t, c, h, cfg.dropout > 0)
     a = sum(parts.values())

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from minidist.autograd.tensor import Tensor
-from minidist.comm.collectives import split_sizes
+from minidist.comm import split_sizes
 
 
 def _check_parts(num_layers: int, num_parts: int) -> None:

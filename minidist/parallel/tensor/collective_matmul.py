@@ -54,7 +54,7 @@ class Hop:
         if comm.link is not None:
             self.job, self.reqs = start_async(comm, _hop_on_worker, host, clock), None
         else:
-            ch, self.job, self.t0 = comm.twin(CHANNEL), None, clock() if clock else 0.0
+            ch, self.job, self.t0 = comm.channel(CHANNEL), None, clock() if clock else 0.0
             self.out = np.empty_like(host)
             self.reqs = (ch.irecv_buffer(self.out, (ch.rank - 1) % ch.size),
                          ch.isend_buffer(host, (ch.rank + 1) % ch.size))

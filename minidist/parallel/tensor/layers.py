@@ -62,12 +62,13 @@ class ColumnParallelLinear(Module):
         if bias:
             self.param_shards["bias"] = Shard(axis=0, blocks=blocks)
 
-    def forward(self, x):
-        if self.collective_matmul is not None:
+    def forward(self, x, product=None):
+        """``product``: the GEMM, ``ops.linear`` unless a forward wrapper passes another (FP8)."""
+        if self.collective_matmul is not None and product is None:
             y = self.collective_matmul(x, self.weight, self.bias, self.comm)
         else:
             x = gather_from_seq(x, self.comm) if self.sequence_parallel else copy_to_tp(x, self.comm)
-            y = ops.linear(x, self.weight, self.bias)  # this rank's block of output features
+            y = (product or ops.linear)(x, self.weight, self.bias)  # this rank's block of output features
         return gather_last_dim(y, self.comm) if self.gather_output else y
 
 
@@ -96,13 +97,14 @@ class RowParallelLinear(Module):
         if bias and sequence_parallel:
             all_reduce_grad_hook(self.bias, comm)
 
-    def forward(self, x):
+    def forward(self, x, product=None):
+        """``product``: the GEMM, ``ops.linear`` unless a forward wrapper passes another (FP8)."""
         if not self.input_is_parallel:
             x = scatter_last_dim(x, self.comm)
-        if self.collective_matmul is not None:
+        if self.collective_matmul is not None and product is None:
             y = self.collective_matmul(x, self.weight, self.comm)
         else:
-            y = ops.linear(x, self.weight)  # this rank's partial product, before the reduction
+            y = (product or ops.linear)(x, self.weight)  # this rank's partial product, before the reduction
             reduce = reduce_scatter_to_seq if self.sequence_parallel else reduce_from_tp
             y = reduce(y, self.comm)
         return y if self.bias is None else y + self.bias

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from minidist.comm.communicator import default_timeout
+from minidist.comm.watchdog import default_timeout
 from minidist.resilience.checkpoint import files, folder, integrity
 from minidist.resilience.checkpoint.files import CheckpointError
 

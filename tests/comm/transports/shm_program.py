@@ -19,8 +19,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from minidist.comm import all_reduce, all_reduce_async, broadcast, cost, measure, run
-from minidist.comm.collectives import split_sizes
+from minidist.comm import all_reduce, all_reduce_async, broadcast, cost, measure, run, split_sizes
 
 FNS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 DTYPES = ("float16", "float32", "float64", "int32", "int64", "uint8", ml_dtypes.bfloat16)

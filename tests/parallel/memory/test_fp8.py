@@ -336,21 +336,24 @@ def test_tensor_parallel_fp8_reduces_amaxes_and_matches_serial_fp8():
         assert scales == serial_scales
 
 
-def test_fp8_refuses_what_it_does_not_compose_with_naming_both():
+def test_fp8_refuses_what_it_cannot_wrap_naming_both():
+    """Which techniques FP8 joins is parallelize's table (tests/parallel/test_compose.py); by hand,
+    autocast and FP8 both want a Linear's innermost wrapper, and the second is refused naming both."""
     from minidist.parallel.memory.precision import autocast
 
-    class Stage:  # what compose recognises as a pipeline stage
+    class Stage:  # a pipeline stage is no Module
         chunks, num_stages = [], 2
 
-    with pytest.raises(ValueError, match=r"FP8 training cannot be combined with bf16 mixed precision "
-                                         r"\(already applied\): one compute format per Linear"):
+    with pytest.raises(ValueError, match=r"'autocast' forward wrapper \(from autocast \(bfloat16\)\); "
+                                         r"fp8_linear cannot add a second one"):
         fp8_linear(autocast(GPT(CFG), "bf16"))
-    with pytest.raises(ValueError, match="FP8 training must be applied before PP 1F1B, not after"):
+    with pytest.raises(ValueError, match="fp8_linear needs a Module .*not a Stage"):
         fp8_linear(Stage())
     with pytest.raises(ValueError, match="fp8_linear needs a Module .*not a list"):
         fp8_linear([])
-    with pytest.raises(ValueError, match="bf16 mixed precision cannot be combined with FP8 training"):
-        autocast(fp8_linear(GPT(CFG)), "bf16")  # the other order: compose recognises FP8 on the model
+    with pytest.raises(ValueError, match=r"'autocast' forward wrapper \(from fp8_linear\); autocast "
+                                         r"\(bfloat16\) cannot add a second one"):
+        autocast(fp8_linear(GPT(CFG)), "bf16")  # the other order
     with pytest.raises(ValueError, match="scaling='e4m3'.*current, delayed, block"):
         Fp8Recipe("e4m3")
     with pytest.raises(ValueError, match="accumulate"):
@@ -445,3 +448,21 @@ def test_the_fp8_layer_on_jax_arrays_equals_numpy(scaling):
         out.append([to_host(a) for a in got])
     for a, b in zip(*out):
         np.testing.assert_array_equal(a, b)
+
+
+def test_fp8_imports_no_tensor_parallelism_and_finds_its_layers_by_their_forward():
+    """FP8 recognises a Linear-like layer by ``forward(x, product=None)``, so it imports none of the
+    tensor-parallel layers (nor any technique, nor the composition layer)."""
+    import ast
+    from pathlib import Path
+
+    from minidist.parallel.tensor.layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear
+
+    tree = ast.parse(Path(fp8mod.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in imported if m and m.startswith("minidist.parallel")
+                and not m.startswith("minidist.parallel.memory.fp8")}, imported
+    assert fp8mod.is_linear_like(Linear(2, 2))
+    assert fp8mod.is_linear_like(ColumnParallelLinear.__new__(ColumnParallelLinear))
+    assert fp8mod.is_linear_like(RowParallelLinear.__new__(RowParallelLinear))
+    assert not fp8mod.is_linear_like(ParallelMLP.__new__(ParallelMLP))

@@ -110,6 +110,30 @@ def test_without_agreement_only_the_bad_rank_skips():
     assert [r[0] for r in results] == [True, False, True, True]  # the divergence the flag prevents
 
 
+def _ddp_inf(comm, inject_rank, groups):
+    """DDP over 2 ranks wraps the fp16 model (MixedPrecision first); an inf is put into one rank's
+    gradient after DDP's average, so only that rank sees it; then the step."""
+    from minidist.parallel.data.ddp import DistributedDataParallel
+
+    mp = MixedPrecision(GPT(CFG), "fp16", **({} if groups == "default" else {"groups": []}))
+    ddp = DistributedDataParallel(mp.model, comm, broadcast_from=None)
+    idx = np.random.default_rng(comm.rank).integers(0, 32, (2, 8))
+    mp.backward(mp.loss(idx, idx))
+    ddp.wait_gradients()
+    if comm.rank == inject_rank:
+        g = mp.params[0].grad.copy()
+        g.flat[0] = np.inf
+        mp.params[0].grad = g
+    return [c is comm for c in mp.agreement_groups()], mp.step(SGD(mp.master_params, lr=0.1))
+
+
+def test_a_ddp_wrapping_the_model_is_agreed_over_by_default():
+    """No ``groups``: the data-parallel group of the DDP whose gradient hooks sit on the parameters
+    is found, so an inf on one rank makes both skip; with ``groups=[]`` only that rank skips."""
+    assert run(_ddp_inf, ranks=2, inject_rank=1, groups="default") == [([True], False)] * 2
+    assert run(_ddp_inf, ranks=2, inject_rank=1, groups="none") == [([], True), ([], False)]
+
+
 def test_low_precision_gradient_all_reduce_halves_the_bytes():
     def fn(comm, dtype):
         mp = MixedPrecision(GPT(CFG), dtype)
@@ -327,3 +351,18 @@ def test_inf_on_one_rank_of_dp_x_tp_is_agreed_by_default(inject_rank):
     # narrowed explicitly to no agreement, the bad rank alone skips and its replica diverges
     narrowed = run(_dp_tp_inf, ranks=4, inject_rank=inject_rank, groups="none")
     assert [r[1] for r in narrowed] == [r != inject_rank for r in range(4)]
+
+
+def test_mixed_precision_imports_no_other_technique():
+    """Precision imports comm, nn, autograd, accel and its own files: no data parallelism (a DDP's
+    group is found through its gradient hooks), no compression, no composition layer."""
+    import ast
+
+    from minidist.parallel.memory import autocast, loss_scale, precision
+
+    for mod in (precision, autocast, loss_scale):
+        tree = ast.parse(Path(mod.__file__).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        other = {m for m in imported if m and m.startswith("minidist.parallel")
+                 and not m.startswith("minidist.parallel.memory")}
+        assert not other, f"{mod.__name__} imports {other}"

@@ -1,4 +1,4 @@
-"""Activation checkpointing: gradients bit-identical to the un-checkpointed model (dropout on),
+"""Activation recomputation: gradients bit-identical to the plain model (dropout on),
 also under DDP, inside pipeline stages and tensor-parallel models; measured peak activation bytes
 equal the formula; clear errors."""
 
@@ -22,10 +22,11 @@ from minidist.nn.gpt import GPT, GPTConfig
 from minidist.parallel.data.ddp import DistributedDataParallel
 from minidist.parallel.memory.recompute import (
     POLICIES,
-    apply_checkpointing,
-    checkpoint,
+    POSITION,
+    apply_recompute,
     predicted_peak_activation_bytes,
-    remove_checkpointing,
+    recompute,
+    remove_recompute,
 )
 from minidist.parallel.pipeline.runtime import (
     PipelineStage,
@@ -38,7 +39,7 @@ from tests.conftest import backends
 
 
 def _grads(cfg, policy, idx, tgt, k=None, seed=7):
-    model = apply_checkpointing(GPT(cfg), policy, k=k)
+    model = apply_recompute(GPT(cfg), policy, k=k)
     mrandom.manual_seed(seed)
     meter = MemoryAccountant()
     with meter.track_activations(model):
@@ -56,7 +57,7 @@ def _grads(cfg, policy, idx, tgt, k=None, seed=7):
 @example(n_layer=4, n_head=2, t=4, b=2, policy="every_k", k=2, dropout=0.2, dtype="float64")
 @example(n_layer=5, n_head=2, t=3, b=3, policy="every_k", k=3, dropout=0.2, dtype="float32")  # 5 = 3 + 2
 @example(n_layer=3, n_head=1, t=6, b=1, policy="every_k", k=1, dropout=0.0, dtype="float64")
-def test_checkpointed_gradients_equal_plain_ones_exactly(n_layer, n_head, t, b, policy, k, dropout, dtype):
+def test_recomputed_gradients_equal_plain_ones_exactly(n_layer, n_head, t, b, policy, k, dropout, dtype):
     cfg = GPTConfig(vocab_size=11, block_size=9, n_layer=n_layer, n_head=n_head, d_model=8,
                     dropout=dropout, dtype=dtype)
     rng = np.random.default_rng(t * 10 + b)
@@ -72,7 +73,7 @@ def test_checkpointed_gradients_equal_plain_ones_exactly(n_layer, n_head, t, b, 
     assert m0.activation_bytes == m1.activation_bytes == 0  # everything freed after backward
 
 
-def test_full_checkpointing_cuts_peak_activations_3x():
+def test_full_recompute_cuts_peak_activations_3x():
     cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=8, n_head=4, d_model=32)
     idx = np.random.default_rng(0).integers(0, 64, (2, 32))
     _, _, none, _ = _grads(cfg, "none", idx, idx)
@@ -82,9 +83,9 @@ def test_full_checkpointing_cuts_peak_activations_3x():
     assert full.peak_activation_bytes < sqrt.peak_activation_bytes < none.peak_activation_bytes
 
 
-def test_parameter_hooks_fire_once_each_inside_checkpoints():
+def test_parameter_hooks_fire_once_each_inside_recomputations():
     cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=3, n_head=2, d_model=8)
-    model = apply_checkpointing(GPT(cfg), "full")
+    model = apply_recompute(GPT(cfg), "full")
     fired = []
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda t, name=name: fired.append(name))
@@ -95,14 +96,14 @@ def test_parameter_hooks_fire_once_each_inside_checkpoints():
     assert fired.index("4.proj.weight") < fired.index("1.attn.qkv.weight")
 
 
-def test_data_parallel_with_checkpointing_matches_serial():
+def test_data_parallel_with_recompute_matches_serial():
     """The real DistributedDataParallel: its bucket hooks fire inside the recomputation, the
     averaged gradients equal the serial model's on the whole batch."""
     cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, d_model=8, dtype="float64")
     data = np.random.default_rng(3).integers(0, 16, (4, 8))
 
     def rank_fn(comm):
-        ddp = DistributedDataParallel(apply_checkpointing(GPT(cfg), "full"), comm, bucket_bytes=512)
+        ddp = DistributedDataParallel(apply_recompute(GPT(cfg), "full"), comm, bucket_bytes=512)
         shard = data[2 * comm.rank: 2 * comm.rank + 2]
         ddp.backward(ddp.module.loss(shard, shard))
         ddp.wait_gradients()
@@ -121,7 +122,7 @@ def _pipeline_rank(comm, cfg, policy, x, y, whole_model=False):
     model = GPT(cfg)
     bounds = partition_uniform(len(model), comm.size)
     if whole_model:
-        apply_checkpointing(model, policy)
+        apply_recompute(model, policy)
         stage = PipelineStage(model, bounds, comm.rank, comm.size)
     else:
         stage = PipelineStage(model, bounds, comm.rank, comm.size, checkpoint=policy, checkpoint_k=2)
@@ -133,9 +134,9 @@ def _pipeline_rank(comm, cfg, policy, x, y, whole_model=False):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_pipeline_with_checkpointing_equals_without(policy):
+def test_pipeline_with_recompute_equals_without(policy):
     """Every policy, 3 stages over 4 blocks (segments cut at the stage boundaries), dropout on:
-    every parameter of every stage has its gradient, bit-identical to the un-checkpointed pipeline."""
+    every parameter of every stage has its gradient, bit-identical to the pipeline without it."""
     cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, d_model=8, dropout=0.1)
     x, y = np.random.default_rng(0).integers(0, 16, (2, 4, 8))
     plain = run(_pipeline_rank, ranks=3, cfg=cfg, policy="none", x=x, y=y)
@@ -150,17 +151,17 @@ def test_pipeline_with_checkpointing_equals_without(policy):
 def test_pipeline_refuses_a_segment_across_a_stage_boundary():
     """sqrt over 4 blocks = segments (1, 2), (3, 4); 3 stages cut between blocks 1 and 2."""
     cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, d_model=8)
-    model = apply_checkpointing(GPT(cfg), "sqrt")
-    with pytest.raises(ValueError, match="stage 0: layer 1 is in a checkpoint segment of 2 blocks that "
+    model = apply_recompute(GPT(cfg), "sqrt")
+    with pytest.raises(ValueError, match="stage 0: layer 1 is in a recomputed segment of 2 blocks that "
                                          "crosses.*checkpoint=policy"):
         PipelineStage(model, partition_uniform(6, 3), 0, 3)
-    PipelineStage(apply_checkpointing(model, "full"), partition_uniform(6, 3), 0, 3)  # 1-block segments
+    PipelineStage(apply_recompute(model, "full"), partition_uniform(6, 3), 0, 3)  # 1-block segments
 
 
 def _tp_rank(comm, cfg, policy, idx, sp, dropout_rng):
     from minidist.parallel.tensor.gpt import TPGPT
 
-    model = apply_checkpointing(TPGPT(cfg, comm, sequence_parallel=sp, dropout_rng=dropout_rng), policy)
+    model = apply_recompute(TPGPT(cfg, comm, sequence_parallel=sp, dropout_rng=dropout_rng), policy)
     mrandom.manual_seed(11)
     with measure(comm) as m:
         loss = model.loss(idx, idx)
@@ -170,9 +171,9 @@ def _tp_rank(comm, cfg, policy, idx, sp, dropout_rng):
 
 @pytest.mark.parametrize("policy,sp,dropout_rng", [("full", False, "twin"), ("sqrt", True, "megatron"),
                                                    ("selective", True, "twin")])
-def test_tensor_parallel_with_checkpointing_equals_without(policy, sp, dropout_rng):
+def test_tensor_parallel_with_recompute_equals_without(policy, sp, dropout_rng):
     """TP (tp=2, threads), dropout on -- also masks from the per-rank ShardedRNG, replayed through
-    ``generators=`` -- gives exactly the un-checkpointed gradients; recomputing a block repeats its
+    ``generators=`` -- gives exactly the gradients without recomputation; recomputing a block repeats its
     forward collectives (more bytes sent), recomputing the attention core alone does not."""
     cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=3, n_head=2, d_model=8, dropout=0.2)
     idx = np.random.default_rng(2).integers(0, 16, (2, 8))
@@ -187,13 +188,13 @@ def test_tensor_parallel_with_checkpointing_equals_without(policy, sp, dropout_r
 
 def test_a_model_without_blocks_is_an_error():
     with pytest.raises(ValueError, match="has no transformer block"):
-        apply_checkpointing(Sequential([Linear(2, 2)]), "full")
+        apply_recompute(Sequential([Linear(2, 2)]), "full")
 
 
-def test_checkpoint_reaches_parameters_when_no_input_needs_grad():
+def test_recompute_reaches_parameters_when_no_input_needs_grad():
     lin = Linear(4, 3, dtype=np.float64, rng=np.random.default_rng(0))
     x = np.random.default_rng(1).standard_normal((5, 4))
-    checkpoint(lin, Tensor(x)).sum().backward()
+    recompute(lin, Tensor(x)).sum().backward()
     got_w, got_b = lin.weight.grad, lin.bias.grad
     lin.zero_grad()
     lin(Tensor(x)).sum().backward()
@@ -202,7 +203,7 @@ def test_checkpoint_reaches_parameters_when_no_input_needs_grad():
 
 
 @pytest.mark.parametrize("policy", ["full", "sqrt", "selective"])
-def test_checkpointing_inside_a_pipeline_stage(policy):
+def test_recompute_inside_a_pipeline_stage(policy):
     """A stage (a slice of the blocks) gets an activation with requires_grad and, later, the output
     gradient from the next stage: input and parameter grads equal the plain stage's exactly."""
     cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, d_model=8, dropout=0.1)
@@ -213,7 +214,7 @@ def test_checkpointing_inside_a_pipeline_stage(policy):
         stage = Sequential()
         for blk in list(GPT(cfg))[2:5]:
             stage.append(blk)
-        apply_checkpointing(stage, pol)
+        apply_recompute(stage, pol)
         mrandom.manual_seed(3)
         xt = Tensor(x, requires_grad=True)
         stage(xt).backward(gy)
@@ -222,36 +223,36 @@ def test_checkpointing_inside_a_pipeline_stage(policy):
         np.testing.assert_array_equal(a, b)
 
 
-def test_remove_checkpointing_restores_plain_forwards():
-    model = apply_checkpointing(GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=2, d_model=8)), "sqrt")
-    remove_checkpointing(model)
+def test_remove_recompute_restores_plain_forwards():
+    model = apply_recompute(GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=2, d_model=8)), "sqrt")
+    remove_recompute(model)
     assert all(not m.forward_wrappers() for _, m in model.named_modules())
-    apply_checkpointing(model, "selective")
-    assert model[1].attn.forward_wrapper("checkpoint") is not None
-    apply_checkpointing(model, "none")
+    apply_recompute(model, "selective")
+    assert model[1].attn.forward_wrapper(POSITION) is not None
+    apply_recompute(model, "none")
     assert all(not m.forward_wrappers() for _, m in model.named_modules())
 
 
 def test_bad_policies_raise_clear_errors():
     model = GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=2, d_model=8))
-    with pytest.raises(ValueError, match="unknown checkpointing policy 'half'.*none, full"):
-        apply_checkpointing(model, "half")
+    with pytest.raises(ValueError, match="unknown recompute policy 'half'.*none, full"):
+        apply_recompute(model, "half")
     with pytest.raises(ValueError, match="every_k' needs k >= 1"):
-        apply_checkpointing(model, "every_k")
+        apply_recompute(model, "every_k")
     with pytest.raises(TypeError, match="fn must return one Tensor"):
         x = Tensor(np.ones(3), requires_grad=True)
-        checkpoint(lambda t: (t, t), x)
+        recompute(lambda t: (t, t), x)
 
 
 @pytest.mark.parametrize("backend", backends())
-def test_checkpointing_on_every_backend(backend):
+def test_recompute_on_every_backend(backend):
     from minidist.accel.backend import get_backend
 
     cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, d_model=8, dropout=0.1)
     idx = np.random.default_rng(0).integers(0, 16, (2, 8))
     grads = []
     for policy in ("none", "full"):
-        model = apply_checkpointing(GPT(cfg, backend=get_backend(backend)), policy)
+        model = apply_recompute(GPT(cfg, backend=get_backend(backend)), policy)
         mrandom.manual_seed(1)
         model.loss(idx, idx).backward()
         grads.append([np.asarray(get_backend(backend).to_host(p.grad)) for p in model.parameters()])
@@ -282,12 +283,33 @@ def test_lesson_under_mpirun():
     assert res.stdout.count("PASS") == 4 and "FAIL" not in res.stdout and "(mpi)" in res.stdout
 
 
-def test_selective_checkpointing_of_grouped_query_attention_is_refused_by_name():
+def test_selective_recompute_of_grouped_query_attention_is_refused_by_name():
     """Selective recomputation re-runs a multi-head core; a grouped-query model is refused (not a
     silently wrong split of its q|k|v)."""
     from minidist.nn import GPT, GPTConfig
 
     gqa = GPT(GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=4, n_kv_head=1, d_model=8))
     with pytest.raises(ValueError, match=r"selective.*grouped-query.*n_kv_head=1 < n_head=4.*'full'"):
-        apply_checkpointing(gqa, "selective")
-    apply_checkpointing(gqa, "full")  # the whole block recomputes: fine
+        apply_recompute(gqa, "selective")
+    apply_recompute(gqa, "full")  # the whole block recomputes: fine
+
+
+def test_the_old_checkpointing_names_are_the_recompute_api():
+    """"checkpoint" now means saved state only; the names from before stay importable as aliases."""
+    from minidist.parallel.memory import recompute as R
+
+    old = (R.apply_checkpointing, R.remove_checkpointing, R.checkpoint_stage, R.checkpoint, R.Checkpoint)
+    assert old == (R.apply_recompute, R.remove_recompute, R.recompute_stage, R.recompute, R.Recompute)
+
+
+def test_recompute_imports_no_other_technique():
+    """Recomputation knows blocks by their shape: it imports nn and autograd, no technique and no
+    composition layer (which pairs it joins is parallelize's table)."""
+    import ast
+
+    from minidist.parallel.memory import recompute as R
+
+    tree = ast.parse(Path(R.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert {m for m in imported if m and m.startswith("minidist.parallel")} == \
+        {"minidist.parallel.memory.recompute_policy"}

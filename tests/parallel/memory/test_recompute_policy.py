@@ -1,4 +1,4 @@
-"""Checkpointing policies by number (``minidist.parallel.memory.recompute_policy``): segment sizes and
+"""Recompute policies by number (``minidist.parallel.memory.recompute_policy``): segment sizes and
 one block's saved elements, worked out by hand; the peak formula itself is checked against the
 measured peak in ``tests/parallel/memory/test_recompute.py``."""
 

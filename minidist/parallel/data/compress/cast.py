@@ -2,14 +2,15 @@
 
 Each rank multiplies by 1/p *before* the sum (a loss-scaled fp16 gradient summed over p ranks would
 overflow p times sooner), sums in the low dtype, and the hook casts the sum back up (times p: DDP
-divides by the batch itself). Mixed precision's ``all_reduce_grads`` calls ``cast_all_reduce`` on
-gradients that are already bf16/fp16: the bytes are the same as before it moved here.
+divides by the batch itself). Mixed precision's ``all_reduce_grads`` does the same arithmetic on
+gradients that are already bf16/fp16.
 """
 
 from __future__ import annotations
 
 from minidist.accel import compiled
 from minidist.comm import all_reduce
+from minidist.parallel.memory.autocast import low_dtype
 
 
 def cast_all_reduce(comm, flat, dtype, algorithm: str = "auto"):
@@ -27,9 +28,6 @@ class CastState:
     """Which 2-byte float the gradients travel in: "bf16" or "fp16"."""
 
     def __init__(self, dtype="bf16"):
-        # cycle: parallel.memory.precision imports this module
-        from minidist.parallel.memory.precision import low_dtype
-
         self.dtype = low_dtype(dtype)
 
 

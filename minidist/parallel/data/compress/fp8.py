@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm import all_gather, all_to_all
-from minidist.comm.collectives import split_sizes
+from minidist.comm import all_gather, all_to_all, split_sizes
 from minidist.parallel.memory.fp8_formats import E4M3, from_bits, to_bits
 from minidist.parallel.memory.fp8_scaling import amax_of, pow2_scale, quantize_scaled
 

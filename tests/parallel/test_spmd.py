@@ -1,4 +1,4 @@
-"""The compiled SPMD twin (minidist/accel/spmd.py) equals minidist's eager dp x tp run, and XLA emitted
+"""The compiled SPMD program (minidist/parallel/spmd.py) equals minidist's eager dp x tp run, and XLA emitted
 the collectives the algorithm calls for."""
 
 from types import SimpleNamespace
@@ -8,9 +8,9 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from minidist.accel.spmd import SPMDTwin, collective_counts, default_shape, make_mesh, ring_all_reduce  # noqa: E402
 from minidist.comm import run  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
+from minidist.parallel.spmd import SPMDProgram, collective_counts, default_shape, make_mesh, ring_all_reduce  # noqa: E402
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d, train_serial  # noqa: E402
 
 # the device-transport test's model and batch rows: JAX's per-device compile cache is shared
@@ -26,43 +26,43 @@ def _batches(steps=2):
 
 
 @pytest.fixture(scope="module")
-def twin_run():
-    twin = SPMDTwin(CFG, dp=2, tp=2, lr=0.1, dp_reduce="ring")
-    losses = [twin.step(x, y) for x, y in _batches()]
-    return twin, losses
+def spmd_run():
+    spmd = SPMDProgram(CFG, dp=2, tp=2, lr=0.1, dp_reduce="ring")
+    losses = [spmd.step(x, y) for x, y in _batches()]
+    return spmd, losses
 
 
-def test_twin_equals_the_eager_run_on_the_device_transport(twin_run):
-    twin, losses = twin_run
+def test_the_program_equals_the_eager_run_on_the_device_transport(spmd_run):
+    spmd, losses = spmd_run
 
     def body(comm):
         res = train_3d(comm, CFG, _batches(), dp=2, pp=1, tp=2, lr=0.1, optimizer="sgd")
         return gather_full_state(comm, res), res.losses
 
     eager_state, eager_losses = run(body, ranks=4, transport="jax")[0]
-    assert max_state_diff(twin.state(), eager_state) <= TOL
+    assert max_state_diff(spmd.state(), eager_state) <= TOL
     np.testing.assert_allclose(losses, eager_losses, rtol=0, atol=TOL)
     want, want_losses = train_serial(CFG, _batches(), lr=0.1)  # and both equal the serial twin
-    assert max_state_diff(twin.state(), want) <= TOL
+    assert max_state_diff(spmd.state(), want) <= TOL
     np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
 
 
-def test_shard_diff_compares_each_shard_with_its_piece_of_the_full_state(twin_run):
+def test_shard_diff_compares_each_shard_with_its_piece_of_the_full_state(spmd_run):
     """What each process checks across hosts: its shards against the same pieces of a full state.
     One process holds every shard here, so a change anywhere -- in one tp half of a split weight
     -- must show, and the state itself differs by nothing."""
-    twin, _ = twin_run
-    state = twin.state()
-    assert twin.shard_diff(state) == 0.0
+    spmd, _ = spmd_run
+    state = spmd.state()
+    assert spmd.shard_diff(state) == 0.0
     name = "1.mlp.fc.weight"  # column-parallel: tp rank 1 holds the second half of the columns
     bumped = dict(state, **{name: state[name].copy()})
     bumped[name][0, -1] += 0.25
-    assert twin.shard_diff(bumped) == pytest.approx(0.25, abs=1e-6)
+    assert spmd.shard_diff(bumped) == pytest.approx(0.25, abs=1e-6)
 
 
-def test_xla_emitted_the_collectives_of_the_algorithm(twin_run):
-    twin, _ = twin_run
-    counts = collective_counts(twin.compiled_text(*_batches()[0]))
+def test_xla_emitted_the_collectives_of_the_algorithm(spmd_run):
+    spmd, _ = spmd_run
+    counts = collective_counts(spmd.compiled_text(*_batches()[0]))
     # the ring over dp=2: p-1 reduce-scatter + p-1 all-gather steps, one collective-permute each
     assert counts["collective-permute"] == 2 * (2 - 1)
     # Megatron: per layer g (forward) and f (backward) for attention and MLP = 4, plus the loss's psum
@@ -87,13 +87,13 @@ def test_ring_all_reduce_with_ppermute_sums_over_the_axis():
 
 def test_errors_say_what_would_be_right():
     with pytest.raises(ValueError, match="n_head=2 is not divisible by tp=4"):
-        SPMDTwin(CFG, dp=1, tp=4)
+        SPMDProgram(CFG, dp=1, tp=4)
     with pytest.raises(ValueError, match="needs 16 devices, JAX sees 8"):
         make_mesh(4, 4)
     with pytest.raises(ValueError, match="dp_reduce='tree'"):
-        SPMDTwin(CFG, dp=2, tp=1, dp_reduce="tree")
+        SPMDProgram(CFG, dp=2, tp=1, dp_reduce="tree")
     with pytest.raises(ValueError, match=r"multi-head attention only \(n_kv_head=1 < n_head=2\)"):
-        SPMDTwin(CFG.replace(n_kv_head=1), dp=2, tp=1)
+        SPMDProgram(CFG.replace(n_kv_head=1), dp=2, tp=1)
 
 
 
@@ -106,12 +106,12 @@ def test_tpu_lesson_checks_the_two_runs_and_exits_nonzero_on_fail(monkeypatch, c
     state = {"w": np.ones((2, 2))}
     monkeypatch.setattr(tpu, "eager", lambda cfg, batches, args: (
         state, [3.0, 2.0], [1.0, 0.1], {"ring_all_reduce": 8}, 64, ["cpu:0", "cpu:1"]))
-    twin = SimpleNamespace(state=lambda: {"w": state["w"] + off}, mesh=make_mesh(2, 1))
+    spmd = SimpleNamespace(state=lambda: {"w": state["w"] + off}, mesh=make_mesh(2, 1))
     monkeypatch.setattr(tpu, "compiled", lambda cfg, batches, args: (
-        twin, [3.0, 2.0], [2.0, 0.01], {"all-reduce": 5, "collective-permute": 2}))
+        spmd, [3.0, 2.0], [2.0, 0.01], {"all-reduce": 5, "collective-permute": 2}))
     assert tpu.main(["--dp", "2", "--tp", "1", "--steps", "2", "--dtype", "float64"]) == code
     out = capsys.readouterr().out
-    assert ("PASS" if code == 0 else "FAIL") + ": eager minidist == compiled twin" in out
+    assert ("PASS" if code == 0 else "FAIL") + ": eager minidist == compiled program" in out
     assert "rank 1 -> cpu:1" in out and "collective-permute" in out and "10.0x" in out  # 100 ms / 10 ms
 
 
@@ -122,8 +122,8 @@ def test_tpu_lesson_plots_both_runs(monkeypatch, capsys, tmp_path):
     state = {"w": np.ones((2, 2))}
     monkeypatch.setattr(tpu, "eager", lambda cfg, batches, args: (
         state, [3.0, 2.0], [1.0, 0.1], {}, 0, ["cpu:0", "cpu:1"]))
-    twin = SimpleNamespace(state=lambda: state, mesh=make_mesh(2, 1))
-    monkeypatch.setattr(tpu, "compiled", lambda cfg, batches, args: (twin, [3.0, 2.0], [2.0, 0.01], {}))
+    spmd = SimpleNamespace(state=lambda: state, mesh=make_mesh(2, 1))
+    monkeypatch.setattr(tpu, "compiled", lambda cfg, batches, args: (spmd, [3.0, 2.0], [2.0, 0.01], {}))
     out = tmp_path / "tpu.png"
     assert tpu.main(["--dp", "2", "--tp", "1", "--steps", "2", "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot drawn to {out}" in capsys.readouterr().out
@@ -213,7 +213,7 @@ def _fake_devices(procs, per):
     (2, 4, 8, [0, 1, 2, 3, 1000, 1001, 1002, 1003]),
 ])
 def test_a_multi_process_mesh_takes_devices_from_every_process(monkeypatch, procs, per, n, want):
-    import minidist.accel.spmd as spmd
+    import minidist.parallel.spmd as spmd
 
     monkeypatch.setattr(jax, "devices", lambda: _fake_devices(procs, per))
     monkeypatch.setattr(jax, "process_count", lambda: procs)
@@ -222,7 +222,7 @@ def test_a_multi_process_mesh_takes_devices_from_every_process(monkeypatch, proc
 
 
 def test_a_mesh_that_does_not_split_over_the_processes_is_refused(monkeypatch):
-    import minidist.accel.spmd as spmd
+    import minidist.parallel.spmd as spmd
 
     monkeypatch.setattr(jax, "devices", lambda: _fake_devices(2, 8))
     monkeypatch.setattr(jax, "process_count", lambda: 2)
@@ -246,7 +246,7 @@ def test_a_mesh_without_this_processs_devices_is_refused_naming_the_process(monk
     (1, 1, 2, ["cpu:0@0  cpu:2048@1"]),                          # tp across the process boundary
 ], ids=["dp-across", "tp-across"])
 def test_tpu_lesson_under_mpirun_spans_both_processes(per, dp, tp, mesh):
-    """Multi-controller JAX for real: mpirun -n 2, jax.distributed.initialize over gloo, the twin's
+    """Multi-controller JAX for real: mpirun -n 2, jax.distributed.initialize over gloo, the program's
     mesh on both processes' devices, each process checking its own parameter shards; exit 0 and
     PASS from process 0 only. (A mesh of the first dp*tp devices left process 1 without one: it
     crashed reading the loss.)
@@ -283,7 +283,7 @@ def test_tpu_lesson_under_mpirun_spans_both_processes(per, dp, tp, mesh):
     print(f"mpirun -n 2 took {time.monotonic() - t0:.1f} s")
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"JAX {jax.__version__}: {2 * per} devices, platform cpu, kind 'cpu', 2 process(es)" in res.stdout
-    assert res.stdout.count("PASS: compiled twin == serial twin after 2 steps") == 1, res.stdout  # process 0
+    assert res.stdout.count("PASS: compiled program == serial twin after 2 steps") == 1, res.stdout  # proc 0
     # gloo's C++ prints its connection notes into the same stdout, pieces of them between our lines
     # (one CI run: between the mesh's rows); take them out before matching the mesh
     import re
@@ -294,15 +294,15 @@ def test_tpu_lesson_under_mpirun_spans_both_processes(per, dp, tp, mesh):
         in ours, res.stdout
 
 
-def test_the_compiled_twin_multiplies_float32_in_full_precision_in_a_fresh_process():
-    """The twin sets up JAX as the backend does: float64 on, float32 matmuls at full precision (by
+def test_the_compiled_program_multiplies_float32_in_full_precision_in_a_fresh_process():
+    """The spmd sets up JAX as the backend does: float64 on, float32 matmuls at full precision (by
     default a GPU uses TF32 and a TPU bf16 passes: ~1e-3 off the eager run). A fresh process, since
     this one's JAX was already set up by the backend."""
     import os
     import subprocess
     import sys
 
-    code = ("from minidist.accel import spmd\njax = spmd._jax()\n"
+    code = ("from minidist.parallel import spmd\njax = spmd._jax()\n"
             "print(jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

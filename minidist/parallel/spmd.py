@@ -215,14 +215,14 @@ def _spec(name: str):
     return P()  # replicated: embeddings, layer norms, output biases, the head
 
 
-class SPMDTwin:
-    """``SPMDTwin(cfg, dp, tp)``: GPT(cfg)'s initial weights placed on a dp x tp mesh, and
+class SPMDProgram:
+    """``SPMDProgram(cfg, dp, tp)``: GPT(cfg)'s initial weights placed on a dp x tp mesh, and
     ``step(x, y)`` -> loss, one jitted SGD step. ``dp_reduce``: "ring" (ppermute) or "psum"."""
 
     def __init__(self, cfg, dp: int, tp: int, lr: float = 0.1, dp_reduce: str = "ring", devices=None):
         jax = _jax()
         if cfg.dropout:
-            raise ValueError(f"the SPMD twin has no dropout (got dropout={cfg.dropout})")
+            raise ValueError(f"the SPMD program has no dropout (got dropout={cfg.dropout})")
         if cfg.kv_heads != cfg.n_head:
             raise ValueError(f"the compiled SPMD program has multi-head attention only (n_kv_head="
                              f"{cfg.kv_heads} < n_head={cfg.n_head}); use n_kv_head=n_head")
@@ -292,7 +292,7 @@ class SPMDTwin:
         if not all(v.is_fully_addressable for v in self.params.values()):
             import jax
 
-            raise ValueError(f"process {jax.process_index()}: the twin's parameters span "
+            raise ValueError(f"process {jax.process_index()}: the program's parameters span "
                              f"{jax.process_count()} processes, this one holds only its shards; "
                              "use shard_diff(state) to compare them")
         return {k: np.asarray(v).reshape(self.shapes[k]) for k, v in self.params.items()}

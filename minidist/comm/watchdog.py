@@ -1,0 +1,121 @@
+"""What every real transport adds around the interface: the watchdog, debug mode and the ledger.
+
+``Watched`` is the base of the threads, MPI and JAX-device transports. It holds no algorithm; it
+makes waits safe and observable:
+
+* every wait is bounded by ``comm.timeout`` (``MINIDIST_TIMEOUT`` seconds, default 300): after
+  ``NOTICE_AFTER`` seconds a "still waiting" line names the operation and the peer, at the timeout
+  :class:`CommTimeout` names the waiting rank, its peer and each rank's current operation;
+  ``with comm.patient(why):`` silences the line for a wait that is long on purpose;
+* ``wait_all`` tests several requests together and raises a failed or mismatched peer's error;
+* debug mode (``MINIDIST_DEBUG=1``): collectives compare every rank's call first (debug.py);
+* a fresh ``Ledger`` (ledger.py) and the process's emulated link (transports/link.py);
+* ``all_reduce_algorithm``: what ``all_reduce(algorithm="auto")`` runs, by the cost model (cost.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+from minidist.comm import cost, debug, waiting
+from minidist.comm.communicator import Communicator, format_op
+from minidist.comm.ledger import Ledger
+from minidist.comm.requests import CommTimeout
+from minidist.comm.transports import link
+from minidist.comm.waiting import poll
+
+DEFAULT_TIMEOUT = 300.0         # seconds; MINIDIST_TIMEOUT overrides
+NOTICE_AFTER = 10.0             # seconds of waiting before the "still waiting" line
+
+
+def default_timeout() -> float:
+    return float(os.environ.get("MINIDIST_TIMEOUT", DEFAULT_TIMEOUT))
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("MINIDIST_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+class Watched(Communicator):
+    """A Communicator whose waits the watchdog bounds and explains (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int, backend=None, ledger: Ledger | None = None):
+        super().__init__(rank, size, backend, ledger if ledger is not None else Ledger())
+        self.timeout = default_timeout()
+        self.debug = debug_enabled()
+        self.expected_wait = None       # why a long wait is expected now (no "still waiting" line)
+        self.agreed_crowded = None      # cost.agreed_crowded's answer, once the ranks agreed on it
+        self.link = link.current_link()
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any wait on this communicator (or its private channels) may take."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._timeout = seconds
+        for ch in self.channels.values():
+            ch.timeout = seconds
+
+    def ranks_status(self) -> str:
+        """Each rank's current operation, as far as this rank can know (threads: all; MPI: its own)."""
+        return f"rank {self.rank}: {format_op(self.origin.last_op)}"
+
+    def not_arrived(self) -> list[int] | None:
+        """Ranks not in this rank's current operation, if this rank can know (threads); else None."""
+        return None
+
+    def timeout_error(self, what: str, waited: float) -> CommTimeout:
+        return CommTimeout(
+            f"watchdog: rank {self.rank} of {self.size} ({self.transport}) waited {waited:.1f} s "
+            f"(timeout {self.timeout:g} s, MINIDIST_TIMEOUT) for {what}.\nCurrent operation of each rank:\n  "
+            + self.ranks_status().replace("\n", "\n  "))
+
+    def still_waiting(self, what: str, waited: float) -> None:
+        """The watchdog's early warning, printed once per wait after ``notice_after()`` seconds."""
+        late = self.not_arrived()
+        sys.stderr.write(
+            f"[minidist] rank {self.rank} of {self.size} ({self.transport}): still waiting after "
+            f"{waited:.0f} s in {format_op(self.origin.last_op)} for {what}"
+            + (f"; ranks not there yet: {late}" if late else "")
+            + f"; raises at {self.timeout:g} s (MINIDIST_TIMEOUT)\n")
+        sys.stderr.flush()
+
+    def notice_after(self) -> float:
+        if getattr(self.origin, "expected_wait", None) is not None:
+            return float("inf")  # the program said this wait is long on purpose; the timeout still holds
+        return min(NOTICE_AFTER, self.timeout / 2)
+
+    @contextlib.contextmanager
+    def patient(self, why: str):
+        """Waits inside are expected to be long (``why``: e.g. "rank 0 trains the model"), so no
+        "still waiting" line is printed; the watchdog's timeout still applies."""
+        origin = self.origin
+        before, origin.expected_wait = origin.expected_wait, why
+        try:
+            yield self
+        finally:
+            origin.expected_wait = before
+
+    def wait_all(self, requests: list, what: str) -> None:
+        """Wait for every request together (testing all of them each time, so all make progress);
+        while waiting, a request's ``problem()`` (a failed, departed or mismatched peer) is raised."""
+        def problem():
+            return next((e for q in requests if not q.test() and (e := q.problem()) is not None), None)
+        poll(lambda: all([q.test() for q in requests]), self, what, problem)
+        for q in requests:
+            q.wait()
+
+    def check_same_call(self, signature: dict) -> None:
+        """Debug mode: raise on every rank unless every rank passes an equal ``signature``."""
+        debug.check_same_call(self, signature)
+
+    def mark_background_thread(self) -> None:
+        waiting.mark_background_thread()
+
+    def all_reduce_algorithm(self, x, op: str) -> str:
+        """The algorithm ``all_reduce(algorithm="auto")`` runs for x: the cost model's choice."""
+        return cost.choose_for(self, x, op)
