@@ -1,20 +1,14 @@
 """A mixture-of-experts MLP block: a router sends each token to k of E expert MLPs (GShard, Switch).
 
-For N tokens x (N, d) and E experts:
-
-1. **route** -- probs = softmax(x·W_r) (N, E); each token picks its top-k experts, its gates are
-   those probs (top-2: renormalised to sum to 1).
-2. **capacity** -- each expert takes at most C = ceil(capacity_factor · k · N / E) tokens, first
-   choices first (in token order), then second choices; an assignment past C is **dropped** (a
-   token dropped by every expert passes through the block's residual unchanged).
-3. **dispatch** -- kept tokens are copied into a buffer of E x C rows (expert e's slot s at row
-   e·C + s, empty slots zeros): a fixed shape, which expert parallelism exchanges by all-to-all.
-4. **experts** -- expert e runs on its C rows (``run_experts``: the one step EP replaces).
-5. **combine** -- each kept assignment's output row, times its gate, is added to its token.
-
-Steps 3-5 and the auxiliary losses (Switch's load-balancing loss E · Σ_e f_e · P_e and the router
-z-loss, left on ``moe.stats``) are one op each (``moe_steps.py``). On JAX the kept assignments are
-padded to all N·k (``pad_assignments``), so every step has the same shapes (chapter 15).
+For N tokens x (N, d) and E experts: (1) **route** -- probs = softmax(x·W_r), each token's top-k
+experts, its gates their probs (top-2: renormalised); (2) **capacity** -- each expert takes at most
+C = ceil(capacity_factor · k · N / E) tokens, first choices first, the rest **dropped** (a token
+dropped by every expert passes through the residual); (3) **dispatch** -- kept tokens into a buffer
+of E x C rows (expert e's slot s at row e·C + s): a fixed shape, which expert parallelism exchanges
+by all-to-all; (4) **experts** -- expert e on its C rows (``run_experts``: what EP replaces); (5)
+**combine** -- each kept assignment's output row, times its gate, added to its token. Steps 3-5 and
+the auxiliary losses (on ``moe.stats``) are one op each (``moe_steps.py``); on JAX the assignments
+are padded to one shape (``pad_assignments``, chapter 15).
 """
 
 from __future__ import annotations
@@ -47,12 +41,9 @@ def capacity(n_tokens: int, n_experts: int, k: int, capacity_factor: float) -> i
 
 
 def top_k_route(probs: np.ndarray, k: int, cap: int):
-    """Top-k routing with capacity, on an (N, E) array of router probabilities.
-
-    Returns ``(experts, slots)``, both (N, k) ints: token n's j-th choice (descending probability,
-    ties to the lower expert) and its slot in that expert's buffer, or -1 where dropped. Slots are
-    given first to every token's first choice in token order, then to the second choices, ...
-    """
+    """Top-k routing with capacity on (N, E) router probabilities: ``(experts, slots)``, both (N, k):
+    token n's j-th choice (descending probability, ties to the lower expert) and its slot in that
+    expert's buffer, or -1 where dropped; first choices get slots first, in token order."""
     n, e = probs.shape
     if not 1 <= k <= e:
         raise ValueError(f"top-k routing needs 1 <= k <= n_experts={e}, got k={k}")
@@ -70,9 +61,7 @@ def top_k_route(probs: np.ndarray, k: int, cap: int):
 
 def pad_assignments(tok, choice, rows, total: int, dtype):
     """The kept assignments (token, choice, buffer row) padded to ``total`` (all N·k), and ``keep``
-    (total, 1) of ``dtype``: 1 for a real one, 0 for padding -- token 0's first choice to row 0,
-    times 0, so it adds exact zeros forward and backward. One shape whatever the routing: on JAX,
-    one program; ``keep`` stays on the host, an argument of that program like the indices."""
+    (total, 1): 1 for a real one, 0 for padding (token 0 to row 0, times 0: exact zeros)."""
     pad = np.zeros(total - len(tok), dtype=np.int64)
     keep = (np.arange(total) < len(tok)).astype(dtype)[:, None]
     return np.concatenate([tok, pad]), np.concatenate([choice, pad]), np.concatenate([rows, pad]), keep
@@ -85,9 +74,8 @@ def routed_fraction(experts: np.ndarray, n_experts: int) -> np.ndarray:
 
 @dataclass
 class MoEStats:
-    """What one forward routed: tokens per expert (before drops), kept per expert, dropped fraction
-    of the N·k assignments, and the two auxiliary losses (Tensors: add them to the loss; under
-    activation recompute they carry no gradient, chapter 15)."""
+    """What one forward routed (tokens and kept per expert, dropped fraction, capacity) and the two
+    auxiliary losses (Tensors to add to the loss; under activation recompute without gradient)."""
     tokens_per_expert: np.ndarray
     kept_per_expert: np.ndarray
     dropped_fraction: float
@@ -139,9 +127,8 @@ class MoE(Module):
         return out if len(shape) == 2 else out.reshape(*shape)
 
     def route(self, xf):
-        """Steps 1 and 2 for tokens xf (N, d): the router's logits and probabilities (Tensors), and on
-        the host each token's experts and slots (``top_k_route``) at C = ``capacity(...)`` slots.
-        Returns (logits, probs, experts, slots, C)."""
+        """Steps 1 and 2 for tokens xf (N, d): (logits, probs) Tensors, and on the host each token's
+        (experts, slots) (``top_k_route``) at C = ``capacity(...)`` slots; returns the five."""
         logits = self.router(xf)
         probs = ops.softmax(logits, axis=-1)
         cap = capacity(xf.shape[0], self.n_experts, self.k, self.capacity_factor)
@@ -179,9 +166,8 @@ def _batchable(experts) -> bool:
 
 
 def run_local_experts(experts, x, groups: int, cap: int):
-    """Expert i of ``experts`` on its rows of x (groups·E·C, d): C rows in each of ``groups``
-    blocks (block g: the E experts' C rows in order); the outputs in the same rows. One op
-    (``ExpertMLPs``) when the experts allow it, else each expert module called on its rows."""
+    """Expert i of ``experts`` on its C rows of each of the ``groups`` blocks of x (groups·E·C, d),
+    outputs in the same rows: one op (``ExpertMLPs``) where the experts allow it, else each module."""
     if _batchable(experts):
         params = [t for ex in experts for t in (ex.fc.weight, ex.fc.bias, ex.proj.weight, ex.proj.bias)]
         return ExpertMLPs.apply(x, *params, groups=groups, cap=cap)

@@ -1,18 +1,12 @@
 """Expert parallelism: the E experts of an MoE block split over an ``ep`` group, tokens moved by all-to-all.
 
-Each of the ep ranks holds E/ep experts (rank r: experts r·E/ep .. (r+1)·E/ep - 1) and its own
-tokens (ep is carved from dp, ``minidist.comm.Mesh``). It routes them itself (router replicated,
-capacity C from its own N tokens), fills its E x C dispatch buffer (``minidist.nn.moe``), and then:
-
-1. **dispatch all-to-all** -- the buffer's rows for rank j's experts (E/ep · C rows) go to rank j;
-2. its experts run on ep·C rows each (every rank's tokens for that expert);
-3. **combine all-to-all** -- each block goes back to the rank it came from, which gates and adds
-   the rows to its tokens exactly as the serial block does.
-
-Backward is the same two all-to-alls in reverse (an all-to-all is its own transpose); bytes per
-layer: :func:`all_to_all_bytes`. ``ExpertParallelMoE`` equals the serial ``MoE`` applied to each
-rank's tokens separately; ranks may hold different numbers of tokens (each its own capacity: the
-all-to-all carries each block's shape). ``model.py`` makes every block of a GPT such a block.
+Rank r holds experts r·E/ep .. (r+1)·E/ep - 1 and its own tokens (ep is carved from dp). It routes
+them itself (router replicated, capacity C from its own tokens), fills its E x C buffer
+(``minidist.nn.moe``), and then (1) a **dispatch all-to-all** sends the rows for rank j's experts
+to rank j, (2) its experts run on every rank's rows for them, (3) a **combine all-to-all** sends
+each block back, where it is gated and added exactly as the serial block does. Backward is the same
+two all-to-alls in reverse. ``ExpertParallelMoE`` equals the serial ``MoE`` on each rank's tokens
+(uneven tokens too: each rank its own capacity). Bytes: :func:`all_to_all_bytes`.
 """
 
 from __future__ import annotations
@@ -28,10 +22,9 @@ from minidist.nn.moe import MoE, run_local_experts
 
 
 class AllToAll(Function):
-    """x (p·m, ...) -> y: block j (m rows) of y is rank j's block [my rank] of x; backward: the same
-    exchange. Ranks whose capacities differ (uneven tokens) send blocks of their own sizes: ``sizes``
-    cuts x into blocks of those rows (None: p equal blocks), and ``received`` (a list) is filled
-    with the rows each rank sent, when they were not all equal."""
+    """x (p·m, ...) -> y: block j of y is rank j's block [my rank] of x; backward: the same exchange.
+    ``sizes``: x's blocks' rows when not p equal blocks (uneven tokens); ``received`` (a list) gets
+    the rows each rank sent, when they were not all equal."""
 
     @staticmethod
     def forward(ctx, x, comm, sizes=None, received=None):
@@ -48,12 +41,9 @@ class AllToAll(Function):
 
 
 def _exchange(comm, x, sizes=None, received=None):
-    """Block j of x's rows (its first axis cut in comm.size equal blocks, or in blocks of ``sizes``
-    rows) to rank j, and rank j's block for me in its place. ``all_to_all`` stages its chunks
-    through the host anyway, so a device array is copied out once, sent as host views of its
-    blocks, and copied back once (on JAX: no eager slice per block and no reshape or stack
-    programs); a NumPy array's copies are no-ops. Blocks that came in with different row counts
-    are concatenated and their counts appended to ``received``."""
+    """Block j of x's rows (p equal blocks, or blocks of ``sizes`` rows) to rank j, rank j's block for
+    me in its place; unequal blocks that came in are concatenated, their rows added to ``received``.
+    Through the host once each way (``all_to_all`` stages there anyway: on JAX no per-block program)."""
     host = to_host(x)
     if sizes is not None:
         blocks = np.split(host, np.cumsum(sizes)[:-1])

@@ -53,8 +53,7 @@ def tp_all_reduce(comm, x, op: str = "sum"):
 
 
 def all_gather(comm, x, axis: int):
-    """Concatenate the group's equal-shaped x along ``axis``: ``minidist.comm.all_gather`` told the
-    parts are equal, so a ring on raw buffers without shape headers ((p-1)/p·N bytes, p-1 steps)."""
+    """The group's equal-shaped x concatenated along ``axis`` (the ring, without shape headers)."""
     return comm_all_gather(comm, x, axis=axis, sizes="equal")
 
 

@@ -65,9 +65,8 @@ class ParallelEmbed(Module):
 
 
 class GroupedQKV(Module):
-    """Grouped-query attention's fused q|k|v projection over tp: this rank's query heads' columns,
-    and its K/V heads' (split) or all of them (replicated: the k|v part of the gradient is summed
-    over the group, each rank having used the K/V heads only for its own query heads)."""
+    """Grouped-query attention's q|k|v projection over tp: my query heads' columns and my K/V heads'
+    (split), or all of them (replicated: the k|v gradient, each rank's own part, summed over tp)."""
 
     def __init__(self, dim, n_head, n_kv_head, comm, sequence_parallel=False, *, dtype, std, rng, backend):
         super().__init__()
@@ -115,8 +114,8 @@ class ParallelGroupedAttention(Module):
 
 
 class ParallelBlock(Module):
-    """x + attn(ln1(x)), then + mlp(ln2(x)), with attention and MLP tensor-parallel. ``cache``: this
-    layer's view of a KV cache of this rank's heads (sharded inference, ``minidist.infer.sharded``)."""
+    """x + attn(ln1(x)), then + mlp(ln2(x)), attention and MLP tensor-parallel (``cache``: a KV
+    cache's view of this rank's heads, for sharded inference)."""
 
     def __init__(self, cfg, comm, rng, backend=None, sequence_parallel=False, sharded_rng=None):
         super().__init__()

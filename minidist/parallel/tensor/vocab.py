@@ -65,12 +65,9 @@ class VocabParallelEmbedding(Module):
 
 
 class VocabParallelCrossEntropy(Function):
-    """Mean cross-entropy of logits split along the vocabulary: (..., V/tp) on each rank.
-
-    loss_i = log Σ_v exp(z_iv - m_i) - (z_i,t_i - m_i) with m_i = max_v z_iv; each of m, the
-    target logit and Σ exp is a per-token all-reduce over the group. Backward needs no
-    communication: my slice of softmax(z) - onehot(t).
-    """
+    """Mean cross-entropy of logits split along the vocabulary, (..., V/tp) on each rank:
+    loss_i = log Σ_v exp(z_iv - m_i) - (z_i,t_i - m_i), m_i = max_v z_iv; m, the target logit and
+    Σ exp are per-token all-reduces. Backward needs no communication: my slice of softmax(z) - onehot(t)."""
 
     @staticmethod
     def forward(ctx, logits, targets, comm, ignore_index=-1):
