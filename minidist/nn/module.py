@@ -235,10 +235,3 @@ class Sequential(ModuleList):
         for m in self:
             x = m(x)
         return x
-
-
-def replace_child(parent: Module, name: str, new: Module) -> None:
-    """Swap ``parent``'s child ``name`` for ``new`` in its place in the parameter order (setattr
-    would move it last): how a technique turns a built model's layer into its own."""
-    parent._modules[name] = new
-    object.__setattr__(parent, name, new)

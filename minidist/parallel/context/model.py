@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.nn.module import Module, replace_child
+from minidist.nn.module import Module
 from minidist.parallel.context.layout import chunk_ids, chunk_positions
 from minidist.parallel.context.ring import AttentionStats, packed_ring_attention
 from minidist.parallel.context.ulysses import check_heads, packed_ulysses_attention
@@ -65,6 +65,12 @@ class ContextParallelEmbed(Module):
                              f"block_size={self.block_size} long; got start={start}, length {t_total}")
         pos = chunk_positions(t_total, self.cp.size, self.cp.rank, self.layout)
         return self.drop(self.wte(idx) + self.wpe(pos))  # host positions, as ``minidist.nn.gpt.Embed``
+
+
+def replace_child(parent: Module, name: str, new: Module) -> None:
+    """Swap child ``name`` keeping its place in the parameter order (setattr would move it last)."""
+    parent._modules[name] = new
+    object.__setattr__(parent, name, new)
 
 
 def context_parallel(model, cp, layout: str = "zigzag", mode: str = "ring", ulysses_size: int | None = None):

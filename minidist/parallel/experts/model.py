@@ -11,9 +11,15 @@ import math
 
 import numpy as np
 
-from minidist.nn.module import replace_child
+from minidist.nn.module import Module
 from minidist.nn.moe import MoE
 from minidist.parallel.experts.dispatch import ExpertParallelMoE
+
+
+def replace_child(parent: Module, name: str, new: Module) -> None:
+    """Swap child ``name`` keeping its place in the parameter order (setattr would move it last)."""
+    parent._modules[name] = new
+    object.__setattr__(parent, name, new)
 
 
 def moe_gpt(model, n_experts: int, k: int = 1, capacity_factor: float | None = None, seed: int = 0,
