@@ -35,8 +35,9 @@ from minidist.infer import Request  # noqa: E402
 from minidist.infer.router import poisson_arrivals, route  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
 from minidist.parallel.balance.dp import train_dp_balanced  # noqa: E402
-from minidist.parallel.balance.pipeline import stage_costs, step_time, train_pipeline_balanced  # noqa: E402
-from minidist.parallel.pipeline.runtime import partition_uniform  # noqa: E402
+from minidist.parallel.balance.pipeline import train_pipeline_balanced  # noqa: E402
+from minidist.parallel.balance.repartition import stage_costs, step_time  # noqa: E402
+from minidist.parallel.pipeline.partition import partition_uniform  # noqa: E402
 from minidist.plan.calibrate import cpu_name  # noqa: E402
 from minidist.resilience.stragglers import Slowdown  # noqa: E402
 

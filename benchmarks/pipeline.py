@@ -5,31 +5,15 @@
     python benchmarks/pipeline.py --quick         # p = 2, m = 4, a tiny GPT on thread ranks (seconds)
     python benchmarks/pipeline.py --transport threads --stages 2 4
 
-For each p and m, every schedule the runtime can build (`minidist.plan.schedules.SCHEDULES`:
-1F1B, GPipe, interleaved with 2 chunks, ZB-H1, and ZB-H2 / ZB-V / DualPipe(V) once they have
-builders) trains the same GPT for a few steps (AdamW, one model copy a stage). The model is cut
-for each schedule where the simulator, at the layers' measured costs, runs that schedule fastest
-(`cut_for_schedule`; a V's rank 0 holds both ends, so a uniform cut overloads rank 1), or by
-the ranks' loads alone (`--cut time`: `partition_for`), or by layer count (`--cut uniform`). Before
-the runs each stage times its own F, B and W (`minidist.plan.pipeline_costs.time_fbw`: forward,
-`backward_input`, the weight-gradient queue) and its optimizer step, all stages at once (the cores
-shared as in the run). Each row prints:
-
-* bubble: measured (idle share of stages x step, F/B/W busy; median over steps after the first)
-  beside the schedule's formula at the F, B, W the run's own trace timed (`ScheduleModel.bubble_fraction`)
-  and the simulator's at the costs timed before -- MET when the measurement is within 0.05 of the formula;
-* peak activations per stage, in microbatches (`StepStats.peak_activation_bytes` over the bytes one
-  microbatch saves there) beside the formula (`ScheduleModel.stage_peak`) -- MET within 10%
-  (the zero-bubble ones: at most 10% over: their formula is a bound, W keeps less than B frees);
-* step time: measured (median over steps, the slowest stage) beside `predict_step` (the simulator on
-  the busiest stage's F, B, W as the run's own trace timed them, each span's mean, plus the optimizer
-  step) -- MET within 15% -- and the speed-up over 1F1B, measured and predicted; `pred(pre)`: the
-  simulator on the costs timed before the runs, which a loaded machine changes under the run.
-* with more stages than cores (p = 4 on 2 cores) a ready rank also waits for a core, which these
-  formulas do not model (chapter 5): bubble and step time are shown, not judged; memory still is.
-
-p = 8 is simulated only: the p = largest-run stage costs scaled to 8 stages' share of the layers.
-Prints the CPU, BLAS and load average (bench_env); exits nonzero on a miss only with --strict.
+For each p and m, every schedule the runtime can build (`minidist.plan.schedules.SCHEDULES`) trains
+the same GPT for a few steps (AdamW), cut where the simulator at the layers' measured costs runs
+that schedule fastest (`cut_for_schedule`; `--cut time`: the ranks' loads balanced, `partition_for`;
+`--cut uniform`: by layer count). Before the runs each stage times its own F, B, W and optimizer
+step (`time_fbw`). Each row prints the measured bubble beside the formula and the simulator's, each
+stage's peak activations beside the formula, and the step time beside `predict_step` and as a
+speed-up over 1F1B, judged MET or MISSED (chapter 5, "Measured against the formulas", says how).
+p = 8 is simulated only. Prints the CPU, BLAS and load average (bench_env); exits nonzero on a miss
+only with --strict.
 """
 
 from __future__ import annotations
@@ -46,16 +30,11 @@ from minidist import trace
 from minidist.comm import run, under_mpi
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.optim import AdamW
+from minidist.parallel.pipeline.partition import layer_costs, partition_for, partition_uniform, rank_loads
 from minidist.parallel.pipeline.placement import looped, placement_of
-from minidist.parallel.pipeline.runtime import (
-    PipelineStage,
-    layer_costs,
-    partition_for,
-    partition_uniform,
-    rank_loads,
-    run_schedule,
-)
+from minidist.parallel.pipeline.runtime import run_schedule
 from minidist.parallel.pipeline.simulate import peak_activations
+from minidist.parallel.pipeline.stage import PipelineStage
 from minidist.plan import schedules
 from minidist.plan.pipeline_costs import Costs, busiest, cut_for_schedule, predict_step, stage_input, time_fbw
 

@@ -62,7 +62,8 @@ from minidist.infer import (  # noqa: E402
     int8_bytes_per_token,
     speculative_generate,
 )
-from minidist.infer.disaggregated import colocated_serve, disaggregated_serve, kv_message_bytes  # noqa: E402
+from minidist.infer.colocated import colocated_serve  # noqa: E402
+from minidist.infer.disaggregated import disaggregated_serve, kv_message_bytes  # noqa: E402
 from minidist.lessons.inference import PROMPTS, build_model, enc  # noqa: E402
 
 

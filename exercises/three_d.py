@@ -28,13 +28,10 @@ import numpy as np  # noqa: F401  (you will need it)
 from minidist.comm import Mesh  # noqa: F401
 from minidist.nn.optim import make_optimizer  # noqa: F401
 from minidist.parallel.data.ddp import DistributedDataParallel  # noqa: F401
-from minidist.parallel.pipeline.runtime import (  # noqa: F401
-    PipelineStage,
-    make_schedule,
-    partition_uniform,
-    run_schedule,
-    split_microbatches,
-)
+from minidist.parallel.pipeline.catalog import make_schedule  # noqa: F401
+from minidist.parallel.pipeline.partition import partition_uniform  # noqa: F401
+from minidist.parallel.pipeline.runtime import run_schedule, split_microbatches  # noqa: F401
+from minidist.parallel.pipeline.stage import PipelineStage  # noqa: F401
 from minidist.parallel.three_d import build_model  # noqa: F401
 
 

@@ -7,7 +7,7 @@ optimizer step) -- send B's result on at once, put W off, and the put-off W's fi
 the stage would have waited (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
 
 A schedule is a list with one instruction list per stage, built from minidist's instruction
-classes (imported below; see minidist/parallel/pipeline/schedule.py): ``Forward(mb)``,
+classes (imported below; see minidist/parallel/pipeline/instructions.py): ``Forward(mb)``,
 ``BackwardInput(mb)``, ``BackwardWeight(mb)``, ``SendAct(mb)`` / ``RecvAct(mb)`` (activations to
 stage s+1 / from s-1), ``SendGrad(mb)`` / ``RecvGrad(mb)`` (gradients to s-1 / from s+1),
 ``SendRecv((op, op))`` (post both at once, done when both have matched) and ``OptimizerStep()``.

@@ -226,10 +226,10 @@ CHECKPOINTING = ["minidist.parallel.memory.recompute", "minidist.resilience.chec
 def test_checkpointing_knows_nothing_of_the_tp_gpt():
     """Activation checkpointing recognises a block by its shape, and the checkpoint files by the
     layers' declared sharding: neither imports the TP GPT, directly or through what it imports.
-    (checkpoint/trainer.py builds models through parallel.three_d, so only its own imports count.)"""
+    (resilience/trainer.py is handed its job: it imports none.)"""
     modules, graph = module_files(), import_graph()
     direct = {m: [n for n in _all_imports(modules[m]) if "tp_gpt" in n]
-              for m in CHECKPOINTING + ["minidist.resilience.checkpoint.trainer"]}
+              for m in CHECKPOINTING + ["minidist.resilience.trainer"]}
     through = {m: sorted(x for x in _reachable(graph, m) if x == "minidist.parallel.tensor.gpt")
                for m in CHECKPOINTING}
     bad = {m: v for m, v in list(direct.items()) + list(through.items()) if v}

@@ -41,6 +41,22 @@ def enable_grad():
         _state.grad_enabled = prev
 
 
+def recomputing_depth() -> int:
+    """How many activation recomputations run on this thread (0: an ordinary forward). A forward
+    wrapper may keep what the backward right after needs (ZeRO-3 keeps its gathered unit)."""
+    return getattr(_state, "recomputing", 0)
+
+
+@contextlib.contextmanager
+def recomputing():
+    """Mark the body as a forward run again during backward (activation recomputation)."""
+    _state.recomputing = recomputing_depth() + 1
+    try:
+        yield
+    finally:
+        _state.recomputing -= 1
+
+
 def _hook_stack() -> list:
     stack = getattr(_state, "hooks", None)
     if stack is None:

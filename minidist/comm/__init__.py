@@ -27,7 +27,15 @@ from minidist.comm.handles import (
 )
 from minidist.comm.ledger import CallRecord, Ledger, measure
 from minidist.comm.mesh import Mesh
-from minidist.comm.requests import CommError, CommTimeout, MessageMismatch, RankAborted, RankExited, Request
+from minidist.comm.requests import (
+    CommError,
+    CommTimeout,
+    MessageMismatch,
+    RankAborted,
+    RankExited,
+    Request,
+    default_timeout,
+)
 from minidist.comm.ring import all_gather, reduce_scatter, ring_all_reduce, split_sizes
 from minidist.comm.runner import run, under_mpi, world
 from minidist.comm.transports.mpi import MPIComm, mpi_all_reduce
@@ -42,5 +50,5 @@ __all__ = [
     "halving_doubling_all_reduce", "measure", "mpi_all_reduce", "naive_all_reduce",
     "recursive_doubling_all_reduce", "reduce", "reduce_scatter", "reduce_scatter_async", "ring_all_reduce",
     "run", "scatter", "shm_all_reduce", "split_sizes", "start_async", "tree_all_reduce",
-    "two_shot_all_reduce", "under_mpi", "world",
+    "two_shot_all_reduce", "under_mpi", "world", "default_timeout",
 ]

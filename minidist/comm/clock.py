@@ -24,6 +24,7 @@ import time
 
 from minidist.comm import cost
 from minidist.comm.transports.link import Link, current_link
+from minidist.trace import clock as trace_clock
 
 _thread_time = time.thread_time
 
@@ -57,6 +58,10 @@ class RankClock:
         self.link_free = 0.0        # when this rank's outgoing link has pushed its last byte
         self.lanes: dict = {}       # thread id -> _Lane
         self._lock = threading.Lock()
+
+    def adopt_thread(self) -> None:
+        """This thread acts for the rank from now on: ``trace.clock.now()`` reads its lane."""
+        trace_clock.use(self.now)
 
     def lane(self) -> _Lane:
         lane = self.lanes.get(threading.get_ident())

@@ -20,6 +20,7 @@ counts bytes in ``comm.ledger`` (``count=False``: headers and objects), waits un
 from __future__ import annotations
 
 import pickle
+import time
 
 import numpy as np
 
@@ -104,6 +105,11 @@ class Communicator:
 
     def mark_background_thread(self) -> None:
         """This thread only communicates (an async worker): a transport's waits may sleep at once."""
+
+    def wait_any(self, requests: list, what: str) -> None:
+        """Wait until one of ``requests`` can complete (a transport's watchdog bounds the wait)."""
+        while not any([q.test() for q in requests]):
+            time.sleep(1e-4)
 
     def check_peer(self, peer: int, what: str) -> int:
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:

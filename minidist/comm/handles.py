@@ -18,7 +18,6 @@ import time
 from minidist.accel.backend import set_default_backend
 from minidist.comm.collectives import all_reduce
 from minidist.comm.ring import all_gather, reduce_scatter
-from minidist.trace import clock as trace_clock
 
 
 class Handle:
@@ -69,7 +68,7 @@ class AsyncWorker:
         self.comm.mark_background_thread()
         clock = self.comm.clock
         if clock is not None:
-            trace_clock.use(clock.now)  # this thread acts for the rank: its own lane of the rank's clock
+            clock.adopt_thread()  # this thread acts for the rank: its own lane of the rank's clock
         while (job := self.jobs.get()) is not None:
             handle, fn, args, kwargs = job
             t0 = time.perf_counter()

@@ -8,6 +8,15 @@ rank's ``RankAborted``, a departed peer's ``RankExited``, a wrong-sized message'
 
 from __future__ import annotations
 
+import os
+
+DEFAULT_TIMEOUT = 300.0         # seconds a wait may take; MINIDIST_TIMEOUT overrides
+
+
+def default_timeout() -> float:
+    """``MINIDIST_TIMEOUT`` seconds (default 300): how long the watchdog lets any wait take."""
+    return float(os.environ.get("MINIDIST_TIMEOUT", DEFAULT_TIMEOUT))
+
 
 class CommError(RuntimeError):
     """A communication failure that names the ranks involved."""

@@ -22,17 +22,11 @@ import sys
 from minidist.comm import cost, debug, waiting
 from minidist.comm.communicator import Communicator, format_op
 from minidist.comm.ledger import Ledger
-from minidist.comm.requests import CommTimeout
+from minidist.comm.requests import CommTimeout, default_timeout
 from minidist.comm.transports import link
 from minidist.comm.waiting import poll
 
-DEFAULT_TIMEOUT = 300.0         # seconds; MINIDIST_TIMEOUT overrides
 NOTICE_AFTER = 10.0             # seconds of waiting before the "still waiting" line
-
-
-def default_timeout() -> float:
-    return float(os.environ.get("MINIDIST_TIMEOUT", DEFAULT_TIMEOUT))
-
 
 def debug_enabled() -> bool:
     return os.environ.get("MINIDIST_DEBUG", "0") not in ("", "0", "false", "False")
@@ -99,6 +93,10 @@ class Watched(Communicator):
             yield self
         finally:
             origin.expected_wait = before
+
+    def wait_any(self, requests: list, what: str) -> None:
+        """Wait until one of ``requests`` can complete (each tested every time)."""
+        poll(lambda: any([q.test() for q in requests]), self, what)
 
     def wait_all(self, requests: list, what: str) -> None:
         """Wait for every request together (testing all of them each time, so all make progress);

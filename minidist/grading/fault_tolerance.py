@@ -219,10 +219,12 @@ def reference():
         files.commit_step(root, step, manifest, keep=2)
 
     def load_shard(read_piece, shape, dtype, axis, old_size, new_rank, new_size):
-        spec = {"axis": axis, "group": "tp", "blocks": 1}
-        pieces = [{"file": "", "offset": r, "nbytes": 0, "shard": spec, "part": r, "parts": old_size,
-                   "flat": None} for r in range(old_size)]
-        slot = Slot("x", tuple(shape), np.dtype(dtype), None, None, shard=spec, part=new_rank, parts=new_size)
+        def block(r, size):  # block r of ``size`` along ``axis``, as a checkpoint piece describes it
+            n = shape[axis] // size
+            return {"axis": axis, "ranges": [[r * n, (r + 1) * n]], "flat": None}
+
+        pieces = [{"file": "", "offset": r, "nbytes": 0, **block(r, old_size)} for r in range(old_size)]
+        slot = Slot("x", tuple(shape), np.dtype(dtype), None, None, axis, block(new_rank, new_size)["ranges"])
         tensor = {"shape": list(shape), "dtype": np.dtype(dtype).str, "pieces": pieces}
         return assemble(slot, tensor, lambda p: read_piece(p["offset"]))
 

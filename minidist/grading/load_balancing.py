@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from minidist.grading import untouched
 from minidist.parallel.balance.shares import offsets, proportional_shares
-from minidist.parallel.pipeline.runtime import partition_balanced
+from minidist.parallel.pipeline.partition import partition_balanced
 
 GRADE = settings(max_examples=30, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 

@@ -46,7 +46,7 @@ class _CountedRecv(Request):
     def _arrived(self):
         if not self.done:
             self.done = True
-            clock = self.comm.clock
+            clock = self.comm.round_clock
             stamp = self.comm.world.stamps.pop((self.key, self.seq), 0)
             clock.last_recv = max(stamp, clock.last_recv + 1)
             clock.known = max(clock.known, clock.last_recv)
@@ -73,16 +73,16 @@ class RoundsComm(RendezvousComm):
     def __init__(self, world, ctx, members, rank, backend=None, ledger=None):
         super().__init__(world, ctx, members, rank, backend, ledger)
         if not hasattr(world, "stamps"):
-            world.stamps, world.clocks = {}, {}  # (key, seq) -> round sent; world rank -> _Clock
-        self.clock = world.clocks.setdefault(self.world_rank, _Clock())
+            world.stamps, world.round_clocks = {}, {}  # (key, seq) -> round sent; world rank -> _Clock
+        self.round_clock = world.round_clocks.setdefault(self.world_rank, _Clock())
 
     def rounds(self) -> int:
-        return self.clock.rounds()
+        return self.round_clock.rounds()
 
     def isend_buffer(self, buf, dest, tag=0, *, header=False, count=True) -> Request:
         if count:
             key = self._key(self.rank, dest, tag)  # only this rank sends on key: seq is the next one
-            c = self.clock
+            c = self.round_clock
             c.last_send = max(c.known + 1, c.last_send + 1)
             self.world.stamps[(key, self.world.sent.get(key, 0))] = c.last_send
         return super().isend_buffer(buf, dest, tag, header=header, count=count)

@@ -18,13 +18,10 @@ from minidist.nn.optim import make_optimizer
 from minidist.nn.serial import max_state_diff, train_serial
 from minidist.parallel import three_d as T
 from minidist.parallel.data.ddp import DistributedDataParallel
-from minidist.parallel.pipeline.runtime import (
-    PipelineStage,
-    make_schedule,
-    partition_uniform,
-    run_schedule,
-    split_microbatches,
-)
+from minidist.parallel.pipeline.catalog import make_schedule
+from minidist.parallel.pipeline.partition import partition_uniform
+from minidist.parallel.pipeline.runtime import run_schedule, split_microbatches
+from minidist.parallel.pipeline.stage import PipelineStage
 
 GRADE = settings(max_examples=15, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, d_model=8, dtype="float64")

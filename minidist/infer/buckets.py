@@ -1,13 +1,8 @@
-"""Bucketed shapes: how a KV cache keeps a compiling array library (JAX) from compiling every step.
+"""Bucketed shapes: how a KV cache keeps JAX from compiling a new program every decode step.
 
-On NumPy an array of a new shape costs nothing. On JAX every distinct shape is a new compiled
-program (loaded from a cache or compiled; chapter 16 has what each costs), and KV-cached decoding reads one
-more cached key per step: decoding T tokens would compile O(T) programs. The standard fix (the
-usual TPU recipe; vLLM's CUDA graphs do the same) is to read the cache in *buckets*: the keys up to
-the next power of two, the positions past the real length hidden by the causal mask, which already
-hides every key after a query (exp(-inf) = 0, so they add exact zeros). Decoding T tokens then
-compiles O(log T) programs. Where a write lands (slot, position) is an array argument of the
-compiled write, not a constant in it, so one program serves every position.
+The cache is read up to the next power of two, the positions past the real ones hidden by the
+causal mask, and where a write lands is an array argument of the compiled write: decoding T tokens
+compiles O(log T) programs (chapter 16).
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """The inference forward pass: the training model's own layers, run over a KV cache.
 
-There is one GPT forward. Serving runs the very modules training runs -- ``Embed``, each
-``Block`` (or, tensor-parallel, each ``ParallelBlock``), ``Head`` -- with one more argument: each
-block gets its layer's view of the cache, ``block(x, cache=step.layer(i))``, and its attention
-stores the new keys and values and attends to everything cached (``minidist.nn.attention``).
-Under ``no_grad`` nothing is recorded.
-
-A ``Decoder`` says which layers a rank serves with: all of a GPT (``Decoder.from_model``), or one
-pipeline stage's blocks, its tensor-parallel shards, the embedding on the first stage and the
-head on the last (``minidist.infer.sharded``).
-
-One call, ``forward_tokens(decoder, cache, slots, token_lists)``, covers every case:
-
-* prefill   -- a whole prompt per sequence, keys/values written into the cache;
-* decode    -- one new token per sequence, attending to everything cached so far;
-* mixed     -- some sequences prefilling while others decode (continuous batching);
-* chunked   -- a prompt fed in pieces (any split point gives the same logits).
-
-Each sequence has its own position: sequence b's tokens sit at positions
-``cache.lengths[slot_b] + t``. Rows are padded to the longest; the cache's mask hides per
-sequence (key j is visible to a query at position p iff j <= p), so different lengths never mix.
+Serving runs the modules training runs -- ``Embed``, each ``Block`` (or ``ParallelBlock``), ``Head``
+-- with one more argument: ``block(x, cache=step.layer(i))``, whose attention stores the new keys and
+values and attends to everything cached. A ``Decoder`` says which layers a rank serves with (a whole
+GPT, or one pipeline stage's tensor-parallel shards: ``sharded.py``). ``forward_tokens(decoder,
+cache, slots, token_lists)`` covers prefill, decode, a mix of both and chunked prompts: sequence b's
+tokens sit at positions ``cache.lengths[slot_b] + t``, rows are padded to the longest, and the
+cache's mask hides per sequence, so different lengths never mix.
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """Disaggregated serving: prefill on some ranks, decode on others, the prompt's KV cache sent between.
 
     served = disaggregated_serve(comm, model, requests, arrivals, prefill_ranks=1)   # ranks 0..P-1 prefill
-    served = colocated_serve(comm, model, requests, arrivals)                       # the baseline
+    served = colocated_serve(comm, model, requests, arrivals)      # the baseline (colocated.py)
 
-A prompt's prefill is one long, compute-bound pass; a decode step is short and latency-bound.
-Colocated (every rank a continuous-batching ``Scheduler`` doing both), a long prompt admitted
-into a batch stalls every running sequence's next token for its whole prefill. DistServe (Zhong
-et al. 2024), vLLM and SGLang's PD split put the two phases on different ranks:
-
-* a **prefill rank** takes its requests in arrival order, runs the prompt through the model
-  (one request per pass), samples the first token -- the time to first token ends here -- and
-  sends the prompt's keys and values to the request's decode rank: one message per request of
-  2 · n_layer · T · d_model · itemsize bytes for a T-token prompt (the ledger counts exactly this);
-  with it, as a small object, the first token and the request's generator state;
-* a **decode rank** polls for arrived caches between its decode steps, installs each into a free
-  slot of its own ``Scheduler`` (``Scheduler.install``) and decodes every installed request one
-  token per step, never interrupted by a prefill.
-
-Request i (in arrival order) is prefilled on rank i % P and decoded on rank P + i % D. Its tokens
-are those of colocated serving, token for token: the same prefill computes the same keys, the
-first token is drawn from the same logits with the same generator, which then continues on the
-decode rank. Every rank checks every request before any message is sent.
-
-Times are seconds since rank 0's wall clock at the start (``start``): one clock on one machine,
-the hosts' synchronised clocks across machines. TTFT = first token - arrival; TPOT = (last token -
-first token) / (tokens - 1). On the threads transport all ranks share one Python interpreter, so
-the split shows its effect on latency less than separate processes (``mpirun``) do.
+Request i (in arrival order) is prefilled on rank i % P, which samples its first token and sends
+its prompt's keys and values (2 · n_layer · T · d_model · itemsize bytes), first token and generator
+state to rank P + i % D; a decode rank installs arrived caches into its ``Scheduler`` between decode
+steps and is never interrupted by a prefill. The tokens are colocated serving's, token for token.
+Times are seconds since rank 0's clock at the start. Chapter 9 has the trade (TTFT against TPOT).
 """
 
 from __future__ import annotations
@@ -37,7 +19,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist.autograd.tensor import no_grad
-from minidist.comm.waiting import poll
 from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
 from minidist.infer.generate import check_prompt, host
 from minidist.infer.kv_cache import KVCache
@@ -116,39 +97,6 @@ def wait_until(t0: float, at: float) -> None:
         time.sleep(delay)
 
 
-def colocated_serve(comm, model, requests, arrivals=None, max_batch: int = 4, **scheduler_kw) -> Served:
-    """The baseline: every rank a whole-model continuous-batching ``Scheduler`` for requests i % size
-    (in arrival order), each request's prefill sharing its steps with the others' decodes."""
-    reqs, arr = check_requests(comm, model, requests, arrivals, f"rank {comm.rank}: ")
-    mine = [(copy(r), a) for i, (r, a) in enumerate(zip(reqs, arr)) if i % comm.size == comm.rank]
-    sched = Scheduler(model, max_batch=max_batch, **scheduler_kw)
-    out, first, last, arrival = {}, {}, {}, {}
-    t0 = start(comm)
-    todo = deque(mine)
-    while todo or sched.has_work():
-        now = time.time() - t0
-        while todo and todo[0][1] <= now:
-            r, a = todo.popleft()
-            arrival[r.id] = a
-            if r.max_new_tokens == 0:
-                out[r.id] = []
-                continue
-            r.arrival = sched.t
-            sched.submit(r)
-        if not sched.has_work():
-            if todo:
-                wait_until(t0, todo[0][1])
-            continue
-        finished = sched.step()
-        now = time.time() - t0
-        for r in [*sched.running.values(), *finished]:
-            if r.out and r.id not in first:
-                first[r.id] = now
-        for r in finished:
-            out[r.id], last[r.id] = list(r.out), now
-    return gathered(comm, (out, first, last, arrival), 0, t0)
-
-
 def disaggregated_serve(comm, model, requests, arrivals=None, prefill_ranks: int = 1, max_batch: int = 4,
                         **scheduler_kw) -> Served:
     """Serve ``requests`` with ranks 0..prefill_ranks-1 prefilling and the rest decoding (see above).
@@ -225,7 +173,7 @@ def decode_rank(comm, model, plan, t0, max_batch, scheduler_kw) -> tuple:
             ready.popleft()
         if not sched.has_work():
             if posted:
-                poll(lambda: any(q.test() for q in posted.values()), comm, "a prefilled request's cache")
+                comm.wait_any(list(posted.values()), "a prefilled request's cache")
             continue
         finished = sched.step()
         now = time.time() - t0

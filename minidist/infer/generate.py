@@ -1,13 +1,10 @@
 """Generation: prefill the prompts in one pass, then decode one token at a time from the KV cache.
 
     generate(model, prompts, max_new_tokens)            # KV-cached, batched, ragged prompts
-    generate_recompute(model, prompts, max_new_tokens)  # the serial twin: full forward per token
+    generate_recompute(model, prompts, max_new_tokens)  # the serial twin (recompute.py)
 
-Prompts of different lengths share one batch: each sequence has its own positions and its own
-attention mask (decoder.causal_mask), and a sequence that finishes (a stop token, or its
-``max_new_tokens``) leaves the batch while the others go on. ``generate_recompute`` runs the
-ordinary training-time ``GPT.forward`` over the whole sequence for every new token, one sequence
-at a time: O(T²) work, no cache -- what the cache must agree with.
+A sequence that finishes (a stop token, or its ``max_new_tokens``) leaves the batch while the
+others go on; ``decode_loop`` is the loop every generator shares.
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ import numpy as np
 
 from minidist.accel.backend import backend_of
 from minidist.autograd.tensor import no_grad
-from minidist.infer.buckets import bucket, compiles_per_shape
 from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import GREEDY, SamplingParams, sample
@@ -115,31 +111,3 @@ def generate(model, prompts, max_new_tokens: int, sampling: SamplingParams = GRE
 
     return decode_loop(step, prompts, max_new_tokens, sampling, stop_tokens, return_logits,
                        vocab_size=dec.vocab_size, ids=ids)
-
-
-def full_logits(model, tokens) -> np.ndarray:
-    """Logits (T, V) of the training-time forward over ``tokens``: no cache, the reference. On JAX
-    the tokens are padded to the next power of two (one program per bucket, not per length); causal
-    attention keeps the padding out of the real positions."""
-    n = len(tokens)
-    if compiles_per_shape(next(iter(model.parameters())).backend):
-        tokens = list(tokens) + [0] * (bucket(n, model.config.block_size) - n)
-    with no_grad():
-        return host(model(np.asarray([tokens], dtype=np.int64)).data)[0, :n]
-
-
-def generate_recompute(model, prompts, max_new_tokens: int, sampling: SamplingParams = GREEDY,
-                       stop_tokens=(), return_logits: bool = False, ids=None):
-    """The serial twin of ``generate``: every new token re-runs ``model`` over the whole sequence."""
-    cfg = model.config
-    stop, outs, logs = set(stop_tokens), [], []
-    for i, p in enumerate(prompts):
-        seq = check_prompt(p, cfg.block_size, max_new_tokens, f"prompt {i}", cfg.vocab_size)
-        rng, out, lg = sampling.generator(i if ids is None else ids[i]), [], []
-        while max_new_tokens > 0 and not is_done(out, max_new_tokens, stop):
-            logits = full_logits(model, seq + out)[-1]
-            out.append(sample(logits[None], sampling, [rng])[0])
-            lg.append(logits)
-        outs.append(out)
-        logs.append(np.stack(lg) if lg else np.zeros((0, cfg.vocab_size)))
-    return (outs, logs) if return_logits else outs

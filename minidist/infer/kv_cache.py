@@ -1,22 +1,12 @@
 """The contiguous KV cache: per layer, one preallocated (slots, heads, max_len, head_dim) block.
 
-Decoding token t needs the keys and values of tokens 0..t-1 in every layer. Recomputing them
-costs a full forward pass over the whole sequence per new token (O(T²) work for T tokens);
-keeping them costs memory: 2 · n_layer · max_len · kv_heads · head_dim numbers per sequence
-(kv_heads · head_dim = d_model unless the model uses grouped-query attention), reserved up front.
-
-A *slot* is one sequence's row. ``lengths[slot]`` counts the tokens cached there; a sequence's
-token at position p lives at ``k[layer][slot, :, p]``. ``paged.py`` has the same interface
-(``index``, ``locate``, ``write``, ``read``, ``lengths``, ``reserve``, ``release``, ``memory``) with blocks.
-
-What a model sees of a cache: ``CacheStep`` is one forward pass (which rows, their new tokens'
-positions, the causal mask, built once) and ``step.layer(i)`` is block i's view, handed to the
-block as ``block(x, cache=step.layer(i))``: its attention calls ``update(k, v)`` to store the new
-keys and values and get back every cached one of its sequences, masked by ``hidden``.
-
-On JAX, where every new shape is a new compiled program, the keys are read in buckets (the next
-power of two; ``buckets.py``) and the mask hides the positions past the real ones, so decoding T
-tokens compiles O(log T) programs, not O(T); NumPy and CuPy read exactly the keys they need.
+A *slot* is one sequence's row; ``lengths[slot]`` counts its cached tokens, and its token at
+position p lives at ``k[layer][slot, :, p]``. ``paged.py`` has the same interface (``index``,
+``locate``, ``write``, ``read``, ``lengths``, ``reserve``, ``release``, ``memory``) over blocks.
+``CacheStep`` is what a model sees of one forward pass (rows, positions, the causal mask) and
+``step.layer(i)`` block i's view: its ``update(k, v)`` stores the new keys and values and returns
+every cached one. On JAX the keys are read in power-of-two buckets (``buckets.py``), so decoding T
+tokens compiles O(log T) programs.
 """
 
 from __future__ import annotations
@@ -26,7 +16,6 @@ import numpy as np
 from minidist.accel import compiled
 from minidist.accel.backend import default_backend, get_backend
 from minidist.infer.buckets import array_where, bucket, compiles_per_shape
-from minidist.parallel.tensor.shard import local_kv_heads
 
 
 class CacheStorage:
@@ -43,13 +32,9 @@ class CacheStorage:
     @staticmethod
     def layout_of(decoder) -> tuple:
         """(n_layer, kv heads, head_dim, dtype, backend) of a ``Decoder``'s blocks: this rank's layers
-        and K/V heads (grouped-query attention caches n_kv_head heads, split or replicated over tp by
-        ``local_kv_heads``), its parameters' dtype and array library."""
+        and K/V heads (``Decoder.cache_dims``), its parameters' dtype and array library."""
         p = decoder.first_parameter
-        n_layer, _, head_dim = decoder.cache_dims  # (its heads are query heads)
-        cfg, tp = decoder.config, decoder.tp
-        kv = local_kv_heads(cfg.n_head, getattr(cfg, "kv_heads", cfg.n_head), tp)
-        return n_layer, kv, head_dim, p.dtype, p.backend
+        return (*decoder.cache_dims, p.dtype, p.backend)
 
     def write(self, layer, where, k, v):
         """Store k, v (B, H, T, D) of the new tokens where ``locate`` said."""

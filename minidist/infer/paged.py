@@ -1,17 +1,10 @@
 """The paged KV cache: fixed-size blocks from one pool, a block table per sequence, a free list.
 
-A contiguous cache reserves ``max_len`` positions for every sequence up front, though most
-sequences stop long before: the reserve is waste. Paging (vLLM's PagedAttention) stores keys and
-values in blocks of ``block_len`` tokens taken from a shared pool only as a sequence grows:
+    token at position p of the sequence in slot s  ->  block tables[s][p // block_len], offset p % block_len
 
-    token at position p of the sequence in slot s  ->  block  tables[s][p // block_len],
-                                                      offset p % block_len
-    waste  <=  block_len - 1 positions per sequence (its last, partly filled block)
-
-When the pool runs dry, ``reserve`` raises ``OutOfBlocks``; the scheduler then *preempts* a
-sequence (frees its blocks, requeues it) and later *recomputes* its cache from its tokens.
-The interface is ``KVCache``'s (index, locate, write, read, lengths, reserve, release, memory), so the
-decoder and the scheduler don't know which cache they use.
+Blocks are taken only as a sequence grows, so waste is under one block per sequence. When the pool
+runs dry ``reserve`` raises ``OutOfBlocks`` (the scheduler then preempts). The interface is
+``KVCache``'s, so the decoder and the scheduler don't know which cache they use.
 """
 
 from __future__ import annotations

@@ -1,40 +1,24 @@
 """Prefix caching (vLLM's hashed blocks): requests that share a prompt prefix share its KV blocks.
 
-Two requests with the same system prompt compute the same keys and values for it: position p's
-K/V depends only on tokens 0..p. So a *full* block of the paged cache is named by its tokens and
-everything before them -- the chain hash ``h_i = hash_fn(h_{i-1}, tokens of block i)`` -- and a
-new request whose leading blocks are already cached attaches them to its block table instead of
-recomputing them; its prefill starts after the hit:
+A full block of the paged cache is named by the chain hash of its tokens and everything before
+them, ``h_i = hash_fn(h_{i-1}, tokens of block i)``; a new request attaches the cached blocks of its
+longest cached prefix and prefills only the rest:
 
-    match(slot, prompt)   -> tokens already cached (whole blocks; at most len(prompt) - 1, so the
-                             last prompt token is always fed: its logits sample the first new token)
+    match(slot, prompt)   -> tokens already cached (whole blocks, at most len(prompt) - 1)
     reserve / forward_tokens(prompt[hit:]) / commit(slot, tokens)   -- full blocks become cached
-    release(slot)         -> blocks no one uses stay cached, evictable, least recently used first
+    release(slot)         -> blocks no one uses stay cached, evicted least recently used first
 
-A cached block has a reference count (the slots using it). A block with users is never evicted
-and never written: a slot writes only past its hit, into blocks of its own. When ``reserve`` finds
-the free list empty it evicts the least recently used cached block with no users (a slot's
-blocks go back last-block-first, so a prompt's tail is evicted before its shared head). A hash
-only finds candidates: a hit also needs the block's whole token prefix to be equal, so a hash
-collision (``hash_fn`` is a parameter; the tests force collisions with a tiny one) never shares
-a wrong block.
-
-``stats()`` gives what a lesson or a benchmark prints: the hit rate (prompt tokens found cached /
-prompt tokens looked up), the prefill tokens saved, evictions. ``generate_with_prefix_cache`` is
-the serving loop the tests compare token by token with plain ``generate``.
+A block with users is never written or evicted, and a hit also needs the block's whole token
+prefix to be equal, so a hash collision never shares a wrong block. Chapter 9 has the details.
 """
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 
 import numpy as np
 
-from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
-from minidist.infer.generate import check_prompts, decode_loop, host
 from minidist.infer.paged import PagedKVCache
-from minidist.infer.sampling import GREEDY
 
 ROOT = 0  # the chain hash before the first block
 
@@ -157,56 +141,3 @@ class PrefixCachingKVCache(PagedKVCache):
         out = super().memory(active_slots)
         out["free_blocks"] = self.available()
         return out
-
-
-def generate_with_prefix_cache(model, prompts, max_new_tokens: int, cache: PagedKVCache,
-                               sampling=GREEDY, stop_tokens=(), return_logits: bool = False, ids=None,
-                               ttft: list | None = None):
-    """``generate`` over a paged ``cache`` (slots 0..len(prompts)-1, released at the end): each
-    prompt in turn looks up its cached prefix and prefills the rest, so later prompts also hit the
-    earlier ones' blocks; decoding is batched. With a plain ``PagedKVCache`` nothing is shared.
-
-    ``ttft``: a list to which each prompt's time to first token is appended (seconds from the
-    call to its first token's logits), for a benchmark to set with and without sharing."""
-    t0 = time.perf_counter()
-    dec = as_decoder(model)
-    prompts = check_prompts(prompts, dec.block_size, dec.vocab_size, max_new_tokens)
-    if len(prompts) > cache.n_slots:
-        raise ValueError(f"generate_with_prefix_cache: {len(prompts)} prompts for a cache of "
-                         f"{cache.n_slots} slots; pass at most {cache.n_slots} per call")
-    busy = [i for i in range(len(prompts)) if cache.n_blocks[i] or cache.lengths[i]]
-    if busy:
-        raise ValueError(f"generate_with_prefix_cache: slots {busy} of the cache are in use; it serves "
-                         f"from slots 0..{len(prompts) - 1}, which must be released")
-    held = [list(p) for p in prompts]  # the tokens each slot holds after this step
-    sharing = hasattr(cache, "match")
-
-    def feed_slot(i, toks):
-        cache.reserve(i, int(cache.lengths[i]) + len(toks))
-        logits = forward_tokens(dec, cache, [i], [toks])
-        if sharing:
-            cache.commit(i, held[i])
-        out = host(last_logits(logits, [toks]))[0]
-        if ttft is not None:
-            ttft.append(time.perf_counter() - t0)
-        return out
-
-    def step(active, feed):
-        if all(int(cache.lengths[i]) == 0 for i in active):  # prefill, one prompt at a time
-            return np.stack([feed_slot(i, held[i][cache.match(i, held[i]) if sharing else 0:])
-                             for i in active])
-        for i, toks in zip(active, feed):
-            held[i] += toks
-            cache.reserve(i, len(held[i]))
-        logits = host(last_logits(forward_tokens(dec, cache, active, feed), feed))
-        if sharing:
-            for i in active:
-                cache.commit(i, held[i])
-        return logits
-
-    try:
-        return decode_loop(step, prompts, max_new_tokens, sampling, stop_tokens, return_logits,
-                           vocab_size=dec.vocab_size, ids=ids)
-    finally:
-        for i in range(len(prompts)):
-            cache.release(i)

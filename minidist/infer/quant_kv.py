@@ -1,24 +1,15 @@
 """The int8 KV cache: keys and values stored as int8 with one scale per token and head.
 
-The KV cache is the serving memory bill. Stored in 8 bits it costs a quarter of float32 (half of
-float16): each cached vector x (one token, one head, D numbers) is kept as
+Each cached vector x (one token, one head) is kept as
 
     scale = max_i |x_i| / 127        q_i = round(x_i / scale)  in [-127, 127]   (int8)
     x̂_i  = q_i · scale               |x̂_i - x_i| <= scale / 2 = max|x| / 254
 
-symmetric and per token per head, so an outlier in one token or head does not coarsen another.
-Bytes per cached token, over k and v of every layer and K/V head:
-
-    2 · n_layer · kv_heads · (head_dim · 1 + 4)      (int8 values + one float32 scale)
-
-against 2 · n_layer · kv_heads · head_dim · 4 in float32. Attention reads the dequantized x̂ in
-the model's dtype, so everything downstream is unchanged; the error is in the keys and values
-alone (the tests bound its effect on the logits).
-
-``Int8KVCache`` (contiguous), ``Int8PagedKVCache`` and ``Int8PrefixCachingKVCache`` are the
-caches they are named after, same constructors and interface, with ``Int8Storage`` mixed in:
-it stores through the caches' own ``put`` and reads through their own ``take`` -- the values
-and, alongside, the scales (a last axis of 1) -- then dequantizes.
+so an outlier coarsens only its own token and head; a token costs 2 · n_layer · kv_heads ·
+(head_dim + 4) bytes against 4 · head_dim in float32. Attention reads x̂ in the model's dtype.
+``Int8KVCache``, ``Int8PagedKVCache`` and ``Int8PrefixCachingKVCache`` are the caches they are named
+after with ``Int8Storage`` mixed in: it stores through the caches' own ``put`` and reads through
+their own ``take`` -- the values and, beside them, the scales -- then dequantizes. Chapter 9.
 """
 
 from __future__ import annotations

@@ -3,27 +3,14 @@
     result = route(model, requests, arrivals, replicas=4, policy="least_loaded",
                    slow=Slowdown("rank=1,factor=3"))
 
-Each replica is a whole model copy with its own continuous-batching ``Scheduler`` (and KV cache).
-A router decides, when a request arrives, which replica gets it:
-
-* ``"round_robin"``: replica i % R for the i-th arrival -- blind to load, so a slow replica gets as
-  many requests as a fast one and its queue (and those requests' latency) grows without bound
-  once arrivals outpace it;
-* ``"least_loaded"``: the replica with the least outstanding work -- tokens still to compute for
-  everything queued or running there (prompt tokens not yet prefilled + tokens still to
-  generate), times the seconds per token the replica has measurably taken so far: the time it
-  needs to drain what it has. Ties go to less KV cache in use, then round-robin. A slow replica's
-  work counts for more, and it drains slower, so it is sent less.
-
-The replicas run here in one process under an event clock: the replica whose clock is earliest
-takes its next decode step; the step's real duration (``Slowdown.target``: times its replica's
-slowdown factor, at least ``rows x pace``) advances its clock. Requests arrive at their times in
-seconds on the same clock. So latency (finish - arrival) and throughput are those of R replicas
-running side by side, measured from the real steps, without needing R machines.
-
-Outputs do not depend on the route: each request samples with its own seeded generator and a
-row's tokens do not depend on the rows batched with it (``Scheduler``'s own tests), so every
-policy gives the same tokens, request by request -- the tests check it.
+Each replica is a whole model copy with its own continuous-batching ``Scheduler``. ``"round_robin"``
+sends the i-th arrival to replica i % R, blind to load; ``"least_loaded"`` to the replica with the
+least outstanding work -- tokens still to compute there times the seconds per token it has measurably
+taken -- ties to less KV cache in use, then round robin. The replicas run in one process under an
+event clock: the replica whose clock is earliest takes its next step, whose real duration (times the
+replica's slowdown, from ``slow``: any object with ``rank_factor`` and ``target``, such as
+``minidist.resilience.stragglers.Slowdown``) advances its clock. Every policy gives the same tokens,
+request by request. Chapter 13 (lessons/13-load-balancing.md) has the measurements.
 """
 
 from __future__ import annotations
@@ -34,7 +21,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist.infer.scheduler import Request, Scheduler
-from minidist.resilience.stragglers import Slowdown
 
 POLICIES = ("round_robin", "least_loaded")
 
@@ -92,8 +78,8 @@ class Routed:
 def route(model, requests, arrivals, replicas: int = 2, policy: str = "least_loaded", slow=None,
           max_batch: int = 4, **scheduler_kw) -> Routed:
     """Serve ``requests`` (``Request``s; ``arrivals[i]``: request i's arrival in seconds) on
-    ``replicas`` replicas of ``model`` routed by ``policy``; ``slow`` slows replicas as
-    ``Slowdown`` slows ranks (``rank=i`` is replica i)."""
+    ``replicas`` replicas of ``model`` routed by ``policy``; ``slow`` (e.g. a ``Slowdown``) slows
+    replicas as it slows ranks (``rank=i`` is replica i); None: none."""
     if policy not in POLICIES:
         raise ValueError(f"route: policy must be one of {POLICIES}, got {policy!r}")
     if not isinstance(replicas, int) or replicas < 1:
@@ -101,8 +87,11 @@ def route(model, requests, arrivals, replicas: int = 2, policy: str = "least_loa
     if len(arrivals) != len(requests) or any(not a >= 0 for a in arrivals):
         raise ValueError(f"route: give one arrival time >= 0 (seconds) per request: {len(requests)} "
                          f"requests, {len(arrivals)} arrivals")
-    slow = Slowdown("") if slow is None else slow if isinstance(slow, Slowdown) else Slowdown(slow)
-    slow.check_world(replicas)
+    if slow is not None and not (hasattr(slow, "rank_factor") and hasattr(slow, "target")):
+        raise ValueError(f"route: slow must slow replicas as a Slowdown does (rank_factor, target), e.g. "
+                         f"minidist.resilience.stragglers.Slowdown('rank=1,factor=3'); got {slow!r}")
+    if slow is not None and hasattr(slow, "check_world"):
+        slow.check_world(replicas)
     scheds = [Scheduler(model, max_batch=max_batch, **scheduler_kw) for _ in range(replicas)]
     clocks, busy = [0.0] * replicas, [0.0] * replicas
     order = sorted(range(len(requests)), key=lambda i: (arrivals[i], requests[i].id))
@@ -128,7 +117,8 @@ def route(model, requests, arrivals, replicas: int = 2, policy: str = "least_loa
         t0 = time.perf_counter()
         finished = scheds[i].step()
         real = time.perf_counter() - t0
-        dt = slow.target(real, scheds[i].stats["forward_rows"] - rows, slow.rank_factor(i, 0))
+        dt = real if slow is None else slow.target(real, scheds[i].stats["forward_rows"] - rows,
+                                                   slow.rank_factor(i, 0))
         clocks[i] += dt
         busy[i] += dt
         for req in finished:

@@ -1,13 +1,8 @@
 """Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus), seeded.
 
-    probs = softmax(logits / temperature)      temperature 0 -> greedy argmax
-    top-k:  keep the k most likely tokens
-    top-p:  keep the smallest set of most likely tokens whose probability sums to >= p
-    then renormalise and draw one token with this sequence's own generator.
-
-Every sequence carries its own ``numpy.random.Generator`` (seeded from its request), so the
-tokens a sequence draws don't depend on which other sequences share its batch: batched,
-continuous-batched and sharded generation sample exactly what one-at-a-time generation does.
+Every sequence draws with its own ``numpy.random.Generator`` (seeded from its request), so the
+tokens it draws don't depend on which other sequences share its batch: batched, continuous-batched
+and sharded generation sample exactly what one-at-a-time generation does.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
-"""Continuous batching: admit and retire requests at every decode step.
+"""Continuous batching: a ``Scheduler`` admits and retires requests at every decode step.
 
-Static batching takes ``max_batch`` requests, runs them until the *longest* is done, then takes
-the next batch: a 5-token request waits behind a 200-token one, and finished rows sit idle.
-Continuous batching (Orca, vLLM) decides at every step:
-
-    1. arrivals join the queue;
-    2. retired slots are refilled from the queue: a new request's prompt is *prefilled* (one pass
-       for all new prompts, beside the running requests' one-token *decodes*);
-    3. with a paged cache, a sequence whose next token needs a block the pool doesn't have
-       preempts the most recently admitted sequence: its blocks are freed and it goes back to the
-       front of the queue with the tokens it has; re-admitted, its cache is *recomputed*
-       by prefilling prompt + generated tokens;
-    4. one forward pass; each request samples its token with its own generator; those that hit a
-       stop token or their ``max_new_tokens`` retire and free their slot.
-
-``Scheduler(model, policy="static")`` runs the static policy with the same code, so the two can
-be compared token for token (they must agree) and in throughput (they must not).
-
-``prefix_cache=True`` (or ``cache=`` a ``PrefixCachingKVCache``, ``prefix_cache.py``) serves over
-shared blocks: on admission ``hit = cache.match(slot, tokens)`` attaches the cached blocks of the
-request's longest cached prefix and only ``tokens[hit:]`` are prefilled; after each forward pass
-``cache.commit`` indexes the blocks that just filled up, so later requests find them. The tokens
-are the same with and without (the tests' property); ``stats`` counts the prompt tokens looked
-up and found cached, and each request's ``ttft_s`` is the time from joining the queue to its
-first token.
+Each ``step``: arrivals join the queue; free slots are refilled from it (a new request's prompt is
+prefilled in the step, beside the running requests' one-token decodes); on a paged cache, a sequence
+whose next token finds no free block preempts the newest other sequence, which is requeued and
+later recomputed; one forward pass; every request samples with its own generator, and those done
+retire. ``policy="static"`` is static batching with the same code (the same tokens, more steps).
+``prefix_cache=True`` serves over a ``PrefixCachingKVCache``: only a prompt's uncached tail is
+prefilled. Chapter 9 (lessons/09-inference.md) has the why and the measurements.
 """
 
 from __future__ import annotations

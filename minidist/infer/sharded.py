@@ -1,37 +1,39 @@
 """Sharded serving: the same generation with the model split across ranks.
 
-Tensor parallelism (Megatron-LM) inside each block, over the ``tp`` group of ``tp`` ranks: each
-rank serves with training's own ``ParallelBlock``, holding exactly the shard it would train
-(its parameters loaded from the serial block by the blocks' sharding table, ``load_shard``):
-
-    qkv    column-parallel: rank r keeps the q, k and v columns of heads r·H/tp .. (r+1)·H/tp
-    proj   row-parallel:    the matching rows; partial products are all-reduced, then + bias
-    fc     column-parallel: hidden units r·4d/tp .. (r+1)·4d/tp (GELU is elementwise: no talk)
-    proj   row-parallel:    all-reduce, then + bias
-
-Two all-reduces of (B, T, d) per layer per step; each rank's KV cache holds only its own heads
-(1/tp of the cache). The embedding and the head are replicated on the tp ranks (so a step moves
-nothing else). Pipeline parallelism over the ``pp`` group: stage s holds a contiguous run of
-blocks (cut by ``partition_uniform``, as in training; stage 0 holds the embedding, the last
-stage the head and the sampling); a decode step sends the hidden states (B, T, d) from stage to
-stage, and the sampled tokens go back to every rank.
-
-The serial twin is ``generate`` in one process: the tokens must be the same.
+Tensor parallelism (Megatron-LM) inside each block, over the ``tp`` group: each rank serves with
+training's own ``ParallelBlock`` holding exactly the shard it would train (loaded from the serial
+block by the blocks' sharding table, ``load_shard``): qkv and fc column-parallel, the two output
+projections row-parallel -- two all-reduces of (B, T, d) per layer per step -- and each rank's KV
+cache holds only its own heads. The embedding and the head are replicated on the tp ranks.
+Pipeline parallelism over the ``pp`` group: stage s holds a contiguous run of blocks (``stage_blocks``;
+stage 0 the embedding, the last stage the head and the sampling); a step sends the hidden states
+(B, T, d) from stage to stage, and the sampled tokens go back to every rank. The serial twin is
+``generate`` in one process: the tokens must be the same.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from minidist import trace
 from minidist.comm import Mesh
 from minidist.infer.decoder import Decoder, forward_tokens, last_logits
 from minidist.infer.generate import check_prompts, decode_loop, host
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import GREEDY
-from minidist.parallel.pipeline.runtime import partition_uniform
 from minidist.parallel.tensor.gpt import ParallelBlock
 from minidist.parallel.tensor.sharding import load_shard
+from minidist.trace.spans import span
+
+
+def stage_blocks(n_layer: int, pp: int) -> list[tuple[int, int]]:
+    """The (start, stop) blocks of each of ``pp`` stages: contiguous, the first ones one longer."""
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"number of stages must be an int >= 1, got {pp!r}")
+    if pp > n_layer:
+        raise ValueError(f"cannot cut {n_layer} layers into {pp} pipeline stages: every stage needs at "
+                         f"least one layer; use at most {n_layer} stages (or a deeper model)")
+    ends = np.cumsum([len(a) for a in np.array_split(np.arange(n_layer), pp)]).tolist()
+    return list(zip([0, *ends[:-1]], ends))
 
 
 def tp_block(cfg, block, tp_comm) -> ParallelBlock:
@@ -45,7 +47,7 @@ def shard_for(mesh: Mesh, model) -> Decoder:
     """This rank's layers on ``mesh``: its pipeline stage's blocks, tensor-parallel over ``mesh.tp``;
     the embedding on the first stage, the head on the last."""
     cfg, layers = model.config, list(model)
-    start, stop = partition_uniform(cfg.n_layer, mesh.pp_size)[mesh.pp_rank]
+    start, stop = stage_blocks(cfg.n_layer, mesh.pp_size)[mesh.pp_rank]
     blocks = layers[1 + start:1 + stop]
     if mesh.tp_size > 1:
         blocks = [tp_block(cfg, b, mesh.tp) for b in blocks]
@@ -65,7 +67,7 @@ def sharded_generate(comm, model, prompts, max_new_tokens, sampling=GREEDY, stop
     if cfg.n_head % tp:
         raise ValueError(f"{who}n_head {cfg.n_head} is not divisible by tp {tp}")
     try:
-        partition_uniform(cfg.n_layer, pp)  # raises if pp > n_layer
+        stage_blocks(cfg.n_layer, pp)  # raises if pp > n_layer
     except ValueError as e:
         raise ValueError(f"{who}{e}") from None
     prompts = check_prompts(prompts, cfg.block_size, cfg.vocab_size, max_new_tokens, who)
@@ -77,12 +79,8 @@ def sharded_generate(comm, model, prompts, max_new_tokens, sampling=GREEDY, stop
 
     def step(active, feed):
         x = None if mesh.pp_rank == 0 else mesh.pp.recv(mesh.pp_rank - 1)
-        tracer = trace.current()
-        if tracer is None:
+        with span("prefill" if max(map(len, feed)) > 1 else "decode", "compute"):
             out = forward_tokens(dec, cache, active, feed, x=x)
-        else:
-            with tracer.span("prefill" if max(map(len, feed)) > 1 else "decode", "compute"):
-                out = forward_tokens(dec, cache, active, feed, x=x)
         if not last:
             mesh.pp.send(out, mesh.pp_rank + 1)
             return None

@@ -2,26 +2,12 @@
 
     speculative_generate(target, draft, prompts, max_new_tokens, k=4)   # == generate(target, ...)
 
-Decoding is one target forward per token, and a decode pass costs nearly the same for one token
-as for a few (the weights are read once either way). Speculative decoding (Leviathan et al. 2023;
-Chen et al. 2023) spends that slack: a cheap draft model proposes d_1..d_k one at a time, then the
-target runs once over [last, d_1..d_k] and gives its own distributions p_1..p_{k+1} at every
-position. Each proposal is kept with probability min(1, p_i(d_i) / q_i(d_i)) (q_i: the draft's
-distribution it was drawn from); at the first rejection a token is drawn from the residual
-norm(max(0, p_i - q_i)) and the round ends; if all k survive, one more comes free from p_{k+1}.
-Whatever the draft, every emitted token has exactly the target's distribution (``verify``), and
-under greedy sampling the output is the target's own argmax chain, token for token.
-
-With acceptance rate a (per proposed token) and a draft step costing c target steps, a round
-yields (1 - a^(k+1)) / (1 - a) tokens for k·c + 1 target-step costs (``expected_speedup``).
-
-Both models keep a KV cache (``KVCache``, one slot per sequence). A rejected proposal's keys are
-already in the caches; rolling back is setting the slot's length to the tokens kept -- the next
-pass overwrites the stale positions before any query can see them (the causal mask hides keys past
-each query). The draft feeds whatever committed tokens its cache lacks, so when all k are accepted
-it catches up on the next round. A batch of sequences drafts and verifies together: one draft pass
-per proposal step and one target pass per round for the whole batch; each sequence accepts on its
-own and draws from its own generator, so its tokens don't depend on the batch.
+Each proposal d_i is kept with probability min(1, p_i(d_i) / q_i(d_i)) (p: the target's
+distribution, q: the draft's); at the first rejection a token is drawn from norm(max(0, p_i - q_i))
+and the round ends; if all k survive, one more comes free from p_{k+1}. Every emitted token then has
+exactly the target's distribution (``verify``); greedy, the target's own tokens. Both models keep a
+KV cache; a rejected proposal is rolled back by setting the slot's length to the tokens kept.
+Chapter 9 has the proof and the speed-up formula (``expected_speedup``).
 """
 
 from __future__ import annotations
@@ -36,7 +22,6 @@ from minidist.infer.decoder import as_decoder, forward_tokens
 from minidist.infer.generate import check_prompts, host, is_done
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import GREEDY, SamplingParams, filter_probs
-from minidist.nn.gpt import GPT
 
 # -- the acceptance rule (exercises/speculative.py asks for these) ------------------------------------
 
@@ -128,27 +113,6 @@ def check_pair(target, draft, k) -> tuple:
         raise ValueError(f"speculative decoding: the draft's vocab_size {d.vocab_size} differs from the "
                          f"target's {t.vocab_size}; the draft must propose the target's token ids")
     return t, d
-
-
-def early_exit_draft(target, n_layer: int):
-    """A draft for free: a ``GPT`` of the target's first ``n_layer`` blocks, with its embedding and
-    head (self-speculative decoding: Zhang et al. 2023, LayerSkip). No training, the same vocabulary;
-    how often it agrees with the whole model is what the acceptance rate measures."""
-    cfg = target.config
-    if isinstance(n_layer, bool) or not isinstance(n_layer, (int, np.integer)) \
-            or not 1 <= n_layer <= cfg.n_layer:
-        raise ValueError(f"early_exit_draft: n_layer must be an integer in 1..{cfg.n_layer} (the target's "
-                         f"layers), got {n_layer!r}")
-    draft = GPT(cfg.replace(n_layer=n_layer))
-    state = {}
-    for key, value in target.state_dict().items():  # layer i of GPT's list: embed 0, blocks, head last
-        i, rest = key.split(".", 1)
-        if int(i) <= n_layer:
-            state[key] = value
-        elif int(i) == cfg.n_layer + 1:
-            state[f"{n_layer + 1}.{rest}"] = value
-    draft.load_state_dict(state)
-    return draft.eval()
 
 
 def speculative_generate(target, draft, prompts, max_new_tokens: int, k: int = 4,

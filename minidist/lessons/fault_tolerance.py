@@ -49,12 +49,12 @@ from minidist.lessons.cli import (
     rprint,
     world_size,
 )
+from minidist.lessons.fault_tolerance_job import MeshTrainer, small_config
 from minidist.lessons.progress import progress
 from minidist.nn.serial import adamw_tolerance
 from minidist.parallel.parallelize import check_3d
 from minidist.resilience.checkpoint import CheckpointError, folder
 from minidist.resilience.checkpoint.tiers import Checkpointer, Tier, shm_root
-from minidist.resilience.checkpoint.trainer import Trainer, small_config
 from minidist.resilience.faults import Injector
 from minidist.resilience.faults import parse as parse_faults
 from minidist.resilience.heartbeat import heartbeat
@@ -103,7 +103,7 @@ def train(comm, args, fault: str):
     if err:
         raise SystemExit(f"rank {comm.rank}: {err}")
     cfg = small_config(args.dtype, args.dropout)
-    trainer = Trainer(comm, cfg, pp=args.pp, tp=args.tp, zero=args.zero, lr=LR, total_steps=args.steps)
+    trainer = MeshTrainer(comm, cfg, pp=args.pp, tp=args.tp, zero=args.zero, lr=LR, total_steps=args.steps)
     inj = Injector.from_env(comm.rank, fault)
     tiers = [Tier("memory", mem, args.mem_every), Tier("peer", mem + "-peer", args.peer_every, peer=True),
              Tier("disk", disk, args.disk_every, keep=3)]
@@ -173,9 +173,8 @@ def rank_main(comm, args):
     events = _events()
     first = next((e for e in events if e.get("event") == "start"), None)
     same_mesh = first is None or first["ranks"] == comm.size
-    ref_trainer = Trainer(comm, small_config(args.dtype, args.dropout), pp=args.pp, tp=args.tp,
-                          zero=args.zero, lr=LR,
-                          total_steps=args.steps) if same_mesh else None
+    ref_trainer = MeshTrainer(comm, small_config(args.dtype, args.dropout), pp=args.pp, tp=args.tp,
+                              zero=args.zero, lr=LR, total_steps=args.steps) if same_mesh else None
     if ref_trainer is not None:
         while ref_trainer.step_count < args.steps:
             ref_trainer.step()
@@ -230,7 +229,7 @@ def rank_main(comm, args):
 def _serial_twin(args):
     """The same training on one process (a one-rank threads communicator, even inside an MPI job)."""
     one = ThreadComm(ThreadWorld(1), (), [0], 0, default_backend())
-    t = Trainer(one, small_config(args.dtype, args.dropout), dp=1, lr=LR, total_steps=args.steps)
+    t = MeshTrainer(one, small_config(args.dtype, args.dropout), dp=1, lr=LR, total_steps=args.steps)
     while t.step_count < args.steps:
         t.step()
     return t.full_parameters()
@@ -285,15 +284,15 @@ def main(argv=None):
 def check_flags(parser, args, world: int) -> None:
     """The mesh, batch split and --fault spec every rank would check, checked once before any rank
     starts (exit status 2, one line): the Trainer's own rules, with its batch and microbatch counts."""
-    defaults = inspect.signature(Trainer).parameters
+    defaults = inspect.signature(MeshTrainer).parameters
     batch, micro = defaults["batch_size"].default, defaults["microbatches"].default
     cfg = small_config(args.dtype, args.dropout)
     mesh = args.pp * args.tp
-    if args.zero and mesh > 1:  # Trainer: ZeRO is data parallel only here
+    if args.zero and mesh > 1:  # MeshTrainer: ZeRO is data parallel only here
         parser.error(f"argument --zero: ZeRO-{args.zero} is data parallel only here (got --pp {args.pp} "
                      f"--tp {args.tp}); use --pp 1 --tp 1 with --zero, or --zero 0")
 
-    def mesh_rule(ranks):  # the Trainer's check_3d, for a job of `ranks` ranks
+    def mesh_rule(ranks):  # parallelize's check_3d with the trainer's batch, for a job of `ranks` ranks
         check_3d(ranks, cfg, batch, max(1, ranks // mesh), args.pp, args.tp, micro)
 
     try:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from minidist.comm import measure
 from minidist.infer import Request
-from minidist.infer.disaggregated import colocated_serve, disaggregated_serve, kv_message_bytes
+from minidist.infer.colocated import colocated_serve
+from minidist.infer.disaggregated import disaggregated_serve, kv_message_bytes
 from minidist.lessons.cli import (
     rprint,
 )

@@ -20,7 +20,7 @@ from minidist.lessons.cli import (
     rprint,
 )
 from minidist.lessons.inference_kv import PROMPTS, TOK, enc
-from minidist.parallel.pipeline.runtime import partition_uniform
+from minidist.parallel.pipeline.partition import partition_uniform
 
 
 def mesh_for(n, args):

@@ -7,17 +7,14 @@
 Part 1, data parallelism: every rank starts with an equal share of the global batch. At step 5 one
 rank becomes 3x slower (``--slow``, or ``$MINIDIST_SLOW``). Each step the ranks agree on every
 rank's compute and wait time with one tiny all-gather; the straggler detector names the slow rank;
-every 2 steps the shares are re-decided in proportion to measured throughput, and the step time
-comes back down towards the balanced time B / Σ s_i. Printed per step, drawn per rank (compute
-``#``, waiting ``.``); ``--plot`` draws step time and shares over time. The trained parameters
-equal the serial twin's whatever the shares (DDP weights each rank's gradient by its rows).
+every 2 steps the shares follow measured throughput, and the step time comes back down towards the
+balanced time B / Σ s_i (printed per step, drawn per rank: compute ``#``, waiting ``.``). The
+trained parameters equal the serial twin's whatever the shares.
 
 Part 2, pipeline: a GPT cut into one stage per rank, two of its blocks 4x heavier (``--skew``).
-Per-layer forward+backward times are profiled while it trains; the min-max contiguous cut is
-computed and, when the 1F1B step-time formula says it pays, layers move between stages with
-their parameters and optimizer state. Step time and bubble before and after, beside the formula;
-the parameters equal the serial twin's across the move.
-
+Per-layer times are profiled while it trains; when the 1F1B step-time formula says the min-max cut
+pays, layers move between stages with their parameters and optimizer state. Step time and bubble
+before and after, beside the formula; the parameters equal the serial twin's across the move.
 ``--pace`` (seconds per row) emulates a fixed-speed device so the timings are clean even on a
 laptop with fewer cores than ranks; ``--pace 0`` times the real compute alone.
 """
@@ -40,14 +37,9 @@ from minidist.lessons.cli import (
 from minidist.nn import GPTConfig
 from minidist.nn.serial import host_state, max_state_diff, train_serial
 from minidist.parallel.balance.dp import train_dp_balanced
-from minidist.parallel.balance.pipeline import (
-    bubble,
-    gather_stage_states,
-    stage_costs,
-    step_time,
-    train_pipeline_balanced,
-)
-from minidist.parallel.pipeline.runtime import partition_uniform
+from minidist.parallel.balance.pipeline import gather_stage_states, train_pipeline_balanced
+from minidist.parallel.balance.repartition import bubble, stage_costs, step_time
+from minidist.parallel.pipeline.partition import partition_uniform
 from minidist.resilience.stragglers import Slowdown, parse
 
 TOL = 1e-9  # float64: only the summation order differs from the serial twin

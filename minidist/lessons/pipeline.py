@@ -8,27 +8,24 @@
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule zb-v     # two chunks per rank in a V
 
 Trains a small byte-level GPT on dp x pp x tp ranks with a pipeline schedule (GPipe, 1F1B, or
-interleaved 1F1B with ``--chunks v`` model chunks per stage: the bubble shrinks to (p-1)/(v·m+p-1)),
-checks the trained parameters against the serial twin (same batches, one process), prints the
-MEASURED timeline of the last step (one row per pipeline stage), the measured bubble beside
-(p-1)/(v·m+p-1), and the activation memory each stage held at its peak under GPipe and under 1F1B
-(under the interleaved schedule: its own, per stage). ``--schedule zb-h1`` splits each backward into B
-(input gradients, sent on at once) and W (weight gradients, put off into the bubble): its bubble is
-compared with (p-1)/(3m+p-1), its memory with 1F1B's; ``zb-h2`` warms up with more forwards
-(2p-1 microbatches held on stage 0); ``zb-v`` and ``dualpipe-v`` cut the model into 2p pieces and
-place them in a V (rank s holds pieces s and 2p-1-s, the loss is on rank 0), ZB-V's bound
-(p-1)/(6m+p-1), DualPipeV's formula (p-1)(F&B + B - 3W) per rank.
+interleaved 1F1B with ``--chunks v`` model chunks per stage), checks the trained parameters against
+the serial twin (same batches, one process), and prints (``pipeline_report.py``) the MEASURED
+timeline of the last step (one row per pipeline stage), the measured bubble beside (p-1)/(v·m+p-1),
+and the activation memory each stage held at its peak under GPipe and under 1F1B (under interleaved
+or a V: its own). ``zb-h1`` splits each backward into B (input gradients, sent on at once) and W
+(weight gradients, put off into the bubble), bubble (p-1)/(3m+p-1); ``zb-h2`` warms up with more
+forwards; ``zb-v`` and ``dualpipe-v`` cut the model into 2p pieces placed in a V (rank s holds
+pieces s and 2p-1-s), ZB-V's bound (p-1)/(6m+p-1), DualPipeV's (p-1)(F&B + B - 3W) per rank.
 """
 
 from __future__ import annotations
 
-import os
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from minidist import trace
-from minidist.comm import under_mpi
 from minidist.lessons.cli import (
     finish,
     first_accepted,
@@ -40,20 +37,16 @@ from minidist.lessons.cli import (
     rprint,
     world_size,
 )
+from minidist.lessons.pipeline_report import report
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.data import BatchLoader, TextDataset
 from minidist.nn.serial import adamw_tolerance, max_state_diff, train_serial
-from minidist.parallel.pipeline.catalog import SCHEDULES, schedule_chunks
-from minidist.parallel.pipeline.dualpipe import dualpipe_v_bubble_formula
-from minidist.parallel.pipeline.runtime import format_partition, layer_costs, make_schedule, run_schedule
+from minidist.parallel.pipeline.catalog import SCHEDULES, make_schedule, schedule_chunks
+from minidist.parallel.pipeline.partition import format_partition, layer_costs
+from minidist.parallel.pipeline.runtime import run_schedule
 from minidist.parallel.pipeline.schedule import ScheduleError
-from minidist.parallel.pipeline.simulate import bubble_formula, peak_activations, timeline_events
-from minidist.parallel.pipeline.zb_v import zb_v_bubble_formula
-from minidist.parallel.pipeline.zero_bubble import zb_h1_bubble_formula
-from minidist.parallel.three_d import check_3d, gather_full_state, train_3d
-from minidist.plan import estimates, schedules
-
-BUSY = ("Forward", "Backward", "BackwardInput", "BackwardWeight")  # what counts as a stage's work
+from minidist.parallel.pipeline.simulate import bubble_formula
+from minidist.parallel.three_d import Options, check, gather_full_state, train_mesh
 
 
 def tolerance(args) -> float:
@@ -83,25 +76,31 @@ def mesh_sizes(world: int, args) -> tuple[int, int, int]:
     return dp, pp, tp
 
 
-def check_schedule(world: int, args) -> None:
-    """The schedule the flags ask for can be built (``make_schedule``'s own rule, a ScheduleError
-    otherwise), or a ValueError naming the flag and values that work, found by asking the same rules
-    (the schedule's and ``check_3d``'s) about nearby values."""
+def run_options(world: int, args, microbatches: int | None = None, batch: int | None = None) -> Options:
+    """The run's flags as ``parallelize``'s ``Options``, checked (``check``: the mesh, the batch, the
+    schedule; a ValueError, or a ScheduleError, names what is wrong)."""
+    dp, pp, tp = mesh_sizes(world, args)
+    opts = Options(dp=dp, pp=pp, tp=tp, microbatches=microbatches or args.microbatches,
+                   schedule=args.schedule, chunks=args.chunks, optimizer="adamw", lr=args.lr)
+    return check(opts, config(args), world, batch or args.batch, args.seq)
+
+
+def checked_options(world: int, args) -> Options:
+    """The run's flags, checked once before any rank starts; a schedule that cannot be built is a
+    ValueError naming the flag and values that work, found by asking the same rules about nearby
+    values (``run_options``: the schedule's and ``check_3d``'s)."""
+    try:
+        return run_options(world, args)
+    except ScheduleError as e:
+        rule = str(e)
     dp, pp, tp = mesh_sizes(world, args)
     m = args.microbatches
 
     def builds(microbatches, schedule=args.schedule):
         make_schedule(schedule, pp, microbatches, args.chunks if schedule == "interleaved" else 1)
 
-    try:
-        builds(m)
-        return
-    except ScheduleError as e:
-        rule = str(e)
     def runs(microbatches, batch=args.batch):
-        builds(microbatches)
-        check_3d(world, config(args), batch, dp, pp, tp, microbatches,
-                 schedule_chunks(args.schedule, args.chunks))
+        run_options(world, args, microbatches, batch)
 
     near = sorted(set(range(1, 2 * (m + pp) + 1)) - {m}, key=lambda k: (abs(k - m), -k))
     fix = first_accepted(runs, near)  # the nearest count that runs with this --batch, else with another
@@ -149,8 +148,6 @@ def rank_main(comm, args):
     cfg = config(args)
     dp, pp, tp = mesh_sizes(comm.size, args)
     batches = make_batches(args)
-    check_3d(comm.size, cfg, args.batch, dp, pp, tp, args.microbatches,
-             schedule_chunks(args.schedule, args.chunks), rank=comm.rank)
     m = args.microbatches
     rprint(comm, f"Pipeline parallelism: a GPT of {cfg.n_layer + 2} layers (embedding, {cfg.n_layer} blocks, "
                  f"head; d_model {cfg.d_model}, seq {cfg.block_size})\n"
@@ -175,9 +172,7 @@ def rank_main(comm, args):
         t_step[0] = now
 
     try:
-        result = train_3d(comm, cfg, batches, dp=dp, pp=pp, tp=tp, microbatches=m, schedule=args.schedule,
-                          lr=args.lr, optimizer="adamw", layer_costs=costs, on_step=on_step,
-                          chunks=args.chunks)
+        result = train_mesh(comm, cfg, batches, replace(args.options, layer_costs=costs), on_step=on_step)
         # the other one-chunk schedule, for the memory table (an interleaved or V stage has its own
         # chunks: no other schedule runs on it)
         other = (None if schedule_chunks(args.schedule, args.chunks) > 1
@@ -225,94 +220,6 @@ def rank_main(comm, args):
     return finish(comm, passed)
 
 
-def idle_split(everyone, step: int) -> str:
-    """Where step `step`'s rank time went, measured: the share of ranks x step time each rank spent
-    in forward/backward, waiting to receive, and in the rest (all-reduce, optimizer, send waits) --
-    what to hold against the planner's bubble, which counts a stage's receives alone as idle."""
-    evs = [e for r in everyone for e in r["events"][step]]
-    span = max(e["t1"] for e in evs) - min(e["t0"] for e in evs)
-    total = len(everyone) * span
-    busy = sum(e["t1"] - e["t0"] for e in evs if e["name"] in BUSY) / total
-    recv = sum(e["t1"] - e["t0"] for e in evs if e["cat"] == "recv" and e["name"] not in BUSY) / total
-    return (f"measured split of step {step}'s ranks x time: forward/backward {busy:.3f}, waiting to receive "
-            f"{recv:.3f}, all-reduce/optimizer/sends {max(0.0, 1 - busy - recv):.3f}")
-
-
-def report(everyone, args, pp: int, m: int) -> float:
-    """Timeline, bubble and memory tables from every rank's records (rank 0 only); the measured bubble."""
-    last = len(everyone[0]["events"]) - 1
-    pipe0 = [r for r in everyone if r["coords"][1:] == (0, 0)]  # the pipeline of dp 0, tp 0
-    events = [dict(e, rank=r["coords"][0], **({"cat": "compute"} if e["name"] == "OptimizerStep" else {}))
-              for r in pipe0 for e in r["events"][last]]
-    start = min(e["t0"] for e in events if e["name"] == "Forward")  # from the step's first forward on
-    events = [dict(e, t0=max(e["t0"], start)) for e in events if e["t1"] > start]
-    print(f"\nmeasured timeline of step {last}, pipeline dp 0 / tp 0 (F3 = forward of microbatch 3, "
-          f"B = backward, . = waiting,\nO = optimizer step, with the data-parallel all-reduce of gradients):")
-    print(trace.ascii_timeline_from_events(timeline_events(events), width=args.width_chars, label="stage"))
-
-    steps = range(1, last + 1) if last >= 1 else range(1)
-    measured = trace.median_bubble([r["events"] for r in everyone], skip=1, names=BUSY)
-    step_s = float(np.median([max(r["times"][s] for r in everyone) for s in steps]))
-    print(f"\nbubble (idle share of ranks x step time, forward/backward count as busy): "
-          f"measured {measured:.3f} "
-          f"(median of steps {steps[0]}..{steps[-1]}) vs formula (p-1)/({'v·' if args.chunks > 1 else ''}"
-          f"m+p-1) = {pp - 1}/"
-          f"{args.chunks * m + pp - 1} = {bubble_formula(pp, m, args.chunks):.3f}"
-          + (f" (v = {args.chunks} chunks: 1F1B's would be {bubble_formula(pp, m):.3f})"
-             if args.chunks > 1 else "")
-          + f"; step time {step_s * 1e3:.0f} ms")
-    if args.schedule in ("zb-h1", "zb-h2"):
-        name = args.schedule.upper()
-        print(f"{name}'s formula with F = B = W: (p-1)/(3m+p-1) = {pp - 1}/{3 * m + pp - 1} = "
-              f"{zb_h1_bubble_formula(pp, m):.3f} (W = 'W' on the timeline fills what 1F1B leaves idle)")
-    if args.schedule == "zb-v":
-        print(f"ZB-V's bound with F = B = W (2p pieces, half-stage fill): (p-1)/(6m+p-1) = {pp - 1}/"
-              f"{6 * m + pp - 1} = {zb_v_bubble_formula(pp, m):.3f}")
-    if args.schedule == "dualpipe-v":
-        print(f"DualPipeV's (p-1)(F&B + B - 3W), F&B = F + B on CPU ranks (the overlap here is the order "
-              f"of messages): {dualpipe_v_bubble_formula(pp, m):.3f}")
-    print(schedules.this_machine(args.schedule, pp, m, len(everyone), os.cpu_count() or 1,
-                                 schedule_chunks(args.schedule, args.chunks))[1])
-    print(idle_split(everyone, last))
-    print(estimates.predicted_vs_measured(
-        "step time on this machine's calibrated constants (the planner, chapter 11)",
-        estimates.step_prediction(args.layers, args.width, 4, 256, args.seq, args.batch, dp=args.dp, pp=pp,
-                                  tp=args.tp, microbatches=m, schedule=args.schedule,
-                                  chunks=schedule_chunks(args.schedule, args.chunks),
-                                  dtype_bytes=np.dtype(args.dtype).itemsize,
-                                  transport="mpi" if under_mpi() else "threads"), step_s))
-    cores = os.cpu_count() or 1
-    if len(everyone) > cores:
-        print(f"(here {len(everyone)} ranks share {cores} cores, so a rank also waits for a free core; "
-              f"benchmarks/pipeline.py measures 2 ranks on 2 cores)")
-    print("\npeak activation memory per stage (bytes saved for backward, measured; dp 0 / tp 0):")
-    if schedule_chunks(args.schedule, args.chunks) > 1:  # interleaved, zb-v, dualpipe-v
-        print(f"{'stage':>5} {'bytes':>12} {'microbatch-chunks held':>23} {'simulated':>9}")
-        sim = [peak_activations(ops) for ops in make_schedule(args.schedule, pp, m, args.chunks)]
-        for r in sorted(pipe0, key=lambda r: r["coords"][0]):
-            b, held = r["peak"][args.schedule]
-            print(f"{r['coords'][0]:>5} {b:>12,} {held:>23} {sim[r['coords'][0]]:>9}")
-        return measured
-    if args.schedule in ("zb-h1", "zb-h2"):
-        name = args.schedule.upper()
-        print(f"{'stage':>5} {'1F1B bytes':>12} {'mbs held':>8}   {name + ' bytes':>12} {'mbs F..B':>8} "
-              f"{'simulated':>9}")
-        sim = [peak_activations(ops) for ops in make_schedule(args.schedule, pp, m)]
-        for r in sorted(pipe0, key=lambda r: r["coords"][0]):
-            s = r["coords"][0]
-            (ob, om), (zb, zm) = r["peak"]["1f1b"], r["peak"][args.schedule]
-            print(f"{s:>5} {ob:>12,} {om:>8}   {zb:>12,} {zm:>8} {sim[s]:>9}")
-        return measured
-    print(f"{'stage':>5} {'GPipe bytes':>12} {'mbs held':>8} {'formula m':>9}   {'1F1B bytes':>11} "
-          f"{'mbs held':>8} {'formula min(m,p-s)':>18}")
-    sims = {name: [peak_activations(ops) for ops in make_schedule(name, pp, m)] for name in ("gpipe", "1f1b")}
-    for r in sorted(pipe0, key=lambda r: r["coords"][0]):
-        s = r["coords"][0]
-        (gb, gm), (ob, om) = r["peak"]["gpipe"], r["peak"]["1f1b"]
-        print(f"{s:>5} {gb:>12,} {gm:>8} {sims['gpipe'][s]:>9}   {ob:>11,} {om:>8} {sims['1f1b'][s]:>18}")
-    return measured
-
-
 def main(argv=None):
     parser = lesson_parser(__doc__, ranks=8)
     parser.add_argument("--dp", type=positive_int, default=2, help="data-parallel replicas")
@@ -341,10 +248,8 @@ def main(argv=None):
         parser.error(f"--chunks {args.chunks} needs --schedule interleaved (the other schedules fix their "
                      "chunks: one per stage, two in a V for zb-v and dualpipe-v)")
     world = world_size(args)
-    # every mesh, batch, microbatch and schedule error rank_main would raise, before any rank starts
-    reject_early(parser, lambda: check_3d(world, config(args), args.batch, *mesh_sizes(world, args),
-                                          args.microbatches, schedule_chunks(args.schedule, args.chunks)))
-    reject_early(parser, lambda: check_schedule(world, args))
+    # every mesh, batch, microbatch and schedule error, checked once before any rank starts
+    reject_early(parser, lambda: setattr(args, "options", checked_options(world, args)))
     return launch(rank_main, args)
 
 

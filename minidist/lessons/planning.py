@@ -76,7 +76,7 @@ def rank_main(comm, args):
             marks.append((time.perf_counter(), comm.ledger.bytes_sent, len(meas.calls)))
             bar.update(1)
         res = train_3d(comm, cfg, data, dp=c.dp, pp=c.pp, tp=c.tp, microbatches=m, optimizer="adamw",
-                       lr=1e-3, on_step=on_step, checkpoint=None if c.checkpoint == "none" else c.checkpoint)
+                       lr=1e-3, on_step=on_step, recompute=None if c.checkpoint == "none" else c.checkpoint)
         calls = meas.calls[marks[0][2]:marks[1][2]]
     mesh = res.mesh
     mine = {"where": (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), "sent": marks[1][1] - marks[0][1],

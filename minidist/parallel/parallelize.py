@@ -1,41 +1,28 @@
-"""``parallelize``: every technique applied to one GPT in the one documented order.
+"""``parallelize``: every technique applied to one GPT in one documented order, and the one table of refusals.
 
-    par = parallelize(cfg, Mesh(comm, dp=2, pp=2, tp=2), microbatches=4, checkpoint="full",
-                      precision="bf16", optimizer="adamw", lr=1e-3)
-    for x, y in batches:                     # global batches, the same on every rank
-        stats = par.step(x, y)               # this rank's rows and tokens, the schedule, the update
+    opts = check(Options(dp=2, pp=2, tp=2, microbatches=4, recompute="full", precision="bf16"), cfg, 8)
+    par = parallelize(cfg, Mesh(comm, **opts.mesh), opts)   # or parallelize(cfg, mesh, **flags)
+    for x, y in batches:                                     # global batches, the same on every rank
+        stats = par.step(x, y)
 
-The order (torchtitan's ``parallelize_llama`` has the same shape), each step a few lines below:
+``ORDER`` (torchtitan's ``parallelize_llama`` has its shape), each step a few lines below: 1. the
+model transforms -- TP / sequence parallelism (``TPGPT``), experts, context parallelism, collective
+matmul, FP8 Linears; 2. the pipeline cut (without ZeRO every run is a ``PipelineStage``); 3.
+activation recomputation per stage chunk; 4. mixed precision over the stage's layers; 5. data
+parallelism over the replicas (DDP on the stage, or ZeRO on the model); 6. the optimizer over what
+the others leave (host offload: ``OffloadedAdamW``). Chapter 3 says why each pair goes in this order.
 
-1. **model transforms** -- the model is replaced or rewired: tensor / sequence parallelism (``TPGPT``,
-   its init draws the serial GPT's numbers and keeps this rank's slices), experts (``moe_gpt``, ep
-   carved from dp), context parallelism (``context_parallel``: attention becomes a ring, Ulysses'
-   all-to-all or both), collective matmul (``use_collective_matmul``: the sequence-parallel
-   collectives overlapped with the GEMMs), then FP8 training (``fp8_linear``: every Linear's products
-   in FP8, a wrapper at the "autocast" position);
-2. **the pipeline cut** -- ``PipelineStage`` keeps this rank's layers (pp = 1: all of them);
-   without ZeRO every run is a stage, so one runtime (``run_schedule``) drives every mesh;
-3. **activation checkpointing** -- per stage chunk (no segment crosses a stage boundary);
-4. **mixed precision** -- ``MixedPrecision`` over the stage's layers: they compute in bf16 / fp16,
-   fp32 master weights for this stage only, the last stage's loss times the loss scale;
-5. **data parallelism** over the replica group (dp, or dp x cp with context parallelism): DDP on
-   the stage, or ZeRO 1/2/3 on the model. Expert parameters are ``ignore``d by DDP (they differ
-   across an ep group) and averaged over ``mesh.edp_cp`` at the step;
-6. **the optimizer** -- SGD / AdamW by name, or ``OffloadedAdamW(where="host")`` with ``offload``,
-   over what the others leave: the stage's parameters, the fp32 masters, or ZeRO's shards.
-
-Every rank builds the same initial weights, so no broadcast is needed (DDP / ZeRO get
-``broadcast_from=None``). Before anything is built the techniques chosen are checked pair by pair
-against ``compose``'s matrix: a refused pair is a ``ValueError`` naming both -- that table is this
-function's contract. ``check_3d`` holds the mesh errors (sizes, divisibility).
-
-This file is ``parallelize`` itself; beside it, re-exported here: its argument checks
-(``minidist/parallel/parallelize_checks.py``), what it builds from -- model, optimizer, scaled loss
-(``minidist/parallel/parallelize_parts.py``) -- and what it returns, ``Parallelized`` and its step
-(``minidist/parallel/parallelized.py``).
+``REFUSED`` is the one table of refusals. ``check`` validates every flag once, before any rank starts:
+the mesh and the values (``options.py``), each pair of chosen techniques against the table (a
+``ValueError`` naming both and why), the pipeline schedule. Every pair not in the table combines,
+in ``ORDER`` (``tests/parallel/test_compose.py`` trains each against its serial twin). README's
+matrix is ``python -m minidist.parallel.parallelize --matrix``.
 """
 
 from __future__ import annotations
+
+import sys
+from dataclasses import replace
 
 from minidist.autograd import ops
 from minidist.nn.module import Module, ModuleList
@@ -43,92 +30,181 @@ from minidist.parallel.context.model import context_parallel
 from minidist.parallel.data.ddp import DistributedDataParallel
 from minidist.parallel.data.zero import ZeRO
 from minidist.parallel.experts.model import expert_names, moe_gpt
-from minidist.parallel.memory.fp8 import Fp8Recipe, fp8_linear
+from minidist.parallel.memory.fp8 import fp8_linear
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
-from minidist.parallel.memory.recompute import apply_checkpointing
-from minidist.parallel.parallelize_checks import check_3d, check_options, techniques
+from minidist.parallel.memory.recompute import apply_recompute, check_segments_within, recompute_stage
+from minidist.parallel.options import Options, check_3d, check_values
 from minidist.parallel.parallelize_parts import build_model, optimizer_factory, scaled_loss
 from minidist.parallel.parallelized import Parallelized, token_loss_weights
-from minidist.parallel.pipeline.runtime import (
-    PipelineStage,
-    make_schedule,
-    partition_for,
-    partition_uniform,
-)
+from minidist.parallel.pipeline.catalog import make_schedule, schedule_chunks
+from minidist.parallel.pipeline.partition import partition_for, partition_uniform
+from minidist.parallel.pipeline.stage import PipelineStage
 from minidist.parallel.tensor.collective_matmul import use_collective_matmul
 
-__all__ = ["Parallelized", "build_model", "check_3d", "check_options", "optimizer_factory", "parallelize",
-           "scaled_loss", "techniques", "token_loss_weights"]
+__all__ = ["ORDER", "Options", "Parallelized", "REFUSED", "TECHNIQUES", "build_model", "check", "check_3d",
+           "matrix_markdown", "optimizer_factory", "parallelize", "scaled_loss", "techniques",
+           "token_loss_weights"]
+
+#: technique -> the name errors and the README use, in the order ``parallelize`` applies them
+TECHNIQUES = {"tp": "TP", "sp": "sequence parallel", "ep": "experts (MoE)", "cp": "context parallel",
+              "fp8": "FP8 training", "pp": "pipeline (PP)", "recompute-full": "recompute (full)",
+              "recompute-selective": "recompute (selective)", "bf16": "bf16 mixed precision",
+              "fp16": "fp16 mixed precision", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2",
+              "zero3": "ZeRO-3", "offload": "host offload"}
+ORDER = tuple(TECHNIQUES)
+#: options that change how a technique runs (sequence parallelism's, DDP's): in the table, not the grid
+MODES = {"overlap": "collective matmul", "hook": "a DDP comm hook"}
+ZERO, LOW = ("zero1", "zero2", "zero3"), ("bf16", "fp16")
+RECOMPUTE = ("recompute-full", "recompute-selective")
+_TABLE = [  # (these, those, why): a technique of these with one of those is refused
+    (["ddp"], ZERO, "ZeRO is data parallelism itself: it averages (and shards) the gradients over the same "
+                    "ranks DDP would; use one of them"),
+    (ZERO, ZERO, "one ZeRO stage per model: each owns the gradient sync and the optimizer step"),
+    (ZERO, LOW, "ZeRO shards and steps the model's own parameters with its optimizer, while MixedPrecision "
+                "steps fp32 master copies with another; sharded fp32 masters are not built"),
+    (ZERO, ["pp"], "a PipelineStage is not a Module (ZeRO-3 gathers a Module's layers as units) and "
+                   "run_schedule drives only DDP through the microbatches; ZeRO over a pipeline's "
+                   "data-parallel group is not built: use DDP"),
+    (ZERO, ["ep"], "ZeRO averages (and shards) every gradient over the data-parallel group, but expert "
+                   "parameters differ across an ep group; use DDP, which ignores them (they are averaged "
+                   "over the ranks holding the same experts)"),
+    (ZERO, ["fp8"], "ZeRO with FP8 Linears is not built (nor tested against the serial FP8 twin); use DDP"),
+    (ZERO, ["hook"], "a comm hook runs on DDP's all-reduced buckets, and ZeRO reduce-scatters them: pass "
+                     "comm_hook=None or use DDP"),
+    (LOW, LOW, "one compute dtype per model: autocast casts the parameters to one of them"),
+    (LOW, ["fp8"], "one compute format per Linear: autocast casts the weights to 2 bytes, FP8 rounds the "
+                   "fp32 ones; use one of them"),
+    (RECOMPUTE, RECOMPUTE, "one recompute policy per block: both wrap the same blocks; choose one"),
+    (RECOMPUTE, ["fp8"], "a recomputed forward would record the delayed-scaling amaxes twice; use FP8 "
+                         "without activation recomputation"),
+    (["cp"], ["sp"], "both split the sequence over ranks, and a ring over sequence-parallel shards is not "
+                     "built"),
+    (["cp"], ["recompute-selective"], "recompute='selective' recomputes the serial attention core, but ring "
+                                      "attention keeps no T x T matrix to save; use 'full' or none"),
+    (["ep"], ["sp"], "under sequence parallelism each tp rank's MLP sees only its own tokens, and an MoE's "
+                     "expert gradients are not summed over the tp group: not built; use TP without sequence "
+                     "parallelism"),
+    (["overlap"], ["fp8"], "the FP8 wrappers run the sequence-parallel collectives unfused; use one of them"),
+]
+#: the one table of refusals: {technique, technique} -> why
+REFUSED = {frozenset((a, b)): why for these, those, why in _TABLE for a in these for b in those if a != b}
+NAMES = {**TECHNIQUES, **MODES}
 
 
-def parallelize(cfg_or_model, mesh, *, microbatches: int = 1, schedule: str = "1f1b", chunks: int = 1,
-                layer_costs=None, sequence_parallel: bool = False, layout: str = "zigzag",
-                moe: dict | None = None, checkpoint: str | None = None, precision: str | None = None,
-                zero: int | None = None, optimizer: str = "sgd", lr: float = 0.1, offload: bool = False,
-                comm_hook=None, loss_scale: float | None = None, fp8: Fp8Recipe | None = None,
-                collective_matmul: bool = False, cp_mode: str = "ring",
-                ulysses_size: int | None = None) -> Parallelized:
-    """Apply every technique to a GPT (a ``GPTConfig``, or a built serial ``GPT`` when tp = 1) on
-    ``mesh`` in the module docstring's order; see ``train_3d`` for the options' meaning. ``zero``:
-    1, 2 or 3 (ZeRO instead of DDP); ``precision``: "bf16" / "fp16" (None, "fp32": none);
-    ``offload``: AdamW's state in host memory; ``comm_hook``: (state, hook) for DDP's buckets;
-    ``loss_scale``: fp16's initial dynamic loss scale (None: ``DynamicLossScaler``'s default);
-    ``fp8``: an ``Fp8Recipe`` for FP8 Linears (fp32 model; None: none); ``collective_matmul``: overlap
-    the sequence-parallel collectives with the GEMMs (needs ``sequence_parallel``); ``cp_mode``:
-    "ring" | "ulysses" | "hybrid" context parallelism, ``ulysses_size`` the hybrid's Ulysses groups."""
+def techniques(o: Options) -> list[str]:
+    """The techniques (and modes) a run with ``o`` applies, in ``ORDER``."""
+    on = {"tp": o.tp > 1, "sp": o.sequence_parallel, "ep": o.moe is not None, "cp": o.cp > 1,
+          "fp8": o.fp8 is not None, "pp": o.pp > 1, o.precision: o.precision in LOW,
+          "ddp": not o.zero and o.dp * o.cp > 1, f"zero{o.zero}": bool(o.zero), "offload": o.offload,
+          "overlap": o.collective_matmul, "hook": o.comm_hook is not None}
+    if o.recompute not in (None, "none"):
+        on["recompute-selective" if o.recompute == "selective" else "recompute-full"] = True
+    return [t for t in NAMES if on.get(t)]
+
+
+def check(o: Options, cfg, world_size: int, batch_size: int | None = None, seq_len: int | None = None,
+          built: bool = False, rank: int = 0) -> Options:
+    """Every error of a run with ``o``, raised before anything is built (``batch_size`` / ``seq_len``:
+    the global batch's, if known); returns ``o`` marked checked, with its pipeline schedule built."""
+    check_3d(world_size, cfg, batch_size, o.dp, o.pp, o.tp, o.microbatches,
+             schedule_chunks(o.schedule, o.chunks), rank, o.cp, seq_len, o.ep, o.moe)
+    chosen = techniques(o)
+    for i, a in enumerate(chosen):
+        for b in chosen[i + 1:]:
+            if frozenset((a, b)) in REFUSED:
+                raise ValueError(f"rank {rank}: {NAMES[a]} cannot be combined with {NAMES[b]}: "
+                                 f"{REFUSED[frozenset((a, b))]}")
+    check_values(o, cfg, built, rank)
+    schedule = None if o.zero else make_schedule(o.schedule, o.pp, o.microbatches, o.chunks)
+    return replace(o, checked=True, built_schedule=schedule)
+
+
+def parallelize(cfg_or_model, mesh, opts: Options | None = None, **flags) -> Parallelized:
+    """Apply every technique of ``opts`` -- or of ``flags``, ``Options``' fields (``checkpoint=``: the
+    old name of ``recompute=``), checked here -- to a GPT (a ``GPTConfig``, or a built serial ``GPT``
+    when tp = 1) on ``mesh``, in ``ORDER``."""
     built = isinstance(cfg_or_model, Module)
     cfg = cfg_or_model.config if built else cfg_or_model
-    dp, cp = mesh.dp_size, mesh.cp_size
-    check_options(mesh, cfg, built, microbatches=microbatches, chunks=chunks,
-                  sequence_parallel=sequence_parallel, moe=moe, checkpoint=checkpoint, precision=precision,
-                  zero=zero, offload=offload, comm_hook=comm_hook, fp8=fp8,
-                  collective_matmul=collective_matmul, cp_mode=cp_mode)
-    make_opt = optimizer_factory(optimizer, lr, offload)
+    sizes = dict(dp=mesh.dp_size, pp=mesh.pp_size, tp=mesh.tp_size, cp=mesh.cp_size, ep=mesh.ep_size)
+    if opts is None:
+        opts = Options.of(**sizes, **flags)
+    elif flags:
+        raise TypeError(f"parallelize takes Options or flags, not both (got {sorted(flags)})")
+    o = opts if opts.checked else check(opts, cfg, mesh.world.size, built=built, rank=mesh.world.rank)
+    if o.mesh != sizes:
+        raise ValueError(f"rank {mesh.world.rank}: the mesh is {sizes}, the options are for {o.mesh}")
+    make_opt = optimizer_factory(o.optimizer, o.lr, o.offload)
     # 1. model transforms: TP / SP (overlapped: collective matmul), experts, context parallelism, FP8
-    model, loss_fn = (cfg_or_model, None) if built else build_model(cfg, mesh.tp, sequence_parallel)
+    model, loss_fn = (cfg_or_model, None) if built else build_model(cfg, mesh.tp, o.sequence_parallel)
     loss_fn = loss_fn or ops.cross_entropy
-    if collective_matmul:
+    if o.collective_matmul:
         use_collective_matmul(model)
-    if moe is not None:
-        moe_gpt(model, ep=mesh.ep if mesh.ep_size > 1 else None, **moe)
-    if cp > 1:
-        context_parallel(model, mesh.cp, layout, mode=cp_mode, ulysses_size=ulysses_size)
-    if fp8 is not None:
-        fp8_linear(model, fp8)
-    replicas = mesh.dp if cp == 1 else mesh.dp_cp  # the ranks whose gradients are averaged
-    par = Parallelized(mesh, model, None, None, None, None, loss_fn, microbatches, layout=layout,
+    if o.moe is not None:
+        moe_gpt(model, ep=mesh.ep if mesh.ep_size > 1 else None, **o.moe)
+    if o.cp > 1:
+        context_parallel(model, mesh.cp, o.layout, mode=o.cp_mode, ulysses_size=o.ulysses_size)
+    if o.fp8 is not None:
+        fp8_linear(model, o.fp8)
+    replicas = mesh.dp if o.cp == 1 else mesh.dp_cp  # the ranks whose gradients are averaged
+    par = Parallelized(mesh, model, None, None, None, None, loss_fn, o.microbatches, layout=o.layout,
                        replicas=replicas)
-    if zero:  # ZeRO shards a Module (its units): no pipeline cut, checkpointing on the model
-        if checkpoint is not None:
-            apply_checkpointing(model, checkpoint)
-        par.dp = ZeRO(model, replicas, make_opt, stage=zero, broadcast_from=None)
+    if o.zero:  # ZeRO shards a Module (its units): no pipeline cut, recomputation on the model
+        if o.recompute is not None:
+            apply_recompute(model, o.recompute)
+        par.dp = ZeRO(model, replicas, make_opt, stage=o.zero, broadcast_from=None)
         par.optimizer = par.dp.optimizer
         return par
-    # 2. the pipeline cut and 3. activation checkpointing (per chunk)
-    pp, n = mesh.pp_size, len(model)
-    sched = make_schedule(schedule, pp, microbatches, chunks)  # its placement: which pieces a rank holds
-    pieces = sched.placement.num_virtual
-    par.bounds = (partition_uniform(n, pieces) if layer_costs is None
-                  else partition_for(layer_costs, sched.placement))  # balances ranks, not pieces
-    stage = par.stage = PipelineStage(model, par.bounds, mesh.pp_rank, pp, loss_fn=loss_fn,
-                                      checkpoint=checkpoint, placement=sched.placement)
+    # 2. the pipeline cut and 3. activation recomputation (per chunk)
+    sched = o.built_schedule  # its placement: which pieces a rank holds
+    par.bounds = (partition_uniform(len(model), sched.placement.num_virtual) if o.layer_costs is None
+                  else partition_for(o.layer_costs, sched.placement))  # balances ranks, not pieces
+    stage = par.stage = PipelineStage(model, par.bounds, mesh.pp_rank, o.pp, loss_fn=loss_fn,
+                                      placement=sched.placement)
+    for ids, chunk in zip(stage.layer_ids, stage.chunks):  # each chunk recomputes its own segments
+        check_segments_within(chunk, ids, mesh.pp_rank)
+        if o.recompute is not None:
+            recompute_stage(chunk, o.recompute)
     par.instructions = sched[mesh.pp_rank]
     # 4. mixed precision over this stage's layers: its masters only, every rank agrees on a skip
     params = stage.parameters()
-    if precision not in (None, "fp32"):
+    if o.precision in LOW:
         layers = ModuleList([layer for _, layer in par.layers()])
-        scaler = "auto" if loss_scale is None or precision != "fp16" else DynamicLossScaler(loss_scale)
-        par.mp = MixedPrecision(layers, precision, scaler, groups=[mesh.tp, replicas, mesh.pp],
+        scaler = "auto" if o.loss_scale is None or o.precision != "fp16" else DynamicLossScaler(o.loss_scale)
+        par.mp = MixedPrecision(layers, o.precision, scaler, groups=[mesh.tp, replicas, mesh.pp],
                                 loss_fn=loss_fn)
         stage.loss_fn = scaled_loss(loss_fn, par.mp)
         params = par.mp.master_params
     # 5. data parallelism over the replicas; experts are synced over their own group at the step
     names = expert_names(par.layers())
     par.experts = [p for k, p in stage.named_parameters() if k in names]
-    if dp * cp > 1:
+    if o.dp * o.cp > 1:
         par.dp = DistributedDataParallel(stage, replicas, broadcast_from=None, ignore=par.experts)
-        if comm_hook is not None:
-            par.dp.register_comm_hook(*comm_hook)
+        if o.comm_hook is not None:
+            par.dp.register_comm_hook(*o.comm_hook)
     # 6. the optimizer, over what the others leave
     par.optimizer = make_opt(params)
     return par
+
+
+def matrix_markdown() -> str:
+    """README's composition matrix, from ``REFUSED``: ✓ combines (in ``ORDER``), ✗ n refused (note n)."""
+    notes: dict[str, int] = {}
+
+    def note(pair) -> int:
+        return notes.setdefault(REFUSED[frozenset(pair)], len(notes) + 1)
+    short = {t: name.replace(" mixed precision", "") for t, name in TECHNIQUES.items()}
+    lines = ["| | " + " | ".join(short.values()) + " |", "|---" * (len(ORDER) + 1) + "|"]
+    for a in ORDER:
+        cells = ["·" if a == b else f"✗ {note((a, b))}" if frozenset((a, b)) in REFUSED else "✓"
+                 for b in ORDER]
+        lines.append(f"| **{short[a]}** | " + " | ".join(cells) + " |")
+    modes = [f"{MODES[m]} with " + ", ".join(TECHNIQUES[t] for t in ORDER if frozenset((m, t)) in REFUSED)
+             + f" ({note((m, next(t for t in ORDER if frozenset((m, t)) in REFUSED)))})" for m in MODES]
+    return "\n".join(lines + ["", "Also refused: " + "; ".join(modes) + ".", ""]
+                     + [f"{n}. {why}" for why, n in notes.items()])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--matrix"]:
+        sys.exit("usage: python -m minidist.parallel.parallelize --matrix   (README's composition matrix)")
+    print(matrix_markdown())

@@ -34,8 +34,6 @@ def scaled_loss(loss_fn, mp):
 
 def optimizer_factory(name, lr, offload):
     """params -> the optimizer: by name, or AdamW with its state in host memory (``offload``)."""
-    if offload:
-        if name != "adamw":
-            raise ValueError(f"offload=True is OffloadedAdamW: use optimizer='adamw', not {name!r}")
+    if offload:  # AdamW's (check refuses another optimizer)
         return lambda ps: OffloadedAdamW(ps, None, lr=lr, weight_decay=0.0, where="host", prefetch=False)
     return lambda ps: make_optimizer(name, ps, lr)

@@ -2,9 +2,9 @@
 
 ``step(x, y)`` takes a global batch (the same on every rank), keeps this replica's rows and this
 context-parallel rank's tokens, weights the microbatches by their valid tokens
-(``token_loss_weights``: the sum over every replica and microbatch is the serial mean) and runs the
-pipeline schedule -- or, under ZeRO, the microbatches one after another -- then the update.
-Re-exported by ``minidist.parallel.parallelize``.
+(``minidist.parallel.data.weights``: the sum over every replica and microbatch is the serial mean)
+and runs the pipeline schedule -- or, under ZeRO, the microbatches one after another -- then the
+update.
 """
 
 from __future__ import annotations
@@ -17,17 +17,9 @@ from minidist.accel.backend import to_host
 from minidist.comm import all_reduce
 from minidist.parallel.context.ring import shard_sequence
 from minidist.parallel.data.sharded import ShardedDataParallel
+from minidist.parallel.data.weights import token_loss_weights
 from minidist.parallel.memory.precision import MixedPrecision
 from minidist.parallel.pipeline.runtime import PipelineStage, StepStats, run_schedule, split_microbatches
-
-
-def token_loss_weights(ys, n_total: int, dp: int, ignore_index: int = -1) -> list[float]:
-    """Per-microbatch loss weights dp * n_mb / N: `ys` are this replica's microbatch targets,
-    `n_total` the global batch's valid-token count N (0 gives zero weights, as the serial mean over
-    no tokens is 0 with no gradient). DDP divides the summed gradients by its dp ranks, so the sum
-    over every replica and microbatch is the serial mean."""
-    n_total = max(int(n_total), 1)
-    return [dp * int((np.asarray(y) != ignore_index).sum()) / n_total for y in ys]
 
 
 @dataclass

@@ -1,38 +1,13 @@
-"""Training over any mesh: data x pipeline x context x tensor parallel training of a GPT on a `Mesh`.
+"""Training over any mesh: ``train_mesh`` (also ``train_3d``) is ``parallelize`` plus the step loop.
 
-Every rank is one cell of the mesh (`minidist.comm.Mesh`:
-rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank; with cp = 1 the 3D order):
-
-* **tensor (tp)**: the tp ranks of a cell hold shards of the same layers (`TPGPT`, Megatron-style),
-  and do their all-reduces inside the layers' forward and backward;
-* **pipeline (pp)**: the model's layer list is cut into pp stages (`minidist.parallel.pipeline.runtime`);
-  each stage runs a schedule (GPipe or 1F1B) over the microbatches, sending activations forward
-  and gradients back to the same (dp, tp) coordinate of the neighbouring stage;
-* **context (cp)**: the cp ranks of a cell hold different tokens of the same sequences (zig-zag
-  chunks, `minidist.parallel.context.ring`); attention passes keys and values round their ring. Their
-  gradients are partial sums over tokens, so they are averaged together with dp's (group dp_cp);
-* **experts (ep, carved from dp)**: with ``moe=``, every block's MLP is a mixture of experts split
-  over ep consecutive dp ranks (`minidist.parallel.experts.dispatch`: tokens travel by all-to-all). Expert
-  parameters differ across an ep group, so DDP ignores them (its ``ignore=``); they are averaged
-  over the ranks holding the same experts (`mesh.edp_cp`) at the optimizer step;
-* **data (dp)**: dp replicas of the whole pipeline each take 1/dp of the global batch. Each stage
-  is wrapped in `DistributedDataParallel` over its dp group: a chunk's gradients are complete after
-  its last microbatch's backward, so that backward alone syncs, and its buckets' all-reduces run
-  while the rest of it computes. At the schedule's `OptimizerStep` every replica waits for them and
-  takes the same optimizer step.
-
-**Ignored targets.** The serial loss is the mean over the global batch's N valid tokens (targets
-of -1 don't count). Microbatch mb of a replica holds n_mb of them, so its loss is weighted by
-n_mb / N, not 1/m (`token_loss_weights`); DDP then averages the replicas' gradients (divides by dp),
-so the weight is dp * n_mb / N, and the sum over every replica and microbatch is the serial mean.
-With context parallelism a rank's microbatch holds only its own tokens, and DDP averages over
-dp x cp ranks: the weight is dp * cp * n_mb / N.
-
-`train_3d` (also `train_mesh`) is `minidist.parallel.parallelize.parallelize` (which builds every
-technique in its one order, ZeRO, mixed precision and host offload included) plus the step loop;
-`train_serial` is its serial twin: one process, the same global batches, the same optimizer.
-They give the same parameters up to float rounding (the summation order differs: microbatch and
-replica partial sums); tests check 1e-9 in float64.
+Every rank is one cell of the mesh (``minidist.comm.Mesh``: rank = ((pp_rank * dp + dp_rank) * cp +
+cp_rank) * tp + tp_rank): tp ranks hold shards of the same layers, pp ranks consecutive stages, cp
+ranks different tokens of the same sequences, dp replicas 1/dp of the global batch (experts split
+over ep groups carved from dp). ``parallelize`` builds every technique in its one order from one
+checked ``Options``; each microbatch's loss weighs its valid tokens (``token_loss_weights``), so the
+sum over replicas and microbatches is the serial mean. ``minidist.nn.serial.train_serial`` is the
+serial twin (the same global batches, one process): equal up to float rounding (1e-9 in float64).
+``gather_full_state`` puts the trained model back together on rank 0.
 """
 
 from __future__ import annotations
@@ -46,8 +21,10 @@ from minidist.nn.optim import make_optimizer  # noqa: F401  (its home; kept impo
 from minidist.nn.serial import max_state_diff, train_serial  # noqa: F401  (their home; kept importable here)
 from minidist.parallel.experts.model import expert_names
 from minidist.parallel.parallelize import (  # noqa: F401  (the mesh's pieces, importable from here)
+    Options,
     Parallelized,
     build_model,
+    check,
     check_3d,
     parallelize,
     token_loss_weights,
@@ -58,7 +35,7 @@ from minidist.parallel.tensor.sharding import sharding_table, unshard
 
 @dataclass
 class Result3D:
-    """What `train_3d` returns on every rank."""
+    """What ``train_mesh`` returns on every rank."""
     mesh: Mesh
     stage: PipelineStage | None                   # None under ZeRO (no pipeline cut)
     losses: list                                  # per step, mean over the global batch's valid tokens
@@ -67,38 +44,18 @@ class Result3D:
     parallel: Parallelized | None = None          # what parallelize built (model, dp, mp, optimizer)
 
 
-def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbatches: int = 1,
-             schedule: str = "1f1b", lr: float = 0.1, optimizer: str = "sgd", chunks: int = 1,
-             layer_costs=None, on_step=None, checkpoint: str | None = None, comm_hook=None,
-             cp: int = 1, layout: str = "zigzag", ep: int = 1, moe: dict | None = None,
-             zero: int | None = None, precision: str | None = None, offload: bool = False,
-             sequence_parallel: bool = False, loss_scale: float | None = None, fp8=None,
-             collective_matmul: bool = False, cp_mode: str = "ring",
-             ulysses_size: int | None = None) -> Result3D:
-    """Train `GPT(cfg)` on `batches` (list of global (x, y) batches, the same on every rank) with
-    dp x pp x cp x tp = comm.size ranks (`layout`: the cp chunk assignment, zig-zag or contiguous).
-    `layer_costs` (one per layer) selects the balanced partition.
-    `on_step(step, stats)` is called after each step (e.g. to record traces). `checkpoint` is an
-    activation-checkpointing policy ("full", "sqrt", "every_k", "selective") applied per stage.
-    `comm_hook`: a (state, hook) pair (`minidist.parallel.data.compress`) for the data-parallel gradients.
-    `moe`: make every block's MLP a mixture of experts (`minidist.parallel.experts.dispatch.moe_gpt`
-    arguments, e.g. dict(n_experts=4, k=2)), split over ep groups carved from dp (`ep`); the expert-parallel
-    parameters average over the ranks holding the same experts (mesh.edp_cp), not over dp_cp.
-    `zero` (1, 2, 3: ZeRO instead of DDP), `precision` ("bf16", "fp16"), `offload` (AdamW's state in
-    host memory), `sequence_parallel`, `loss_scale` (fp16's initial), `fp8` (an Fp8Recipe: FP8 Linears),
-    `collective_matmul` (overlapped sequence parallelism) and `cp_mode` / `ulysses_size` (ring, Ulysses
-    or hybrid context parallelism) are applied as `parallelize`
-    does, where the composition matrix (`minidist.parallel.compose`) allows them: a refused pair
-    raises before anything is built."""
-    batch_size = batches[0][0].shape[0]
-    check_3d(comm.size, cfg, batch_size, dp, pp, tp, microbatches, chunks, comm.rank, cp,
-             batches[0][0].shape[1], checkpoint, ep, moe)
-    mesh = Mesh(comm, dp=dp, pp=pp, tp=tp, cp=cp, ep=ep)
-    par = parallelize(cfg, mesh, microbatches=microbatches, schedule=schedule, chunks=chunks,
-                      layer_costs=layer_costs, sequence_parallel=sequence_parallel, layout=layout, moe=moe,
-                      checkpoint=checkpoint, precision=precision, zero=zero, optimizer=optimizer, lr=lr,
-                      offload=offload, comm_hook=comm_hook, loss_scale=loss_scale, fp8=fp8,
-                      collective_matmul=collective_matmul, cp_mode=cp_mode, ulysses_size=ulysses_size)
+def train_mesh(comm, cfg, batches, options: Options | None = None, on_step=None, **flags) -> Result3D:
+    """Train ``GPT(cfg)`` on ``batches`` (global (x, y) batches, the same on every rank) over the mesh
+    of ``options`` -- checked before any rank started (``parallelize.check``) -- or of ``flags``,
+    ``Options``' fields checked here (``checkpoint=``: the old name of ``recompute=``).
+    ``on_step(step, stats)`` is called after each step (e.g. to record traces)."""
+    if options is None:
+        x = batches[0][0]
+        options = check(Options.of(**flags), cfg, comm.size, x.shape[0], x.shape[1], rank=comm.rank)
+    elif flags:
+        raise TypeError(f"train_mesh takes Options or flags, not both (got {sorted(flags)})")
+    mesh = Mesh(comm, **options.mesh)
+    par = parallelize(cfg, mesh, options)
     losses, all_stats = [], []
     try:
         for step, (x, y) in enumerate(batches):
@@ -109,13 +66,17 @@ def train_3d(comm, cfg, batches, dp: int = 1, pp: int = 1, tp: int = 1, microbat
             losses.append(stats.loss)
     finally:
         par.close()
+    pp = options.pp
     loss_pp = pp - 1 if par.stage is None else par.stage.placement.rank_of(par.stage.num_virtual - 1)
     last = mesh.rank_of(loss_pp, 0, 0)  # the pipeline rank computing the loss (rank 0 in a V)
-    if mesh.pp_rank == loss_pp and mesh.tp_rank == 0 and dp * cp > 1:  # each is dp*cp x its token share
+    if mesh.pp_rank == loss_pp and mesh.tp_rank == 0 and options.dp * options.cp > 1:  # dp*cp x its share
         losses = list(all_reduce(par.replicas, np.array(losses, np.float64), op="mean"))
     losses = [float(v) for v in comm.bcast_obj(losses, root=last)]
     return Result3D(mesh=mesh, stage=par.stage, losses=losses, stats=all_stats, bounds=par.bounds,
                     parallel=par)
+
+
+train_3d = train_mesh  # training over any mesh dp x pp x cp x tp: one function, two names
 
 
 def stage_layers(stage) -> list:
@@ -150,6 +111,3 @@ def gather_full_state(comm, result: Result3D) -> dict | None:
     for part in parts:
         full.update(part)
     return full
-
-
-train_mesh = train_3d  # training over any mesh dp x pp x cp x tp: one function, two names

@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from minidist.parallel.pipeline.runtime import make_schedule
+from minidist.parallel.pipeline.catalog import make_schedule
 from minidist.parallel.pipeline.schedule import ScheduleError
 from minidist.plan.shared_cores import run_on_cores
 

@@ -1,1 +1,2 @@
-"""Resilience: checkpoints, the supervisor that restarts a failed job, injected faults and stragglers."""
+"""Resilience: checkpoints of the state a job hands over, the loop a restart resumes, the supervisor
+that restarts a failed job, injected faults and stragglers. Imports no technique."""

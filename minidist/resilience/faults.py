@@ -14,11 +14,9 @@
     readonly:rank=0,step=6    ... fails with EROFS as if the folder were read-only (root ignores chmod)
     lose:rank=3,step=5        like kill, and the host is gone: the supervisor restarts on fewer ranks
 
-``rank`` defaults to 0. A fault fires on the first attempt only (``attempt=K`` to choose another):
-the supervisor numbers its attempts in ``MINIDIST_RESTART``, so a restarted job replays the same
-steps without failing again. Before acting, a fault writes a note into the supervisor's heartbeat
-directory (``MINIDIST_HEARTBEAT_DIR``), so the supervisor can say which rank failed and why --
-a SIGKILLed process cannot say it itself.
+``rank`` defaults to 0; a fault fires on the first attempt only (``attempt=K`` for another), so a
+restarted job replays the same steps without failing again. Before acting, a fault leaves a note
+for the supervisor (chapter 10, section 4): a SIGKILLed process cannot say why it died.
 """
 
 from __future__ import annotations

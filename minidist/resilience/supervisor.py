@@ -3,28 +3,13 @@
     python -m minidist.launch -n 4 --max-restarts 3 [--min-ranks 2] [--threads] [--ckpt DIR] \\
         [--fault "kill:rank=1,step=5"] -- python -m minidist.lessons.fault_tolerance --ckpt DIR
 
-The job runs under ``mpirun -n N`` (or, with ``--threads``, as one process given ``--ranks N``).
-The supervisor watches two things: the exit status, and a heartbeat per rank -- a file in
-``$MINIDIST_HEARTBEAT_DIR`` that the training loop rewrites every step (``heartbeat(rank, step)``),
-so a rank that hangs without dying is noticed after ``--heartbeat-timeout`` seconds and the job is
-killed (``minidist.comm.run`` beats once as each rank starts, so that covers the time before the
-first step too). SIGTERM or SIGINT (Ctrl-C) to the supervisor stops the whole job -- it runs in its
-own session, so the supervisor kills its process group -- and exits with status 128 + the signal.
-On a failure it says what failed and when, reads which checkpoint under ``--ckpt`` is the
-newest intact one (that is where the job resumes), starts the job again with ``MINIDIST_RESTART``
-one higher, and at the end prints each attempt and the work lost: the steps done after the
-checkpoint that was resumed from, which had to be computed again. A job that died because a save
-found its disk full (or its folder read-only) leaves a note saying where; that is not restarted
-into the same failure.
-
-Elastic restart: a fault of kind ``lose`` (``minidist.resilience.faults``) stands for a host the cluster
-manager took away. With ``--min-ranks M`` the supervisor restarts on the ranks that are left (at
-least M), and the job reshards its checkpoint onto the smaller data-parallel mesh.
-Events go, one JSON object per line, to ``$MINIDIST_SUPERVISOR_LOG`` (``--log``), for timelines.
-
-This file is the supervisor's loop and its command line; the heartbeats it reads are
-``minidist/resilience/heartbeat.py``, its record of attempts and lost work
-``minidist/resilience/attempts.py`` (both re-exported here).
+The job runs under ``mpirun -n N`` (``--threads``: one process given ``--ranks N``). The supervisor
+watches its exit status and a heartbeat per rank (``heartbeat.py``): a rank silent for longer than
+``--heartbeat-timeout`` seconds is hung, and the job is killed. On a failure it says what failed and
+when, finds the newest intact checkpoint under ``--ckpt`` (``attempts.py``: where the job resumes)
+and starts the job again with ``MINIDIST_RESTART`` one higher; at the end it prints each attempt
+and the steps recomputed. With ``--min-ranks`` a lost host (fault ``lose``) gives an elastic restart
+on the ranks left. Signals, full disks and the event log: chapter 10, section 4.
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ import glob
 import os
 import shutil
 
-from minidist import trace
+from minidist.trace.chrome import append_part, read_parts, write_chrome_trace
+from minidist.trace.spans import set_current
+from minidist.trace.tracer import Tracer
 
 
 def parts_dir(path) -> str:
@@ -31,8 +33,8 @@ class AttemptTrace:
         os.makedirs(parts_dir(path), exist_ok=True)
         self.part = os.path.join(parts_dir(path), f"attempt-{attempt}-rank-{rank}.jsonl")
         self.attempt = attempt
-        self.tracer = trace.Tracer(rank)
-        trace.set_current(self.tracer)
+        self.tracer = Tracer(rank)
+        set_current(self.tracer)
 
     @staticmethod
     def clear(path) -> None:
@@ -41,19 +43,19 @@ class AttemptTrace:
 
     def flush(self) -> None:
         """Append the spans recorded since the last flush to the part file, tagged with the attempt."""
-        trace.append_part(self.part, self.tracer.events, attempt=self.attempt)
+        append_part(self.part, self.tracer.events, attempt=self.attempt)
         self.tracer.events.clear()
 
     def stop(self) -> None:
         """Flush what is left and stop tracing on this thread."""
         self.flush()
-        trace.set_current(None)
+        set_current(None)
 
 
 def merge_attempts(path) -> list[dict]:
     """Write every attempt's parts into the Chrome trace ``path``, remove the parts; the events."""
-    events = trace.read_parts(sorted(glob.glob(os.path.join(parts_dir(path), "attempt-*-rank-*.jsonl"))))
-    trace.write_chrome_trace(path, events)
+    events = read_parts(sorted(glob.glob(os.path.join(parts_dir(path), "attempt-*-rank-*.jsonl"))))
+    write_chrome_trace(path, events)
     shutil.rmtree(parts_dir(path), ignore_errors=True)
     return events
 

@@ -6,12 +6,12 @@ fraction, ASCII and drawn timelines (timeline.py) -- and the Chrome trace of eve
 """
 
 from minidist.trace.chrome import append_part, chrome_trace, gather_events, read_parts, write_chrome_trace
-from minidist.trace.overlap import OverlapRecorder, hidden_fraction
+from minidist.trace.overlap import hidden_fraction
 from minidist.trace.spans import CATEGORIES, current, set_current, span, tracing
 from minidist.trace.timeline import ascii_timeline_from_events, bubble_fraction, median_bubble, plot_timeline
 from minidist.trace.tracer import Tracer, trace_layers
 
-__all__ = ["CATEGORIES", "OverlapRecorder", "Tracer", "append_part", "ascii_timeline_from_events",
+__all__ = ["CATEGORIES", "Tracer", "append_part", "ascii_timeline_from_events",
            "bubble_fraction", "chrome_trace", "current", "gather_events", "hidden_fraction",
            "median_bubble", "plot_timeline", "read_parts", "set_current", "span", "trace_layers",
            "tracing", "write_chrome_trace"]

@@ -143,7 +143,9 @@ def clock(comm):
     comm.clock.resume(base)
     ring_all_reduce(comm, np.ones(6000 * comm.size))            # 2(p-1) steps of 48000 bytes
     times.append(now() - base)
-    print(f"CLOCK rank {comm.rank} " + " ".join(f"{t:.6f}" for t in times), flush=True)
+    every = comm.gather_obj(times)  # rank 0 prints them all: lines of several processes can interleave
+    for r, ts in enumerate(every or []):
+        print(f"CLOCK rank {r} " + " ".join(f"{t:.6f}" for t in ts), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from minidist.comm import measure, run
 from minidist.infer import GREEDY, Request, SamplingParams, generate
-from minidist.infer.disaggregated import colocated_serve, disaggregated_serve
+from minidist.infer.colocated import colocated_serve
+from minidist.infer.disaggregated import disaggregated_serve
 from minidist.nn import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,7 +117,8 @@ def test_bad_input_is_named_on_every_rank():
 PROGRAM = """
 from minidist.comm import run, measure
 from minidist.infer import Request, SamplingParams, generate
-from minidist.infer.disaggregated import colocated_serve, disaggregated_serve
+from minidist.infer.colocated import colocated_serve
+from minidist.infer.disaggregated import disaggregated_serve
 from minidist.nn import GPT, GPTConfig
 m = GPT(GPTConfig(vocab_size=32, block_size=48, n_layer=2, n_head=2, d_model=32, seed=2)).eval()
 sp = SamplingParams(temperature=1.0, top_k=8, seed=3)

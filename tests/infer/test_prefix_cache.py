@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minidist.infer import Decoder, OutOfBlocks, PagedKVCache, generate
-from minidist.infer.prefix_cache import PrefixCachingKVCache, generate_with_prefix_cache
+from minidist.infer.prefix_cache import PrefixCachingKVCache
+from minidist.infer.prefix_generate import generate_with_prefix_cache
 from minidist.nn import GPT, GPTConfig
 from tests.conftest import budget
 

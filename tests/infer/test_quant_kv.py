@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minidist.infer import Decoder, KVCache, PagedKVCache, forward_tokens, generate
-from minidist.infer.prefix_cache import generate_with_prefix_cache
+from minidist.infer.prefix_generate import generate_with_prefix_cache
 from minidist.infer.quant_kv import (
     Int8KVCache,
     Int8PagedKVCache,

@@ -74,7 +74,9 @@ def test_route_errors_name_the_argument():
     with pytest.raises(ValueError, match="one arrival time >= 0"):
         route(model(), reqs, [])
     with pytest.raises(ValueError, match="slows rank 3, but there are only 2"):
-        route(model(), reqs, [0.0], replicas=2, slow="rank=3,factor=2")
+        route(model(), reqs, [0.0], replicas=2, slow=Slowdown("rank=3,factor=2"))
+    with pytest.raises(ValueError, match="slow must slow replicas as a Slowdown does"):
+        route(model(), reqs, [0.0], replicas=2, slow="rank=1,factor=2")
 
 
 def test_measured_pace_is_busy_over_rows_and_a_replica_not_run_yet_gets_the_mean():

@@ -6,8 +6,9 @@ with dp = 2 when a data-parallel technique is in it, tp = 2 for TP / sequence pa
 microbatches) for the pipeline; a tiny GPT (2 blocks, d_model 16, sequence 8, 4 rows); 2 steps;
 then the full parameters are gathered and compared with ``_serial`` (one GPT, the whole batch, the
 same optimizer). Plain SGD (lr 0.5) except with host offload (Adam, offloaded vs in-memory), so a
-gradient-scale bug moves the parameters. Each refused pair ``parallelize`` can express raises there;
-every refused pair also raises in the constructors, in either order.
+gradient-scale bug moves the parameters. Each refused pair ``parallelize`` can express raises there,
+naming both, before anything is built: ``parallelize``'s table is the one place refusals live (the
+techniques' constructors check no pairs, and there is one order, ``ORDER``, so no wrong one).
 
 Tolerances: float64 where every technique is exact (1e-10: only the summation order differs).
 bf16 / fp16 cells compare the fp32 master weights with a serial twin in the same precision; the
@@ -18,6 +19,7 @@ microbatch) where the twin rounds once, so they agree to ``LOW_TOL`` (bf16 keeps
 
 import re
 import types
+from itertools import combinations
 from pathlib import Path
 
 import numpy as np
@@ -28,16 +30,13 @@ from minidist.autograd import random as mrandom
 from minidist.comm import Mesh, run
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.optim import SGD, AdamW
-from minidist.parallel import compose
-from minidist.parallel.context.model import context_parallel
-from minidist.parallel.data.ddp import DDP
+from minidist.parallel.data.compress import make_hook
 from minidist.parallel.data.zero import ZeRO
 from minidist.parallel.experts.model import moe_gpt
 from minidist.parallel.memory.fp8 import Fp8Recipe, fp8_linear
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
 from minidist.parallel.memory.recompute import apply_checkpointing
-from minidist.parallel.parallelize import parallelize
-from minidist.parallel.pipeline.runtime import PipelineStage, partition_uniform
+from minidist.parallel.parallelize import NAMES, ORDER, REFUSED, TECHNIQUES, matrix_markdown, parallelize
 from minidist.parallel.three_d import gather_full_state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,8 +52,9 @@ DP = {"ddp", "zero1", "zero2", "zero3"}
 PRECISIONS = ("bf16", "fp16")
 MOE = dict(n_experts=2, k=1)
 
-SUPPORTED_PAIRS = [(a, b) for a, b in compose.pairs() if compose.rule(a, b).supported]
-REFUSED = [(a, b) for a, b in compose.pairs() if not compose.rule(a, b).supported]
+PAIRS = list(combinations(ORDER, 2))  # every unordered pair of techniques, in parallelize's order
+SUPPORTED_PAIRS = [p for p in PAIRS if frozenset(p) not in REFUSED]
+REFUSED_PAIRS = [p for p in PAIRS if frozenset(p) in REFUSED]
 
 
 def _precision(pair):
@@ -88,9 +88,9 @@ def _options(pair) -> dict:
     zero = [int(z[-1]) for z in t if z.startswith("zero")]
     if zero:
         opts["zero"] = zero[0] if len(zero) == 1 else zero
-    ckpt = [c for c in ("ckpt-full", "ckpt-selective") if c in t]
-    if ckpt:
-        opts["checkpoint"] = ckpt[0].split("-")[1] if len(ckpt) == 1 else ckpt
+    rec = [c for c in ("recompute-full", "recompute-selective") if c in t]
+    if rec:
+        opts["recompute"] = rec[0].split("-")[1] if len(rec) == 1 else rec
     if _precision(pair):
         opts["precision"] = _precision(pair)
     if "ep" in t:
@@ -167,84 +167,46 @@ def _parallelize_refusal(comm, pair):
 
 
 #: refused pairs that are one choice of one option (one ZeRO stage, one policy, one dtype, ZeRO or
-#: DDP): parallelize cannot be asked for both, so only the constructors can refuse them
-ONE_CHOICE = {frozenset(p) for p in REFUSED if set(p) <= DP or set(p) <= set(PRECISIONS)
-              or set(p) == {"ckpt-full", "ckpt-selective"}}
+#: DDP): parallelize cannot be asked for both; the table says why, an option's value check refuses
+ONE_CHOICE = {frozenset(p) for p in REFUSED_PAIRS if set(p) <= DP or set(p) <= set(PRECISIONS)
+              or set(p) == {"recompute-full", "recompute-selective"}}
 
 
-@pytest.mark.parametrize("pair", [p for p in REFUSED if frozenset(p) not in ONE_CHOICE], ids="+".join)
+@pytest.mark.parametrize("pair", [p for p in REFUSED_PAIRS if frozenset(p) not in ONE_CHOICE], ids="+".join)
 def test_refused_pair_raises_at_parallelize_naming_both(pair):
     a, b = pair
     for rank, msg in enumerate(run(_parallelize_refusal, ranks=_ranks(pair), pair=pair)):
         assert msg is not None, f"rank {rank}: parallelize accepted {a} with {b}"
-        assert compose.TECHNIQUES[a] in msg and compose.TECHNIQUES[b] in msg, msg
-        assert compose.rule(a, b).reason in msg, msg
+        assert TECHNIQUES[a] in msg and TECHNIQUES[b] in msg, msg
+        assert REFUSED[frozenset(pair)] in msg, msg
+
+
+def _mode_refusal(comm, sizes, **kw):
+    try:
+        parallelize(CFG.replace(dtype="float32"), Mesh(comm, **sizes), **kw)
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("mode,technique,sizes,kw", [
+    ("overlap", "fp8", dict(tp=2), dict(sequence_parallel=True, collective_matmul=True, fp8=FP8)),
+    ("hook", "zero1", dict(dp=2), dict(zero=1, comm_hook=make_hook("dense"))),
+])
+def test_a_mode_refused_with_a_technique_names_both(mode, technique, sizes, kw):
+    """The table's rows for an option that changes how a technique runs (collective matmul: how
+    sequence parallelism communicates; a comm hook: DDP's) are checked as the pairs are."""
+    for msg in run(_mode_refusal, ranks=2, sizes=sizes, **kw):
+        assert NAMES[mode] in msg and NAMES[technique] in msg, msg
+        assert REFUSED[frozenset((mode, technique))] in msg, msg
 
 
 def test_the_one_choice_pairs_are_what_parallelize_cannot_express():
     assert ONE_CHOICE == {frozenset(p) for p in
                           [("ddp", "zero1"), ("ddp", "zero2"), ("ddp", "zero3"), ("zero1", "zero2"),
                            ("zero1", "zero3"), ("zero2", "zero3"), ("bf16", "fp16"),
-                           ("ckpt-full", "ckpt-selective")]}
+                           ("recompute-full", "recompute-selective")]}
     with pytest.raises(ValueError, match=r"zero=\[1, 2\]; use None \(DDP\) or a ZeRO stage 1, 2 or 3"):
         run(lambda comm: parallelize(CFG, Mesh(comm, dp=2), zero=[1, 2]), ranks=2)
-
-
-# -- refusals: at construction, naming both ------------------------------------------------------
-
-def _apply(comm, name, model, state):
-    """Apply technique ``name`` to ``model`` on one rank (the refusal comes before any collective)."""
-    if name == "ep":
-        moe_gpt(model, **MOE)
-    elif name == "cp":
-        context_parallel(model, comm)
-    elif name in ("ckpt-full", "ckpt-selective"):
-        apply_checkpointing(model, "full" if name == "ckpt-full" else "selective")
-    elif name in PRECISIONS:
-        MixedPrecision(model, name)
-    elif name == "fp8":
-        fp8_linear(state.get("stage", model), FP8)
-    elif name == "pp":
-        state["stage"] = PipelineStage(model, partition_uniform(len(model), 1), 0, 1)
-    elif name == "ddp":
-        DDP(state.get("stage", model), comm)
-    elif name in DP:
-        ZeRO(state.get("stage", model), comm, lambda ps: SGD(ps, lr=0.1), stage=int(name[-1]))
-
-
-def _refused(comm, first, second):
-    model, state = GPT(CFG), {}
-    _apply(comm, first, model, state)
-    try:
-        _apply(comm, second, model, state)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-#: model transforms: by hand they come first (context_parallel and moe_gpt rewire the model and do not
-#: consult the matrix; parallelize does), so only the order transform-then-wrapper is tried by hand
-TRANSFORMS = ("cp", "ep")
-BY_HAND = [p for p in REFUSED if "sp" not in p or not set(p) & set(TRANSFORMS)]  # sp is TPGPT itself
-
-
-@pytest.mark.parametrize("pair", BY_HAND, ids=lambda p: "+".join(p))
-def test_refused_pair_raises_at_construction_naming_both(pair):
-    a, b = pair
-    reason = compose.rule(a, b).reason
-    orders = [(a, b), (b, a)] if not set(pair) & set(TRANSFORMS) else [(a, b) if a in TRANSFORMS else (b, a)]
-    for first, second in orders:
-        msg = run(_refused, ranks=1, first=first, second=second)[0]
-        assert msg is not None, f"{first} then {second} was accepted"
-        assert compose.TECHNIQUES[a] in msg and compose.TECHNIQUES[b] in msg and reason in msg, msg
-
-
-@pytest.mark.parametrize("first,second", [("ddp", "pp"), ("ddp", "bf16"), ("ddp", "fp16"), ("bf16", "pp"),
-                                          ("ddp", "fp8"), ("pp", "fp8")])
-def test_the_wrong_order_is_refused(first, second):
-    msg = run(_refused, ranks=1, first=first, second=second)[0]
-    assert msg is not None and "must be applied before" in msg
-    assert compose.TECHNIQUES[first] in msg and compose.TECHNIQUES[second] in msg
 
 
 # -- the table is the one the README shows ---------------------------------------------------------
@@ -254,17 +216,30 @@ def test_readme_matrix_is_generated_from_the_table():
     m = re.search(r"<!-- composition matrix: begin.*?-->\n(.*?)\n<!-- composition matrix: end -->",
                   text, re.S)
     assert m, "README has no generated composition matrix section"
-    assert m.group(1).strip() == compose.matrix_markdown().strip(), \
-        "README's matrix is stale: paste `python -m minidist.parallel.compose` between the markers"
+    assert m.group(1).strip() == matrix_markdown().strip(), \
+        "README is stale: paste `python -m minidist.parallel.parallelize --matrix` between the markers"
 
 
 def test_every_pair_has_one_verdict_and_refusals_say_why():
-    n = len(compose.TECHNIQUES)
-    assert len(compose.pairs()) == n * (n - 1) // 2 == len(SUPPORTED_PAIRS) + len(REFUSED)
-    grid = [line for line in compose.matrix_markdown().splitlines() if line.startswith("| **")]
+    n = len(TECHNIQUES)
+    assert len(PAIRS) == n * (n - 1) // 2 == len(SUPPORTED_PAIRS) + len(REFUSED_PAIRS)
+    grid = [line for line in matrix_markdown().splitlines() if line.startswith("| **")]
     assert len(grid) == n and all(line.count("|") == n + 2 for line in grid)
-    assert all(compose.rule(a, b).reason for a, b in REFUSED)
-    assert compose.rule("ddp", "zero3") == compose.rule("zero3", "ddp")  # symmetric
+    assert all(REFUSED.values()) and all(len(pair) == 2 and pair <= set(NAMES) for pair in REFUSED)
+    assert sum("✗" in cell for line in grid for cell in line.split("|")) == 2 * len(REFUSED_PAIRS)
+
+
+def test_no_technique_consults_the_composition_layer():
+    """The table is parallelize's alone: no technique imports it (or the mesh trainer built on it)."""
+    offenders = []
+    for path in (ROOT / "minidist" / "parallel").rglob("*.py"):
+        if path.parent.name == "parallel":
+            continue  # parallelize.py, options.py, three_d.py ...: the composition layer itself
+        text = path.read_text()
+        for layer in ("parallelize", "parallelized", "options", "three_d", "compose"):
+            if re.search(rf"minidist\.parallel(\.{layer}\b| import {layer}\b)", text):
+                offenders.append(f"{path.relative_to(ROOT)}: {layer}")
+    assert not offenders, offenders
 
 
 def test_nothing_outside_module_py_assigns_forward():
@@ -301,7 +276,7 @@ def _offloaded_run(comm, offload_first):
 
 @pytest.mark.parametrize("offload_first", [True, False])
 def test_activation_offload_zero3_and_checkpointing_stack_in_order_and_equal_serial(offload_first):
-    want = _serial(("ckpt-full", "zero3"))
+    want = _serial(("recompute-full", "zero3"))
     for got, positions, after in run(_offloaded_run, ranks=2, offload_first=offload_first):
         assert _max_diff({k: np.asarray(v) for k, v in got.items()}, want) < EXACT_TOL
         assert positions == ["checkpoint", "offload", "zero3"]  # the documented order, whatever came first
@@ -334,7 +309,7 @@ def test_activation_offload_moves_saved_activations_off_the_device():
 def test_a_second_wrapper_at_a_taken_position_is_refused_naming_both():
     model = apply_checkpointing(GPT(CFG), "full")
     with pytest.raises(ValueError, match=r"already has a 'checkpoint' forward wrapper \(from activation "
-                                         r"checkpointing \(full\)\); tracing cannot"):
+                                         r"recomputation \(full\)\); tracing cannot"):
         model[1].register_forward_wrapper(lambda m, inner, x: inner(x), "checkpoint", "tracing")
     with pytest.raises(AttributeError, match="register_forward_wrapper"):
         model[1].forward = lambda x: x
@@ -395,6 +370,6 @@ def _zero3_segments(comm, checkpoint_first):
 def test_a_checkpoint_segment_spanning_zero3_units_equals_serial(checkpoint_first):
     """The issue's bug, in its hardest form: the segment's recomputation runs both blocks' inner
     stacks, so each re-gathers its own (released) unit."""
-    want = _serial(("ckpt-full", "zero3"))
+    want = _serial(("recompute-full", "zero3"))
     for got in run(_zero3_segments, ranks=2, checkpoint_first=checkpoint_first):
         assert _max_diff(got, want) < EXACT_TOL

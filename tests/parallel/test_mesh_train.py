@@ -8,7 +8,15 @@ from hypothesis import strategies as st
 from minidist.comm import Mesh, run
 from minidist.nn import GPTConfig
 from minidist.parallel.experts.serial import train_serial_moe
-from minidist.parallel.three_d import check_3d, gather_full_state, max_state_diff, train_mesh, train_serial
+from minidist.parallel.three_d import (
+    Options,
+    check,
+    check_3d,
+    gather_full_state,
+    max_state_diff,
+    train_mesh,
+    train_serial,
+)
 from tests.conftest import budget
 
 CFG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, d_model=8, dtype="float64")
@@ -32,12 +40,12 @@ def _rank(comm, batches, **kw):
 
 
 def _check(dp, pp, cp, tp, m=1, seed=0, optimizer="sgd", ignore=False, layout="zigzag", schedule="1f1b",
-           checkpoint=None):
+           recompute=None):
     batches = _batches(dp * m, seed=seed, ignore=ignore)
     want, want_losses = train_serial(CFG, batches, lr=0.1, optimizer=optimizer)
     results = run(_rank, ranks=dp * pp * cp * tp, batches=batches, dp=dp, pp=pp, cp=cp, tp=tp,
                   microbatches=m, optimizer=optimizer, layout=layout, schedule=schedule,
-                  checkpoint=checkpoint)
+                  checkpoint=recompute)  # the old name of recompute=, still accepted
     state, losses = results[0]
     assert max_state_diff(state, want) <= TOL
     np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
@@ -48,8 +56,8 @@ def test_context_parallel_meshes_equal_serial(dp, pp, cp, tp):
     _check(dp, pp, cp, tp, m=2, optimizer="adamw")
 
 
-def test_context_parallel_with_full_checkpointing_equals_serial():
-    _check(1, 2, 2, 1, m=2, checkpoint="full")
+def test_context_parallel_with_full_recomputation_equals_serial():
+    _check(1, 2, 2, 1, m=2, recompute="full")
 
 
 @given(dp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), cp=st.sampled_from([1, 2, 4]),
@@ -112,8 +120,9 @@ def test_errors_before_any_communication():
         check_3d(8, CFG, 4, 2, 1, 1, 1, cp=2, seq_len=8)
     with pytest.raises(ValueError, match=r"length 6 does not split into 2 x cp = 4 .* multiple of 4"):
         check_3d(2, CFG, 4, 1, 1, 1, 1, cp=2, seq_len=6)
-    with pytest.raises(ValueError, match=r"checkpoint='selective' recomputes the serial attention core"):
-        check_3d(2, CFG, 4, 1, 1, 1, 1, cp=2, seq_len=8, checkpoint="selective")
+    with pytest.raises(ValueError, match=r"context parallel cannot be combined with recompute \(selective\): "
+                                         r"recompute='selective' recomputes the serial attention core"):
+        check(Options(cp=2, recompute="selective"), CFG, 2, batch_size=4, seq_len=8)
     with pytest.raises(ValueError, match=r"ep=2 needs an MoE model .* n_experts \(3\) and dp \(2\)"):
         check_3d(2, CFG, 4, 2, 1, 1, 1, ep=2, moe=dict(n_experts=3))
     with pytest.raises(ValueError, match=r"ep=3 is carved from dp=4 and must divide it"):

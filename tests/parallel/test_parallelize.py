@@ -23,7 +23,7 @@ from minidist.parallel.experts.model import moe_gpt
 from minidist.parallel.experts.serial import train_serial_moe
 from minidist.parallel.memory.fp8 import Fp8Recipe
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
-from minidist.parallel.parallelize import parallelize, techniques
+from minidist.parallel.parallelize import Options, check, parallelize, techniques
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_3d
 from tests.conftest import budget
 
@@ -81,22 +81,22 @@ def _rank(comm, batches, precision, **kw):
 @given(dp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), tp=st.sampled_from([1, 2]),
        cp=st.sampled_from([1, 2]), m=st.integers(1, 2), zero=st.sampled_from([None, 1, 2, 3]),
        precision=st.sampled_from([None, "bf16", "fp16"]), offload=st.booleans(),
-       checkpoint=st.sampled_from([None, "full", "selective"]), sp=st.booleans(), experts=st.booleans(),
+       recompute=st.sampled_from([None, "full", "selective"]), sp=st.booleans(), experts=st.booleans(),
        cp_mode=st.sampled_from(["ring", "ulysses"]), seed=st.integers(0, 9))
 @budget(10)
-@example(dp=2, pp=2, tp=2, cp=1, m=2, zero=None, precision="bf16", offload=True, checkpoint="full", sp=True,
+@example(dp=2, pp=2, tp=2, cp=1, m=2, zero=None, precision="bf16", offload=True, recompute="full", sp=True,
          experts=False, cp_mode="ring", seed=0)
-@example(dp=2, pp=1, tp=2, cp=2, m=2, zero=3, precision=None, offload=True, checkpoint="full", sp=False,
+@example(dp=2, pp=1, tp=2, cp=2, m=2, zero=3, precision=None, offload=True, recompute="full", sp=False,
          experts=False, cp_mode="ring", seed=1)
-@example(dp=2, pp=2, tp=1, cp=2, m=1, zero=None, precision="fp16", offload=False, checkpoint=None, sp=False,
+@example(dp=2, pp=2, tp=1, cp=2, m=1, zero=None, precision="fp16", offload=False, recompute=None, sp=False,
          experts=True, cp_mode="ring", seed=2)
-@example(dp=2, pp=2, tp=1, cp=2, m=2, zero=None, precision=None, offload=False, checkpoint="full", sp=False,
+@example(dp=2, pp=2, tp=1, cp=2, m=2, zero=None, precision=None, offload=False, recompute="full", sp=False,
          experts=False, cp_mode="ulysses", seed=3)
-def test_random_meshes_and_techniques_equal_serial(dp, pp, tp, cp, m, zero, precision, offload, checkpoint,
+def test_random_meshes_and_techniques_equal_serial(dp, pp, tp, cp, m, zero, precision, offload, recompute,
                                                    sp, experts, cp_mode, seed):
     """dp x pp x tp x cp <= 8 thread ranks; the draws the matrix refuses are made legal instead
     (experts, ep = dp of them, need DDP and no sequence parallelism; ZeRO
-    no pipeline and full precision; selective checkpointing and sequence parallelism no ring attention;
+    no pipeline and full precision; selective recomputation and sequence parallelism no ring attention;
     Ulysses needs cp to divide each tp rank's heads, else the ring)."""
     moe = dict(n_experts=2, k=1, seed=seed) if experts else None
     if (CFG.n_head // tp) % cp:
@@ -105,14 +105,14 @@ def test_random_meshes_and_techniques_equal_serial(dp, pp, tp, cp, m, zero, prec
         zero, sp = None, False
     if zero is not None:
         pp, precision = 1, None
-    if cp > 1 and checkpoint == "selective":
-        checkpoint = "full"
+    if cp > 1 and recompute == "selective":
+        recompute = "full"
     optimizer, lr = ("adamw", 1e-2 if precision is None else 1e-3) if offload else ("sgd", 0.5)
     batches = _batches(dp * m, seed=seed)
     want, want_losses = _serial(batches, precision, optimizer, lr, moe)
     results = run(_rank, ranks=dp * pp * tp * cp, batches=batches, precision=precision, dp=dp, pp=pp, tp=tp,
                   cp=cp, ep=dp if experts else 1, moe=moe, microbatches=m, zero=zero, offload=offload,
-                  checkpoint=checkpoint, sequence_parallel=sp and tp > 1 and cp == 1, optimizer=optimizer,
+                  recompute=recompute, sequence_parallel=sp and tp > 1 and cp == 1, optimizer=optimizer,
                   lr=lr, cp_mode=cp_mode)
     state, losses = results[0]
     tol = TOL if precision is None else max(LOW_TOL[precision], ADAM_STEPS * lr if offload else 0)
@@ -146,26 +146,30 @@ def test_layer_costs_cut_the_ranks_of_the_schedules_placement_and_training_equal
 
 # -- refusals, before anything is built --------------------------------------------------------
 
-def _refusal(comm, sizes, **kw):
+def _refusal(comm, sizes, dtype="float64", **kw):
     try:
-        parallelize(CFG, Mesh(comm, **sizes), **kw)
+        parallelize(CFG.replace(dtype=dtype), Mesh(comm, **sizes), **kw)
     except ValueError as e:
         return str(e)
     return None
 
 
 @pytest.mark.parametrize("sizes,kw,words", [
-    (dict(dp=2, pp=2), dict(zero=1), ("ZeRO-1", "PP 1F1B", "run_schedule drives only DDP")),
+    (dict(dp=2, pp=2), dict(zero=1), ("ZeRO-1", "pipeline (PP)", "run_schedule drives only DDP")),
     (dict(dp=2), dict(zero=3, precision="bf16"), ("ZeRO-3", "bf16 mixed precision", "fp32 masters")),
     (dict(dp=2), dict(offload=True), ("offload=True is OffloadedAdamW", "optimizer='adamw'")),
     (dict(dp=2), dict(precision="int8"), ("precision='int8'", "'bf16' or 'fp16'")),
     (dict(dp=2), dict(zero=4), ("zero=4", "ZeRO stage 1, 2 or 3")),
-    (dict(dp=2), dict(zero=1, comm_hook=(None, None)), ("comm_hook", "zero=1", "use DDP")),
+    (dict(dp=2), dict(zero=1, comm_hook=(None, None)), ("ZeRO-1", "a DDP comm hook", "comm_hook=None",
+                                                        "use DDP")),
+    (dict(dp=2), dict(optimizer="adam"), ("unknown optimizer 'adam'", "'sgd' or 'adamw'")),
+    (dict(dp=2), dict(recompute="most"), ("recompute='most'", "selective")),
+    (dict(dp=2), dict(schedule="2f2b"), ("unknown schedule '2f2b'", "1f1b")),
     (dict(dp=2), dict(zero=2, moe=dict(n_experts=2)), ("experts (MoE)", "ZeRO-2", "use DDP")),
     (dict(tp=2), dict(sequence_parallel=True, moe=dict(n_experts=2)), ("experts (MoE)", "sequence parallel")),
     (dict(tp=2), dict(collective_matmul=True), ("collective_matmul=True", "sequence_parallel=True")),
-    (dict(tp=2), dict(collective_matmul=True, sequence_parallel=True, fp8=Fp8Recipe()),
-     ("collective_matmul=True with fp8", "use one of them")),
+    (dict(tp=2), dict(collective_matmul=True, sequence_parallel=True, fp8=Fp8Recipe(), dtype="float32"),
+     ("collective matmul", "FP8 training", "use one of them")),
     (dict(dp=2), dict(fp8=Fp8Recipe()), ("fp8 needs an fp32 model", "dtype='float32'")),
     (dict(dp=2), dict(fp8="block"), ("fp8='block'", "an Fp8Recipe")),
     (dict(dp=2), dict(cp_mode="zigzag"), ("cp_mode='zigzag'", "ring, ulysses, hybrid")),
@@ -200,10 +204,33 @@ def test_a_built_serial_gpt_is_parallelized_as_its_config():
 
 
 def test_techniques_are_listed_in_parallelize_order():
-    mesh = Mesh.__new__(Mesh)
-    mesh.dp_size, mesh.pp_size, mesh.tp_size, mesh.cp_size = 2, 2, 2, 1
-    want = ["tp", "sp", "pp", "ckpt-full", "bf16", "ddp", "offload"]
-    assert techniques(mesh, True, "full", "bf16", None, True) == want
+    o = Options(dp=2, pp=2, tp=2, sequence_parallel=True, recompute="full", precision="bf16", offload=True,
+                optimizer="adamw")
+    assert techniques(o) == ["tp", "sp", "pp", "recompute-full", "bf16", "ddp", "offload"]
+    assert Options.of(checkpoint="sqrt") == Options(recompute="sqrt")  # the old name still accepted
+
+
+def test_flags_are_checked_once_before_any_rank_starts(monkeypatch):
+    """An ``Options`` checked in ``main`` reaches every rank as it is: ``train_mesh`` and
+    ``parallelize`` check it no more (the pipeline lesson's --microbatches once, not once a layer)."""
+    import minidist.parallel.parallelize as P
+
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(args)
+        return real(*args, **kw)
+    real = P.check_3d
+    monkeypatch.setattr(P, "check_3d", counted)
+    opts = check(Options(dp=2, pp=2, microbatches=2), CFG, 4, batch_size=4, seq_len=8)
+    batches = _batches(4)
+    want, want_losses = _serial(batches, None, "sgd", 0.1)
+    state, losses = run(lambda comm: (lambda r: (gather_full_state(comm, r), r.losses))(
+        train_3d(comm, CFG, batches, opts)), ranks=4)[0]
+    assert len(calls) == 1
+    assert max_state_diff(state, want) <= TOL
+    with pytest.raises(TypeError, match="Options or flags, not both"):
+        run(lambda comm: train_3d(comm, CFG, batches, opts, lr=0.5), ranks=4)
 
 
 # -- experts: out of DDP by a declared rule --------------------------------------------------------

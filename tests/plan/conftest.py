@@ -9,7 +9,10 @@ from minidist.comm import measure, run
 from minidist.nn.footprint import MemoryAccountant
 from minidist.nn.gpt import GPTConfig
 from minidist.parallel.data.ddp import DistributedDataParallel
-from minidist.parallel.pipeline.runtime import PipelineStage, make_schedule, run_schedule, split_microbatches
+from minidist.parallel.memory.recompute import recompute_stage
+from minidist.parallel.pipeline.catalog import make_schedule
+from minidist.parallel.pipeline.runtime import run_schedule, split_microbatches
+from minidist.parallel.pipeline.stage import PipelineStage
 from minidist.parallel.three_d import build_model, make_optimizer, train_3d
 from minidist.plan.mesh import Candidate, Settings, memory, stage_activation_peak, stage_param_counts
 from minidist.plan.model import ModelSpec
@@ -48,7 +51,9 @@ def measured_3d(dp, tp, pp, m, checkpoint=None, cfg=CFG, chunks=1, schedule=None
         # at the optimizer step, gradients complete, AdamW's moments allocated
         mesh = res.mesh
         model, loss_fn = build_model(cfg, mesh.tp)
-        stage = PipelineStage(model, res.bounds, mesh.pp_rank, pp, loss_fn=loss_fn, checkpoint=checkpoint)
+        stage = PipelineStage(model, res.bounds, mesh.pp_rank, pp, loss_fn=loss_fn)
+        for chunk in stage.chunks if checkpoint is not None else ():  # as parallelize recomputes a stage
+            recompute_stage(chunk, checkpoint)
         ddp = DistributedDataParallel(stage, mesh.dp, broadcast_from=None) if dp > 1 else None
         opt = make_optimizer("adamw", stage.parameters(), 1e-3)
         reports = []

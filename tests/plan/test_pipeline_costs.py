@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 
 from minidist.nn import GPT, GPTConfig
-from minidist.parallel.pipeline.partition import partition_balanced, partition_for, partition_v
-from minidist.parallel.pipeline.runtime import PipelineStage, make_schedule, partition_uniform
+from minidist.parallel.pipeline.catalog import make_schedule
+from minidist.parallel.pipeline.partition import (
+    partition_balanced,
+    partition_for,
+    partition_uniform,
+    partition_v,
+)
+from minidist.parallel.pipeline.stage import PipelineStage
 from minidist.plan.pipeline_costs import Costs, busiest, cut_for_schedule, predict_step, stage_input, time_fbw
 
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, d_model=8)

@@ -7,7 +7,7 @@ fraction bubble / (bubble + m(F+B+W)), written as the fraction it reduces to.
 
 import pytest
 
-from minidist.parallel.pipeline.runtime import make_schedule
+from minidist.parallel.pipeline.catalog import make_schedule
 from minidist.parallel.pipeline.simulate import peak_activations
 from minidist.plan import schedules
 from minidist.plan.hardware import Hardware, Link

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from minidist.comm import run
-from minidist.resilience.checkpoint.trainer import Trainer, small_config
+from minidist.lessons.fault_tolerance_job import MeshTrainer, small_config
 from minidist.resilience.faults import parse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def supervise(tmp_path, n, fault, *launch_args, threads=False, job_args=(), time
 def never_failed(n, dropout=0.1):
     """The uninterrupted run, on the threads transport, with the lesson's model and data."""
     def body(comm):
-        t = Trainer(comm, small_config("float64", dropout), total_steps=STEPS)
+        t = MeshTrainer(comm, small_config("float64", dropout), total_steps=STEPS)
         while t.step_count < STEPS:
             t.step()
         return t.full_parameters()
@@ -125,12 +125,12 @@ SAVING_JOB = """
 import sys
 from minidist.comm import run
 from minidist.resilience.checkpoint import save
-from minidist.resilience.checkpoint.trainer import Trainer, small_config
+from minidist.lessons.fault_tolerance_job import MeshTrainer, small_config
 from minidist.resilience.faults import Injector
 from minidist.resilience.supervisor import heartbeat
 
 def body(comm):
-    t = Trainer(comm, small_config())
+    t = MeshTrainer(comm, small_config())
     t.step()
     heartbeat(comm.rank, t.step_count)
     save(comm, sys.argv[1], t.step_count, t.state(), fault=Injector.from_env(comm.rank))

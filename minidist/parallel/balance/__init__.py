@@ -5,11 +5,12 @@
   threshold for n steps).
 * shares.py   -- ``proportional_shares`` (a global batch split in proportion to throughput),
   ``balanced_time`` (B / Σ speed_i) and ``ShareBalancer`` (re-decide every k steps, with hysteresis).
-* dp.py       -- ``train_dp_balanced``: data parallelism with moving shares; DDP's global-sample
-  weighting keeps the gradient that of the whole batch, so it equals the serial twin.
-* pipeline.py -- ``train_pipeline_balanced``: per-layer times profiled while training; the min-max
-  contiguous partition (``pipeline.partition_balanced``); layers, their parameters and optimizer
-  state moved between stages at a step boundary when that pays for itself.
+* profile.py  -- ``ProfiledStage``: a pipeline stage timing each of its layers while training.
+* repartition.py -- ``move_layers`` (layers, their parameters and optimizer state, moved between
+  stages at a step boundary), the 1F1B ``step_time`` of a cut, and when a move ``pays_off``.
+* dp.py, pipeline.py -- the training loops: ``train_dp_balanced`` (moving shares; DDP's
+  global-sample weighting keeps the gradient the whole batch's) and ``train_pipeline_balanced``
+  (the min-max cut, ``pipeline.partition_balanced``, of the profiled costs, moved when it pays).
 """
 
 from minidist.parallel.balance.measure import StepMonitor, StragglerDetector

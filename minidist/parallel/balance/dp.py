@@ -27,20 +27,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minidist import trace
 from minidist.accel.backend import bucket, compiles_per_shape
 from minidist.nn import GPT
 from minidist.nn.optim import make_optimizer
 from minidist.parallel.balance.measure import StepMonitor, StragglerDetector
 from minidist.parallel.balance.shares import ShareBalancer, balanced_time, offsets
 from minidist.parallel.data.ddp import DistributedDataParallel
-from minidist.resilience.stragglers import Slowdown
-
-
-def _span(name: str, cat: str, **args):
-    """A span on this rank's trace (``--trace``), or nothing when no tracer is recording."""
-    tracer = trace.current()
-    return nullcontext() if tracer is None else tracer.span(name, cat, **args)
+from minidist.trace.spans import current, span
 
 
 def pad_rows(x, y, rows: int):
@@ -73,10 +66,10 @@ def train_dp_balanced(comm, cfg, batches, lr: float = 0.1, optimizer: str = "sgd
                       threshold: float = 0.5, patience: int = 2, plan=None, on_step=None) -> BalancedRun:
     """Train ``GPT(cfg)`` on ``batches`` (global (x, y), the same list on every rank) with moving shares.
 
-    ``slow``: a ``Slowdown`` (default: from $MINIDIST_SLOW). ``balance=False`` keeps equal shares (the
-    static baseline, still measured). ``on_step(step, run, table)`` after each step."""
-    slow = Slowdown() if slow is None else slow if isinstance(slow, Slowdown) else Slowdown(slow)
-    slow.check_world(comm.size, rank=comm.rank)
+    ``slow``: a ``Slowdown`` emulating slow ranks (None: nothing slowed). ``balance=False`` keeps equal
+    shares (the static baseline, still measured). ``on_step(step, run, table)`` after each step."""
+    if slow is not None:
+        slow.check_world(comm.size, rank=comm.rank)
     total = int(batches[0][0].shape[0])
     model = GPT(cfg)
     ddp = DistributedDataParallel(model, comm)
@@ -96,12 +89,12 @@ def train_dp_balanced(comm, cfg, batches, lr: float = 0.1, optimizer: str = "sgd
             xs, ys = pad_rows(xs, ys, bucket(len(xs), total))
         computed = len(xs)  # the rows the step's time covers (padded ones too): the balancer's per-row cost
         t0 = time.perf_counter()
-        with _span("Compute", "compute", step=step, rows=shares[comm.rank]), \
-                slow.compute(comm.rank, step, shares[comm.rank]), ddp.no_sync():
+        emulated = nullcontext() if slow is None else slow.compute(comm.rank, step, shares[comm.rank])
+        with span("Compute", "compute", step=step, rows=shares[comm.rank]), emulated, ddp.no_sync():
             loss = model.loss(xs, ys)
             ddp.backward(loss, n_samples=tokens)
         t1 = time.perf_counter()
-        with _span("Wait", "wait", step=step):
+        with span("Wait", "wait", step=step):
             ddp.wait_gradients()
         t2 = time.perf_counter()
         opt.step()
@@ -114,8 +107,8 @@ def train_dp_balanced(comm, cfg, batches, lr: float = 0.1, optimizer: str = "sgd
         run.ideal_seconds.append(balanced_time(total, spr))
         run.stragglers.append(run.detector.update(step, spr))
         warm = step >= window  # the window no longer holds step 0 (its warm-up time is not a speed)
-        if balance and plan is None and warm and balancer.decide(step, spr) and trace.current() is not None:
-            trace.current().instant("Rebalance", "step", shares=list(balancer.shares))
+        if balance and plan is None and warm and balancer.decide(step, spr) and current() is not None:
+            current().instant("Rebalance", "step", shares=list(balancer.shares))
         if on_step is not None:
             on_step(step, run, table)
     return run

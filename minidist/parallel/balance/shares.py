@@ -1,24 +1,21 @@
 """Split a global batch of B rows in proportion to each rank's measured throughput.
 
 Rank i processes a row in t_i seconds (its speed is s_i = 1/t_i rows per second). With n_i rows
-it computes for n_i·t_i seconds, and the step waits for the slowest: T = max_i n_i·t_i. Equal
-shares (n_i = B/p) give T = (B/p)·max_i t_i: one 3x slower rank triples the step. The best split
-makes every rank finish together, n_i·t_i = T for all i, so n_i = T·s_i and Σ n_i = B gives
+it computes for n_i·t_i seconds, and the step waits for the slowest: T = max_i n_i·t_i. The best
+split makes every rank finish together, n_i·t_i = T for all i, so n_i = T·s_i and Σ n_i = B gives
 
     n_i = B · s_i / Σ_j s_j,        T* = B / Σ_j s_j        (the balanced time)
 
 Rows are whole, so ``proportional_shares`` hands them out one at a time to whichever rank would
-finish its next row first, after giving every rank a ``minimum`` (a rank with no rows would still
-join the gradient all-reduce, but a loss over zero rows has no mean). Rounding costs up to one
-row of the slowest rank: with B = 48 and one rank 3x slower, T* = 14.4 row-times, the best whole
-split (e.g. [15, 15, 4, 14]) takes 15 (rounding B·s_i/Σs by largest remainders, [14, 14, 6, 14],
-takes 18). ``ShareBalancer`` re-decides every ``every`` steps from the smoothed
-measurements and moves shares only when the predicted step time improves by more than ``margin``
-(hysteresis: noise alone never moves rows back and forth).
+finish its next row first, after giving every rank a ``minimum`` (a loss over zero rows has no
+mean). ``ShareBalancer`` re-decides every ``every`` steps from the smoothed measurements and moves
+shares only when the predicted step time improves by more than ``margin`` (hysteresis: noise alone
+never moves rows back and forth).
 
 Why the gradient stays exact: rank i's loss is the mean over its own n_i samples, and
 ``DistributedDataParallel.backward(loss, n_samples=n_i)`` weights its gradient by n_i and divides
 the sum by N = Σ n_i: g = Σ_i (n_i/N)·g_i, the mean over the whole batch, whatever the n_i.
+Chapter 13 (lessons/13-load-balancing.md) works an example, and what rounding B·s_i/Σs would cost.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ DDP cuts its parameters (in reverse, the order backward produces their gradients
 most ``bucket_bytes`` (``build_buckets``), flattens a bucket's gradients into one array for its
 collective (``Bucket.flatten``) and views the result as the parameters again (``Bucket.views``).
 ZeRO gives rank r the slice ``Bucket.shard(r, N)`` of every flat bucket. A bucket is layout only:
-what one backward has done with it lives in DDP's ``SyncWindow``.
+what one backward has done with it lives in DDP's ``SyncWindow``. A comm hook (``compress/``) sees
+one bucket's gradient as a ``GradBucket``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.accel import compiled
-from minidist.accel.backend import host_scalar
-from minidist.comm import split_sizes
+from minidist.accel.backend import backend_of, host_scalar
+from minidist.comm import split_sizes, start_async
 
 
 @compiled.pure  # on JAX one compiled call, not a zeros/reshape program per parameter and a concat
@@ -44,9 +45,8 @@ class Bucket:
 
     def views(self, flat, divisor: float = 1.0) -> list:
         """The inverse of ``flatten``: per-parameter views of ``flat`` (divided by ``divisor``, a new
-        array then) in their shapes. The divisor travels as a host scalar of ``flat``'s dtype (what
-        NumPy makes of a Python float there): an argument of the compiled call on JAX, so a weighted
-        batch or a short last one divides by a new number without compiling a new program."""
+        array then). The divisor is a host scalar of ``flat``'s dtype: on JAX an argument of the
+        compiled call, so a new divisor compiles no new program."""
         scalar = None if divisor == 1 else host_scalar(divisor, flat)
         return _views(flat, tuple(self.offsets), tuple(self.sizes), tuple(p.shape for p in self.params),
                       scalar)
@@ -76,3 +76,35 @@ def build_buckets(params, bucket_bytes: float) -> list[Bucket]:
     if cur:
         buckets.append(Bucket(len(buckets), cur))
     return buckets
+
+
+class GradBucket:
+    """One bucket's gradient as a comm hook sees it (PyTorch's ``GradBucket``): ``buffer()`` the flat
+    gradient (don't modify it before the handle completes), ``shapes`` its parameters', ``index``,
+    ``is_last`` (a hook counts steps there); ``start(fn, x, label)`` runs ``fn(comm, x)`` on the async
+    worker (``comm``: its private channel) and returns the Handle. Hooks are NumPy code: on another
+    backend (CuPy, JAX) ``x`` arrives as a host copy and the result goes back."""
+
+    def __init__(self, index: int, flat, shapes, comm, start=None, algorithm: str = "ring",
+                 is_last: bool = True):
+        self.index, self.flat, self.comm, self.algorithm, self.is_last = index, flat, comm, algorithm, is_last
+        self.shapes = [tuple(s) for s in shapes]
+        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        if sum(self.sizes) != flat.size:
+            raise ValueError(f"rank {comm.rank}: bucket {index} shapes {self.shapes} hold {sum(self.sizes)} "
+                             f"elements, the flat gradient {flat.size}")
+        self._start = start or (lambda fn, x, label: start_async(comm, lambda c, y, _: fn(c, y), x, label))
+
+    def buffer(self):
+        return self.flat
+
+    def start(self, fn, x, label: str):
+        be = backend_of(x)
+        if be.name != "numpy":
+            return self._start(lambda c, y: be.from_host(fn(c, np.asarray(be.to_host(y)))), x, label)
+        return self._start(fn, x, label)
+
+    def views(self, flat) -> list:
+        """Per-parameter views of ``flat`` in their shapes."""
+        offsets = np.cumsum([0] + self.sizes)
+        return [flat[o:o + n].reshape(s) for o, n, s in zip(offsets, self.sizes, self.shapes)]

@@ -7,65 +7,35 @@
     ddp.wait_gradients()                                  # p.grad = the global-batch gradient
     opt.step()
 
-What happens, by function:
-
-* ``__init__``: ``check_same_model`` and ``broadcast_parameters`` from rank 0 (``replicas``),
-  ``build_buckets`` (``buckets``: gradients in reverse parameter order -- the order backward produces
-  them -- cut into buckets of at most ``bucket_bytes``), one post-accumulate-grad hook per parameter.
-* ``backward``: seeds backward with this rank's weight and runs it; a ``SyncWindow`` holds what
-  the window (every backward since the last sync) has done: its weight, the buckets ready, the
-  collectives in flight. A fresh one is made after each sync.
-* ``grad_ready`` (the hook, during backward) counts its bucket down in the window; each bucket
-  complete now (in order) -> ``start_bucket`` flattens it and ``reduce`` *starts* its all-reduce on the async
-  worker (``start_collective``) while backward goes on computing earlier layers: communication
-  overlaps computation. Buckets start strictly in order, so every rank queues the same collectives
-  in the same order.
-* ``wait_gradients``: starts buckets that never completed (a parameter got no gradient on this
-  rank: it contributes zeros), waits for every all-reduce, and ``finish`` puts the averaged gradient
-  in ``p.grad``.
-
-The timeline (``self.timeline``, a ``trace.OverlapRecorder``) is reached in three places only: the
-backward span in ``backward``, each collective in ``start_collective``, the window's close in
-``wait_gradients``. ZeRO (``minidist.parallel.data.zero``) replaces ``reduce`` and ``finish``.
-
-**Averaging over the global batch.** The serial twin takes the mean loss over all N samples of the
-global batch: ``g = (1/N) Σ_i ∇ℓ_i``. Rank r computes the mean over its own n_r samples,
-``g_r = (1/n_r) Σ_{i∈r} ∇ℓ_i``, so ``g = Σ_r (n_r/N) g_r``: each rank's gradient must be weighted by
-its share of the batch and then *summed* -- plain averaging over ranks (``Σ_r g_r / p``) is only
-right when every n_r is equal. ``backward(loss, n_samples)`` seeds backward with n_r instead of 1
-(so the hooks see n_r·g_r), the buckets are summed, and ``wait_gradients`` divides by N = Σ n_r
-(one tiny all-reduce, queued before the buckets). With accumulation the same holds over
-(rank, micro-step) pairs. Without ``n_samples`` every micro-batch weighs the same.
-
-``n_samples`` is the count the loss is a mean *over*. ``GPT.loss`` averages over valid target
-tokens (targets of -1 are ignored), so for it pass ``int((y != -1).sum())``: the rows ``len(y)``
-are right only when every row has the same number of valid tokens (then the weights are proportional).
+``backward`` seeds backward with this rank's sample count n_r; *a hook fires* (``grad_ready``)
+and counts its bucket down; *a bucket is ready*: ``start_bucket`` starts its all-reduce on the async
+worker while backward goes on, buckets in order on every rank; *at the end* ``wait_gradients``
+waits and divides by N = Σ n_r (a rank's gradient weighs n_r / N: chapter 3). A ``SyncWindow``
+holds what one window (every backward since the last sync) did, its timeline (``events``) too.
+ZeRO (``zero.py``) replaces ``reduce`` and ``finish``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from minidist.comm import all_reduce, all_reduce_async
-from minidist.comm.handles import start_async
-from minidist.parallel.compose import check_compatible, claim
-from minidist.parallel.data.buckets import Bucket, build_buckets
-from minidist.parallel.data.compress.bucket import GradBucket
+from minidist.comm import all_reduce, all_reduce_async, start_async
+from minidist.parallel.data.buckets import Bucket, GradBucket, build_buckets
 from minidist.parallel.data.replicas import broadcast_parameters, check_same_model, model_signature
-from minidist.trace import OverlapRecorder, hidden_fraction
+from minidist.trace.spans import current, span
 
 __all__ = ["DDP", "Bucket", "DistributedDataParallel", "SyncWindow", "broadcast_parameters", "build_buckets",
            "check_same_model", "model_signature"]
 
-# -- one gradient-sync window --------------------------------------------------------------------
 
 @dataclass(slots=True)
 class SyncWindow:
-    """What one gradient-sync window needs: every backward from one sync to the next (the micro-steps
-    of accumulation; the last one syncs) and the collectives they started. Made fresh after a sync."""
+    """What one window did: every backward from one sync to the next (accumulation's micro-steps,
+    the last one syncs) and the collectives they started."""
 
     pending: list[int]          # per bucket: gradients the syncing backward has still to produce
     syncing: bool = True        # does this backward sync (False inside no_sync())
@@ -80,34 +50,19 @@ class SyncWindow:
     hooked: bool = False        # did any gradient hook fire (also for plain loss.backward())?
     synced: bool = False        # has a syncing backward run? (then wait_gradients must come next)
     started_in_backward: int = 0  # buckets whose collective began during backward
+    events: list = field(default_factory=list)  # (name, "backward" | "comm", t0, t1)
 
-
-def _seed(loss, weight: float):
-    """The gradient backward starts from: ``weight`` everywhere, made on the host (JAX: no program)."""
-    return loss.backend.from_host(np.full(loss.data.shape, weight, dtype=loss.dtype))
-
-
-# -- DDP -----------------------------------------------------------------------------------------
 
 class DistributedDataParallel:
-    """Wrap ``module`` for data parallelism over ``comm`` (see the module docstring).
-
-    ``bucket_bytes``: gradient bucket capacity. ``algorithm``: the all-reduce ("ring": 2(p-1)/p
-    bytes per rank per byte of gradient). ``find_unused_parameters``: after the buckets, all-reduce
-    one flag per parameter so that a parameter no rank produced a gradient for keeps ``grad=None``
-    (exactly as the serial twin, where e.g. AdamW then skips it); otherwise it gets zeros.
-    Frozen parameters (``requires_grad=False``) are broadcast at start and never communicated again.
-    ``ignore``: a list of parameters DDP never averages (e.g. expert-parallel ones, which differ
-    across ranks and are synced over their own group); with them pass ``broadcast_from=None``.
-    """
-
-    technique = "ddp"  # its name in the composition matrix (minidist.parallel.compose)
+    """Wrap ``module`` for data parallelism over ``comm``. ``algorithm``: the all-reduce.
+    ``find_unused_parameters``: a parameter no rank produced a gradient for keeps ``grad=None`` (as in
+    the serial twin), not zeros. Frozen parameters are broadcast once, never communicated. ``ignore``:
+    parameters DDP never averages (expert-parallel ones); with them pass ``broadcast_from=None``."""
 
     def __init__(self, module, comm, bucket_bytes: float = 4 << 20, algorithm: str = "ring",
                  find_unused_parameters: bool = False, broadcast_from: int | None = 0, ignore=()):
         self.module, self.comm = module, comm
         self.algorithm, self.find_unused = algorithm, find_unused_parameters
-        check_compatible(module, self.technique)
         check_same_model(comm, module)
         if broadcast_from is not None:
             broadcast_parameters(comm, module, broadcast_from)
@@ -115,12 +70,10 @@ class DistributedDataParallel:
         self.buckets = self.make_buckets(bucket_bytes)
         self._bucket_index = {id(p): b.index for b in self.buckets for p in b.params}
         self._comm_hook = None  # (state, hook) of register_comm_hook; None: the plain all-reduce
-        self.timeline = OverlapRecorder()  # when backward and each collective ran (minidist.trace)
         self.window = self._new_window()
         self.last_window: SyncWindow | None = None  # the window wait_gradients closed last
         for p in self.params:
             p.register_post_accumulate_grad_hook(self.grad_ready)
-        claim(module, self.technique, comm)
 
     def make_buckets(self, bucket_bytes) -> list[Bucket]:
         """Gradients in the order backward produces them (reverse parameter order), bucketed."""
@@ -129,7 +82,6 @@ class DistributedDataParallel:
     def _new_window(self) -> SyncWindow:
         return SyncWindow([len(b.params) for b in self.buckets])
 
-    # -- the module ----------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
@@ -142,8 +94,7 @@ class DistributedDataParallel:
     # -- backward: weight, accumulate, sync on the window's last -------------------------------
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward inside this block only accumulates ``p.grad`` locally (no communication);
-        the first backward after it syncs everything accumulated."""
+        """Backward inside only accumulates ``p.grad``; the first backward after it syncs it all."""
         w = self.window
         prev, w.syncing = w.syncing, False
         try:
@@ -152,10 +103,8 @@ class DistributedDataParallel:
             w.syncing = prev
 
     def backward(self, loss, n_samples: int | None = None):
-        """``loss.backward()`` for a loss that is the *mean* over this rank's ``n_samples`` terms
-        (weights the gradient by n_samples; see the module docstring). A per-token mean with ignored
-        targets (``GPT.loss``, ``ops.cross_entropy``) averages over the valid tokens: pass their
-        count, ``int((y != -1).sum())``, not the rows. All ranks either pass n_samples or none does."""
+        """``loss.backward()`` of the *mean* over this rank's ``n_samples`` terms (``GPT.loss``: the
+        valid tokens, ``int((y != -1).sum())``). All ranks pass n_samples, or none does."""
         w = self.window
         if n_samples is not None:
             if n_samples < 0:
@@ -169,28 +118,29 @@ class DistributedDataParallel:
         w.micro += 1
         if w.syncing and w.weighted:  # queued first: the worker runs it before any bucket
             self._start_count(w)
-        w.in_backward = True
+        w.in_backward, t0 = True, time.perf_counter()
         try:
-            with self.timeline.backward(record=w.syncing):  # a sync window: its last backward
-                loss.backward(_seed(loss, weight))
+            with span("backward", "compute"):
+                loss.backward(loss.backend.from_host(np.full(loss.data.shape, weight, dtype=loss.dtype)))
         finally:
             w.in_backward = False
+        if w.syncing:  # the window's timeline: its syncing backward
+            w.events.append(("backward", "backward", t0, time.perf_counter()))
         w.synced = w.syncing
 
     def _start_count(self, w: SyncWindow):
-        """Queue the all-reduce of Σ n_samples (this window's divisor N) on the async worker."""
+        """Queue the all-reduce of Σ n_samples, the divisor N (first: the worker runs it first)."""
         w.count = all_reduce_async(self.comm, np.array([w.weight]), op="sum")
 
     # -- hook fires -> bucket ready -> start its collective -------------------------------------
     def grad_ready(self, p):
-        """The post-accumulate-grad hook of every trainable parameter: count its bucket down and start
-        every bucket that is complete now, in bucket order."""
+        """Every parameter's post-accumulate-grad hook: count its bucket down, start the complete ones."""
         w = self.window
         w.hooked = True
         if not w.syncing:
             return
-        w.pending[self._bucket_index[id(p)]] -= 1  # one more gradient of its bucket is complete
-        while w.next < len(self.buckets) and w.pending[w.next] == 0:  # ready buckets start in order
+        w.pending[self._bucket_index[id(p)]] -= 1
+        while w.next < len(self.buckets) and w.pending[w.next] == 0:  # in order
             self.start_bucket(self.buckets[w.next])
             w.next += 1
 
@@ -215,14 +165,21 @@ class DistributedDataParallel:
                                      algorithm=self.algorithm)
 
     def start_collective(self, fn, x, label, **kw):
-        """Start collective ``fn(comm, x, **kw)`` on the async worker, timed by ``self.timeline``."""
-        return start_async(self.comm, self.timeline.timed(fn), x, label, **kw)
+        """Start ``fn(comm, x, **kw)`` on the async worker, timed there (with the caller's tracer)."""
+        tracer, events = current(), self.window.events
+
+        def timed(c, x, label, **kw):
+            t0 = time.perf_counter()
+            with tracer.span(label, "collective") if tracer else contextlib.nullcontext():
+                out = fn(c, x, **kw)
+            events.append((label, "comm", t0, time.perf_counter()))
+            return out
+        timed.__name__ = getattr(fn, "__name__", "collective")
+        return start_async(self.comm, timed, x, label, **kw)
 
     def register_comm_hook(self, state, hook) -> None:
-        """Send each bucket through ``hook(state, bucket) -> Handle`` instead of the all-reduce
-        (PyTorch's contract; built-in hooks, e.g. PowerSGD, in ``minidist.parallel.data.compress``). The
-        handle gives the bucket summed over ranks; DDP divides it by the batch as usual. Register once,
-        before the first backward."""
+        """Send each bucket through ``hook(state, bucket) -> Handle`` (its sum over ranks) instead of the
+        all-reduce: PyTorch's contract, hooks in ``compress/``. Once, before the first backward."""
         if self._comm_hook is not None or self.window.handles:
             raise RuntimeError(f"rank {self.comm.rank}: register_comm_hook once, before the first backward "
                                f"(a hook is {'already registered' if self._comm_hook else 'too late now'})")
@@ -230,19 +187,14 @@ class DistributedDataParallel:
 
     # -- at the end: wait and divide --------------------------------------------------------------
     def wait_gradients(self):
-        """Finish the gradient sync: start buckets that never completed, wait, average.
-
-        Also right after a window whose every micro-step ran inside ``no_sync()`` (then it starts
-        the count of samples and every bucket here)."""
+        """Start the buckets that never completed, wait, average (also after an all-``no_sync`` window)."""
         w = self.window
         if not w.syncing:
             raise RuntimeError(f"rank {self.comm.rank}: wait_gradients() inside no_sync(): the "
                                "gradients of this window have not been communicated")
         if w.micro == 0 and not w.hooked:
             return  # no backward since the last sync: nothing to communicate
-        if w.weighted and w.count is None:
-            # every micro-step ran inside no_sync(): no syncing backward queued the count, so no
-            # bucket has started either -- queue it now, first, as a syncing backward would have
+        if w.weighted and w.count is None:  # all inside no_sync(): queue the count first, as backward would
             self._start_count(w)
         for b in self.buckets[w.next:]:
             self.start_bucket(b)
@@ -251,11 +203,10 @@ class DistributedDataParallel:
             self.finish(b, w.handles[b.index].wait(), divisor)
         if self.find_unused:
             self._drop_unused(w)
-        self.timeline.close_window()
         self.last_window, self.window = w, self._new_window()
 
     def finish(self, b: Bucket, total, divisor: float):
-        """Bucket ``b``'s summed gradient arrived: divide and hand out views as ``p.grad``."""
+        """Bucket ``b``'s sum arrived: divide, hand out views as ``p.grad``."""
         for p, v in zip(b.params, b.views(total, divisor)):
             p.grad = v
 
@@ -265,9 +216,7 @@ class DistributedDataParallel:
             if n <= 0:
                 raise ValueError(f"rank {self.comm.rank}: the global batch is empty (Σ n_samples = 0)")
             return n
-        if w.micro == 0:  # plain loss.backward() (not ddp.backward): PyTorch's mean over ranks
-            return float(self.comm.size)
-        return float(self.comm.size * w.micro)
+        return float(self.comm.size * max(w.micro, 1))  # plain loss.backward(): PyTorch's mean over ranks
 
     def _drop_unused(self, w: SyncWindow):
         used = np.array([w.used.get(id(p), False) for p in self.params], np.int64)
@@ -276,11 +225,9 @@ class DistributedDataParallel:
             if not u:
                 p.grad = None
 
-    # -- what the last window did -----------------------------------------------------------------
     @property
     def started_in_backward(self) -> int:
-        """Buckets of the last window whose collective began during backward (the open window's
-        count once its first backward ran)."""
+        """Buckets of the last window (the open one once it ran) whose collective began in backward."""
         w = self.window
         if w.micro or w.hooked or self.last_window is None:
             return w.started_in_backward
@@ -288,12 +235,8 @@ class DistributedDataParallel:
 
     @property
     def events(self) -> list:
-        """(name, "backward"|"comm", t0, t1) of the last synced window (``trace.OverlapRecorder``)."""
-        return self.timeline.events
-
-    def hidden_fraction(self) -> float:
-        """Share of the last window's communication that overlapped its backward."""
-        return hidden_fraction(self.events)
+        """(name, "backward"|"comm", t0, t1) of the last window (``trace.hidden_fraction`` reads them)."""
+        return [] if self.last_window is None else self.last_window.events
 
 
 DDP = DistributedDataParallel

@@ -6,36 +6,22 @@
         outer.step()                    # the inner step; every H-th also the outer (synchronising) step
         inner.zero_grad()
 
-Each rank runs H steps of any minidist optimizer on its own data (no communication), then the
-ranks average the **outer gradient**, the parameter delta Δ = anchor - θ (where the parameters
-were at the last sync, minus where they are now), and every rank applies the same outer step:
-
-    v = μ·v + Δ̄                              (Δ̄: Δ averaged over ranks, optionally through a
-    anchor -= outer_lr · (Δ̄ + μ·v)           compression hook; Nesterov momentum, DiLoCo's choice)
-    θ = anchor
-
-DiLoCo (Douillard et al. 2023) is inner AdamW, H = 500, outer Nesterov SGD (lr 0.7, μ 0.9):
-H times fewer messages. With H = 1, outer lr 1 and μ = 0 it *is* DDP: anchor - Δ̄ = mean of the ranks'
-θ = θ - lr·ḡ for SGD (``tests/parallel/data/test_local_sgd.py`` checks it).
-
-**Streaming** (``fragments=F``, Douillard et al. 2025): the parameters are cut into F fragments,
-fragment f syncs at steps where (t + f·H/F) is a multiple of H -- staggered, so the link carries
-1/F of the model at a time -- and with ``overlap=τ`` its all-reduce runs during the next τ inner
-steps: the result is applied τ steps later, keeping the local progress made meanwhile
-(θ = anchor + (θ_now - θ_sent)).
-
-The anchors (and the outer state) are identical on every rank after every sync: each rank
-applies the same averaged Δ̄ to the same anchor.
+Each rank runs H steps of any optimizer on its own data, then the ranks average the **outer
+gradient** Δ = anchor - θ and every rank applies the same outer step (Nesterov SGD, chapter 12):
+``v = μ·v + Δ̄; anchor -= outer_lr·(Δ̄ + μ·v); θ = anchor``. DiLoCo (Douillard et al. 2023): inner
+AdamW, H = 500, outer lr 0.7, μ 0.9. With H = 1, outer lr 1, μ = 0 it *is* DDP. **Streaming**
+(``fragments=F``, ``overlap=τ``): F fragments sync at staggered steps, each all-reduce running
+during the next τ inner steps (θ = anchor + (θ_now - θ_sent) when it lands). The anchors are
+identical on every rank after every sync.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm import all_reduce
-from minidist.comm.handles import start_async
-from minidist.parallel.data.compress.bucket import GradBucket
-from minidist.parallel.data.ddp import broadcast_parameters, build_buckets, check_same_model
+from minidist.comm import all_reduce, start_async
+from minidist.parallel.data.buckets import GradBucket, build_buckets
+from minidist.parallel.data.replicas import broadcast_parameters, check_same_model
 
 
 class Fragment:

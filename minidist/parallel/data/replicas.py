@@ -17,11 +17,8 @@ def model_signature(module) -> list[tuple]:
 
 
 def check_same_model(comm, module) -> None:
-    """Every rank must wrap the same architecture: compare (name, shape, dtype, requires_grad) lists.
-
-    Raises ValueError on *every* rank (they all see all signatures), naming the ranks that differ,
-    before any gradient collective could pair up mismatched buffers or hang.
-    """
+    """Every rank must wrap the same architecture: a ValueError on *every* rank naming the ranks whose
+    (name, shape, dtype, requires_grad) lists differ, before a gradient collective could hang."""
     sigs = comm.allgather_obj(model_signature(module))
     bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
     if not bad:

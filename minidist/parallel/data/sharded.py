@@ -1,18 +1,10 @@
 """What every ZeRO stage shares: the shard layout, the optimizer over it, the step, the sharded checkpoint.
 
-Every gradient bucket (``minidist.parallel.data.buckets``) is a flat array; rank r *owns* the slice
-``Bucket.shard(r, N)`` of each (``np.array_split``, what ``reduce_scatter``/``all_gather`` use).
-``ShardedDataParallel`` holds those slices as Parameters (``shards``) and builds the optimizer (any
-``minidist.nn.optim`` optimizer, made by ``optimizer(shards)``) over them alone, so its state is 1/N
-of DP's on every rank. It is DDP (backward, ``no_sync``, the sync window) with named tools the stages
-in ``minidist.parallel.data.zero`` are written with:
-
-* ``reduce_scatter(b, flat)`` starts bucket b's reduce-scatter; ``keep_my_slice`` takes this rank's
-  summed slice as its shard's gradient.
-* ``step`` = ``wait_gradients`` + ``update``: the optimizer steps the owned slices, then
-  ``share_parameters`` (each stage's own) makes the model whole again or leaves it sharded.
-* ``all_gather_buckets`` / ``gather_bucket`` / ``full_views``: the slices all-gathered back.
-* ``state_dict`` / ``load_state_dict``: each rank saves and restores only what it owns.
+Rank r *owns* the slice ``Bucket.shard(r, N)`` of every flat gradient bucket. ``ShardedDataParallel``
+is DDP (backward, ``no_sync``, the sync window) whose optimizer sees only those slices (``shards``:
+its state is 1/N of DP's): ``reduce`` reduce-scatters a bucket, ``finish`` keeps my slice of the
+sum, ``step`` = ``wait_gradients`` + ``update`` (my slices step, then ``share_parameters``
+all-gathers them). ``state_dict`` / ``load_state_dict``: each rank saves and restores what it owns.
 """
 
 from __future__ import annotations
@@ -21,7 +13,6 @@ import numpy as np
 
 from minidist.comm import all_gather, all_reduce, reduce_scatter, split_sizes
 from minidist.nn.module import Parameter
-from minidist.parallel.compose import check_compatible
 from minidist.parallel.data.buckets import Bucket
 from minidist.parallel.data.ddp import DistributedDataParallel
 
@@ -44,15 +35,13 @@ def units_of(module) -> list:
 
 
 class ShardedDataParallel(DistributedDataParallel):
-    """The base of ``ZeRO1``, ``ZeRO2``, ``ZeRO3`` (see the module docstring). ``units``: modules
-    ZeRO-3 gathers and frees as one (the other stages keep them only to report). Frozen parameters
-    stay replicated. ``full_parameters()`` gives the whole model."""
+    """The base of ``ZeRO1``, ``ZeRO2``, ``ZeRO3``. ``units``: modules ZeRO-3 gathers and frees as one
+    (the others keep them to report). Frozen parameters stay replicated."""
 
-    stage = 0  # set by each stage's class, with its ``technique`` (the composition matrix's name)
+    stage = 0  # set by each stage's class
 
     def __init__(self, module, comm, optimizer, bucket_bytes: float = 4 << 20, units=None,
                  broadcast_from: int | None = 0):
-        check_compatible(module, self.technique)  # before units are looked for: a pipeline stage has none
         self.units = list(units) if units is not None else units_of(module)
         self.gather_log: list[tuple] = []  # (unit, "forward"|"backward"): stage 3's gathers
         super().__init__(module, comm, bucket_bytes=bucket_bytes, algorithm="ring",
@@ -64,33 +53,28 @@ class ShardedDataParallel(DistributedDataParallel):
             self.shards.append(Parameter(shard.copy() if b.params[0].backend.inplace else shard))  # a view
         self.optimizer = optimizer(self.shards)
 
-    # -- gradients: my slice of the sum ----------------------------------------------------------
-    def reduce_scatter(self, b: Bucket, flat):
+    # -- every stage: my slice of the sum, my slice steps, the model whole again ------------------
+    def reduce(self, b: Bucket, flat):
         """Start bucket ``b``'s reduce-scatter: this rank receives the sum over ranks of its slice."""
         return self.start_collective(reduce_scatter, flat, f"reduce-scatter b{b.index}", op="sum")
 
-    def keep_my_slice(self, b: Bucket, mine, divisor: float) -> None:
+    def finish(self, b: Bucket, mine, divisor: float) -> None:
         """This rank's slice of bucket ``b``'s summed gradient, averaged: its shard's gradient."""
         self.shards[b.index].grad = mine / divisor if divisor != 1 else mine
 
-    # -- the step --------------------------------------------------------------------------------
     def step(self):
         """Finish the gradient sync, update the owned slices, share the new parameters, zero grads."""
         self.wait_gradients()
         self.update()
 
     def update(self):
-        """The second half of ``step`` (after ``wait_gradients``): optimizer step on the owned slices,
-        then the stage's ``share_parameters``, zero grads."""
+        """``step`` after ``wait_gradients``: my slices step, ``share_parameters``, zero grads."""
         self.optimizer.step()
         self.share_parameters()
         self.zero_grad()
 
     def share_parameters(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must say how parameters are shared after a step")
-
-    def all_gather_buckets(self) -> None:
-        """All-gather every bucket: each rank holds the whole model again (collective)."""
+        """All-gather every bucket: each rank holds the whole model again (stages 1, 2)."""
         for b in self.buckets:
             self.gather_bucket(b)
 
@@ -106,8 +90,8 @@ class ShardedDataParallel(DistributedDataParallel):
     _gather_bucket = gather_bucket  # the name minidist.resilience.checkpoint.state calls
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip the *global* gradient norm (call after ``wait_gradients``, before ``update``): each rank
-        holds a slice of the gradient, so the squared norms of the slices are summed over ranks."""
+        """Clip the *global* gradient norm (after ``wait_gradients``, before ``update``): the squared
+        norms of the ranks' slices, summed over ranks."""
         local = sum(float((s.grad.astype("float64") ** 2).sum()) for s in self.shards if s.grad is not None)
         norm = float(np.sqrt(all_reduce(self.comm, np.array([local]), op="sum")[0]))
         if norm > max_norm:
@@ -123,19 +107,19 @@ class ShardedDataParallel(DistributedDataParallel):
             s.grad = None
 
     # -- a sharded checkpoint: each rank saves and restores only what it owns -------------------
-    def state_dict(self) -> dict:
-        """This rank's part of the training state: its slices of the parameters (at stage 3 the only
-        copy there is), its optimizer state, and the layout needed to check them on load."""
+    def _layout(self) -> dict:
         return {"stage": self.stage, "rank": self.comm.rank, "size": self.comm.size,
-                "numels": [b.numel for b in self.buckets],
-                "shards": [np.array(s.backend.to_host(s.data)) for s in self.shards],
-                "optimizer": self.optimizer.state_dict()}
+                "numels": [b.numel for b in self.buckets]}
+
+    def state_dict(self) -> dict:
+        """This rank's slices of the parameters (at stage 3 the only copy), its optimizer state, and
+        the layout to check them against on load."""
+        return dict(self._layout(), shards=[np.array(s.backend.to_host(s.data)) for s in self.shards],
+                    optimizer=self.optimizer.state_dict())
 
     def load_state_dict(self, sd: dict):
-        """Restore what ``state_dict`` saved on this rank (collective: stages 1 and 2 share the
-        restored slices so every replica holds the full parameters again)."""
-        want = {"stage": self.stage, "rank": self.comm.rank, "size": self.comm.size,
-                "numels": [b.numel for b in self.buckets]}
+        """Restore what ``state_dict`` saved on this rank, then ``share_parameters`` (collective)."""
+        want = self._layout()
         got = {k: sd.get(k) for k in want}
         if got != want:
             raise ValueError(f"rank {self.comm.rank}: this ZeRO checkpoint shard was saved with {got}, "
@@ -147,7 +131,6 @@ class ShardedDataParallel(DistributedDataParallel):
         self.share_parameters()
         return self
 
-    # -- reading the model -----------------------------------------------------------------------
     def full_parameters(self) -> dict:
         """Name -> full parameter array (every rank holds them at stages 1 and 2)."""
         return {n: p.data for n, p in self.module.named_parameters()}

@@ -16,12 +16,11 @@ Chapter 6 (lessons/06-checkpointing.md) derives the memory each policy keeps.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from minidist.autograd import ops
 from minidist.autograd import random as mrandom
+from minidist.autograd.modes import recomputing, recomputing_depth
 from minidist.autograd.tensor import Function, Tensor, enable_grad, grad_enabled, no_grad, run_backward
 from minidist.nn.attention import merge_heads, split_heads
 from minidist.nn.module import Module, Sequential
@@ -39,16 +38,6 @@ __all__ = ["POLICIES", "POSITION", "Recompute", "apply_recompute", "block_activa
 #: where the policies' forward wrappers sit in ``Module``'s stack (``nn.module.WRAPPER_ORDER``: outside
 #: ZeRO-3's gather and autocast, so a recomputation gathers and casts again)
 POSITION = "checkpoint"
-
-_state = threading.local()
-
-
-def recomputing_depth() -> int:
-    """How many recomputations are running on this thread (0: an ordinary forward).
-    A wrapper may keep what backward needs at once: ZeRO-3 does not release a unit gathered for a
-    recomputation, since the backward that follows needs it again."""
-    return getattr(_state, "depth", 0)
-
 
 class Recompute(Function):
     """The node: forward without a graph, backward = restore RNG, recompute, backprop."""
@@ -73,12 +62,10 @@ class Recompute(Function):
         mrandom.set_state(ctx.rng_state)
         for g, st in zip(ctx.generators, ctx.gen_states):
             g.bit_generator.state = st
-        _state.depth = recomputing_depth() + 1
         try:
-            with enable_grad():
+            with recomputing(), enable_grad():
                 out = ctx.fn(*leaves)
         finally:
-            _state.depth -= 1
             mrandom.set_state(now)
             for g, st in zip(ctx.generators, now_gens):
                 g.bit_generator.state = st
@@ -146,12 +133,12 @@ def apply_recompute(model, policy: str = "full", k: int | None = None):
     (see ``POLICIES``); returns the model.
 
     Works on any Sequential whose layers include blocks; segments never cross a non-block layer.
-    For a pipeline, recompute each stage's own layers (``PipelineStage(..., checkpoint=policy)``,
-    ``recompute_stage``): a segment of the whole model may span a stage boundary, and
-    ``PipelineStage`` refuses such a model. Each block (for "selective": each block's attention) gets
-    a forward wrapper at the ``POSITION`` of ``Module``'s wrapper stack, outside ZeRO-3's gather and
-    autocast, so a recomputation gathers and casts again; ``remove_recompute`` (or applying another
-    policy) removes exactly those wrappers. A model with no block raises.
+    For a pipeline, recompute each stage's own layers (``recompute_stage`` on each chunk, as
+    ``parallelize`` does): a segment of the whole model may span a stage boundary, and
+    ``check_segments_within`` refuses such a model. Each block (for "selective": each block's
+    attention) gets a forward wrapper at the ``POSITION`` of ``Module``'s wrapper stack, outside
+    ZeRO-3's gather and autocast, so a recomputation gathers and casts again; ``remove_recompute``
+    (or applying another policy) removes exactly those wrappers. A model with no block raises.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown recompute policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -187,7 +174,7 @@ def apply_recompute(model, policy: str = "full", k: int | None = None):
         layers[0].register_forward_wrapper(_segment_wrapper(layers, gens), POSITION, owner)
         for b in layers[1:]:  # computed inside the first member's segment
             b.register_forward_wrapper(_skip, POSITION, owner)
-        for b in layers:  # every member knows its segment: PipelineStage checks none is cut
+        for b in layers:  # every member knows its segment: check_segments_within checks none is cut
             object.__setattr__(b, "_recompute_segment", layers)
     return model
 
@@ -247,8 +234,8 @@ def check_segments_within(layers, layer_ids, stage: int) -> None:
             raise ValueError(
                 f"pipeline stage {stage}: layer {i} is in a recomputed segment of {len(seg)} blocks that "
                 f"crosses this stage's boundary (layers {layer_ids[0]}..{layer_ids[-1]}); apply "
-                "recomputation per stage instead: PipelineStage(model, bounds, stage, n, checkpoint=policy) "
-                "on a model without it (or recompute_stage(stage_layers, policy)), or the 'full' / "
+                "recomputation per stage instead: parallelize(..., checkpoint=policy) on a model without it "
+                "(or recompute_stage(chunk, policy) on each of the stage's chunks), or the 'full' / "
                 "'selective' policy, whose segments are single blocks")
 
 

@@ -1,2 +1,12 @@
-"""Pipeline parallelism: schedules as data, the runtime that executes them, and the simulator that
-times and checks them."""
+"""Pipeline parallelism: schedules as data, the runtime that executes them, the simulator that checks them.
+
+Kept apart, as ShallowSpeed does, so each can be read alone:
+
+* the data -- ``instructions.py`` (what a stage executes), ``placement.py`` (which rank holds each
+  piece of the model);
+* the schedules -- ``schedule.py`` (GPipe, 1F1B, interleaved), ``zero_bubble.py`` (ZB-H1, ZB-H2),
+  ``zb_v.py``, ``dualpipe.py``; ``catalog.py`` names them all (``--schedule``);
+* the runtime -- ``stage.py`` (a rank's layers), ``runtime.py`` (``run_schedule``),
+  ``split_backward.py`` (B now, W later);
+* the cut -- ``partition.py``; the simulator -- ``simulate.py`` (timing, deadlocks, bubble, memory).
+"""

@@ -1,51 +1,34 @@
 """DualPipeV (DeepSeek-V3's DualPipe "cut in half", as DeepSeek's dualpipev.py and torchtitan run it).
 
-DualPipe (DeepSeek-V3 report, 2024) feeds microbatches into the pipeline from both ends at once:
-rank i holds stage i of one model copy and stage PP-1-i of a second copy, so every rank always
-has a forward of one direction and a backward of the other to run together. Its "F&B" slot runs
-the forward of one microbatch and the backward of another as one unit, whose communication
-(activations one way, gradients the other) hides behind the other's computation. Bubble
-(PP/2 - 1)(F&B + B - 3W) against 1F1B's (PP-1)(F + B), at twice the parameters per rank.
+DualPipe feeds microbatches in from both ends at once, so every rank always has a forward of one
+direction and a backward of the other to run together as one "F&B" slot, whose communication
+(activations one way, gradients the other) hides behind the other's computation. DualPipeV folds
+its two model copies into one V (`placement.v_shape`: rank s holds pieces s and 2p-1-s of 2p): the
+same slots on p ranks and one copy of the parameters. With PP = 2p pieces (F, B, W per piece) the
+bubble is (PP/2 - 1)(F&B + B - 3W) against 1F1B's (PP-1)(F + B) (`dualpipe_v_bubble_formula`).
 
-DualPipeV folds the two copies into one V (`placement.v_shape`: rank s holds pieces s and 2p-1-s of
-2p): the same slots, p ranks instead of 2p, ONE copy of the parameters. With PP = 2p pieces its
-bubble is the same (PP/2 - 1)(F&B + B - 3W) = (p-1)(F&B + B - 3W), F, B, W per piece (B = a whole
-backward of a piece, W its weight part), activations 2p + 1 pieces on every rank (1F1B's p stages,
-plus half of one).
-
-`dualpipe_v(p, m)` is dualpipev.py's `step` order, step for step (m >= 2p microbatches): each
-rank's phases are nF0, nF0F1, nB1W1F1 (split backward), the main nF0B1F1B0 of F&B slots, nB1F1B0,
-nB1B0 (the second half split), nWB0, nW. Every call there is one slot here; an F&B slot is
-`[Forward(i, c0), Backward(j, c1)]` (the backward whole, as DualPipe's overlapped slot does).
-
-**What "overlap" means on CPU ranks.** minidist runs an F&B slot's two computations one after the
-other: the overlap that remains is the ORDER -- both slots' receives are posted before the slot
-and both sends after it (`with_messages`), so the messages of the forward and of the backward
-travel together while the rank computes, exactly the communication DualPipe hides. The compute
-overlap (two streams on one GPU) is absent: F&B costs F + B here, and the bubble formula gives
-(p-1)(F + 2B - 3W), which with F = W = B/2 per piece is (p-1) stage-forwards, ZB-H1's ideal
-(`dualpipe_v_bubble_formula`).
-
-Deadlock-free with the runtime's background sends, as DualPipe's own batched isend/irecv are (the
-schedule declares `buffered_sends`); strict rendezvous sends would cross on a link used both ways.
-
-Full DualPipe is not here: its two copies of every stage need a second parameter set per rank and
-an all-reduce of each piece's gradients between the ranks holding its two copies -- a second
-placement of the same virtual stages, which `Placement` (each piece on one rank) does not express.
+`dualpipe_v(p, m)` is dualpipev.py's `step` order, step for step (m >= 2p): each rank's phases
+nF0, nF0F1, nB1W1F1 (split backward), the main nF0B1F1B0 of F&B slots, nB1F1B0, nB1B0 (the second
+half split), nWB0, nW. Every call there is one slot here; an F&B slot is
+`[Forward(i, c0), Backward(j, c1)]`. minidist runs a slot's two computations one after the other:
+what overlaps is the messages, both receives posted before the slot and both sends after it
+(`with_messages`). Deadlock-free with the runtime's background sends (`buffered_sends`), as
+DualPipe's batched isend/irecv are. Chapter 5 says what F&B costs on CPU ranks and why full
+(two-copy) DualPipe is not here.
 """
 
 from __future__ import annotations
 
-from minidist.parallel.pipeline.placement import Schedule, v_shape
-from minidist.parallel.pipeline.schedule import (
+from minidist.parallel.pipeline.instructions import (
     Backward,
     BackwardInput,
     BackwardWeight,
     Forward,
     OptimizerStep,
-    _check,
+    check_sizes,
     with_messages,
 )
+from minidist.parallel.pipeline.placement import Schedule, v_shape
 from minidist.parallel.pipeline.zero_bubble import check_min
 
 
@@ -126,7 +109,7 @@ def _rank_slots(rank: int, p: int, m: int) -> list:
 
 def dualpipe_v(num_stages: int, num_microbatches: int) -> list[list]:
     """DualPipeV's instruction lists on the V placement (see the module docstring); m >= 2p."""
-    _check(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     check_min("dualpipe_v", p, m, dualpipe_v_min_microbatches(p))
     placement = v_shape(p)

@@ -1,23 +1,12 @@
-"""Pipeline parallelism: cut a `Sequential` into stages and execute a schedule's instructions on them.
+"""`run_schedule`: one pipeline rank executes its instruction list on its `PipelineStage`.
 
-Three pieces, in the order a reader meets them:
-
-* **Partitioning** -- `minidist/parallel/pipeline/partition.py`: `partition_uniform` (by layer count)
-  or `partition_balanced` (the min-max contiguous cut of per-layer costs from `layer_costs`);
-  `partition_for` balances the ranks of a placement of several pieces each (a V's rank 0 holds
-  both ends of the model).
-* **`PipelineStage`** (`minidist/parallel/pipeline/stage.py`, imported here) -- the layers one
-  rank holds (one slice per model chunk; interleaved 1F1B gives a rank several chunks, virtual
-  stage c*p + s; ZB-V and DualPipeV two, s and 2p-1-s: the schedule's `placement`,
-  `minidist.parallel.pipeline.placement`). Parameter names stay the full model's
-  ("3.attn.qkv.weight"), so a stage's parameters compare directly with the serial model's.
-* **`run_schedule`** -- the stage runtime. It walks this stage's instruction list from
-  `minidist.parallel.pipeline.schedule` and does exactly what each says: Forward / Backward (traced as
-  "Forward" / "Backward", category "compute", with mb and chunk), blocking point-to-point sends of
-  activations and their gradients (the receiver learns shape and dtype from the transport's header;
-  sends complete in the background, receives block; a message between two chunks of this rank,
-  the turn of a V, is handed over locally), `SendRecv` (all parts posted at once) and
-  `OptimizerStep` (a callback: DP all-reduce + update).
+It walks the list from `schedule.py` (or any schedule) and does exactly what each instruction says:
+Forward / Backward (traced as "Forward" / "Backward", category "compute", with mb and chunk), the
+split backward's B and W (`split_backward.py`), point-to-point sends of activations and their
+gradients (the receiver learns shape and dtype from the transport's header; sends complete in the
+background, receives block; a message between two chunks of this rank, the turn of a V, is handed
+over locally), `SendRecv` (all parts posted at once) and `OptimizerStep` (a callback: DP all-reduce
++ update). Each forward's saved activations are counted as `minidist.nn.footprint` counts them.
 
 Loss and gradients: the last virtual stage computes `loss_fn(output, target)` per microbatch and
 back-propagates `w_mb * loss`. The default `w_mb = 1/m` makes the accumulated gradients those of the
@@ -34,25 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minidist import trace
 from minidist.accel.backend import to_host
 from minidist.autograd.tensor import Tensor
 from minidist.nn.footprint import MemoryAccountant
-from minidist.parallel.pipeline.catalog import (  # noqa: F401 - callers build schedules from here too
-    SCHEDULES,
-    V_SCHEDULES,
-    make_schedule,
-    schedule_chunks,
-)
-from minidist.parallel.pipeline.partition import (  # noqa: F401 - the runtime's callers cut stages too
-    format_partition,
-    layer_costs,
-    partition_balanced,
-    partition_for,
-    partition_uniform,
-    rank_loads,
-)
-from minidist.parallel.pipeline.schedule import (
+from minidist.parallel.pipeline.instructions import (
     Backward,
     BackwardInput,
     BackwardWeight,
@@ -66,9 +40,52 @@ from minidist.parallel.pipeline.schedule import (
     peer_of,
 )
 from minidist.parallel.pipeline.split_backward import backward_input
-from minidist.parallel.pipeline.stage import PipelineStage  # noqa: F401 - callers build stages from here
+from minidist.parallel.pipeline.stage import PipelineStage
+from minidist.trace.spans import span
 
-# -- the runtime -------------------------------------------------------------------------------------
+
+def run_schedule(stage: PipelineStage, comm, instructions, inputs=None, targets=None,
+                 optimizer_step=None, ddp=None, loss_weights=None) -> StepStats:
+    """Execute one training step's `instructions` (this stage's list) on `stage`.
+
+    `comm` is the pipeline group (its rank is the stage index). `inputs[mb]` feed the first virtual
+    stage, `targets[mb]` the loss on the last one; other ranks may pass None. Parameter gradients
+    accumulate over the microbatches into `p.grad` (the mean-loss gradient); `optimizer_step()` is
+    called at `OptimizerStep`. `ddp`: a `DistributedDataParallel` wrapping this stage over its
+    data-parallel group: every backward but each chunk's last runs in `ddp.no_sync()`, so the
+    gradient buckets' all-reduces start during the last one (`optimizer_step` must call
+    `ddp.wait_gradients()`). `loss_weights[mb]` multiplies microbatch mb's loss before its backward
+    (default 1/m each; see the module docstring). Returns this stage's `StepStats`, whose `loss` is
+    the weighted sum (default: the mean microbatch loss).
+    """
+    if comm.size != stage.num_stages:
+        raise ValueError(f"rank {comm.rank}: pipeline group has {comm.size} ranks but the model is cut into "
+                         f"{stage.num_stages} stages")
+    if any(stage.is_first(c) for c in range(stage.num_chunks)) and inputs is None:
+        raise ValueError(f"rank {comm.rank}: stage {stage.stage} holds the first layers and needs inputs")
+    if any(stage.is_last(c) for c in range(stage.num_chunks)) and targets is None:
+        raise ValueError(f"rank {comm.rank}: stage {stage.stage} computes the loss and needs targets")
+    if loss_weights is not None and targets is not None and len(loss_weights) != len(targets):
+        raise ValueError(f"rank {comm.rank}: {len(loss_weights)} loss_weights for {len(targets)} "
+                         "microbatches; give one weight per microbatch")
+    chunks = {getattr(i, "chunk", 0) for instr in instructions for i in getattr(instr, "ops", (instr,))}
+    if max(chunks, default=0) >= stage.num_chunks:
+        raise ValueError(f"rank {comm.rank}: the instructions use chunk {max(chunks)} but this stage holds "
+                         f"{stage.num_chunks} ({stage.placement}); build it with the schedule's placement: "
+                         "PipelineStage(..., placement=make_schedule(...).placement)")
+    last_backward = {}
+    for instr in instructions:
+        if isinstance(instr, (Backward, BackwardWeight)):  # what completes a microbatch's gradients
+            last_backward[instr.chunk] = instr.mb
+    rt = _Runtime(stage, comm, inputs, targets, optimizer_step, ddp, last_backward, loss_weights)
+    t0 = time.perf_counter()
+    for instr in instructions:
+        rt.execute(instr)
+    rt.finish_sends()
+    rt.stats.seconds = time.perf_counter() - t0
+    if rt.losses:  # read back once the step is done: on JAX a read per microbatch stalls the dispatch
+        rt.stats.loss = float(np.sum([float(to_host(v)) * w for v, w in rt.losses]))
+    return rt.stats
 
 
 def split_microbatches(batch, num_microbatches: int, rank: int = 0) -> list:
@@ -115,9 +132,9 @@ class _Done:
 class _Runtime:
     """The state of one stage while it executes one step's instruction list."""
 
-    def __init__(self, stage: PipelineStage, comm, inputs, targets, optimizer_step, tracer, ddp=None,
+    def __init__(self, stage: PipelineStage, comm, inputs, targets, optimizer_step, ddp=None,
                  last_backward=None, loss_weights=None):
-        self.stage, self.comm, self.tracer = stage, comm, tracer
+        self.stage, self.comm = stage, comm
         self.inputs, self.targets, self.optimizer_step = inputs, targets, optimizer_step
         self.ddp, self.last_backward = ddp, last_backward or {}
         if targets is not None and loss_weights is None:  # only the loss stage needs them
@@ -132,9 +149,6 @@ class _Runtime:
         self.local = {}  # message key -> array handed from one chunk of this rank to another
         self.wq = {}  # (mb, chunk) -> the WeightGradQueue its BackwardInput left for BackwardWeight
 
-    def _span(self, name: str, cat: str, **args):
-        return nullcontext() if self.tracer is None else self.tracer.span(name, cat, **args)
-
     def forward(self, mb: int, chunk: int) -> None:
         st, key = self.stage, (mb, chunk)
         if st.is_first(chunk):
@@ -142,7 +156,7 @@ class _Runtime:
         else:
             x = Tensor(self.received.pop(("act",) + key), requires_grad=True)
         before = self.acct.activation_bytes
-        with self._span("Forward", "compute", mb=mb, chunk=chunk), \
+        with span("Forward", "compute", mb=mb, chunk=chunk), \
                 self.acct.track_activations(model=st, reset_peak=False):
             out = st.forward(x, chunk)
             if st.is_last(chunk):
@@ -162,7 +176,7 @@ class _Runtime:
         # data parallelism: only a chunk's last backward completes its gradients, so only then may
         # their bucketed all-reduces start (overlapping the rest of the backward pass)
         sync = self.ddp is None or self.last_backward.get(chunk) == mb
-        with self._span("Backward", "compute", mb=mb, chunk=chunk), \
+        with span("Backward", "compute", mb=mb, chunk=chunk), \
                 (nullcontext() if sync else self.ddp.no_sync()):
             if st.is_last(chunk):
                 out.backward()
@@ -176,7 +190,7 @@ class _Runtime:
         st, key = self.stage, (mb, chunk)
         x, out = self.x.pop(key), self.out.pop(key)
         seed = None if st.is_last(chunk) else self.received.pop(("grad",) + key)
-        with self._span("BackwardInput", "compute", mb=mb, chunk=chunk):
+        with span("BackwardInput", "compute", mb=mb, chunk=chunk):
             self.wq[key] = backward_input(out, seed, inputs=[x] if isinstance(x, Tensor) else [])
         held = sum(q.nbytes() for q in self.wq.values())
         self.stats.peak_weight_queue_bytes = max(self.stats.peak_weight_queue_bytes, held)
@@ -186,7 +200,7 @@ class _Runtime:
     def backward_weight(self, mb: int, chunk: int) -> None:
         """W: the weight gradients B put off; data parallelism syncs on each chunk's last one."""
         sync = self.ddp is None or self.last_backward.get(chunk) == mb
-        with self._span("BackwardWeight", "compute", mb=mb, chunk=chunk), \
+        with span("BackwardWeight", "compute", mb=mb, chunk=chunk), \
                 (nullcontext() if sync else self.ddp.no_sync()):
             self.wq.pop((mb, chunk)).run()
 
@@ -221,7 +235,7 @@ class _Runtime:
         sends_first = sorted(parts, key=lambda p: not isinstance(p, (SendAct, SendGrad)))  # local hand-offs
         posted = [self.post(p) for p in sends_first]
         self.sends = [r for r in self.sends if not r.test()] + [req for req, where in posted if where is None]
-        with self._span(names, cat, mb=min(p.mb for p in parts)):
+        with span(names, cat, mb=min(p.mb for p in parts)):
             for req, where in posted:
                 if where is not None:
                     self.received[where] = req.wait()
@@ -229,7 +243,7 @@ class _Runtime:
     def finish_sends(self) -> None:
         """Wait until every send of this step has been received (before the update and at the end)."""
         if self.sends:
-            with self._span("WaitSends", "wait"):
+            with span("WaitSends", "wait"):
                 for req in self.sends:
                     req.wait()
             self.sends = []
@@ -248,52 +262,7 @@ class _Runtime:
         elif isinstance(instr, OptimizerStep):
             self.finish_sends()
             if self.optimizer_step is not None:
-                with self._span("OptimizerStep", "step"):
+                with span("OptimizerStep", "step"):
                     self.optimizer_step()
         else:
             self.communicate((instr,))
-
-
-def run_schedule(stage: PipelineStage, comm, instructions, inputs=None, targets=None,
-                 optimizer_step=None, ddp=None, loss_weights=None) -> StepStats:
-    """Execute one training step's `instructions` (this stage's list) on `stage`.
-
-    `comm` is the pipeline group (its rank is the stage index). `inputs[mb]` feed the first virtual
-    stage, `targets[mb]` the loss on the last one; other ranks may pass None. Parameter gradients
-    accumulate over the microbatches into `p.grad` (the mean-loss gradient); `optimizer_step()` is
-    called at `OptimizerStep`. `ddp`: a `DistributedDataParallel` wrapping this stage over its
-    data-parallel group: every backward but each chunk's last runs in `ddp.no_sync()`, so the
-    gradient buckets' all-reduces start during the last one (`optimizer_step` must call
-    `ddp.wait_gradients()`). `loss_weights[mb]` multiplies microbatch mb's loss before its backward
-    (default 1/m each; see the module docstring). Returns this stage's `StepStats`, whose `loss` is
-    the weighted sum (default: the mean microbatch loss).
-    """
-    if comm.size != stage.num_stages:
-        raise ValueError(f"rank {comm.rank}: pipeline group has {comm.size} ranks but the model is cut into "
-                         f"{stage.num_stages} stages")
-    if any(stage.is_first(c) for c in range(stage.num_chunks)) and inputs is None:
-        raise ValueError(f"rank {comm.rank}: stage {stage.stage} holds the first layers and needs inputs")
-    if any(stage.is_last(c) for c in range(stage.num_chunks)) and targets is None:
-        raise ValueError(f"rank {comm.rank}: stage {stage.stage} computes the loss and needs targets")
-    if loss_weights is not None and targets is not None and len(loss_weights) != len(targets):
-        raise ValueError(f"rank {comm.rank}: {len(loss_weights)} loss_weights for {len(targets)} "
-                         "microbatches; give one weight per microbatch")
-    chunks = {getattr(i, "chunk", 0) for instr in instructions for i in getattr(instr, "ops", (instr,))}
-    if max(chunks, default=0) >= stage.num_chunks:
-        raise ValueError(f"rank {comm.rank}: the instructions use chunk {max(chunks)} but this stage holds "
-                         f"{stage.num_chunks} ({stage.placement}); build it with the schedule's placement: "
-                         "PipelineStage(..., placement=make_schedule(...).placement)")
-    last_backward = {}
-    for instr in instructions:
-        if isinstance(instr, (Backward, BackwardWeight)):  # what completes a microbatch's gradients
-            last_backward[instr.chunk] = instr.mb
-    rt = _Runtime(stage, comm, inputs, targets, optimizer_step, trace.current(), ddp, last_backward,
-                  loss_weights)
-    t0 = time.perf_counter()
-    for instr in instructions:
-        rt.execute(instr)
-    rt.finish_sends()
-    rt.stats.seconds = time.perf_counter() - t0
-    if rt.losses:  # read back once the step is done: on JAX a read per microbatch stalls the dispatch
-        rt.stats.loss = float(np.sum([float(to_host(v)) * w for v, w in rt.losses]))
-    return rt.stats

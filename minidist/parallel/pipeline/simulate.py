@@ -24,8 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from minidist.parallel.pipeline.placement import placement_of
-from minidist.parallel.pipeline.schedule import (
+from minidist.parallel.pipeline.instructions import (
     COMPUTE,
     P2P,
     Backward,
@@ -39,7 +38,8 @@ from minidist.parallel.pipeline.schedule import (
     SendRecv,
     message_key,
 )
-from minidist.trace import ascii_timeline_from_events, bubble_fraction
+from minidist.parallel.pipeline.placement import placement_of
+from minidist.trace.timeline import ascii_timeline_from_events, bubble_fraction
 
 
 class DeadlockError(RuntimeError):
@@ -66,6 +66,85 @@ def bubble_formula(num_stages: int, num_microbatches: int, chunks: int = 1) -> f
     """Textbook bubble fraction (p-1)/(v*m + p-1); v = 1 for GPipe and 1F1B."""
     p, m, v = num_stages, num_microbatches, chunks
     return (p - 1) / (v * m + p - 1)
+
+
+def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0, comm_time: float = 0.0,
+             opt_time: float = 0.0, input_time: float | None = None, weight_time: float | None = None,
+             buffered_sends: bool | None = None, piece_scale=None) -> SimResult:
+    """Execute all stages in lock step (see module docstring); raise DeadlockError if they get stuck.
+
+    A split backward's parts take `input_time` (B) and `weight_time` (W), by default half of
+    `bwd_time` each. `buffered_sends`: a send completes when posted and its receive at max(posted,
+    sent) + comm_time, as the runtime's background sends (`isend`) do; None (the default): what the
+    schedule declares it needs (`Schedule.buffered_sends`: True for the V schedules, whose two
+    directions on one link cross under rendezvous), else rendezvous. `piece_scale` (one number per
+    virtual stage, default all 1): a piece's F, B and W are its number times the costs above -- a cut
+    of unequal pieces."""
+    if buffered_sends is None:
+        buffered_sends = getattr(schedule, "buffered_sends", False)
+    validate(schedule)
+    p, placement = len(schedule), placement_of(schedule)
+    cost = {Forward: fwd_time, Backward: bwd_time, OptimizerStep: opt_time,
+            BackwardInput: bwd_time / 2 if input_time is None else input_time,
+            BackwardWeight: bwd_time / 2 if weight_time is None else weight_time}
+    scale = [1.0] * placement.num_virtual if piece_scale is None else [float(x) for x in piece_scale]
+    if len(scale) != placement.num_virtual:
+        raise ValueError(f"piece_scale has {len(scale)} numbers; the schedule's placement has "
+                         f"{placement.num_virtual} pieces (one number each)")
+
+    def duration(s, instr):
+        t = cost[type(instr)]
+        return t if isinstance(instr, OptimizerStep) else t * scale[placement.virtual_stage(s, instr.chunk)]
+    pc = [0] * p
+    clock = [0.0] * p
+    matched: list[dict] = [{} for _ in range(p)]  # part index -> completion time, for the current instr
+    events = []
+    mailbox: dict = {}  # buffered sends: message key -> time it was sent
+    while True:
+        progressed = False
+        for s in range(p):  # compute never blocks
+            while pc[s] < len(schedule[s]) and type(schedule[s][pc[s]]) in cost:
+                instr = schedule[s][pc[s]]
+                end = clock[s] + duration(s, instr)
+                events.append(_event(s, instr, clock[s], end))
+                clock[s] = end
+                pc[s] += 1
+                progressed = True
+        sends, recvs = {}, {}
+        for s in range(p):
+            if pc[s] < len(schedule[s]):
+                for k, part in enumerate(_parts(schedule[s][pc[s]])):
+                    if k not in matched[s]:
+                        is_send = isinstance(part, (SendAct, SendGrad))
+                        key = message_key(part, s, placement)
+                        if is_send and (buffered_sends or placement.rank_of(key[3]) == s):
+                            mailbox[key] = matched[s][k] = clock[s]
+                            progressed = True
+                            continue
+                        side = sends if is_send else recvs
+                        side[key] = (s, k)
+        for key in mailbox.keys() & recvs.keys():
+            b, kb = recvs.pop(key)
+            matched[b][kb] = max(mailbox.pop(key), clock[b]) + comm_time
+            progressed = True
+        for key in sends.keys() & recvs.keys():
+            (a, ka), (b, kb) = sends[key], recvs[key]
+            matched[a][ka] = matched[b][kb] = max(clock[a], clock[b]) + comm_time
+            progressed = True
+        for s in range(p):
+            if pc[s] < len(schedule[s]) and len(matched[s]) == len(_parts(schedule[s][pc[s]])):
+                end = max(matched[s].values())
+                events.append(_event(s, schedule[s][pc[s]], clock[s], end))
+                clock[s], pc[s], matched[s] = end, pc[s] + 1, {}
+        if all(pc[s] == len(schedule[s]) for s in range(p)):
+            break
+        if not progressed:
+            raise DeadlockError({s: schedule[s][pc[s]] for s in range(p) if pc[s] < len(schedule[s])})
+    return SimResult(
+        num_stages=p, events=events, makespan=max(clock), bubble=bubble_fraction(events),
+        peak_activations=[peak_activations(ops) for ops in schedule],
+        peak_pending_weights=[peak_pending_weights(ops) for ops in schedule],
+    )
 
 
 def _parts(instr) -> tuple:
@@ -179,85 +258,6 @@ def peak_pending_weights(ops: list) -> int:
         held += isinstance(instr, BackwardInput) - isinstance(instr, BackwardWeight)
         peak = max(peak, held)
     return peak
-
-
-def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0, comm_time: float = 0.0,
-             opt_time: float = 0.0, input_time: float | None = None, weight_time: float | None = None,
-             buffered_sends: bool | None = None, piece_scale=None) -> SimResult:
-    """Execute all stages in lock step (see module docstring); raise DeadlockError if they get stuck.
-
-    A split backward's parts take `input_time` (B) and `weight_time` (W), by default half of
-    `bwd_time` each. `buffered_sends`: a send completes when posted and its receive at max(posted,
-    sent) + comm_time, as the runtime's background sends (`isend`) do; None (the default): what the
-    schedule declares it needs (`Schedule.buffered_sends`: True for the V schedules, whose two
-    directions on one link cross under rendezvous), else rendezvous. `piece_scale` (one number per
-    virtual stage, default all 1): a piece's F, B and W are its number times the costs above -- a cut
-    of unequal pieces."""
-    if buffered_sends is None:
-        buffered_sends = getattr(schedule, "buffered_sends", False)
-    validate(schedule)
-    p, placement = len(schedule), placement_of(schedule)
-    cost = {Forward: fwd_time, Backward: bwd_time, OptimizerStep: opt_time,
-            BackwardInput: bwd_time / 2 if input_time is None else input_time,
-            BackwardWeight: bwd_time / 2 if weight_time is None else weight_time}
-    scale = [1.0] * placement.num_virtual if piece_scale is None else [float(x) for x in piece_scale]
-    if len(scale) != placement.num_virtual:
-        raise ValueError(f"piece_scale has {len(scale)} numbers; the schedule's placement has "
-                         f"{placement.num_virtual} pieces (one number each)")
-
-    def duration(s, instr):
-        t = cost[type(instr)]
-        return t if isinstance(instr, OptimizerStep) else t * scale[placement.virtual_stage(s, instr.chunk)]
-    pc = [0] * p
-    clock = [0.0] * p
-    matched: list[dict] = [{} for _ in range(p)]  # part index -> completion time, for the current instr
-    events = []
-    mailbox: dict = {}  # buffered sends: message key -> time it was sent
-    while True:
-        progressed = False
-        for s in range(p):  # compute never blocks
-            while pc[s] < len(schedule[s]) and type(schedule[s][pc[s]]) in cost:
-                instr = schedule[s][pc[s]]
-                end = clock[s] + duration(s, instr)
-                events.append(_event(s, instr, clock[s], end))
-                clock[s] = end
-                pc[s] += 1
-                progressed = True
-        sends, recvs = {}, {}
-        for s in range(p):
-            if pc[s] < len(schedule[s]):
-                for k, part in enumerate(_parts(schedule[s][pc[s]])):
-                    if k not in matched[s]:
-                        is_send = isinstance(part, (SendAct, SendGrad))
-                        key = message_key(part, s, placement)
-                        if is_send and (buffered_sends or placement.rank_of(key[3]) == s):
-                            mailbox[key] = matched[s][k] = clock[s]
-                            progressed = True
-                            continue
-                        side = sends if is_send else recvs
-                        side[key] = (s, k)
-        for key in mailbox.keys() & recvs.keys():
-            b, kb = recvs.pop(key)
-            matched[b][kb] = max(mailbox.pop(key), clock[b]) + comm_time
-            progressed = True
-        for key in sends.keys() & recvs.keys():
-            (a, ka), (b, kb) = sends[key], recvs[key]
-            matched[a][ka] = matched[b][kb] = max(clock[a], clock[b]) + comm_time
-            progressed = True
-        for s in range(p):
-            if pc[s] < len(schedule[s]) and len(matched[s]) == len(_parts(schedule[s][pc[s]])):
-                end = max(matched[s].values())
-                events.append(_event(s, schedule[s][pc[s]], clock[s], end))
-                clock[s], pc[s], matched[s] = end, pc[s] + 1, {}
-        if all(pc[s] == len(schedule[s]) for s in range(p)):
-            break
-        if not progressed:
-            raise DeadlockError({s: schedule[s][pc[s]] for s in range(p) if pc[s] < len(schedule[s])})
-    return SimResult(
-        num_stages=p, events=events, makespan=max(clock), bubble=bubble_fraction(events),
-        peak_activations=[peak_activations(ops) for ops in schedule],
-        peak_pending_weights=[peak_pending_weights(ops) for ops in schedule],
-    )
 
 
 def timeline_events(events) -> list:

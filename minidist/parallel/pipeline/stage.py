@@ -2,13 +2,14 @@
 
 The model is cut into per-virtual-stage layer ranges (`minidist.parallel.pipeline.partition`); the
 schedule's placement (`minidist.parallel.pipeline.placement`) says which of them this rank holds.
+Parameter names stay the full model's ("3.attn.qkv.weight"), so a stage's parameters compare
+directly with the serial model's. Whatever wraps the layers (recomputation of each chunk, mixed
+precision) is applied by the composition layer (`minidist.parallel.parallelize`) to `chunks`.
 """
 
 from __future__ import annotations
 
 from minidist.autograd import ops
-from minidist.parallel.compose import check_compatible
-from minidist.parallel.memory import recompute
 from minidist.parallel.pipeline.placement import Placement, looped
 
 
@@ -18,13 +19,10 @@ class PipelineStage:
     `bounds` has one (start, end) range per virtual stage: num_stages of them, or num_stages * v for
     v chunks per stage; `placement` (default looped: chunk c of this stage is virtual stage
     c * num_stages + stage) must be the schedule's (`make_schedule(...).placement`).
-    `checkpoint` (a `minidist.parallel.memory.recompute` policy, `checkpoint_k` for "every_k") checkpoints
-    each chunk's own blocks, so no segment crosses a stage boundary; a model checkpointed as a whole
-    whose segment is cut by `bounds` is refused with a clear error.
     """
 
-    def __init__(self, model, bounds, stage: int, num_stages: int, loss_fn=None, checkpoint=None,
-                 checkpoint_k=None, placement: Placement | None = None):
+    def __init__(self, model, bounds, stage: int, num_stages: int, loss_fn=None,
+                 placement: Placement | None = None):
         if len(bounds) % num_stages:
             raise ValueError(f"{len(bounds)} layer ranges do not split over {num_stages} stages")
         if not 0 <= stage < num_stages:
@@ -32,7 +30,6 @@ class PipelineStage:
         placement = placement or looped(num_stages, len(bounds) // num_stages)
         if placement.num_stages != num_stages:
             raise ValueError(f"placement {placement} is for {placement.num_stages} stages, not {num_stages}")
-        check_compatible(model, "pp")  # refused pairs (ZeRO) and orders (DDP first) fail here
         layers = list(model)
         self.stage, self.num_stages, self.placement = stage, num_stages, placement
         self.num_chunks = placement.chunks
@@ -40,10 +37,6 @@ class PipelineStage:
         self.layer_ids = [list(range(*b)) for b in placement.stage_bounds(bounds, stage)]
         self.chunks = [[layers[i] for i in ids] for ids in self.layer_ids]
         self.loss_fn = loss_fn or ops.cross_entropy
-        for ids, chunk in zip(self.layer_ids, self.chunks):
-            recompute.check_segments_within(chunk, ids, stage)
-            if checkpoint is not None:
-                recompute.checkpoint_stage(chunk, checkpoint, checkpoint_k)
 
     def is_first(self, chunk: int) -> bool:
         return self.placement.virtual_stage(self.stage, chunk) == 0

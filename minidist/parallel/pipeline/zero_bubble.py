@@ -1,61 +1,37 @@
 """Zero-bubble pipeline schedules (Qi et al., ICLR 2024) as data: 1F1B with each backward split in two.
 
 A backward is B (the gradient for the stage's input: the previous stage waits for it) and W (the
-weight gradients: nobody waits for them until the optimizer step). 1F1B's bubble is the time a
-stage waits for gradients to come back down the pipeline, (p-1)(F + B + W) per stage. Send B on at
-once and do W later, and the wait shrinks to the B chain alone: the W's a stage has put off fill
+weight gradients: nobody needs them before the optimizer step). Send B's result on at once and run
+W later, and a stage's wait for gradients shrinks to the B chain alone: the W's it has put off fill
 the gaps where it would have waited.
 
-Both schedules here are the order a greedy list scheduler picks in unit steps (`greedy_order`,
-also used by ZB-V): B as soon as its gradient is here, else F within the in-flight limits, else the
-oldest put-off W. In the rectangle p stages x [0, makespan] (one step, the optimizer synchronised
-across stages) no schedule beats a makespan of 3m + p - 1 with F = B = W: the last stage cannot
-start before p-1, and then has 3m of work. So the rectangle bubble is at least (p-1)/(3m+p-1).
+Both orders are what a greedy list scheduler picks in unit steps (`greedy_order`, also used by ZB-V):
+B as soon as its gradient is here, else F within the in-flight limits, else the oldest put-off W.
 
-* `zb_h1(p, m)`: 1F1B's limits (p - s microbatches between F and B on stage s, no stage holding
-  more than p from F to W: 1F1B's peak, stage 0's). Ideal (p-1)/(3m+p-1), a third of 1F1B's
-  (p-1)/(m+p-1) when m >> p; the paper's formula for its bubble time is (p-1)(F + B - W), which
-  its handcrafted ZB-H1 reaches. The plain greedy rule is 2 steps longer at p = 4..8, m >= 2p
-  (29 steps, 0.172, at p = 4, m = 8, against the floor's 27, 0.111). Why: the memory cap binds. W
-  needs the inputs its B kept, so a microbatch counts from F to W; stage 0's round trip (F down
-  the pipeline, B back up) is 2p - 1 steps, so with p held a stage can put off hardly any W while
-  it waits, and meets the cool-down with too few W's to fill it. Allow one more (held = p + 1)
-  and the same greedy reaches the floor at p = 4 (p = 8 needs 2p). Within the cap, one change
-  helps: a stage at the cap runs a W before its B, which frees room for the next F sooner.
-  `zb_h1` tries it on the last k stages, k = 0..p-1, and keeps the shortest (simulated with
-  F = B = W): at most ONE step above the floor for every p = 2..8, m >= p (28 steps, 0.143, at
-  p = 4, m = 8; exact at m = p). Reserving W's for the cool-down instead (tried: k W's per stage,
-  k = 1..p) idles the stages earlier and costs more than it saves. Whether an order holding every
-  microbatch whole until its W reaches the floor we have not found; the paper counts what W keeps
-  (its M_W) apart from a microbatch's activations. Needs m >= p.
-* `zb_h2(p, m)`: more warm-up forwards (2(p - s) - 1 between F and B on stage s, up to 2p - 1 in
-  flight on stage 0), W's fill the rest: the cool-down has W's to fill every gap, and the greedy
-  reaches the rectangle's bound 3m + p - 1 exactly, bubble (p-1)/(3m+p-1). The paper's ZB-H2
-  formula, (p-1)(F + B - 2W) = 0 for F = B = W, counts each stage over its own interval (the
-  parallelogram, with the optimizer's synchronisation bypassed); here the step ends together.
-  Peak memory: 2p - 1 microbatches on stage 0, about 2x 1F1B's p. Needs m >= 2p - 1.
+* `zb_h1(p, m)`: 1F1B's limits (p - s in flight on stage s, at most p held from F to W: 1F1B's
+  peak memory); bubble about (p-1)/(3m+p-1), a third of 1F1B's when m >> p. Needs m >= p.
+* `zb_h2(p, m)`: 2(p - s) - 1 in flight on stage s (2p - 1 held, about twice 1F1B's memory); its
+  put-off W's fill the whole cool-down: exactly the floor 3m + p - 1. Needs m >= 2p - 1.
 
-Communication: between consecutive compute ops one SendRecv (the send of the op just done, the
-receive of the next); W's are pure compute and never block. Both are deadlock-free under strict
-rendezvous too, but are made for the runtime's background sends (`Schedule.buffered_sends`):
-under rendezvous ZB-H2 waits for its neighbours (51 steps instead of 27 at p = 4, m = 8).
+Between consecutive compute ops one SendRecv (the send of the op just done, the receive of the
+next); W's never block. Made for the runtime's background sends (`Schedule.buffered_sends`).
+Chapter 5 (lessons/05-pipeline.md) derives the floor and gives the measured numbers.
 """
 
 from __future__ import annotations
 
 import functools
 
-from minidist.parallel.pipeline.placement import Placement, Schedule, looped
-from minidist.parallel.pipeline.schedule import (
+from minidist.parallel.pipeline.instructions import (
     BackwardInput,
     BackwardWeight,
     Forward,
     OptimizerStep,
     ScheduleError,
-    _check,
+    check_sizes,
     with_messages,
 )
-from minidist.parallel.pipeline.simulate import simulate
+from minidist.parallel.pipeline.placement import Placement, Schedule, looped
 
 
 def zb_h1_min_microbatches(num_stages: int) -> int:
@@ -152,7 +128,7 @@ def as_schedule(order: list, placement: Placement, buffered_sends: bool = True) 
 
 def zb_h1(num_stages: int, num_microbatches: int) -> list[list]:
     """ZB-H1 (see the module docstring): 1F1B's in-flight limit p - s, a third of its bubble."""
-    _check(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     check_min("zb_h1", p, m, zb_h1_min_microbatches(p))
     return as_schedule(_zb_h1_order(p, m, _zb_h1_best_k(p, m)), looped(p))
@@ -165,16 +141,40 @@ def _zb_h1_order(p: int, m: int, k: int) -> list:
 @functools.cache
 def _zb_h1_best_k(p: int, m: int) -> int:
     """The k for which "W first at the cap" on the last k stages (k = 0: the plain rule) gives the
-    shortest simulated step with F = B = W: a ZB-H1 at most one step above the floor for p = 2..8."""
-    unit = dict(fwd_time=1, bwd_time=2, input_time=1, weight_time=1)
-    def makespan(k):
-        return simulate(as_schedule(_zb_h1_order(p, m, k), looped(p)), **unit).makespan
-    return min(range(p), key=makespan)
+    shortest step with F = B = W: a ZB-H1 at most one step above the floor for p = 2..8."""
+    return min(range(p), key=lambda k: unit_makespan(_zb_h1_order(p, m, k), looped(p)))
+
+
+def unit_makespan(order: list, placement: Placement) -> int:
+    """The step's length when every rank runs its compute `order` as early as its inputs allow, with
+    F = B = W = 1 and free messages: what `simulate` gives `as_schedule(order, placement)`."""
+    last = placement.num_virtual - 1
+    end, clock, pc = {}, [0] * len(order), [0] * len(order)
+    moved = True
+    while moved:
+        moved = False
+        for r, ops in enumerate(order):
+            while pc[r] < len(ops):
+                op = ops[pc[r]]
+                vs = placement.virtual_stage(r, op.chunk)
+                forward = isinstance(op, Forward)
+                dep = ("F", vs - 1, op.mb) if forward and vs > 0 else \
+                    ("B", vs + 1, op.mb) if isinstance(op, BackwardInput) and vs < last else None
+                if dep is not None and dep not in end:
+                    break  # its input comes from another rank that has not computed it yet
+                clock[r] = max(clock[r], end.get(dep, 0)) + 1
+                if not isinstance(op, BackwardWeight):
+                    end[("F" if forward else "B", vs, op.mb)] = clock[r]
+                pc[r] += 1
+                moved = True
+    if any(pc[r] < len(ops) for r, ops in enumerate(order)):
+        raise ScheduleError(f"the order deadlocks (p={placement.num_stages})")
+    return max(clock)
 
 
 def zb_h2(num_stages: int, num_microbatches: int) -> list[list]:
     """ZB-H2 (see the module docstring): 2(p - s) - 1 in flight on stage s, bubble at its bound."""
-    _check(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     check_min("zb_h2", p, m, zb_h2_min_microbatches(p))
     return as_schedule(greedy_order(looped(p), m, lambda s, c: 2 * (p - s) - 1, held=2 * p - 1), looped(p))

@@ -8,11 +8,10 @@
       step-00000050/
       latest                    "step-00000050": replaced last, atomically
 
-Writing (``write_step``): every rank writes its file into ``step-N.tmp/`` and fsyncs it; rank 0 adds
-``manifest.json`` (each file's sha256 and size, each piece's file, offset, dtype and shape), fsyncs
-the directory, renames it to ``step-N`` (a rename is atomic: a reader sees the whole checkpoint or
-none of it), then replaces ``latest`` the same way, and deletes all but the newest ``keep``. A crash
-at any moment leaves either the old ``latest`` or the new one, never half of one.
+Writing: every rank writes its file into ``step-N.tmp/`` and fsyncs it; rank 0 adds ``manifest.json``
+(each file's sha256 and size, each piece's file, offset, dtype and shape), renames the directory to
+``step-N`` (atomic: a reader sees the whole checkpoint or none of it), then replaces ``latest`` the
+same way (``commit_step``). A crash at any moment leaves the old ``latest`` or the new one.
 
 Reading (``choose``): the newest step is used if its manifest parses and every file has the recorded
 size and sha256 (the ranks hash the files between them). A bad one is reported -- which file, what
@@ -30,18 +29,13 @@ import shutil
 
 import numpy as np
 
-FORMAT = "minidist-checkpoint/2"
+from minidist.resilience.checkpoint import integrity
+from minidist.resilience.checkpoint.errors import CheckpointError, CheckpointWarning  # noqa: F401 (re-export)
+
+FORMAT = "minidist-checkpoint/3"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: corrupt, incomplete, or made for another model."""
-
-
-class CheckpointWarning(UserWarning):
-    """A damaged or foreign checkpoint was skipped; an older one (or none) is used."""
 
 
 def step_dir_name(step: int) -> str:
@@ -188,8 +182,6 @@ def candidates(root) -> tuple[list[str], list[str]]:
 
 def read_manifest(directory) -> dict:
     """The manifest of a step directory, its digest and structure checked (CheckpointError if not)."""
-    from minidist.resilience.checkpoint import integrity  # cycle: files -> integrity -> files
-
     path = os.path.join(directory, MANIFEST)
     try:
         with open(path, "rb") as f:
@@ -210,8 +202,6 @@ def read_manifest(directory) -> dict:
 def check_file(directory, name: str, meta: dict, manifest: dict | None = None) -> str | None:
     """None if ``name`` has the manifest's size and sha256 (and, given the ``manifest``, its trailer
     says what the manifest says of it), else what is wrong with it."""
-    from minidist.resilience.checkpoint import integrity  # cycle: files -> integrity -> files
-
     path = os.path.join(directory, name)
     if not os.path.isfile(path):
         return f"{path}: missing"

@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 
-from minidist.resilience.checkpoint.files import CheckpointError
+from minidist.resilience.checkpoint.errors import CheckpointError
 
 MARKER = ".minidist-checkpoints"
 _OURS = re.compile(r"^(step-\d{8}(\.tmp)?|latest(\.tmp)?|\.minidist-checkpoints(\.tmp)?)$")

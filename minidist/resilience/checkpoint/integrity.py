@@ -25,7 +25,7 @@ import re
 
 import numpy as np
 
-from minidist.resilience.checkpoint.files import CheckpointError
+from minidist.resilience.checkpoint.errors import CheckpointError
 
 FOOTER = b"mdckpt02"
 _FILE = re.compile(r"^rank-\d{5}\.bin$")
@@ -158,6 +158,25 @@ def _validate(m: dict, path, step) -> None:
                   f"{tname}: piece of {p['nbytes']} bytes for shape {p['shape']}")
             _need(p["offset"] + p["nbytes"] <= m["files"][p["file"]]["bytes"], path,
                   f"{tname}: piece past the end of {p['file']}")
-            parts, part, flat = p["parts"], p["part"], p["flat"]
-            _need(_ints([part, parts]) and part < parts and (flat is None or _ints(flat) and len(flat) == 2),
-                  path, f"{tname}: piece part {part} of {parts}, flat {flat}")
+            _check_layout(p, t["shape"], path, tname)
+
+
+def _check_layout(p: dict, shape: list, path, tname: str) -> None:
+    """A piece's place in its tensor: ranges inside ``shape`` along a real axis, a flat range inside
+    them, and as many elements as its bytes hold."""
+    axis, ranges, flat = p["axis"], p["ranges"], p["flat"]
+    n = int(np.prod(shape, dtype=np.int64))
+    if ranges is not None:
+        _need(_ints([axis]) and axis < len(shape) and isinstance(ranges, list) and ranges, path,
+              f"{tname}: piece axis {axis!r}, ranges {ranges!r}")
+        _need(all(_ints(r) and len(r) == 2 and r[0] < r[1] <= shape[axis] for r in ranges), path,
+              f"{tname}: piece ranges {ranges} outside axis {axis} of length {shape[axis]}")
+        n = n // shape[axis] * sum(hi - lo for lo, hi in ranges)
+    else:
+        _need(axis is None, path, f"{tname}: piece axis {axis!r} without ranges")
+    if flat is not None:
+        _need(_ints(flat) and len(flat) == 2 and flat[0] <= flat[1] <= n, path,
+              f"{tname}: piece flat range {flat} of {n} elements")
+        n = flat[1] - flat[0]
+    _need(int(np.prod(p["shape"], dtype=np.int64)) == n, path,
+          f"{tname}: a piece of shape {p['shape']} where its layout holds {n} elements")

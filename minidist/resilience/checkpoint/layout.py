@@ -1,19 +1,18 @@
 """Which piece of which global tensor a rank holds, and how to rebuild any piece from others.
 
 Every array of the training state is a *slot*: a local array that is one piece of a global tensor
-(``model/3.attn.qkv.weight``, ``optim/m/3.attn.qkv.weight``). A piece is described as data:
+(``model/3.attn.qkv.weight``, ``optim/m/3.attn.qkv.weight``). A piece is described as data, by what
+the caller hands over -- the global shape and which slice of it the piece is:
 
-* ``shard, part, parts`` -- the parameter's ``minidist.parallel.tensor.sharding.Shard`` from the model's
-  sharding table (axis, blocks, group; None: replicated) and which of ``parts`` shards this rank
-  holds;
-* ``flat = [lo, hi)`` -- optionally, only elements lo..hi-1 of that shard, flattened (ZeRO keeps a
-  flat slice of a bucket; its overlap with one parameter is such a range).
+* ``axis, ranges`` -- the piece is the global tensor's ranges ``[lo, hi)`` along ``axis``, side by
+  side in that order (a tensor-parallel shard; q|k|v: three ranges); None: the whole tensor;
+* ``flat = [lo, hi)`` -- optionally, only elements lo..hi-1 of that, flattened (ZeRO keeps a flat
+  slice of a bucket; its overlap with one parameter is such a range).
 
 ``global_indices`` turns a description into the C-order flat indices of the global tensor that the
-piece holds, in the piece's own order: split ``arange(n).reshape(shape)`` as the shard says. Any
-two layouts can then be matched by intersecting index sets, which is all resharding is
-(``assemble``): a rank reads only the pieces that overlap what it needs, and copies the common
-elements.
+piece holds, in the piece's own order. Any two layouts can then be matched by intersecting index
+sets, which is all resharding is (``assemble``): a rank reads only the pieces that overlap what it
+needs, and copies the common elements.
 """
 
 from __future__ import annotations
@@ -24,48 +23,31 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist.accel.backend import to_host
-from minidist.parallel.tensor.sharding import Shard
-from minidist.resilience.checkpoint.files import CheckpointError
+from minidist.resilience.checkpoint.errors import CheckpointError
 
 
-def _shard(spec):
-    if spec is None:
-        return None
-    return Shard(spec["axis"], spec.get("group", "tp"), spec.get("blocks", 1), tuple(spec.get("widths", ())),
-                 tuple(spec.get("whole", ())))
+def _along(a, axis, ranges):
+    """The ranges of ``a`` along ``axis``, side by side (the whole of ``a`` when ``ranges`` is None)."""
+    if ranges is None:
+        return a
+    lead = (slice(None),) * axis
+    return np.concatenate([a[lead + (slice(lo, hi),)] for lo, hi in ranges], axis=axis)
 
 
-def shard_spec(shard) -> dict | None:
-    """A ``Shard`` as JSON (None: replicated); unequal blocks (grouped-query q|k|v) keep their widths
-    and the blocks every rank holds whole."""
-    if shard is None:
-        return None
-    spec = {"axis": shard.axis, "group": shard.group, "blocks": shard.blocks}
-    if shard.widths:
-        spec.update(widths=[int(w) for w in shard.widths], whole=[int(i) for i in shard.whole])
-    return spec
-
-
-def global_indices(shape, shard: dict | None, part: int, parts: int, flat=None) -> np.ndarray:
+def global_indices(shape, axis=None, ranges=None, flat=None) -> np.ndarray:
     """Flat (C-order) indices into the global tensor of ``shape`` of the piece's elements, in order."""
     idx = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64).reshape(shape)
-    sh = _shard(shard)
-    local = (idx if sh is None else sh.split(idx, part, parts)).reshape(-1)
+    local = _along(idx, None if axis is None else axis % idx.ndim, ranges).reshape(-1)
     return local[flat[0]:flat[1]] if flat is not None else local
 
 
-def local_shape(shape, shard: dict | None, part: int, parts: int, flat=None) -> tuple:
+def local_shape(shape, axis=None, ranges=None, flat=None) -> tuple:
     if flat is not None:
         return (flat[1] - flat[0],)
-    sh = _shard(shard)
-    return tuple(shape) if sh is None else sh.local_shape(shape, parts)
-
-
-def _global_shape(local, shard: dict | None, parts: int) -> tuple:
-    s = list(local)
-    if shard is not None:
-        s[shard["axis"]] = sum(shard["widths"]) if shard.get("widths") else s[shard["axis"]] * parts
-    return tuple(s)
+    if ranges is None:
+        return tuple(shape)
+    axis %= len(shape)
+    return tuple(shape[:axis]) + (sum(hi - lo for lo, hi in ranges),) + tuple(shape[axis + 1:])
 
 
 @dataclass
@@ -77,26 +59,26 @@ class Slot:
     dtype: np.dtype
     get: Callable[[], np.ndarray]
     set: Callable[[np.ndarray], None]
-    shard: dict | None = None  # ``shard_spec`` of the parameter's Shard; None: replicated
-    part: int = 0
-    parts: int = 1
+    axis: int | None = None      # the piece is ``ranges`` of the global tensor along ``axis``
+    ranges: list | None = None   # [(lo, hi), ...]; None: the whole tensor (replicated)
     flat: tuple | None = None
     extra: dict = field(default_factory=dict)
 
     def spec(self) -> dict:
-        return {"shard": self.shard, "part": self.part, "parts": self.parts,
-                "flat": list(self.flat) if self.flat is not None else None}
+        ranges = [list(r) for r in self.ranges] if self.ranges is not None else None
+        flat = list(self.flat) if self.flat is not None else None
+        return {"axis": self.axis, "ranges": ranges, "flat": flat}
 
     def key(self) -> tuple:
-        return (self.name, str(self.shard), self.part, self.parts, self.flat)
+        ranges = tuple(map(tuple, self.ranges)) if self.ranges is not None else None
+        return (self.name, self.axis, ranges, self.flat)
 
     def local_shape(self) -> tuple:
-        return local_shape(self.shape, self.shard, self.part, self.parts, self.flat)
+        return local_shape(self.shape, self.axis, self.ranges, self.flat)
 
 
 def _same_spec(piece: dict, slot: Slot) -> bool:
-    return (piece["shard"], piece["part"], piece["parts"], piece["flat"]) == (
-        slot.shard, slot.part, slot.parts, list(slot.flat) if slot.flat is not None else None)
+    return (piece["axis"], piece["ranges"], piece["flat"]) == tuple(slot.spec().values())
 
 
 def assemble(slot: Slot, tensor: dict, read) -> np.ndarray:
@@ -114,12 +96,12 @@ def assemble(slot: Slot, tensor: dict, read) -> np.ndarray:
     for piece in tensor["pieces"]:  # the common case: the same layout as when it was saved
         if _same_spec(piece, slot):
             return read(piece).reshape(want_shape)
-    want = global_indices(slot.shape, slot.shard, slot.part, slot.parts, slot.flat)
+    want = global_indices(slot.shape, slot.axis, slot.ranges, slot.flat)
     out = np.empty(want.size, np.dtype(slot.dtype))
     covered = np.zeros(want.size, bool)
     lo, hi = (int(want.min()), int(want.max())) if want.size else (0, -1)
     for piece in tensor["pieces"]:
-        src = global_indices(slot.shape, piece["shard"], piece["part"], piece["parts"], piece["flat"])
+        src = global_indices(slot.shape, piece["axis"], piece["ranges"], piece["flat"])
         if not src.size or src.max() < lo or src.min() > hi:
             continue  # cannot overlap: not read at all
         _, i_want, i_src = np.intersect1d(want, src, assume_unique=True, return_indices=True)
@@ -144,14 +126,16 @@ def _param_setter(p, what: str):
     return set_
 
 
-def param_slots(named_params, table: dict, part: int, parts: int) -> list[Slot]:
-    """``model/<name>`` slots of (name, parameter) pairs; ``table[name]``: the parameter's Shard (or None)."""
+def param_slots(named_params, slices: dict) -> list[Slot]:
+    """``model/<name>`` slots of (name, parameter) pairs; ``slices[name]``: (global shape, axis, ranges)
+    of a parameter that is a piece of a larger tensor (absent: the parameter is the whole tensor)."""
     slots = []
     for name, p in named_params:
-        shard = shard_spec(table.get(name)) if parts > 1 else None
-        pt, pts = (part, parts) if shard is not None else (0, 1)
-        slots.append(Slot(f"model/{name}", _global_shape(p.shape, shard, parts), np.dtype(p.dtype),
-                          (lambda p=p: to_host(p.data)), _param_setter(p, f"model/{name}"), shard, pt, pts))
+        shape, axis, ranges = slices.get(name, (tuple(p.shape), None, None))
+        if ranges is not None:
+            axis, ranges = int(axis) % len(shape), [(int(lo), int(hi)) for lo, hi in ranges]
+        slots.append(Slot(f"model/{name}", tuple(map(int, shape)), np.dtype(p.dtype),
+                          (lambda p=p: to_host(p.data)), _param_setter(p, f"model/{name}"), axis, ranges))
     return slots
 
 
@@ -172,8 +156,7 @@ def optimizer_slots(opt, param_slots_by_id: dict, keys) -> list[Slot]:
                 opt.state[i][key] = p.backend.from_host(np.array(a, dtype=p.dtype).reshape(p.shape))
 
             pname = ps.name.split("/", 1)[1]
-            slots.append(Slot(f"optim/{key}/{pname}", ps.shape, ps.dtype, get, set_, ps.shard, ps.part,
-                              ps.parts,
+            slots.append(Slot(f"optim/{key}/{pname}", ps.shape, ps.dtype, get, set_, ps.axis, ps.ranges,
                               extra={"index": i, "key": key}))
     return slots
 

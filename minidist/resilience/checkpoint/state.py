@@ -21,9 +21,8 @@ import warnings
 from dataclasses import dataclass, field
 
 from minidist.autograd import random as mrandom
-from minidist.parallel.tensor.sharding import sharding_table
 from minidist.resilience.checkpoint import files
-from minidist.resilience.checkpoint.files import CheckpointError
+from minidist.resilience.checkpoint.errors import CheckpointError
 from minidist.resilience.checkpoint.layout import Slot, assemble, optimizer_slots, param_slots, zero_slots
 from minidist.resilience.checkpoint.writer import (
     Snapshot,
@@ -45,9 +44,9 @@ class TrainState:
     ``model``: a Module or PipelineStage (anything with ``named_parameters()`` giving the serial
     names). ``optimizer``: a ``minidist.nn.optim`` optimizer over the model's parameters (None with
     ``zero``). ``zero``: a ``ZeRO`` wrapper, whose owned slices and optimizer are saved instead.
-    ``tp``: the tensor-parallel group (None: no tensor parallelism); ``table``: the parameters'
-    sharding table (default: ``minidist.parallel.tensor.sharding.sharding_table`` of the model, or of each
-    layer of a pipeline stage). ``objects``: name -> object
+    ``slices``: {parameter name: (global shape, axis, [(lo, hi), ...])} for each parameter that is a
+    piece of a larger tensor -- a tensor-parallel shard, as ``minidist.parallel.tensor.slices.
+    global_slices`` describes it; the others are whole. ``objects``: name -> object
     with ``state_dict``/``load_state_dict``. ``rngs``: name -> numpy Generator (restored in place).
     ``mesh``: recorded in the manifest, e.g. {"dp": 2, "pp": 2, "tp": 1, "zero": 0}. ``on_load``:
     functions called after a restore (mixed precision: copy the fp32 masters into the model).
@@ -59,24 +58,13 @@ class TrainState:
     model: object
     optimizer: object = None
     zero: object = None
-    tp: object = None
-    table: dict | None = None
+    slices: dict = field(default_factory=dict)
     objects: dict = field(default_factory=dict)
     rngs: dict = field(default_factory=dict)
     mesh: dict = field(default_factory=dict)
     on_load: list = field(default_factory=list)  # called after a restore (e.g. recast fp32 masters)
     config: dict | None = None
     job: str | None = field(default_factory=lambda: os.environ.get("MINIDIST_JOB_ID"))
-
-    def sharding(self) -> dict:
-        """{parameter name: Shard or None} of the model (a PipelineStage: of the layers it holds)."""
-        if self.table is not None:
-            return self.table
-        m = self.model
-        if hasattr(m, "layer_ids"):  # a pipeline stage: its layers, under the full model's names
-            return {k: s for ids, layers in zip(m.layer_ids, m.chunks) for i, layer in zip(ids, layers)
-                    for k, s in sharding_table(layer, prefix=f"{i}.").items()}
-        return dict(sharding_table(m))
 
     def slots(self, optim_keys=None) -> tuple[list[Slot], list]:
         """(slots, finishers). ``optim_keys``: optimizer state keys (default: those it has now)."""
@@ -87,9 +75,8 @@ class TrainState:
             names = {id(p): n for n, p in z.module.named_parameters()}
             slots, finishers = zero_slots(z, keys, names)
             frozen = [(n, p) for n, p in z.module.named_parameters() if not p.requires_grad]
-            return slots + param_slots(frozen, {}, 0, 1), finishers
-        part, parts = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
-        ps = param_slots(self.model.named_parameters(), self.sharding() if parts > 1 else {}, part, parts)
+            return slots + param_slots(frozen, {}), finishers
+        ps = param_slots(self.model.named_parameters(), self.slices)
         slots = list(ps)
         if self.optimizer is not None:
             by_id = {id(p): s for (_, p), s in zip(self.model.named_parameters(), ps)}

@@ -19,16 +19,12 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from minidist.comm.watchdog import default_timeout
+from minidist.comm import default_timeout
 from minidist.resilience.checkpoint import files, folder, integrity
-from minidist.resilience.checkpoint.files import CheckpointError
-
-if TYPE_CHECKING:
-    from minidist.resilience.checkpoint.state import TrainState
+from minidist.resilience.checkpoint.errors import CheckpointError
 
 
 def write_sidecar(tmp, rank: int, obj: dict) -> None:
@@ -73,8 +69,9 @@ class Snapshot:
     config: dict | None = None
 
 
-def snapshot(comm, step: int, state: TrainState) -> Snapshot:
-    """Copy this rank's owned pieces to host memory (collective: ranks agree who writes replicas)."""
+def snapshot(comm, step: int, state) -> Snapshot:
+    """Copy this rank's owned pieces of ``state`` (a ``TrainState``) to host memory (collective: ranks
+    agree who writes replicas)."""
     t0 = time.perf_counter()
     slots, _ = state.slots()
     keys = [s.key() for s in slots]

@@ -36,7 +36,7 @@ def test_dp_equals_serial_whatever_the_shares(data, ranks, rows, optimizer):
     want, want_losses = train_serial(CFG, batches, lr=0.1, optimizer=optimizer)
 
     def body(comm):
-        r = train_dp_balanced(comm, CFG, batches, optimizer=optimizer, slow="", plan=lambda s: plans[s])
+        r = train_dp_balanced(comm, CFG, batches, optimizer=optimizer, slow=None, plan=lambda s: plans[s])
         return host_state(r.model), r.losses, r.shares
     results = run(body, ranks=ranks)
     for state, losses, shares in results:
@@ -69,7 +69,7 @@ def test_dp_on_jax_pads_shares_to_a_few_shapes_and_equals_serial():
             programs.append(jax_engine.compilations())
             rows.append(table[:, run.monitor.fields.index("rows")].tolist())
 
-        r = train_dp_balanced(comm, CFG, batches, optimizer="sgd", slow="", plan=lambda s: plans[s],
+        r = train_dp_balanced(comm, CFG, batches, optimizer="sgd", slow=None, plan=lambda s: plans[s],
                               on_step=on_step)  # (the rank's default backend: JAX)
         return host_state(r.model), r.losses, programs, rows
 

@@ -20,9 +20,9 @@ def test_lesson_detects_moves_and_passes_on_threads(monkeypatch, capsys):
     """On the virtual clock (what moves depends only on the emulated times, not the machine's load):
     rank 1 is named 3x slower, the shares move, the pipeline is re-cut, both twins PASS."""
     from minidist.lessons.load_balancing import main
-    from minidist.parallel.balance import dp, pipeline
+    from minidist.parallel.balance import dp, pipeline, profile
 
-    virtual_clock(monkeypatch, dp, pipeline)
+    virtual_clock(monkeypatch, dp, pipeline, profile)
     main(["--ranks", "3", *SMALL])
     out = capsys.readouterr().out
     assert "detected: rank 1 is 3.0x slower per row" in out and "shares moved after step" in out

@@ -20,9 +20,10 @@ from minidist.autograd import ops
 from minidist.comm import measure, run
 from minidist.nn import GPT, Linear, Module, optim
 from minidist.nn.data import DistributedSampler
-from minidist.parallel.data.compress.bucket import allreduce_hook
+from minidist.nn.serial import max_state_diff
+from minidist.parallel.data.compress import allreduce_hook
 from minidist.parallel.data.ddp import DDP
-from minidist.parallel.three_d import max_state_diff
+from minidist.trace import hidden_fraction
 from tests.conftest import budget
 from tests.parallel.data.conftest import (
     CFG,
@@ -156,7 +157,7 @@ def test_first_bucket_all_reduce_runs_while_backward_is_still_computing():
         ddp.wait_gradients()
         (b0, b1), = [(a, b) for _, kind, a, b in ddp.events if kind == "backward"]
         c0, c1 = next((a, b) for name, kind, a, b in ddp.events if name == "all-reduce b0")
-        return len(ddp.buckets), seen["started"], (b0, c0, c1, b1), ddp.hidden_fraction()
+        return len(ddp.buckets), seen["started"], (b0, c0, c1, b1), hidden_fraction(ddp.events)
 
     for nb, started, (b0, c0, c1, b1), hidden in run(body, ranks=3):
         assert nb >= 3 and 0 in started and nb - 1 not in started  # the embedding's bucket: still to come

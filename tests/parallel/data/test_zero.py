@@ -13,8 +13,8 @@ from minidist.autograd.tensor import saved_tensors_hooks
 from minidist.comm import measure, run
 from minidist.nn import GPT, optim
 from minidist.nn.footprint import MemoryAccountant, zero_formula
+from minidist.nn.serial import max_state_diff
 from minidist.parallel.data.zero import ZeRO, param_count
-from minidist.parallel.three_d import max_state_diff
 from tests.conftest import budget
 from tests.parallel.data.conftest import (
     CFG,

@@ -24,17 +24,16 @@ from minidist.parallel.memory.recompute import (
     POLICIES,
     POSITION,
     apply_recompute,
+    check_segments_within,
     predicted_peak_activation_bytes,
     recompute,
+    recompute_stage,
     remove_recompute,
 )
-from minidist.parallel.pipeline.runtime import (
-    PipelineStage,
-    make_schedule,
-    partition_uniform,
-    run_schedule,
-    split_microbatches,
-)
+from minidist.parallel.pipeline.catalog import make_schedule
+from minidist.parallel.pipeline.partition import partition_uniform
+from minidist.parallel.pipeline.runtime import run_schedule, split_microbatches
+from minidist.parallel.pipeline.stage import PipelineStage
 from tests.conftest import backends
 
 
@@ -123,9 +122,11 @@ def _pipeline_rank(comm, cfg, policy, x, y, whole_model=False):
     bounds = partition_uniform(len(model), comm.size)
     if whole_model:
         apply_recompute(model, policy)
-        stage = PipelineStage(model, bounds, comm.rank, comm.size)
-    else:
-        stage = PipelineStage(model, bounds, comm.rank, comm.size, checkpoint=policy, checkpoint_k=2)
+    stage = PipelineStage(model, bounds, comm.rank, comm.size)
+    for ids, chunk in zip(stage.layer_ids, stage.chunks):  # what parallelize does to a stage's chunks
+        check_segments_within(chunk, ids, comm.rank)
+        if not whole_model:
+            recompute_stage(chunk, policy, 2)
     mrandom.manual_seed(5 + comm.rank)
     first, last = comm.rank == 0, comm.rank == comm.size - 1
     run_schedule(stage, comm, make_schedule("1f1b", comm.size, 2)[comm.rank],
@@ -152,10 +153,12 @@ def test_pipeline_refuses_a_segment_across_a_stage_boundary():
     """sqrt over 4 blocks = segments (1, 2), (3, 4); 3 stages cut between blocks 1 and 2."""
     cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, d_model=8)
     model = apply_recompute(GPT(cfg), "sqrt")
+    stage = PipelineStage(model, partition_uniform(6, 3), 0, 3)
     with pytest.raises(ValueError, match="stage 0: layer 1 is in a recomputed segment of 2 blocks that "
                                          "crosses.*checkpoint=policy"):
-        PipelineStage(model, partition_uniform(6, 3), 0, 3)
-    PipelineStage(apply_recompute(model, "full"), partition_uniform(6, 3), 0, 3)  # 1-block segments
+        check_segments_within(stage.chunks[0], stage.layer_ids[0], 0)
+    stage = PipelineStage(apply_recompute(model, "full"), partition_uniform(6, 3), 0, 3)
+    check_segments_within(stage.chunks[0], stage.layer_ids[0], 0)  # 1-block segments
 
 
 def _tp_rank(comm, cfg, policy, idx, sp, dropout_rng):

@@ -5,13 +5,10 @@ import pytest
 
 from minidist.comm import run
 from minidist.nn import GPT, GPTConfig
-from minidist.parallel.pipeline.runtime import (
-    PipelineStage,
-    make_schedule,
-    partition_uniform,
-    run_schedule,
-    split_microbatches,
-)
+from minidist.parallel.pipeline.catalog import make_schedule
+from minidist.parallel.pipeline.partition import partition_uniform
+from minidist.parallel.pipeline.runtime import run_schedule, split_microbatches
+from minidist.parallel.pipeline.stage import PipelineStage
 
 TINY = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, d_model=8, dtype="float64")
 

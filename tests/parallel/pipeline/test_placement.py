@@ -3,15 +3,12 @@
 import pytest
 
 from minidist.nn import GPT, GPTConfig
+from minidist.parallel.pipeline.catalog import make_schedule
+from minidist.parallel.pipeline.partition import format_partition, partition_uniform
 from minidist.parallel.pipeline.placement import Placement, Schedule, looped, placement_of, v_shape
-from minidist.parallel.pipeline.runtime import (
-    PipelineStage,
-    format_partition,
-    make_schedule,
-    partition_uniform,
-    run_schedule,
-)
+from minidist.parallel.pipeline.runtime import run_schedule
 from minidist.parallel.pipeline.schedule import Forward, RecvAct, RecvGrad, SendAct, SendGrad, peer_of
+from minidist.parallel.pipeline.stage import PipelineStage
 
 
 def test_v_table_by_hand():

@@ -17,18 +17,17 @@ from minidist import trace
 from minidist.comm import run
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.footprint import MemoryAccountant
-from minidist.parallel.pipeline.runtime import (
-    PipelineStage,
+from minidist.parallel.pipeline.catalog import make_schedule
+from minidist.parallel.pipeline.partition import (
     format_partition,
     layer_costs,
-    make_schedule,
     partition_balanced,
     partition_uniform,
-    run_schedule,
-    split_microbatches,
 )
+from minidist.parallel.pipeline.runtime import run_schedule, split_microbatches
 from minidist.parallel.pipeline.schedule import Backward, Forward, ScheduleError, one_f_one_b
 from minidist.parallel.pipeline.simulate import peak_activations
+from minidist.parallel.pipeline.stage import PipelineStage
 from tests.conftest import budget
 
 ROOT = Path(__file__).resolve().parents[3]

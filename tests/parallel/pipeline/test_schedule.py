@@ -233,7 +233,7 @@ def test_piece_scale_stretches_one_piece_as_worked_by_hand():
 def test_piece_scale_reaches_the_v_pieces_by_placement():
     """A V's rank 0 holds pieces 0 and 3 and rank 1 pieces 1 and 2 (placement written out here):
     each compute span lasts its piece's number times its kind's cost."""
-    from minidist.parallel.pipeline.runtime import make_schedule
+    from minidist.parallel.pipeline.catalog import make_schedule
 
     sched = make_schedule("zb_v", 2, 4)
     piece = {(0, 0): 0, (1, 0): 1, (1, 1): 2, (0, 1): 3}

@@ -22,6 +22,7 @@ from minidist.parallel.pipeline.zb_v import zb_v
 from minidist.parallel.pipeline.zero_bubble import (
     as_schedule,
     greedy_order,
+    unit_makespan,
     zb_h1,
     zb_h2,
     zb_h2_bubble_formula,
@@ -41,6 +42,22 @@ def test_deadlock_free_for_p_2_to_8(p):
         for buffered in (False, True):
             r = simulate(zb_h1(p, m), 1.0, 2.0, buffered_sends=buffered)
             assert r.makespan > 0
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_unit_makespan_is_the_simulated_step(p):
+    """`zb_h1` keeps the shortest of its candidate orders by `unit_makespan` (each op as early as its
+    input allows, F = B = W = 1): that is exactly what the simulator gives the same orders, ZB-H1's
+    and ZB-H2's (one of each candidate "W first at the cap" on the last k stages)."""
+    place = looped(p)
+    unit = dict(fwd_time=1, bwd_time=2, input_time=1, weight_time=1)
+    for m in (p, 2 * p, 2 * p + 3):
+        orders = [greedy_order(place, m, lambda s, c: p - s, held=p, w_first_at_cap=range(p - k, p))
+                  for k in range(p)]
+        if m >= 2 * p - 1:
+            orders.append(greedy_order(place, m, lambda s, c: 2 * (p - s) - 1, held=2 * p - 1))
+        for order in orders:
+            assert unit_makespan(order, place) == simulate(as_schedule(order, place), **unit).makespan
 
 
 def test_fewer_microbatches_than_the_minimum_is_refused():

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from minidist.comm import run
+from minidist.lessons.fault_tolerance_job import MeshTrainer, small_config
 from minidist.resilience.checkpoint import CheckpointError, load, save
 from minidist.resilience.checkpoint import folder as folder_mod
 from minidist.resilience.checkpoint.files import CheckpointWarning
 from minidist.resilience.checkpoint.tiers import Checkpointer, Tier
-from minidist.resilience.checkpoint.trainer import Trainer, small_config
 from minidist.resilience.checkpoint.writer import snapshot, write_part
 from minidist.resilience.faults import Injector
 
@@ -40,7 +40,7 @@ def _equal(a, b):
 def _save_then_fail(comm, root, fault):
     """Save step 1; the save of step 2 fails by ``fault``: each rank returns its error (or None), the
     state at step 1, and whether a later save (step 3) still works."""
-    t = Trainer(comm, CFG, zero=1, batch_size=4)
+    t = MeshTrainer(comm, CFG, zero=1, batch_size=4)
     t.step()
     save(comm, root, 1, t.state())
     at1 = _params(t)
@@ -58,7 +58,7 @@ def _save_then_fail(comm, root, fault):
 
 
 def _load_step(comm, root, step):
-    t = Trainer(comm, CFG, zero=1, batch_size=4)
+    t = MeshTrainer(comm, CFG, zero=1, batch_size=4)
     got = load(comm, root, t.state(), required=True)
     return got.step, _params(t)
 
@@ -102,7 +102,7 @@ def test_rank_zero_waits_for_the_others_files_at_most_minidist_timeout(tmp_path,
     monkeypatch.setenv("MINIDIST_TIMEOUT", "0.3")
 
     def body(comm):
-        t = Trainer(comm, CFG)
+        t = MeshTrainer(comm, CFG)
         return snapshot(comm, 1, t.state())
     snap = run(body, ranks=1)[0]
     tmp = tmp_path / "step-00000001.tmp"
@@ -123,7 +123,7 @@ def test_rank_zero_waits_for_the_others_files_at_most_minidist_timeout(tmp_path,
 
 
 def _tiered(comm, root, fault):
-    t = Trainer(comm, CFG, zero=1, batch_size=4)
+    t = MeshTrainer(comm, CFG, zero=1, batch_size=4)
     ck = Checkpointer(comm, [Tier("disk", root, 1)], fault=Injector.from_env(comm.rank, fault))
     while t.step_count < 3:
         t.step()
@@ -148,7 +148,7 @@ def test_a_folder_with_someone_elses_files_is_refused_and_left_alone(tmp_path):
     (d / "notes").write_text("keep me")
 
     def body(comm):
-        t = Trainer(comm, CFG)
+        t = MeshTrainer(comm, CFG)
         t.step()
         save(comm, str(d), 1, t.state())
     with pytest.raises(CheckpointError, match=f"{d} holds files minidist did not write \\(notes\\)"):
@@ -187,7 +187,7 @@ def test_the_lesson_never_deletes_a_ckpt_folder_it_did_not_create(tmp_path):
 # -- two jobs, one folder ------------------------------------------------------------------------------
 
 def _job(comm, root, job, steps, data_seed, resume=False):
-    t = Trainer(comm, CFG, data_seed=data_seed, job=job)
+    t = MeshTrainer(comm, CFG, data_seed=data_seed, job=job)
     info = load(comm, root, t.state()) if resume else None
     errors = []
     while t.step_count < steps:
@@ -216,15 +216,15 @@ def test_two_jobs_on_one_folder_never_resume_each_others_state(tmp_path):
 def test_candidates_are_newest_first_and_the_supervisor_reports_the_newest_intact_one(tmp_path):
     """Three finished steps 2, 10, 7 (not in name order on purpose): candidates list 10, 7, 2. The
     supervisor's report is the newest that verifies: 10 while it is intact, 7 once 10 is damaged."""
+    from minidist.lessons.fault_tolerance_job import MeshTrainer, small_config
     from minidist.resilience.checkpoint import save
     from minidist.resilience.checkpoint.files import candidates
-    from minidist.resilience.checkpoint.trainer import Trainer, small_config
     from minidist.resilience.supervisor import newest_good_checkpoint
 
     root = tmp_path / "ckpt"
 
     def body(comm):
-        t = Trainer(comm, small_config())
+        t = MeshTrainer(comm, small_config())
         for step in (2, 10, 7):
             save(comm, str(root), step, t.state(), keep=5)
     run(body, ranks=1)

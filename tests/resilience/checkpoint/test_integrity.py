@@ -17,9 +17,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from minidist.comm import run
+from minidist.lessons.fault_tolerance_job import MeshTrainer, small_config
 from minidist.resilience.checkpoint import CheckpointError, load, save
 from minidist.resilience.checkpoint.files import CheckpointWarning
-from minidist.resilience.checkpoint.trainer import Trainer, small_config
 from tests.conftest import budget
 
 CFG = small_config("float64", 0.1, n_layer=1)
@@ -34,7 +34,7 @@ def _observed(t):
 
 
 def _save_two(comm, root):
-    t = Trainer(comm, CFG, zero=1, batch_size=4)  # ZeRO: both ranks write pieces
+    t = MeshTrainer(comm, CFG, zero=1, batch_size=4)  # ZeRO: both ranks write pieces
     seen = {}
     for step in (1, 2):
         t.step()
@@ -130,7 +130,7 @@ def _damage(root, target, how, at, k, reseal):
 
 
 def _load(comm, root):
-    t = Trainer(comm, CFG, zero=1, batch_size=4)
+    t = MeshTrainer(comm, CFG, zero=1, batch_size=4)
     info = load(comm, root, t.state())
     return info.step, info.problems, _observed(t)
 

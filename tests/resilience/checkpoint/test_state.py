@@ -11,13 +11,13 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from minidist.comm import run
+from minidist.lessons.fault_tolerance_job import MeshTrainer, small_config
 from minidist.resilience.checkpoint import CheckpointError, load, save
 from minidist.resilience.checkpoint.tiers import Checkpointer, Tier
-from minidist.resilience.checkpoint.trainer import Trainer, small_config
 from minidist.resilience.faults import Injector
 from tests.conftest import budget
 
-MODES = {  # name: (ranks, Trainer keywords)
+MODES = {  # name: (ranks, MeshTrainer keywords)
     "ddp": (2, {}), "zero1": (2, {"zero": 1}), "zero2": (2, {"zero": 2}), "zero3": (2, {"zero": 3}),
     "tp": (2, {"tp": 2}), "pp": (2, {"pp": 2}), "3d": (8, {"dp": 2, "pp": 2, "tp": 2}),
 }
@@ -26,7 +26,7 @@ MODES = {  # name: (ranks, Trainer keywords)
 def _job(comm, root, steps, save_at=(), resume=False, dtype="float64", dropout=0.1, full_state=False, **kw):
     """Train to ``steps`` (resuming from ``root`` first if asked), saving after the steps in ``save_at``;
     return the full parameters (or with ``full_state``, parameters and optimizer state) on rank 0."""
-    t = Trainer(comm, small_config(dtype, dropout), **kw)
+    t = MeshTrainer(comm, small_config(dtype, dropout), **kw)
     if resume:
         info = load(comm, root, t.state(), required=True)
         assert t.step_count == info.step
@@ -127,7 +127,7 @@ def test_a_damaged_latest_checkpoint_is_reported_and_the_previous_good_one_used(
     want = run(_job, ranks=2, root=str(tmp_path / "ref"), steps=good)[0]
 
     def body(comm):
-        t = Trainer(comm, small_config())
+        t = MeshTrainer(comm, small_config())
         info = load(comm, str(tmp_path), t.state())
         return info, t.full_parameters()
     info, got = run(body, ranks=2)[0]
@@ -138,7 +138,8 @@ def test_a_damaged_latest_checkpoint_is_reported_and_the_previous_good_one_used(
 
 def test_no_intact_checkpoint_means_a_fresh_start_or_a_clear_error(tmp_path):
     def body(comm, required):
-        return load(comm, str(tmp_path / "nothing"), Trainer(comm, small_config()).state(), required=required)
+        state = MeshTrainer(comm, small_config()).state()
+        return load(comm, str(tmp_path / "nothing"), state, required=required)
     assert run(body, ranks=1, required=False)[0].step is None
     with pytest.raises(CheckpointError, match="no intact checkpoint"):
         run(body, ranks=1, required=True)
@@ -153,12 +154,12 @@ def test_no_intact_checkpoint_means_a_fresh_start_or_a_clear_error(tmp_path):
     ({"n_head": 2}, "n_head=4 \\(checkpoint\\) vs 2 \\(this model\\)", True),  # the same shapes
 ])
 def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path, change, message, recorded):
-    """With the configuration recorded (the Trainer does) it is compared first, naming both sides;
+    """With the configuration recorded (the MeshTrainer does) it is compared first, naming both sides;
     without it (a TrainState built by hand) the parameters' names, shapes and dtypes still are."""
     run(_job, ranks=1, root=str(tmp_path), steps=1, save_at=(1,))
 
     def body(comm):
-        t = Trainer(comm, small_config().replace(**change))
+        t = MeshTrainer(comm, small_config().replace(**change))
         state = t.state()
         if not recorded:
             state.config = None
@@ -169,7 +170,7 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path, change, messag
 
 def test_disk_full_on_one_rank_fails_the_save_and_keeps_the_previous_latest(tmp_path):
     def body(comm):
-        t = Trainer(comm, small_config())
+        t = MeshTrainer(comm, small_config())
         t.step()
         save(comm, str(tmp_path), 1, t.state())
         t.step()
@@ -211,7 +212,7 @@ def test_reshard_any_mesh_to_any_mesh(tmp_path_factory, src, dst):
 # -- asynchronous, two tiers ---------------------------------------------------------------------------
 
 def _tiered(comm, root, steps, fault="", delete_memory=False):
-    t = Trainer(comm, small_config())
+    t = MeshTrainer(comm, small_config())
     tiers = [Tier("memory", os.path.join(root, "mem"), 1, keep=2),
              Tier("disk", os.path.join(root, "disk"), 3)]
     ck = Checkpointer(comm, tiers, asynchronous=True, fault=Injector.from_env(comm.rank, fault))
@@ -252,12 +253,14 @@ def test_async_write_failure_is_reported_and_training_goes_on(tmp_path):
 def test_assemble_copies_exactly_the_overlap_of_any_pieces(cuts, lo, width, target, part):
     """Pieces that are flat ranges of a (4, 12) tensor, cut anywhere, give any target piece: expected
     values are sliced out of the full array with plain NumPy."""
+    from minidist.parallel.tensor.sharding import Shard
+    from minidist.parallel.tensor.slices import global_slices
     from minidist.resilience.checkpoint.layout import Slot, assemble
 
     full = np.arange(48.0).reshape(4, 12) * 1.5
     bounds = [0, *sorted(cuts), 48]
     store = {i: full.reshape(-1)[a:b] for i, (a, b) in enumerate(zip(bounds, bounds[1:]))}
-    pieces = [{"file": "f", "offset": i, "nbytes": 0, "shard": None, "part": 0, "parts": 1, "flat": [a, b]}
+    pieces = [{"file": "f", "offset": i, "nbytes": 0, "axis": None, "ranges": None, "flat": [a, b]}
               for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     tensor = {"shape": [4, 12], "dtype": "<f8", "pieces": pieces}
     grid = np.arange(48).reshape(4, 12)  # global flat indices, sliced as the target piece is
@@ -265,9 +268,11 @@ def test_assemble_copies_exactly_the_overlap_of_any_pieces(cuts, lo, width, targ
         hi = min(48, lo + width)
         slot, idx = Slot("x", (4, 12), np.float64, None, None, flat=(lo, hi)), grid.reshape(-1)[lo:hi]
     else:
-        axis, blocks = {"rows": (0, 1), "columns": (1, 1), "qkv": (1, 3)}[target]
-        spec = {"axis": axis, "group": "tp", "blocks": blocks}
-        slot = Slot("x", (4, 12), np.float64, None, None, shard=spec, part=part, parts=2)
+        shard = {"rows": Shard(0), "columns": Shard(1), "qkv": Shard(1, blocks=3)}[target]
+        local = full[:2] if target == "rows" else full[:, :6]  # a part's shape: the slices name the rest
+        shape, axis, ranges = global_slices([("x", local)], {"x": shard}, part, 2)["x"]
+        assert shape == (4, 12)
+        slot = Slot("x", shape, np.float64, None, None, axis=axis, ranges=ranges)
         if target == "rows":
             idx = grid[2 * part:2 * part + 2]
         elif target == "columns":
@@ -343,7 +348,8 @@ def _megatron_rng_job(comm, root, steps, save_at=(), resume=False, keep_rng=True
     from minidist.autograd import random as mrandom
     from minidist.nn.optim import AdamW
     from minidist.parallel.tensor.gpt import TPGPT
-    from minidist.parallel.tensor.sharding import serial_state_dict
+    from minidist.parallel.tensor.sharding import serial_state_dict, sharding_table
+    from minidist.parallel.tensor.slices import global_slices
     from minidist.resilience.checkpoint import TrainState
 
     mrandom.manual_seed(11)
@@ -351,7 +357,8 @@ def _megatron_rng_job(comm, root, steps, save_at=(), resume=False, keep_rng=True
     opt = AdamW(model.parameters(), lr=1e-2)
     x, y = np.random.default_rng(0).integers(0, 12, (2, 4, 8))
     rngs = {"tp dropout": model.sharded_rng.generator} if keep_rng else {}
-    state = TrainState(model, opt, tp=comm, rngs=rngs)
+    slices = global_slices(model.named_parameters(), sharding_table(model), comm.rank, comm.size)
+    state = TrainState(model, opt, slices=slices, rngs=rngs)
     if resume:
         load(comm, root, state, required=True)
     while opt.step_count < steps:
@@ -383,7 +390,7 @@ def _lose_host(root, host):
 
 
 def _peer_job(comm, root, steps, lose=None):
-    t = Trainer(comm, small_config(), zero=1, batch_size=6)  # every rank holds a different shard
+    t = MeshTrainer(comm, small_config(), zero=1, batch_size=6)  # every rank holds a different shard
     tiers = [Tier("memory", f"{root}/mem", 2), Tier("peer", f"{root}/peer", 2, peer=True),
              Tier("disk", f"{root}/disk", 4)]
     ck = Checkpointer(comm, tiers)
@@ -412,7 +419,7 @@ def _save_and_choose(comm, roots, order, damage=None):
     over the roots in ``order``: the directory each file is read from, per file."""
     from minidist.resilience.checkpoint import files
 
-    t = Trainer(comm, small_config("float64", 0.0), zero=1)  # ZeRO: every rank writes a file
+    t = MeshTrainer(comm, small_config("float64", 0.0), zero=1)  # ZeRO: every rank writes a file
     t.step()
     for r in roots:
         save(comm, r, t.step_count, t.state(), keep=3)
@@ -451,7 +458,7 @@ def test_a_file_intact_in_several_roots_is_read_from_the_first_and_a_damaged_one
 def _gqa_job(comm, root, steps, n_kv_head, save_at=(), resume=False, **kw):
     """``_job`` on a grouped-query GPT (n_head 4, ``n_kv_head`` K/V heads): its q|k|v weight is blocks
     of unequal widths, split or (tp not dividing n_kv_head) replicated over tp."""
-    t = Trainer(comm, small_config("float64", 0.0).replace(n_kv_head=n_kv_head), **kw)
+    t = MeshTrainer(comm, small_config("float64", 0.0).replace(n_kv_head=n_kv_head), **kw)
     if resume:
         load(comm, root, t.state(), required=True)
     while t.step_count < steps:

@@ -1,19 +1,13 @@
 """DDP communication hooks: send fewer bytes per gradient, keep every replica identical.
 
-A hook is PyTorch's ``register_comm_hook`` contract in minidist's terms:
+``ddp.register_comm_hook(state, hook)``, PyTorch's contract: ``hook(state, bucket)`` (a ``GradBucket``)
+returns a Handle whose ``wait()`` is the bucket's gradient summed over ranks. DDP calls the hook
+when a bucket is complete and divides what the handle returns by the global batch, as for its
+all-reduce. A hook encodes, communicates and decodes on the async worker (``bucket.start``),
+overlapping backward; every rank decodes the same bytes in the same order, so the result is
+bit-identical on every rank. One file per idea:
 
-    ddp.register_comm_hook(state, hook)     # hook(state, bucket: GradBucket) -> Handle
-    ...                                     # handle.wait() -> the bucket's gradient summed over ranks
-
-DDP calls the hook when a bucket's gradients are complete (during backward) and later divides
-what the handle returns by the global batch size, exactly as it does for the default all-reduce
-(``allreduce_hook``). A hook runs its encode -> communicate -> decode on the async worker
-(``bucket.start``), so it overlaps backward like the default. Every rank decodes the same bytes in
-the same order: the result is bit-identical on every rank (replicas never drift apart).
-
-One file per idea:
-
-* bucket.py   -- ``GradBucket`` (what a hook receives) and ``allreduce_hook`` (the default)
+* dense.py    -- ``allreduce_hook`` (the default, a plain all-reduce); ``reduce_with_hook`` outside DDP
 * cast.py     -- fp16 / bf16: half the bytes (``cast_all_reduce``; mixed precision uses it too)
 * sparse.py   -- top-k / random-k with error feedback, (index, value) pairs by all-gather
 * qsgd.py     -- QSGD: s levels, stochastic rounding (unbiased), bit-packed, norm alongside
@@ -24,8 +18,9 @@ One file per idea:
 ``make_hook("topk", ratio=0.01)`` builds a (state, hook) pair by name (lessons, benchmarks).
 """
 
-from minidist.parallel.data.compress.bucket import GradBucket, allreduce_hook, reduce_with_hook
+from minidist.parallel.data.buckets import GradBucket
 from minidist.parallel.data.compress.cast import CastState, cast_all_reduce, cast_hook
+from minidist.parallel.data.compress.dense import allreduce_hook, reduce_with_hook
 from minidist.parallel.data.compress.fp8 import Fp8State, fp8_hook
 from minidist.parallel.data.compress.powersgd import PowerSGDState, orthogonalize, powersgd_hook
 from minidist.parallel.data.compress.qsgd import QSGDState, qsgd_decode, qsgd_encode, qsgd_hook

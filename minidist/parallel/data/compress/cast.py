@@ -2,15 +2,17 @@
 
 Each rank multiplies by 1/p *before* the sum (a loss-scaled fp16 gradient summed over p ranks would
 overflow p times sooner), sums in the low dtype, and the hook casts the sum back up (times p: DDP
-divides by the batch itself). Mixed precision's ``all_reduce_grads`` does the same arithmetic on
-gradients that are already bf16/fp16.
+divides by the batch itself). Mixed precision's ``all_reduce_grads`` calls ``cast_all_reduce`` on
+gradients that are already bf16/fp16: the bytes are the same as before it moved here.
 """
 
 from __future__ import annotations
 
+import ml_dtypes
+import numpy as np
+
 from minidist.accel import compiled
 from minidist.comm import all_reduce
-from minidist.parallel.memory.autocast import low_dtype
 
 
 def cast_all_reduce(comm, flat, dtype, algorithm: str = "auto"):
@@ -24,11 +26,18 @@ def _cast_scaled(flat, dtype, factor):
     return low * low.dtype.type(factor)
 
 
+DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+          "fp16": np.dtype(np.float16), "float16": np.dtype(np.float16)}
+
+
 class CastState:
-    """Which 2-byte float the gradients travel in: "bf16" or "fp16"."""
+    """Which 2-byte float the gradients travel in: "bf16" or "fp16" (or that dtype)."""
 
     def __init__(self, dtype="bf16"):
-        self.dtype = low_dtype(dtype)
+        dt = DTYPES.get(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+        if dt not in DTYPES.values():
+            raise ValueError(f"cast compression sends bf16 or fp16, not {dtype!r}")
+        self.dtype = dt
 
 
 def cast_hook(state: CastState, bucket):

@@ -1,0 +1,108 @@
+"""What the pipeline lesson prints from every rank's records: the measured timeline of the last
+step, the bubble beside its formula (and the planner's, for this machine), where the ranks' time
+went, and the peak activation memory per stage beside the simulated microbatches held."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from minidist import trace
+from minidist.comm import under_mpi
+from minidist.parallel.pipeline.catalog import make_schedule, schedule_chunks
+from minidist.parallel.pipeline.dualpipe import dualpipe_v_bubble_formula
+from minidist.parallel.pipeline.simulate import bubble_formula, peak_activations, timeline_events
+from minidist.parallel.pipeline.zb_v import zb_v_bubble_formula
+from minidist.parallel.pipeline.zero_bubble import zb_h1_bubble_formula
+from minidist.plan import estimates, schedules
+
+BUSY = ("Forward", "Backward", "BackwardInput", "BackwardWeight")  # what counts as a stage's work
+
+
+def idle_split(everyone, step: int) -> str:
+    """Where step `step`'s rank time went, measured: the share of ranks x step time each rank spent
+    in forward/backward, waiting to receive, and in the rest (all-reduce, optimizer, send waits) --
+    what to hold against the planner's bubble, which counts a stage's receives alone as idle."""
+    evs = [e for r in everyone for e in r["events"][step]]
+    span = max(e["t1"] for e in evs) - min(e["t0"] for e in evs)
+    total = len(everyone) * span
+    busy = sum(e["t1"] - e["t0"] for e in evs if e["name"] in BUSY) / total
+    recv = sum(e["t1"] - e["t0"] for e in evs if e["cat"] == "recv" and e["name"] not in BUSY) / total
+    return (f"measured split of step {step}'s ranks x time: forward/backward {busy:.3f}, waiting to receive "
+            f"{recv:.3f}, all-reduce/optimizer/sends {max(0.0, 1 - busy - recv):.3f}")
+
+
+def report(everyone, args, pp: int, m: int) -> float:
+    """Timeline, bubble and memory tables from every rank's records (rank 0 only); the measured bubble."""
+    last = len(everyone[0]["events"]) - 1
+    pipe0 = [r for r in everyone if r["coords"][1:] == (0, 0)]  # the pipeline of dp 0, tp 0
+    events = [dict(e, rank=r["coords"][0], **({"cat": "compute"} if e["name"] == "OptimizerStep" else {}))
+              for r in pipe0 for e in r["events"][last]]
+    start = min(e["t0"] for e in events if e["name"] == "Forward")  # from the step's first forward on
+    events = [dict(e, t0=max(e["t0"], start)) for e in events if e["t1"] > start]
+    print(f"\nmeasured timeline of step {last}, pipeline dp 0 / tp 0 (F3 = forward of microbatch 3, "
+          f"B = backward, . = waiting,\nO = optimizer step, with the data-parallel all-reduce of gradients):")
+    print(trace.ascii_timeline_from_events(timeline_events(events), width=args.width_chars, label="stage"))
+
+    steps = range(1, last + 1) if last >= 1 else range(1)
+    measured = trace.median_bubble([r["events"] for r in everyone], skip=1, names=BUSY)
+    step_s = float(np.median([max(r["times"][s] for r in everyone) for s in steps]))
+    print(f"\nbubble (idle share of ranks x step time, forward/backward count as busy): "
+          f"measured {measured:.3f} "
+          f"(median of steps {steps[0]}..{steps[-1]}) vs formula (p-1)/({'v·' if args.chunks > 1 else ''}"
+          f"m+p-1) = {pp - 1}/"
+          f"{args.chunks * m + pp - 1} = {bubble_formula(pp, m, args.chunks):.3f}"
+          + (f" (v = {args.chunks} chunks: 1F1B's would be {bubble_formula(pp, m):.3f})"
+             if args.chunks > 1 else "")
+          + f"; step time {step_s * 1e3:.0f} ms")
+    if args.schedule in ("zb-h1", "zb-h2"):
+        name = args.schedule.upper()
+        print(f"{name}'s formula with F = B = W: (p-1)/(3m+p-1) = {pp - 1}/{3 * m + pp - 1} = "
+              f"{zb_h1_bubble_formula(pp, m):.3f} (W = 'W' on the timeline fills what 1F1B leaves idle)")
+    if args.schedule == "zb-v":
+        print(f"ZB-V's bound with F = B = W (2p pieces, half-stage fill): (p-1)/(6m+p-1) = {pp - 1}/"
+              f"{6 * m + pp - 1} = {zb_v_bubble_formula(pp, m):.3f}")
+    if args.schedule == "dualpipe-v":
+        print(f"DualPipeV's (p-1)(F&B + B - 3W), F&B = F + B on CPU ranks (the overlap here is the order "
+              f"of messages): {dualpipe_v_bubble_formula(pp, m):.3f}")
+    print(schedules.this_machine(args.schedule, pp, m, len(everyone), os.cpu_count() or 1,
+                                 schedule_chunks(args.schedule, args.chunks))[1])
+    print(idle_split(everyone, last))
+    print(estimates.predicted_vs_measured(
+        "step time on this machine's calibrated constants (the planner, chapter 11)",
+        estimates.step_prediction(args.layers, args.width, 4, 256, args.seq, args.batch, dp=args.dp, pp=pp,
+                                  tp=args.tp, microbatches=m, schedule=args.schedule,
+                                  chunks=schedule_chunks(args.schedule, args.chunks),
+                                  dtype_bytes=np.dtype(args.dtype).itemsize,
+                                  transport="mpi" if under_mpi() else "threads"), step_s))
+    cores = os.cpu_count() or 1
+    if len(everyone) > cores:
+        print(f"(here {len(everyone)} ranks share {cores} cores, so a rank also waits for a free core; "
+              f"benchmarks/pipeline.py measures 2 ranks on 2 cores)")
+    print("\npeak activation memory per stage (bytes saved for backward, measured; dp 0 / tp 0):")
+    if schedule_chunks(args.schedule, args.chunks) > 1:  # interleaved, zb-v, dualpipe-v
+        print(f"{'stage':>5} {'bytes':>12} {'microbatch-chunks held':>23} {'simulated':>9}")
+        sim = [peak_activations(ops) for ops in make_schedule(args.schedule, pp, m, args.chunks)]
+        for r in sorted(pipe0, key=lambda r: r["coords"][0]):
+            b, held = r["peak"][args.schedule]
+            print(f"{r['coords'][0]:>5} {b:>12,} {held:>23} {sim[r['coords'][0]]:>9}")
+        return measured
+    if args.schedule in ("zb-h1", "zb-h2"):
+        name = args.schedule.upper()
+        print(f"{'stage':>5} {'1F1B bytes':>12} {'mbs held':>8}   {name + ' bytes':>12} {'mbs F..B':>8} "
+              f"{'simulated':>9}")
+        sim = [peak_activations(ops) for ops in make_schedule(args.schedule, pp, m)]
+        for r in sorted(pipe0, key=lambda r: r["coords"][0]):
+            s = r["coords"][0]
+            (ob, om), (zb, zm) = r["peak"]["1f1b"], r["peak"][args.schedule]
+            print(f"{s:>5} {ob:>12,} {om:>8}   {zb:>12,} {zm:>8} {sim[s]:>9}")
+        return measured
+    print(f"{'stage':>5} {'GPipe bytes':>12} {'mbs held':>8} {'formula m':>9}   {'1F1B bytes':>11} "
+          f"{'mbs held':>8} {'formula min(m,p-s)':>18}")
+    sims = {name: [peak_activations(ops) for ops in make_schedule(name, pp, m)] for name in ("gpipe", "1f1b")}
+    for r in sorted(pipe0, key=lambda r: r["coords"][0]):
+        s = r["coords"][0]
+        (gb, gm), (ob, om) = r["peak"]["gpipe"], r["peak"]["1f1b"]
+        print(f"{s:>5} {gb:>12,} {gm:>8} {sims['gpipe'][s]:>9}   {ob:>11,} {om:>8} {sims['1f1b'][s]:>18}")
+    return measured
