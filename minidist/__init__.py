@@ -5,6 +5,7 @@ Start with ``minidist.autograd.tensor`` (autograd), ``minidist.nn`` (models), ``
 """
 
 from minidist.accel.backend import get_backend
+from minidist.autograd import fused as _fused  # noqa: F401 - registers the ops' fast forms (ops.FAST)
 from minidist.autograd.tensor import Tensor, no_grad, tensor
 from minidist.comm import run as _run
 from minidist.comm import runner as _runner

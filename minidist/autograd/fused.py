@@ -1,39 +1,36 @@
-"""The fast forms of the ops, and the one place that chooses them.
+"""The fast forms of the ops a training step spends its time in, registered in ``ops.FAST``.
 
-The ``ops/`` package writes each op once, as its textbook formula. This file rewrites the few that
-dominate a training step so that NumPy does less work, with the same contract (inputs, outputs,
-gradients):
+``ops/`` writes each op once, as its textbook formula. This file rewrites the few that dominate a
+step so that NumPy does less work, with the same contract (inputs, outputs, gradients); each
+subclasses its plain op (same name, so a graph reads the same) and says ``compilable = True``, so
+the JAX engine compiles it like the op it replaces. Importing this module registers them (the
+``minidist`` package does); ``ops.fast`` picks them, ``MINIDIST_FUSED=0`` or ``ops.disabled()`` not.
 
-* ``Gelu``: the formula as a chain of in-place updates of one fresh temporary (``_inplace``), not a
-  new array per operator -- the same operations in the same order, so the same bits as ``ops.Gelu``.
+* ``Gelu``: the formula as a chain of in-place updates of one fresh temporary (``_inplace``): the
+  same operations in the same order, so the same bits as ``ops.Gelu``.
 * ``Linear``: the bias added in place; a single matrix (one token while decoding) skips the reshapes.
-* ``LayerNorm``, ``ScaledDotProductAttention``, ``PackedAttention``, ``CrossEntropy``: every sum over
-  a short last axis is a BLAS matrix-vector product (``_sum_last``, ``_dot_last``, ``_vdot_last``:
-  NumPy's ``sum`` there costs 2-4x the BLAS pass), the softmax is exponentiated and normalised in
-  the scores' own buffer, and the one product g·x̂ serves both dw and the row mean. Sums run in
-  another order than ``ops``: a few ulps apart (tests/autograd/test_fused.py states the bounds).
+* ``LayerNorm``, the two attentions, ``CrossEntropy``: every sum over a short last axis is a BLAS
+  matrix-vector product (``_sum_last``, ``_dot_last``, ``_vdot_last``), the softmax is computed in
+  the scores' own buffer, and one product g·x̂ serves both dw and the row mean. Sums run in another
+  order than ``ops``: a few ulps apart (tests/autograd/test_fused.py states the bounds).
 
-NumPy makes one memory pass per operator, so these forms count passes. A compiled backend (JAX)
-fuses the plain formula itself, and an immutable array has no buffer to update: there ``fast``
-keeps the plain op. The choice is ``fast(op, x)``: ``FAST`` maps each plain op to its fast form,
-``MINIDIST_FUSED=0`` (the environment) or ``with disabled():`` (this thread) runs the plain forms.
-Every fast class subclasses its plain one (same name, so a graph reads the same) and says
-``compilable = True``, so the JAX engine compiles it like the ops it replaces.
+NumPy makes one memory pass per operator, so these forms count passes; lessons/01-train.md gives
+what each saves. A compiled backend (JAX) fuses the plain formula itself: there ``fast`` keeps it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import threading
 
 import numpy as np
 
 from minidist.accel.backend import backend_of
 from minidist.autograd import ops
+from minidist.autograd.ops import FAST, disabled, enabled, fast  # noqa: F401 - the selection, importable here too
 from minidist.autograd.ops.arrays import _back_to, _rows, _xp
-from minidist.autograd.ops.attention import _heads
+from minidist.autograd.ops.attention import _heads, causal_hidden, merge_heads, pack_heads, split_heads
+from minidist.autograd.ops.elementwise import GELU_C, GELU_K
+from minidist.autograd.ops.loss import ce_rows
 from minidist.autograd.ops.matmul import _check_matmul
 
 
@@ -47,16 +44,15 @@ def _inplace(fn, a):
 
 def _dot_last(a, v):
     """Σ_i a[..., i]·v[i] over the last axis, keepdims: one matrix-vector product (float32/64: a
-    BLAS pass with no temporary, ~6x ``(a * v).sum(-1)``); 2-byte floats as a mean does,
-    accumulated in float32."""
+    BLAS pass with no temporary); 2-byte floats as a mean does, accumulated in float32."""
     if a.dtype.itemsize < 4:
         return _mean_last(a * v) * a.shape[-1]
     return (_rows(a) @ v).reshape(a.shape[:-1] + (1,))
 
 
 def _sum_last(a):
-    """``a.sum(axis=-1, keepdims=True)``; float32/64 as a matrix-vector product with ones: NumPy's
-    ``sum`` along a short last axis costs 3.5-4x the BLAS pass (rows of 128-256)."""
+    """``a.sum(axis=-1, keepdims=True)``; float32/64 as a matrix-vector product with ones (NumPy's
+    ``sum`` along a short last axis costs several times the BLAS pass)."""
     if a.dtype.itemsize < 4:
         return a.sum(axis=-1, keepdims=True)
     return _dot_last(a, _xp(a).ones(a.shape[-1], dtype=a.dtype))
@@ -72,7 +68,7 @@ def _mean_last(a):
 
 def _vdot_last(a, b):
     """Σ_i a[..., i]·b[..., i] over the last axis, keepdims; float32/64 by ``einsum``, one pass with
-    no a·b temporary (~3x ``(a * b).sum(-1)``)."""
+    no a·b temporary."""
     if a.dtype.itemsize < 4:
         return (a * b).sum(axis=-1, keepdims=True)
     return _xp(a).einsum("...i,...i->...", a, b)[..., None]
@@ -95,8 +91,8 @@ class Gelu(ops.Gelu):
     @staticmethod
     def forward(ctx, x):
         h = x * x
-        h *= ops.GELU_K
-        h += ops.GELU_C
+        h *= GELU_K
+        h += GELU_C
         h *= x
         h = _inplace(_xp(x).tanh, h)
         h += 1.0
@@ -108,8 +104,8 @@ class Gelu(ops.Gelu):
     def backward(ctx, g):
         x, h = ctx.saved
         d = x * x
-        d *= 6 * ops.GELU_K
-        d += 2 * ops.GELU_C
+        d *= 6 * GELU_K
+        d += 2 * GELU_C
         d *= x
         hh = 1.0 - h
         hh *= h
@@ -122,7 +118,7 @@ class Gelu(ops.Gelu):
 class Linear(ops.Linear):
     """``ops.Linear`` with the bias added into the product's buffer, and no reshape of a single
     matrix; a (B, T, in) input is folded into one GEMM as there (NumPy's batched matmul runs B
-    smaller ones, ~25% slower)."""
+    smaller ones, slower)."""
 
     compilable = True
 
@@ -216,9 +212,9 @@ def _attention_probs(q, k, causal):
     if causal and k.shape[-2] > 1:
         minus_inf = xp.asarray(-xp.inf, dtype=s.dtype)
         if be.inplace:
-            xp.copyto(s, minus_inf, where=ops.causal_hidden(q, k))
+            xp.copyto(s, minus_inf, where=causal_hidden(q, k))
         else:
-            s = xp.where(ops.causal_hidden(q, k), minus_inf, s)
+            s = xp.where(causal_hidden(q, k), minus_inf, s)
     s -= s.max(axis=-1, keepdims=True)
     s *= q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
     p = _inplace(xp.exp, s)
@@ -261,12 +257,12 @@ class PackedAttention(ops.PackedAttention):
         p = _attention_probs(q, k, causal)
         ctx.save(qkv, p)
         ctx.n_head = n_head
-        return ops.merge_heads(p @ v)
+        return merge_heads(p @ v)
 
     @staticmethod
     def backward(ctx, g):
         qkv, p = ctx.saved
-        return ops.pack_heads(*_attention_grads(*_heads(qkv, ctx.n_head), p, ops.split_heads(g, ctx.n_head)))
+        return pack_heads(*_attention_grads(*_heads(qkv, ctx.n_head), p, split_heads(g, ctx.n_head)))
 
 
 class CrossEntropy(ops.CrossEntropy):
@@ -276,7 +272,7 @@ class CrossEntropy(ops.CrossEntropy):
 
     @staticmethod
     def forward(ctx, logits, targets, ignore_index=-1):
-        x, t, valid = ops.ce_rows(logits, targets, ignore_index)
+        x, t, valid = ce_rows(logits, targets, ignore_index)
         e = x - x.max(axis=-1, keepdims=True)
         logit_t = _xp(x).take_along_axis(e, t[:, None], axis=-1)[:, 0]  # x_t - max x
         e = _inplace(_xp(x).exp, e)
@@ -287,36 +283,6 @@ class CrossEntropy(ops.CrossEntropy):
     backward = staticmethod(ops.CrossEntropy.backward)
 
 
-FAST: dict = {ops.Gelu: Gelu, ops.Linear: Linear, ops.LayerNorm: LayerNorm,
-              ops.ScaledDotProductAttention: ScaledDotProductAttention, ops.PackedAttention: PackedAttention,
-              ops.CrossEntropy: CrossEntropy}
-
-_ON = os.environ.get("MINIDIST_FUSED", "1") not in ("0", "false", "False", "")
-_state = threading.local()
-
-
-def fast(op, x):
-    """The class that runs ``op`` (a plain ``ops`` Function) on ``x`` (its first input): its fast
-    form from ``FAST`` on NumPy and CuPy, the plain op on JAX, or wherever fast forms are off."""
-    if not getattr(_state, "on", _ON):
-        return op
-    d = getattr(x, "data", x)
-    if type(d) is np.ndarray or backend_of(d).inplace:
-        return FAST.get(op, op)
-    return op
-
-
-def enabled() -> bool:
-    """Do ops run their fast forms in this thread (``MINIDIST_FUSED``, ``disabled``)?"""
-    return getattr(_state, "on", _ON)
-
-
-@contextlib.contextmanager
-def disabled():
-    """Run the plain forms of ``ops`` in this thread (a reference, a gradient check)."""
-    prev = enabled()
-    _state.on = False
-    try:
-        yield
-    finally:
-        _state.on = prev
+FAST.update({ops.Gelu: Gelu, ops.Linear: Linear, ops.LayerNorm: LayerNorm,
+             ops.ScaledDotProductAttention: ScaledDotProductAttention, ops.PackedAttention: PackedAttention,
+             ops.CrossEntropy: CrossEntropy})

@@ -1,13 +1,11 @@
 """The recorded graph, and the walk that differentiates it.
 
-A ``Node`` remembers one operation: the ``Function`` subclass, its context (what the forward saved)
-and where each input's gradient goes. ``run_backward`` walks the graph *iteratively* (no recursion
-limit on deep graphs). It counts, for every node and leaf, how many consumers must send it a
-gradient (``count_consumers``); one is processed only when all of them have, so each gradient is
-complete before it is propagated. A leaf's gradient is accumulated into ``leaf.grad`` (never in
-place: ``grad`` arrays are never mutated, only replaced) and its post-accumulate hooks fire at once
--- data parallelism launches its all-reduces from them while the rest of the backward pass is
-still running. Anything in the graph that is not a ``Node`` is a leaf ``Tensor``.
+A ``Node`` remembers one operation; anything else in the graph is a leaf ``Tensor``. ``run_backward``
+walks the graph iteratively (no recursion limit): it counts how many consumers must send each node
+or leaf a gradient (``count_consumers``) and processes one only when all have, so every gradient is
+complete before it is propagated. A leaf's gradient is accumulated into ``leaf.grad`` (replaced,
+never mutated) and its post-accumulate hooks fire at once: data parallelism launches its
+all-reduces from them while the rest of the backward pass is still running.
 """
 
 from __future__ import annotations
@@ -15,18 +13,16 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.accel import compiled
+from minidist.autograd import meter
 
 
 class Node:
     """One recorded operation: the Function, its context, and where each input's gradient goes.
 
     ``parents[i]`` is the Node that produced input i, the input itself if it is a leaf that wants a
-    gradient, or None. The graph holds Nodes, not the tensors flowing between them, so an
-    activation's memory is freed as soon as nothing but the graph refers to it -- unless an op
-    saved it for backward (see ``Context.save``).
-
-    ``shapes[i]`` is input i's shape (None for a non-Tensor input): backward checks each gradient
-    against it. ``Function.apply`` builds both from the op's inputs.
+    gradient, or None; ``shapes[i]`` its shape (None for a non-Tensor input), which backward checks.
+    The graph holds Nodes, not the tensors between them, so an activation's memory is freed as soon
+    as nothing else refers to it -- unless an op saved it for backward (``Context.save``).
     """
 
     __slots__ = ("fn", "ctx", "parents", "shapes", "hooks")
@@ -82,28 +78,26 @@ def run_backward(root, grad, retain_graph: bool = False) -> None:
     while ready:
         item = ready.pop()
         g = grads.pop(id(item), None)
-        if g is None:  # every consumer returned None: nothing flows, but parents must hear so
-            if isinstance(item, Node):
-                for parent in item.parents:
-                    if parent is not None:
-                        pending[id(parent)] -= 1
-                        if pending[id(parent)] == 0:
-                            ready.append(parent)
-            continue
         if not isinstance(item, Node):  # a leaf: run its hooks, accumulate, tell whoever waits for it
-            for hook in item._hooks or ():
+            if g is not None:
+                for hook in item._hooks or ():
+                    out = hook(g)
+                    g = g if out is None else out
+                item.grad = _accumulate(item.grad, g)
+                for hook in item._post_hooks or ():
+                    hook(item)
+            continue
+        if g is None:  # every consumer returned None: nothing flows, but the parents must hear so
+            in_grads = (None,) * len(item.parents)
+        else:
+            for hook in item.hooks or ():
                 out = hook(g)
                 g = g if out is None else out
-            item.grad = _accumulate(item.grad, g)
-            for hook in item._post_hooks or ():
-                hook(item)
-            continue
-        for hook in item.hooks or ():
-            out = hook(g)
-            g = g if out is None else out
-        in_grads = item.fn.backward(item.ctx, g)
-        if not isinstance(in_grads, tuple):
-            in_grads = (in_grads,)
+            in_grads = item.fn.backward(item.ctx, g)
+            if not isinstance(in_grads, tuple):
+                in_grads = (in_grads,)
+            if meter.METER is not None:
+                meter.METER(item.fn, (g,), in_grads, True)
         for parent, shape, ig in zip(item.parents, item.shapes, in_grads):
             if parent is None:
                 continue
@@ -115,6 +109,6 @@ def run_backward(root, grad, retain_graph: bool = False) -> None:
             pending[id(parent)] -= 1
             if pending[id(parent)] == 0:
                 ready.append(parent)
-        if not retain_graph:
+        if g is not None and not retain_graph:
             item.ctx.release()
             item.ctx = None

@@ -1,7 +1,7 @@
 """The switches every op reads: is a graph being recorded, and where do saved arrays go.
 
 ``no_grad`` / ``enable_grad`` turn graph recording off and on; ``saved_tensors_hooks(pack, unpack)``
-intercepts every array an op saves for backward (activation checkpointing and offload use it, as
+intercepts every array an op saves for backward (activation recomputation and offload use it, as
 does the memory accountant). ``Context`` is what an op's forward leaves for its backward: it sends
 each saved array through the innermost hook.
 
@@ -21,24 +21,23 @@ def grad_enabled() -> bool:
 
 
 @contextlib.contextmanager
+def _grad_mode(on: bool):
+    prev = grad_enabled()
+    _state.grad_enabled = on
+    try:
+        yield
+    finally:
+        _state.grad_enabled = prev
+
+
 def no_grad():
     """Run without recording the graph (evaluation, optimizer steps, inference)."""
-    prev = grad_enabled()
-    _state.grad_enabled = False
-    try:
-        yield
-    finally:
-        _state.grad_enabled = prev
+    return _grad_mode(False)
 
 
-@contextlib.contextmanager
 def enable_grad():
-    prev = grad_enabled()
-    _state.grad_enabled = True
-    try:
-        yield
-    finally:
-        _state.grad_enabled = prev
+    """Record the graph again (inside a ``no_grad`` block)."""
+    return _grad_mode(True)
 
 
 def recomputing_depth() -> int:

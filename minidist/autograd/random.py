@@ -2,7 +2,7 @@
 
 Parameter initialisation and dropout draw from a NumPy ``Generator`` on the host, so the same seed
 gives the same numbers on every backend. ``manual_seed`` resets this rank's default generator;
-``get_state``/``set_state`` save and replay it (activation checkpointing replays dropout masks
+``get_state``/``set_state`` save and replay it (activation recomputation replays dropout masks
 with them); ``fork(seed)`` runs a block with another generator (tensor parallelism uses one for
 its sharded regions, as Megatron's RNG tracker does).
 """

@@ -1,19 +1,12 @@
 """Tensor: an array, its gradient, and the operation that produced it.
 
-A ``Tensor`` wraps one backend array (``.data``) and, if it was produced by a differentiable
-operation while gradients were enabled, a ``Node`` (``minidist.autograd.graph``) that remembers the
-operation (a ``Function`` subclass from ``minidist.autograd.ops``), its context (what the forward
-saved) and its input tensors. ``Function.apply`` is where an op meets the graph: it unwraps the
-inputs, runs ``forward``, and records the node when some input wants a gradient.
-
-``loss.backward()`` checks the seed gradient and hands it to ``graph.run_backward``, the iterative
-walk that fills every leaf's ``.grad``. The switches an op reads (``no_grad``, ``enable_grad``,
-``saved_tensors_hooks``) and ``Context`` are in ``minidist.autograd.modes``; this module re-exports
-them, and the graph's names, so ``from minidist.autograd.tensor import ...`` finds them all.
-
-An array engine changes how an op runs through one seam, ``minidist.accel.compiled``: for inputs
-that are not NumPy arrays ``Function.apply`` runs the class the engine's ``kernel`` returns (JAX:
-each op as one compiled call).
+A ``Tensor`` wraps one backend array (``.data``) and, when a differentiable op made it while
+gradients were on, the graph ``Node`` (``graph.py``) that remembers the op, what its forward saved
+(``Context``, ``modes.py``) and its inputs. ``Function.apply`` is where an op meets the graph;
+``loss.backward()`` hands the seed to ``graph.run_backward``. The ops, and Tensor's operators and
+methods (``+``, ``@``, ``.sum()``), are in ``minidist.autograd.ops``, which attaches them to this
+class. Off NumPy, ``Function.apply`` runs the class an engine's ``kernel`` returns (the seam
+``minidist.accel.compiled``; JAX: each op one compiled call).
 """
 
 from __future__ import annotations
@@ -22,6 +15,7 @@ import numpy as np
 
 from minidist.accel import compiled
 from minidist.accel.backend import Backend, backend_of, default_backend, get_backend
+from minidist.autograd import meter
 from minidist.autograd.graph import Node, _accumulate, _add, count_consumers, run_backward  # noqa: F401
 from minidist.autograd.modes import (  # noqa: F401
     Context,
@@ -44,8 +38,7 @@ class Function:
     """A differentiable operation: ``forward(ctx, *arrays, **kw)`` and ``backward(ctx, grad)``.
 
     ``backward`` returns one gradient (array or None) per positional input, shaped like that input.
-    Subclasses live in ``minidist.autograd.ops`` (their fast forms in ``minidist.autograd.fused``); call
-    them through ``Function.apply``.
+    Subclasses live in ``minidist.autograd.ops``; call them through ``Function.apply``.
     """
 
     @staticmethod
@@ -62,13 +55,18 @@ class Function:
             cls = compiled.ENGINE.kernel(cls)  # JAX: the op as one compiled function (the seam)
         if not getattr(_state, "grad_enabled", True):  # no graph (evaluation, decoding): the least work
             ctx = Context((False,) * len(inputs), record=False)
-            return Tensor._result(cls.forward(ctx, *[t.data if isinstance(t, Tensor) else t for t in inputs],
-                                              **kwargs))
+            arrays = [t.data if isinstance(t, Tensor) else t for t in inputs]
+            out = cls.forward(ctx, *arrays, **kwargs)
+            if meter.METER is not None:
+                meter.METER(cls, arrays, out, False)
+            return Tensor._result(out)
         arrays = [t.data if isinstance(t, Tensor) else t for t in inputs]
         needs = tuple(isinstance(t, Tensor) and t.requires_grad for t in inputs)
         record = any(needs)  # gradients are enabled: the no-graph case returned above
         ctx = Context(needs, record)
         out = cls.forward(ctx, *arrays, **kwargs)
+        if meter.METER is not None:
+            meter.METER(cls, arrays, out, False)
         result = Tensor(out, requires_grad=record)
         if record:
             result._node = Node(cls, ctx, tuple(_parent(t) for t in inputs),
@@ -79,7 +77,8 @@ class Function:
 
 
 class Tensor:
-    """An array with an optional gradient and the operation that produced it."""
+    """An array with an optional gradient and the operation that produced it (its operators and
+    array methods are attached by ``minidist.autograd.ops``)."""
 
     __slots__ = ("data", "grad", "requires_grad", "_node", "_hooks", "_post_hooks", "name",
                  "__weakref__")
@@ -102,8 +101,7 @@ class Tensor:
 
     @classmethod
     def _result(cls, data) -> Tensor:
-        """An op's output without gradient: a NumPy array is taken as is (the common case, no
-        checks); anything else (a scalar, another library's array) goes through ``__init__``."""
+        """An op's output without gradient: a NumPy array as is, anything else through ``__init__``."""
         if type(data) is not np.ndarray:
             return cls(data)
         t = object.__new__(cls)
@@ -179,98 +177,9 @@ class Tensor:
                             f"cast it first (dtypes never change silently)")
         run_backward(self, grad, retain_graph)
 
-    # -- operators (implemented in minidist.autograd.ops) ----------------------------------------------
-    def __add__(self, o):
-        return _ops().add(self, o)
-
-    def __radd__(self, o):
-        return _ops().add(o, self)
-
-    def __sub__(self, o):
-        return _ops().sub(self, o)
-
-    def __rsub__(self, o):
-        return _ops().sub(o, self)
-
-    def __mul__(self, o):
-        return _ops().mul(self, o)
-
-    def __rmul__(self, o):
-        return _ops().mul(o, self)
-
-    def __truediv__(self, o):
-        return _ops().div(self, o)
-
-    def __rtruediv__(self, o):
-        return _ops().div(o, self)
-
-    def __neg__(self):
-        return _ops().neg(self)
-
-    def __pow__(self, o):
-        return _ops().pow(self, o)
-
-    def __rpow__(self, o):
-        return _ops().pow(o, self)
-
-    def __matmul__(self, o):
-        return _ops().matmul(self, o)
-
-    def __rmatmul__(self, o):
-        return _ops().matmul(o, self)
-
-    def __getitem__(self, idx):
-        return _ops().getitem(self, idx)
-
-    def sum(self, axis=None, keepdims=False):
-        return _ops().sum(self, axis, keepdims)
-
-    def mean(self, axis=None, keepdims=False):
-        return _ops().mean(self, axis, keepdims)
-
-    def max(self, axis=None, keepdims=False):
-        return _ops().max(self, axis, keepdims)
-
-    def reshape(self, *shape):
-        return _ops().reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list))
-                              else shape)
-
-    def transpose(self, *axes):
-        return _ops().transpose(self, axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list))
-                                else (axes or None))
-
-    permute = transpose
-
-    def exp(self):
-        return _ops().exp(self)
-
-    def log(self):
-        return _ops().log(self)
-
-    def tanh(self):
-        return _ops().tanh(self)
-
-    def relu(self):
-        return _ops().relu(self)
-
-    def astype(self, dtype):
-        return _ops().cast(self, dtype)
-
 
 def _is_array(x) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, Tensor)
-
-
-_OPS = None
-
-
-def _ops():
-    global _OPS
-    if _OPS is None:
-        from minidist.autograd import ops  # cycle: minidist.autograd.ops imports minidist.autograd.tensor
-
-        _OPS = ops
-    return _OPS
 
 
 def tensor(data, dtype, requires_grad: bool = False, backend=None) -> Tensor:

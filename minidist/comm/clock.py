@@ -11,7 +11,9 @@
 * **a receive** completes at the later of the receiver's clock and the message's arrival;
 * each thread acting for a rank has its own lane of the clock (the async worker's collectives run
   beside the compute, as a NIC does); a job starts no earlier than its submission and ``wait()``
-  joins its end.
+  joins its end;
+* ``MINIDIST_DEVICE`` (a lesson's ``--device NAME``): compute costs a device model's time instead,
+  each op its FLOPs and bytes under the roofline (``work``), and the CPU time is not charged.
 
 The transports call ``send``, ``pause`` and ``resume``; ``trace.clock.now()`` reads ``now``.
 """
@@ -22,11 +24,14 @@ import os
 import threading
 import time
 
+from minidist.autograd import meter
+from minidist.autograd.ops import Linear, Matmul, PackedAttention, ScaledDotProductAttention
 from minidist.comm import cost
 from minidist.comm.transports.link import Link, current_link
 from minidist.trace import clock as trace_clock
 
 _thread_time = time.thread_time
+_local = threading.local()  # .clock: the RankClock this thread acts for (adopt_thread)
 
 
 def enabled() -> bool:
@@ -35,6 +40,34 @@ def enabled() -> bool:
     if mode not in ("wall", "virtual"):
         raise ValueError(f"MINIDIST_CLOCK={mode!r}: use 'wall' (the default) or 'virtual'")
     return mode == "virtual"
+
+
+class Device:
+    """A device model: ``flops`` FLOP/s, ``bandwidth`` bytes/s of memory, ``overhead`` s per op."""
+
+    def __init__(self, flops: float, bandwidth: float, overhead: float = 0.0, name: str = ""):
+        self.flops, self.bandwidth, self.overhead, self.name = flops, bandwidth, overhead, name
+
+    def op_time(self, flops: float, nbytes: float) -> float:
+        """The roofline: an op takes the longer of its math and its memory traffic, plus the overhead."""
+        return self.overhead + max(flops / self.flops, nbytes / self.bandwidth)
+
+    def __str__(self):
+        return (f"{self.name or 'device'}: {self.flops / 1e12:g} TFLOP/s, {self.bandwidth / 1e9:g} GB/s, "
+                f"{self.overhead * 1e6:g} us per op")
+
+
+def parse_device(spec: str | None) -> Device | None:
+    """ "tflops=989,gBps=3350,overhead_us=5,name=H100" -> Device; "" or None -> None (CPU time)."""
+    if not spec:
+        return None
+    fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+    try:
+        return Device(float(fields["tflops"]) * 1e12, float(fields["gBps"]) * 1e9,
+                      float(fields.get("overhead_us", 0)) * 1e-6, fields.get("name", ""))
+    except (KeyError, ValueError):
+        raise ValueError(f"MINIDIST_DEVICE={spec!r}: expected e.g. 'tflops=989,gBps=3350,overhead_us=5' "
+                         f"(a lesson's --device NAME writes it)") from None
 
 
 def default_link() -> Link:
@@ -53,15 +86,26 @@ class _Lane:
 class RankClock:
     """One rank's virtual time: a lane per thread acting for the rank, one outgoing link."""
 
-    def __init__(self, link: Link | None = None):
+    def __init__(self, link: Link | None = None, device: Device | None = None):
         self.link = link or default_link()
+        self.device = device if device is not None else parse_device(os.environ.get("MINIDIST_DEVICE"))
         self.link_free = 0.0        # when this rank's outgoing link has pushed its last byte
         self.lanes: dict = {}       # thread id -> _Lane
         self._lock = threading.Lock()
 
     def adopt_thread(self) -> None:
-        """This thread acts for the rank from now on: ``trace.clock.now()`` reads its lane."""
+        """This thread acts for the rank from now on: ``trace.clock.now()`` reads its lane (and,
+        under a device model, its ops are charged to it)."""
         trace_clock.use(self.now)
+        _local.clock = self
+        if self.device is not None:
+            meter.install(charge_op)
+
+    @staticmethod
+    def release_thread() -> None:
+        """This thread no longer acts for a rank: wall time again, its ops charged to nobody."""
+        trace_clock.use(None)
+        _local.clock = None
 
     def lane(self) -> _Lane:
         lane = self.lanes.get(threading.get_ident())
@@ -70,12 +114,19 @@ class RankClock:
         return lane
 
     def now(self) -> float:
-        """This thread's virtual seconds, with the compute since the last look charged."""
+        """This thread's virtual seconds, with the compute since the last look charged (CPU time;
+        under a device model its ops were charged as they ran, by ``work``)."""
         lane = self.lane()
         mark = _thread_time()
-        lane.t += mark - lane.mark
+        if self.device is None:
+            lane.t += mark - lane.mark
         lane.mark = mark
         return lane.t
+
+    def work(self, flops: float, nbytes: float) -> None:
+        """An op of ``flops`` and ``nbytes`` ran: under a device model it costs the roofline's time."""
+        if self.device is not None:
+            self.lane().t += self.device.op_time(flops, nbytes)
 
     def pause(self) -> float:
         """Charge the compute so far and stop charging: communication starts (returns the time)."""
@@ -104,3 +155,34 @@ class RankClock:
     def start_job(self, ready: float) -> None:
         """A background job submitted at ``ready`` starts on this thread's lane."""
         self.resume(ready)
+
+
+def op_work(op, ins, outs, backward: bool) -> tuple[float, float]:
+    """(FLOPs, bytes) of one op from its arrays' shapes. Forward: a product's 2·M·K·N (attention's
+    two, 4·B·H·Tq·Tk·D), one FLOP per output element for the rest. Backward (``ins`` = the output's
+    gradient g, ``outs`` = the inputs' gradients): each input gradient of a product is a product of
+    g's size times K. Bytes: every array read or written."""
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    done = [a for a in outs if a is not None]
+    nbytes = float(sum(a.nbytes for a in (*ins, *done) if hasattr(a, "nbytes")))
+    if not done or not hasattr(ins[0], "shape"):
+        return 0.0, nbytes
+    x, y = ins[0], done[0]
+    if issubclass(op, (Linear, Matmul)):
+        if not backward:
+            return 2.0 * y.size * x.shape[-1], nbytes
+        da, db = outs[0], outs[1] if len(outs) > 1 else None  # g (..., N); da (..., K); db (.., K, N)
+        k = da.shape[-1] if da is not None else db.shape[-2]
+        return 2.0 * x.size * k * ((da is not None) + (db is not None)), nbytes
+    if issubclass(op, ScaledDotProductAttention):  # q (B, H, Tq, D), k (B, H, Tk, D)
+        return (8.0 * x.size * outs[1].shape[-2] if backward else 4.0 * y.size * ins[1].shape[-2]), nbytes
+    if issubclass(op, PackedAttention):  # qkv (B, T, 3C) -> (B, T, C)
+        return (8.0 * x.size * x.shape[-2] if backward else 4.0 * y.size * y.shape[-2]), nbytes
+    return float(sum(a.size for a in done)), nbytes
+
+
+def charge_op(op, ins, outs, backward: bool) -> None:
+    """The meter a device model installs: each op costs its roofline time on the thread's rank."""
+    clock = getattr(_local, "clock", None)
+    if clock is not None:
+        clock.work(*op_work(op, ins, outs, backward))

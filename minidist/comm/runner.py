@@ -31,7 +31,6 @@ from minidist.comm.transports.devices import bind_backend
 from minidist.comm.transports.jaxdev import CupyDeviceComm, JaxDeviceComm
 from minidist.comm.transports.mpi import MPIComm, finish_handshake
 from minidist.comm.transports.threads import ThreadComm, ThreadWorld
-from minidist.trace import clock as trace_clock
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 
@@ -220,7 +219,7 @@ def _run_threads(fn, ranks, backend, kwargs, comm_class=ThreadComm):
         finally:
             _rank_of_thread.rank = outer
             if world.clocks is not None:
-                trace_clock.use(None)
+                world.clocks[r].release_thread()
             if comm is not None:
                 comm.close()
 

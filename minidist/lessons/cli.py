@@ -1,4 +1,6 @@
-"""The command line every lesson shares: ``--ranks``, ``--backend``, ``--trace``, ``--plot``, ``--seed``.
+"""The command line every lesson shares: ``--ranks``, ``--backend``, ``--trace``, ``--plot``, ``--seed``,
+and the clock: ``--clock virtual`` (each rank keeps the time the emulated cluster would: compute in
+CPU time, or ``--device NAME``'s roofline; each message ``--link``'s alpha + bytes/beta).
 
     parser = lesson_parser("what this lesson shows", ranks=4)
     parser.add_argument("--steps", type=positive_int, default=3)
@@ -88,6 +90,12 @@ class LessonParser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         ns = super().parse_args(args, namespace)
+        for flag, resolve in (("link", link_spec), ("device", device_spec)):
+            if getattr(ns, flag, None):
+                try:
+                    resolve(getattr(ns, flag))
+                except ValueError as e:
+                    self.error(f"argument --{flag}: {e}")
         for dest in self.output_paths:
             path = getattr(ns, dest, None)
             if path:
@@ -125,7 +133,62 @@ def lesson_parser(description: str, ranks: int = 4) -> LessonParser:
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace of every rank")
     p.add_argument("--plot", metavar="FILE.png", help="write a picture")
     p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--clock", choices=("wall", "virtual"), default=None,
+                   help="wall: time as this machine runs it; virtual: as the emulated cluster would "
+                        "(default $MINIDIST_CLOCK or wall)")
+    p.add_argument("--link", metavar="LINK", default=None,
+                   help=f"the link every message crosses: {', '.join(LINKS)}, or alpha_us=...,gbps=... "
+                        "(virtual clock: charged; wall clock: emulated by waiting)")
+    p.add_argument("--device", metavar="NAME", default=None,
+                   help="virtual clock: price compute on this device's roofline instead of CPU time "
+                        f"({', '.join(DEVICES)}, or here)")
     return p
+
+
+LINKS = {"nvlink": "alpha_us=5,gBps=450", "ici": "alpha_us=1,gBps=100", "infiniband": "alpha_us=10,gBps=50",
+         "ethernet": "alpha_us=30,gBps=1.25"}  # per chip, each way: plan/hardware.py's presets; 10 GbE
+DEVICES = ("a100", "h100", "b200", "tpu-v4", "tpu-v5e", "tpu-v5p")
+
+
+def link_spec(name: str) -> str:
+    """A ``--link`` as ``MINIDIST_LINK`` spells it: a named link, "here" (this machine as calibrated,
+    ``python -m minidist.calibrate``), or a spec."""
+    from minidist.comm.transports.link import parse_link
+
+    if name.lower() in LINKS:
+        return LINKS[name.lower()]
+    if name.lower() == "here":
+        from minidist.plan.hardware import here
+
+        link = here().intra
+        return f"alpha_us={link.latency * 1e6:g},gBps={link.bandwidth / 1e9:g}"
+    parse_link(name)  # a ValueError names what is wrong
+    return name
+
+
+def device_spec(name: str) -> str:
+    """A ``--device`` as ``MINIDIST_DEVICE`` spells it, from plan/hardware.py's presets or "here"."""
+    from minidist.plan.hardware import get
+
+    hw = get(name)  # a ValueError lists the presets
+    return (f"tflops={hw.peak_flops * hw.gemm_efficiency / 1e12:g},gBps={hw.hbm_bandwidth / 1e9:g},"
+            f"overhead_us={hw.op_overhead * 1e6:g},name={hw.name}")
+
+
+def use_clock(args) -> None:
+    """Put the lesson's ``--clock``, ``--link`` and ``--device`` into effect for the ranks it starts."""
+    from minidist.comm.transports.link import set_link
+
+    if getattr(args, "clock", None):
+        os.environ["MINIDIST_CLOCK"] = args.clock
+    if getattr(args, "link", None):
+        os.environ["MINIDIST_LINK"] = link_spec(args.link)
+        set_link(os.environ["MINIDIST_LINK"])
+    if getattr(args, "device", None):
+        if os.environ.get("MINIDIST_CLOCK", "wall") != "virtual":
+            raise SystemExit("argument --device: a device model prices compute on the virtual clock; "
+                             "add --clock virtual")
+        os.environ["MINIDIST_DEVICE"] = device_spec(args.device)
 
 
 def world_size(args) -> int:
@@ -220,6 +283,11 @@ def _with_header(rank_fn):
     def with_header(comm, args):
         if comm.rank == 0:
             print(describe_binding(comm.backend, comm.size, comm.transport), flush=True)
+            if comm.clock is not None:
+                link = comm.clock.link
+                print(f"clock: virtual -- each message {link.alpha * 1e6:g} us + bytes / "
+                      f"{link.bandwidth / 1e9:g} GB/s; compute "
+                      + (f"on {comm.clock.device}" if comm.clock.device else "in CPU time"), flush=True)
         return rank_fn(comm, args)
     return with_header
 
@@ -229,6 +297,7 @@ def launch(main_rank_fn, args) -> list:
 
     Returns the ranks' results; exits with status 1 (``SystemExit``) when a rank returned False,
     i.e. ``finish`` saw a failed check."""
+    use_clock(args)
     fn = _traced(main_rank_fn) if getattr(args, "trace", None) else main_rank_fn
     results = run(_with_header(fn), ranks=getattr(args, "ranks", None),
                   backend=getattr(args, "backend", None), args=args)

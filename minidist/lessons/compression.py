@@ -18,7 +18,6 @@ loss vs steps, and loss vs cumulative bytes on a log axis with a band at dense's
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import math
 import sys
@@ -29,7 +28,6 @@ import numpy as np
 from minidist.accel.backend import to_host
 from minidist.autograd.tensor import no_grad
 from minidist.comm import all_reduce, measure
-from minidist.comm.transports.link import parse_link, set_link
 from minidist.lessons.cli import finish, launch, lesson_parser, positive_float, positive_int, rprint
 from minidist.lessons.compression_curves import plot, print_bytes_at_dense_loss
 from minidist.lessons.progress import progress
@@ -219,20 +217,10 @@ def rank_main(comm, args):
     return finish(comm, ok)
 
 
-def link_spec(text: str) -> str:
-    """--link's type: a spec ``parse_link`` accepts (an argparse error naming the problem otherwise)."""
-    try:
-        parse_link(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
 def parser():
     ap = lesson_parser(__doc__.split("\n\n")[0], ranks=4)
     ap.add_argument("--steps", type=positive_int, default=40)
-    ap.add_argument("--link", default="alpha_us=50,gbps=1", type=link_spec,
-                    help="emulated link, e.g. alpha_us=50,gbps=1 ('off': memory speed)")
+    ap.set_defaults(link="alpha_us=50,gbps=1")  # the emulated slow link (--link off: memory speed)
     ap.add_argument("--layers", type=positive_int, default=2)
     ap.add_argument("--d-model", type=positive_int, default=128)
     ap.add_argument("--seq", type=positive_int, default=32)
@@ -252,8 +240,7 @@ def main(argv=None):
     args = parser().parse_args(argv)
     if args.methods[0] != "dense":
         args.methods = ["dense"] + [m for m in args.methods if m != "dense"]  # the baseline comes first
-    set_link(parse_link(args.link))  # before any communicator exists: they all take it
-    return launch(rank_main, args)
+    return launch(rank_main, args)  # (launch puts --link into effect before any communicator exists)
 
 
 if __name__ == "__main__":

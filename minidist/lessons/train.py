@@ -154,7 +154,7 @@ def plot_losses(path, losses, uniform, title) -> None:
 
 
 def main(argv=None):
-    args, data = prepare(argv)
+    args, data = prepare(argv, __doc__)
     if args.backend is not None:
         set_default_backend(args.backend)
     try:

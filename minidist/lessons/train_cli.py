@@ -39,13 +39,11 @@ def steps_flag(text: str) -> int:
     return value
 
 
-def parser() -> LessonParser:
-    # cycle: lessons.train -> lessons.train_cli -> lessons.train (its docstring: the help text)
-    from minidist.lessons import train
-
-    ap = LessonParser(description=train.__doc__.splitlines()[0],
-                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                      epilog="\n".join(train.__doc__.splitlines()[2:11]))
+def parser(doc: str = "") -> LessonParser:
+    """The flags; ``doc`` (the lesson's docstring) gives the help text."""
+    lines = doc.splitlines() or [None]
+    ap = LessonParser(description=lines[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                      epilog="\n".join(lines[2:11]))
     ap.add_argument("--text", help="a UTF-8 text file (default: the text shipped with minidist)")
     ap.add_argument("--task", choices=SyntheticTask.KINDS, help="train on a synthetic task instead")
     ap.add_argument("--steps", type=steps_flag, default=600, help="training steps of this run (default 600)")
@@ -122,9 +120,10 @@ def check_save(root) -> None:
         raise ValueError(f"argument --save: {root!r} is not writable")
 
 
-def prepare(argv=None):
-    """Parse and check every flag before any training: (args, data), or exit status 2 and one line."""
-    ap = parser()
+def prepare(argv=None, doc: str = ""):
+    """Parse and check every flag before any training: (args, data), or exit status 2 and one line.
+    ``doc``: the lesson's docstring, for ``--help``."""
+    ap = parser(doc)
     args = ap.parse_args(argv)
     try:
         if args.backend is not None:

@@ -1,24 +1,10 @@
 """Causal self-attention -- multi-head, grouped-query or multi-query -- for training and decoding.
 
 x (B, T, C) -> qkv = x @ W_qkv (B, T, (H + 2·K)·D) -> q (B, H, T, D), k and v (B, K, T, D) -> causal
-scaled-dot-product attention -> merge heads (B, T, H·D) -> output projection -> dropout.
-
-K = ``n_kv_head`` key/value heads serve the H query heads (Ainslie et al. 2023, GQA): query head h
-attends with K/V head ``h // (H / K)``, so the keys and values -- what a KV cache stores -- are K/H
-of multi-head attention's. K = H is multi-head attention (the default), K = 1 multi-query.
-
-``self_attention(qkv, n_head, cache, n_kv_head)`` is the middle part, shared by this layer and the
-tensor-parallel ones (their heads split across ranks). Without a cache it is one fused,
-differentiable op: ``ops.packed_attention`` for K = H (the heads split and merged inside it, so
-backward writes qkv's gradient once), ``GroupedAttention`` otherwise (the query heads of a group
-broadcast against their one K/V head; backward sums the group's key and value gradients).
-With a cache (``minidist.infer``: one layer's view of a KV cache, inference only, under
-``no_grad``) the new keys and values are stored, the queries attend to every cached key of their
-own sequence, and ``cache.hidden`` masks the rest: each query sees the keys at positions up to
-its own, which with Tq queries after Tk - Tq cached keys is the causal mask shifted by Tk - Tq.
-
-``kv_of`` (tensor parallelism with replicated K/V heads): the K/V head of each of this rank's query
-heads, when they are not whole groups in order; None means ``h // (H / K)``.
+attention -> merge heads (B, T, H·D) -> output projection -> dropout. K = ``n_kv_head`` key/value
+heads serve the H query heads (query head h uses K/V head ``h // (H / K)``; K = H by default).
+``self_attention``, the middle part, is shared with the tensor-parallel layers: one fused op, or with
+a KV cache (inference) a read of every visible cached key. lessons/01-train.md walks through both.
 """
 
 from __future__ import annotations

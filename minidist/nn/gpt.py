@@ -3,11 +3,8 @@
 The model is a flat sequence of layers -- ``Embed``, ``Block`` × n_layer, ``Head`` -- so pipeline
 parallelism can cut it into stages anywhere, and ``GPT.forward`` is just that sequence applied in
 order. Initialisation follows GPT-2: N(0, 0.02), residual projections scaled by 1/√(2·n_layer),
-drawn in a fixed order from ``numpy.random.default_rng(config.seed)``.
-
-``n_kv_head`` (default: ``n_head``, multi-head attention) sets grouped-query attention: that many
-key/value heads, each shared by n_head / n_kv_head query heads (1: multi-query); the KV cache of
-a served model holds n_kv_head heads per layer (``minidist.nn.attention``).
+drawn in a fixed order from ``numpy.random.default_rng(config.seed)``. ``n_kv_head`` < ``n_head``:
+grouped-query attention (``minidist.nn.attention``).
 """
 
 from __future__ import annotations

@@ -1,38 +1,13 @@
 """Module and Parameter: a tree of layers that knows its parameters by name.
 
-Attributes that are Parameters, Modules or ModuleLists are registered in assignment order, so
-``named_parameters()`` has a stable order (data parallelism buckets gradients in its reverse;
-checkpoints and pipeline stages rely on the names).
+Parameters and sub-Modules are registered in assignment order, so ``named_parameters()`` has a
+stable order (data parallelism buckets gradients in its reverse; checkpoints and pipeline stages
+rely on the names). **The one way to wrap a forward**: a technique registers a forward wrapper at
+its named position (``register_forward_wrapper``, one per position; ``handle.remove()`` takes it
+away), never replaces ``forward``. ``module(x)`` runs them outermost first, each calling ``inner``,
+the rest of the stack, when it chooses (lessons/01-train.md says why this order)::
 
-**The one way to wrap a forward.** A technique that must act around a module's forward registers a
-*forward wrapper* at its named position (``register_forward_wrapper``); nothing else ever replaces
-``forward`` on an instance. ``module(x)`` runs the wrappers outermost first, each deciding when
-(and whether) to call ``inner`` -- the rest of the stack, ending in the class's ``forward``::
-
-    trace  >  checkpoint  >  offload  >  zero3  >  autocast  >  type(module).forward
-
-Why this order (``WRAPPER_ORDER``), from the outside in:
-
-* ``trace`` (``minidist.trace.trace_layers``) times everything the call costs, gathers and
-  checkpoint bookkeeping included.
-* ``checkpoint`` (``parallel.recompute``) is outside everything that must run *again* when backward
-  recomputes the forward: the recomputation calls ``inner``, so it re-gathers ZeRO-3's released
-  parameters and re-enters autocast. (Inside ZeRO-3 it would recompute on released parameters.)
-  ZeRO-3 keeps a unit gathered for a recomputation for the backward that follows, so
-  checkpointing costs no extra all-gather.
-* ``offload`` (``parallel.offload.offload_activations``) moves saved activations to host memory with
-  ``saved_tensors_hooks``; it sits outside ``zero3`` because the innermost saved-tensor hook sees an
-  array first: ZeRO-3 turns its parameters into references and hands only activations outwards.
-* ``zero3`` (``parallel.zero``) gathers a unit's parameters just before the layers run and
-  releases them right after; its saved-tensor hook saves references instead of parameters.
-* ``autocast`` (``parallel.precision``) is innermost: it changes how the layer computes, with the
-  parameters already present.
-
-One wrapper per position per module: a second registration at a taken position is an error naming
-both owners (two ZeRO-3 wrappers on one unit would gather twice). Each ``register_forward_wrapper``
-returns a handle whose ``remove()`` takes away that wrapper only, leaving the others in place.
-Saved-tensor hooks (``minidist.autograd.tensor.saved_tensors_hooks``) are the backward half of the same idea:
-a wrapper that enters them around ``inner`` decides what its layers' ops keep for backward.
+    trace  >  checkpoint (recompute)  >  offload  >  zero3  >  autocast  >  type(module).forward
 """
 
 from __future__ import annotations
@@ -54,7 +29,7 @@ class Parameter(Tensor):
         super().__init__(data, requires_grad=requires_grad, name=name)
 
 
-#: Forward-wrapper positions, outermost first (see the module docstring for why this order).
+#: Forward-wrapper positions, outermost first.
 WRAPPER_ORDER = ("trace", "checkpoint", "offload", "zero3", "autocast")
 
 
@@ -136,7 +111,7 @@ class Module:
 
     def call_inside(self, position: str, *args, **kwargs):
         """Run only the wrappers *inside* ``position``, then the class forward: what a wrapper that
-        re-runs the layer (a checkpoint segment's recomputation) calls for its members."""
+        re-runs the layer (a recomputed segment) calls for its members."""
         return self._run_from(WRAPPER_ORDER.index(position) + 1, args, kwargs)
 
     def _run_from(self, level: int, args, kwargs):

@@ -136,6 +136,19 @@ def test_fast_picks_the_fused_form_on_numpy_and_the_plain_one_when_disabled():
     assert fused.enabled()
 
 
+def test_importing_minidist_registers_the_fast_forms():
+    """The registry lives in ``ops`` and ``fused`` fills it: a program that imports only ``ops`` (and so
+    the ``minidist`` package, which imports ``fused``) gets every fast form, and no import cycle."""
+    code = ("import numpy as np\nfrom minidist.autograd import ops\n"
+            "from minidist.autograd.tensor import Tensor\n"
+            "y = ops.gelu(Tensor(np.ones(3), requires_grad=True))\n"
+            "print(len(ops.FAST), y._node.fn is ops.FAST[ops.Gelu], ops.FAST[ops.Gelu].__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    assert out.split() == ["6", "True", "minidist.autograd.fused"], out
+    assert fused.FAST is ops.FAST and fused.fast is ops.fast and fused.disabled is ops.disabled
+
+
 def test_on_jax_the_plain_form_runs():
     """XLA fuses a plain formula into one program by itself, and a JAX array has no buffer to update."""
     be = _backend("jax")

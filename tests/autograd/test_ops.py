@@ -149,6 +149,27 @@ def test_matmul_vectors(backend, kind):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["vec_mat", "mat_vec", "mat_mat", "vec_vec"])
+@pytest.mark.parametrize("wanted", [0, 1])
+def test_matmul_with_one_side_constant(backend, kind, wanted):
+    """Only input ``wanted`` wants a gradient, the other is a plain array (not saved for backward):
+    its gradient is the one it gets when both want one (``t @ np.ones(...)`` used to fail)."""
+    from minidist.accel.backend import get_backend
+    from minidist.autograd.tensor import Tensor
+
+    be, rng = get_backend(backend), np.random.default_rng(3)
+    shapes = {"vec_mat": ((3,), (2, 3, 4)), "mat_vec": ((2, 4, 3), (3,)), "mat_mat": ((2, 3), (3, 4)),
+              "vec_vec": ((3,), (3,))}[kind]
+    a, b = (be.from_host(rng.standard_normal(s)) for s in shapes)
+    both = [Tensor(a, requires_grad=True), Tensor(b, requires_grad=True)]
+    (both[0] @ both[1]).sum().backward()
+    one = [a, b]
+    one[wanted] = Tensor(one[wanted], requires_grad=True)
+    (one[0] @ one[1] if wanted == 0 else a @ one[1]).sum().backward()
+    np.testing.assert_allclose(be.to_host(one[wanted].grad), be.to_host(both[wanted].grad), rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_number_to_the_power_of_a_tensor(backend):
     """``2.0 ** t`` (``Tensor.__rpow__``): d/dt 2^t = 2^t ln 2, checked by finite differences."""
     from minidist.accel.backend import get_backend

@@ -191,3 +191,46 @@ def test_an_unknown_clock_mode_is_refused(monkeypatch):
     monkeypatch.setenv("MINIDIST_CLOCK", "sundial")
     with pytest.raises(ValueError, match="MINIDIST_CLOCK='sundial': use 'wall'"):
         run(lambda comm: None, ranks=2)
+
+
+def test_op_work_counts_a_products_flops_from_its_shapes():
+    """2·M·K·N for a product, forward; each input gradient of a product is another; attention's
+    two products; one FLOP an element for the rest (the hand-worked numbers)."""
+    from minidist.autograd.ops import Add, Linear, Matmul, ScaledDotProductAttention
+    from minidist.comm.clock import op_work
+
+    x, w, y = np.ones((4, 8, 16)), np.ones((16, 32)), np.ones((4, 8, 32))
+    assert op_work(Linear, [x, w], y, False)[0] == 2 * 32 * 16 * 32
+    assert op_work(Linear, [y], (x, w, None), True)[0] == 2 * (2 * 32 * 16 * 32)   # dX and dW
+    assert op_work(Linear, [y], (None, w, None), True)[0] == 2 * 32 * 16 * 32      # dW only
+    a, b = np.ones((3, 5, 6)), np.ones((3, 6, 7))
+    assert op_work(Matmul, [a, b], np.ones((3, 5, 7)), False)[0] == 2 * 3 * 5 * 6 * 7
+    q, k = np.ones((2, 3, 5, 4)), np.ones((2, 3, 7, 4))
+    assert op_work(ScaledDotProductAttention, [q, k, k], q, False)[0] == 4 * 2 * 3 * 5 * 7 * 4
+    flops, nbytes = op_work(Add, [x, x], x, False)
+    assert (flops, nbytes) == (x.size, 3 * x.nbytes)
+
+
+def test_a_device_model_prices_each_op_on_its_roofline(virtual, monkeypatch):
+    """One Linear forward and backward on a device of 1 GFLOP/s and 1 GB/s, 10 us an op: each takes
+    max(FLOPs / 1e9, bytes / 1e9) + 10 us, whatever the CPU does meanwhile."""
+    from minidist.autograd import ops
+    from minidist.autograd.tensor import Tensor
+
+    monkeypatch.setenv("MINIDIST_DEVICE", "tflops=0.001,gBps=1,overhead_us=10,name=slow")
+    rows, k, n = 64, 128, 256
+    fwd = max(2 * rows * k * n, 8 * (rows * k + k * n + rows * n)) / 1e9 + 1e-5
+    bwd = max(2 * 2 * rows * k * n, 8 * (rows * n + rows * k + k * n)) / 1e9 + 1e-5
+
+    def body(comm):
+        x = Tensor(np.ones((rows, k)), requires_grad=True)
+        w = Tensor(np.ones((k, n)), requires_grad=True)
+        t0 = trace_clock.now()
+        y = ops.linear(x, w)
+        t1 = trace_clock.now()
+        time.sleep(0.05)
+        y.backward(np.ones((rows, n)))
+        return t1 - t0, trace_clock.now() - t1
+
+    (f, b), = run(body, ranks=1)
+    assert f == pytest.approx(fwd, rel=1e-9) and b == pytest.approx(bwd, rel=1e-9)

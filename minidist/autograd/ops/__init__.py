@@ -1,51 +1,68 @@
 """Differentiable primitives: each op's forward and backward side by side, and the Tensor-level API.
 
-Every op is a ``Function`` subclass working on raw backend arrays (``xp`` is NumPy, CuPy or
-jax.numpy, found from the arrays themselves), plus a lower-case wrapper here that takes Tensors.
-Backward formulas are written out, not derived by a tracer, so a reader can check each one
-against the textbook: every op is that formula in plain ``xp`` code, nothing else. The classes
-live by kind, one file each:
+Every op is a ``Function`` subclass on raw backend arrays (``xp``: NumPy, CuPy or jax.numpy), its
+backward the textbook formula, one file per kind: ``elementwise``, ``matmul``, ``shapes`` (sums,
+reshapes, indexing, embedding), ``norms`` (softmax, LayerNorm, dropout), ``attention``, ``loss``;
+``arrays`` holds their helpers. Pure array code, so the JAX engine can compile each one.
 
-* ``elementwise``: add, sub, mul, div, neg, pow, exp, log, tanh, relu, gelu, cast;
-* ``matmul``: ``Matmul`` and ``Linear``;
-* ``shapes``: sum, mean, max, reshape, transpose, indexing, concat, embedding;
-* ``norms``: softmax, log-softmax, LayerNorm, dropout;
-* ``attention``: scaled dot-product attention, on q, k, v or on packed qkv;
-* ``loss``: cross-entropy;
-* ``arrays``: the helpers they share (the array namespace, unbroadcasting, rows of a matrix).
-
-Every Function defined in this package is pure array code -- no communication, no host state --
-which is what lets the JAX engine compile each one (``minidist.accel.compiled.kernel``).
-
-The ops a model spends its time in (``linear``, ``gelu``, ``layer_norm``, the two attentions,
-``cross_entropy``) are fused -- one op, saving only what their backward needs -- and have a second,
-fast form in ``minidist.autograd.fused`` (in-place chains, BLAS sums) with the same contract. Their
-lower-case wrappers run the class ``fused.fast(Op, x)`` picks: the fast form on NumPy and CuPy, the
-plain one on JAX or under ``MINIDIST_FUSED=0`` / ``fused.disabled()``.
+Here: the registry of fast forms (``FAST``: a plain op -> a faster one with the same contract, which
+``minidist.autograd.fused`` registers when ``minidist`` is imported; ``fast(Op, x)`` picks it), the
+lower-case functions on Tensors, and Tensor's operators and methods (``tensor.py`` imports no op).
 """
 
 from __future__ import annotations
 
-import builtins
+import contextlib
+import os
+import threading
 
 import numpy as np
 
-from minidist.autograd.ops.arrays import _back_to, _rows, _shape, _xp, unbroadcast  # noqa: F401
-from minidist.autograd.ops.attention import (  # noqa: F401
+from minidist.accel.backend import backend_of
+
+# -- the fast forms: which class runs an op -----------------------------------------------------
+FAST: dict = {}  # plain op -> its fast form; minidist.autograd.fused fills it when minidist is imported
+_ON = os.environ.get("MINIDIST_FUSED", "1") not in ("0", "false", "False", "")
+_state = threading.local()
+
+
+def fast(op, x):
+    """The class that runs ``op`` (a plain Function) on ``x`` (its first input): its fast form from
+    ``FAST`` on NumPy and CuPy, the plain op on JAX (it fuses the formula itself) or when off."""
+    if not getattr(_state, "on", _ON):
+        return op
+    d = getattr(x, "data", x)
+    if type(d) is np.ndarray or backend_of(d).inplace:
+        return FAST.get(op, op)
+    return op
+
+
+def enabled() -> bool:
+    """Do ops run their fast forms in this thread (``MINIDIST_FUSED``, ``disabled``)?"""
+    return getattr(_state, "on", _ON)
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run the plain forms of the ops in this thread."""
+    prev = enabled()
+    _state.on = False
+    try:
+        yield
+    finally:
+        _state.on = prev
+
+
+# -- the ops (one file per kind) ------------------------------------------------------------------
+from minidist.autograd.ops.arrays import unbroadcast  # noqa: E402, F401
+from minidist.autograd.ops.attention import (  # noqa: E402, F401
     PackedAttention,
     ScaledDotProductAttention,
-    _heads,
     attention_grads,
     attention_probs,
-    causal_hidden,
     check_packed,
-    merge_heads,
-    pack_heads,
-    split_heads,
 )
-from minidist.autograd.ops.elementwise import (  # noqa: F401
-    GELU_C,
-    GELU_K,
+from minidist.autograd.ops.elementwise import (  # noqa: E402, F401
     Add,
     Cast,
     Div,
@@ -59,10 +76,17 @@ from minidist.autograd.ops.elementwise import (  # noqa: F401
     Sub,
     Tanh,
 )
-from minidist.autograd.ops.loss import CrossEntropy, ce_rows  # noqa: F401
-from minidist.autograd.ops.matmul import Linear, Matmul, _check_matmul, low_precision  # noqa: F401
-from minidist.autograd.ops.norms import Dropout, LayerNorm, LogSoftmax, Softmax, _softmax, dropout_mask  # noqa: F401
-from minidist.autograd.ops.shapes import (  # noqa: F401
+from minidist.autograd.ops.loss import CrossEntropy  # noqa: E402, F401
+from minidist.autograd.ops.matmul import Linear, Matmul, low_precision  # noqa: E402, F401
+from minidist.autograd.ops.norms import (  # noqa: E402, F401
+    Dropout,
+    LayerNorm,
+    LogSoftmax,
+    Softmax,
+    dropout_mask,
+    layer_norm_compute,
+)
+from minidist.autograd.ops.shapes import (  # noqa: E402, F401
     Concat,
     Embedding,
     GetItem,
@@ -72,17 +96,12 @@ from minidist.autograd.ops.shapes import (  # noqa: F401
     Sum,
     Transpose,
     _check_ids,
+    split,
 )
-from minidist.autograd.tensor import Tensor
+from minidist.autograd.tensor import Tensor  # noqa: E402
 
 
-# ---------------------------------------------------------------------------------------------
-# the Tensor-level API
-# ---------------------------------------------------------------------------------------------
-def _data(x):
-    return x.data if isinstance(x, Tensor) else x
-
-
+# -- the Tensor-level API --------------------------------------------------------------------------
 def add(a, b):
     return Add.apply(a, b)
 
@@ -124,7 +143,7 @@ def relu(a):
 
 
 def gelu(a):
-    return fused.fast(Gelu, a).apply(a)
+    return fast(Gelu, a).apply(a)
 
 
 def cast(a, dtype):
@@ -136,11 +155,9 @@ def matmul(a, b):
 
 
 def linear(x, w, b=None):
-    """``x @ w + b``. With 2-byte float weights (bf16, fp16: mixed precision) the product runs as a
-    tensor core does it: inputs cast up, accumulated in fp32, the output rounded once to ``w``'s
-    dtype (gradients likewise), so every layer that multiplies -- serial or tensor-parallel -- gets
-    the same low-precision arithmetic without being patched."""
-    op = fused.fast(Linear, x)
+    """``x @ w + b``. With 2-byte float weights (bf16, fp16) as a tensor core does it: inputs cast up,
+    accumulated in fp32, the output rounded once to ``w``'s dtype (gradients likewise)."""
+    op = fast(Linear, x)
     if low_precision(w.dtype):  # (one op: the casts happen inside it)
         return op.apply(x, w, b, compute=np.dtype(np.float32)) if b is not None else \
             op.apply(x, w, compute=np.dtype(np.float32))
@@ -179,27 +196,8 @@ def concat(tensors, axis=0):
     return Concat.apply(*tensors, axis=axis)
 
 
-def split(a, sections, axis=0):
-    """Split ``a`` along ``axis`` into ``sections`` equal parts (an int) or at the given sizes."""
-    n = a.shape[axis]
-    if isinstance(sections, int):
-        if n % sections:
-            raise ValueError(f"split: axis {axis} of length {n} doesn't divide into {sections} parts")
-        sizes = [n // sections] * sections
-    else:
-        sizes = list(sections)
-        if builtins.sum(sizes) != n:
-            raise ValueError(f"split: sizes {sizes} don't add up to axis {axis} length {n}")
-    out, start = [], 0
-    for s in sizes:
-        idx = (slice(None),) * (axis % a.ndim) + (slice(start, start + s),)
-        out.append(getitem(a, idx))
-        start += s
-    return out
-
-
 def embedding(weight, idx):
-    idx = _data(idx)
+    idx = idx.data if isinstance(idx, Tensor) else idx
     _check_ids(idx, weight.shape[0], "embedding: token id array")
     return Embedding.apply(weight, idx)
 
@@ -214,22 +212,10 @@ def log_softmax(x, axis=-1):
 
 def layer_norm(x, w, b, eps=1e-5, compute=None):
     """LayerNorm over the last axis; ``compute`` (e.g. float32 under bf16 parameters): the dtype its
-    statistics run in, the output rounded to ``w``'s dtype (see ``LayerNorm``). Everything already in
-    ``compute``: the op without casts (the same numbers, one compiled program fewer on JAX)."""
-    if compute is None:
-        return fused.fast(LayerNorm, x).apply(x, w, b, eps=eps)
-    try:
-        dt = np.dtype(compute)
-    except TypeError:
-        dt = np.dtype(object)  # (refused below)
-    if x.dtype == w.dtype == b.dtype == dt:
-        return fused.fast(LayerNorm, x).apply(x, w, b, eps=eps)
-    if dt.kind != "f" or not all(np.can_cast(a.dtype, dt, "safe") for a in (x, w, b)):
-        # (safe casts only: float16 is as wide as bfloat16 in bytes, not in range -- 1e5 became inf)
-        widest = np.result_type(np.float32, x.dtype, w.dtype, b.dtype)
-        raise ValueError(f"layer_norm: compute={compute!r} must be a float dtype x, w and b ({x.dtype}, "
-                         f"{w.dtype}, {b.dtype}) cast to without loss, e.g. {widest}")
-    return fused.fast(LayerNorm, x).apply(x, w, b, eps=eps, compute=dt)
+    statistics run in, the output rounded to ``w``'s dtype (see ``LayerNorm``)."""
+    dt = None if compute is None else layer_norm_compute(compute, x, w, b)
+    op = fast(LayerNorm, x)
+    return op.apply(x, w, b, eps=eps) if dt is None else op.apply(x, w, b, eps=eps, compute=dt)
 
 
 def dropout(x, p, rng, training=True):
@@ -242,19 +228,38 @@ def dropout(x, p, rng, training=True):
 
 
 def scaled_dot_product_attention(q, k, v, causal=True):
-    return fused.fast(ScaledDotProductAttention, q).apply(q, k, v, causal=causal)
+    return fast(ScaledDotProductAttention, q).apply(q, k, v, causal=causal)
 
 
 def packed_attention(qkv, n_head, causal=True):
     """Self-attention of fused projections qkv (B, T, 3·H·D) over ``n_head`` heads: (B, T, H·D)."""
     check_packed(qkv, n_head, "packed_attention")
-    return fused.fast(PackedAttention, qkv).apply(qkv, n_head=n_head, causal=causal)
+    return fast(PackedAttention, qkv).apply(qkv, n_head=n_head, causal=causal)
 
 
 def cross_entropy(logits, targets, ignore_index=-1):
-    targets = _data(targets)
+    targets = targets.data if isinstance(targets, Tensor) else targets
     _check_ids(targets, logits.shape[-1], "cross_entropy: targets", ignore=ignore_index)
-    return fused.fast(CrossEntropy, logits).apply(logits, targets, ignore_index=ignore_index)
+    return fast(CrossEntropy, logits).apply(logits, targets, ignore_index=ignore_index)
 
 
-from minidist.autograd import fused  # noqa: E402 - the fast forms subclass the ops above
+# -- Tensor's operators and methods, attached here where the ops live -----------------------------
+Tensor.__add__, Tensor.__sub__, Tensor.__mul__, Tensor.__truediv__ = add, sub, mul, div
+Tensor.__radd__ = lambda a, b: Add.apply(b, a)
+Tensor.__rsub__ = lambda a, b: Sub.apply(b, a)
+Tensor.__rmul__ = lambda a, b: Mul.apply(b, a)
+Tensor.__rtruediv__ = lambda a, b: Div.apply(b, a)
+Tensor.__pow__, Tensor.__rpow__ = pow, lambda a, b: Pow.apply(b, a)
+Tensor.__matmul__, Tensor.__rmatmul__ = matmul, lambda a, b: Matmul.apply(b, a)
+Tensor.__neg__, Tensor.__getitem__ = neg, getitem
+Tensor.sum, Tensor.mean, Tensor.max = sum, mean, max
+Tensor.exp, Tensor.log, Tensor.tanh, Tensor.relu, Tensor.astype = exp, log, tanh, relu, cast
+
+
+def _shape_args(args):
+    """``t.reshape(2, 3)`` and ``t.reshape((2, 3))`` alike."""
+    return args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+
+
+Tensor.reshape = lambda t, *shape: reshape(t, _shape_args(shape))
+Tensor.transpose = Tensor.permute = lambda t, *axes: transpose(t, _shape_args(axes) or None)

@@ -26,31 +26,32 @@ class Matmul(Function):
     def forward(ctx, a, b):
         _check_matmul(a, b)
         ctx.save(a if ctx.needs_grad[1] else None, b if ctx.needs_grad[0] else None)
+        ctx.shapes = (a.shape, b.shape)  # (the side that wants no gradient is not saved)
         return a @ b
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved
-        xp = _xp(g)
+        (a_shape, b_shape), xp = ctx.shapes, _xp(g)
         ga = gb = None
         if ctx.needs_grad[0]:
-            if b.ndim == 1:
+            if len(b_shape) == 1:
                 ga = g[..., None] * b
-            elif a.ndim == 1:
+            elif len(a_shape) == 1:
                 ga = _rows(g[..., None, :] @ xp.swapaxes(b, -1, -2)).sum(axis=0)
             else:
-                ga = unbroadcast(g @ xp.swapaxes(b, -1, -2), a.shape)
+                ga = unbroadcast(g @ xp.swapaxes(b, -1, -2), a_shape)
         if ctx.needs_grad[1]:
-            if b.ndim == 2 and a.ndim >= 2:  # a weight: fold the batch axes into one big product
+            if len(b_shape) == 2 and a.ndim >= 2:  # a weight: fold the batch axes into one big product
                 gb = _rows(a).T @ _rows(g)
-            elif a.ndim == 1 and b.ndim == 1:  # a dot product: g is 0-d
+            elif a.ndim == 1 and len(b_shape) == 1:  # a dot product: g is 0-d
                 gb = g * a
             elif a.ndim == 1:
-                gb = unbroadcast(a[:, None] * g[..., None, :], b.shape)
-            elif b.ndim == 1:
+                gb = unbroadcast(a[:, None] * g[..., None, :], b_shape)
+            elif len(b_shape) == 1:
                 gb = _rows(a * g[..., None]).sum(axis=0)
             else:
-                gb = unbroadcast(xp.swapaxes(a, -1, -2) @ g, b.shape)
+                gb = unbroadcast(xp.swapaxes(a, -1, -2) @ g, b_shape)
         return ga, gb
 
 

@@ -6,6 +6,8 @@ comes from a seeded host generator, so every backend and every split of a layer 
 
 from __future__ import annotations
 
+import numpy as np
+
 from minidist.accel.backend import backend_of
 from minidist.autograd.ops.arrays import _back_to, _rows, _xp
 from minidist.autograd.tensor import Function
@@ -83,6 +85,23 @@ class LayerNorm(Function):
         gx = rstd * (d - d.mean(axis=-1, keepdims=True) - xhat * (d * xhat).mean(axis=-1, keepdims=True))
         gw, gb = _rows(g * xhat).sum(axis=0), _rows(g).sum(axis=0)
         return (gx, gw, gb) if dtypes is None else _back_to(dtypes, (gx, gw, gb))
+
+
+def layer_norm_compute(compute, x, w, b):
+    """The dtype ``compute`` names for ``LayerNorm``'s statistics, or None where x, w and b are in it
+    already (then the op without casts: the same numbers, one compiled program fewer on JAX). Refused
+    unless x, w and b cast to it without loss (float16 is as wide as bfloat16 in bytes, not in range)."""
+    try:
+        dt = np.dtype(compute)
+    except TypeError:
+        dt = np.dtype(object)  # (refused below)
+    if x.dtype == w.dtype == b.dtype == dt:
+        return None
+    if dt.kind != "f" or not all(np.can_cast(a.dtype, dt, "safe") for a in (x, w, b)):
+        widest = np.result_type(np.float32, x.dtype, w.dtype, b.dtype)
+        raise ValueError(f"layer_norm: compute={compute!r} must be a float dtype x, w and b ({x.dtype}, "
+                         f"{w.dtype}, {b.dtype}) cast to without loss, e.g. {widest}")
+    return dt
 
 
 def dropout_mask(shape, p, rng, dtype):

@@ -1,4 +1,5 @@
-"""Reductions, shapes, indexing and joining: sum/mean/max, reshape, transpose, a[idx], concat, embedding.
+"""Reductions, shapes, indexing and joining: sum/mean/max, reshape, transpose, a[idx], concat, split,
+embedding.
 
 A reduction's backward spreads the gradient back over the axes it summed (``_expand``); an indexing
 op's backward writes (or scatter-adds, where indices repeat) the gradient into zeros of the input's
@@ -134,6 +135,26 @@ class Concat(Function):
             start += n
             bounds.append(start)
         return tuple(_xp(g).split(g, bounds, axis=ctx.axis))
+
+
+def split(a, sections, axis=0):
+    """Split Tensor ``a`` along ``axis`` into ``sections`` equal parts (an int) or at the given sizes:
+    one ``GetItem`` per part (``Concat`` joins them back)."""
+    n = a.shape[axis]
+    if isinstance(sections, int):
+        if n % sections:
+            raise ValueError(f"split: axis {axis} of length {n} doesn't divide into {sections} parts")
+        sizes = [n // sections] * sections
+    else:
+        sizes = list(sections)
+        if sum(sizes) != n:
+            raise ValueError(f"split: sizes {sizes} don't add up to axis {axis} length {n}")
+    out, start = [], 0
+    for s in sizes:
+        idx = (slice(None),) * (axis % a.ndim) + (slice(start, start + s),)
+        out.append(GetItem.apply(a, idx=idx))
+        start += s
+    return out
 
 
 class Embedding(Function):
