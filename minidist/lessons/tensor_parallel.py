@@ -32,6 +32,7 @@ from minidist.lessons.cli import (
     finish,
     launch,
     lesson_parser,
+    link_spec,
     positive_float,
     positive_int,
     probability,
@@ -80,6 +81,9 @@ def layer_traffic(group, cfg, b, s, sp, overlap=False, tracer=None):
     return m
 
 
+OVERLAP_LINK = "alpha_us=50,gbps=2"  # --overlap's timeline without --link: on its own channels only
+
+
 def overlap_timeline(comm, cfg, args):
     """One sequence-parallel layer with collective matmul, every hop on the emulated ``--link``
     (the group and its channels get it): rank 0's hidden share and two-lane timeline."""
@@ -87,7 +91,7 @@ def overlap_timeline(comm, cfg, args):
     group = comm.split(0 if comm.rank < tp else None, comm.rank)
     if group is None or tp == 1:
         return
-    link = parse_link(args.link)
+    link = parse_link(link_spec(args.link) if args.link else OVERLAP_LINK)
     for ch in (group, group.channel("async"), group.channel(CHANNEL)):
         ch.link = link
     big = cfg.replace(d_model=512)  # GEMM chunks long enough to hide a hop behind
@@ -244,11 +248,9 @@ def main(argv=None):
                              "2.2e-05 for float32 at the default sizes)")
     parser.add_argument("--overlap", action="store_true",
                         help="sequence parallelism with collective matmul (hops hidden behind the GEMMs)")
-    parser.add_argument("--link", default="alpha_us=50,gbps=2",
-                        help="the emulated link of --overlap's timeline (minidist.comm.transports.link)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --link (every message's; default: --overlap's own OVERLAP_LINK)
     try:
-        parse_link(args.link)
+        link_spec(args.link) if args.link else None
     except ValueError as e:
         parser.error(f"argument --link: {e}")
     if args.d_model % 4:
