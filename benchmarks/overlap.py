@@ -38,23 +38,20 @@ from minidist.comm import measure, run  # noqa: E402
 from minidist.comm.transports.link import parse_link, set_link  # noqa: E402
 from minidist.parallel.context.layout import shard_sequence  # noqa: E402
 from minidist.parallel.context.ring import packed_ring_attention, ring_bytes  # noqa: E402
-from minidist.parallel.context.ulysses import (  # noqa: E402
-    packed_ulysses_attention,
-    packed_usp_attention,
-    ulysses_bytes,
-    usp_bytes,
-    usp_groups,
-)
-from minidist.parallel.tensor.collective_matmul import hidden_share, lanes  # noqa: E402
+from minidist.parallel.context.ulysses import packed_ulysses_attention, ulysses_bytes  # noqa: E402
+from minidist.parallel.context.usp import packed_usp_attention, usp_bytes, usp_groups  # noqa: E402
+from minidist.parallel.tensor.collective_matmul import hidden_share, lanes, use_collective_matmul  # noqa: E402
 from minidist.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 
 
 def mlp_steps(comm, b, t, h, steps, overlap, traced):
     """ms per step (median) of forward + backward of the SP MLP, this rank's events of the last step
     (when ``traced``) and its bytes sent in it."""
-    kw = dict(sequence_parallel=True, dtype=np.float32, collective_matmul=overlap)
+    kw = dict(sequence_parallel=True, dtype=np.float32)
     col = ColumnParallelLinear(h, 4 * h, comm, rng=np.random.default_rng(0), **kw)
     row = RowParallelLinear(4 * h, h, comm, rng=np.random.default_rng(1), **kw)
+    for layer in (col, row) if overlap else ():
+        use_collective_matmul(layer)
     x = np.random.default_rng(comm.rank).standard_normal((b, t // comm.size, h)).astype(np.float32)
     times, tracer = [], None
     for _ in range(steps + 1):  # the first step warms up

@@ -19,7 +19,7 @@ from minidist.autograd.tensor import Tensor, no_grad
 from minidist.infer.buckets import bucket
 from minidist.infer.kv_cache import CacheStep
 from minidist.nn.module import Module
-from minidist.parallel.tensor.sharding import local_kv_heads
+from minidist.parallel.tensor.shard import local_kv_heads
 
 
 @dataclass

@@ -36,7 +36,8 @@ from minidist.nn.footprint import MemoryAccountant
 from minidist.parallel.context.layout import shard_sequence, unshard_sequence
 from minidist.parallel.context.model import context_parallel
 from minidist.parallel.context.ring import AttentionStats, ring_attention, ring_bytes
-from minidist.parallel.context.ulysses import ulysses_bytes, usp_bytes
+from minidist.parallel.context.ulysses import ulysses_bytes
+from minidist.parallel.context.usp import usp_bytes
 from minidist.parallel.three_d import gather_full_state, max_state_diff, train_mesh, train_serial
 
 TOL = 1e-10  # float64: only the summation order differs from the serial twin

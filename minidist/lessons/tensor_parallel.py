@@ -46,7 +46,7 @@ from minidist.nn.footprint import MemoryAccountant
 from minidist.nn.serial import adamw_tolerance, train_steps
 from minidist.parallel.tensor.collective_matmul import CHANNEL, hidden_share, lanes, use_collective_matmul
 from minidist.parallel.tensor.gpt import TPGPT, ParallelBlock
-from minidist.parallel.tensor.sharding import sharding_table, unshard
+from minidist.parallel.tensor.sharding import serial_state_dict, sharding_table, unshard
 
 
 def make_batches(args, block_size):
@@ -81,6 +81,9 @@ def layer_traffic(group, cfg, b, s, sp, overlap=False, tracer=None):
     return m
 
 
+OVERLAP_LINK = "alpha_us=50,gbps=2"  # --overlap's timeline without --link: on its own channels only
+
+
 def overlap_timeline(comm, cfg, args):
     """One sequence-parallel layer with collective matmul, every hop on the emulated ``--link``
     (the group and its channels get it): rank 0's hidden share and two-lane timeline."""
@@ -88,7 +91,7 @@ def overlap_timeline(comm, cfg, args):
     group = comm.split(0 if comm.rank < tp else None, comm.rank)
     if group is None or tp == 1:
         return
-    link = parse_link(args.overlap_link)
+    link = parse_link(link_spec(args.link) if args.link else OVERLAP_LINK)
     for ch in (group, group.channel("async"), group.channel(CHANNEL)):
         ch.link = link
     big = cfg.replace(d_model=512)  # GEMM chunks long enough to hide a hop behind
@@ -141,7 +144,7 @@ def rank_main(comm, args):
             t0 = time.perf_counter()
             losses = train(model, batches, args.lr)
             step_ms = max(group.allgather_obj(time.perf_counter() - t0)) / len(batches) * 1e3
-            full = model.serial_state_dict()
+            full = serial_state_dict(model)
             act = activation_bytes(model, *batches[0])
             pbytes = sum(p.data.nbytes for p in model.parameters())
             if comm.rank == 0:
@@ -237,7 +240,7 @@ def main(argv=None):
     parser.add_argument("--d-model", type=positive_int, default=64, help="a multiple of the 4 heads")
     parser.add_argument("--layers", type=positive_int, default=2)
     parser.add_argument("--dropout", type=probability, default=0.1)
-    parser.add_argument("--dropout-rng", choices=["twin", "megatron"], default="twin",
+    parser.add_argument("--dropout-rng", choices=["serial", "megatron"], default="serial",
                         help="sharded-region dropout masks: slices of the serial mask, or per-rank streams")
     parser.add_argument("--lr", type=positive_float, default=3e-3)
     parser.add_argument("--tol", type=positive_float, default=None,
@@ -245,9 +248,11 @@ def main(argv=None):
                              "2.2e-05 for float32 at the default sizes)")
     parser.add_argument("--overlap", action="store_true",
                         help="sequence parallelism with collective matmul (hops hidden behind the GEMMs)")
-    args = parser.parse_args(argv)
-    # --link (the shared flag, checked by the parser) is the emulated link of --overlap's timeline only
-    args.overlap_link, args.link = link_spec(args.link or "alpha_us=50,gbps=2"), None
+    args = parser.parse_args(argv)  # --link (every message's; default: --overlap's own OVERLAP_LINK)
+    try:
+        link_spec(args.link) if args.link else None
+    except ValueError as e:
+        parser.error(f"argument --link: {e}")
     if args.d_model % 4:
         parser.error(f"argument --d-model: must be a multiple of the 4 attention heads, got {args.d_model}")
     if args.seq % 4:

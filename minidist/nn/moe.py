@@ -1,32 +1,14 @@
 """A mixture-of-experts MLP block: a router sends each token to k of E expert MLPs (GShard, Switch).
 
-For N tokens x (N, d) and E experts:
-
-1. **route** -- logits = x·W_r (N, E), probs = softmax(logits). Each token picks its top-k experts
-   (k = 1 Switch, k = 2 GShard); its gates are those probs (top-2: renormalised to sum to 1).
-2. **capacity** -- each expert takes at most C = ceil(capacity_factor · k · N / E) tokens, in
-   priority order: every token's first choice (in token order), then every second choice. An
-   assignment past C is **dropped**: that token gets nothing from that expert, and a token whose
-   every choice was dropped passes through the block's residual connection unchanged.
-3. **dispatch** -- kept tokens are copied into a buffer of E x C rows (expert e's slot s at row
-   e·C + s; empty slots are zeros): a fixed shape, whatever the routing, so expert parallelism
-   (``minidist.parallel.experts.dispatch``) exchanges it with ``all_to_all`` of known size.
-4. **experts** -- expert e runs on its C rows (``run_experts``: the one step EP replaces).
-5. **combine** -- each kept assignment's output row, times its gate, is added to its token.
-
-Steps 3-5 and the losses below are ops of their own (``minidist.nn.moe_steps``: ``Dispatch``,
-``ExpertMLPs``, ``Combine``), each one op forward and one backward -- the block is 7 ops, not ~55.
-
-On JAX, where every new shape is a new compiled program, the kept assignments (a different number
-every step) are padded to all N·k: a padded one moves token 0 to buffer row 0 times a gate of 0,
-adding exact zeros, so every step has the same shapes and compiles nothing new
-(``pad_assignments``); NumPy moves only the kept ones.
-
-Auxiliary losses (Switch Transformer): the **load-balancing loss** E · Σ_e f_e · P_e, where f_e is
-the fraction of the N·k assignments routed to e (before drops; no gradient) and P_e the mean
-router probability of e -- smallest (1) when both are uniform; and the **router z-loss**
-mean_tokens(logsumexp(logits)²), which keeps the logits small. Both are left on ``moe.stats``
-after each forward, with the tokens routed to each expert and the dropped fraction.
+For N tokens x (N, d) and E experts: (1) **route** -- probs = softmax(x·W_r), each token's top-k
+experts, its gates their probs (top-2: renormalised); (2) **capacity** -- each expert takes at most
+C = ceil(capacity_factor · k · N / E) tokens, first choices first, the rest **dropped** (a token
+dropped by every expert passes through the residual); (3) **dispatch** -- kept tokens into a buffer
+of E x C rows (expert e's slot s at row e·C + s): a fixed shape, which expert parallelism exchanges
+by all-to-all; (4) **experts** -- expert e on its C rows (``run_experts``: what EP replaces); (5)
+**combine** -- each kept assignment's output row, times its gate, added to its token. Steps 3-5 and
+the auxiliary losses (on ``moe.stats``) are one op each (``moe_steps.py``); on JAX the assignments
+are padded to one shape (``pad_assignments``, chapter 15).
 """
 
 from __future__ import annotations
@@ -59,12 +41,9 @@ def capacity(n_tokens: int, n_experts: int, k: int, capacity_factor: float) -> i
 
 
 def top_k_route(probs: np.ndarray, k: int, cap: int):
-    """Top-k routing with capacity, on an (N, E) array of router probabilities.
-
-    Returns ``(experts, slots)``, both (N, k) ints: token n's j-th choice (descending probability,
-    ties to the lower expert) and its slot in that expert's buffer, or -1 where dropped. Slots are
-    given first to every token's first choice in token order, then to the second choices, ...
-    """
+    """Top-k routing with capacity on (N, E) router probabilities: ``(experts, slots)``, both (N, k):
+    token n's j-th choice (descending probability, ties to the lower expert) and its slot in that
+    expert's buffer, or -1 where dropped; first choices get slots first, in token order."""
     n, e = probs.shape
     if not 1 <= k <= e:
         raise ValueError(f"top-k routing needs 1 <= k <= n_experts={e}, got k={k}")
@@ -82,9 +61,7 @@ def top_k_route(probs: np.ndarray, k: int, cap: int):
 
 def pad_assignments(tok, choice, rows, total: int, dtype):
     """The kept assignments (token, choice, buffer row) padded to ``total`` (all N·k), and ``keep``
-    (total, 1) of ``dtype``: 1 for a real one, 0 for padding -- token 0's first choice to row 0,
-    times 0, so it adds exact zeros forward and backward. One shape whatever the routing: on JAX,
-    one program; ``keep`` stays on the host, an argument of that program like the indices."""
+    (total, 1): 1 for a real one, 0 for padding (token 0 to row 0, times 0: exact zeros)."""
     pad = np.zeros(total - len(tok), dtype=np.int64)
     keep = (np.arange(total) < len(tok)).astype(dtype)[:, None]
     return np.concatenate([tok, pad]), np.concatenate([choice, pad]), np.concatenate([rows, pad]), keep
@@ -97,10 +74,8 @@ def routed_fraction(experts: np.ndarray, n_experts: int) -> np.ndarray:
 
 @dataclass
 class MoEStats:
-    """What one forward routed: tokens per expert (before drops), kept per expert, dropped fraction
-    of the N·k assignments, and the two auxiliary losses (Tensors: add them to the loss). Under
-    activation checkpointing the block's forward builds no graph, so the losses carry no gradient
-    there (chapter 15)."""
+    """What one forward routed (tokens and kept per expert, dropped fraction, capacity) and the two
+    auxiliary losses (Tensors to add to the loss; under activation recompute without gradient)."""
     tokens_per_expert: np.ndarray
     kept_per_expert: np.ndarray
     dropped_fraction: float
@@ -118,9 +93,8 @@ class MoEStats:
 # -- the block ------------------------------------------------------------------------------------
 
 class MoE(Module):
-    """``MoE(dim, n_experts, k, capacity_factor)``: x (..., d) -> (..., d), the experts' gated sum.
-
-    Use it in place of a block's MLP: x + moe(ln(x)) (dropped tokens keep x)."""
+    """``MoE(dim, n_experts, k, capacity_factor)``: x (..., d) -> (..., d), the experts' gated sum;
+    in place of a block's MLP: x + moe(ln(x)) (dropped tokens keep x)."""
 
     def __init__(self, dim, n_experts, k=1, capacity_factor=1.25, hidden=None, *, dtype=np.float32,
                  std=0.02, proj_std=None, rng=None, backend=None):
@@ -153,9 +127,8 @@ class MoE(Module):
         return out if len(shape) == 2 else out.reshape(*shape)
 
     def route(self, xf):
-        """Steps 1 and 2 for tokens xf (N, d): the router's logits and probabilities (Tensors), and on
-        the host each token's experts and slots (``top_k_route``) at C = ``capacity(...)`` slots.
-        Returns (logits, probs, experts, slots, C)."""
+        """Steps 1 and 2 for tokens xf (N, d): (logits, probs) Tensors, and on the host each token's
+        (experts, slots) (``top_k_route``) at C = ``capacity(...)`` slots; returns the five."""
         logits = self.router(xf)
         probs = ops.softmax(logits, axis=-1)
         cap = capacity(xf.shape[0], self.n_experts, self.k, self.capacity_factor)
@@ -193,9 +166,8 @@ def _batchable(experts) -> bool:
 
 
 def run_local_experts(experts, x, groups: int, cap: int):
-    """Expert i of ``experts`` on its rows of x (groups·E·C, d): C rows in each of ``groups``
-    blocks (block g: the E experts' C rows in order); the outputs in the same rows. One op
-    (``ExpertMLPs``) when the experts allow it, else each expert module called on its rows."""
+    """Expert i of ``experts`` on its C rows of each of the ``groups`` blocks of x (groups·E·C, d),
+    outputs in the same rows: one op (``ExpertMLPs``) where the experts allow it, else each module."""
     if _batchable(experts):
         params = [t for ex in experts for t in (ex.fc.weight, ex.fc.bias, ex.proj.weight, ex.proj.bias)]
         return ExpertMLPs.apply(x, *params, groups=groups, cap=cap)

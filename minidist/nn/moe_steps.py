@@ -1,21 +1,12 @@
 """The MoE block's steps as differentiable ops, each ONE op forward and one backward.
 
-``minidist.nn.moe`` routes on the host; these move and compute the arrays (N tokens, E experts,
-C slots each, M = the kept assignments, each (token ``tok``, choice ``choice``, buffer row ``rows``)):
-
-* ``Dispatch`` -- the kept tokens copied into the (E·C, d) expert buffer;
-* ``ExpertMLPs`` -- every local expert's MLP on its rows of the buffer;
-* ``Combine`` -- the top-k gates from the router's probabilities, and each kept assignment's
-  output row times its gate added to its token;
-* ``LoadBalancingLoss`` and ``RouterZLoss`` -- the Switch Transformer's two auxiliary losses.
-
-Written as ops of their own, not as chains of ``x[idx]``, ``*``, ``reshape``, ``concat`` (~55 ops
-forward and as many backward per block), because on JAX each op is one compiled call (a dispatch
-whatever its size; chapter 16 measures it) and on NumPy each is a Python-level graph node. Each
-backward is the chain rule of the ops it replaces, in the same order, so NumPy's results are those
-of the chain bit for bit (tests/nn/test_moe.py checks it against the chain written with
-``minidist.autograd.ops``).
-Every op here is pure array code: on JAX one compiled program per shape (``compilable``).
+``Dispatch`` copies the kept tokens into the (E·C, d) expert buffer, ``ExpertMLPs`` runs every
+local expert's MLP on its rows, ``Combine`` takes the top-k gates from the router's probabilities
+and adds each kept assignment's output row, times its gate, to its token; ``LoadBalancingLoss`` and
+``RouterZLoss`` are the Switch Transformer's auxiliary losses. A kept assignment is a token ``tok``,
+its choice ``choice`` and its buffer row ``rows``. Each op replaces a chain of ``x[idx]``, ``*``,
+``reshape``, ``concat`` (~55 ops a block; on JAX a compiled call each), and its backward is that
+chain's rule in the same order: NumPy's results are the chain's bit for bit (``tests/nn/test_moe.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.accel.backend import backend_of
-from minidist.autograd.ops import Gelu, Linear, unbroadcast
+from minidist.autograd.ops.arrays import unbroadcast
+from minidist.autograd.ops.elementwise import Gelu
+from minidist.autograd.ops.matmul import Linear
 from minidist.autograd.tensor import Function
 
 
@@ -116,8 +109,7 @@ class _Step:
 
 
 def expert_rows(x, groups, n_experts, i, cap):
-    """Expert i's rows of x (groups·E·C, d): C rows from each group, (groups·C, d). An array, or a
-    Tensor (the per-module path of ``moe.run_local_experts``): the layout is written once."""
+    """Expert i's rows of x (groups·E·C, d): C rows from each group, (groups·C, d); arrays or Tensors."""
     d = x.shape[-1]
     if groups == 1:
         return x[i * cap:(i + 1) * cap]
@@ -125,8 +117,8 @@ def expert_rows(x, groups, n_experts, i, cap):
 
 
 def join_rows(outs, groups, cap, shape, concat=None):
-    """The inverse of ``expert_rows`` over every expert: (groups·C, d) each -> ``shape``.
-    ``concat``: ``ops.concat`` for Tensors; arrays use their backend's concatenate."""
+    """The inverse of ``expert_rows`` over every expert: (groups·C, d) each -> ``shape`` (``concat``:
+    ``ops.concat`` for Tensors)."""
     concat = concat or backend_of(outs[0]).xp.concatenate
     if groups == 1:
         return concat(outs, axis=0)
@@ -134,13 +126,10 @@ def join_rows(outs, groups, cap, shape, concat=None):
 
 
 class ExpertMLPs(Function):
-    """Every local expert's MLP (Linear, GELU, Linear) on its rows, as one op.
-
-    ``x`` (groups·E·C, d) holds ``groups`` blocks (1 serially; one per sender under expert
-    parallelism), each the E local experts' C rows in order; ``params`` are each expert's
-    (fc.weight, fc.bias, proj.weight, proj.bias). Forward and backward run ``ops.Linear`` and
-    ``ops.Gelu`` per expert -- the very arithmetic of the expert modules, so the results are theirs;
-    a grouped GEMM over stacked weights is what fast MoE kernels run instead."""
+    """Every local expert's MLP (Linear, GELU, Linear) on its rows, as one op: ``x`` (groups·E·C, d)
+    holds ``groups`` blocks (one per sender under EP) of the E experts' C rows; ``params`` each
+    expert's (fc.weight, fc.bias, proj.weight, proj.bias). ``Linear`` and ``Gelu`` per expert: the
+    expert modules' own arithmetic (fast MoE kernels run a grouped GEMM instead)."""
 
     compilable = True
 

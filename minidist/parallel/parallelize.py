@@ -29,7 +29,7 @@ from minidist.nn.module import Module, ModuleList
 from minidist.parallel.context.model import context_parallel
 from minidist.parallel.data.ddp import DistributedDataParallel
 from minidist.parallel.data.zero import ZeRO
-from minidist.parallel.experts.dispatch import expert_names, moe_gpt
+from minidist.parallel.experts.model import expert_names, moe_gpt
 from minidist.parallel.memory.fp8 import fp8_linear
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
 from minidist.parallel.memory.recompute import apply_recompute, check_segments_within, recompute_stage

@@ -19,7 +19,7 @@ import numpy as np
 from minidist.comm import Mesh, all_reduce
 from minidist.nn.optim import make_optimizer  # noqa: F401  (its home; kept importable here)
 from minidist.nn.serial import max_state_diff, train_serial  # noqa: F401  (their home; kept importable here)
-from minidist.parallel.experts.dispatch import expert_names
+from minidist.parallel.experts.model import expert_names
 from minidist.parallel.parallelize import (  # noqa: F401  (the mesh's pieces, importable from here)
     Options,
     Parallelized,

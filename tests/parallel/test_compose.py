@@ -32,7 +32,7 @@ from minidist.nn import GPT, GPTConfig
 from minidist.nn.optim import SGD, AdamW
 from minidist.parallel.data.compress import make_hook
 from minidist.parallel.data.zero import ZeRO
-from minidist.parallel.experts.dispatch import moe_gpt
+from minidist.parallel.experts.model import moe_gpt
 from minidist.parallel.memory.fp8 import Fp8Recipe, fp8_linear
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
 from minidist.parallel.memory.recompute import apply_checkpointing

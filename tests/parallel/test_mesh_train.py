@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from minidist.comm import Mesh, run
 from minidist.nn import GPTConfig
-from minidist.parallel.experts.dispatch import train_serial_moe
+from minidist.parallel.experts.serial import train_serial_moe
 from minidist.parallel.three_d import (
     Options,
     check,

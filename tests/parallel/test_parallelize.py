@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from minidist.comm import Mesh, run
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.optim import make_optimizer
-from minidist.parallel.experts.dispatch import moe_gpt, train_serial_moe
+from minidist.parallel.experts.model import moe_gpt
+from minidist.parallel.experts.serial import train_serial_moe
 from minidist.parallel.memory.fp8 import Fp8Recipe
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
 from minidist.parallel.parallelize import Options, check, parallelize, techniques

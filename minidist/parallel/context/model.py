@@ -15,12 +15,8 @@ import numpy as np
 from minidist.nn.module import Module
 from minidist.parallel.context.layout import chunk_ids, chunk_positions
 from minidist.parallel.context.ring import AttentionStats, packed_ring_attention
-from minidist.parallel.context.ulysses import (
-    check_heads,
-    packed_ulysses_attention,
-    packed_usp_attention,
-    usp_groups,
-)
+from minidist.parallel.context.ulysses import check_heads, packed_ulysses_attention
+from minidist.parallel.context.usp import packed_usp_attention, usp_groups
 
 MODES = ("ring", "ulysses", "hybrid")
 

@@ -1,25 +1,16 @@
 """Ring attention: the sequence split over a ``cp`` group, attention by passing K/V round a ring.
 
-A long sequence of T tokens does not fit one rank's activations, so each of the cp ranks holds
-T/cp of them (``layout``: two of 2·cp chunks, zig-zag for causal load balance). Every layer but
-attention works token by token; attention needs every earlier key, so **ring attention** (Liu et
-al. 2023) passes them round. At step s rank r holds the K/V block of rank (r - s) mod cp, and:
+Each of the cp ranks holds T/cp tokens (``layout``: two of 2·cp chunks, zig-zag for causal load
+balance); attention needs every earlier key, so **ring attention** (Liu et al. 2023) passes them
+round. At step s rank r holds the K/V block of rank (r - s) mod cp, and:
 
 1. starts sending that block on to r + 1 (and receiving the next from r - 1): ``_Hop``;
-2. computes its queries' attention over the block, chunk pair by chunk pair (``block_attention``),
-   merged into the running (out, lse) by the online-softmax rule (``merge_attention``);
+2. computes its queries' attention over the block, chunk pair by chunk pair, merged into the
+   running (out, lse) by the online softmax (``attend_block``, from ``blocks.py``);
 3. waits for the transfer, which hid behind the compute, and swaps blocks.
 
-Backward rings again: the blocks travel the same way, and with each its dK, dV so far, to which
-every rank adds its queries' share; after cp hops each block's dK, dV is back at its owner.
-
-:func:`ring_forward` and :func:`ring_backward` are those loops; :func:`attend_block` and
-:func:`attend_block_backward` one step's compute. On JAX every function here that does array
-work and no communication -- a step's compute, an op's layout in and out -- is one compiled call
-(``compiled.pure``): a program per shape and chunk-pair pattern, not one per primitive.
-
-Bytes per rank (ledger; N = b·h·(T/cp)·d elements of each of K, V, dK, dV): forward 2(cp-1)·N,
-backward 2(cp-1)·N (K, V) + 2·cp·N (dK, dV; none when cp = 1): :func:`ring_bytes`.
+Backward rings again, each block travelling with its dK, dV so far; after cp hops they are home.
+On JAX every array-only function here is one compiled call (``compiled.pure``).
 """
 
 from __future__ import annotations
@@ -29,7 +20,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minidist import trace
 from minidist.accel import compiled
 from minidist.accel.backend import backend_of
 from minidist.autograd import ops
@@ -51,25 +41,74 @@ from minidist.parallel.context.layout import (  # noqa: F401  (also importable f
     shard_sequence,
     unshard_sequence,
 )
+from minidist.trace.spans import current, span
+
+# -- the rings --------------------------------------------------------------------------------------
+
+class _Hop:
+    """A block's move one step round the ring (to rank r+1; rank r-1's arrives), started before the
+    compute it overlaps; recorded as a transfer ``what`` on the timeline when tracing."""
+
+    def __init__(self, ring, x, tag: int, what: str):
+        if isinstance(x, tuple):  # this rank's own (k, v): one message, stacked on the host
+            x = np.stack([backend_of(a).to_host(a) for a in x])
+        self.tracer, self.what = current(), what
+        self.t0 = self.tracer.now() if self.tracer is not None else 0.0
+        self.recv = ring.irecv((ring.rank - 1) % ring.size, tag=tag)
+        self.send = ring.isend(x, (ring.rank + 1) % ring.size, tag=tag)
+
+    def wait(self):
+        """The previous rank's block, once it is here and ours has left."""
+        self.send.wait()
+        x = self.recv.wait()
+        if self.tracer is not None:
+            self.tracer.add(self.what, "send", self.t0, self.tracer.now())
+        return x
 
 
-@dataclass
-class AttentionStats:
-    """What one rank computed: chunk pairs and matmul FLOPs (2·c·c·D each for QKᵀ and PV forward,
-    twice that backward), counted as they run."""
-    pairs: int = 0
-    forward_flops: int = 0
-    backward_flops: int = 0
+def _computing(letter: str, src: int, pairs: tuple, q, stats):
+    """The one hook on a step's compute: span 'F<src>' / 'B<src>' on the timeline (nothing when
+    not tracing), and its chunk pairs and FLOPs counted into ``stats``."""
+    if stats is not None:
+        stats.count(letter == "B", len(pairs), q.shape)
+    return span(letter, "compute", mb=src)
 
-    def count(self, backward: bool, pairs: int, q_shape) -> None:
-        """Add one step's ``pairs`` chunk pairs of queries shaped (B, H, 2c, D)."""
-        b, h, t, d = q_shape
-        flops = pairs * 4 * b * h * (t // 2) ** 2 * d
-        if backward:
-            self.backward_flops += 2 * flops
-        else:
-            self.pairs += pairs
-            self.forward_flops += flops
+
+def ring_forward(comm, q, kv, pairs_with, stats=None):
+    """This rank's queries ``q`` over every rank's K/V block, its own ``kv`` first.
+    ``pairs_with(src)``: the chunk pairs to compute with rank src's block. Returns (out, lse) of
+    the two query chunks."""
+    ring, r, p = comm.channel("ring_attention"), comm.rank, comm.size
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = lse = (None, None)
+    for s in range(p):
+        src = (r - s) % p                                      # whose block is in hand
+        hop = _Hop(ring, kv, 0, "K/V") if s < p - 1 else None  # on its way while we compute
+        pairs = pairs_with(src)
+        with _computing("F", src, pairs, q, stats):
+            out, lse = attend_block(q, kv, out, lse, pairs, scale)
+        if hop is not None:
+            kv = hop.wait()
+    return out, lse
+
+
+def ring_backward(comm, q, kv, g, lse, delta, pairs_with, stats=None):
+    """The backward ring: K/V travel round again, each block's dK, dV with it. Returns (dQ of the
+    two query chunks, the dK/dV (2, B, H, T/cp, D) of this rank's own block)."""
+    ring, r, p = comm.channel("ring_attention"), comm.rank, comm.size
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dq, dkv = (None, None), None
+    for s in range(p):
+        src = (r - s) % p
+        hop = _Hop(ring, kv, 1, "K/V") if s < p - 1 else None
+        pairs = pairs_with(src)
+        with _computing("B", src, pairs, q, stats):
+            dq, dkv = attend_block_backward(q, kv, g, lse, delta, dq, dkv, pairs, scale)
+        if hop is not None:
+            kv = hop.wait()
+        if p > 1:  # block src's dK, dV go on with it (home to its owner after the last hop)
+            dkv = _Hop(ring, dkv, 2, "dK/dV").wait()
+    return dq, dkv
 
 
 # -- one ring step's compute ------------------------------------------------------------------------
@@ -112,74 +151,6 @@ def attend_block_backward(q, kv, g, lse, delta, dq, dkv, pairs, scale):
     return dq, xp.stack([xp.concatenate(dk, axis=-2), xp.concatenate(dv, axis=-2)])
 
 
-# -- the rings --------------------------------------------------------------------------------------
-
-class _Hop:
-    """A block's move one step round the ring (to rank r+1; rank r-1's arrives), started before the
-    compute it overlaps; recorded as a transfer ``what`` on the timeline when tracing."""
-
-    def __init__(self, ring, x, tag: int, what: str):
-        if isinstance(x, tuple):  # this rank's own (k, v): one message, stacked on the host
-            x = np.stack([backend_of(a).to_host(a) for a in x])
-        self.tracer, self.what = trace.current(), what
-        self.t0 = self.tracer.now() if self.tracer is not None else 0.0
-        self.recv = ring.irecv((ring.rank - 1) % ring.size, tag=tag)
-        self.send = ring.isend(x, (ring.rank + 1) % ring.size, tag=tag)
-
-    def wait(self):
-        """The previous rank's block, once it is here and ours has left."""
-        self.send.wait()
-        x = self.recv.wait()
-        if self.tracer is not None:
-            self.tracer.add(self.what, "send", self.t0, self.tracer.now())
-        return x
-
-
-def _computing(letter: str, src: int, pairs: tuple, q, stats):
-    """The one hook on a step's compute: span 'F<src>' / 'B<src>' on the timeline (nothing when
-    not tracing), and its chunk pairs and FLOPs counted into ``stats``."""
-    if stats is not None:
-        stats.count(letter == "B", len(pairs), q.shape)
-    return trace.span(letter, "compute", mb=src)
-
-
-def ring_forward(comm, q, kv, pairs_with, stats=None):
-    """This rank's queries ``q`` over every rank's K/V block, its own ``kv`` first.
-    ``pairs_with(src)``: the chunk pairs to compute with rank src's block. Returns (out, lse) of
-    the two query chunks."""
-    ring, r, p = comm.channel("ring_attention"), comm.rank, comm.size
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    out = lse = (None, None)
-    for s in range(p):
-        src = (r - s) % p                                      # whose block is in hand
-        hop = _Hop(ring, kv, 0, "K/V") if s < p - 1 else None  # on its way while we compute
-        pairs = pairs_with(src)
-        with _computing("F", src, pairs, q, stats):
-            out, lse = attend_block(q, kv, out, lse, pairs, scale)
-        if hop is not None:
-            kv = hop.wait()
-    return out, lse
-
-
-def ring_backward(comm, q, kv, g, lse, delta, pairs_with, stats=None):
-    """The backward ring: K/V travel round again, each block's dK, dV with it. Returns (dQ of the
-    two query chunks, the dK/dV (2, B, H, T/cp, D) of this rank's own block)."""
-    ring, r, p = comm.channel("ring_attention"), comm.rank, comm.size
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    dq, dkv = (None, None), None
-    for s in range(p):
-        src = (r - s) % p
-        hop = _Hop(ring, kv, 1, "K/V") if s < p - 1 else None
-        pairs = pairs_with(src)
-        with _computing("B", src, pairs, q, stats):
-            dq, dkv = attend_block_backward(q, kv, g, lse, delta, dq, dkv, pairs, scale)
-        if hop is not None:
-            kv = hop.wait()
-        if p > 1:  # block src's dK, dV go on with it (home to its owner after the last hop)
-            dkv = _Hop(ring, dkv, 2, "dK/dV").wait()
-    return dq, dkv
-
-
 # -- the ops' layouts in and out of the ring's chunks ------------------------------------------------
 
 @compiled.pure
@@ -218,6 +189,25 @@ def _gradients(dq, dkv, packed):
         return dq, dkv[0], dkv[1]
     _, b, h, t, d = dkv.shape
     return xp.stack([dq, dkv[0], dkv[1]]).transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * d)
+
+
+@dataclass
+class AttentionStats:
+    """What one rank computed: chunk pairs and matmul FLOPs (2·c·c·D each for QKᵀ and PV forward,
+    twice that backward), counted as they run."""
+    pairs: int = 0
+    forward_flops: int = 0
+    backward_flops: int = 0
+
+    def count(self, backward: bool, pairs: int, q_shape) -> None:
+        """Add one step's ``pairs`` chunk pairs of queries shaped (B, H, 2c, D)."""
+        b, h, t, d = q_shape
+        flops = pairs * 4 * b * h * (t // 2) ** 2 * d
+        if backward:
+            self.backward_flops += 2 * flops
+        else:
+            self.pairs += pairs
+            self.forward_flops += flops
 
 
 # -- the autograd ops --------------------------------------------------------------------------------
@@ -289,16 +279,3 @@ def ring_bytes(n_elements: int, itemsize: int, cp: int) -> dict:
     """Bytes one rank sends: K and V (n_elements each) forward; K, V and dK, dV backward."""
     kv = 2 * n_elements * itemsize
     return {"forward": (cp - 1) * kv, "backward": (cp - 1) * kv + (cp * kv if cp > 1 else 0)}
-
-
-_MODEL_NAMES = ("ContextParallelAttention", "ContextParallelEmbed", "attention_stats", "context_parallel",
-                "replace_child")
-
-
-def __getattr__(name):
-    """The context-parallel GPT's names (``model.py``, which builds on this file) from here too."""
-    if name in _MODEL_NAMES:
-        from minidist.parallel.context import model  # cycle: context.model imports this module
-
-        return getattr(model, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

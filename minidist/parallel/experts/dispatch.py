@@ -1,53 +1,30 @@
 """Expert parallelism: the E experts of an MoE block split over an ``ep`` group, tokens moved by all-to-all.
 
-Each of the ep ranks holds E/ep experts (rank r: experts r·E/ep .. (r+1)·E/ep - 1) and its own
-tokens (its data-parallel share: ep is carved from dp, ``minidist.comm.Mesh``). It routes them
-itself (router replicated, capacity C from its own N tokens), fills its E x C dispatch buffer
-(``minidist.nn.moe``), and then:
-
-1. **dispatch all-to-all** -- the buffer's rows for rank j's experts (E/ep · C rows) go to rank j;
-   each rank receives ep blocks, one per sender, for its own experts;
-2. its experts run on ep·C rows each (every rank's tokens for that expert);
-3. **combine all-to-all** -- the reverse: each block goes back to the rank it came from, which
-   gates and adds the rows to its tokens exactly as the serial block does.
-
-Backward is the same two all-to-alls in reverse order (an all-to-all is its own transpose). Bytes
-one rank sends per MoE layer, forward: 2 · (ep-1) · (E/ep) · C · d · itemsize (two all-to-alls
-of ep-1 blocks); forward + backward twice that -- :func:`all_to_all_bytes`. The buffer's fixed
-shape (empty slots are zeros) is what makes this a formula: the price of capacity padding.
-
-``ExpertParallelMoE`` equals the serial ``MoE`` applied to each rank's tokens separately (same
-routing, same drops, same outputs and gradients); the router's gradient is a partial sum over the
-ep group's tokens, summed like any data-parallel gradient. Ranks may hold different numbers of
-tokens: each then has its own capacity C_r, sends blocks of (E/ep)·C_r rows, and the experts run
-on each sender's block with that sender's C (the all-to-all carries each block's shape, so no
-capacities are exchanged first; the bytes formula then holds per rank with its own C).
+Rank r holds experts r·E/ep .. (r+1)·E/ep - 1 and its own tokens (ep is carved from dp). It routes
+them itself (router replicated, capacity C from its own tokens), fills its E x C buffer
+(``minidist.nn.moe``), and then (1) a **dispatch all-to-all** sends the rows for rank j's experts
+to rank j, (2) its experts run on every rank's rows for them, (3) a **combine all-to-all** sends
+each block back, where it is gated and added exactly as the serial block does. Backward is the same
+two all-to-alls in reverse. ``ExpertParallelMoE`` equals the serial ``MoE`` on each rank's tokens
+(uneven tokens too: each rank its own capacity). Bytes: :func:`all_to_all_bytes`.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from minidist.accel.backend import to_host
+from minidist.accel.backend import backend_of, to_host
 from minidist.autograd import ops
 from minidist.autograd.tensor import Function
 from minidist.comm import all_to_all
-from minidist.comm.call import result_backend
-from minidist.nn import GPT
 from minidist.nn.module import ModuleList
 from minidist.nn.moe import MoE, run_local_experts
-from minidist.nn.optim import make_optimizer
-from minidist.nn.serial import host_state, train_steps
-from minidist.parallel.context.ring import replace_child
 
 
 class AllToAll(Function):
-    """x (p·m, ...) -> y: block j (m rows) of y is rank j's block [my rank] of x; backward: the same
-    exchange. Ranks whose capacities differ (uneven tokens) send blocks of their own sizes: ``sizes``
-    cuts x into blocks of those rows (None: p equal blocks), and ``received`` (a list) is filled
-    with the rows each rank sent, when they were not all equal."""
+    """x (p·m, ...) -> y: block j of y is rank j's block [my rank] of x; backward: the same exchange.
+    ``sizes``: x's blocks' rows when not p equal blocks (uneven tokens); ``received`` (a list) gets
+    the rows each rank sent, when they were not all equal."""
 
     @staticmethod
     def forward(ctx, x, comm, sizes=None, received=None):
@@ -64,12 +41,9 @@ class AllToAll(Function):
 
 
 def _exchange(comm, x, sizes=None, received=None):
-    """Block j of x's rows (its first axis cut in comm.size equal blocks, or in blocks of ``sizes``
-    rows) to rank j, and rank j's block for me in its place. ``all_to_all`` stages its chunks
-    through the host anyway, so a device array is copied out once, sent as host views of its
-    blocks, and copied back once (on JAX: no eager slice per block and no reshape or stack
-    programs); a NumPy array's copies are no-ops. Blocks that came in with different row counts
-    are concatenated and their counts appended to ``received``."""
+    """Block j of x's rows (p equal blocks, or blocks of ``sizes`` rows) to rank j, rank j's block for
+    me in its place; unequal blocks that came in are concatenated, their rows added to ``received``.
+    Through the host once each way (``all_to_all`` stages there anyway: on JAX no per-block program)."""
     host = to_host(x)
     if sizes is not None:
         blocks = np.split(host, np.cumsum(sizes)[:-1])
@@ -85,7 +59,8 @@ def _exchange(comm, x, sizes=None, received=None):
         out = np.concatenate(got)
         if received is not None:
             received.extend(len(b) for b in got)
-    return result_backend(comm, x).from_host(out)
+    be = backend_of(x)  # back in x's library, on this rank's own device if the rank has one
+    return (comm.backend if comm.backend.name == be.name else be).from_host(out)
 
 
 class ExpertParallelMoE(MoE):
@@ -130,49 +105,3 @@ def all_to_all_bytes(n_experts: int, ep: int, cap: int, dim: int, itemsize: int)
     """Bytes one rank sends per MoE layer: each all-to-all sends ep-1 blocks of (E/ep)·C·d elements."""
     one = (ep - 1) * (n_experts // ep) * cap * dim * itemsize
     return {"forward": 2 * one, "backward": 2 * one}
-
-
-# -- an MoE GPT: every block's MLP a mixture of experts ---------------------------------------------
-
-def moe_gpt(model, n_experts: int, k: int = 1, capacity_factor: float | None = None, seed: int = 0,
-            ep=None):
-    """Replace the MLP of every block of ``model`` (GPT or TPGPT) by an MoE of ``n_experts``, in place.
-
-    Every layout draws the same weights (``seed``; experts std 0.02, output projection scaled by
-    1/sqrt(2·n_layer) as the GPT's). ``ep``: the expert-parallel group (None: all experts here).
-    ``capacity_factor`` None is E/k: every expert has room for every token, nothing is dropped, and
-    the routing does not depend on how tokens are grouped -- what lets a run over any mesh equal its
-    serial twin. (With drops, routing groups are each rank's microbatches: see ``ExpertParallelMoE``.)
-    """
-    rng = np.random.default_rng(seed)
-    blocks = [m for m in model if hasattr(m, "mlp") and hasattr(m, "ln2")]
-    cf = capacity_factor or n_experts / k
-    for block in blocks:
-        dim, dtype = block.ln2.weight.shape[0], block.ln2.weight.data.dtype
-        kw = dict(dtype=dtype, std=0.02, proj_std=0.02 / math.sqrt(2 * len(blocks)), rng=rng,
-                  backend=block.ln2.weight.backend)
-        if ep is None:
-            replace_child(block, "mlp", MoE(dim, n_experts, k, cf, **kw))
-        else:
-            replace_child(block, "mlp", ExpertParallelMoE(dim, n_experts, ep, k, cf, **kw))
-    return model
-
-
-def expert_names(layers) -> dict:
-    """{local parameter name: the serial model's name} of every expert-parallel parameter in
-    ``layers`` ((prefix, module) pairs, e.g. a pipeline stage's ("3.", layer))."""
-    names = {}
-    for prefix, layer in layers:
-        for mprefix, mod in layer.named_modules(prefix):
-            if isinstance(mod, ExpertParallelMoE):
-                for pname, _ in mod.experts.named_parameters("experts."):
-                    names[mprefix + pname] = mprefix + mod.global_name(pname)
-    return names
-
-
-def train_serial_moe(cfg, batches, moe: dict, lr: float = 0.1, optimizer: str = "sgd"):
-    """The serial twin of ``train_mesh(..., moe=moe)``: one process, every expert, the whole batch.
-    Returns (host state dict, losses)."""
-    model = moe_gpt(GPT(cfg), **moe)
-    losses = train_steps(model, batches, make_optimizer(optimizer, model.parameters(), lr))
-    return host_state(model), losses

@@ -1,35 +1,17 @@
-"""Collective matmul (async tensor parallelism): the sequence-parallel all-gather and reduce-scatter,
-decomposed into p ring steps that each multiply the shard in hand while the next one travels.
+"""Collective matmul (async tensor parallelism): the sequence-parallel all-gather and reduce-scatter
+decomposed into p ring steps, each multiplying the shard in hand while the next one travels.
 
-Sequence-parallel tensor parallelism (``comm.gather_from_seq`` / ``reduce_scatter_to_seq``) stops
-for every collective: the column-parallel layer waits for the whole sequence before its GEMM, the
-row-parallel one finishes its GEMM before reducing. Collective matmul (Wang et al., ASPLOS 2023;
-the JAX scaling book; torchtitan's async TP) cuts both along the sequence into p chunks of t = T/p:
+* **all-gather, then matmul** (:func:`all_gather_matmul`, the column-parallel layer): at step s
+  rank r holds rank (r-s)'s sequence shard, passes it on to r+1 and computes its rows of the output.
+* **matmul, then reduce-scatter** (:func:`matmul_reduce_scatter`, the row-parallel layer): the
+  partial sum for rank d starts at rank d+1 and walks the ring, each rank adding its part.
 
-* **all-gather, then matmul** (:func:`all_gather_matmul`, a column-parallel layer):
-  ``y = concat_seq(x_0 .. x_{p-1}) @ W_r``. At step s rank r holds rank (r-s)'s shard x_src; it
-  starts passing it on to r+1 (and receiving the next from r-1), computes ``y[src] = x_src @ W_r``,
-  then waits. p-1 hops of one shard: the ring all-gather's bytes.
-* **matmul, then reduce-scatter** (:func:`matmul_reduce_scatter`, a row-parallel layer):
-  ``y_r = Σ_j (x_j @ W_j)[chunk r]``. The partial sum destined for rank d starts at rank d+1 and
-  walks the ring; at step s rank r computes its own part of chunk (r-s-1), adds what arrived,
-  and sends it on while it computes the next part. p-1 hops of one chunk: the ring reduce-scatter's
-  bytes, in its summation order.
-
-Each pattern's backward is the other one: the all-gather matmul's dX is a matmul + reduce-scatter
-of ``g @ W_rᵀ``, the reduce-scatter matmul's dX an all-gather + matmul of the gradient shards; dW is
-one GEMM over the whole sequence, as in the plain layer (the column layer's runs while its first dX
-hop travels). So forward and backward equal the
-non-overlapped layers' arithmetic: the same products and the same reduction order, so bit-exact
-wherever BLAS gives a block of rows the same results as the whole matrix (where it picks another
-kernel -- a single row is a matrix-vector product -- a dot product's rounding apart).
-
-The hops are minidist point-to-point (``isend``/``irecv`` on a private channel, sizes known: no
-headers), started before the step's compute. The emulated link (``MINIDIST_LINK``) makes the sender
-itself sleep for the transfer, as if the CPU pushed every byte; a real NIC sends while the CPU
-computes, so under a link each hop runs on the communicator's async worker thread (a DMA engine).
-With tracing on, every hop is a "send" span and every step's GEMM a "compute" span (the overlap
-on the timeline). :func:`use_collective_matmul` switches a built model's sequence-parallel layers.
+Each pattern's backward is the other one; dW is one GEMM over the whole sequence. The products and
+the ring's summation order are the plain layers', so the results equal theirs (chapter 4 says when
+bit for bit). It builds on tensor parallelism: :func:`use_collective_matmul` sets a built model's
+sequence-parallel ``ColumnParallelLinear`` / ``RowParallelLinear`` layers to run these. Hops are
+point-to-point on a private channel; under an emulated link on the communicator's async worker
+(a real NIC sends while the CPU computes). Traced: "send" spans per hop, "compute" per GEMM.
 """
 
 from __future__ import annotations
@@ -38,12 +20,13 @@ import math
 
 import numpy as np
 
-from minidist import trace
 from minidist.accel.backend import backend_of
-from minidist.autograd.ops import low_precision
+from minidist.autograd.ops.matmul import low_precision
 from minidist.autograd.tensor import Function
-from minidist.comm.handles import start_async
+from minidist.comm import start_async
 from minidist.parallel.tensor.comm import SEQ_AXIS, check_divisible
+from minidist.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from minidist.trace.spans import current, span
 
 CHANNEL = "collective_matmul"  # the private channel of the main-thread hops
 
@@ -65,7 +48,7 @@ class Hop:
     (in x's backend). Started before the compute it hides behind."""
 
     def __init__(self, comm, x, what: str):
-        self.be, self.what, self.tracer = backend_of(x), what, trace.current()
+        self.be, self.what, self.tracer = backend_of(x), what, current()
         host = np.ascontiguousarray(self.be.to_host(x))
         clock = self.tracer.now if self.tracer is not None else None
         if comm.link is not None:
@@ -97,7 +80,7 @@ def gather_ring(comm, shard, compute, what: str = "x") -> None:
     for s in range(p):
         src = (r - s) % p
         hop = Hop(comm, shard, what) if s < p - 1 else None
-        with trace.span(f"mm{src}", "compute"):
+        with span(f"mm{src}", "compute"):
             compute(src, shard)
         if hop is not None:
             shard = hop.wait()
@@ -111,9 +94,9 @@ def reduce_scatter_ring(comm, partial, what: str = "partial sum", beside=None):
     hop = None
     for s in range(p):
         if s == 1 and beside is not None:
-            with trace.span("mm dW", "compute"):
+            with span("mm dW", "compute"):
                 beside()
-        with trace.span(f"mm{(r - s - 1) % p}", "compute"):
+        with span(f"mm{(r - s - 1) % p}", "compute"):
             part = partial((r - s - 1) % p)
         if hop is not None:
             part = part + hop.wait()
@@ -221,14 +204,6 @@ class MatmulReduceScatter(Function):
         return dx, dw
 
 
-def check_overlap(comm, collective_matmul: bool, sequence_parallel: bool) -> bool:
-    """A layer's ``collective_matmul`` flag, refused without sequence parallelism (nothing to overlap)."""
-    if collective_matmul and not sequence_parallel:
-        raise ValueError(f"rank {comm.rank}: collective_matmul=True overlaps the sequence-parallel "
-                         "all-gather and reduce-scatter; build the layer with sequence_parallel=True")
-    return bool(collective_matmul)
-
-
 def all_gather_matmul(x, w, b, comm):
     """The column-parallel layer's ``linear(gather_from_seq(x), w, b)``, overlapped."""
     return AllGatherMatmul.apply(x, w, comm=comm) if b is None else AllGatherMatmul.apply(x, w, b, comm=comm)
@@ -240,16 +215,22 @@ def matmul_reduce_scatter(x, w, comm):
 
 
 def use_collective_matmul(model, on: bool = True) -> int:
-    """Switch every sequence-parallel Column/RowParallelLinear in ``model`` to collective matmul (or
-    back); returns how many layers were switched. Raises if the model has none. (The layers are known
-    by their ``collective_matmul`` attribute: ``layers.py`` imports this file.)"""
+    """Switch every sequence-parallel Column/RowParallelLinear in ``model`` (itself such a layer, or
+    a model holding them) to collective matmul, or back (``on=False``); returns how many layers
+    were switched. Raises if the model has none."""
     layers = [m for _, m in model.named_modules()
-              if hasattr(m, "collective_matmul") and getattr(m, "sequence_parallel", False)]
+              if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.sequence_parallel]
     if not layers:
-        raise ValueError("use_collective_matmul: the model has no sequence-parallel tensor-parallel layer; "
-                         "build it with sequence_parallel=True")
+        raise ValueError("use_collective_matmul: the model has no sequence-parallel tensor-parallel layer "
+                         "(collective_matmul=True overlaps the sequence-parallel all-gather and "
+                         "reduce-scatter); build it with sequence_parallel=True")
     for m in layers:
-        m.collective_matmul = on
+        if not on:
+            m.collective_matmul = None
+        elif isinstance(m, ColumnParallelLinear):
+            m.collective_matmul = all_gather_matmul
+        else:
+            m.collective_matmul = matmul_reduce_scatter
     return len(layers)
 
 

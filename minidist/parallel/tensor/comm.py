@@ -1,7 +1,7 @@
 """The conjugate communication functions of tensor parallelism (Megatron-LM), and nothing else.
 
-They move activations between the ranks of the tensor-parallel group ``comm`` (always passed in);
-each is an autograd ``Function`` whose backward is the *conjugate* of its forward:
+Each moves activations between the ranks of the tensor-parallel group ``comm`` (always passed in)
+and is an autograd ``Function`` whose backward is the *conjugate* of its forward:
 
 ==========================  ===========================  ============================
 function                    forward                      backward
@@ -15,24 +15,19 @@ function                    forward                      backward
 ``reduce_scatter_to_seq``   reduce-scatter along seq.    all-gather along the sequence
 ==========================  ===========================  ============================
 
-A column-parallel linear starts with f, a row-parallel one ends with g: column then row -- the
-MLP, or attention with heads split across ranks -- costs one all-reduce forward and one backward.
-Sequence parallelism swaps f for ``gather_from_seq`` and g for ``reduce_scatter_to_seq``: the same
-bytes, but what lies between the blocks (LayerNorm, dropout, residual) is on sequence shards.
-The layers built from these are in ``minidist.parallel.tensor.layers``.
+A column-parallel linear starts with f, a row-parallel one ends with g (``layers.py``); sequence
+parallelism swaps them for ``gather_from_seq`` and ``reduce_scatter_to_seq``: the same bytes.
 """
 
 from __future__ import annotations
 
 from minidist.autograd.tensor import Function
 from minidist.comm import all_gather as comm_all_gather
-from minidist.comm import all_reduce, reduce_scatter
+from minidist.comm import reduce_scatter, ring_all_reduce
 
 ALGORITHM = "ring"  # all-reduce algorithm of the tensor-parallel group: 2(p-1)/p·N bytes per rank
 SEQ_AXIS = 1        # activations are (batch, sequence, hidden)
 
-
-# -- checks -----------------------------------------------------------------------------------------
 
 def check_divisible(comm, what: str, n: int) -> int:
     """``n // comm.size``, or a ValueError naming the rank, the numbers and what would work."""
@@ -53,13 +48,12 @@ def _slice(x, comm, axis: int):
 
 
 def tp_all_reduce(comm, x, op: str = "sum"):
-    """All-reduce over the tensor-parallel group (free when the group has one rank)."""
-    return x if comm.size == 1 else all_reduce(comm, x, op=op, algorithm=ALGORITHM)
+    """The ring all-reduce (``ALGORITHM``) over the tensor-parallel group (free for one rank)."""
+    return x if comm.size == 1 else ring_all_reduce(comm, x, op=op)
 
 
 def all_gather(comm, x, axis: int):
-    """Concatenate the group's equal-shaped x along ``axis``: ``minidist.comm.all_gather`` told the
-    parts are equal, so a ring on raw buffers without shape headers ((p-1)/p·N bytes, p-1 steps)."""
+    """The group's equal-shaped x concatenated along ``axis`` (the ring, without shape headers)."""
     return comm_all_gather(comm, x, axis=axis, sizes="equal")
 
 

@@ -2,10 +2,9 @@
 
 In replicated regions every rank of the group draws the same mask from the default generator
 (seeded alike): plain ``minidist.nn.layers.Dropout``. Under sequence parallelism dropout acts on
-sequence shards, and each rank needs a different mask: by default ``SequenceParallelDropout`` takes
-the rank's slice of the full mask drawn from the shared generator (mode "twin", the serial twin's
-masks: results don't depend on tp); with a ``ShardedRNG``, a per-rank generator's masks (Megatron's
-way: no wasted draws, but results depend on tp). Re-exported by ``minidist.parallel.tensor.layers``.
+sequence shards and each rank needs a different mask: ``SequenceParallelDropout`` takes the rank's
+slice of the full mask the serial model would draw (the default: results don't depend on tp), or,
+with a ``ShardedRNG``, a per-rank generator's (Megatron's way: no wasted draws, results depend on tp).
 """
 
 from __future__ import annotations
@@ -20,11 +19,8 @@ from minidist.parallel.tensor.comm import SEQ_AXIS
 
 
 class ShardedRNG:
-    """Megatron's model-parallel RNG: one generator per tensor-parallel rank, for sharded regions.
-
-    ``with tracker.fork(): ...`` makes it this rank's default generator inside the block (and leaves
-    the replicated-region generator untouched, so all ranks keep drawing the same masks there).
-    """
+    """Megatron's model-parallel RNG: one generator per tensor-parallel rank, for sharded regions;
+    ``with tracker.fork(): ...`` makes it the default generator inside the block only."""
 
     OFFSET = 2718  # Megatron adds 2718 + tp_rank to the seed
 
@@ -50,8 +46,7 @@ class SliceOfFullDropout(ops.Dropout):
 
 
 class SequenceParallelDropout(Dropout):
-    """Dropout on a sequence shard (B, T/tp, C): the serial twin's masks ("twin", the default) or
-    ``sharded_rng``'s."""
+    """Dropout on a sequence shard (B, T/tp, C): the serial model's masks, or ``sharded_rng``'s."""
 
     def __init__(self, p, comm, sharded_rng: ShardedRNG | None = None):
         super().__init__(p)

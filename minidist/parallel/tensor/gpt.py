@@ -1,51 +1,21 @@
 """A tensor-parallel GPT: ``minidist.nn.GPT``'s structure with every big matrix split over ``tp_comm``.
 
-``TPGPT(cfg, tp_comm)`` is a ``Sequential`` of ``ParallelEmbed``, ``ParallelBlock`` × n_layer,
-``ParallelHead`` -- the same layer list (and the same parameter names) as the serial GPT, so a
-pipeline can cut it into stages and a serial state_dict maps onto it name by name. Its layers
-(``minidist.parallel.tensor.layers``) declare how each parameter is split; ``sharding_table(model)``
-(``minidist.parallel.tensor.sharding``) reads them:
-
-=========================  =======================  ==========================================
-parameter                  split                    declared by
-=========================  =======================  ==========================================
-``0.wte.weight`` (V, h)    vocabulary rows          ``VocabParallelEmbedding``: ``Shard(0)``
-``i.attn.qkv.*`` (h, 3h)   heads of q, k and v      ``ColumnParallelLinear(blocks=3)``
-``i.attn.proj.weight``     input rows (heads)       ``RowParallelLinear``: ``Shard(0)``
-``i.mlp.fc.*`` (h, 4h)     output columns           ``ColumnParallelLinear``: ``Shard(1)``/``(0)``
-``i.mlp.proj.weight``      input rows               ``RowParallelLinear`` (bias replicated)
-``{L+1}.proj.weight``      vocabulary columns       ``ColumnParallelLinear`` (the LM head)
-LayerNorms, ``0.wpe``      replicated               (nothing declared)
-=========================  =======================  ==========================================
-
-Grouped-query attention (``cfg.n_kv_head`` K/V heads < n_head): ``ParallelGroupedAttention``. Its
-q|k|v columns have unequal widths (H·D, K·D, K·D): the query heads are split (tp must divide
-n_head); the K/V heads are split too when tp divides K -- rank r keeps the K/tp K/V heads of its
-query heads' groups -- and are otherwise replicated (every rank computes all K of them, e.g.
-multi-query attention, and their gradients are summed over the group): ``kv_heads_split``.
-
-Initialisation draws the full weights from ``default_rng(cfg.seed)`` in the serial GPT's order and
-keeps this rank's slices: TPGPT(cfg) on tp ranks *is* GPT(cfg), split. The head returns this
-rank's vocabulary slice of the logits; ``loss`` uses ``vocab_parallel_cross_entropy`` (the full
-logits are never gathered); ``logits(idx)`` gathers them for inspection or sampling.
-
-``sequence_parallel=True``: between the blocks' parallel regions the activations are sequence shards
-(B, T/tp, h); LayerNorm, dropout and the residual adds run on 1/tp of the tokens. Dropout follows
-``minidist.parallel.tensor.layers`` (the serial twin's masks, "twin", by default, or
-``dropout_rng="megatron"``: a per-rank ``ShardedRNG`` seeded from ``cfg.seed``). Seed the default
-generator alike on every rank of the group (``minidist.autograd.random.manual_seed``):
-replicated-region masks come from it.
+``TPGPT(cfg, tp_comm)`` is a ``Sequential`` of ``ParallelEmbed``, ``ParallelBlock`` x n_layer and
+``ParallelHead``: the serial GPT's layers and parameter names (a pipeline cuts it into stages; a
+serial state_dict maps onto it, ``sharding.py``), initialised from the serial GPT's draws: on tp
+ranks it *is* GPT(cfg), split. Grouped-query attention splits the K/V heads when tp divides them,
+else replicates them (``shard.kv_heads_split``). The head returns this rank's vocabulary slice of
+the logits; ``loss`` never gathers them. ``sequence_parallel=True``: activations between the
+parallel regions are sequence shards (B, T/tp, h), dropout there taking the serial model's masks
+(``dropout_rng="serial"``) or a per-rank generator's (``"megatron"``).
 """
 
 from __future__ import annotations
-
-from collections import OrderedDict
 
 import numpy as np
 
 from minidist.accel.backend import backend_of
 from minidist.autograd import ops
-from minidist.nn.attention import self_attention
 from minidist.nn.gpt import token_ids
 from minidist.nn.layers import Embedding, LayerNorm
 from minidist.nn.module import Module, Sequential
@@ -57,27 +27,16 @@ from minidist.parallel.tensor.comm import (
     gather_last_dim,
     tp_all_reduce,
 )
+from minidist.parallel.tensor.dropout import ShardedRNG, make_dropout
 from minidist.parallel.tensor.layers import (
     ColumnParallelLinear,
     ParallelAttention,
     ParallelMLP,
     RowParallelLinear,
-    ShardedRNG,
-    VocabParallelEmbedding,
-    _zeros,
-    make_dropout,
-    sharded_normal,
-    vocab_parallel_cross_entropy,
 )
-from minidist.parallel.tensor.sharding import (
-    Shard,
-    kv_heads_split,
-    kv_of_local_heads,
-    load_shard,
-    local_kv_heads,
-    sharding_table,
-    unshard,
-)
+from minidist.parallel.tensor.shard import Shard, kv_heads_split, kv_of_local_heads, local_kv_heads
+from minidist.parallel.tensor.shard_init import _zeros, sharded_normal
+from minidist.parallel.tensor.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
 class ParallelEmbed(Module):
@@ -106,9 +65,8 @@ class ParallelEmbed(Module):
 
 
 class GroupedQKV(Module):
-    """Grouped-query attention's fused q|k|v projection over tp: this rank's query heads' columns,
-    and its K/V heads' (split) or all of them (replicated: the k|v part of the gradient is summed
-    over the group, each rank having used the K/V heads only for its own query heads)."""
+    """Grouped-query attention's q|k|v projection over tp: my query heads' columns and my K/V heads'
+    (split), or all of them (replicated: the k|v gradient, each rank's own part, summed over tp)."""
 
     def __init__(self, dim, n_head, n_kv_head, comm, sequence_parallel=False, *, dtype, std, rng, backend):
         super().__init__()
@@ -152,18 +110,12 @@ class ParallelGroupedAttention(Module):
                                       sequence_parallel=sequence_parallel, **kw)
         self.drop = make_dropout(cfg.dropout, comm, sequence_parallel, sharded_rng)
 
-    def forward(self, x, cache=None):
-        """``cache``: this layer's view of a KV cache holding this rank's K/V heads (inference)."""
-        if cache is not None and self.qkv.sequence_parallel:
-            raise ValueError(f"rank {self.qkv.comm.rank}: a KV cache needs the whole sequence on every rank; "
-                             "build the model with sequence_parallel=False to decode")
-        y = self_attention(self.qkv(x), self.local_heads, cache, self.local_kv_heads, self.kv_of)
-        return self.drop(self.proj(y))
+    forward = ParallelAttention.forward  # over its local query heads and their K/V heads
 
 
 class ParallelBlock(Module):
-    """x + attn(ln1(x)), then + mlp(ln2(x)), with attention and MLP tensor-parallel. ``cache``: this
-    layer's view of a KV cache of this rank's heads (sharded inference, ``minidist.infer.sharded``)."""
+    """x + attn(ln1(x)), then + mlp(ln2(x)), attention and MLP tensor-parallel (``cache``: a KV
+    cache's view of this rank's heads, for sharded inference)."""
 
     def __init__(self, cfg, comm, rng, backend=None, sequence_parallel=False, sharded_rng=None):
         super().__init__()
@@ -214,14 +166,18 @@ def check_config(cfg, comm):
     check_divisible(comm, "d_model", cfg.d_model)
 
 
+DROPOUT_RNGS = ("serial", "megatron")  # sequence-parallel dropout: the serial model's masks, or per rank
+
+
 class TPGPT(Sequential):
     """The GPT of ``cfg`` split over the tensor-parallel group ``tp_comm``."""
 
-    def __init__(self, cfg, tp_comm, sequence_parallel: bool = False, dropout_rng: str = "twin",
+    def __init__(self, cfg, tp_comm, sequence_parallel: bool = False, dropout_rng: str = "serial",
                  backend=None):
         super().__init__()
-        if dropout_rng not in ("twin", "megatron"):
-            raise ValueError(f"dropout_rng must be 'twin' or 'megatron', got {dropout_rng!r}")
+        dropout_rng = "serial" if dropout_rng == "twin" else dropout_rng  # (its former name)
+        if dropout_rng not in DROPOUT_RNGS:
+            raise ValueError(f"dropout_rng must be one of {DROPOUT_RNGS}, got {dropout_rng!r}")
         check_config(cfg, tp_comm)
         for k, v in (("config", cfg), ("comm", tp_comm), ("sequence_parallel", sequence_parallel)):
             object.__setattr__(self, k, v)
@@ -244,12 +200,3 @@ class TPGPT(Sequential):
     def logits(self, idx):
         """The full (B, T, V) logits on every rank (an all-gather of the vocabulary slices)."""
         return gather_last_dim(self(idx), self.comm)
-
-    def serial_state_dict(self) -> OrderedDict:
-        """The serial GPT's state_dict, assembled on every rank (small models: pickled all-gather)."""
-        local = OrderedDict((k, backend_of(a).to_host(a)) for k, a in self.state_dict().items())
-        return unshard(self.comm.allgather_obj(local), sharding_table(self))
-
-    def load_serial_state_dict(self, serial_sd: dict):
-        """Load this rank's part of the serial GPT's state_dict."""
-        return load_shard(self, serial_sd, self.comm.rank, self.comm.size)

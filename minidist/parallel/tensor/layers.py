@@ -1,31 +1,15 @@
-"""The tensor-parallel layers (Megatron-LM), built on the conjugate functions of ``tp_comm``.
+"""The tensor-parallel layers (Megatron-LM), built on the conjugate functions of ``comm.py``.
 
 * ``ColumnParallelLinear``: y_r = f(x) @ W[:, cols_r] + b[cols_r] -- my block of output features.
 * ``RowParallelLinear``: y = g(x_r @ W[rows_r, :]) + b -- partial products summed over the group.
 * ``ParallelMLP``: column-parallel fc (4h/tp features per rank) -> GELU -> row-parallel proj.
-* ``ParallelAttention``: the fused qkv projection column-parallel *by heads* (rank r holds heads
-  r·H/tp .. (r+1)·H/tp of q, k and v), attention on local heads, row-parallel output projection.
-* ``VocabParallelEmbedding``: rank r holds rows [r·V/tp, (r+1)·V/tp) of the table; ids outside
-  give zeros; the partial lookups are summed (all-reduce, or reduce-scatter under sequence parallel).
-* ``vocab_parallel_cross_entropy``: the loss of vocabulary-sharded logits without gathering them:
-  all-reduces of the row max, the target logit and the sum of exponentials -- 3 numbers a token.
-* Dropout RNG (Megatron's tracker): in replicated regions every rank of the group draws the same
-  mask from the default generator (seeded alike). In sharded regions -- under sequence parallelism,
-  dropout acts on sequence shards -- ``SequenceParallelDropout`` gives each rank a different mask:
-  by default the rank's slice of the full mask drawn from the shared generator (mode "twin", named
-  after the serial twin whose masks it reproduces: results don't depend on tp and equal the serial
-  model's); or, with a ``ShardedRNG``, masks from a per-rank generator (Megatron's way: no wasted
-  draws, but results depend on tp).
+* ``ParallelAttention``: q|k|v column-parallel *by heads*, attention on local heads, row-parallel
+  output projection.
 
-Every layer declares how its parameters are split, as data: ``param_shards`` maps a parameter's
-name to a ``minidist.parallel.tensor.sharding.Shard`` (unlisted: replicated). Initialisation draws the
-*full* weight from the same generator, in the same order, as the serial twin (``minidist.nn``)
-and keeps this rank's part by that same Shard, so a tensor-parallel model equals the serial one
-exactly, and ``sharding_table`` converts between the two.
-
-This file holds the linear layers, the MLP and attention; the rest is re-exported from its own file:
-``minidist/parallel/tensor/vocab.py`` (embedding, loss), ``minidist/parallel/tensor/dropout.py``
-(the RNG in sharded regions) and ``minidist/parallel/tensor/shard_init.py`` (initialisation).
+Every layer declares how its parameters are split, as data (``param_shards``: name -> ``Shard``;
+unlisted: replicated), and draws the *full* weight as the serial model does, keeping its part
+(``shard_init.py``): a tensor-parallel model equals the serial one exactly. The vocabulary-parallel
+embedding and loss are in ``vocab.py``, sequence-parallel dropout in ``dropout.py``.
 """
 
 from __future__ import annotations
@@ -35,7 +19,6 @@ import numpy as np
 from minidist.autograd import ops
 from minidist.nn.attention import self_attention
 from minidist.nn.module import Module
-from minidist.parallel.tensor.collective_matmul import all_gather_matmul, check_overlap, matmul_reduce_scatter
 from minidist.parallel.tensor.comm import (
     all_reduce_grad_hook,
     check_divisible,
@@ -46,24 +29,9 @@ from minidist.parallel.tensor.comm import (
     reduce_scatter_to_seq,
     scatter_last_dim,
 )
-from minidist.parallel.tensor.dropout import (
-    SequenceParallelDropout,
-    ShardedRNG,
-    SliceOfFullDropout,
-    make_dropout,
-)
+from minidist.parallel.tensor.dropout import make_dropout
+from minidist.parallel.tensor.shard import Shard
 from minidist.parallel.tensor.shard_init import _zeros, sharded_normal
-from minidist.parallel.tensor.sharding import Shard
-from minidist.parallel.tensor.vocab import (
-    VocabParallelCrossEntropy,
-    VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
-)
-
-__all__ = ["ColumnParallelLinear", "ParallelAttention", "ParallelMLP", "RowParallelLinear",
-           "SequenceParallelDropout", "ShardedRNG", "SliceOfFullDropout", "VocabParallelCrossEntropy",
-           "VocabParallelEmbedding", "make_dropout", "sharded_normal", "vocab_parallel_cross_entropy"]
-
 
 # -- the two parallel linear layers -----------------------------------------------------------------
 
@@ -72,18 +40,18 @@ class ColumnParallelLinear(Module):
 
     ``gather_output=True`` all-gathers y along the last axis (the full output on every rank);
     otherwise y stays split, ready for a ``RowParallelLinear``. ``sequence_parallel=True``: x is
-    a sequence shard, all-gathered first (f becomes ``gather_from_seq``); with ``collective_matmul``
-    the gather is decomposed into ring steps hidden behind the GEMM (``collective_matmul.py``).
-    ``blocks=3``: the output is q|k|v side by side, and this rank keeps its columns of each (the
-    attention's heads).
+    a sequence shard, all-gathered first (f becomes ``gather_from_seq``). ``blocks=3``: the output
+    is q|k|v side by side, and this rank keeps its columns of each (the attention's heads).
+    ``collective_matmul``: None, or ``(x, w, b, comm) -> y`` doing the gather and the GEMM in one
+    (set by ``collective_matmul.use_collective_matmul``).
     """
 
+    collective_matmul = None
+
     def __init__(self, in_features, out_features, comm, bias=True, gather_output=False,
-                 sequence_parallel=False, *, blocks=1, dtype=np.float32, std=None, rng=None, backend=None,
-                 collective_matmul=False):
+                 sequence_parallel=False, *, blocks=1, dtype=np.float32, std=None, rng=None, backend=None):
         super().__init__()
         local = check_divisible(comm, "out_features", out_features)
-        self.collective_matmul = check_overlap(comm, collective_matmul, sequence_parallel)
         std = (1.0 / np.sqrt(in_features)) if std is None else std
         self.comm, self.gather_output, self.sequence_parallel = comm, gather_output, sequence_parallel
         self.in_features, self.out_features, self.local_out = in_features, out_features, local
@@ -96,8 +64,8 @@ class ColumnParallelLinear(Module):
 
     def forward(self, x, product=None):
         """``product``: the GEMM, ``ops.linear`` unless a forward wrapper passes another (FP8)."""
-        if self.collective_matmul and product is None:
-            y = all_gather_matmul(x, self.weight, self.bias, self.comm)
+        if self.collective_matmul is not None and product is None:
+            y = self.collective_matmul(x, self.weight, self.bias, self.comm)
         else:
             x = gather_from_seq(x, self.comm) if self.sequence_parallel else copy_to_tp(x, self.comm)
             y = (product or ops.linear)(x, self.weight, self.bias)  # this rank's block of output features
@@ -109,16 +77,16 @@ class RowParallelLinear(Module):
     partial products are summed by an all-reduce (or reduce-scattered along the sequence).
 
     ``input_is_parallel=False``: x is full and this rank first keeps its slice. The bias is
-    replicated and added once, after the reduction. ``collective_matmul``: the reduce-scatter is
-    decomposed into ring steps hidden behind the GEMM (sequence parallel only).
+    replicated and added once, after the reduction. ``collective_matmul``: None, or
+    ``(x, w, comm) -> y`` doing the GEMM and the reduce-scatter in one (``collective_matmul.py``).
     """
 
+    collective_matmul = None
+
     def __init__(self, in_features, out_features, comm, bias=True, input_is_parallel=True,
-                 sequence_parallel=False, *, dtype=np.float32, std=None, rng=None, backend=None,
-                 collective_matmul=False):
+                 sequence_parallel=False, *, dtype=np.float32, std=None, rng=None, backend=None):
         super().__init__()
         self.local_in = check_divisible(comm, "in_features", in_features)
-        self.collective_matmul = check_overlap(comm, collective_matmul, sequence_parallel)
         std = (1.0 / np.sqrt(in_features)) if std is None else std
         self.comm, self.input_is_parallel, self.sequence_parallel = comm, input_is_parallel, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
@@ -133,8 +101,8 @@ class RowParallelLinear(Module):
         """``product``: the GEMM, ``ops.linear`` unless a forward wrapper passes another (FP8)."""
         if not self.input_is_parallel:
             x = scatter_last_dim(x, self.comm)
-        if self.collective_matmul and product is None:
-            y = matmul_reduce_scatter(x, self.weight, self.comm)
+        if self.collective_matmul is not None and product is None:
+            y = self.collective_matmul(x, self.weight, self.comm)
         else:
             y = (product or ops.linear)(x, self.weight)  # this rank's partial product, before the reduction
             reduce = reduce_scatter_to_seq if self.sequence_parallel else reduce_from_tp
@@ -144,16 +112,15 @@ class RowParallelLinear(Module):
 
 # -- MLP and attention ----------------------------------------------------------------------------------
 
-
 class ParallelMLP(Module):
     """Linear(h, 4h) column-parallel -> GELU (on local features, no communication) -> Linear(4h, h)
     row-parallel -> dropout. Forward: one all-reduce (in proj); backward: one (in fc's f)."""
 
     def __init__(self, dim, comm, hidden=None, dropout=0.0, sequence_parallel=False, *, dtype=np.float32,
-                 std=0.02, proj_std=None, rng=None, backend=None, sharded_rng=None, collective_matmul=False):
+                 std=0.02, proj_std=None, rng=None, backend=None, sharded_rng=None):
         super().__init__()
         hidden = hidden or 4 * dim
-        kw = dict(dtype=dtype, rng=rng, backend=backend, collective_matmul=collective_matmul)
+        kw = dict(dtype=dtype, rng=rng, backend=backend)
         self.fc = ColumnParallelLinear(dim, hidden, comm, sequence_parallel=sequence_parallel, std=std, **kw)
         self.proj = RowParallelLinear(hidden, dim, comm, sequence_parallel=sequence_parallel,
                                       std=proj_std or std, **kw)
@@ -166,15 +133,16 @@ class ParallelMLP(Module):
 class ParallelAttention(Module):
     """Causal self-attention with the heads split across the group: n_head/tp heads per rank."""
 
+    local_kv_heads = kv_of = None  # grouped-query attention's K/V heads (``gpt.ParallelGroupedAttention``)
+
     def __init__(self, dim, n_head, comm, dropout=0.0, sequence_parallel=False, *, dtype=np.float32,
-                 std=0.02, proj_std=None, rng=None, backend=None, sharded_rng=None, collective_matmul=False):
+                 std=0.02, proj_std=None, rng=None, backend=None, sharded_rng=None):
         super().__init__()
         if dim % n_head:
             raise ValueError(f"rank {comm.rank}: d_model {dim} is not divisible by n_head {n_head}")
         self.n_head = n_head
         self.local_heads = check_divisible(comm, "n_head", n_head)
-        kw = dict(dtype=dtype, rng=rng, backend=backend, sequence_parallel=sequence_parallel,
-                  collective_matmul=collective_matmul)
+        kw = dict(dtype=dtype, rng=rng, backend=backend, sequence_parallel=sequence_parallel)
         self.qkv = ColumnParallelLinear(dim, 3 * dim, comm, blocks=3, std=std, **kw)
         self.proj = RowParallelLinear(dim, dim, comm, std=proj_std or std, **kw)
         self.drop = make_dropout(dropout, comm, sequence_parallel, sharded_rng)
@@ -184,6 +152,7 @@ class ParallelAttention(Module):
         if cache is not None and self.qkv.sequence_parallel:
             raise ValueError(f"rank {self.qkv.comm.rank}: a KV cache needs the whole sequence on every rank; "
                              "build the model with sequence_parallel=False to decode")
-        return self.drop(self.proj(self_attention(self.qkv(x), self.local_heads, cache)))
+        y = self_attention(self.qkv(x), self.local_heads, cache, self.local_kv_heads, self.kv_of)
+        return self.drop(self.proj(y))
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from minidist.accel.backend import default_backend, get_backend
 from minidist.autograd import random as mrandom
 from minidist.nn.module import Parameter
-from minidist.parallel.tensor.sharding import Shard
+from minidist.parallel.tensor.shard import Shard
 
 
 def sharded_normal(shape, std, dtype, comm, shard: Shard, rng=None, backend=None) -> Parameter:

@@ -4,8 +4,6 @@
   give zeros; the partial lookups are summed (all-reduce, or reduce-scatter under sequence parallel).
 * ``vocab_parallel_cross_entropy``: the loss of vocabulary-sharded logits without gathering them:
   all-reduces of the row max, the target logit and the sum of exponentials -- 3 numbers a token.
-
-Re-exported by ``minidist.parallel.tensor.layers``.
 """
 
 from __future__ import annotations
@@ -23,15 +21,13 @@ from minidist.parallel.tensor.comm import (
     reduce_scatter_to_seq,
     tp_all_reduce,
 )
+from minidist.parallel.tensor.shard import Shard
 from minidist.parallel.tensor.shard_init import sharded_normal
-from minidist.parallel.tensor.sharding import Shard
 
 
 def _ids(idx, be):
-    """Integer ids (tokens, targets) as the layers below take them: the backend's device array as it
-    is; host ids stay on the host except on CuPy, which won't mix host and device arrays. (On JAX the
-    ops take host ids as arguments, and masks of host ids are host arithmetic: no compiled program,
-    no read-back.)"""
+    """Integer ids (tokens, targets) as the layers below take them: a device array as it is; host ids
+    stay on the host (on JAX: arguments of the compiled ops) except on CuPy, which won't mix them."""
     idx = idx.data if isinstance(idx, Tensor) else idx
     if be.is_array(idx):
         return idx
@@ -69,12 +65,9 @@ class VocabParallelEmbedding(Module):
 
 
 class VocabParallelCrossEntropy(Function):
-    """Mean cross-entropy of logits split along the vocabulary: (..., V/tp) on each rank.
-
-    loss_i = log Σ_v exp(z_iv - m_i) - (z_i,t_i - m_i) with m_i = max_v z_iv; each of m, the
-    target logit and Σ exp is a per-token all-reduce over the group. Backward needs no
-    communication: my slice of softmax(z) - onehot(t).
-    """
+    """Mean cross-entropy of logits split along the vocabulary, (..., V/tp) on each rank:
+    loss_i = log Σ_v exp(z_iv - m_i) - (z_i,t_i - m_i), m_i = max_v z_iv; m, the target logit and
+    Σ exp are per-token all-reduces. Backward needs no communication: my slice of softmax(z) - onehot(t)."""
 
     @staticmethod
     def forward(ctx, logits, targets, comm, ignore_index=-1):

@@ -10,10 +10,10 @@ from minidist.autograd.tensor import Tensor
 from minidist.comm import measure, run
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.footprint import MemoryAccountant
+from minidist.parallel.context.model import context_parallel
 from minidist.parallel.context.ring import (
     AttentionStats,
     chunk_positions,
-    context_parallel,
     packed_ring_attention,
     ring_attention,
     shard_sequence,

@@ -15,14 +15,8 @@ from minidist.nn import GPT, GPTConfig
 from minidist.parallel.context.layout import shard_sequence, unshard_sequence
 from minidist.parallel.context.model import context_parallel
 from minidist.parallel.context.ring import packed_ring_attention
-from minidist.parallel.context.ulysses import (
-    check_heads,
-    packed_ulysses_attention,
-    packed_usp_attention,
-    ulysses_bytes,
-    usp_bytes,
-    usp_groups,
-)
+from minidist.parallel.context.ulysses import check_heads, packed_ulysses_attention, ulysses_bytes
+from minidist.parallel.context.usp import packed_usp_attention, usp_bytes, usp_groups
 from tests.conftest import budget
 
 TOL = 1e-12

@@ -33,9 +33,11 @@ def mlp_rank(comm, x, g, hidden, overlap, bias=True):
     """Column -> GELU -> row, sequence parallel, on this rank's sequence shard of x; the output, every
     gradient, and the ledger's bytes and messages of forward + backward."""
     dim = x.shape[-1]
-    kw = dict(sequence_parallel=True, dtype=x.dtype, bias=bias, collective_matmul=overlap)
+    kw = dict(sequence_parallel=True, dtype=x.dtype, bias=bias)
     col = ColumnParallelLinear(dim, hidden, comm, rng=np.random.default_rng(1), **kw)
     row = RowParallelLinear(hidden, dim, comm, rng=np.random.default_rng(2), **kw)
+    if overlap:
+        assert use_collective_matmul(col) == use_collective_matmul(row) == 1
     t = x.shape[1] // comm.size
     mine = slice(comm.rank * t, (comm.rank + 1) * t)
     xs = Tensor(np.ascontiguousarray(x[:, mine]), requires_grad=True)
@@ -103,8 +105,9 @@ def test_tp_gpt_with_collective_matmul_equals_plain_tp_gpt():
 
 def _traced(comm, x):
     tracer = trace.Tracer(comm.rank)
-    col = ColumnParallelLinear(x.shape[-1], 64, comm, sequence_parallel=True, collective_matmul=True,
-                               dtype=x.dtype, rng=np.random.default_rng(0))
+    col = ColumnParallelLinear(x.shape[-1], 64, comm, sequence_parallel=True, dtype=x.dtype,
+                               rng=np.random.default_rng(0))
+    use_collective_matmul(col)
     t = x.shape[1] // comm.size
     with trace.tracing(tracer):
         y = col(Tensor(np.ascontiguousarray(x[:, comm.rank * t:(comm.rank + 1) * t])))
@@ -132,7 +135,7 @@ def test_under_an_emulated_link_hops_run_beside_the_compute():
 
 def test_bad_input_is_refused_clearly():
     def no_sp(comm):
-        ColumnParallelLinear(4, 4, comm, collective_matmul=True)
+        use_collective_matmul(ColumnParallelLinear(4, 4, comm))
 
     with pytest.raises(ValueError, match="collective_matmul=True .*sequence_parallel=True"):
         run(no_sp, ranks=2)

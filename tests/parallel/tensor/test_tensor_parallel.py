@@ -24,12 +24,10 @@ from minidist.nn.serial import adamw_tolerance
 from minidist.parallel.tensor import comm as tp_comm
 from minidist.parallel.tensor import gpt as tp_gpt
 from minidist.parallel.tensor.gpt import TPGPT, ParallelBlock
-from minidist.parallel.tensor.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    vocab_parallel_cross_entropy,
-)
-from minidist.parallel.tensor.sharding import Shard, reshard, shard_state_dict, sharding_table, unshard
+from minidist.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from minidist.parallel.tensor.sharding import unshard
+from minidist.parallel.tensor.vocab import vocab_parallel_cross_entropy
+from tests.parallel.tensor.test_sharding import gpt_table
 
 ROOT = Path(__file__).resolve().parents[3]
 TOL = {"float64": 1e-10}  # summation order differs across ranks, nothing else (float32: rounding_bound)
@@ -44,7 +42,7 @@ def serial_reference(cfg, idx, tgt, seed=7):
     return logits.numpy(), loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def tp_rank(comm, cfg, idx, tgt, sp, seed=7, dropout_rng="twin"):
+def tp_rank(comm, cfg, idx, tgt, sp, seed=7, dropout_rng="serial"):
     mrandom.manual_seed(seed)
     model = TPGPT(cfg, comm, sequence_parallel=sp, dropout_rng=dropout_rng)
     local = model(idx)
@@ -53,11 +51,6 @@ def tp_rank(comm, cfg, idx, tgt, sp, seed=7, dropout_rng="twin"):
     mrandom.manual_seed(seed)
     full = model.eval().logits(idx).numpy() if cfg.dropout == 0 else None
     return full, loss.item(), {n: p.grad for n, p in model.named_parameters()}
-
-
-def gpt_table(cfg, tp=2):
-    """The TP GPT's sharding table (the same for every rank and tp size)."""
-    return run(lambda comm: sharding_table(TPGPT(cfg, comm)), ranks=tp)[0]
 
 
 @settings(max_examples=30)
@@ -261,67 +254,6 @@ def test_column_and_row_linear_equal_serial_linear(tp):
         np.testing.assert_allclose(gx, xt.grad, atol=1e-12)
 
 
-def test_state_dict_round_trip_and_loading():
-    cfg = GPTConfig(vocab_size=8, block_size=6, n_layer=2, n_head=2, d_model=8, dtype="float64", seed=3)
-    serial = GPT(cfg).state_dict()
-    table = gpt_table(cfg)
-    shards = [shard_state_dict(serial, table, r, 2) for r in range(2)]
-    back = unshard(shards, table)
-    assert all(np.array_equal(back[k], serial[k]) for k in serial)
-
-    def rank(comm):
-        model = TPGPT(cfg.replace(seed=99), comm)   # different init, then load the serial weights
-        model.load_serial_state_dict(serial)
-        fresh = TPGPT(cfg, comm).state_dict()       # sharded init == sharded serial state_dict
-        same = all(np.array_equal(fresh[k], v) for k, v in model.state_dict().items())
-        return same, model.serial_state_dict()
-
-    for same, sd in run(rank, ranks=2):
-        assert same and all(np.array_equal(sd[k], serial[k]) for k in serial)
-
-
-def test_sharding_table_is_declared_by_the_layers():
-    """The table, written out by hand for a one-layer GPT: what each layer declares, nothing else."""
-    cfg = GPTConfig(vocab_size=8, block_size=6, n_layer=1, n_head=2, d_model=8, dtype="float64")
-    rows, cols, qkv_w, qkv_b = Shard(0), Shard(1), Shard(1, blocks=3), Shard(0, blocks=3)
-    assert dict(gpt_table(cfg)) == {
-        "0.wte.weight": rows, "0.wpe.weight": None,
-        "1.ln1.weight": None, "1.ln1.bias": None,
-        "1.attn.qkv.weight": qkv_w, "1.attn.qkv.bias": qkv_b,
-        "1.attn.proj.weight": rows, "1.attn.proj.bias": None,
-        "1.ln2.weight": None, "1.ln2.bias": None,
-        "1.mlp.fc.weight": cols, "1.mlp.fc.bias": rows,
-        "1.mlp.proj.weight": rows, "1.mlp.proj.bias": None,
-        "2.ln.weight": None, "2.ln.bias": None, "2.proj.weight": cols}
-
-
-def test_shard_split_and_concat_by_hand():
-    a = np.arange(4 * 12).reshape(4, 12)
-    np.testing.assert_array_equal(Shard(0).split(a, 1, 2), a[2:4])
-    np.testing.assert_array_equal(Shard(1).split(a, 2, 3), a[:, 8:12])
-    # q|k|v, each of 4 columns, over 2 ranks: rank 1 keeps columns 2-3 of q, of k and of v
-    np.testing.assert_array_equal(Shard(1, blocks=3).split(a, 1, 2), a[:, [2, 3, 6, 7, 10, 11]])
-    np.testing.assert_array_equal(Shard(0, blocks=3).split(a[0], 0, 2), a[0, [0, 1, 4, 5, 8, 9]])
-    for shard in (Shard(0), Shard(1), Shard(1, blocks=3), Shard(-1, blocks=2)):
-        np.testing.assert_array_equal(shard.concat([shard.split(a, r, 2) for r in range(2)]), a)
-    with pytest.raises(ValueError, match=r"w: axis 1 of shape \(4, 12\).* does not split into 5 equal parts"):
-        Shard(1).split(a, 0, 5, "w")
-    with pytest.raises(ValueError, match=r"of each of its 3 blocks"):
-        Shard(1, blocks=3).split(a, 0, 3)
-
-
-def test_reshard_two_ranks_to_four_equals_sharding_the_full_model():
-    cfg = GPTConfig(vocab_size=8, block_size=6, n_layer=2, n_head=4, d_model=8, dtype="float64", seed=5)
-    full, table = GPT(cfg).state_dict(), gpt_table(cfg)
-    two = [shard_state_dict(full, table, r, 2) for r in range(2)]
-    four = reshard(two, table, 4)
-    for r in range(4):
-        direct = shard_state_dict(full, table, r, 4)
-        assert all(np.array_equal(four[r][k], direct[k]) for k in full)
-    loaded = run(lambda comm: TPGPT(cfg, comm).state_dict(), ranks=4)  # tp=4's own init: the same parts
-    assert all(np.array_equal(loaded[r][k], four[r][k]) for r in range(4) for k in full)
-
-
 def test_megatron_rng_sharded_regions_differ_replicated_agree():
     cfg = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, d_model=8, dropout=0.5, seed=0)
     idx = np.zeros((1, 8), dtype=np.int64)
@@ -338,6 +270,23 @@ def test_megatron_rng_sharded_regions_differ_replicated_agree():
     assert not np.array_equal(sharded[0][0], sharded[1][0])  # each rank its own mask stream
     states = sharded[0][1]
     assert states[0] == states[1]  # and the replicated-region generator was not touched differently
+
+
+def test_dropout_rng_serial_is_the_default_and_keeps_its_former_name():
+    """``dropout_rng="serial"`` (once ``"twin"``, still accepted) draws the serial model's masks."""
+    cfg = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, d_model=8, dropout=0.5, seed=0)
+    idx = np.zeros((1, 8), dtype=np.int64)
+
+    def rank(comm, **kw):
+        mrandom.manual_seed(0)
+        return TPGPT(cfg, comm, sequence_parallel=True, **kw)[0](idx).numpy()
+
+    default, serial, former = (run(rank, ranks=2, **kw) for kw in ({}, dict(dropout_rng="serial"),
+                                                                    dict(dropout_rng="twin")))
+    for a, b, c in zip(default, serial, former):
+        assert np.array_equal(a, b) and np.array_equal(a, c)
+    with pytest.raises(ValueError, match=r"dropout_rng must be one of \('serial', 'megatron'\)"):
+        run(rank, ranks=1, dropout_rng="per-rank")
 
 
 # -- clear errors --------------------------------------------------------------------------------------
@@ -386,7 +335,7 @@ def test_sequence_parallel_gradients_equal_serial_under_mpirun():
 def _vocab_parallel_on_device(comm, logits, targets, ids, table):
     """The vocabulary-parallel loss (and its logits gradient) and embedding on the rank's backend."""
     from minidist.accel import jax_engine
-    from minidist.parallel.tensor.layers import VocabParallelEmbedding
+    from minidist.parallel.tensor.vocab import VocabParallelEmbedding
 
     be, v = comm.backend, logits.shape[-1] // comm.size
     mine = Tensor(be.from_host(logits[..., comm.rank * v:(comm.rank + 1) * v]), requires_grad=True)

@@ -348,7 +348,7 @@ def _megatron_rng_job(comm, root, steps, save_at=(), resume=False, keep_rng=True
     from minidist.autograd import random as mrandom
     from minidist.nn.optim import AdamW
     from minidist.parallel.tensor.gpt import TPGPT
-    from minidist.parallel.tensor.sharding import sharding_table
+    from minidist.parallel.tensor.sharding import serial_state_dict, sharding_table
     from minidist.parallel.tensor.slices import global_slices
     from minidist.resilience.checkpoint import TrainState
 
@@ -367,7 +367,7 @@ def _megatron_rng_job(comm, root, steps, save_at=(), resume=False, keep_rng=True
         opt.zero_grad()
         if opt.step_count in save_at:
             save(comm, root, opt.step_count, state)
-    return model.serial_state_dict()
+    return serial_state_dict(model)
 
 
 @pytest.mark.parametrize("keep_rng", [True, False])
