@@ -7,7 +7,7 @@ its named position (``register_forward_wrapper``, one per position; ``handle.rem
 away), never replaces ``forward``. ``module(x)`` runs them outermost first, each calling ``inner``,
 the rest of the stack, when it chooses (lessons/01-train.md says why this order)::
 
-    trace  >  checkpoint (recompute)  >  offload  >  zero3  >  autocast  >  type(module).forward
+    trace  >  recompute  >  offload  >  zero3  >  autocast  >  type(module).forward
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Parameter(Tensor):
 
 
 #: Forward-wrapper positions, outermost first.
-WRAPPER_ORDER = ("trace", "checkpoint", "offload", "zero3", "autocast")
+WRAPPER_ORDER = ("trace", "recompute", "offload", "zero3", "autocast")
 
 
 class WrapperHandle:

@@ -279,8 +279,8 @@ def test_activation_offload_zero3_and_checkpointing_stack_in_order_and_equal_ser
     want = _serial(("recompute-full", "zero3"))
     for got, positions, after in run(_offloaded_run, ranks=2, offload_first=offload_first):
         assert _max_diff({k: np.asarray(v) for k, v in got.items()}, want) < EXACT_TOL
-        assert positions == ["checkpoint", "offload", "zero3"]  # the documented order, whatever came first
-        assert after == ["checkpoint", "zero3"]  # removing one leaves the others
+        assert positions == ["recompute", "offload", "zero3"]  # the documented order, whatever came first
+        assert after == ["recompute", "zero3"]  # removing one leaves the others
 
 
 def test_activation_offload_moves_saved_activations_off_the_device():
@@ -308,9 +308,9 @@ def test_activation_offload_moves_saved_activations_off_the_device():
 
 def test_a_second_wrapper_at_a_taken_position_is_refused_naming_both():
     model = apply_checkpointing(GPT(CFG), "full")
-    with pytest.raises(ValueError, match=r"already has a 'checkpoint' forward wrapper \(from activation "
+    with pytest.raises(ValueError, match=r"already has a 'recompute' forward wrapper \(from activation "
                                          r"recomputation \(full\)\); tracing cannot"):
-        model[1].register_forward_wrapper(lambda m, inner, x: inner(x), "checkpoint", "tracing")
+        model[1].register_forward_wrapper(lambda m, inner, x: inner(x), "recompute", "tracing")
     with pytest.raises(AttributeError, match="register_forward_wrapper"):
         model[1].forward = lambda x: x
 
@@ -325,12 +325,12 @@ def test_tracing_registers_through_the_stack_and_comes_off():
         model.loss(DATA[0], DATA[0]).backward()
     assert [e["name"] for e in tracer.events] == ["forward 0 (Embed)", "forward 1 (Block)",
                                                   "forward 2 (Block)", "forward 3 (Head)"]
-    assert [h.position for h in model[1].forward_wrappers()] == ["trace", "checkpoint"]
+    assert [h.position for h in model[1].forward_wrappers()] == ["trace", "recompute"]
     for h in handles:
         h.remove()
     with trace.tracing(tracer):
         model(DATA[0])
-    assert len(tracer.events) == 4 and model[1].forward_wrappers()[0].position == "checkpoint"
+    assert len(tracer.events) == 4 and model[1].forward_wrappers()[0].position == "recompute"
 
 
 def _gathers(comm, policy):

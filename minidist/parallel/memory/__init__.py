@@ -1,1 +1,1 @@
-"""Memory techniques: activation checkpointing, mixed precision, optimizer-state offload."""
+"""Memory techniques: activation recomputation, mixed precision and FP8, optimizer-state offload."""

@@ -258,7 +258,7 @@ def offload_activations(module, min_bytes: int = 0):
 
     It is a forward wrapper at the ``"offload"`` position of ``Module``'s stack: outside ZeRO-3, whose
     innermost saved-tensor hook turns parameters into references first, so only activations
-    arrive here; inside checkpointing, so a recomputation's activations are offloaded too. Returns
+    arrive here; inside recomputation, so a recomputation's activations are offloaded too. Returns
     the handle (``handle.remove()`` stops it)."""
     def wrapper(mod, inner, *args, **kwargs):
         outer = current_saved_tensors_hooks()

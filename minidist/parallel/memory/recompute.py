@@ -37,7 +37,7 @@ __all__ = ["POLICIES", "POSITION", "Recompute", "apply_recompute", "block_activa
 
 #: where the policies' forward wrappers sit in ``Module``'s stack (``nn.module.WRAPPER_ORDER``: outside
 #: ZeRO-3's gather and autocast, so a recomputation gathers and casts again)
-POSITION = "checkpoint"
+POSITION = "recompute"
 
 class Recompute(Function):
     """The node: forward without a graph, backward = restore RNG, recompute, backprop."""
