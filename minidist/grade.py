@@ -6,19 +6,16 @@ An exercise ``NAME`` is a student file ``exercises/NAME.py`` (functions with a s
 line the time) and a grader, the module ``minidist.grading.NAME`` (minidist/grading/NAME.py), whose
 ``CHECKS`` dict maps each task (function name) to ``check(impl)``: property tests that raise
 AssertionError when ``impl.<task>`` is wrong, and an optional ``POINTS`` dict (task -> points,
-default 1). The graders ship with the package (they import nothing from tests/), so a student's
-installed minidist grades without a checkout of the test suite; the same checks run in CI
-(tests/exercises/) against minidist's own implementation (``reference()``: must pass) and against
-the deliberately broken ones in ``BROKEN`` (must fail).
+default 1). The graders ship with the package (they import nothing from tests/), so an installed
+minidist grades without the test suite; CI (tests/exercises/) runs the same checks against
+minidist's own implementation (``reference()``: must pass) and the broken ones in ``BROKEN`` (must fail).
 
 A failed task prints what failed -- the example (world size, sizes, dtype, rank) and the first
-elements that differ, as the grader's message and hypothesis's falsifying example give them;
-a crash in the student's code (or a failed ``assert`` of their own) adds where in their file it
-happened, ``exercises/NAME.py:LINE in FUNC: source``, only their frames; ``-v`` adds the traceback.
-
-Exit status: 0 every task passed, 1 some failed, 2 the file could not be graded (missing, not
-Python, ends the process or hangs while imported, or a task still running after ``--timeout``
-seconds), with one line saying which.
+elements that differ, from the grader's message and hypothesis's falsifying example; a crash in the
+student's code (or a failed ``assert`` of theirs) adds where in their file, ``exercises/NAME.py:LINE
+in FUNC: source``, their frames only; ``-v`` adds the traceback. Exit status: 0 every task passed,
+1 some failed, 2 the file could not be graded (missing, not Python, ends the process or hangs while
+imported, or a task still running after ``--timeout`` seconds), with one line saying which.
 """
 
 from __future__ import annotations

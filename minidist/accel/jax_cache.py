@@ -1,24 +1,20 @@
 """minidist's own cache of compiled JAX executables: a program met in an earlier run loads untraced.
 
-JAX's persistent cache is keyed by a hash of the *lowered* module, so even a hit traces the
-function and lowers it to MLIR before it can look, for every program, and a lesson meets hundreds
-(chapter 16 has what each step costs). This cache keys a program by what minidist knows before
-tracing -- which function, the arguments' shapes and dtypes and devices, the values baked in, the versions and
-settings that change what JAX would emit -- and stores the serialized executable
-(``jax.experimental.serialize_executable``) beside whatever the trace learned (``aux``: an op's
-static attributes). A hit deserializes it and never traces.
+JAX's persistent cache is keyed by a hash of the *lowered* module, so even a hit traces the function
+and lowers it to MLIR first, for every program, and a lesson meets hundreds. This cache keys a
+program by what minidist knows before tracing -- which function, the arguments' shapes, dtypes and
+devices, the values baked in, the versions and settings that change what JAX would emit -- and stores
+the serialized executable (``jax.experimental.serialize_executable``) beside what the trace learned
+(``aux``: an op's static attributes). A hit deserializes it and never traces.
 
 A stale or colliding entry would be a silent wrong answer, so the key is conservative: what it
-holds, and which units get none (compiled every run, never stored), is in jax_identity.py; the
-arguments' part (pytree place, shape, dtype, weak type, device, committed-ness) is below.
-
-Files live in ``<cache>/exe`` (``MINIDIST_JAX_CACHE``, default ~/.cache/minidist/jax; ``0`` turns
-this cache off: nothing is read or written). Each is written to a temporary file and
-``os.replace``d, so ranks of several processes sharing the directory never see half a file; each
-carries a SHA-256 of its contents and its full key, checked before anything is deserialized. A
-file that fails either check, or an executable that rejects its arguments, is compiled again and
-overwritten. The folder is kept under ``MINIDIST_JAX_CACHE_MB`` (default 2000) by ``evict``, least
-recently used first (jax_cache_files.py): every edit of minidist makes all keys new.
+holds, and which units get none, is in jax_identity.py; the arguments' part is below. Files live in
+``<cache>/exe`` (``MINIDIST_JAX_CACHE``, default ~/.cache/minidist/jax; ``0``: off), written whole
+and ``os.replace``d, each with a SHA-256 of its contents and its full key, checked before anything
+is deserialized; a file that fails either, or an executable that rejects its arguments, is compiled
+again and overwritten. ``evict`` (jax_cache_files.py) keeps the folder under
+``MINIDIST_JAX_CACHE_MB`` (default 2000), least recently used first. What a hit costs against a
+compile, and how the key was tested: chapter 16 (lessons/16-tpu.md).
 """
 
 from __future__ import annotations

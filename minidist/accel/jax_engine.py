@@ -1,25 +1,21 @@
 """The JAX engine: which compiled programs minidist runs on JAX, and how few.
 
-On JAX every array operation is a compiled XLA program -- eager ``x * y`` on a new shape compiles a
-one-multiply program first -- and a lesson's time on JAX is mostly the number of distinct programs
-it needs (compiled by XLA; or loaded from JAX's persistent cache, which traces and lowers it
-first; or, cheapest, from minidist's own cache, ``jax_cache``, which does neither). So:
+On JAX every array operation is a compiled XLA program, so a lesson's time on JAX is mostly the
+number of distinct programs it needs. The engine makes them few and large:
 
 * **Ops**: ``kernel(cls)`` (jax_ops.py) returns a subclass of the op whose ``forward`` and
-  ``backward`` each run as one compiled call, keyed by the arguments' shapes, dtypes and plain values
-  (jax_values.py); an op that cannot be traced runs eagerly. ``tensor.Function.apply`` asks
-  ``kernel`` only for non-NumPy arrays.
+  ``backward`` each run as one compiled call, keyed by the arguments' shapes, dtypes and plain
+  values (jax_values.py); an op that cannot be traced runs eagerly. ``Function.apply`` asks, off NumPy.
 * **Optimizer steps**: ``fused`` runs one parameter's update formula over every parameter as ONE
   compiled call, the step's scalars as arguments (a schedule never recompiles), state donated.
 * **Array functions** outside the ops (DDP's buckets, one ring-attention step): ``pure_call``.
 * ``install`` registers all three with the compilation seam (``compiled.py``) that algorithms call.
-* Each of these units is a ``jax_cache.Program``: compiled once per argument signature, not once
-  per rank (JAX does not merge concurrent compiles), and stored on disk under a key minidist
-  computes before tracing, so a later run loads the executable without tracing or lowering.
-* ``compilations()`` counts every program compiled or loaded; ``persistent_cache`` keeps JAX's own
-  cache for the eager programs outside these units.
+* Each unit is a ``jax_cache.Program``: compiled once per argument signature, not once per rank,
+  and stored on disk under a key computed before tracing, so a later run loads it untraced.
+  ``compilations()`` counts the programs; ``persistent_cache`` keeps JAX's own cache for the rest.
 
-``MINIDIST_JAX_JIT=0`` turns it off (eager dispatch, the reference).
+``MINIDIST_JAX_JIT=0`` turns it off (eager dispatch, the reference). Why fewer programs, what each
+costs and what was measured: chapter 16 (lessons/16-tpu.md, "A faster eager engine on JAX").
 """
 
 from __future__ import annotations

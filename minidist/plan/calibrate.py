@@ -1,21 +1,15 @@
 """`python -m minidist.calibrate`: measure this machine once for the planner's `--hardware here`.
 
-Measures, in one thread's CPU seconds (`cpu`: what the work costs on a core of its own, whatever
-else runs): float32 matmul FLOP/s, memory bandwidth (a large copy), the cost of one autograd op
-outside its arithmetic (forward + backward of a tiny add: Python and dispatch), the rates minidist's
-own kernels reach (`kernels`: linear, GELU, layer norm, attention scores, cross-entropy, AdamW --
-the planner's compute model for the "minidist" engine is a sum of these, with the Python of a block,
-of the embedding + head, and of a training step per parameter tensor, times `cold`: a whole step
-over the sum of its parts). In wall time, because sharing is what they measure: how many cores'
-worth of work processes and thread ranks get (`threads`: as many thread ranks as the CPUs, 2 x and
-4 x as many, a fixed batch split over them -- past the CPUs handing the GIL over costs more than
-the cores give), the threads transport's ring all-reduce alpha (seconds per step) and beta
-(seconds per byte) by a least-squares fit over message sizes, and (`processes`,
-`minidist.plan.calibrate_mpi`'s mpirun probe) what 2, 4 and 8 MPI processes get at once: their cores'
-worth of minidist work, what each op's Python loses besides, and their all-reduce's alpha/beta.
-The load average is recorded: on a busy machine the cores' worth is less. Writes them to
+In one thread's CPU seconds (what the work costs on a core of its own, whatever else runs): matmul
+FLOP/s, memory bandwidth, the cost of one autograd op outside its arithmetic, the rates minidist's
+own kernels reach (`kernels`), the Python of a block, of the embedding + head and of a step per
+parameter tensor, and `cold` (a whole step over the sum of its parts). In wall time, because sharing
+is what they measure: the cores' worth processes and thread ranks get (`threads`), the threads
+transport's all-reduce alpha and beta, and (`processes`, the mpirun probe) what 2, 4 and 8 MPI
+processes get at once. The load average is recorded beside them. Writes
 ~/.cache/minidist/calibration.json (`minidist.plan.hardware.CALIBRATION_PATH`);
-`minidist.plan.hardware.here()` reads them back.
+`minidist.plan.hardware.here()` reads it back. What each constant is for, and how far to trust it
+on a shared machine: chapter 11 (lessons/11-planning.md, "Timing here").
 
 One idea to a file: `minidist.plan.clock` (the clocks and the timing loop), `calibrate_kernels`
 (kernels and Python, CPU seconds), `calibrate_cores` (cores' worth and the threads link, wall time),

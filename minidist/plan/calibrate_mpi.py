@@ -1,31 +1,21 @@
 """Calibrate's mpirun probe: what n MPI processes sharing this machine really get.
 
-Under `mpirun -n N` on a machine with fewer cores than N, processes take turns: a rank waiting for
-a message spins (`sched_yield`) and then sleeps, the rank that must send it waits for a time slice,
-and every switch costs cache. Two things a training step needs are measured directly, with n
-processes at once, for n in `PROBE_RANKS`:
+Processes that outnumber the cores take turns, and every switch costs time and cache. Two things a
+training step needs are measured directly, with n processes at once, for n in `PROBE_RANKS`:
 
-* `cores` and `python`: what the n processes get together, from data-parallel training of a small
-  GPT (`_step_time`): each step on one rank alone and on all n at once, less its gradient
-  all-reduce (priced by the `bg` link below), twice -- with fat kernels (16 rows per rank) and thin
-  ones (2 rows: the same ops, an eighth of the arithmetic). The processes together run n / cores
-  times slower than alone (`cores` from the difference of the two: arithmetic only), and every op
-  loses a little more besides: a switched-in process finds its caches holding another's arrays and
-  interpreter state, and every wait for a partner is a switch. That loss is per op, not per FLOP,
-  so it is measured against the step's Python (`python`: extra seconds per second of Python alone,
-  the Python timed as the same GPT with no arithmetic, `HOLLOW_GPT`; `crowd_fit`). Below the core
-  count when the processes outnumber the cores, or when other programs run.
-* `links`: the all-reduce as the training step calls it, all n ranks at once, as wall time:
-  `fg` called in the foreground (tensor parallelism: `all_reduce` between matmuls) and `bg` on the
-  communication thread (DDP's gradient buckets: `all_reduce_async`), each fitted to
-  rounds x alpha + bytes sent x beta over message sizes (the planner's rounds and bytes of each
-  algorithm, `minidist.plan.traffic`), for the ring (what DDP and the TP layers ask for) and shm
-  (what "auto" picks under mpirun). Crowding shows up in alpha: each round waits until the
-  partners are scheduled.
+* `cores` and `python`: data-parallel training of a small GPT (`_step_time`), one rank alone and
+  all n at once, less its gradient all-reduce, with fat and thin kernels (`PROBE_ROWS`: the same
+  ops, an eighth of the arithmetic): their difference gives the cores' worth the n processes get,
+  and what the thin step loses beyond it is per op, extra seconds per second of Python (measured as
+  `HOLLOW_GPT`, the same ops with no arithmetic; `crowd_fit`).
+* `links`: the all-reduce as training calls it, all n ranks at once, in wall time: `fg` in the
+  foreground (tensor parallel) and `bg` on the communication thread (DDP), each fitted to rounds x
+  alpha + bytes x beta (`minidist.plan.traffic`'s), for the ring and shm (`PROBE_ALGORITHMS`).
 
-`probe_processes()` starts `mpiexec -n N python -m minidist.plan.calibrate_mpi` for each n and returns
+`probe_processes()` runs `mpiexec -n N python -m minidist.plan.calibrate_mpi` for each n and returns
 the entries calibrate stores under "processes"; `minidist.plan.hardware.here(transport="mpi")` reads
-them as `Crowd`s.
+them as `Crowd`s. Why these two, and what they predicted: chapter 11 (lessons/11-planning.md,
+"Processes (`mpirun`)" and "What really costs time when p ranks share c cores").
 """
 
 from __future__ import annotations

@@ -3,45 +3,17 @@
 One `Hardware` per accelerator system: the chip (peak dense bf16 FLOP/s, HBM capacity and bandwidth),
 the fast domain it sits in (`intra`: NVLink/NVSwitch inside a node, or ICI across a TPU slice) and
 the network between domains (`inter`: InfiniBand/RoCE per GPU, or DCN per TPU chip). Links are
-`Link(bandwidth, latency)`: bandwidth in bytes/s *per chip, per direction* (what one rank can push
-into a ring all-reduce), latency in seconds per message round.
+`Link(bandwidth, latency)`: bytes/s per chip, per direction; seconds per message round.
 
-`gemm_efficiency` is the main number that is not a datasheet figure: the share of peak a large,
-well-shaped bf16 matrix multiply reaches on that chip -- an assumption, stated with its source
-(the TPU DCN figure is the other, marked ASSUMPTION). `python -m minidist.calibrate` measures this
-machine instead (matmul and minidist's own kernel rates, memory bandwidth, all-reduce alpha/beta,
-the cores the ranks really get), giving `here()`.
+`gemm_efficiency` (0.80 GPU, 0.85 TPU) is the main number that is not a datasheet figure; the TPU
+v4/v5e DCN per chip is the other assumption. `python -m minidist.calibrate` measures this machine
+instead, and `here()` reads it back.
 
-Sources (accessed for the course; numbers are per chip unless stated):
-  [A100]  NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s bf16 dense, 80 GB HBM2e at
-          2,039 GB/s, NVLink 3 600 GB/s total (300 GB/s each way), PCIe Gen4.
-  [H100]  NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5: 989 TFLOP/s bf16 dense (1,979 with
-          sparsity), FP8 1,979 TFLOP/s dense (3,958 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4
-          900 GB/s total (450 each way).
-  [B200]  NVIDIA HGX B200 / DGX B200 datasheet (2024): 36 PFLOP/s bf16 sparse per 8 GPUs
-          -> 2.25 PFLOP/s dense per GPU; FP8 72 PFLOP/s sparse per 8 -> 4.5 PFLOP/s dense per GPU;
-          180 GB HBM3e at 8 TB/s (DGX: 1,440 GB / 8), NVLink 5
-          1.8 TB/s total (900 GB/s each way), ConnectX-7 400 Gb/s per GPU.
-  [MEG21] Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
-          Using Megatron-LM", Sec. 5: DGX A100 nodes, 8 GPUs on NVLink/NVSwitch, 8 x 200 Gb/s HDR
-          InfiniBand HCAs per node -> 25 GB/s per GPU.
-  [LLAMA3] Llama Team 2024, "The Llama 3 Herd of Models", Sec. 3.3: H100 SXM, 8 per node on
-          NVLink, RoCE 400 Gb/s per GPU (50 GB/s).
-  [TPUv4] Jouppi et al. 2023, "TPU v4: An Optically Reconfigurable Supercomputer": 275 TFLOP/s
-          bf16, 32 GiB HBM2 at 1,200 GB/s, 3D torus with 6 ICI links of 50 GB/s each way,
-          4,096 chips per pod.  DCN per chip is an ASSUMPTION: 4 chips per host sharing a 100 Gb/s
-          NIC -> ~3.1 GB/s per chip (v4 and v5e; the docs give no per-chip figure).
-  [v5e]   Google Cloud TPU v5e docs: 197 TFLOP/s bf16, 16 GiB HBM2 at 819 GB/s, 2D torus, ICI
-          1,600 Gb/s per chip (4 links of 50 GB/s), 256 chips per pod.
-  [v5p]   Google Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,765 GB/s, 3D torus, ICI
-          1,200 GB/s bidirectional per chip (6 links of 100 GB/s each way), DCN 50 Gb/s per chip.
-  [SB]    Austin et al. 2025, "How to Scale Your Model" (the JAX scaling book), Part 2: TPU ICI and
-          DCN bandwidth tables and the ring all-reduce cost 2(N-1)/N * bytes / bandwidth.
-  [PCIe]  PCI-SIG: Gen4 x16 32 GB/s each way, Gen5 x16 64 GB/s (raw; ~80% achievable).
-  [NVMe]  Samsung 990 PRO datasheet: 7.45 GB/s sequential read (PCIe 4.0 x4).
-  [GEMM]  gemm_efficiency: NVIDIA's published cuBLAS bf16 GEMM results and the Megatron papers
-          report 75-85% of peak for large GEMMs on A100/H100; the TPU MXU reaches 80-90% on large
-          matmuls ([SB] Part 1). We use 0.80 (GPU) and 0.85 (TPU): an assumption, not a datasheet value.
+Sources, the keys each preset's `sources` names (the full citations, and which number comes from
+which, are in lessons/00-estimates.md, section 5): [A100] [H100] [B200] NVIDIA datasheets 2021-24;
+[MEG21] Narayanan et al. 2021 (Megatron-LM), Sec. 5; [LLAMA3] Llama Team 2024, Sec. 3.3; [TPUv4]
+Jouppi et al. 2023; [v5e] [v5p] Google Cloud TPU docs; [SB] Austin et al. 2025, "How to Scale Your
+Model"; [PCIe] PCI-SIG; [NVMe] Samsung 990 PRO datasheet; [GEMM] cuBLAS/Megatron GEMM results, [SB].
 """
 
 from __future__ import annotations

@@ -6,21 +6,12 @@ optionally a mixture of experts (`experts` MLPs per MoE layer, `top_k` of them p
 `moe_every`-th layer), an embedding of `vocab` rows and an LM head.
 
 Two *engines* say what a rank actually stores, because the planner must be exact where it can:
-
-* ``"minidist"`` -- this library's `minidist.nn.GPT` trained by `minidist.parallel`: learned
-  position embedding, biases, no fused kernels, every array in `dtype_bytes` (float32). Its saved
-  activations per block are counted op by op (`minidist_block_elements`), which is what
-  `minidist.nn.footprint.MemoryAccountant` measures.
-* ``"megatron"`` -- large-scale mixed precision as in Megatron-LM / MaxText: bf16 weights and
-  activations, fp32 master weights and Adam moments, fused kernels; activations per layer from
-  Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
-  Table 2: sbh(10 + 24/t + 5as/(ht)); with sequence parallelism sbh(34/t + 5as/(ht)); the 5as/h
-  term (attention scores) vanishes with selective recomputation or flash attention.
-
-FLOPs follow Narayanan et al. 2021 (Megatron-LM), eq. in Sec. 5.1: a forward pass costs
-24·b·s·h² + 4·b·s²·h per layer (dense, ffn = 4h, MHA) plus 2·b·s·h·V for the LM head; generalised
-here to any ffn/kv_heads/gating/experts by counting 2 FLOPs per multiply-add of every matmul.
-Backward costs twice the forward. Model FLOPs (for MFU) never count recomputation.
+``"minidist"`` (this library's `minidist.nn.GPT`, float32, activations counted op by op:
+`minidist_block_elements`, what `minidist.nn.footprint.MemoryAccountant` measures) and
+``"megatron"`` (bf16 mixed precision with fused kernels, activations per layer from Korthikanti et
+al. 2022). FLOPs count 2 per multiply-add of every matmul (Narayanan et al. 2021's formula,
+generalised); backward costs twice the forward, and model FLOPs never count recomputation. The
+formulas and their sources: chapter 11 (lessons/11-planning.md, "The model of cost").
 """
 
 from __future__ import annotations

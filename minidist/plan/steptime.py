@@ -1,30 +1,18 @@
 """Predicted step time of a candidate mesh: compute, exposed communication per axis, pipeline bubble.
 
-Per pipeline stage and microbatch (chunk):
-  forward  = matmul FLOPs / (peak · gemm_efficiency) + memory-bound ops + its tensor/context/expert-
-             parallel collectives (not overlapped: Megatron-LM's TP all-reduces sit between matmuls)
-  backward = 2 x the forward's math (+ one more forward with full recomputation) + its collectives
-Memory-bound ops (norms, GELU, softmax, dropout, residuals) move each saved activation about three
-times (written in forward, read and its gradient written in backward): 3 · activation bytes / HBM
-bandwidth. On this machine (`--hardware here`) every op also costs `op_overhead` (Python and
-dispatch: calibrate's measured Python per block and for the embedding + head), a whole step costs
-calibrate's `cold` times the sum of its ops (timed one at a time, in cache), MPI processes that
-outnumber the CPUs lose the probe's share of their Python besides (`python_crowding`), and when the ranks
-share too few cores every rank's work and messages run ranks / cores times slower, the bubble not
-(`rank_slowdown`: processes get the free cores; thread ranks share one GIL, and once they outnumber
-the CPUs their Python, kernels and messages take turns -- calibrate measures the cores they get).
+Per pipeline stage and microbatch: forward = its math (matmul FLOPs at peak · gemm_efficiency, plus
+memory-bound ops) + its tensor/context/expert-parallel collectives, not overlapped; backward = 2 x
+the math (+ a forward with full recomputation) + its collectives. The pipeline is then *simulated*
+(`minidist.parallel.pipeline.simulate.simulate`) on the candidate's real schedule with those stage
+times, which gives the makespan and the bubble. Data-parallel gradient traffic starts during the last
+microbatch's backward: only what does not fit under it is exposed. Each axis runs on the link it
+maps to (tp innermost, pp outermost). On this machine the ranks' sharing of the cores stretches it.
 
-The pipeline is then *simulated* (`minidist.parallel.pipeline.simulate.simulate`) on the candidate's real
-schedule with those stage times and the point-to-point time of one activation, which gives the
-makespan and the bubble. Data-parallel gradient traffic starts during the last microbatch's
-backward (as minidist's 3D training and Megatron-LM's overlap do): only what does not fit under
-that backward is exposed. Each axis runs on the link it maps to: tp (fastest, innermost ranks)
-inside a node / ICI; dp inside the node while tp·dp fits there, else hierarchically (inside, then
-across); pp across nodes once tp·dp fills one.
-
-The parts live one idea to a file: `minidist.plan.compute` (math per microbatch and stage),
-`minidist.plan.links` (an axis' link, one collective's time), `minidist.plan.sharing` (ranks sharing
-this machine's cores), `minidist.plan.schedules` (each pipeline schedule's bubble and memory).
+Why each term is what it is, and how well it predicts, is chapter 11 (lessons/11-planning.md, "The
+model of cost" and "Timing here"). The parts live one idea to a file: `minidist.plan.compute` (math
+per microbatch and stage), `minidist.plan.links` (an axis' link, one collective's time),
+`minidist.plan.sharing` (ranks sharing this machine's cores), `minidist.plan.schedules` (each
+pipeline schedule's bubble and memory).
 """
 
 from __future__ import annotations
