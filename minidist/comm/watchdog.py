@@ -7,7 +7,8 @@ makes waits safe and observable:
   ``NOTICE_AFTER`` seconds a "still waiting" line names the operation and the peer, at the timeout
   :class:`CommTimeout` names the waiting rank, its peer and each rank's current operation;
   ``with comm.patient(why):`` silences the line for a wait that is long on purpose;
-* ``wait_all`` tests several requests together and raises a failed or mismatched peer's error;
+* ``wait_all`` and ``wait_any`` test several requests together and raise a failed or mismatched
+  peer's error;
 * debug mode (``MINIDIST_DEBUG=1``): collectives compare every rank's call first (debug.py);
 * a fresh ``Ledger`` (ledger.py) and the process's emulated link (transports/link.py);
 * ``all_reduce_algorithm``: what ``all_reduce(algorithm="auto")`` runs, by the cost model (cost.py).
@@ -27,6 +28,13 @@ from minidist.comm.transports import link
 from minidist.comm.waiting import poll
 
 NOTICE_AFTER = 10.0             # seconds of waiting before the "still waiting" line
+
+
+def first_problem(requests):
+    """Why a pending request of ``requests`` can never complete (a failed, departed or mismatched
+    peer's error), or None."""
+    return next((e for q in requests if not q.test() and (e := q.problem()) is not None), None)
+
 
 def debug_enabled() -> bool:
     return os.environ.get("MINIDIST_DEBUG", "0") not in ("", "0", "false", "False")
@@ -95,15 +103,14 @@ class Watched(Communicator):
             origin.expected_wait = before
 
     def wait_any(self, requests: list, what: str) -> None:
-        """Wait until one of ``requests`` can complete (each tested every time)."""
-        poll(lambda: any([q.test() for q in requests]), self, what)
+        """Wait until one of ``requests`` can complete (each tested every time); a pending request's
+        ``problem()`` is raised as in ``wait_all``."""
+        poll(lambda: any([q.test() for q in requests]), self, what, lambda: first_problem(requests))
 
     def wait_all(self, requests: list, what: str) -> None:
         """Wait for every request together (testing all of them each time, so all make progress);
         while waiting, a request's ``problem()`` (a failed, departed or mismatched peer) is raised."""
-        def problem():
-            return next((e for q in requests if not q.test() and (e := q.problem()) is not None), None)
-        poll(lambda: all([q.test() for q in requests]), self, what, problem)
+        poll(lambda: all([q.test() for q in requests]), self, what, lambda: first_problem(requests))
         for q in requests:
             q.wait()
 

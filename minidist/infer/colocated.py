@@ -8,17 +8,22 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from minidist.infer.disaggregated import Served, check_requests, copy, gathered, start, wait_until
-from minidist.infer.scheduler import Scheduler
+from minidist.infer.disaggregated import Served, check_requests, gathered, start, wait_until
+from minidist.infer.scheduler import Request, Scheduler
+
+
+def copy(r: Request) -> Request:
+    return Request(r.id, [int(t) for t in r.prompt], r.max_new_tokens, r.sampling, tuple(r.stop_tokens))
 
 
 def colocated_serve(comm, model, requests, arrivals=None, max_batch: int = 4, **scheduler_kw) -> Served:
     """Serve ``requests`` (arriving at ``arrivals`` seconds), rank r serving requests r, r + size, ..."""
-    reqs, arr = check_requests(comm, model, requests, arrivals, f"rank {comm.rank}: ")
+    who = f"rank {comm.rank}: "
+    reqs, arr = check_requests(comm, model, requests, arrivals, who)
     mine = [(copy(r), a) for i, (r, a) in enumerate(zip(reqs, arr)) if i % comm.size == comm.rank]
     sched = Scheduler(model, max_batch=max_batch, **scheduler_kw)
     out, first, last, arrival = {}, {}, {}, {}
-    t0 = start(comm)
+    t0 = start(comm, model, reqs, arr, who)
     todo = deque(mine)
     while todo or sched.has_work():
         now = time.time() - t0

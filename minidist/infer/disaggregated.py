@@ -12,6 +12,7 @@ Times are seconds since rank 0's clock at the start. Chapter 9 has the trade (TT
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,10 +21,10 @@ import numpy as np
 
 from minidist.autograd.tensor import no_grad
 from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
-from minidist.infer.generate import check_prompt, host
+from minidist.infer.generate import check_ids, check_prompt, host
 from minidist.infer.kv_cache import KVCache
-from minidist.infer.sampling import sample
-from minidist.infer.scheduler import Request, Scheduler
+from minidist.infer.sampling import is_int, sample
+from minidist.infer.scheduler import Scheduler
 
 META = 1  # the object tag of the (request id, first token, generator state) that precedes a cache
 
@@ -38,14 +39,10 @@ class Served:
     kv_bytes: list = field(default_factory=list)  # per rank: payload bytes it sent (the caches)
     makespan: float = 0.0
 
-    @staticmethod
-    def stat(values: dict, q: float) -> float:
-        return float(np.percentile(list(values.values()), q)) if values else 0.0
-
     def summary(self) -> dict:
-        """TTFT and TPOT, median and p90, in seconds."""
-        return {"ttft_p50": self.stat(self.ttft, 50), "ttft_p90": self.stat(self.ttft, 90),
-                "tpot_p50": self.stat(self.tpot, 50), "tpot_p90": self.stat(self.tpot, 90)}
+        """TTFT and TPOT, median and p90 (``ttft_p50`` ...), in seconds."""
+        pct = lambda v, q: float(np.percentile(list(v.values()), q)) if v else 0.0  # noqa: E731
+        return {f"{k}_p{q}": pct(getattr(self, k), q) for k in ("ttft", "tpot") for q in (50, 90)}
 
 
 def kv_message_bytes(cfg, prompt_len: int, itemsize: int = 4) -> int:
@@ -61,34 +58,49 @@ def check_requests(comm, model, requests, arrivals, who="") -> tuple:
     if len(arrivals) != len(requests) or any(not a >= 0 for a in arrivals):
         raise ValueError(f"{who}give one arrival time >= 0 (seconds) per request: {len(requests)} requests, "
                          f"{len(arrivals)} arrivals")
+    check_ids([r.id for r in requests], len(requests), who)
     for r in requests:
         check_prompt(r.prompt, cfg.block_size, r.max_new_tokens, f"{who}request {r.id}", cfg.vocab_size)
     order = sorted(range(len(requests)), key=lambda i: (arrivals[i], requests[i].id))
     return [requests[i] for i in order], [float(arrivals[i]) for i in order]
 
 
-def copy(r: Request) -> Request:
-    return Request(r.id, [int(t) for t in r.prompt], r.max_new_tokens, r.sampling, tuple(r.stop_tokens))
-
-
 def gathered(comm, local: dict, sent: int, t0: float) -> Served:
     """Every rank's (outputs, first, last, arrival) merged; times turned into TTFT and TPOT."""
     parts = comm.allgather_obj((local, sent, time.time() - t0))
     out, first, last, arrival = {}, {}, {}, {}
-    for (o, f, la, a), _, _ in parts:
-        out.update(o)
-        first.update(f)
-        last.update(la)
-        arrival.update(a)
+    for part, _, _ in parts:
+        for merged, d in zip((out, first, last, arrival), part):
+            merged.update(d)
     ttft = {i: first[i] - arrival[i] for i in first}
     tpot = {i: (last[i] - first[i]) / (len(out[i]) - 1) for i in last if len(out[i]) > 1}
     return Served(dict(sorted(out.items())), ttft, tpot, [p[1] for p in parts], max(p[2] for p in parts))
 
 
-def start(comm) -> float:
-    """The shared time zero: rank 0's wall clock (time.time, one clock on one machine and
-    NTP-close across machines), announced once all ranks are ready."""
-    return comm.bcast_obj(time.time(), root=0)
+def fingerprint(model, reqs, arrivals) -> tuple:
+    """What every rank must share: its model's config (but the init seed) and weights, the requests."""
+    dec, w, rq = as_decoder(model), hashlib.sha256(), hashlib.sha256()
+    for m in (dec.embed, *dec.blocks, dec.head):
+        for name, a in m.state_dict().items():
+            w.update(name.encode() + host(a).tobytes())
+    rq.update(repr([(int(r.id), [int(t) for t in np.ravel(r.prompt)], int(r.max_new_tokens), r.sampling,
+                     r.stop_tokens, a) for r, a in zip(reqs, arrivals)]).encode())
+    return vars(dec.config) | {"seed": None}, w.hexdigest()[:16], (len(reqs), rq.hexdigest()[:16])
+
+
+def start(comm, model, reqs, arrivals, who="") -> float:
+    """The shared time zero (rank 0's time.time), once every rank has seen the others' ``fingerprint``: a
+    rank given another model or other requests is named at once, on every rank, before anything is sent."""
+    views = comm.allgather_obj((*fingerprint(model, reqs, arrivals), time.time()))
+    for k, what in enumerate(("model config", "model weights (sha256)", "requests (count, sha256)")):
+        odd = [r for r, v in enumerate(views) if v[k] != views[0][k]]
+        if odd:
+            a, b = views[odd[0]][k], views[0][k]
+            if k == 0:  # only the fields that differ
+                a, b = [{f: c[f] for f in c if a.get(f) != b.get(f)} for c in (a, b)]
+            raise ValueError(f"{who}ranks {odd} hold other {what} than rank 0 ({a} against {b}): "
+                             "every rank must be given the same model and the same requests")
+    return views[0][-1]
 
 
 def wait_until(t0: float, at: float) -> None:
@@ -103,13 +115,13 @@ def disaggregated_serve(comm, model, requests, arrivals=None, prefill_ranks: int
     Returns the same ``Served`` on every rank; ``kv_bytes[r]``: the cache bytes rank r sent."""
     who = f"rank {comm.rank}: "
     p = prefill_ranks
-    if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or not 1 <= p < comm.size:
+    if not (is_int(p) and 1 <= p < comm.size):
         raise ValueError(f"{who}prefill_ranks must be an integer in 1..{comm.size - 1} (at least one rank "
                          f"must be left to decode, of {comm.size}), got {p!r}")
     reqs, arr = check_requests(comm, model, requests, arrivals, who)
     d = comm.size - p
     plan = [(r, a, i % p, p + i % d) for i, (r, a) in enumerate(zip(reqs, arr))]
-    t0 = start(comm)
+    t0 = start(comm, model, reqs, arr, who)
     if comm.rank < p:
         local, sent = prefill_rank(comm, model, [x for x in plan if x[2] == comm.rank], t0)
     else:
@@ -132,7 +144,7 @@ def prefill_rank(comm, model, plan, t0) -> tuple:
             else:
                 cache = KVCache.for_decoder(dec, 1, t)
                 logits = host(last_logits(forward_tokens(dec, cache, [0], [r.prompt]), [r.prompt]))
-                tok = sample(logits, r.sampling, [rng])[0]
+                tok = sample(logits, r.sampling, [rng], [r.id])[0]
                 first[r.id] = time.time() - t0
                 done = r.max_new_tokens == 1 or tok in r.stop_tokens
                 xp = cache.be.xp
@@ -158,9 +170,8 @@ def decode_rank(comm, model, plan, t0, max_batch, scheduler_kw) -> tuple:
     while posted or ready or sched.has_work():
         for src in [s for s, q in posted.items() if q.test()]:
             kv = posted.pop(src).wait()
-            rid, tok, state = comm.recv_obj(src, tag=META)
+            _, tok, state = comm.recv_obj(src, tag=META)  # start() checked both ranks plan the same
             r = expect[src].popleft()
-            assert r.id == rid, f"rank {comm.rank}: expected request {r.id} from rank {src}, got {rid}"
             if expect[src]:
                 posted[src] = comm.irecv(src)
             if kv.size == 0:

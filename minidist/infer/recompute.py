@@ -7,7 +7,7 @@ import numpy as np
 
 from minidist.autograd.tensor import no_grad
 from minidist.infer.buckets import bucket, compiles_per_shape
-from minidist.infer.generate import check_prompt, host, is_done
+from minidist.infer.generate import check_ids, check_prompt, host, is_done, stop_set
 from minidist.infer.sampling import GREEDY, SamplingParams, sample
 
 
@@ -26,13 +26,14 @@ def generate_recompute(model, prompts, max_new_tokens: int, sampling: SamplingPa
                        stop_tokens=(), return_logits: bool = False, ids=None):
     """The serial twin of ``generate``: every new token re-runs ``model`` over the whole sequence."""
     cfg = model.config
-    stop, outs, logs = set(stop_tokens), [], []
+    prompts = list(prompts)
+    stop, outs, logs, ids = stop_set(stop_tokens), [], [], check_ids(ids, len(prompts))
     for i, p in enumerate(prompts):
         seq = check_prompt(p, cfg.block_size, max_new_tokens, f"prompt {i}", cfg.vocab_size)
-        rng, out, lg = sampling.generator(i if ids is None else ids[i]), [], []
+        rng, out, lg = sampling.generator(ids[i]), [], []
         while max_new_tokens > 0 and not is_done(out, max_new_tokens, stop):
             logits = full_logits(model, seq + out)[-1]
-            out.append(sample(logits[None], sampling, [rng])[0])
+            out.append(sample(logits[None], sampling, [rng], [ids[i]], len(out))[0])
             lg.append(logits)
         outs.append(out)
         logs.append(np.stack(lg) if lg else np.zeros((0, cfg.vocab_size)))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from minidist.infer.generate import check_ids
 from minidist.infer.scheduler import Request, Scheduler
 
 POLICIES = ("round_robin", "least_loaded")
@@ -87,6 +88,7 @@ def route(model, requests, arrivals, replicas: int = 2, policy: str = "least_loa
     if len(arrivals) != len(requests) or any(not a >= 0 for a in arrivals):
         raise ValueError(f"route: give one arrival time >= 0 (seconds) per request: {len(requests)} "
                          f"requests, {len(arrivals)} arrivals")
+    check_ids([r.id for r in requests], len(requests), "route: ")
     if slow is not None and not (hasattr(slow, "rank_factor") and hasattr(slow, "target")):
         raise ValueError(f"route: slow must slow replicas as a Slowdown does (rank_factor, target), e.g. "
                          f"minidist.resilience.stragglers.Slowdown('rank=1,factor=3'); got {slow!r}")

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
@@ -22,10 +26,12 @@ class SamplingParams:
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):  # NaN fails this too
             raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        if self.top_k is not None and not (is_int(self.top_k) and self.top_k >= 1):
+            raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}")
+        if not (is_int(self.seed) and self.seed >= 0):
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
 
     def generator(self, stream: int = 0) -> np.random.Generator:
         """This sequence's generator: seed and stream (e.g. the request id) together."""
@@ -52,17 +58,19 @@ def filter_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p / p.sum()
 
 
-def sample_token(logits, params: SamplingParams, rng: np.random.Generator | None) -> int:
-    """One token id from one row of logits (V,)."""
-    if params.temperature == 0.0:
-        return int(np.argmax(logits))
-    p = filter_probs(logits, params)
-    return int(rng.choice(p.size, p=p))
+def check_finite(logits, ids, step, whose="the model's") -> None:
+    """An error naming request ``ids[b]`` and ``step`` (its token's index) if logits row b is not finite."""
+    bad = ~np.isfinite(logits).reshape(len(ids), -1).all(axis=1)
+    if bad.any():
+        raise FloatingPointError(f"request {ids[int(bad.argmax())]}, step {step}: {whose} logits hold NaN or "
+                                 "inf, so no token can be chosen; are the weights finite?")
 
 
-def sample(logits, params: SamplingParams, rngs) -> list:
-    """One token per row of logits (B, V), row b drawn with ``rngs[b]``."""
+def sample(logits, params: SamplingParams, rngs, ids=None, step=0) -> list:
+    """One token per row of logits (B, V), row b drawn with ``rngs[b]``; a row with NaN or inf is an
+    error naming its request (``ids[b]``, default b) and ``step`` (``check_finite``)."""
     logits = np.asarray(logits)
+    check_finite(logits, range(len(logits)) if ids is None else ids, step)
     if params.temperature == 0.0:
         return [int(t) for t in logits.argmax(axis=-1)]
-    return [sample_token(row, params, rng) for row, rng in zip(logits, rngs)]
+    return [int(rng.choice(logits.shape[-1], p=filter_probs(row, params))) for row, rng in zip(logits, rngs)]

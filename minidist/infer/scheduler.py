@@ -19,11 +19,11 @@ import numpy as np
 
 from minidist.autograd.tensor import no_grad
 from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
-from minidist.infer.generate import check_prompt, host, is_done
+from minidist.infer.generate import check_ids, check_prompt, host, is_done, stop_set
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.paged import OutOfBlocks, PagedKVCache
 from minidist.infer.prefix_cache import PrefixCachingKVCache
-from minidist.infer.sampling import GREEDY, SamplingParams, sample
+from minidist.infer.sampling import GREEDY, SamplingParams, is_int, sample
 
 
 @dataclass
@@ -42,6 +42,9 @@ class Request:
     arrived_s: float | None = None  # perf_counter() when it joined the queue
     ttft_s: float | None = None  # seconds from joining the queue to its first token
 
+    def __post_init__(self):
+        self.stop_tokens = tuple(sorted(stop_set(self.stop_tokens)))
+
     @property
     def done(self) -> bool:
         return self.max_new_tokens == 0 or is_done(self.out, self.max_new_tokens, set(self.stop_tokens))
@@ -57,8 +60,7 @@ class Scheduler:
     def __init__(self, model, max_batch=8, policy="continuous", cache=None, num_blocks=None,
                  block_len=16, prefix_cache=False):
         for name, v in (("max_batch", max_batch), ("block_len", block_len), ("num_blocks", num_blocks)):
-            if not (v is None and name == "num_blocks") and (
-                    isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+            if not (v is None and name == "num_blocks" or is_int(v) and v >= 1):
                 raise ValueError(f"Scheduler: {name} must be an integer >= 1, got {v!r}")
         if policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {policy!r}")
@@ -104,6 +106,7 @@ class Scheduler:
 
     # -- the queue --------------------------------------------------------------------------------
     def submit(self, req: Request):
+        check_ids([req.id], 1, taken=self.rngs)  # a duplicate is refused: its answer would replace one
         req.prompt = check_prompt(req.prompt, self.w.block_size, req.max_new_tokens, f"request {req.id}",
                                   self.w.vocab_size)
         cap = self.cache.max_len if not isinstance(self.cache, PagedKVCache) else \
@@ -232,7 +235,8 @@ class Scheduler:
             if self.sharing:
                 self._commit(slots, reqs)
             for row, (slot, req) in enumerate(zip(slots, reqs)):
-                req.out.append(sample(logits[row][None], req.sampling, [self.rngs[req.id]])[0])
+                req.out.append(sample(logits[row][None], req.sampling, [self.rngs[req.id]], [req.id],
+                                      len(req.out))[0])
                 if req.ttft_s is None and req.arrived_s is not None:
                     req.ttft_s = time.perf_counter() - req.arrived_s
                 if req.done:
@@ -271,11 +275,9 @@ class Scheduler:
 
 
 def serve(model, requests, max_batch=8, policy="continuous", **cache_kw):
-    """Run a fresh Scheduler over copies of ``requests``; returns (tokens by id, stats, finished requests).
-
-    ``stats["history"]`` is the per-step slot occupancy ({slot: request id}).
-    """
-    reqs = [Request(r.id, list(r.prompt), r.max_new_tokens, r.sampling, tuple(r.stop_tokens), r.arrival)
+    """Run a fresh Scheduler over copies of ``requests``; returns (tokens by id, stats, finished requests);
+    ``stats["history"]``: the per-step slot occupancy ({slot: request id})."""
+    reqs = [Request(r.id, r.prompt, r.max_new_tokens, r.sampling, tuple(r.stop_tokens), r.arrival)
             for r in requests]
     s = Scheduler(model, max_batch=max_batch, policy=policy, **cache_kw)
     out = s.run(reqs)

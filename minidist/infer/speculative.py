@@ -19,9 +19,9 @@ import numpy as np
 
 from minidist.autograd.tensor import no_grad
 from minidist.infer.decoder import as_decoder, forward_tokens
-from minidist.infer.generate import check_prompts, host, is_done
+from minidist.infer.generate import check_ids, check_prompts, host, is_done, stop_set
 from minidist.infer.kv_cache import KVCache
-from minidist.infer.sampling import GREEDY, SamplingParams, filter_probs
+from minidist.infer.sampling import GREEDY, SamplingParams, check_finite, filter_probs, is_int
 
 # -- the acceptance rule (exercises/speculative.py asks for these) ------------------------------------
 
@@ -105,7 +105,7 @@ class SpecStats:
 
 def check_pair(target, draft, k) -> tuple:
     """The two decoders, after the checks that make a pair usable: same vocabulary, k >= 1."""
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+    if not (is_int(k) and k >= 1):
         raise ValueError(f"speculative decoding: k (tokens proposed per round) must be an integer >= 1, "
                          f"got {k!r}")
     t, d = as_decoder(target), as_decoder(draft)
@@ -127,8 +127,9 @@ def speculative_generate(target, draft, prompts, max_new_tokens: int, k: int = 4
     n, st = len(prompts), SpecStats() if stats is None else stats
     max_len = max(len(p) for p in prompts) + max_new_tokens
     tc, dc = KVCache.for_decoder(tdec, n, max_len), KVCache.for_decoder(ddec, n, max_len)
-    rngs = [sampling.generator(i) for i in (range(n) if ids is None else ids)]
-    stop, outs, seqs = set(stop_tokens), [[] for _ in prompts], [list(p) for p in prompts]
+    ids = check_ids(ids, n)
+    rngs = [sampling.generator(i) for i in ids]
+    stop, outs, seqs = stop_set(stop_tokens), [[] for _ in prompts], [list(p) for p in prompts]
     active = list(range(n)) if max_new_tokens > 0 else []
 
     def run(dec, cache, rows, feed):
@@ -151,6 +152,7 @@ def speculative_generate(target, draft, prompts, max_new_tokens: int, k: int = 4
     with no_grad():
         if active:  # prefill the target; the first token is the target's own (the draft catches up)
             logits = run(tdec, tc, active, prompts)
+            check_finite(logits[active, [len(q) - 1 for q in prompts]], ids, 0, "the target's")
             for i in active:
                 emit(i, [pick(probs(logits[i, len(prompts[i]) - 1], sampling), rngs[i].random())])
             active = [i for i in active if not is_done(outs[i], max_new_tokens, stop)]
@@ -162,6 +164,7 @@ def speculative_generate(target, draft, prompts, max_new_tokens: int, k: int = 4
                 feed = [seqs[i][dc.lengths[i]:] if j == 0 else props[i][-1:] for i in rows]
                 out = run(ddec, dc, rows, feed)
                 for r, i in enumerate(rows):
+                    check_finite(out[r, len(feed[r]) - 1], [ids[i]], len(outs[i]) + j, "the draft's")
                     q = probs(out[r, len(feed[r]) - 1], sampling)
                     props[i].append(pick(q, rngs[i].random()))
                     qs[i].append(q)
@@ -169,6 +172,7 @@ def speculative_generate(target, draft, prompts, max_new_tokens: int, k: int = 4
             out = run(tdec, tc, active, feed)
             for r, i in enumerate(active):
                 lag = len(feed[r]) - ks[i]  # committed tokens fed (1): p_1 is at position lag - 1
+                check_finite(out[r, lag - 1:lag + ks[i]], [ids[i]], len(outs[i]), "the target's")
                 p = [probs(out[r, lag - 1 + j], sampling) for j in range(ks[i] + 1)]
                 new = verify(p, qs[i], props[i], rngs[i].random(ks[i]), rngs[i].random())
                 before = len(outs[i])

@@ -39,10 +39,11 @@ from minidist.lessons.cli import (
 )
 from minidist.lessons.inference_batching import batching, paging, plot
 from minidist.lessons.inference_disaggregated import disaggregation
-from minidist.lessons.inference_kv import PROMPTS, build_model, cache_vs_recompute, enc
+from minidist.lessons.inference_kv import BATCH, PROMPTS, build_model, cache_vs_recompute, enc
 from minidist.lessons.inference_prefix import kv_memory, prefix_caching
 from minidist.lessons.inference_sharded import mesh_for, sharded
 from minidist.lessons.inference_speculative import speculative
+from minidist.nn.data import default_text
 
 
 def rank_main(comm, args):
@@ -130,6 +131,12 @@ def main(argv=None):
     if args.block < need:
         p.error(f"argument --block: {why} need a context of >= {need} tokens, got {args.block}; "
                 f"use --block {need} or more")
+    text = len(enc(default_text()))  # the model trains on BATCH windows of the text, each block + 1 tokens
+    windows = lambda b: -(-(text - b) // max(1, b // 2))  # noqa: E731 - TextDataset's count (stride b // 2)
+    if windows(args.block) < BATCH:
+        most = max(b for b in range(1, text) if windows(b) >= BATCH)
+        p.error(f"argument --block: training takes batches of {BATCH} windows of block + 1 tokens from a "
+                f"text of {text} tokens, so the context can be at most {most}; got {args.block}")
     return launch(rank_main, args)
 
 

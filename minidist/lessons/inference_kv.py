@@ -23,6 +23,7 @@ from minidist.nn import GPT, GPTConfig
 from minidist.nn.data import BatchLoader, ByteTokenizer, TextDataset
 
 TOK = ByteTokenizer()
+BATCH = 16  # training windows per step
 
 
 PROMPTS = ["Data parallelism ", "The pipeline ", "A neural network ", "Each rank ", "The gradient ",
@@ -42,7 +43,7 @@ def build_model(comm, args) -> GPT:
     if comm.rank == 0:
         data = TextDataset.from_file(None, block_size=args.block)
         t0 = time.perf_counter()
-        losses = train(model, BatchLoader(data, 16, seed=args.seed), args.steps, 3e-3, log=False)
+        losses = train(model, BatchLoader(data, BATCH, seed=args.seed), args.steps, 3e-3, log=False)
         print(f"trained a {cfg.n_layer}-layer GPT (d_model {cfg.d_model}, {cfg.n_head} heads, "
               f"{cfg.kv_heads} K/V heads, context "
               f"{cfg.block_size}, {model.num_parameters():,} parameters) for {args.steps} steps in "

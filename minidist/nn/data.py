@@ -51,8 +51,9 @@ class TextDataset:
         self.block_size = block_size
         self.stride = stride or max(1, block_size // 2)
         if len(self.tokens) < block_size + 1:
-            raise ValueError(f"text of {len(self.tokens)} tokens is shorter than one window "
-                             f"({block_size + 1} tokens)")
+            raise ValueError(f"TextDataset: text of {len(self.tokens)} tokens is shorter than one window "
+                             f"(block_size + 1 tokens); block_size must be <= {len(self.tokens) - 1}, "
+                             f"got {block_size}")
         self.starts = np.arange(0, len(self.tokens) - block_size, self.stride)
 
     @classmethod

@@ -146,4 +146,7 @@ class GPT(Sequential):
 
     def loss(self, idx, targets):
         """Mean cross-entropy of next-token ``targets`` (B, T); -1 marks positions to ignore."""
+        if np.shape(targets) != np.shape(idx):
+            raise ValueError(f"GPT.loss: targets must have the token ids' shape {np.shape(idx)} (B, T), "
+                             f"got {np.shape(targets)}")
         return ops.cross_entropy(self(idx), targets)

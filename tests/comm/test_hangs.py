@@ -209,3 +209,28 @@ def test_an_expected_long_wait_prints_no_still_waiting_line_but_still_times_out(
     with pytest.raises(CommTimeout):
         run(hurried, ranks=2)
     assert "still waiting" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("peer", ["raises", "returns"])
+def test_wait_any_raises_a_failed_or_departed_peer_at_once_not_at_the_timeout(peer, monkeypatch):
+    """wait_any (disaggregated serving's decode rank waits there for prefilled caches) sees what
+    wait_all sees: before issue 40's fix, a peer that raised or returned left it waiting the whole
+    MINIDIST_TIMEOUT."""
+    monkeypatch.setenv("MINIDIST_TIMEOUT", "8")
+    seen = []
+
+    def body(comm):
+        if comm.rank == 0:
+            if peer == "raises":
+                raise ZeroDivisionError("rank 0 broke")
+            return
+        try:
+            comm.wait_any([comm.irecv(0, tag=3), comm.irecv(0, tag=4)], "a message from rank 0")
+        except Exception as e:  # what ended the wait
+            seen.append(type(e).__name__)
+            raise
+
+    t = time.monotonic()
+    with pytest.raises((ZeroDivisionError, RankExited)):
+        run(body, ranks=2)
+    assert time.monotonic() - t < 4 and seen in (["RankAborted"], ["RankExited"]), seen

@@ -44,3 +44,26 @@ def test_block_too_short_for_speculative_answers_is_refused_before_ranks_start(m
     check_prompts(prompts, 49, 256, 32)
     with pytest.raises(ValueError):
         check_prompts(prompts, 48, 256, 32)
+
+
+def test_block_longer_than_the_training_text_allows_is_refused_before_ranks_start(monkeypatch, capsys):
+    # build_model trains on batches of 16 windows of block + 1 tokens, every block // 2 tokens: the
+    # largest context is the largest block whose TextDataset has >= 16 windows
+    from minidist.nn.data import TextDataset, default_text
+    tokens = inference_kv.TOK.encode(default_text())
+    most = int(len(tokens) * 2 / 17)  # near (N - b) / (b / 2) = 16, then stepped to the exact edge
+    while len(TextDataset(tokens, most + 1)) >= 16:
+        most += 1
+    while len(TextDataset(tokens, most)) < 16:
+        most -= 1
+    started = []
+    monkeypatch.setattr(inference, "launch", lambda fn, args: started.append(args))
+    small = ["--ranks", "2", "--steps", "1", "--d-model", "16"]
+    for block in (1_000_000, most + 1):  # 1000000 raised TextDataset's ValueError on rank 0
+        with pytest.raises(SystemExit) as e:
+            inference.main(small + ["--block", str(block)])
+        assert e.value.code == 2 and not started
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"the context can be at most {most}; got {block}" in err and "--block" in err
+    inference.main(small + ["--block", str(most)])
+    assert started and started[0].block == most

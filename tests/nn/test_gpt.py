@@ -156,3 +156,20 @@ def test_state_dict_roundtrip_and_errors():
         m1(np.zeros((1, 7), dtype=np.int64))
     with pytest.raises(ValueError, match="not divisible"):
         GPTConfig(d_model=10, n_head=4)
+
+
+def test_loss_names_targets_shaped_unlike_the_token_ids():
+    m, idx = GPT(TINY), np.zeros((2, 5), dtype=np.int64)
+    # (2, 4) raised NumPy's IndexError; (10,) -- the same count, flattened -- was taken in silence
+    for shape in [(2, 4), (10,), (5, 2), (1, 2, 5)]:
+        with pytest.raises(ValueError, match=rf"GPT.loss: targets must have the token ids' shape \(2, 5\) "
+                                             rf"\(B, T\), got \({', '.join(map(str, shape))},?\)"):
+            m.loss(idx, np.zeros(shape, dtype=np.int64))
+    assert np.isfinite(m.loss(idx, np.ones((2, 5), dtype=np.int64)).item())  # (2, 5): taken
+
+
+def test_a_text_shorter_than_one_window_names_the_largest_block_size():
+    # 10 tokens hold one window of block_size + 1 = 10 (block_size 9), not of 11
+    assert len(TextDataset(np.arange(10), 9)) == 1
+    with pytest.raises(ValueError, match=r"TextDataset: text of 10 tokens .* must be <= 9, got 10"):
+        TextDataset(np.arange(10), 10)
