@@ -70,3 +70,30 @@ def test_the_ledger_bytes_are_the_same_with_and_without_round_counting():
             C.ring_all_reduce(comm, np.arange(10.0))
         return m.bytes_sent, m.messages
     assert run_rendezvous(body, 3, comm_class=RoundsComm) == run_rendezvous(body, 3)
+
+
+def test_two_messages_received_by_one_rank_take_two_rounds():
+    """One port: rank 0 receives from ranks 1 and 2, both sent in round 1 -- it takes them in rounds 1
+    and 2 (a counter that let one round take two receives would say 1)."""
+    def body(comm):
+        if comm.rank == 0:
+            comm.recv(1)
+            comm.recv(2)
+        elif comm.rank in (1, 2):
+            comm.send(np.ones(1), 0)
+    assert rounds_of(body, 3) == [2, 1, 1]
+
+
+def test_a_forward_waits_for_the_round_its_data_arrived_in():
+    """Rank 1 receives in round 2 (rank 0 sent to 2 first) and only then forwards: round 3."""
+    def body(comm):
+        if comm.rank == 0:
+            comm.send(np.ones(1), 2)
+            comm.send(np.ones(1), 1)
+        elif comm.rank == 1:
+            x = comm.recv(0)
+            comm.send(x, 2)
+        else:
+            comm.recv(0)
+            comm.recv(1)
+    assert rounds_of(body, 3) == [2, 3, 3]
