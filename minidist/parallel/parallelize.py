@@ -147,7 +147,7 @@ def parallelize(cfg_or_model, mesh, opts: Options | None = None, **flags) -> Par
         fp8_linear(model, o.fp8)
     replicas = mesh.dp if o.cp == 1 else mesh.dp_cp  # the ranks whose gradients are averaged
     par = Parallelized(mesh, model, None, None, None, None, loss_fn, o.microbatches, layout=o.layout,
-                       replicas=replicas)
+                       replicas=replicas, fp8=o.fp8 is not None)
     if o.zero:  # ZeRO shards a Module (its units): no pipeline cut, recomputation on the model
         if o.recompute is not None:
             apply_recompute(model, o.recompute)
