@@ -97,7 +97,8 @@ def block_quantize(x, fmt, block: tuple[int, int], margin: int = 0):
     scales = block_scales(x, fmt, block, margin)
     tiles, pad = _tiles(xp, x, block)
     s = scales[:, None, :, None]
-    q = (round_to_format(tiles / s, fmt) * s).reshape(tiles.shape[0] * tiles.shape[1], -1)
+    with np.errstate(invalid="ignore"):  # a tile holding inf or NaN comes out NaN, by design
+        q = (round_to_format(tiles / s, fmt) * s).reshape(tiles.shape[0] * tiles.shape[1], -1)
     return q[:x.shape[0], :x.shape[1]] if pad else q, scales
 
 
