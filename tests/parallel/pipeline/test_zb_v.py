@@ -128,16 +128,18 @@ def test_on_threads_equals_the_serial_model(step_vs_serial, p, extra, more, seed
 @pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (pip install mpich)")
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe-v"])
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe-v", "dualpipe"])
 def test_lesson_v_schedules_under_mpirun_pass_their_check(schedule):
-    """4 MPI processes, 2 pieces each in a V (the turn on rank 3 is local, the loss on rank 0)."""
+    """4 MPI processes, 2 pieces each: in a V (the turn on rank 3 is local, the loss on rank 0), or
+    one of each of DualPipe's two model copies (the losses on ranks 0 and 3, the copies' gradients
+    summed between ranks s and 3 - s)."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("MINIDIST_TRANSPORT", None)
     cmd = ["mpirun", "-n", "4", sys.executable, "-m", "minidist.lessons.pipeline", "--steps", "2",
-           "--dp", "1", "--schedule", schedule, "--width", "32", "--seq", "16"]
+           "--dp", "1", "--schedule", schedule, "--width", "32", "--seq", "16", "--dtype", "float64"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=80, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert re.search(r"serial twin .* PASS", res.stdout), res.stdout
+    assert re.search(r"serial twin .* \(tolerance 1.0e-09\)  PASS", res.stdout), res.stdout  # float64
     assert "microbatch-chunks held" in res.stdout
 
 
@@ -146,10 +148,12 @@ def test_lesson_v_schedules_under_mpirun_pass_their_check(schedule):
     (["--schedule", "dualpipe-v", "--microbatches", "4"], "dualpipe_v needs num_microbatches >= 8"),
     (["--schedule", "zb-v", "--layers", "4"], r"8 pipeline stages \(pp=4 x chunks=2\)"),
     (["--schedule", "zb-v", "--chunks", "2"], "--chunks 2 needs --schedule interleaved"),
+    (["--schedule", "dualpipe", "--microbatches", "4"], "dualpipe needs num_microbatches >= 8"),
+    (["--schedule", "dualpipe", "--pp", "3", "--ranks", "3"], "dualpipe needs an even num_stages"),
 ])
 def test_lesson_refuses_v_flag_combos_before_ranks_start(capsys, flags, says):
     with pytest.raises(SystemExit) as e:
-        lesson.main(["--ranks", "4", "--dp", "1", *flags])
+        lesson.main(["--ranks", "4", "--dp", "1", *flags])  # a later --ranks wins
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.search(says, err), err

@@ -255,11 +255,12 @@ def test_lesson_zb_h1_under_mpirun_passes_its_check():
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("MINIDIST_TRANSPORT", None)
     cmd = ["mpirun", "-n", "4", sys.executable, "-m", "minidist.lessons.pipeline", "--steps", "3",
-           "--dp", "1", "--schedule", "zb-h1", "--width", "64", "--seq", "32"]
+           "--dp", "1", "--schedule", "zb-h1", "--width", "64", "--seq", "32", "--dtype", "float64"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=50, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert re.search(r"serial twin .* PASS", res.stdout), res.stdout
+    assert re.search(r"serial twin .* \(tolerance 1.0e-09\)  PASS", res.stdout), res.stdout  # float64
     assert "(p-1)/(3m+p-1) = 3/27" in res.stdout and "ZB-H1 bytes" in res.stdout
+    assert "M_B mbs" in res.stdout and "M_W mbs" in res.stdout  # the paper's two memories, apart
 
 
 def test_simulator_times_a_schedule_with_the_sends_it_declares():
