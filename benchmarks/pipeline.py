@@ -133,9 +133,9 @@ def measure(comm, cfg, ids, tgt, m: int, args) -> dict:
         step = float(np.median([max(g[0][s] for g in gathered) for s in range(1, args.steps)]))
         scale = piece_scale(per_layer, bounds, where)
         sim = predict_step(lists, costs if sched.split else Costs(costs.F, costs.backward, 0.0), v,
-                           opt_time=opt, piece_scale=scale)
+                           opt_time=opt * sched.params, piece_scale=scale)
         ran = busiest([in_run_costs(g[1], v) for g in gathered])
-        again = predict_step(lists, ran, v, opt_time=opt, piece_scale=scale).makespan
+        again = predict_step(lists, ran, v, opt_time=opt * sched.params, piece_scale=scale).makespan
         out["rows"].append({"sched": sched, "v": v, "step": step, "pred": sim.makespan, "pred_run": again,
                             "ran": ran,
                             "bubble": trace.median_bubble([g[1] for g in gathered], skip=1, names=BUSY),
@@ -237,7 +237,7 @@ def simulated(p_run: int, res_by_m: dict, p: int = 8) -> None:
         base = None
         for sched, v, lists in runnable(p, m, p * 2):
             sim = predict_step(lists, c if sched.split else Costs(c.F, c.backward, 0.0), v,
-                               opt_time=res["opt"])
+                               opt_time=res["opt"] * sched.params)
             base = sim.makespan if sched.name == "1f1b" else base
             held = peak_activations(lists[0]) / v
             name = sched.name + (f"x{v}" if sched.name == "interleaved" else "")
