@@ -23,7 +23,9 @@ def fp8_step(model, optimizer, groups=()) -> bool:
     for q in fp8_quantizers(model).values():
         q.nonfinite = []
     if found_inf_across(bool(bad), groups):
-        where = ", ".join(dict.fromkeys(bad)) or "another rank"
+        names = list(dict.fromkeys(bad))
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        where = ", ".join(names[:3]) + more if names else "another rank"
         warnings.warn(f"FP8: step skipped, a non-finite amax in {where}", RuntimeWarning, stacklevel=2)
         optimizer.zero_grad()
         return False
