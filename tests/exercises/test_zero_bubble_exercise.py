@@ -71,3 +71,6 @@ def test_each_new_broken_version_fails_with_its_own_message():
     floor = r"zb_h1\(2, 3\): makespan 11 steps .* the floor 3m \+ p - 1 = 10"
     with pytest.raises(AssertionError, match=floor):
         G.check_zb_h1(types.SimpleNamespace(zb_h1=G._greedy_of_the_old_spec))
+    in_flight = r"zb_h1\(2, 2\): stage 1 holds 2 microbatches between Forward and BackwardInput .* p - s = 1"
+    with pytest.raises(AssertionError, match=in_flight):
+        G.check_zb_h1(types.SimpleNamespace(zb_h1=G._one_more_in_flight))

@@ -125,3 +125,19 @@ def test_formula_is_what_the_runtimes_order_takes_in_the_simulator(name, p, chun
     v = chunks
     sim = simulate(schedules.build(name, p, m, v), F / v, (B + W) / v, input_time=B / v, weight_time=W / v)
     assert sim.makespan - m * (F + B + W) == pytest.approx(schedules.get(name).bubble(p, m, F, B, W, v))
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_zb_h1s_per_stage_memory_is_the_runtimes(p):
+    """ZB-H1 by hand: stage s holds p - s microbatches from F to B (M_B) and s + 1 from B to W (M_W:
+    its order puts off s W's and runs one after each B); the runtime's lists hold exactly that."""
+    from minidist.parallel.pipeline.simulate import peak_pending_weights
+
+    model = schedules.get("zb_h1")
+    for m in (p, 2 * p + 1):
+        lists = make_schedule("zb-h1", p, m)
+        assert [model.stage_peak(p, m, 1, s) for s in range(p)] == [p - s for s in range(p)]
+        assert [model.stage_pending(p, m, 1, s) for s in range(p)] == [s + 1 for s in range(p)]
+        assert [peak_activations(ops) for ops in lists] == [p - s for s in range(p)]
+        assert [peak_pending_weights(ops) for ops in lists] == [s + 1 for s in range(p)]
+    assert schedules.get("1f1b").stage_pending(4, 8, 1, 0) is None
