@@ -19,18 +19,14 @@ dualpipe       (p/2-1)(F+B-W)  (**)                    min(m, p+1)              
 dualpipe_v     (p-1)(F+B-W)/2: 2p half-stage chunks    min(m, p + 1/2)          1x
 =============  ======================================  =======================  ===========
 
-Sources. 1F1B, ZB-H1, ZB-H2: Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), Table 1 --
-1F1B (p-1)(T_F+T_B+T_W) at p·M_B, ZB-H1 (p-1)(T_F+T_B-T_W) at p·M_B (where W <= F, B; a longer W fills
-no more than the F or B chain: minidist's ZB-H1 idles (p-1)max(F+B-W, F, B), simulated exactly),
-ZB-H2 (p-1)(T_F+T_B-2T_W) at (2p-1)·M_B. With F = B = W, ZB-H1's is (p-1)/(3m+p-1), about a third of
-1F1B's. ZB-V (*): the paper gives 0 bubble at F = B = W at 1F1B's memory; for other costs minidist
-uses ZB-H2's (p-1)(F+B-2W) bound (an approximation, marked so). DualPipe (**) and DualPipeV: the
-DeepSeek-V3 report and deepseek-ai/DualPipe's table -- DualPipe (PP/2-1)(F&B+B'-3W) with B' a FULL
-backward chunk (B + W), 2x parameters and PP+1 activations per device; DualPipeV the same over PP =
-2p chunks of half a stage each on p devices (1x parameters, 2p+1 half-stage activations). That is
-for DeepSeek's posting of both receives before an F&B slot; minidist runs one op at a time, each
-after its own receive, and idles (PP/2-1)(F+B-W) (simulated exactly for F >= B >= W): DeepSeek's
-formula at F&B = F + W. M_B: the activations one microbatch leaves on one stage (all its chunks).
+Sources (chapter 11 has the table with them): Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR
+2024), Table 1, for 1F1B, ZB-H1 (its (p-1)(F+B-W) where W <= F, B; a longer W fills no more than the
+F or B chain) and ZB-H2; ZB-V (*): 0 at F = B = W, ZB-H2's bound otherwise (an approximation, marked
+so). DualPipe (**) and DualPipeV: the DeepSeek-V3 report and deepseek-ai/DualPipe, (PP/2-1)(F&B +
+B' - 3W), B' a whole backward, 2x parameters, PP+1 activations; DualPipeV over PP = 2p half-stage
+chunks on p devices. That is for DeepSeek's posting of both receives before an F&B slot; minidist's
+order, each receive before its own op, idles (PP/2-1)(F+B-W): the formula at F&B = F + W (exact in
+the simulator for F >= B >= W). M_B: the activations one microbatch leaves on one stage.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ rectangle p stages x [0, makespan], where only forward and backward count as bus
 comm_time = 0, GPipe and 1F1B give exactly (p-1)/(m+p-1) for any fwd_time and bwd_time (every
 stage is busy m*(f+b) out of a makespan of (m+p-1)*(f+b)); interleaved 1F1B with v chunks gives
 (p-1)/(v*m+p-1) when fwd_time == bwd_time. A split backward's B and W count as busy too: ZB-H1 with
-F = B = W gives about (p-1)/(3m+p-1) (see `zero_bubble`). With `buffered_sends` a send does not wait
-for its receiver, as the runtime's background sends do not.
+F = B = W gives exactly (p-1)/(3m+p-1) (see `zero_bubble`). With `buffered_sends` a send does not
+wait for its receiver, as the runtime's background sends do not.
 """
 
 from __future__ import annotations
