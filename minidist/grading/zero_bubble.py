@@ -162,6 +162,21 @@ def _greedy_of_the_old_spec(p, m):  # B, else F within the limits, else the olde
     return Z.as_schedule(greedy_order(looped(p), m, lambda r, c: p - r, held=p), looped(p))
 
 
+def _one_more_in_flight(p, m):  # stages 1.. warm up one forward more, one W less put off: within p
+    Z.check_min("zb_h1", p, m, p)  # from F to W, but p - s + 1 between F and B, over 1F1B's limit
+    order = []
+    for s, ops in enumerate(Z.zb_h1_order(p, m)):
+        if s == 0:
+            order.append(ops)
+            continue
+        k, d, new = min(m, p - s + 1), s - 1, [S.Forward(i) for i in range(min(m, p - s + 1))]
+        for j in range(m):
+            new += [S.BackwardInput(j)] + ([S.BackwardWeight(j - d)] if j >= d else [])
+            new += [S.Forward(k + j)] if k + j < m else []
+        order.append(new + [S.BackwardWeight(j) for j in range(m - d, m)])
+    return Z.as_schedule(order, looped(p))
+
+
 def _newest_w_first(p, m):  # the same slots, each W the newest put-off one (a stack, not a queue)
     out = []
     for ops in Z.zb_h1(p, m):
@@ -187,5 +202,5 @@ def _bubble_a_third_of_1f1b(p, m):  # a third of 1F1B's bubble fraction: close, 
 
 
 BROKEN = {"zb_h1": [_w_before_b, _forgets_last_w, _sends_first, _one_f_one_b_split_in_place, _no_memory_cap,
-                    _whole_backward, _greedy_of_the_old_spec, _newest_w_first],
+                    _whole_backward, _greedy_of_the_old_spec, _newest_w_first, _one_more_in_flight],
           "zb_h1_bubble": [_bubble_of_1f1b, _bubble_a_third_of_1f1b]}
