@@ -119,27 +119,28 @@ def measure(comm, cfg, ids, tgt, m: int, args) -> dict:
         where = placement_of(lists)
         out["cuts"][sched.name] = bounds = cut(where, lists)
         st = PipelineStage(GPT(cfg), bounds, rank, p, placement=where)
-        first = any(st.is_first(c) for c in range(v))
-        last = any(st.is_last(c) for c in range(v))
+        first = any(st.is_first(c) for c in range(where.chunks))
+        last = any(st.is_last(c) for c in range(where.chunks))
         times, events, stats = timed_steps(comm, st, lists[rank], xs if first else None, ys if last else None,
                                            args.steps)
         one_mb = sum(b for (mb, _), b in stats.activation_bytes.items() if mb == 0)
-        # microbatches held at the peak: bytes over one microbatch's; v chunks saving unequal bytes
-        # (the embedding's chunk beside a block's): the (mb, chunk) pairs held, v to a microbatch
-        held = stats.peak_activation_bytes / max(one_mb, 1) if v == 1 else stats.peak_microbatches / v
-        gathered = comm.gather_obj((times, events, held), root=0)
+        # microbatches held from F to B (M_B) at the peak: bytes over one microbatch's; chunks saving
+        # unequal bytes (the embedding's beside a block's): the (mb, chunk) pairs held, v to a microbatch
+        held = stats.peak_fb_bytes / max(one_mb, 1) if where.chunks == 1 else stats.peak_microbatches / v
+        gathered = comm.gather_obj((times, events, held, stats.peak_pending_weights), root=0)
         if rank != 0:
             continue
         step = float(np.median([max(g[0][s] for g in gathered) for s in range(1, args.steps)]))
         scale = piece_scale(per_layer, bounds, where)
         sim = predict_step(lists, costs if sched.split else Costs(costs.F, costs.backward, 0.0), v,
-                           opt_time=opt, piece_scale=scale)
+                           opt_time=opt * sched.params, piece_scale=scale)
         ran = busiest([in_run_costs(g[1], v) for g in gathered])
-        again = predict_step(lists, ran, v, opt_time=opt, piece_scale=scale).makespan
+        again = predict_step(lists, ran, v, opt_time=opt * sched.params, piece_scale=scale).makespan
         out["rows"].append({"sched": sched, "v": v, "step": step, "pred": sim.makespan, "pred_run": again,
                             "ran": ran,
                             "bubble": trace.median_bubble([g[1] for g in gathered], skip=1, names=BUSY),
-                            "sim_bubble": sim.bubble, "held": [g[2] for g in gathered]})
+                            "sim_bubble": sim.bubble, "held": [g[2] for g in gathered],
+                            "pending": [g[3] for g in gathered]})
     return out
 
 
@@ -185,6 +186,7 @@ def report(p: int, m: int, res: dict, targets) -> None:
     print(f"cut by {'layer count' if res['cut'] == 'uniform' else 'measured layer costs'} (layers, ms: "
           + " ".join(f"{c * 1e3:.1f}" for c in res["layers"]) + "): " + "; ".join(
         f"{where} {' '.join(f'{a}-{b - 1}' for a, b in bounds)}" for where, bounds in res["cuts"].items()))
+    print("(held: microbatches from F to B per stage, the paper's M_B; W: from B to W, its M_W, apart)")
     print(f"{'schedule':<12} {'bubble':>6} {'formula':>7} {'sim':>5}      {'held per stage / formula':<34}"
           f"      {'step ms':>7} {'pred':>6} {'ratio':>5}      {'vs 1F1B':>7} {'pred':>5}  {'pred(pre)':>9}")
     base = next((r for r in res["rows"] if r["sched"].name == "1f1b"), None)
@@ -196,9 +198,14 @@ def report(p: int, m: int, res: dict, targets) -> None:
         for stage, got in enumerate(r["held"]):
             want = s.stage_peak(p, m, v, stage)
             held.append(f"{got:.1f}/{'?' if want is None else f'{want:g}'}")
-            if want is not None:  # a split schedule's formula is a bound: W keeps less than B frees
+            if want is not None:  # a split schedule's formula is a bound (ZB-H2's, ZB-V's: stage 0's)
                 bound = got <= want * (1 + MEMORY_SLACK)
                 ok_mem &= bound if s.split else abs(got - want) <= MEMORY_SLACK * want
+        if s.split and any(r["pending"]):
+            wants = [s.stage_pending(p, m, v, stage) for stage in range(p)]
+            held.append("W " + " ".join(f"{got}/{'?' if w is None else w}"
+                                        for got, w in zip(r["pending"], wants)))
+            ok_mem &= all(w is None or got == w for got, w in zip(r["pending"], wants))
         ok_b = abs(r["bubble"] - f) <= BUBBLE_SLACK
         ratio = r["step"] / r["pred_run"]
         ok_t = abs(ratio - 1) <= STEP_SLACK
@@ -206,7 +213,7 @@ def report(p: int, m: int, res: dict, targets) -> None:
                  if base else "")
         name = s.name + (f"x{v}" if s.name == "interleaved" else "")
         mark_b, mark_t = (_mark(ok_b), _mark(ok_t)) if judged else ("shown ", "shown ")
-        print(f"{name:<12} {r['bubble']:>6.3f} {f:>7.3f} {r['sim_bubble']:>5.3f} {mark_b}  "
+        print(f"{name:<12} {r['bubble']:>6.3f} {f:>7.3f} {max(0.0, r['sim_bubble']):>5.3f} {mark_b}  "
               f"{' '.join(held):<34} {_mark(ok_mem)}  {r['step'] * 1e3:>7.1f} {r['pred_run'] * 1e3:>6.1f} "
               f"{ratio:>5.2f} {mark_t}  {speed}  {r['pred'] * 1e3:>9.1f}")
         checks = ((ok_b or not judged, "bubble"), (ok_mem, "memory"), (ok_t or not judged, "step time"))
@@ -230,7 +237,7 @@ def simulated(p_run: int, res_by_m: dict, p: int = 8) -> None:
         base = None
         for sched, v, lists in runnable(p, m, p * 2):
             sim = predict_step(lists, c if sched.split else Costs(c.F, c.backward, 0.0), v,
-                               opt_time=res["opt"])
+                               opt_time=res["opt"] * sched.params)
             base = sim.makespan if sched.name == "1f1b" else base
             held = peak_activations(lists[0]) / v
             name = sched.name + (f"x{v}" if sched.name == "interleaved" else "")

@@ -1,9 +1,9 @@
-"""Exercise 5b: write the ZB-H1 zero-bubble pipeline schedule as data, and its bubble.
+"""Exercise 5b: design the ZB-H1 zero-bubble pipeline schedule as data, and its bubble.
 
 1F1B's bubble is the time a stage waits for gradients to come back down the pipeline. Split every
 backward in two -- B (``BackwardInput``: the gradient for the stage's input, which the previous
 stage waits for) and W (``BackwardWeight``: the weight gradients, which nobody needs until the
-optimizer step) -- send B's result on at once, put W off, and the put-off W's fill the gaps where
+optimizer step) -- send B's result on at once, put W off, and the put-off W's can fill the gaps where
 the stage would have waited (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
 
 A schedule is a list with one instruction list per stage, built from minidist's instruction
@@ -13,13 +13,10 @@ stage s+1 / from s-1), ``SendGrad(mb)`` / ``RecvGrad(mb)`` (gradients to s-1 / f
 ``SendRecv((op, op))`` (post both at once, done when both have matched) and ``OptimizerStep()``.
 Sends and receives are BLOCKING: a send finishes only when its peer posts the matching receive.
 
-Estimated time: 1.5 h (the greedy order 1 h, the messages 20 min, bubble 10 min)
+Estimated time: 2 h (the order 1.5 h: draw it on squared paper first; the messages 20 min; bubble 10 min)
 Grade it:  python -m minidist.grade zero_bubble
 The grader runs your schedule through ``minidist.parallel.pipeline.simulate.simulate`` for p = 1..6
-stages and m in {p, 2p, 3p} microbatches: every microbatch's F, B and W exactly once on every stage
-in an order the dependencies allow, no deadlock with blocking sends, at most p microbatches between
-F and W on any stage (1F1B's peak memory), and with F = B = W = 1 and background sends a makespan
-within 2 steps of the ideal 3m + p - 1 (1F1B takes 3(m + p - 1)).
+stages and m in {p, p + 1, 2p, 3p} microbatches and checks every constraint in ``zb_h1``'s spec.
 Lesson: lessons/05-pipeline.md; the answer is in minidist/parallel/pipeline/zero_bubble.py, so try
 before you look.
 """
@@ -39,33 +36,31 @@ from minidist.parallel.pipeline.schedule import (  # noqa: F401  (you will need 
 
 def zb_h1(num_stages, num_microbatches):
     """ZB-H1: ``list`` of ``num_stages`` instruction lists. Raise ValueError unless
-    num_stages >= 1 and num_microbatches >= num_stages (fewer cannot fill the cool-down).
+    num_stages >= 1 and num_microbatches >= num_stages.
 
-    1. The compute order. Simulate unit time steps t = 0, 1, 2, ... (F = B = W = 1; a message sent
-       in step t arrives for step t + 1). Stage 0 has every microbatch's input at t = 0. In each
-       step, every stage s (in the order 0..p-1) takes the first of:
-       * B of its oldest microbatch without one, if that microbatch's gradient is here (the last
-         stage: its own F finished, i.e. one step after its F); it then sends the gradient on to
-         s-1 and puts that microbatch's W off;
-       * F of its next microbatch, if its input is here and fewer than p - s microbatches are
-         between F and B on this stage (1F1B's warm-up limit) and fewer than p between F and W
-         (1F1B's peak memory);
-       * W of its oldest put-off microbatch;
-       * nothing (a bubble).
-       Stop when every stage has run all m B's and W's.
-    2. The messages, around that order on stage s: before the first compute op, its receive
-       (``RecvAct(mb)`` for an F unless s == 0, ``RecvGrad(mb)`` for a B unless s is the last stage;
-       W needs none). After each compute op, one ``SendRecv`` holding the send of the op just done
-       (``SendAct`` after an F unless s is last, ``SendGrad`` after a B unless s == 0) and the
-       receive of the next op -- or just the one of them that exists, or nothing. Posting both at
-       once is what keeps neighbours from both waiting in a send.
-    3. End every stage with one ``OptimizerStep()``.
+    Design the order yourself; it must meet every one of these (stage s of p, m microbatches):
+
+    * Work: every microbatch's F, B and W exactly once on every stage (no whole ``Backward``), and
+      one ``OptimizerStep()`` at the end of every list.
+    * Dependencies: F of microbatch i on stage s needs F of i on s-1; B of i on s needs B of i on s+1
+      (on the last stage, its own F); W of i needs B of i on the same stage. Microbatches enter
+      stage 0 in order 0, 1, ..., m-1.
+    * Messages: a receive before the compute that needs it, a send after the compute that made it,
+      and no deadlock when every send blocks until its receive is posted.
+    * In flight: at most p - s microbatches between their F and their B on stage s (1F1B's limit:
+      its peak activation memory, the paper's M_B).
+    * Memory: at most p microbatches between their F and their W on any stage.
+    * W order: each stage runs its W's in the order it ran their B's (the oldest put-off W first),
+      so every weight gradient adds up its microbatches in 1F1B's order, bit for bit.
+    * Speed: with F = B = W = 1 step and sends that complete in the background, the step ends by
+      3m + p - 1 -- the floor: the last stage cannot start before step p - 1 and then has 3m steps of
+      work. (1F1B takes 3(m + p - 1); a greedy "B, else F, else the oldest W" within these limits
+      takes up to 2 steps more than the floor.)
     """
     raise NotImplementedError
 
 
 def zb_h1_bubble(num_stages, num_microbatches):
-    """The ideal idle share of ZB-H1 with F = B = W (each 1 step): a float in [0, 1). Count the
-    idle steps of one stage in a makespan of 3m + p - 1 steps (only the B chain waits) and compare
-    with 1F1B's (p-1)/(m+p-1)."""
+    """The idle share of your ZB-H1 with F = B = W (each 1 step): a float in [0, 1). Count the
+    idle steps of one stage in a makespan of 3m + p - 1 steps and compare with 1F1B's (p-1)/(m+p-1)."""
     raise NotImplementedError

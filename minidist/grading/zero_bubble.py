@@ -1,19 +1,19 @@
 """Grader for exercises/zero_bubble.py: the student's ZB-H1 schedule, run by minidist's simulator.
 
 ``CHECKS[task](impl)`` raises AssertionError when ``impl.<task>`` is wrong. Every size of the grid
-p = 1..6 stages, m in {p, 2p, 3p} microbatches is tried (the simulator takes milliseconds), in this
-order, each failure naming its problem:
+p = 1..6 stages, m in {p, p + 1, 2p, 3p} microbatches is tried (the simulator takes milliseconds),
+checking the spec's constraints in this order, each failure naming its problem:
 
 1. structure: p stage lists; on every stage each microbatch's Forward, BackwardInput (B) and
-   BackwardWeight (W) exactly once (no whole ``Backward``: ZB-H1 splits them), one OptimizerStep
-   at the end;
+   BackwardWeight (W) exactly once (no whole ``Backward``), one OptimizerStep at the end;
 2. dependency order (``simulate.validate``): F before B before W, a receive before the compute that
    needs it, a send after the compute that made it;
 3. no deadlock with blocking sends (a send completes when its receive is posted);
-4. memory: at most p microbatches between F and W on any stage at once (1F1B's peak, stage 0's);
-5. bubble: with F = B = W = 1 and background sends (the runtime's ``isend``), a makespan of at most
-   3m + p - 1 + ``SLACK``: the ideal, in which only the B chain waits, plus the 2 steps the memory
-   cap can cost (minidist/parallel/pipeline/zero_bubble.py's docstring); 1F1B takes 3(m + p - 1).
+4. in flight: at most p - s microbatches between F and B on stage s (1F1B's M_B);
+5. memory: at most p microbatches between F and W on any stage;
+6. W order: each stage's W's in the order of its B's (the oldest put-off W first);
+7. speed: with F = B = W = 1 and background sends (the runtime's ``isend``), a makespan of at most
+   the floor 3m + p - 1 (1F1B takes 3(m + p - 1)).
 
 They run here against minidist's own schedule (must pass) and broken ones (must fail).
 """
@@ -22,11 +22,11 @@ import types
 
 from minidist.parallel.pipeline import schedule as S
 from minidist.parallel.pipeline import zero_bubble as Z
+from minidist.parallel.pipeline.greedy import greedy_order
 from minidist.parallel.pipeline.placement import looped
-from minidist.parallel.pipeline.simulate import DeadlockError, simulate
+from minidist.parallel.pipeline.simulate import DeadlockError, peak_activations, simulate
 
-SIZES = [(p, m) for p in range(1, 7) for m in (p, 2 * p, 3 * p)]
-SLACK = 2  # steps over the ideal 3m + p - 1 that the memory cap (p microbatches F..W) may cost
+SIZES = [(p, m) for p in range(1, 7) for m in sorted({p, p + 1, 2 * p, 3 * p})]
 UNIT = dict(fwd_time=1.0, bwd_time=2.0, input_time=1.0, weight_time=1.0)  # F = B = W = 1
 
 
@@ -76,18 +76,26 @@ def check_zb_h1(impl):
         _structure(sched, p, m, what)
         _simulated(sched, what)  # rendezvous: must not deadlock
         for s, ops in enumerate(sched):
+            fb = peak_activations(ops)
+            assert fb <= p - s, (f"{what}: stage {s} holds {fb} microbatches between Forward and "
+                                 f"BackwardInput at once; 1F1B's limit there is p - s = {p - s} (its peak "
+                                 f"activations): wait for a B before the next F")
             held = _held_until_w(ops)
             assert held <= p, (f"{what}: stage {s} holds {held} microbatches between Forward and "
-                               f"BackwardWeight at once; ZB-H1 keeps 1F1B's peak, p = {p} (take no F "
-                               f"while p are waiting for their W: run the oldest put-off W instead)")
+                               f"BackwardWeight at once; at most p = {p} (a put-off W keeps its inputs "
+                               f"alive: run a W before taking more)")
+            bs = [i.mb for i in ops if isinstance(i, S.BackwardInput)]
+            ws = [i.mb for i in ops if isinstance(i, S.BackwardWeight)]
+            assert ws == bs, (f"{what}: stage {s} runs its W's for microbatches {ws}, its B's for {bs}; the "
+                              f"spec's W order is the B's (the oldest put-off W first), so each weight "
+                              f"gradient adds up its microbatches in 1F1B's order")
         got = _simulated(sched, what, buffered_sends=True)
-        ideal = 3 * m + p - 1
-        assert got.makespan <= ideal + SLACK, (
+        floor = 3 * m + p - 1
+        assert got.makespan <= floor, (
             f"{what}: makespan {got.makespan:g} steps with F = B = W = 1 (bubble {got.bubble:.3f}); ZB-H1 "
-            f"takes at most 3m + p - 1 = {ideal} (+{SLACK} for the memory cap), bubble <= "
-            f"{1 - 3 * m / (ideal + SLACK):.3f}; 1F1B takes {3 * (m + p - 1)} (bubble "
-            f"{(p - 1) / (m + p - 1):.3f}). Put W off: run B as soon as its gradient is here, W only "
-            f"when nothing else can run")
+            f"reaches the floor 3m + p - 1 = {floor}, bubble {(p - 1) / floor:.3f}; 1F1B takes "
+            f"{3 * (m + p - 1)}. Every stage may wait only p - 1 steps in all: find which W's to put "
+            f"off, and how long, so that the cool-down has W's to fill it")
     for bad in [(0, 4), (3, 2), (4, 3)]:
         try:
             impl.zb_h1(*bad)
@@ -144,10 +152,41 @@ def _one_f_one_b_split_in_place(p, m):  # 1F1B with W right after its B: nothing
             for ops in S.one_f_one_b(p, m)]
 
 
-def _no_memory_cap(p, m):  # the greedy order without the p-in-flight cap: ideal makespan, m held
+def _no_memory_cap(p, m):  # the greedy order without the p-in-flight caps: the floor, m held
     Z.check_min("zb_h1", p, m, p)
-    order = Z.greedy_order(looped(p), m, lambda r, c: p - r, held=m)
+    return Z.as_schedule(greedy_order(looped(p), m, lambda r, c: m, held=m), looped(p))
+
+
+def _greedy_of_the_old_spec(p, m):  # B, else F within the limits, else the oldest W: 2 steps over
+    Z.check_min("zb_h1", p, m, p)
+    return Z.as_schedule(greedy_order(looped(p), m, lambda r, c: p - r, held=p), looped(p))
+
+
+def _one_more_in_flight(p, m):  # stages 1.. warm up one forward more, one W less put off: within p
+    Z.check_min("zb_h1", p, m, p)  # from F to W, but p - s + 1 between F and B, over 1F1B's limit
+    order = []
+    for s, ops in enumerate(Z.zb_h1_order(p, m)):
+        if s == 0:
+            order.append(ops)
+            continue
+        k, d, new = min(m, p - s + 1), s - 1, [S.Forward(i) for i in range(min(m, p - s + 1))]
+        for j in range(m):
+            new += [S.BackwardInput(j)] + ([S.BackwardWeight(j - d)] if j >= d else [])
+            new += [S.Forward(k + j)] if k + j < m else []
+        order.append(new + [S.BackwardWeight(j) for j in range(m - d, m)])
     return Z.as_schedule(order, looped(p))
+
+
+def _newest_w_first(p, m):  # the same slots, each W the newest put-off one (a stack, not a queue)
+    out = []
+    for ops in Z.zb_h1(p, m):
+        put_off, new = [], []
+        for i in ops:
+            if isinstance(i, S.BackwardInput):
+                put_off.append(i.mb)
+            new.append(S.BackwardWeight(put_off.pop()) if isinstance(i, S.BackwardWeight) else i)
+        out.append(new)
+    return out
 
 
 def _whole_backward(p, m):  # plain 1F1B: the backward never split
@@ -163,5 +202,5 @@ def _bubble_a_third_of_1f1b(p, m):  # a third of 1F1B's bubble fraction: close, 
 
 
 BROKEN = {"zb_h1": [_w_before_b, _forgets_last_w, _sends_first, _one_f_one_b_split_in_place, _no_memory_cap,
-                    _whole_backward],
+                    _whole_backward, _greedy_of_the_old_spec, _newest_w_first, _one_more_in_flight],
           "zb_h1_bubble": [_bubble_of_1f1b, _bubble_a_third_of_1f1b]}

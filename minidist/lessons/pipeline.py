@@ -6,6 +6,7 @@
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule interleaved --chunks 2
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule zb-h1      # backward split in B and W
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule zb-v     # two chunks per rank in a V
+    python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule dualpipe # two model copies, both ends
 
 Trains a small byte-level GPT on dp x pp x tp ranks with a pipeline schedule (GPipe, 1F1B, or
 interleaved 1F1B with ``--chunks v`` model chunks per stage), checks the trained parameters against
@@ -15,7 +16,9 @@ and the activation memory each stage held at its peak under GPipe and under 1F1B
 or a V: its own). ``zb-h1`` splits each backward into B (input gradients, sent on at once) and W
 (weight gradients, put off into the bubble), bubble (p-1)/(3m+p-1); ``zb-h2`` warms up with more
 forwards; ``zb-v`` and ``dualpipe-v`` cut the model into 2p pieces placed in a V (rank s holds
-pieces s and 2p-1-s), ZB-V's bound (p-1)/(6m+p-1), DualPipeV's (p-1)(F&B + B - 3W) per rank.
+pieces s and 2p-1-s), ZB-V's bound (p-1)/(6m+p-1); ``dualpipe`` feeds microbatches in at both ends
+through two model copies (each piece on ranks s and p-1-s, gradients summed), DeepSeek's bubble
+(p/2-1)(F&B + B - 3W) per rank.
 """
 
 from __future__ import annotations
@@ -175,7 +178,7 @@ def rank_main(comm, args):
         result = train_mesh(comm, cfg, batches, replace(args.options, layer_costs=costs), on_step=on_step)
         # the other one-chunk schedule, for the memory table (an interleaved or V stage has its own
         # chunks: no other schedule runs on it)
-        other = (None if schedule_chunks(args.schedule, args.chunks) > 1
+        other = (None if schedule_chunks(args.schedule, args.chunks) > 1 or args.schedule == "dualpipe"
                  else "gpipe" if args.schedule == "1f1b" else "1f1b")
         other_stats = memory_step(result, other, batches[-1], args) if other else None
     finally:
@@ -194,7 +197,9 @@ def rank_main(comm, args):
     mine = {"coords": (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), "times": times,
             "events": [step_events(tracer, marks, s) for s in range(len(batches))],
             "peak": {name: (st.peak_activation_bytes, st.peak_microbatches)
-                     for name, st in ((args.schedule, result.stats[-1]), (other, other_stats)) if st}}
+                     for name, st in ((args.schedule, result.stats[-1]), (other, other_stats)) if st},
+            "split": {k: getattr(result.stats[-1], k) for k in ("peak_fb_bytes", "peak_weight_queue_bytes",
+                                                                 "peak_pending_weights")}}
     everyone = comm.gather_obj(mine, root=0)
     state = gather_full_state(comm, result)
     if comm.rank != 0:

@@ -11,8 +11,13 @@ import numpy as np
 from minidist import trace
 from minidist.comm import under_mpi
 from minidist.parallel.pipeline.catalog import make_schedule, schedule_chunks
-from minidist.parallel.pipeline.dualpipe import dualpipe_v_bubble_formula
-from minidist.parallel.pipeline.simulate import bubble_formula, peak_activations, timeline_events
+from minidist.parallel.pipeline.dualpipe import dualpipe_bubble_formula, dualpipe_v_bubble_formula
+from minidist.parallel.pipeline.simulate import (
+    bubble_formula,
+    peak_activations,
+    peak_pending_weights,
+    timeline_events,
+)
 from minidist.parallel.pipeline.zb_v import zb_v_bubble_formula
 from minidist.parallel.pipeline.zero_bubble import zb_h1_bubble_formula
 from minidist.plan import estimates, schedules
@@ -64,8 +69,14 @@ def report(everyone, args, pp: int, m: int) -> float:
         print(f"ZB-V's bound with F = B = W (2p pieces, half-stage fill): (p-1)/(6m+p-1) = {pp - 1}/"
               f"{6 * m + pp - 1} = {zb_v_bubble_formula(pp, m):.3f}")
     if args.schedule == "dualpipe-v":
-        print(f"DualPipeV's (p-1)(F&B + B - 3W), F&B = F + B on CPU ranks (the overlap here is the order "
-              f"of messages): {dualpipe_v_bubble_formula(pp, m):.3f}")
+        print(f"DualPipeV's (p-1)(F&B + B - 3W) per 2p pieces, F&B = F + B (one op after the other): "
+              f"{dualpipe_v_bubble_formula(pp, m):.3f}; its order, each receive before its own op, "
+              f"reaches ZB-V's bound (p-1)/(6m+p-1) = {zb_v_bubble_formula(pp, m):.3f}")
+    if args.schedule == "dualpipe":
+        print(f"DualPipe's (p/2-1)(F&B + B - 3W) with F = B = W per piece, F&B = F + B: "
+              f"{dualpipe_bubble_formula(pp, m):.3f}; its order, each receive before its own op: "
+              f"(p/2-1)(F + B - W) = {dualpipe_bubble_formula(pp, m, overlap=1 / 3):.3f} (2x parameters: "
+              f"each piece on ranks s and p-1-s, their gradients summed)")
     print(schedules.this_machine(args.schedule, pp, m, len(everyone), os.cpu_count() or 1,
                                  schedule_chunks(args.schedule, args.chunks))[1])
     print(idle_split(everyone, last))
@@ -81,7 +92,7 @@ def report(everyone, args, pp: int, m: int) -> float:
         print(f"(here {len(everyone)} ranks share {cores} cores, so a rank also waits for a free core; "
               f"benchmarks/pipeline.py measures 2 ranks on 2 cores)")
     print("\npeak activation memory per stage (bytes saved for backward, measured; dp 0 / tp 0):")
-    if schedule_chunks(args.schedule, args.chunks) > 1:  # interleaved, zb-v, dualpipe-v
+    if schedule_chunks(args.schedule, args.chunks) > 1 or args.schedule == "dualpipe":  # several chunks
         print(f"{'stage':>5} {'bytes':>12} {'microbatch-chunks held':>23} {'simulated':>9}")
         sim = [peak_activations(ops) for ops in make_schedule(args.schedule, pp, m, args.chunks)]
         for r in sorted(pipe0, key=lambda r: r["coords"][0]):
@@ -90,13 +101,17 @@ def report(everyone, args, pp: int, m: int) -> float:
         return measured
     if args.schedule in ("zb-h1", "zb-h2"):
         name = args.schedule.upper()
-        print(f"{'stage':>5} {'1F1B bytes':>12} {'mbs held':>8}   {name + ' bytes':>12} {'mbs F..B':>8} "
-              f"{'simulated':>9}")
-        sim = [peak_activations(ops) for ops in make_schedule(args.schedule, pp, m)]
+        print(f"(the paper's M_B: what a microbatch keeps from F to B; M_W, apart: what a put-off W keeps, "
+              f"its layers' inputs and output gradients)\n{'stage':>5} {'1F1B bytes':>11} {'mbs':>4}   "
+              f"{name + ' bytes':>11} {'M_B mbs':>7} {'sim':>3}   {'W-queue bytes':>13} {'M_W mbs':>7} "
+              f"{'sim':>3}")
+        sched = make_schedule(args.schedule, pp, m)
+        fb, bw = [peak_activations(ops) for ops in sched], [peak_pending_weights(ops) for ops in sched]
         for r in sorted(pipe0, key=lambda r: r["coords"][0]):
-            s = r["coords"][0]
-            (ob, om), (zb, zm) = r["peak"]["1f1b"], r["peak"][args.schedule]
-            print(f"{s:>5} {ob:>12,} {om:>8}   {zb:>12,} {zm:>8} {sim[s]:>9}")
+            s, (ob, om), sp = r["coords"][0], r["peak"]["1f1b"], r["split"]
+            zm = r["peak"][args.schedule][1]
+            print(f"{s:>5} {ob:>11,} {om:>4}   {sp['peak_fb_bytes']:>11,} {zm:>7} {fb[s]:>3}   "
+                  f"{sp['peak_weight_queue_bytes']:>13,} {sp['peak_pending_weights']:>7} {bw[s]:>3}")
         return measured
     print(f"{'stage':>5} {'GPipe bytes':>12} {'mbs held':>8} {'formula m':>9}   {'1F1B bytes':>11} "
           f"{'mbs held':>8} {'formula min(m,p-s)':>18}")

@@ -126,6 +126,10 @@ def check_values(o: Options, cfg, built: bool = False, rank: int = 0) -> None:
     if o.fp8 is not None and np.dtype(cfg.dtype) != np.float32:
         raise ValueError(f"rank {rank}: fp8 needs an fp32 model (its weights are the master weights), got "
                          f"dtype={cfg.dtype!r}; use dtype='float32'")
+    if o.fp8 is not None and o.fp8.scaling == "delayed" and o.pp > 1 and o.schedule == "dualpipe":
+        raise ValueError(f"rank {rank}: fp8 delayed scaling with schedule='dualpipe': each of its two model "
+                         "copies would keep its own amax history, from half of the microbatches, and the "
+                         "copies would round alike no more; use Fp8Recipe('block') or 'current'")
     if o.collective_matmul and not (o.sequence_parallel and o.tp > 1):
         raise ValueError(f"rank {rank}: collective_matmul=True overlaps sequence parallelism's collectives; "
                          f"it needs sequence_parallel=True and tp > 1 (got sequence_parallel="

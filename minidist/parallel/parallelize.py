@@ -5,12 +5,12 @@
     for x, y in batches:                                     # global batches, the same on every rank
         stats = par.step(x, y)
 
-``ORDER`` (torchtitan's ``parallelize_llama`` has its shape), each step a few lines below: 1. the
-model transforms -- TP / sequence parallelism (``TPGPT``), experts, context parallelism, collective
-matmul, FP8 Linears; 2. the pipeline cut (without ZeRO every run is a ``PipelineStage``); 3.
-activation recomputation per stage chunk; 4. mixed precision over the stage's layers; 5. data
-parallelism over the replicas (DDP on the stage, or ZeRO on the model); 6. the optimizer over what
-the others leave (host offload: ``OffloadedAdamW``). Chapter 3 says why each pair goes in this order.
+``ORDER`` (torchtitan's ``parallelize_llama`` has its shape), each step a few lines below: 1. model
+transforms -- TP / sequence parallelism (``TPGPT``), experts, context parallelism, collective matmul,
+FP8 Linears; 2. the pipeline cut (without ZeRO a ``PipelineStage``; DualPipe's holds a piece of each
+of two model copies, whose gradients the runtime sums); 3. recomputation per stage chunk; 4. mixed
+precision over the stage's layers; 5. data parallelism over the replicas (DDP on the stage, or ZeRO
+on the model); 6. the optimizer (host offload: ``OffloadedAdamW``). Chapter 3 says why this order.
 
 ``REFUSED`` is the one table of refusals. ``check`` validates every flag once, before any rank starts:
 the mesh and the values (``options.py``), each pair of chosen techniques against the table (a
@@ -147,7 +147,7 @@ def parallelize(cfg_or_model, mesh, opts: Options | None = None, **flags) -> Par
         fp8_linear(model, o.fp8)
     replicas = mesh.dp if o.cp == 1 else mesh.dp_cp  # the ranks whose gradients are averaged
     par = Parallelized(mesh, model, None, None, None, None, loss_fn, o.microbatches, layout=o.layout,
-                       replicas=replicas)
+                       replicas=replicas, fp8=o.fp8 is not None)
     if o.zero:  # ZeRO shards a Module (its units): no pipeline cut, recomputation on the model
         if o.recompute is not None:
             apply_recompute(model, o.recompute)

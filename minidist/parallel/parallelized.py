@@ -18,6 +18,7 @@ from minidist.comm import all_reduce
 from minidist.parallel.context.ring import shard_sequence
 from minidist.parallel.data.sharded import ShardedDataParallel
 from minidist.parallel.data.weights import token_loss_weights
+from minidist.parallel.memory.fp8_step import fp8_step
 from minidist.parallel.memory.precision import MixedPrecision
 from minidist.parallel.pipeline.runtime import PipelineStage, StepStats, run_schedule, split_microbatches
 
@@ -38,9 +39,11 @@ class Parallelized:
     experts: list = field(default_factory=list)
     layout: str = "zigzag"
     replicas: object = None
+    fp8: bool = False                  # FP8 Linears: a step that met inf/NaN is skipped on every rank
 
     def optimizer_step(self) -> None:
-        """Wait for the data-parallel gradients, average the experts', step (through the masters)."""
+        """Wait for the data-parallel gradients, average the experts', step (through the masters; with
+        FP8, unless a layer met inf or NaN: ``fp8_step``)."""
         if isinstance(self.dp, ShardedDataParallel):
             self.dp.step()
             return
@@ -53,7 +56,10 @@ class Parallelized:
         if self.mp is not None:
             self.mp.step(self.optimizer)
             return
-        self.optimizer.step()
+        if self.fp8:
+            fp8_step(self.model, self.optimizer, groups=[self.mesh.world])
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad()
 
     def step(self, x, y) -> StepStats:

@@ -12,23 +12,21 @@ schedule       bubble (seconds a stage idles)          peak activations (M_B)   
 gpipe          (p-1)(F+B+W)                            m                        1x
 1f1b           (p-1)(F+B+W)                            min(m, p)                1x
 interleaved    (p-1)(F+B+W) / v                        see `interleaved_peak`   1x
-zb_h1          (p-1)(F+B-W)                            min(m, p)                1x
+zb_h1          (p-1)max(F+B-W, F, B)                   min(m, p)                1x
 zb_h2          (p-1)(F+B-2W), at least 0               min(m, 2p-1)             1x
 zb_v           (p-1)(F+B-2W), at least 0  (*)          min(m, p)                1x
-dualpipe       (p/2-1)(F&B + B' - 3W), B' = B+W        min(m, p+1)              2x
-dualpipe_v     the same over 2p half-stage chunks      min(m, p + 1/2)          1x
+dualpipe       (p/2-1)(F+B-W)  (**)                    min(m, p+1)              2x
+dualpipe_v     (p-1)(F+B-W)/2: 2p half-stage chunks    min(m, p + 1/2)          1x
 =============  ======================================  =======================  ===========
 
-Sources. 1F1B, ZB-H1, ZB-H2: Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), Table 1 --
-1F1B (p-1)(T_F+T_B+T_W) at p·M_B, ZB-H1 (p-1)(T_F+T_B-T_W) at p·M_B, ZB-H2 (p-1)(T_F+T_B-2T_W) at
-(2p-1)·M_B. With F = B = W, ZB-H1's is (p-1)/(3m+p-1), about a third of 1F1B's (the repository's
-table writes it B/3). ZB-V (*): the paper gives 0 bubble at F = B = W at 1F1B's memory; for other
-costs minidist uses ZB-H2's (p-1)(F+B-2W) bound (an approximation, marked so). DualPipe and DualPipeV:
-the DeepSeek-V3 report and deepseek-ai/DualPipe's table -- 1F1B (PP-1)(F+B), ZB1P (PP-1)(F+B-2W),
-DualPipe (PP/2-1)(F&B+B-3W) with B a FULL backward chunk, 2x parameters and PP+1 activations per
-device; DualPipeV the same over PP = 2p chunks of half a stage each on p devices (so 1x parameters,
-2p+1 half-stage activations). minidist runs one op at a time, so F&B = F + B' (no overlap).
-M_B: the activations one microbatch leaves on one stage (all its chunks).
+Sources (chapter 11 has the table with them): Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR
+2024), Table 1, for 1F1B, ZB-H1 (its (p-1)(F+B-W) where W <= F, B; a longer W fills no more than the
+F or B chain) and ZB-H2; ZB-V (*): 0 at F = B = W, ZB-H2's bound otherwise (an approximation, marked
+so). DualPipe (**) and DualPipeV: the DeepSeek-V3 report and deepseek-ai/DualPipe, (PP/2-1)(F&B +
+B' - 3W), B' a whole backward, 2x parameters, PP+1 activations; DualPipeV over PP = 2p half-stage
+chunks on p devices. That is for DeepSeek's posting of both receives before an F&B slot; minidist's
+order, each receive before its own op, idles (PP/2-1)(F+B-W): the formula at F&B = F + W (exact in
+the simulator for F >= B >= W). M_B: the activations one microbatch leaves on one stage.
 """
 
 from __future__ import annotations
@@ -52,6 +50,7 @@ class ScheduleModel:
     chunks: int | None = None  # model chunks per stage it always uses (None: the candidate's)
     approximate: str = ""      # what its formula leaves out, if it is not the paper's exact one
     per_stage: Callable | None = None  # (p, m, v, s) -> stage s's peak, where the paper gives one
+    pending: Callable | None = None    # (p, m, v, s) -> stage s's most microbatches from B to W (M_W)
 
     def stage_peak(self, p: int, m: int, v: int, s: int) -> float | None:
         """Stage s's peak activations (M_B): the per-stage formula, or for stage 0 (the fullest) the
@@ -59,6 +58,10 @@ class ScheduleModel:
         if self.per_stage is not None:
             return self.per_stage(p, m, v, s)
         return self.peak(p, m, v) if s == 0 else None
+
+    def stage_pending(self, p: int, m: int, v: int, s: int) -> int | None:
+        """Stage s's M_W in microbatches (those whose B ran and whose W has not), where known."""
+        return None if self.pending is None else self.pending(p, m, v, s)
 
     def bubble_fraction(self, p: int, m: int, F: float = 1.0, B: float = 1.0, W: float = 1.0,
                         v: int = 1) -> float:
@@ -81,8 +84,9 @@ def _one_f_one_b_stage(p, m, v, s):
 
 
 def _dualpipe(p, m, F, B, W, v):
-    full = B + W  # DeepSeek's B is the whole backward of a chunk
-    return max(0.0, (p / 2 - 1) * ((F + full) + full - 3 * W))
+    """DeepSeek's (p/2-1)(F&B + B' - 3W), B' = B + W the whole backward, at minidist's F&B = F + W."""
+    full = B + W
+    return max(0.0, (p / 2 - 1) * ((F + W) + full - 3 * W))
 
 
 SCHEDULES = {s.name: s for s in (
@@ -92,17 +96,20 @@ SCHEDULES = {s.name: s for s in (
                   lambda p, m, v: min(m, p), per_stage=_one_f_one_b_stage),
     ScheduleModel("interleaved", "interleaved 1F1B", lambda p, m, F, B, W, v: (p - 1) * (F + B + W) / v,
                   interleaved_peak, per_stage=interleaved_peak),
-    ScheduleModel("zb_h1", "ZB-H1", lambda p, m, F, B, W, v: max(0.0, (p - 1) * (F + B - W)),
-                  lambda p, m, v: min(m, p), split=True),  # stage 0 only: later stages keep more W's
+    ScheduleModel("zb_h1", "ZB-H1", lambda p, m, F, B, W, v: (p - 1) * max(F + B - W, F, B),
+                  lambda p, m, v: min(m, p), split=True, per_stage=_one_f_one_b_stage,
+                  pending=lambda p, m, v, s: min(m, s + 1)),  # W put off by s: s + 1 from B to W
     ScheduleModel("zb_h2", "ZB-H2", lambda p, m, F, B, W, v: max(0.0, (p - 1) * (F + B - 2 * W)),
                   lambda p, m, v: min(m, 2 * p - 1), split=True),
     ScheduleModel("zb_v", "ZB-V", lambda p, m, F, B, W, v: max(0.0, (p - 1) * (F + B - 2 * W)),
                   lambda p, m, v: min(m, p), split=True, chunks=2,
                   approximate="ZB-H2's bound away from F = B = W"),
-    ScheduleModel("dualpipe", "DualPipe", _dualpipe, lambda p, m, v: min(m, p + 1), params=2.0, split=True),
+    ScheduleModel("dualpipe", "DualPipe", _dualpipe, lambda p, m, v: min(m, p + 1), params=2.0, split=True,
+                  per_stage=lambda p, m, v, s: min(m, p + 1)),  # every rank: PP + 1 pieces
     ScheduleModel("dualpipe_v", "DualPipeV",
                   lambda p, m, F, B, W, v: _dualpipe(2 * p, m, F / 2, B / 2, W / 2, v),
-                  lambda p, m, v: min(2 * m, 2 * p + 1) / 2, split=True, chunks=2),
+                  lambda p, m, v: min(2 * m, 2 * p + 1) / 2, split=True, chunks=2,
+                  per_stage=lambda p, m, v, s: min(2 * m, 2 * p + 1) / 2),
 )}
 
 

@@ -10,34 +10,30 @@ test_reference_passes, test_broken_implementation_fails, test_grade_reports_the_
 
 
 def _zb_h1_from_the_spec(p, m):
-    """exercises/zero_bubble.py's docstring followed step by step, without minidist's code: it must pass."""
+    """A design worked out from exercises/zero_bubble.py's constraints alone, without minidist's code:
+    stage s fills its in-flight limit p - s with forwards, then cycles B, W, F keeping s W's in reserve
+    for the cool-down (where it would wait for gradients), then spends the reserve. Messages as
+    Megatron-LM posts them: each send together with the next receive. It must pass."""
+    from collections import deque
+
     from minidist.parallel.pipeline import schedule as S
 
     if p < 1 or m < p:
         raise ValueError("needs num_stages >= 1 and num_microbatches >= num_stages")
-    here_act = [{i: 0 for i in range(m)}] + [{} for _ in range(p - 1)]  # stage -> mb -> step it is here
-    here_grad = [{} for _ in range(p)]
-    nf, nb, nw, put_off, order = [0] * p, [0] * p, [0] * p, [[] for _ in range(p)], [[] for _ in range(p)]
-    t = 0
-    while any(nb[s] < m or put_off[s] for s in range(p)):
-        for s in range(p):
-            if nb[s] < nf[s] and here_grad[s].get(nb[s], 1e9) <= t:
-                order[s].append(S.BackwardInput(nb[s]))
-                put_off[s].append(nb[s])
-                if s > 0:
-                    here_grad[s - 1][nb[s]] = t + 1
-                nb[s] += 1
-            elif (nf[s] < m and here_act[s].get(nf[s], 1e9) <= t and nf[s] - nb[s] < p - s
-                  and nf[s] - nw[s] < p):
-                order[s].append(S.Forward(nf[s]))
-                (here_act[s + 1] if s < p - 1 else here_grad[s])[nf[s]] = t + 1
-                nf[s] += 1
-            elif put_off[s]:
-                order[s].append(S.BackwardWeight(put_off[s].pop(0)))
-                nw[s] += 1
-        t += 1
     sched = []
-    for s, ops in enumerate(order):
+    for s in range(p):
+        todo_f, todo_b, reserve, ops = deque(range(m)), deque(range(m)), deque(), []
+        while len(ops) < p - s:
+            ops.append(S.Forward(todo_f.popleft()))
+        while todo_b:
+            reserve.append(todo_b.popleft())
+            ops.append(S.BackwardInput(reserve[-1]))
+            if len(reserve) > s:
+                ops.append(S.BackwardWeight(reserve.popleft()))
+            if todo_f:
+                ops.append(S.Forward(todo_f.popleft()))
+        ops += [S.BackwardWeight(mb) for mb in reserve]
+
         def recv(op, s=s):
             if isinstance(op, S.Forward) and s > 0:
                 return S.RecvAct(op.mb)
@@ -59,3 +55,22 @@ def test_a_schedule_written_from_the_spec_alone_passes():
     import types
 
     G.check_zb_h1(types.SimpleNamespace(zb_h1=_zb_h1_from_the_spec))
+
+
+def test_each_new_broken_version_fails_with_its_own_message():
+    """The W order the spec forbids (newest put-off W first) is named as such; the old spec's greedy
+    (B, else F, else the oldest W), one or two steps above the floor, is failed on its makespan."""
+    import types
+
+    import pytest
+
+    w_order = (r"zb_h1\(2, 2\): stage 1 runs its W's for microbatches \[1, 0\], its B's for \[0, 1\]; "
+               r"the spec's W order")
+    with pytest.raises(AssertionError, match=w_order):
+        G.check_zb_h1(types.SimpleNamespace(zb_h1=G._newest_w_first))
+    floor = r"zb_h1\(2, 3\): makespan 11 steps .* the floor 3m \+ p - 1 = 10"
+    with pytest.raises(AssertionError, match=floor):
+        G.check_zb_h1(types.SimpleNamespace(zb_h1=G._greedy_of_the_old_spec))
+    in_flight = r"zb_h1\(2, 2\): stage 1 holds 2 microbatches between Forward and BackwardInput .* p - s = 1"
+    with pytest.raises(AssertionError, match=in_flight):
+        G.check_zb_h1(types.SimpleNamespace(zb_h1=G._one_more_in_flight))

@@ -31,3 +31,24 @@ def test_the_planners_bubble_for_this_machine_and_the_measured_split(capsys, ran
     assert split, out
     parts = [float(x) for x in split.groups()]
     assert sum(parts) == pytest.approx(1.0, abs=2e-3) and parts[0] > 0
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
+def test_the_zero_bubble_memory_table_prints_m_b_and_m_w_apart(capsys, schedule):
+    """p = 4, m = 8 on threads: each stage's measured microbatches from F to B (M_B) and from B to W
+    (M_W) beside the schedule's simulated ones. ZB-H1 by hand: M_B = p - s, M_W = s + 1 (its order
+    puts off s W's); ZB-H2: M_B = 2(p-s) - 1. The bytes: M_B's at most 1F1B's, M_W's counted apart."""
+    argv = "--dp 1 --steps 1 --width 16 --seq 8 --layers 2 --batch 8 --microbatches 8"
+    assert all(pipeline.main(["--ranks", "4", "--schedule", schedule, *argv.split()]))
+    out = capsys.readouterr().out
+    row = r"^\s+(\d) +([\d,]+) +(\d+)   +([\d,]+) +(\d+) +(\d+)   +([\d,]+) +(\d+) +(\d+)$"
+    rows = re.findall(row, out, re.M)
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3], out
+    for s, ob, om, zb, zm, zsim, wb, wm, wsim in rows:
+        s = int(s)
+        want_b = 4 - s if schedule == "zb-h1" else 2 * (4 - s) - 1
+        assert int(zm) == int(zsim) == want_b and int(om) == 4 - s
+        if schedule == "zb-h1":
+            assert int(wm) == int(wsim) == s + 1
+            assert int(zb.replace(",", "")) == int(ob.replace(",", ""))  # 1F1B's M_B, byte for byte
+        assert int(wb.replace(",", "")) > 0

@@ -36,6 +36,7 @@ from minidist.parallel.experts.model import moe_gpt
 from minidist.parallel.memory.fp8 import Fp8Recipe, fp8_linear
 from minidist.parallel.memory.precision import DynamicLossScaler, MixedPrecision
 from minidist.parallel.memory.recompute import apply_checkpointing
+from minidist.parallel.options import Options, check_values
 from minidist.parallel.parallelize import NAMES, ORDER, REFUSED, TECHNIQUES, matrix_markdown, parallelize
 from minidist.parallel.three_d import gather_full_state
 
@@ -102,7 +103,7 @@ def _options(pair) -> dict:
                 microbatches=2 if "pp" in t else 1, loss_scale=LOSS_SCALE)
 
 
-def _serial(pair):
+def _serial(pair, data=None):
     """The serial twin: one GPT on the whole batch, in the pair's precision, the same optimizer."""
     precision = _precision(pair)
     mrandom.manual_seed(0)
@@ -115,7 +116,7 @@ def _serial(pair):
     mp = MixedPrecision(model, precision, scaler=scaler) if precision else None
     params = mp.master_params if mp else model.parameters()
     opt = AdamW(params, lr=LR_ADAM, weight_decay=0.0) if "offload" in pair else SGD(params, lr=LR_SGD)
-    for x in DATA:
+    for x in DATA if data is None else data:
         if mp:
             mp.backward(mp.loss(x, x))
             assert mp.step(opt)
@@ -127,13 +128,14 @@ def _serial(pair):
     return {n: np.asarray(p.data, np.float64) for n, p in zip(names, params)}
 
 
-def _train(comm, pair):
-    """``parallelize`` the pair's techniques, train 2 steps, return the full parameters (rank 0)."""
+def _train(comm, pair, data=None, **extra):
+    """``parallelize`` the pair's techniques (and ``extra`` options), train 2 steps on ``data`` (default
+    ``DATA``), return the full parameters (rank 0)."""
     mesh = Mesh(comm, **_mesh_sizes(pair))
     mrandom.manual_seed(0)
-    par = parallelize(_cfg(pair), mesh, **_options(pair))
+    par = parallelize(_cfg(pair), mesh, **dict(_options(pair), **extra))
     try:
-        for x in DATA:
+        for x in DATA if data is None else data:
             par.step(x, x)
             if par.mp is not None:
                 assert not par.mp.last_found_inf, "a mixed-precision step was skipped"
@@ -155,6 +157,31 @@ def test_supported_pair_through_parallelize_equals_serial_twin(pair):
     tol = LOW_TOL[precision] if precision else FP8_TOL if "fp8" in pair else EXACT_TOL
     got = run(_train, ranks=_ranks(pair), pair=pair)[0]
     assert _max_diff(got, want) < tol, f"{' with '.join(pair)} (parallelize) differs from the serial twin"
+
+
+DUAL_DATA = np.random.default_rng(1).integers(0, 16, (2, 8, 8))  # 2 steps of 8 rows: dp 2 x 4 microbatches
+WITH_PP = [t for t in ORDER if t != "pp" and frozenset((t, "pp")) not in REFUSED]
+
+
+@pytest.mark.parametrize("technique", WITH_PP)
+def test_dualpipe_with_each_technique_a_pipeline_takes_equals_serial_twin(technique):
+    """Full DualPipe (pp = 2, 4 microbatches: two copies of the model, their gradients summed by the
+    runtime after DDP's) in every composition a pipeline has."""
+    pair = (technique, "pp")
+    want = _serial(pair, DUAL_DATA)
+    precision = _precision(pair)
+    tol = LOW_TOL[precision] if precision else FP8_TOL if "fp8" in pair else EXACT_TOL
+    got = run(_train, ranks=_ranks(pair), pair=pair, data=DUAL_DATA, schedule="dualpipe", microbatches=4)[0]
+    assert _max_diff(got, want) < tol, f"{technique} with dualpipe differs from the serial twin"
+
+
+def test_dualpipe_refuses_delayed_fp8_scaling():
+    """Each copy would keep its own amax history, from half of the microbatches."""
+    cfg = CFG.replace(dtype="float32")
+    with pytest.raises(ValueError, match="fp8 delayed scaling with schedule='dualpipe'"):
+        check_values(Options(pp=2, schedule="dualpipe", fp8=Fp8Recipe("delayed")), cfg)
+    check_values(Options(pp=2, schedule="dualpipe", fp8=Fp8Recipe("current")), cfg)
+    check_values(Options(pp=2, schedule="1f1b", fp8=Fp8Recipe("delayed")), cfg)
 
 
 def _parallelize_refusal(comm, pair):

@@ -23,13 +23,15 @@ BUBBLES = [
     ("interleaved", 4, 8, 1, 1, 1, 2, 4.5 / 28.5),  # 9/2 idle: (p-1)/(v·m+p-1) = 3/19
     ("zb_h1", 4, 8, 1, 1, 1, 1, 3 / 27),       # (p-1)(F+B-W) = 3: (p-1)/(3m+p-1) = 1/9
     ("zb_h1", 2, 4, 2, 1, 1, 1, 2 / 18),       # 1·(2+1-1) = 2 idle, 4·4 work
+    ("zb_h1", 3, 4, 1, 1, 3, 1, 2 / 22),       # W > F, B: 2·max(1+1-3, 1, 1) = 2 idle (not 2·(-1)), 4·5 work
+    ("zb_h1", 3, 4, 1, 3, 2, 1, 6 / 30),       # W < B but W > F: 2·max(2, 1, 3) = 6 idle, 4·6 work
     ("zb_h2", 4, 8, 1, 1, 1, 1, 0.0),          # (p-1)(F+B-2W) = 0
     ("zb_h2", 4, 8, 2, 1, 1, 1, 3 / 35),       # 3·(2+1-2) = 3 idle, 8·4 work
     ("zb_h2", 3, 4, 1, 1, 2, 1, 0.0),          # 2·(1+1-4) < 0: no negative idling
     ("zb_v", 4, 8, 1, 1, 1, 2, 0.0),           # zero at F = B = W (the paper's table)
-    ("dualpipe", 4, 8, 1, 1, 1, 1, 2 / 26),    # (p/2-1)(F&B + B' - 3W), F&B = F+B' = 3, B' = 2: 1·2
-    ("dualpipe", 8, 16, 2, 1, 1, 1, 9 / 73),   # 3·((2+2) + 2 - 3) = 9 idle, 16·4 work
-    ("dualpipe_v", 4, 8, 1, 1, 1, 2, 3 / 27),  # 8 half-stage chunks: 3·((0.5+1) + 1 - 1.5) = 3
+    ("dualpipe", 4, 8, 1, 1, 1, 1, 1 / 25),    # (p/2-1)(F&B + B' - 3W), F&B = F+W = 2, B' = 2: 1·1
+    ("dualpipe", 8, 16, 2, 1, 1, 1, 6 / 70),   # 3·((2+1) + 2 - 3) = 6 idle, 16·4 work
+    ("dualpipe_v", 4, 8, 1, 1, 1, 2, 1.5 / 25.5),  # 8 half-stage chunks: 3·((0.5+0.5) + 1 - 1.5) = 1.5
 ]
 
 
@@ -84,7 +86,7 @@ CHIP = Hardware("round", 1e12, 1e15, 1e30, intra=FREE, inter=FREE, chips_per_dom
 GPT = ModelSpec("gpt", n_layer=8, d_model=256, n_head=8, vocab=1024, seq=128)
 
 
-@pytest.mark.parametrize("name, want", [("1f1b", 3 / 11), ("zb_h1", 3 / 27), ("dualpipe", 2 / 26),
+@pytest.mark.parametrize("name, want", [("1f1b", 3 / 11), ("zb_h1", 3 / 27), ("dualpipe", 1 / 25),
                                         ("zb_h2", 0.0)])
 def test_planner_step_uses_each_schedules_formula(name, want):
     """p = 4, m = 8 (batch 8 of microbatch size 1): the quick estimate's bubble is the formula with
@@ -109,3 +111,33 @@ def test_a_candidate_names_its_schedule_as_the_registry_does():
         Candidate(pp=2, schedule="zb_v", chunks=4)
     with pytest.raises(ValueError, match="unknown pipeline schedule '2f2b'"):
         Candidate(pp=2, schedule="2f2b")
+
+
+@pytest.mark.parametrize("name, p, chunks", [("zb_h1", 4, 1), ("zb_h1", 3, 1), ("dualpipe", 4, 1),
+                                             ("dualpipe", 8, 1), ("dualpipe_v", 4, 2)])
+@pytest.mark.parametrize("F, B, W", [(1, 1, 1), (1, 1, 0.5), (1.5, 1, 0.5), (2, 1, 1), (1, 0.6, 0.4)])
+def test_formula_is_what_the_runtimes_order_takes_in_the_simulator(name, p, chunks, F, B, W):
+    """F >= B >= W: the formula's idle time equals the simulated step of the instruction lists the
+    runtime runs (each chunk 1/chunks of a stage's F, B, W) less the stage's work."""
+    from minidist.parallel.pipeline.simulate import simulate
+
+    m = 2 * p + 2
+    v = chunks
+    sim = simulate(schedules.build(name, p, m, v), F / v, (B + W) / v, input_time=B / v, weight_time=W / v)
+    assert sim.makespan - m * (F + B + W) == pytest.approx(schedules.get(name).bubble(p, m, F, B, W, v))
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_zb_h1s_per_stage_memory_is_the_runtimes(p):
+    """ZB-H1 by hand: stage s holds p - s microbatches from F to B (M_B) and s + 1 from B to W (M_W:
+    its order puts off s W's and runs one after each B); the runtime's lists hold exactly that."""
+    from minidist.parallel.pipeline.simulate import peak_pending_weights
+
+    model = schedules.get("zb_h1")
+    for m in (p, 2 * p + 1):
+        lists = make_schedule("zb-h1", p, m)
+        assert [model.stage_peak(p, m, 1, s) for s in range(p)] == [p - s for s in range(p)]
+        assert [model.stage_pending(p, m, 1, s) for s in range(p)] == [s + 1 for s in range(p)]
+        assert [peak_activations(ops) for ops in lists] == [p - s for s in range(p)]
+        assert [peak_pending_weights(ops) for ops in lists] == [s + 1 for s in range(p)]
+    assert schedules.get("1f1b").stage_pending(4, 8, 1, 0) is None

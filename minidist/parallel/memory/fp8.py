@@ -6,9 +6,10 @@
 The recipe of Transformer Engine and DeepSeek-V3, emulated (a CPU has no FP8 tensor core, but the
 numbers are the same). Per Linear ``y = x W + b``: forward ``y = Q4(x) Q4(W) + b``, backward
 ``dx = Q5(dy) Q4(W)^T`` and ``dW = Q4(x)^T Q5(dy)``, where Q4 rounds to e4m3 and Q5 to e5m2 under
-a scale from the recipe (``fp8_scaling``: current, delayed or block). Products of two FP8 numbers
-are exact in fp32, so the only roundings are the casts and the accumulation. The parameters stay
-fp32: FP8 is a property of the products, not of what is stored.
+a scale from the recipe (``fp8_scaling``: current, delayed or block; block tiles each operand along
+the dimension its GEMM sums over: dW's x and dy in 128 x 1, x re-quantized from its stored 1 x 128
+FP8 as DeepSeek-V3 does). Products of FP8 numbers are exact in fp32: the only roundings are the
+casts and the accumulation. The parameters stay fp32: FP8 is a property of the products.
 
 ``fp8_linear`` wraps every Linear-like layer -- a Module whose ``forward(x, product=None)`` takes
 its GEMM as an argument (``nn.Linear`` and the tensor-parallel Column/RowParallelLinear) -- at the
@@ -41,22 +42,34 @@ SCALINGS = ("current", "delayed", "block")
 OWNER = "fp8_linear"  # the owner of fp8_linear's forward wrappers: how they are found again
 
 
+ROLES = {"x": "input activations", "w": "weights", "g": "output gradients", "xt": "input activations",
+         "gt": "output gradients"}
+
+
+class Fp8Overflow(FloatingPointError):
+    """An inf or NaN met by an FP8 layer whose recipe says ``on_overflow="raise"``."""
+
+
 @dataclass(frozen=True)
 class Fp8Recipe:
     """How a Linear's operands are scaled. ``scaling``: "current" | "delayed" | "block";
     ``history``: the delayed amax window (steps); ``block``: tile side (1 x block activations and
     gradients, block x block weights); ``accumulate``: None (fp32) or (N, mantissa bits);
-    ``margin``: scales times 2^margin (headroom, for delayed scaling)."""
+    ``margin``: scales times 2^margin (headroom, for delayed scaling); ``on_overflow``: a non-finite
+    amax "skip"s the step (``fp8_step``) or "raise"s ``Fp8Overflow`` at once."""
 
     scaling: str = "block"
     history: int = 16
     block: int = 128
     accumulate: tuple | None = None
     margin: int = 0
+    on_overflow: str = "skip"
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
             raise ValueError(f"Fp8Recipe scaling={self.scaling!r}; use one of {', '.join(SCALINGS)}")
+        if self.on_overflow not in ("skip", "raise"):
+            raise ValueError(f"Fp8Recipe on_overflow={self.on_overflow!r}; use 'skip' or 'raise'")
         if not isinstance(self.block, int) or self.block < 1:
             raise ValueError(f"Fp8Recipe block={self.block!r} must be a positive integer (128: DeepSeek-V3)")
         if not isinstance(self.history, int) or self.history < 1:
@@ -77,22 +90,35 @@ def get_recipe(recipe) -> Fp8Recipe:
 
 
 class Fp8Quantizer:
-    """One layer's scaling state: its recipe, an ``AmaxHistory`` per operand ("x", "w", "g") and the
-    scales it used last (``last``: role -> a float, or the per-tile array for block scaling)."""
+    """One layer's scaling state: its recipe, an ``AmaxHistory`` per operand ("x", "w", "g"), the
+    scales it used last (``last``: role -> a float, or the per-tile array for block scaling) and the
+    operands whose amax was inf or NaN since ``fp8_step`` last looked (``nonfinite``)."""
 
-    def __init__(self, recipe):
-        self.recipe = get_recipe(recipe)
+    def __init__(self, recipe, name: str = ""):
+        self.recipe, self.name = get_recipe(recipe), name
         self.history = {r: AmaxHistory(self.recipe.history) for r in ("x", "w", "g")}
         self.last: dict = {}
+        self.nonfinite: list = []
+
+    def check(self, role: str, amax) -> None:
+        """A non-finite amax (or tile scale): noted for ``fp8_step``, or ``Fp8Overflow`` at once."""
+        if not np.isfinite(amax).all():
+            self.nonfinite.append(role)
+            if self.recipe.on_overflow == "raise":
+                raise Fp8Overflow(f"FP8 layer {self.name or '(model)'}: its {ROLES[role]} hold inf or NaN "
+                                  "(a non-finite amax); no scale can round them. Fix the overflow, or let "
+                                  "Fp8Recipe(on_overflow='skip') skip such a step")
 
     def quantize(self, role: str, a, fmt, amax: float | None, update: bool = True):
         """``a`` (2-D) on ``fmt``'s grid under this recipe's scale(s) for ``role``; ``amax``: the
         tensor's (group-reduced) amax for the per-tensor recipes."""
         r = self.recipe
-        if r.scaling == "block":
-            tile = (r.block, r.block) if role == "w" else (1, r.block)
+        if r.scaling == "block":  # tiles along the dimension the GEMM reduces over (module docstring)
+            tile = {"w": (r.block, r.block), "xt": (r.block, 1), "gt": (r.block, 1)}.get(role, (1, r.block))
             q, self.last[role] = block_quantize(a, fmt, tile, r.margin)
+            self.check(role, self.last[role])  # a tile holding inf or NaN has that as its scale
             return q
+        self.check(role, amax)
         if r.scaling == "current":
             scale = pow2_scale(amax, fmt, r.margin)
         else:
@@ -157,6 +183,8 @@ class Fp8Linear(Function):
         (ag,) = quant.amaxes([g2], ctx.group)
         qg = quant.quantize("g", g2, E5M2, ag, ctx.update)
         gx = fp8_matmul(qg, qw.T, acc).reshape(ctx.shape) if ctx.needs_grad[0] else None
+        if ctx.needs_grad[1] and quant.recipe.scaling == "block":  # dW = x^T g sums over the tokens:
+            qx, qg = quant.quantize("xt", qx, E4M3, None), quant.quantize("gt", g2, E5M2, None)  # 128 x 1
         gw = fp8_matmul(qx.T, qg, acc) if ctx.needs_grad[1] else None
         gb = g2.sum(axis=0) if len(ctx.needs_grad) > 2 and ctx.needs_grad[2] else None
         return gx, gw, gb
@@ -166,8 +194,8 @@ class Fp8Forward:
     """The forward wrapper ``fp8_linear`` registers on one layer: the layer's own forward (and its
     communication, if any) with ``Fp8Linear`` as its product; ``quant`` holds its scaling state."""
 
-    def __init__(self, recipe):
-        self.quant = Fp8Quantizer(recipe)
+    def __init__(self, recipe, name: str = ""):
+        self.quant = Fp8Quantizer(recipe, name)
 
     def __call__(self, module, inner, x):
         group = getattr(module, "comm", None)  # a tensor-parallel layer's group: amaxes max-reduced there
@@ -207,9 +235,9 @@ def fp8_linear(model, recipe="block", include_head: bool = False):
     rec = get_recipe(recipe)
     check_fp8(model)
     head = set() if include_head else _head_members(model)
-    for _, m in model.named_modules():
+    for name, m in model.named_modules():
         if is_linear_like(m) and id(m) not in head:
-            m.register_forward_wrapper(Fp8Forward(rec), "autocast", OWNER)
+            m.register_forward_wrapper(Fp8Forward(rec, name.rstrip(".")), "autocast", OWNER)
     return model
 
 

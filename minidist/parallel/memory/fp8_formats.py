@@ -15,8 +15,9 @@ them by arithmetic (``frexp`` for the exponent, ``rint`` -- round half to even -
 significand) so the same code runs on NumPy, CuPy and JAX arrays; the tests check it against
 ``ml_dtypes``' own casts on every representable value and on every midpoint between two of them.
 
-Training saturates: a value beyond ``max`` becomes ``±max`` (Transformer Engine's cast). A plain
-cast (``saturate=False``, ml_dtypes' behaviour) overflows to NaN in e4m3fn and to inf in e5m2.
+Training saturates: a finite value beyond ``max`` becomes ``±max`` (Transformer Engine's cast); inf
+and NaN stay what they are, so an overflow upstream shows in the product. A plain cast
+(``saturate=False``, ml_dtypes' behaviour) overflows to NaN in e4m3fn and to inf in e5m2.
 """
 
 from __future__ import annotations
@@ -87,14 +88,14 @@ def round_mantissa(x, man_bits: int, emin: int | None = None):
 
 def round_to_format(x, fmt, saturate: bool = True):
     """``x`` rounded to the nearest value of ``fmt`` (ties to even), returned as fp32 (fp64 for
-    fp64 input) holding exactly that value. ``saturate``: beyond ±max -> ±max (and ±inf -> ±max),
-    as training casts do; otherwise overflow is NaN (e4m3fn) or ±inf (e5m2), as ml_dtypes casts."""
+    fp64 input) holding exactly that value. ``saturate``: finite beyond ±max -> ±max, as training
+    casts do (inf and NaN kept); otherwise overflow is NaN (e4m3fn) or ±inf (e5m2), as ml_dtypes casts."""
     f = get_format(fmt)
     xp = backend_of(x).xp
     q = round_mantissa(x, f.man_bits, f.emin)
     over = xp.abs(q) > f.max
     if saturate:
-        return xp.where(over, xp.sign(q) * f.max, q).astype(q.dtype)
+        return xp.where(over & xp.isfinite(q), xp.sign(q) * f.max, q).astype(q.dtype)
     overflow = xp.where(q < 0, -np.inf, np.inf) if f.has_inf else np.nan
     return xp.where(over, overflow, q).astype(q.dtype)
 

@@ -69,8 +69,10 @@ class AmaxHistory:
         return pow2_scale(self.amax(first), fmt, margin)
 
     def record(self, amax: float) -> None:
-        self.values.append(float(amax))
-        del self.values[:-self.length]
+        """Keep this step's amax, unless it is inf or NaN (it would set the scale for ``length`` steps)."""
+        if math.isfinite(amax):
+            self.values.append(float(amax))
+            del self.values[:-self.length]
 
     def state_dict(self) -> dict:
         return {"length": self.length, "values": list(self.values)}
@@ -78,14 +80,15 @@ class AmaxHistory:
 
 def block_scales(x, fmt, block: tuple[int, int], margin: int = 0):
     """One power-of-two scale per ``block`` tile of the 2-D ``x`` (ragged edge tiles allowed): an
-    array of shape (ceil(rows / br), ceil(cols / bc)), the same rule as ``pow2_scale`` per tile."""
+    array of shape (ceil(rows / br), ceil(cols / bc)), the same rule as ``pow2_scale`` per tile; a
+    tile holding inf or NaN gets that as its scale (its values come out NaN: nothing saturates)."""
     xp = backend_of(x).xp
     tiles, _ = _tiles(xp, xp.abs(x), block)
     amax = tiles.max(axis=(1, 3))
     with np.errstate(divide="ignore"):
         m, e = xp.frexp(amax / amax.dtype.type(get_format(fmt).max))
     s = xp.ldexp(xp.ones_like(amax), xp.where(m == 0.5, e - 1, e) + margin)
-    return xp.where(amax > 0, s, xp.ones_like(s))
+    return xp.where(xp.isfinite(amax), xp.where(amax > 0, s, xp.ones_like(s)), amax)  # inf/NaN: itself
 
 
 def block_quantize(x, fmt, block: tuple[int, int], margin: int = 0):
@@ -94,7 +97,8 @@ def block_quantize(x, fmt, block: tuple[int, int], margin: int = 0):
     scales = block_scales(x, fmt, block, margin)
     tiles, pad = _tiles(xp, x, block)
     s = scales[:, None, :, None]
-    q = (round_to_format(tiles / s, fmt) * s).reshape(tiles.shape[0] * tiles.shape[1], -1)
+    with np.errstate(invalid="ignore"):  # a tile holding inf or NaN comes out NaN, by design
+        q = (round_to_format(tiles / s, fmt) * s).reshape(tiles.shape[0] * tiles.shape[1], -1)
     return q[:x.shape[0], :x.shape[1]] if pad else q, scales
 
 

@@ -1,20 +1,20 @@
-"""DualPipeV (DeepSeek-V3's DualPipe "cut in half", as DeepSeek's dualpipev.py and torchtitan run it).
+"""DualPipe and DualPipeV (DeepSeek-V3), as DeepSeek's dualpipe.py and dualpipev.py order them.
 
 DualPipe feeds microbatches in from both ends at once, so every rank always has a forward of one
 direction and a backward of the other to run together as one "F&B" slot, whose communication
 (activations one way, gradients the other) hides behind the other's computation. DualPipeV folds
 its two model copies into one V (`placement.v_shape`: rank s holds pieces s and 2p-1-s of 2p): the
-same slots on p ranks and one copy of the parameters. With PP = 2p pieces (F, B, W per piece) the
-bubble is (PP/2 - 1)(F&B + B - 3W) against 1F1B's (PP-1)(F + B) (`dualpipe_v_bubble_formula`).
+same slots on p ranks and one copy of the parameters.
 
 `dualpipe_v(p, m)` is dualpipev.py's `step` order, step for step (m >= 2p): each rank's phases
 nF0, nF0F1, nB1W1F1 (split backward), the main nF0B1F1B0 of F&B slots, nB1F1B0, nB1B0 (the second
-half split), nWB0, nW. Every call there is one slot here; an F&B slot is
-`[Forward(i, c0), Backward(j, c1)]`. minidist runs a slot's two computations one after the other:
-what overlaps is the messages, both receives posted before the slot and both sends after it
-(`with_messages`). Deadlock-free with the runtime's background sends (`buffered_sends`), as
-DualPipe's batched isend/irecv are. Chapter 5 says what F&B costs on CPU ranks and why full
-(two-copy) DualPipe is not here.
+half split), nWB0, nW. An F&B slot is `Forward(i, c0)` then `Backward(j, c1)`. minidist runs them one
+after the other, each with its own messages: the forward's input is waited for before the forward,
+the backward's gradient only before the backward (posting both first would tie the forward to a
+gradient it does not need). `dualpipe(p, m)` is the two-copy original (p even, m even >= 2p; the
+`dual` placement: each piece on ranks s and p-1-s, the runtime sums their gradients): rank s runs
+DualPipeV's order for rank min(s, p-1-s) of p/2, its own direction as chunk 0. Both are made for
+the runtime's background sends, as DualPipe's batched isend/irecv are. Chapter 5 has the bubbles.
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ from minidist.parallel.pipeline.instructions import (
     BackwardInput,
     BackwardWeight,
     Forward,
-    OptimizerStep,
+    ScheduleError,
     check_sizes,
-    with_messages,
 )
-from minidist.parallel.pipeline.placement import Schedule, v_shape
-from minidist.parallel.pipeline.zero_bubble import check_min
+from minidist.parallel.pipeline.placement import dual, v_shape
+from minidist.parallel.pipeline.zero_bubble import as_schedule, check_min
 
 
 def dualpipe_v_min_microbatches(num_stages: int) -> int:
@@ -40,10 +39,18 @@ def dualpipe_v_bubble_formula(num_stages: int, num_microbatches: int, overlap: f
     """Bubble fraction from DualPipe's (PP/2-1)(F&B + B - 3W), PP = 2p pieces, per piece F = W = 1/2,
     B = 1 (a stage forward is 1): F&B = (F + B)(1 - overlap), 0 = run one after the other (CPU ranks).
     Each rank works 2m pieces x (F + B) = 3m."""
+    return dualpipe_bubble_formula(2 * num_stages, num_microbatches, 0.5, 1.0, 0.5, overlap, work=3.0)
+
+
+def dualpipe_bubble_formula(num_stages: int, num_microbatches: int, F: float = 1.0, B: float = 2.0,
+                            W: float = 1.0, overlap: float = 0.0, work: float | None = None) -> float:
+    """DeepSeek's DualPipe bubble (PP/2 - 1)(F&B + B - 3W), PP = `num_stages` pieces (a full backward
+    B, F&B = (F + B)(1 - overlap)), as a fraction of a rank's step: every rank runs each of the m
+    microbatches through one piece, `work` = m(F + B) by default."""
     p, m = num_stages, num_microbatches
-    f, b, w = 0.5, 1.0, 0.5
-    bubble = (p - 1) * ((f + b) * (1 - overlap) + b - 3 * w)
-    return bubble / (3 * m + bubble)
+    bubble = (p / 2 - 1) * ((F + B) * (1 - overlap) + B - 3 * W)
+    work = m * (F + B) if work is None else m * work
+    return bubble / (work + bubble)
 
 
 class _Rank:
@@ -112,6 +119,40 @@ def dualpipe_v(num_stages: int, num_microbatches: int) -> list[list]:
     check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     check_min("dualpipe_v", p, m, dualpipe_v_min_microbatches(p))
-    placement = v_shape(p)
-    return Schedule([with_messages(_rank_slots(s, p, m), s, placement) + [OptimizerStep()]
-                     for s in range(p)], placement, buffered_sends=True)
+    return as_schedule([_flat(slots) for slots in dualpipe_v_slots(p, m)], v_shape(p))
+
+
+def dualpipe_v_slots(p: int, m: int) -> list:
+    """Each rank's slots as dualpipev.py's `step` makes them (an F&B slot: [Forward, Backward])."""
+    return [_rank_slots(s, p, m) for s in range(p)]
+
+
+def dualpipe(num_stages: int, num_microbatches: int) -> list[list]:
+    """Full DualPipe on the dual placement (two copies; see the module docstring): microbatches
+    0..m/2-1 enter at rank 0 through copy 0 (chunk 0), m/2..m-1 at rank p-1 through copy 1."""
+    check_sizes(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    if p % 2 or m % 2:
+        raise ScheduleError(f"dualpipe needs an even num_stages and num_microbatches (half enter at each "
+                            f"end), got {p} and {m}; use {p + p % 2} stages, {m + m % 2} microbatches")
+    check_min("dualpipe", p, m, dualpipe_min_microbatches(p))
+    return as_schedule([_flat(slots) for slots in dualpipe_slots(p, m)], dual(p))
+
+
+def dualpipe_slots(p: int, m: int) -> list:
+    """Rank s's slots: DualPipeV's for rank min(s, p-1-s) of p/2 ranks and m/2 microbatches, whose chunk
+    0 (its own direction) is copy 0 on the first half of the ranks, copy 1 on the second."""
+    out = []
+    for s in range(p):
+        flip = int(s >= p // 2)
+        out.append([[type(op)(op.mb + (op.chunk ^ flip) * (m // 2), op.chunk ^ flip) for op in slot]
+                    for slot in _rank_slots(min(s, p - 1 - s), p // 2, m // 2)])
+    return out
+
+
+def dualpipe_min_microbatches(num_stages: int) -> int:
+    return 2 * num_stages
+
+
+def _flat(slots) -> list:
+    return [op for slot in slots for op in slot]

@@ -132,7 +132,7 @@ def peer_of(instr, stage: int, where) -> int:
     turn of a V)."""
     _, _, src, dst = message_key(instr, stage, where)
     other = dst if isinstance(instr, (SendAct, SendGrad)) else src
-    return _placement(where).rank_of(other)
+    return _placement(where).rank_of(other, instr.chunk)
 
 
 def with_messages(slots: list, stage: int, placement: Placement) -> list:

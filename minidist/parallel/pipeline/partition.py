@@ -75,21 +75,19 @@ def partition_balanced(costs, num_parts: int, memory=None, cap: float | None = N
 def partition_for(costs, placement, memory=None, cap: float | None = None) -> list[tuple[int, int]]:
     """The balanced cut into ``placement.num_virtual`` pieces, judged by the busiest rank.
 
-    One piece a rank: ``partition_balanced``. A V: ``partition_v`` (exact). Looped chunks
-    (interleaved): ``partition_balanced`` over the pieces, which bounds each rank by ``chunks`` times
-    the largest piece (rank s's pieces s, s+p, ... are spread over the model, so no cut of both
-    ends at once applies)."""
-    if placement.shape == "v":
-        return partition_v(costs, placement.num_stages, memory, cap)
+    One piece a rank: ``partition_balanced``. A V: ``partition_v`` (exact); DualPipe's two copies
+    too (rank s holds pieces s and p-1-s of p: a V of p/2 ranks). Looped chunks (interleaved):
+    ``partition_balanced`` over the pieces, which bounds each rank by ``chunks`` times the largest
+    piece (rank s's pieces s, s+p, ... are spread over the model: no cut of both ends applies)."""
+    if placement.shape in ("v", "dual"):
+        return partition_v(costs, placement.num_virtual // 2, memory, cap)
     return partition_balanced(costs, placement.num_virtual, memory, cap)
 
 
 def rank_loads(bounds, costs, placement) -> list[float]:
     """Each rank's summed cost (or memory) over the pieces ``placement`` gives it."""
-    loads = [0.0] * placement.num_stages
-    for vs, (a, b) in enumerate(bounds):
-        loads[placement.owner(vs)[0]] += float(sum(costs[a:b]))
-    return loads
+    return [sum(float(sum(costs[slice(*bounds[placement.virtual_stage(s, c)])]))
+                for c in range(placement.chunks)) for s in range(placement.num_stages)]
 
 
 def partition_v(costs, num_stages: int, memory=None, cap: float | None = None) -> list[tuple[int, int]]:
@@ -189,6 +187,7 @@ def format_partition(bounds, costs=None, unit: str = "", placement=None) -> str:
     lines = []
     for s, (a, b) in enumerate(bounds):
         where = f"stage {s}" if placement is None or placement.chunks == 1 else \
+            f"piece {s} (ranks {s} and {len(bounds) - 1 - s}, one per copy)" if placement.copies == 2 else \
             f"piece {s} (rank {placement.owner(s)[0]} chunk {placement.owner(s)[1]})"
         line = f"{where}: layers {a}..{b - 1} ({b - a} layer{'s' if b - a != 1 else ''})"
         if costs is not None:

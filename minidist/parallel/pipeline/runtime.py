@@ -84,7 +84,7 @@ def run_schedule(stage: PipelineStage, comm, instructions, inputs=None, targets=
     rt.finish_sends()
     rt.stats.seconds = time.perf_counter() - t0
     if rt.losses:  # read back once the step is done: on JAX a read per microbatch stalls the dispatch
-        rt.stats.loss = float(np.sum([float(to_host(v)) * w for v, w in rt.losses]))
+        rt.stats.loss = rt.own_loss() + rt.mirror_loss
     return rt.stats
 
 
@@ -105,8 +105,10 @@ class StepStats:
     loss: float | None = None                  # sum of w_mb * microbatch loss (last virtual stage only)
     activation_bytes: dict = field(default_factory=dict)  # (mb, chunk) -> bytes its forward saved
     peak_activation_bytes: int = 0             # most activation bytes held at once (MemoryAccountant)
-    peak_microbatches: int = 0                 # most (mb, chunk) activations held at once
-    peak_weight_queue_bytes: int = 0           # most bytes kept from B to W (split backward only)
+    peak_microbatches: int = 0                 # most (mb, chunk) held from F to B at once (M_B)
+    peak_fb_bytes: int = 0                     # most bytes of the (mb, chunk)s held from F to B
+    peak_weight_queue_bytes: int = 0           # most bytes kept from B to W (M_W; split backward only)
+    peak_pending_weights: int = 0              # most (mb, chunk) between B and W at once
     seconds: float = 0.0
 
 
@@ -148,6 +150,7 @@ class _Runtime:
         self.sends = []  # requests of sends still in flight
         self.local = {}  # message key -> array handed from one chunk of this rank to another
         self.wq = {}  # (mb, chunk) -> the WeightGradQueue its BackwardInput left for BackwardWeight
+        self.mirror_loss = 0.0  # two model copies: the other end's share of the loss
 
     def forward(self, mb: int, chunk: int) -> None:
         st, key = self.stage, (mb, chunk)
@@ -166,6 +169,8 @@ class _Runtime:
         self.x[key], self.out[key] = x, out
         self.stats.activation_bytes[key] = self.acct.activation_bytes - before
         self.stats.peak_microbatches = max(self.stats.peak_microbatches, len(self.x))
+        held = sum(self.stats.activation_bytes[k] for k in self.x)
+        self.stats.peak_fb_bytes = max(self.stats.peak_fb_bytes, held)
         self.stats.peak_activation_bytes = self.acct.peak_activation_bytes
         if not st.is_last(chunk):
             self.to_send[("act",) + key] = out.data
@@ -194,6 +199,7 @@ class _Runtime:
             self.wq[key] = backward_input(out, seed, inputs=[x] if isinstance(x, Tensor) else [])
         held = sum(q.nbytes() for q in self.wq.values())
         self.stats.peak_weight_queue_bytes = max(self.stats.peak_weight_queue_bytes, held)
+        self.stats.peak_pending_weights = max(self.stats.peak_pending_weights, len(self.wq))
         if not st.is_first(chunk):
             self.to_send[("grad",) + key] = x.grad
 
@@ -248,6 +254,30 @@ class _Runtime:
                     req.wait()
             self.sends = []
 
+    def own_loss(self) -> float:
+        return float(np.sum([float(to_host(v)) * w for v, w in self.losses]))
+
+    def sum_copies(self) -> None:
+        """Two model copies (a dual placement): rank s's chunk 0 is the piece the mirror rank p-1-s holds
+        as chunk 1, and the other way round. Each gradient becomes both copies' sum (a + b here, b + a
+        there: equal), the loss both ends' shares. After the replicas' sums (DDP): the order is free."""
+        if self.ddp is not None:
+            self.ddp.wait_gradients()
+        st = self.stage
+        link, mirror = self.comm.channel("dual-copies"), st.num_stages - 1 - st.stage
+        params = [[p for layer in chunk for p in layer.parameters()] for chunk in st.chunks]
+        zeros = [[p.grad if p.grad is not None else p.data * 0 for p in ps] for ps in params]
+        xp = params[0][0].backend.xp
+        mine = [xp.concatenate([g.ravel() for g in gs]) for gs in zeros]
+        theirs = [link.sendrecv(x, mirror, mirror, tag, tag) for tag, x in
+                  enumerate([*mine, np.array([self.own_loss() if self.losses else 0.0])])]
+        for c, ps in enumerate(params):
+            flat, at = theirs[1 - c], 0
+            for p, g in zip(ps, zeros[c]):
+                p.grad = g + flat[at:at + g.size].reshape(g.shape)
+                at += g.size
+        self.mirror_loss = float(to_host(theirs[2])[0])
+
     def execute(self, instr) -> None:
         if isinstance(instr, Forward):
             self.forward(instr.mb, instr.chunk)
@@ -261,6 +291,8 @@ class _Runtime:
             self.communicate(instr.ops)
         elif isinstance(instr, OptimizerStep):
             self.finish_sends()
+            if self.stage.placement.copies == 2:
+                self.sum_copies()
             if self.optimizer_step is not None:
                 with span("OptimizerStep", "step"):
                     self.optimizer_step()

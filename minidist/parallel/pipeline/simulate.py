@@ -15,8 +15,8 @@ rectangle p stages x [0, makespan], where only forward and backward count as bus
 comm_time = 0, GPipe and 1F1B give exactly (p-1)/(m+p-1) for any fwd_time and bwd_time (every
 stage is busy m*(f+b) out of a makespan of (m+p-1)*(f+b)); interleaved 1F1B with v chunks gives
 (p-1)/(v*m+p-1) when fwd_time == bwd_time. A split backward's B and W count as busy too: ZB-H1 with
-F = B = W gives about (p-1)/(3m+p-1) (see `zero_bubble`). With `buffered_sends` a send does not wait
-for its receiver, as the runtime's background sends do not.
+F = B = W gives exactly (p-1)/(3m+p-1) (see `zero_bubble`). With `buffered_sends` a send does not
+wait for its receiver, as the runtime's background sends do not.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0,
                     if k not in matched[s]:
                         is_send = isinstance(part, (SendAct, SendGrad))
                         key = message_key(part, s, placement)
-                        if is_send and (buffered_sends or placement.rank_of(key[3]) == s):
+                        if is_send and (buffered_sends or placement.rank_of(key[3], part.chunk) == s):
                             mailbox[key] = matched[s][k] = clock[s]
                             progressed = True
                             continue
@@ -165,18 +165,23 @@ def validate(schedule: list[list]) -> int:
     if not computes:
         raise ScheduleError("schedule has no Forward or Backward at all")
     placement = placement_of(schedule)
-    v = placement.chunks
+    v, n = placement.chunks, placement.num_virtual
     if placement.num_stages != p or 1 + max(i.chunk for _, i in computes) > v:
         raise ScheduleError(f"schedule has {p} stages and chunks up to {max(i.chunk for _, i in computes)}, "
                             f"but its placement is {placement}")
-    mbs = {i.mb for _, i in computes}
-    expected = {(mb, c) for mb in mbs for c in range(v)}
+    expected = {(i.mb, c) for _, i in computes for c in range(v)}
+    if placement.copies == 2:  # two model copies: each microbatch goes through one of them
+        expected = {(i.mb, i.chunk) for _, i in computes}
+        both = {mb for mb, c in expected if (mb, 1 - c) in expected}
+        if both:
+            raise ScheduleError(f"microbatches {sorted(both)} go through both model copies (chunks 0 "
+                                "and 1); in a dual placement each microbatch takes one")
     for s, ops in enumerate(schedule):
         done = Counter()  # (kind, mb, chunk) -> count so far
         for pos, instr in enumerate(ops):
             where = f"stage {s}, instruction {pos} {instr!r}"
             if isinstance(instr, COMPUTE):
-                _check_compute(instr, done, where, placement.virtual_stage(s, instr.chunk), p * v)
+                _check_compute(instr, done, where, placement.virtual_stage(s, instr.chunk), n)
             elif isinstance(instr, OptimizerStep):
                 continue
             else:
@@ -184,9 +189,9 @@ def validate(schedule: list[list]) -> int:
                     if not isinstance(part, P2P):
                         raise ScheduleError(f"{where}: {part!r} is not an instruction a stage can run")
                     _, mb, src, dst = message_key(part, s, placement)
-                    outside = [x for x in (src, dst) if not 0 <= x < p * v]
+                    outside = [x for x in (src, dst) if not 0 <= x < n]
                     if outside:
-                        raise ScheduleError(f"{where}: no virtual stage {outside[0]} (there are {p * v})")
+                        raise ScheduleError(f"{where}: no virtual stage {outside[0]} (there are {n})")
                     c = part.chunk
                     if isinstance(part, SendAct) and not done[("Forward", mb, c)]:
                         raise ScheduleError(f"{where}: sends before its Forward(mb={mb}, chunk={c})")

@@ -4,7 +4,7 @@ The model is cut into per-virtual-stage layer ranges (`minidist.parallel.pipelin
 schedule's placement (`minidist.parallel.pipeline.placement`) says which of them this rank holds.
 Parameter names stay the full model's ("3.attn.qkv.weight"), so a stage's parameters compare
 directly with the serial model's. Whatever wraps the layers (recomputation of each chunk, mixed
-precision) is applied by the composition layer (parallelize) to `chunks`.
+precision) is applied by the composition layer (`parallelize`) to `chunks`.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 an FP8 layer's gradients against a float64 reference, DDP / TP composition, refusals, the FP8 hook."""
 
 import math
+import re
 
 import ml_dtypes
 import numpy as np
@@ -20,6 +21,7 @@ from minidist.parallel.memory import fp8 as fp8mod
 from minidist.parallel.memory.fp8 import Fp8Recipe, fp8_linear, fp8_quantizers, remove_fp8
 from minidist.parallel.memory.fp8_formats import E4M3, E5M2, from_bits, get_format, round_to_format, to_bits
 from minidist.parallel.memory.fp8_scaling import AmaxHistory, block_quantize, pow2_scale
+from minidist.parallel.memory.fp8_step import fp8_step
 
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=32)
 SPEC = {"e4m3": (4, 3, 7, ml_dtypes.float8_e4m3fn), "e5m2": (5, 2, 15, ml_dtypes.float8_e5m2)}
@@ -85,9 +87,10 @@ def test_overflow_nan_and_inf_per_format():
     # e5m2 overflows to inf like IEEE; 7e4 > 61440 (halfway from 57344 to 2^16) rounds up, to inf;
     # 464 and 465 lie between 448 and 512 (spacing 64 there): nearer 448
     np.testing.assert_array_equal(e5_plain, [512, -np.inf, np.inf, np.inf, -np.inf, np.nan, 448, 448])
-    # training casts saturate: ±max, inf included; NaN stays NaN
-    np.testing.assert_array_equal(round_to_format(x, E4M3), [448, -448, 448, 448, -448, np.nan, 448, 448])
-    want = [512, -57344, 57344, 57344, -57344, np.nan, 448, 448]
+    # training casts saturate finite overflow to ±max; inf and NaN stay (an overflow must show)
+    want = [448, -448, 448, np.inf, -np.inf, np.nan, 448, 448]
+    np.testing.assert_array_equal(round_to_format(x, E4M3), want)
+    want = [512, -57344, 57344, np.inf, -np.inf, np.nan, 448, 448]
     np.testing.assert_array_equal(round_to_format(x, E5M2), want)
     with pytest.raises(ValueError, match="e4m3.*e5m2"):
         get_format("e3m4")
@@ -227,19 +230,92 @@ def test_fp8_layer_equals_float64_reference_of_the_same_quantization(scaling):
     if scaling == "current":
         want = reference_step(x64, w64, b64, g64, scale64(np.abs(x).max(), "e4m3"),
                               scale64(np.abs(w).max(), "e4m3"), scale64(np.abs(g).max(), "e5m2"))
-    else:  # each tile its own scale: x and g in 1 x 8 rows, w in 8 x 8 blocks
-        def tiles(a, fmt, bh, bw):
-            out = np.empty_like(a)
-            for i in range(0, a.shape[0], bh):
-                for j in range(0, a.shape[1], bw):
-                    t = a[i:i + bh, j:j + bw]
-                    out[i:i + bh, j:j + bw] = q64(t, fmt, scale64(np.abs(t).max(), fmt))
-            return out
-        qx, qw, qg = tiles(x64, "e4m3", 1, 8), tiles(w64, "e4m3", 8, 8), tiles(g64, "e5m2", 1, 8)
-        want = qx @ qw + b64, qg @ qw.T, qx.T @ qg, g64.sum(axis=0)
+    else:
+        want = deepseek_block_step(x64, w64, b64, g64, 8)
     assert not np.array_equal(want[0], x64 @ w64 + b64)  # the quantization did round something
     for a, b, what in zip(got, want, ("y", "dx", "dw", "db")):
         np.testing.assert_array_equal(a, b, err_msg=what)
+
+
+def tiles(a, fmt, bh, bw):
+    """a (float64) rounded to ``fmt`` with one power-of-two scale per bh x bw tile, written out."""
+    out = np.empty_like(a)
+    for i in range(0, a.shape[0], bh):
+        for j in range(0, a.shape[1], bw):
+            t = a[i:i + bh, j:j + bw]
+            out[i:i + bh, j:j + bw] = q64(t, fmt, scale64(np.abs(t).max(), fmt))
+    return out
+
+
+def deepseek_block_operands(x, w, g, n):
+    """The FP8 operands of one Linear's three GEMMs as DeepSeek-V3 (section 3.3) quantizes them, in
+    float64: each GEMM's operands in tiles along the dimension it sums over. Forward y = x w sums over
+    the features: x in 1 x n tiles, w in n x n blocks. dx = g w^T sums over the output features: g in
+    1 x n, the same w. dW = x^T g sums over the tokens: both in n x 1 tiles -- x read back from its
+    stored FP8 (the forward's 1 x n), dequantized and re-quantized; g from its fp32 values."""
+    qx, qw = tiles(x, "e4m3", 1, n), tiles(w, "e4m3", n, n)
+    qx_t, qg_t = tiles(qx, "e4m3", n, 1), tiles(g, "e5m2", n, 1)
+    return {"y": (qx, qw), "dx": (tiles(g, "e5m2", 1, n), qw.T), "dw": (qx_t.T, qg_t)}
+
+
+def deepseek_block_step(x, w, b, g, n):
+    """y, dx, dw, db of that reference."""
+    ops = deepseek_block_operands(x, w, g, n)
+    return ops["y"][0] @ ops["y"][1] + b, ops["dx"][0] @ ops["dx"][1], ops["dw"][0] @ ops["dw"][1], g.sum(0)
+
+
+def outliers(rng, rows, cols, n, fmt):
+    """Values around 1 with an outlier in some tiles (2^13 for e4m3's 18 binades, 2^30 for e5m2's 32):
+    an outlier's tile scale sends the small values of its tile below the format's normal range, so
+    which tiles group which values shows."""
+    a = rng.choice([-1, 1], (rows, cols)) * 2.0 ** rng.integers(-6, 3, (rows, cols))
+    for _ in range(max(1, rows * cols // (4 * n))):
+        a[rng.integers(rows), rng.integers(cols)] = 2.0 ** (13 if fmt == "e4m3" else 30)
+    return a.astype(np.float32)
+
+
+@given(rows=st.integers(1, 20), cols=st.integers(1, 20), out=st.integers(1, 12), n=st.sampled_from([2, 4, 8]),
+       seed=st.integers(0, 2 ** 31))
+@settings(max_examples=30, deadline=None)
+def test_block_scaling_tiles_each_gemm_along_what_it_sums_as_deepseek_v3(rows, cols, out, n, seed):
+    """The FP8 layer's y, dx and dW equal the reference written from the DeepSeek-V3 report (above),
+    ragged edges included, with outliers that make each tiling matter."""
+    rng = np.random.default_rng(seed)
+    x, w, g = outliers(rng, rows, cols, n, "e4m3"), outliers(rng, cols, out, n, "e4m3"), \
+        outliers(rng, rows, out, n, "e5m2")
+    layer = fp8_linear(Linear(cols, out, bias=False), Fp8Recipe("block", block=n))
+    layer.weight.data = w
+    xt = Tensor(x, requires_grad=True)
+    y = layer(xt)
+    y.backward(g)
+    ops = deepseek_block_operands(*(a.astype(np.float64) for a in (x, w, g)), n)
+    for got, what in ((y.data, "y"), (xt.grad, "dx"), (layer.weight.grad, "dw")):
+        a, b = ops[what]
+        k, u = a.shape[1], 2.0 ** -24  # fp32 sums of k exact products: gamma_k |a| |b| (as above)
+        bound = k * u / (1 - k * u) * (np.abs(a) @ np.abs(b))
+        assert np.all(np.abs(got - a @ b) <= bound * (1 + 1e-6)), what
+
+
+def test_the_weight_gradients_tiles_turn_a_hand_made_case():
+    """One 8 x 8 tile each way (n = 4 over 8 rows, 8 features, 1 output). x[5, 0] = 2^13: its forward
+    row tile (x[5, 0:4], scale 2^13 / 448 -> 32, smallest step 32 * 2^-9 = 1/16) flushes x[5, 1] = 1/64
+    to 0, and its weight-gradient column tile (x[4:8, 0]) flushes x[6, 0] = 1/64; the FP8 layer must do
+    both (DeepSeek-V3's order), not reuse the forward's tiles nor re-quantize the fp32 input."""
+    x = np.ones((8, 8), np.float32)
+    x[5, 0], x[5, 1], x[6, 0] = 2.0 ** 13, 1 / 64, 1 / 64
+    g = np.ones((8, 1), np.float32)
+    layer = fp8_linear(Linear(8, 1, bias=False), Fp8Recipe("block", block=4))
+    layer.weight.data = np.ones((8, 1), np.float32)
+    xt = Tensor(x, requires_grad=True)
+    layer(xt).backward(g)
+    dw = layer.weight.grad[:, 0]
+    # column 0 over the rows: 1 x 4 rows keep x[6, 0] = 1/64 (its row has no outlier), the 4 x 1 tile
+    # x[4:8, 0] flushes it: 1 + 2^13 + 0 + 1 for rows 4..7, 4 for rows 0..3
+    assert dw[0] == 4 + 1 + 2 ** 13 + 0 + 1
+    # column 1: x[5, 1] = 1/64 was flushed in the forward's row tile: stored as 0, and stays 0 (from the
+    # fp32 input, its column tile x[4:8, 1] would keep it: 7 + 1/64)
+    assert dw[1] == 7
+    assert dw[2] == 8
 
 
 def test_delayed_scaling_equals_float64_reference_step_by_step():
@@ -466,3 +542,109 @@ def test_fp8_imports_no_tensor_parallelism_and_finds_its_layers_by_their_forward
     assert fp8mod.is_linear_like(ColumnParallelLinear.__new__(ColumnParallelLinear))
     assert fp8mod.is_linear_like(RowParallelLinear.__new__(RowParallelLinear))
     assert not fp8mod.is_linear_like(ParallelMLP.__new__(ParallelMLP))
+
+
+# -- an overflow is reported and its step skipped, never saturated away (issue 40) ---------------------------
+
+@pytest.mark.parametrize("scaling", ["current", "delayed", "block"])
+@pytest.mark.parametrize("where", ["x", "g"])
+def test_inf_in_activations_or_gradients_reaches_the_product_and_is_noted(scaling, where):
+    """An inf in the input activations (or the output gradients) is not saturated to ±max: the product
+    is not finite, and the layer notes which operand met it."""
+    rng = np.random.default_rng(0)
+    layer = fp8_linear(Linear(8, 4, bias=False), Fp8Recipe(scaling, block=4))
+    x, g = rng.standard_normal((3, 8)).astype(np.float32), rng.standard_normal((3, 4)).astype(np.float32)
+    (x if where == "x" else g)[1, 2] = np.inf
+    xt = Tensor(x, requires_grad=True)
+    y = layer(xt)
+    y.backward(g)
+    assert not np.isfinite(layer.weight.grad).all()
+    if where == "x":
+        assert not np.isfinite(y.data).all()
+    else:
+        assert np.isfinite(y.data).all() and not np.isfinite(xt.grad).all()
+    assert where in fp8_quantizers(layer)[""].nonfinite
+
+
+def test_an_inf_amax_never_enters_the_delayed_history():
+    """Delayed scaling, history 4: one step whose gradients hold an inf, then gradients of 1e-6. The inf
+    is not recorded, so the next steps' scale fits 1e-6 (error below e5m2's 2^-3 relative), where a
+    recorded inf would have set the scale to 1 for 4 steps and flushed them all to 0 (100% error)."""
+    rng = np.random.default_rng(0)
+    layer = fp8_linear(Linear(8, 8, bias=False), Fp8Recipe("delayed", history=4))
+    x = rng.standard_normal((8, 8)).astype(np.float32)
+    for step in range(4):
+        g = (rng.standard_normal((8, 8)) * 1e-6).astype(np.float32)
+        if step == 0:
+            g[0, 0] = np.inf
+        layer.weight.grad = None
+        xt = Tensor(x, requires_grad=True)
+        layer(xt).backward(g)
+        hist = fp8_quantizers(layer)[""].history["g"].values
+        assert all(np.isfinite(hist)) and len(hist) == step  # the inf step left nothing behind
+        if step:
+            want = x.astype(np.float64).T @ g
+            rel = np.abs(layer.weight.grad - want).max() / np.abs(want).max()
+            assert rel < 2 ** -3, (step, rel)
+    AmaxHistory(2).record(float("nan"))  # NaN too
+    h = AmaxHistory(2)
+    h.record(float("nan"))
+    assert h.values == []
+
+
+def _fp8_model_step(model, opt, x):
+    loss = ((model(Tensor(x)) * 1.0).sum())
+    loss.backward()
+    return fp8_step(model, opt)
+
+
+def test_a_step_that_met_an_inf_is_skipped_with_a_warning_and_the_next_one_trains():
+    rng = np.random.default_rng(0)
+    layer = fp8_linear(Linear(8, 4), Fp8Recipe("block", block=4))
+    opt = AdamW(layer.parameters(), lr=1e-2)
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    assert _fp8_model_step(layer, opt, x)
+    before = [p.data.copy() for p in layer.parameters()]
+    bad = x.copy()
+    bad[0, 0] = np.inf
+    said = r"FP8: step skipped, a non-finite amax in \(model\) \(input activations\)"
+    with pytest.warns(RuntimeWarning, match=said):
+        assert not _fp8_model_step(layer, opt, bad)
+    assert all(np.array_equal(a, p.data) for a, p in zip(before, layer.parameters()))
+    assert all(p.grad is None or not np.any(p.grad) for p in layer.parameters())
+    assert _fp8_model_step(layer, opt, x)  # the note was cleared: the next clean step trains
+    assert not all(np.array_equal(a, p.data) for a, p in zip(before, layer.parameters()))
+    assert all(np.isfinite(p.data).all() for p in layer.parameters())
+
+
+def test_the_raise_recipe_raises_at_the_layer_naming_it():
+    model = fp8_linear(GPT(CFG), Fp8Recipe("current", on_overflow="raise"))
+    ids = np.zeros((1, 4), np.int64)
+    name, lin = next((n, m) for n, m in model.named_modules() if isinstance(m, Linear))
+    lin.weight.data[0, 0] = np.nan
+    said = f"FP8 layer {re.escape(name.rstrip('.'))}: its weights hold inf or NaN"
+    with pytest.raises(fp8mod.Fp8Overflow, match=said):
+        model(ids)
+    with pytest.raises(ValueError, match="on_overflow='sometimes'; use 'skip' or 'raise'"):
+        Fp8Recipe(on_overflow="sometimes")
+
+
+def _parallel_fp8_skip(comm):
+    from minidist.comm import Mesh
+    from minidist.parallel.parallelize import parallelize
+
+    par = parallelize(CFG, Mesh(comm, dp=2), fp8=Fp8Recipe("block", block=4), optimizer="adamw", lr=1e-2)
+    name, lin = next((n, m) for n, m in par.model.named_modules() if isinstance(m, Linear))
+    if comm.rank == 0:  # one rank's weights go bad: every rank must skip, or the replicas would part
+        lin.weight.data[0, 0] = np.inf
+    before = {n: p.data.copy() for n, p in par.model.named_parameters()}
+    ids = np.random.default_rng(0).integers(0, 32, (4, 16))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        par.step(ids, ids)
+    return all(np.array_equal(before[n], p.data, equal_nan=True) for n, p in par.model.named_parameters())
+
+
+def test_parallelize_skips_an_fp8_step_on_every_rank_when_one_met_an_inf():
+    assert run(_parallel_fp8_skip, ranks=2) == [True, True]
