@@ -3,7 +3,7 @@
 1. minidist on NumPy (the reference engine);
 2. minidist on JAX: eager per op, each op's forward/backward jitted once (minidist/accel/jax_engine.py);
    ``MINIDIST_JAX_JIT=0`` shows plain eager dispatch;
-3. pure ``jax.jit`` of the whole step (minidist/parallel/spmd.py's twin on one device): the ceiling.
+3. pure ``jax.jit`` of the whole step (minidist/parallel/spmd/program.py's twin on one device): the ceiling.
 
 All three take SGD steps from the same weights on the same batch (the twin has SGD only); the
 first-step losses must agree. Targets (issue 19): minidist-on-JAX within 2x of minidist-on-NumPy.

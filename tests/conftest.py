@@ -54,9 +54,9 @@ def _has_gpu() -> bool:
 SLOW = {
     "tests/autograd/test_ops.py[jax]": "a JAX compile of forward and backward for every shape drawn",
     "tests/autograd/test_fused.py[jax]": "a JAX compile of forward and backward for every shape drawn",
-    "tests/parallel/test_spmd.py::test_the_program_equals_the_eager_run_on_the_device_transport":
+    "tests/parallel/spmd/test_program.py::test_the_program_equals_the_eager_run_on_the_device_transport":
         "compiles both",
-    "tests/parallel/test_spmd.py::test_the_compiled_program_multiplies_float32_in_full_precision":
+    "tests/parallel/spmd/test_program.py::test_the_compiled_program_multiplies_float32_in_full_precision":
         "a new process",
     "tests/accel/test_jax_cache.py::test_two_writers_at_once": "three processes compiling a GPT",
     "tests/accel/test_jax_cache.py::test_cache_off_writes_nothing": "a new process compiling a GPT",

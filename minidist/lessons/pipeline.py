@@ -8,17 +8,10 @@
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule zb-v     # two chunks per rank in a V
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule dualpipe # two model copies, both ends
 
-Trains a small byte-level GPT on dp x pp x tp ranks with a pipeline schedule (GPipe, 1F1B, or
-interleaved 1F1B with ``--chunks v`` model chunks per stage), checks the trained parameters against
-the serial twin (same batches, one process), and prints (``pipeline_report.py``) the MEASURED
-timeline of the last step (one row per pipeline stage), the measured bubble beside (p-1)/(v·m+p-1),
-and the activation memory each stage held at its peak under GPipe and under 1F1B (under interleaved
-or a V: its own). ``zb-h1`` splits each backward into B (input gradients, sent on at once) and W
-(weight gradients, put off into the bubble), bubble (p-1)/(3m+p-1); ``zb-h2`` warms up with more
-forwards; ``zb-v`` and ``dualpipe-v`` cut the model into 2p pieces placed in a V (rank s holds
-pieces s and 2p-1-s), ZB-V's bound (p-1)/(6m+p-1); ``dualpipe`` feeds microbatches in at both ends
-through two model copies (each piece on ranks s and p-1-s, gradients summed), DeepSeek's bubble
-(p/2-1)(F&B + B - 3W) per rank.
+Trains a small byte-level GPT on dp x pp x tp ranks with a pipeline schedule, checks the trained
+parameters against the serial twin (same batches, one process), and prints (``pipeline_report.py``)
+the measured timeline of the last step (one row per stage), the bubble beside its schedule's formula
+and simulator, and each stage's peak activation memory. Chapter 5 has every schedule's order.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """What the planner knows of each pipeline schedule: its bubble and peak activations as formulas.
 
-One `ScheduleModel` per schedule name, in `SCHEDULES` (a new schedule joins with one entry). The
-formulas are the papers' own, in per-stage times of ONE microbatch through ONE pipeline stage (all
-its model chunks): F forward, B the input-gradient half of the backward, W the weight-gradient half
-(a schedule that does not split its backward runs B + W in one go). `bubble(p, m, F, B, W)` is the
-time a stage idles in one step, so the bubble fraction is bubble / (bubble + m(F + B + W)):
+One `ScheduleModel` per schedule name, in `SCHEDULES`. Times are of ONE microbatch through ONE
+stage: F forward, B the input-gradient half of the backward, W the weight-gradient half;
+`bubble(p, m, F, B, W)` is what a stage idles in a step (fraction: bubble / (bubble + m(F+B+W))):
 
 =============  ======================================  =======================  ===========
 schedule       bubble (seconds a stage idles)          peak activations (M_B)   parameters
@@ -19,14 +17,7 @@ dualpipe       (p/2-1)(F+B-W)  (**)                    min(m, p+1)              
 dualpipe_v     (p-1)(F+B-W)/2: 2p half-stage chunks    min(m, p + 1/2)          1x
 =============  ======================================  =======================  ===========
 
-Sources (chapter 11 has the table with them): Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR
-2024), Table 1, for 1F1B, ZB-H1 (its (p-1)(F+B-W) where W <= F, B; a longer W fills no more than the
-F or B chain) and ZB-H2; ZB-V (*): 0 at F = B = W, ZB-H2's bound otherwise (an approximation, marked
-so). DualPipe (**) and DualPipeV: the DeepSeek-V3 report and deepseek-ai/DualPipe, (PP/2-1)(F&B +
-B' - 3W), B' a whole backward, 2x parameters, PP+1 activations; DualPipeV over PP = 2p half-stage
-chunks on p devices. That is for DeepSeek's posting of both receives before an F&B slot; minidist's
-order, each receive before its own op, idles (PP/2-1)(F+B-W): the formula at F&B = F + W (exact in
-the simulator for F >= B >= W). M_B: the activations one microbatch leaves on one stage.
+(*), (**), the sources: chapter 11; why minidist's DualPipe idles (PP/2-1)(F+B-W): chapter 5.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The compiled SPMD program's mesh (minidist/parallel/spmd_mesh.py): the default shape, the devices of
+"""The compiled SPMD program's mesh (minidist/parallel/spmd/mesh.py): the default shape, the devices of
 every process in mesh order, and the meshes it refuses, with what would be right."""
 
 from types import SimpleNamespace
@@ -7,7 +7,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from minidist.parallel.spmd_mesh import default_shape, make_mesh, mesh_devices  # noqa: E402
+from minidist.parallel.spmd.mesh import default_shape, make_mesh, mesh_devices  # noqa: E402
 
 
 @pytest.mark.parametrize("n,shape", [(1, (1, 1)), (2, (2, 1)), (3, (3, 1)), (4, (2, 2)), (6, (3, 2)),

@@ -1,5 +1,5 @@
-"""The compiled SPMD program (minidist/parallel/spmd.py) equals minidist's eager dp x tp run, and XLA emitted
-the collectives the algorithm calls for."""
+"""The compiled SPMD program (minidist/parallel/spmd/program.py) equals minidist's eager dp x tp run,
+and XLA emitted the collectives the algorithm calls for."""
 
 from types import SimpleNamespace
 

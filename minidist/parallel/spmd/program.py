@@ -1,7 +1,7 @@
 """The compiled SPMD program: minidist's dp x tp GPT training step written once in pure JAX.
 
 What minidist does eagerly, rank by rank, message by message, is written here as one program for
-one device: ``shard_map`` runs it on every device of a ``Mesh(('dp', 'tp'))`` (spmd_mesh.py), and
+one device: ``shard_map`` runs it on every device of a ``Mesh(('dp', 'tp'))`` (mesh.py), and
 ``jax.jit`` compiles the whole step -- forward, backward, gradient all-reduce, SGD update -- into
 one executable whose collectives are instructions of the interconnect.
 
@@ -26,13 +26,7 @@ import numpy as np
 
 from minidist.nn import GPT
 from minidist.nn.serial import host_state
-from minidist.parallel.spmd_mesh import (  # noqa: F401 - the mesh helpers, importable here as before
-    _jax,
-    default_shape,
-    global_array,
-    make_mesh,
-    mesh_devices,
-)
+from minidist.parallel.spmd.mesh import _jax, global_array, make_mesh
 
 
 # -- Megatron's f and g ------------------------------------------------------------------------
