@@ -138,3 +138,28 @@ def test_a_heartbeat_timeout_that_is_not_positive_seconds_is_refused(value):
         supervisor.main(["-n", "2", "--threads", "--heartbeat-timeout", value, "--", "python", "-c", "pass"])
     assert "--heartbeat-timeout must be a finite number of seconds > 0" in str(info.value)
     assert value in str(info.value)
+
+
+@pytest.mark.parametrize("transport", ["threads", pytest.param("mpi", marks=pytest.mark.mpi)])
+def test_a_sigkilled_supervisor_leaves_no_rank_running(tmp_path, transport):
+    """SIGKILL cannot be caught, so the supervisor cannot stop its job; the ranks watch it instead
+    (heartbeat.started) and stop within ORPHAN_S; the launcher gets SIGTERM (PR_SET_PDEATHSIG)."""
+    from minidist.resilience.heartbeat import ORPHAN_S
+
+    n = 2
+    opts = ["--threads"] if transport == "threads" else []
+    proc, out = launch(tmp_path, n, "--heartbeat-timeout", "60", *opts)
+    try:
+        pids = rank_pids(out, n)
+        launcher = {int(c) for t in os.listdir(f"/proc/{proc.pid}/task")
+                    for c in open(f"/proc/{proc.pid}/task/{t}/children").read().split()}
+        proc.kill()
+        proc.wait()
+        t0 = time.time()
+        left = wait_gone(pids | launcher, timeout=ORPHAN_S + 10)
+        took = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert left == set(), f"ranks survived their supervisor's SIGKILL: {left}"
+    assert took < ORPHAN_S + 3.0, f"the ranks ran on {took:.1f} s after their supervisor died"
