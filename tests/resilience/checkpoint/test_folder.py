@@ -423,3 +423,31 @@ def test_prune_removes_leftover_temporary_folders_up_to_and_including_the_newest
     assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000005", "step-00000007.tmp"]
     prune(str(tmp_path), keep=1)
     assert sorted(os.listdir(tmp_path)) == ["step-00000005", "step-00000007.tmp"]
+
+
+def test_sweep_frees_only_held_folders_of_dead_jobs(tmp_path):
+    """``sweep`` (the killed jobs' /dev/shm tiers): a held folder whose job is dead goes; one a live
+    process holds (a real second process, its lock on the marker), this job's own, one marked without
+    ``hold`` (a library save) and one without a marker stay."""
+    for name, job, hold in (("p-dead", "dead", True), ("p-live", "live", True), ("p-mine", "me", True),
+                            ("p-library", "lib", False)):
+        folder_mod.claim(str(tmp_path / name), job)
+        if hold:  # as claim(hold=True) marks it, without this process holding the lock
+            m = tmp_path / name / ".minidist-checkpoints"
+            m.write_text(m.read_text().replace('"held": false', '"held": true'))
+    (tmp_path / "p-plain").mkdir()
+    (tmp_path / "q-dead").mkdir()  # another prefix
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; "
+                               "fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_SH); "
+                               "print('held', flush=True); time.sleep(60)",
+                               str(tmp_path / "p-live" / ".minidist-checkpoints")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        gone = folder_mod.sweep(str(tmp_path), "p-", "me")
+        assert gone == [str(tmp_path / "p-dead")]
+        assert sorted(os.listdir(tmp_path)) == ["p-library", "p-live", "p-mine", "p-plain", "q-dead"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert folder_mod.sweep(str(tmp_path), "p-", "me") == [str(tmp_path / "p-live")]  # its holder died
