@@ -52,7 +52,8 @@ def test_a_second_job_on_a_folder_in_use_is_refused_and_the_first_finishes_untou
     both jobs and `--job A`. A finishes bit-identical to a run that never failed, and every checkpoint
     in D is A's."""
     d = tmp_path / "D"
-    a = subprocess.Popen(lesson(d, "--mem-dir", str(tmp_path / "memA"), "--out", str(tmp_path / "a.npz")),
+    a = subprocess.Popen(lesson(d, "--mem-dir", str(tmp_path / "memA"), "--out", str(tmp_path / "a.npz"),
+                                steps=40, slow=0.15),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=tmp_path)
     try:
         wait_for(lambda: (d / "latest").exists(), "job A's first checkpoint")
@@ -114,7 +115,7 @@ def test_a_sigkilled_supervisor_leaves_no_rank_and_the_next_job_frees_its_shared
     finally:
         if sup.poll() is None:
             sup.kill()
-    assert stopped < ORPHAN_S + 2.0, f"the job ran {stopped:.1f} s after its supervisor died"
+    assert stopped < ORPHAN_S + 4.0, f"the job ran {stopped:.1f} s after its supervisor died"
     assert mem.exists() and (d / "latest").exists()  # the killed job's tiers: nobody freed them yet
     first = job_of(d)
     other = subprocess.run(lesson(tmp_path / "B", steps=2, slow=0), capture_output=True, text=True, env=ENV,
