@@ -13,6 +13,9 @@ checks the final parameters against a run that never failed: bit for bit (PASS),
 elastic restart on fewer ranks, against the serial twin within a tolerance. ``--plot FILE.png``
 draws the timeline of all attempts; the Young/Daly checkpoint interval is computed from the
 measured save time. Run alone (no supervisor) it trains without a fault and says how to add one.
+The job's id is the supervisor's (``MINIDIST_JOB_ID``) or ``--job``: its folders are claimed for it
+before training (another job's are refused), and without ``--ckpt`` its disk tier is a folder of its
+own, removed when it succeeds; ``--job ID`` resumes an earlier job.
 
 Under mpirun the killed rank makes MPICH print a "BAD TERMINATION" banner; the rank about to die
 says first that the banner is this injected kill, and expected. After a restart rank 0 says which

@@ -52,8 +52,9 @@ def heartbeat(rank: int, step: int) -> None:
 def started(rank: int) -> None:
     """A rank is up (``minidist.comm.run``): beat, hold its alive file open, watch the supervisor."""
     heartbeat(rank, STARTED)
-    alive = os.path.join(os.environ.get("MINIDIST_HEARTBEAT_DIR", ""), ALIVE)
-    if os.path.isdir(alive) and rank not in _OPEN:
+    hb = os.environ.get("MINIDIST_HEARTBEAT_DIR")
+    alive = os.path.join(hb, ALIVE) if hb else None
+    if alive and os.path.isdir(alive) and rank not in _OPEN:
         fd = os.open(os.path.join(alive, f"rank-{rank}"),
                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         os.write(fd, f"{os.getpid()}\n".encode())
