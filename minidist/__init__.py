@@ -11,8 +11,10 @@ from minidist.comm import run as _run
 from minidist.comm import runner as _runner
 from minidist.resilience import heartbeat as _heartbeat
 
-# machinery attached when minidist is imported: a supervised rank tells the supervisor it is up
-_runner.ON_RANK_START.append(lambda rank: _heartbeat.heartbeat(rank, _heartbeat.STARTED))
+# machinery attached when minidist is imported: a supervised rank tells the supervisor it is up (and
+# watches it), and which rank ended the job
+_runner.ON_RANK_START.append(_heartbeat.started)
+_runner.ON_RANK_ERROR.append(_heartbeat.ended_job)
 
 __all__ = ["Tensor", "get_backend", "no_grad", "tensor", "run"]
 __version__ = "0.1.0"

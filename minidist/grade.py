@@ -32,6 +32,7 @@ import signal
 import sys
 import threading
 import traceback
+from importlib.machinery import SourceFileLoader
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +91,8 @@ def load_module(path: Path, name: str, timeout: float | None = None):
     """Import the student's file, or a GradeError saying why it can't be graded."""
     if not path.is_file():
         raise GradeError(f"no such file: {path}" if not path.exists() else f"{path} is a folder, not a file")
-    spec = importlib.util.spec_from_file_location(name, path)
+    # read as Python source whatever its name (a file without .py has no loader of its own)
+    spec = importlib.util.spec_from_file_location(name, path, loader=SourceFileLoader(name, str(path)))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     try:

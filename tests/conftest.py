@@ -64,6 +64,8 @@ SLOW = {
     "tests/resilience/test_supervisor.py::test_elastic_restart_on_fewer_ranks": "a job restarted",
     "tests/resilience/test_supervisor.py::test_a_hung_rank_is_detected": "waits for a heartbeat timeout",
     "tests/resilience/test_supervisor.py::test_giving_up_after_max_restarts": "jobs restarted",
+    "tests/resilience/test_jobs.py::test_a_sigkilled_supervisor_leaves_no_rank_and_the_next_job":
+        "three lesson jobs, one SIGKILLed (test_supervisor_signals and test_folder's sweep stay)",
     "tests/test_conftest.py::test_the_default_command_leaves_out": "two child pytests",
     # JAX compiling a model's every op (seconds each with empty caches): the default set keeps
     # tests/accel/test_jax_engine.py's model checks, these repeat them for other techniques

@@ -62,6 +62,8 @@ _real_exit = os._exit
 def _abort(MPI) -> None:
     """Flush, give the launcher a moment to forward our stderr, then end every rank of the job.
     Never returns: MPICH's ``Abort`` may return before the launcher kills this process."""
+    for hook in ON_RANK_ERROR:  # a supervisor learns which rank ended the job, and why
+        hook(MPI.COMM_WORLD.Get_rank(), sys.exc_info()[1])
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(0.5)
@@ -99,6 +101,7 @@ def install_abort_hook() -> None:
 
 
 ON_RANK_START: list = []  # fn(rank) for each MPI rank as it starts (resilience/heartbeat.py: "alive")
+ON_RANK_ERROR: list = []  # fn(rank, error) as an MPI rank ends the job (resilience/heartbeat.py: a note)
 
 
 def _beat_started(rank: int) -> None:

@@ -13,6 +13,9 @@ checks the final parameters against a run that never failed: bit for bit (PASS),
 elastic restart on fewer ranks, against the serial twin within a tolerance. ``--plot FILE.png``
 draws the timeline of all attempts; the Young/Daly checkpoint interval is computed from the
 measured save time. Run alone (no supervisor) it trains without a fault and says how to add one.
+The job's id is the supervisor's (``MINIDIST_JOB_ID``) or ``--job``: its folders are claimed for it
+before training (another job's are refused), and without ``--ckpt`` its disk tier is a folder of its
+own, removed when it succeeds; ``--job ID`` resumes an earlier job.
 
 Under mpirun the killed rank makes MPICH print a "BAD TERMINATION" banner; the rank about to die
 says first that the banner is this injected kill, and expected. After a restart rank 0 says which
@@ -54,14 +57,18 @@ from minidist.lessons.progress import progress
 from minidist.nn.serial import adamw_tolerance
 from minidist.parallel.parallelize import check_3d
 from minidist.resilience.checkpoint import CheckpointError, folder
-from minidist.resilience.checkpoint.tiers import Checkpointer, Tier, shm_root
+from minidist.resilience.checkpoint.tiers import Checkpointer, Tier, shm_root, sweep_shm
 from minidist.resilience.faults import Injector
 from minidist.resilience.faults import parse as parse_faults
 from minidist.resilience.heartbeat import heartbeat
 from minidist.resilience.timeline import AttemptTrace, merge_attempts, plot_attempts
 
 LR = 3e-3  # AdamW's learning rate of every trainer here (the failing run, its reference, the serial twin)
-DEFAULT_CKPT = os.path.join(tempfile.gettempdir(), f"minidist-{os.getuid()}-fault-tolerance")
+
+
+def default_ckpt(job: str) -> str:
+    """The disk tier of a job given no --ckpt: its own folder, removed when the job succeeds."""
+    return os.path.join(tempfile.gettempdir(), f"minidist-{os.getuid()}-fault-tolerance-{job}")
 
 
 def _log(comm, **event):
@@ -84,26 +91,29 @@ def young_daly(cost_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * cost_s * mtbf_s)
 
 
-def train(comm, args, fault: str):
-    """Train to ``args.steps`` with tiered checkpoints and injected faults.
-    Returns (trainer, checkpointer, restore info, tier restored from)."""
+def train(comm, args, fault: str, job: str, disk: str):
+    """Train job ``job`` to ``args.steps`` with tiered checkpoints (``disk``: the disk tier's folder)
+    and injected faults. Returns (trainer, checkpointer, restore info, tier restored from)."""
     attempt = int(os.environ.get("MINIDIST_RESTART", "0"))
-    disk = args.ckpt
-    mem = args.mem_dir or shm_root(hashlib.sha1(os.path.abspath(args.ckpt).encode()).hexdigest()[:10])
+    mem = args.mem_dir or shm_root(hashlib.sha1(os.path.abspath(disk).encode()).hexdigest()[:10])
     err = None
-    if attempt == 0 and comm.rank == 0:  # a fresh run starts from nothing: its own old checkpoints go
+    if comm.rank == 0:  # the job's folders are its own (a new job's are new or empty), or it stops here
         try:
-            for d in (disk, mem, mem + "-peer"):
-                folder.remove(d)  # only a folder minidist created; anything else is refused
+            sweep_shm(job)  # the shared memory that killed jobs left
+            for d, every in ((disk, 1), (mem, args.mem_every), (mem + "-peer", args.peer_every)):
+                if every:  # (the disk folder always: it is the job's, and says so from the start)
+                    folder.claim(d, job, hold=True)
         except CheckpointError as e:
             err = f"--ckpt / --mem-dir: {e}"
-        if args.attempt_trace:  # and so do the trace parts of an earlier run
+            folder.note(err, "refused")  # a restart would meet the same folder: the supervisor stops
+        if attempt == 0 and args.attempt_trace:  # a new run: the trace parts of an earlier one go
             AttemptTrace.clear(args.attempt_trace)
     err = comm.bcast_obj(err, root=0)
     if err:
         raise SystemExit(f"rank {comm.rank}: {err}")
     cfg = small_config(args.dtype, args.dropout)
-    trainer = MeshTrainer(comm, cfg, pp=args.pp, tp=args.tp, zero=args.zero, lr=LR, total_steps=args.steps)
+    trainer = MeshTrainer(comm, cfg, pp=args.pp, tp=args.tp, zero=args.zero, lr=LR, total_steps=args.steps,
+                          job=job)
     inj = Injector.from_env(comm.rank, fault)
     tiers = [Tier("memory", mem, args.mem_every), Tier("peer", mem + "-peer", args.peer_every, peer=True),
              Tier("disk", disk, args.disk_every, keep=3)]
@@ -151,6 +161,8 @@ def _announce_kill(comm, inj, step: int) -> None:
 
 def rank_main(comm, args):
     supervised = "MINIDIST_HEARTBEAT_DIR" in os.environ
+    job = comm.bcast_obj(args.job or os.environ.get("MINIDIST_JOB_ID") or folder.new_job_id(), root=0)
+    disk = args.ckpt or default_ckpt(job)
     fault = args.fault
     if fault is None:
         fault = os.environ.get("MINIDIST_FAULT") or (
@@ -158,16 +170,17 @@ def rank_main(comm, args):
     fault = "" if fault == "none" else fault
     rprint(comm, f"fault tolerance: {comm.size} ranks, {args.steps} steps, tier 1 (memory) every "
                  f"{args.mem_every}, tier 2 (disk) every {args.disk_every}, "
-                 f"{'synchronous' if args.sync else 'asynchronous'} saves; fault: {fault or 'none'}")
+                 f"{'synchronous' if args.sync else 'asynchronous'} saves; fault: {fault or 'none'}; "
+                 f"job {job}, checkpoints in {disk}")
     if not supervised:
         rprint(comm, "  (no supervisor: run `python -m minidist.launch -n 4 -- python -m "
                      "minidist.lessons.fault_tolerance` to see a rank die and the job recover)")
-    trainer, ckpt, info, tier = train(comm, args, fault)
+    trainer, ckpt, info, tier = train(comm, args, fault, job, disk)
     full = trainer.full_parameters()
     comm.barrier()
-    if comm.rank == 0:  # the job is done: give the shared memory of tier 1 back (the disk tier stays)
-        for tier in ckpt.tiers[:2]:
-            folder.remove(tier.root)
+    if comm.rank == 0:  # the job is done: give tier 1's shared memory back (the disk tier stays if named)
+        for t in [t for t in ckpt.tiers[:2] if t.every] + (ckpt.tiers[2:] if args.ckpt is None else []):
+            folder.remove(t.root, job)
 
     # the reference: the same job, started fresh here, never interrupted, never checkpointed
     events = _events()
@@ -213,6 +226,12 @@ def rank_main(comm, args):
                   f"serial twin: "
                   f"max abs diff {diff:.3g} (tolerance {tol:g}) -> {'PASS' if ok else 'FAIL'}")
         _report_costs(ckpt)
+        never = [t.name for t in ckpt.tiers if any(e.startswith(f"{t.name} step ") for e in ckpt.errors)
+                 and not any(name == t.name for name, _, _ in ckpt.written)]
+        for name in never:  # a tier whose every save failed protects nothing: the run did not do its job
+            first = next(e for e in ckpt.errors if e.startswith(f"{name} step "))
+            print(f"FAIL: every {name} checkpoint of this attempt failed (the first: {first})")
+        ok = ok and not never
         if args.out:
             np.savez(args.out, **full)
         if args.plot:
@@ -265,8 +284,10 @@ def main(argv=None):
                    help="tier 2 (disk) every M steps (0: off)")
     p.add_argument("--sync", action="store_true", help="synchronous saves (default: background writer)")
     p.add_argument("--fault", default=None, help="a MINIDIST_FAULT spec, or 'none'")
-    p.add_argument("--ckpt", default=DEFAULT_CKPT, help="the disk checkpoint directory (new, empty, or one "
-                   "minidist made: a fresh run deletes only that)")
+    p.add_argument("--ckpt", help="the disk checkpoint folder: new, empty, or this job's (default: one for "
+                   "the job in the temporary folder, removed when the job succeeds)")
+    p.add_argument("--job", help="the job's id: an earlier job's to resume it (default: the supervisor's, "
+                   "else a new one)")
     p.add_argument("--mem-dir", help="tier 1's directory (default: one in /dev/shm for this --ckpt)")
     p.add_argument("--pp", type=positive_int, default=1)
     p.add_argument("--tp", type=positive_int, default=1)
@@ -277,6 +298,7 @@ def main(argv=None):
     p.output_paths = (*p.output_paths, "out")  # --out's folder must exist and be writable
     args = p.parse_args(argv)
     check_flags(p, args, world_size(args))
+    check_folder(p, args)
     args.attempt_trace, args.trace = args.trace, None  # traced here, per attempt (see the docstring)
     launch(rank_main, args)
 
@@ -303,6 +325,24 @@ def check_flags(parser, args, world: int) -> None:
         parser.error(f"argument --ranks/--pp/--tp: {str(e).removeprefix('rank 0: ')}{fix}")
     if args.fault not in (None, "none"):
         reject_early(parser, lambda: _check_fault(args.fault, world))
+
+
+def check_folder(parser, args) -> None:
+    """--job and --ckpt, checked before any rank starts with the rule the saves apply (folder.py):
+    a folder another job owns, one with files minidist did not write, a link, one others can write."""
+    job = args.job or os.environ.get("MINIDIST_JOB_ID")
+    try:
+        if job is not None:
+            folder.check_job_id(job)
+    except ValueError as e:
+        parser.error(f"argument --job: {e}")
+    ckpt = args.ckpt if args.ckpt is not None else default_ckpt(job) if job else None
+    try:
+        if ckpt is not None:
+            folder.check(ckpt, job or folder.NEW_JOB)
+    except CheckpointError as e:
+        folder.note(f"--ckpt: {e}", "refused")  # under a supervisor: not restarted into the same refusal
+        parser.error(f"argument --ckpt: {e}")
 
 
 def _check_fault(spec: str, world: int) -> None:

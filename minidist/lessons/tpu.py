@@ -55,7 +55,7 @@ from minidist.accel.backend import configure_jax  # noqa: E402
 from minidist.comm import measure, run, under_mpi, world  # noqa: E402
 from minidist.comm.runner import install_abort_hook  # noqa: E402
 from minidist.comm.transports.devices import jax_distributed_init  # noqa: E402
-from minidist.lessons.cli import positive_float, positive_int  # noqa: E402
+from minidist.lessons.cli import nonnegative_int, positive_float, positive_int  # noqa: E402
 from minidist.lessons.progress import progress  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.nn.data import BatchLoader, TextDataset  # noqa: E402
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
                         help="the program's gradient all-reduce: minidist's ring (ppermute) or XLA's psum")
     parser.add_argument("--tol", type=positive_float, default=None,
                         help="largest parameter difference (default 1e-5 in float32, 1e-9 in float64)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
     parser.add_argument("--plot", metavar="FILE.png", help="draw both runs' loss and step time per step")
     args = parser.parse_args(argv)
     tol = args.tol or (1e-5 if args.dtype == "float32" else 1e-9)

@@ -31,7 +31,7 @@ from minidist.autograd.tensor import no_grad
 from minidist.comm import world
 from minidist.comm.transports.devices import describe_binding
 from minidist.lessons.progress import progress
-from minidist.lessons.train_cli import RUN_FLAGS, prepare
+from minidist.lessons.train_cli import RUN_FLAGS, check_room, prepare, save_or_rescue
 from minidist.nn import GPT, GPTConfig, optim
 from minidist.nn.data import BatchLoader, ByteTokenizer
 from minidist.plan import estimates
@@ -189,6 +189,8 @@ def lesson(args, data):
         start = checkpoint.load(comm, args.load, state, required=True).step
         print(f"loaded step {start} from {args.load}: loss {np.mean(history.losses[-10:]):.3f} over its "
               f"last {min(10, len(history.losses))} steps")
+    if args.save:
+        check_room(comm, args.save, state, args.steps)  # before training: the run is never lost
     print(f"GPT: {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, context {block}, "
           f"{model.num_parameters():,} parameters; {len(data)} training windows")
     t0 = time.perf_counter()
@@ -198,7 +200,7 @@ def lesson(args, data):
     if losses:
         report(args, cfg, model, losses, elapsed, start, vocab)
     if args.save:
-        path = checkpoint.save(comm, args.save, start + args.steps, state)
+        path = save_or_rescue(comm, args.save, start + args.steps, state)
         print(f"saved step {start + args.steps} to {path} (continue: --load {args.save})")
     if args.plot:
         plot_losses(args.plot, history.losses, np.log(vocab),

@@ -2,20 +2,26 @@
 
 ``prepare(argv)`` parses the flags and returns ``(args, data)``: the training windows loaded, the
 ``--load`` checkpoint's model and run taken over (a size flag that disagrees with it is refused),
-``--save``'s folder checked, ``--backend`` imported. The lesson itself is ``minidist.lessons.train``.
+``--save``'s folder checked by the save's own rule, ``--backend`` imported. Once the model is built,
+``check_room`` checks the save will fit, and ``save_or_rescue`` never loses a trained run. The lesson
+itself is ``minidist.lessons.train``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+import tempfile
 
 from minidist.accel.backend import BACKENDS, get_backend
 from minidist.comm import world
 from minidist.lessons.cli import LessonParser, nonnegative_int, positive_float, positive_int
 from minidist.nn.data import ByteTokenizer, SyntheticTask, TextDataset, default_text
+from minidist.resilience import checkpoint
 from minidist.resilience.checkpoint import files as ckpt_files
 from minidist.resilience.checkpoint import folder as ckpt_folder
+from minidist.resilience.checkpoint.writer import plan_file, snapshot
 
 # the model and the run a bare `python -m minidist.lessons.train` trains (chapter 1 has the numbers)
 DEFAULTS = {"layers": 2, "d_model": 128, "heads": 4, "block": 64, "batch": 16, "lr": 3e-3}
@@ -105,19 +111,47 @@ def saved_config(root) -> dict:
 
 
 def check_save(root) -> None:
-    """``--save DIR``: a new folder inside an existing one, or a checkpoint folder minidist made."""
+    """``--save DIR``: a new folder inside an existing one, or one the save may write -- the save's own
+    rule (``folder.check``: minidist's folder of this job or an empty one, no link, nobody else's)."""
     parent = os.path.dirname(os.path.abspath(root))
     if os.path.exists(root) and not os.path.isdir(root):
         raise ValueError(f"argument --save: {root!r} is a file; give a folder for the checkpoints")
-    if not os.path.isdir(parent):
+    if not os.path.lexists(root) and not os.path.isdir(parent):
         raise ValueError(f"argument --save: folder {parent} of {root!r} does not exist")
-    if os.path.isdir(root) and ckpt_folder.owner(root) is None:
-        foreign = [e for e in os.listdir(root) if not e.startswith(("step-", "latest"))]
-        if foreign:
-            raise ValueError(f"argument --save: {root!r} holds files minidist did not write "
-                             f"({', '.join(sorted(foreign)[:3])}); give a new or empty folder")
-    if not os.access(root if os.path.isdir(root) else parent, os.W_OK):
-        raise ValueError(f"argument --save: {root!r} is not writable")
+    try:
+        ckpt_folder.check(root, os.environ.get("MINIDIST_JOB_ID"))  # the job TrainState saves as
+    except checkpoint.CheckpointError as e:
+        raise ValueError(f"argument --save: {e}") from None
+
+
+def check_room(comm, root, state, steps: int) -> None:
+    """(Before training) exit 2 with one line if ``--save``'s file system has no room for the
+    checkpoint: its file's exact size (the save reserves it; AdamW's m and v, made at the first step,
+    counted), and the manifest with ``steps`` more losses recorded."""
+    opt = state.optimizer
+    moments = 2 * sum(p.data.nbytes for p, st in zip(opt.params, opt.state) if not st)
+    need = plan_file(snapshot(comm, 0, state), 0)[2] + moments + 2 * ((64 << 10) + 32 * steps)
+    where = os.path.abspath(root)
+    while not os.path.isdir(where):
+        where = os.path.dirname(where)
+    free = ckpt_folder.free_bytes(where)
+    if 0 <= free < need:
+        sys.stderr.write(f"python -m minidist.lessons.train: error: argument --save: {root!r} has no room "
+                         f"for the checkpoint: it needs {need:,} bytes, {free:,} are free at {where}\n")
+        sys.exit(2)
+
+
+def save_or_rescue(comm, root, step: int, state) -> str:
+    """``checkpoint.save``; if it fails after all (the disk filled during training), the trained state
+    goes to a new temporary folder and the error says where: a trained run is never lost."""
+    try:
+        return checkpoint.save(comm, root, step, state)
+    except checkpoint.CheckpointError as e:
+        rescue = tempfile.mkdtemp(prefix="minidist-train-rescue-")
+        checkpoint.save(comm, rescue, step, state)
+        raise SystemExit(f"python -m minidist.lessons.train: --save {root} failed: {e}\nthe trained "
+                         f"state (step {step}) is saved in {rescue} instead: continue with --load {rescue}"
+                         ) from None
 
 
 def prepare(argv=None, doc: str = ""):

@@ -29,8 +29,9 @@ class Attempt:
     disk_full: str | None = None  # the job's note when a save found no room (or a read-only folder)
 
 
-def newest_good_checkpoint(root) -> tuple[int | None, list[str]]:
-    """(step, problems) of the checkpoint a restart will resume from, checked as ``load`` does."""
+def newest_good_checkpoint(root, job=None) -> tuple[int | None, list[str]]:
+    """(step, problems) of the checkpoint a restart of ``job`` will resume from, checked as ``load``
+    does (another job's is skipped; ``job`` None: any job's)."""
     if not root:
         return None, []
     dirs, problems = files.candidates(root)
@@ -38,6 +39,8 @@ def newest_good_checkpoint(root) -> tuple[int | None, list[str]]:
         try:
             m = files.read_manifest(d)
             bad = [e for n, meta in m["files"].items() if (e := files.check_file(d, n, meta))]
+            if job is not None and m.get("job") != job:
+                bad = [f"written by job {m.get('job')!r}, not this job {job!r}"]
         except files.CheckpointError as e:
             bad = [str(e)]
         if not bad:

@@ -86,7 +86,9 @@ class Injector:
         sys.stderr.flush()
         hb = os.environ.get("MINIDIST_HEARTBEAT_DIR")
         if hb and os.path.isdir(hb):
-            with open(os.path.join(hb, f"fault-rank-{self.rank}"), "w") as fh:
+            fd = os.open(os.path.join(hb, f"fault-rank-{self.rank}"),
+                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            with os.fdopen(fd, "w") as fh:
                 fh.write(f"{f.kind} {f.text}\n")
 
     def on_step(self, step: int) -> None:

@@ -1,6 +1,6 @@
 """``python -m minidist.launch``: start a job, watch it, restart it from its last good checkpoint.
 
-    python -m minidist.launch -n 4 --max-restarts 3 [--min-ranks 2] [--threads] [--ckpt DIR] \\
+    python -m minidist.launch -n 4 --max-restarts 3 [--min-ranks 2] [--threads] [--ckpt DIR] [--job ID] \\
         [--fault "kill:rank=1,step=5"] -- python -m minidist.lessons.fault_tolerance --ckpt DIR
 
 The job runs under ``mpirun -n N`` (``--threads``: one process given ``--ranks N``). The supervisor
@@ -9,7 +9,9 @@ watches its exit status and a heartbeat per rank (``heartbeat.py``): a rank sile
 when, finds the newest intact checkpoint under ``--ckpt`` (``attempts.py``: where the job resumes)
 and starts the job again with ``MINIDIST_RESTART`` one higher; at the end it prints each attempt
 and the steps recomputed. With ``--min-ranks`` a lost host (fault ``lose``) gives an elastic restart
-on the ranks left. Signals, full disks and the event log: chapter 10, section 4.
+on the ranks left. Each job has an id (``--job ID`` resumes one; else a new one): its checkpoint folder
+is its own. The ranks die with the supervisor, even if it is SIGKILLed (``heartbeat.started``).
+Signals, full disks and the event log: chapter 10, section 4.
 """
 
 from __future__ import annotations
@@ -26,8 +28,18 @@ import tempfile
 import time
 
 from minidist.resilience.attempts import Attempt, _dash, elastic_size, newest_good_checkpoint, recomputed
+from minidist.resilience.checkpoint import folder
 from minidist.resilience.faults import parse
-from minidist.resilience.heartbeat import STARTED, blame, heartbeat, read_heartbeats, stale_ranks
+from minidist.resilience.heartbeat import (
+    ALIVE,
+    STARTED,
+    ExitOrder,
+    blame,
+    die_with_parent,
+    heartbeat,
+    read_heartbeats,
+    stale_ranks,
+)
 
 __all__ = ["STARTED", "Attempt", "Stopped", "Supervisor", "blame", "elastic_size", "heartbeat", "main",
            "newest_good_checkpoint", "read_heartbeats", "recomputed", "stale_ranks"]
@@ -35,8 +47,9 @@ __all__ = ["STARTED", "Attempt", "Stopped", "Supervisor", "blame", "elastic_size
 
 class Supervisor:
     def __init__(self, cmd, n: int, max_restarts: int, min_ranks: int | None, threads: bool, ckpt: str | None,
-                 heartbeat_timeout: float, log: str | None, poll: float = 0.05):
+                 heartbeat_timeout: float, log: str | None, poll: float = 0.05, job: str | None = None):
         self.cmd, self.n, self.max_restarts = list(cmd), n, max_restarts
+        self.job = job or folder.new_job_id()
         self.min_ranks, self.threads, self.ckpt = min_ranks, threads, ckpt
         self.timeout, self.poll, self.log_path = heartbeat_timeout, poll, log
         self.attempts: list[Attempt] = []
@@ -64,8 +77,13 @@ class Supervisor:
 
     def run(self) -> int:
         n = self.n
+        self.say(f"job {self.job} (resume it with --job {self.job})")
+        mark = folder.owner(self.ckpt) if self.ckpt else None
+        if mark is not None and mark.get("job") != self.job:  # the job would refuse it: say so first
+            self.say(folder.refusal(self.ckpt, mark.get("job"), self.job))
+            return self.summary(1)
         for number in range(self.max_restarts + 1):
-            resumed, problems = newest_good_checkpoint(self.ckpt) if number else (None, [])
+            resumed, problems = newest_good_checkpoint(self.ckpt, self.job) if number else (None, [])
             for p in problems:
                 self.say(f"checkpoint check: {p}")
             a = Attempt(number, n, time.time(), resumed_from=resumed)
@@ -83,9 +101,8 @@ class Supervisor:
             self.log(event="failure", attempt=number, status=a.status, rank=a.failed_rank,
                      last_step=a.last_step)
             if a.disk_full:
-                self.say(f"the job stopped because a checkpoint could not be written: {a.disk_full}; a "
-                         "restart would fail the same way (free space, or give the job another --ckpt "
-                         "folder); not restarting")
+                self.say(f"the job stopped: {a.disk_full}; a restart would fail the same way (free space, "
+                         "or give the job another --ckpt folder); not restarting")
                 return self.summary(1)
             if a.last_step is None and number and self.attempts[-2].last_step is None:
                 self.say("the job failed twice before its first heartbeat: a configuration error or a "
@@ -105,12 +122,15 @@ class Supervisor:
 
     def watch(self, a: Attempt) -> int:
         hb = os.path.join(self.work, f"attempt-{a.number}")
-        os.makedirs(hb)
+        os.makedirs(os.path.join(hb, ALIVE))
+        order = ExitOrder(os.path.join(hb, ALIVE))  # which rank process ends first
         env = dict(os.environ, MINIDIST_HEARTBEAT_DIR=hb, MINIDIST_RESTART=str(a.number),
-                   MINIDIST_WORLD_RANKS=str(a.ranks))
+                   MINIDIST_WORLD_RANKS=str(a.ranks), MINIDIST_JOB_ID=self.job,
+                   MINIDIST_SUPERVISOR_PID=str(os.getpid()))
         if self.log_path:
             env["MINIDIST_SUPERVISOR_LOG"] = self.log_path
-        proc = subprocess.Popen(self.command(a.ranks), env=env, start_new_session=True)
+        proc = subprocess.Popen(self.command(a.ranks), env=env, start_new_session=True,
+                                preexec_fn=die_with_parent)  # mpirun (or the job) dies with the supervisor
         hung = None
         try:
             while (code := proc.poll()) is None:
@@ -127,6 +147,9 @@ class Supervisor:
             _stop(proc)
             a.end, a.status = time.time(), "stopped"
             raise
+        finally:
+            first = order.first()
+            order.close()
         a.end = time.time()
         beats = read_heartbeats(hb)
         a.last_step = max((s for s, _ in beats.values() if s != STARTED), default=None)
@@ -136,7 +159,7 @@ class Supervisor:
                  for f in os.listdir(hb) if f.startswith("fault-rank-")}
         a.lost = sorted(r for r, note in notes.items() if note.startswith("lose"))
         full = sorted(open(os.path.join(hb, f)).read().strip() for f in os.listdir(hb)
-                      if f.startswith("diskfull-"))
+                      if f.startswith(("diskfull-", "refused-")))
         other = [n for n in notes.values() if n.split(" ", 1)[0] in ("kill", "lose", "raise", "hang")]
         if full and not other and hung is None:  # the save failed and took the job down: not transient
             a.disk_full = full[0]
@@ -147,10 +170,15 @@ class Supervisor:
         elif notes:
             a.failed_rank = min(notes)
             why = notes[a.failed_rank]
-        else:
+        else:  # the rank that raised, else the first rank process to end, else the one behind
+            errors = {int(f[len("error-rank-"):]): open(os.path.join(hb, f)).read().strip()
+                      for f in os.listdir(hb) if f.startswith("error-rank-")}
             behind = sorted(beats.items(), key=lambda kv: (kv[1][0], kv[1][1]))
-            a.failed_rank = behind[0][0] if behind else None
+            a.failed_rank = min(errors) if errors else first if first is not None else \
+                behind[0][0] if behind else None
             why = "exit status " + (f"{code}" if code > 0 else f"signal {-code}")
+            why = f"{errors[a.failed_rank]}, {why}" if errors else \
+                f"its process ended first, {why}" if first is not None else why
         a.status = "hung" if hung is not None else f"failed ({why})"
         steps = ", ".join(f"{r}:{s}" for r, (s, _) in sorted(beats.items()))
         self.say(f"attempt {a.number} FAILED after {a.end - a.start:.2f} s: rank {_dash(a.failed_rank)}, "
@@ -183,7 +211,7 @@ class Supervisor:
                     _dash(lost)]
             print(f"  {cols[0]:>7} {cols[1]:>5} {cols[2]:>8} {cols[3]:>14} {cols[4]:>9} {cols[5]:>10}  "
                   f"{a.status}")
-        print(f"  restarts: {len(self.attempts) - 1}; steps recomputed: {total}; "
+        print(f"  restarts: {max(len(self.attempts) - 1, 0)}; steps recomputed: {total}; "
               f"wall time {time.time() - self.t0:.2f} s", flush=True)
         shutil.rmtree(self.work, ignore_errors=True)
         return code
@@ -231,6 +259,7 @@ def main(argv=None) -> int:
                     help="allow elastic restarts down to this many ranks")
     ap.add_argument("--threads", action="store_true", help="one process with --ranks N instead of mpirun")
     ap.add_argument("--ckpt", help="the job's checkpoint directory (to report what it resumes from)")
+    ap.add_argument("--job", help="the job's id: an earlier job's, to resume it (default: a new id)")
     ap.add_argument("--heartbeat-timeout", type=float, default=60.0,
                     help="seconds without a heartbeat = hung (the first step may compile: JAX)")
     ap.add_argument("--fault", help="faults to inject (sets MINIDIST_FAULT for the job; see "
@@ -249,6 +278,13 @@ def main(argv=None) -> int:
     if not (math.isfinite(args.heartbeat_timeout) and args.heartbeat_timeout > 0):
         raise SystemExit(f"minidist.launch: --heartbeat-timeout must be a finite number of seconds > 0 "
                          f"(e.g. 60; the first step may compile), got {args.heartbeat_timeout}")
+    if args.ckpt == "":
+        raise SystemExit("minidist.launch: --ckpt '': give the job's checkpoint folder, or leave --ckpt out")
+    if args.job is not None:
+        try:
+            folder.check_job_id(args.job)
+        except ValueError as e:
+            raise SystemExit(f"minidist.launch: --job: {e}") from None
     if cmd[0] == "python":
         cmd[0] = sys.executable
     if args.fault is not None:
@@ -258,7 +294,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"minidist.launch: --fault: {e}") from None
         os.environ["MINIDIST_FAULT"] = args.fault
     sup = Supervisor(cmd, args.ranks, args.max_restarts, args.min_ranks, args.threads, args.ckpt,
-                     args.heartbeat_timeout, args.log)
+                     args.heartbeat_timeout, args.log, job=args.job)
     previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         return sup.run()

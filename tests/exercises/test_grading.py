@@ -163,6 +163,8 @@ UNGRADABLE = [
     ("exit_at_import.py", "import sys\nsys.exit(0)\n", 2, ["called sys.exit(0) while being imported"]),
     ("os_exit_at_import.py", "import os\nos._exit(0)\n", 2, ["called os._exit(0) while being imported"]),
     ("picture.py", b"\x89PNG\r\n\x1a\n\x00\x01", 2, ["is not Python", "null bytes"]),
+    ("true", open("/bin/true", "rb").read(), 2, ["is not Python", "null bytes"]),  # a program, not .py
+    ("notes.txt", "def ring_all_reduce(comm, x)\n", 2, ["is not Python", "SyntaxError at line 1"]),
     ("typo.py", "def ring_all_reduce(comm, x)\n    return x\n", 2,
      ["is not Python", "SyntaxError at line 1"]),
     ("loop_at_import.py", "while True:\n    pass\n", 2, ["did not finish importing within --timeout 2 s"]),

@@ -56,6 +56,8 @@ BAD = [
     ("fault_tolerance", ["--ranks", "4", "--out", "/nonexistent/x.npz"], ["--out", "does not exist"]),
     ("fault_tolerance", ["--ranks", "4", "--fault", "bogus"], ["--fault", "unknown fault", "kill:rank=3"]),
     ("fault_tolerance", ["--ranks", "4", "--fault", "kill:rank=4,step=2"], ["--fault", "ranks 0..3"]),
+    ("fault_tolerance", ["--ranks", "2", "--ckpt", ""], ["--ckpt", "checkpoint folder '': an empty path"]),
+    ("fault_tolerance", ["--ranks", "2", "--job", "../x"], ["--job", "letters, digits"]),
     ("moe", ["--ranks", "4", "--tokens", "2"], ["--tokens", "--tokens >= 32"]),
     ("moe", ["--ranks", "3", "--experts", "4"], ["--experts", "multiple of the 3 ranks"]),
     ("mixed_precision", ["--dim", "10"], ["--dim", "multiple of the 4"]),
@@ -138,3 +140,12 @@ def test_a_lesson_whose_losses_turn_nan_fails():
     assert out.returncode == 1, out.stdout + out.stderr
     verdicts = [line for line in out.stdout.splitlines() if "relative loss difference" in line]
     assert len(verdicts) == 3 and all("nan" in v and v.endswith("FAIL") for v in verdicts), verdicts
+
+
+def test_the_tpu_lesson_refuses_a_negative_seed_in_one_line():
+    """``--seed -1`` reached the data loader and ended in its traceback."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-m", "minidist.lessons.tpu", "--seed", "-1"], capture_output=True,
+                         text=True, timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].endswith("argument --seed: must be an integer >= 0, got -1")

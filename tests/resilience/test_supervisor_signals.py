@@ -39,13 +39,13 @@ run(body, ranks=ranks)
 """
 
 
-def launch(tmp_path, n, *opts, hang=-1):
+def launch(tmp_path, n, *opts, hang=-1, wrap=()):
     script = tmp_path / "job.py"
     script.write_text(JOB)
     out = tmp_path / "pids"
     out.mkdir()
-    cmd = [sys.executable, "-m", "minidist.launch", "-n", str(n), *opts, "--", sys.executable, str(script),
-           str(out), str(hang)]
+    cmd = [sys.executable, "-m", "minidist.launch", "-n", str(n), *opts, "--", *wrap, sys.executable,
+           str(script), str(out), str(hang)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
                             cwd=ROOT), out
 
@@ -138,3 +138,51 @@ def test_a_heartbeat_timeout_that_is_not_positive_seconds_is_refused(value):
         supervisor.main(["-n", "2", "--threads", "--heartbeat-timeout", value, "--", "python", "-c", "pass"])
     assert "--heartbeat-timeout must be a finite number of seconds > 0" in str(info.value)
     assert value in str(info.value)
+
+
+@pytest.mark.parametrize("transport", ["threads", "threads, SIGTERM ignored",
+                                       pytest.param("mpi", marks=pytest.mark.mpi)])
+def test_a_sigkilled_supervisor_leaves_no_rank_running(tmp_path, transport):
+    """SIGKILL cannot be caught, so the supervisor cannot stop its job: the launcher gets SIGTERM
+    (PR_SET_PDEATHSIG), and each rank watches the supervisor itself (heartbeat.started) and stops
+    within ORPHAN_S -- also when the job ignores SIGTERM (as a launcher might: only the watch helps)."""
+    from minidist.resilience.heartbeat import ORPHAN_S
+
+    n = 2
+    opts = ["--threads"] if transport.startswith("threads") else []
+    wrap = ["sh", "-c", 'trap "" TERM; exec "$0" "$@"'] if "ignored" in transport else []
+    proc, out = launch(tmp_path, n, "--heartbeat-timeout", "60", *opts, wrap=wrap)
+    try:
+        pids = rank_pids(out, n)
+        launcher = {int(c) for t in os.listdir(f"/proc/{proc.pid}/task")
+                    for c in open(f"/proc/{proc.pid}/task/{t}/children").read().split()}
+        proc.kill()
+        proc.wait()
+        t0 = time.time()
+        left = wait_gone(pids | launcher, timeout=ORPHAN_S + 10)
+        took = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert left == set(), f"ranks survived their supervisor's SIGKILL: {left}"
+    assert took < ORPHAN_S + 3.0, f"the ranks ran on {took:.1f} s after their supervisor died"
+
+
+def test_a_job_that_does_not_watch_dies_with_its_sigkilled_supervisor_too(tmp_path):
+    """A command that never imports minidist (no watch): PR_SET_PDEATHSIG alone ends it."""
+    pidfile = tmp_path / "pid"
+    job = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)"
+    proc = subprocess.Popen([sys.executable, "-m", "minidist.launch", "-n", "1", "--threads", "--",
+                             sys.executable, "-c", job, str(pidfile)], stdout=subprocess.PIPE, text=True,
+                            env=ENV, cwd=ROOT)
+    try:
+        deadline = time.time() + 60
+        while not (pidfile.exists() and pidfile.read_text()) and time.time() < deadline:
+            time.sleep(0.05)
+        pid = int(pidfile.read_text())
+        proc.kill()
+        proc.wait()
+        assert wait_gone({pid}, timeout=5.0) == set(), "the job outlived its supervisor"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

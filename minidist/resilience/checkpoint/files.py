@@ -21,6 +21,7 @@ file may come from any of them: the first intact copy wins.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -63,6 +64,19 @@ def fsync_dir(path) -> None:
         os.close(fd)
 
 
+def open_for_write(path, truncate: bool = True, exclusive: bool = False) -> int:
+    """A descriptor to write ``path`` (made 0644 if missing), never through a symbolic link: with
+    O_NOFOLLOW a link there is ``ELOOP`` (``folder.space_error`` names it), not its target rewritten."""
+    how = os.O_EXCL if exclusive else os.O_TRUNC if truncate else 0
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | how, 0o644)
+
+
+def refuse_link(path) -> None:
+    """``OSError(ELOOP)`` if ``path`` is a symbolic link: a folder minidist replaces is never a link."""
+    if os.path.islink(path):
+        raise OSError(errno.ELOOP, "a symbolic link where minidist writes", str(path))
+
+
 def write_pieces(path, arrays, fault=None, trailer=None) -> tuple[list[dict], dict]:
     """Write host arrays back to back into ``path`` (reserved beforehand or not: it is not truncated),
     then ``trailer(pieces)`` -- the file's own account of itself, see integrity.py -- and fsync;
@@ -76,7 +90,7 @@ def write_pieces(path, arrays, fault=None, trailer=None) -> tuple[list[dict], di
         offset += a.nbytes
     tail = trailer(pieces) if trailer is not None else b""
     h = hashlib.sha256()
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644), "wb") as f:
+    with os.fdopen(open_for_write(path, truncate=False), "wb") as f:
         bufs = [memoryview(a).cast("B") if a.size else b"" for a in arrays] + [tail]
         for i, buf in enumerate(bufs):
             if fault is not None and (i > 0 or len(bufs) == 1):  # part-way: after the first piece
@@ -104,7 +118,7 @@ def read_piece(directory, piece: dict) -> np.ndarray:
 def write_json_atomic(path, obj) -> None:
     """``obj`` as compact JSON (the C encoder: an indented dump is several times slower), atomically."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    with os.fdopen(open_for_write(tmp), "w") as f:
         f.write(json.dumps(obj, separators=(",", ":")))
         f.flush()
         os.fsync(f.fileno())
@@ -115,8 +129,9 @@ def begin_step(root, step: int) -> str:
     """(Rank 0) a fresh, empty ``step-N.tmp`` directory; the leftovers of a crashed attempt are removed."""
     os.makedirs(root, exist_ok=True)
     tmp = os.path.join(root, step_dir_name(step) + ".tmp")
+    refuse_link(tmp)
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    os.mkdir(tmp)  # fails if anything is there again: the folder written into is the one made here
     return tmp
 
 
@@ -129,12 +144,13 @@ def commit_step(root, step: int, manifest: dict, keep: int) -> str:
     write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
     fsync_dir(tmp)
     final = os.path.join(root, step_dir_name(step))
+    refuse_link(final)
     if os.path.exists(final):  # the same step saved again (a restarted run): the new one replaces it
         shutil.rmtree(final)
     os.rename(tmp, final)
     fsync_dir(root)
     latest = os.path.join(root, LATEST)
-    with open(latest + ".tmp", "w") as f:
+    with os.fdopen(open_for_write(latest + ".tmp"), "w") as f:
         f.write(step_dir_name(step))
         f.flush()
         os.fsync(f.fileno())

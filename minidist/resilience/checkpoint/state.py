@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from minidist.autograd import random as mrandom
-from minidist.resilience.checkpoint import files
+from minidist.resilience.checkpoint import files, folder
 from minidist.resilience.checkpoint.errors import CheckpointError
 from minidist.resilience.checkpoint.layout import Slot, assemble, optimizer_slots, param_slots, zero_slots
 from minidist.resilience.checkpoint.writer import (
@@ -51,8 +51,8 @@ class TrainState:
     ``mesh``: recorded in the manifest, e.g. {"dp": 2, "pp": 2, "tp": 1, "zero": 0}. ``on_load``:
     functions called after a restore (mixed precision: copy the fp32 masters into the model).
     ``config``: the model's configuration (JSON), recorded; a checkpoint of another configuration is
-    refused at load, naming both. ``job``: the job's id; a checkpoint folder belongs to one job
-    (folder.py), another job's checkpoints are skipped at load (default: ``MINIDIST_JOB_ID``).
+    refused at load, naming both. ``job``: the job's id (default ``MINIDIST_JOB_ID``, which the
+    supervisor sets); a checkpoint folder belongs to one job (folder.py): another job's is refused.
     """
 
     model: object
@@ -149,6 +149,7 @@ def load(comm, root, state: TrainState, required: bool = False) -> LoadInfo:
     ``info.step`` is None (or CheckpointError if ``required``). On another mesh the arrays are
     resharded; per-rank small state (RNG streams, loader) then comes from the saved rank 0."""
     t0 = time.perf_counter()
+    folder.check_owner(comm, root, state.job)
     where, manifest, problems = files.choose(comm, root, job=state.job, any_job=False)
     warn_skipped(comm, problems, manifest)
     if where is None:

@@ -49,6 +49,13 @@ def shm_root(job: str) -> str:
     return os.path.join(base, f"minidist-{os.getuid()}-{job}")
 
 
+def sweep_shm(job) -> list[str]:
+    """Free the shared-memory tiers that killed jobs left (``folder.sweep``: claimed with ``hold``, no
+    live process holding them, not ``job``'s own). Returns the folders freed."""
+    base = os.path.dirname(shm_root("x"))
+    return folder.sweep(base, f"minidist-{os.getuid()}-", job)
+
+
 def exchange_with_buddy(comm, snap: Snapshot) -> Snapshot:
     """Send this rank's snapshot to rank + 1 and receive rank - 1's (one ``sendrecv_buffer`` of a
     JSON header and the raw bytes of the arrays): the copy this rank keeps for its neighbour."""
@@ -168,6 +175,7 @@ class Checkpointer:
         "memory" or "memory+peer")."""
         self.wait()
         t0 = time.perf_counter()
+        folder.check_owner(self.comm, [t.root for t in self.tiers], state.job)
         where, manifest, problems = files.choose(self.comm, [t.root for t in self.tiers], job=state.job,
                                                  any_job=False)
         warn_skipped(self.comm, problems, manifest)

@@ -47,8 +47,10 @@ def wait_sidecars(tmp, world: int, timeout: float, poll: float = 0.002) -> list[
     out = []
     for r, p in enumerate(paths):
         if not os.path.exists(p):
-            out.append({"error": f"rank {r}: could not write its file or its account (disk full?)",
-                        "space": True})
+            why = {"error": f"rank {r}: could not write its file or its account (disk full?)", "space": True}
+            with contextlib.suppress(OSError, ValueError), open(p[:-5] + ".failed") as f:
+                why = json.load(f)
+            out.append(why)
             continue
         with open(p) as f:
             out.append(json.load(f))
@@ -122,8 +124,6 @@ def prepare(comm, root, step: int, fault=None, job=None) -> str:
     if comm.rank == 0:
         where = os.path.join(root, files.step_dir_name(step) + ".tmp")
         try:
-            if os.path.isdir(root):
-                folder.check_writable(root)
             if fault is not None:
                 fault.before_create(where)
             folder.claim(root, job)
@@ -202,9 +202,15 @@ def write_part(root, tmp, rank: int, world: int, snap: Snapshot, keep: int = 3, 
     side = write_file(tmp, rank, snap, fault, writer, reserve=not reserved)
     try:
         write_sidecar(tmp, rank, side)
-    except OSError:
-        with contextlib.suppress(OSError):
-            open(os.path.join(tmp, f"rank-{rank:05d}.failed"), "w").close()
+    except OSError as e:
+        err = folder.space_error(e, os.path.join(tmp, f"rank-{rank:05d}.json"), 0, f"rank {rank}")
+        failed = os.path.join(tmp, f"rank-{rank:05d}.failed")
+        try:
+            space = isinstance(err, folder.CheckpointSpaceError)
+            files.write_json_atomic(failed, {"error": str(err), "space": space})
+        except OSError:  # a full disk: an empty file may still fit
+            with contextlib.suppress(OSError):
+                os.close(files.open_for_write(failed))
     if rank != 0:
         return None
     try:

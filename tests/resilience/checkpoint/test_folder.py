@@ -6,6 +6,8 @@ Read-only is injected with the ``readonly`` fault hook (tests run as root, where
 stop writes); the file-system check (``statvfs``'s read-only flag) is tested with a stand-in statvfs."""
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -20,7 +22,6 @@ from minidist.comm import run
 from minidist.lessons.fault_tolerance_job import MeshTrainer, small_config
 from minidist.resilience.checkpoint import CheckpointError, load, save
 from minidist.resilience.checkpoint import folder as folder_mod
-from minidist.resilience.checkpoint.files import CheckpointWarning
 from minidist.resilience.checkpoint.tiers import Checkpointer, Tier
 from minidist.resilience.checkpoint.writer import snapshot, write_part
 from minidist.resilience.faults import Injector
@@ -159,29 +160,81 @@ def test_a_folder_with_someone_elses_files_is_refused_and_left_alone(tmp_path):
     assert (d / "notes").exists()
 
 
-def _lesson(ckpt, cwd):
+def _lesson(ckpt, cwd, *extra, env=None):
     cmd = [sys.executable, "-m", "minidist.lessons.fault_tolerance", "--ranks", "2", "--steps", "2",
            "--disk-every", "1", "--mem-every", "0", "--fault", "none", "--ckpt", str(ckpt),
-           "--mem-dir", str(cwd / "mem")]
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    env.pop("MINIDIST_HEARTBEAT_DIR", None)
+           "--mem-dir", str(cwd / "mem"), *extra]
+    env = {k: v for k, v in os.environ.items() if k not in ("MINIDIST_HEARTBEAT_DIR", "MINIDIST_JOB_ID")} | \
+        {"OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=cwd)
 
 
-def test_the_lesson_never_deletes_a_ckpt_folder_it_did_not_create(tmp_path):
+def _tree(d):
+    return sorted(str(p.relative_to(d)) for p in Path(d).rglob("*"))
+
+
+def test_the_lesson_never_deletes_or_writes_a_ckpt_folder_it_did_not_create(tmp_path):
+    """Refused before any rank starts (exit 2, one line), nothing touched: a folder of someone else's
+    notes, the working folder, and a folder that only looks like minidist's (``latest`` and
+    ``step-00000001/results.csv``, no marker: names alone never make a folder minidist's)."""
     d = tmp_path / "D"
     d.mkdir()
     (d / "notes").write_text("keep me")
-    res = _lesson(d, tmp_path)
-    assert res.returncode != 0 and "refusing to delete it" in res.stdout + res.stderr, res.stdout + res.stderr
-    assert sorted(os.listdir(d)) == ["notes"]
-    (tmp_path / "here.txt").write_text("x")  # --ckpt . : the working folder
-    res = _lesson(".", tmp_path)
-    assert res.returncode != 0 and (tmp_path / "here.txt").exists() and (d / "notes").exists()
-    res = _lesson(tmp_path / "new", tmp_path)  # a folder it creates: used, and replaced on the next run
+    looks = tmp_path / "looks"
+    (looks / "step-00000001").mkdir(parents=True)
+    (looks / "step-00000001" / "results.csv").write_text("1,2\n")
+    (looks / "latest").write_text("step-00000001")
+    (tmp_path / "here.txt").write_text("x")
+    for ckpt, shown in ((d, "(notes)"), (".", "here.txt"), (looks, "(latest, step-00000001)")):
+        before = _tree(tmp_path / "looks"), _tree(d)
+        res = _lesson(ckpt, tmp_path)
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert "holds files minidist did not write" in res.stderr and shown in res.stderr, res.stderr
+        assert (_tree(tmp_path / "looks"), _tree(d)) == before and (tmp_path / "here.txt").exists()
+    with pytest.raises(CheckpointError, match="refusing to delete it"):
+        folder_mod.remove(str(looks))
+    assert (looks / "step-00000001" / "results.csv").read_text() == "1,2\n"
+    # as the memory tier too: refused when the ranks claim it, before a byte is written
+    res = _lesson(tmp_path / "new", tmp_path, "--mem-dir", str(looks), "--mem-every", "1")
+    assert res.returncode != 0 and "--mem-dir: checkpoint folder" in res.stdout + res.stderr
+    assert _tree(looks) == ["latest", "step-00000001", "step-00000001/results.csv"]
+
+
+def test_a_folder_belongs_to_one_job_and_the_lesson_resumes_only_with_its_job_id(tmp_path):
+    """A new folder is the job's (--job first); a second run -- a new job -- is refused, naming both
+    jobs and how to resume; the first job's id resumes it (its last checkpoint: nothing to redo)."""
+    new = tmp_path / "new"
+    res = _lesson(new, tmp_path, "--job", "first")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "step-00000002" in os.listdir(tmp_path / "new")
-    assert _lesson(tmp_path / "new", tmp_path).returncode == 0
+    assert "step-00000002" in os.listdir(new)
+    res = _lesson(new, tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert (f"checkpoint folder {new} belongs to job 'first' (its .minidist-checkpoints); this is a new job: "
+            "resume that job with `--job first`, or pick another folder") in res.stderr
+    res = _lesson(new, tmp_path, env={"MINIDIST_JOB_ID": "second"})  # as the supervisor names a job
+    assert res.returncode == 2 and "this is job 'second'" in res.stderr, res.stderr
+    res = _lesson(new, tmp_path, "--job", "first")
+    assert res.returncode == 0 and "restored from tier disk, step 2" in res.stdout, res.stdout + res.stderr
+
+
+def test_an_empty_ckpt_is_refused_before_the_job_starts(tmp_path):
+    """``--ckpt ''`` made every save fail while the job went on and exited 0."""
+    res = _lesson("", tmp_path)
+    assert res.returncode == 2 and "argument --ckpt: checkpoint folder '': an empty path" in res.stderr, \
+        res.stdout + res.stderr
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-m", "minidist.launch", "-n", "2", "--threads", "--ckpt", "", "--",
+                          sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 1 and "--ckpt '': give the job's checkpoint folder" in res.stderr, res.stderr
+
+
+def test_a_tier_whose_every_save_failed_fails_the_lesson(tmp_path):
+    """Saves that all fail protect nothing: the run says FAIL (exit 1), naming the first error."""
+    res = _lesson(tmp_path / "ro", tmp_path, "--disk-every", "1", "--fault", "readonly:rank=0,step=1;"
+                  "readonly:rank=0,step=2", "--sync")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "FAIL: every disk checkpoint of this attempt failed (the first: disk step 1:" in res.stdout, \
+        res.stdout
 
 
 # -- two jobs, one folder ------------------------------------------------------------------------------
@@ -203,14 +256,134 @@ def test_two_jobs_on_one_folder_never_resume_each_others_state(tmp_path):
     root = str(tmp_path / "shared")
     _, errors, a_final = run(_job, ranks=2, root=root, job="a", steps=2, data_seed=0)[0]
     assert errors == []
-    with pytest.warns(CheckpointWarning, match="written by job 'a', not this job 'b'"):
-        (step, problems), errors, _ = run(_job, ranks=2, root=root, job="b", steps=2, data_seed=1,
-                                          resume=True)[0]
-    assert step is None  # b starts fresh rather than from a's state
-    assert len(errors) == 2 and all(f"{root} belongs to job 'a'" in e for e in errors), errors
+    both = (f"checkpoint folder {root} belongs to job 'a' (its .minidist-checkpoints); this is job 'b': "
+            "resume that job with `--job a`, or pick another folder")
+    with pytest.raises(CheckpointError, match=re.escape(both)):  # b's load: an error, not a fresh start
+        run(_job, ranks=2, root=root, job="b", steps=2, data_seed=1, resume=True)
+    _, errors, _ = run(_job, ranks=2, root=root, job="b", steps=2, data_seed=1)[0]  # b's saves
+    assert len(errors) == 2 and all(both in e for e in errors), errors
     (step, problems), _, a_again = run(_job, ranks=2, root=root, job="a", steps=2, data_seed=0,
                                        resume=True)[0]
     assert step == 2 and problems == [] and _equal(a_again, a_final)  # a's checkpoints are untouched
+
+
+def test_of_jobs_claiming_one_empty_folder_at_once_exactly_one_wins(tmp_path):
+    """Eight claims at the same instant (threads released by one barrier): one job owns the folder,
+    the seven others are refused naming it -- the marker is linked into place, never replaced."""
+    root, n = str(tmp_path / "race"), 8
+    for trial in range(20):
+        shutil.rmtree(root, ignore_errors=True)
+        gate, won, lost = threading.Barrier(n), [], []
+
+        def claim(job, gate=gate, won=won, lost=lost):
+            gate.wait()
+            try:
+                folder_mod.claim(root, job)
+                won.append(job)
+            except CheckpointError as err:
+                lost.append(str(err))
+        threads = [threading.Thread(target=claim, args=(f"job{i}",)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        owner = folder_mod.owner(root)["job"]
+        assert won == [owner] and len(lost) == n - 1, (trial, won, lost)
+        assert all(f"belongs to job {owner!r}" in e for e in lost), lost
+        assert sorted(os.listdir(root)) == [".minidist-checkpoints"]
+
+
+# -- links and other users ----------------------------------------------------------------------------
+
+def _save_step(comm, root, step):
+    t = MeshTrainer(comm, CFG)
+    t.step()
+    try:
+        save(comm, root, step, t.state())
+    except CheckpointError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("link,target", [
+    ("latest.tmp", "file"),                   # commit: latest's temporary file
+    (".minidist-checkpoints.tmp", "file"),    # in an unmarked folder
+    (".minidist-checkpoints", "file"),        # the marker itself
+    ("step-00000002.tmp", "folder"),          # the step's temporary folder
+    ("step-00000002", "folder"),              # a finished step's name
+])
+def test_a_save_never_writes_through_a_symbolic_link(tmp_path, link, target):
+    """A real symlink planted in the checkpoint folder, pointing outside it: the save is refused with
+    an error naming the link (or goes around it), and the file or folder it points to is untouched."""
+    victim = tmp_path / "victim"
+    if target == "file":
+        victim.write_text("precious")
+    else:
+        victim.mkdir()
+        (victim / "precious").write_text("precious")
+    root = tmp_path / "ckpt"
+    marked = not link.startswith(".minidist-checkpoints")
+    if marked:
+        assert run(_save_step, ranks=2, root=str(root), step=1) == [None, None]
+    else:
+        root.mkdir()
+    os.symlink(victim, root / link)
+    errs = run(_save_step, ranks=2, root=str(root), step=2)
+    if target == "file":
+        assert victim.read_text() == "precious"
+    else:
+        assert sorted(os.listdir(victim)) == ["precious"]
+    assert os.path.islink(root / link)
+    for rank, err in enumerate(errs):
+        why = f"holds symbolic links ({link})"
+        assert err is not None and err.startswith(f"rank {rank}: ") and why in err and link in err, err
+    if marked:  # the previous checkpoint stays the latest, whole
+        assert (root / "latest").read_text() == "step-00000001"
+
+
+@pytest.mark.parametrize("link", ["latest.tmp", "step-00000001.tmp/rank-00000.bin",
+                                  "step-00000001.tmp/manifest.json.tmp",
+                                  "step-00000001.tmp/rank-00000.json.tmp"])
+def test_a_link_planted_while_a_save_is_written_is_never_written_through(tmp_path, link):
+    """After the folder was checked (``prepare``), a link appears where the save writes next: every
+    write opens with O_NOFOLLOW, so the save fails naming the link and the victim is untouched."""
+    from minidist.resilience.checkpoint.writer import prepare
+
+    victim, root = tmp_path / "victim", tmp_path / "ckpt"
+    victim.write_text("precious")
+
+    def body(comm):
+        snap = snapshot(comm, 1, MeshTrainer(comm, CFG).state())
+        tmp = prepare(comm, str(root), 1)
+        os.symlink(victim, root / link)
+        try:
+            write_part(str(root), tmp, 0, 1, snap)
+        except CheckpointError as e:
+            return str(e)
+    err = run(body, ranks=1)[0]
+    assert err is not None and "is a symbolic link; minidist never writes through one" in err, err
+    assert victim.read_text() == "precious" and not (root / "latest").exists()
+
+
+def test_a_checkpoint_folder_that_is_a_link_or_that_others_can_write_is_refused(tmp_path):
+    """0777 (the issue), group-writable, another user's, a symbolic link: each refused before a byte is
+    written, the message saying why; 0755 of this user is fine."""
+    cases = {"world": (0o777, None), "group": (0o775, None), "other user": (0o755, 65534)}
+    for name, (mode, uid) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        os.chmod(d, mode)
+        if uid is not None:
+            os.chown(d, uid, -1)
+        why = f"owned by uid {uid}" if uid is not None else f"writable by other users (mode {mode:o})"
+        assert why in run(_save_step, ranks=2, root=str(d), step=1)[0]
+        assert os.listdir(d) == [], name
+    real = tmp_path / "real"
+    real.mkdir()
+    os.symlink(real, tmp_path / "link")
+    assert "is a symbolic link (to" in run(_save_step, ranks=2, root=str(tmp_path / "link"), step=1)[0]
+    assert os.listdir(real) == []
+    os.chmod(tmp_path / "world", 0o755)
+    assert run(_save_step, ranks=2, root=str(tmp_path / "world"), step=1) == [None, None]
 
 
 def test_candidates_are_newest_first_and_the_supervisor_reports_the_newest_intact_one(tmp_path):
@@ -250,3 +423,31 @@ def test_prune_removes_leftover_temporary_folders_up_to_and_including_the_newest
     assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000005", "step-00000007.tmp"]
     prune(str(tmp_path), keep=1)
     assert sorted(os.listdir(tmp_path)) == ["step-00000005", "step-00000007.tmp"]
+
+
+def test_sweep_frees_only_held_folders_of_dead_jobs(tmp_path):
+    """``sweep`` (the killed jobs' /dev/shm tiers): a held folder whose job is dead goes; one a live
+    process holds (a real second process, its lock on the marker), this job's own, one marked without
+    ``hold`` (a library save) and one without a marker stay."""
+    for name, job, hold in (("p-dead", "dead", True), ("p-live", "live", True), ("p-mine", "me", True),
+                            ("p-library", "lib", False)):
+        folder_mod.claim(str(tmp_path / name), job)
+        if hold:  # as claim(hold=True) marks it, without this process holding the lock
+            m = tmp_path / name / ".minidist-checkpoints"
+            m.write_text(m.read_text().replace('"held": false', '"held": true'))
+    (tmp_path / "p-plain").mkdir()
+    (tmp_path / "q-dead").mkdir()  # another prefix
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; "
+                               "fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_SH); "
+                               "print('held', flush=True); time.sleep(60)",
+                               str(tmp_path / "p-live" / ".minidist-checkpoints")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        gone = folder_mod.sweep(str(tmp_path), "p-", "me")
+        assert gone == [str(tmp_path / "p-dead")]
+        assert sorted(os.listdir(tmp_path)) == ["p-library", "p-live", "p-mine", "p-plain", "q-dead"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert folder_mod.sweep(str(tmp_path), "p-", "me") == [str(tmp_path / "p-live")]  # its holder died

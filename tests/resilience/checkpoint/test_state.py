@@ -86,6 +86,9 @@ def test_each_element_is_written_once_and_every_file_is_checksummed(tmp_path, mo
 
 
 def test_keep_last_k_and_latest_is_replaced_last(tmp_path):
+    from minidist.resilience.checkpoint import folder
+
+    folder.claim(str(tmp_path), None)  # minidist's folder (its marker), where earlier saves crashed:
     (tmp_path / "step-00000000.tmp").mkdir()  # a crashed save of an older step: removed
     (tmp_path / "step-00000009.tmp").mkdir()  # a save still being written: kept
     run(_job, ranks=2, root=str(tmp_path), steps=5, save_at=(1, 2, 3, 4, 5))
