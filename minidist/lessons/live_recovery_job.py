@@ -9,6 +9,7 @@ AdamW's m and v, the loader's position, the step count, the RNG streams -- is wh
 
 ``quorum_twin`` is the serial twin: one GPT in one process; for each committed step, the gradient of
 each participating group's rows, summed in group order, divided by their number, one AdamW step.
+``LiveLocalSGDJob`` / ``local_sgd_twin``: the same with DiLoCo over the quorum (a GPT per group).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import numpy as np
 from minidist.autograd import random as mrandom
 from minidist.comm import Mesh
 from minidist.nn import GPT, GPTConfig
+from minidist.nn.serial import host_state
 from minidist.nn.data import BatchLoader, SyntheticTask
 from minidist.nn.optim import make_optimizer
+from minidist.parallel.data.live.local_sgd import QuorumLocalSGD
 from minidist.parallel.parallelize import Options, parallelize
 from minidist.parallel.tensor.sharding import sharding_table
 from minidist.parallel.tensor.slices import global_slices
@@ -123,3 +126,85 @@ def quorum_twin(cfg: GPTConfig, history, groups: int, rows: int, optimizer: str 
         opt.step()
         opt.zero_grad()
     return {k: np.array(p.data, copy=True) for k, p in model.named_parameters()}
+
+
+class LiveLocalSGDJob(LiveGPTJob):
+    """DiLoCo over the quorum: each group a serial GPT with its own AdamW (inner), an outer Nesterov step
+    every ``H`` steps over the groups present (``QuorumLocalSGD``)."""
+
+    def __init__(self, cfg, group, pos, groups, rows, H: int = 3, outer_lr: float = 0.7, momentum: float = 0.9,
+                 **kw):
+        super().__init__(cfg, group, pos, groups, rows, **kw)
+        self.H, self.outer_lr, self.momentum = H, outer_lr, momentum
+
+    def build(self, group_comm, quorum) -> None:
+        self.comm, self.model = group_comm, GPT(self.cfg)
+        self.inner = make_optimizer(self.optimizer, self.model.parameters(), self.lr)
+        self.outer = QuorumLocalSGD(self.model, quorum, self.inner, self.H, self.outer_lr, self.momentum)
+        self.loader = BatchLoader(_task(self.data_seed), self.groups * self.rows, seed=self.data_seed)
+        self.rng = np.random.default_rng(self.seed)
+        self.state = TrainState(model=self.model, optimizer=self.inner,
+                                objects={"loader": self.loader, "trainer": self, "outer": self.outer},
+                                rngs={"job": self.rng}, config=dataclasses.asdict(self.cfg))
+
+    def train_step(self, batch) -> None:
+        loss = self.model.loss(*batch)
+        loss.backward()
+        self.outer.step()
+        self.outer.zero_grad()
+        self.losses.append(float(loss.item()))
+
+    def receive_step(self) -> None:
+        self.outer.receive_step()
+
+    def local_state(self) -> dict:
+        out = super().local_state()
+        out["arrays"].update({f"outer/{k}": np.array(v, copy=True) for k, v in self.outer.arrays().items()})
+        return out
+
+    def result(self) -> dict:
+        return {"group": self.group, "pos": self.pos, "full": host_state(self.model), **self.local_state()}
+
+
+def local_sgd_twin(cfg: GPTConfig, history, groups: int, rows: int, H: int = 3, outer_lr: float = 0.7,
+                   momentum: float = 0.9, lr: float = 3e-3, data_seed: int = 0, seed: int = 0) -> dict:
+    """DiLoCo's serial twin given the quorum sequence: one GPT and AdamW per group in one process; a
+    healed group starts the step from a copy of its donor's; every H steps the mean over the step's
+    participants of (anchor - θ_g), summed in group order, makes the outer Nesterov step. Returns
+    {group: {name: host array}} of the groups alive at the end."""
+    models = {g: GPT(cfg) for g in range(groups)}
+    opts = {g: make_optimizer("adamw", models[g].parameters(), lr) for g in range(groups)}
+    anchor = np.concatenate([p.data.reshape(-1) for p in models[0].parameters()])
+    velocity = np.zeros_like(anchor)
+    loader = BatchLoader(_task(data_seed), groups * rows, seed=data_seed)
+    rng, t = np.random.default_rng(seed), 0
+    for rec in history:
+        x, y = loader.next_batch()
+        step_seed = int(rng.integers(2 ** 62))
+        for h, d in rec.healing.items():  # the healer starts from its donor's start-of-step state
+            for p, q in zip(models[h].parameters(), models[d].parameters()):
+                p.data = q.data.copy()
+            opts[h].state = [{k: v.copy() for k, v in st.items()} for st in opts[d].state]
+            opts[h].step_count = opts[d].step_count
+        for g in sorted(rec.participants):
+            mrandom.manual_seed([step_seed, g])
+            models[g].loss(x[g * rows:(g + 1) * rows], y[g * rows:(g + 1) * rows]).backward()
+            opts[g].step()
+            opts[g].zero_grad()
+        t += 1
+        if t % H:
+            continue
+        total = None
+        for g in sorted(rec.participants):
+            delta = anchor - np.concatenate([p.data.reshape(-1) for p in models[g].parameters()])
+            total = delta if total is None else total + delta
+        mean = total / len(rec.participants)
+        velocity = momentum * velocity + mean
+        anchor = anchor - outer_lr * (mean + momentum * velocity)
+        for g in list(rec.participants) + list(rec.healing):
+            offset = 0
+            for p in models[g].parameters():
+                p.data = anchor[offset:offset + p.size].reshape(p.shape).copy()
+                offset += p.size
+    alive = set(history[-1].participants) | set(history[-1].healing) if history else set()
+    return {g: {k: np.array(p.data, copy=True) for k, p in models[g].named_parameters()} for g in alive}

@@ -50,9 +50,9 @@ class LiveRun:
 
 
 def _coordinator(groups, group_size, steps, send, *, hang_timeout, rows, say, replace, newest_checkpoint,
-                 start_step=0):
+                 heal_when=None):
     return Coordinator(groups, group_size, steps, send, hang_timeout=hang_timeout, rows=rows, say=say,
-                       replace=replace, checkpoint=newest_checkpoint, start_step=start_step)
+                       replace=replace, checkpoint=newest_checkpoint, heal_when=heal_when)
 
 
 def _end(coord):
@@ -65,17 +65,18 @@ def _end(coord):
 
 def run_threads(job_factory, groups: int, group_size: int, steps: int, *, faults: str = "",
                 hang_timeout: float = 5.0, rows: int = 1, max_replacements: int = 4, checkpointer=None,
-                newest_checkpoint=None, say=print, timeout: float = 300.0) -> LiveRun:
+                newest_checkpoint=None, heal_when=None, say=print, timeout: float = 300.0) -> LiveRun:
     """Run a live job with every member a thread; ``job_factory(group, pos)`` makes a member's job.
     ``checkpointer(group_comm)``: the saving group's ``Checkpointer``; ``newest_checkpoint()``: the
-    step a whole-job restart would resume from (named by ``LastGroupLost``)."""
+    step a whole-job restart would resume from (named by ``LastGroupLost``); ``heal_when(step)``: may a
+    replacement heal in that step (LocalSGD: only in a sync step)."""
     world, lives, errors, wanted = LiveWorld(), {}, {}, []
     hub = QueueHub(world)
     coord = _coordinator(groups, group_size, steps, hub.send, hang_timeout=hang_timeout, rows=rows, say=say,
-                         replace=wanted.append, newest_checkpoint=newest_checkpoint)
+                         replace=wanted.append, newest_checkpoint=newest_checkpoint, heal_when=heal_when)
     spec, threads, injectors, budget = parse(faults), [], [], [max_replacements]
 
-    def body(member: LiveMember, m: int, slot: int):
+    def body(member: LiveMember, m: int, slot: int, life: int):
         how = "finished"
         try:
             member.run()
@@ -85,7 +86,11 @@ def run_threads(job_factory, groups: int, group_size: int, steps: int, *, faults
             how = f"killed ({e})"
             world.lose(m, how)
             hub.inbox.put((m, ("lost", how)))
-        except (LiveError, CommError) as e:
+        except CommError as e:  # a member of its group failed mid-step: the group leaves
+            how = f"left ({type(e).__name__}: {str(e).splitlines()[0]})"
+            world.lose(m, how)
+            hub.inbox.put((m, ("lost", how)))
+        except LiveError as e:
             how = f"{type(e).__name__}: {str(e).splitlines()[0]}"
             errors[m] = e
             world.lose(m, how)
@@ -96,7 +101,7 @@ def run_threads(job_factory, groups: int, group_size: int, steps: int, *, faults
             sys.stderr.write(f"[live] member {m} (slot {slot}) raised:\n{traceback.format_exc()}")
             world.lose(m, how)
             hub.inbox.put((m, ("lost", how)))
-        lives[slot][-1] = (*lives[slot][-1][:2], how)
+        lives[slot][life] = (*lives[slot][life][:2], how)
 
     def start(g: int, pos: int) -> None:
         slot = g * group_size + pos
@@ -109,7 +114,8 @@ def run_threads(job_factory, groups: int, group_size: int, steps: int, *, faults
         member = LiveMember(hub.link(m), m, lambda members, ctx, m=m: comm_over(world, members, m, ctx),
                             g, pos, job_factory(g, pos), steps, faults=inj, checkpoint=checkpointer,
                             wait_timeout=timeout)
-        t = threading.Thread(target=body, args=(member, m, slot), daemon=True, name=f"live-member-{m}")
+        t = threading.Thread(target=body, args=(member, m, slot, incarnation), daemon=True,
+                             name=f"live-member-{m}")
         lives[slot].append((incarnation, t.name, "running"))
         threads.append(t)
         t.start()
@@ -146,7 +152,8 @@ def _worker_env(address, g: int, pos: int, incarnation: int) -> dict:
 
 
 def run_agents(comm, argv, groups: int, group_size: int, steps: int, *, hang_timeout: float = 5.0,
-               rows: int = 1, max_replacements: int = 4, newest_checkpoint=None, say=print) -> LiveRun | None:
+               rows: int = 1, max_replacements: int = 4, newest_checkpoint=None, heal_when=None,
+               say=print) -> LiveRun | None:
     """Under MPI: this rank is the agent of slot ``comm.rank`` (group ``rank // group_size``); rank 0
     also runs the coordinator. ``argv``: the worker's command. Returns the ``LiveRun`` on rank 0."""
     if comm.size != groups * group_size:
@@ -165,7 +172,8 @@ def run_agents(comm, argv, groups: int, group_size: int, steps: int, *, hang_tim
             for pos in range(group_size):
                 hub.send(("agent", g * group_size + pos), ("replace",))
         coord = _coordinator(groups, group_size, steps, hub.send, hang_timeout=hang_timeout, rows=rows,
-                             say=say, replace=replace, newest_checkpoint=newest_checkpoint)
+                             say=say, replace=replace, newest_checkpoint=newest_checkpoint,
+                             heal_when=heal_when)
 
         def coordinate():
             serve(coord, hub.inbox)

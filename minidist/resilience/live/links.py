@@ -142,6 +142,10 @@ class SocketHub:
                 pass  # its connection is gone: the reader reports it lost
 
     def close(self) -> None:
+        try:
+            self.server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.server.close()
         for conn, _ in list(self.conns.values()) + list(self.agents.values()):
             try:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from minidist.comm.requests import CommError
 from minidist.resilience.live.errors import GroupLeft, LastGroupLost, LiveError, NoLivePeer, Unreachable
-from minidist.resilience.live.heal import recv_state, send_state
+from minidist.resilience.live.heal import pack_state, recv_state, send_packed
 
 
 @dataclass
@@ -54,7 +54,7 @@ class LiveMember:
         self.heals: list = []        # (step, donor member, bytes, seconds) of this member's heal
         self.donated: list = []      # (step, healer member, bytes)
         self.checkpointer = None
-        self.s, self._donations = None, []
+        self.s, self._donations, self.packed = None, [], None
 
     # -- messages --------------------------------------------------------------------------------
     def beat(self, phase: str) -> None:
@@ -109,6 +109,9 @@ class LiveMember:
             self.job.receive_step()
         else:
             self.small = self.job.state.small_state()  # what a healer starts this step from
+            # with a healer, every participant copies its state now (any of them may become the donor):
+            # the step changes it (an inner optimizer step happens before the reduction in LocalSGD)
+            self.packed = pack_state(self.job.state, self.small) if self.H else None
             self._donate()
             self._fault("compute")
             batch = self.job.begin_step(self.s)
@@ -181,11 +184,11 @@ class LiveMember:
             self._fault("donate")
             healer = self.table[h][self.pos]
             comm = self.make_comm([self.member, healer], ("q", self.s, self.attempt, "heal", self.pos))
-            box: dict = {}
+            packed, box = self.packed or pack_state(self.job.state, self.small), {}
 
-            def send(comm=comm, box=box, healer=healer):
+            def send(comm=comm, box=box, healer=healer, packed=packed):
                 try:
-                    box["bytes"] = send_state(comm, 1, self.job.state, self.small)
+                    box["bytes"] = send_packed(comm, 1, packed)
                     self.donated.append((self.s, healer, box["bytes"]))
                 except CommError as e:
                     box["error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"

@@ -49,14 +49,16 @@ class StepRecord:
 class Coordinator:
     """Decides each step's quorum (see the module docstring). ``rows``: rows of the batch per group
     (the effective batch is ``rows x |P|``); ``checkpoint()``: the newest checkpoint step, or None;
-    ``replace(group)``: asks a launcher for a replacement group."""
+    ``replace(group)``: asks a launcher for a replacement group; ``heal_when(step)``: may a replacement
+    heal during ``step`` (default: any step)."""
 
     def __init__(self, groups: int, group_size: int, steps: int, send, *, start_step: int = 0,
                  hang_timeout: float = 10.0, rows: int = 1, say=print, now=time.monotonic, replace=None,
-                 checkpoint=None, max_retries: int = 3):
+                 checkpoint=None, max_retries: int = 3, heal_when=None):
         self.G, self.k, self.steps, self.send = groups, group_size, steps, send
         self.hang_timeout, self.rows, self.say, self.now = hang_timeout, rows, say, now
         self.replace, self.checkpoint, self.max_retries = replace, checkpoint, max_retries
+        self.heal_when = heal_when  # step -> may a replacement heal in it (LocalSGD: a sync step only)
         self.groups = {g: Incarnation(g, 0, [None] * group_size) for g in range(groups)}
         self.where: dict = {}       # member -> (incarnation, position)
         self.step, self.attempt, self.retries = start_step, 0, 0
@@ -256,7 +258,8 @@ class Coordinator:
         if self.step >= self.steps:
             return  # training is over: the members send their results
         H = {g: P[0] for g, inc in self.groups.items()
-             if inc.state == "complete" and all(m in self.ready for m in self.members_of([g]))}
+             if inc.state == "complete" and all(m in self.ready for m in self.members_of([g]))
+             and (self.heal_when is None or self.heal_when(self.step))}
         for g in H:
             self.groups[g].state = "healing"
         self.pending, self.attempt, self.retries, self.reports, self.lost_now = (tuple(P), H), 0, 0, {}, []

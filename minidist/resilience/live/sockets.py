@@ -55,6 +55,13 @@ class SocketWorld(LiveWorld):
 
     def refuse(self) -> None:
         """Stop accepting connections: peers that try to reach this member fail (a fault)."""
+        self._close_server()
+
+    def _close_server(self) -> None:
+        try:
+            self.server.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone would not)
+        except OSError:
+            pass
         self.server.close()
 
     def _accept(self) -> None:
@@ -126,10 +133,7 @@ class SocketWorld(LiveWorld):
             raise Unreachable(f"member {self.member}: the link to member {dest} broke: {e}") from None
 
     def close(self) -> None:
-        try:
-            self.server.close()
-        except OSError:
-            pass
+        self._close_server()
         for s, _ in self.out.values():
             try:
                 s.close()
