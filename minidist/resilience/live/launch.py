@@ -65,11 +65,13 @@ def _end(coord):
 
 def run_threads(job_factory, groups: int, group_size: int, steps: int, *, faults: str = "",
                 hang_timeout: float = 5.0, rows: int = 1, max_replacements: int = 4, checkpointer=None,
-                newest_checkpoint=None, heal_when=None, say=print, timeout: float = 300.0) -> LiveRun:
+                newest_checkpoint=None, heal_when=None, resume: bool = False, say=print,
+                timeout: float = 300.0) -> LiveRun:
     """Run a live job with every member a thread; ``job_factory(group, pos)`` makes a member's job.
     ``checkpointer(group_comm)``: the saving group's ``Checkpointer``; ``newest_checkpoint()``: the
     step a whole-job restart would resume from (named by ``LastGroupLost``); ``heal_when(step)``: may a
-    replacement heal in that step (LocalSGD: only in a sync step)."""
+    replacement heal in that step (LocalSGD: only in a sync step); ``resume``: start from the newest
+    checkpoint (after a whole-job failure)."""
     world, lives, errors, wanted = LiveWorld(), {}, {}, []
     hub = QueueHub(world)
     coord = _coordinator(groups, group_size, steps, hub.send, hang_timeout=hang_timeout, rows=rows, say=say,
@@ -113,7 +115,7 @@ def run_threads(job_factory, groups: int, group_size: int, steps: int, *, faults
             world.unreachable.add(m)
         member = LiveMember(hub.link(m), m, lambda members, ctx, m=m: comm_over(world, members, m, ctx),
                             g, pos, job_factory(g, pos), steps, faults=inj, checkpoint=checkpointer,
-                            wait_timeout=timeout)
+                            resume=resume, wait_timeout=timeout)
         t = threading.Thread(target=body, args=(member, m, slot, incarnation), daemon=True,
                              name=f"live-member-{m}")
         lives[slot].append((incarnation, t.name, "running"))
@@ -249,7 +251,7 @@ def _agent(slot: int, address, argv, group_size: int) -> dict:
         time.sleep(0.02)
 
 
-def serve_worker(job_factory, steps: int, faults: str = "", checkpointer=None,
+def serve_worker(job_factory, steps: int, faults: str = "", checkpointer=None, resume: bool = False,
                  wait_timeout: float = 300.0) -> int:
     """A worker process (``MINIDIST_LIVE`` set by its agent): one member over TCP. Exit status 0 when
     it finished, ``LEFT`` when its group left the quorum, 1 on an error that ends the job."""
@@ -268,7 +270,7 @@ def serve_worker(job_factory, steps: int, faults: str = "", checkpointer=None,
     member = LiveMember(link, world.member,
                         lambda members, ctx: comm_over(world, members, world.member, ctx, cls=SocketComm),
                         g, pos, job_factory(g, pos), steps, faults=inj, address=world.address,
-                        checkpoint=checkpointer, wait_timeout=wait_timeout)
+                        checkpoint=checkpointer, resume=resume, wait_timeout=wait_timeout)
     try:
         member.run()
     except (GroupLeft, CommError):  # CommError: a member of this group died mid-step; the group leaves

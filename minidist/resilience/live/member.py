@@ -41,13 +41,15 @@ class ReplicaView:
 class LiveMember:
     """One rank of a live job (see the module docstring). ``make_comm(members, ctx)`` builds a
     communicator of the fabric; ``checkpoint(group_comm)``: a ``Checkpointer`` for the whole job's
-    failure (its tiers say when), saved by the lowest participating group."""
+    failure (its tiers say when), saved by the lowest participating group; ``resume``: the original
+    groups first restore its newest checkpoint (a restart after the whole job failed)."""
 
     def __init__(self, link, member: int, make_comm, group: int, pos: int, job, steps: int, *,
-                 faults=None, checkpoint=None, address=None, wait_timeout: float = 300.0):
+                 faults=None, checkpoint=None, resume: bool = False, address=None,
+                 wait_timeout: float = 300.0):
         self.link, self.member, self.make_comm = link, member, make_comm
         self.group, self.pos, self.job, self.steps = group, pos, job, steps
-        self.faults, self.checkpoint, self.address = faults, checkpoint, address
+        self.faults, self.checkpoint, self.address, self.resume = faults, checkpoint, address, resume
         self.wait_timeout = wait_timeout
         self.step = None
         self.healer = self.healed = False
@@ -82,7 +84,12 @@ class LiveMember:
         _, _, self.incarnation, members = msg
         self.group_comm = self.make_comm(members, ("g", self.group, self.incarnation))
         self.job.build(self.group_comm, self)
-        self.s = self.step = self.job.start_step if self.incarnation == 0 else None
+        start = self.job.start_step
+        if self.incarnation == 0 and self.checkpoint is not None and self.resume:
+            self.checkpointer = self.checkpoint(self.group_comm)
+            info, tier = self.checkpointer.restore(self.job.state)  # every group, from the same files
+            start = info.step if info.step is not None else start
+        self.s = self.step = start if self.incarnation == 0 else None
         self.link.send(("ready", self.step))
         while True:
             msg = self._next(f"the quorum of step {self.step}")

@@ -68,6 +68,7 @@ class Coordinator:
         self.beats: dict = {}       # member -> (time, phase, step)
         self.owed: dict = {}        # member -> time the coordinator began waiting for it
         self.history: list[StepRecord] = []
+        self.first_steps: dict = {}  # member -> the step it is ready for first (its restored checkpoint)
         self.lost_now: list = []    # (group, why) lost during the step being tried
         self.finals: dict = {}      # member -> its final result
         self.heal_log: list = []    # (step, group, member, donor, donor group, bytes, seconds)
@@ -121,6 +122,8 @@ class Coordinator:
         if member in self.where and self.where[member][0].state != "lost":
             self.ready.add(member)
             self.owed.pop(member, None)
+            if step is not None and not self.history:
+                self.first_steps[member] = step  # a job resumed from a checkpoint starts there
             self._maybe_decide()
 
     def beat(self, member: int, phase: str, step: int) -> None:
@@ -255,6 +258,13 @@ class Coordinator:
             return
         if not all(m in self.ready for m in self.members_of(P)):
             return
+        if not self.history and self.first_steps:  # the first step: where every group resumed
+            first = {self.first_steps.get(m) for m in self.members_of(P)}
+            if len(first) != 1:
+                self._fatal(f"the groups resumed from different steps {sorted(first, key=str)}")
+                return
+            self.step = first.pop()
+            self.first_steps = {}
         if self.step >= self.steps:
             return  # training is over: the members send their results
         H = {g: P[0] for g, inc in self.groups.items()
