@@ -11,11 +11,14 @@ effective batch shrinks, a replacement heals from a live peer -- parameters, Ada
 and the data position, over the transport -- and rejoins at a step boundary. At the end: each step's
 quorum, the heal, every slot's processes (the survivors' PIDs never change: ``restarts: 0``), and the
 final parameters against the serial twin given the same quorum sequence (PASS: bit-identical).
+``--plot FILE.png`` draws each group's steps (took part, healed, absent) and the step times; ``--trace
+FILE.json`` the same as a Chrome trace, one track per group.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import sys
@@ -128,7 +131,58 @@ def _report(args, run, groups, k, processes: bool) -> bool:
     kept = [s for s, n in ended.items() if n == 1]
     print(f"survivors kept their {'PIDs' if processes else 'threads'} (slots {kept}); the job was never "
           f"restarted: restarts: 0")
+    if args.plot:
+        _plot(args.plot, run, groups)
+    if args.trace:
+        _trace(args.trace, run, groups)
     return _check(args, run, groups, k)
+
+
+def _plot(path, run, groups) -> None:
+    """Groups as rows, steps as columns: took part (blue), healed (orange), absent (grey); the kills
+    (x); below, each step's wall time (the retried one is longer)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 4))
+    FigureCanvasAgg(fig)
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    for r in run.history:
+        for g in range(groups):
+            color = "#4c72b0" if g in r.participants else "#dd8452" if g in r.healing else "#cccccc"
+            top.broken_barh([(r.step - 0.45, 0.9)], (g - 0.4, 0.8), facecolors=color)
+        for g, _ in r.lost:
+            top.plot([r.step], [g], "rx", markersize=12)
+    top.set_yticks(range(groups))
+    top.set_ylabel("replica group")
+    top.invert_yaxis()
+    top.set_title("took part (blue), healing from a live peer (orange), absent (grey), failed (x)",
+                  loc="right", fontsize=9)
+    bottom.bar([r.step for r in run.history], [(r.t1 - r.t0) * 1e3 for r in run.history], color="#4c72b0")
+    bottom.set_ylabel("step (ms)")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def _trace(path, run, groups) -> None:
+    """A Chrome trace of the coordinator's view: a track per group, a span per step it took part in or
+    healed during, an instant where it was lost."""
+    t = min((r.t0 for r in run.history), default=0.0)
+    out = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": g, "args": {"name": f"group {g}"}}
+           for g in range(groups)]
+    for r in run.history:
+        for g in list(r.participants) + list(r.healing):
+            out.append({"name": f"step {r.step}" + (" (healing)" if g in r.healing else ""), "ph": "X",
+                        "pid": 0, "tid": g, "ts": (r.t0 - t) * 1e6, "dur": (r.t1 - r.t0) * 1e6,
+                        "args": {"quorum": list(r.participants), "attempts": r.attempts}})
+    for when, kind, g, what in run.events:
+        out.append({"name": f"{kind}: {what}", "ph": "i", "s": "t", "pid": 0, "tid": g,
+                    "ts": (when - t) * 1e6})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": out, "displayTimeUnit": "ms"}, f)
+    print(f"wrote {path}: {len(out)} events of {groups} groups (open in https://ui.perfetto.dev)")
 
 
 def _check(args, run, groups, k) -> bool:

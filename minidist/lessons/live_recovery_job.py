@@ -22,9 +22,9 @@ import numpy as np
 from minidist.autograd import random as mrandom
 from minidist.comm import Mesh
 from minidist.nn import GPT, GPTConfig
-from minidist.nn.serial import host_state
 from minidist.nn.data import BatchLoader, SyntheticTask
 from minidist.nn.optim import make_optimizer
+from minidist.nn.serial import host_state
 from minidist.parallel.data.live.local_sgd import QuorumLocalSGD
 from minidist.parallel.parallelize import Options, parallelize
 from minidist.parallel.tensor.sharding import sharding_table
@@ -132,8 +132,8 @@ class LiveLocalSGDJob(LiveGPTJob):
     """DiLoCo over the quorum: each group a serial GPT with its own AdamW (inner), an outer Nesterov step
     every ``H`` steps over the groups present (``QuorumLocalSGD``)."""
 
-    def __init__(self, cfg, group, pos, groups, rows, H: int = 3, outer_lr: float = 0.7, momentum: float = 0.9,
-                 **kw):
+    def __init__(self, cfg, group, pos, groups, rows, H: int = 3, outer_lr: float = 0.7,
+                 momentum: float = 0.9, **kw):
         super().__init__(cfg, group, pos, groups, rows, **kw)
         self.H, self.outer_lr, self.momentum = H, outer_lr, momentum
 

@@ -18,6 +18,7 @@ Two things a fixed world lacks:
 from __future__ import annotations
 
 import threading
+import time
 
 from minidist.comm.ledger import Ledger
 from minidist.comm.requests import RankExited
@@ -99,6 +100,24 @@ class LiveComm(ThreadComm):
             seq = self.world.posted.get(key, 0)
             self.world.posted[key] = seq + 1
         return _LiveRecv(self, source, key, seq, out, header, count)
+
+    def wait_all(self, requests: list, what: str) -> None:
+        """Wait for every request, on this member's mailbox condition (a message, a lost member or a
+        revocation wakes it): a failure is final here, so it raises at once -- the MPI transport's
+        grace for a message still arriving (waiting.py) does not apply to a mailbox."""
+        cond, start = self.world.conds[self.world_rank], time.monotonic()
+        while True:
+            with cond:
+                if all([q.test() for q in requests]):
+                    break
+                error = next((e for q in requests if not q.test() and (e := q.problem()) is not None), None)
+                if error is not None:
+                    raise error
+                if time.monotonic() - start > self.timeout:
+                    raise self.timeout_error(what, time.monotonic() - start)
+                cond.wait(0.05)
+        for q in requests:
+            q.wait()
 
     def make_channel(self, name: str) -> LiveComm:
         return type(self)(self.world, (*self.ctx, "channel", name), self.members, self.rank, self.backend,

@@ -47,6 +47,7 @@ class LiveRun:
     error: Exception | None = None
     lives: dict = field(default_factory=dict)      # slot -> [(incarnation, pid or thread, how it ended)]
     member_errors: dict = field(default_factory=dict)
+    events: list = field(default_factory=list)     # the coordinator's (time, "lost" | "healed", group, what)
 
 
 def _coordinator(groups, group_size, steps, send, *, hang_timeout, rows, say, replace, newest_checkpoint,
@@ -142,7 +143,7 @@ def run_threads(job_factory, groups: int, group_size: int, steps: int, *, faults
         inj.release.set()
     for t in threads:
         t.join(timeout=10)
-    return LiveRun(coord.history, coord.finals, coord.heal_log, coord.error, lives, errors)
+    return LiveRun(coord.history, coord.finals, coord.heal_log, coord.error, lives, errors, coord.events)
 
 
 # -- processes: agents under mpirun, workers over TCP --------------------------------------------------
@@ -194,7 +195,7 @@ def run_agents(comm, argv, groups: int, group_size: int, steps: int, *, hang_tim
         return None
     hub.close()
     return LiveRun(coord.history, coord.finals, coord.heal_log, coord.error,
-                   {s: v for d in all_lives for s, v in d.items()})
+                   {s: v for d in all_lives for s, v in d.items()}, {}, coord.events)
 
 
 def _agent(slot: int, address, argv, group_size: int) -> dict:

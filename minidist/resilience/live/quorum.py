@@ -44,6 +44,8 @@ class StepRecord:
     healing: dict = field(default_factory=dict)
     attempts: int = 1
     lost: list = field(default_factory=list)   # (group, why) lost during this step
+    t0: float = 0.0                            # when its quorum was sent, and when it committed
+    t1: float = 0.0
 
 
 class Coordinator:
@@ -72,6 +74,7 @@ class Coordinator:
         self.lost_now: list = []    # (group, why) lost during the step being tried
         self.finals: dict = {}      # member -> its final result
         self.heal_log: list = []    # (step, group, member, donor, donor group, bytes, seconds)
+        self.events: list = []      # (time, "lost" | "healed", group, what)
         self.tried: dict = {}       # (group, incarnation) -> donor groups that could not reach it
         self.error: LastGroupLost | None = None
         self.done = False
@@ -158,6 +161,7 @@ class Coordinator:
         """A healer's state arrived (its step goes on): said, and kept in ``heal_log``."""
         g = self.where[member][0].group if member in self.where else "?"
         self.heal_log.append((step, g, member, donor, donor_group, nbytes, seconds))
+        self.events.append((self.now(), "healed", g, f"from group {donor_group}"))
         self.say(f"[heal] step {step}: group {g} member {member} took {nbytes} bytes of state from member "
                  f"{donor} (group {donor_group}) in {seconds * 1e3:.1f} ms")
 
@@ -198,6 +202,7 @@ class Coordinator:
         for m in members:
             self.send(m, ("leave", f"group {g} left the quorum: {why}"))
         self.lost_now.append((g, why))
+        self.events.append((self.now(), "lost", g, why))
         if replace and self.replace is not None and not self.done:
             self.replace(g)
         if self.pending is not None and (g in self.pending[0] or g in self.pending[1]):
@@ -273,6 +278,7 @@ class Coordinator:
         for g in H:
             self.groups[g].state = "healing"
         self.pending, self.attempt, self.retries, self.reports, self.lost_now = (tuple(P), H), 0, 0, {}, []
+        self.t_step = self.now()
         self._announce()
         self._send_quorum()
 
@@ -317,7 +323,8 @@ class Coordinator:
             self.send(m, ("commit", self.step, self.attempt))
         for h in H:
             self.groups[h].state = "active"
-        self.history.append(StepRecord(self.step, P, dict(H), self.attempt + 1, list(self.lost_now)))
+        self.history.append(StepRecord(self.step, P, dict(H), self.attempt + 1, list(self.lost_now),
+                                       self.t_step, self.now()))
         self.step += 1
         took = set(self.members_of(list(P) + list(H)))
         self.pending, self.reports = None, {}

@@ -10,7 +10,12 @@ from minidist.comm import run
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.optim import make_optimizer
 from minidist.parallel.data.live.local_sgd import QuorumLocalSGD
-from minidist.parallel.data.live.quorum_ddp import QuorumDataParallel, StaticQuorum, StaticView, quorum_average
+from minidist.parallel.data.live.quorum_ddp import (
+    QuorumDataParallel,
+    StaticQuorum,
+    StaticView,
+    quorum_average,
+)
 
 
 @given(n=st.integers(1, 4), healers=st.integers(0, 2), size=st.integers(1, 50), seed=st.integers(0, 99))

@@ -45,7 +45,8 @@ def _socket_fabric(n):
     for w in worlds:
         w.addresses.update(book)
     by = {w.member: w for w in worlds}
-    return worlds, [w.member for w in worlds], (lambda m, ms, ctx: comm_over(by[m], ms, m, ctx, cls=SocketComm))
+    return worlds, [w.member for w in worlds], (
+        lambda m, ms, ctx: comm_over(by[m], ms, m, ctx, cls=SocketComm))
 
 
 @pytest.mark.parametrize("kind", ["threads", "tcp"])

@@ -14,7 +14,8 @@ from minidist.resilience.checkpoint import TrainState
 from minidist.resilience.live.errors import HealFailed
 from minidist.resilience.live.heal import pack_state, recv_state, send_packed
 
-CFG = GPTConfig(vocab_size=12, block_size=8, n_layer=1, n_head=2, d_model=8, dropout=0.1, dtype="float64", seed=1)
+CFG = GPTConfig(vocab_size=12, block_size=8, n_layer=1, n_head=2, d_model=8, dropout=0.1, dtype="float64",
+                seed=1)
 
 
 class Counter:

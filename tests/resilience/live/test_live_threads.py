@@ -193,7 +193,8 @@ def test_diloco_over_the_quorum_equals_its_twin(groups, H, step, data):
         for name, v in want[f["group"]].items():
             assert np.array_equal(f["full"][name], v), (f["group"], name)
     outer = [{k: v for k, v in f["arrays"].items() if k.startswith("outer/")} for f in r.finals.values()]
-    assert all(o.keys() == outer[0].keys() and all(np.array_equal(o[k], outer[0][k]) for k in o) for o in outer)
+    assert all(o.keys() == outer[0].keys() and all(np.array_equal(o[k], outer[0][k]) for k in o)
+               for o in outer)
 
 
 @pytest.mark.parametrize("mesh", ["pp2", "tp2"])
