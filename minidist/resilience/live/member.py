@@ -120,10 +120,9 @@ class LiveMember:
             # the step changes it (an inner optimizer step happens before the reduction in LocalSGD)
             self.packed = pack_state(self.job.state, self.small) if self.H else None
             self._donate()
-            self._fault("compute")
-            batch = self.job.begin_step(self.s)
             self.beat("compute")
-            self.job.train_step(batch)
+            self._fault("compute")
+            self.job.train_step(self.job.begin_step(self.s))
         self.step = self.s + 1
         if self.checkpoint is not None and self.saver == self.group:
             if self.checkpointer is None:
