@@ -87,19 +87,16 @@ _TABLE = [  # (these, those, why): a technique of these with one of those is ref
                      "expert gradients are not summed over the tp group: not built; use TP without sequence "
                      "parallelism"),
     (["overlap"], ["fp8"], "the FP8 wrappers run the sequence-parallel collectives unfused; use one of them"),
-    (["live"], ZERO, "ZeRO shards the optimizer state over the data-parallel replicas, so a lost replica "
-                     "group takes its shard with it and no survivor holds a copy to heal from; use DDP (live "
-                     "recovery heals whole replicas) and keep checkpoints"),
-    (["live"], ["ep"], "expert parameters differ across the ep groups carved from the replicas: a lost "
-                       "group's experts live on no survivor to heal from; use live recovery without experts"),
+    (["live"], [*ZERO, "ep"],
+     "ZeRO's optimizer-state shards and an ep group's experts each live on one replica group: a lost group "
+     "takes them with it and no survivor holds a copy to heal from; use DDP (live recovery heals whole "
+     "replicas) and keep checkpoints"),
     (["live"], ["cp"], "context parallelism averages gradients over dp x cp ranks in one DDP; a quorum over "
                        "the replica groups with cp inside each group is not built"),
-    (["live"], LOW, "MixedPrecision steps fp32 masters and agrees on skipped steps over the mesh's replicas, "
-                    "not over the step's quorum, and a heal does not move its masters or scaler: not built"),
-    (["live"], ["fp8"], "FP8's delayed-scaling amax history is state a heal does not move (no TrainState "
-                        "slot holds it): a healed replica would scale differently; not built"),
-    (["live"], ["offload"], "OffloadedAdamW keeps its state in host buffers the TrainState's optimizer slots "
-                            "do not describe, so a heal would not move it: not built"),
+    (["live"], [*LOW, "fp8", "offload"],
+     "a heal moves the TrainState (parameters, optimizer state, RNG, data position); MixedPrecision's fp32 "
+     "masters and loss scaler, FP8's amax history and OffloadedAdamW's host buffers are not in it: not "
+     "built"),
     (["live"], ["hook"], "a comm hook compresses DDP's all-reduce; live recovery averages with its own "
                          "ordered reduction over the step's quorum: use one of them"),
 ]

@@ -170,7 +170,7 @@ def _parallelize_refusal(comm, pair):
 
 #: refused pairs that are one choice of one option (one ZeRO stage, one policy, one dtype, ZeRO or
 #: DDP): parallelize cannot be asked for both; the table says why, an option's value check refuses
-ONE_CHOICE = {frozenset(p) for p in REFUSED_PAIRS if set(p) <= DP or set(p) <= set(PRECISIONS)
+ONE_CHOICE = {frozenset(p) for p in REFUSED_PAIRS if set(p) <= DP - {"live"} or set(p) <= set(PRECISIONS)
               or set(p) == {"recompute-full", "recompute-selective"}}
 
 
