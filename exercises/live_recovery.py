@@ -9,7 +9,7 @@ Grade it:  python -m minidist.grade live_recovery
 The grader runs your average on thread ranks with random numbers of participants and healers and
 compares it with the serial sum bit for bit; it asks your donor for random quorums; and it runs your
 healer's step against a survivor's, on a toy replica with a data position and an RNG.
-Lesson: lessons/10-fault-tolerance.md (section 7); minidist's answer is
+Lesson: lessons/10-fault-tolerance.md (section 6); minidist's answer is
 minidist/parallel/data/live/quorum_ddp.py (quorum_average) and minidist/resilience/live/member.py
 (LiveMember.view, LiveMember._heal), so try before you look.
 """

@@ -1,4 +1,4 @@
-"""Live recovery: a replica group is killed mid-run and training goes on (chapter 10, section 7).
+"""Live recovery: a replica group is killed mid-run and training goes on (chapter 10, section 6).
 
     mpirun -n 4 python -m minidist.lessons.live_recovery          # 4 agents, each the parent of a worker
     python -m minidist.lessons.live_recovery --ranks 4            # 4 threads of one process

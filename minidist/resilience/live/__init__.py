@@ -1,4 +1,4 @@
-"""Live recovery: training that a failure does not interrupt (chapter 10, section 7).
+"""Live recovery: training that a failure does not interrupt (chapter 10, section 6).
 
 Replica groups train with a per-step quorum; a failed group leaves it and the others finish the step
 without it; a replacement heals from a live peer over the transport and rejoins at a step boundary.
