@@ -6,7 +6,8 @@
 * ``run_agents(comm, ...)`` -- under ``mpirun``: each MPI rank is the *agent* of one slot (a position
   of one replica group). Rank 0 also runs the coordinator (a ``SocketHub``). Each agent starts its
   slot's worker process (the same command, with ``MINIDIST_LIVE`` set) and, when the coordinator asks,
-  a replacement -- so a killed worker never takes the MPI job down with it.
+  a replacement -- so a killed worker never takes the MPI job down with it. Agents beat for a
+  supervisor (``python -m minidist.launch``) with the last committed step.
 * ``serve_worker(job_factory)`` -- what such a worker runs: one member over the TCP fabric.
 
 Both return a ``LiveRun`` on the coordinator's rank: the committed steps (``history``), the members'
@@ -24,6 +25,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from minidist.comm.requests import CommError
+from minidist.resilience.heartbeat import STARTED, heartbeat
 from minidist.resilience.live.errors import GroupLeft, LiveError
 from minidist.resilience.live.fabric import LiveWorld, comm_over
 from minidist.resilience.live.faults import Killed, LiveInjector, parse
@@ -178,8 +180,16 @@ def run_agents(comm, argv, groups: int, group_size: int, steps: int, *, hang_tim
                              say=say, replace=replace, newest_checkpoint=newest_checkpoint,
                              heal_when=heal_when)
 
+        told = [coord.step]
+
+        def tell_agents():  # each committed step: the agents' heartbeats say how far the job got
+            if coord.step != told[0]:
+                told[0] = coord.step
+                for slot in range(comm.size):
+                    hub.send(("agent", slot), ("step", coord.step))
+
         def coordinate():
-            serve(coord, hub.inbox)
+            serve(coord, hub.inbox, between=tell_agents)
             for m in list(hub.conns):  # members still waiting (a late replacement): the job is over
                 hub.send(m, _end(coord))
             for slot in range(comm.size):  # every agent stops its workers
@@ -207,7 +217,7 @@ def _agent(slot: int, address, argv, group_size: int) -> dict:
     orders: list = []
     threading.Thread(target=lambda: [orders.append(m) for m in iter(lambda: read_frame(sock), None)],
                      daemon=True, name="live-agent-orders").start()
-    lives, procs = [], []
+    lives, procs, step, beat = [], [], STARTED, 0.0
 
     def spare():
         return subprocess.Popen(argv, env=dict(_worker_env(address, g, pos, 0), MINIDIST_LIVE_SPARE="1"),
@@ -237,6 +247,8 @@ def _agent(slot: int, address, argv, group_size: int) -> dict:
                 parked.wait()
                 sock.close()
                 return {slot: [tuple(x) for x in lives]}
+            if order[0] == "step":
+                step, beat = order[1], 0.0  # beat now
             if order[0] == "replace":
                 old = procs[-1]
                 if old.poll() is None:  # still there (hung, or leaving): it must not come back
@@ -249,6 +261,9 @@ def _agent(slot: int, address, argv, group_size: int) -> dict:
                 procs.append(parked)
                 lives.append([len(procs) - 1, parked.pid, "running"])
                 parked = spare()
+        if time.monotonic() - beat > 1.0:  # a supervisor (python -m minidist.launch) sees the job alive
+            heartbeat(slot, step)
+            beat = time.monotonic()
         time.sleep(0.02)
 
 
