@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from minidist.comm import ring_all_reduce, two_shot_all_reduce
 from minidist.grading import assert_close, no_hang, run_guarded, untouched
-from minidist.parallel.data.live.quorum_ddp import StaticView
+from minidist.parallel.data.live.quorum_ddp import StaticView, quorum_average
 
 GRADE = settings(max_examples=15, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 POINTS = {"quorum_average": 2, "donor_of": 1, "heal_step": 1}
@@ -127,8 +127,6 @@ CHECKS = {"quorum_average": check_quorum_average, "donor_of": check_donor_of, "h
 # -- minidist's own implementation (must pass) -------------------------------------------------------
 
 def reference():
-    from minidist.parallel.data.live.quorum_ddp import quorum_average
-
     def donor_of(quorum, group, pos):
         donor = quorum["healing"].get(group)
         return None if donor is None else quorum["table"][donor][pos]
