@@ -61,7 +61,7 @@ def _coordinator(groups, group_size, steps, send, *, hang_timeout, rows, say, re
 def _end(coord):
     """What a member still waiting hears when the job is over."""
     e = coord.error
-    return ("fatal", str(e), e.step, e.checkpoint) if e is not None else ("finish",)
+    return ("fatal", str(e), getattr(e, "step", None), getattr(e, "checkpoint", None)) if e else ("finish",)
 
 
 # -- threads ---------------------------------------------------------------------------------------

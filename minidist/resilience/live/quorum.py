@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from minidist.resilience.live.errors import LastGroupLost
+from minidist.resilience.live.errors import LastGroupLost, LiveError
 
 PHASES = ("ready", "heal", "compute", "reduce", "done")  # how far a member got in a step
 
@@ -76,7 +76,8 @@ class Coordinator:
         self.heal_log: list = []    # (step, group, member, donor, donor group, bytes, seconds)
         self.events: list = []      # (time, "lost" | "healed", group, what)
         self.tried: dict = {}       # (group, incarnation) -> donor groups that could not reach it
-        self.error: LastGroupLost | None = None
+        self.error: LiveError | None = None   # LastGroupLost, or another reason the job cannot go on
+        self.errors: dict = {}      # member -> its error report in the attempt being tried
         self.done = False
         self.last_set = None
 
@@ -140,6 +141,8 @@ class Coordinator:
         if self.pending is None or (step, attempt) != (self.step, self.attempt) or member not in self.where:
             return  # a report of an attempt already replaced
         self.reports[member] = ok
+        if error:
+            self.errors.setdefault(member, error)
         self.owed.pop(member, None)
         if unreachable:
             self._unreachable(unreachable)
@@ -150,11 +153,12 @@ class Coordinator:
             self._commit()
         elif all(m in self.reports for m in everyone):  # all answered, some failed, nobody lost: retry
             self.retries += 1
+            first = next(iter(self.errors.values()), "")
             if self.retries > self.max_retries:
-                self._fatal(f"the step failed {self.retries} times with every group alive",
-                            f"last error: {error}")
+                self._fatal(f"the step failed {self.retries} times with every group alive: a bug or a broken "
+                            f"link, not a lost replica", f"last error: {first}", lost=False)
                 return
-            self._new_attempt(f"a reduction failed without a lost member ({error}); trying again")
+            self._new_attempt(f"a reduction failed without a lost member ({first}); trying again")
 
     def healed(self, member: int, step: int, donor: int, donor_group: int, nbytes: int,
                seconds: float) -> None:
@@ -266,7 +270,7 @@ class Coordinator:
         if not self.history and self.first_steps:  # the first step: where every group resumed
             first = {self.first_steps.get(m) for m in self.members_of(P)}
             if len(first) != 1:
-                self._fatal(f"the groups resumed from different steps {sorted(first, key=str)}")
+                self._fatal(f"the groups resumed from different steps {sorted(first, key=str)}", lost=False)
                 return
             self.step = first.pop()
             self.first_steps = {}
@@ -278,6 +282,7 @@ class Coordinator:
         for g in H:
             self.groups[g].state = "healing"
         self.pending, self.attempt, self.retries, self.reports, self.lost_now = (tuple(P), H), 0, 0, {}, []
+        self.errors = {}
         self.t_step = self.now()
         self._announce()
         self._send_quorum()
@@ -310,7 +315,7 @@ class Coordinator:
                         lost[1] if lost else "")
             return
         H = {h: (d if d in P else P[0]) for h, d in H.items() if self.groups[h].state == "healing"}
-        self.pending, self.reports = (P, H), {}
+        self.pending, self.reports, self.errors = (P, H), {}, {}
         self.attempt += 1
         self.say(f"[quorum] step {self.step}, attempt {self.attempt}: {why}; groups {list(P)} finish the step"
                  + "".join(f"; group {h} heals from group {d}" for h, d in sorted(H.items())))
@@ -334,14 +339,16 @@ class Coordinator:
             self.owed.clear()
         self._maybe_decide()
 
-    def _fatal(self, what: str, why: str = "") -> None:
+    def _fatal(self, what: str, why: str = "", lost: bool = True) -> None:
+        """End the job: ``LastGroupLost`` (``lost``: no live peer holds the state), else ``LiveError``;
+        either names the checkpoint to restart from."""
         ckpt = self.checkpoint() if self.checkpoint is not None else None
         where = (f"restart the job from its checkpoint of step {ckpt} (python -m minidist.launch restarts "
                  f"it)" if ckpt is not None else "no checkpoint was saved: the job starts again from step 0")
         msg = (f"step {self.step}: {what}" + (f" ({why})" if why else "")
-               + f"; no live peer holds the state: {where}")
-        self.error = LastGroupLost(msg, self.step, ckpt)
+               + ("; no live peer holds the state" if lost else "") + f": {where}")
+        self.error = LastGroupLost(msg, self.step, ckpt) if lost else LiveError(msg)
         self.say(f"[quorum] FATAL {msg}")
         self.done = True
         for m in self.live_members():
-            self.send(m, ("fatal", msg, self.step, ckpt))
+            self.send(m, ("fatal", msg, self.step if lost else None, ckpt))

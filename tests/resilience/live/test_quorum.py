@@ -5,7 +5,7 @@ the code under test: 3 groups of 1 (members 10, 11, 12), then a replacement (mem
 
 import pytest
 
-from minidist.resilience.live.errors import LastGroupLost
+from minidist.resilience.live.errors import LastGroupLost, LiveError
 from minidist.resilience.live.quorum import Coordinator
 
 
@@ -193,3 +193,30 @@ def test_results_end_the_job_and_a_waiting_replacement_is_told_to_finish():
     assert c.done and of_kind(sent, "finish", 20) == [("finish",)]
     c.lost(10, "ended")  # its process exits after sending its result: not a failure
     assert c.groups[0].state == "active"
+
+
+def test_a_failed_reduction_with_every_group_alive_is_tried_again_then_is_an_error():
+    c, sent, said, _ = make(max_retries=2)
+    start(c)
+    for attempt in range(3):
+        for m in (10, 11, 12):
+            c.report(m, 0, attempt, m != 11, "CommTimeout: watchdog" if m == 11 else "")
+        if attempt < 2:
+            assert of_kind(sent, "quorum", 10)[-1][:4] == ("quorum", 0, attempt + 1, [0, 1, 2])
+    assert type(c.error) is LiveError and "the step failed 3 times with every group alive" in str(c.error)
+    assert "last error: CommTimeout: watchdog" in str(c.error)
+
+
+def test_groups_resumed_from_a_checkpoint_start_there_and_must_agree():
+    c, sent, _, _ = make(steps=10)
+    for g, m in enumerate((10, 11, 12)):
+        c.register(m, g, 0)
+    for m in (10, 11, 12):
+        c.ready_for(m, 6)
+    assert of_kind(sent, "quorum", 10)[0][:3] == ("quorum", 6, 0)
+    d, _, _, _ = make(steps=10)
+    for g, m in enumerate((10, 11, 12)):
+        d.register(m, g, 0)
+    for m, s in ((10, 6), (11, 6), (12, 3)):
+        d.ready_for(m, s)
+    assert "the groups resumed from different steps [3, 6]" in str(d.error)
