@@ -29,7 +29,7 @@ from minidist.resilience.heartbeat import STARTED, heartbeat
 from minidist.resilience.live.errors import GroupLeft, LiveError
 from minidist.resilience.live.fabric import LiveWorld, comm_over
 from minidist.resilience.live.faults import Killed, LiveInjector, parse
-from minidist.resilience.live.links import QueueHub, SocketHub, connect, read_frame, serve
+from minidist.resilience.live.links import QueueHub, SocketHub, connect, read_frame, serve, write_frame
 from minidist.resilience.live.member import LiveMember
 from minidist.resilience.live.quorum import Coordinator
 from minidist.resilience.live.sockets import SocketComm, SocketWorld
@@ -231,8 +231,11 @@ def _agent(slot: int, address, argv, group_size: int) -> dict:
 
     procs.append(subprocess.Popen(argv, env=_worker_env(address, g, pos, 0)))
     lives.append([0, procs[0].pid, "running"])
-    parked = spare()
+    parked, told = spare(), set()
     while True:
+        if procs[-1].poll() is not None and len(procs) not in told:  # say so: it may never have registered
+            told.add(len(procs))
+            write_frame(sock, ("exited", g, pos, len(procs) - 1, procs[-1].returncode), lock)
         while orders:
             order = orders.pop(0)
             if order[0] == "stop":

@@ -188,7 +188,8 @@ def serve(coord, inbox, tick: float = 0.05, between=None) -> None:
                 "report": lambda s, m: coord.report(s, *m[1:]),
                 "done": lambda s, m: coord.finished(s, m[1]),
                 "lost": lambda s, m: coord.lost(s, m[1]),
-                "healed": lambda s, m: coord.healed(s, *m[1:])}
+                "healed": lambda s, m: coord.healed(s, *m[1:]),
+                "exited": lambda s, m: coord.exited(*m[1:])}
     while not coord.done:
         try:
             src, msg = inbox.get(timeout=tick)

@@ -130,6 +130,26 @@ class Coordinator:
                 self.first_steps[member] = step  # a job resumed from a checkpoint starts there
             self._maybe_decide()
 
+    def exited(self, group: int, pos: int, incarnation: int, code: int) -> None:
+        """A launcher saw the process of (group, pos, incarnation) end with status ``code``. If it never
+        registered, nobody else will notice: an original group's is the end of the job (a worker that
+        cannot start fails the same way again), a replacement's leaves its group out."""
+        inc = self.groups.get(group)
+        if inc is None or self.done:
+            return
+        never = incarnation > inc.number or (incarnation == inc.number and inc.state == "joining"
+                                              and inc.members[pos] is None)
+        if not never:
+            return  # it registered: its closed link already said so
+        why = (f"the process of group {group}, position {pos} (incarnation {incarnation}) ended with status "
+               f"{code} before it registered")
+        if incarnation == 0:
+            self._fatal(why + " (see its error above)", lost=False)
+            return
+        if inc.state == "joining":
+            inc.state = "lost"
+        self.say(f"[quorum] {why}: its replacement is given up")
+
     def beat(self, member: int, phase: str, step: int) -> None:
         if member in self.where:
             self.beats[member] = (self.now(), phase, step)

@@ -220,3 +220,22 @@ def test_groups_resumed_from_a_checkpoint_start_there_and_must_agree():
     for m, s in ((10, 6), (11, 6), (12, 3)):
         d.ready_for(m, s)
     assert "the groups resumed from different steps [3, 6]" in str(d.error)
+
+
+def test_a_process_that_ends_before_it_registers_is_named_not_waited_for():
+    c, sent, said, _ = make()
+    c.register(10, 0, 0)
+    c.register(11, 1, 0)
+    c.exited(1, 0, 0, 1)    # registered: its link says it, nothing here
+    assert c.error is None
+    c.exited(2, 0, 0, 1)    # never registered: the job cannot start
+    assert type(c.error) is LiveError
+    assert "the process of group 2, position 0 (incarnation 0) ended with status 1 before it registered" \
+        in str(c.error)
+    d, _, said, _ = make(replace=lambda g: None)
+    start(d)
+    d.lost(11, "killed")
+    d.exited(1, 0, 0, -9)   # the killed one: its link said it already
+    assert "given up" not in said[-1]
+    d.exited(1, 0, 1, 1)    # its replacement died before registering: the group stays out, the job goes on
+    assert d.error is None and "its replacement is given up" in said[-1]
