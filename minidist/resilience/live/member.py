@@ -80,7 +80,7 @@ class LiveMember:
     def run(self):
         """Register, build, then one step per quorum until the last; returns the job's result."""
         self.link.send(("register", self.group, self.pos, self.address))
-        msg = self._next("the other members of group to register")
+        msg = self._next(f"the other members of group {self.group} to register")
         _, _, self.incarnation, members = msg
         self.group_comm = self.make_comm(members, ("g", self.group, self.incarnation))
         self.job.build(self.group_comm, self)
