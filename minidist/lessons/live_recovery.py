@@ -88,7 +88,8 @@ def _worker(args) -> int:
     groups, _ = _layout(args, int(os.environ["MINIDIST_LIVE_RANKS"]))
     args.ckpt = os.environ["MINIDIST_LIVE_CKPT"]
     return live_launch.serve_worker(functools.partial(_job, args, groups), args.steps, args.fault,
-                                    checkpointer=_checkpointer(args.ckpt, args.ckpt_every))
+                                    checkpointer=_checkpointer(args.ckpt, args.ckpt_every),
+                                    resume=int(os.environ.get("MINIDIST_RESTART", "0")) > 0)
 
 
 def _agents(comm, args):
@@ -113,6 +114,9 @@ def _intro(args, ranks, groups, k, how) -> None:
 def _report(args, run, groups, k, processes: bool) -> bool:
     if run.error is not None:
         print(f"FAIL: {run.error}")
+        if args.temporary_ckpt:
+            print("(the lesson kept its checkpoints in a temporary folder, now removed: give --ckpt DIR to "
+                  "keep them, and run it under python -m minidist.launch --ckpt DIR to restart from them)")
         return False
     print(f"\n{'step':>4}  {'quorum':<14}{'healing':<18}{'attempts':>8}  effective batch")
     for r in run.history:
@@ -199,7 +203,8 @@ def _check(args, run, groups, k) -> bool:
     print(f"every group's state at the end (parameters, AdamW m and v, step, data position, RNG) equal, "
           f"healed and survivors: {'yes (bit-identical)' if same else 'NO'}")
     cfg = live_config(dropout=0.1 if k == 1 else 0.0)
-    want = quorum_twin(cfg, run.history, groups, args.rows, seed=args.seed)
+    quorums = finals[0]["small"]["objects"]["trainer"]["quorums"]  # all of them, a restarted job's too
+    want = quorum_twin(cfg, quorums, groups, args.rows, seed=args.seed)
     diff = max(float(np.max(np.abs(f["full"][n] - want[n]))) for f in finals if f["full"] is not None
                for n in want)
     tol = TP_TOL if args.tp > 1 else 0.0
@@ -216,7 +221,8 @@ def main(argv=None) -> int:
     if "MINIDIST_LIVE" in os.environ:  # a worker process started by an agent
         return _worker(args)
     reject_early(p, lambda: _layout(args, world_size(args)))
-    temp = args.ckpt is None
+    temp = args.temporary_ckpt = args.ckpt is None
+    resume = int(os.environ.get("MINIDIST_RESTART", "0")) > 0  # a supervisor's restart: from the checkpoint
     if temp and (not under_mpi() or os.environ.get("PMI_RANK", "0") == "0"):
         args.ckpt = tempfile.mkdtemp(prefix="minidist-live-")
     try:
@@ -230,7 +236,7 @@ def main(argv=None) -> int:
         run = live_launch.run_threads(functools.partial(_job, args, groups), groups, k, args.steps,
                                       faults=args.fault, hang_timeout=args.hang_timeout, rows=args.rows,
                                       checkpointer=_checkpointer(args.ckpt, args.ckpt_every),
-                                      newest_checkpoint=_newest(args))
+                                      newest_checkpoint=_newest(args), resume=resume)
         return 0 if _report(args, run, groups, k, processes=False) else 1
     finally:
         if temp and args.ckpt:

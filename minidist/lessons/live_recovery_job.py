@@ -52,6 +52,7 @@ class LiveGPTJob:
         self.pp, self.tp, self.optimizer, self.lr = pp, tp, optimizer, lr
         self.data_seed, self.seed = data_seed, seed
         self.start_step, self.step_count, self.losses = 0, 0, []
+        self.quorums: list = []  # each committed step's participating groups: saved, healed, restored
 
     def build(self, group_comm, quorum) -> None:
         self.comm, self.mesh = group_comm, Mesh(group_comm, pp=self.pp, tp=self.tp)
@@ -69,10 +70,13 @@ class LiveGPTJob:
             mesh={"pp": self.pp, "tp": self.tp}, config=dataclasses.asdict(self.cfg))
 
     def state_dict(self) -> dict:
-        return {"step": self.step_count}
+        return {"step": self.step_count, "quorums": [list(q) for q in self.quorums]}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.step_count = sd["step"]
+        self.step_count, self.quorums = sd["step"], [list(q) for q in sd["quorums"]]
+
+    def committed(self, step: int, participants) -> None:
+        self.quorums.append(list(participants))
 
     def begin_step(self, step: int):
         """This step's batch rows of this group, and its dropout stream (the same on every replica)."""
@@ -104,7 +108,7 @@ class LiveGPTJob:
 def quorum_twin(cfg: GPTConfig, history, groups: int, rows: int, optimizer: str = "adamw", lr: float = 3e-3,
                 data_seed: int = 0, seed: int = 0) -> dict:
     """The serial twin given the quorum sequence: ``history`` lists, per committed step in order, its
-    participating groups (``StepRecord.participants``). Returns {name: host array}."""
+    participating groups (a ``StepRecord``, or the groups themselves). Returns {name: host array}."""
     model = GPT(cfg)
     params = list(model.parameters())
     opt = make_optimizer(optimizer, params, lr)
@@ -114,7 +118,8 @@ def quorum_twin(cfg: GPTConfig, history, groups: int, rows: int, optimizer: str 
         x, y = loader.next_batch()
         step_seed = int(rng.integers(2 ** 62))
         total = None
-        for g in sorted(rec.participants):
+        participants = getattr(rec, "participants", rec)
+        for g in sorted(participants):
             for p in params:
                 p.grad = None
             mrandom.manual_seed([step_seed, g])
@@ -122,7 +127,7 @@ def quorum_twin(cfg: GPTConfig, history, groups: int, rows: int, optimizer: str 
             grads = [np.array(p.grad, copy=True) for p in params]
             total = grads if total is None else [t + g_ for t, g_ in zip(total, grads)]
         for p, t in zip(params, total):
-            p.grad = t / len(rec.participants)
+            p.grad = t / len(participants)
         opt.step()
         opt.zero_grad()
     return {k: np.array(p.data, copy=True) for k, p in model.named_parameters()}

@@ -105,3 +105,20 @@ def test_under_the_supervisor_the_job_is_never_restarted(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS (bit-identical)" in r.stdout
     assert re.search(r"restarts: 0; steps recomputed: 0", r.stdout), r.stdout  # the supervisor's summary
+
+
+@pytest.mark.slow  # a supervised job that fails whole and is restarted
+def test_a_whole_job_failure_restarts_from_the_checkpoint_and_equals_the_twin(tmp_path):
+    """Both groups die in step 3: the error names checkpoint 2; the supervisor restarts the job, which
+    resumes there (its quorum sequence restored with it) and PASSes against the twin of all 10 steps."""
+    ckpt = str(tmp_path / "ckpt")
+    r = _run([sys.executable, "-m", "minidist.launch", "-n", "2", "--threads", "--ckpt", ckpt, "--",
+              sys.executable, "-m", "minidist.lessons.live_recovery", "--ckpt", ckpt, "--ckpt-every", "2",
+              "--fault", "kill:group=0,step=3;kill:group=1,step=3"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "the last one left, was lost" in r.stdout
+    assert "restart the job from its checkpoint of step 2" in r.stdout
+    assert "attempt 1: starting 2 ranks (newest intact checkpoint in" in r.stdout
+    assert re.search(r"^\s+2  \[0, 1\]", r.stdout, re.M) and not re.search(r"^\s+1  \[0, 1\]", r.stdout, re.M)
+    assert "max abs diff 0 -> PASS (bit-identical)" in r.stdout
+    assert "restarts: 1" in r.stdout

@@ -9,9 +9,10 @@
     unreachable:group=1,incarnation=1     the replacement of group 1 accepts no connection
 
 ``incarnation`` (default 0: the original group) picks which life of the group the fault hits, so a
-replacement does not fail the same way; without ``step`` a fault fires the first time its phase
-comes. Processes die by SIGKILL; on the threads transport the member's thread unwinds with
-``Killed`` (a hung one waits until the run ends).
+replacement does not fail the same way, and ``attempt`` (default 0) which start of the whole job
+(``MINIDIST_RESTART``: a restarted job does not fail again); without ``step`` a fault fires the
+first time its phase comes. Processes die by SIGKILL; on the threads transport the member's thread
+unwinds with ``Killed`` (a hung one waits until the run ends).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class LiveFault:
     step: int | None = None
     pos: int = 0
     incarnation: int = 0
+    attempt: int = 0
     phase: str = "compute"
     text: str = ""
 
@@ -52,10 +54,10 @@ def parse(spec: str | None) -> list[LiveFault]:
             raise ValueError(f"live fault {part!r}: unknown kind {kind!r}; known: {', '.join(KINDS)}")
         f = LiveFault(kind, text=part)
         for kv in filter(None, args.split(",")):
-            m = re.fullmatch(r"\s*(group|step|pos|incarnation)=(\d+)\s*|\s*phase=(\w+)\s*", kv)
+            m = re.fullmatch(r"\s*(group|step|pos|incarnation|attempt)=(\d+)\s*|\s*phase=(\w+)\s*", kv)
             if not m:
                 raise ValueError(f"live fault {part!r}: bad argument {kv!r}; use group=G, step=S, pos=P, "
-                                 f"incarnation=I or phase={'|'.join(PHASES)}")
+                                 f"incarnation=I, attempt=A or phase={'|'.join(PHASES)}")
             if m.group(3) is not None:
                 if m.group(3) not in PHASES:
                     raise ValueError(f"live fault {part!r}: phase={m.group(3)!r}; use one of "
@@ -72,7 +74,9 @@ class LiveInjector:
     called by the member's loop. ``process``: a real process (SIGKILL) or a thread (``Killed``)."""
 
     def __init__(self, faults, group: int, pos: int, incarnation: int, process: bool, member: int = -1):
-        self.faults = [f for f in faults if (f.group, f.pos, f.incarnation) == (group, pos, incarnation)]
+        attempt = int(os.environ.get("MINIDIST_RESTART", "0"))
+        self.faults = [f for f in faults if (f.group, f.pos, f.incarnation, f.attempt)
+                       == (group, pos, incarnation, attempt)]
         self.process, self.member, self.group = process, member, group
         self.release = threading.Event()  # threads: a hung member waits for it (set when the run ends)
 

@@ -8,7 +8,8 @@ The member is handed a *job* (resilience knows no technique), with:
 * ``begin_step(step) -> batch`` -- the step's bookkeeping every replica does alike (data, RNG);
 * ``train_step(batch)`` -- forward, backward, ``quorum.reduce``, the optimizer step;
 * ``receive_step()`` -- a healer's step: ``quorum.reduce`` (it receives the average), the optimizer step;
-* ``result()`` -- collective over the group, what it reports at the end.
+* ``result()`` -- collective over the group, what it reports at the end; optionally
+  ``committed(step, participants)`` -- told each committed step's participating groups.
 
 Per step the member waits for the coordinator's quorum. A participant records its small state (the
 heal's start-of-step state), starts sending its state to any healer it donates to, runs the step.
@@ -123,6 +124,8 @@ class LiveMember:
             self.beat("compute")
             self._fault("compute")
             self.job.train_step(self.job.begin_step(self.s))
+        if hasattr(self.job, "committed"):  # the job may keep its quorum sequence (saved with it)
+            self.job.committed(self.s, self.P)
         self.step = self.s + 1
         if self.checkpoint is not None and self.saver == self.group:
             if self.checkpointer is None:
