@@ -17,6 +17,7 @@ import queue
 import socket
 import struct
 import threading
+import traceback
 
 from minidist.resilience.live.errors import LiveError
 
@@ -195,8 +196,12 @@ def serve(coord, inbox, tick: float = 0.05, between=None) -> None:
             src, msg = inbox.get(timeout=tick)
         except queue.Empty:
             src = msg = None
-        if msg is not None and msg[0] in handlers:
-            handlers[msg[0]](src, msg)
-        coord.tick()
-        if between is not None:
-            between()
+        try:
+            if msg is not None and msg[0] in handlers:
+                handlers[msg[0]](src, msg)
+            coord.tick()
+            if between is not None:
+                between()
+        except Exception as e:  # a bug here must end the job with its error, not leave every member waiting
+            traceback.print_exc()
+            coord._fatal(f"the coordinator failed on {str(msg)[:80]}: {type(e).__name__}: {e}", lost=False)

@@ -101,15 +101,16 @@ class Coordinator:
     def register(self, member: int, group: int, pos: int) -> None:
         """Member ``member`` starts as position ``pos`` of replica group ``group`` (a replacement when
         the group's current incarnation was lost)."""
-        if not (0 <= group < self.G and 0 <= pos < self.k):
-            raise ValueError(f"member {member}: group {group}, position {pos} is not in the job's "
-                             f"{self.G} groups of {self.k}")
+        if not (0 <= group < self.G and 0 <= pos < self.k):  # refused to it; the job goes on
+            self.send(member, ("fatal", f"member {member}: group {group}, position {pos} is not in the job's "
+                                        f"{self.G} groups of {self.k}", None, None))
+            return
         inc = self.groups[group]
         if inc.state == "lost":
             inc = self.groups[group] = Incarnation(group, inc.number + 1, [None] * self.k)
         if inc.members[pos] is not None or inc.state not in ("joining",):
             self.send(member, ("fatal", f"group {group} position {pos} is taken by member "
-                                        f"{inc.members[pos]} (incarnation {inc.number})", self.step, None))
+                                        f"{inc.members[pos]} (incarnation {inc.number})", None, None))
             return
         inc.members[pos] = member
         self.where[member] = (inc, pos)
