@@ -30,8 +30,9 @@ SMALL = {
                               "--steps 4"],
     "08-offload.md": "python -m minidist.lessons.offload --ranks 2 --dim 16 --seq 8 --steps 2",
     "09-inference.md": "python -m minidist.lessons.inference --ranks 2 --steps 10 --block 64 --d-model 16",
-    "10-fault-tolerance.md": "python -m minidist.launch -n 2 --threads -- python -m "
-                             "minidist.lessons.fault_tolerance --steps 6",
+    "10-fault-tolerance.md": ["python -m minidist.launch -n 2 --threads -- python -m "
+                              "minidist.lessons.fault_tolerance --steps 6",
+                              "python -m minidist.lessons.live_recovery --ranks 4 --steps 8"],
     "11-planning.md": "python -m minidist.lessons.planning --ranks 8 --steps 3 --batch 8 --seq 8 --layers 2 "
                       "--width 16",
     "12-compression.md": "python -m minidist.lessons.compression --ranks 2 --steps 8 --layers 1 --d-model 16 "
@@ -60,6 +61,7 @@ def plot_name(chapter: str, index: int, command: str) -> str:
 # chapter -> lines whose number and order follow the measured times (regexes on the raw output):
 # each only counts as there or not (docs/expected_output.py's shape_diff), not line for line
 VOLATILE = {
+    "10-fault-tolerance.md": [r"^\s+\d+  \[[\d, ]+\]\s"],  # live recovery: the heal's step is timing
     "11-planning.md": [r"^\s*\d+ dp\d+ tp\d+ pp\d+"],  # candidate meshes, ranked by measured step time
     "13-load-balancing.md": [r"^\s*\d+\s+[\d.]+\s+[\d.]+\s+\[",  # a DP step: when shares move is timing
                              r"^shares moved after step"],

@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # the suggested order (README's course table); exercises not named here follow, alphabetically
 COURSE = ["autograd", "allreduce", "data_parallel", "zero", "tensor_parallel", "collective_matmul",
           "pipeline", "zero_bubble", "checkpointing", "mixed_precision", "fp8", "offload", "kv_cache",
-          "speculative", "three_d", "fault_tolerance", "compression", "load_balancing", "long_context", "moe"]
+          "speculative", "three_d", "fault_tolerance", "live_recovery", "compression", "load_balancing",
+          "long_context", "moe"]
 MAX_LINES = 12  # lines of a failure's message shown without -v
 
 

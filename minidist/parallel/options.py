@@ -23,11 +23,13 @@ class Options:
     an activation-recomputation policy ("full", "sqrt", "every_k", "selective") per stage chunk;
     ``precision``: "bf16" | "fp16" (None, "fp32": none), ``loss_scale`` fp16's initial; ``zero``: 1, 2
     or 3 (ZeRO instead of DDP); ``comm_hook``: (state, hook) for DDP's buckets (the state is one rank's:
-    give it on that rank, ``dataclasses.replace``); ``offload``: AdamW's
-    state in host memory; ``fp8``: an ``Fp8Recipe``; ``collective_matmul``: the sequence-parallel
-    collectives overlapped with the GEMMs; ``cp_mode``: "ring" | "ulysses" | "hybrid" (``ulysses_size``
-    its Ulysses groups), ``layout``: the cp chunk assignment; ``moe``: ``moe_gpt``'s arguments, experts
-    split over ep groups carved from dp; ``layer_costs``: one per layer, for a balanced cut."""
+    give it on that rank, ``dataclasses.replace``); ``offload``: AdamW's state in host memory; ``live``:
+    live recovery, the gradients averaged over each step's quorum of replica groups (True: every replica
+    every step; a live job's member: its quorum, chapter 10); ``fp8``: an ``Fp8Recipe``;
+    ``collective_matmul``: the sequence-parallel collectives overlapped with the GEMMs; ``cp_mode``:
+    "ring" | "ulysses" | "hybrid" (``ulysses_size`` its Ulysses groups), ``layout``: the cp chunk
+    assignment; ``moe``: ``moe_gpt``'s arguments, experts split over ep groups carved from dp;
+    ``layer_costs``: one per layer, for a balanced cut."""
 
     dp: int = 1
     pp: int = 1
@@ -50,6 +52,7 @@ class Options:
     loss_scale: float | None = None
     zero: int | None = None
     comm_hook: tuple | None = None
+    live: object = None
     optimizer: str = "sgd"
     lr: float = 0.1
     offload: bool = False
@@ -130,6 +133,9 @@ def check_values(o: Options, cfg, built: bool = False, rank: int = 0) -> None:
         raise ValueError(f"rank {rank}: fp8 delayed scaling with schedule='dualpipe': each of its two model "
                          "copies would keep its own amax history, from half of the microbatches, and the "
                          "copies would round alike no more; use Fp8Recipe('block') or 'current'")
+    if o.live is not None and o.live is not True and not callable(getattr(o.live, "reduce", None)):
+        raise ValueError(f"rank {rank}: live={o.live!r}; use None, True (every replica takes part in every "
+                         "step) or a live job's quorum (minidist.resilience.live: an object with reduce(fn))")
     if o.collective_matmul and not (o.sequence_parallel and o.tp > 1):
         raise ValueError(f"rank {rank}: collective_matmul=True overlaps sequence parallelism's collectives; "
                          f"it needs sequence_parallel=True and tp > 1 (got sequence_parallel="

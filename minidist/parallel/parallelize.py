@@ -9,8 +9,9 @@
 transforms -- TP / sequence parallelism (``TPGPT``), experts, context parallelism, collective matmul,
 FP8 Linears; 2. the pipeline cut (without ZeRO a ``PipelineStage``; DualPipe's holds a piece of each
 of two model copies, whose gradients the runtime sums); 3. recomputation per stage chunk; 4. mixed
-precision over the stage's layers; 5. data parallelism over the replicas (DDP on the stage, or ZeRO
-on the model); 6. the optimizer (host offload: ``OffloadedAdamW``). Chapter 3 says why this order.
+precision over the stage's layers; 5. data parallelism over the replicas (DDP on the stage, ZeRO on
+the model, or live recovery over each step's quorum of replica groups); 6. the optimizer (host
+offload: ``OffloadedAdamW``). Chapter 3 says why this order.
 
 ``REFUSED`` is the one table of refusals. ``check`` validates every flag once, before any rank starts:
 the mesh and the values (``options.py``), each pair of chosen techniques against the table (a
@@ -28,6 +29,7 @@ from minidist.autograd import ops
 from minidist.nn.module import Module, ModuleList
 from minidist.parallel.context.model import context_parallel
 from minidist.parallel.data.ddp import DistributedDataParallel
+from minidist.parallel.data.live.quorum_ddp import QuorumDataParallel, StaticQuorum
 from minidist.parallel.data.zero import ZeRO
 from minidist.parallel.experts.model import expert_names, moe_gpt
 from minidist.parallel.memory.fp8 import fp8_linear
@@ -50,7 +52,7 @@ TECHNIQUES = {"tp": "TP", "sp": "sequence parallel", "ep": "experts (MoE)", "cp"
               "fp8": "FP8 training", "pp": "pipeline (PP)", "recompute-full": "recompute (full)",
               "recompute-selective": "recompute (selective)", "bf16": "bf16 mixed precision",
               "fp16": "fp16 mixed precision", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2",
-              "zero3": "ZeRO-3", "offload": "host offload"}
+              "zero3": "ZeRO-3", "live": "live recovery", "offload": "host offload"}
 ORDER = tuple(TECHNIQUES)
 #: options that change how a technique runs (sequence parallelism's, DDP's): in the table, not the grid
 MODES = {"overlap": "collective matmul", "hook": "a DDP comm hook"}
@@ -85,6 +87,18 @@ _TABLE = [  # (these, those, why): a technique of these with one of those is ref
                      "expert gradients are not summed over the tp group: not built; use TP without sequence "
                      "parallelism"),
     (["overlap"], ["fp8"], "the FP8 wrappers run the sequence-parallel collectives unfused; use one of them"),
+    (["live"], [*ZERO, "ep"],
+     "ZeRO's optimizer-state shards and an ep group's experts each live on one replica group: a lost group "
+     "takes them with it and no survivor holds a copy to heal from; use DDP (live recovery heals whole "
+     "replicas) and keep checkpoints"),
+    (["live"], ["cp"], "context parallelism averages gradients over dp x cp ranks in one DDP; a quorum over "
+                       "the replica groups with cp inside each group is not built"),
+    (["live"], [*LOW, "fp8", "offload"],
+     "a heal moves the TrainState (parameters, optimizer state, RNG, data position); MixedPrecision's fp32 "
+     "masters and loss scaler, FP8's amax history and OffloadedAdamW's host buffers are not in it: not "
+     "built"),
+    (["live"], ["hook"], "a comm hook compresses DDP's all-reduce; live recovery averages with its own "
+                         "ordered reduction over the step's quorum: use one of them"),
 ]
 #: the one table of refusals: {technique, technique} -> why
 REFUSED = {frozenset((a, b)): why for these, those, why in _TABLE for a in these for b in those if a != b}
@@ -96,6 +110,7 @@ def techniques(o: Options) -> list[str]:
     on = {"tp": o.tp > 1, "sp": o.sequence_parallel, "ep": o.moe is not None, "cp": o.cp > 1,
           "fp8": o.fp8 is not None, "pp": o.pp > 1, o.precision: o.precision in LOW,
           "ddp": not o.zero and o.dp * o.cp > 1, f"zero{o.zero}": bool(o.zero), "offload": o.offload,
+          "live": o.live is not None,
           "overlap": o.collective_matmul, "hook": o.comm_hook is not None}
     if o.recompute not in (None, "none"):
         on["recompute-selective" if o.recompute == "selective" else "recompute-full"] = True
@@ -174,10 +189,13 @@ def parallelize(cfg_or_model, mesh, opts: Options | None = None, **flags) -> Par
                                 loss_fn=loss_fn)
         stage.loss_fn = scaled_loss(loss_fn, par.mp)
         params = par.mp.master_params
-    # 5. data parallelism over the replicas; experts are synced over their own group at the step
+    # 5. data parallelism over the replicas (live: over the step's quorum of replica groups); experts are
+    # synced over their own group at the step
     names = expert_names(par.layers())
     par.experts = [p for k, p in stage.named_parameters() if k in names]
-    if o.dp * o.cp > 1:
+    if o.live is not None:
+        par.dp = QuorumDataParallel(stage, StaticQuorum(replicas) if o.live is True else o.live)
+    elif o.dp * o.cp > 1:
         par.dp = DistributedDataParallel(stage, replicas, broadcast_from=None, ignore=par.experts)
         if o.comm_hook is not None:
             par.dp.register_comm_hook(*o.comm_hook)
@@ -198,8 +216,13 @@ def matrix_markdown() -> str:
         cells = ["·" if a == b else f"✗ {note((a, b))}" if frozenset((a, b)) in REFUSED else "✓"
                  for b in ORDER]
         lines.append(f"| **{short[a]}** | " + " | ".join(cells) + " |")
-    modes = [f"{MODES[m]} with " + ", ".join(TECHNIQUES[t] for t in ORDER if frozenset((m, t)) in REFUSED)
-             + f" ({note((m, next(t for t in ORDER if frozenset((m, t)) in REFUSED)))})" for m in MODES]
+    modes = []
+    for m in MODES:  # one phrase per reason: "a DDP comm hook with ZeRO-1, ZeRO-2 (n)"
+        by_note: dict = {}
+        for t in ORDER:
+            if frozenset((m, t)) in REFUSED:
+                by_note.setdefault(note((m, t)), []).append(TECHNIQUES[t])
+        modes += [f"{MODES[m]} with {', '.join(ts)} ({n})" for n, ts in by_note.items()]
     return "\n".join(lines + ["", "Also refused: " + "; ".join(modes) + ".", ""]
                      + [f"{n}. {why}" for why, n in notes.items()])
 

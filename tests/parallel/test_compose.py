@@ -49,7 +49,7 @@ EXACT_TOL = 1e-10
 LOW_TOL = {"bf16": 5e-3, "fp16": 5e-4}  # measured: 1.1e-3 and 1.7e-4 at most
 FP8 = Fp8Recipe("block", block=4)  # 4 divides every Linear's tp = 2 shard (8, 24, 32 columns / rows)
 FP8_TOL = 1e-6  # fp32 only the summation order differs (measured 3e-8 at most); the tiles are row-local
-DP = {"ddp", "zero1", "zero2", "zero3"}
+DP = {"ddp", "zero1", "zero2", "zero3", "live"}  # live recovery: DDP over a quorum (every replica, here)
 PRECISIONS = ("bf16", "fp16")
 MOE = dict(n_experts=2, k=1)
 
@@ -98,6 +98,8 @@ def _options(pair) -> dict:
         opts["moe"] = MOE
     if "fp8" in t:
         opts["fp8"] = FP8
+    if "live" in t:
+        opts["live"] = True
     return dict(opts, sequence_parallel="sp" in t, offload="offload" in t,
                 optimizer="adamw" if "offload" in t else "sgd", lr=LR_ADAM if "offload" in t else LR_SGD,
                 microbatches=2 if "pp" in t else 1, loss_scale=LOSS_SCALE)
@@ -195,7 +197,7 @@ def _parallelize_refusal(comm, pair):
 
 #: refused pairs that are one choice of one option (one ZeRO stage, one policy, one dtype, ZeRO or
 #: DDP): parallelize cannot be asked for both; the table says why, an option's value check refuses
-ONE_CHOICE = {frozenset(p) for p in REFUSED_PAIRS if set(p) <= DP or set(p) <= set(PRECISIONS)
+ONE_CHOICE = {frozenset(p) for p in REFUSED_PAIRS if set(p) <= DP - {"live"} or set(p) <= set(PRECISIONS)
               or set(p) == {"recompute-full", "recompute-selective"}}
 
 
@@ -218,6 +220,7 @@ def _mode_refusal(comm, sizes, **kw):
 @pytest.mark.parametrize("mode,technique,sizes,kw", [
     ("overlap", "fp8", dict(tp=2), dict(sequence_parallel=True, collective_matmul=True, fp8=FP8)),
     ("hook", "zero1", dict(dp=2), dict(zero=1, comm_hook=make_hook("dense"))),
+    ("hook", "live", dict(dp=2), dict(live=True, comm_hook=make_hook("dense"))),
 ])
 def test_a_mode_refused_with_a_technique_names_both(mode, technique, sizes, kw):
     """The table's rows for an option that changes how a technique runs (collective matmul: how

@@ -36,6 +36,15 @@ class Fragment:
         self.pending = None   # (step due, handles, θ at the send) of an overlapped sync
 
 
+def outer_step(frag: Fragment, i: int, outer_grad, outer_lr: float, momentum: float, nesterov: bool = True):
+    """The outer (Nesterov) step of fragment ``frag``'s bucket i with the averaged Δ̄; returns the new
+    anchor: ``v = μ·v + Δ̄; anchor -= outer_lr·(Δ̄ + μ·v)`` (or ``v`` without Nesterov)."""
+    v = frag.velocity[i] = momentum * frag.velocity[i] + outer_grad
+    update = outer_grad + momentum * v if nesterov else v
+    frag.anchors[i] = frag.anchors[i] - outer_lr * update
+    return frag.anchors[i]
+
+
 class LocalSGD:
     """H local steps of ``inner`` per sync of the parameter delta over ``comm`` (see module docstring).
 
@@ -113,11 +122,7 @@ class LocalSGD:
         frag.pending = None
         p = self.comm.size
         for i, (b, handle) in enumerate(zip(frag.buckets, handles)):
-            outer_grad = handle.wait() / p
-            v = frag.velocity[i] = self.momentum * frag.velocity[i] + outer_grad
-            update = outer_grad + self.momentum * v if self.nesterov else v
-            frag.anchors[i] = frag.anchors[i] - self.outer_lr * update
-            theta = frag.anchors[i]
+            theta = outer_step(frag, i, handle.wait() / p, self.outer_lr, self.momentum, self.nesterov)
             if self.overlap:  # keep what the inner steps did while the sync was in flight
                 theta = theta + (b.flatten([q.data for q in b.params]) - sent[i])
             for q, v_ in zip(b.params, b.views(theta.copy())):
