@@ -3,26 +3,16 @@
     python -m minidist.launch -n 4 -- python -m minidist.lessons.fault_tolerance
     python -m minidist.launch -n 4 --threads -- python -m minidist.lessons.fault_tolerance
 
-Under the supervisor (``python -m minidist.launch``) the first attempt kills its last rank with SIGKILL in
-the middle of training (``--fault``, default ``kill:rank=N-1,step=STEPS/2+1``; any
-``minidist.resilience.faults`` spec). Every ``--mem-every`` steps each rank's shard goes to shared memory
-(tier 1), every ``--disk-every`` steps to disk (tier 2), both written by a background thread. The
-supervisor restarts the job, which restores from the newest intact tier and trains on. At the end
-rank 0 prints the failure, the tier recovered from and how long that took, the steps lost, and
-checks the final parameters against a run that never failed: bit for bit (PASS), or after an
-elastic restart on fewer ranks, against the serial twin within a tolerance. ``--plot FILE.png``
-draws the timeline of all attempts; the Young/Daly checkpoint interval is computed from the
-measured save time. Run alone (no supervisor) it trains without a fault and says how to add one.
-The job's id is the supervisor's (``MINIDIST_JOB_ID``) or ``--job``: its folders are claimed for it
-before training (another job's are refused), and without ``--ckpt`` its disk tier is a folder of its
-own, removed when it succeeds; ``--job ID`` resumes an earlier job.
-
-Under mpirun the killed rank makes MPICH print a "BAD TERMINATION" banner; the rank about to die
-says first that the banner is this injected kill, and expected. After a restart rank 0 says which
-attempt resumed from which step. ``--trace FILE.json`` holds every attempt: a killed attempt never
-reaches the end, so each rank appends its spans to a part file after every step
-(``minidist.resilience.timeline.AttemptTrace``), and the last attempt merges all parts into
-FILE.json, one Chrome trace process per attempt.
+Under the supervisor (``python -m minidist.launch``) the first attempt kills its last rank in the
+middle of training (``--fault``, any ``minidist.resilience.faults`` spec). Every ``--mem-every``
+steps each rank's shard goes to shared memory (tier 1), every ``--disk-every`` steps to disk (tier
+2), both written by a background thread. The supervisor restarts the job from the newest intact
+tier; rank 0 prints the failure, the tier recovered from, the steps lost, and checks the final
+parameters against a run that never failed (bit for bit; after an elastic restart, the serial twin
+within a tolerance). The job's id is the supervisor's (``MINIDIST_JOB_ID``) or ``--job``: its folders
+are claimed for it before training, and ``--job ID`` resumes an earlier job. ``--plot`` draws every
+attempt's timeline, ``--trace`` merges every attempt's spans (each rank appends its part after every
+step: a killed attempt never reaches the end). Chapter 10 walks through it.
 """
 
 from __future__ import annotations
