@@ -168,21 +168,39 @@ def train(comm, args, name, batches, held_out, bar=None):
             "first_s": times[0], "evals": evals, "n_params": sum(q.size for q in model.parameters())}
 
 
+def ratio_cell(dense_bytes: float, sent: float) -> str:
+    """The ratio column (8 wide): dense's bytes over the method's, "-" where it sent none (DiLoCo
+    before its first sync: the ratio is undefined, not dense's byte count)."""
+    return f"{dense_bytes / sent:>7.1f}x" if sent > 0 else f"{'-':>8}"
+
+
+def table_row(r: dict, dense: dict) -> str:
+    """One method's row: bytes per step beside the formula, ratio, loss, step time, checks."""
+    steps, good = len(r["sent"]), r["total"] == r["formula"] and r["identical"]
+    return (f"{r['name']:<18}{r['total'] / steps:>12.0f}{r['formula'] / steps:>12.0f}"
+            f"{ratio_cell(dense['total'], r['total'])}{r['final']:>12.4f}"
+            f"{100 * (r['final'] / dense['final'] - 1):>+9.1f}%{1e3 * r['step_s']:>9.1f}"
+            f"{dense['step_s'] / r['step_s']:>8.1f}x  "
+            f"bytes {'==' if r['total'] == r['formula'] else '!='} formula, replicas "
+            f"{'identical' if r['identical'] else 'DIFFER'}: {'PASS' if good else 'FAIL'}")
+
+
+def table_header() -> str:
+    return (f"{'method':<18}{'bytes/step':>12}{'formula':>12}{'ratio':>8}{'final loss':>12}"
+            f"{'vs dense':>10}{'ms/step':>9}{'speed-up':>9}  checks")
+
+
 def table(comm, results: list, p: int) -> bool:
     dense = results[0]
-    rprint(comm, f"{'method':<18}{'bytes/step':>12}{'formula':>12}{'ratio':>8}{'final loss':>12}"
-                 f"{'vs dense':>10}{'ms/step':>9}{'speed-up':>9}  checks")
+    rprint(comm, table_header())
     ok = True
     for r in results:
-        steps = len(r["sent"])
-        good = r["total"] == r["formula"] and r["identical"]
-        ok &= good
-        rprint(comm, f"{r['name']:<18}{r['total'] / steps:>12.0f}{r['formula'] / steps:>12.0f}"
-                     f"{dense['total'] / max(r['total'], 1):>7.1f}x{r['final']:>12.4f}"
-                     f"{100 * (r['final'] / dense['final'] - 1):>+9.1f}%{1e3 * r['step_s']:>9.1f}"
-                     f"{dense['step_s'] / r['step_s']:>8.1f}x  "
-                     f"bytes {'==' if r['total'] == r['formula'] else '!='} formula, replicas "
-                     f"{'identical' if r['identical'] else 'DIFFER'}: {'PASS' if good else 'FAIL'}")
+        ok &= r["total"] == r["formula"] and r["identical"]
+        rprint(comm, table_row(r, dense))
+    silent = [r["name"] for r in results if r["total"] == 0]
+    if silent:
+        rprint(comm, f"(ratio -: {', '.join(silent)} sent nothing in {len(results[0]['sent'])} steps -- "
+                     "DiLoCo's first sync is after H local steps)")
     return ok
 
 
