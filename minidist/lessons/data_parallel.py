@@ -17,7 +17,6 @@ Section 1 is this file; section 2 is ``data_parallel_overlap``, section 3 ``data
 from __future__ import annotations
 
 import contextlib
-import time
 
 import numpy as np
 
@@ -43,6 +42,7 @@ from minidist.nn.data import split_batch
 from minidist.nn.serial import adamw_tolerance, max_state_diff, train_serial
 from minidist.parallel.data.ddp import DDP
 from minidist.parallel.data.zero import ZeRO
+from minidist.trace.clock import now
 
 
 def config(args) -> GPTConfig:
@@ -113,12 +113,12 @@ def run_ddp(comm, args, batches):
     opt = optim.AdamW(m.parameters(), lr=args.lr)
     losses, times = [], []
     for x, y in batches:
-        t0 = time.perf_counter()
+        t0 = now()  # the rank's virtual time on the virtual clock, else wall time
         opt.zero_grad()
         losses.append(train_step(comm, m, ddp, x, y, args.accum))
         ddp.wait_gradients()
         opt.step()
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     ddp.step_seconds = float(np.median([max(t) for t in zip(*comm.allgather_obj(times))]))  # slowest rank
     return m, ddp, losses
 
@@ -173,7 +173,8 @@ def rank_main(comm, args):
             print(f"   ZeRO-{stage} vs the serial twin: max |param diff| = {zdiff:.2e}, max |loss diff| = "
                   f"{zl:.2e}  {'PASS' if zok else 'FAIL'}", flush=True)
     rprint(comm, "")
-    events = show_overlap(comm, args, config(args))
+    events, agree = show_overlap(comm, args, config(args))
+    ok &= agree
     show_memory(comm, args, config(args), batches)
     if args.plot and comm.rank == 0:
         plot(args.plot, events)

@@ -12,7 +12,9 @@ formula, and each rank's parameter and activation bytes beside 1/tp of the seria
 ``--overlap``: the sequence-parallel runs use collective matmul (``use_collective_matmul``: each
 all-gather / reduce-scatter decomposed into ring hops hidden behind the GEMM chunks); the ledger
 shows the same bytes, and one layer under an emulated ``--link`` shows the share of its hops that
-ran during its GEMMs, with a two-lane timeline.
+ran during its GEMMs, with a two-lane timeline. On the virtual clock (``--clock virtual``, best with
+``--device h100``) ``tensor_parallel_overlap`` then finds where collective matmul starts to beat the
+unfused layer as the link slows, against the crossover h* = (p·c - C)/(p-1).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from minidist.lessons.cli import (
     probability,
     rprint,
 )
+from minidist.lessons.tensor_parallel_overlap import cm_crossover
 from minidist.lessons.tensor_parallel_tolerance import compare, first_gradients, rounding_bound
 from minidist.lessons.this_machine import compare_line, this_machine
 from minidist.nn import GPT, GPTConfig, optim
@@ -84,6 +87,11 @@ def layer_traffic(group, cfg, b, s, sp, overlap=False, tracer=None):
 OVERLAP_LINK = "alpha_us=50,gbps=2"  # --overlap's timeline without --link: on its own channels only
 
 
+def overlap_link(args):
+    """The link of --overlap's runs: --link's, or OVERLAP_LINK."""
+    return parse_link(link_spec(args.link) if args.link else OVERLAP_LINK)
+
+
 def overlap_timeline(comm, cfg, args):
     """One sequence-parallel layer with collective matmul, every hop on the emulated ``--link``
     (the group and its channels get it): rank 0's hidden share and two-lane timeline."""
@@ -91,12 +99,17 @@ def overlap_timeline(comm, cfg, args):
     group = comm.split(0 if comm.rank < tp else None, comm.rank)
     if group is None or tp == 1:
         return
-    link = parse_link(link_spec(args.link) if args.link else OVERLAP_LINK)
+    link = overlap_link(args)
     for ch in (group, group.channel("async"), group.channel(CHANNEL)):
         ch.link = link
+    saved = group.clock.link if group.clock is not None else None
+    if saved is not None:  # the virtual clock charges the same link (and needs no thread to wait)
+        group.clock.link = link
     big = cfg.replace(d_model=512)  # GEMM chunks long enough to hide a hop behind
     tracer = trace.Tracer(group.rank)
     layer_traffic(group, big, args.batch, 256, True, overlap=True, tracer=tracer)
+    if saved is not None:
+        group.clock.link = saved
     if group.rank == 0:
         print(f"\ncollective matmul, one layer (h=512, s=256) on tp=2 over link {link}: "
               f"{hidden_share(tracer.events):.0%} of the hops' link time ran during a GEMM chunk")
@@ -203,6 +216,8 @@ def rank_main(comm, args):
                  "tokens.")
     if args.overlap:
         overlap_timeline(comm, cfg, args)
+        if comm.clock is not None:  # when collective matmul pays: the crossover, derived and checked
+            passed &= cm_crossover(comm, overlap_link(args))
     if args.plot and comm.rank == 0:
         plot(args.plot, rows)
     return finish(comm, passed)

@@ -27,3 +27,25 @@ def test_the_timeline_legend_lists_only_backward_and_the_bucket_all_reduces(tmp_
     assert path.read_bytes()[:4] == b"\x89PNG"
     assert seen["legend"] == ["compute (backward)", "collective"]  # no send/recv/wait: none occur
     assert seen["x"] == "time since the first event (ms)"
+
+
+def test_on_the_virtual_clock_the_hidden_share_is_what_the_trace_shows(monkeypatch, capsys):
+    """DDP's own record of the step and the trace's spans give each rank the same hidden share (both
+    read the rank's virtual clock: DDP once read wall time, and the two disagreed). Compute on a slow
+    device model (1 GFLOP/s, 1 GB/s): backward outlasts the link's all-reduces, and the times are exact."""
+    import re
+
+    from minidist.comm.transports import link
+    from minidist.lessons import data_parallel
+
+    monkeypatch.setenv("MINIDIST_CLOCK", "wall")  # restored afterwards (main sets --clock's)
+    monkeypatch.setenv("MINIDIST_DEVICE", "tflops=0.001,gBps=1,overhead_us=0,name=slow")
+    monkeypatch.setattr(link, "_CURRENT", [])
+    data_parallel.main("--ranks 2 --steps 1 --seq 8 --d-model 16 --layers 1 --overlap-d-model 64 "
+                       "--overlap-layers 2 --overlap-rows 4 --overlap-bucket-kb 16 --clock virtual".split())
+    out = capsys.readouterr().out
+    ddp = re.search(r"hidden behind backward, per rank: (.*)", out).group(1)
+    traced = re.search(r"from the trace's spans \(backward, all-reduce b\*\):\s+(.*)  PASS", out).group(1)
+    assert ddp == traced and "FAIL" not in out, out
+    assert all(0 < int(h) <= 100 for h in re.findall(r"(\d+)%", ddp)), ddp  # something was hidden
+    assert re.search(r"the \d+ buckets' all-reduces cost [\d.]+ ms on the link", out)
