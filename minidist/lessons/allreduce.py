@@ -168,9 +168,10 @@ def ring_timeline(p: int) -> str:
     return "\n".join(rows)
 
 
-def plot(path: str, rows: list[tuple], p: int, nbytes: int) -> None:
+def plot(path: str, rows: list[tuple], p: int, nbytes: int, clock: str = "median") -> None:
     """Two panels, one group per algorithm: the bytes each rank sent (bars) beside the formula for
-    the busiest rank (a black tick), and the median time. ``rows``: (name, sent per rank, formula, sec)."""
+    the busiest rank (a black tick), and the time (``clock``: "median" wall time, or "virtual").
+    ``rows``: (name, sent per rank, formula, sec)."""
     import matplotlib
 
     matplotlib.use("Agg")  # a file, no window
@@ -192,8 +193,8 @@ def plot(path: str, rows: list[tuple], p: int, nbytes: int) -> None:
     ax_b.legend(loc="lower right")
     ax_t.bar(range(len(rows)), [r[3] * 1e3 for r in rows], color="tab:orange")
     ax_t.set_xticks(range(len(rows)), [r[0] for r in rows], rotation=30)
-    ax_t.set_ylabel("median time (ms)")
-    ax_t.set_title(f"median time per all-reduce\n(N = {nbytes:,} bytes, p = {p})", fontsize=10)
+    ax_t.set_ylabel(f"{clock} time (ms)")
+    ax_t.set_title(f"{clock} time per all-reduce\n(N = {nbytes:,} bytes, p = {p})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -246,7 +247,7 @@ def rank_main(comm, args):
         rprint(comm, ring_timeline(p))
         rprint(comm, "after reduce-scatter rank r owns the full sum of chunk r; all-gather passes it round.")
     if args.plot and comm.rank == 0:
-        plot(args.plot, rows, p, N)
+        plot(args.plot, rows, p, N, "virtual" if virtual else "median")
         print(f"wrote {args.plot}: bytes per rank vs formula, and time, per algorithm", flush=True)
     return finish(comm, passed)
 

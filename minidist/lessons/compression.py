@@ -37,6 +37,7 @@ from minidist.parallel.data.compress import make_hook
 from minidist.parallel.data.compress.powersgd import matrix_shape
 from minidist.parallel.data.ddp import DDP
 from minidist.parallel.data.local_sgd import LocalSGD
+from minidist.trace.clock import now
 
 # name -> (hook name and arguments) for DDP, or ("diloco", LocalSGD arguments)
 METHODS = {
@@ -130,7 +131,7 @@ def train(comm, args, name, batches, held_out, bar=None):
     with measure(comm) as total:  # all of it: an async sync's bytes may fall between two steps' windows
         for x, y in batches:
             comm.barrier()
-            t0 = time.perf_counter()
+            t0 = now()  # the rank's virtual time on the virtual clock, else wall time
             with measure(comm) as m:
                 loss = model.loss(x[rows], y[rows])
                 if hook == "diloco":
@@ -142,14 +143,15 @@ def train(comm, args, name, batches, held_out, bar=None):
                     inner.step()
                 inner.zero_grad()
                 loss.backend.synchronize()  # a GPU's queued kernels are part of the step (NumPy: no-op)
-            times.append(time.perf_counter() - t0)
+            times.append(now() - t0)
             sent.append(m.bytes_sent)
             losses.append(loss.item())
             if bar is not None:
                 bar.update(1)
             if comm.rank == 0 and (len(sent) % args.eval_every == 0 or len(sent) == len(batches)):
                 with no_grad():  # rank 0 alone, held-out windows: no message, ledger untouched
-                    evals.append((len(sent), sum(sent), model.loss(*held_out).item()))
+                    evals.append((len(sent), bytes_so_far(hook, wrapper, sent, comm.size),
+                                  model.loss(*held_out).item()))
         if hook == "diloco":
             wrapper.finish_pending()  # a streaming sync still in flight
     losses = list(all_reduce(comm, np.array(losses), op="mean"))  # the global batch's mean, per step
@@ -166,6 +168,16 @@ def train(comm, args, name, batches, held_out, bar=None):
     return {"name": name, "losses": losses, "sent": sent, "total": total.bytes_sent, "formula": formula,
             "identical": len(set(same)) == 1, "final": final, "step_s": float(np.median(times[1:] or times)),
             "first_s": times[0], "evals": evals, "n_params": sum(q.size for q in model.parameters())}
+
+
+def bytes_so_far(hook: str, wrapper, sent: list, p: int) -> int:
+    """The bytes rank 0's syncs so far send: what each step's window counted, or for DiLoCo the
+    syncs it has started (a streaming sync's bytes leave on the worker whenever the link takes
+    them, so a window may or may not have seen them yet: the evaluation must not depend on that)."""
+    if hook != "diloco":
+        return sum(sent)
+    sizes = [sum(b.numel for b in f.buckets) for f in wrapper.fragments]
+    return sum(ring(sizes[f], p, 4) for _, f in wrapper.started)
 
 
 def ratio_cell(dense_bytes: float, sent: float) -> str:

@@ -19,8 +19,6 @@ unfused layer as the link slows, against the crossover h* = (p·c - C)/(p-1).
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from minidist import trace
@@ -42,7 +40,7 @@ from minidist.lessons.cli import (
 )
 from minidist.lessons.tensor_parallel_overlap import cm_crossover
 from minidist.lessons.tensor_parallel_tolerance import compare, first_gradients, rounding_bound
-from minidist.lessons.this_machine import compare_line, this_machine
+from minidist.lessons.this_machine import compare_line, ms, this_machine
 from minidist.nn import GPT, GPTConfig, optim
 from minidist.nn.data import BatchLoader, TextDataset
 from minidist.nn.footprint import MemoryAccountant
@@ -50,6 +48,7 @@ from minidist.nn.serial import adamw_tolerance, train_steps
 from minidist.parallel.tensor.collective_matmul import CHANNEL, hidden_share, lanes, use_collective_matmul
 from minidist.parallel.tensor.gpt import TPGPT, ParallelBlock
 from minidist.parallel.tensor.sharding import serial_state_dict, sharding_table, unshard
+from minidist.trace.clock import now
 
 
 def make_batches(args, block_size):
@@ -154,9 +153,9 @@ def rank_main(comm, args):
             loss0, grads = first_gradients(model, batches[0], args.seed)
             grads = unshard(group.allgather_obj(grads), sharding_table(model))
             mrandom.manual_seed(args.seed)
-            t0 = time.perf_counter()
+            t0 = now()  # the rank's virtual time on the virtual clock, else wall time
             losses = train(model, batches, args.lr)
-            step_ms = max(group.allgather_obj(time.perf_counter() - t0)) / len(batches) * 1e3
+            step_ms = max(group.allgather_obj(now() - t0)) / len(batches) * 1e3
             full = serial_state_dict(model)
             act = activation_bytes(model, *batches[0])
             pbytes = sum(p.data.nbytes for p in model.parameters())
@@ -177,11 +176,15 @@ def rank_main(comm, args):
                  " step ms: measured per AdamW step, the slowest rank's)\n")
     hw = this_machine(comm.transport)
     for tp, sp, *_, step_s in rows:  # the planner's two models beside each measured step (chapter 11)
-        if not sp:
+        if not sp and comm.clock is not None:
+            rprint(comm, f"TP step, tp={tp}: {ms(step_s)} on the virtual clock (each rank's compute "
+                         + (f"on {comm.clock.device.name})" if comm.clock.device else "in its own CPU time)"))
+        elif not sp:
             rprint(comm, compare_line(f"TP step, tp={tp}", step_s, tp, hw, n_layer=args.layers, d_model=h,
                                       n_head=4, vocab=cfg.vocab_size, seq=s, batch=b, tp=tp))
+    shared = "" if comm.clock is not None else ", and where the ranks share the cores their work takes turns"
     rprint(comm, "(a tiny model split tp ways is slower, not faster: the all-reduces and per-op overheads\n"
-                 " do not shrink with tp, and where the ranks share the cores their work takes turns)\n")
+                 f" do not shrink with tp{shared})\n")
     rprint(comm, "Parameters shrink ~1/tp (LayerNorms and position table stay replicated). Without sequence\n"
                  "parallelism LayerNorm, dropout and residual activations are replicated on every rank, so\n"
                  "activations do not shrink 1/tp; with it they are sequence shards.\n")

@@ -70,3 +70,15 @@ def test_a_method_that_sent_nothing_prints_no_ratio_and_the_columns_stay_apart()
     end = header.index("ratio") + len("ratio")                            # right-aligned under 'ratio'
     assert all(row[end - 1] in "x-" and row[end] == " " for row in rows), rows
     assert len({len(c) for c in cells}) == 1
+
+
+def test_the_bytes_at_an_evaluation_are_the_syncs_started_not_what_the_link_carried_yet():
+    """A streaming DiLoCo sync leaves on the async worker whenever the link takes it: the bytes an
+    evaluation is charged are those of the syncs started so far (the plot's x), the same every run."""
+    from types import SimpleNamespace as NS
+
+    wrapper = NS(fragments=[NS(buckets=[NS(numel=6), NS(numel=4)]), NS(buckets=[NS(numel=8)])],
+                 started=[(0, 0), (3, 1)])
+    # p = 2, float32: a ring all-reduce of n elements sends 2N - |c0| - |c1| = N = 4n bytes from rank 0
+    assert compression.bytes_so_far("diloco", wrapper, sent=[0, 0, 0, 0], p=2) == 4 * 10 + 4 * 8
+    assert compression.bytes_so_far("powersgd", wrapper, sent=[5, 7], p=2) == 12  # DDP hooks: each step's
