@@ -114,3 +114,23 @@ def test_a_rank_waiting_through_poll_is_marked_on_the_board_meanwhile():
 
     run(body, ranks=2)
     assert seen[0][0] == 0.0 and seen[0][1] > 0 and seen[1] == 0.0
+
+
+def test_a_rank_waiting_for_its_async_collective_is_marked_blocked():
+    """DDP's wait_gradients waits on a Handle, not in poll: that wait marks the rank too."""
+    from minidist.comm import all_reduce_async
+
+    seen = []
+
+    def body(comm):
+        if comm.rank == 0:
+            all_reduce_async(comm, np.ones(4)).wait()      # rank 1 joins late
+            seen.append(comm.world.board[0])
+        else:
+            time.sleep(0.6)
+            seen.append(comm.world.board[0])                # rank 0 is blocked in Handle.wait by now
+            all_reduce_async(comm, np.ones(4)).wait()
+        return comm.rank
+
+    run(body, ranks=2)
+    assert seen[0] > 0 and seen[1] == 0.0, seen
