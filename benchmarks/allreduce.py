@@ -1,7 +1,16 @@
-"""minidist's all-reduce against MPI's own ``Allreduce``, in the same run.
+"""minidist's all-reduce against MPI's own ``Allreduce``, in the same run; or, with ``--clock virtual``,
+tree, ring and halving-doubling on an emulated cluster against the alpha-beta model of its link.
 
     mpirun -n 2 python benchmarks/allreduce.py
     mpirun -n 8 python benchmarks/allreduce.py --algorithms auto,ring,halving_doubling --max-bytes 16M
+    python benchmarks/allreduce.py --clock virtual --ranks 16 --link ethernet     # threads or mpirun
+
+``--clock virtual``: every message costs the link's alpha + bytes/beta (``--link``: nvlink, ici,
+infiniband, ethernet, here, or alpha_us=..,gbps=..), compute is priced on an H100 (the sums ride in
+the transfer), and each algorithm's time at each size is printed beside the model
+(``minidist.lessons.allreduce_model``), with MET / MISSED: every time within 1% of the model, and
+tree and ring crossing at the model's N* = alpha·beta·(p-1-L)/(L-(p-1)/p). MPI's own is left out
+(the clock cannot see inside it). The wall clock (the default) is the comparison with MPI:
 
 Under mpirun on one node ``auto`` is the shared-memory all-reduce (``shm``: ranks read each
 other's buffers, no messages); ``ring``, ``two_shot``, ... are built on point-to-point messages.
@@ -29,6 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minidist.comm import all_reduce, run
+from minidist.comm.runner import under_mpi
 
 OVERHEAD_US = 5.0
 
@@ -96,6 +106,52 @@ def bench(comm, args):
     return rows, per_call_overhead(comm, args.rounds)
 
 
+def virtual_bench(comm, args):
+    """Tree, ring, halving-doubling on the virtual clock at 10 sizes around the model's tree/ring
+    crossover (from an eighth of it to 64 times it): [(bytes, {name: seconds})]."""
+    from minidist.lessons.allreduce_model import ALGORITHMS, crossover, sizes_around, virtual_seconds
+
+    link, p, rows = comm.clock.link, comm.size, []
+    for nbytes in sizes_around(crossover("tree", "ring", p, link.alpha, link.bandwidth) or
+                               64 * link.alpha * link.bandwidth, p, 10):
+        x = np.ones(nbytes // 4, np.float32)
+        rows.append((nbytes, {a: virtual_seconds(comm, lambda a=a, x=x: all_reduce(comm, x, algorithm=a))
+                              for a in ALGORITHMS}))
+    return rows
+
+
+def virtual_report(p: int, rows, link, strict: bool) -> int:
+    from bench_env import Targets, print_machine
+
+    from minidist.lessons.allreduce_model import ALGORITHMS, NAMES, crossover, measured_crossover, model
+
+    print_machine()
+    print(f"all-reduce float32 sum on the virtual clock: {p} ranks, each message {link.alpha * 1e6:g} us + "
+          f"bytes / {link.bandwidth / 1e9:g} GB/s; us per all-reduce, the model / the clock")
+    print(f"{'bytes':>10}" + "".join(f"{NAMES[a]:>26}" for a in ALGORITHMS) + "  fastest")
+    worst = 0.0
+    for n, t in rows:
+        cells = []
+        for a in ALGORITHMS:
+            want = model(a, p, n, link.alpha, link.bandwidth)
+            worst = max(worst, abs(t[a] / want - 1))
+            cells.append(f"{want * 1e6:>11.1f} / {t[a] * 1e6:<11.1f}")
+        print(f"{n:>10,}" + "".join(f"{c:>26}" for c in cells) + f"  {NAMES[min(t, key=t.get)]}")
+    targets = Targets()
+    targets.check("largest |clock / model - 1|", worst, "<=", 0.01)
+    want = crossover("tree", "ring", p, link.alpha, link.bandwidth)
+    seen = measured_crossover([n for n, _ in rows], *([t[a] for _, t in rows] for a in ("tree", "ring")))
+    if want is None:
+        print("tree and ring: no crossover at p = 2 (the model's; the clock agrees: "
+              f"{'yes' if seen is None else 'no'})")
+    elif not rows[0][0] < want < rows[-1][0]:
+        print(f"tree -> ring crossover N* = {want:,.0f} B lies outside the sizes measured: widen them")
+    else:
+        print(f"tree -> ring: the model's N* = {want:,.0f} B, the clock's {seen or 0:,.0f} B")
+        targets.check("tree -> ring crossover, |clock / model - 1|", abs((seen or 0) / want - 1), "<=", 0.01)
+    return targets.exit_code(strict)
+
+
 def per_call_overhead(comm, rounds: int) -> tuple[float, float, float]:
     """Seconds per 1-element all-reduce: alone (rank 0 on a one-rank communicator while the others
     sleep: no message, only the call's own work), at this p with ``auto``, and MPI's ``Allreduce`` at
@@ -147,6 +203,10 @@ def report(p: int, rows, overhead, strict: bool) -> int:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clock", choices=("wall", "virtual"), default="wall",
+                    help="virtual: tree, ring, halving-doubling on an emulated cluster, against the model")
+    ap.add_argument("--link", default="ethernet", help="--clock virtual: the link every message crosses")
+    ap.add_argument("--ranks", type=int, default=8, help="--clock virtual outside mpirun: thread ranks")
     ap.add_argument("--min-bytes", type=parse_bytes, default=4096)
     ap.add_argument("--max-bytes", type=parse_bytes, default=64 << 20)
     ap.add_argument("--algorithms", default="auto",
@@ -156,11 +216,31 @@ def main():
     ap.add_argument("--budget", type=float, default=0.3, help="rough seconds per size, contender and round")
     ap.add_argument("--strict", action="store_true", help="exit nonzero when a target is missed")
     args = ap.parse_args()
+    if args.clock == "virtual":
+        return virtual_main(args)
     (rows, overhead), = run(bench, args=args)
     code = 0
     if MPI.COMM_WORLD.Get_rank() == 0:
         code = report(MPI.COMM_WORLD.Get_size(), rows, overhead, args.strict)
     return MPI.COMM_WORLD.bcast(code, root=0)
+
+
+def virtual_main(args) -> int:
+    from minidist.comm.transports.link import parse_link, set_link
+    from minidist.lessons.cli import device_spec, link_spec
+
+    os.environ |= {"MINIDIST_CLOCK": "virtual", "MINIDIST_LINK": link_spec(args.link),
+                   "MINIDIST_DEVICE": device_spec("h100")}
+    link = parse_link(os.environ["MINIDIST_LINK"])
+    set_link(link)
+    rows = run(virtual_bench, ranks=args.ranks, args=args)[0]
+    if under_mpi():
+        if MPI.COMM_WORLD.Get_rank() != 0:
+            return 0
+        p = MPI.COMM_WORLD.Get_size()
+    else:
+        p = args.ranks
+    return virtual_report(p, rows, link, args.strict)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,12 @@
 
 The site is served over HTTP on localhost (as a reader's browser would get it, not from file://)
 and each ``*.html`` page is loaded in one fresh Chromium profile (Playwright driving the system's
-Chromium: nothing is downloaded). A page passes when it answered 200, its ``<title>`` is the site's
-name or "<its first heading> - <the site's name>" (so a page that lost its heading, or a server's
-error page, fails), and every ``<img>`` finished loading with a natural width > 0 (a missing or
-corrupt picture fails). Exit status 1 lists each failing page and why; 0 prints how many passed.
+Chromium: nothing is downloaded), in a window 1280 px wide. A page passes when it answered 200, its
+``<title>`` is the site's name or "<its first heading> - <the site's name>" (so a page that lost its
+heading, or a server's error page, fails), and every ``<img>`` finished loading with a natural width
+> 0 (a missing or corrupt picture fails). The home page's course table must also be readable: in its
+``div.course`` (docs/hooks.py), no word of a command broken across lines, nothing scrolled out of
+sight. Exit status 1 lists each failing page and why; 0 prints how many passed.
 """
 
 from __future__ import annotations
@@ -34,8 +36,18 @@ PROBE = """() => {
            heading = c.textContent; }
   const broken = Array.from(document.images).filter(i => !(i.complete && i.naturalWidth > 0))
                       .map(i => i.getAttribute('src'));
-  return {title: document.title, heading: heading, broken: broken};
+  const course = document.querySelector('.course');
+  let layout = null;
+  if (course) {
+    const words = Array.from(course.querySelectorAll('code .w'));
+    const box = course.querySelector('table').parentElement;
+    layout = {words: words.length, split: words.filter(w => w.getClientRects().length > 1)
+                                              .map(w => w.textContent),
+              overflow: box.scrollWidth - box.clientWidth};
+  }
+  return {title: document.title, heading: heading, broken: broken, course: layout};
 }"""
+WIDTH = 1280  # px: the window every page is checked in (a laptop's)
 
 
 @contextmanager
@@ -73,11 +85,22 @@ def problems(report: dict, status: int | None, site_name: str) -> list[str]:
         bad.append(f"title {title!r} is neither {site_name!r} nor '<first heading> - {site_name}' "
                    f"(first heading: {heading!r})")
     bad += [f"image {src!r} did not load" for src in report["broken"]]
+    course = report.get("course")
+    if course is not None:
+        if not course["words"]:
+            bad.append("the course table's commands are not split into words (docs/hooks.py keep_words)")
+        if course["split"]:
+            bad.append(f"at {WIDTH} px the course table breaks {len(course['split'])} words of its commands "
+                       f"across lines (first: {course['split'][0]!r})")
+        if course["overflow"] > 0:
+            bad.append(f"at {WIDTH} px the course table is {course['overflow']} px wider than the page")
     return bad
 
 
-def check(root: Path, chromium: str, site_name: str, only: list[str] | None = None) -> dict[str, list[str]]:
-    """{page: problems} for every page of the site in ``root`` that has any (``only``: just those pages)."""
+def check(root: Path, chromium: str, site_name: str, only: list[str] | None = None,
+          course_table: bool = True) -> dict[str, list[str]]:
+    """{page: problems} for every page of the site in ``root`` that has any (``only``: just those pages;
+    ``course_table``: the home page must have the course table, as minidist's does)."""
     from playwright.sync_api import sync_playwright
 
     failures = {}
@@ -87,9 +110,13 @@ def check(root: Path, chromium: str, site_name: str, only: list[str] | None = No
                                                         args=CHROMIUM_FLAGS)
         try:
             tab = browser.new_page()
+            tab.set_viewport_size({"width": WIDTH, "height": 900})
             for page in only if only is not None else pages(root):
                 response = tab.goto(base + page, wait_until="load")
-                bad = problems(tab.evaluate(PROBE), response.status if response else None, site_name)
+                report = tab.evaluate(PROBE)
+                bad = problems(report, response.status if response else None, site_name)
+                if page == "index.html" and report["course"] is None and course_table:
+                    bad.append("the home page has no course table in div.course (docs/hooks.py course_block)")
                 if bad:
                     failures[page] = bad
         finally:

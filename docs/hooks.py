@@ -152,11 +152,42 @@ def on_files(files, config):
     return files
 
 
+def course_block(markdown: str) -> str:
+    """README with its course table (the first table after "## The course") inside
+    ``<div class="course">``: docs/pages/stylesheets/course.css keeps its commands whole."""
+    head, sep, rest = markdown.partition("\n## The course\n")
+    lines = rest.split("\n")
+    start = next((i for i, line in enumerate(lines) if line.startswith("|")), None)
+    if not sep or start is None:
+        return markdown
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    lines[start:end] = ['<div class="course" markdown="1">', "", *lines[start:end], "", "</div>"]
+    return head + sep + "\n".join(lines)
+
+
+def keep_words(html: str) -> str:
+    """In the course table's HTML, each word of a command in a ``<span class="w">`` (course.css: no
+    break inside), so a command wraps only between its words -- never at ``--ranks``'s hyphens."""
+    def words(m: re.Match) -> str:
+        spans = " ".join(f'<span class="w">{w}</span>' for w in m.group(2).split(" "))
+        return m.group(1) + spans + m.group(3)
+
+    def table(m: re.Match) -> str:
+        return re.sub(r"(<code>)([^<]*)(</code>)", words, m.group(0))
+    return re.sub(r'<div class="course">.*?</div>', table, html, flags=re.S)
+
+
+def on_page_content(html, page, config, files):
+    return keep_words(html) if page.file.src_uri == "README.md" else html
+
+
 def on_page_markdown(markdown, page, config, files):
-    """Link each code citation of a chapter or README to its code page."""
+    """Link each code citation of a chapter or README to its code page. README, the home page, gets
+    the whole width (no navigation or contents column) for its course table."""
     uri = page.file.src_uri
     if uri.startswith("code/"):
         return markdown
     if uri == "README.md":
-        markdown = markdown.replace("<details>", '<details markdown="1">')
+        page.meta["hide"] = ["navigation", "toc"]
+        markdown = course_block(markdown.replace("<details>", '<details markdown="1">'))
     return link_code(markdown, uri, _exists)

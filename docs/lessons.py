@@ -15,11 +15,12 @@ SMALL = {
     "01-train.md": ("python -m minidist.lessons.train --steps 20 --batch 8 --block 32 "
                     "--d-model 32"),
     "02-allreduce.md": ("python -m minidist.lessons.allreduce --ranks 4 --elements 4096 --repeats 1 "
-                        "--no-model"),
+                        "--clock virtual --link ethernet"),
     "03-data-parallel.md": "python -m minidist.lessons.data_parallel --ranks 2 --steps 1 --seq 8 "
-                           "--d-model 16 --layers 1 --overlap-d-model 16 --overlap-layers 1 --overlap-rows 2",
+                           "--d-model 16 --layers 1 --overlap-d-model 64 --overlap-layers 2 --overlap-rows 4 "
+                           "--overlap-bucket-kb 16 --clock virtual",
     "04-tensor-parallel.md": "python -m minidist.lessons.tensor_parallel --ranks 2 --steps 1 --seq 8 "
-                             "--d-model 16 --layers 1",
+                             "--d-model 16 --layers 1 --overlap --clock virtual --device h100",
     "05-pipeline.md": "python -m minidist.lessons.pipeline --ranks 2 --dp 1 --steps 1 --width 16 --seq 8 "
                       "--layers 2 --microbatches 2 --batch 4",
     "06-checkpointing.md": "python -m minidist.lessons.checkpointing --ranks 2 --layers 2 --dim 16 --seq 8 "

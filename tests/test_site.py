@@ -113,6 +113,39 @@ def test_a_page_is_judged_by_status_title_and_images():
     assert bad[2] == "image 'img/x.png' did not load"
 
 
+def test_the_course_table_gets_its_own_block_and_its_commands_keep_their_words():
+    hooks = load("hooks")
+    readme = (ROOT / "README.md").read_text()
+    wrapped = hooks.course_block(readme)
+    before, table = wrapped.split('<div class="course" markdown="1">\n\n', 1)
+    table, after = table.split("\n\n</div>", 1)
+    assert before + table + after == readme                       # nothing else moved
+    rows = table.split("\n")
+    assert rows[0].startswith("| # | chapter |") and all(r.startswith("|") for r in rows)
+    assert len(rows) == len(course_rows()) + 2                    # header, rule, a row per chapter
+    html = ('<div class="course"><table><tr><td><code>python -m a.b --ranks 2</code></td></tr></table></div>'
+            "<p><code>elsewhere stays</code></p>")
+    assert hooks.keep_words(html) == (
+        '<div class="course"><table><tr><td><code><span class="w">python</span> <span class="w">-m</span> '
+        '<span class="w">a.b</span> <span class="w">--ranks</span> <span class="w">2</span></code></td></tr>'
+        "</table></div><p><code>elsewhere stays</code></p>")
+    assert hooks.course_block("# no course here\n") == "# no course here\n"
+
+
+def test_a_course_table_that_breaks_words_or_overflows_at_1280_px_fails():
+    check = load("check_site")
+    page = {"title": "minidist course", "heading": "minidist", "broken": []}
+    fine = {"words": 198, "split": [], "overflow": 0}
+    assert check.problems(page | {"course": fine}, 200, "minidist course") == []
+    bad = check.problems(page | {"course": {"words": 198, "split": ["minidist.lessons.allreduce"],
+                                            "overflow": 212}}, 200, "minidist course")
+    assert bad == ["at 1280 px the course table breaks 1 words of its commands across lines (first: "
+                   "'minidist.lessons.allreduce')",
+                   "at 1280 px the course table is 212 px wider than the page"]
+    assert "not split into words" in check.problems(page | {"course": fine | {"words": 0}}, 200,
+                                                    "minidist course")[0]
+
+
 def _needs_browser():
     for module in ("mkdocs", "material", "playwright"):
         if importlib.util.find_spec(module) is None:
@@ -129,7 +162,7 @@ def test_chromium_catches_a_broken_image_and_a_wrong_title(tmp_path):
     (tmp_path / "a" / "index.html").write_text("<title>A - minidist course</title><h1>A</h1>"
                                                "<img src='gone.png'>")
     (tmp_path / "b.html").write_text("<title>Untitled</title><h1>B</h1>")
-    failures = check.check(tmp_path, CHROMIUM, "minidist course")
+    failures = check.check(tmp_path, CHROMIUM, "minidist course", course_table=False)
     assert sorted(failures) == ["a/index.html", "b.html"]
     assert failures["a/index.html"] == ["image 'gone.png' did not load"]
     assert "title 'Untitled'" in failures["b.html"][0]

@@ -182,7 +182,9 @@ def op_work(op, ins, outs, backward: bool) -> tuple[float, float]:
 
 
 def charge_op(op, ins, outs, backward: bool) -> None:
-    """The meter a device model installs: each op costs its roofline time on the thread's rank."""
+    """The meter a device model installs: each op costs its roofline time on the thread's rank. An
+    op ``priced_elsewhere`` is not charged as a whole: a communication op (the link prices it) or
+    one that meters its parts as they run (collective matmul's GEMM chunks, between its hops)."""
     clock = getattr(_local, "clock", None)
-    if clock is not None:
+    if clock is not None and not getattr(op, "priced_elsewhere", False):
         clock.work(*op_work(op, ins, outs, backward))

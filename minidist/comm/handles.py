@@ -33,12 +33,20 @@ class Handle:
         return self._done.is_set()
 
     def wait(self):
-        start, clock = time.monotonic(), self.comm.clock
+        start, clock, mark = time.monotonic(), self.comm.clock, getattr(self.comm, "mark_waiting", None)
         if clock is not None:
             clock.pause()
-        while not self._done.wait(0.25):
-            if time.monotonic() - start > self.comm.timeout + 1:
-                raise self.comm.timeout_error(f"async {self.name} to finish", time.monotonic() - start)
+        marked = False
+        try:
+            while not self._done.wait(0.25):
+                if mark is not None and not marked:  # blocked, as in any wait (the watchdog's board)
+                    mark(start)
+                    marked = True
+                if time.monotonic() - start > self.comm.timeout + 1:
+                    raise self.comm.timeout_error(f"async {self.name} to finish", time.monotonic() - start)
+        finally:
+            if marked:
+                mark(None)
         if clock is not None:
             clock.resume(self.done_at)  # the job ran beside this thread: its end joins it
         if self._error is not None:

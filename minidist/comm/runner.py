@@ -29,7 +29,7 @@ from minidist.accel.backend import default_backend, set_default_backend
 from minidist.comm.requests import RankAborted
 from minidist.comm.transports.devices import bind_backend
 from minidist.comm.transports.jaxdev import CupyDeviceComm, JaxDeviceComm
-from minidist.comm.transports.mpi import MPIComm, finish_handshake
+from minidist.comm.transports.mpi import MPIComm, finish_handshake, start_board
 from minidist.comm.transports.threads import ThreadComm, ThreadWorld
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
@@ -118,6 +118,8 @@ def _run_mpi(fn, backend, kwargs):
                            "run as a world of 1 rank: start it with `mpirun -n N python ...`, or unset "
                            "MINIDIST_TRANSPORT to run --ranks N threads")
     install_abort_hook()
+    if MPI.COMM_WORLD.Get_size() > 1:
+        start_board()  # who of the job is blocked in a wait: the watchdog's "still waiting" reads it
     comm = MPIComm(MPI.COMM_WORLD)
     if comm.clock is not None:
         comm.clock.adopt_thread()  # timelines and step times read this rank's virtual clock

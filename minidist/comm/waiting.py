@@ -72,6 +72,11 @@ def mark_background_thread() -> None:
     _thread.background = True
 
 
+def in_background() -> bool:
+    """Is this thread marked as a background (communication-only) thread?"""
+    return getattr(_thread, "background", False)
+
+
 BACKGROUND_LONGEST = 2e-4       # seconds: the longest sleep of a background thread's wait
 QUICK_TESTS = 32                # tests in a row before a foreground wait starts to yield
 
@@ -119,26 +124,34 @@ def poll(test, comm, what, check=None) -> None:
         spin_until = start + (policy.collective_spin if current_call() is not None else policy.spin)
     notice_at, next_check, problem_since = start + comm.notice_after(), start, None
     delay, yield_ = 2e-5, os.sched_yield
-    while not test():
-        if progress is not None:
-            progress()
-        now = clock()
-        if now < spin_until:
-            yield_()
-            continue
-        if check is not None and now >= next_check:
-            error = check()
-            if error is None:
-                problem_since = None
-            elif problem_since is None:
-                problem_since = now
-            elif now - problem_since > CHECK_GRACE and not test():
-                raise error
-            next_check = now + 5e-3
-        if now > notice_at:
-            comm.still_waiting(what() if callable(what) else what, now - start)
-            notice_at = float("inf")
-        if now - start > comm.timeout:
-            raise comm.timeout_error(what() if callable(what) else what, now - start)
-        time.sleep(delay)
-        delay = min(delay * 2, longest)
+    board = getattr(comm, "board", None)  # past the spin, this rank is marked as blocked (watchdog.py)
+    marked = False
+    try:
+        while not test():
+            if progress is not None:
+                progress()
+            now = clock()
+            if now < spin_until:
+                yield_()
+                continue
+            if board is not None and not marked:
+                comm.mark_waiting(start)
+                marked = True
+            if check is not None and now >= next_check:
+                error = check()
+                if error is None:
+                    problem_since = None
+                elif problem_since is None:
+                    problem_since = now
+                elif now - problem_since > CHECK_GRACE and not test():
+                    raise error
+                next_check = now + 5e-3
+            if now > notice_at:
+                notice_at = start + comm.still_waiting(what() if callable(what) else what, now - start)
+            if now - start > comm.timeout:
+                raise comm.timeout_error(what() if callable(what) else what, now - start)
+            time.sleep(delay)
+            delay = min(delay * 2, longest)
+    finally:
+        if marked:
+            comm.mark_waiting(None)

@@ -3,9 +3,11 @@
 ``Watched`` is the base of the threads, MPI and JAX-device transports. It holds no algorithm; it
 makes waits safe and observable:
 
-* every wait is bounded by ``comm.timeout`` (``MINIDIST_TIMEOUT`` seconds, default 300): after
-  ``NOTICE_AFTER`` seconds a "still waiting" line names the operation and the peer, at the timeout
-  :class:`CommTimeout` names the waiting rank, its peer and each rank's current operation;
+* every wait is bounded by ``comm.timeout`` (``MINIDIST_TIMEOUT`` seconds, default 300): a "still
+  waiting" line names the operation and the peer -- after ``NOTICE_AFTER`` seconds when no rank of
+  the job is working (each is blocked in a wait: a hang), after ``BUSY_NOTICE`` of the timeout while
+  one is (``board``: rank 0 computing a serial twin is work in flight, not a hang) -- and at the
+  timeout :class:`CommTimeout` names the waiting rank, its peer and each rank's current operation;
   ``with comm.patient(why):`` silences the line for a wait that is long on purpose;
 * ``wait_all`` and ``wait_any`` test several requests together and raise a failed or mismatched
   peer's error;
@@ -27,7 +29,8 @@ from minidist.comm.requests import CommTimeout, default_timeout
 from minidist.comm.transports import link
 from minidist.comm.waiting import poll
 
-NOTICE_AFTER = 10.0             # seconds of waiting before the "still waiting" line
+NOTICE_AFTER = 10.0             # seconds of waiting before the "still waiting" line (no rank working)
+BUSY_NOTICE = 0.75              # ... while another rank works: this share of the timeout
 
 
 def first_problem(requests):
@@ -50,6 +53,7 @@ class Watched(Communicator):
         self.expected_wait = None       # why a long wait is expected now (no "still waiting" line)
         self.agreed_crowded = None      # cost.agreed_crowded's answer, once the ranks agreed on it
         self.link = link.current_link()
+        self.board, self.board_rank = None, rank  # who of the job is blocked in a wait (see mark_waiting)
 
     @property
     def timeout(self) -> float:
@@ -76,15 +80,36 @@ class Watched(Communicator):
             f"(timeout {self.timeout:g} s, MINIDIST_TIMEOUT) for {what}.\nCurrent operation of each rank:\n  "
             + self.ranks_status().replace("\n", "\n  "))
 
-    def still_waiting(self, what: str, waited: float) -> None:
-        """The watchdog's early warning, printed once per wait after ``notice_after()`` seconds."""
+    def mark_waiting(self, since: float | None) -> None:
+        """This rank's foreground thread is blocked in a wait since ``since`` (None: it works again).
+        The transport keeps a ``board`` of the job's ranks (threads: a list; MPI on one node: shared
+        memory), 0 for a working rank, -1 for one that returned; background threads don't count."""
+        if self.board is not None and not waiting.in_background():
+            self.board[self.board_rank] = 0.0 if since is None else since
+
+    def working_ranks(self) -> list[int] | None:
+        """The job's other ranks that are working (not blocked in a wait, not returned), or None where
+        this rank can't know (MPI across nodes)."""
+        board, me = self.board, self.board_rank
+        return None if board is None else [r for r in range(len(board)) if board[r] == 0 and r != me]
+
+    def still_waiting(self, what: str, waited: float) -> float:
+        """Called once a wait passed ``notice_after()`` seconds: the watchdog's early warning, unless
+        another rank of the job is working -- a long wait for work in flight (rank 0 computing a
+        serial twin) is no hang -- until ``BUSY_NOTICE`` of the timeout. Returns the waited seconds
+        at which to call again (inf once the line is printed)."""
+        busy = self.working_ranks()
+        if busy and waited < BUSY_NOTICE * self.timeout:
+            return min(waited + 0.5, BUSY_NOTICE * self.timeout)
         late = self.not_arrived()
         sys.stderr.write(
             f"[minidist] rank {self.rank} of {self.size} ({self.transport}): still waiting after "
             f"{waited:.0f} s in {format_op(self.origin.last_op)} for {what}"
+            + ("" if busy is None else f"; ranks working: {busy}" if busy else "; every rank is waiting")
             + (f"; ranks not there yet: {late}" if late else "")
             + f"; raises at {self.timeout:g} s (MINIDIST_TIMEOUT)\n")
         sys.stderr.flush()
+        return float("inf")
 
     def notice_after(self) -> float:
         if getattr(self.origin, "expected_wait", None) is not None:

@@ -4,17 +4,24 @@
     python -m minidist.lessons.allreduce --ranks 8          # ranks as threads
     mpirun -n 8 python -m minidist.lessons.allreduce        # ranks as MPI processes
 
-First the alpha-beta model, fitted on this machine and transport: four algorithms timed at three
-message sizes, alpha (seconds per round) and beta (seconds per byte) fitted by least squares, then
-predicted vs measured time per algorithm and size, and where ``algorithm="auto"`` switches.
-Then for each algorithm: the result checked against the serial twin (a NumPy sum of every rank's
-array), the bytes each rank sent (from the ledger) beside the formula, and the time. Then the
+    python -m minidist.lessons.allreduce --ranks 64 --clock virtual --link ethernet   # an emulated cluster
+
+On the virtual clock (``--clock virtual``, ``--link``; compute priced on ``--device``, default h100)
+first the alpha-beta model of the link against the real algorithms' times: tree, ring and
+halving-doubling at sizes around the model's crossover, where they cross (``allreduce_model``), and
+the ring on 2, 4, ... p ranks beside 2(p-1)·alpha + 2(p-1)/p·N/beta. On the wall clock first the
+alpha-beta model fitted on this machine: four algorithms at three sizes, alpha and beta by least
+squares, predicted vs measured, and where ``algorithm="auto"`` switches. Then for each algorithm:
+the result checked against the serial twin (a NumPy sum of every rank's array), the bytes each rank
+sent (from the ledger) beside the formula, and the time (the virtual clock's, the wall clock's
+beside it). Then the
 ring's schedule: which chunk each rank passes to its right neighbour at each step.
 ``--plot FILE.png`` draws the same numbers: bytes each rank sent beside the formula, and the time.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -34,6 +41,7 @@ from minidist.comm import (
 from minidist.comm.cost import agreed_crowded, all_reduce_counts, choose_algorithm, shm_two_shot
 from minidist.comm.ring import ring_chunks
 from minidist.comm.transports.shm import window_bytes
+from minidist.lessons.allreduce_model import crossover_section, ring_scaling, virtual_seconds
 from minidist.lessons.cli import (
     check_fits,
     finish,
@@ -90,6 +98,7 @@ def timed(comm, fn, x, repeats: int) -> float:
     return float(np.median(times))
 
 
+SCALING_BYTES = 1 << 20  # the ring's N as p grows (whole float32 chunks for p up to 64)
 MODEL_ALGOS = ("ring", "two_shot", "halving_doubling", "recursive_doubling")
 MODEL_SIZES = (4 << 10, 64 << 10, 1 << 20)  # bytes: where latency rules, the middle, where bandwidth does
 
@@ -159,9 +168,10 @@ def ring_timeline(p: int) -> str:
     return "\n".join(rows)
 
 
-def plot(path: str, rows: list[tuple], p: int, nbytes: int) -> None:
+def plot(path: str, rows: list[tuple], p: int, nbytes: int, clock: str = "median") -> None:
     """Two panels, one group per algorithm: the bytes each rank sent (bars) beside the formula for
-    the busiest rank (a black tick), and the median time. ``rows``: (name, sent per rank, formula, sec)."""
+    the busiest rank (a black tick), and the time (``clock``: "median" wall time, or "virtual").
+    ``rows``: (name, sent per rank, formula, sec)."""
     import matplotlib
 
     matplotlib.use("Agg")  # a file, no window
@@ -183,8 +193,8 @@ def plot(path: str, rows: list[tuple], p: int, nbytes: int) -> None:
     ax_b.legend(loc="lower right")
     ax_t.bar(range(len(rows)), [r[3] * 1e3 for r in rows], color="tab:orange")
     ax_t.set_xticks(range(len(rows)), [r[0] for r in rows], rotation=30)
-    ax_t.set_ylabel("median time (ms)")
-    ax_t.set_title(f"median time per all-reduce\n(N = {nbytes:,} bytes, p = {p})", fontsize=10)
+    ax_t.set_ylabel(f"{clock} time (ms)")
+    ax_t.set_title(f"{clock} time per all-reduce\n(N = {nbytes:,} bytes, p = {p})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -197,37 +207,47 @@ def rank_main(comm, args):
     N = x.nbytes
     algos = {"naive": naive_all_reduce, "tree": tree_all_reduce, "ring": ring_all_reduce,
              "two-shot": two_shot_all_reduce, "halving": halving_doubling_all_reduce}
-    if comm.transport == "mpi":  # ranks on one node: through shared memory (auto's choice), and MPI's own
-        algos |= {"shm": shm_all_reduce, "mpi": mpi_all_reduce}
-    if p > 1 and not args.no_model:
+    virtual = comm.clock is not None
+    if comm.transport == "mpi" and not virtual:  # one node: through shared memory (auto's choice), MPI's
+        algos |= {"shm": shm_all_reduce, "mpi": mpi_all_reduce}  # own (the virtual clock can't see them)
+    passed = True
+    if p > 1 and virtual:  # the headline: the link's alpha-beta model against the algorithms' own times
+        lines, passed = crossover_section(comm)
+        rprint(comm, "\n".join(lines) + "\n")
+        lines, ok = ring_scaling(comm, SCALING_BYTES)
+        passed &= ok
+        rprint(comm, "\n".join(lines) + "\n")
+    elif p > 1 and not args.no_model:
         rprint(comm, "\n".join(alpha_beta_section(comm, args.repeats)) + "\n")
     rprint(comm, f"all-reduce of {n} float32 ({N / 2**20:.2f} MiB) per rank over {p} ranks "
                  f"({comm.transport} transport, {comm.backend.name} arrays)\n")
     rprint(comm, f"{'algorithm':<8} {'max|diff|':>10} {'check':>6} {'sent/rank (max)':>16} "
-                 f"{'formula':>12}  {'':<28} {'steps':>5} {'time ms':>8} {'busbw GB/s':>10}")
+                 f"{'formula':>12}  {'':<28} {'steps':>5} {'clock ms' if virtual else 'time ms':>8} "
+                 f"{'busbw GB/s':>10}" + (f" {'wall ms':>8}" if virtual else ""))
     rows = []  # (name, bytes sent by each rank, formula, seconds): what --plot draws
-    passed = True
     for name, fn in algos.items():
         with measure(comm) as m:
             y = fn(comm, x)
         diff = float(np.max(np.abs(comm.backend.to_host(y) - want))) if n else 0.0
         ok = diff <= 1e-4 * max(1.0, float(np.max(np.abs(want))) if n else 1.0) * p
         sent = comm.allgather_obj(m.bytes_sent)
-        sec = timed(comm, fn, x, args.repeats)
+        wall = sec = timed(comm, fn, x, args.repeats)
+        if virtual:  # the emulated cluster's time is the headline; this machine's beside it
+            sec = virtual_seconds(comm, lambda fn=fn: fn(comm, x))
         text, f = formula(name, p, n, x.itemsize)
         busbw = 2 * (p - 1) / p * N / sec / 1e9 if p > 1 else float("nan")
         rows.append((name, sent, f, sec))
         passed &= ok
         rprint(comm, f"{name:<8} {diff:>10.2e} {'PASS' if ok else 'FAIL':>6} {max(sent):>16,} "
                      f"{'-' if np.isnan(f) else f'{f:,.0f}':>12}  {text:<28} {m.steps:>5} "
-                     f"{sec * 1e3:>8.2f} {busbw:>10.2f}")
+                     f"{sec * 1e3:>8.2f} {busbw:>10.2f}" + (f" {wall * 1e3:>8.2f}" if virtual else ""))
     if p > 1:
         rprint(comm, f"\nring timeline: x is split into chunks c0..c{p - 1}; at each step every rank sends "
                      "the chunk shown\nto rank+1 and receives one from rank-1 (adding it in reduce-scatter)")
         rprint(comm, ring_timeline(p))
         rprint(comm, "after reduce-scatter rank r owns the full sum of chunk r; all-gather passes it round.")
     if args.plot and comm.rank == 0:
-        plot(args.plot, rows, p, N)
+        plot(args.plot, rows, p, N, "virtual" if virtual else "median")
         print(f"wrote {args.plot}: bytes per rank vs formula, and time, per algorithm", flush=True)
     return finish(comm, passed)
 
@@ -238,6 +258,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--no-model", action="store_true", help="skip fitting the alpha-beta model first")
     args = parser.parse_args(argv)
+    if (args.clock or os.environ.get("MINIDIST_CLOCK")) == "virtual" and not args.device:
+        args.device = "h100"  # compute priced on a device: the sums ride in the transfer (alpha-beta)
     p = world_size(args)
     # every rank (on one machine) holds x and its result in float32 and the float64 twin it builds
     reject_early(parser, lambda: check_fits("--elements", args.elements, p * BYTES_PER_ELEMENT,

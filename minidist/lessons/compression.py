@@ -37,6 +37,7 @@ from minidist.parallel.data.compress import make_hook
 from minidist.parallel.data.compress.powersgd import matrix_shape
 from minidist.parallel.data.ddp import DDP
 from minidist.parallel.data.local_sgd import LocalSGD
+from minidist.trace.clock import now
 
 # name -> (hook name and arguments) for DDP, or ("diloco", LocalSGD arguments)
 METHODS = {
@@ -130,7 +131,7 @@ def train(comm, args, name, batches, held_out, bar=None):
     with measure(comm) as total:  # all of it: an async sync's bytes may fall between two steps' windows
         for x, y in batches:
             comm.barrier()
-            t0 = time.perf_counter()
+            t0 = now()  # the rank's virtual time on the virtual clock, else wall time
             with measure(comm) as m:
                 loss = model.loss(x[rows], y[rows])
                 if hook == "diloco":
@@ -142,14 +143,15 @@ def train(comm, args, name, batches, held_out, bar=None):
                     inner.step()
                 inner.zero_grad()
                 loss.backend.synchronize()  # a GPU's queued kernels are part of the step (NumPy: no-op)
-            times.append(time.perf_counter() - t0)
+            times.append(now() - t0)
             sent.append(m.bytes_sent)
             losses.append(loss.item())
             if bar is not None:
                 bar.update(1)
             if comm.rank == 0 and (len(sent) % args.eval_every == 0 or len(sent) == len(batches)):
                 with no_grad():  # rank 0 alone, held-out windows: no message, ledger untouched
-                    evals.append((len(sent), sum(sent), model.loss(*held_out).item()))
+                    evals.append((len(sent), bytes_so_far(hook, wrapper, sent, comm.size),
+                                  model.loss(*held_out).item()))
         if hook == "diloco":
             wrapper.finish_pending()  # a streaming sync still in flight
     losses = list(all_reduce(comm, np.array(losses), op="mean"))  # the global batch's mean, per step
@@ -168,21 +170,49 @@ def train(comm, args, name, batches, held_out, bar=None):
             "first_s": times[0], "evals": evals, "n_params": sum(q.size for q in model.parameters())}
 
 
+def bytes_so_far(hook: str, wrapper, sent: list, p: int) -> int:
+    """The bytes rank 0's syncs so far send: what each step's window counted, or for DiLoCo the
+    syncs it has started (a streaming sync's bytes leave on the worker whenever the link takes
+    them, so a window may or may not have seen them yet: the evaluation must not depend on that)."""
+    if hook != "diloco":
+        return sum(sent)
+    sizes = [sum(b.numel for b in f.buckets) for f in wrapper.fragments]
+    return sum(ring(sizes[f], p, 4) for _, f in wrapper.started)
+
+
+def ratio_cell(dense_bytes: float, sent: float) -> str:
+    """The ratio column (8 wide): dense's bytes over the method's, "-" where it sent none (DiLoCo
+    before its first sync: the ratio is undefined, not dense's byte count)."""
+    return f"{dense_bytes / sent:>7.1f}x" if sent > 0 else f"{'-':>8}"
+
+
+def table_row(r: dict, dense: dict) -> str:
+    """One method's row: bytes per step beside the formula, ratio, loss, step time, checks."""
+    steps, good = len(r["sent"]), r["total"] == r["formula"] and r["identical"]
+    return (f"{r['name']:<18}{r['total'] / steps:>12.0f}{r['formula'] / steps:>12.0f}"
+            f"{ratio_cell(dense['total'], r['total'])}{r['final']:>12.4f}"
+            f"{100 * (r['final'] / dense['final'] - 1):>+9.1f}%{1e3 * r['step_s']:>9.1f}"
+            f"{dense['step_s'] / r['step_s']:>8.1f}x  "
+            f"bytes {'==' if r['total'] == r['formula'] else '!='} formula, replicas "
+            f"{'identical' if r['identical'] else 'DIFFER'}: {'PASS' if good else 'FAIL'}")
+
+
+def table_header() -> str:
+    return (f"{'method':<18}{'bytes/step':>12}{'formula':>12}{'ratio':>8}{'final loss':>12}"
+            f"{'vs dense':>10}{'ms/step':>9}{'speed-up':>9}  checks")
+
+
 def table(comm, results: list, p: int) -> bool:
     dense = results[0]
-    rprint(comm, f"{'method':<18}{'bytes/step':>12}{'formula':>12}{'ratio':>8}{'final loss':>12}"
-                 f"{'vs dense':>10}{'ms/step':>9}{'speed-up':>9}  checks")
+    rprint(comm, table_header())
     ok = True
     for r in results:
-        steps = len(r["sent"])
-        good = r["total"] == r["formula"] and r["identical"]
-        ok &= good
-        rprint(comm, f"{r['name']:<18}{r['total'] / steps:>12.0f}{r['formula'] / steps:>12.0f}"
-                     f"{dense['total'] / max(r['total'], 1):>7.1f}x{r['final']:>12.4f}"
-                     f"{100 * (r['final'] / dense['final'] - 1):>+9.1f}%{1e3 * r['step_s']:>9.1f}"
-                     f"{dense['step_s'] / r['step_s']:>8.1f}x  "
-                     f"bytes {'==' if r['total'] == r['formula'] else '!='} formula, replicas "
-                     f"{'identical' if r['identical'] else 'DIFFER'}: {'PASS' if good else 'FAIL'}")
+        ok &= r["total"] == r["formula"] and r["identical"]
+        rprint(comm, table_row(r, dense))
+    silent = [r["name"] for r in results if r["total"] == 0]
+    if silent:
+        rprint(comm, f"(ratio -: {', '.join(silent)} sent nothing in {len(results[0]['sent'])} steps -- "
+                     "DiLoCo's first sync is after H local steps)")
     return ok
 
 

@@ -12,12 +12,12 @@ formula, and each rank's parameter and activation bytes beside 1/tp of the seria
 ``--overlap``: the sequence-parallel runs use collective matmul (``use_collective_matmul``: each
 all-gather / reduce-scatter decomposed into ring hops hidden behind the GEMM chunks); the ledger
 shows the same bytes, and one layer under an emulated ``--link`` shows the share of its hops that
-ran during its GEMMs, with a two-lane timeline.
+ran during its GEMMs, with a two-lane timeline. On the virtual clock (``--clock virtual``, best with
+``--device h100``) ``tensor_parallel_overlap`` then finds where collective matmul starts to beat the
+unfused layer as the link slows, against the crossover h* = (p·c - C)/(p-1).
 """
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 
@@ -38,8 +38,9 @@ from minidist.lessons.cli import (
     probability,
     rprint,
 )
+from minidist.lessons.tensor_parallel_overlap import cm_crossover
 from minidist.lessons.tensor_parallel_tolerance import compare, first_gradients, rounding_bound
-from minidist.lessons.this_machine import compare_line, this_machine
+from minidist.lessons.this_machine import compare_line, ms, this_machine
 from minidist.nn import GPT, GPTConfig, optim
 from minidist.nn.data import BatchLoader, TextDataset
 from minidist.nn.footprint import MemoryAccountant
@@ -47,6 +48,7 @@ from minidist.nn.serial import adamw_tolerance, train_steps
 from minidist.parallel.tensor.collective_matmul import CHANNEL, hidden_share, lanes, use_collective_matmul
 from minidist.parallel.tensor.gpt import TPGPT, ParallelBlock
 from minidist.parallel.tensor.sharding import serial_state_dict, sharding_table, unshard
+from minidist.trace.clock import now
 
 
 def make_batches(args, block_size):
@@ -84,6 +86,11 @@ def layer_traffic(group, cfg, b, s, sp, overlap=False, tracer=None):
 OVERLAP_LINK = "alpha_us=50,gbps=2"  # --overlap's timeline without --link: on its own channels only
 
 
+def overlap_link(args):
+    """The link of --overlap's runs: --link's, or OVERLAP_LINK."""
+    return parse_link(link_spec(args.link) if args.link else OVERLAP_LINK)
+
+
 def overlap_timeline(comm, cfg, args):
     """One sequence-parallel layer with collective matmul, every hop on the emulated ``--link``
     (the group and its channels get it): rank 0's hidden share and two-lane timeline."""
@@ -91,12 +98,17 @@ def overlap_timeline(comm, cfg, args):
     group = comm.split(0 if comm.rank < tp else None, comm.rank)
     if group is None or tp == 1:
         return
-    link = parse_link(link_spec(args.link) if args.link else OVERLAP_LINK)
+    link = overlap_link(args)
     for ch in (group, group.channel("async"), group.channel(CHANNEL)):
         ch.link = link
+    saved = group.clock.link if group.clock is not None else None
+    if saved is not None:  # the virtual clock charges the same link (and needs no thread to wait)
+        group.clock.link = link
     big = cfg.replace(d_model=512)  # GEMM chunks long enough to hide a hop behind
     tracer = trace.Tracer(group.rank)
     layer_traffic(group, big, args.batch, 256, True, overlap=True, tracer=tracer)
+    if saved is not None:
+        group.clock.link = saved
     if group.rank == 0:
         print(f"\ncollective matmul, one layer (h=512, s=256) on tp=2 over link {link}: "
               f"{hidden_share(tracer.events):.0%} of the hops' link time ran during a GEMM chunk")
@@ -141,9 +153,9 @@ def rank_main(comm, args):
             loss0, grads = first_gradients(model, batches[0], args.seed)
             grads = unshard(group.allgather_obj(grads), sharding_table(model))
             mrandom.manual_seed(args.seed)
-            t0 = time.perf_counter()
+            t0 = now()  # the rank's virtual time on the virtual clock, else wall time
             losses = train(model, batches, args.lr)
-            step_ms = max(group.allgather_obj(time.perf_counter() - t0)) / len(batches) * 1e3
+            step_ms = max(group.allgather_obj(now() - t0)) / len(batches) * 1e3
             full = serial_state_dict(model)
             act = activation_bytes(model, *batches[0])
             pbytes = sum(p.data.nbytes for p in model.parameters())
@@ -164,11 +176,15 @@ def rank_main(comm, args):
                  " step ms: measured per AdamW step, the slowest rank's)\n")
     hw = this_machine(comm.transport)
     for tp, sp, *_, step_s in rows:  # the planner's two models beside each measured step (chapter 11)
-        if not sp:
+        if not sp and comm.clock is not None:
+            rprint(comm, f"TP step, tp={tp}: {ms(step_s)} on the virtual clock (each rank's compute "
+                         + (f"on {comm.clock.device.name})" if comm.clock.device else "in its own CPU time)"))
+        elif not sp:
             rprint(comm, compare_line(f"TP step, tp={tp}", step_s, tp, hw, n_layer=args.layers, d_model=h,
                                       n_head=4, vocab=cfg.vocab_size, seq=s, batch=b, tp=tp))
+    shared = "" if comm.clock is not None else ", and where the ranks share the cores their work takes turns"
     rprint(comm, "(a tiny model split tp ways is slower, not faster: the all-reduces and per-op overheads\n"
-                 " do not shrink with tp, and where the ranks share the cores their work takes turns)\n")
+                 f" do not shrink with tp{shared})\n")
     rprint(comm, "Parameters shrink ~1/tp (LayerNorms and position table stay replicated). Without sequence\n"
                  "parallelism LayerNorm, dropout and residual activations are replicated on every rank, so\n"
                  "activations do not shrink 1/tp; with it they are sequence shards.\n")
@@ -203,6 +219,8 @@ def rank_main(comm, args):
                  "tokens.")
     if args.overlap:
         overlap_timeline(comm, cfg, args)
+        if comm.clock is not None:  # when collective matmul pays: the crossover, derived and checked
+            passed &= cm_crossover(comm, overlap_link(args))
     if args.plot and comm.rank == 0:
         plot(args.plot, rows)
     return finish(comm, passed)

@@ -4,6 +4,7 @@ check: every collective == NumPy, ledger == formula, p2p, split, mesh, async; pr
 fail:  rank 1 raises -> the whole job must end (abort), not hang.
 stuck: rank 0 waits for a message never sent -> the watchdog fires (MINIDIST_TIMEOUT) and aborts.
 stuck_in_collective: rank 0 in its 2nd all-reduce, rank 1 in a recv -> the watchdog names both.
+long_twin: rank 0 computes 3 s (a serial twin) while the others wait in a broadcast: no "still waiting".
 dtype_mismatch: float64[8] against float32[16] (same bytes) -> CollectiveMismatch, not garbage.
 early_return: rank 1 returns from its function while rank 0 waits for it -> RankExited at once.
 exit0: rank 1 calls os._exit(0) mid-run -> the job exits nonzero, naming it.
@@ -101,6 +102,14 @@ def stuck_in_collective(comm):
         comm.recv(0, tag=3)
 
 
+def long_twin(comm):
+    import time
+
+    if comm.rank == 0:
+        time.sleep(3.0)  # the serial twin: 3 s on rank 0 alone (not in a wait: the board says "working")
+    print(f"rank {comm.rank} got {comm.bcast_obj('twin done', root=0)}", flush=True)
+
+
 def dtype_mismatch(comm):
     x = np.ones(8) if comm.rank == 0 else np.ones(16, np.float32)
     print(f"rank {comm.rank} got {all_reduce(comm, x, algorithm='ring')}", flush=True)
@@ -151,7 +160,7 @@ def clock(comm):
 if __name__ == "__main__":
     modes = {"check": check, "fail": fail, "stuck": stuck, "stuck_in_collective": stuck_in_collective,
              "dtype_mismatch": dtype_mismatch, "early_return": early_return, "exit0": exit0,
-             "after_abort": fail, "clock": clock}
+             "after_abort": fail, "clock": clock, "long_twin": long_twin}
     run(modes[sys.argv[1]])
     print(f"AFTER RUN {sys.argv[1]}", flush=True)
     if len(sys.argv) > 2:  # a file, written at once: a rank that carries on after aborting leaves it

@@ -46,6 +46,20 @@ def test_watchdog_under_mpi_names_each_ranks_real_operation():
     assert "rank 0: start" not in res.stderr and "AFTER RUN" not in res.stdout
 
 
+def test_a_long_serial_twin_on_rank_0_is_no_hang_under_mpi():
+    """Rank 0 computes 3 s while 3 ranks wait in a broadcast, with the deadlock line due after 2.5 s
+    (MINIDIST_TIMEOUT=5): they see on the shared board that rank 0 works, so nothing is printed."""
+    res = mpirun(4, "long_twin", 60, MINIDIST_TIMEOUT="5")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("got twin done") == 4 and "still waiting" not in res.stderr, res.stderr
+
+
+def test_a_hang_under_mpi_says_every_rank_is_waiting():
+    res = mpirun(2, "stuck_in_collective", timeout=30, MINIDIST_TIMEOUT="2")
+    says = r"rank [01] of 2 \(mpi\): still waiting after [12] s .*; every rank is waiting"
+    assert re.search(says, res.stderr), res.stderr
+
+
 @pytest.mark.parametrize("mode,expected", [
     ("dtype_mismatch", r"CollectiveMismatch: rank [01] of 2 \(mpi\), in ring_all_reduce #1: waits for a "
                        r"message of ring_all_reduce call #1 .*dtype float(32|64)"),

@@ -51,3 +51,34 @@ def test_evaluations_cost_no_bytes_and_the_lesson_prints_the_ratio(capsys):
     assert "bytes == formula" in out and "FAIL" not in out  # held-out evaluation sent nothing
     assert "MB rank 0 sent until its held-out loss reached dense's final" in out
     assert "of dense's bytes" in out
+
+
+def _row(name, total, steps=8, final=5.0, step_s=0.004):
+    return {"name": name, "sent": [total // steps] * steps, "total": total, "formula": total,
+            "identical": True, "final": final, "step_s": step_s}
+
+
+def test_a_method_that_sent_nothing_prints_no_ratio_and_the_columns_stay_apart():
+    """DiLoCo H=20 in 8 steps sends 0 bytes: the ratio is undefined ('-'), never dense's byte count run
+    into the bytes column (the table once printed '0   0372224.0x')."""
+    dense, diloco, half = _row("dense", 372_224), _row("DiLoCo H=20", 0), _row("bf16", 186_112)
+    header = compression.table_header()
+    rows = [compression.table_row(r, dense) for r in (dense, diloco, half)]
+    cells = [row[18:].split() for row in rows]                            # after the 18-wide name
+    assert cells[1][:3] == ["0", "0", "-"]
+    assert cells[0][2] == "1.0x" and cells[2][2] == "2.0x"                 # 372224 / 186112
+    end = header.index("ratio") + len("ratio")                            # right-aligned under 'ratio'
+    assert all(row[end - 1] in "x-" and row[end] == " " for row in rows), rows
+    assert len({len(c) for c in cells}) == 1
+
+
+def test_the_bytes_at_an_evaluation_are_the_syncs_started_not_what_the_link_carried_yet():
+    """A streaming DiLoCo sync leaves on the async worker whenever the link takes it: the bytes an
+    evaluation is charged are those of the syncs started so far (the plot's x), the same every run."""
+    from types import SimpleNamespace as NS
+
+    wrapper = NS(fragments=[NS(buckets=[NS(numel=6), NS(numel=4)]), NS(buckets=[NS(numel=8)])],
+                 started=[(0, 0), (3, 1)])
+    # p = 2, float32: a ring all-reduce of n elements sends 2N - |c0| - |c1| = N = 4n bytes from rank 0
+    assert compression.bytes_so_far("diloco", wrapper, sent=[0, 0, 0, 0], p=2) == 4 * 10 + 4 * 8
+    assert compression.bytes_so_far("powersgd", wrapper, sent=[5, 7], p=2) == 12  # DDP hooks: each step's

@@ -73,6 +73,8 @@ class MPIComm(Watched):
         self.shm = None         # this communicator's lane of a shared window: None = not asked yet (shm.py)
         self.shm_window = None  # the origin's shm.Window, or None where shared memory can't serve it
         self.clock = process_clock()
+        if _BOARD[0] is not None:  # the watchdog reads who of the job is blocked (start_board)
+            self.board, self.board_rank = _BOARD[0][2], _mpi().COMM_WORLD.Get_rank()
 
     def progress(self) -> None:
         """Post the payload receive of every pending receive whose header has arrived.
@@ -210,6 +212,36 @@ def process_clock():
     return _CLOCK[0]
 
 
+_BOARD: list = [None]  # [(window, node communicator, float64 array)]: this job's board, or None
+
+
+def start_board() -> None:
+    """The watchdog's board (``Watched.mark_waiting``), a float64 per rank in the node's shared memory.
+    Collective over COMM_WORLD (run()'s start); none where the ranks span several nodes."""
+    MPI = _mpi()
+    world = MPI.COMM_WORLD
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    if node.Get_size() != world.Get_size():  # every rank sees the same: all on one node, or not
+        return node.Free()
+    win = MPI.Win.Allocate_shared(8 * world.Get_size() if node.Get_rank() == 0 else 0, 8, comm=node)
+    board = np.frombuffer(win.Shared_query(0)[0], np.float64)
+    if node.Get_rank() == 0:
+        board[:] = 0.0
+    node.Barrier()
+    _BOARD[0] = (win, node, board)
+
+
+def end_board(finished: bool) -> None:
+    """This rank returned (-1 on its slot); with ``finished`` (every rank has: collective) free it."""
+    if _BOARD[0] is not None:
+        win, node, board = _BOARD[0]
+        board[_mpi().COMM_WORLD.Get_rank()] = -1.0
+        if finished:
+            _BOARD[0] = None
+            win.Free()
+            node.Free()
+
+
 # -- the completion handshake (launch.py): every rank tells every other that it has finished --------
 
 _DONE_TAG: list = []
@@ -233,11 +265,13 @@ def finish_handshake(comm: MPIComm) -> None:
     reqs = [world.Isend(token, r, tag) for r in peers]
     reqs += [world.Irecv(np.zeros(0, np.uint8), r, tag) for r in peers]
     comm.note("finished: waiting for the other ranks to finish run()")
+    end_board(False)
     delay = 1e-4
     while not MPI.Request.Testall(reqs):
         time.sleep(delay)
         delay = min(2 * delay, 0.05)
     free_windows()  # collective, and every rank has finished: nobody uses a window any more
+    end_board(True)
 
 
 def mpi_all_reduce(comm, x, op: str = "sum"):

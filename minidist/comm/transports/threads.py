@@ -40,6 +40,7 @@ class ThreadWorld:
         self.failed: int | None = None  # the first rank that raised
         self.finished: set = set()   # ranks whose function returned
         self.clocks = [clock.RankClock() for _ in range(size)] if clock.enabled() else None
+        self.board = [0.0] * size    # per rank: 0 working, else blocked in a wait since; -1 returned
 
     def abort(self, rank: int) -> None:
         if self.failed is None:
@@ -48,6 +49,7 @@ class ThreadWorld:
 
     def finish(self, rank: int) -> None:
         self.finished.add(rank)
+        self.board[rank] = -1.0
         self.wake_all()
 
     def wake_all(self) -> None:
@@ -117,21 +119,27 @@ class _ThreadRecv(Request):
         c, world, start = self.comm, self.comm.world, time.monotonic()
         if c.clock is not None:
             c.clock.pause()
-        notice_at = c.notice_after()
-        while not self.test():
-            with self.cond:
-                while (self.key, self.seq) not in world.box:
-                    error = self._problem()
-                    if error is not None:
-                        raise error
-                    waited = time.monotonic() - start
-                    what = f"a message from rank {self.source} (tag {self.key[-1]})"
-                    if waited > notice_at:
-                        c.still_waiting(what, waited)
-                        notice_at = float("inf")
-                    if waited > c.timeout:
-                        raise c.timeout_error(what, waited)
-                    self.cond.wait(min(0.25, c.timeout - waited + 1e-3, max(notice_at - waited, 1e-3)))
+        notice_at, marked = c.notice_after(), False
+        try:
+            while not self.test():
+                with self.cond:
+                    while (self.key, self.seq) not in world.box:
+                        error = self._problem()
+                        if error is not None:
+                            raise error
+                        if not marked:
+                            c.mark_waiting(start)
+                            marked = True
+                        waited = time.monotonic() - start
+                        what = f"a message from rank {self.source} (tag {self.key[-1]})"
+                        if waited > notice_at:
+                            notice_at = c.still_waiting(what, waited)
+                        if waited > c.timeout:
+                            raise c.timeout_error(what, waited)
+                        self.cond.wait(min(0.25, c.timeout - waited + 1e-3, max(notice_at - waited, 1e-3)))
+        finally:
+            if marked:
+                c.mark_waiting(None)
         if c.clock is not None:
             c.clock.resume(self.arrival)
         return self.result
@@ -165,6 +173,7 @@ class ThreadComm(Watched):
         self.world_rank = members[rank]
         self._nsplit = 0
         self.clock = world.clocks[self.world_rank] if world.clocks is not None else None
+        self.board, self.board_rank = world.board, self.world_rank
 
     def note(self, op) -> None:
         self.origin.last_op = op

@@ -118,15 +118,19 @@ class DistributedDataParallel:
         w.micro += 1
         if w.syncing and w.weighted:  # queued first: the worker runs it before any bucket
             self._start_count(w)
-        w.in_backward, t0 = True, time.perf_counter()
+        w.in_backward, t0 = True, self.now()
         try:
             with span("backward", "compute"):
                 loss.backward(loss.backend.from_host(np.full(loss.data.shape, weight, dtype=loss.dtype)))
         finally:
             w.in_backward = False
         if w.syncing:  # the window's timeline: its syncing backward
-            w.events.append(("backward", "backward", t0, time.perf_counter()))
+            w.events.append(("backward", "backward", t0, self.now()))
         w.synced = w.syncing
+
+    def now(self) -> float:
+        """The events' time: this thread's lane of the rank's virtual clock when it runs, else wall."""
+        return time.perf_counter() if self.comm.clock is None else self.comm.clock.now()
 
     def _start_count(self, w: SyncWindow):
         """Queue the all-reduce of Σ n_samples, the divisor N (first: the worker runs it first)."""
@@ -169,10 +173,10 @@ class DistributedDataParallel:
         tracer, events = current(), self.window.events
 
         def timed(c, x, label, **kw):
-            t0 = time.perf_counter()
+            t0 = self.now()
             with tracer.span(label, "collective") if tracer else contextlib.nullcontext():
                 out = fn(c, x, **kw)
-            events.append((label, "comm", t0, time.perf_counter()))
+            events.append((label, "comm", t0, self.now()))
             return out
         timed.__name__ = getattr(fn, "__name__", "collective")
         return start_async(self.comm, timed, x, label, **kw)

@@ -10,8 +10,9 @@ Each pattern's backward is the other one; dW is one GEMM over the whole sequence
 the ring's summation order are the plain layers', so the results equal theirs (chapter 4 says when
 bit for bit). It builds on tensor parallelism: :func:`use_collective_matmul` sets a built model's
 sequence-parallel ``ColumnParallelLinear`` / ``RowParallelLinear`` layers to run these. Hops are
-point-to-point on a private channel; under an emulated link on the communicator's async worker
-(a real NIC sends while the CPU computes). Traced: "send" spans per hop, "compute" per GEMM.
+point-to-point on a private channel; under an emulated wall-clock link on the communicator's async
+worker (a NIC sends while the CPU computes; the virtual clock just charges the link). Traced: "send"
+spans per hop, "compute" per GEMM; a device model prices each GEMM chunk as it runs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import math
 import numpy as np
 
 from minidist.accel.backend import backend_of
-from minidist.autograd.ops.matmul import low_precision
+from minidist.autograd import meter
+from minidist.autograd.ops.elementwise import Add
+from minidist.autograd.ops.matmul import Linear, Matmul, low_precision
 from minidist.autograd.tensor import Function
 from minidist.comm import start_async
 from minidist.parallel.tensor.comm import SEQ_AXIS, check_divisible
@@ -51,7 +54,7 @@ class Hop:
         self.be, self.what, self.tracer = backend_of(x), what, current()
         host = np.ascontiguousarray(self.be.to_host(x))
         clock = self.tracer.now if self.tracer is not None else None
-        if comm.link is not None:
+        if comm.link is not None and comm.clock is None:  # a wall-clock link sleeps: not on this thread
             self.job, self.reqs = start_async(comm, _hop_on_worker, host, clock), None
         else:
             ch, self.job, self.t0 = comm.channel(CHANNEL), None, clock() if clock else 0.0
@@ -99,7 +102,7 @@ def reduce_scatter_ring(comm, partial, what: str = "partial sum", beside=None):
         with span(f"mm{(r - s - 1) % p}", "compute"):
             part = partial((r - s - 1) % p)
         if hop is not None:
-            part = part + hop.wait()
+            part = _add(part, hop.wait())
         if s == p - 1:
             if p == 1 and beside is not None:
                 beside()
@@ -109,9 +112,17 @@ def reduce_scatter_ring(comm, partial, what: str = "partial sum", beside=None):
 
 # -- products and chunks, as ``ops.Linear`` computes them -------------------------------------------
 
+def _metered(op, ins, out):
+    """``out``, with the op meter told (a device model prices each chunk as it runs, between hops)."""
+    if meter.METER is not None:
+        meter.METER(op, ins, out, False)
+    return out
+
+
 def _product(x, w):
     """x (..., k) @ w (k, n) as one 2-D GEMM of the rows (``ops.Linear``'s way)."""
-    return (x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) @ w).reshape(x.shape[:-1] + w.shape[1:])
+    y = (x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) @ w).reshape(x.shape[:-1] + w.shape[1:])
+    return _metered(Linear, (x, w), y)
 
 
 def _chunk(x, i: int, t: int):
@@ -120,11 +131,16 @@ def _chunk(x, i: int, t: int):
 
 def _sum_rows(g):
     rows = g.reshape(math.prod(g.shape[:-1]), g.shape[-1])
-    return backend_of(g).xp.ones(rows.shape[0], dtype=g.dtype) @ rows
+    return _metered(Add, (rows,), backend_of(g).xp.ones(rows.shape[0], dtype=g.dtype) @ rows)
 
 
 def _weight_grad(x, g):
-    return x.reshape(-1, x.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+    xt = x.reshape(-1, x.shape[-1]).T
+    return _metered(Matmul, (xt, g), xt @ g.reshape(-1, g.shape[-1]))
+
+
+def _add(a, b):
+    return _metered(Add, (a, b), a + b)
 
 
 def _check(x, w, comm, what: str, sharded: bool):
@@ -143,6 +159,8 @@ def _check(x, w, comm, what: str, sharded: bool):
 class AllGatherMatmul(Function):
     """``concat_seq(x over the group) @ w (+ b)``: x (B, T/p, k) a sequence shard, w (k, n) -> (B, T, n)."""
 
+    priced_elsewhere = True  # each chunk's GEMM tells the op meter as it runs (_product)
+
     @staticmethod
     def forward(ctx, x, w, b=None, comm=None):
         _check(x, w, comm, "all_gather_matmul", sharded=True)
@@ -150,7 +168,7 @@ class AllGatherMatmul(Function):
         shards, outs = [None] * p, [None] * p
 
         def compute(src, xs):
-            shards[src], outs[src] = xs, _product(xs, w) if b is None else _product(xs, w) + b
+            shards[src], outs[src] = xs, _product(xs, w) if b is None else _add(_product(xs, w), b)
 
         gather_ring(comm, x, compute, "x shard")
         ctx.save(xp.concatenate(shards, axis=SEQ_AXIS), w)
@@ -178,6 +196,8 @@ class AllGatherMatmul(Function):
 
 class MatmulReduceScatter(Function):
     """My sequence chunk of ``Σ_ranks x @ w``: x (B, T, k) this rank's features, w (k, n) -> (B, T/p, n)."""
+
+    priced_elsewhere = True
 
     @staticmethod
     def forward(ctx, x, w, comm=None):

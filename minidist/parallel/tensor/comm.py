@@ -140,6 +140,10 @@ class ReduceScatterToSeq(Function):
         return g if ctx.comm.size == 1 else all_gather(ctx.comm, g, axis=SEQ_AXIS)
 
 
+for _op in (CopyToTP, ReduceFromTP, GatherAxis, ScatterAxis, GatherFromSeq, ReduceScatterToSeq):
+    _op.priced_elsewhere = True  # a device model charges no compute for them: the link prices them
+
+
 def copy_to_tp(x, comm):
     return CopyToTP.apply(x, comm=comm)
 
