@@ -96,7 +96,7 @@ class RankClock:
     def adopt_thread(self) -> None:
         """This thread acts for the rank from now on: ``trace.clock.now()`` reads its lane (and,
         under a device model, its ops are charged to it)."""
-        trace_clock.use(self.now)
+        trace_clock.use(self.now, self.advance)
         _local.clock = self
         if self.device is not None:
             meter.install(charge_op)
@@ -151,6 +151,16 @@ class RankClock:
             depart = max(t, self.link_free)
             self.link_free = depart + busy
         return depart + busy, depart + self.link.alpha + busy
+
+    def aside(self, wait) -> float:
+        """Call ``wait()`` (a message's wait) without moving this thread's time; returns the time it
+        would have reached: the message's arrival, or now if it arrived earlier. A rank can then
+        take a message only once its clock has reached the arrival, however fast the host ran."""
+        t = self.now()
+        wait()
+        reached, lane = self.now(), self.lane()
+        lane.t, lane.mark = t, _thread_time()
+        return reached
 
     def start_job(self, ready: float) -> None:
         """A background job submitted at ``ready`` starts on this thread's lane."""
