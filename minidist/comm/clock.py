@@ -24,6 +24,8 @@ import os
 import threading
 import time
 
+import numpy as np
+
 from minidist.autograd import meter
 from minidist.autograd.ops import Linear, Matmul, PackedAttention, ScaledDotProductAttention
 from minidist.comm import cost
@@ -167,13 +169,17 @@ class RankClock:
         self.resume(ready)
 
 
-def op_work(op, ins, outs, backward: bool) -> tuple[float, float]:
+def op_work(op, ins, outs, backward: bool) -> tuple[float, float] | None:
     """(FLOPs, bytes) of one op from its arrays' shapes. Forward: a product's 2·M·K·N (attention's
     two, 4·B·H·Tq·Tk·D), one FLOP per output element for the rest. Backward (``ins`` = the output's
     gradient g, ``outs`` = the inputs' gradients): each input gradient of a product is a product of
-    g's size times K. Bytes: every array read or written."""
+    g's size times K. Bytes: every array read or written. None -- no work, not even an op's overhead --
+    for a view (a reshape, a transpose, a slice: NumPy moves no data, and a device would launch
+    nothing) or a ``composite`` op (``Recompute``: the ops it runs are priced themselves)."""
     outs = outs if isinstance(outs, tuple) else (outs,)
     done = [a for a in outs if a is not None]
+    if getattr(op, "composite", False) or done and all(_view(a, ins) for a in done):
+        return None
     nbytes = float(sum(a.nbytes for a in (*ins, *done) if hasattr(a, "nbytes")))
     if not done or not hasattr(ins[0], "shape"):
         return 0.0, nbytes
@@ -191,8 +197,15 @@ def op_work(op, ins, outs, backward: bool) -> tuple[float, float]:
     return float(sum(a.size for a in done)), nbytes
 
 
+def _view(a, ins) -> bool:
+    """Is NumPy array ``a`` a view of one of ``ins`` (shares its memory)?"""
+    return isinstance(a, np.ndarray) and any(isinstance(x, np.ndarray) and np.may_share_memory(a, x)
+                                             for x in ins)
+
+
 def charge_op(op, ins, outs, backward: bool) -> None:
     """The meter a device model installs: each op costs its roofline time on the thread's rank."""
     clock = getattr(_local, "clock", None)
-    if clock is not None:
-        clock.work(*op_work(op, ins, outs, backward))
+    work = None if clock is None else op_work(op, ins, outs, backward)
+    if work is not None:
+        clock.work(*work)
