@@ -105,7 +105,7 @@ def disaggregation(comm, model, args):
           f"{decode[-1] * u:.2f} with {SLOTS}")
     print(f"   one arrival every p / ({size} ranks x {RHO}): colocated, prefilling long prompts takes "
           f"{RHO:.0%} of each rank's time")
-    print(f"   {'':34s}{'TTFT p50':>9s}{'p90':>8s}{'TPOT p50':>10s}{'p90':>8s}{'steady':>8s}  "
+    print(f"   {'':34s}{'TTFT p50':>10s}{'p90':>9s}{'TPOT p50':>10s}{'p90':>9s}{'steady':>9s}  "
           f"formula ({unit})")
     ok, tpot, want = True, {}, {}
     for name, (reqs, colo, dis) in runs.items():
@@ -124,8 +124,9 @@ def disaggregation(comm, model, args):
             tpot[name, what] = steady_tpot(sv, arrivals)
             inside = (1 - TOL) * lo <= tpot[name, what] <= (1 + TOL) * hi
             ok &= inside or not exact
-            print(f"     {label:32s}{s['ttft_p50'] * u:9.2f}{s['ttft_p90'] * u:8.2f}{s['tpot_p50'] * u:10.2f}"
-                  f"{s['tpot_p90'] * u:8.2f}{tpot[name, what] * u:8.2f}  {lo * u:.2f}-{hi * u:.2f}"
+            print(f"     {label:32s}{s['ttft_p50'] * u:10.2f}{s['ttft_p90'] * u:9.2f}"
+                  f"{s['tpot_p50'] * u:10.2f}{s['tpot_p90'] * u:9.2f}{tpot[name, what] * u:9.2f}  "
+                  f"{lo * u:.2f}-{hi * u:.2f}"
                   + ("" if inside else " (outside)"))
     print("   formulas: colocated d + m·p / (n - 1), m the later arrivals on its rank during its n - 1 "
           "decode steps; disaggregated d + (x + up to a step) / (n - 1)")
