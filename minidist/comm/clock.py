@@ -24,6 +24,8 @@ import os
 import threading
 import time
 
+import numpy as np
+
 from minidist.autograd import meter
 from minidist.autograd.ops import Linear, Matmul, PackedAttention, ScaledDotProductAttention
 from minidist.comm import cost
@@ -96,7 +98,7 @@ class RankClock:
     def adopt_thread(self) -> None:
         """This thread acts for the rank from now on: ``trace.clock.now()`` reads its lane (and,
         under a device model, its ops are charged to it)."""
-        trace_clock.use(self.now)
+        trace_clock.use(self.now, self.advance)
         _local.clock = self
         if self.device is not None:
             meter.install(charge_op)
@@ -152,18 +154,32 @@ class RankClock:
             self.link_free = depart + busy
         return depart + busy, depart + self.link.alpha + busy
 
+    def aside(self, wait) -> float:
+        """Call ``wait()`` (a message's wait) without moving this thread's time; returns the time it
+        would have reached: the message's arrival, or now if it arrived earlier. A rank can then
+        take a message only once its clock has reached the arrival, however fast the host ran."""
+        t = self.now()
+        wait()
+        reached, lane = self.now(), self.lane()
+        lane.t, lane.mark = t, _thread_time()
+        return reached
+
     def start_job(self, ready: float) -> None:
         """A background job submitted at ``ready`` starts on this thread's lane."""
         self.resume(ready)
 
 
-def op_work(op, ins, outs, backward: bool) -> tuple[float, float]:
+def op_work(op, ins, outs, backward: bool) -> tuple[float, float] | None:
     """(FLOPs, bytes) of one op from its arrays' shapes. Forward: a product's 2·M·K·N (attention's
     two, 4·B·H·Tq·Tk·D), one FLOP per output element for the rest. Backward (``ins`` = the output's
     gradient g, ``outs`` = the inputs' gradients): each input gradient of a product is a product of
-    g's size times K. Bytes: every array read or written."""
+    g's size times K. Bytes: every array read or written. None -- no work, not even an op's overhead --
+    for a view (a reshape, a transpose, a slice: NumPy moves no data, and a device would launch
+    nothing) or a ``composite`` op (``Recompute``: the ops it runs are priced themselves)."""
     outs = outs if isinstance(outs, tuple) else (outs,)
     done = [a for a in outs if a is not None]
+    if getattr(op, "composite", False) or done and all(_view(a, ins) for a in done):
+        return None
     nbytes = float(sum(a.nbytes for a in (*ins, *done) if hasattr(a, "nbytes")))
     if not done or not hasattr(ins[0], "shape"):
         return 0.0, nbytes
@@ -181,10 +197,19 @@ def op_work(op, ins, outs, backward: bool) -> tuple[float, float]:
     return float(sum(a.size for a in done)), nbytes
 
 
+def _view(a, ins) -> bool:
+    """Is NumPy array ``a`` a view of one of ``ins`` (shares its memory)?"""
+    return isinstance(a, np.ndarray) and any(isinstance(x, np.ndarray) and np.may_share_memory(a, x)
+                                             for x in ins)
+
+
 def charge_op(op, ins, outs, backward: bool) -> None:
     """The meter a device model installs: each op costs its roofline time on the thread's rank. An
     op ``priced_elsewhere`` is not charged as a whole: a communication op (the link prices it) or
     one that meters its parts as they run (collective matmul's GEMM chunks, between its hops)."""
     clock = getattr(_local, "clock", None)
-    if clock is not None and not getattr(op, "priced_elsewhere", False):
-        clock.work(*op_work(op, ins, outs, backward))
+    if clock is None or getattr(op, "priced_elsewhere", False):
+        return
+    work = op_work(op, ins, outs, backward)
+    if work is not None:
+        clock.work(*work)

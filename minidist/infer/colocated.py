@@ -5,11 +5,11 @@ each request's prefill sharing its steps with the others' decodes. Returns the s
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
-from minidist.infer.disaggregated import Served, check_requests, gathered, start, wait_until
+from minidist.infer.disaggregated import Served, check_requests, gathered, start
 from minidist.infer.scheduler import Request, Scheduler
+from minidist.trace.spans import now, sleep
 
 
 def copy(r: Request) -> Request:
@@ -26,8 +26,7 @@ def colocated_serve(comm, model, requests, arrivals=None, max_batch: int = 4, **
     t0 = start(comm, model, reqs, arr, who)
     todo = deque(mine)
     while todo or sched.has_work():
-        now = time.time() - t0
-        while todo and todo[0][1] <= now:
+        while todo and t0 + todo[0][1] <= now():  # the same sum sleep() waits for: no float gap
             r, a = todo.popleft()
             arrival[r.id] = a
             if r.max_new_tokens == 0:
@@ -37,13 +36,13 @@ def colocated_serve(comm, model, requests, arrivals=None, max_batch: int = 4, **
             sched.submit(r)
         if not sched.has_work():
             if todo:
-                wait_until(t0, todo[0][1])
+                sleep(t0 + todo[0][1] - now())
             continue
         finished = sched.step()
-        now = time.time() - t0
+        t = now() - t0
         for r in [*sched.running.values(), *finished]:
             if r.out and r.id not in first:
-                first[r.id] = now
+                first[r.id] = t
         for r in finished:
-            out[r.id], last[r.id] = list(r.out), now
+            out[r.id], last[r.id] = list(r.out), t
     return gathered(comm, (out, first, last, arrival), 0, t0)

@@ -7,15 +7,15 @@ Request i (in arrival order) is prefilled on rank i % P, which samples its first
 its prompt's keys and values (2 · n_layer · T · d_model · itemsize bytes), first token and generator
 state to rank P + i % D; a decode rank installs arrived caches into its ``Scheduler`` between decode
 steps and is never interrupted by a prefill. The tokens are colocated serving's, token for token.
-Times are seconds since rank 0's clock at the start. Chapter 9 has the trade (TTFT against TPOT).
+Times are seconds since rank 0's clock (``trace.clock``) at the start. Chapter 9 has the trade.
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
 from collections import deque
 from dataclasses import dataclass, field
+from math import inf
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from minidist.infer.generate import check_ids, check_prompt, host
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import is_int, sample
 from minidist.infer.scheduler import Scheduler
+from minidist.trace.spans import arrival, now, sleep
 
 META = 1  # the object tag of the (request id, first token, generator state) that precedes a cache
 
@@ -67,7 +68,7 @@ def check_requests(comm, model, requests, arrivals, who="") -> tuple:
 
 def gathered(comm, local: dict, sent: int, t0: float) -> Served:
     """Every rank's (outputs, first, last, arrival) merged; times turned into TTFT and TPOT."""
-    parts = comm.allgather_obj((local, sent, time.time() - t0))
+    parts = comm.allgather_obj((local, sent, now() - t0))
     out, first, last, arrival = {}, {}, {}, {}
     for part, _, _ in parts:
         for merged, d in zip((out, first, last, arrival), part):
@@ -89,9 +90,9 @@ def fingerprint(model, reqs, arrivals) -> tuple:
 
 
 def start(comm, model, reqs, arrivals, who="") -> float:
-    """The shared time zero (rank 0's time.time), once every rank has seen the others' ``fingerprint``: a
+    """The shared time zero (rank 0's clock), once every rank has seen the others' ``fingerprint``: a
     rank given another model or other requests is named at once, on every rank, before anything is sent."""
-    views = comm.allgather_obj((*fingerprint(model, reqs, arrivals), time.time()))
+    views = comm.allgather_obj((*fingerprint(model, reqs, arrivals), now()))
     for k, what in enumerate(("model config", "model weights (sha256)", "requests (count, sha256)")):
         odd = [r for r, v in enumerate(views) if v[k] != views[0][k]]
         if odd:
@@ -101,12 +102,6 @@ def start(comm, model, reqs, arrivals, who="") -> float:
             raise ValueError(f"{who}ranks {odd} hold other {what} than rank 0 ({a} against {b}): "
                              "every rank must be given the same model and the same requests")
     return views[0][-1]
-
-
-def wait_until(t0: float, at: float) -> None:
-    delay = t0 + at - time.time()
-    if delay > 0:
-        time.sleep(delay)
 
 
 def disaggregated_serve(comm, model, requests, arrivals=None, prefill_ranks: int = 1, max_batch: int = 4,
@@ -136,7 +131,7 @@ def prefill_rank(comm, model, plan, t0) -> tuple:
     out, first, arrival, sends, sent = {}, {}, {}, [], 0
     with no_grad():
         for r, a, _, dest in plan:
-            wait_until(t0, a)
+            sleep(t0 + a - now())
             arrival[r.id] = a
             rng, t = r.sampling.generator(r.id), len(r.prompt)
             if r.max_new_tokens == 0:
@@ -145,7 +140,7 @@ def prefill_rank(comm, model, plan, t0) -> tuple:
                 cache = KVCache.for_decoder(dec, 1, t)
                 logits = host(last_logits(forward_tokens(dec, cache, [0], [r.prompt]), [r.prompt]))
                 tok = sample(logits, r.sampling, [rng], [r.id])[0]
-                first[r.id] = time.time() - t0
+                first[r.id] = now() - t0
                 done = r.max_new_tokens == 1 or tok in r.stop_tokens
                 xp = cache.be.xp
                 kv = np.zeros(0, np.float32) if done else xp.stack([xp.stack(cache.k), xp.stack(cache.v)])
@@ -166,14 +161,15 @@ def decode_rank(comm, model, plan, t0, max_batch, scheduler_kw) -> tuple:
     for r, _, src, _ in plan:
         expect.setdefault(src, deque()).append(r)
     posted = {src: comm.irecv(src) for src in expect}
-    ready, out, last = deque(), {}, {}
+    ready, out, last, at = deque(), {}, {}, {}  # at: when each source's next cache arrives
     while posted or ready or sched.has_work():
-        for src in [s for s, q in posted.items() if q.test()]:
+        at = {s: at[s] if at.get(s, inf) < inf else arrival(q, comm.clock) for s, q in posted.items()}
+        for src in [s for s in at if at[s] <= now()]:
             kv = posted.pop(src).wait()
             _, tok, state = comm.recv_obj(src, tag=META)  # start() checked both ranks plan the same
             r = expect[src].popleft()
             if expect[src]:
-                posted[src] = comm.irecv(src)
+                posted[src], at[src] = comm.irecv(src), inf
             if kv.size == 0:
                 continue  # answered by the prefill
             rng = np.random.default_rng()
@@ -183,11 +179,12 @@ def decode_rank(comm, model, plan, t0, max_batch, scheduler_kw) -> tuple:
         while ready and sched.install(ready[0][0], ready[0][1][0], ready[0][1][1], ready[0][2]):
             ready.popleft()
         if not sched.has_work():
-            if posted:
+            if posted and min(at.values()) == inf:
                 comm.wait_any(list(posted.values()), "a prefilled request's cache")
+            elif posted:  # the virtual clock: idle until the first cache arrives
+                sleep(min(at.values()) - now())
             continue
         finished = sched.step()
-        now = time.time() - t0
         for r in finished:
-            out[r.id], last[r.id] = list(r.out), now
+            out[r.id], last[r.id] = list(r.out), now() - t0
     return out, {}, last, {}

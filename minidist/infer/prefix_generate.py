@@ -7,14 +7,13 @@ blocks of earlier ones; decoding is batched. Over a plain ``PagedKVCache`` nothi
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from minidist.infer.decoder import as_decoder, forward_tokens, last_logits
 from minidist.infer.generate import check_prompts, decode_loop, host
 from minidist.infer.paged import PagedKVCache
 from minidist.infer.sampling import GREEDY
+from minidist.trace.spans import now
 
 
 def generate_with_prefix_cache(model, prompts, max_new_tokens: int, cache: PagedKVCache,
@@ -26,7 +25,7 @@ def generate_with_prefix_cache(model, prompts, max_new_tokens: int, cache: Paged
 
     ``ttft``: a list to which each prompt's time to first token is appended (seconds from the
     call to its first token's logits), for a benchmark to set with and without sharing."""
-    t0 = time.perf_counter()
+    t0 = now()
     dec = as_decoder(model)
     prompts = check_prompts(prompts, dec.block_size, dec.vocab_size, max_new_tokens)
     if len(prompts) > cache.n_slots:
@@ -46,7 +45,7 @@ def generate_with_prefix_cache(model, prompts, max_new_tokens: int, cache: Paged
             cache.commit(i, held[i])
         out = host(last_logits(logits, [toks]))[0]
         if ttft is not None:
-            ttft.append(time.perf_counter() - t0)
+            ttft.append(now() - t0)
         return out
 
     def step(active, feed):

@@ -15,13 +15,13 @@ request by request. Chapter 13 (lessons/13-load-balancing.md) has the measuremen
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from minidist.infer.generate import check_ids
 from minidist.infer.scheduler import Request, Scheduler
+from minidist.trace.spans import now
 
 POLICIES = ("round_robin", "least_loaded")
 
@@ -116,9 +116,9 @@ def route(model, requests, arrivals, replicas: int = 2, policy: str = "least_loa
             continue
         i = min(working, key=lambda j: (clocks[j], j))
         rows = scheds[i].stats["forward_rows"]
-        t0 = time.perf_counter()
+        t0 = now()
         finished = scheds[i].step()
-        real = time.perf_counter() - t0
+        real = now() - t0
         dt = real if slow is None else slow.target(real, scheds[i].stats["forward_rows"] - rows,
                                                    slow.rank_factor(i, 0))
         clocks[i] += dt

@@ -11,7 +11,6 @@ prefilled. Chapter 9 (lessons/09-inference.md) has the why and the measurements.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,6 +23,7 @@ from minidist.infer.kv_cache import KVCache
 from minidist.infer.paged import OutOfBlocks, PagedKVCache
 from minidist.infer.prefix_cache import PrefixCachingKVCache
 from minidist.infer.sampling import GREEDY, SamplingParams, is_int, sample
+from minidist.trace.spans import now
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Request:
     admitted: int | None = None
     finished: int | None = None
     preemptions: int = 0
-    arrived_s: float | None = None  # perf_counter() when it joined the queue
+    arrived_s: float | None = None  # the rank's clock (trace.clock.now) when it joined the queue
     ttft_s: float | None = None  # seconds from joining the queue to its first token
 
     def __post_init__(self):
@@ -118,12 +118,11 @@ class Scheduler:
         self.pending.append(req)
 
     def _arrivals(self):
-        now = [r for r in self.pending if r.arrival <= self.t]
+        new = [r for r in self.pending if r.arrival <= self.t]
         self.pending = [r for r in self.pending if r.arrival > self.t]
-        clock = time.perf_counter()
-        for r in now:
-            r.arrived_s = clock
-        self.waiting.extend(sorted(now, key=lambda r: (r.arrival, r.id)))
+        for r in new:
+            r.arrived_s = now()
+        self.waiting.extend(sorted(new, key=lambda r: (r.arrival, r.id)))
 
     def _admit(self) -> list:
         """Slots refilled this step: (slot, request) pairs whose whole history is fed (prefill)."""
@@ -238,7 +237,7 @@ class Scheduler:
                 req.out.append(sample(logits[row][None], req.sampling, [self.rngs[req.id]], [req.id],
                                       len(req.out))[0])
                 if req.ttft_s is None and req.arrived_s is not None:
-                    req.ttft_s = time.perf_counter() - req.arrived_s
+                    req.ttft_s = now() - req.arrived_s
                 if req.done:
                     req.finished = self.t
                     finished.append(self.running.pop(slot))
@@ -263,10 +262,10 @@ class Scheduler:
             self.pending.remove(r)
             r.finished = r.arrival
             self.done.append(r)
-        t0 = time.perf_counter()
+        t0 = now()
         while self.has_work():
             self.step()
-        self.stats["seconds"] = time.perf_counter() - t0
+        self.stats["seconds"] = now() - t0
         if self.sharing:
             looked = self.stats["looked_up_tokens"]
             self.stats["hit_rate"] = self.stats["hit_tokens"] / looked if looked else 0.0

@@ -12,7 +12,6 @@ Chapter 9 has the proof and the speed-up formula (``expected_speedup``).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +21,7 @@ from minidist.infer.decoder import as_decoder, forward_tokens
 from minidist.infer.generate import check_ids, check_prompts, host, is_done, stop_set
 from minidist.infer.kv_cache import KVCache
 from minidist.infer.sampling import GREEDY, SamplingParams, check_finite, filter_probs, is_int
+from minidist.trace.spans import now
 
 # -- the acceptance rule (exercises/speculative.py asks for these) ------------------------------------
 
@@ -88,6 +88,7 @@ class SpecStats:
     rounds: int = 0          # verify passes' rows: one per sequence per round
     proposed: int = 0        # draft tokens offered
     accepted: int = 0        # of them kept
+    rejected: int = 0        # rounds ended by a rejection (the proposals after it are never judged)
     tokens: int = 0          # tokens emitted (after the first, which the prefill gives)
     target_passes: int = 0   # target forwards (the prefill included)
     draft_passes: int = 0
@@ -96,7 +97,8 @@ class SpecStats:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
+        """a: of the proposals judged (up to a round's first rejection), the share kept."""
+        return self.accepted / (self.accepted + self.rejected) if self.accepted + self.rejected else 0.0
 
     @property
     def tokens_per_round(self) -> float:
@@ -133,9 +135,9 @@ def speculative_generate(target, draft, prompts, max_new_tokens: int, k: int = 4
     active = list(range(n)) if max_new_tokens > 0 else []
 
     def run(dec, cache, rows, feed):
-        t0 = time.perf_counter()
+        t0 = now()
         out = host(forward_tokens(dec, cache, rows, feed))
-        dt = time.perf_counter() - t0
+        dt = now() - t0
         if dec is tdec:
             st.target_passes, st.target_seconds = st.target_passes + 1, st.target_seconds + dt
         else:
@@ -183,6 +185,7 @@ def speculative_generate(target, draft, prompts, max_new_tokens: int, k: int = 4
                 st.rounds += 1
                 st.proposed += ks[i]
                 st.accepted += len(new) - 1
+                st.rejected += len(new) - 1 < ks[i]
                 st.tokens += len(outs[i]) - before
             active = [i for i in active if not is_done(outs[i], max_new_tokens, stop)]
     return outs

@@ -57,7 +57,7 @@ def rank_main(comm, args):
         ok &= prefix_caching(model, args)
         ok &= kv_memory(model, args, reqs, res["continuous"][0])
         if args.speculative:
-            ok &= speculative(model, early_exit_draft(model, args.draft_layers), args)
+            ok &= speculative(model, early_exit_draft(model, args.draft_layers), args, comm.clock)
         if args.plot:
             plot(args.plot, res, args.batch)
     with comm.patient("rank 0 runs sections 1-4"):

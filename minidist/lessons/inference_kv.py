@@ -21,6 +21,7 @@ from minidist.infer import (
 from minidist.lessons.train import train
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.data import BatchLoader, ByteTokenizer, TextDataset
+from minidist.trace.spans import now
 
 TOK = ByteTokenizer()
 BATCH = 16  # training windows per step
@@ -61,12 +62,12 @@ def cache_vs_recompute(model, args):
     n = args.block - len(prompt)
     sp = SamplingParams(temperature=0.8, top_k=40, seed=args.seed)
     generate(model, [prompt], 4)
-    t0 = time.perf_counter()
+    t0 = now()
     fast, fast_logits = generate(model, [prompt], n, sp, return_logits=True)
-    t_cache = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t_cache = now() - t0
+    t0 = now()
     slow, slow_logits = generate_recompute(model, [prompt], n, sp, return_logits=True)
-    t_full = time.perf_counter() - t0
+    t_full = now() - t0
     diff = float(np.abs(fast_logits[0] - slow_logits[0]).max())
     p = len(prompt)
     print(f"\n1. KV cache: prompt {p} tokens + {n} new (temperature 0.8, top-k 40)")

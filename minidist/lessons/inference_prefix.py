@@ -1,7 +1,8 @@
 """Lesson 9, part 3: prefix caching of a shared system prompt, and the KV cache's bytes per token.
 
 ``prefix_caching``: hit rate, prefill tokens saved and time to first token with and without;
-``kv_memory``: bytes per token beside 2·L·K·(d/H)·bytes, grouped-query attention and int8 shrinking it.
+``kv_memory``: bytes per token beside 2·L·K·(d/H)·bytes, grouped-query attention and int8 shrinking it
+(and int8's accuracy: each cached vector within 1/254 of its largest value, the logits within 1%).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from minidist.infer import (
     int8_bytes_per_token,
     serve,
 )
+from minidist.infer.quant_kv import dequantize, quantize
 from minidist.lessons.inference_kv import PROMPTS, enc
 
 SYSTEM = "You are minidist's tutor: answer briefly. "
@@ -54,6 +56,17 @@ def prefix_caching(model, args):
     return ok
 
 
+def quantizer_error(arrays) -> float:
+    """The largest |x̂ - x| / max|x| of any vector (last axis) of ``arrays`` stored as int8 and read
+    back (``quant_kv``'s rule: at most 1/254)."""
+    worst = 0.0
+    for x in arrays:
+        q, scale = quantize(x)
+        err, top = np.abs(dequantize(q, scale, x.dtype) - x).max(-1), np.abs(x).max(-1)
+        worst = max(worst, float(np.max(err / np.where(top > 0, top, 1.0))))
+    return worst
+
+
 def kv_memory(model, args, reqs, contiguous_out):
     """Bytes per cached token from the arrays beside the formulas; int8: tokens and logit error."""
     dec, L, H, K = Decoder.from_model(model), args.layers, args.heads, args.kv_heads
@@ -70,15 +83,19 @@ def kv_memory(model, args, reqs, contiguous_out):
         out, _, _ = serve(model, reqs, max_batch=args.batch, cache=q)
         same = sum(out[i] == contiguous_out[i] for i in out)
         seq = enc(PROMPTS[0]) + contiguous_out[0]
-        a, b = (to_host(forward_tokens(dec, c, [0], [seq]))[0]
-                for c in (KVCache.for_decoder(dec, 1), Int8KVCache.for_decoder(dec, 1)))
-        err, bound = float(np.abs(a - b).max()), 0.01 * float(np.abs(a).max())
+        caches = KVCache.for_decoder(dec, 1), Int8KVCache.for_decoder(dec, 1)
+        a, b = (to_host(forward_tokens(dec, c, [0], [seq]))[0] for c in caches)
+        err, top = float(np.abs(a - b).max()), float(np.abs(a).max())
+        vec = quantizer_error([to_host(x)[:, :, :len(seq)] for x in (*caches[0].k, *caches[0].v)])
         print(f"   int8 (--kv-dtype int8): 2·L·K·(d/H + 4) = {want:,} bytes (measured "
               f"{q.bytes_per_token():,}): {measured / want:.2f}x smaller than float32")
         print(f"   greedy tokens: {same} of {len(out)} requests identical to the float32 cache"
               + ("" if same == len(out) else " (int8 rounding changed a close argmax: reported, not hidden)"))
-        print(f"   max |logits diff| over a {len(seq)}-token sequence {err:.1e} (bound 1% of max |logit| = "
-              f"{bound:.1e})")
-        ok &= q.bytes_per_token() == want and err <= bound
+        ratio = f"1/{1 / vec:.1f}" if vec else "0"
+        print(f"   each cached vector: max |x̂ - x| / max |x| = {ratio} <= 1/254 (the quantizer's bound, over "
+              f"the sequence's {2 * L * K * len(seq)} vectors)")
+        print(f"   max |logits diff| over a {len(seq)}-token sequence {err:.1e} = {err / top:.2%} of max "
+              f"|logit| (bound 1% = {0.01 * top:.1e})")
+        ok &= q.bytes_per_token() == want and err <= 0.01 * top and vec <= (1 + 1e-5) / 254
     print(f"   measured == formula: {'PASS' if ok else 'FAIL'}")
     return ok

@@ -5,7 +5,6 @@ and MLP) and pipeline stages, checked token for token against one process, with 
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 
@@ -21,6 +20,7 @@ from minidist.lessons.cli import (
 )
 from minidist.lessons.inference_kv import PROMPTS, TOK, enc
 from minidist.parallel.pipeline.partition import partition_uniform
+from minidist.trace.spans import now
 
 
 def mesh_for(n, args):
@@ -52,9 +52,9 @@ def sharded(comm, model, args):
     prompts = [enc(p) for p in PROMPTS[:PROMPT_COUNT]]
     n = NEW_TOKENS
     with measure(comm) as m:
-        t0 = time.perf_counter()
+        t0 = now()
         toks, logits = sharded_generate(comm, model, prompts, n, GREEDY, tp=tp, pp=pp, return_logits=True)
-        dt = time.perf_counter() - t0
+        dt = now() - t0
     calls = [c.name for c in m.calls if "all_reduce" in c.name]
     sampler = (pp - 1) * tp
     rows = comm.gather_obj((calls, m.bytes_sent, logits if comm.rank == sampler else None), root=0)

@@ -5,11 +5,12 @@
     MINIDIST_SLOW="rank=2,factor=3,from_step=5"     # rank 2 computes 3x slower from step 5 on
     MINIDIST_SLOW="layer=3,factor=4"                 # pipeline layer 3 costs 4x (every step)
 
-A slowdown is emulated by *measuring* the slowed work and then sleeping ``(factor - 1)`` times as
-long, so the work takes ``factor`` times its real duration on any transport (threads or MPI
-processes) and any machine, and it can appear mid-run (``from_step``): the dynamic case a load
-balancer has to notice. Sleeping also releases the GIL, so on the threads transport the other
-ranks keep computing meanwhile, as they would on their own devices.
+A slowdown is emulated by *measuring* the slowed work on the rank's clock (``trace.clock``) and then
+letting ``(factor - 1)`` times as long pass (``trace.clock.sleep``: charged to the virtual clock
+under ``--clock virtual``, slept on the wall clock), so the work takes ``factor`` times its duration
+on any transport (threads or MPI processes) and any machine, and it can appear mid-run
+(``from_step``): the dynamic case a load balancer has to notice. Sleeping also releases the GIL, so
+on the threads transport the other ranks keep computing meanwhile, as they would on their own devices.
 
 ``Slowdown.compute(rank, step)`` wraps a rank's compute of one step; ``Slowdown.layer_factor(i)``
 is the multiplier a profiled pipeline stage applies to layer ``i``. ``pace`` (seconds per row)
@@ -21,8 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from dataclasses import dataclass
+
+from minidist.trace.spans import now, sleep
 
 KEYS = ("rank", "layer", "factor", "from_step")
 
@@ -103,15 +105,16 @@ class Slowdown:
 
     @contextlib.contextmanager
     def compute(self, rank: int, step: int, rows: int = 0):
-        """Time the block; then sleep so that it took ``rank_factor(rank, step)`` times as long.
+        """Time the block (the rank's clock); then let time pass so that it took ``rank_factor(rank,
+        step)`` times as long.
 
         With ``pace`` > 0 the block first lasts at least ``rows * pace`` seconds: an emulated device
         that needs ``pace`` seconds per row while the host waits (as for a GPU kernel). On a laptop
         with fewer cores than ranks, ranks' real compute contends for the cores and is noisy; the
         paced time is not, so a lesson's numbers are reproducible. Real work still runs inside."""
-        t0 = time.perf_counter()
+        t0 = now()
         yield
-        spent = time.perf_counter() - t0
+        spent = now() - t0
         sleep_until(t0, self.target(spent, rows, self.rank_factor(rank, step)))
 
     def target(self, spent: float, rows: int, factor: float) -> float:
@@ -127,7 +130,6 @@ class Slowdown:
 
 
 def sleep_until(t0: float, seconds: float) -> None:
-    """Sleep until ``seconds`` have passed since ``t0`` (a ``time.perf_counter()``), if they have not."""
-    left = t0 + seconds - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
+    """Let time pass until ``seconds`` have since ``t0`` (a ``trace.clock.now()``), if they have not:
+    the virtual clock is charged, the wall clock slept."""
+    sleep(t0 + seconds - now())

@@ -4,7 +4,8 @@ on the timeline.
 ``with span("forward mb 3"):`` records an interval on this rank's tracer (``tracer.Tracer``) when
 one is active, and costs one flag check when none ever was. The active tracer is thread-local
 because the threads transport runs its ranks as threads of one process. Algorithms import this
-file only; recording, gathering and drawing live beside it in ``minidist.trace``.
+file only; recording, gathering and drawing live beside it in ``minidist.trace``. ``now``,
+``sleep`` and ``arrival`` are the rank's clock (``trace.clock``: virtual under ``MINIDIST_CLOCK=virtual``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from contextlib import contextmanager
+
+from minidist.trace.clock import arrival, now, sleep  # noqa: F401 - the rank's clock (step times, TTFT)
 
 CATEGORIES = ("compute", "send", "recv", "wait", "collective", "step")
 

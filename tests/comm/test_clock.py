@@ -206,9 +206,29 @@ def test_op_work_counts_a_products_flops_from_its_shapes():
     a, b = np.ones((3, 5, 6)), np.ones((3, 6, 7))
     assert op_work(Matmul, [a, b], np.ones((3, 5, 7)), False)[0] == 2 * 3 * 5 * 6 * 7
     q, k = np.ones((2, 3, 5, 4)), np.ones((2, 3, 7, 4))
-    assert op_work(ScaledDotProductAttention, [q, k, k], q, False)[0] == 4 * 2 * 3 * 5 * 7 * 4
-    flops, nbytes = op_work(Add, [x, x], x, False)
+    assert op_work(ScaledDotProductAttention, [q, k, k], np.ones_like(q), False)[0] == 4 * 2 * 3 * 5 * 7 * 4
+    flops, nbytes = op_work(Add, [x, x], np.ones_like(x), False)
     assert (flops, nbytes) == (x.size, 3 * x.nbytes)
+
+
+def test_op_work_prices_a_view_and_a_composite_at_nothing():
+    """A reshape, a transpose or a slice moves no data (its output shares the input's memory), in
+    NumPy as on a device: no work at all (None: not even an op's overhead) -- but a copy (a fancy
+    index) is priced. A composite op (``Recompute``) runs other ops, each priced on its own: the node
+    itself costs nothing."""
+    from minidist.autograd.ops import GetItem, Reshape, Transpose
+    from minidist.comm.clock import op_work
+    from minidist.parallel.memory.recompute import Recompute
+
+    x = np.ones((4, 6, 8))
+    assert op_work(Reshape, [x], x.reshape(24, 8), False) is None
+    assert op_work(Transpose, [x], x.transpose(2, 0, 1), False) is None
+    assert op_work(GetItem, [x], x[1:3], False) is None
+    picked = x[[0, 2]]  # fancy indexing copies
+    assert op_work(GetItem, [x], picked, False) == (picked.size, x.nbytes + picked.nbytes)
+    t = x.transpose(0, 2, 1)  # (4, 8, 6): flattening its last two axes must copy
+    assert op_work(Reshape, [t], t.reshape(4, 48), False)[1] == t.nbytes + t.reshape(4, 48).nbytes
+    assert op_work(Recompute, [x, x], np.ones_like(x), False) is None
 
 
 def test_a_device_model_prices_each_op_on_its_roofline(virtual, monkeypatch):

@@ -124,3 +124,53 @@ def test_int8_and_prefix_caches_on_jax():
         outs.append([generate_with_prefix_cache(m, prompts, 4, c) for _ in range(2)])
         assert c.stats()["hit_tokens"] > 0
     assert outs[0] == outs[1]
+
+
+def test_the_lessons_quantizer_error_by_hand():
+    """[127, 63.5, 0.5]: scale 1, stored [127, 64, 0] (63.5 rounds to even), errors [0, 0.5, 0.5]:
+    the worst is 0.5 / 127 = 1/254, the bound itself; a zero vector's error is 0."""
+    from minidist.lessons.inference_prefix import quantizer_error
+
+    x = np.array([[[127.0, 63.5, 0.5], [0.0, 0.0, 0.0]]], np.float32)
+    assert quantizer_error([x]) == pytest.approx(1 / 254)
+    assert quantizer_error([x[:, 1:]]) == 0.0
+
+
+def _int8_section(monkeypatch, capsys, bits=8):
+    """Lesson 9's section 3c with --kv-dtype int8 on a small trained model; ``bits`` < 8 plants a
+    coarser quantizer (scale max/(2^(bits-1) - 1)) in the cache and the lesson alike."""
+    from minidist.infer import Request, quant_kv, serve
+    from minidist.lessons import inference_prefix
+    from minidist.lessons.inference_kv import PROMPTS, enc
+
+    if bits < 8:
+        top = 2 ** (bits - 1) - 1
+
+        def coarse(x):
+            scale = (np.abs(x).max(axis=-1, keepdims=True) / top).astype(np.float32)
+            safe = np.where(scale > 0, scale, 1)
+            return np.clip(np.rint(x / safe), -top, top).astype(np.int8), scale
+        monkeypatch.setattr(quant_kv, "quantize", coarse)
+        monkeypatch.setattr(inference_prefix, "quantize", coarse)
+    model = trained()[0]
+    args = type("Args", (), dict(layers=2, heads=4, kv_heads=4, d_model=32, kv_dtype="int8", batch=2))
+    reqs = [Request(i, enc(PROMPTS[i])[:6], 4) for i in range(3)]
+    out, _, _ = serve(model, reqs, max_batch=2)
+    ok = inference_prefix.kv_memory(model, args, reqs, out)
+    return ok, capsys.readouterr().out
+
+
+def test_the_lesson_prints_int8s_accuracy_against_the_chapters_bounds(monkeypatch, capsys):
+    """``--kv-dtype int8`` prints the accuracy chapter 9 claims, not only bytes: every cached vector
+    within 1/254 of its largest value, the logits within 1% of the largest; a 6-bit quantizer
+    planted in the cache breaks the first (1/62 per vector) and the section says FAIL."""
+    import re
+
+    ok, text = _int8_section(monkeypatch, capsys)
+    assert ok and "measured == formula: PASS" in text
+    ratio = float(re.search(r"max \|x̂ - x\| / max \|x\| = 1/([\d.]+) <= 1/254", text).group(1))
+    assert ratio >= 254 * (1 - 1e-5)
+    share = re.search(r"max \|logits diff\| .* = ([\d.]+)% of max \|logit\| \(bound 1%", text).group(1)
+    assert 0 < float(share) <= 1.0
+    ok, text = _int8_section(monkeypatch, capsys, bits=6)
+    assert not ok and "measured == formula: FAIL" in text

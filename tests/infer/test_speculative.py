@@ -173,3 +173,24 @@ def test_early_exit_draft_is_the_targets_first_layers_and_head():
                                   full_logits(target(), tokens[0]))
     with pytest.raises(ValueError, match=r"n_layer must be an integer in 1..2 \(the target.s layers\)"):
         early_exit_draft(target(), 3)
+
+
+def test_acceptance_rate_counts_only_the_proposals_judged():
+    """Two rounds of k = 4: the first keeps 3 and rejects its 4th, the second keeps all 4: 8 judged,
+    7 kept, a = 7/8. Three rounds offering 12 that keep 5 with 2 rejections judged 7: a = 5/7 (5/12
+    would count the proposals after a rejection, which are never judged)."""
+    assert SpecStats(rounds=2, proposed=8, accepted=7, rejected=1).acceptance_rate == 7 / 8
+    assert SpecStats(rounds=2, proposed=8, accepted=0, rejected=2).acceptance_rate == 0.0
+    assert SpecStats(rounds=3, proposed=12, accepted=5, rejected=2).acceptance_rate == 5 / 7  # not 5/12
+    assert SpecStats().acceptance_rate == 0.0
+
+
+def test_a_run_counts_one_rejection_per_round_that_ends_early():
+    """Whatever the draft: each round either keeps all its proposals or ends at one rejection, so
+    accepted + rejected proposals judged never exceed those offered, and the tokens are accepted +
+    one per round."""
+    st_ = SpecStats()
+    speculative_generate(target(), drafts()["noisy"], [[1, 2], [3], [4, 5, 6]], 30, k=4, stats=st_)
+    assert 0 < st_.rejected <= st_.rounds
+    assert st_.accepted + st_.rejected <= st_.proposed
+    assert st_.tokens <= st_.accepted + st_.rounds

@@ -24,8 +24,8 @@ def test_the_slot_timeline_writes_each_requests_letter_and_idle_dots():
 
 
 def test_block_too_short_for_speculative_answers_is_refused_before_ranks_start(monkeypatch, capsys):
-    # "A neural network " is 17 bytes (byte tokenizer); section 4 generates 32 tokens after it,
-    # so check_prompt needs 17 + 32 = 49 positions. Section 5 (24 tokens) needs 41.
+    # "A neural network " is 17 bytes (byte tokenizer); section 4 generates 40 tokens after it,
+    # so check_prompt needs 17 + 40 = 57 positions. Section 5 (24 tokens) needs 41.
     started = []
     monkeypatch.setattr(inference, "launch", lambda fn, args: started.append(args))
     small = ["--ranks", "2", "--steps", "1", "--d-model", "16"]
@@ -33,17 +33,17 @@ def test_block_too_short_for_speculative_answers_is_refused_before_ranks_start(m
         inference.main(small + ["--block", "40"])
     assert e.value.code == 2 and not started
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "--block" in err and ">= 49" in err and "--speculative 0" in err
+    assert "--block" in err and ">= 57" in err and "--speculative 0" in err
     with pytest.raises(SystemExit):
         inference.main(small + ["--block", "40", "--speculative", "0"])
     assert ">= 41" in capsys.readouterr().err and not started
-    inference.main(small + ["--block", "49"])
-    assert started and started[0].block == 49
-    # the bound is check_prompt's own: 49 fits, 48 does not
+    inference.main(small + ["--block", "57"])
+    assert started and started[0].block == 57
+    # the bound is check_prompt's own: 57 fits, 56 does not
     prompts = [inference_kv.enc(q) for q in inference_kv.PROMPTS[:3]]
-    check_prompts(prompts, 49, 256, 32)
+    check_prompts(prompts, 57, 256, 40)
     with pytest.raises(ValueError):
-        check_prompts(prompts, 48, 256, 32)
+        check_prompts(prompts, 56, 256, 40)
 
 
 def test_block_longer_than_the_training_text_allows_is_refused_before_ranks_start(monkeypatch, capsys):

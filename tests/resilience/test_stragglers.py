@@ -41,3 +41,28 @@ def test_a_slowdown_of_a_layer_that_does_not_exist_is_refused(layers, ok):
     else:
         with pytest.raises(ValueError, match="slows layer 2, but the model has 2 layers"):
             s.check_world(4, num_layers=layers)
+
+
+def test_a_slowdown_is_charged_to_the_virtual_clock_not_slept():
+    """On a rank's virtual clock (a device on which compute is free: only ``advance`` moves it), a
+    rank 3x slower with a pace of 10 ms/row over 20 rows lasts 3 x 0.2 s = 0.6 s of virtual time;
+    work of 0.5 s (more than the pace) lasts 3 x 0.5 s; and no wall time is spent waiting for it."""
+    import time
+
+    from minidist.comm.clock import Device, RankClock
+    from minidist.comm.transports.link import Link
+    from minidist.trace import clock as trace_clock
+
+    clock = RankClock(Link(0.0, 1e9), Device(1e30, 1e30))
+    clock.adopt_thread()
+    try:
+        s = Slowdown("rank=0,factor=3", pace=0.010)
+        wall = time.perf_counter()
+        for work, want in [(0.0, 0.6), (0.5, 1.5), (0.1, 0.6)]:
+            t0 = trace_clock.now()
+            with s.compute(0, 0, rows=20):
+                clock.advance(work)  # the block's own work
+            assert trace_clock.now() - t0 == pytest.approx(want), (work, want)
+        assert time.perf_counter() - wall < 0.5  # 2.7 virtual seconds passed; none were slept
+    finally:
+        clock.release_thread()

@@ -21,7 +21,6 @@ vectors, to prove training equals the serial twin whatever the shares.
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -33,7 +32,7 @@ from minidist.nn.optim import make_optimizer
 from minidist.parallel.balance.measure import StepMonitor, StragglerDetector
 from minidist.parallel.balance.shares import ShareBalancer, balanced_time, offsets
 from minidist.parallel.data.ddp import DistributedDataParallel
-from minidist.trace.spans import current, span
+from minidist.trace.spans import current, now, span
 
 
 def pad_rows(x, y, rows: int):
@@ -53,7 +52,7 @@ class BalancedRun:
     """What ``train_dp_balanced`` returns on every rank (the same on all, but ``model``)."""
     model: object
     losses: list = field(default_factory=list)        # per step: the global batch's mean loss
-    step_seconds: list = field(default_factory=list)  # per step: wall time (this rank's clock)
+    step_seconds: list = field(default_factory=list)  # per step: seconds on this rank's clock (trace.clock)
     shares: list = field(default_factory=list)        # per step: the rows each rank took
     ideal_seconds: list = field(default_factory=list)  # per step: B / Σ s_i from the smoothed speeds
     stragglers: list = field(default_factory=list)    # per step: ranks named slow
@@ -88,21 +87,21 @@ def train_dp_balanced(comm, cfg, batches, lr: float = 0.1, optimizer: str = "sgd
         if compiles_per_shape(model.parameters()[0].backend):
             xs, ys = pad_rows(xs, ys, bucket(len(xs), total))
         computed = len(xs)  # the rows the step's time covers (padded ones too): the balancer's per-row cost
-        t0 = time.perf_counter()
+        t0 = now()
         emulated = nullcontext() if slow is None else slow.compute(comm.rank, step, shares[comm.rank])
         with span("Compute", "compute", step=step, rows=shares[comm.rank]), emulated, ddp.no_sync():
             loss = model.loss(xs, ys)
             ddp.backward(loss, n_samples=tokens)
-        t1 = time.perf_counter()
+        t1 = now()
         with span("Wait", "wait", step=step):
             ddp.wait_gradients()
-        t2 = time.perf_counter()
+        t2 = now()
         opt.step()
         opt.zero_grad()
         table = monitor.record(t1 - t0, t2 - t1, computed, float(loss.item()) * tokens, tokens)
         run.losses.append(float(table[:, 3].sum() / max(table[:, 4].sum(), 1)))
         run.shares.append(list(shares))
-        run.step_seconds.append(time.perf_counter() - t0)
+        run.step_seconds.append(now() - t0)
         spr = monitor.seconds_per_row()
         run.ideal_seconds.append(balanced_time(total, spr))
         run.stragglers.append(run.detector.update(step, spr))

@@ -16,11 +16,10 @@ the slow rank.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from minidist.comm import all_gather
+from minidist.trace.spans import now
 
 FIELDS = ("compute", "wait", "rows")
 
@@ -42,9 +41,9 @@ class StepMonitor:
         if mine.size != len(self.fields):
             raise ValueError(f"rank {self.comm.rank}: record() got {mine.size} numbers for fields "
                              f"{self.fields}")
-        t0 = time.perf_counter()
+        t0 = now()
         table = all_gather(self.comm, mine, sizes="equal").reshape(self.comm.size, mine.size)
-        self.gather_seconds.append(time.perf_counter() - t0)
+        self.gather_seconds.append(now() - t0)
         self.history.append(table)
         return table
 

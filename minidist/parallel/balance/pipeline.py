@@ -15,7 +15,6 @@ moves equals the serial twin.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +34,7 @@ from minidist.parallel.balance.repartition import (
 from minidist.parallel.pipeline.partition import partition_balanced, partition_uniform
 from minidist.parallel.pipeline.runtime import run_schedule, split_microbatches
 from minidist.parallel.pipeline.schedule import one_f_one_b
+from minidist.trace.spans import now
 
 
 @dataclass
@@ -42,7 +42,7 @@ class PipelineRun:
     """What ``train_pipeline_balanced`` returns on every rank."""
     stage: ProfiledStage
     losses: list = field(default_factory=list)
-    step_seconds: list = field(default_factory=list)   # wall time per step (the slowest stage's pace)
+    step_seconds: list = field(default_factory=list)   # per step, the rank's clock (the slowest stage's pace)
     bounds: list = field(default_factory=list)         # the partition each step ran with
     layer_seconds: list = field(default_factory=list)  # per step: agreed fwd+bwd seconds of every layer
     moves: list = field(default_factory=list)          # (after step, old, new, bytes moved in all, seconds)
@@ -84,7 +84,7 @@ def train_pipeline_balanced(comm, cfg, batches, microbatches: int = 4, lr: float
             opt.step()
             opt.zero_grad()
 
-        t0 = time.perf_counter()
+        t0 = now()
         stats = run_schedule(stage, comm, instructions, xs, ys, optimizer_step, loss_weights=weights)
         mine = np.zeros(2 * n)
         for i, s in stage.layer_seconds().items():
@@ -92,7 +92,7 @@ def train_pipeline_balanced(comm, cfg, batches, microbatches: int = 4, lr: float
             layer = model[i]
             mine[n + i] = layer_memory_bytes(layer, optimizer, stage.act_bytes[i], min(microbatches, p))
         agreed = all_reduce(comm, mine, op="sum")
-        run.step_seconds.append(time.perf_counter() - t0)
+        run.step_seconds.append(now() - t0)
         run.losses.append(stats.loss)
         run.bounds.append(list(bounds))
         run.layer_seconds.append(agreed[:n].tolist())
@@ -111,10 +111,10 @@ def train_pipeline_balanced(comm, cfg, batches, microbatches: int = 4, lr: float
                                                           moved / bandwidth):
                 new = best
         if new is not None and list(map(tuple, new)) != list(map(tuple, bounds)):
-            t1 = time.perf_counter()
+            t1 = now()
             stage, opt, sent = move_layers(comm, model, bounds, [tuple(b) for b in new], opt,
                                            {"slow": slow}, optimizer, lr)
-            seconds = time.perf_counter() - t1
+            seconds = now() - t1
             sent = int(all_reduce(comm, np.array([sent], np.int64), op="sum")[0])  # every stage's
             run.moves.append((step, list(bounds), [tuple(b) for b in new], sent, seconds))
             bounds = [tuple(b) for b in new]

@@ -8,14 +8,14 @@ per-layer seconds (and each layer's largest activation) are what the re-partitio
 ``slow`` (a ``minidist.resilience.stragglers.Slowdown``, or None: nothing slowed) emulates a skew:
 ``slow.layer_factor(i, step)`` stretches layer i's forward and backward, and ``slow.pace`` makes
 every layer's forward last at least rows x pace (an emulated device: clean timings on any machine).
+Times are the rank's clock (``trace.clock``); the stretch is charged to it under ``--clock virtual``.
 """
 
 from __future__ import annotations
 
-import time
-
 from minidist.autograd.tensor import Tensor
 from minidist.parallel.pipeline.stage import PipelineStage
+from minidist.trace.spans import now, sleep
 
 
 class ProfiledStage(PipelineStage):
@@ -48,13 +48,11 @@ class ProfiledStage(PipelineStage):
             x.register_hook(self._backward_ends(ids[0]))
         timed_end = isinstance(x, Tensor) and x.requires_grad
         for k, (i, layer) in enumerate(zip(ids, self.chunks[chunk])):
-            t0 = time.perf_counter()
+            t0 = now()
             y = layer(x)
-            real = time.perf_counter() - t0
+            real = now() - t0
             target = self._emulated(real, x.shape[0], i)
-            left = t0 + target - time.perf_counter()
-            if left > 0:
-                time.sleep(left)
+            sleep(t0 + target - now())
             self.fwd[i] += target
             self._fwd_once[i] = (real, target)
             self.act_bytes[i] = max(self.act_bytes[i], int(y.data.nbytes))
@@ -68,19 +66,19 @@ class ProfiledStage(PipelineStage):
     def _backward_starts(self, i: int, after: int | None):
         """Hook on y_i: layer ``after``'s backward (if any) ended, layer i's begins (slowed if skewed)."""
         def hook(grad):
-            now = time.perf_counter()
+            t = now()
             if after is not None and after in self._bwd_start:
-                self.bwd[after] += now - self._bwd_start.pop(after)
-            self._bwd_start[i] = now
+                self.bwd[after] += t - self._bwd_start.pop(after)
+            self._bwd_start[i] = t
             real, target = self._fwd_once.get(i, (0.0, 0.0))
-            time.sleep(2 * (target - real))  # backward ~ 2x forward: twice the forward's emulated extra
+            sleep(2 * (target - real))  # backward ~ 2x forward: twice the forward's emulated extra
         return hook
 
     def _backward_ends(self, i: int):
         """Hook on the stage's input: layer i, the first of the chunk, has finished its backward."""
         def hook(grad):
             if i in self._bwd_start:
-                self.bwd[i] += time.perf_counter() - self._bwd_start.pop(i)
+                self.bwd[i] += now() - self._bwd_start.pop(i)
         return hook
 
     def layer_seconds(self) -> dict:

@@ -22,7 +22,6 @@ from minidist.autograd import ops
 from minidist.autograd import random as mrandom
 from minidist.autograd.modes import recomputing, recomputing_depth
 from minidist.autograd.tensor import Function, Tensor, enable_grad, grad_enabled, no_grad, run_backward
-from minidist.nn.attention import merge_heads, split_heads
 from minidist.nn.module import Module, Sequential
 from minidist.parallel.memory.recompute_policy import (
     POLICIES,
@@ -41,6 +40,8 @@ POSITION = "recompute"
 
 class Recompute(Function):
     """The node: forward without a graph, backward = restore RNG, recompute, backprop."""
+
+    composite = True  # its work is the ops it runs (a device model prices those, not the node)
 
     @staticmethod
     def forward(ctx, *arrays, fn, generators):
@@ -122,10 +123,10 @@ def block_generators(module) -> tuple:
 
 def _selective_attention_forward(attn, x):
     """The attention forward (serial ``CausalSelfAttention`` or ``ParallelAttention``, whose rank holds
-    ``local_heads``) with the attention core recomputed (its T x T probabilities)."""
-    q, k, v = split_heads(attn.qkv(x), getattr(attn, "local_heads", attn.n_head))
-    y = recompute(ops.scaled_dot_product_attention, q, k, v)
-    return attn.drop(attn.proj(merge_heads(y)))
+    ``local_heads``) with its core recomputed (the T x T probabilities): the same fused
+    ``packed_attention`` as without recomputation, so the extra cost is that op's forward, once."""
+    heads = getattr(attn, "local_heads", attn.n_head)
+    return attn.drop(attn.proj(recompute(lambda qkv: ops.packed_attention(qkv, heads), attn.qkv(x))))
 
 
 def apply_recompute(model, policy: str = "full", k: int | None = None):

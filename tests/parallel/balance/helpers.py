@@ -4,7 +4,6 @@ values come from."""
 
 import itertools
 import math
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,29 +20,26 @@ def make_batches(rows, steps, seed=0, vocab=16, seq=4):
     return [(rng.integers(0, vocab, (rows, seq)), rng.integers(0, vocab, (rows, seq))) for _ in range(steps)]
 
 
-class VirtualClock:
-    """perf_counter and sleep of a clock that only sleeps move: real compute takes no time on it, so
-    emulated times are exact whatever the machine's load. One clock per thread: each rank of the
-    threads transport is its own device, whose sleeps do not pass time on the others."""
-
-    def __init__(self):
-        self._local = threading.local()
-
-    def perf_counter(self):
-        return getattr(self._local, "now", 0.0)
-
-    def sleep(self, seconds):
-        assert seconds >= 0, seconds
-        self._local.now = self.perf_counter() + seconds
+FREE = "tflops=1e12,gBps=1e12,overhead_us=0,name=free"  # a device on which the model's ops cost nothing
 
 
 def virtual_clock(monkeypatch, *modules):
-    """Install one ``VirtualClock`` as ``time`` in each of ``modules`` (and the stragglers module)."""
-    import minidist.resilience.stragglers
+    """minidist's virtual clock (``MINIDIST_CLOCK=virtual``) on a device whose ops cost nothing and a
+    link that costs nothing, so only the emulated times (``Slowdown``'s pace and factors) pass: exact
+    whatever the machine's load. Each rank of ``run`` keeps its own clock; this test's thread reads
+    one too, returned: ``perf_counter()`` its time, ``sleep(s)`` s more. (``modules``: unused.)"""
+    from minidist.comm.clock import RankClock, parse_device
+    from minidist.comm.transports import link
+    from minidist.trace import clock as trace_clock
 
-    clock = VirtualClock()
-    for module in (minidist.resilience.stragglers, *modules):
-        monkeypatch.setattr(module, "time", clock)
+    monkeypatch.setenv("MINIDIST_CLOCK", "virtual")
+    monkeypatch.setenv("MINIDIST_DEVICE", FREE)
+    monkeypatch.setenv("MINIDIST_LINK", "alpha_us=0,gBps=1e9")
+    monkeypatch.setattr(link, "_CURRENT", [])
+    clock = RankClock(link.parse_link("alpha_us=0,gBps=1e9"), parse_device(FREE))
+    monkeypatch.setattr(trace_clock._local, "source", clock.now, raising=False)
+    monkeypatch.setattr(trace_clock._local, "advance", clock.advance, raising=False)
+    clock.perf_counter, clock.sleep = clock.now, clock.advance
     return clock
 
 
