@@ -3,24 +3,15 @@
     python -m minidist.lessons.inference --ranks 4
     mpirun -n 4 python -m minidist.lessons.inference
 
-Rank 0 trains a small byte-level GPT on minidist's own text for a few seconds and hands the
-weights to every rank. Then, on rank 0: tokens/s with and without the KV cache (same tokens);
-static vs continuous batching of a mixed-length workload (same tokens, fewer steps, lower
-latency) with a slot timeline; paged vs contiguous KV memory, and preemption with recompute
-when the block pool is too small; prefix caching of a shared system prompt (hit rate, prefill
-tokens saved, time to first token with and without); the KV cache's bytes per token beside the
-formula, grouped-query attention (``--kv-heads``) and int8 (``--kv-dtype int8``) shrinking it;
-speculative decoding with a smaller draft model, the target's first layers (its acceptance rate
-and speed-up beside the formula). Then all ranks generate
-together, the model split by tensor parallelism (heads and MLP) and pipeline stages, checked
-against one process; and serve a mixed workload with prefill and decode on separate ranks, beside
-every rank doing both.
+Rank 0 trains a small byte-level GPT for a few seconds and hands every rank the weights. Rank 0
+then shows the KV cache against recompute, static against continuous batching, paged KV memory
+with preemption, prefix caching, the cache's bytes per token (GQA, int8) and speculative decoding;
+all ranks then generate with the model split by tensor and pipeline parallelism, and serve with
+prefill and decode on separate ranks. Chapter 9 explains each number.
 
-The sections live one idea to a file: ``inference_kv`` (the model, KV cache vs recompute),
-``inference_batching`` (static vs continuous batching, paged KV), ``inference_prefix`` (prefix
-caching, KV bytes per token), ``inference_speculative``, ``inference_sharded`` (tensor and
-pipeline parallel generation) and ``inference_disaggregated`` (prefill and decode apart); this
-file runs them in order.
+One idea to a file: ``inference_kv``, ``inference_batching``, ``inference_prefix``,
+``inference_speculative``, ``inference_sharded``, ``inference_disaggregated``; this file runs them
+in order.
 """
 
 from __future__ import annotations

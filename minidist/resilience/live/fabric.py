@@ -42,6 +42,8 @@ class LiveWorld(ThreadWorld):
         with self.lock:
             self.conds.append(threading.Condition())
             self.last_ops.append("joined")
+            if self.board is not None:
+                self.board.append(0.0)  # the watchdog's: working
             self.size += 1
             return self.size - 1
 
@@ -49,6 +51,8 @@ class LiveWorld(ThreadWorld):
         """Member ``member`` is gone: receives from it raise at once."""
         self.lost.setdefault(member, why)
         self.finished.add(member)
+        if self.board is not None and member < len(self.board):
+            self.board[member] = -1.0  # the watchdog's: no longer a rank to wait for
         self.wake_all()
 
     def revoke(self, ctx: tuple) -> None:

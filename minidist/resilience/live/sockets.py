@@ -46,6 +46,7 @@ class SocketWorld(LiveWorld):
         self.member = None
         self.conds = _Same([threading.Condition()])
         self.last_ops = defaultdict(lambda: "start")
+        self.board = None             # one member per process: the watchdog sees no other member's wait
         self.addresses: dict = {}     # member -> (host, port), from the coordinator
         self.out: dict = {}           # member -> (socket, lock)
         self.out_lock = threading.Lock()
