@@ -133,8 +133,10 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
     b_in, b_w = (bwd / 2, bwd / 2) if sched.split else (bwd, 0.0)
     lists = schedules.build(cand.schedule, cand.pp, m, v) if cand.pp > 1 and simulate_schedule else None
     if lists is not None:
+        # minidist's runtime posts its sends in the background (isend): its sender never waits for the
+        # receiver; Megatron's 1F1B waits for each send-receive pair
         sim = simulate(lists, fwd / v, bwd / v, p2p_time, input_time=b_in / v, weight_time=b_w / v,
-                       buffered_sends=sched.split)
+                       buffered_sends=sched.split or model.engine == "minidist")
         makespan, bubble = sim.makespan, sim.bubble
     else:  # the schedule's formula (`minidist.plan.schedules`): a quick estimate while searching
         idle = sched.bubble(cand.pp, m, fwd, b_in, b_w, v) if cand.pp > 1 else 0.0
