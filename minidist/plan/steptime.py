@@ -198,7 +198,7 @@ def _why_formula(sched, p: int, m: int, v: int, F: float, B: float, W: float) ->
         return ""
     costs = f"F {F * 1e3:.3g} ms, B {B * 1e3:.3g} ms, W {W * 1e3:.3g} ms per microbatch and stage"
     note = f", {sched.approximate}" if sched.approximate else ""
-    return f"{sched.title} idles only {got:.1%} by its formula ({costs}{note})"
+    return f"the schedule is {sched.title}, whose own formula gives {got:.1%} ({costs}{note})"
 
 
 def explain_bubble(p: int, m: int, v: int, bubble: float, why: list) -> str:
@@ -213,4 +213,5 @@ def explain_bubble(p: int, m: int, v: int, bubble: float, why: list) -> str:
              + (f", v = {v} chunks per stage" if v > 1 else ""))
     reasons = "; ".join(w for w in why if w) or "rounding"
     return (f"bubble {bubble:.1%}, where the textbook {formula} for {shape} counts only the warm-up and "
-            f"cool-down of stages that send for free, each on a core of its own. The model adds: {reasons}")
+            f"cool-down of stages that send for free, each on a core of its own. What differs here: "
+            f"{reasons}")

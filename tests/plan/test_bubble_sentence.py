@@ -32,7 +32,7 @@ def hand_machine(**sharing) -> Hardware:
 
 TEXTBOOK = ("where the textbook (p-1)/(m+p-1) = 1/2 = 50.0% for p = 2 stages, m = 1 microbatch per replica "
             "counts only the warm-up and cool-down of stages that send for free, each on a core of its own. "
-            "The model adds: ")
+            "What differs here: ")
 SENDS = "each send between stages takes 1 ms (the link's alpha + bytes/beta), and the schedule simulated " \
         "with them idles 66.7%"
 
