@@ -35,7 +35,7 @@ SMALL = {
                               "minidist.lessons.fault_tolerance --steps 6",
                               "python -m minidist.lessons.live_recovery --ranks 4 --steps 8"],
     "11-planning.md": "python -m minidist.lessons.planning --ranks 8 --steps 3 --batch 8 --seq 8 --layers 2 "
-                      "--width 16",
+                      "--width 16 --clock virtual --link nvlink --device h100",
     "12-compression.md": "python -m minidist.lessons.compression --ranks 2 --steps 8 --layers 1 --d-model 16 "
                          "--seq 8",
     "13-load-balancing.md": "python -m minidist.lessons.load_balancing --ranks 4 --batch 16 --pp-steps 4 "
