@@ -228,11 +228,14 @@ def report(p: int, m: int, res: dict, targets) -> None:
     not the ones it ran at (their prediction is shown as `pred(pre)`). With more stages than cores
     a rank also waits for a core, which no formula here models: such rows are shown, not judged."""
     cores = os.cpu_count() or 1
-    judged = p <= cores or os.environ.get("MINIDIST_CLOCK") == "virtual"  # virtual: no rank waits for a core
+    virtual = os.environ.get("MINIDIST_CLOCK") == "virtual"
+    judged = p <= cores and not virtual
     per = " ".join(f"{k.F * 1e3:.1f}/{k.B * 1e3:.1f}/{k.W * 1e3:.1f}" for k in res["costs"])
     print(f"\np = {p}, m = {m}: F/B/W ms per stage timed before the runs {per}; "
           f"optimizer {res['opt'] * 1e3:.1f} ms"
-          + ("" if judged else f"\n({p} stages on {cores} cores: bubble and step time shown, not judged)"))
+          + ("\n(virtual clock: the wall-clock costs timed before the runs do not price its steps; bubble "
+             "and step time shown here, judged in the virtual clock's table below)" if virtual else
+             "" if judged else f"\n({p} stages on {cores} cores: bubble and step time shown, not judged)"))
     print(f"cut by {'layer count' if res['cut'] == 'uniform' else 'measured layer costs'} (layers, ms: "
           + " ".join(f"{c * 1e3:.1f}" for c in res["layers"]) + "): " + "; ".join(
         f"{where} {' '.join(f'{a}-{b - 1}' for a, b in bounds)}" for where, bounds in res["cuts"].items()))
