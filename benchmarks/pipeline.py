@@ -177,11 +177,11 @@ def virtual_targets(p: int, m: int, res: dict, targets) -> None:
     device = os.environ.get("MINIDIST_DEVICE", "")
     exact = bool(device)
     print(f"virtual clock, p = {p}, m = {m} (ops {'priced by ' + device if exact else 'in CPU time'}):")
-    print(f"{'schedule':<12} {'bubble':>6} {'sim at its op costs':>19} {'(p-1)/(m+p-1)':>13}")
+    print(f"{'schedule':<12} {'bubble':>6} {'sim at its op costs':>19} {'1F1B (p-1)/(m+p-1)':>18}")
     base = None
     for r in res["rows"]:
         s, name = r["sched"], r["sched"].name + (f"x{r['v']}" if r["sched"].name == "interleaved" else "")
-        print(f"{name:<12} {r['bubble']:>6.3f} {r['op_sim']:>19.3f} {bubble_formula(p, m):>13.3f}")
+        print(f"{name:<12} {r['bubble']:>6.3f} {r['op_sim']:>19.3f} {bubble_formula(p, m):>18.3f}")
         if s.name == "1f1b":
             base = r["bubble"]
             if exact:
