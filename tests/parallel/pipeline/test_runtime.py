@@ -312,3 +312,34 @@ def test_lesson_under_mpirun_8_passes_its_check():
     assert "(mpi) = dp 2 x pp 4 x tp 1" in res.stdout
     assert re.search(r"serial twin .* PASS", res.stdout), res.stdout
     assert res.stdout.count("stage 3 |") == 1 and "formula (p-1)/(m+p-1) = 3/11" in res.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (pip install mpich)")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule, checks", [
+    ("1f1b", [r"1F1B's bubble [0-9.]+ within 0.03 of \(p-1\)/\(m\+p-1\) = 0.429  PASS"]),
+    ("zb-h1", [r"ZB-H1's bubble [0-9.]+ within 0.03 of its simulator's [0-9.]+  PASS",
+               r"ZB-H1's bubble [0-9.]+ below 1F1B's [0-9.]+ .*PASS"]),
+])
+def test_lesson_under_mpirun_8_on_the_virtual_clock(schedule, checks):
+    """mpirun -n 8 (dp 2 x pp 4, m = 4), each process its own rank clock, ops priced by a device
+    model: the lesson's virtual-clock checks PASS, and the bubble it measures equals what the same
+    flags give on 8 thread ranks (the virtual clock does not depend on the transport or the load)."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               MINIDIST_DEVICE="tflops=0.0001,gBps=50,overhead_us=0,name=test device")
+    env.pop("MINIDIST_TRANSPORT", None)
+    flags = ["--clock", "virtual", "--schedule", schedule, "--steps", "2", "--width", "128", "--seq", "8",
+             "--layers", "8", "--partition", "blocks", "--batch", "16", "--microbatches", "4"]
+    outs = []
+    for launcher in (["mpirun", "-n", "8", sys.executable], [sys.executable]):
+        extra = [] if launcher[0] == "mpirun" else ["--ranks", "8"]
+        res = subprocess.run([*launcher, "-m", "minidist.lessons.pipeline", *flags, *extra],
+                             capture_output=True, text=True, timeout=200, env=env, cwd=ROOT)
+        assert res.returncode == 0, res.stdout + res.stderr
+        outs.append(res.stdout)
+    assert "(mpi) = dp 2 x pp 4 x tp 1" in outs[0]
+    for pattern in checks:
+        assert re.search(pattern, outs[0]), outs[0]
+    bubble = [re.search(r"measured ([0-9.]+) \(median", out).group(1) for out in outs]
+    assert bubble[0] == bubble[1], bubble
