@@ -7,11 +7,13 @@
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule zb-h1      # backward split in B and W
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule zb-v     # two chunks per rank in a V
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule dualpipe # two model copies, both ends
+    python -m minidist.lessons.pipeline --ranks 8 --clock virtual --device here --layers 12 --partition blocks
 
 Trains a small byte-level GPT on dp x pp x tp ranks with a pipeline schedule, checks the trained
 parameters against the serial twin (same batches, one process), and prints (``pipeline_report.py``)
 the measured timeline of the last step (one row per stage), the bubble beside its schedule's formula
-and simulator, and each stage's peak activation memory. Chapter 5 has every schedule's order.
+and the simulator at the op costs the run measured (PASS/FAIL on the virtual clock), and each
+stage's peak activation memory. Chapter 5 has every schedule's order.
 """
 
 from __future__ import annotations

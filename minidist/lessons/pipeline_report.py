@@ -1,6 +1,8 @@
 """What the pipeline lesson prints from every rank's records: the measured timeline of the last
-step, the bubble beside its formula (and the planner's, for this machine), where the ranks' time
-went, and the peak activation memory per stage beside the simulated microbatches held."""
+step, the bubble beside its formula and the simulator fed the op costs the run measured (on the
+virtual clock judged PASS/FAIL; on the wall clock beside the planner's bubble for this machine and
+where the ranks' time went), and the peak activation memory per stage beside the simulated
+microbatches held."""
 
 from __future__ import annotations
 

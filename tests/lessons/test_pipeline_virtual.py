@@ -76,7 +76,7 @@ def test_in_cpu_time_1f1b_is_judged_by_its_simulator(capsys, monkeypatch):
 
 def test_uneven_stages_are_judged_by_the_simulator(capsys, monkeypatch):
     """Cut by layer count (embedding + 1 block, 2 blocks, 2 blocks, 1 block + head), the middle stages
-    computes more than 10% above the mean stage: the formula's equal stages are not this run, so
+    compute more than 10% above the mean stage: the formula's equal stages are not this run, so
     1F1B is judged by its simulator, and the lesson says why."""
     out, ok = run(capsys, monkeypatch, "1f1b", 4, more=["--layers", "6", "--partition", "uniform",
                                                          "--width", "64"])
