@@ -254,7 +254,8 @@ def main(argv=None):
     parser.add_argument("--chunks", type=positive_int, default=None,
                         help="model chunks per stage, interleaved only (default 2 there, 1 otherwise)")
     parser.add_argument("--partition", choices=["uniform", "blocks", "time", "params"], default="uniform",
-                        help="cut by layer count, or balance measured time / parameter bytes")
+                        help="cut by layer count; blocks: the blocks evenly, the embedding and head riding "
+                             "along (Megatron-LM); or balance measured time / parameter bytes")
     parser.add_argument("--steps", type=positive_int, default=6)
     parser.add_argument("--batch", type=positive_int, default=32, help="global batch (rows)")
     parser.add_argument("--seq", type=positive_int, default=64)
