@@ -128,3 +128,16 @@ def test_a_split_that_shares_nothing_is_refused_at_the_boundary():
         with pytest.raises(ValueError, match=r"split Costs\(.*\) must share a positive cost"):
             cut_for_schedule([1.0] * 4, lists, split)
     assert cut_for_schedule([1.0] * 4, lists, Costs(0, 0, 1e-9)) == [(0, 2), (2, 4)]
+
+
+def test_time_fbw_leaves_out_the_warm_up_and_keeps_the_median():
+    """Four runs (one warm-up + 3): the warm-up's F, B, W are 100x, the three timed ones (F, B, W) =
+    (1, 2, 3), (5, 6, 7), (2, 3, 4) ms: the medians are (2, 3, 4) ms -- with the warm-up in they would be
+    the mean of the middle two of four: (3.5, 4.5, 5.5)."""
+    parts = [(0.1, 0.2, 0.3), (0.001, 0.002, 0.003), (0.005, 0.006, 0.007), (0.002, 0.003, 0.004)]
+    ticks = itertools.accumulate([x for f, b, w in parts for x in (f, b, w, 0.0)], initial=0.0)
+    model = GPT(CFG)
+    stage = PipelineStage(model, partition_uniform(len(list(model)), 1), 0, 1)
+    ids = np.zeros((1, 4), dtype=np.int64)
+    got = time_fbw(stage, ids, ids, repeats=3, clock=lambda: next(ticks))
+    assert (got.F, got.B, got.W) == pytest.approx((0.002, 0.003, 0.004))
