@@ -37,7 +37,8 @@ def test_gpipe_with_comm_time_under_rendezvous_by_hand():
 def test_gpipe_with_comm_time_and_buffered_sends_by_hand():
     """The same with buffered sends, under the rule `simulate` documents: a send completes when posted,
     its receive at max(posted, sent) + 0.5 (so a receiver that posts after the message could have
-    arrived still pays the 0.5; the virtual clock's receive takes max(posted, sent + 0.5) instead). stage 0: F0 [0, 1], F1 [1, 2] (no wait for stage 1); stage 1: receive 0 at 1.5, F0 [1.5,
+    arrived still pays the 0.5; the virtual clock's receive takes max(posted, sent + 0.5) instead).
+    stage 0: F0 [0, 1], F1 [1, 2] (no wait for stage 1); stage 1: receive 0 at 1.5, F0 [1.5,
     2.5], receive 1 at max(2.5, 2) + .5 = 3, F1 [3, 4], B0 [4, 6], B1 [6, 8] (its send of B0 waits for
     nobody: half a step earlier than under rendezvous); stage 0: receive at 6.5, B0 [6.5, 8.5],
     receive at max(8.5, 8) + .5 = 9, B1 [9, 11]."""
