@@ -8,6 +8,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from minidist.parallel.memory.fp8 import Fp8Quantizer, Fp8Recipe
 from minidist.parallel.memory.fp8_formats import E4M3, E5M2
@@ -49,6 +51,15 @@ SCALES = [
 def test_pow2_scale_table(amax, fmt, margin, want):
     assert pow2_scale(amax, fmt, margin) == want
     assert pow2_scale(amax, fmt.name, margin) == want  # the name as well as the Format
+
+
+@given(st.integers(-40, 40), st.sampled_from([E4M3, E5M2]), st.integers(-3, 3))
+def test_an_amax_exactly_on_max_times_a_power_of_two_takes_that_power(k, fmt, margin):
+    """amax = max · 2^k fits under s = 2^k exactly (amax / s = max); one ulp more needs 2^(k+1)."""
+    amax = fmt.max * 2.0 ** k
+    assert pow2_scale(amax, fmt, margin) == 2.0 ** (k + margin)
+    assert pow2_scale(np.nextafter(amax, np.inf), fmt, margin) == 2.0 ** (k + 1 + margin)
+    assert pow2_scale(np.nextafter(amax, 0.0), fmt, margin) == 2.0 ** (k + margin)
 
 
 def test_amax_of_is_the_largest_magnitude_and_zero_for_nothing():
