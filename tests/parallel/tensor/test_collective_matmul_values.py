@@ -27,7 +27,7 @@ SHARES = [
     ([ev("compute", 0, 1), ev("send", 5, 6)], 0.0),                          # apart: clamped at 0
     ([ev("compute", 3, 9), ev("send", 0, 2), ev("send", 2, 5)], 2 / 5),      # the second half-covered
     ([ev("send", 0, 4), ev("compute", 0, 1), ev("compute", 2, 3)], 2 / 4),   # two computes in one send
-    ([ev("compute", 0, 1), ev("wait", 0, 1), ev("send", 0, 1)], 1.0),        # other categories ignored
+    ([ev("compute", 0, 1), ev("wait", 1, 3), ev("send", 0, 1)], 1.0),        # a wait is not a hop
     ([ev("compute", 0, 1)], 0.0),                                            # no send: nothing to hide
     ([ev("compute", 0, 1), ev("send", 0.5, 0.5)], 0.0),                      # a zero-length send
     ([], 0.0),
