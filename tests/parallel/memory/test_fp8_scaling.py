@@ -124,6 +124,12 @@ def test_block_scales_with_ragged_edge_tiles_in_both_directions():
     # 896.5 -> 4 (896.5 / 2 > 448); row 2 x cols {0,1}: 0.5 -> 2^-9 (256); row 2 x col 2: 0 -> 1
     want = [[2.0 ** -6, 4.0], [2.0 ** -9, 1.0]]
     np.testing.assert_array_equal(block_scales(x, E4M3, (2, 2)), want)
+    # 1 x 2 tiles (rows and columns blocked differently): row 0 amaxes 2 -> 2^-7 and 896.5 -> 4; row 1:
+    # 4 -> 2^-6 and 5 -> 2^-6 (320 <= 448 < 640); row 2: 0.5 -> 2^-9 and 0 -> 1
+    np.testing.assert_array_equal(block_scales(x, E4M3, (1, 2)),
+                                  [[2.0 ** -7, 4.0], [2.0 ** -6, 2.0 ** -6], [2.0 ** -9, 1.0]])
+    np.testing.assert_array_equal(block_scales(x.T, E4M3, (2, 1)),
+                                  [[2.0 ** -7, 2.0 ** -6, 2.0 ** -9], [4.0, 2.0 ** -6, 1.0]])
     q, scales = block_quantize(x, E4M3, (2, 2))
     np.testing.assert_array_equal(scales, want)
     assert q.shape == x.shape
