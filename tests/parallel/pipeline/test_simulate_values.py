@@ -35,18 +35,17 @@ def test_gpipe_with_comm_time_under_rendezvous_by_hand():
 
 
 def test_gpipe_with_comm_time_and_buffered_sends_by_hand():
-    """The same with buffered sends, under the rule `simulate` documents: a send completes when posted,
-    its receive at max(posted, sent) + 0.5 (so a receiver that posts after the message could have
-    arrived still pays the 0.5; the virtual clock's receive takes max(posted, sent + 0.5) instead).
-    stage 0: F0 [0, 1], F1 [1, 2] (no wait for stage 1); stage 1: receive 0 at 1.5, F0 [1.5,
-    2.5], receive 1 at max(2.5, 2) + .5 = 3, F1 [3, 4], B0 [4, 6], B1 [6, 8] (its send of B0 waits for
-    nobody: half a step earlier than under rendezvous); stage 0: receive at 6.5, B0 [6.5, 8.5],
-    receive at max(8.5, 8) + .5 = 9, B1 [9, 11]."""
+    """The same with buffered sends, under the rule `simulate` documents (the virtual clock's): a send
+    completes when posted, and its message is in flight from then on, so its receive ends at
+    max(posted, sent + 0.5) -- a receiver that posts after the message arrived does not pay again.
+    stage 0: F0 [0, 1], F1 [1, 2] (no wait for stage 1); stage 1: receive 0 at 1 + .5, F0 [1.5, 2.5],
+    receive 1 at max(2.5, 2 + .5) = 2.5, F1 [2.5, 3.5], B0 [3.5, 5.5], B1 [5.5, 7.5]; stage 0: receive
+    at 5.5 + .5 = 6, B0 [6, 8], receive at max(8, 7.5 + .5) = 8, B1 [8, 10]."""
     r = simulate(gpipe(2, 2), fwd_time=1, bwd_time=2, comm_time=0.5, buffered_sends=True)
-    assert _starts(r, 0, "Forward") == [0, 1] and _starts(r, 0, "Backward") == [6.5, 9]
-    assert _starts(r, 1, "Forward") == [1.5, 3] and _starts(r, 1, "Backward") == [4, 6]
-    assert max(e["t1"] for e in r.events if e["rank"] == 1) == 8
-    assert r.makespan == 11
+    assert _starts(r, 0, "Forward") == [0, 1] and _starts(r, 0, "Backward") == [6, 8]
+    assert _starts(r, 1, "Forward") == [1.5, 2.5] and _starts(r, 1, "Backward") == [3.5, 5.5]
+    assert max(e["t1"] for e in r.events if e["rank"] == 1) == 7.5
+    assert r.makespan == 10
 
 
 def test_buffered_sends_without_comm_time_are_the_textbook_step():
