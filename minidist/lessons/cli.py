@@ -141,7 +141,7 @@ def lesson_parser(description: str, ranks: int = 4) -> LessonParser:
                         "(virtual clock: charged; wall clock: emulated by waiting)")
     p.add_argument("--device", metavar="NAME", default=None,
                    help="virtual clock: price compute on this device's roofline instead of CPU time "
-                        f"({', '.join(DEVICES)}, or here)")
+                        f"({', '.join(DEVICES)}, here, or cpu-time: the default)")
     return p
 
 
@@ -184,7 +184,7 @@ def use_clock(args) -> None:
     if getattr(args, "link", None):
         os.environ["MINIDIST_LINK"] = link_spec(args.link)
         set_link(os.environ["MINIDIST_LINK"])
-    if getattr(args, "device", None):
+    if getattr(args, "device", None) and args.device != "cpu-time":
         if os.environ.get("MINIDIST_CLOCK", "wall") != "virtual":
             raise SystemExit("argument --device: a device model prices compute on the virtual clock; "
                              "add --clock virtual")

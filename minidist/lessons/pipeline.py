@@ -7,7 +7,7 @@
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule zb-h1      # backward split in B and W
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule zb-v     # two chunks per rank in a V
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule dualpipe # two model copies, both ends
-    python -m minidist.lessons.pipeline --ranks 8 --clock virtual --device here --layers 12 --partition blocks
+    mpirun -n 8 python -m minidist.lessons.pipeline --clock virtual  # as 8 devices would run it
 
 Trains a small byte-level GPT on dp x pp x tp ranks with a pipeline schedule, checks the trained
 parameters against the serial twin (same batches, one process), and prints (``pipeline_report.py``)
@@ -18,6 +18,7 @@ stage's peak activation memory. Chapter 5 has every schedule's order.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 
@@ -242,6 +243,20 @@ def message_seconds(comm, cfg, args) -> float:
     return comm.clock.link.alpha + nbytes / comm.clock.link.bandwidth
 
 
+def virtual_defaults(args, world: int) -> None:
+    """Unset flags on the virtual clock take the formula's world: equal stages (3 blocks each, cut by
+    blocks) whose ops cost this machine's roofline (``--device here``), not noisy CPU time. The wall
+    clock keeps 6 layers cut by count. ``--device cpu-time`` charges CPU time instead."""
+    virtual = (args.clock or os.environ.get("MINIDIST_CLOCK") or "wall") == "virtual"
+    pp = args.pp or max(1, world // (args.dp * args.tp))
+    if args.layers is None:
+        args.layers = 3 * pp if virtual else 6
+    if args.partition is None:
+        args.partition = "blocks" if virtual else "uniform"
+    if virtual and args.device is None:
+        args.device = "here"
+
+
 def main(argv=None):
     parser = lesson_parser(__doc__, ranks=8)
     parser.add_argument("--dp", type=positive_int, default=2, help="data-parallel replicas")
@@ -253,24 +268,27 @@ def main(argv=None):
     parser.add_argument("--schedule", choices=["interleaved", *SCHEDULES], default="1f1b")
     parser.add_argument("--chunks", type=positive_int, default=None,
                         help="model chunks per stage, interleaved only (default 2 there, 1 otherwise)")
-    parser.add_argument("--partition", choices=["uniform", "blocks", "time", "params"], default="uniform",
-                        help="cut by layer count; blocks: the blocks evenly, the embedding and head riding "
-                             "along (Megatron-LM); or balance measured time / parameter bytes")
+    parser.add_argument("--partition", choices=["uniform", "blocks", "time", "params"], default=None,
+                        help="cut by layer count (the default); blocks: the blocks evenly, the embedding and "
+                             "head riding along (Megatron-LM; the default on the virtual clock); or balance "
+                             "measured time / parameter bytes")
     parser.add_argument("--steps", type=positive_int, default=6)
     parser.add_argument("--batch", type=positive_int, default=32, help="global batch (rows)")
     parser.add_argument("--seq", type=positive_int, default=64)
-    parser.add_argument("--layers", type=positive_int, default=6, help="transformer blocks")
+    parser.add_argument("--layers", type=positive_int, default=None,
+                        help="transformer blocks (default 6; on the virtual clock 3 per stage)")
     parser.add_argument("--width", type=positive_int, default=128, help="d_model, a multiple of the 4 heads")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--lr", type=positive_float, default=3e-3)
     parser.add_argument("--width-chars", type=positive_int, default=100, help="columns of the ASCII timeline")
     args = parser.parse_args(argv)
+    world = world_size(args)
+    virtual_defaults(args, world)
     if args.chunks is None:
         args.chunks = 2 if args.schedule == "interleaved" else 1
     if args.chunks > 1 and args.schedule != "interleaved":
         parser.error(f"--chunks {args.chunks} needs --schedule interleaved (the other schedules fix their "
                      "chunks: one per stage, two in a V for zb-v and dualpipe-v)")
-    world = world_size(args)
     # every mesh, batch, microbatch and schedule error, checked once before any rank starts
     reject_early(parser, lambda: setattr(args, "options", checked_options(world, args)))
     return launch(rank_main, args)

@@ -128,3 +128,34 @@ def test_wording_at_dp_1_and_2(capsys, dp):
     assert ("with the data-parallel all-reduce" in out) == (dp == 2)
     assert ("= 2 replicas x 2 microbatches of 2" in out) == (dp == 2)
     assert dp == 2 or "global batch 8 = 2 microbatches of 4" in out
+
+
+def test_unset_flags_on_the_virtual_clock_take_the_formulas_world(monkeypatch):
+    """On the virtual clock the lesson's defaults are equal stages (3 blocks each, cut by blocks) on
+    this machine's roofline; the wall clock keeps 6 layers cut by count; a flag given is kept."""
+    import argparse
+
+    from minidist.lessons.pipeline import virtual_defaults
+
+    monkeypatch.delenv("MINIDIST_CLOCK", raising=False)
+
+    def given(**kw):
+        a = argparse.Namespace(clock=None, device=None, layers=None, partition=None, pp=None, dp=2, tp=1)
+        vars(a).update(kw)
+        return a
+    a = given(clock="virtual")
+    virtual_defaults(a, 8)
+    assert (a.layers, a.partition, a.device) == (12, "blocks", "here")
+    a = given(clock="virtual", dp=4, pp=16)
+    virtual_defaults(a, 64)
+    assert a.layers == 48
+    a = given()
+    virtual_defaults(a, 8)
+    assert (a.layers, a.partition, a.device) == (6, "uniform", None)
+    a = given(clock="virtual", device="cpu-time", layers=8, partition="uniform")
+    virtual_defaults(a, 8)
+    assert (a.layers, a.partition, a.device) == (8, "uniform", "cpu-time")
+    monkeypatch.setenv("MINIDIST_CLOCK", "virtual")
+    a = given()
+    virtual_defaults(a, 8)
+    assert a.device == "here"
