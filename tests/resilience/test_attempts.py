@@ -26,3 +26,8 @@ def test_steps_recomputed_count_each_attempt_against_where_the_next_resumed():
     b = [Attempt(0, 4, 0.0, last_step=None), Attempt(1, 4, 0.0, resumed_from=None, last_step=5),
          Attempt(2, 2, 0.0, resumed_from=None, last_step=6)]
     assert recomputed(b) == [None, 5, None]
+
+
+@pytest.mark.parametrize("n,left", [(4, 0), (1, 0)])
+def test_no_rank_left_is_zero_ranks_not_an_error(n, left):
+    assert elastic_size(n, left) == 0
