@@ -347,3 +347,20 @@ def test_a_file_shorter_than_a_trailers_end_is_truncated(tmp_path, size):
     p.write_bytes((b"\0" * 8 + FOOTER)[:size])
     with pytest.raises(CheckpointError, match=f"{size} bytes, too short for its trailer"):
         read_trailer(p)
+
+
+@given(lo=st.integers(0, 6), hi=st.integers(0, 6), a=st.integers(0, 10), b=st.integers(0, 10),
+       offset=st.integers(0, 40))
+def test_validate_accepts_a_piece_exactly_when_it_lies_inside_its_axis_rows_and_file(lo, hi, a, b, offset):
+    """Rows lo..hi of the 4x2 tensor, then elements a..b of those, at ``offset`` of a 40-byte file: valid
+    iff lo < hi <= 4, a <= b <= 2 (hi - lo) and offset + 4 (b - a) <= 40 -- the rule written out."""
+    n = 2 * max(hi - lo, 0)
+    m = _manifest(axis=0, ranges=[[lo, hi]], flat=[a, b], shape=[max(b - a, 0)], nbytes=4 * max(b - a, 0),
+                  offset=offset)
+    m["files"]["rank-00000.bin"]["bytes"] = 40
+    valid = lo < hi <= 4 and a <= b <= n and offset + 4 * (b - a) <= 40
+    try:
+        validate(m, "M")
+        assert valid
+    except CheckpointError:
+        assert not valid
