@@ -24,7 +24,7 @@ import time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
-from bench_env import Targets, print_machine  # noqa: E402
+from bench_env import Targets, clock_flags, print_machine, use_clock  # noqa: E402
 
 from minidist.comm import run  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
@@ -113,7 +113,10 @@ def main():
     ap.add_argument("--mb", type=float, default=100.0, help="size of the training state")
     ap.add_argument("--disk", help="disk checkpoint directory (default: a temporary one)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
+    clock_flags(ap)
     args = ap.parse_args()
+    use_clock(args, wall_only="it times disk writes and a background writer thread, which no rank's clock "
+                              "prices (the virtual clock charges compute and messages)")
     print_machine()
     return run(body, ranks=1, args=args)[0]
 

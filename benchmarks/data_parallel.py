@@ -219,7 +219,13 @@ def main():
     ap.add_argument("--bucket-mb", type=float, default=4)
     ap.add_argument("--port", type=int, default=29517)
     ap.add_argument("--strict", action="store_true", help="exit nonzero when a target is missed")
+    from bench_env import clock_flags, use_clock
+
+    clock_flags(ap)
     args = ap.parse_args()
+    use_clock(args, wall_only="its reference is PyTorch DDP, which only the wall clock can time "
+                              "(minidist DDP on the virtual clock: python -m minidist.lessons.data_parallel "
+                              "--clock virtual)")
     try:
         import torch  # noqa: F401
     except ImportError:

@@ -24,7 +24,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
-from bench_env import Targets, print_machine  # noqa: E402
+from bench_env import Targets, clock_flags, print_machine, use_clock  # noqa: E402
 
 from minidist.infer import Request, generate, generate_recompute, serve  # noqa: E402
 from minidist.nn import GPT, GPTConfig  # noqa: E402
@@ -62,7 +62,11 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--strict", action="store_true", help="exit 1 when a speed target is missed")
+    clock_flags(ap)
     args = ap.parse_args(argv)
+    use_clock(args, wall_only="its reference is PyTorch's KV-cached decoder, which only the wall clock "
+                              "can time (minidist's decode on the virtual clock: python -m "
+                              "minidist.lessons.inference --clock virtual --device h100)")
     for flag in ("prompt", "new", "repeat", "requests", "batch"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")

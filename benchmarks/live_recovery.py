@@ -32,7 +32,7 @@ import time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
-from bench_env import Targets, print_machine  # noqa: E402
+from bench_env import Targets, clock_flags, print_machine, use_clock  # noqa: E402
 
 from minidist.lessons.live_recovery_job import LiveGPTJob, live_config  # noqa: E402
 from minidist.resilience.attempts import newest_good_checkpoint  # noqa: E402
@@ -78,7 +78,10 @@ def main():
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--strict", action="store_true")
+    clock_flags(ap)
     args = ap.parse_args()
+    use_clock(args, wall_only="it times process starts, disk checkpoints and a failure's detection, "
+                              "which no rank's clock prices")
     if not (0 < args.kill < args.steps - 2 and args.every >= 1 and args.groups >= 2):
         ap.error("need 0 < --kill < --steps - 2, --every >= 1, --groups >= 2")
     print_machine()

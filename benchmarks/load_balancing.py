@@ -30,6 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_env import clock_flags, use_clock  # noqa: E402
+
 from minidist.comm import run, under_mpi  # noqa: E402
 from minidist.infer import Request  # noqa: E402
 from minidist.infer.router import poisson_arrivals, route  # noqa: E402
@@ -161,7 +163,9 @@ def main(argv=None):
     ap.add_argument("--rate", type=float, default=100.0, help="request arrivals per second")
     ap.add_argument("--mpi", action="store_true", help="run the ranks under mpirun -n RANKS")
     ap.add_argument("--strict", action="store_true", help="exit nonzero if a target is missed")
+    clock_flags(ap)
     args = ap.parse_args(argv)
+    clock = use_clock(args)
     if args.mpi and not under_mpi():
         cmd = ["mpirun", "-n", str(args.ranks), sys.executable, __file__] + \
             [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--mpi"]
@@ -173,6 +177,7 @@ def main(argv=None):
         if MPI.COMM_WORLD.Get_rank() != 0:
             return
     dp, pp = results[0]
+    print(clock)
     ok = report(args, dp, pp, serving(args))
     if args.strict and not ok:
         sys.exit(1)

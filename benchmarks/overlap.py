@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_env import Targets, print_machine  # noqa: E402
+from bench_env import Targets, clock_flags, print_machine, use_clock  # noqa: E402
 
 from minidist import trace  # noqa: E402
 from minidist.autograd import ops  # noqa: E402
@@ -57,10 +56,10 @@ def mlp_steps(comm, b, t, h, steps, overlap, traced):
     for _ in range(steps + 1):  # the first step warms up
         tracer = trace.Tracer(comm.rank) if traced else None
         comm.barrier()
-        t0 = time.perf_counter()
+        t0 = trace.clock.now()  # the rank's clock: virtual under --clock virtual, else wall
         with trace.tracing(tracer), measure(comm) as m:
             row(ops.gelu(col(Tensor(x, requires_grad=True)))).sum().backward()
-        times.append(time.perf_counter() - t0)
+        times.append(trace.clock.now() - t0)
     return 1e3 * statistics.median(times[1:]), tracer.events if traced else None, m.bytes_sent
 
 
@@ -122,10 +121,10 @@ def attention_step(comm, qkv, g, heads, mode, steps):
     for _ in range(steps + 1):
         x = Tensor(x0, requires_grad=True)
         comm.barrier()
-        t0 = time.perf_counter()
+        t0 = trace.clock.now()
         with measure(comm) as m:
             attend(x, heads, comm).backward(gs)
-        times.append(time.perf_counter() - t0)
+        times.append(trace.clock.now() - t0)
     return 1e3 * statistics.median(times[1:]), m.bytes_sent
 
 
@@ -169,8 +168,11 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 512])
     ap.add_argument("--trace", default=None, help="write the tp=2 overlapped step as a Chrome trace")
     ap.add_argument("--strict", action="store_true", help="exit nonzero if a target is missed")
+    clock_flags(ap)
     args = ap.parse_args(argv)
+    clock = use_clock(args)
     print_machine()
+    print(clock)
     targets = Targets()
     events = collective_matmul_table(args, targets)
     if args.trace:

@@ -23,7 +23,7 @@ import subprocess
 import sys
 
 import numpy as np
-from bench_env import print_machine
+from bench_env import clock_flags, print_machine, use_clock
 from threadpoolctl import threadpool_limits
 
 from minidist.comm import run
@@ -142,7 +142,11 @@ def main():
     ap.add_argument("--compare", action="store_true", help="also search each published run's best (slow)")
     ap.add_argument("--mpi", action="store_true", help="run each mesh as mpirun -n N processes, not threads")
     ap.add_argument("--measure", type=int, nargs=4, metavar=("DP", "TP", "PP", "M"), help=argparse.SUPPRESS)
+    clock_flags(ap)
     args = ap.parse_args()
+    use_clock(args, wall_only="it checks the planner against this machine as calibrated (the planner "
+                              "against the virtual clock: python -m minidist.lessons.planning --clock "
+                              "virtual --link nvlink --device h100)")
     if args.measure:  # one mesh, under mpirun (measure_mpi): rank 0 prints its median step
         step = measure_here(CFG, BATCH, *args.measure)
         if int(os.environ.get("PMI_RANK", "0")) == 0:

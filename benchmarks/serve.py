@@ -39,12 +39,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import numpy as np  # noqa: E402
-from bench_env import Targets, print_machine  # noqa: E402
+from bench_env import Targets, clock_flags, print_machine, use_clock  # noqa: E402
 
+from minidist import trace  # noqa: E402
 from minidist.accel.backend import to_host  # noqa: E402
 from minidist.comm import measure, run  # noqa: E402
 from minidist.infer import (  # noqa: E402
@@ -72,9 +72,9 @@ def best_of(contenders: dict, repeat: int) -> tuple:
     times, outs = {k: [] for k in contenders}, {}
     for _ in range(repeat):
         for name, fn in contenders.items():
-            t0 = time.perf_counter()
+            t0 = trace.clock.now()  # the rank's clock: virtual under --clock virtual, else wall
             outs[name] = fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(trace.clock.now() - t0)
     return {k: statistics.median(v) for k, v in times.items()}, outs
 
 
@@ -253,6 +253,7 @@ def int8_part(model, args, targets) -> bool:
 def body(comm, args):
     if comm.rank == 0:
         print_machine()
+        print(args.clock_line)
     shape = SimpleNamespace(block=128, layers=4, heads=4, d_model=128, seed=0, steps=args.steps)
     model = build_model(comm, shape)
     targets, ok = Targets(), True
@@ -283,7 +284,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    clock_flags(ap)
     args = ap.parse_args(argv)
+    args.clock_line = use_clock(args)
     for flag in ("ranks", "steps", "requests", "new", "batch", "k", "draft_layers", "repeat"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")

@@ -23,7 +23,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
-from bench_env import Targets, print_machine  # noqa: E402
+from bench_env import Targets, clock_flags, print_machine, use_clock  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from minidist.nn import (  # noqa: E402
@@ -175,7 +175,10 @@ def main(argv=None):
     ap.add_argument("--strict", action="store_true", help="exit nonzero when a target is missed")
     ap.add_argument("--backend", choices=["numpy", "jax"], default="numpy",
                     help="jax: minidist on JAX vs on NumPy vs a pure jax.jit step (benchmarks/jax_step.py)")
+    clock_flags(ap)
     args = ap.parse_args(argv)
+    use_clock(args, wall_only="its references are PyTorch's eager step and JAX's jit, which only the "
+                              "wall clock can time")
     if args.backend == "jax":
         from jax_step import run as jax_run
 

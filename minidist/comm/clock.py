@@ -97,7 +97,10 @@ class RankClock:
 
     def adopt_thread(self) -> None:
         """This thread acts for the rank from now on: ``trace.clock.now()`` reads its lane (and,
-        under a device model, its ops are charged to it)."""
+        under a device model, its ops are charged to it). What it acted for before (a rank that
+        starts a ``run`` of its own) comes back at ``release_thread``."""
+        outer = _local.__dict__.setdefault("outer", [])
+        outer.append((*trace_clock.current(), getattr(_local, "clock", None)))
         trace_clock.use(self.now, self.advance)
         _local.clock = self
         if self.device is not None:
@@ -105,9 +108,12 @@ class RankClock:
 
     @staticmethod
     def release_thread() -> None:
-        """This thread no longer acts for a rank: wall time again, its ops charged to nobody."""
-        trace_clock.use(None)
-        _local.clock = None
+        """This thread no longer acts for this rank: the rank it acted for before (a nested ``run``),
+        else wall time again and its ops charged to nobody."""
+        outer = getattr(_local, "outer", None)
+        source, advance, clock = outer.pop() if outer else (None, None, None)
+        trace_clock.use(source, advance)
+        _local.clock = clock
 
     def lane(self) -> _Lane:
         lane = self.lanes.get(threading.get_ident())

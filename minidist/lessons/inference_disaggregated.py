@@ -96,7 +96,7 @@ def disaggregation(comm, model, args):
         return True
     clock = comm.clock
     exact = clock is not None and clock.device is not None  # CPU time moves with the machine's load
-    u, unit = (1e3, "ms") if gap >= 1e-3 else (1e6, "us")
+    u, unit = (1e6, "us") if exact else (1e3, "ms")  # a device model's steps are microseconds, a CPU's ms
     print(f"\n6. disaggregated serving: {REQUESTS} requests a workload, {NEW} new tokens each, one every "
           f"{gap * u:.2f} {unit}, {SLOTS} slots a rank, {size} ranks "
           f"({'virtual' if clock else 'wall'} clock)")

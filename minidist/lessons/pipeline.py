@@ -7,11 +7,13 @@
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule zb-h1      # backward split in B and W
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule zb-v     # two chunks per rank in a V
     python -m minidist.lessons.pipeline --ranks 4 --dp 1 --schedule dualpipe # two model copies, both ends
+    python -m minidist.lessons.pipeline --ranks 8 --clock virtual --device here --layers 12 --partition blocks
 
 Trains a small byte-level GPT on dp x pp x tp ranks with a pipeline schedule, checks the trained
 parameters against the serial twin (same batches, one process), and prints (``pipeline_report.py``)
 the measured timeline of the last step (one row per stage), the bubble beside its schedule's formula
-and simulator, and each stage's peak activation memory. Chapter 5 has every schedule's order.
+and the simulator at the op costs the run measured (PASS/FAIL on the virtual clock), and each
+stage's peak activation memory. Chapter 5 has every schedule's order.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from minidist.lessons.cli import (
     rprint,
     world_size,
 )
-from minidist.lessons.pipeline_report import report
+from minidist.lessons.pipeline_report import memory, own_formula, report
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.data import BatchLoader, TextDataset
 from minidist.nn.serial import adamw_tolerance, max_state_diff, train_serial
@@ -41,7 +43,6 @@ from minidist.parallel.pipeline.catalog import SCHEDULES, make_schedule, schedul
 from minidist.parallel.pipeline.partition import format_partition, layer_costs
 from minidist.parallel.pipeline.runtime import run_schedule
 from minidist.parallel.pipeline.schedule import ScheduleError
-from minidist.parallel.pipeline.simulate import bubble_formula
 from minidist.parallel.three_d import Options, check, gather_full_state, train_mesh
 
 
@@ -116,6 +117,8 @@ def partition_costs(comm, cfg, batch, args):
     """Per-layer costs for a balanced partition, measured on rank 0 and shared (all ranks must agree)."""
     if args.partition == "uniform":
         return None
+    if args.partition == "blocks":  # Megatron-LM's cut: the blocks evenly, embedding and head ride along
+        return [0.0] + [1.0] * cfg.n_layer + [0.0]
     costs = None
     if comm.rank == 0:
         rows = args.batch // (args.dp * args.microbatches)
@@ -150,22 +153,23 @@ def rank_main(comm, args):
                  f"on {comm.size} ranks ({comm.transport}) = "
                  f"dp {dp} x pp {pp} x tp {tp}; schedule {args.schedule}"
                  + (f" ({args.chunks} chunks per stage)" if args.chunks > 1 else "")
-                 + f"; global batch {args.batch} = "
-                 f"{dp} replicas x {m} microbatches of {args.batch // (dp * m)}\n")
+                 + f"; global batch {args.batch} = " + (f"{dp} replicas x " if dp > 1 else "")
+                 + f"{m} microbatches of {args.batch // (dp * m)}\n")
     costs = partition_costs(comm, cfg, batches[0], args)
     tracer = trace.current()
     own_tracer = tracer is None
     if own_tracer:  # the lesson always records: it draws the measured timeline
         tracer = trace.Tracer(comm.rank)
         trace.set_current(tracer)
-    marks, times = [0], []
-    t_step = [time.perf_counter()]
+    marks, times, wall = [0], [], []  # step times on the rank's clock (virtual when it runs), and wall
+    t_step = [trace.clock.now(), time.perf_counter()]
 
     def on_step(step, stats):
         marks.append(len(tracer.events))
-        now = time.perf_counter()
-        times.append(now - t_step[0])
-        t_step[0] = now
+        now = trace.clock.now(), time.perf_counter()
+        times.append(now[0] - t_step[0])
+        wall.append(now[1] - t_step[1])
+        t_step[:] = now
 
     try:
         result = train_mesh(comm, cfg, batches, replace(args.options, layer_costs=costs), on_step=on_step)
@@ -174,12 +178,13 @@ def rank_main(comm, args):
         other = (None if schedule_chunks(args.schedule, args.chunks) > 1 or args.schedule == "dualpipe"
                  else "gpipe" if args.schedule == "1f1b" else "1f1b")
         other_stats = memory_step(result, other, batches[-1], args) if other else None
+        other_events = tracer.events[marks[-1]:]  # that step's spans: ZB-H1's bubble beside 1F1B's
     finally:
         if own_tracer:
             trace.set_current(None)
     mesh = result.mesh
     uniform = [1.0] * (cfg.n_layer + 2)
-    unit = " s" if args.partition == "time" else " B" if args.partition == "params" else " layers"
+    unit = {"time": " s", "params": " B", "blocks": " blocks"}.get(args.partition, " layers")
     placement = getattr(result.stage, "placement", None)  # a V's pieces: which rank holds each
     rprint(comm, f"partition ({args.partition}):\n"
            + format_partition(result.bounds, costs or uniform, unit, placement))
@@ -187,7 +192,9 @@ def rank_main(comm, args):
         rprint(comm, f"step {step}: loss {loss:.4f}")
 
     # -- collect on rank 0: each rank's events of every step, its memory stats, the trained model ---
-    mine = {"coords": (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), "times": times,
+    mine = {"coords": (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank), "times": times, "wall": wall,
+            "virtual": comm.clock is not None, "device": getattr(comm.clock, "device", None) is not None,
+            "other": other_events if other == "1f1b" else None,
             "events": [step_events(tracer, marks, s) for s in range(len(batches))],
             "peak": {name: (st.peak_activation_bytes, st.peak_microbatches)
                      for name, st in ((args.schedule, result.stats[-1]), (other, other_stats)) if st},
@@ -204,18 +211,35 @@ def rank_main(comm, args):
     print(f"\nserial twin (one GPT, same {len(batches)} global batches, AdamW): "
           f"max |param diff| = {diff:.2e}, "
           f"max |loss diff| = {loss_diff:.2e} (tolerance {tol:.1e})  {'PASS' if passed else 'FAIL'}")
-    bubble = report(everyone, args, pp, m)
+    other = [r["other"] for r in everyone] if everyone[0]["other"] else None
+    bubble, sim, ok = report(everyone, args, pp, m, message_seconds(comm, cfg, args), other)
+    memory(everyone, args, pp, m)
     if args.plot:
         events = [e for r in everyone for e in r["events"][-1]]
-        v = args.chunks
         rows = {i: f"dp {r['coords'][1]} · stage {r['coords'][0]} · tp {r['coords'][2]}"
                 for i, r in enumerate(everyone)}
         trace.plot_timeline(args.plot, events, losses=result.losses, labels=rows, ms=True,
-                            title=f"{args.schedule}, p={pp}, m={m}" + (f", v={v}" if v > 1 else "")
-                            + f": bubble measured {bubble:.2f} vs (p-1)/({'v·' if v > 1 else ''}m+p-1) = "
-                              f"{bubble_formula(pp, m, v):.2f}")
+                            title=plot_title(args, pp, m, bubble, sim))
         print(f"wrote {args.plot}")
-    return finish(comm, passed)
+    return finish(comm, passed and ok)
+
+
+def plot_title(args, pp: int, m: int, bubble: float, sim: float) -> str:
+    """The picture's title: the chosen schedule's measured bubble beside ITS formula and simulator."""
+    v = args.chunks
+    text, value = own_formula(args.schedule, pp, m, v)
+    return (f"{args.schedule}, p={pp}, m={m}" + (f", v={v}" if v > 1 else "")
+            + f": bubble measured {bubble:.2f}, simulator {sim:.2f}, formula {text} = {value:.2f}")
+
+
+def message_seconds(comm, cfg, args) -> float:
+    """One activation message's time on the virtual clock's link (alpha + bytes/beta; 0 on the wall
+    clock): a microbatch's rows x seq x d_model values."""
+    if comm.clock is None:
+        return 0.0
+    rows = args.batch // (args.dp * args.microbatches)
+    nbytes = rows * cfg.block_size * cfg.d_model * np.dtype(args.dtype).itemsize
+    return comm.clock.link.alpha + nbytes / comm.clock.link.bandwidth
 
 
 def main(argv=None):
@@ -229,8 +253,9 @@ def main(argv=None):
     parser.add_argument("--schedule", choices=["interleaved", *SCHEDULES], default="1f1b")
     parser.add_argument("--chunks", type=positive_int, default=None,
                         help="model chunks per stage, interleaved only (default 2 there, 1 otherwise)")
-    parser.add_argument("--partition", choices=["uniform", "time", "params"], default="uniform",
-                        help="cut by layer count, or balance measured time / parameter bytes")
+    parser.add_argument("--partition", choices=["uniform", "blocks", "time", "params"], default="uniform",
+                        help="cut by layer count; blocks: the blocks evenly, the embedding and head riding "
+                             "along (Megatron-LM); or balance measured time / parameter bytes")
     parser.add_argument("--steps", type=positive_int, default=6)
     parser.add_argument("--batch", type=positive_int, default=32, help="global batch (rows)")
     parser.add_argument("--seq", type=positive_int, default=64)

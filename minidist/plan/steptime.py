@@ -133,8 +133,10 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
     b_in, b_w = (bwd / 2, bwd / 2) if sched.split else (bwd, 0.0)
     lists = schedules.build(cand.schedule, cand.pp, m, v) if cand.pp > 1 and simulate_schedule else None
     if lists is not None:
+        # minidist's runtime posts its sends in the background (isend): its sender never waits for the
+        # receiver; Megatron's 1F1B waits for each send-receive pair
         sim = simulate(lists, fwd / v, bwd / v, p2p_time, input_time=b_in / v, weight_time=b_w / v,
-                       buffered_sends=sched.split)
+                       buffered_sends=sched.split or model.engine == "minidist")
         makespan, bubble = sim.makespan, sim.bubble
     else:  # the schedule's formula (`minidist.plan.schedules`): a quick estimate while searching
         idle = sched.bubble(cand.pp, m, fwd, b_in, b_w, v) if cand.pp > 1 else 0.0
@@ -142,8 +144,8 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
         bubble = idle / makespan
     why = [_why_formula(sched, cand.pp, m, v, fwd, b_in, b_w)] if cand.pp > 1 else []
     if lists is not None and abs(bubble - sched.bubble_fraction(cand.pp, m, fwd, b_in, b_w, v)) > 0.005:
-        why.append(f"the simulated schedule gives {bubble:.1%} (point-to-point sends of "
-                   f"{p2p_time * 1e3:.3g} ms, warm-up and cool-down as the lists run them)")
+        why.append(f"each send between stages takes {p2p_time * 1e3:.3g} ms (the link's alpha + bytes/beta), "
+                   f"and the schedule simulated with them idles {bubble:.1%}")
     busy = m * (fwd + bwd)
     slow, comm_slow = rank_slowdown(hw, cand.chips), comm_slowdown(hw, cand.chips)
     if slow > 1:  # every rank's work (its math, Python and messages) runs slower; idle time (bubble,
@@ -153,7 +155,8 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
         bubble *= makespan / (busy + idle)
         makespan = busy + idle
         why.append(f"{cand.chips} ranks share this machine's cores: each rank's work runs {slow:.2g}x "
-                   f"slower and its waits do not (a waiting rank's core runs the others' work): {bubble:.1%}")
+                   f"slower while its waits do not (a waiting rank's core runs the others' work), so the "
+                   f"idle share falls to {bubble:.1%}")
     if hw.gil and hw.kernels is not None and model.engine == "minidist":
         # thread ranks: one GIL, so all ranks' Python runs one after another, however many cores
         ranks_per_stage = cand.dp * cand.tp * cand.cp
@@ -163,7 +166,7 @@ def predict(model: ModelSpec, cand: Candidate, batch: int, hw: Hardware, setting
             bubble *= makespan / gil
             makespan = gil
             why.append(f"thread ranks share one GIL: all {cand.chips} ranks' Python runs one after another "
-                       f"and fills the waits: {bubble:.1%}")
+                       f"and fills the waits, so the idle share falls to {bubble:.1%}")
     dp = comm_slow * max(st.axis("dp") for st in stages)
     # DP traffic starts in the last microbatch's backward; ZeRO-3's gathers hide under all of compute.
     # Not when the ranks share too few cores: copying and reducing is work that takes its turn with the rest
@@ -195,15 +198,20 @@ def _why_formula(sched, p: int, m: int, v: int, F: float, B: float, W: float) ->
         return ""
     costs = f"F {F * 1e3:.3g} ms, B {B * 1e3:.3g} ms, W {W * 1e3:.3g} ms per microbatch and stage"
     note = f", {sched.approximate}" if sched.approximate else ""
-    return f"{sched.title} idles only {got:.1%} by its formula ({costs}{note})"
+    return f"the schedule is {sched.title}, whose own formula gives {got:.1%} ({costs}{note})"
 
 
 def explain_bubble(p: int, m: int, v: int, bubble: float, why: list) -> str:
     """'' when the predicted bubble is the textbook (p-1)/(v·m+p-1) (within half a point), else one line:
-    the two values and each reason, in the order the model applies them."""
+    the two values, the p, m (and v) the formula was given, what the formula leaves out, and what the
+    model adds, in the order it applies them."""
     book = schedules.textbook(p, m, v)
     if p == 1 or abs(bubble - book) <= 0.005:
         return ""
     formula = f"(p-1)/({'v·' if v > 1 else ''}m+p-1) = {p - 1}/{v * m + p - 1} = {book:.1%}"
+    shape = (f"p = {p} stages, m = {m} microbatch{'' if m == 1 else 'es'} per replica"
+             + (f", v = {v} chunks per stage" if v > 1 else ""))
     reasons = "; ".join(w for w in why if w) or "rounding"
-    return f"bubble {bubble:.1%}, not the textbook {formula}, because {reasons}"
+    return (f"bubble {bubble:.1%}, where the textbook {formula} for {shape} counts only the warm-up and "
+            f"cool-down of stages that send for free, each on a core of its own. What differs here: "
+            f"{reasons}")

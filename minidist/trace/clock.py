@@ -47,6 +47,11 @@ def use(source, advance=None):
     return previous
 
 
+def current() -> tuple:
+    """This thread's (source, advance) as ``use`` set them: what a nested run restores after it."""
+    return getattr(_local, "source", None), getattr(_local, "advance", None)
+
+
 def is_virtual() -> bool:
     """Does this thread read a virtual clock?"""
     return getattr(_local, "source", None) is not None

@@ -93,15 +93,24 @@ def ascii_timeline_from_events(events: list[dict], width: int = 100, label: str 
     return "\n".join(rows)
 
 
-_COLORS = {"compute": "#4c72b0", "send": "#dd8452", "recv": "#55a868", "wait": "#c44e52",
-           "collective": "#8172b3", "step": "#cccccc"}
+_COLORS = {"compute": "#4c72b0", "compute (backward)": "#1f3b63", "compute (weight gradients)": "#937860",
+           "send": "#dd8452", "recv": "#55a868", "wait": "#c44e52", "collective": "#8172b3",
+           "step": "#cccccc"}
+
+
+def _kind(e: dict) -> str:
+    """A span's colour key: its category; a backward's B (or whole backward) and a split one's W apart."""
+    if e["cat"] != "compute" or not e["name"].startswith("B"):
+        return e["cat"]
+    return "compute (weight gradients)" if e["name"] == "BackwardWeight" else "compute (backward)"
 
 
 def plot_timeline(path, events: list[dict], losses=None, title: str = "timeline", labels=None,
                   ms: bool = False) -> None:
-    """Draw per-rank bars colored by category (backward ops darker; communication in a thinner band
-    below the compute; a compute op's microbatch written inside its bar) and, if given, the loss
-    curve. ``labels``: rank -> row label (e.g. "dp 0 · stage 1 · tp 0"; default "rank r");
+    """Draw per-rank bars colored by category (backward ops darker, a split backward's weight
+    gradients, W, brown; communication in a thinner band below the compute; a compute op's
+    microbatch written inside its bar) and, if given, the loss curve. ``labels``: rank -> row label
+    (e.g. "dp 0 · stage 1 · tp 0"; default "rank r");
     ``ms=True``: event times are seconds, drawn in milliseconds.
 
     Uses matplotlib's Agg canvas directly (no pyplot global state), so it is safe in any thread.
@@ -120,7 +129,7 @@ def plot_timeline(path, events: list[dict], losses=None, title: str = "timeline"
     for e in events:
         if e["cat"] == "step":
             continue  # a step span covers everything; it would hide the ops it contains
-        color = "#1f3b63" if e["cat"] == "compute" and e["name"].startswith("B") else _COLORS[e["cat"]]
+        color = _COLORS[_kind(e)]
         # compute on the upper part of a rank's row, communication on the lower part: an all-reduce
         # that overlaps backward shows under it instead of hiding it
         band = (e["rank"] - 0.4, 0.5) if e["cat"] == "compute" else (e["rank"] + 0.12, 0.28)
@@ -136,11 +145,10 @@ def plot_timeline(path, events: list[dict], losses=None, title: str = "timeline"
     ax.invert_yaxis()
     ax.set_xlabel("time since the first event (ms)" if ms else "time since the first event (s)")
     ax.set_title(title, loc="right", pad=16)  # above the legend
-    kinds = {"compute (backward)" if e["cat"] == "compute" and e["name"].startswith("B") else e["cat"]
-             for e in events if e["cat"] != "step"}
-    colors = dict(_COLORS, **{"compute (backward)": "#1f3b63"})
-    order = ["compute", "compute (backward)", "send", "recv", "wait", "collective"]
-    handles = [Patch(color=colors[k], label=k) for k in order if k in kinds]  # only what is drawn
+    kinds = {_kind(e) for e in events if e["cat"] != "step"}
+    order = ["compute", "compute (backward)", "compute (weight gradients)", "send", "recv", "wait",
+             "collective"]
+    handles = [Patch(color=_COLORS[k], label=k) for k in order if k in kinds]  # only what is drawn
     ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=7,
               ncol=max(len(handles), 1), frameon=False)
     if losses is not None:

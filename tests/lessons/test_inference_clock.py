@@ -108,7 +108,7 @@ def test_disaggregated_tpot_is_lower_with_long_prompts_as_the_formulas_say(devic
     assert _section6(ranks)
     out = capsys.readouterr().out
     assert "formulas: lower; each within 15% of its formula: PASS" in out and "(outside)" not in out
-    found = re.search(r"disaggregated steady TPOT ([\d.]+) ms < colocated ([\d.]+)", out)
+    found = re.search(r"disaggregated steady TPOT ([\d.]+) us < colocated ([\d.]+)", out)
     dis, colo = float(found.group(1)), float(found.group(2))
     assert dis < 0.85 * colo
     assert _section6(ranks) and capsys.readouterr().out == out

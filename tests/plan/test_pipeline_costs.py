@@ -105,3 +105,39 @@ def test_the_simulated_cut_keeps_each_rank_within_the_memory_cap_and_refuses_wha
         cut_for_schedule([1.0] * 3, lists)
     with pytest.raises(ValueError, match="positive cost"):
         cut_for_schedule([1.0] * 4, lists, Costs(0, 0, 0))
+
+
+@pytest.mark.parametrize("name, p, m, chunks, costs, opt, want", [
+    # interleaved, v = 2: each chunk takes F/v = 0.5 forward and (B + W)/v = 0.5 backward; with forward
+    # = backward the step is (v·m + p - 1) chunk-steps of 1: (8 + 1)·1 (priced as whole stages: 18)
+    ("interleaved", 2, 4, 2, Costs(1, 0.5, 0.5), 0.0, 9.0),
+    ("interleaved", 4, 8, 2, Costs(2, 1, 1), 0.25, (16 + 3) * 2 + 0.25),
+    # ZB-V: each piece half a stage's F, B, W (F = B = W = 1): 3m + (p - 1)/2 = 12.5
+    ("zb_v", 2, 4, 2, Costs(1, 1, 1), 0.0, 12.5),
+    ("zb_v", 4, 8, 2, Costs(2, 2, 2), 0.0, 2 * (3 * 8 + 3 / 2)),
+])
+def test_predicted_step_with_more_than_one_chunk_per_rank_is_the_hand_makespan(name, p, m, chunks, costs, opt,
+                                                                                want):
+    lists = make_schedule(name, p, m, chunks)
+    assert predict_step(lists, costs, chunks=chunks, opt_time=opt).makespan == pytest.approx(want)
+
+
+def test_a_split_that_shares_nothing_is_refused_at_the_boundary():
+    lists = make_schedule("1f1b", 2, 2)
+    for split in (Costs(0, 0, 0), Costs(1, -1, 0), Costs(-1, 0, 0)):
+        with pytest.raises(ValueError, match=r"split Costs\(.*\) must share a positive cost"):
+            cut_for_schedule([1.0] * 4, lists, split)
+    assert cut_for_schedule([1.0] * 4, lists, Costs(0, 0, 1e-9)) == [(0, 2), (2, 4)]
+
+
+def test_time_fbw_leaves_out_the_warm_up_and_keeps_the_median():
+    """Four runs (one warm-up + 3): the warm-up's F, B, W are 100x, the three timed ones (F, B, W) =
+    (1, 2, 3), (5, 6, 7), (2, 3, 4) ms: the medians are (2, 3, 4) ms -- with the warm-up in they would be
+    the mean of the middle two of four: (3.5, 4.5, 5.5)."""
+    parts = [(0.1, 0.2, 0.3), (0.001, 0.002, 0.003), (0.005, 0.006, 0.007), (0.002, 0.003, 0.004)]
+    ticks = itertools.accumulate([x for f, b, w in parts for x in (f, b, w, 0.0)], initial=0.0)
+    model = GPT(CFG)
+    stage = PipelineStage(model, partition_uniform(len(list(model)), 1), 0, 1)
+    ids = np.zeros((1, 4), dtype=np.int64)
+    got = time_fbw(stage, ids, ids, repeats=3, clock=lambda: next(ticks))
+    assert (got.F, got.B, got.W) == pytest.approx((0.002, 0.003, 0.004))

@@ -141,3 +141,31 @@ def test_zb_h1s_per_stage_memory_is_the_runtimes(p):
         assert [peak_activations(ops) for ops in lists] == [p - s for s in range(p)]
         assert [peak_pending_weights(ops) for ops in lists] == [s + 1 for s in range(p)]
     assert schedules.get("1f1b").stage_pending(4, 8, 1, 0) is None
+
+
+@pytest.mark.parametrize("p, m, want", [(4, 2, [1, 2, 2, 2]), (4, 8, [1, 2, 3, 4]), (3, 1, [1, 1, 1]),
+                                        (1, 5, [1])])
+def test_zb_h1s_w_queue_in_microbatches_by_hand_with_fewer_microbatches_than_stages(p, m, want):
+    """M_W of stage s: s + 1, but never more microbatches than the step has."""
+    assert [schedules.get("zb_h1").stage_pending(p, m, 1, s) for s in range(p)] == want
+
+
+@pytest.mark.parametrize("p, m, v, want", [
+    (4, 8, 2, [5.5, 4.5, 3.5, 2.5]),   # (2(p-s-1) + (v-1)p + 1)/v: 11/2, 9/2, 7/2, 5/2
+    (4, 4, 2, [4, 4, 4, 4]),           # m = p: every forward first, all m·v chunks (m in M_B)
+    (2, 8, 3, [7 / 3, 5 / 3]),         # rank 0: 2·1 + 2·2 + 1 = 7 chunks; rank 1: 0 + 4 + 1 = 5
+    (2, 2, 3, [2, 2]),                 # m = p again
+    (4, 12, 2, [5.5, 4.5, 3.5, 2.5]),  # more microbatches: the warm-up, not m, sets it
+])
+def test_interleaved_peak_per_stage_by_hand(p, m, v, want):
+    """Megatron's interleaved 1F1B: stage s runs 2(p-s-1) + (v-1)p warm-up forwards of one chunk, then
+    the steady state's first forward, each 1/v of a microbatch's activations (M_B)."""
+    got = [schedules.interleaved_peak(p, m, v, s) for s in range(p)]
+    assert got == pytest.approx(want)
+
+
+def test_sharing_the_cores_at_exactly_one_slowdown_is_the_formula():
+    """slowdown 1 (a core per rank) and below: the schedule's own fraction, 1F1B p = 4, m = 8: 3/11."""
+    for s in (1.0, 0.5, 0.0):
+        assert schedules.on_shared_cores(schedules.get("1f1b"), 4, 8, s) == pytest.approx(9 / 33)
+    assert schedules.on_shared_cores(schedules.get("1f1b"), 1, 8, 3.0) == 0.0  # one stage: no bubble

@@ -14,12 +14,11 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from minidist.autograd.tensor import Tensor
 from minidist.comm import split_sizes
+from minidist.trace import clock
 
 
 def _check_parts(num_layers: int, num_parts: int) -> None:
@@ -160,8 +159,9 @@ def _cut_v(n: int, p: int, score, allowed):
 
 
 def layer_costs(model, sample_input, by: str = "time", repeats: int = 3) -> list[float]:
-    """Per-layer cost of a Sequential: "time" = median forward+backward seconds on `sample_input`,
-    "params" = parameter bytes."""
+    """Per-layer cost of a Sequential: "time" = median forward+backward seconds on `sample_input`
+    as this rank's clock counts them (``trace.clock.now``: the virtual clock's CPU time or device
+    model when it runs, else wall time), "params" = parameter bytes."""
     layers = list(model)
     if by == "params":
         return [float(sum(p.data.nbytes for p in layer.parameters())) for layer in layers]
@@ -172,10 +172,10 @@ def layer_costs(model, sample_input, by: str = "time", repeats: int = 3) -> list
         x = sample_input
         for i, layer in enumerate(layers):
             inp = Tensor(x.data, requires_grad=True) if isinstance(x, Tensor) else x
-            t0 = time.perf_counter()
+            t0 = clock.now()
             out = layer(inp)
             out.backward(out.backend.xp.ones(out.shape, dtype=out.dtype))
-            times[r, i] = time.perf_counter() - t0
+            times[r, i] = clock.now() - t0
             x = out.detach()
     return [float(t) for t in np.median(times, axis=0)]
 

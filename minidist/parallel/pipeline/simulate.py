@@ -70,16 +70,18 @@ def bubble_formula(num_stages: int, num_microbatches: int, chunks: int = 1) -> f
 
 def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0, comm_time: float = 0.0,
              opt_time: float = 0.0, input_time: float | None = None, weight_time: float | None = None,
-             buffered_sends: bool | None = None, piece_scale=None) -> SimResult:
+             buffered_sends: bool | None = None, piece_scale=None, op_time=None) -> SimResult:
     """Execute all stages in lock step (see module docstring); raise DeadlockError if they get stuck.
 
     A split backward's parts take `input_time` (B) and `weight_time` (W), by default half of
     `bwd_time` each. `buffered_sends`: a send completes when posted and its receive at max(posted,
-    sent) + comm_time, as the runtime's background sends (`isend`) do; None (the default): what the
-    schedule declares it needs (`Schedule.buffered_sends`: True for the V schedules, whose two
-    directions on one link cross under rendezvous), else rendezvous. `piece_scale` (one number per
-    virtual stage, default all 1): a piece's F, B and W are its number times the costs above -- a cut
-    of unequal pieces."""
+    sent + comm_time) (in flight from the send on), as the runtime's background sends (`isend`) do;
+    None (the default): what the schedule declares it needs (`Schedule.buffered_sends`: True for the
+    V schedules, whose two directions on one link cross under rendezvous), else rendezvous.
+    `piece_scale` (one number per virtual stage, default all 1): a piece's F, B and W are its number
+    times the costs above -- a cut of unequal pieces. `op_time(stage, instr)` (optional): one
+    compute instruction's seconds on that stage, e.g. what a run measured (`measured_costs`), in
+    place of all of the above."""
     if buffered_sends is None:
         buffered_sends = getattr(schedule, "buffered_sends", False)
     validate(schedule)
@@ -93,6 +95,8 @@ def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0,
                          f"{placement.num_virtual} pieces (one number each)")
 
     def duration(s, instr):
+        if op_time is not None and not isinstance(instr, OptimizerStep):
+            return op_time(s, instr)
         t = cost[type(instr)]
         return t if isinstance(instr, OptimizerStep) else t * scale[placement.virtual_stage(s, instr.chunk)]
     pc = [0] * p
@@ -125,7 +129,7 @@ def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0,
                         side[key] = (s, k)
         for key in mailbox.keys() & recvs.keys():
             b, kb = recvs.pop(key)
-            matched[b][kb] = max(mailbox.pop(key), clock[b]) + comm_time
+            matched[b][kb] = max(mailbox.pop(key) + comm_time, clock[b])  # in flight since sent
             progressed = True
         for key in sends.keys() & recvs.keys():
             (a, ka), (b, kb) = sends[key], recvs[key]
@@ -145,6 +149,14 @@ def simulate(schedule: list[list], fwd_time: float = 1.0, bwd_time: float = 2.0,
         peak_activations=[peak_activations(ops) for ops in schedule],
         peak_pending_weights=[peak_pending_weights(ops) for ops in schedule],
     )
+
+
+def measured_costs(events):
+    """`op_time` for `simulate` from measured spans (rank = stage): each compute op's own duration,
+    keyed by (stage, op name, mb, chunk). A KeyError names an op the spans do not have."""
+    took = {(e["rank"], e["name"], e["args"]["mb"], e["args"].get("chunk", 0)): e["t1"] - e["t0"]
+            for e in events if e["cat"] == "compute" and "mb" in e.get("args", {})}
+    return lambda stage, instr: took[(stage, type(instr).__name__, instr.mb, instr.chunk)]
 
 
 def _parts(instr) -> tuple:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minidist.autograd import meter
 from minidist.autograd.tensor import Tensor, _accumulate, count_consumers
 from minidist.nn.footprint import storage_bytes
 
@@ -35,7 +36,10 @@ def _call(node, g, mask) -> tuple:
     full = ctx.needs_grad
     ctx.needs_grad = tuple(bool(n and k) for n, k in zip(full, mask))
     try:
-        return _as_tuple(node.fn.backward(ctx, g))
+        grads = _as_tuple(node.fn.backward(ctx, g))
+        if meter.METER is not None:  # the virtual clock's device model prices B's and W's parts apart
+            meter.METER(node.fn, (g,), grads, True)
+        return grads
     finally:
         ctx.needs_grad = full
 

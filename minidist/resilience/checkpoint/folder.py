@@ -172,7 +172,10 @@ def _write_marker(root, job, held: bool) -> None:
     path = os.path.join(root, MARKER)
     tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
     with os.fdopen(files.open_for_write(tmp), "w") as f:
-        json.dump({"by": "minidist", "job": job, "held": held}, f)
+        mark = {"by": "minidist", "job": job, "held": held}
+        if held and os.environ.get("MINIDIST_SUPERVISOR_PID"):  # the job outlives its ranks' processes
+            mark["supervisor"] = int(os.environ["MINIDIST_SUPERVISOR_PID"])
+        json.dump(mark, f)
         f.flush()
         os.fsync(f.fileno())
     try:
@@ -221,6 +224,8 @@ def sweep(base, prefix: str, job) -> list[str]:
         mine = os.lstat(d).st_uid == os.geteuid()
         if mark is None or not mark.get("held") or mark.get("job") == job or not mine:
             continue
+        if _alive(mark.get("supervisor")):  # between two attempts no rank holds the lock: the job lives
+            continue
         try:
             fd = os.open(os.path.join(d, MARKER), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -234,6 +239,19 @@ def sweep(base, prefix: str, job) -> list[str]:
         finally:
             os.close(fd)
     return gone
+
+
+def _alive(pid) -> bool:
+    """Is ``pid`` (an int, or None) a live process?"""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def check_writable(root) -> None:

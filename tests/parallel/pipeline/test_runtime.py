@@ -26,7 +26,7 @@ from minidist.parallel.pipeline.partition import (
 )
 from minidist.parallel.pipeline.runtime import run_schedule, split_microbatches
 from minidist.parallel.pipeline.schedule import Backward, Forward, ScheduleError, one_f_one_b
-from minidist.parallel.pipeline.simulate import peak_activations
+from minidist.parallel.pipeline.simulate import measured_costs, peak_activations, simulate
 from minidist.parallel.pipeline.stage import PipelineStage
 from tests.conftest import budget
 
@@ -69,18 +69,24 @@ def test_balanced_partition_is_optimal(costs, p):
     assert got <= max(sum(costs[a:b]) for a, b in partition_uniform(n, p)) + 1e-12
 
 
-def test_layer_costs_and_format(monkeypatch):
+def test_layer_costs_and_format():
     """Bytes are the parameters' bytes; times add up: the per-layer forward+backward times sum to
     the whole model's forward+backward time (within 2x either way), and identical blocks cost alike.
-    Timed with this thread's CPU clock (one BLAS thread), so a loaded machine doesn't skew it."""
+    Timed on the rank's clock, here a virtual one in this thread's CPU time (one BLAS thread), so a
+    loaded machine doesn't skew it."""
     import time as clock
+
+    from minidist.comm.clock import RankClock
 
     model = GPT(CFG.replace(vocab_size=512, block_size=16, d_model=32))
     by_bytes = layer_costs(model, None, by="params")
     assert by_bytes == [sum(p.data.nbytes for p in layer.parameters()) for layer in model]
     x = np.zeros((4, 16), np.int64)
-    monkeypatch.setattr(clock, "perf_counter", clock.thread_time)
-    times = layer_costs(model, x, by="time", repeats=5)
+    RankClock(device=None).adopt_thread()
+    try:
+        times = layer_costs(model, x, by="time", repeats=5)
+    finally:
+        RankClock.release_thread()
     whole = []
     for _ in range(5):
         t0 = clock.thread_time()
@@ -217,6 +223,80 @@ def test_stage_errors():
         run(wrong_weights, ranks=1)
 
 
+# -- the simulator at measured op costs ---------------------------------------------------------------
+
+HAND_COSTS = {(0, "Forward"): 1.0, (0, "Backward"): 2.0, (1, "Forward"): 3.0, (1, "Backward"): 4.0}
+
+
+@pytest.mark.parametrize("buffered, starts, makespan", [
+    # background sends (the runtime's isend): a message is in flight from its send on, so stage 1's
+    # F1 starts at 8.5 (its input arrived at 2 + 0.5 while B0 ran), and stage 0 never waits to send
+    (True, {(0, "Forward", 0): 0.0, (0, "Forward", 1): 1.0, (1, "Forward", 0): 1.5, (1, "Backward", 0): 4.5,
+            (0, "Backward", 0): 9.0, (1, "Forward", 1): 8.5, (1, "Backward", 1): 11.5,
+            (0, "Backward", 1): 16.0}, 18.0),
+    # rendezvous: a send and its receive both end at max(posted) + 0.5; stage 0's SendAct(1) waits
+    # until stage 1 posts RecvAct(1) at 8.5, so everything after it slides by 0.5 to 1
+    (False, {(0, "Forward", 0): 0.0, (0, "Forward", 1): 1.5, (1, "Forward", 0): 1.5, (1, "Backward", 0): 4.5,
+             (0, "Backward", 0): 9.5, (1, "Forward", 1): 9.5, (1, "Backward", 1): 12.5,
+             (0, "Backward", 1): 17.0}, 19.0),
+])
+def test_simulate_with_each_ops_own_cost_by_hand(buffered, starts, makespan):
+    """`op_time(stage, instr)`: 1F1B, p = 2, m = 2, stage 0's F = 1 and B = 2, stage 1's F = 3 and
+    B = 4, each message 0.5. Worked on paper: stage 0 runs F0 [0, 1], F1 [1, 2]; stage 1 gets act 0
+    at 1.5, F0 [1.5, 4.5], B0 [4.5, 8.5], sends grad 0 (at stage 0 by 9); B0 on stage 0 [9, 11]; ...
+    Busy 1+1+2+2 + 3+4+3+4 = 20 of 2 x makespan: bubble 1 - 20/36 = 4/9 (buffered), 1 - 20/38."""
+    res = simulate(make_schedule("1f1b", 2, 2), op_time=lambda s, i: HAND_COSTS[(s, type(i).__name__)],
+                   comm_time=0.5, buffered_sends=buffered)
+    got = {(e["rank"], e["name"], e["args"]["mb"]): e["t0"] for e in res.events if e["cat"] == "compute"
+           and e["name"] != "OptimizerStep"}
+    assert got == starts
+    assert res.makespan == makespan and res.bubble == pytest.approx(1 - 20 / (2 * makespan), abs=1e-12)
+
+
+def test_measured_costs_give_back_each_spans_duration():
+    """`measured_costs(events)`: the spans of a run (here the simulated one above, stage = rank) become
+    `op_time` again: each op its own duration, so simulating with them reproduces the run exactly;
+    an op the spans lack is a KeyError naming it."""
+    sched = make_schedule("zb-h1", 3, 4)
+    first = simulate(sched, op_time=lambda s, i: 1.0 + s + 0.25 * i.mb + 0.5 * isinstance(i, Forward),
+                     comm_time=0.125, buffered_sends=True)
+    again = simulate(sched, op_time=measured_costs(first.events), comm_time=0.125, buffered_sends=True)
+    assert again.makespan == first.makespan and again.bubble == first.bubble
+    lookup = measured_costs([e for e in first.events if e["args"].get("mb") != 3])
+    with pytest.raises(KeyError, match="'Forward', 3"):
+        lookup(0, Forward(3))
+
+
+def test_the_device_model_prices_a_split_backwards_b_and_w():
+    """Under a device model every op of B and of W is priced (FLOPs and bytes from its shapes): each
+    part costs between a third and two thirds of the whole backward, and B + W at least the whole
+    (W reads the output gradients again), at most 1.5x. Found unpriced: B and W took no time at all,
+    and ZB-H1 ran as if it had no backward."""
+    from minidist.comm.clock import Device, RankClock
+    from minidist.parallel.pipeline.split_backward import backward_input
+
+    model = GPT(CFG.replace(dtype="float32", d_model=16, block_size=8))
+    x = np.zeros((2, 8), np.int64)
+    clock = RankClock(device=Device(1e9, 1e9, 1e-6))
+    clock.adopt_thread()
+    try:
+        out = model(x)
+        seed = np.ones(out.shape, out.dtype)
+        t0 = clock.now()
+        out.backward(seed)
+        whole = clock.now() - t0
+        out = model(x)
+        t0 = clock.now()
+        queue = backward_input(out, seed, inputs=[])
+        b = clock.now() - t0
+        queue.run()
+        w = clock.now() - t0 - b
+    finally:
+        RankClock.release_thread()
+    assert whole > 0 and whole / 3 < b < 2 * whole / 3 and whole / 3 < w < 2 * whole / 3
+    assert whole <= b + w <= 1.5 * whole
+
+
 # -- under real mpirun -------------------------------------------------------------------------------
 
 @pytest.mark.mpi
@@ -232,3 +312,34 @@ def test_lesson_under_mpirun_8_passes_its_check():
     assert "(mpi) = dp 2 x pp 4 x tp 1" in res.stdout
     assert re.search(r"serial twin .* PASS", res.stdout), res.stdout
     assert res.stdout.count("stage 3 |") == 1 and "formula (p-1)/(m+p-1) = 3/11" in res.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (pip install mpich)")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule, checks", [
+    ("1f1b", [r"1F1B's bubble [0-9.]+ within 0.03 of \(p-1\)/\(m\+p-1\) = 0.429  PASS"]),
+    ("zb-h1", [r"ZB-H1's bubble [0-9.]+ within 0.03 of its simulator's [0-9.]+  PASS",
+               r"ZB-H1's bubble [0-9.]+ below 1F1B's [0-9.]+ .*PASS"]),
+])
+def test_lesson_under_mpirun_8_on_the_virtual_clock(schedule, checks):
+    """mpirun -n 8 (dp 2 x pp 4, m = 4), each process its own rank clock, ops priced by a device
+    model: the lesson's virtual-clock checks PASS, and the bubble it measures equals what the same
+    flags give on 8 thread ranks (the virtual clock does not depend on the transport or the load)."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               MINIDIST_DEVICE="tflops=0.0001,gBps=50,overhead_us=0,name=test device")
+    env.pop("MINIDIST_TRANSPORT", None)
+    flags = ["--clock", "virtual", "--schedule", schedule, "--steps", "2", "--width", "128", "--seq", "8",
+             "--layers", "8", "--partition", "blocks", "--batch", "16", "--microbatches", "4"]
+    outs = []
+    for launcher in (["mpirun", "-n", "8", sys.executable], [sys.executable]):
+        extra = [] if launcher[0] == "mpirun" else ["--ranks", "8"]
+        res = subprocess.run([*launcher, "-m", "minidist.lessons.pipeline", *flags, *extra],
+                             capture_output=True, text=True, timeout=200, env=env, cwd=ROOT)
+        assert res.returncode == 0, res.stdout + res.stderr
+        outs.append(res.stdout)
+    assert "(mpi) = dp 2 x pp 4 x tp 1" in outs[0]
+    for pattern in checks:
+        assert re.search(pattern, outs[0]), outs[0]
+    bubble = [re.search(r"measured ([0-9.]+) \(median", out).group(1) for out in outs]
+    assert bubble[0] == bubble[1], bubble

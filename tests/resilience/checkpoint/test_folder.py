@@ -453,6 +453,23 @@ def test_sweep_frees_only_held_folders_of_dead_jobs(tmp_path):
     assert folder_mod.sweep(str(tmp_path), "p-", "me") == [str(tmp_path / "p-live")]  # its holder died
 
 
+def test_sweep_keeps_a_held_folder_between_two_attempts_while_its_supervisor_lives(tmp_path, monkeypatch):
+    """Between a killed attempt and the next no rank holds the tier's lock; the marker names the job's
+    supervisor (MINIDIST_SUPERVISOR_PID), and another job's sweep leaves the folder while that process
+    lives (a concurrent job's sweep emptied a restarting job's memory tier: it resumed from scratch)."""
+    supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        monkeypatch.setenv("MINIDIST_SUPERVISOR_PID", str(supervisor.pid))
+        folder_mod.claim(str(tmp_path / "p-restarting"), "job-a", hold=True)
+        os.close(folder_mod._HELD.pop(str(tmp_path / "p-restarting")))  # as a killed attempt drops it
+        assert folder_mod.sweep(str(tmp_path), "p-", "job-b") == []
+        assert (tmp_path / "p-restarting" / ".minidist-checkpoints").exists()
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+    assert folder_mod.sweep(str(tmp_path), "p-", "job-b") == [str(tmp_path / "p-restarting")]
+
+
 # -- ownership rows by hand: ``check``, ``check_owner`` and ``remove`` on folders made here --
 
 class _Rank0:
