@@ -51,8 +51,9 @@ def newest_good_checkpoint(root, job=None) -> tuple[int | None, list[str]]:
 
 def elastic_size(n: int, left: int) -> int:
     """The ranks an elastic restart uses when ``left`` of the job's original ``n`` survive: the largest
-    divisor of n that is at most ``left``, so a data-parallel split of the original batch still divides."""
-    return max(d for d in range(1, left + 1) if n % d == 0)
+    divisor of n that is at most ``left``, so a data-parallel split of the original batch still divides
+    (0 when no rank is left)."""
+    return max((d for d in range(1, left + 1) if n % d == 0), default=0)
 
 
 def recomputed(attempts) -> list:

@@ -144,3 +144,57 @@ def test_disaggregated_under_mpirun():
                          timeout=120, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("OK rank") == 3
+
+
+@pytest.mark.parametrize("serving", ["disaggregated", "colocated"])
+def test_a_first_token_that_is_a_stop_token_ends_the_request_at_the_prefill(serving):
+    """Request 0's first greedy token is made its stop token: its answer is that one token, its prefill
+    sends no cache (0 bytes) and it has a TTFT but no TPOT; request 1 (same prompt, no stop token)
+    decodes on."""
+    prompt = [3, 1, 4, 1, 5]
+    first = generate(model(), [prompt], 1)[0][0]
+    rs = [Request(0, prompt, 6, GREEDY, (first,)), Request(1, prompt, 3, GREEDY)]
+    serve = disaggregated_serve if serving == "disaggregated" else colocated_serve
+    served = run(lambda c: serve(c, model(), rs), ranks=2)[0]
+    assert served.outputs == {0: [first], 1: generate(model(), [prompt], 3)[0]}
+    assert set(served.ttft) == {0, 1} and set(served.tpot) == {1}
+    if serving == "disaggregated":
+        assert served.kv_bytes == [2 * L * len(prompt) * D * 4, 0]  # request 1's cache only
+
+
+def test_kv_message_bytes_by_hand():
+    from minidist.infer.disaggregated import kv_message_bytes
+
+    cfg = GPTConfig(vocab_size=8, block_size=8, n_layer=2, n_head=2, d_model=4)
+    assert kv_message_bytes(cfg, 3) == 2 * 2 * 3 * 4 * 4 == 192  # (k, v) x layers x tokens x d x float32
+    assert kv_message_bytes(cfg, 3, itemsize=2) == 96 and kv_message_bytes(cfg, 1) == 64
+
+
+def test_ttft_and_tpot_from_the_gathered_times_by_hand():
+    """TTFT = first - arrival; TPOT = (last - first) / the gaps between tokens (n - 1); one token: no
+    TPOT. Times from two ranks, merged."""
+    from minidist.infer.disaggregated import gathered
+
+    class Two:
+        def allgather_obj(self, x):
+            return [(({0: [5, 6, 7, 8]}, {0: 1.5}, {}, {0: 0.5}), 64, 3.0),
+                    (({1: [9]}, {1: 2.0}, {0: 4.5}, {1: 1.0}), 0, 5.0)]
+
+    s = gathered(Two(), None, 0, 0.0)
+    assert s.outputs == {0: [5, 6, 7, 8], 1: [9]}
+    assert s.ttft == {0: 1.0, 1: 1.0} and s.tpot == {0: 1.0}
+    assert s.kv_bytes == [64, 0] and s.makespan == 5.0
+
+
+@pytest.mark.parametrize("arrivals,ok", [([0.0, 0.0], True), ([0, 2.5], True), ([0.0, -1e-9], False),
+                                         ([0.0, float("nan")], False), ([0.0], False)])
+def test_arrivals_at_time_zero_are_fine_and_negative_nan_or_missing_ones_are_refused(arrivals, ok):
+    from minidist.infer.disaggregated import check_requests
+
+    rs = [Request(0, [1, 2], 2), Request(1, [3], 1)]
+    if ok:
+        got, at = check_requests(None, model(), rs, arrivals)
+        assert [r.id for r in got] == [0, 1] and at == [float(a) for a in arrivals]
+    else:
+        with pytest.raises(ValueError, match="one arrival time >= 0 \\(seconds\\) per request: 2 requests"):
+            check_requests(None, model(), rs, arrivals)

@@ -115,3 +115,10 @@ def test_a_request_arriving_exactly_when_a_replica_steps_is_routed_before_that_s
 
     assert finish(2.0) == pytest.approx(finish(2.0 - hair), abs=1e-6)
     assert finish(2.0)[0] > finish(2.0 + hair)[0] + 0.5
+
+
+def test_measured_pace_counts_a_replica_that_has_run_one_row():
+    from minidist.infer.router import measured_pace
+
+    assert measured_pace([1, 0, 2], [3.0, 0.0, 2.0]) == [3.0, 2.0, 1.0]  # the idle one: mean(3, 1)
+    assert measured_pace([0, 0], [0.0, 0.0]) == [1.0, 1.0]

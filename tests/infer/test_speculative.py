@@ -194,3 +194,8 @@ def test_a_run_counts_one_rejection_per_round_that_ends_early():
     assert 0 < st_.rejected <= st_.rounds
     assert st_.accepted + st_.rejected <= st_.proposed
     assert st_.tokens <= st_.accepted + st_.rounds
+
+
+@pytest.mark.parametrize("rounds,tokens,want", [(4, 10, 2.5), (1, 5, 5.0), (3, 3, 1.0), (0, 0, 0.0)])
+def test_tokens_per_round_is_tokens_over_rounds(rounds, tokens, want):
+    assert SpecStats(rounds=rounds, tokens=tokens).tokens_per_round == want

@@ -26,3 +26,26 @@ def test_steps_recomputed_count_each_attempt_against_where_the_next_resumed():
     b = [Attempt(0, 4, 0.0, last_step=None), Attempt(1, 4, 0.0, resumed_from=None, last_step=5),
          Attempt(2, 2, 0.0, resumed_from=None, last_step=6)]
     assert recomputed(b) == [None, 5, None]
+
+
+@pytest.mark.parametrize("n,left", [(4, 0), (1, 0)])
+def test_no_rank_left_is_zero_ranks_not_an_error(n, left):
+    assert elastic_size(n, left) == 0
+
+
+@pytest.mark.parametrize("written_by,job,resumed", [("A", "A", 7), ("A", None, 7), (None, None, 7),
+                                                    ("A", "B", None), (None, "B", None)])
+def test_a_restart_resumes_only_its_own_jobs_checkpoint(monkeypatch, written_by, job, resumed):
+    """One intact step-7 checkpoint (stand-ins for the file reads), written by ``written_by``: a restart of
+    ``job`` resumes from it only if the jobs agree (``job`` None: any job's); a checkpoint that names no job
+    is not this named job's."""
+    from minidist.resilience import attempts
+
+    monkeypatch.setattr(attempts.files, "candidates", lambda root: (["/c/step-00000007"], []))
+    monkeypatch.setattr(attempts.files, "read_manifest", lambda d: {"step": 7, "job": written_by,
+                                                                    "files": {"rank-00000.bin": {}}})
+    monkeypatch.setattr(attempts.files, "check_file", lambda d, n, meta: None)
+    step, problems = attempts.newest_good_checkpoint("/c", job)
+    assert step == resumed
+    why = f"step-00000007: written by job {written_by!r}, not this job {job!r}"
+    assert problems == ([] if resumed else [why])

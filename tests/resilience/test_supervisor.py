@@ -189,3 +189,62 @@ def test_an_attempt_got_as_far_as_its_furthest_rank_and_the_one_behind_is_blamed
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     assert sup.watch(a) == 1
     assert (a.last_step, a.failed_rank, a.status) == (5, 1, "failed (exit status 1)")
+
+
+NOTES_JOB = """
+import os, sys, time
+hb = os.environ["MINIDIST_HEARTBEAT_DIR"]
+with open(os.path.join(hb, "rank-0"), "w") as f:
+    f.write(f"3 {time.time()}\\n")  # rank 0 reached step 3
+for name, text in (n.split("=", 1) for n in sys.argv[1].split(";") if n):
+    with open(os.path.join(hb, name), "w") as f:
+        f.write(text + "\\n")
+sys.exit(1)
+"""
+
+FULL = "diskfull-pid-7=disk full at /ckpt/step-00000004.tmp"
+REFUSED = "refused-pid-7=folder /ckpt belongs to job 'x'"
+
+
+@pytest.mark.parametrize("notes,restarted", [
+    (FULL, False),
+    (REFUSED, False),
+    (f"{FULL};fault-rank-0=kill kill:rank=0,step=3", True),   # the kill took the job down, not the disk
+    (f"{FULL};fault-rank-1=hang hang:rank=1,step=3", True),
+    (f"{FULL};fault-rank-0=raise raise:rank=0,step=3", True),
+    (f"{REFUSED};fault-rank-1=kill kill:rank=1,step=3", True),
+    ("fault-rank-0=kill kill:rank=0,step=3", True),
+    ("fault-rank-0=diskfull diskfull:rank=0,step=3", True),    # a fault note, not the job's own: transient
+    ("", True),
+])
+def test_a_full_disk_stops_restarts_only_when_no_fault_note_explains_it(tmp_path, notes, restarted, capsys):
+    """The job's notes (``diskfull-*``, ``refused-*``: a save that raised into it) and the fault
+    notes (``fault-rank-R``) of one failed attempt, written by a stub job: with a kill, a hang or an
+    exception beside the disk-full note the failure is that fault and the job is restarted."""
+    from minidist.resilience.supervisor import Supervisor
+
+    sup = Supervisor([sys.executable, "-c", NOTES_JOB, notes], 2, 1, None, True, None, 30.0,
+                     str(tmp_path / "log"))
+    assert sup.run() == 1
+    out = capsys.readouterr().out
+    assert len(sup.attempts) == (2 if restarted else 1), out
+    assert ("not restarting" in out) == (not restarted), out
+    if not restarted:
+        assert sup.attempts[0].disk_full == notes.split("=", 1)[1]
+        assert f"the job stopped: {sup.attempts[0].disk_full}; a restart would fail the same way" in out
+
+
+@pytest.mark.parametrize("min_ranks", [None, 1])
+def test_every_rank_lost_is_no_elastic_restart_and_no_crash(monkeypatch, min_ranks, capsys):
+    from minidist.resilience.supervisor import Supervisor
+
+    sup = Supervisor(["true"], 2, 3, min_ranks, True, None, 1.0, None)
+
+    def watch(a):
+        a.lost, a.last_step, a.status = [0, 1], 2, "failed"
+        return 1
+
+    monkeypatch.setattr(sup, "watch", watch)
+    assert sup.run() == 1 and len(sup.attempts) == 1
+    said = f"ranks [0, 1] lost; 0 left, below --min-ranks {min_ranks}: cannot restart"
+    assert said in capsys.readouterr().out

@@ -468,3 +468,71 @@ def test_sweep_keeps_a_held_folder_between_two_attempts_while_its_supervisor_liv
         supervisor.kill()
         supervisor.wait()
     assert folder_mod.sweep(str(tmp_path), "p-", "job-b") == [str(tmp_path / "p-restarting")]
+
+
+# -- ownership rows by hand: ``check``, ``check_owner`` and ``remove`` on folders made here --
+
+class _Rank0:
+    rank = 0
+
+    def bcast_obj(self, obj, root=0):
+        return obj
+
+
+def _marked(tmp_path, job, name="ckpt"):
+    d = tmp_path / name
+    folder_mod.claim(str(d), job)
+    return str(d)
+
+
+@pytest.mark.parametrize("job,said", [(None, "this is an unnamed job"), ("B", "this is job 'B'"),
+                                      (folder_mod.NEW_JOB, "this is a new job"), ("A", None)])
+def test_a_folder_of_job_a_is_refused_to_every_other_job_named_or_not(tmp_path, job, said):
+    root = _marked(tmp_path, "A")
+    for how in (lambda: folder_mod.check(root, job), lambda: folder_mod.remove(root, job),
+                lambda: folder_mod.check_owner(_Rank0(), root, job)):
+        if said is None:
+            continue
+        with pytest.raises(CheckpointError, match=f"{re.escape(root)} belongs to job 'A'.*; {said}: resume"):
+            how()
+        assert os.listdir(root) == [".minidist-checkpoints"]
+    if said is None:
+        folder_mod.check(root, job)
+        folder_mod.check_owner(_Rank0(), root, job)
+        folder_mod.remove(root, job)
+        assert not os.path.exists(root)
+
+
+def test_a_folder_marked_by_an_unnamed_job_is_refused_to_a_named_one_and_taken_by_another_unnamed(tmp_path):
+    root = _marked(tmp_path, None)
+    with pytest.raises(CheckpointError,
+                       match="belongs to an unnamed job .*; this is job 'A': remove the folder"):
+        folder_mod.check(root, "A")
+    folder_mod.check(root, None)
+
+
+@pytest.mark.parametrize("names,refused", [
+    ([], None),
+    ([".minidist-checkpoints.123-456.tmp"], None),                     # a marker a dead job was making
+    (["step-00000001/"], "step-00000001"),                            # our names, but not our folder
+    (["latest"], "latest"),
+    (["step-00000001/", "latest", "step-00000002.tmp/"], "latest, step-00000001, step-00000002.tmp"),
+    (["step-00000001/", "notes.txt"], "notes.txt, step-00000001"),
+    ([".minidist-checkpoints.tmp"], ".minidist-checkpoints.tmp"),      # not a leftover's name
+    ([".minidist-checkpoints"], ".minidist-checkpoints"),              # a marker minidist did not write
+    (["a", "b", "c", "d"], "a, b, c, ..."),
+])
+def test_an_unmarked_folder_must_be_empty_even_of_names_like_ours(tmp_path, names, refused):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    for n in names:
+        (root / n).mkdir() if n.endswith("/") else (root / n).write_text('{"by": "someone"}')
+    if refused is None:
+        folder_mod.check(str(root), "A")
+        return
+    said = f"holds files minidist did not write \\({re.escape(refused)}\\)"
+    with pytest.raises(CheckpointError, match=said):
+        folder_mod.check(str(root), "A")
+    with pytest.raises(CheckpointError, match="not a checkpoint folder minidist created"):
+        folder_mod.remove(str(root))
+    assert sorted(os.listdir(root)) == sorted(n.rstrip("/") for n in names)

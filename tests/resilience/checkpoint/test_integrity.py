@@ -20,6 +20,14 @@ from minidist.comm import run
 from minidist.lessons.fault_tolerance_job import MeshTrainer, small_config
 from minidist.resilience.checkpoint import CheckpointError, load, save
 from minidist.resilience.checkpoint.files import CheckpointWarning
+from minidist.resilience.checkpoint.integrity import (
+    FOOTER,
+    read_trailer,
+    seal,
+    trailer_bytes,
+    unseal,
+    validate,
+)
 from tests.conftest import budget
 
 CFG = small_config("float64", 0.1, n_layer=1)
@@ -221,3 +229,138 @@ def test_each_edit_is_caught_by_the_digest_or_if_resealed_by_the_rank_files_trai
     want = ("folder of step 2" if how == "step" else "trailer and the manifest disagree") if reseal else \
         "digest"
     assert any(want in p for p in problems), problems
+
+
+# -- the corruption tables by hand: boundary and missing-field rows of ``validate``, ``unseal`` and
+# ``read_trailer`` on a manifest and files written out here (a 4x2 float32 tensor ``w``, one rank) --
+
+def _manifest(**piece) -> dict:
+    p = {"file": "rank-00000.bin", "dtype": "<f4", "shape": [4, 2], "offset": 0, "nbytes": 32, "axis": None,
+         "ranges": None, "flat": None, **piece}
+    return {"step": 3, "mesh": {"world": 1}, "ranks": [{}],
+            "files": {"rank-00000.bin": {"sha256": "0" * 64, "bytes": 32}},
+            "tensors": {"w": {"shape": [4, 2], "dtype": "<f4", "pieces": [p]}}}
+
+
+def _drop(m, *keys):
+    d = m
+    for k in keys[:-1]:
+        d = d[k]
+    del d[keys[-1]]
+    return m
+
+
+VALIDATE = [  # (the manifest, None if valid else what the error says)
+    (_manifest(), None),
+    (_manifest(axis=0, ranges=[[0, 4]]), None),
+    (_manifest(axis=0, ranges=[[2, 4]], shape=[2, 2], nbytes=16), None),             # ends at the axis' end
+    (_manifest(axis=0, ranges=[[3, 5]], shape=[2, 2], nbytes=16), "outside axis 0 of length 4"),  # 1 past
+    (_manifest(axis=0, ranges=[[4, 4]], shape=[0, 2], nbytes=0), "outside axis 0"),   # an empty range
+    (_manifest(axis=1, ranges=[[1, 3]], shape=[4, 2], nbytes=32), "outside axis 1 of length 2"),
+    (_manifest(axis=2, ranges=[[0, 1]], shape=[4, 2], nbytes=32), "piece axis 2"),     # axis == ndim
+    (_manifest(axis=0, ranges=None), "without ranges"),
+    (_manifest(flat=[0, 8], shape=[8]), None),                                       # the whole of it
+    (_manifest(flat=[1, 9], shape=[8]), "flat range [1, 9] of 8 elements"),          # 1 past
+    (_manifest(flat=[5, 4], shape=[0], nbytes=0), "flat range [5, 4]"),
+    (_manifest(shape=[4, 1], nbytes=16), "of shape [4, 1] where its layout holds 8"),
+    (_manifest(nbytes=28), "piece of 28 bytes for shape [4, 2]"),
+    (_manifest(offset=1), "piece past the end of rank-00000.bin"),                   # ends 1 past the file
+    (_manifest(dtype="<f8", nbytes=64), "piece dtype"),
+    (_manifest(file="rank-00001.bin"), "piece in no file"),
+    (_manifest(offset=-8), "piece dtype, shape, offset or size"),
+    (_drop(_manifest(), "files", "rank-00000.bin", "sha256"), "rank-00000.bin: no sha256 or size"),
+    (_drop(_manifest(), "files", "rank-00000.bin", "bytes"), "rank-00000.bin: no sha256 or size"),
+    (_drop(_manifest(), "mesh", "world"), "1 ranks' state for a world of None"),
+    (dict(_manifest(), ranks=[{}, {}]), "2 ranks' state for a world of 1"),
+    (dict(_manifest(), files={}), "not one per rank of 1"),
+    (_drop(_manifest(), "tensors", "w", "pieces"), "tensor 'w': shape or pieces"),
+    (_drop(_manifest(), "tensors", "w", "pieces", 0, "axis"), "malformed manifest (KeyError: 'axis')"),
+    (_drop(_manifest(), "step"), "'step' is missing"),
+]
+
+
+@pytest.mark.parametrize("m,said", VALIDATE)
+def test_validate_table_by_hand(m, said):
+    if said is None:
+        assert validate(m, "M", 3) is m
+    else:
+        with pytest.raises(CheckpointError) as e:
+            validate(m, "M", 3)
+        assert str(e.value).startswith("M: malformed manifest") and said in str(e.value), str(e.value)
+
+
+def test_a_manifest_in_the_folder_of_another_step_is_refused():
+    with pytest.raises(CheckpointError, match="step 3 in the folder of step 4"):
+        validate(_manifest(), "M", 4)
+
+
+@pytest.mark.parametrize("digest", ["deleted", None, "", "0" * 64, "upper"])
+def test_a_manifest_whose_digest_is_deleted_empty_or_wrong_is_refused(digest):
+    m = seal(_manifest())
+    assert _digest({k: v for k, v in m.items() if k != "digest"}) == m["digest"] and unseal(m, "M") is m
+    if digest == "deleted":
+        del m["digest"]
+    else:
+        m["digest"] = m["digest"].upper() if digest == "upper" else digest
+    with pytest.raises(CheckpointError, match="^M: digest .* differs from the sha256 of its content"):
+        unseal(m, "M")
+
+
+def _trailer_file(path, body: bytes, length: int | None = None, footer: bytes = FOOTER) -> str:
+    n = len(body) if length is None else length
+    path.write_bytes(b"\1" * 8 + body + n.to_bytes(8, "little") + footer)
+    return str(path)
+
+
+def test_read_trailer_reads_the_trailer_and_a_trailer_that_is_the_whole_file(tmp_path):
+    info = {"pieces": [{"name": "w"}], "step": 3}
+    p = tmp_path / "f"
+    p.write_bytes(b"\1" * 8 + trailer_bytes(info))
+    assert read_trailer(p) == info
+    p.write_bytes(trailer_bytes(info))  # length = size - 16: the trailer starts at byte 0
+    assert read_trailer(p) == info
+
+
+TRAILERS = [  # (body, length written (None: its own), footer, what the error says)
+    (b'{"pieces":[]}', 8 + 13 + 1, FOOTER, "no checkpoint trailer at its end"),   # 1 byte past the start
+    (b'{"pieces":[]}', 2 ** 64 - 1, FOOTER, "no checkpoint trailer at its end"),
+    (b'{"pieces":[]}', None, b"mdckpt01", "no checkpoint trailer at its end"),      # another format
+    (b'{"pieces":[]', None, FOOTER, "its trailer is not valid JSON"),
+    (b'\xff{"pieces":[]}', None, FOOTER, "its trailer is not valid JSON"),
+    (b'{"step":3}', None, FOOTER, "its trailer has no list of pieces"),              # pieces missing
+    (b'{"pieces":{}}', None, FOOTER, "its trailer has no list of pieces"),
+    (b'[]', None, FOOTER, "its trailer has no list of pieces"),
+    (b'{"pieces":[]}', 12, FOOTER, "its trailer is not valid JSON"),                 # one byte short
+]
+
+
+@pytest.mark.parametrize("body,length,footer,said", TRAILERS)
+def test_read_trailer_refuses_each_damage_naming_the_file(tmp_path, body, length, footer, said):
+    path = _trailer_file(tmp_path / "rank-00000.bin", body, length, footer)
+    with pytest.raises(CheckpointError, match=f"^{path}: {said}"):
+        read_trailer(path)
+
+
+@pytest.mark.parametrize("size", [0, 1, 8, 15])
+def test_a_file_shorter_than_a_trailers_end_is_truncated(tmp_path, size):
+    p = tmp_path / "rank-00000.bin"
+    p.write_bytes((b"\0" * 8 + FOOTER)[:size])
+    with pytest.raises(CheckpointError, match=f"{size} bytes, too short for its trailer"):
+        read_trailer(p)
+
+
+@given(lo=st.integers(0, 6), hi=st.integers(0, 6), a=st.integers(0, 10), b=st.integers(0, 10),
+       offset=st.integers(0, 40))
+def test_validate_accepts_a_piece_exactly_when_it_lies_inside_its_axis_rows_and_file(lo, hi, a, b, offset):
+    """Rows lo..hi of the 4x2 tensor, then elements a..b of those, at ``offset`` of a 40-byte file: valid
+    iff lo < hi <= 4, a <= b <= 2 (hi - lo) and offset + 4 (b - a) <= 40 -- the rule written out."""
+    n = 2 * max(hi - lo, 0)
+    m = _manifest(axis=0, ranges=[[lo, hi]], flat=[a, b], shape=[max(b - a, 0)], nbytes=4 * max(b - a, 0),
+                  offset=offset)
+    m["files"]["rank-00000.bin"]["bytes"] = 40
+    valid = lo < hi <= 4 and a <= b <= n and offset + 4 * (b - a) <= 40
+    try:
+        validate(m, "M")
+        assert valid
+    except CheckpointError:
+        assert not valid
