@@ -62,7 +62,7 @@ def plot_name(chapter: str, index: int, command: str) -> str:
 # chapter -> lines whose number and order follow the measured times (regexes on the raw output):
 # each only counts as there or not (docs/expected_output.py's shape_diff), not line for line
 VOLATILE = {
-    "09-inference.md": [r"^\s+(colocated|disaggregated) \(\d",  # wall-clock TPOT: in its formula's band or not
+    "09-inference.md": [r"^\s+(colocated|disaggregated) \(\d",  # wall-clock TPOT: in its band or not,
                         r"^\s+long prompts: disaggregated steady TPOT"],  # and which is lower
     "10-fault-tolerance.md": [r"^\s+\d+  \[[\d, ]+\]\s"],  # live recovery: the heal's step is timing
     "11-planning.md": [r"^\s*\d+ dp\d+ tp\d+ pp\d+"],  # candidate meshes, ranked by measured step time

@@ -214,3 +214,25 @@ def backends():
         pass
     out.append(pytest.param("cupy", marks=pytest.mark.gpu))
     return out
+
+
+CLOCK_ENV = ("MINIDIST_CLOCK", "MINIDIST_LINK", "MINIDIST_DEVICE")
+
+
+@pytest.fixture(autouse=True)
+def _each_test_starts_on_the_wall_clock():
+    """A lesson's ``use_clock`` puts ``--clock``/``--link``/``--device`` into the environment and the
+    link module for the ranks it starts; run in-process, they would outlive its test, and the next
+    test in that worker would time itself on an emulated H100. Restored after every test."""
+    from minidist.comm.transports.link import set_link
+
+    saved = {k: os.environ.get(k) for k in CLOCK_ENV}
+    link = set_link(None)
+    set_link(link)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    set_link(link)
