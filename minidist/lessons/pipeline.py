@@ -246,14 +246,14 @@ def message_seconds(comm, cfg, args) -> float:
 def virtual_defaults(args, world: int) -> None:
     """Unset flags on the virtual clock take the formula's world: equal stages (3 blocks each, cut by
     blocks) whose ops cost this machine's roofline (``--device here``), not noisy CPU time. The wall
-    clock keeps 6 layers cut by count. ``--device cpu-time`` charges CPU time instead."""
+    clock keeps 6 layers cut by count. ``--device cpu-time`` (or a ``MINIDIST_DEVICE`` already set) wins."""
     virtual = (args.clock or os.environ.get("MINIDIST_CLOCK") or "wall") == "virtual"
     pp = args.pp or max(1, world // (args.dp * args.tp))
     if args.layers is None:
         args.layers = 3 * pp if virtual else 6
     if args.partition is None:
         args.partition = "blocks" if virtual else "uniform"
-    if virtual and args.device is None:
+    if virtual and args.device is None and not os.environ.get("MINIDIST_DEVICE"):
         args.device = "here"
 
 

@@ -138,6 +138,7 @@ def test_unset_flags_on_the_virtual_clock_take_the_formulas_world(monkeypatch):
     from minidist.lessons.pipeline import virtual_defaults
 
     monkeypatch.delenv("MINIDIST_CLOCK", raising=False)
+    monkeypatch.delenv("MINIDIST_DEVICE", raising=False)
 
     def given(**kw):
         a = argparse.Namespace(clock=None, device=None, layers=None, partition=None, pp=None, dp=2, tp=1)
@@ -159,3 +160,7 @@ def test_unset_flags_on_the_virtual_clock_take_the_formulas_world(monkeypatch):
     a = given()
     virtual_defaults(a, 8)
     assert a.device == "here"
+    monkeypatch.setenv("MINIDIST_DEVICE", "tflops=1,gBps=1,overhead_us=0,name=mine")
+    a = given()
+    virtual_defaults(a, 8)
+    assert a.device is None  # the environment's device model stays
