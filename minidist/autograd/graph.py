@@ -44,6 +44,17 @@ def _add(a, b):
     return a + b
 
 
+def finish_leaf(leaf, g) -> None:
+    """A leaf whose gradient ``g`` is complete: its hooks (each may replace g), accumulate into
+    ``.grad``, then its post-accumulate hooks (DDP's bucket readiness)."""
+    for hook in leaf._hooks or ():
+        out = hook(g)
+        g = g if out is None else out
+    leaf.grad = _accumulate(leaf.grad, g)
+    for hook in leaf._post_hooks or ():
+        hook(leaf)
+
+
 def count_consumers(start) -> dict[int, int]:
     """id(node or leaf) -> how many graph edges point at it, below ``start`` (an iterative
     depth-first walk): a node runs its backward once all of them have delivered."""
@@ -80,12 +91,7 @@ def run_backward(root, grad, retain_graph: bool = False) -> None:
         g = grads.pop(id(item), None)
         if not isinstance(item, Node):  # a leaf: run its hooks, accumulate, tell whoever waits for it
             if g is not None:
-                for hook in item._hooks or ():
-                    out = hook(g)
-                    g = g if out is None else out
-                item.grad = _accumulate(item.grad, g)
-                for hook in item._post_hooks or ():
-                    hook(item)
+                finish_leaf(item, g)
             continue
         if g is None:  # every consumer returned None: nothing flows, but the parents must hear so
             in_grads = (None,) * len(item.parents)

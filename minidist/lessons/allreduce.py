@@ -21,7 +21,6 @@ ring's schedule: which chunk each rank passes to its right neighbour at each ste
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -44,6 +43,7 @@ from minidist.comm.transports.shm import window_bytes
 from minidist.lessons.allreduce_model import crossover_section, ring_scaling, virtual_seconds
 from minidist.lessons.cli import (
     check_fits,
+    default_device,
     finish,
     launch,
     lesson_parser,
@@ -258,8 +258,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--no-model", action="store_true", help="skip fitting the alpha-beta model first")
     args = parser.parse_args(argv)
-    if (args.clock or os.environ.get("MINIDIST_CLOCK")) == "virtual" and not args.device:
-        args.device = "h100"  # compute priced on a device: the sums ride in the transfer (alpha-beta)
+    default_device(args, "h100")  # compute priced on a device: the sums ride in the transfer (alpha-beta)
     p = world_size(args)
     # every rank (on one machine) holds x and its result in float32 and the float64 twin it builds
     reject_early(parser, lambda: check_fits("--elements", args.elements, p * BYTES_PER_ELEMENT,

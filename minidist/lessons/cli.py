@@ -175,6 +175,15 @@ def device_spec(name: str) -> str:
             f"overhead_us={hw.op_overhead * 1e6:g},name={hw.name}")
 
 
+def default_device(args, name: str) -> bool:
+    """On the virtual clock a lesson with no ``--device`` (and no ``MINIDIST_DEVICE``) prices compute on
+    ``name``'s roofline, not CPU time; returns whether the virtual clock runs."""
+    virtual = (args.clock or os.environ.get("MINIDIST_CLOCK") or "wall") == "virtual"
+    if virtual and not args.device and not os.environ.get("MINIDIST_DEVICE"):
+        args.device = name
+    return virtual
+
+
 def use_clock(args) -> None:
     """Put the lesson's ``--clock``, ``--link`` and ``--device`` into effect for the ranks it starts."""
     from minidist.comm.transports.link import set_link  # defers the link module to launch

@@ -18,7 +18,6 @@ stage's peak activation memory. Chapter 5 has every schedule's order.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 
@@ -26,6 +25,7 @@ import numpy as np
 
 from minidist import trace
 from minidist.lessons.cli import (
+    default_device,
     finish,
     first_accepted,
     launch,
@@ -247,14 +247,12 @@ def virtual_defaults(args, world: int) -> None:
     """Unset flags on the virtual clock take the formula's world: equal stages (3 blocks each, cut by
     blocks) whose ops cost this machine's roofline (``--device here``), not noisy CPU time. The wall
     clock keeps 6 layers cut by count. ``--device cpu-time`` (or a ``MINIDIST_DEVICE`` already set) wins."""
-    virtual = (args.clock or os.environ.get("MINIDIST_CLOCK") or "wall") == "virtual"
+    virtual = default_device(args, "here")
     pp = args.pp or max(1, world // (args.dp * args.tp))
     if args.layers is None:
         args.layers = 3 * pp if virtual else 6
     if args.partition is None:
         args.partition = "blocks" if virtual else "uniform"
-    if virtual and args.device is None and not os.environ.get("MINIDIST_DEVICE"):
-        args.device = "here"
 
 
 def main(argv=None):

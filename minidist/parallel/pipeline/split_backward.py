@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.autograd import meter
+from minidist.autograd.graph import finish_leaf
 from minidist.autograd.tensor import Tensor, _accumulate, count_consumers
 from minidist.nn.footprint import storage_bytes
 
@@ -42,16 +43,6 @@ def _call(node, g, mask) -> tuple:
         return grads
     finally:
         ctx.needs_grad = full
-
-
-def _finish_leaf(leaf: Tensor, g) -> None:
-    """What ``run_backward`` does for a leaf whose gradient is complete: hooks, accumulate, post hooks."""
-    for hook in leaf._hooks or ():
-        out = hook(g)
-        g = g if out is None else out
-    leaf.grad = _accumulate(leaf.grad, g)
-    for hook in leaf._post_hooks or ():
-        hook(leaf)
 
 
 def _check_shape(node, shape, ig) -> None:
@@ -108,7 +99,7 @@ class WeightGradQueue:
                     grads[key] = _accumulate(grads.get(key), ig)
                 self.pending[key] -= 1
                 if self.pending[key] == 0 and key in grads:
-                    _finish_leaf(parent, grads.pop(key))
+                    finish_leaf(parent, grads.pop(key))
             node.ctx.release()
             node.ctx = None
         self.entries, self.done = [], True
@@ -148,7 +139,7 @@ def backward_input(root: Tensor, grad=None, inputs=()) -> WeightGradQueue:
         g = grads.pop(id(item), None)
         if isinstance(item, Tensor):  # only inputs get here: parameters' counts never reach 0 in B
             if g is not None:
-                _finish_leaf(item, g)
+                finish_leaf(item, g)
             continue
         if g is not None:
             for hook in item.hooks or ():

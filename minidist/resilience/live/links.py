@@ -28,6 +28,16 @@ def write_frame(sock, obj, lock) -> None:
         sock.sendall(struct.pack("<Q", len(data)) + data)
 
 
+def accept_forever(server, serve, name: str) -> None:
+    """Hand each connection ``server`` accepts to ``serve`` on a thread of its own, until it closes."""
+    while True:
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return
+        threading.Thread(target=serve, args=(conn,), daemon=True, name=name).start()
+
+
 def recv_exact(sock, n: int):
     buf = bytearray(n)
     view, got = memoryview(buf), 0
@@ -103,15 +113,9 @@ class SocketHub:
         self.server = socket.create_server((host, 0))
         self.address = self.server.getsockname()[:2]
         self.next_member, self.lock = 0, threading.Lock()
-        threading.Thread(target=self._accept, daemon=True, name="live-hub-accept").start()
+        threading.Thread(target=accept_forever, args=(self.server, self._serve, "live-hub-conn"), daemon=True,
+                         name="live-hub-accept").start()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="live-hub-conn").start()
 
     def _serve(self, conn) -> None:
         hello, lock = read_frame(conn), threading.Lock()

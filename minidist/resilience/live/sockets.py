@@ -28,7 +28,7 @@ from minidist.comm.transports.mpi_wire import HEADER_LEN
 from minidist.comm.transports.threads import _Done
 from minidist.resilience.live.errors import Unreachable
 from minidist.resilience.live.fabric import LiveComm, LiveWorld
-from minidist.resilience.live.links import recv_exact
+from minidist.resilience.live.links import accept_forever, recv_exact
 
 
 class _Same(list):
@@ -52,7 +52,8 @@ class SocketWorld(LiveWorld):
         self.out_lock = threading.Lock()
         self.server = socket.create_server((host, 0))
         self.address = self.server.getsockname()[:2]
-        threading.Thread(target=self._accept, daemon=True, name="live-data-accept").start()
+        threading.Thread(target=accept_forever, args=(self.server, self._read, "live-data-read"), daemon=True,
+                         name="live-data-accept").start()
 
     def refuse(self) -> None:
         """Stop accepting connections: peers that try to reach this member fail (a fault)."""
@@ -65,13 +66,6 @@ class SocketWorld(LiveWorld):
             pass
         self.server.close()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._read, args=(conn,), daemon=True, name="live-data-read").start()
 
     def _read(self, conn) -> None:
         head = recv_exact(conn, 8)

@@ -14,16 +14,9 @@ from minidist.parallel.pipeline.schedule import (
     ScheduleError,
     one_f_one_b,
 )
+from tests.parallel.pipeline.test_zero_bubble import _held_to_w  # most microbatches between F and W
 
 F, B, W = Forward, BackwardInput, BackwardWeight
-
-
-def _held_to_w(ops) -> int:
-    held = peak = 0
-    for i in ops:
-        held += isinstance(i, Forward) - isinstance(i, BackwardWeight)
-        peak = max(peak, held)
-    return peak
 
 
 def test_greedy_order_with_a_memory_cap_of_two_by_hand():
